@@ -1,0 +1,71 @@
+"""The run configuration: one ml-collections ConfigDict holding everything a run needs.
+
+Config files (`configs/*.py`) define `get_config()` starting from `base_config()` and change what
+they need. The dict is locked, so a misspelt key (in a file or a `--config.a.b=v` override) fails
+before anything is compiled, naming the key and the valid keys at that level.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from posttrain.parallel.sharding import DEFAULT_RULES
+
+
+def model_config() -> ml_collections.ConfigDict:
+    """Decoder hyper-parameters (defaults: a tiny dense model that runs anywhere)."""
+    return ml_collections.ConfigDict(dict(
+        vocab_size=256,
+        embed_dim=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        mlp_dim=128,
+        rope_theta=10_000.0,
+        qk_norm=False,
+        norm_eps=1e-6,
+        tie_embeddings=False,
+        param_dtype="float32",
+        dtype="float32",           # compute dtype
+        remat="none",              # none | full | dots (save matmul outputs)
+        attention="xla",           # xla (reference)
+        moe=ml_collections.ConfigDict(dict(
+            num_experts=0,         # 0: every layer is a dense MLP
+            top_k=2,
+            expert_mlp_dim=64,
+            router="softmax",      # softmax | sigmoid
+            norm_topk_prob=True,   # renormalise the top-k probabilities (Mixtral: always)
+            routed_scaling=1.0,    # multiplies the combine weights (DeepSeek-V3 style)
+            bias_update_rate=0.0,  # aux-loss-free balancing: router-bias step per update (sigmoid)
+            num_shared_experts=0,
+            shared_mlp_dim=64,
+            aux_loss_coef=0.01,    # load-balancing loss (Switch / HF `router_aux_loss_coef`)
+            z_loss_coef=0.001,     # router z-loss (ST-MoE)
+            capacity_factor=0.0,   # 0: dropless; > 0: per-expert capacity, overflow tokens dropped
+            first_dense=0,         # the first k layers use a dense MLP
+            every=1,               # then every n-th layer is MoE (HF `decoder_sparse_step`)
+            dense_layers=(),       # explicit dense layers (HF `mlp_only_layers`)
+            dispatch="auto",       # auto | ragged | padded: expert-parallel all-to-all flavour
+        )),
+    ))
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every key a run may set, with defaults; config files start from this."""
+    cfg = ml_collections.ConfigDict()
+    cfg.stage = "lm"               # which job main runs
+    cfg.seed = 0
+    cfg.workdir = "runs/default"
+    cfg.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1, sequence=1))
+    cfg.sharding = ml_collections.ConfigDict(dict(
+        rules=ml_collections.ConfigDict({k: ",".join(v) for k, v in DEFAULT_RULES.items()})))
+    cfg.model = model_config()
+    cfg.train = ml_collections.ConfigDict(dict(
+        steps=300, batch_size=16, seq_len=64, log_every=10, progress=True))
+    cfg.optim = ml_collections.ConfigDict(dict(
+        lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,
+        grad_clip=1.0))
+    cfg.data = ml_collections.ConfigDict(dict(task="arithmetic"))
+    cfg.lock()
+    return cfg

@@ -1,0 +1,106 @@
+"""Grouped-query attention with RoPE, optional QK-norm, causal + segment masking."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posttrain.models.layers import RMSNorm, dtype_of, fan_in_init, param
+from posttrain.parallel.sharding import constrain
+
+
+def rope_frequencies(head_dim: int, theta: float) -> jax.Array:
+    """Inverse frequencies theta^(-2i/d), i < d/2 (float32)."""
+    return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding, 'rotate half' layout as in Llama/Qwen (HF).
+
+    x: [batch, length, heads, head_dim]; positions: [batch, length] (int).
+    """
+    angles = positions[..., None].astype(jnp.float32) * inv_freq           # [B, S, Dh/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def attention_mask(segment_ids: jax.Array) -> jax.Array:
+    """[batch, 1, q, k] boolean: causal within a segment; segment id 0 marks padding.
+
+    Causality is by index, so packed segments (positions restarting at 0) stay separate.
+    """
+    s = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (causal[None] & same & (segment_ids[:, None, :] != 0))[:, None]
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Reference softmax attention with GQA, softmax in float32.
+
+    q: [B, S, H, Dh]; k, v: [B, T, K, Dh] with H % K == 0; mask: [B, 1, S, T] bool.
+    Rows with no visible key (padding) return zeros.
+    """
+    b, s, h, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, s, kv, h // kv, d)
+    logits = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(d)
+    mask = mask[:, :, None]                                                # [B, 1, 1, S, T]
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1) * mask.any(axis=-1, keepdims=True)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(v.dtype), v)
+    return out.reshape(b, s, h, d)
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with grouped KV heads (GQA), RoPE and optional QK-norm (Qwen3)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        pdt = dtype_of(cfg.param_dtype)
+        self.dtype = dtype_of(cfg.dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ValueError(f"model.num_heads={cfg.num_heads} must be a multiple of "
+                             f"model.num_kv_heads={cfg.num_kv_heads}")
+        if cfg.head_dim % 2:
+            raise ValueError(f"model.head_dim={cfg.head_dim} must be even for RoPE")
+        self.rope_theta = cfg.rope_theta
+        d, h, kv, hd = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        init = fan_in_init(in_axis=0, out_axis=(1, 2))
+        self.q = param(rngs, init, (d, h, hd), ("embed", "heads", "head_dim"), pdt)
+        self.k = param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pdt)
+        self.v = param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pdt)
+        self.o = param(rngs, fan_in_init(in_axis=(0, 1), out_axis=2), (h, hd, d),
+                       ("heads", "head_dim", "embed"), pdt)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=pdt, names=("head_dim",))
+            self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=pdt, names=("head_dim",))
+        else:
+            self.q_norm = self.k_norm = None
+
+    def project_qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x: [B, S, D] → q [B, S, H, Dh], k, v [B, S, K, Dh], RoPE (and QK-norm) applied."""
+        x = x.astype(self.dtype)
+        q = jnp.einsum("bsd,dhk->bshk", x, self.q[...].astype(self.dtype))
+        k = jnp.einsum("bsd,dhk->bshk", x, self.k[...].astype(self.dtype))
+        v = jnp.einsum("bsd,dhk->bshk", x, self.v[...].astype(self.dtype))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = rope_frequencies(self.head_dim, self.rope_theta)
+        q = constrain(apply_rope(q, positions, inv_freq), ("batch", "length", "heads", "head_dim"))
+        k = constrain(apply_rope(k, positions, inv_freq), ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        return q, k, v
+
+    def output(self, attn: jax.Array) -> jax.Array:
+        """[B, S, H, Dh] → [B, S, D]."""
+        return jnp.einsum("bshk,hkd->bsd", attn, self.o[...].astype(self.dtype))
+
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        q, k, v = self.project_qkv(x, positions)
+        return self.output(dot_product_attention(q, k, v, attention_mask(segment_ids)))

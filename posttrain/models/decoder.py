@@ -1,0 +1,180 @@
+"""The decoder: embedding → scanned blocks (attention + MLP or MoE) → RMSNorm → LM head."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posttrain.models.attention import Attention
+from posttrain.models.layers import MLP, RMSNorm, dtype_of, param
+from posttrain.models.moe import MoE, RouterBias
+from posttrain.parallel.sharding import constrain
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def layer_kinds(cfg) -> tuple[str, ...]:
+    """'dense' or 'moe' for each layer, from model.moe.{num_experts, first_dense, every, dense_layers}.
+
+    Layer i is MoE when experts exist, i >= first_dense, (i + 1) % every == 0 (HF
+    `decoder_sparse_step`) and i is not in dense_layers (HF `mlp_only_layers`).
+    """
+    m = cfg.moe
+    bad = [i for i in m.dense_layers if not 0 <= i < cfg.num_layers]
+    if bad:
+        raise ValueError(f"model.moe.dense_layers={tuple(m.dense_layers)}: {bad} outside "
+                         f"0..{cfg.num_layers - 1}")
+    if m.every < 1:
+        raise ValueError(f"model.moe.every={m.every} must be >= 1")
+    return tuple("moe" if (m.num_experts > 0 and i >= m.first_dense and (i + 1) % m.every == 0
+                           and i not in m.dense_layers) else "dense" for i in range(cfg.num_layers))
+
+
+def scan_segments(kinds: Sequence[str], max_period: int = 4) -> list[tuple[tuple[str, ...], int]]:
+    """Split a layer-kind list into runs of a repeated unit, each compiled once with `lax.scan`.
+
+    Greedy: at each position take the unit (length <= max_period, repeated at least twice unless
+    it is a single layer) whose repeats cover the most layers, preferring shorter units.
+    E.g. [d, m, d, m] → [((d, m), 2)];
+    [d, d, m, m, m] → [((d,), 2), ((m,), 3)].
+    """
+    out, i = [], 0
+    while i < len(kinds):
+        best = None
+        for p in range(1, min(max_period, len(kinds) - i) + 1):
+            unit, r = tuple(kinds[i:i + p]), 1
+            while tuple(kinds[i + r * p:i + (r + 1) * p]) == unit:
+                r += 1
+            if (p == 1 or r > 1) and (best is None or p * r > len(best[0]) * best[1]):
+                best = (unit, r)
+        out.append(best)
+        i += len(best[0]) * best[1]
+    return out
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp_or_moe(norm(x))."""
+
+    def __init__(self, cfg, kind: str, *, rngs: nnx.Rngs):
+        pdt = dtype_of(cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=pdt)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=pdt)
+        if kind == "moe":
+            self.mlp = MoE(cfg, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, param_dtype=pdt, dtype=dtype_of(cfg.dtype), rngs=rngs)
+        self.is_moe = kind == "moe"
+
+    def __call__(self, x, positions, segment_ids, update_bias: bool = False):
+        """x: [B, S, D] → ([B, S, D], MoE aux dict or {})."""
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        h = self.mlp_norm(x)
+        if self.is_moe:
+            h, aux = self.mlp(h, update_bias=update_bias)
+        else:
+            h, aux = self.mlp(h), {}
+        return constrain(x + h, ("batch", "length", "embed")), aux
+
+
+class Unit(nnx.Module):
+    """A few consecutive blocks (e.g. dense then MoE) that repeat as one scan step."""
+
+    def __init__(self, cfg, kinds: tuple[str, ...], *, rngs: nnx.Rngs):
+        self.blocks = nnx.List([Block(cfg, k, rngs=rngs) for k in kinds])
+
+    def __call__(self, x, positions, segment_ids, update_bias: bool = False):
+        auxs = []
+        for block in self.blocks:
+            x, aux = block(x, positions, segment_ids, update_bias)
+            auxs.append(aux)
+        return x, auxs
+
+
+def _stacked_unit(cfg, kinds: tuple[str, ...], repeats: int, rngs: nnx.Rngs) -> Unit:
+    @nnx.split_rngs(splits=repeats)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs):
+        return Unit(cfg, kinds, rngs=rngs)
+    return make(rngs)
+
+
+class Decoder(nnx.Module):
+    """Decoder-only LM (dense or MoE). Layers run under `lax.scan`, one compile per segment."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.remat = cfg.remat
+        pdt = dtype_of(cfg.param_dtype)
+        self.dtype = dtype_of(cfg.dtype)
+        if cfg.remat not in ("none", *REMAT_POLICIES):
+            raise ValueError(f"model.remat={cfg.remat!r}: expected none, full or dots")
+        self.embed = param(rngs, jax.nn.initializers.normal(1.0), (cfg.vocab_size, cfg.embed_dim),
+                           ("vocab", "embed"), pdt)
+        self.stacks = nnx.List([_stacked_unit(cfg, kinds, r, rngs)
+                                for kinds, r in scan_segments(layer_kinds(cfg))])
+        self.final_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=pdt)
+        self.head = None if cfg.tie_embeddings else param(
+            rngs, jax.nn.initializers.normal(cfg.embed_dim ** -0.5), (cfg.embed_dim, cfg.vocab_size),
+            ("embed", "vocab"), pdt)
+
+    def hidden_states(self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False):
+        """tokens [B, S] int → (final-normed hidden [B, S, D], aux).
+
+        positions default to 0..S-1 and segment_ids to ones (one unpacked sequence per row).
+        aux holds the MoE statistics averaged over MoE layers ("moe/aux_loss", "moe/z_loss",
+        "moe/dropped") and "moe/load" [num_moe_layers, num_experts]; empty for a dense model.
+        """
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        if segment_ids is None:
+            segment_ids = jnp.ones_like(tokens)
+        table = constrain(self.embed[...], (None, None))  # all-gather (ZeRO-3), then a local row gather
+        x = jnp.take(table, tokens, axis=0).astype(self.dtype)
+        x = constrain(x, ("batch", "length", "embed"))
+        moe_aux = []
+        for stack in self.stacks:
+            x, auxs = self._run_stack(stack, x, positions, segment_ids, update_bias)
+            moe_aux += [a for a in auxs if a]
+        return self.final_norm(x), _reduce_moe_aux(moe_aux)
+
+    def _run_stack(self, stack: Unit, x, positions, segment_ids, update_bias):
+        graphdef, state = nnx.split(stack)
+
+        def body(x, state):
+            unit = nnx.merge(graphdef, state)
+            x, auxs = unit(x, positions, segment_ids, update_bias)
+            return x, (auxs, nnx.state(unit, RouterBias))
+
+        if self.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        x, (auxs, bias) = jax.lax.scan(body, x, state)
+        if update_bias:
+            nnx.update(stack, bias)
+        return x, auxs
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """[B, S, D] → float32 logits [B, S, V]."""
+        w = self.embed[...].T if self.head is None else self.head[...]
+        out = jnp.einsum("bsd,dv->bsv", hidden.astype(self.dtype), w.astype(self.dtype),
+                         preferred_element_type=jnp.float32)
+        return constrain(out, ("batch", "length", "vocab"))
+
+    def __call__(self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False):
+        """tokens [B, S] → (logits [B, S, V] float32, aux) — see `hidden_states`."""
+        hidden, aux = self.hidden_states(tokens, positions, segment_ids, update_bias=update_bias)
+        return self.logits(hidden), aux
+
+
+def _reduce_moe_aux(auxs: list[dict]) -> dict:
+    """Per-layer MoE stats (each stacked over scan repeats) → means over layers, loads stacked."""
+    if not auxs:
+        return {}
+    cat = lambda k: jnp.concatenate([a[k] for a in auxs])  # each [repeats, ...]
+    return {"moe/aux_loss": cat("aux_loss").mean(), "moe/z_loss": cat("z_loss").mean(),
+            "moe/dropped": cat("dropped").mean(), "moe/load": cat("load")}

@@ -1,0 +1,67 @@
+"""Device mesh construction and multi-process start."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor", "sequence")
+
+
+def resolve_mesh_shape(sizes: dict[str, int], num_devices: int) -> tuple[int, ...]:
+    """Axis sizes in `MESH_AXES` order, with at most one -1 filled by the remaining devices.
+
+    Raises ValueError naming the axes when the sizes do not multiply to `num_devices`.
+    """
+    unknown = set(sizes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"config.mesh: unknown axes {sorted(unknown)}; valid axes are {MESH_AXES}")
+    shape = [int(sizes.get(a, 1)) for a in MESH_AXES]
+    free = [a for a, s in zip(MESH_AXES, shape) if s == -1]
+    if len(free) > 1:
+        raise ValueError(f"config.mesh: at most one axis may be -1, got {free}")
+    if any(s == 0 or s < -1 for s in shape):
+        raise ValueError(f"config.mesh: axis sizes must be positive or -1, got {dict(zip(MESH_AXES, shape))}")
+    fixed = math.prod(s for s in shape if s != -1)
+    if free:
+        if num_devices % fixed:
+            raise ValueError(
+                f"config.mesh: {dict(zip(MESH_AXES, shape))} — the fixed axes use {fixed} devices, "
+                f"which does not divide the {num_devices} available")
+        shape[shape.index(-1)] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ValueError(
+            f"config.mesh: {dict(zip(MESH_AXES, shape))} needs {fixed} devices but {num_devices} are "
+            f"available; set one axis to -1 to use the rest")
+    return tuple(shape)
+
+
+def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
+    """A mesh over all (or the given) devices with axes `MESH_AXES`, in Auto (GSPMD) mode."""
+    devices = jax.devices() if devices is None else list(devices)
+    shape = resolve_mesh_shape(dict(sizes), len(devices))
+    if devices == jax.devices():
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
+                axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+_DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
+
+
+def maybe_initialize_distributed() -> None:
+    """Start `jax.distributed` when the environment describes several processes (TPU pod, SLURM, MPI).
+
+    Single-process runs (laptop, Colab, one TPU host) skip it.
+    """
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    multi_tpu_host = len([h for h in hosts.split(",") if h]) > 1
+    if multi_tpu_host or any(k in os.environ for k in _DISTRIBUTED_ENV):
+        if not jax.distributed.is_initialized():
+            jax.distributed.initialize()
+            logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())

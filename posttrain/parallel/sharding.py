@@ -1,0 +1,118 @@
+"""Logical axis names → mesh shardings.
+
+Model code names array dimensions logically (`batch`, `embed`, `heads`, ...). One table of rules
+maps each logical name to zero or more mesh axes; changing parallelism is a change of that table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp", "expert"),
+    "length": ("sequence",),
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+    "experts": ("expert",),
+    "expert_mlp": ("tensor",),
+    "head_dim": (),
+    "layers": (),
+}
+
+Rules = Mapping[str, tuple[str, ...]]
+
+
+def parse_rules(table: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """Rules from a config table whose values are comma-separated mesh axes ('' = replicated)."""
+    rules = dict(DEFAULT_RULES)
+    for name, axes in table.items():
+        if isinstance(axes, str):
+            axes = tuple(a.strip() for a in axes.split(",") if a.strip())
+        rules[name] = tuple(axes)
+    return rules
+
+
+def logical_spec(names: Sequence[str | None], mesh: Mesh, rules: Rules,
+                 shape: Sequence[int] | None = None) -> P:
+    """PartitionSpec for a dimension list of logical names.
+
+    Mesh axes of size 1 are dropped; a mesh axis is used at most once per array (first dimension
+    wins); with `shape` given, trailing mesh axes that do not divide a dimension are dropped, so
+    small dims (e.g. 2 KV heads on a 4-way tensor axis) stay replicated instead of failing.
+    """
+    used: set[str] = set()
+    out = []
+    for i, name in enumerate(names):
+        if name is None:
+            out.append(None)
+            continue
+        if name not in rules:
+            raise KeyError(f"logical axis {name!r} has no sharding rule; known: {sorted(rules)}")
+        axes = [a for a in rules[name] if mesh.shape[a] > 1 and a not in used]
+        if shape is not None:
+            while axes and shape[i] % math.prod(mesh.shape[a] for a in axes):
+                axes.pop()
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+def state_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
+    """NamedShardings for every variable of an (abstract) nnx.State, from its `out_sharding` names."""
+    def one(v):
+        names = v.get_metadata().get("out_sharding") or (None,) * len(v.shape)
+        return NamedSharding(mesh, logical_spec(names, mesh, rules, v.shape))
+    return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+# The mesh and rules in force while a jitted function is traced; model code reads them to place
+# sharding constraints on activations and to build `shard_map`s.
+_CONTEXT: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+    "posttrain_sharding", default=None)
+
+
+@contextlib.contextmanager
+def use_sharding(mesh: Mesh, rules: Rules):
+    """Make `mesh` and `rules` current (also `jax.set_mesh`) for tracing model code."""
+    token = _CONTEXT.set((mesh, dict(rules)))
+    try:
+        with jax.set_mesh(mesh):
+            yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def current() -> tuple[Mesh, Rules] | None:
+    """The (mesh, rules) set by `use_sharding`, or None outside it."""
+    return _CONTEXT.get()
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """`with_sharding_constraint` by logical names; a no-op outside `use_sharding`."""
+    ctx = current()
+    if ctx is None:
+        return x
+    mesh, rules = ctx
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_spec(names, mesh, rules, x.shape)))
+
+
+def named_sharding(names: Sequence[str | None], shape: Sequence[int] | None = None) -> NamedSharding:
+    """NamedSharding by logical names under the current `use_sharding` context."""
+    ctx = current()
+    if ctx is None:
+        raise RuntimeError("named_sharding() needs an active use_sharding(mesh, rules) context")
+    mesh, rules = ctx
+    return NamedSharding(mesh, logical_spec(names, mesh, rules, shape))

@@ -1,0 +1,64 @@
+"""The language-model train step: masked next-token cross-entropy (+ MoE aux terms), AdamW update."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from posttrain.train.state import TrainState
+
+BATCH_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
+BATCH_AXES = ("batch", "length")
+
+
+def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Mean cross-entropy over tokens where mask is set, and that token count.
+
+    logits: [B, S, V] (float32); targets, mask: [B, S].
+    """
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    mask = mask.astype(jnp.float32)
+    n = mask.sum()
+    return (ce * mask).sum() / jnp.maximum(n, 1.0), n
+
+
+def lm_loss(model: nnx.Module, batch: dict, moe_cfg, *, update_bias: bool = False) -> tuple[jax.Array, dict]:
+    """Next-token loss plus weighted MoE load-balancing and z losses; returns (loss, metrics)."""
+    logits, aux = model(batch["inputs"], batch["positions"], batch["segment_ids"], update_bias=update_bias)
+    ce, ntok = token_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    metrics = {"ce": ce, "tokens": ntok}
+    loss = ce
+    if aux:
+        loss = loss + moe_cfg.aux_loss_coef * aux["moe/aux_loss"] + moe_cfg.z_loss_coef * aux["moe/z_loss"]
+        metrics.update({k: v for k, v in aux.items() if k != "moe/load"})
+        metrics["moe/load"] = aux["moe/load"].mean(axis=0)     # [num_experts], averaged over layers
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, moe_cfg,
+                    schedule: optax.Schedule | None = None):
+    """A pure `(state, batch) -> (state, metrics)` for `jax.jit`.
+
+    Router biases (aux-loss-free balancing) are updated from the batch's expert load as a side
+    output of the forward pass; they are not trained by the gradient.
+    """
+    def loss_fn(params, rest, batch):
+        model = nnx.merge(graphdef, params, rest)
+        loss, metrics = lm_loss(model, batch, moe_cfg, update_bias=True)
+        _, _, new_rest = nnx.split(model, nnx.Param, ...)
+        return loss, (metrics, new_rest)
+
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (_, (metrics, rest)), grads = grad_fn(state.params, state.rest, batch)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        if schedule is not None:
+            metrics["lr"] = schedule(state.step)
+        return TrainState(step=state.step + 1, params=params, rest=rest, opt_state=opt_state), metrics
+
+    return train_step

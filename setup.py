@@ -1,0 +1,27 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="posttrain",
+    version="0.1.0",
+    description="JAX-native LLM post-training: SFT, preference alignment and RLVR on a sharded MoE decoder.",
+    packages=find_packages(include=["posttrain", "posttrain.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "jax>=0.7.0",
+        "flax>=0.12.0",
+        "optax>=0.2.5",
+        "orbax-checkpoint>=0.11.0",
+        "grain>=0.2.10",
+        "tensorstore>=0.1.70",
+        "ml-collections>=1.0.0",
+        "gcsfs>=2024.2.0",
+        "absl-py>=2.1.0",
+        "numpy>=1.26",
+        "tqdm>=4.66",
+        "tensorboardX>=2.6",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        "test": ["pytest>=8.0", "chex>=0.1.88"],
+    },
+)
