@@ -20,6 +20,8 @@ setup(
         "tqdm>=4.66",
         "tensorboardX>=2.6",
         "matplotlib>=3.8",
+        "tokenizers>=0.19",
+        "jinja2>=3.1",
     ],
     extras_require={
         "test": ["pytest>=8.0", "chex>=0.1.88"],

@@ -1,0 +1,160 @@
+"""Records (parsed JSONL dicts) → token arrays for each stage, with errors that name the field.
+
+Record kinds (a `fields` mapping renames: `{"prompt": "question"}` reads `prompt` from `question`):
+- SFT: `{"messages": [{"role", "content"}, ...]}` or `{"prompt", "response"}`;
+- preference: `{"prompt", "chosen", "rejected"}`;
+- RL prompt: `{"prompt", "answer"?, "tests"?}`.
+A prompt is a string (one user turn) or a list of messages; a response (`response`, `chosen`,
+`rejected`) is a string (one assistant turn) or a list of messages that continue the prompt. All
+go through the tokenizer's chat format, so every stage trains and samples the same layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from posttrain.data.tokenizer import Tokenizer
+
+Fields = Mapping[str, str] | None
+
+
+class RecordError(ValueError):
+    """A record that does not fit its kind; the message names the field and what was expected."""
+
+
+def field_key(name: str, fields: Fields = None) -> str:
+    """The record key that holds field `name` (renamed by `fields`, else itself)."""
+    return (fields or {}).get(name, name)
+
+
+def get_field(record: dict, name: str, fields: Fields = None, *, required: bool = True) -> Any:
+    """`record[name]`, read from the key `fields[name]` when mapped; missing → `RecordError`."""
+    key = field_key(name, fields)
+    if key not in record:
+        if not required:
+            return None
+        mapped = f" (read as {name!r})" if key != name else ""
+        raise RecordError(f"missing field {key!r}{mapped}; the record has {sorted(record)}")
+    return record[key]
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def check_messages(value: Any, field: str) -> list[dict]:
+    """A list of `{"role": str, "content": str, ...}` dicts, or `RecordError` naming the element."""
+    if not isinstance(value, list) or not value:
+        raise RecordError(f"field {field!r}: expected a non-empty list of messages, got {_type_name(value)}")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise RecordError(f"field {field!r}[{i}]: expected a message object, got {_type_name(m)}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                got = "nothing" if key not in m else _type_name(m[key])
+                raise RecordError(f"field {field!r}[{i}].{key}: expected a string, got {got}")
+    return value
+
+
+def as_messages(value: Any, field: str, role: str) -> list[dict]:
+    """A string → one `role` message; a list → checked messages."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list):
+        return check_messages(value, field)
+    raise RecordError(f"field {field!r}: expected a string or a list of messages, got {_type_name(value)}")
+
+
+def _encode_chat(tok: Tokenizer, messages: list[dict], field: str, **kw) -> tuple[list[int], list[bool]]:
+    try:
+        return tok.encode_chat(messages, **kw)
+    except ValueError as e:          # unknown role, template's raise_exception, …
+        raise RecordError(f"field {field!r}: {e}") from None
+
+
+def sft_messages(record: dict, fields: Fields = None) -> tuple[list[dict], str]:
+    """The conversation of an SFT record and the field it came from."""
+    key = field_key("messages", fields)
+    if key in record:
+        return check_messages(record[key], key), key
+    if field_key("prompt", fields) not in record:
+        raise RecordError(f"missing field {key!r} (or {field_key('prompt', fields)!r} and "
+                          f"{field_key('response', fields)!r}); the record has {sorted(record)}")
+    prompt = as_messages(get_field(record, "prompt", fields), field_key("prompt", fields), "user")
+    response = field_key("response", fields)
+    return prompt + as_messages(get_field(record, "response", fields), response, "assistant"), response
+
+
+def sft_example(record: dict, tok: Tokenizer, *, fields: Fields = None) -> dict:
+    """An SFT record → `{"tokens": int32[n], "loss_mask": bool[n]}`.
+
+    `loss_mask[i]` is True where token i is a target the model must predict: assistant content
+    and its end-of-turn token. A record with nothing to train on is an error.
+    """
+    messages, field = sft_messages(record, fields)
+    ids, trainable = _encode_chat(tok, messages, field)
+    if not any(trainable):
+        raise RecordError(f"field {field!r}: no assistant turn to train on")
+    return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(trainable, bool)}
+
+
+def _response(tok: Tokenizer, prompt: list[dict], prompt_ids: list[int], value: Any,
+              field: str) -> tuple[np.ndarray, np.ndarray]:
+    """Response tokens after the prompt (up to the last trainable one) and their trainable flags."""
+    ids, trainable = _encode_chat(tok, prompt + as_messages(value, field, "assistant"), field)
+    p = len(prompt_ids)
+    if ids[:p] != prompt_ids:
+        raise RecordError(f"field {field!r}: the chat template renders the prompt differently when a "
+                          "response follows, so the response tokens cannot be separated")
+    trainable = np.asarray(trainable[p:], bool)
+    if not trainable.any():
+        raise RecordError(f"field {field!r}: no assistant turn")
+    end = int(np.flatnonzero(trainable)[-1]) + 1
+    return np.asarray(ids[p:p + end], np.int32), trainable[:end]
+
+
+def preference_example(record: dict, tok: Tokenizer, *, fields: Fields = None) -> dict:
+    """A preference record → `{"prompt", "chosen", "rejected"}` int32 ids (+ `chosen_mask`,
+    `rejected_mask`: bool, True on assistant tokens — all of a single-turn response).
+
+    `prompt` ends with the generation prompt; `chosen`/`rejected` are the response tokens that
+    follow it, ending with the end-of-turn token.
+    """
+    prompt_key = field_key("prompt", fields)
+    prompt = as_messages(get_field(record, "prompt", fields), prompt_key, "user")
+    prompt_ids, _ = _encode_chat(tok, prompt, prompt_key, add_generation_prompt=True)
+    out = {"prompt": np.asarray(prompt_ids, np.int32)}
+    for name in ("chosen", "rejected"):
+        out[name], out[f"{name}_mask"] = _response(tok, prompt, prompt_ids, get_field(record, name, fields),
+                                                   field_key(name, fields))
+    return out
+
+
+def _optional_text(record: dict, name: str, fields: Fields, *, joinable: bool = False) -> str | None:
+    value = get_field(record, name, fields, required=False)
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not joinable:
+        return str(value)
+    if joinable and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return "\n".join(value)
+    expected = "a string or a list of strings" if joinable else "a string or a number"
+    raise RecordError(f"field {field_key(name, fields)!r}: expected {expected}, got {_type_name(value)}")
+
+
+def rl_prompt_example(record: dict, tok: Tokenizer, *, fields: Fields = None) -> dict:
+    """An RL prompt record → `{"prompt": int32[p] (ending with the generation prompt),
+    "answer": str | None, "tests": str | None, "record": the original dict}`.
+
+    `answer` may be a number in the data (kept as its string); `tests` may be a list of strings
+    (joined by newlines). The verifier gets `record` for anything else it needs.
+    """
+    prompt_key = field_key("prompt", fields)
+    prompt = as_messages(get_field(record, "prompt", fields), prompt_key, "user")
+    ids, _ = _encode_chat(tok, prompt, prompt_key, add_generation_prompt=True)
+    return {"prompt": np.asarray(ids, np.int32),
+            "answer": _optional_text(record, "answer", fields),
+            "tests": _optional_text(record, "tests", fields, joinable=True),
+            "record": record}
