@@ -22,6 +22,7 @@ setup(
         "matplotlib>=3.8",
         "tokenizers>=0.19",
         "jinja2>=3.1",
+        "math-verify>=0.9.0",
     ],
     extras_require={
         "test": ["pytest>=8.0", "chex>=0.1.88"],

@@ -1,0 +1,653 @@
+"""Sandbox: run untrusted programs in a contained child process.
+
+Each execution gets resource limits (CPU time, address space, processes, file size, open
+files), a wall-clock timeout that kills the whole process group, a fresh working directory
+that is deleted afterwards, a scrubbed environment, a closed stdin (unless input is given)
+and stdout/stderr capped at a byte limit. On Linux it also uses, where the OS allows:
+
+* a network namespace (no interfaces but a downed loopback: no network at all),
+* a PID namespace (the program sees only its own processes; when it ends, all die),
+* a mount namespace (every mount read-only, a fresh size-limited tmpfs as working
+  directory and /dev/shm, a private /proc),
+* a dedicated unprivileged uid per execution when the host runs as root (so RLIMIT_NPROC
+  bounds fork bombs, and the program can signal or write nothing of anyone else's), or a
+  user namespace when it does not.
+
+`detect_isolation()` probes which of these work here; `Isolation.missing()` names the ones
+that do not. A `Sandbox` runs many executions concurrently on a bounded thread pool and
+retries infrastructure failures (never the program's own).
+
+Process tree of one execution: host -> launcher (enters namespaces, mounts) -> init (pid 1 of
+the new PID namespace, reaps, reports exit status on a private pipe) -> program.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import enum
+import functools
+import json
+import os
+import random
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+
+INFRA_EXIT = 121  # exit code of launcher/init when setting up the sandbox failed
+_READ_CHUNK = 1 << 16
+
+# The launcher runs as `python -I -S -c _LAUNCHER <spec json>`: stdlib only, small imports.
+_LAUNCHER = r"""
+import ctypes, json, os, re, resource, signal, sys
+
+spec = json.loads(sys.argv[1])
+status_fd = spec["status_fd"]
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
+KEEP = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
+        "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}
+PR_SET_PDEATHSIG = 1
+INNER_ID = 1000  # uid/gid inside a user namespace
+
+
+def report(**fields):
+    try:
+        os.write(status_fd, (json.dumps(fields) + "\n").encode())
+    except OSError:
+        pass  # the host is gone or killed us; nobody to tell
+
+
+def check(rc, what):
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def mount(src, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    check(libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
+
+
+def enter_namespaces(ns):
+    flags = ((CLONE_NEWUSER if ns["user"] else 0) | (CLONE_NEWNET if ns["net"] else 0)
+             | (CLONE_NEWPID if ns["pid"] else 0) | (CLONE_NEWNS if ns["mount"] else 0))
+    uid, gid = os.getuid(), os.getgid()
+    if flags:
+        check(libc.unshare(flags), "unshare")
+    if ns["user"]:
+        maps = (("setgroups", "deny"), ("uid_map", f"{INNER_ID} {uid} 1"), ("gid_map", f"{INNER_ID} {gid} 1"))
+        for name, text in maps:
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+
+
+def readonly_mounts():
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    with open("/proc/self/mountinfo") as f:
+        rows = [line.split() for line in f]
+    for row in rows:
+        target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), row[4])
+        flags = MS_BIND | MS_REMOUNT | MS_RDONLY
+        for opt in row[5].split(","):
+            flags |= KEEP.get(opt, 0)
+        try:
+            mount(None, target, None, flags)
+        except OSError as e:  # a mount point the program cannot reach either
+            if e.errno not in (13, 2) or target == "/":
+                raise
+
+
+def private_workdir(workdir, staging_fd, uid, gid, size):
+    opts = f"size={size},nr_inodes={max(1024, size // 4096)},mode=0700,uid={uid},gid={gid}"
+    mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, opts)
+    src = f"/proc/self/fd/{staging_fd}"
+    for root, dirs, files in os.walk(src):
+        rel = os.path.relpath(root, src)
+        dst = os.path.normpath(os.path.join(workdir, rel))
+        for d in dirs:
+            os.mkdir(os.path.join(dst, d), 0o700)
+            os.chown(os.path.join(dst, d), uid, gid)
+        for name in files:
+            with open(os.path.join(root, name), "rb") as fin, open(os.path.join(dst, name), "wb") as fout:
+                fout.write(fin.read())
+            os.chown(os.path.join(dst, name), uid, gid)
+    if os.path.isdir("/dev/shm"):
+        mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=1777")
+
+
+def exec_program(init_pid, uid, gid):
+    lim = spec["limits"]
+    for res, value in ((resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1)),
+                       (resource.RLIMIT_AS, (lim["memory_bytes"],) * 2),
+                       (resource.RLIMIT_NPROC, (lim["processes"],) * 2),
+                       (resource.RLIMIT_FSIZE, (lim["file_bytes"],) * 2),
+                       (resource.RLIMIT_NOFILE, (lim["open_files"],) * 2),
+                       (resource.RLIMIT_CORE, (0, 0))):
+        resource.setrlimit(res, value)
+    if spec["drop_uid"]:
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+    if os.getppid() != init_pid:
+        os._exit(INFRA)
+    os.chdir(spec["workdir"])
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores these, and exec keeps ignored signals
+        signal.signal(sig, signal.SIG_DFL)
+    os.set_inheritable(status_fd, False)  # closed by execve, open until then for errors
+    os.closerange(3, status_fd)
+    os.closerange(status_fd + 1, 1 << 16)
+    os.execve(spec["argv"][0], spec["argv"], spec["env"])
+
+
+def run_init(alive_r, uid, gid):
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+    os.set_blocking(alive_r, False)
+    try:
+        if os.read(alive_r, 1) == b"":
+            os._exit(INFRA)  # the launcher died before the death signal was armed
+    except BlockingIOError:
+        pass
+    if spec["ns"]["pid"] and spec["ns"]["mount"]:
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    init_pid = os.getpid()
+    child = os.fork()
+    if child == 0:
+        try:
+            exec_program(init_pid, uid, gid)
+        except BaseException as e:
+            report(error=f"exec {spec['argv'][0]}: {e}")
+        finally:
+            os._exit(INFRA)
+    while True:
+        pid, status, usage = os.wait4(-1, 0)
+        if pid == child:
+            report(exit=os.waitstatus_to_exitcode(status), cpu_s=usage.ru_utime + usage.ru_stime)
+            os._exit(0)
+
+
+INFRA = spec["infra_exit"]
+try:
+    ns = spec["ns"]
+    staging_fd = os.open(spec["workdir"], os.O_RDONLY | os.O_DIRECTORY)
+    enter_namespaces(ns)
+    uid, gid = (INNER_ID, INNER_ID) if ns["user"] else (spec["uid"], spec["gid"])
+    if ns["mount"]:
+        readonly_mounts()
+        private_workdir(spec["workdir"], staging_fd, uid, gid, spec["limits"]["disk_bytes"])
+    os.close(staging_fd)
+    alive_r, alive_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(alive_w)
+        try:
+            run_init(alive_r, uid, gid)
+        except BaseException as e:
+            report(error=f"init: {e}")
+        finally:
+            os._exit(INFRA)
+    os.close(alive_r)
+    _, status = os.waitpid(pid, 0)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else INFRA)
+except BaseException as e:
+    report(error=f"launcher: {e}")
+    os._exit(INFRA)
+"""
+
+
+class Status(enum.StrEnum):
+    """Outcome of one execution. ERROR means the sandbox itself failed after all retries."""
+
+    PASS = "pass"
+    FAIL = "fail"
+    TIMEOUT = "timeout"
+    CRASH = "crash"
+    LIMIT_EXCEEDED = "limit_exceeded"
+    ERROR = "error"
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Resource limits for one execution (per process where the OS counts per process)."""
+
+    cpu_s: int = 10
+    wall_s: float = 20.0
+    memory_bytes: int = 1 << 30  # RLIMIT_AS: address space
+    processes: int = 32  # RLIMIT_NPROC: processes/threads of the sandbox uid
+    file_bytes: int = 16 << 20  # RLIMIT_FSIZE: largest file the program may write
+    open_files: int = 64
+    output_bytes: int = 64 << 10  # per stream; past it the program is killed, output truncated
+    disk_bytes: int = 64 << 20  # size of the private working-directory tmpfs
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cpu_s, int):
+            raise ValueError(f"Limits.cpu_s must be whole seconds (RLIMIT_CPU), got {self.cpu_s!r}")
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ValueError(f"Limits.{f.name} must be positive, got {getattr(self, f.name)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Isolation:
+    """Which protections the sandbox applies on this machine (see module docstring)."""
+
+    drop_uid: bool  # dedicated unprivileged uid per execution (host runs as root)
+    user_ns: bool
+    net_ns: bool
+    pid_ns: bool
+    mount_ns: bool
+
+    def namespaces(self) -> dict[str, bool]:
+        """Namespace switches as the launcher spec expects them."""
+        return {"user": self.user_ns, "net": self.net_ns, "pid": self.pid_ns, "mount": self.mount_ns}
+
+    @property
+    def process_limit(self) -> bool:
+        """RLIMIT_NPROC only bounds a fork bomb when the program's uid is its own (not root's,
+        not shared with the host user's other processes)."""
+        return self.drop_uid or self.user_ns
+
+    def missing(self) -> list[str]:
+        """Human-readable list of the protections that are NOT active here."""
+        gaps = []
+        if not self.net_ns:
+            gaps.append("network: no network namespace, programs can open connections")
+        if not self.pid_ns:
+            gaps.append("pid: no PID namespace, processes that leave the process group can outlive the run")
+        if not self.mount_ns:
+            gaps.append("filesystem: no mount namespace, the program can write wherever its uid may")
+        if not self.process_limit:
+            gaps.append("processes: RLIMIT_NPROC counts the host user's processes, fork bombs are not bounded")
+        if not (self.drop_uid or self.user_ns):
+            gaps.append("uid: the program runs as the host user and can signal the host's processes")
+        return gaps
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One program to run: argv (argv[0] resolved on the sandbox PATH), files for its
+    working directory (relative path -> content), optional stdin bytes, optional limits."""
+
+    argv: tuple[str, ...]
+    files: Mapping[str, str | bytes] = dataclasses.field(default_factory=dict)
+    stdin: bytes | None = None
+    limits: Limits | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecResult:
+    """What happened: status, exit code (negative = killed by that signal), captured output
+    (truncated to the limit), which limit was exceeded, and timings."""
+
+    status: Status
+    exit_code: int | None
+    stdout: bytes
+    stderr: bytes
+    limit: str | None = None  # "cpu", "memory", "file_size", "output" when LIMIT_EXCEEDED
+    wall_s: float = 0.0
+    cpu_s: float | None = None
+    attempts: int = 1
+    error: str | None = None  # infrastructure error (status ERROR)
+
+    @property
+    def passed(self) -> bool:
+        """True when the program ran to completion with exit code 0."""
+        return self.status is Status.PASS
+
+
+class _InfraError(RuntimeError):
+    """The sandbox machinery (not the program) failed; the execution may be retried."""
+
+
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+def _others_can_run(path: str) -> bool:
+    """True when a uid with no relation to the file's owner can execute `path` (every
+    directory on the way to it and to its symlink target searchable by others)."""
+    real = os.path.realpath(path)
+    dirs = {os.path.dirname(p) for p in (os.path.abspath(path), real)}
+    while dirs:
+        d = dirs.pop()
+        if not os.stat(d).st_mode & stat.S_IXOTH:
+            return False
+        if d != os.path.dirname(d):
+            dirs.add(os.path.dirname(d))
+    return os.stat(real).st_mode & (stat.S_IXOTH | stat.S_IROTH) == stat.S_IXOTH | stat.S_IROTH
+
+
+@functools.cache
+def sandbox_python() -> str:
+    """Interpreter for sandboxed Python programs: this one when the sandbox uid can run it,
+    else python3 from the sandbox PATH (e.g. when this one lives under a private /root)."""
+    if os.geteuid() != 0 or _others_can_run(sys.executable):
+        return sys.executable
+    found = shutil.which("python3", path=SANDBOX_PATH)
+    if found is None or not _others_can_run(found):
+        raise RuntimeError(f"no Python interpreter an unprivileged uid can run: {sys.executable} is private "
+                           f"and python3 on {SANDBOX_PATH} is {found!r}")
+    return found
+
+
+def python_job(source: str, *, args: Sequence[str] = (), files: Mapping[str, str | bytes] | None = None,
+               stdin: bytes | None = None, limits: Limits | None = None, python: str | None = None) -> Job:
+    """A job that runs `source` as main.py with `python -I` (isolated mode: no user site,
+    no PYTHON* variables); python defaults to `sandbox_python()`."""
+    all_files = dict(files or {})
+    all_files["main.py"] = source
+    argv = (python or sandbox_python(), "-I", "main.py", *args)
+    return Job(argv=argv, files=all_files, stdin=stdin, limits=limits)
+
+
+def shell_job(command: str, *, files: Mapping[str, str | bytes] | None = None, stdin: bytes | None = None,
+              limits: Limits | None = None) -> Job:
+    """A job that runs `command` with /bin/sh -c."""
+    return Job(argv=("/bin/sh", "-c", command), files=dict(files or {}), stdin=stdin, limits=limits)
+
+
+@functools.cache
+def detect_isolation(python: str = sys.executable) -> Isolation:
+    """Probe which protections work on this machine by running /bin/true under each candidate.
+
+    Root gets a dedicated uid plus whichever of net/pid/mount namespaces can be created;
+    other users need a user namespace for any namespace at all. Cached per interpreter.
+    """
+    root = os.geteuid() == 0
+
+    def works(iso: Isolation) -> bool:
+        try:
+            job = Job(argv=("/bin/true",))
+            return _execute(job, Limits(cpu_s=5, wall_s=10.0), iso, python, tempfile.gettempdir(), 1).passed
+        except _InfraError:
+            return False
+
+    full = Isolation(drop_uid=root, user_ns=not root, net_ns=True, pid_ns=True, mount_ns=True)
+    none = dict(net_ns=False, pid_ns=False, mount_ns=False)
+    if works(full):
+        return full
+    if not root and not works(dataclasses.replace(full, **none)):
+        return dataclasses.replace(full, user_ns=False, **none)  # no user namespace: no other either
+    usable = {name: works(dataclasses.replace(full, **{**none, name: True})) for name in none}
+    iso = dataclasses.replace(full, **usable)
+    return iso if works(iso) else dataclasses.replace(full, **none)
+
+
+class _UidPool:
+    """Hands out host uids unused by any other in-flight execution (random in a high range,
+    so separate processes collide with negligible probability)."""
+
+    BASE, SPAN = 1_500_000_000, 500_000_000
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy: set[int] = set()
+
+    def acquire(self) -> int:
+        with self._lock:
+            while (uid := self.BASE + random.randrange(self.SPAN)) in self._busy:
+                pass
+            self._busy.add(uid)
+            return uid
+
+    def release(self, uid: int) -> None:
+        with self._lock:
+            self._busy.discard(uid)
+
+
+_UIDS = _UidPool()
+
+
+class Sandbox:
+    """Runs jobs under `detect_isolation()` protections with a bounded worker pool.
+
+    max_workers bounds concurrent executions (default: CPU count); retries is how often an
+    infrastructure failure is retried; workdir_root is where staging directories go.
+    """
+
+    def __init__(self, limits: Limits = Limits(), *, isolation: Isolation | None = None,
+                 max_workers: int | None = None, retries: int = 2, workdir_root: str | None = None,
+                 python: str = sys.executable) -> None:
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        self.limits = limits
+        self.isolation = isolation or detect_isolation(python)
+        self.retries = retries
+        self.python = python
+        self.workdir_root = workdir_root or tempfile.gettempdir()
+        self.max_workers = max_workers or os.cpu_count() or 1
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    # --- public API -------------------------------------------------------------------------
+
+    def run(self, job: Job) -> ExecResult:
+        """Run one job in the calling thread, retrying infrastructure failures."""
+        for attempt in range(1, self.retries + 2):
+            try:
+                return _execute(job, job.limits or self.limits, self.isolation, self.python,
+                                self.workdir_root, attempt)
+            except _InfraError as e:
+                last = str(e)
+                time.sleep(0.05 * attempt)
+        return ExecResult(Status.ERROR, None, b"", b"", attempts=self.retries + 1, error=last)
+
+    def submit(self, job: Job) -> concurrent.futures.Future[ExecResult]:
+        """Queue a job on the worker pool; at most max_workers run at once."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="sandbox")
+            return self._pool.submit(self.run, job)
+
+    def map(self, jobs: Iterable[Job]) -> list[ExecResult]:
+        """Run jobs concurrently on the pool; results in input order."""
+        return [f.result() for f in [self.submit(j) for j in jobs]]
+
+    def close(self) -> None:
+        """Wait for queued jobs and stop the worker threads."""
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+def _execute(job: Job, limits: Limits, iso: Isolation, python: str, workdir_root: str, attempt: int) -> ExecResult:
+    """One execution of `job`; raises _InfraError when the sandbox machinery fails."""
+    argv = list(job.argv)
+    if not argv:
+        raise ValueError("Job.argv is empty")
+    exe = argv[0] if os.sep in argv[0] else shutil.which(argv[0], path=SANDBOX_PATH)
+    if exe is None:
+        raise ValueError(f"Job.argv[0] {argv[0]!r} not found on {SANDBOX_PATH}")
+    argv[0] = exe
+    uid = _UIDS.acquire() if iso.drop_uid else os.getuid()
+    workdir = tempfile.mkdtemp(prefix="posttrain-sbx-", dir=workdir_root)
+    status_r, status_w = os.pipe()
+    proc = None
+    try:
+        _write_files(workdir, job.files, uid if iso.drop_uid else None)
+        spec = {
+            "argv": argv, "workdir": workdir, "status_fd": status_w, "ns": iso.namespaces(),
+            "drop_uid": iso.drop_uid, "uid": uid, "gid": uid, "infra_exit": INFRA_EXIT,
+            "limits": dataclasses.asdict(limits),
+            "env": {"PATH": SANDBOX_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"},
+        }
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                [python, "-I", "-S", "-c", _LAUNCHER, json.dumps(spec)],
+                stdin=subprocess.PIPE if job.stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,),
+                start_new_session=True, env={}, cwd="/")
+        except OSError as e:
+            raise _InfraError(f"cannot start launcher: {e}") from e
+        os.close(status_w)
+        status_w = -1
+        out = _collect(proc, status_r, job.stdin, start + limits.wall_s, limits.output_bytes)
+        wall = time.monotonic() - start
+        return _classify(out, proc.returncode, limits, wall, attempt)
+    finally:
+        if proc is not None:
+            _kill_group(proc)
+        for fd in (status_r, status_w):
+            if fd >= 0:
+                os.close(fd)
+        shutil.rmtree(workdir, ignore_errors=True)
+        if iso.drop_uid:
+            _UIDS.release(uid)
+
+
+def _write_files(workdir: str, files: Mapping[str, str | bytes], owner: int | None) -> None:
+    """Write the job's files below workdir (refusing paths that escape it), owned by `owner`."""
+    base = os.path.realpath(workdir)
+    for rel, content in files.items():
+        path = os.path.realpath(os.path.join(base, rel))
+        if os.path.isabs(rel) or not path.startswith(base + os.sep):
+            raise ValueError(f"Job.files path {rel!r} escapes the working directory")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(content.encode() if isinstance(content, str) else content)
+    if owner is not None:
+        for root, dirs, names in os.walk(base):
+            for name in [*dirs, *names]:
+                os.chown(os.path.join(root, name), owner, owner)
+        os.chown(base, owner, owner)
+
+
+@dataclasses.dataclass
+class _Collected:
+    stdout: bytearray
+    stderr: bytearray
+    status: list[dict]
+    killed: str | None  # "timeout" or "output" when the host killed the process group
+
+
+def _collect(proc: subprocess.Popen, status_r: int, stdin: bytes | None, deadline: float,
+             max_output: int) -> _Collected:
+    """Pump stdin/stdout/stderr/status until all close or a deadline/output limit is hit."""
+    out = _Collected(bytearray(), bytearray(), [], None)
+    status_buf = bytearray()
+    sinks = {proc.stdout.fileno(): out.stdout, proc.stderr.fileno(): out.stderr, status_r: status_buf}
+    sel = selectors.DefaultSelector()
+    for fd in sinks:
+        sel.register(fd, selectors.EVENT_READ)
+    pending = memoryview(stdin or b"")
+    if proc.stdin is not None:
+        os.set_blocking(proc.stdin.fileno(), False)
+        sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE)
+    try:
+        while sel.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                out.killed = "timeout"
+                break
+            events = sel.select(min(remaining, 0.5))
+            if not events and proc.poll() is not None:
+                break  # launcher gone; only escaped descendants hold the pipes (no PID namespace)
+            for key, _ in events:
+                fd = key.fd
+                if fd not in sinks:
+                    try:
+                        pending = pending[os.write(fd, pending[:_READ_CHUNK]):]
+                    except BlockingIOError:
+                        continue
+                    except BrokenPipeError:
+                        pending = pending[:0]  # the program closed its stdin
+                    if not pending:
+                        sel.unregister(fd)
+                        proc.stdin.close()
+                    continue
+                data = os.read(fd, _READ_CHUNK)
+                if not data:
+                    sel.unregister(fd)
+                    continue
+                sink = sinks[fd]
+                sink += data
+                if fd != status_r and len(sink) > max_output:
+                    del sink[max_output:]
+                    out.killed = "output"
+            if out.killed:
+                break
+    finally:
+        sel.close()
+    if out.killed:
+        _kill_group(proc)
+    else:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            out.killed = "timeout"
+            _kill_group(proc)
+    _drain(status_r, status_buf)
+    # Whole lines only: a line is one atomic pipe write, a kill can only cut off the last one.
+    out.status = [json.loads(line) for line in status_buf.split(b"\n")[:-1]]
+    return out
+
+
+def _drain(fd: int, buf: bytearray) -> None:
+    """Read what is left in a pipe without blocking (its writers are dead by now)."""
+    os.set_blocking(fd, False)
+    try:
+        while data := os.read(fd, _READ_CHUNK):
+            buf += data
+    except BlockingIOError:
+        pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher's process group (init dies with it, and with init the PID namespace)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+
+
+_SIGNAL_LIMITS = {signal.SIGXCPU: "cpu", signal.SIGXFSZ: "file_size"}
+_STDERR_LIMITS = {b"MemoryError": "memory", b"File too large": "file_size",
+                  b"Resource temporarily unavailable": "processes"}
+
+
+def _classify(out: _Collected, launcher_rc: int, limits: Limits, wall: float, attempt: int) -> ExecResult:
+    """Turn the collected streams and status lines into an ExecResult (or an _InfraError)."""
+    errors = [s["error"] for s in out.status if "error" in s]
+    exits = [s for s in out.status if "exit" in s]
+    common = dict(stdout=bytes(out.stdout), stderr=bytes(out.stderr), wall_s=wall, attempts=attempt)
+    if out.killed == "timeout":
+        return ExecResult(Status.TIMEOUT, None, limit="wall", **common)
+    if out.killed == "output":
+        return ExecResult(Status.LIMIT_EXCEEDED, None, limit="output", **common)
+    if errors or not exits:
+        raise _InfraError(f"sandbox setup failed (launcher rc={launcher_rc}): {'; '.join(errors) or 'no status'}"
+                          f"; stderr: {bytes(out.stderr[-500:])!r}")
+    code, cpu = exits[-1]["exit"], exits[-1]["cpu_s"]
+    common["cpu_s"] = cpu
+    if code == 0:
+        return ExecResult(Status.PASS, 0, **common)
+    if code < 0:
+        sig = -code
+        limit = _SIGNAL_LIMITS.get(sig)
+        if sig == signal.SIGKILL and cpu >= limits.cpu_s:
+            limit = "cpu"
+        return ExecResult(Status.LIMIT_EXCEEDED if limit else Status.CRASH, code, limit=limit, **common)
+    tail = bytes(out.stderr[-300:])
+    limit = next((name for marker, name in _STDERR_LIMITS.items() if marker in tail), None)
+    return ExecResult(Status.LIMIT_EXCEEDED if limit else Status.FAIL, code, limit=limit, **common)

