@@ -57,15 +57,34 @@ def base_config() -> ml_collections.ConfigDict:
     cfg.stage = "lm"               # which job main runs
     cfg.seed = 0
     cfg.workdir = "runs/default"
+    cfg.init_from = ""             # start from another run's checkpoint (workdir or checkpoint dir)
     cfg.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1, sequence=1))
     cfg.sharding = ml_collections.ConfigDict(dict(
         rules=ml_collections.ConfigDict({k: ",".join(v) for k, v in DEFAULT_RULES.items()})))
     cfg.model = model_config()
     cfg.train = ml_collections.ConfigDict(dict(
-        steps=300, batch_size=16, seq_len=64, log_every=10, progress=True))
+        steps=300, batch_size=16, seq_len=64, log_every=10, eval_every=0, progress=True))
+    cfg.checkpoint = ml_collections.ConfigDict(dict(every=100, keep=3, async_save=True))
     cfg.optim = ml_collections.ConfigDict(dict(
         lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,
         grad_clip=1.0))
-    cfg.data = ml_collections.ConfigDict(dict(task="arithmetic"))
+    cfg.data = ml_collections.ConfigDict(dict(
+        task="arithmetic",         # stage lm: the built-in task
+        tokenizer="byte",          # "byte" or a folder with tokenizer.json (local, gs://)
+        on_error="raise",          # raise | skip (bad records counted as data/skipped)
+        packing=True,              # SFT: pack conversations into rows with segment ids
+        truncate=False,            # SFT: cut over-long examples (counted) instead of erroring
+        fields="",                 # record field renames, e.g. "prompt=question,response=answer"
+        synthetic="",              # "arithmetic": generate the stage's train/eval files if missing
+        synthetic_size=2000,       # records per generated train file (eval files get a quarter)
+    ))
+    gate = ""                      # e.g. "eval/loss<1.5" — must hold before a pipeline moves on
+    # Per-stage: data files, gate, and steps / lr overriding train.steps / optim.lr when non-zero.
+    stage = lambda **kw: ml_collections.ConfigDict(dict(train_files="", eval_files="", steps=0, lr=0.0,
+                                                        gate=gate, **kw))
+    cfg.sft = stage()
+    cfg.reward_model = stage()
+    cfg.dpo = stage(beta=0.1, loss_type="sigmoid", label_smoothing=0.0)
+    cfg.pipeline = ml_collections.ConfigDict(dict(stages=("sft", "dpo")))
     cfg.lock()
     return cfg

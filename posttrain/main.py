@@ -36,13 +36,15 @@ def check_overrides(argv: list[str], config) -> None:
 
 def stages() -> dict:
     """config.stage → the function that runs it (imported lazily: jax starts only when needed)."""
-    from posttrain.train import lm
-    return {"lm": lm.run}
+    from posttrain.train import lm, pipeline, stages
+    return {"lm": lm.run, "sft": stages.sft, "reward_model": stages.reward_model, "dpo": stages.dpo,
+            "pipeline": pipeline.run}
 
 
 def run(config) -> object:
     """Run `config.stage` with `config`; the entry point for tools and tests too."""
     from posttrain.parallel import maybe_initialize_distributed
+    from posttrain.train.pipeline import GateFailed
     table = stages()
     if config.stage not in table:
         raise SystemExit(f"error: config.stage={config.stage!r}; valid stages: {', '.join(sorted(table))}")
@@ -50,12 +52,17 @@ def run(config) -> object:
     os.makedirs(config.workdir, exist_ok=True)
     with open(os.path.join(config.workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=2))
-    return table[config.stage](config)
+    try:
+        return table[config.stage](config)
+    except GateFailed as e:
+        raise SystemExit(f"error: pipeline stopped: {e}") from None
 
 
 def main(argv: list[str]) -> None:
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    for noisy in ("absl", "jax"):     # orbax's per-item and jax's backend INFO lines drown ours
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     run(_CONFIG.value)
 
 

@@ -35,3 +35,41 @@ def arithmetic_lm_batch(seed: int, step: int, batch_size: int, seq_len: int) -> 
         "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch_size, seq_len)).copy(),
         "segment_ids": np.ones((batch_size, seq_len), np.int32),
     }
+
+
+def arithmetic_records(kind: str, n: int, seed: int) -> list[dict]:
+    """Generated arithmetic records: kind 'sft' ({"prompt", "response"} with a worked answer),
+    'preference' ({"prompt", "chosen", "rejected"}: the rejected response works the sum out right
+    but then states a different final answer, a consistency preference a small model can learn)
+    or 'rl' ({"prompt", "answer"})."""
+    rng = np.random.default_rng([seed, n, len(kind)])
+    out = []
+    for _ in range(n):
+        q, a = arithmetic_problem(rng)
+        prompt = f"What is {q[:-1]}?"
+        if kind == "sft":
+            out.append({"prompt": prompt, "response": f"{q}{a}. The answer is {a}."})
+        elif kind == "preference":
+            wrong = int(a) + int(rng.choice([-10, -2, -1, 1, 2, 10]))
+            out.append({"prompt": prompt, "chosen": f"{q}{a}. The answer is {a}.",
+                        "rejected": f"{q}{a}. The answer is {wrong}."})
+        elif kind == "rl":
+            out.append({"prompt": prompt, "answer": a})
+        else:
+            raise ValueError(f"synthetic kind {kind!r}: expected sft, preference or rl")
+    return out
+
+
+def ensure_arithmetic_file(path: str, kind: str, n: int, seed: int) -> None:
+    """Write `path` (JSONL, local or fsspec URL) with generated records unless it exists."""
+    import json
+
+    import fsspec
+    fs, p = fsspec.core.url_to_fs(path)
+    if fs.exists(p):
+        return
+    parent = p.rsplit("/", 1)[0] if "/" in p else ""
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    with fsspec.open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in arithmetic_records(kind, n, seed))

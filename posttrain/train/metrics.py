@@ -20,12 +20,18 @@ def to_python(value: Any) -> Any:
 class MetricsWriter:
     """Appends metrics to metrics.jsonl and TensorBoard; only process 0 writes."""
 
-    def __init__(self, workdir: str, *, enabled: bool = True):
+    def __init__(self, workdir: str, *, enabled: bool = True, resume_step: int = 0):
+        """`resume_step`: rows at or past it (logged after the checkpoint a resumed run starts
+        from) are dropped, so the file reads as one uninterrupted run."""
         self.enabled = enabled
         self.path = os.path.join(workdir, "metrics.jsonl")
         self._tb = None
         if enabled:
             os.makedirs(workdir, exist_ok=True)
+            if os.path.exists(self.path):
+                kept = [r for r in read_metrics(workdir) if r["step"] < resume_step]
+                with open(self.path, "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in kept)
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 

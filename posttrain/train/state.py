@@ -66,3 +66,11 @@ def create_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientT
     shardings = shardings_for(jax.eval_shape(init), mesh, rules)
     state = jax.jit(init, out_shardings=shardings)()
     return graphdef, state, shardings
+
+
+def init_model_state(make_model: Callable[[], nnx.Module], mesh: Mesh, rules: Rules) -> tuple[nnx.State, nnx.State]:
+    """(params, rest) of a freshly initialised model, created directly in their shardings."""
+    def init():
+        _, params, rest = nnx.split(make_model(), nnx.Param, ...)
+        return params, rest
+    return jax.jit(init, out_shardings=shardings_for(jax.eval_shape(init), mesh, rules))()

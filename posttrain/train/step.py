@@ -24,7 +24,7 @@ def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) 
     return (ce * mask).sum() / jnp.maximum(n, 1.0), n
 
 
-def lm_loss(model: nnx.Module, batch: dict, moe_cfg, *, update_bias: bool = False) -> tuple[jax.Array, dict]:
+def lm_loss(model: nnx.Module, batch: dict, moe_cfg, *, update_bias: bool = True) -> tuple[jax.Array, dict]:
     """Next-token loss plus weighted MoE load-balancing and z losses; returns (loss, metrics)."""
     logits, aux = model(batch["inputs"], batch["positions"], batch["segment_ids"], update_bias=update_bias)
     ce, ntok = token_cross_entropy(logits, batch["targets"], batch["loss_mask"])
@@ -38,25 +38,26 @@ def lm_loss(model: nnx.Module, batch: dict, moe_cfg, *, update_bias: bool = Fals
     return loss, metrics
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, moe_cfg,
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn,
                     schedule: optax.Schedule | None = None):
-    """A pure `(state, batch) -> (state, metrics)` for `jax.jit`.
+    """A pure `(state, batch, *extra) -> (state, metrics)` for `jax.jit`.
 
-    Router biases (aux-loss-free balancing) are updated from the batch's expert load as a side
-    output of the forward pass; they are not trained by the gradient.
+    loss_fn(model, batch, *extra) -> (loss, metrics). Non-trainable model variables the forward
+    pass updates (router biases for aux-loss-free balancing) are carried into the new state;
+    they are not trained by the gradient.
     """
-    def loss_fn(params, rest, batch):
+    def wrapped(params, rest, batch, *extra):
         model = nnx.merge(graphdef, params, rest)
-        loss, metrics = lm_loss(model, batch, moe_cfg, update_bias=True)
+        loss, metrics = loss_fn(model, batch, *extra)
         _, _, new_rest = nnx.split(model, nnx.Param, ...)
         return loss, (metrics, new_rest)
 
-    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (_, (metrics, rest)), grads = grad_fn(state.params, state.rest, batch)
+    def train_step(state: TrainState, batch: dict, *extra) -> tuple[TrainState, dict]:
+        grad_fn = jax.value_and_grad(wrapped, has_aux=True)
+        (_, (metrics, rest)), grads = grad_fn(state.params, state.rest, batch, *extra)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         return TrainState(step=state.step + 1, params=params, rest=rest, opt_state=opt_state), metrics

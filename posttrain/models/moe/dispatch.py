@@ -1,0 +1,211 @@
+"""Expert-parallel dispatch: send each (token, slot) assignment to the device holding its expert,
+run the experts there, and bring the outputs back — all from inside one `jax.shard_map`.
+
+Per device the steps are: sort the local assignments by expert (`sort_by_expert`), cut them into
+one contiguous chunk per peer along the expert-parallel axes, exchange the chunks with an
+all-to-all, run `grouped_ffn` on what arrived, and return the outputs by the inverse all-to-all.
+Two exchanges do the same thing:
+
+* padded (runs everywhere, XLA:CPU included): a fixed-size `all_to_all` of per-peer buffers of
+  `bound` rows, where `bound` is the dropless worst case (every local assignment goes to one peer:
+  T*k rows) or, with a capacity C, min(T*k, C * experts_per_device).
+* ragged (GPU/TPU): `jax.lax.ragged_all_to_all` moves only the real rows; peers first all-gather
+  how many rows each sends to whom so that every device can compute where its rows land.
+
+Without expert-parallel peers the same code runs with one chunk and no collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from posttrain.models.moe.experts import expert_ffn, grouped_ffn, sort_by_expert
+
+
+def spec_axes(spec: P, dim: int) -> tuple[str, ...]:
+    """The mesh axes that shard dimension `dim` of a PartitionSpec, in major-to-minor order."""
+    entry = spec[dim] if dim < len(spec) else None
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """Where tokens and expert weights live, as seen by one device inside the `shard_map`.
+
+    token_axes: mesh axes the tokens are sharded over (statistics are averaged over them).
+    expert_axes / expert_sizes: axes sharding the experts dimension of the expert weights.
+    embed_axes / router_axes: axes sharding the embed dimension of the expert / router weights
+      (all-gathered before use, ZeRO-3).
+    mlp_axes: axes sharding the expert hidden dimension; the down-projection partials are summed.
+    dispatch: 'padded' | 'ragged' all-to-all flavour.
+    """
+    token_axes: tuple[str, ...] = ()
+    expert_axes: tuple[str, ...] = ()
+    expert_sizes: tuple[int, ...] = ()
+    embed_axes: tuple[str, ...] = ()
+    router_axes: tuple[str, ...] = ()
+    mlp_axes: tuple[str, ...] = ()
+    dispatch: str = "padded"
+
+    @property
+    def a2a_axes(self) -> tuple[str, ...]:
+        """Expert axes that tokens travel over: those the tokens are sharded over."""
+        return tuple(a for a in self.expert_axes if a in self.token_axes)
+
+    @property
+    def num_peers(self) -> int:
+        """Devices exchanging tokens in one all-to-all group."""
+        return math.prod(s for a, s in zip(self.expert_axes, self.expert_sizes) if a in self.token_axes)
+
+    @property
+    def psum_axes(self) -> tuple[str, ...]:
+        """Axes over which each device holds a partial output: the expert hidden dimension, and
+        expert axes the tokens are replicated over (each such device runs its own experts only)."""
+        return self.mlp_axes + tuple(a for a in self.expert_axes if a not in self.token_axes)
+
+
+def expert_layout(mesh: Mesh, token_spec: P, router_spec: P, gate_spec: P, down_spec: P,
+                  dispatch: str) -> ExpertLayout:
+    """ExpertLayout from the PartitionSpecs of the tokens [B, S, D], router kernel [D, E], gate/up
+    weights [E, D, F] and down weights [E, F, D]; dispatch 'auto' picks ragged on GPU/TPU."""
+    if dispatch not in ("auto", "ragged", "padded"):
+        raise ValueError(f"moe.dispatch={dispatch!r}: expected 'auto', 'ragged' or 'padded'")
+    if dispatch == "auto":
+        dispatch = "padded" if jax.default_backend() == "cpu" else "ragged"
+    token_axes = spec_axes(token_spec, 0) + spec_axes(token_spec, 1)
+    expert_axes, mlp_axes = spec_axes(gate_spec, 0), spec_axes(gate_spec, 2)
+    if (spec_axes(down_spec, 0), spec_axes(down_spec, 1)) != (expert_axes, mlp_axes):
+        raise ValueError(f"expert weights sharded inconsistently: w_gate {gate_spec} vs w_down "
+                         f"{down_spec}; the experts and expert_mlp dims must use the same mesh axes")
+    if set(mlp_axes) & set(token_axes):
+        raise ValueError(f"sharding rules put tokens ({token_spec}) and the expert_mlp dim "
+                         f"({gate_spec}) on the same mesh axes {sorted(set(mlp_axes) & set(token_axes))}")
+    return ExpertLayout(token_axes=token_axes, expert_axes=expert_axes,
+                        expert_sizes=tuple(mesh.shape[a] for a in expert_axes),
+                        embed_axes=spec_axes(gate_spec, 1), router_axes=spec_axes(router_spec, 0),
+                        mlp_axes=mlp_axes, dispatch=dispatch)
+
+
+def gather_weight(w: jax.Array, axes: tuple[str, ...], axis: int, layout: ExpertLayout) -> jax.Array:
+    """All-gather dimension `axis` of a weight shard over `axes` (innermost axis first).
+
+    Over an axis the tokens are sharded on, the gathered copy is typed varying, so the backward
+    pass reduce-scatters its gradient; over one they are replicated on it is typed invariant, so
+    the outputs computed from it stay invariant there.
+    """
+    for a in reversed(axes):
+        to = "varying" if a in layout.token_axes else "invarying"
+        w = jax.lax.all_gather(w, a, axis=axis, tiled=True, to=to)
+    return w
+
+
+def peer_first_experts(layout: ExpertLayout, experts_per_device: int) -> jax.Array:
+    """[num_peers] int32: the first global expert held by each all-to-all peer, in peer order.
+
+    The experts dim is split over `expert_axes` major-to-minor; a peer shares this device's
+    coordinates on the expert axes the tokens are replicated over.
+    """
+    peer = jnp.arange(layout.num_peers, dtype=jnp.int32)
+    block = jnp.zeros_like(peer)
+    stride = 1
+    for axis, size in reversed(list(zip(layout.expert_axes, layout.expert_sizes))):
+        if axis in layout.token_axes:
+            coord = peer % size
+            peer = peer // size
+        else:
+            coord = jax.lax.axis_index(axis)
+        block = block + coord * stride
+        stride *= size
+    return block * experts_per_device
+
+
+def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
+                   w_up: jax.Array, w_down: jax.Array, *, num_experts: int, capacity: int | None,
+                   layout: ExpertLayout) -> tuple[jax.Array, jax.Array]:
+    """Weighted sum of each token's expert outputs, for this device's tokens.
+
+    x: [T, D] compute dtype; experts, weights: [T, k] from the router; w_*: this device's experts
+    [E_local, D, F_local] / [E_local, F_local, D] with the embed dim gathered. Returns y [T, D]
+    float32, partial over `layout.psum_axes`, and the number of kept assignments (scalar int32).
+    """
+    num_tokens, top_k = experts.shape
+    order, group_sizes = sort_by_expert(experts.reshape(-1), num_experts, capacity)
+    local = w_gate.shape[0]
+    first = peer_first_experts(layout, local)
+    bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes)])
+    send_start, send_size = bounds[first], bounds[first + local] - bounds[first]
+    tokens = order // top_k                                           # token of each sorted row
+    bound = num_tokens * top_k if capacity is None else min(num_tokens * top_k, capacity * local)
+    ffn = dict(w_gate=w_gate, w_up=w_up, w_down=w_down)
+    if layout.dispatch == "ragged" and layout.num_peers > 1:
+        out = ragged_exchange(x[tokens], group_sizes, first, send_start, send_size, bound, layout, ffn)
+    else:
+        out = padded_exchange(x, tokens, experts.reshape(-1)[order], group_sizes, first, send_start,
+                              send_size, bound, layout, ffn)
+    out = jnp.zeros_like(out).at[order].add(out, unique_indices=True)
+    y = jnp.einsum("tk,tkd->td", weights, out.reshape(num_tokens, top_k, -1).astype(jnp.float32))
+    return y, jnp.sum(group_sizes)
+
+
+def padded_exchange(x: jax.Array, tokens: jax.Array, sorted_ids: jax.Array, group_sizes: jax.Array,
+                    first: jax.Array, send_start: jax.Array, send_size: jax.Array, bound: int,
+                    layout: ExpertLayout, ffn: dict[str, jax.Array]) -> jax.Array:
+    """Expert outputs [A, D] of the assignments sorted by expert, exchanged as fixed-size
+    [num_peers, bound] buffers; zero for assignments that no peer of this device computes
+    (dropped, or held by a device that has other tokens).
+
+    x: [T, D] tokens; tokens, sorted_ids: [A] token and global expert of each sorted assignment.
+    """
+    slot = jnp.arange(bound, dtype=jnp.int32)
+    valid = slot < send_size[:, None]
+    src = jnp.where(valid, send_start[:, None] + slot, tokens.shape[0])   # [peers, bound]
+    token = tokens.at[src].get(mode="fill", fill_value=x.shape[0])
+    send = x.at[token].get(mode="fill", fill_value=0)                       # [peers, bound, D]
+    local = ffn["w_gate"].shape[0]
+    if layout.num_peers == 1:
+        sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first[0], local)
+        back = expert_ffn(send[0], sizes, **ffn).astype(x.dtype)[None]
+    else:
+        ids = jnp.where(valid, sorted_ids.at[src].get(mode="fill", fill_value=0) - first[:, None], local)
+        recv = jax.lax.all_to_all(send, layout.a2a_axes, 0, 0, tiled=True)
+        recv_ids = jax.lax.all_to_all(ids, layout.a2a_axes, 0, 0, tiled=True)
+        out = grouped_ffn(recv.reshape(-1, x.shape[1]), recv_ids.reshape(-1), **ffn)
+        back = jax.lax.all_to_all(out.astype(x.dtype).reshape(send.shape), layout.a2a_axes, 0, 0,
+                                  tiled=True)
+    return jnp.zeros_like(x, shape=(tokens.shape[0], x.shape[1])).at[src].add(back, mode="drop")
+
+
+def ragged_exchange(rows: jax.Array, group_sizes: jax.Array, first: jax.Array,
+                    send_start: jax.Array, send_size: jax.Array, bound: int,
+                    layout: ExpertLayout, ffn: dict[str, jax.Array]) -> jax.Array:
+    """Like `padded_exchange`, but only real rows travel (`jax.lax.ragged_all_to_all`).
+
+    rows: [A, D] assignments sorted by expert; returns their expert outputs [A, D]. Received rows
+    are laid out source-major, each source's rows sorted by expert; the reply writes every output
+    back at the sender's sorted position of its row.
+    """
+    axes, peers, local = layout.a2a_axes, layout.num_peers, ffn["w_gate"].shape[0]
+    me = jax.lax.axis_index(axes)
+    counts = jax.lax.all_gather(group_sizes, axes)                    # [peers (source), E]
+    bounds = jnp.concatenate([jnp.zeros((peers, 1), jnp.int32), jnp.cumsum(counts, axis=1)], axis=1)
+    sizes = bounds[:, first + local] - bounds[:, first]              # [source, dest]
+    recv_size = sizes[:, me]
+    recv_start = jnp.cumsum(recv_size) - recv_size
+    land = (jnp.cumsum(sizes, axis=0) - sizes)[me]                   # my rows' offset at each dest
+    buffer = jnp.zeros_like(rows, shape=(peers * bound, rows.shape[1]))
+    recv = jax.lax.ragged_all_to_all(rows, buffer, send_start, send_size, land, recv_size,
+                                     axis_name=axes)
+    per_expert = jax.lax.dynamic_slice_in_dim(counts, first[me], local, axis=1).reshape(-1)
+    segment = jnp.searchsorted(jnp.cumsum(per_expert), jnp.arange(peers * bound), side="right")
+    ids = jnp.where(segment < peers * local, segment % local, local)
+    out = grouped_ffn(recv, ids, **ffn).astype(rows.dtype)
+    reply_land = bounds[:, first[me]]                                 # where each source sent from
+    return jax.lax.ragged_all_to_all(out, jnp.zeros_like(rows), recv_start, recv_size, reply_land,
+                                     send_size, axis_name=axes)

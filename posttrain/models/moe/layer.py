@@ -1,0 +1,180 @@
+"""The Mixture-of-Experts feed-forward layer: router, dropless routed experts, shared experts.
+
+Under an active `use_sharding(mesh, rules)` context on a multi-device mesh the routed part runs in
+one `jax.shard_map` over the whole mesh (expert parallelism by all-to-all, ZeRO-3 gathers of the
+embed dim, partial sums over the expert hidden dim); elsewhere it runs as plain jitted code. Both
+give the same outputs and statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+from posttrain.models.layers import MLP, dtype_of, fan_in_init, param
+from posttrain.models.moe.dispatch import ExpertLayout, expert_layout, gather_weight, routed_experts
+from posttrain.models.moe.experts import expert_capacity
+from posttrain.models.moe.router import (RouterBias, expert_counts, load_balancing_loss, route,
+                                         router_z_loss, update_router_bias)
+from posttrain.parallel.sharding import Rules, current, logical_spec
+
+TOKEN_NAMES = ("batch", "length", None)
+ROUTER_NAMES = ("embed", None)
+GATE_UP_NAMES = ("experts", "embed", "expert_mlp")
+DOWN_NAMES = ("experts", "expert_mlp", "embed")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingSpec:
+    """The static routing hyper-parameters of `model.moe` that the per-device code needs."""
+    num_experts: int
+    top_k: int
+    router: str
+    norm_topk_prob: bool
+    routed_scaling: float
+    capacity_factor: float
+
+    @classmethod
+    def from_config(cls, moe: ml_collections.ConfigDict) -> RoutingSpec:
+        """Validated spec from the `model.moe` config."""
+        if moe.num_experts < 1:
+            raise ValueError(f"moe.num_experts={moe.num_experts}: an MoE layer needs at least 1 expert")
+        if not 1 <= moe.top_k <= moe.num_experts:
+            raise ValueError(f"moe.top_k={moe.top_k}: expected 1..num_experts ({moe.num_experts})")
+        if moe.router not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe.router={moe.router!r}: expected 'softmax' or 'sigmoid'")
+        return cls(int(moe.num_experts), int(moe.top_k), moe.router, bool(moe.norm_topk_prob),
+                   float(moe.routed_scaling), float(moe.capacity_factor))
+
+
+def moe_block(x: jax.Array, params: dict[str, jax.Array], *, spec: RoutingSpec,
+              layout: ExpertLayout) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Routed experts on one device's tokens x [T, D] (compute dtype).
+
+    params: router [D(/shards), E], w_gate/w_up [E_local, D(/shards), F_local],
+    w_down [E_local, F_local, D(/shards)] and, for the sigmoid router, bias [E]. Returns y [T, D]
+    float32 and the layer statistics averaged over all tokens of the mesh (see `MoE`).
+    """
+    num_tokens = x.shape[0]
+    assignments = num_tokens * spec.top_k
+    router = gather_weight(params["router"], layout.router_axes, 0, layout)
+    logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
+    routing = route(logits, top_k=spec.top_k, router=spec.router, norm_topk_prob=spec.norm_topk_prob,
+                    routed_scaling=spec.routed_scaling, bias=params.get("bias"))
+    capacity = expert_capacity(num_tokens, spec.top_k, spec.num_experts, spec.capacity_factor)
+    y, kept = routed_experts(
+        x, routing.experts, routing.weights,
+        gather_weight(params["w_gate"], layout.embed_axes, 1, layout),
+        gather_weight(params["w_up"], layout.embed_axes, 1, layout),
+        gather_weight(params["w_down"], layout.embed_axes, 2, layout),
+        num_experts=spec.num_experts, capacity=capacity, layout=layout)
+    if layout.psum_axes:
+        y = jax.lax.psum(y, layout.psum_axes)
+
+    def token_mean(v):
+        return jax.lax.pmean(v, layout.token_axes) if layout.token_axes else v
+    load = token_mean(expert_counts(routing.experts, spec.num_experts) / assignments)
+    mean_probs = token_mean(jnp.mean(routing.probs, axis=0))
+    aux = {"aux_loss": load_balancing_loss(mean_probs, load, spec.top_k),
+           "z_loss": token_mean(jnp.mean(router_z_loss(logits))),
+           "load": load,
+           "dropped": token_mean(1.0 - kept.astype(jnp.float32) / assignments)}
+    return y, aux
+
+
+def sharded_moe_block(x: jax.Array, params: dict[str, jax.Array], *, spec: RoutingSpec, mesh: Mesh,
+                      rules: Rules, dispatch: str) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`moe_block` in a `jax.shard_map` over the whole mesh; x: [B, S, D] → y [B, S, D] float32.
+
+    Tokens are split as the `batch` and `length` rules say, weights as their logical names say;
+    the specs come from `logical_spec`, so rule changes carry through.
+    """
+    def spec_of(names, shape):
+        return logical_spec(names, mesh, rules, shape)
+    token_spec = spec_of(TOKEN_NAMES, x.shape)
+    param_specs = {"router": spec_of(ROUTER_NAMES, params["router"].shape),
+                   "w_gate": spec_of(GATE_UP_NAMES, params["w_gate"].shape),
+                   "w_up": spec_of(GATE_UP_NAMES, params["w_up"].shape),
+                   "w_down": spec_of(DOWN_NAMES, params["w_down"].shape)}
+    if "bias" in params:
+        param_specs["bias"] = P()
+    layout = expert_layout(mesh, token_spec, param_specs["router"], param_specs["w_gate"],
+                           param_specs["w_down"], dispatch)
+
+    def body(x, params):
+        b, s, d = x.shape
+        y, aux = moe_block(x.reshape(b * s, d), params, spec=spec, layout=layout)
+        return y.reshape(b, s, d), aux
+
+    aux_specs = {"aux_loss": P(), "z_loss": P(), "load": P(), "dropped": P()}
+    # check_vma stays on: the varying/invariant types make autodiff insert the psums that the
+    # gradients of replicated weights need; `gather_weight` picks the type per mesh axis so that
+    # outputs are invariant exactly where out_specs replicate them.
+    return jax.shard_map(body, mesh=mesh, in_specs=(token_spec, param_specs),
+                         out_specs=(token_spec, aux_specs), check_vma=True)(x, params)
+
+
+class MoE(nnx.Module):
+    """Mixture-of-Experts SwiGLU layer (Mixtral, Qwen3-MoE, DeepSeek-V3 routing), dropless by
+    default.
+
+    `__call__(x [B, S, D]) -> (y [B, S, D], aux)`, y in the compute dtype; aux holds float32
+    `aux_loss` (unweighted load-balancing loss, HF normalisation), `z_loss` (unweighted router
+    z-loss), `load` [E] (fraction of the B*S*k routed assignments per expert, before any capacity
+    drop; sums to 1) and `dropped` (fraction of assignments over capacity; 0 when dropless).
+
+    Capacity mode (`capacity_factor > 0`): each expert keeps, per group of tokens, the first
+    ceil(capacity_factor * tokens * k / E) assignments in token order and drops the rest (their
+    combine weight becomes 0; the shared experts and the residual still carry the token). The
+    group is the tokens of one call, or of one device when expert-parallel.
+    """
+
+    def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+        moe = cfg.moe
+        self.spec = RoutingSpec.from_config(moe)
+        if moe.dispatch not in ("auto", "ragged", "padded"):
+            raise ValueError(f"moe.dispatch={moe.dispatch!r}: expected 'auto', 'ragged' or 'padded'")
+        self.dispatch = moe.dispatch
+        self.bias_update_rate = float(moe.bias_update_rate)
+        self.dtype = dtype_of(cfg.dtype)
+        param_dtype = dtype_of(cfg.param_dtype)
+        dim, experts, hidden = cfg.embed_dim, moe.num_experts, moe.expert_mlp_dim
+        self.router = param(rngs, fan_in_init(), (dim, experts), ROUTER_NAMES, param_dtype)
+        expert_init = fan_in_init(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        self.w_gate = param(rngs, expert_init, (experts, dim, hidden), GATE_UP_NAMES, param_dtype)
+        self.w_up = param(rngs, expert_init, (experts, dim, hidden), GATE_UP_NAMES, param_dtype)
+        self.w_down = param(rngs, expert_init, (experts, hidden, dim), DOWN_NAMES, param_dtype)
+        self.router_bias = (RouterBias(jnp.zeros((experts,), jnp.float32), out_sharding=(None,),
+                                       eager_sharding=False)
+                            if moe.router == "sigmoid" else None)
+        self.shared = (MLP(dim, moe.num_shared_experts * moe.shared_mlp_dim, param_dtype=param_dtype,
+                           dtype=self.dtype, rngs=rngs) if moe.num_shared_experts > 0 else None)
+
+    def __call__(self, x: jax.Array, *, update_bias: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Routed + shared experts on x [B, S, D]; with `update_bias` (sigmoid router, rate > 0)
+        also steps `router_bias` towards balanced load, in place."""
+        x = x.astype(self.dtype)
+        params = {"router": self.router[...], "w_gate": self.w_gate[...], "w_up": self.w_up[...],
+                  "w_down": self.w_down[...]}
+        if self.router_bias is not None:
+            params["bias"] = self.router_bias[...]
+        ctx = current()
+        if ctx is not None and ctx[0].size > 1:
+            mesh, rules = ctx
+            y, aux = sharded_moe_block(x, params, spec=self.spec, mesh=mesh, rules=rules,
+                                       dispatch=self.dispatch)
+        else:
+            b, s, d = x.shape
+            y, aux = moe_block(x.reshape(b * s, d), params, spec=self.spec, layout=ExpertLayout())
+            y = y.reshape(b, s, d)
+        y = y.astype(self.dtype)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        if update_bias and self.router_bias is not None and self.bias_update_rate > 0:
+            self.router_bias[...] = update_router_bias(params["bias"], aux["load"], self.bias_update_rate)
+        return y, aux

@@ -1,0 +1,126 @@
+"""The training loop every gradient stage shares: sharded init or resume, jitted steps, metrics,
+progress bar, asynchronous checkpoints, periodic evaluation.
+
+A stage supplies a `Stage`: how to build the model, its loss, and its batches. The loop owns
+everything else, so SFT, reward modelling and DPO differ only in those three things.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from posttrain.parallel import make_mesh, named_sharding, parse_rules, use_sharding
+from posttrain.train.checkpoint import Checkpointer, abstract_with_shardings
+from posttrain.train.metrics import MetricsWriter
+from posttrain.train.optim import lr_schedule, make_optimizer
+from posttrain.train.state import TrainState, create_train_state
+from posttrain.train.step import make_train_step
+
+
+@dataclasses.dataclass
+class Stage:
+    """What a training stage supplies to `train`.
+
+    loss_fn(model, batch, *extra) -> (loss, metrics); `extra` are fixed pytrees passed to every
+    step (e.g. a frozen reference policy's params for DPO). batches yields host batches and may
+    have get_state/set_state (saved in checkpoints) and a `skipped` count.
+    """
+    name: str
+    make_model: Callable[[], nnx.Module]
+    loss_fn: Callable[..., tuple[jax.Array, dict]]
+    batches: Iterator[dict]
+    batch_axes: dict[str, tuple[str, ...]] | None = None   # per-key logical axes; default (batch, length)
+    extra: tuple = ()
+    eval_fn: Callable[[nnx.Module], dict] | None = None
+    init_model: Callable[[Any, Any], tuple[Any, Any]] | None = None   # (params, rest) → starting (params, rest)
+
+
+@dataclasses.dataclass
+class Result:
+    graphdef: nnx.GraphDef
+    state: TrainState
+    rows: list[dict]
+    eval: dict
+
+
+def put_batch(batch: dict, axes: dict[str, tuple[str, ...]] | None = None) -> dict:
+    """Host batch (this process's rows) → global arrays sharded by logical names."""
+    def put(k, v):
+        names = (axes or {}).get(k, ("batch", "length")[:np.ndim(v)])
+        return jax.make_array_from_process_local_data(named_sharding(names, np.shape(v)), np.asarray(v))
+    return {k: put(k, v) for k, v in batch.items()}
+
+
+CHECKPOINT_ITEMS = ("params", "rest", "opt_state")   # the step is the checkpoint's own number
+
+
+def run_eval(stage: Stage, graphdef: nnx.GraphDef, state: TrainState) -> dict:
+    """The stage's evaluation on the current weights, keys prefixed `eval/`."""
+    return {f"eval/{k}": float(v) for k, v in stage.eval_fn(nnx.merge(graphdef, state.params, state.rest)).items()}
+
+
+def train(cfg, stage: Stage) -> Result:
+    """Run `cfg.train.steps` updates of `stage`, resuming from `{workdir}/checkpoints` if present."""
+    mesh = make_mesh(cfg.mesh.to_dict())
+    rules = parse_rules(cfg.sharding.rules.to_dict())
+    steps = cfg.train.steps
+    schedule = lr_schedule(cfg.optim, steps)
+    tx = make_optimizer(cfg.optim, steps)
+    ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"), every=cfg.checkpoint.every,
+                        keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    start = ckpt.latest_step() or 0
+    writer = MetricsWriter(cfg.workdir, enabled=jax.process_index() == 0, resume_step=start)
+    rows, evals = [], {}
+    with use_sharding(mesh, rules):
+        graphdef, state, shardings = create_train_state(stage.make_model, tx, mesh, rules)
+        if start:
+            abstract = abstract_with_shardings(jax.eval_shape(lambda: state), shardings)
+            trees, data_state, _ = ckpt.restore(start, {k: getattr(abstract, k) for k in CHECKPOINT_ITEMS})
+            state = TrainState(step=jnp.asarray(start, jnp.int32), **trees)
+            if hasattr(stage.batches, "set_state"):
+                stage.batches.set_state(data_state)
+        elif stage.init_model is not None:
+            params, rest = stage.init_model(state.params, state.rest)
+            state = state.replace(params=params, rest=rest)   # Adam moments start at zero either way
+        step_fn = jax.jit(make_train_step(graphdef, tx, stage.loss_fn, schedule),
+                          out_shardings=(shardings, None), donate_argnums=0)
+        bar = tqdm(range(start, steps), desc=stage.name, initial=start, total=steps,
+                   disable=not cfg.train.progress or jax.process_index() != 0)
+        t0, last = time.perf_counter(), start - 1
+        for step in bar:
+            state, metrics = step_fn(state, put_batch(next(stage.batches), stage.batch_axes), *stage.extra)
+            if step % cfg.train.log_every == 0 or step == steps - 1:
+                metrics = jax.device_get(metrics)
+                now = time.perf_counter()
+                if "tokens" in metrics:   # first interval includes compilation
+                    metrics["tokens_per_s"] = float(metrics["tokens"]) * (step - last) / max(now - t0, 1e-9)
+                if hasattr(stage.batches, "skipped"):
+                    metrics["data/skipped"] = stage.batches.skipped
+                rows.append(writer.write(step, metrics))
+                bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}")
+                t0, last = now, step
+            done = step + 1
+            if stage.eval_fn is not None and (done == steps or cfg.train.eval_every and done % cfg.train.eval_every == 0):
+                evals = run_eval(stage, graphdef, state)
+                rows.append(writer.write(step, evals))
+            if ckpt.should_save(done, steps):
+                data_state = stage.batches.get_state() if hasattr(stage.batches, "get_state") else {}
+                ckpt.save(done, {k: getattr(state, k) for k in CHECKPOINT_ITEMS}, data=data_state,
+                          meta={"seed": cfg.seed, "stage": stage.name})
+        if stage.eval_fn is not None and not evals:      # resumed after the last step: gates still need it
+            evals = run_eval(stage, graphdef, state)
+    ckpt.close()
+    writer.close()
+    logging.info("%s: finished %d steps in %s", stage.name, steps, cfg.workdir)
+    return Result(graphdef, state, rows, evals)

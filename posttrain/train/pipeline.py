@@ -1,0 +1,61 @@
+"""Stage `pipeline`: run stages in order, each from the previous one's final checkpoint, with gates.
+
+Each stage runs in `{workdir}/{i}_{stage}` and must pass its gate (`config.<stage>.gate`, e.g.
+"eval/loss<1.5") before the next starts. Re-running the same command resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import re
+
+from posttrain.train import stages as stage_lib
+
+RUNNERS = {"sft": stage_lib.sft, "reward_model": stage_lib.reward_model, "dpo": stage_lib.dpo}
+_OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
+_GATE = re.compile(r"^\s*([\w/.\-]+)\s*(<=|>=|<|>)\s*([-+0-9.eE]+)\s*$")
+
+
+class GateFailed(RuntimeError):
+    """A stage finished but its evaluation gate did not hold."""
+
+
+def check_gate(stage: str, gate: str, metrics: dict) -> str:
+    """Raise GateFailed unless `gate` ("metric op value") holds on `metrics`; returns a summary."""
+    if not gate:
+        return f"{stage}: no gate"
+    m = _GATE.match(gate)
+    if not m:
+        raise ValueError(f"config.{stage}.gate={gate!r}: expected 'metric op number', e.g. 'eval/loss<1.5'")
+    name, op, value = m.group(1), m.group(2), float(m.group(3))
+    if name not in metrics:
+        raise GateFailed(f"{stage}: gate {gate!r} needs metric {name!r}, which the stage did not report "
+                         f"(has: {', '.join(sorted(metrics))}); set config.{stage}.eval_files?")
+    if not _OPS[op](metrics[name], value):
+        raise GateFailed(f"{stage}: gate {gate!r} failed: {name} = {metrics[name]:.4g}")
+    return f"{stage}: gate {gate!r} passed ({name} = {metrics[name]:.4g})"
+
+
+def stage_config(cfg, name: str, workdir: str, init_from: str):
+    """The config one pipeline stage runs with."""
+    sub = cfg.copy_and_resolve_references()
+    sub.stage, sub.workdir, sub.init_from = name, workdir, init_from
+    return sub
+
+
+def run(cfg) -> dict:
+    """Run `cfg.pipeline.stages`; returns {stage: final metrics}. Raises GateFailed on a failed gate."""
+    unknown = [s for s in cfg.pipeline.stages if s not in RUNNERS]
+    if unknown:
+        raise ValueError(f"pipeline.stages: unknown {unknown}; valid: {sorted(RUNNERS)}")
+    init_from, results = cfg.init_from, {}
+    for i, name in enumerate(cfg.pipeline.stages):
+        workdir = os.path.join(cfg.workdir, f"{i}_{name}")
+        result = RUNNERS[name](stage_config(cfg, name, workdir, init_from))
+        metrics = {**(result.rows[-1] if result.rows else {}), **result.eval}
+        results[name] = metrics
+        logging.info(check_gate(name, cfg[name].gate, metrics))
+        init_from = workdir
+    return results
