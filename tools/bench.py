@@ -7,6 +7,7 @@ plain float32 matmul measured in the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
@@ -20,7 +21,7 @@ from posttrain.models.flops import activated_matmul_params, train_flops_per_toke
 from posttrain.parallel import make_mesh, parse_rules, use_sharding
 from posttrain.train.optim import make_optimizer
 from posttrain.train.state import create_train_state
-from posttrain.train.step import make_train_step
+from posttrain.train.step import lm_loss, make_train_step
 
 
 def timeit(fn, *, warmup: int = 2, iters: int = 10) -> float:
@@ -64,7 +65,7 @@ def bench_train(batch: int, seq: int, iters: int) -> list[dict]:
         tx = make_optimizer(cfg.optim, 1000)
         with use_sharding(mesh, rules):
             graphdef, state, shardings = create_train_state(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), tx, mesh, rules)
-            step = jax.jit(make_train_step(graphdef, tx, cfg.model.moe), out_shardings=(shardings, None),
+            step = jax.jit(make_train_step(graphdef, tx, functools.partial(lm_loss, moe_cfg=cfg.model.moe)), out_shardings=(shardings, None),
                            donate_argnums=0)
             rng = np.random.default_rng(0)
             tokens = jnp.asarray(rng.integers(0, cfg.model.vocab_size, (batch, seq + 1)))
