@@ -82,7 +82,8 @@ def test_infinite_loop_hits_cpu_limit(sandbox):
     t = time.monotonic()
     res = run(sandbox, "while True: pass", limits=roomy)
     assert res.status is Status.LIMIT_EXCEEDED and res.limit == "cpu"
-    assert res.cpu_s >= SMALL.cpu_s and time.monotonic() - t < roomy.wall_s
+    # The kernel stops it at the limit; the CPU time we read back can trail that by a tick or two.
+    assert res.cpu_s >= 0.8 * SMALL.cpu_s and time.monotonic() - t < roomy.wall_s
 
 
 def test_sleeper_hits_wall_timeout(sandbox):

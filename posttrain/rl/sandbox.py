@@ -17,8 +17,9 @@ and stdout/stderr capped at a byte limit. On Linux it also uses, where the OS al
 that do not. A `Sandbox` runs many executions concurrently on a bounded thread pool and
 retries infrastructure failures (never the program's own).
 
-Process tree of one execution: host -> launcher (enters namespaces, mounts) -> init (pid 1 of
-the new PID namespace, reaps, reports exit status on a private pipe) -> program.
+Process tree of one execution: host -> launcher (`sandbox_launcher.py`: enters namespaces,
+mounts) -> init (pid 1 of the new PID namespace, reaps, reports exit status on a private pipe)
+-> program.
 """
 
 from __future__ import annotations
@@ -40,170 +41,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 
 INFRA_EXIT = 121  # exit code of launcher/init when setting up the sandbox failed
 _READ_CHUNK = 1 << 16
 
-# The launcher runs as `python -I -S -c _LAUNCHER <spec json>`: stdlib only, small imports.
-_LAUNCHER = r"""
-import ctypes, json, os, re, resource, signal, sys
-
-spec = json.loads(sys.argv[1])
-status_fd = spec["status_fd"]
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
-KEEP = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
-        "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}
-PR_SET_PDEATHSIG = 1
-INNER_ID = 1000  # uid/gid inside a user namespace
-
-
-def report(**fields):
-    try:
-        os.write(status_fd, (json.dumps(fields) + "\n").encode())
-    except OSError:
-        pass  # the host is gone or killed us; nobody to tell
-
-
-def check(rc, what):
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def mount(src, target, fstype, flags, data=None):
-    enc = lambda s: None if s is None else s.encode()
-    check(libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
-
-
-def enter_namespaces(ns):
-    flags = ((CLONE_NEWUSER if ns["user"] else 0) | (CLONE_NEWNET if ns["net"] else 0)
-             | (CLONE_NEWPID if ns["pid"] else 0) | (CLONE_NEWNS if ns["mount"] else 0))
-    uid, gid = os.getuid(), os.getgid()
-    if flags:
-        check(libc.unshare(flags), "unshare")
-    if ns["user"]:
-        maps = (("setgroups", "deny"), ("uid_map", f"{INNER_ID} {uid} 1"), ("gid_map", f"{INNER_ID} {gid} 1"))
-        for name, text in maps:
-            with open(f"/proc/self/{name}", "w") as f:
-                f.write(text)
-
-
-def readonly_mounts():
-    mount(None, "/", None, MS_REC | MS_PRIVATE)
-    with open("/proc/self/mountinfo") as f:
-        rows = [line.split() for line in f]
-    for row in rows:
-        target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), row[4])
-        flags = MS_BIND | MS_REMOUNT | MS_RDONLY
-        for opt in row[5].split(","):
-            flags |= KEEP.get(opt, 0)
-        try:
-            mount(None, target, None, flags)
-        except OSError as e:  # a mount point the program cannot reach either
-            if e.errno not in (13, 2) or target == "/":
-                raise
-
-
-def private_workdir(workdir, staging_fd, uid, gid, size):
-    opts = f"size={size},nr_inodes={max(1024, size // 4096)},mode=0700,uid={uid},gid={gid}"
-    mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, opts)
-    src = f"/proc/self/fd/{staging_fd}"
-    for root, dirs, files in os.walk(src):
-        rel = os.path.relpath(root, src)
-        dst = os.path.normpath(os.path.join(workdir, rel))
-        for d in dirs:
-            os.mkdir(os.path.join(dst, d), 0o700)
-            os.chown(os.path.join(dst, d), uid, gid)
-        for name in files:
-            with open(os.path.join(root, name), "rb") as fin, open(os.path.join(dst, name), "wb") as fout:
-                fout.write(fin.read())
-            os.chown(os.path.join(dst, name), uid, gid)
-    if os.path.isdir("/dev/shm"):
-        mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=1777")
-
-
-def exec_program(init_pid, uid, gid):
-    lim = spec["limits"]
-    for res, value in ((resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1)),
-                       (resource.RLIMIT_AS, (lim["memory_bytes"],) * 2),
-                       (resource.RLIMIT_NPROC, (lim["processes"],) * 2),
-                       (resource.RLIMIT_FSIZE, (lim["file_bytes"],) * 2),
-                       (resource.RLIMIT_NOFILE, (lim["open_files"],) * 2),
-                       (resource.RLIMIT_CORE, (0, 0))):
-        resource.setrlimit(res, value)
-    if spec["drop_uid"]:
-        os.setgroups([])
-        os.setgid(gid)
-        os.setuid(uid)
-    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
-    if os.getppid() != init_pid:
-        os._exit(INFRA)
-    os.chdir(spec["workdir"])
-    for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores these, and exec keeps ignored signals
-        signal.signal(sig, signal.SIG_DFL)
-    os.set_inheritable(status_fd, False)  # closed by execve, open until then for errors
-    os.closerange(3, status_fd)
-    os.closerange(status_fd + 1, 1 << 16)
-    os.execve(spec["argv"][0], spec["argv"], spec["env"])
-
-
-def run_init(alive_r, uid, gid):
-    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
-    os.set_blocking(alive_r, False)
-    try:
-        if os.read(alive_r, 1) == b"":
-            os._exit(INFRA)  # the launcher died before the death signal was armed
-    except BlockingIOError:
-        pass
-    if spec["ns"]["pid"] and spec["ns"]["mount"]:
-        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    init_pid = os.getpid()
-    child = os.fork()
-    if child == 0:
-        try:
-            exec_program(init_pid, uid, gid)
-        except BaseException as e:
-            report(error=f"exec {spec['argv'][0]}: {e}")
-        finally:
-            os._exit(INFRA)
-    while True:
-        pid, status, usage = os.wait4(-1, 0)
-        if pid == child:
-            report(exit=os.waitstatus_to_exitcode(status), cpu_s=usage.ru_utime + usage.ru_stime)
-            os._exit(0)
-
-
-INFRA = spec["infra_exit"]
-try:
-    ns = spec["ns"]
-    staging_fd = os.open(spec["workdir"], os.O_RDONLY | os.O_DIRECTORY)
-    enter_namespaces(ns)
-    uid, gid = (INNER_ID, INNER_ID) if ns["user"] else (spec["uid"], spec["gid"])
-    if ns["mount"]:
-        readonly_mounts()
-        private_workdir(spec["workdir"], staging_fd, uid, gid, spec["limits"]["disk_bytes"])
-    os.close(staging_fd)
-    alive_r, alive_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(alive_w)
-        try:
-            run_init(alive_r, uid, gid)
-        except BaseException as e:
-            report(error=f"init: {e}")
-        finally:
-            os._exit(INFRA)
-    os.close(alive_r)
-    _, status = os.waitpid(pid, 0)
-    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else INFRA)
-except BaseException as e:
-    report(error=f"launcher: {e}")
-    os._exit(INFRA)
-"""
+# The launcher runs as `python -I -S -c LAUNCHER_SOURCE <spec json>`: stdlib only, small imports.
+LAUNCHER_SOURCE = (Path(__file__).parent / "sandbox_launcher.py").read_text()
 
 
 class Status(enum.StrEnum):
@@ -490,7 +334,7 @@ def _execute(job: Job, limits: Limits, iso: Isolation, python: str, workdir_root
         start = time.monotonic()
         try:
             proc = subprocess.Popen(
-                [python, "-I", "-S", "-c", _LAUNCHER, json.dumps(spec)],
+                [python, "-I", "-S", "-c", LAUNCHER_SOURCE, json.dumps(spec)],
                 stdin=subprocess.PIPE if job.stdin is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,),
                 start_new_session=True, env={}, cwd="/")

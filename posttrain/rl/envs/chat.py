@@ -1,0 +1,128 @@
+"""Chat environments on token ids: the prompt through the tokenizer's chat template, model turns
+checked against a per-turn token budget, the final answer scored by the reward function.
+
+`SingleTurnEnv` is one model turn whose text is the answer (math, code with tests). `ChatEnv`
+holds what multi-turn environments share: turn bookkeeping, the trajectory, scoring, and
+`continuation`, the tokens the template puts between a model turn and the next one.
+
+A turn is well formed when it ends with one of the tokenizer's stop tokens (the sampler stops
+there). A turn that does not (it hit `max_turn_tokens`, or the sampler stopped for its own
+reasons) ends the episode unanswered: correctness 0, and `info["truncated"]` says why, so the
+loop can also filter such samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from posttrain.data.tokenizer import Tokenizer
+from posttrain.rl.envs.base import Step, Task, Trajectory
+from posttrain.rl.reward import RewardFunction, compose
+from posttrain.rl.verifiers.base import Verdict
+
+
+def continuation(tok: Tokenizer, messages: list[dict], new: list[dict]) -> list[int]:
+    """Tokens that follow the stop token ending the last (assistant) message of `messages`
+    when the `new` messages come next and the model's next turn starts.
+
+    That is what the chat template writes after the model's stop token (e.g. a newline), the
+    new messages, and the generation prompt. Requires a template that renders a conversation's
+    prefix as a prefix of the whole (the data layer needs the same for loss masks).
+    """
+    before, _ = tok.encode_chat(messages)
+    after, _ = tok.encode_chat(messages + new, add_generation_prompt=True)
+    if after[:len(before)] != before:
+        raise ValueError("the chat template renders the conversation differently when "
+                         f"{[m['role'] for m in new]} messages follow, so turns cannot be appended as tokens")
+    stops = [i for i, t in enumerate(before) if t in tok.stop_ids]
+    if not stops:
+        raise ValueError(f"the chat template ends an assistant turn with none of the stop tokens {tok.stop_ids}")
+    return before[stops[-1] + 1:] + after[len(before):]
+
+
+class ChatEnv:
+    """Shared machinery of chat environments (see module docstring); subclasses define `step`.
+
+    tok: the tokenizer whose chat template frames the turns; reward_fn: scores the final answer
+    (its verifiers decide the task types this env accepts); max_turn_tokens: the most tokens
+    the model may generate in one turn (pass it to the sampler as its max new tokens);
+    system_prompt: an optional system message before the task's prompt.
+    """
+
+    max_turns = 1
+
+    def __init__(self, tok: Tokenizer, reward_fn: RewardFunction, *, max_turn_tokens: int,
+                 system_prompt: str | None = None) -> None:
+        if max_turn_tokens <= 0:
+            raise ValueError(f"max_turn_tokens must be positive, got {max_turn_tokens}")
+        self.tok = tok
+        self.reward_fn = reward_fn
+        self.max_turn_tokens = max_turn_tokens
+        self.system_prompt = system_prompt
+        self._task: Task | None = None
+        self._traj: Trajectory | None = None
+        self._messages: list[dict] = []
+        self._done = False
+
+    def reset(self, task: Task) -> list[int]:
+        """Start an episode on `task`; returns the prompt tokens (ending with the generation prompt)."""
+        if type(task.target) not in self.reward_fn.verifiers:
+            raise TypeError(f"task {task.id!r}: the reward function has no verifier for "
+                            f"{type(task.target).__name__}; known: {[t.__name__ for t in self.reward_fn.verifiers]}")
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        self._messages = system + list(task.prompt)
+        ids, _ = self.tok.encode_chat(self._messages, add_generation_prompt=True)
+        self._task, self._done = task, False
+        self._traj = Trajectory(task.id, list(ids), [False] * len(ids), len(ids),
+                                info={"tool_calls": 0, "invalid_tool_calls": 0, "truncated": None})
+        return list(ids)
+
+    def trajectory(self) -> Trajectory:
+        """The current episode's trajectory (complete once `step` returned done)."""
+        if self._traj is None:
+            raise RuntimeError(f"{type(self).__name__}.trajectory() before reset()")
+        return self._traj
+
+    def _take(self, action: Sequence[int]) -> tuple[str, str | None]:
+        """Record the model's turn (cut to the token budget); returns its text and, when the
+        turn did not end with a stop token, why (`"turn_tokens"` or `"no_stop"`)."""
+        if self._traj is None or self._done:
+            raise RuntimeError(f"{type(self).__name__}.step() needs reset() first (episode "
+                               f"{'over' if self._done else 'not started'})")
+        kept = [int(t) for t in action[:self.max_turn_tokens]]
+        stops = [i for i, t in enumerate(kept) if t in self.tok.stop_ids]
+        if stops and stops[0] != len(kept) - 1:
+            raise ValueError(f"action has a stop token at position {stops[0]} of {len(kept)}: a turn "
+                             "must end at its first stop token")
+        self._traj.extend(kept, generated=True)
+        self._traj.turns += 1
+        text = self.tok.decode(kept)
+        self._messages.append({"role": "assistant", "content": text})
+        if stops:
+            return text, None
+        return text, "turn_tokens" if len(action) >= self.max_turn_tokens else "no_stop"
+
+    def _finish(self, answer: str, *, truncated: str | None = None) -> Step:
+        """End the episode: score `answer` (or score 0 correctness when truncated) with the
+        episode's tool-call counts, and store the reward in the trajectory."""
+        traj, info = self._traj, self._traj.info
+        kw: dict[str, Any] = {"num_tokens": traj.num_generated, "tool_calls": info["tool_calls"],
+                              "invalid_tool_calls": info["invalid_tool_calls"]}
+        if truncated is None:
+            reward = self.reward_fn.verify(self._task.target, answer, **kw)
+        else:
+            reward = compose(Verdict(0.0, False, f"truncated: {truncated}"), self.reward_fn.config, **kw)
+        info["truncated"] = truncated
+        traj.reward, self._done = reward, True
+        return Step([], reward, True, dict(info))
+
+
+class SingleTurnEnv(ChatEnv):
+    """One model turn, whose text is the answer (math: the final answer; code: a fenced block)."""
+
+    def step(self, action: list[int]) -> Step:
+        """Record the model's answer and score it; the episode is done."""
+        text, truncated = self._take(action)
+        return self._finish(text, truncated=truncated)
+
