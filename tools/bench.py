@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
 
 import jax
@@ -86,6 +87,83 @@ def bench_train(batch: int, seq: int, iters: int) -> list[dict]:
     return rows
 
 
+def _train_step(cfg, batch_size: int, seq_len: int):
+    """(step_fn, state) for `cfg` on one device."""
+    mesh = make_mesh(dict(data=1), devices=jax.devices()[:1])
+    rules = parse_rules({})
+    tx = make_optimizer(cfg.optim, 1000)
+    with use_sharding(mesh, rules):
+        graphdef, state, shardings = create_train_state(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), tx, mesh, rules)
+        step = jax.jit(make_train_step(graphdef, tx, functools.partial(lm_loss, moe_cfg=cfg.model.moe)),
+                       out_shardings=(shardings, None), donate_argnums=0)
+    return step, state
+
+
+def bench_sft_packing(batch: int, seq: int, iters: int) -> list[dict]:
+    """SFT on the same conversations with and without packing: useful (loss) tokens per second."""
+    import tempfile
+
+    from posttrain.data.pipeline import sft_batches
+    from posttrain.data.synthetic import ensure_arithmetic_file
+    from posttrain.data.tokenizer import ByteTokenizer
+
+    cfg = bench_configs()["dense"]
+    cfg.model.vocab_size = 512
+    path = os.path.join(tempfile.mkdtemp(), "sft.jsonl")
+    ensure_arithmetic_file(path, "sft", 4000, seed=0)
+    step, state = _train_step(cfg, batch, seq)
+    modes = {}
+    for packing in (False, True):
+        it = sft_batches(path, ByteTokenizer(), batch_size=batch, seq_len=seq, seed=0, packing=packing)
+        modes[packing] = [jax.device_put(next(it)) for _ in range(iters + 2)]
+    times = {False: [], True: []}
+    for i in range(iters + 2):             # interleaved, so machine noise hits both modes alike
+        for packing, batches in modes.items():
+            t = time.perf_counter()
+            state, m = step(state, batches[i])
+            m["loss"].block_until_ready()
+            if i >= 2:
+                times[packing].append(time.perf_counter() - t)
+    rows = []
+    for packing, batches in modes.items():
+        sec = float(np.median(times[packing]))
+        useful = np.mean([int(b["loss_mask"].sum()) for b in batches])
+        real = np.mean([int((b["segment_ids"] > 0).sum()) for b in batches])
+        rows.append({"name": f"sft packing={packing}", "step ms": sec * 1e3, "non-pad fraction": real / (batch * seq),
+                     "useful tokens/s": useful / sec})
+    rows.append({"name": "packed / unpacked useful tokens/s", "ratio": rows[1]["useful tokens/s"] / rows[0]["useful tokens/s"],
+                 "padding ratio": rows[1]["non-pad fraction"] / rows[0]["non-pad fraction"]})
+    return rows
+
+
+def bench_checkpoint(iters: int = 3) -> list[dict]:
+    """Time the training loop is blocked by a checkpoint save: asynchronous vs synchronous."""
+    import tempfile
+
+    from posttrain.train.checkpoint import Checkpointer
+    from posttrain.train.loop import CHECKPOINT_ITEMS
+
+    cfg = bench_configs()["dense"]
+    cfg.model.num_layers, cfg.model.embed_dim, cfg.model.mlp_dim = 8, 512, 2048
+    _, state = _train_step(cfg, 1, 8)
+    trees = {k: getattr(state, k) for k in CHECKPOINT_ITEMS}
+    mbytes = sum(x.nbytes for x in jax.tree.leaves(trees)) / 2**20
+    rows = []
+    for async_save in (False, True):
+        ckpt = Checkpointer(tempfile.mkdtemp(), every=1, keep=2, async_save=async_save)
+        blocked, total = [], []
+        for i in range(iters):
+            t = time.perf_counter()
+            ckpt.save(i + 1, trees)
+            blocked.append(time.perf_counter() - t)
+            ckpt.wait()
+            total.append(time.perf_counter() - t)
+        ckpt.close()
+        rows.append({"name": f"checkpoint async={async_save}", "state MiB": mbytes,
+                     "blocked ms": 1e3 * float(np.median(blocked)), "until on disk ms": 1e3 * float(np.median(total))})
+    return rows
+
+
 def print_rows(title: str, rows: list[dict]) -> None:
     print(f"\n### {title}  (jax {jax.__version__}, {jax.devices()[0].platform}, {jax.device_count()} devices)")
     for r in rows:
@@ -94,13 +172,20 @@ def print_rows(title: str, rows: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--section", default="train", choices=["train"])
+    p.add_argument("--section", default="train", choices=["train", "sft", "checkpoint", "sandbox", "all"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
-    if args.section == "train":
+    if args.section in ("train", "all"):
         print_rows("train step", bench_train(args.batch, args.seq, args.iters))
+    if args.section in ("sft", "all"):
+        print_rows("SFT packing", bench_sft_packing(args.batch, args.seq, args.iters))
+    if args.section in ("checkpoint", "all"):
+        print_rows("checkpoint save", bench_checkpoint())
+    if args.section in ("sandbox", "all"):
+        from posttrain.rl.sandbox_bench import sandbox_bench
+        print_rows("sandbox", sandbox_bench())
 
 
 if __name__ == "__main__":
