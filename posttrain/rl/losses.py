@@ -1,0 +1,185 @@
+"""Policy-gradient loss of the RLVR learner: PPO-style clipped surrogate and its switches.
+
+All inputs are per response token, [B, T] (B sequences padded to T), with `mask` [B, T] set on
+the tokens the policy generated. Log-probs are `train.losses.token_logprobs` of those tokens:
+`logp` under the policy being updated, `old_logp` under the proximal policy (the learner's weights
+before this update), `behav_logp` as recorded by the sampler that generated the rollout (possibly
+an older version), `ref_logp` under the frozen reference policy.
+
+- Clipped surrogate (Schulman et al. 2017) with separate low/high clip ranges (DAPO's clip-higher);
+  the ratio per token, or per sequence as the geometric mean of token ratios (GSPO).
+- KL to the reference as a loss term with Schulman's k1/k2/k3 estimators (as a reward penalty:
+  `advantages.kl_penalized_rewards` / `kl_penalized_advantages`).
+- Decoupled off-policy correction: truncated importance weights π_prox / π_behav per token.
+- Entropy bonus; loss aggregation token-mean | seq-mean-token-sum | seq-mean-token-mean.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+RATIO_LEVELS = ("token", "sequence")
+
+
+def kl_estimate(logp: jax.Array, ref_logp: jax.Array, estimator: str = "k3") -> jax.Array:
+    """Per-token estimate of KL(π ‖ π_ref) from tokens sampled from π (Schulman 2020): [B, T] → [B, T].
+
+    With log r = ref_logp − logp: k1 = −log r (unbiased, can be negative), k2 = ½ (log r)²
+    (low variance, biased), k3 = (r − 1) − log r (unbiased and ≥ 0; GRPO's loss term).
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator={estimator!r}: expected one of {KL_ESTIMATORS}")
+    log_r = ref_logp.astype(jnp.float32) - logp.astype(jnp.float32)
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r ** 2
+    return jnp.expm1(log_r) - log_r
+
+
+def entropy_from_logits(logits: jax.Array) -> jax.Array:
+    """Entropy of the next-token distribution, float32: logits [B, T, V] → [B, T]."""
+    logits = logits.astype(jnp.float32)
+    return jax.nn.logsumexp(logits, axis=-1) - (jax.nn.softmax(logits, axis=-1) * logits).sum(axis=-1)
+
+
+def importance_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array, level: str = "token") -> jax.Array:
+    """π / π_old per token, [B, T] → [B, T] (1 off the mask).
+
+    level="sequence" (GSPO, Zheng et al. 2025): every token of sequence i carries the geometric
+    mean of its token ratios, s_i = exp(mean_t (logp − old_logp)), in GSPO-token form
+    sg[s_i] · π_t / sg[π_t]: the value is s_i and the gradient s_i · ∇logp_t, so with sequence
+    advantages and seq-mean-token-mean aggregation the loss is GSPO's.
+    """
+    if level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level={level!r}: expected one of {RATIO_LEVELS}")
+    mask = mask.astype(bool)
+    logp, old_logp = logp.astype(jnp.float32), old_logp.astype(jnp.float32)
+    log_ratio = jnp.where(mask, logp - old_logp, 0.0)
+    if level == "sequence":
+        m = mask.astype(jnp.float32)
+        seq = log_ratio.sum(axis=-1, keepdims=True) / jnp.maximum(m.sum(axis=-1, keepdims=True), 1.0)
+        log_ratio = jnp.where(mask, jax.lax.stop_gradient(seq) + logp - jax.lax.stop_gradient(logp), 0.0)
+    return jnp.exp(log_ratio)
+
+
+def clipped_surrogate(ratio: jax.Array, advantages: jax.Array, *, clip_low: float,
+                      clip_high: float) -> jax.Array:
+    """PPO clipped objective as a per-token loss: −min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A).
+
+    ratio [B, T]; advantages [B, T] (or broadcastable) → [B, T]. clip_high > clip_low is DAPO's
+    clip-higher, which leaves room for unlikely tokens to gain probability.
+    """
+    clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return -jnp.minimum(ratio * advantages, clipped * advantages)
+
+
+def truncated_is_weights(prox_logp: jax.Array, behav_logp: jax.Array, cap: float) -> jax.Array:
+    """Off-policy correction w = min(π_prox / π_behav, cap) per token, no gradient: [B, T] → [B, T].
+
+    Rollouts sampled by an older policy version (or by a sampler whose numerics differ from the
+    learner's) are reweighted towards the proximal policy; the cap bounds the variance (truncated
+    IS, as in IMPALA / decoupled PPO).
+    """
+    w = jnp.exp(prox_logp.astype(jnp.float32) - behav_logp.astype(jnp.float32))
+    return jax.lax.stop_gradient(jnp.minimum(w, cap))
+
+
+def aggregate(values: jax.Array, mask: jax.Array, mode: str, max_len_norm: float | None = None) -> jax.Array:
+    """Reduce a per-token loss [B, T] to a scalar over the masked tokens.
+
+    token-mean (DAPO): Σ_{i,t} v / Σ_{i,t} 1 — every token weighs the same.
+    seq-mean-token-mean (GRPO): mean_i (Σ_t v / |y_i|) — every sequence weighs the same.
+    seq-mean-token-sum (Dr. GRPO): mean_i Σ_t v / max_len_norm — no length normalisation per
+    sequence; the constant (e.g. the max response length) only sets the scale (default 1).
+    Sequences are the rows with at least one masked token (padding rows do not count).
+    """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"aggregation={mode!r}: expected one of {AGGREGATIONS}")
+    if max_len_norm is not None and mode != "seq-mean-token-sum":
+        raise ValueError(f"max_len_norm={max_len_norm} applies to aggregation='seq-mean-token-sum' only, "
+                         f"not {mode!r}")
+    mask = mask.astype(bool)
+    m = mask.astype(jnp.float32)
+    total = jnp.where(mask, values, 0.0)
+    if mode == "token-mean":
+        return total.sum() / jnp.maximum(m.sum(), 1.0)
+    tokens = m.sum(axis=-1)
+    per_seq = total.sum(axis=-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / jnp.maximum(tokens, 1.0)
+    elif max_len_norm is not None:
+        per_seq = per_seq / max_len_norm
+    return per_seq.sum() / jnp.maximum((tokens > 0).sum(), 1)
+
+
+def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array, *,
+                clip_low: float, clip_high: float, ratio_level: str = "token", aggregation: str = "token-mean",
+                max_len_norm: float | None = None, ref_logp: jax.Array | None = None, kl_coef: float = 0.0,
+                kl_estimator: str = "k3", behav_logp: jax.Array | None = None, is_cap: float | None = None,
+                entropy: jax.Array | None = None, entropy_coef: float = 0.0) -> tuple[jax.Array, dict]:
+    """The learner's loss: clipped surrogate (× truncated IS weight) + β·KL − α·entropy.
+
+    logp, old_logp, mask [B, T]; advantages [B] (one per sequence) or [B, T] (per token, e.g.
+    `kl_penalized_advantages`). Optional, all [B, T]: ref_logp (needed when kl_coef > 0; with
+    kl_coef = 0 it only feeds the `rl/kl` metric), behav_logp with is_cap (the IS weight
+    π_old / π_behav multiplies the surrogate only), entropy (`entropy_from_logits` of the policy's
+    logits; needed when entropy_coef > 0). Every term is reduced with `aggregation`; the
+    coefficients and string switches are Python values (static under jit).
+
+    Returns (loss, metrics): `rl/loss`, `rl/pg_loss`, `rl/clip_frac_low` / `_high` (tokens
+    where the clip zeroes the gradient: r < 1 − clip_low with A < 0, r > 1 + clip_high with A > 0),
+    `rl/ratio_*`, `rl/adv_*` (mean/min/max), `rl/is_weight_*`, `rl/is_truncated_frac`, `rl/kl`,
+    `rl/entropy`; all over the masked tokens.
+    """
+    if kl_coef and ref_logp is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logp (reference policy log-probs)")
+    if entropy_coef and entropy is None:
+        raise ValueError(f"entropy_coef={entropy_coef} needs entropy (entropy_from_logits of the policy)")
+    if behav_logp is not None and is_cap is None:
+        raise ValueError("behav_logp needs is_cap (the truncation of the importance weights)")
+    mask = mask.astype(bool)
+    adv = advantages[:, None] if advantages.ndim == 1 else advantages
+    adv = jnp.broadcast_to(adv.astype(jnp.float32), mask.shape)
+    ratio = importance_ratio(logp, old_logp, mask, ratio_level)
+    per_token = clipped_surrogate(ratio, adv, clip_low=clip_low, clip_high=clip_high)
+    metrics = {
+        "rl/clip_frac_low": _masked_mean((ratio < 1.0 - clip_low) & (adv < 0), mask),
+        "rl/clip_frac_high": _masked_mean((ratio > 1.0 + clip_high) & (adv > 0), mask),
+        **_masked_stats("rl/ratio", ratio, mask),
+        **_masked_stats("rl/adv", adv, mask),
+    }
+    if behav_logp is not None:
+        w = truncated_is_weights(old_logp, behav_logp, is_cap)
+        per_token = w * per_token
+        metrics.update(_masked_stats("rl/is_weight", w, mask))
+        metrics["rl/is_truncated_frac"] = _masked_mean(old_logp - behav_logp > jnp.log(is_cap), mask)
+    pg_loss = aggregate(per_token, mask, aggregation, max_len_norm)
+    loss = pg_loss
+    metrics["rl/pg_loss"] = pg_loss
+    if ref_logp is not None:
+        kl = kl_estimate(logp, ref_logp, kl_estimator)
+        metrics["rl/kl"] = _masked_mean(kl, mask)
+        if kl_coef:
+            loss = loss + kl_coef * aggregate(kl, mask, aggregation, max_len_norm)
+    if entropy is not None:
+        metrics["rl/entropy"] = _masked_mean(entropy, mask)
+        if entropy_coef:
+            loss = loss - entropy_coef * aggregate(entropy, mask, aggregation, max_len_norm)
+    metrics["rl/loss"] = loss
+    return loss, metrics
+
+
+def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean of x [B, T] over the masked tokens, float32."""
+    return jnp.where(mask, x, 0).astype(jnp.float32).sum() / jnp.maximum(mask.sum(), 1)
+
+
+def _masked_stats(name: str, x: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
+    """`{name}_mean`, `_min`, `_max` of x [B, T] over the masked tokens (no gradient)."""
+    x = jax.lax.stop_gradient(x)
+    return {f"{name}_mean": _masked_mean(x, mask), f"{name}_min": jnp.where(mask, x, jnp.inf).min(),
+            f"{name}_max": jnp.where(mask, x, -jnp.inf).max()}
