@@ -86,5 +86,11 @@ def base_config() -> ml_collections.ConfigDict:
     cfg.reward_model = stage()
     cfg.dpo = stage(beta=0.1, loss_type="sigmoid", label_smoothing=0.0)
     cfg.pipeline = ml_collections.ConfigDict(dict(stages=("sft", "dpo")))
+    cfg.lora = ml_collections.ConfigDict(dict(
+        rank=0,                    # 0: full fine-tuning; > 0: train only low-rank adapters
+        alpha=16.0,                # adapters scaled by alpha / rank
+        targets=("q", "k", "v", "o"),   # any of q k v o gate up down w_gate w_up w_down
+        dropout=0.0,               # not supported (adapters are merged into the weights)
+    ))
     cfg.lock()
     return cfg

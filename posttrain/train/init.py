@@ -41,7 +41,7 @@ def overlay(target: nnx.State, source: nnx.State) -> nnx.State:
 
     Lets a reward model (decoder + value head) start from a plain decoder checkpoint.
     """
-    flat = dict(source.flat_state())
+    flat = dict(nnx.to_flat_state(source))
     def pick(path, v):
         if path in flat:
             new = flat[path]
@@ -49,4 +49,4 @@ def overlay(target: nnx.State, source: nnx.State) -> nnx.State:
                 raise ValueError(f"init_from: {'/'.join(map(str, path))} has shape {new.shape}, model expects {v.shape}")
             return new
         return v
-    return nnx.from_flat_state([(p, pick(p, v)) for p, v in target.flat_state()])
+    return nnx.from_flat_state([(p, pick(p, v)) for p, v in nnx.to_flat_state(target)])

@@ -24,7 +24,7 @@ from posttrain.parallel import make_mesh, named_sharding, parse_rules, use_shard
 from posttrain.train.checkpoint import Checkpointer, abstract_with_shardings
 from posttrain.train.metrics import MetricsWriter
 from posttrain.train.optim import lr_schedule, make_optimizer
-from posttrain.train.state import TrainState, create_train_state
+from posttrain.train.state import TrainState, create_train_state, model_params
 from posttrain.train.step import make_train_step
 
 
@@ -65,9 +65,10 @@ def put_batch(batch: dict, axes: dict[str, tuple[str, ...]] | None = None) -> di
 CHECKPOINT_ITEMS = ("params", "rest", "opt_state")   # the step is the checkpoint's own number
 
 
-def run_eval(stage: Stage, graphdef: nnx.GraphDef, state: TrainState) -> dict:
+def run_eval(stage: Stage, graphdef: nnx.GraphDef, state: TrainState, lora_cfg=None) -> dict:
     """The stage's evaluation on the current weights, keys prefixed `eval/`."""
-    return {f"eval/{k}": float(v) for k, v in stage.eval_fn(nnx.merge(graphdef, state.params, state.rest)).items()}
+    model = nnx.merge(graphdef, model_params(state, lora_cfg), state.rest)
+    return {f"eval/{k}": float(v) for k, v in stage.eval_fn(model).items()}
 
 
 def train(cfg, stage: Stage) -> Result:
@@ -83,17 +84,19 @@ def train(cfg, stage: Stage) -> Result:
     writer = MetricsWriter(cfg.workdir, enabled=jax.process_index() == 0, resume_step=start)
     rows, evals = [], {}
     with use_sharding(mesh, rules):
-        graphdef, state, shardings = create_train_state(stage.make_model, tx, mesh, rules)
+        graphdef, state, shardings = create_train_state(stage.make_model, tx, mesh, rules, cfg.lora, cfg.seed)
+        lora_on = state.frozen is not None
+        if stage.init_model is not None and (lora_on or not start):
+            # Under LoRA the starting weights are the frozen base, needed on resume too.
+            weights, rest = stage.init_model(state.frozen if lora_on else state.params, state.rest)
+            state = state.replace(rest=rest, **({"frozen": weights} if lora_on else {"params": weights}))
         if start:
             abstract = abstract_with_shardings(jax.eval_shape(lambda: state), shardings)
             trees, data_state, _ = ckpt.restore(start, {k: getattr(abstract, k) for k in CHECKPOINT_ITEMS})
-            state = TrainState(step=jnp.asarray(start, jnp.int32), **trees)
+            state = state.replace(step=jnp.asarray(start, jnp.int32), **trees)
             if hasattr(stage.batches, "set_state"):
                 stage.batches.set_state(data_state)
-        elif stage.init_model is not None:
-            params, rest = stage.init_model(state.params, state.rest)
-            state = state.replace(params=params, rest=rest)   # Adam moments start at zero either way
-        step_fn = jax.jit(make_train_step(graphdef, tx, stage.loss_fn, schedule),
+        step_fn = jax.jit(make_train_step(graphdef, tx, stage.loss_fn, schedule, cfg.lora),
                           out_shardings=(shardings, None), donate_argnums=0)
         bar = tqdm(range(start, steps), desc=stage.name, initial=start, total=steps,
                    disable=not cfg.train.progress or jax.process_index() != 0)
@@ -112,14 +115,14 @@ def train(cfg, stage: Stage) -> Result:
                 t0, last = now, step
             done = step + 1
             if stage.eval_fn is not None and (done == steps or cfg.train.eval_every and done % cfg.train.eval_every == 0):
-                evals = run_eval(stage, graphdef, state)
+                evals = run_eval(stage, graphdef, state, cfg.lora)
                 rows.append(writer.write(step, evals))
             if ckpt.should_save(done, steps):
                 data_state = stage.batches.get_state() if hasattr(stage.batches, "get_state") else {}
                 ckpt.save(done, {k: getattr(state, k) for k in CHECKPOINT_ITEMS}, data=data_state,
                           meta={"seed": cfg.seed, "stage": stage.name})
         if stage.eval_fn is not None and not evals:      # resumed after the last step: gates still need it
-            evals = run_eval(stage, graphdef, state)
+            evals = run_eval(stage, graphdef, state, cfg.lora)
     ckpt.close()
     writer.close()
     logging.info("%s: finished %d steps in %s", stage.name, steps, cfg.workdir)

@@ -11,16 +11,37 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from posttrain.models import lora
 from posttrain.parallel.sharding import Rules, logical_spec
 
 
 @flax.struct.dataclass
 class TrainState:
-    """Everything a train step updates. `rest` holds non-trainable model variables (router biases)."""
+    """Everything a train step uses. `params` are what the optimizer trains (all weights, or only
+    LoRA adapters); `rest` holds non-trainable model variables (router biases); `frozen` is the
+    base weights under LoRA (None otherwise), never updated or checkpointed."""
     step: jax.Array
-    params: nnx.State
+    params: Any
     rest: nnx.State
     opt_state: optax.OptState
+    frozen: nnx.State | None = None
+
+
+def lora_scale(lora_cfg) -> float | None:
+    """alpha / rank when LoRA is on (rank > 0), else None."""
+    if lora_cfg is None or lora_cfg.rank <= 0:
+        return None
+    if lora_cfg.dropout:
+        raise ValueError(f"lora.dropout={lora_cfg.dropout}: not supported (adapters are merged into the "
+                         "weights, so there is no adapter activation to drop); set it to 0")
+    return lora_cfg.alpha / lora_cfg.rank
+
+
+def model_params(state: TrainState, lora_cfg=None) -> nnx.State:
+    """The weights the model runs with: params, or frozen base + merged LoRA adapters."""
+    if state.frozen is None:
+        return state.params
+    return lora.merge(state.frozen, state.params, lora_scale(lora_cfg))
 
 
 def shardings_for(tree: Any, mesh: Mesh, rules: Rules) -> Any:
@@ -52,15 +73,23 @@ def abstract_model(make_model: Callable[[], nnx.Module]) -> nnx.Module:
 
 
 def create_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation,
-                       mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef, TrainState, TrainState]:
+                       mesh: Mesh, rules: Rules, lora_cfg=None,
+                       seed: int = 0) -> tuple[nnx.GraphDef, TrainState, TrainState]:
     """Initialise model and optimizer directly into their shardings (no host copy of the weights).
 
-    Returns (graphdef, state, state_shardings).
+    With LoRA (`lora_cfg.rank > 0`) the optimizer trains adapters on `lora_cfg.targets` and the
+    initial weights become the frozen base. Returns (graphdef, state, state_shardings).
     """
+    scale = lora_scale(lora_cfg)
+
     def init() -> TrainState:
         _, params, rest = nnx.split(make_model(), nnx.Param, ...)
+        frozen = None
+        if scale is not None:
+            frozen, params = params, lora.init_adapters(params, lora_cfg.targets, lora_cfg.rank,
+                                                        jax.random.key(seed))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
-                          opt_state=tx.init(params))
+                          opt_state=tx.init(params), frozen=frozen)
 
     graphdef = nnx.graphdef(abstract_model(make_model))
     shardings = shardings_for(jax.eval_shape(init), mesh, rules)

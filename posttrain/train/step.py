@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from posttrain.train.state import TrainState
+from posttrain.models import lora
+from posttrain.train.state import TrainState, lora_scale
 
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 BATCH_AXES = ("batch", "length")
@@ -39,27 +40,28 @@ def lm_loss(model: nnx.Module, batch: dict, moe_cfg, *, update_bias: bool = True
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn,
-                    schedule: optax.Schedule | None = None):
+                    schedule: optax.Schedule | None = None, lora_cfg=None):
     """A pure `(state, batch, *extra) -> (state, metrics)` for `jax.jit`.
 
     loss_fn(model, batch, *extra) -> (loss, metrics). Non-trainable model variables the forward
     pass updates (router biases for aux-loss-free balancing) are carried into the new state;
-    they are not trained by the gradient.
+    they are not trained by the gradient. Under LoRA the gradient reaches only the adapters.
     """
-    def wrapped(params, rest, batch, *extra):
-        model = nnx.merge(graphdef, params, rest)
+    def wrapped(params, frozen, rest, batch, *extra):
+        weights = params if frozen is None else lora.merge(frozen, params, lora_scale(lora_cfg))
+        model = nnx.merge(graphdef, weights, rest)
         loss, metrics = loss_fn(model, batch, *extra)
         _, _, new_rest = nnx.split(model, nnx.Param, ...)
         return loss, (metrics, new_rest)
 
     def train_step(state: TrainState, batch: dict, *extra) -> tuple[TrainState, dict]:
         grad_fn = jax.value_and_grad(wrapped, has_aux=True)
-        (_, (metrics, rest)), grads = grad_fn(state.params, state.rest, batch, *extra)
+        (_, (metrics, rest)), grads = grad_fn(state.params, state.frozen, state.rest, batch, *extra)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics["grad_norm"] = optax.tree.norm(grads)
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
-        return TrainState(step=state.step + 1, params=params, rest=rest, opt_state=opt_state), metrics
+        return state.replace(step=state.step + 1, params=params, rest=rest, opt_state=opt_state), metrics
 
     return train_step
