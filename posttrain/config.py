@@ -86,6 +86,34 @@ def base_config() -> ml_collections.ConfigDict:
     cfg.reward_model = stage()
     cfg.dpo = stage(beta=0.1, loss_type="sigmoid", label_smoothing=0.0)
     cfg.pipeline = ml_collections.ConfigDict(dict(stages=("sft", "dpo")))
+    cfg.rl = ml_collections.ConfigDict(dict(
+        domains="arithmetic",      # task mixture "name[:weight],...": arithmetic, gsm8k, humaneval
+        instruction="",            # appended to math prompts (e.g. "Give the final answer as \\boxed{}.")
+        arithmetic_size=2000,      # generated training problems (held-out ones use another seed)
+        eval_size=128,             # held-out problems per domain
+        eval_every=10,             # evaluate every n updates (and at start and end); 0: never
+        eval_samples=4,            # samples per held-out problem for mean accuracy and pass@k
+        prompts_per_step=8,        # groups per update
+        group_size=8,              # G samples per prompt
+        max_new_tokens=32,
+        temperature=1.0, top_k=0, top_p=1.0,
+        advantage="grpo",          # grpo | drgrpo (no std) | rloo
+        clip_low=0.2, clip_high=0.28,   # DAPO clip-higher
+        ratio_level="token",       # token | sequence (GSPO)
+        aggregation="token-mean",  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+        kl_coef=0.0,               # 0: no reference policy is held at all
+        kl_estimator="k3",
+        entropy_coef=0.0,
+        is_cap=2.0,                # truncation of importance weights π_learner / π_sampler
+        max_staleness=0,           # 0: on-policy, synchronous; >= 1: sampling overlaps updates
+        filter_groups=False,       # dynamic sampling: resample groups whose rewards are all equal
+        max_resample_rounds=2,
+        format_penalty=0.0,
+        overlong_buffer=0,         # DAPO overlong shaping ramp (tokens before max_new_tokens)
+        verifier_workers=4,
+        verifier_delay=0.0,        # benchmarks only: extra host seconds per verified response
+        steps=0, lr=0.0, gate=gate,     # as for the other stages
+    ))
     cfg.lora = ml_collections.ConfigDict(dict(
         rank=0,                    # 0: full fine-tuning; > 0: train only low-rank adapters
         alpha=16.0,                # adapters scaled by alpha / rank

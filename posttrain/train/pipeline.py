@@ -13,7 +13,13 @@ import re
 
 from posttrain.train import stages as stage_lib
 
-RUNNERS = {"sft": stage_lib.sft, "reward_model": stage_lib.reward_model, "dpo": stage_lib.dpo}
+def _rlvr(cfg):
+    from posttrain.rl import loop
+    return loop.run(cfg)
+
+
+RUNNERS = {"sft": stage_lib.sft, "reward_model": stage_lib.reward_model, "dpo": stage_lib.dpo, "rlvr": _rlvr}
+SECTION = {"rlvr": "rl"}          # the config section of a stage, where it differs from its name
 _OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 _GATE = re.compile(r"^\s*([\w/.\-]+)\s*(<=|>=|<|>)\s*([-+0-9.eE]+)\s*$")
 
@@ -56,6 +62,6 @@ def run(cfg) -> dict:
         result = RUNNERS[name](stage_config(cfg, name, workdir, init_from))
         metrics = {**(result.rows[-1] if result.rows else {}), **result.eval}
         results[name] = metrics
-        logging.info(check_gate(name, cfg[name].gate, metrics))
+        logging.info(check_gate(name, cfg[SECTION.get(name, name)].gate, metrics))
         init_from = workdir
     return results
