@@ -57,6 +57,20 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     return out.reshape(b, s, h, d)
 
 
+def write_cache_rows(cache: jax.Array, new: jax.Array, layer: jax.Array, positions: jax.Array) -> jax.Array:
+    """cache [L, B, T, K, Dh] with cache[layer, b, positions[b]] = new[b] (new: [B, K, Dh]).
+
+    One scatter whose batch dimension is b (`operand_batching_dims`): it partitions along a
+    sharded batch without gathering and updates a loop-carried cache in place.
+    """
+    indices = jnp.stack([jnp.broadcast_to(layer, positions.shape), positions], axis=-1)   # [B, 2]
+    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2), inserted_window_dims=(0, 2),
+                                           scatter_dims_to_operand_dims=(0, 2), operand_batching_dims=(1,),
+                                           scatter_indices_batching_dims=(0,))
+    return jax.lax.scatter(cache, indices.astype(jnp.int32), new.astype(cache.dtype), dims,
+                           indices_are_sorted=True, unique_indices=True)
+
+
 class Attention(nnx.Module):
     """Multi-head attention with grouped KV heads (GQA), RoPE and optional QK-norm (Qwen3)."""
 
@@ -102,5 +116,31 @@ class Attention(nnx.Module):
         return jnp.einsum("bshk,hkd->bsd", attn, self.o[...].astype(self.dtype))
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        return self.prefill(x, positions, segment_ids)[0]
+
+    def prefill(self, x: jax.Array, positions: jax.Array,
+                segment_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Attention over the whole sequence that also returns its keys and values (for a KV cache).
+
+        x: [B, S, D] → (out [B, S, D], k [B, S, K, Dh], v [B, S, K, Dh]).
+        """
         q, k, v = self.project_qkv(x, positions)
-        return self.output(dot_product_attention(q, k, v, attention_mask(segment_ids)))
+        return self.output(dot_product_attention(q, k, v, attention_mask(segment_ids))), k, v
+
+    def decode(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+               layer: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One new token per row against a layer-stacked KV cache whose index is the position.
+
+        x: [B, 1, D]; positions: [B] (int), the new token's position and cache index;
+        k_cache, v_cache: [L, B, T, K, Dh]; layer: scalar index into L. Writes the token's key and
+        value at [layer, b, positions[b]] (in place: one row per batch element), attends to
+        cache entries 0..positions[b] and returns (out [B, 1, D], k_cache, v_cache).
+        """
+        q, k, v = self.project_qkv(x, positions[:, None])
+        k_cache = write_cache_rows(k_cache, k[:, 0], layer, positions)
+        v_cache = write_cache_rows(v_cache, v[:, 0], layer, positions)
+        keys = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)      # [B, T, K, Dh]
+        values = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
+        mask = jnp.arange(k_cache.shape[2])[None, :] <= positions[:, None]           # [B, T]
+        out = dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask[:, None, None, :])
+        return self.output(out), k_cache, v_cache

@@ -75,12 +75,28 @@ class Block(nnx.Module):
     def __call__(self, x, positions, segment_ids, update_bias: bool = False):
         """x: [B, S, D] → ([B, S, D], MoE aux dict or {})."""
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        return self._feed_forward(x, update_bias)
+
+    def _feed_forward(self, x, update_bias: bool = False):
+        """x + mlp_or_moe(norm(x)): [B, S, D] → ([B, S, D], MoE aux dict or {})."""
         h = self.mlp_norm(x)
         if self.is_moe:
             h, aux = self.mlp(h, update_bias=update_bias)
         else:
             h, aux = self.mlp(h), {}
         return constrain(x + h, ("batch", "length", "embed")), aux
+
+    def prefill(self, x, positions, segment_ids):
+        """`__call__` that also returns the attention's keys and values: x [B, S, D] →
+        ([B, S, D], (k, v) each [B, S, K, Dh])."""
+        a, k, v = self.attn.prefill(self.attn_norm(x), positions, segment_ids)
+        return self._feed_forward(x + a)[0], (k, v)
+
+    def decode(self, x, positions, k_cache, v_cache, layer):
+        """One token per row against the KV cache (see `Attention.decode`): x [B, 1, D] →
+        ([B, 1, D], k_cache, v_cache)."""
+        a, k_cache, v_cache = self.attn.decode(self.attn_norm(x), positions, k_cache, v_cache, layer)
+        return self._feed_forward(x + a)[0], k_cache, v_cache
 
 
 class Unit(nnx.Module):
@@ -134,14 +150,69 @@ class Decoder(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         if segment_ids is None:
             segment_ids = jnp.ones_like(tokens)
-        table = constrain(self.embed[...], (None, None))  # all-gather (ZeRO-3), then a local row gather
-        x = jnp.take(table, tokens, axis=0).astype(self.dtype)
-        x = constrain(x, ("batch", "length", "embed"))
+        x = self._embed(tokens)
         moe_aux = []
         for stack in self.stacks:
             x, auxs = self._run_stack(stack, x, positions, segment_ids, update_bias)
             moe_aux += [a for a in auxs if a]
         return self.final_norm(x), _reduce_moe_aux(moe_aux)
+
+    def _embed(self, tokens):
+        """tokens [B, S] int → embeddings [B, S, D] in the compute dtype."""
+        table = constrain(self.embed[...], (None, None))  # all-gather (ZeRO-3), then a local row gather
+        x = jnp.take(table, tokens, axis=0).astype(self.dtype)
+        return constrain(x, ("batch", "length", "embed"))
+
+    def prefill(self, tokens, positions, segment_ids):
+        """The forward pass of a sampler's prompt: tokens [B, S] → (final-normed hidden [B, S, D], kv).
+
+        kv[segment][block] = (k, v), each [repeats, B, S, K, Dh]: the keys and values of every
+        layer, stacked like `stacks` (segment = one scanned stack, block = its place in the unit).
+        """
+        x = self._embed(tokens)
+        kv = []
+        for stack in self.stacks:
+            graphdef, state = nnx.split(stack)
+
+            def body(x, state):
+                unit = nnx.merge(graphdef, state)
+                kvs = []
+                for block in unit.blocks:
+                    x, block_kv = block.prefill(x, positions, segment_ids)
+                    kvs.append(block_kv)
+                return x, tuple(kvs)
+
+            x, stack_kv = jax.lax.scan(body, x, state)
+            kv.append(stack_kv)
+        return self.final_norm(x), tuple(kv)
+
+    def decode(self, tokens, positions, cache):
+        """One new token per row: tokens [B, 1], positions [B] → (final-normed hidden [B, 1, D], cache).
+
+        cache has `prefill`'s kv structure with each array [repeats, B, T, K, Dh] (T: capacity); a
+        token's cache index is its position. The new keys and values are written at `positions`
+        and each row attends to its entries 0..position. The cache is carried through the layer
+        scan and updated in place.
+        """
+        x = self._embed(tokens)
+        new_cache = []
+        for stack, stack_cache in zip(self.stacks, cache):
+            graphdef, state = nnx.split(stack)
+
+            def body(carry, xs):
+                x, kvs = carry
+                state, layer = xs
+                unit = nnx.merge(graphdef, state)
+                out = []
+                for block, (k, v) in zip(unit.blocks, kvs):
+                    x, k, v = block.decode(x, positions, k, v, layer)
+                    out.append((k, v))
+                return (x, tuple(out)), None
+
+            repeats = jax.tree.leaves(stack_cache)[0].shape[0]
+            (x, stack_cache), _ = jax.lax.scan(body, (x, stack_cache), (state, jnp.arange(repeats)))
+            new_cache.append(stack_cache)
+        return self.final_norm(x), tuple(new_cache)
 
     def _run_stack(self, stack: Unit, x, positions, segment_ids, update_bias):
         graphdef, state = nnx.split(stack)

@@ -1,0 +1,140 @@
+"""Sampler benchmarks, measured side by side in one run (called from `tools/bench.py`).
+
+- decode: KV-cached generation vs naive recomputation (a full forward pass per new token, also
+  in one compiled loop), in new tokens/s;
+- groups: G samples of a prompt with one shared prefill vs G prefills of the repeated prompt;
+- continuous vs static batching on a skewed length distribution, in useful tokens/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posttrain.config import base_config
+from posttrain.models.decoder import Decoder
+from posttrain.parallel import make_mesh, parse_rules, use_sharding
+from posttrain.sampling.continuous import ContinuousBatcher
+from posttrain.sampling.generate import generate
+from posttrain.sampling.rules import SamplingParams, sample_token
+
+
+def qwen3_tiny_configs() -> dict:
+    """Tiny Qwen3-style model configs: 4 layers, width 256, 8 heads of 32, 4 KV heads, QK-norm,
+    MLP 512, vocab 512; dense and 8 experts top-2 (expert MLP 512)."""
+    out = {}
+    for name, experts in (("dense", 0), ("moe-8x2", 8)):
+        cfg = base_config().model
+        cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads = 512, 256, 4, 8, 4
+        cfg.head_dim, cfg.mlp_dim, cfg.qk_norm = 32, 512, True
+        cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_mlp_dim = experts, 2, 512
+        out[name] = cfg
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "prompt_len"))
+def recompute_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, prompts: jax.Array,
+                      key: jax.Array, *, sampling: SamplingParams, prompt_len: int) -> jax.Array:
+    """Generation without a cache: prompts [B, P + M] (prompt in the first P) → tokens [B, P + M],
+    each new token from a full forward pass over the whole buffer, in one `fori_loop`."""
+    model = nnx.merge(graphdef, params, rest)
+    b, width = prompts.shape
+
+    def step(n, tokens):
+        length = prompt_len + n
+        segment_ids = jnp.broadcast_to(jnp.arange(width) < length, (b, width)).astype(jnp.int32)
+        logits = model(tokens, None, segment_ids)[0][:, length - 1]
+        keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(key, i), n))(jnp.arange(b))
+        new = jax.vmap(sample_token, in_axes=(0, 0, None))(keys, logits, sampling)[0]
+        return jax.lax.dynamic_update_slice_in_dim(tokens, new[:, None].astype(tokens.dtype), length, 1)
+
+    return jax.lax.fori_loop(0, sampling.max_new_tokens, step, prompts)
+
+
+def _best_seconds(fns: dict, iters: int) -> dict:
+    """Best wall seconds of each blocking `fn()` over `iters` rounds, after a warm-up
+    (compilation). Rounds interleave the functions, so load from other work on the machine
+    falls on all of them alike, and the best time is the least disturbed."""
+    for fn in fns.values():
+        fn()
+    best = {name: float("inf") for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best
+
+
+def skewed_limits(num: int, short: tuple[int, int], long: int, long_fraction: float, seed: int = 0) -> list[int]:
+    """New-token limits: most uniform in `short` (inclusive), a `long_fraction` at `long`."""
+    rng = np.random.default_rng(seed)
+    limits = rng.integers(short[0], short[1] + 1, num)
+    limits[rng.permutation(num)[:max(1, round(num * long_fraction))]] = long
+    return limits.tolist()
+
+
+def sampler_bench(*, batch: int = 16, prompt_len: int = 32, max_new: int = 64, group: int = 8,
+                  requests: int = 64, iters: int = 3, kinds: tuple[str, ...] = ("dense", "moe-8x2")) -> list[dict]:
+    """Rows of sampler timings on one device for the tiny Qwen3-style configs (see module doc)."""
+    mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
+    rng = np.random.default_rng(0)
+    rows = []
+    for kind in kinds:
+        graphdef, params, rest = nnx.split(Decoder(qwen3_tiny_configs()[kind], rngs=nnx.Rngs(0)), nnx.Param, ...)
+        prompts = rng.integers(3, 512, (requests, prompt_len)).astype(np.int32)
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new)
+        key = jax.random.key(0)
+        with use_sharding(mesh, rules):
+            def cached():
+                return generate(graphdef, params, rest, prompts[:batch], sampling, key)
+
+            buffer = np.pad(prompts[:batch], ((0, 0), (0, max_new)))
+            naive = recompute_program.lower(graphdef, params, rest, buffer, key, sampling=sampling,
+                                            prompt_len=prompt_len).compile()
+            t_cache = _best_seconds({"cache": cached}, iters)["cache"]
+            t0 = time.perf_counter()                      # once: it is slow, and already compiled
+            jax.block_until_ready(naive(params, rest, buffer, key))
+            t_naive = time.perf_counter() - t0
+            new_tokens = batch * max_new
+            rows += [{"name": f"decode {kind} kv-cache", "new tokens/s": new_tokens / t_cache, "ms": t_cache * 1e3},
+                     {"name": f"decode {kind} recompute", "new tokens/s": new_tokens / t_naive, "ms": t_naive * 1e3},
+                     {"name": f"decode {kind} cache speed-up", "x": t_naive / t_cache}]
+
+            for new in (1, max_new):
+                grouped = dataclasses.replace(sampling, max_new_tokens=new, num_samples=group)
+                single = dataclasses.replace(grouped, num_samples=1)
+                heads = prompts[:batch // group]
+                t = _best_seconds({"shared": lambda: generate(graphdef, params, rest, heads, grouped, key),
+                                   "each": lambda: generate(graphdef, params, rest, np.repeat(heads, group, 0),
+                                                            single, key)}, iters)
+                rows.append({"name": f"group G={group} {kind} {new} new", "shared prefill ms": t["shared"] * 1e3,
+                             "prefill per sample ms": t["each"] * 1e3, "x": t["each"] / t["shared"]})
+
+            limits = skewed_limits(requests, (2, 12), max_new, 1 / 8)
+            useful = sum(limits)
+
+            def static():
+                for i in range(0, requests, batch):
+                    generate(graphdef, params, rest, prompts[i:i + batch], sampling, key,
+                             max_new_tokens=limits[i:i + batch])
+
+            batcher = ContinuousBatcher(graphdef, sampling, num_slots=batch, prefill_batch=4)
+
+            def continuous():
+                for p, limit in zip(prompts, limits):
+                    batcher.submit(p, limit)
+                return batcher.run(params, rest, key)
+            t = _best_seconds({"static": static, "continuous": continuous}, iters)
+            rows += [{"name": f"skewed {kind} static", "useful tokens/s": useful / t["static"],
+                      "ms": t["static"] * 1e3},
+                     {"name": f"skewed {kind} continuous", "useful tokens/s": useful / t["continuous"],
+                      "ms": t["continuous"] * 1e3},
+                     {"name": f"skewed {kind} continuous speed-up", "x": t["static"] / t["continuous"]}]
+    return rows

@@ -1,0 +1,121 @@
+"""The device side of the sampler: prefill, one sampling step, one decode step, the decode loop.
+
+Everything here is traced inside one jitted program per (model, sampling params, bucketed shape).
+Decoding works on *slots*: rows of the KV cache, each holding one sample in flight. A slot knows
+its prompt length, how many tokens it has generated, whether it is done, the RNG id of its sample
+and the output row it writes to, so the same loop serves static batches (slot = sample) and
+continuous batching (slots refilled from a queue).
+"""
+
+from __future__ import annotations
+
+import flax
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posttrain.parallel.sharding import constrain
+from posttrain.sampling import kv_cache
+from posttrain.sampling.rules import SamplingParams, sample_token
+
+STOP_REASONS = ("stop", "length")  # stop token sampled | new-token limit reached
+
+
+@flax.struct.dataclass
+class Slots:
+    """Decode slots (S rows). `logits` are each slot's next-token logits."""
+    cache: tuple           # see kv_cache: [repeats, S, T, K, Dh] per layer
+    logits: jax.Array      # [S, V] float32
+    prompt_len: jax.Array  # [S] int32
+    step: jax.Array        # [S] int32: tokens generated so far
+    limit: jax.Array       # [S] int32: max new tokens of the sample (<= max_new_tokens)
+    done: jax.Array        # [S] bool: finished or empty
+    sample_id: jax.Array   # [S] int32: RNG stream of the sample (request id)
+    row: jax.Array         # [S] int32: output row of the sample
+
+
+@flax.struct.dataclass
+class Outputs:
+    """Per-sample results, R rows of up to M = max_new_tokens tokens."""
+    tokens: jax.Array             # [R, M] int32, pad after the end
+    logprobs: jax.Array           # [R, M] float32: policy log-probs (before temperature/filters), 0 after the end
+    sampling_logprobs: jax.Array  # [R, M] float32: under the distribution sampled from
+    lengths: jax.Array            # [R] int32
+    stop_reason: jax.Array        # [R] int32: index into STOP_REASONS
+
+    @classmethod
+    def empty(cls, rows: int, max_new: int, pad_id: int) -> Outputs:
+        """Buffers for `rows` samples before any token: pad tokens, zero log-probs and lengths."""
+        zeros = jnp.zeros((rows, max_new), jnp.float32)
+        return cls(jnp.full((rows, max_new), pad_id, jnp.int32), zeros, zeros,
+                   jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32))
+
+
+def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, tuple]:
+    """Right-padded prompts tokens [B, P] with lengths [B] (>= 1) → (next-token logits [B, V], kv).
+
+    Positions are 0..P-1 and padding has segment id 0, exactly as the learner lays out a row.
+    """
+    tokens = constrain(tokens, ("batch", "length"))
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
+    hidden, kv = model.prefill(tokens, positions, segment_ids)
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)     # [B, 1, D]
+    return model.logits(last)[:, 0], kv
+
+
+def sample_step(slots: Slots, out: Outputs, key: jax.Array, sampling: SamplingParams,
+                pad_id: int) -> tuple[Slots, Outputs, jax.Array]:
+    """Sample every live slot's next token from its logits and record it; returns the tokens [S]
+    to decode next (pad for done slots).
+
+    The RNG of a token is fold_in(fold_in(key, sample_id), token index), so a sample's draws do
+    not depend on its slot, its batch or when it started.
+    """
+    keys = jax.vmap(lambda i, n: jax.random.fold_in(jax.random.fold_in(key, i), n))(slots.sample_id, slots.step)
+    tokens, logprobs, sampling_lps = jax.vmap(sample_token, in_axes=(0, 0, None))(keys, slots.logits, sampling)
+    live = ~slots.done
+    rows = jnp.where(live, slots.row, out.tokens.shape[0])          # out of range: dropped
+    step = slots.step + live
+    stopped = live & jnp.isin(tokens, jnp.asarray(sampling.stop_ids, jnp.int32))
+    finished = stopped | (live & (step >= slots.limit))
+    end_rows = jnp.where(finished, slots.row, out.tokens.shape[0])
+    out = Outputs(tokens=out.tokens.at[rows, slots.step].set(tokens.astype(jnp.int32), mode="drop"),
+                  logprobs=out.logprobs.at[rows, slots.step].set(logprobs, mode="drop"),
+                  sampling_logprobs=out.sampling_logprobs.at[rows, slots.step].set(sampling_lps, mode="drop"),
+                  lengths=out.lengths.at[end_rows].set(step, mode="drop"),
+                  stop_reason=out.stop_reason.at[end_rows].set(jnp.where(stopped, 0, 1), mode="drop"))
+    slots = slots.replace(step=step, done=slots.done | finished)
+    return slots, out, jnp.where(live, tokens, pad_id).astype(jnp.int32)
+
+
+def decode_step(model: nnx.Module, slots: Slots, tokens: jax.Array) -> Slots:
+    """Feed each slot's last sampled token (tokens [S]) and store the next-token logits."""
+    capacity = jax.tree.leaves(slots.cache)[0].shape[2]
+    positions = jnp.clip(slots.prompt_len + slots.step - 1, 0, capacity - 1)
+    hidden, cache = model.decode(tokens[:, None], positions, slots.cache)
+    logits = constrain(model.logits(hidden)[:, 0], ("batch", "vocab"))
+    return slots.replace(cache=kv_cache.shard(cache), logits=logits)
+
+
+def decode_loop(model: nnx.Module, slots: Slots, out: Outputs, key: jax.Array, sampling: SamplingParams,
+                pad_id: int, *, refill=None, pending=None, queue=()) -> Outputs:
+    """Sample and decode until every slot is done and nothing is pending, in one `lax.while_loop`.
+
+    Continuous batching passes `refill(slots, queue) -> (slots, queue)`, run at the start of every
+    step to fill free slots, and `pending(queue) -> bool`, whether requests still wait; `queue`
+    is their state.
+    """
+    def cond(carry):
+        slots, _, queue = carry
+        live = jnp.any(~slots.done)
+        return live if pending is None else live | pending(queue)
+
+    def body(carry):
+        slots, out, queue = carry
+        if refill is not None:
+            slots, queue = refill(slots, queue)
+        slots, out, tokens = sample_step(slots, out, key, sampling, pad_id)
+        return decode_step(model, slots, tokens), out, queue
+
+    return jax.lax.while_loop(cond, body, (slots, out, queue))[1]

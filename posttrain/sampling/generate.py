@@ -1,0 +1,141 @@
+"""Static-batch generation: prefill the prompts once, share each prompt's cache with its group,
+decode in one `lax.while_loop` that stops when every sample is done.
+
+Prompt lengths and batch sizes are bucketed to powers of two, so a new batch of similar shape
+reuses the compiled program. The model is the learner's own `(graphdef, params, rest)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posttrain.sampling import engine, kv_cache
+from posttrain.sampling.rules import SamplingParams
+
+MIN_PROMPT_BUCKET = 8
+
+
+@dataclasses.dataclass
+class Samples:
+    """Completions on the host, one row per sample; a prompt's `num_samples` rows are contiguous.
+
+    tokens [N, M] (pad after `lengths`, the stop token included), logprobs [N, M] (the policy's
+    log-probs before temperature/top-k/top-p, as the learner computes them; 0 after the end),
+    sampling_logprobs [N, M] (under the distribution sampled from), lengths [N], stop_reason [N]
+    (index into `STOP_REASONS`), prompt_index [N] (the prompt, or request, of each sample).
+    """
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    sampling_logprobs: np.ndarray
+    lengths: np.ndarray
+    stop_reason: np.ndarray
+    prompt_index: np.ndarray
+
+    def completion(self, i: int) -> list[int]:
+        """Sample i's token ids."""
+        return self.tokens[i, :self.lengths[i]].tolist()
+
+    def stop_reason_name(self, i: int) -> str:
+        """'stop' (a stop token) or 'length' (max_new_tokens) for sample i."""
+        return engine.STOP_REASONS[self.stop_reason[i]]
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum): a compile-cache-friendly size."""
+    return 1 << (max(n, minimum) - 1).bit_length()
+
+
+def prompt_rows(prompts: Sequence[Sequence[int]] | np.ndarray,
+                prompt_mask: np.ndarray | None = None) -> list[np.ndarray]:
+    """Prompts as a list of token-id arrays.
+
+    prompts: lists of ids, or an [N, L] array whose real tokens `prompt_mask` [N, L] marks (left- or
+    right-padded alike; without a mask every entry is a token).
+    """
+    if prompt_mask is not None:
+        prompts, prompt_mask = np.asarray(prompts), np.asarray(prompt_mask, bool)
+        if prompts.shape != prompt_mask.shape:
+            raise ValueError(f"prompt_mask shape {prompt_mask.shape} != prompts shape {prompts.shape}")
+        rows = [p[m] for p, m in zip(prompts, prompt_mask)]
+    else:
+        rows = [np.asarray(p) for p in prompts]
+    if not rows:
+        raise ValueError("prompts: expected at least one prompt, got none")
+    for i, r in enumerate(rows):
+        if r.ndim != 1 or r.size == 0:
+            raise ValueError(f"prompts[{i}]: expected a non-empty list of token ids, got shape {r.shape}")
+    return [r.astype(np.int32) for r in rows]
+
+
+def pad_prompts(rows: list[np.ndarray], num_rows: int, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad prompts into tokens [num_rows, length] and lengths [num_rows]; extra rows hold one
+    pad token (they are marked done and dropped)."""
+    tokens = np.full((num_rows, length), pad_id, np.int32)
+    lengths = np.ones((num_rows,), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)], lengths[i] = r, len(r)
+    return tokens, lengths
+
+
+def new_token_limits(limits: Sequence[int] | None, num_rows: int, num_prompts: int,
+                     sampling: SamplingParams) -> np.ndarray:
+    """Per-prompt caps on new tokens [num_rows] (default and maximum: sampling.max_new_tokens)."""
+    out = np.full((num_rows,), sampling.max_new_tokens, np.int32)
+    if limits is not None:
+        limits = np.asarray(limits, np.int32).reshape(-1)
+        if len(limits) != num_prompts:
+            raise ValueError(f"max_new_tokens: {len(limits)} limits for {num_prompts} prompts")
+        if not np.all((limits >= 1) & (limits <= sampling.max_new_tokens)):
+            raise ValueError(f"max_new_tokens={limits.tolist()}: each must be in 1..sampling.max_new_tokens "
+                             f"({sampling.max_new_tokens})")
+        out[:num_prompts] = limits
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id"))
+def generate_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, tokens: jax.Array,
+                     lengths: jax.Array, limits: jax.Array, num_prompts: jax.Array, key: jax.Array, *,
+                     sampling: SamplingParams, pad_id: int) -> engine.Outputs:
+    """The compiled sampler: tokens [B, P], lengths and new-token limits [B] (rows >= num_prompts
+    are padding) → Outputs of B * num_samples rows, sample i*G+g being prompt i's g-th (its RNG
+    id too)."""
+    model = nnx.merge(graphdef, params, rest)
+    g, b = sampling.num_samples, tokens.shape[0]
+    logits, kv = engine.prefill(model, tokens, lengths)
+    cache = kv_cache.repeat_rows(kv_cache.allocate(kv, tokens.shape[1] + sampling.max_new_tokens), g)
+    ids = jnp.arange(b * g, dtype=jnp.int32)
+    slots = engine.Slots(cache=cache, logits=jnp.repeat(logits, g, axis=0), prompt_len=jnp.repeat(lengths, g),
+                         step=jnp.zeros((b * g,), jnp.int32), limit=jnp.repeat(limits, g),
+                         done=ids >= num_prompts * g, sample_id=ids, row=ids)
+    out = engine.Outputs.empty(b * g, sampling.max_new_tokens, pad_id)
+    return engine.decode_loop(model, slots, out, key, sampling, pad_id)
+
+
+def generate(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
+             prompts: Sequence[Sequence[int]] | np.ndarray, sampling: SamplingParams, key: jax.Array, *,
+             pad_id: int = 0, prompt_mask: np.ndarray | None = None,
+             max_new_tokens: Sequence[int] | None = None) -> Samples:
+    """Sample `sampling.num_samples` completions for each prompt with the learner's weights.
+
+    prompts: see `prompt_rows`; max_new_tokens: optional per-prompt limits (<= the sampling
+    params'). Runs one compiled program, cached per bucketed batch size and prompt length; call it
+    under `use_sharding(mesh, rules)` to shard the cache and activations. Sample i*G+g is prompt
+    i's g-th and draws from fold_in(key, i*G+g).
+    """
+    rows = prompt_rows(prompts, prompt_mask)
+    n, g = len(rows), sampling.num_samples
+    tokens, lengths = pad_prompts(rows, bucket(n), bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)
+    limits = new_token_limits(max_new_tokens, len(tokens), n, sampling)
+    out = generate_program(graphdef, params, rest, tokens, lengths, limits, np.int32(n), key,
+                           sampling=sampling, pad_id=pad_id)
+    out = jax.device_get(out)
+    return Samples(tokens=out.tokens[:n * g], logprobs=out.logprobs[:n * g],
+                   sampling_logprobs=out.sampling_logprobs[:n * g], lengths=out.lengths[:n * g],
+                   stop_reason=out.stop_reason[:n * g], prompt_index=np.repeat(np.arange(n), g))

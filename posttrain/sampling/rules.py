@@ -1,0 +1,88 @@
+"""Sampling rules: temperature, top-k, top-p (nucleus) and greedy, as pure functions of logits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from posttrain.train.losses import token_logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample completions. Hashable: it is a static argument of the compiled sampler.
+
+    temperature 0 is greedy (argmax); top_k 0 and top_p 1 switch those filters off. Generation
+    stops at any of `stop_ids` (the stop token is part of the completion) or after
+    `max_new_tokens`. `num_samples` completions are drawn per prompt (a GRPO group).
+    """
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop_ids: tuple[int, ...] = ()
+    num_samples: int = 1
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature}: expected >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k={self.top_k}: expected >= 0 (0 = off)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p={self.top_p}: expected a value in (0, 1]")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens}: expected >= 1")
+        if self.num_samples < 1:
+            raise ValueError(f"SamplingParams.num_samples={self.num_samples}: expected >= 1")
+        object.__setattr__(self, "stop_ids", tuple(sorted({int(i) for i in self.stop_ids})))
+
+    @property
+    def greedy(self) -> bool:
+        """Whether sampling is argmax (temperature 0)."""
+        return self.temperature == 0
+
+
+def sampling_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Log-probabilities of the distribution actually sampled: logits [..., V] → [..., V] float32.
+
+    Applied in the Hugging Face order: temperature, then top-k (ties with the k-th value are kept),
+    then top-p (the smallest set of most likely tokens whose mass reaches top_p, including the one
+    that crosses it). Tokens filtered out get -inf. Greedy puts all mass on the argmax.
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    if params.top_k > vocab:
+        raise ValueError(f"SamplingParams.top_k={params.top_k}: larger than the vocabulary ({vocab})")
+    if params.greedy:
+        best = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=bool)
+        return jnp.where(best, 0.0, -jnp.inf)
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = jax.lax.top_k(logits, params.top_k)[0][..., -1:]
+        logits = jnp.where(logits >= kth, logits, -jnp.inf)
+    if params.top_p < 1:
+        probs = jax.nn.softmax(logits, axis=-1)
+        desc = -jnp.sort(-probs, axis=-1)
+        mass_before = jnp.cumsum(desc, axis=-1) - desc
+        # the smallest kept probability: the last sorted one whose preceding mass is < top_p
+        floor = jnp.min(jnp.where(mass_before < params.top_p, desc, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(probs >= floor, logits, -jnp.inf)
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
+def sample_token(key: jax.Array, logits: jax.Array,
+                 params: SamplingParams) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Draw one token from logits [V] → (token, policy log-prob, sampling log-prob), scalars.
+
+    The policy log-prob is log softmax(logits)[token] before temperature and filters: what the
+    learner computes (`train.losses.token_logprobs`). The sampling log-prob is under the
+    distribution drawn from (`sampling_logprobs`); the two differ unless temperature is 1 with no
+    filters.
+    """
+    logits = logits.astype(jnp.float32)
+    sampled = sampling_logprobs(logits, params)
+    token = jnp.argmax(sampled) if params.greedy else jax.random.categorical(key, sampled)
+    policy = token_logprobs(logits[None, None], token[None, None])[0, 0]
+    return token, policy, sampled[token]
