@@ -23,7 +23,19 @@ def model_config() -> ml_collections.ConfigDict:
         head_dim=16,
         mlp_dim=128,
         rope_theta=10_000.0,
+        rope_scaling=ml_collections.ConfigDict(dict(  # Hugging Face `rope_scaling` (see attention.RopeScaling)
+            type="",               # "" (none) | linear | dynamic | yarn | llama3
+            factor=1.0,
+            original_max_position_embeddings=0,  # pre-training context (dynamic, yarn, llama3)
+            low_freq_factor=1.0,   # llama3
+            high_freq_factor=4.0,  # llama3
+            beta_fast=32.0,        # yarn
+            beta_slow=1.0,         # yarn
+            attention_factor=0.0,  # yarn: q, k scale; 0 = 0.1 ln(factor) + 1
+            truncate=True,         # yarn: round the ramp's ends to whole dimensions
+        )),
         qk_norm=False,
+        attention_bias=False,      # biases on the q, k, v projections (Qwen2)
         norm_eps=1e-6,
         tie_embeddings=False,
         param_dtype="float32",
@@ -77,6 +89,8 @@ def base_config() -> ml_collections.ConfigDict:
         fields="",                 # record field renames, e.g. "prompt=question,response=answer"
         synthetic="",              # "arithmetic": generate the stage's train/eval files if missing
         synthetic_size=2000,       # records per generated train file (eval files get a quarter)
+        synthetic_max_value=99,    # operands 0..max (RL arithmetic tasks use the same range)
+        synthetic_error_rate=0.0,  # SFT: fraction of worked answers that are off by one
     ))
     gate = ""                      # e.g. "eval/loss<1.5" — must hold before a pipeline moves on
     # Per-stage: data files, gate, and steps / lr overriding train.steps / optim.lr when non-zero.

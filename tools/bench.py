@@ -164,6 +164,38 @@ def bench_checkpoint(iters: int = 3) -> list[dict]:
     return rows
 
 
+def bench_rl(steps: int = 12, delay: float = 0.05) -> list[dict]:
+    """RLVR steps/s and device-idle fraction, on-policy vs one step of overlap, with a verifier that
+    costs `delay` host seconds per response (4 workers)."""
+    import tempfile
+
+    from posttrain.rl import loop
+    from posttrain.train.metrics import read_metrics
+
+    rows = []
+    for staleness in (0, 1):
+        cfg = base_config()
+        cfg.stage, cfg.workdir = "rlvr", tempfile.mkdtemp()
+        m = cfg.model
+        m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 64, 2, 4, 2, 16, 128
+        m.moe.num_experts, m.moe.expert_mlp_dim = 4, 64
+        cfg.mesh.data = 1
+        cfg.train.steps, cfg.train.log_every, cfg.train.progress, cfg.checkpoint.every = steps, 1, False, 0
+        r = cfg.rl
+        r.prompts_per_step, r.group_size, r.max_new_tokens, r.eval_every = 4, 8, 32, 0
+        r.max_staleness, r.verifier_delay, r.verifier_workers = staleness, delay, 4
+        with jax.default_device(jax.devices()[0]):
+            loop.run(cfg)
+        m = [r for r in read_metrics(cfg.workdir) if "rl/update_s" in r][2:]     # skip compilation
+        per_step = [r["rl/wait_s"] + r["rl/update_s"] for r in m]
+        rows.append({"name": f"rlvr max_staleness={staleness}", "steps/s": 1 / float(np.mean(per_step)),
+                     "verify s/step": float(np.mean([r.get("rl/verify_s", 0) for r in m])),
+                     "learner wait s/step": float(np.mean([r["rl/wait_s"] for r in m])),
+                     "device idle": m[-1]["rl/device_idle_frac"]})
+    rows.append({"name": "overlapped / on-policy steps/s", "ratio": rows[1]["steps/s"] / rows[0]["steps/s"]})
+    return rows
+
+
 def print_rows(title: str, rows: list[dict]) -> None:
     print(f"\n### {title}  (jax {jax.__version__}, {jax.devices()[0].platform}, {jax.device_count()} devices)")
     for r in rows:
@@ -172,7 +204,7 @@ def print_rows(title: str, rows: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--section", default="train", choices=["train", "sft", "checkpoint", "sandbox", "all"])
+    p.add_argument("--section", default="train", choices=["train", "sft", "checkpoint", "sandbox", "sampler", "rl", "all"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--iters", type=int, default=10)
@@ -183,6 +215,11 @@ def main() -> None:
         print_rows("SFT packing", bench_sft_packing(args.batch, args.seq, args.iters))
     if args.section in ("checkpoint", "all"):
         print_rows("checkpoint save", bench_checkpoint())
+    if args.section in ("sampler", "all"):
+        from posttrain.sampling.bench import sampler_bench
+        print_rows("sampler", sampler_bench(iters=args.iters // 2 or 1))
+    if args.section in ("rl", "all"):
+        print_rows("rlvr overlap", bench_rl())
     if args.section in ("sandbox", "all"):
         from posttrain.rl.sandbox_bench import sandbox_bench
         print_rows("sandbox", sandbox_bench())

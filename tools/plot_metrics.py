@@ -1,75 +1,11 @@
-"""Draw a run's main curves to PNG: `python tools/plot_metrics.py WORKDIR [--out FILE]`.
-
-Reads `{WORKDIR}/metrics.jsonl` (and those of pipeline stages below it) and plots every scalar
-metric that has more than one point — loss, eval metrics, rewards, accuracy — one panel each.
-"""
+"""Draw a run's main curves to PNG: `python tools/plot_metrics.py WORKDIR [--out FILE]`."""
 
 from __future__ import annotations
 
 import argparse
-import glob
-import json
-import math
 import os
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-PREFERRED = ("loss", "ce", "eval/loss", "eval/accuracy", "eval/reward_accuracy", "rl/reward_mean",
-             "eval/pass@1", "dpo/margin", "rm/accuracy", "grad_norm", "lr", "tokens_per_s")
-
-
-def load_runs(workdir: str) -> dict[str, list[dict]]:
-    """{run name: rows} for WORKDIR and any pipeline stage folders inside it."""
-    paths = sorted(glob.glob(os.path.join(workdir, "metrics.jsonl")) +
-                   glob.glob(os.path.join(workdir, "*", "metrics.jsonl")))
-    if not paths:
-        raise SystemExit(f"error: no metrics.jsonl in {workdir} or its stage folders")
-    runs = {}
-    for p in paths:
-        with open(p) as f:
-            runs[os.path.relpath(os.path.dirname(p), workdir) or "."] = [json.loads(l) for l in f if l.strip()]
-    return runs
-
-
-def series(rows: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
-    """Scalar metric name → (steps, values)."""
-    out: dict[str, tuple[list[int], list[float]]] = {}
-    for r in rows:
-        for k, v in r.items():
-            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                xs, ys = out.setdefault(k, ([], []))
-                xs.append(r["step"])
-                ys.append(v)
-    return {k: v for k, v in out.items() if len(v[0]) > 1}
-
-
-def plot(workdir: str, out: str, max_panels: int = 12) -> str:
-    """Write the PNG and return its path."""
-    runs = {name: series(rows) for name, rows in load_runs(workdir).items()}
-    names = sorted({k for s in runs.values() for k in s},
-                   key=lambda k: (PREFERRED.index(k) if k in PREFERRED else len(PREFERRED), k))[:max_panels]
-    cols = min(3, len(names)) or 1
-    rows = math.ceil(len(names) / cols) or 1
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
-    for ax, name in zip(axes.flat, names):
-        for run, s in runs.items():
-            if name in s:
-                ax.plot(*s[name], label=run, marker="." if len(s[name][0]) < 30 else None)
-        ax.set_title(name)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if len(runs) > 1:
-            ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(names):]:
-        ax.axis("off")
-    fig.suptitle(os.path.abspath(workdir), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+from posttrain.train.plot import plot
 
 
 def main() -> None:

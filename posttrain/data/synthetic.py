@@ -37,18 +37,22 @@ def arithmetic_lm_batch(seed: int, step: int, batch_size: int, seq_len: int) -> 
     }
 
 
-def arithmetic_records(kind: str, n: int, seed: int) -> list[dict]:
-    """Generated arithmetic records: kind 'sft' ({"prompt", "response"} with a worked answer),
+def arithmetic_records(kind: str, n: int, seed: int, *, max_value: int = 99,
+                       error_rate: float = 0.0) -> list[dict]:
+    """Generated arithmetic records over operands 0..max_value: kind 'sft' ({"prompt", "response"}
+    with a worked answer; with `error_rate` > 0 that fraction of answers comes from a sloppy
+    teacher who overshoots by one — the setting where RL with a verifier beats imitation),
     'preference' ({"prompt", "chosen", "rejected"}: the rejected response works the sum out right
     but then states a different final answer, a consistency preference a small model can learn)
     or 'rl' ({"prompt", "answer"})."""
     rng = np.random.default_rng([seed, n, len(kind)])
     out = []
     for _ in range(n):
-        q, a = arithmetic_problem(rng)
+        q, a = arithmetic_problem(rng, max_value)
         prompt = f"What is {q[:-1]}?"
         if kind == "sft":
-            out.append({"prompt": prompt, "response": f"{q}{a}. The answer is {a}."})
+            shown = str(int(a) + 1) if rng.random() < error_rate else a
+            out.append({"prompt": prompt, "response": f"{q}{shown}. The answer is {shown}."})
         elif kind == "preference":
             wrong = int(a) + int(rng.choice([-10, -2, -1, 1, 2, 10]))
             out.append({"prompt": prompt, "chosen": f"{q}{a}. The answer is {a}.",
@@ -60,8 +64,9 @@ def arithmetic_records(kind: str, n: int, seed: int) -> list[dict]:
     return out
 
 
-def ensure_arithmetic_file(path: str, kind: str, n: int, seed: int) -> None:
-    """Write `path` (JSONL, local or fsspec URL) with generated records unless it exists."""
+def ensure_arithmetic_file(path: str, kind: str, n: int, seed: int, **kw) -> None:
+    """Write `path` (JSONL, local or fsspec URL) with generated records (`arithmetic_records`
+    options in `kw`) unless it exists."""
     import json
 
     import fsspec
@@ -72,4 +77,4 @@ def ensure_arithmetic_file(path: str, kind: str, n: int, seed: int) -> None:
     if parent:
         fs.makedirs(parent, exist_ok=True)
     with fsspec.open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in arithmetic_records(kind, n, seed))
+        f.writelines(json.dumps(r) + "\n" for r in arithmetic_records(kind, n, seed, **kw))

@@ -1,6 +1,10 @@
-"""Grouped-query attention with RoPE, optional QK-norm, causal + segment masking."""
+"""Grouped-query attention with RoPE (optionally scaled), optional QK-norm and q/k/v biases,
+causal + segment masking."""
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -9,10 +13,100 @@ from flax import nnx
 from posttrain.models.layers import RMSNorm, dtype_of, fan_in_init, param
 from posttrain.parallel.sharding import constrain
 
+ROPE_SCALINGS = ("", "linear", "dynamic", "yarn", "llama3")
 
-def rope_frequencies(head_dim: int, theta: float) -> jax.Array:
-    """Inverse frequencies theta^(-2i/d), i < d/2 (float32)."""
-    return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """`model.rope_scaling`: how RoPE is stretched beyond the pre-training context, as Hugging Face's
+    `rope_scaling` / `rope_parameters` types of the same names define it.
+
+    type "" (none) | linear (positions / factor) | dynamic (NTK base grown with the longest position
+    of the call past `original_max_position_embeddings`) | yarn (NTK-by-parts ramp between beta_fast
+    and beta_slow rotations, q and k scaled by `attention_factor`; 0 means 0.1 ln(factor) + 1) |
+    llama3 (low/high-frequency wavelength bands).
+    """
+    type: str = ""
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 0.0
+    truncate: bool = True
+
+    @classmethod
+    def from_config(cls, c) -> RopeScaling:
+        """Validated from the `model.rope_scaling` ConfigDict."""
+        scaling = cls(**{f.name: c[f.name] for f in dataclasses.fields(cls)})
+        if scaling.type not in ROPE_SCALINGS:
+            raise ValueError(f"model.rope_scaling.type={scaling.type!r}: expected one of {ROPE_SCALINGS}")
+        if scaling.type and scaling.factor <= 0:
+            raise ValueError(f"model.rope_scaling.factor={scaling.factor}: must be positive")
+        if scaling.type in ("dynamic", "yarn", "llama3") and scaling.original_max_position_embeddings <= 0:
+            raise ValueError(f"model.rope_scaling.original_max_position_embeddings="
+                             f"{scaling.original_max_position_embeddings}: rope_scaling.type={scaling.type!r} "
+                             "needs the pre-training context length")
+        return scaling
+
+    def attention_scale(self) -> float:
+        """The factor RoPE multiplies q and k by (yarn's attention temperature; 1 otherwise)."""
+        if self.type != "yarn":
+            return 1.0
+        if self.attention_factor:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                     seq_len: jax.Array | None = None) -> jax.Array:
+    """Inverse frequencies theta^(-2i/d), i < d/2 (float32), stretched by `scaling`.
+
+    seq_len (the longest position of the call + 1) is used by dynamic scaling only.
+    """
+    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    kind = scaling.type if scaling is not None else ""
+    if kind == "linear":
+        return inv_freq / scaling.factor
+    if kind == "dynamic":
+        original = scaling.original_max_position_embeddings
+        length = jnp.maximum(jnp.asarray(seq_len, jnp.float32), original)
+        base = theta * ((scaling.factor * length / original) - (scaling.factor - 1)) ** (head_dim / (head_dim - 2))
+        return 1.0 / (base ** exponents)
+    if kind == "yarn":
+        return _yarn_frequencies(inv_freq, head_dim, theta, scaling)
+    if kind == "llama3":
+        return _llama3_frequencies(inv_freq, scaling)
+    return inv_freq
+
+
+def _yarn_frequencies(inv_freq: jax.Array, head_dim: int, theta: float, s: RopeScaling) -> jax.Array:
+    """YaRN (Peng et al. 2023): interpolate the low frequencies by `factor`, keep the high ones, with
+    a linear ramp between the dimensions that make beta_fast and beta_slow rotations."""
+    def dim_of(rotations):
+        return head_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp                               # 1: extrapolate (keep), 0: interpolate
+    return (inv_freq / s.factor) * (1 - keep) + inv_freq * keep
+
+
+def _llama3_frequencies(inv_freq: jax.Array, s: RopeScaling) -> jax.Array:
+    """Llama 3.1: wavelengths above original/low_freq_factor are divided by `factor`, those below
+    original/high_freq_factor kept, and the band between interpolated smoothly."""
+    original = s.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > original / s.low_freq_factor, inv_freq / s.factor, inv_freq)
+    smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= original / s.high_freq_factor) & (wavelen <= original / s.low_freq_factor)
+    return jnp.where(medium, smoothed, scaled)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
@@ -72,7 +166,8 @@ def write_cache_rows(cache: jax.Array, new: jax.Array, layer: jax.Array, positio
 
 
 class Attention(nnx.Module):
-    """Multi-head attention with grouped KV heads (GQA), RoPE and optional QK-norm (Qwen3)."""
+    """Multi-head attention with grouped KV heads (GQA), RoPE (optionally scaled), optional QK-norm
+    (Qwen3) and q/k/v biases (Qwen2)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         pdt = dtype_of(cfg.param_dtype)
@@ -84,11 +179,19 @@ class Attention(nnx.Module):
         if cfg.head_dim % 2:
             raise ValueError(f"model.head_dim={cfg.head_dim} must be even for RoPE")
         self.rope_theta = cfg.rope_theta
+        self.rope_scaling = RopeScaling.from_config(cfg.rope_scaling)
         d, h, kv, hd = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         init = fan_in_init(in_axis=0, out_axis=(1, 2))
         self.q = param(rngs, init, (d, h, hd), ("embed", "heads", "head_dim"), pdt)
         self.k = param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pdt)
         self.v = param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pdt)
+        if cfg.attention_bias:     # Qwen2: biases on the q, k and v projections (not on o)
+            zeros = jax.nn.initializers.zeros
+            self.q_bias = param(rngs, zeros, (h, hd), ("heads", "head_dim"), pdt)
+            self.k_bias = param(rngs, zeros, (kv, hd), ("kv_heads", "head_dim"), pdt)
+            self.v_bias = param(rngs, zeros, (kv, hd), ("kv_heads", "head_dim"), pdt)
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
         self.o = param(rngs, fan_in_init(in_axis=(0, 1), out_axis=2), (h, hd, d),
                        ("heads", "head_dim", "embed"), pdt)
         if cfg.qk_norm:
@@ -98,16 +201,25 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def project_qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x: [B, S, D] → q [B, S, H, Dh], k, v [B, S, K, Dh], RoPE (and QK-norm) applied."""
+        """x: [B, S, D] → q [B, S, H, Dh], k, v [B, S, K, Dh]: biases, QK-norm and (scaled) RoPE applied."""
         x = x.astype(self.dtype)
         q = jnp.einsum("bsd,dhk->bshk", x, self.q[...].astype(self.dtype))
         k = jnp.einsum("bsd,dhk->bshk", x, self.k[...].astype(self.dtype))
         v = jnp.einsum("bsd,dhk->bshk", x, self.v[...].astype(self.dtype))
+        if self.q_bias is not None:
+            q = q + self.q_bias[...].astype(self.dtype)
+            k = k + self.k_bias[...].astype(self.dtype)
+            v = v + self.v_bias[...].astype(self.dtype)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_frequencies(self.head_dim, self.rope_theta)
-        q = constrain(apply_rope(q, positions, inv_freq), ("batch", "length", "heads", "head_dim"))
-        k = constrain(apply_rope(k, positions, inv_freq), ("batch", "length", "kv_heads", "head_dim"))
+        scaling = self.rope_scaling
+        seq_len = jnp.max(positions) + 1 if scaling.type == "dynamic" else None
+        inv_freq = rope_frequencies(self.head_dim, self.rope_theta, scaling, seq_len)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if scaling.attention_scale() != 1.0:
+            q, k = q * scaling.attention_scale(), k * scaling.attention_scale()
+        q = constrain(q, ("batch", "length", "heads", "head_dim"))
+        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         return q, k, v
 

@@ -95,11 +95,12 @@ def humaneval_tasks(data_dir: str | None = None, *, limit: int | None = None,
     return _tasks(path, make, limit=limit, on_error=on_error)
 
 
-def arithmetic_tasks(n: int, seed: int, *, instruction: str = MATH_INSTRUCTION) -> list[Task]:
-    """The built-in arithmetic problems (`arithmetic_records("rl", n, seed)`), ids `arithmetic/{seed}:{i}`."""
+def arithmetic_tasks(n: int, seed: int, *, instruction: str = MATH_INSTRUCTION, max_value: int = 99) -> list[Task]:
+    """The built-in arithmetic problems (`arithmetic_records("rl", n, seed, max_value=...)`),
+    ids `arithmetic/{seed}:{i}`."""
     return [Task(f"arithmetic/{seed}:{i}", ({"role": "user", "content": r["prompt"] + instruction},),
                  MathTask(r["answer"]))
-            for i, r in enumerate(arithmetic_records("rl", n, seed))]
+            for i, r in enumerate(arithmetic_records("rl", n, seed, max_value=max_value))]
 
 
 def gsm8k_domain(make_env: Callable[[], Env], **kw) -> Domain:

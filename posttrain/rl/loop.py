@@ -70,7 +70,7 @@ def make_domains(cfg, tok, reward_fn) -> tuple[dict[str, domain_lib.Domain], lis
     """Training domains and held-out (domain, task) pairs for evaluation, from `rl.domains`."""
     r = cfg.rl
     env = lambda: SingleTurnEnv(tok, reward_fn, max_turn_tokens=r.max_new_tokens)
-    kw = dict(instruction=r.instruction)
+    kw = dict(instruction=r.instruction, max_value=cfg.data.synthetic_max_value)
     table = {
         "arithmetic": lambda: (domain_lib.arithmetic_domain(env, n=r.arithmetic_size, seed=cfg.seed + 1, **kw),
                                domain_lib.arithmetic_tasks(r.eval_size, seed=cfg.seed + 10_000, **kw)),

@@ -11,7 +11,10 @@ import operator
 import os
 import re
 
+import jax
+
 from posttrain.train import stages as stage_lib
+from posttrain.train.plot import plot
 
 def _rlvr(cfg):
     from posttrain.rl import loop
@@ -64,4 +67,6 @@ def run(cfg) -> dict:
         results[name] = metrics
         logging.info(check_gate(name, cfg[SECTION.get(name, name)].gate, metrics))
         init_from = workdir
+    if jax.process_index() == 0:
+        logging.info("curves: %s", plot(cfg.workdir, os.path.join(cfg.workdir, "metrics.png")))
     return results

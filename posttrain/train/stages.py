@@ -144,11 +144,13 @@ def _ensure_synthetic(cfg, stage: str, kind: str) -> None:
         return
     if cfg.data.synthetic != "arithmetic":
         raise ValueError(f"data.synthetic={cfg.data.synthetic!r}: expected '' or 'arithmetic'")
-    n = cfg.data.synthetic_size
+    n, kw = cfg.data.synthetic_size, {"max_value": cfg.data.synthetic_max_value}
+    if kind == "sft":
+        kw["error_rate"] = cfg.data.synthetic_error_rate
     if cfg[stage].train_files:
-        ensure_arithmetic_file(cfg[stage].train_files, kind, n, seed=1)
+        ensure_arithmetic_file(cfg[stage].train_files, kind, n, seed=1, **kw)
     if cfg[stage].eval_files:
-        ensure_arithmetic_file(cfg[stage].eval_files, kind, max(n // 4, 1), seed=2)
+        ensure_arithmetic_file(cfg[stage].eval_files, kind, max(n // 4, 1), seed=2, **kw)
 
 
 def _tokenizer(cfg) -> Tokenizer:

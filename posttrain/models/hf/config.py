@@ -1,0 +1,273 @@
+"""Hugging Face `config.json` ↔ the posttrain `model` config, for the supported decoder families.
+
+Every key that changes the math is mapped; a value we cannot reproduce exactly (sliding windows,
+unknown RoPE types, dropout, biases the decoder lacks, ...) is an error naming the file and key,
+never an approximation. Runtime keys (dtypes, remat, attention kernel, MoE dispatch and capacity)
+keep the `model_config()` defaults: set them in your config.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import ml_collections
+
+from posttrain.config import model_config
+
+# architecture → model_type
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0}     # transformers' class defaults
+ROPE_KEYS = {                                                # what each RoPE type may carry
+    "default": set(),
+    "linear": {"factor"},
+    "dynamic": {"factor"},
+    "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+             "mscale", "mscale_all_dim", "truncate"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+}
+ROPE_COMMON_KEYS = {"type", "rope_type", "rope_theta", "partial_rotary_factor"}
+_REQUIRED = object()
+
+
+def read_hf_config(path: str) -> dict:
+    """The parsed `config.json` of a local Hugging Face model folder."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file}: not found (expected a Hugging Face model folder)")
+    with open(file) as f:
+        return json.load(f)
+
+
+def architecture(hf: dict, where: str = "config.json") -> str:
+    """The supported architecture `hf` declares (`architectures`, else `model_type`), or an error."""
+    archs = hf.get("architectures") or [a for a, t in ARCHITECTURES.items() if t == hf.get("model_type")]
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise ValueError(f"{where}: architectures={hf.get('architectures')} model_type={hf.get('model_type')!r} "
+                         f"is not supported; supported: {', '.join(ARCHITECTURES)}")
+    return archs[0]
+
+
+def model_config_from_hf(path: str) -> ml_collections.ConfigDict:
+    """The posttrain `model` config of the Hugging Face model folder `path` (its config.json).
+
+    Use it in a config file (`cfg.model = model_config_from_hf(path)`, then set dtypes) or through
+    `--config configs/hf.py:PATH`.
+    """
+    return model_config_from_dict(read_hf_config(path), os.path.join(path, "config.json"))
+
+
+def model_config_from_dict(hf: dict, where: str = "config.json") -> ml_collections.ConfigDict:
+    """`model_config_from_hf` for an already parsed config.json (`where` names it in errors)."""
+    arch = architecture(hf, where)
+
+    def get(key, default=_REQUIRED):
+        if key in hf and hf[key] is not None:
+            return hf[key]
+        if default is _REQUIRED:
+            raise ValueError(f"{where}: missing key {key!r} (needed for {arch})")
+        return default
+
+    _check_supported(hf, arch, get, where)
+    cfg = model_config()
+    heads = get("num_attention_heads")
+    cfg.vocab_size, cfg.embed_dim, cfg.num_layers = get("vocab_size"), get("hidden_size"), get("num_hidden_layers")
+    cfg.num_heads, cfg.num_kv_heads = heads, get("num_key_value_heads", heads)
+    cfg.head_dim = get("head_dim", cfg.embed_dim // heads)
+    cfg.mlp_dim = get("intermediate_size")
+    cfg.norm_eps = float(get("rms_norm_eps"))
+    cfg.tie_embeddings = bool(get("tie_word_embeddings", False))
+    cfg.qk_norm = arch in QK_NORM
+    cfg.attention_bias = arch == "Qwen2ForCausalLM"
+    cfg.rope_theta, scaling = _rope_from_hf(hf, arch, get, where)
+    cfg.rope_scaling.update(scaling)
+    moe = cfg.moe
+    if arch == "Qwen3MoeForCausalLM":
+        moe.num_experts = get("num_experts", get("num_local_experts", 0))
+        moe.expert_mlp_dim = get("moe_intermediate_size")
+        moe.norm_topk_prob = bool(get("norm_topk_prob", False))
+        moe.every = get("decoder_sparse_step", 1)
+        moe.dense_layers = tuple(get("mlp_only_layers", ()))
+    elif arch == "MixtralForCausalLM":
+        moe.num_experts = get("num_local_experts")
+        moe.expert_mlp_dim = cfg.mlp_dim
+        moe.norm_topk_prob = True
+    else:
+        moe.num_experts = 0
+    if arch in MOE:
+        moe.top_k = get("num_experts_per_tok")
+        moe.router, moe.routed_scaling, moe.num_shared_experts, moe.first_dense = "softmax", 1.0, 0, 0
+        moe.aux_loss_coef = float(get("router_aux_loss_coef", 0.001))
+        moe.z_loss_coef = 0.0          # the reference implementations have no router z-loss
+    return cfg
+
+
+def _check_supported(hf: dict, arch: str, get, where: str) -> None:
+    """Raise on config values the decoder cannot reproduce exactly."""
+    def bad(key, why):
+        raise ValueError(f"{where}: {key}={hf.get(key)!r} is not supported for {arch} ({why})")
+    if get("hidden_act", "silu") != "silu":
+        bad("hidden_act", "the MLPs are SwiGLU with silu")
+    if arch != "Qwen2ForCausalLM" and get("attention_bias", False):
+        bad("attention_bias", "biases on q/k/v *and* o are not implemented; only Qwen2's q/k/v biases are")
+    if get("mlp_bias", False):
+        bad("mlp_bias", "MLP biases are not implemented")
+    if get("use_sliding_window", False) or (arch == "MixtralForCausalLM" and hf.get("sliding_window") is not None):
+        bad("use_sliding_window" if "use_sliding_window" in hf else "sliding_window",
+            "sliding-window attention is not implemented")
+    if any(t != "full_attention" for t in get("layer_types", ())):
+        bad("layer_types", "only full attention is implemented")
+    if get("attention_dropout", 0.0):
+        bad("attention_dropout", "posttrain has no dropout")
+    if get("router_jitter_noise", 0.0):
+        bad("router_jitter_noise", "router noise is not implemented")
+    if get("partial_rotary_factor", 1.0) != 1.0:
+        bad("partial_rotary_factor", "RoPE covers the whole head")
+    if "quantization_config" in hf:
+        bad("quantization_config", "quantized checkpoints cannot be loaded; use the unquantized weights")
+
+
+def _rope_from_hf(hf: dict, arch: str, get, where: str) -> tuple[float, dict]:
+    """(rope_theta, model.rope_scaling fields) from `rope_parameters` (transformers >= 5) or the
+    older `rope_theta` + `rope_scaling`."""
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = dict(hf.get(key) or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"{where}: {key} per layer type ({sorted(params)}) is not supported")
+    theta = float(params.get("rope_theta", get("rope_theta", DEFAULT_ROPE_THETA.get(arch, 10_000.0))))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_KEYS:
+        raise ValueError(f"{where}: {key}.rope_type={kind!r} is not supported; supported: {sorted(ROPE_KEYS)}")
+    unknown = set(params) - ROPE_KEYS[kind] - ROPE_COMMON_KEYS
+    if unknown:
+        raise ValueError(f"{where}: {key} keys {sorted(unknown)} are not supported for rope_type={kind!r}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{where}: {key}.partial_rotary_factor={params['partial_rotary_factor']} is not "
+                         "supported (RoPE covers the whole head)")
+    if kind == "default":
+        return theta, {"type": ""}
+    max_pos = get("max_position_embeddings") if kind in ("dynamic", "yarn", "llama3") else 0
+    original = int(params.get("original_max_position_embeddings") or max_pos)
+    factor = params.get("factor")
+    if factor is None and kind == "yarn":
+        factor = max_pos / original
+    elif factor is None:
+        raise ValueError(f"{where}: {key}.factor is missing (needed for rope_type={kind!r})")
+    out = {"type": kind, "factor": float(factor)}
+    if kind == "dynamic":
+        out["original_max_position_embeddings"] = int(max_pos)
+    elif kind == "llama3":
+        out.update(original_max_position_embeddings=original, low_freq_factor=float(params["low_freq_factor"]),
+                   high_freq_factor=float(params["high_freq_factor"]))
+    elif kind == "yarn":
+        out.update(original_max_position_embeddings=original,
+                   beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                   attention_factor=_yarn_attention_factor(params, float(factor)),
+                   truncate=bool(params.get("truncate", True)))
+    return theta, out
+
+
+def _yarn_attention_factor(params: dict, factor: float) -> float:
+    """YaRN's q/k scale as transformers derives it: explicit, or from mscale / mscale_all_dim, or
+    0.1 ln(factor) + 1."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+    return mscale(factor)
+
+
+def infer_architecture(cfg: ml_collections.ConfigDict) -> str:
+    """The Hugging Face architecture that represents model config `cfg` exactly."""
+    if cfg.moe.num_experts > 0:
+        return "Qwen3MoeForCausalLM" if cfg.qk_norm else "MixtralForCausalLM"
+    if cfg.attention_bias:
+        return "Qwen2ForCausalLM"
+    return "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
+
+
+def hf_config_from_model(cfg: ml_collections.ConfigDict, base: dict | None = None,
+                         arch: str | None = None) -> dict:
+    """config.json contents for model config `cfg`: `base` (e.g. the source model's config.json,
+    keeping its token ids and other keys) with every math key set from `cfg`. The architecture is
+    `arch`, else base's, else inferred; a model it cannot represent raises ValueError."""
+    arch = arch or (architecture(base) if base else infer_architecture(cfg))
+    _check_representable(cfg, arch)
+    out = dict(base or {})
+    out.update(architectures=[arch], model_type=ARCHITECTURES[arch], vocab_size=cfg.vocab_size,
+               hidden_size=cfg.embed_dim, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+               num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim,
+               rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu")
+    out.update(_rope_to_hf(cfg, "rope_parameters" in out))
+    if arch == "Qwen3MoeForCausalLM":
+        out.pop("num_local_experts", None)
+        out.update(num_experts=cfg.moe.num_experts, moe_intermediate_size=cfg.moe.expert_mlp_dim,
+                   norm_topk_prob=cfg.moe.norm_topk_prob, decoder_sparse_step=cfg.moe.every,
+                   mlp_only_layers=list(cfg.moe.dense_layers))
+    elif arch == "MixtralForCausalLM":
+        out.update(num_local_experts=cfg.moe.num_experts)
+    if arch in MOE:
+        out.update(num_experts_per_tok=cfg.moe.top_k, router_aux_loss_coef=cfg.moe.aux_loss_coef)
+    return out
+
+
+def _check_representable(cfg: ml_collections.ConfigDict, arch: str) -> None:
+    """Raise when `arch` cannot express model config `cfg` (naming the key)."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    moe = cfg.moe
+    wrong = []
+    if cfg.qk_norm != (arch in QK_NORM):
+        wrong.append(f"model.qk_norm={cfg.qk_norm}")
+    if cfg.attention_bias != (arch == "Qwen2ForCausalLM"):
+        wrong.append(f"model.attention_bias={cfg.attention_bias}")
+    if (moe.num_experts > 0 and arch not in MOE) or (moe.num_experts == 0 and arch == "MixtralForCausalLM"):
+        wrong.append(f"model.moe.num_experts={moe.num_experts}")
+    if moe.num_experts > 0:
+        if moe.router != "softmax" or moe.routed_scaling != 1.0 or moe.num_shared_experts or moe.first_dense:
+            wrong.append("model.moe.{router, routed_scaling, num_shared_experts, first_dense} "
+                         f"= {moe.router}, {moe.routed_scaling}, {moe.num_shared_experts}, {moe.first_dense}")
+        if arch == "MixtralForCausalLM" and (not moe.norm_topk_prob or moe.every != 1 or moe.dense_layers
+                                             or moe.expert_mlp_dim != cfg.mlp_dim):
+            wrong.append("model.moe.{norm_topk_prob, every, dense_layers, expert_mlp_dim} (Mixtral: True, 1, "
+                         "(), model.mlp_dim)")
+    if wrong:
+        raise ValueError(f"{arch} cannot represent {'; '.join(wrong)}")
+
+
+def _rope_to_hf(cfg: ml_collections.ConfigDict, nested: bool) -> dict:
+    """The RoPE keys of config.json: `rope_parameters` (nested=True, transformers >= 5) or
+    `rope_theta` + `rope_scaling`."""
+    s = cfg.rope_scaling
+    kind = s.type or "default"
+    scaling = {"rope_type": kind}
+    extra = {}
+    if s.type:
+        scaling["factor"] = s.factor
+    if s.type == "dynamic":
+        extra["max_position_embeddings"] = s.original_max_position_embeddings
+    elif s.type == "llama3":
+        scaling.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                       original_max_position_embeddings=s.original_max_position_embeddings)
+    elif s.type == "yarn":
+        scaling.update(original_max_position_embeddings=s.original_max_position_embeddings, beta_fast=s.beta_fast,
+                       beta_slow=s.beta_slow)
+        if s.attention_factor:
+            scaling["attention_factor"] = s.attention_factor
+        if not s.truncate:
+            scaling["truncate"] = False
+    if nested:
+        return {"rope_parameters": {"rope_theta": cfg.rope_theta, **scaling}, **extra}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling if s.type else None, **extra}
