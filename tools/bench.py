@@ -164,9 +164,9 @@ def bench_checkpoint(iters: int = 3) -> list[dict]:
     return rows
 
 
-def bench_rl(steps: int = 12, delay: float = 0.05) -> list[dict]:
+def bench_rl(steps: int = 12, delay: float = 0.05, workers: int = 16) -> list[dict]:
     """RLVR steps/s and device-idle fraction, on-policy vs one step of overlap, with a verifier that
-    costs `delay` host seconds per response (4 workers)."""
+    costs `delay` host seconds per response on `workers` threads."""
     import tempfile
 
     from posttrain.rl import loop
@@ -183,7 +183,7 @@ def bench_rl(steps: int = 12, delay: float = 0.05) -> list[dict]:
         cfg.train.steps, cfg.train.log_every, cfg.train.progress, cfg.checkpoint.every = steps, 1, False, 0
         r = cfg.rl
         r.prompts_per_step, r.group_size, r.max_new_tokens, r.eval_every = 4, 8, 32, 0
-        r.max_staleness, r.verifier_delay, r.verifier_workers = staleness, delay, 4
+        r.max_staleness, r.verifier_delay, r.verifier_workers = staleness, delay, workers
         with jax.default_device(jax.devices()[0]):
             loop.run(cfg)
         m = [r for r in read_metrics(cfg.workdir) if "rl/update_s" in r][2:]     # skip compilation

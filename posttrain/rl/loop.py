@@ -115,10 +115,9 @@ class Sampler:
     verifier_delay: float = 0.0       # extra host seconds per response (benchmarks of overlap)
     clock: "BusyClock | None" = None
 
-    def groups(self, params, rest, tasks: list[tuple[str, object]], key, *, num_samples: int | None = None,
-               greedy: bool = False) -> tuple[list[Group], list[np.ndarray], dict]:
-        """Sample and verify one group per (domain, task): (groups, behaviour log-probs per
-        sample, timings)."""
+    def sample(self, params, rest, tasks: list[tuple[str, object]], key, *, num_samples: int | None = None,
+               greedy: bool = False) -> "Pending":
+        """Generate one group per (domain, task) on the device; verification comes later."""
         g = num_samples or self.sampling.num_samples
         sampling = dataclasses.replace(self.sampling, num_samples=g, **({"temperature": 0.0} if greedy else {}))
         envs = [[self.domains[d].make_env() for _ in range(g)] for d, _ in tasks]
@@ -126,17 +125,20 @@ class Sampler:
         t0 = time.perf_counter()
         with (self.clock or BusyClock()).busy():
             samples = generate(self.graphdef, params, rest, prompts, sampling, key, pad_id=self.pad_id)
-        t1 = time.perf_counter()
-        flat = [e for row in envs for e in row]
+        return Pending(tasks, envs, samples, time.perf_counter() - t0)
+
+    def verify(self, pending: "Pending") -> tuple[list[Group], list[np.ndarray], dict]:
+        """Score a generated batch on the verifier pool: (groups, behaviour log-probs per sample, info)."""
+        flat, samples, g = [e for row in pending.envs for e in row], pending.samples, len(pending.envs[0])
 
         def verify(i):
             if self.verifier_delay:
                 time.sleep(self.verifier_delay)
             return flat[i].step(samples.completion(i)).reward.score
+        t0 = time.perf_counter()
         scores = list(self.pool.map(verify, range(len(flat))))
-        t2 = time.perf_counter()
         groups, behav = [], []
-        for j, (d, task) in enumerate(tasks):
+        for j, (d, task) in enumerate(pending.tasks):
             idx = range(j * g, (j + 1) * g)
             groups.append(Group(d, task, [scores[i] for i in idx], [flat[i].trajectory() for i in idx]))
             for i in idx:
@@ -144,11 +146,24 @@ class Sampler:
                 lp = np.zeros(len(traj.tokens), np.float32)
                 lp[traj.prompt_len:] = samples.logprobs[i, :len(traj.tokens) - traj.prompt_len]
                 behav.append(lp)
-        info = {"gen_s": t1 - t0, "verify_s": t2 - t1,
+        info = {"gen_s": pending.gen_s, "verify_s": time.perf_counter() - t0,
                 "response_len_mean": float(samples.lengths.mean()), "response_len_max": int(samples.lengths.max()),
                 "truncated_frac": float(np.mean(samples.stop_reason == 1)),
                 "new_tokens": int(samples.lengths.sum())}
         return groups, behav, info
+
+    def groups(self, params, rest, tasks, key, **kw) -> tuple[list[Group], list[np.ndarray], dict]:
+        """`sample` then `verify`."""
+        return self.verify(self.sample(params, rest, tasks, key, **kw))
+
+
+@dataclasses.dataclass
+class Pending:
+    """A generated batch waiting for verification."""
+    tasks: list
+    envs: list
+    samples: object
+    gen_s: float
 
 
 class BusyClock:
@@ -317,27 +332,48 @@ def run(cfg) -> Result:
         buffer = RolloutBuffer(r.prompts_per_step * (r.max_staleness + 1), r.max_staleness)
         published = {"version": start, "weights": weights()}
         lock, stop = threading.Lock(), threading.Event()
+        published_cv = threading.Condition(lock)
         infos: list[dict] = []
         rows: list[dict] = []
 
+        def finish(pending: Pending, version: int) -> None:
+            """Verify a generated batch and hand its groups to the learner (verifier thread)."""
+            groups, behav, info = sampler.verify(pending)
+            g = r.group_size
+            for j, grp in enumerate(groups):
+                with lock:
+                    scheduler.record(grp.domain, grp.task.id, grp.rewards)
+                buffer.put(Rollout(grp, version, behav[j * g:(j + 1) * g]))
+            infos.append({**info, "kept_groups": len(groups)})
+
         def producer():
+            """Generate batch i+1 on the device while the verifier thread scores batch i."""
             nonlocal produced
-            with use_sharding(mesh, rules):
-                while not stop.is_set():
-                    with lock:
-                        version, (params, rest) = published["version"], published["weights"]
-                    rollouts, info = produce(sampler, scheduler, params, rest, version,
-                                             jax.random.fold_in(base_key, produced), cfg)
-                    produced += 1
-                    infos.append(info)
-                    try:
-                        for ro in rollouts:
-                            buffer.put(ro)
-                    except BufferClosed:
-                        return
+            verifying = None
+            with use_sharding(mesh, rules), concurrent.futures.ThreadPoolExecutor(1) as verifier:
+                try:
+                    while not stop.is_set():
+                        with published_cv:
+                            # Batch p is trained at step p: sample it no earlier than version p - max_staleness.
+                            published_cv.wait_for(lambda: stop.is_set() or
+                                                  published["version"] >= produced - r.max_staleness)
+                            version, (params, rest) = published["version"], published["weights"]
+                            tasks = scheduler.next_batch(r.prompts_per_step)
+                        pending = sampler.sample(params, rest, tasks, jax.random.fold_in(base_key, produced))
+                        produced += 1
+                        if verifying is not None:
+                            verifying.result()
+                        verifying = verifier.submit(finish, pending, version)
+                    if verifying is not None:
+                        verifying.result()
+                except BufferClosed:
+                    return
 
         thread = None
         if r.max_staleness > 0:
+            if r.filter_groups:
+                raise ValueError("rl.filter_groups needs rl.max_staleness=0 (dynamic sampling decides on "
+                                 "verified rewards before the next generation)")
             thread = threading.Thread(target=producer, daemon=True, name="rollouts")
             thread.start()
         if r.eval_every and start == 0:
@@ -359,14 +395,16 @@ def run(cfg) -> Result:
             with clock.busy():
                 state, metrics = step_fn(state, put_batch(batch), *ref)
                 metrics = jax.device_get(metrics)
-            with lock:
+            with published_cv:
                 published["version"], published["weights"] = step + 1, weights()
+                task_metrics = scheduler.metrics()
+                published_cv.notify_all()
             t2 = time.perf_counter()
             wall, busy = time.perf_counter() - wall0, clock.total - busy0
             metrics.update({
                 "rl/reward_mean": float(rewards.mean()), "rl/reward_std": float(rewards.std()),
                 "rl/wait_s": t1 - t0, "rl/update_s": t2 - t1, "rl/device_idle_frac": max(0.0, 1 - busy / wall),
-                **{f"rl/{k}": v for k, v in info.items()}, **buffer.stats(), **scheduler.metrics()})
+                **{f"rl/{k}": v for k, v in info.items()}, **buffer.stats(), **task_metrics})
             if step % cfg.train.log_every == 0 or step == steps - 1:
                 rows.append(writer.write(step, metrics))
                 bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
@@ -375,9 +413,11 @@ def run(cfg) -> Result:
                 run_eval(step)
             if ckpt.should_save(done, steps):
                 ckpt.save(done, {k: getattr(state, k) for k in CHECKPOINT_ITEMS},
-                          data={"scheduler": scheduler.get_state(), "produced": produced},
+                          data={"scheduler": scheduler.get_state(), "produced": produced},  # async: approximate
                           meta={"seed": cfg.seed, "stage": "rlvr"})
         stop.set()
+        with published_cv:
+            published_cv.notify_all()
         buffer.close()
         if thread is not None:
             thread.join(timeout=60)
