@@ -69,7 +69,7 @@ def base_config() -> ml_collections.ConfigDict:
     cfg.stage = "lm"               # which job main runs
     cfg.seed = 0
     cfg.workdir = "runs/default"
-    cfg.init_from = ""             # start from another run's checkpoint (workdir or checkpoint dir)
+    cfg.init_from = ""             # another run's checkpoint (workdir or checkpoint dir), or "hf:/hf/folder"
     cfg.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1, sequence=1))
     cfg.sharding = ml_collections.ConfigDict(dict(
         rules=ml_collections.ConfigDict({k: ",".join(v) for k, v in DEFAULT_RULES.items()})))

@@ -9,8 +9,11 @@ import os
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors' numpy reader needs)
 import numpy as np
-from safetensors import safe_open
-from safetensors.numpy import save_file
+try:
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+except ImportError as e:
+    raise ImportError("Hugging Face interop needs safetensors: pip install -e '.[hf]'") from e
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
