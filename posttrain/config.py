@@ -96,7 +96,7 @@ def base_config() -> ml_collections.ConfigDict:
     # Per-stage: data files, gate, and steps / lr overriding train.steps / optim.lr when non-zero.
     stage = lambda **kw: ml_collections.ConfigDict(dict(train_files="", eval_files="", steps=0, lr=0.0,
                                                         gate=gate, **kw))
-    cfg.sft = stage()
+    cfg.sft = stage(sample_tokens=48)   # greedy samples of a few eval prompts at each eval (0: off)
     cfg.reward_model = stage()
     cfg.dpo = stage(beta=0.1, loss_type="sigmoid", label_smoothing=0.0)
     cfg.pipeline = ml_collections.ConfigDict(dict(stages=("sft", "dpo")))

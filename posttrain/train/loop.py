@@ -43,6 +43,7 @@ class Stage:
     batch_axes: dict[str, tuple[str, ...]] | None = None   # per-key logical axes; default (batch, length)
     extra: tuple = ()
     eval_fn: Callable[[nnx.Module], dict] | None = None
+    sample_fn: Callable[[nnx.Module, int], None] | None = None   # logs generations at eval time
     init_model: Callable[[Any, Any], tuple[Any, Any]] | None = None   # (params, rest) → starting (params, rest)
 
 
@@ -111,16 +112,19 @@ def train(cfg, stage: Stage) -> Result:
                 if hasattr(stage.batches, "skipped"):
                     metrics["data/skipped"] = stage.batches.skipped
                 rows.append(writer.write(step, metrics))
-                bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}")
+                bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}", **({"tok/s": f"{metrics['tokens_per_s']:.0f}"}
+                                                                  if "tokens_per_s" in metrics else {}))
                 t0, last = now, step
             done = step + 1
             if stage.eval_fn is not None and (done == steps or cfg.train.eval_every and done % cfg.train.eval_every == 0):
                 evals = run_eval(stage, graphdef, state, cfg.lora)
                 rows.append(writer.write(step, evals))
+                if stage.sample_fn is not None and jax.process_index() == 0:
+                    stage.sample_fn(nnx.merge(graphdef, model_params(state, cfg.lora), state.rest), step)
             if ckpt.should_save(done, steps):
                 data_state = stage.batches.get_state() if hasattr(stage.batches, "get_state") else {}
                 ckpt.save(done, {k: getattr(state, k) for k in CHECKPOINT_ITEMS}, data=data_state,
-                          meta={"seed": cfg.seed, "stage": stage.name})
+                          meta={"seed": cfg.seed, "stage": stage.name, "config": cfg.to_dict()})
         if stage.eval_fn is not None and not evals:      # resumed after the last step: gates still need it
             evals = run_eval(stage, graphdef, state, cfg.lora)
     ckpt.close()

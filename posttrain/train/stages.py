@@ -6,18 +6,24 @@ Each differs only in its model, loss and batches; `loop.train` does the rest.
 from __future__ import annotations
 
 import functools
+import itertools
+import json
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posttrain.data.pipeline import preference_batches, sft_batches
+from posttrain.data.examples import sft_messages
+from posttrain.data.pipeline import preference_batches, read_jsonl, sft_batches
 from posttrain.data.synthetic import ensure_arithmetic_file
 from posttrain.data.tokenizer import Tokenizer, load_tokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.models.layers import dtype_of, param
 from posttrain.parallel import make_mesh, parse_rules, use_sharding
+from posttrain.sampling.generate import generate
+from posttrain.sampling.rules import SamplingParams
 from posttrain.train.init import load_model_state, overlay
 from posttrain.train.loop import Result, Stage, put_batch, train
 from posttrain.train.losses import bradley_terry_loss, dpo_loss, sequence_logprobs
@@ -181,6 +187,34 @@ def _init_model(cfg, make_source):
     return init
 
 
+def sample_prompts(files: str, tok: Tokenizer, n: int, fields=None) -> list[tuple[str, list[int]]]:
+    """The first `n` conversations of `files` up to their last assistant turn, as (text, prompt ids)."""
+    out = []
+    for rec in itertools.islice(read_jsonl(files), n):
+        messages, _ = sft_messages(rec.data, fields)
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
+        ids, _ = tok.encode_chat(messages[:last], add_generation_prompt=True)
+        out.append((messages[last - 1]["content"] if last else "", ids))
+    return out
+
+
+def make_sampler_log(cfg, tok: Tokenizer, files: str, n: int = 3):
+    """sample_fn for `Stage`: greedy completions of a few held-out prompts → `{workdir}/samples.jsonl`."""
+    prompts = sample_prompts(files, tok, n, _data_kw(cfg)["fields"])
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.sft.sample_tokens, stop_ids=tuple(tok.stop_ids))
+
+    def sample_fn(model: nnx.Module, step: int) -> None:
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        out = generate(graphdef, params, rest, [ids for _, ids in prompts], sampling, jax.random.key(0),
+                       pad_id=tok.pad_id)
+        with open(os.path.join(cfg.workdir, "samples.jsonl"), "a") as f:
+            for i, (text, _) in enumerate(prompts):
+                completion = tok.decode(out.completion(i))
+                f.write(json.dumps({"step": step, "prompt": text, "completion": completion}) + "\n")
+                logging.info("sample %d: %r → %r", i, text[-80:], completion[:160])
+    return sample_fn
+
+
 def sft(cfg) -> Result:
     """Supervised fine-tuning: next-token loss on response tokens of packed conversations."""
     cfg = with_stage_overrides(cfg, "sft")
@@ -200,8 +234,9 @@ def sft(cfg) -> Result:
         eval_fn = make_evaluator(metric, _finite(lambda: sft_batches(
             cfg.sft.eval_files, tok, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=0,
             packing=cfg.data.packing, truncate=cfg.data.truncate, shuffle=False, epochs=1, **kw)))
+    sample_fn = make_sampler_log(cfg, tok, cfg.sft.eval_files) if cfg.sft.eval_files and cfg.sft.sample_tokens else None
     stage = Stage("sft", make, functools.partial(lm_loss, moe_cfg=cfg.model.moe), batches, eval_fn=eval_fn,
-                  init_model=_init_model(cfg, make))
+                  sample_fn=sample_fn, init_model=_init_model(cfg, make))
     return train(cfg, stage)
 
 
