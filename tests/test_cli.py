@@ -37,9 +37,11 @@ def test_cli_rejects_typo_before_compiling():
 
 def test_cli_trains_and_writes_metrics(tmp_path):
     """A few steps through the real entry point: metrics.jsonl and TensorBoard events appear."""
-    cmd = [sys.executable, "-m", "posttrain.main", "--config", str(ROOT / "configs/quickstart.py"),
-           f"--config.workdir={tmp_path}", "--config.train.steps=3", "--config.train.log_every=1",
-           "--config.train.batch_size=8", "--config.train.seq_len=16", "--config.train.progress=False"]
+    cmd = [sys.executable, "-m", "posttrain.main", "--config", str(ROOT / "configs/sft_tiny.py"),
+           f"--config.workdir={tmp_path}", f"--config.sft.train_files={tmp_path}/train.jsonl",
+           "--config.sft.eval_files=", "--config.sft.gate=", "--config.data.synthetic_size=100",
+           "--config.train.steps=3", "--config.train.log_every=1", "--config.train.batch_size=8",
+           "--config.train.seq_len=64", "--config.train.progress=False"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
