@@ -26,5 +26,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8.0", "chex>=0.1.88"],
+        # Hugging Face interop: safetensors to read and write folders; torch + transformers for the
+        # tests (install the CPU build first: `pip install torch==2.13.0`).
+        "hf": ["safetensors>=0.4.3", "transformers>=5.0", "torch>=2.4"],
     },
 )

@@ -1,8 +1,8 @@
 """SFT of Qwen3-30B-A3B with LoRA on a TPU slice (e.g. v5p-64): the intended production shape.
 
-Expects the base weights as a posttrain checkpoint (convert a Hugging Face folder with
-tools/convert_hf.py once HF interop lands) and chat data as JSONL on GCS. Override paths on the
-command line:
+Expects the base weights as a posttrain checkpoint (convert the Hugging Face folder once with
+`tools/convert_hf.py --from_hf DIR --run gs://BUCKET/qwen3-30b-a3b`) and chat data as JSONL on
+GCS. Override paths on the command line:
 
   python -m posttrain.main --config configs/qwen3_moe_sft_lora_tpu.py \
       --config.init_from=gs://BUCKET/qwen3-30b-a3b --config.data.tokenizer=gs://BUCKET/qwen3-30b-a3b \

@@ -85,8 +85,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
 def _yarn_frequencies(inv_freq: jax.Array, head_dim: int, theta: float, s: RopeScaling) -> jax.Array:
     """YaRN (Peng et al. 2023): interpolate the low frequencies by `factor`, keep the high ones, with
     a linear ramp between the dimensions that make beta_fast and beta_slow rotations."""
-    def dim_of(rotations):
-        return head_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    def dim_of(rotations):      # the dimension whose wavelength fits `rotations` times in the context
+        wavelengths = s.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_dim * math.log(wavelengths) / (2 * math.log(theta))
     low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
     if s.truncate:
         low, high = math.floor(low), math.ceil(high)

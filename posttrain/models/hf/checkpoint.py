@@ -73,14 +73,14 @@ def check_model_matches(model: nnx.Module, path: str) -> ml_collections.ConfigDi
     ours = model_settings(model)
     theirs = model_settings(abstract_model(lambda: Decoder(hf_cfg, rngs=nnx.Rngs(0))))
     diffs = {}
-    for name in sorted(ours.keys() | theirs.keys(), key=lambda k: (k.count("/"), k)):
-        a, b = ours.get(name, (None, "absent")), theirs.get(name, (None, "absent"))
+    for name in sorted(ours.keys() | theirs.keys()):
+        a, b = ours.get(name, (None, "none")), theirs.get(name, (None, "none"))
         if a[1] != b[1]:
             label = a[0] or b[0]
             key = label if label != "parameter" else f"parameter {name}"
             diffs.setdefault(key, f"{key}: model has {a[1]}, the checkpoint needs {b[1]}")
     if diffs:
-        lines = list(diffs.values())
+        lines = sorted(diffs.values(), key=lambda line: (line.startswith("parameter"), line))
         raise ValueError(f"init_from='hf:{path}': the model config does not match {path}/config.json:\n  "
                          + "\n  ".join(lines[:12]) + (f"\n  ... and {len(lines) - 12} more" if len(lines) > 12 else "")
                          + "\nBuild the model config with posttrain.models.hf.model_config_from_hf(path) "
@@ -123,17 +123,18 @@ def _layer_sharding(sharding: NamedSharding, ndim: int) -> NamedSharding:
 def _load_array(folder: SafetensorsFolder, entries: tuple[Entry, ...], stacked: bool, shape: tuple[int, ...],
                 dtype, sharding: NamedSharding, bar: tqdm) -> jax.Array:
     """One parameter on the mesh: each device's callback reads its own slice from disk."""
-    if not stacked:
+    def piece(entry, shape, sharding):
+        array = jax.make_array_from_callback(
+            shape, sharding, lambda index: read_entry(folder.read, entry, shape, index, dtype))
+        folder.release()
         bar.update()
-        return jax.make_array_from_callback(
-            shape, sharding, lambda index: read_entry(folder.read, entries[0], shape, index, dtype))
-    layer_shape, layer_sharding = shape[1:], _layer_sharding(sharding, len(shape))
+        return array
+    if not stacked:
+        return piece(entries[0], shape, sharding)
     out = jnp.zeros(shape, dtype, device=sharding)
     for r, entry in enumerate(entries):
-        layer = jax.make_array_from_callback(
-            layer_shape, layer_sharding, lambda index, e=entry: read_entry(folder.read, e, layer_shape, index, dtype))
-        out = _layer_setter(sharding)(out, layer, r)
-        bar.update()
+        out = _layer_setter(sharding)(out, piece(entry, shape[1:], _layer_sharding(sharding, len(shape))), r)
+        out.block_until_ready()       # one layer in flight at a time bounds host memory
     return out
 
 
@@ -152,7 +153,7 @@ def load_params(path: str, abstract_params: nnx.State, cfg: ml_collections.Confi
                              "do not match the checkpoint layout of the model config")
         _check_checkpoint(folder, entries, {p: v.shape for p, v in flat.items()}, cfg.tie_embeddings)
         bar = tqdm(total=sum(map(len, entries.values())), desc=f"load {os.path.basename(path.rstrip('/'))}",
-                   unit="tensor", disable=not progress or jax.process_index() != 0)
+                   unit="array", disable=not progress or jax.process_index() != 0)
         out = [(p, v.replace(_load_array(folder, entries[p], p[0] == "stacks", tuple(v.shape), v.dtype,
                                          shardings[p], bar)))
                for p, v in flat.items()]
@@ -201,7 +202,7 @@ def save_hf(path: str, params: nnx.State, cfg: ml_collections.ConfigDict, *, bas
     if writer:
         os.makedirs(path, exist_ok=True)
     shards = ShardWriter(path, max_shard_bytes)
-    for p, r, entry in tqdm(units, desc=f"save {os.path.basename(path.rstrip('/'))}", unit="tensor",
+    for p, r, entry in tqdm(units, desc=f"save {os.path.basename(path.rstrip('/'))}", unit="array",
                             disable=not progress or not writer):
         value = flat[p][...]
         host = _to_host(value[r] if p[0] == "stacks" else value)

@@ -155,16 +155,16 @@ def _rope_from_hf(hf: dict, arch: str, get, where: str) -> tuple[float, dict]:
                          "supported (RoPE covers the whole head)")
     if kind == "default":
         return theta, {"type": ""}
-    max_pos = get("max_position_embeddings") if kind in ("dynamic", "yarn", "llama3") else 0
-    original = int(params.get("original_max_position_embeddings") or max_pos)
+    max_pos = lambda: int(get("max_position_embeddings"))
+    original = int(params.get("original_max_position_embeddings") or (max_pos() if kind != "linear" else 0))
     factor = params.get("factor")
     if factor is None and kind == "yarn":
-        factor = max_pos / original
+        factor = max_pos() / original
     elif factor is None:
         raise ValueError(f"{where}: {key}.factor is missing (needed for rope_type={kind!r})")
     out = {"type": kind, "factor": float(factor)}
     if kind == "dynamic":
-        out["original_max_position_embeddings"] = int(max_pos)
+        out["original_max_position_embeddings"] = max_pos()
     elif kind == "llama3":
         out.update(original_max_position_embeddings=original, low_freq_factor=float(params["low_freq_factor"]),
                    high_freq_factor=float(params["high_freq_factor"]))

@@ -22,7 +22,11 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
 
 class SafetensorsFolder:
     """Tensor-by-tensor, slice-by-slice reads (`safe_open`, memory-mapped) of a local model folder
-    holding `model.safetensors` or the shards listed in `model.safetensors.index.json`."""
+    holding `model.safetensors` or the shards listed in `model.safetensors.index.json`.
+
+    Files stay open (mapped) until `release()`: the pages read count as this process's resident
+    memory while mapped, so a loader releases after each piece it reads.
+    """
 
     def __init__(self, path: str):
         if "://" in path:
@@ -65,15 +69,16 @@ class SafetensorsFolder:
         """`tensor[index]` (ints and slices), reading only that part from disk."""
         return self._file(name).get_slice(name)[index]
 
-    def close(self) -> None:
-        """Close the open files."""
+    def release(self) -> None:
+        """Close (unmap) the open files; later reads open them again."""
         self._stack.close()
+        self._files.clear()
 
     def __enter__(self) -> SafetensorsFolder:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.release()
 
 
 class ShardWriter:
