@@ -6,13 +6,12 @@ compiled, naming the key and the valid keys at that level.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import runpy
 import sys
 
-from absl import app, flags
+from absl import app
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().",

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 
 from posttrain.config import model_config
 from posttrain.models.moe import MoE, RouterBias
-from posttrain.parallel import DEFAULT_RULES, logical_spec, make_mesh, state_shardings, use_sharding
+from posttrain.parallel import DEFAULT_RULES, logical_spec, make_mesh, shardings_for, use_sharding
 
 D, F, E, K, B, S = 16, 32, 8, 2, 8, 8
 
@@ -200,7 +200,7 @@ def test_router_bias_moves_towards_balance():
 
 def shard(tree, mesh, rules):
     """Place an nnx.State as its variables' logical names and the rules say."""
-    return jax.device_put(tree, state_shardings(tree, mesh, rules))
+    return jax.device_put(tree, shardings_for(tree, mesh, rules))
 
 
 def run_sharded(case, sizes, rules=DEFAULT_RULES, **extra):

@@ -15,9 +15,9 @@ from flax import nnx
 
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
-from posttrain.train.checkpoint import Checkpointer, abstract_with_shardings
+from posttrain.train.checkpoint import Checkpointer
 from posttrain.train.init import load_model_state
-from posttrain.train.state import init_model_state, shardings_for
+from posttrain.train.state import init_model_state
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 30, 10

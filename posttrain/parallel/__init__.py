@@ -2,4 +2,4 @@
 
 from posttrain.parallel.mesh import MESH_AXES, make_mesh, maybe_initialize_distributed, resolve_mesh_shape
 from posttrain.parallel.sharding import (DEFAULT_RULES, constrain, current, logical_spec, named_sharding,
-                                         parse_rules, state_shardings, use_sharding)
+                                         parse_rules, shardings_for, use_sharding)

@@ -70,12 +70,15 @@ def logical_spec(names: Sequence[str | None], mesh: Mesh, rules: Rules,
     return P(*out)
 
 
-def state_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
-    """NamedShardings for every variable of an (abstract) nnx.State, from its `out_sharding` names."""
-    def one(v):
-        names = v.get_metadata().get("out_sharding") or (None,) * len(v.shape)
-        return NamedSharding(mesh, logical_spec(names, mesh, rules, v.shape))
-    return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+def shardings_for(tree: Any, mesh: Mesh, rules: Rules) -> Any:
+    """NamedShardings for a pytree of nnx Variables (from their logical `out_sharding` names) and
+    plain arrays (replicated): params, optimizer state and whole train states alike."""
+    def one(x):
+        if isinstance(x, nnx.Variable):
+            names = x.get_metadata().get("out_sharding") or (None,) * len(x.shape)
+            return x.replace(NamedSharding(mesh, logical_spec(names, mesh, rules, x.shape)))
+        return NamedSharding(mesh, P())
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 # The mesh and rules in force while a jitted function is traced; model code reads them to place

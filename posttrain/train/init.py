@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-import jax
 from flax import nnx
 from jax.sharding import Mesh
 

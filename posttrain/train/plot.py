@@ -6,7 +6,6 @@ metric that has more than one point â€” loss, eval metrics, rewards, accuracy â€
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import math

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from posttrain.models import lora
-from posttrain.parallel.sharding import Rules, logical_spec
+from posttrain.parallel.sharding import Rules, shardings_for  # noqa: F401 (re-exported)
 
 
 @flax.struct.dataclass
@@ -42,17 +42,6 @@ def model_params(state: TrainState, lora_cfg=None) -> nnx.State:
     if state.frozen is None:
         return state.params
     return lora.merge(state.frozen, state.params, lora_scale(lora_cfg))
-
-
-def shardings_for(tree: Any, mesh: Mesh, rules: Rules) -> Any:
-    """NamedShardings for a pytree of nnx Variables (from their logical `out_sharding` names) and
-    plain arrays (replicated): works for params, optimizer state and whole train states."""
-    def one(x):
-        if isinstance(x, nnx.Variable):
-            names = x.get_metadata().get("out_sharding") or (None,) * len(x.shape)
-            return x.replace(NamedSharding(mesh, logical_spec(names, mesh, rules, x.shape)))
-        return NamedSharding(mesh, P())
-    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def abstract_model(make_model: Callable[[], nnx.Module]) -> nnx.Module:

@@ -10,10 +10,6 @@ from flax import nnx
 from posttrain.models import lora
 from posttrain.train.state import TrainState, lora_scale
 
-BATCH_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
-BATCH_AXES = ("batch", "length")
-
-
 def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Mean cross-entropy over tokens where mask is set, and that token count.
 
