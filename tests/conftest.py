@@ -8,3 +8,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import pytest  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true",
+                     help="also run the slow end-to-end tests (e.g. the quickstart's learning goal, ~5 min)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow end-to-end test: run with `pytest --runslow -m slow`")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
