@@ -124,13 +124,15 @@ def bench_sft_packing(batch: int, seq: int, iters: int) -> list[dict]:
             m["loss"].block_until_ready()
             if i >= 2:
                 times[packing].append(time.perf_counter() - t)
-    rows = []
+    rows, peak = [], matmul_peak()
     for packing, batches in modes.items():
         sec = float(np.median(times[packing]))
         useful = np.mean([int(b["loss_mask"].sum()) for b in batches])
         real = np.mean([int((b["segment_ids"] > 0).sum()) for b in batches])
+        flops = train_flops_per_token(cfg.model, seq) * batch * seq / sec
         rows.append({"name": f"sft packing={packing}", "step ms": sec * 1e3, "non-pad fraction": real / (batch * seq),
-                     "useful tokens/s": useful / sec})
+                     "tokens/s (incl. pad)": batch * seq / sec, "useful tokens/s": useful / sec,
+                     "MFU": flops / peak, "MFU on real tokens": flops / peak * real / (batch * seq)})
     rows.append({"name": "packed / unpacked useful tokens/s", "ratio": rows[1]["useful tokens/s"] / rows[0]["useful tokens/s"],
                  "padding ratio": rows[1]["non-pad fraction"] / rows[0]["non-pad fraction"]})
     return rows
