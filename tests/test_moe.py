@@ -284,14 +284,16 @@ def test_sharded_capacity_applies_per_device_group():
     np.testing.assert_allclose(aux["dropped"], dropped, rtol=1e-6)
 
 
-def test_tiled_grouped_matmul_equals_ragged_dot_with_grads():
-    from posttrain.models.moe.experts import tiled_grouped_matmul
+@pytest.mark.parametrize("form", ["tiled", "dense"])
+def test_cpu_grouped_matmuls_equal_ragged_dot_with_grads(form):
+    from posttrain.models.moe.experts import dense_grouped_matmul, tiled_grouped_matmul
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.normal(size=(50, 8)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(4, 8, 6)), jnp.float32)
     sizes = jnp.asarray([7, 0, 30, 9], jnp.int32)             # 46 rows used, an empty group, 4 padding rows
     ref = lambda x, w: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
-    tiled = lambda x, w: tiled_grouped_matmul(x, w, sizes, tile=4)
+    tiled = {"tiled": lambda x, w: tiled_grouped_matmul(x, w, sizes, tile=4),
+             "dense": lambda x, w: dense_grouped_matmul(x, w, sizes)}[form]
     np.testing.assert_allclose(tiled(x, w), ref(x, w), rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(tiled(x, w)[46:]).max()) == 0.0
     cot = jnp.asarray(rng.normal(size=(50, 6)), jnp.float32)

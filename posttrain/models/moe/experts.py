@@ -74,12 +74,30 @@ def tiled_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     return jnp.where((r < group_end[-1])[:, None], out, 0.0)
 
 
+def dense_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """`ragged_dot` by multiplying every row by every group's matrix and keeping its own: one big
+    matmul, the cheapest form when rows are few (decode). x [M, K], w [G, K, N] → [M, N] float32."""
+    group_end = jnp.cumsum(group_sizes)
+    r = jnp.arange(x.shape[0])
+    row_group = jnp.minimum(jnp.searchsorted(group_end, r, side="right"), w.shape[0] - 1)
+    every = jnp.einsum("mk,gkn->mgn", x, w, preferred_element_type=jnp.float32)
+    out = jnp.take_along_axis(every, row_group[:, None, None], axis=1)[:, 0]
+    return jnp.where((r < group_end[-1])[:, None], out, 0.0)
+
+
+DENSE_MAX_ROW_GROUPS = 4096       # rows × groups up to which the dense form is used on the CPU
+
+
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """Rows of each group times that group's matrix, float32: `ragged_dot` where the backend has a
-    grouped kernel (GPU, TPU), `tiled_grouped_matmul` on the CPU (4× faster there, measured)."""
-    if jax.default_backend() == "cpu":
-        return tiled_grouped_matmul(x, w, group_sizes)
-    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+    grouped kernel (GPU, TPU). On the CPU, where ragged_dot costs every row times every group,
+    the dense form for few rows (decode) and the tiled scan otherwise (4× faster than ragged_dot
+    for a 4096-row training step, measured)."""
+    if jax.default_backend() != "cpu":
+        return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+    if x.shape[0] * w.shape[0] <= DENSE_MAX_ROW_GROUPS:
+        return dense_grouped_matmul(x, w, group_sizes)
+    return tiled_grouped_matmul(x, w, group_sizes)
 
 
 def expert_ffn(rows: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
