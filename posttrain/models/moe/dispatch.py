@@ -18,13 +18,14 @@ Without expert-parallel peers the same code runs with one chunk and no collectiv
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from posttrain.models.moe.experts import expert_ffn, grouped_ffn, sort_by_expert
+from posttrain.models.moe.experts import DENSE_MAX_ROW_GROUPS, expert_ffn, grouped_ffn, sort_by_expert
 
 
 def spec_axes(spec: P, dim: int) -> tuple[str, ...]:
@@ -136,6 +137,8 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate:
     float32, partial over `layout.psum_axes`, and the number of kept assignments (scalar int32).
     """
     num_tokens, top_k = experts.shape
+    if w_gate.shape[0] == num_experts and few_tokens_on_cpu(num_tokens, num_experts, capacity, layout):
+        return dense_experts(x, experts, weights, w_gate, w_up, w_down), jnp.int32(num_tokens * top_k)
     order, group_sizes = sort_by_expert(experts.reshape(-1), num_experts, capacity)
     local = w_gate.shape[0]
     first = peer_first_experts(layout, local)
@@ -152,6 +155,28 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate:
     out = jnp.zeros_like(out).at[order].add(out, unique_indices=True)
     y = jnp.einsum("tk,tkd->td", weights, out.reshape(num_tokens, top_k, -1).astype(jnp.float32))
     return y, jnp.sum(group_sizes)
+
+
+def few_tokens_on_cpu(num_tokens: int, num_experts: int, capacity: int | None, layout: ExpertLayout) -> bool:
+    """Whether to run every expert on every token (`dense_experts`): on the CPU, with all experts on
+    this device and no capacity, for decode-sized token counts, where it beats sorting and grouping."""
+    return (jax.default_backend() == "cpu" and layout.num_peers == 1 and capacity is None
+            and num_tokens * num_experts <= DENSE_MAX_ROW_GROUPS)
+
+
+def dense_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
+                  w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """Σ_e combine[t, e] · FFN_e(x_t) with every expert on every token (one-hot combine weights).
+
+    x [T, D]; experts, weights [T, k]; w_* [E, D, F] / [E, F, D]. Returns y [T, D] float32.
+    """
+    dtype = x.dtype
+    combine = jnp.zeros((x.shape[0], w_gate.shape[0]), jnp.float32).at[
+        jnp.arange(x.shape[0])[:, None], experts].add(weights.astype(jnp.float32))
+    mm = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(mm("td,edf->tef", x, w_gate.astype(dtype))) * mm("td,edf->tef", x, w_up.astype(dtype)))
+    out = mm("tef,efd->ted", h.astype(dtype), w_down.astype(dtype))
+    return jnp.einsum("te,ted->td", combine, out)
 
 
 def padded_exchange(x: jax.Array, tokens: jax.Array, sorted_ids: jax.Array, group_sizes: jax.Array,
