@@ -77,7 +77,7 @@ def test_rl_batch_aligns_targets_masks_and_behaviour_logprobs():
 def test_resume_continues_exactly(tmp_path):
     """Lose the last checkpoint, run again: the step, scheduler position, RNG stream and policy
     version carry on from the one before, so the metrics equal the uninterrupted run's."""
-    cfg = tiny(tmp_path, steps=4)
+    cfg = tiny(tmp_path, steps=4, kl_coef=0.05)      # the KL reference must come back too
     cfg.checkpoint.every = 2
     loop.run(cfg)
     before = rows(tmp_path)
@@ -86,5 +86,5 @@ def test_resume_continues_exactly(tmp_path):
     after = rows(tmp_path)
     assert [r["step"] for r in after] == [0, 1, 2, 3]
     for x, y in zip(before, after):
-        for k in ("loss", "rl/reward_mean", "rl/adv_max", "rl/entropy", "tasks/arithmetic/samples"):
+        for k in ("loss", "rl/reward_mean", "rl/adv_max", "rl/entropy", "rl/kl", "tasks/arithmetic/samples"):
             np.testing.assert_allclose(y[k], x[k], rtol=1e-5, err_msg=f"step {x['step']} {k}")

@@ -13,6 +13,7 @@ own, and rollouts staler than the bound are dropped and counted.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -41,12 +42,12 @@ from posttrain.rl.verifiers.code import CodeTask, CodeVerifier
 from posttrain.rl.verifiers.math import MathTask, MathVerifier
 from posttrain.sampling.generate import bucket, generate
 from posttrain.sampling.rules import SamplingParams
-from posttrain.train.checkpoint import Checkpointer, abstract_with_shardings
-from posttrain.train.loop import CHECKPOINT_ITEMS, Result, put_batch
+from posttrain.train.checkpoint import Checkpointer
+from posttrain.train.loop import CHECKPOINT_ITEMS, Result, put_batch, starting_state
 from posttrain.train.losses import token_logprobs
 from posttrain.train.metrics import MetricsWriter
 from posttrain.train.optim import lr_schedule, make_optimizer
-from posttrain.train.stages import _init_model, moe_penalty, with_stage_overrides
+from posttrain.train.stages import init_model_from, moe_penalty, with_stage_overrides
 from posttrain.train.state import create_train_state, model_params
 from posttrain.train.step import make_train_step
 
@@ -172,22 +173,20 @@ class BusyClock:
     def __init__(self):
         self.lock, self.active, self.since, self.total = threading.Lock(), 0, 0.0, 0.0
 
+    @contextlib.contextmanager
     def busy(self):
-        clock = self
-
-        class _Ctx:
-            def __enter__(self):
-                with clock.lock:
-                    if clock.active == 0:
-                        clock.since = time.perf_counter()
-                    clock.active += 1
-
-            def __exit__(self, *exc):
-                with clock.lock:
-                    clock.active -= 1
-                    if clock.active == 0:
-                        clock.total += time.perf_counter() - clock.since
-        return _Ctx()
+        """Count the enclosed wall time as busy (overlapping intervals counted once)."""
+        with self.lock:
+            if self.active == 0:
+                self.since = time.perf_counter()
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.active -= 1
+                if self.active == 0:
+                    self.total += time.perf_counter() - self.since
 
 
 def produce(sampler: Sampler, scheduler: TaskScheduler, params, rest, version: int, key, cfg) -> tuple[list[Rollout], dict]:
@@ -298,20 +297,15 @@ def run(cfg) -> Result:
     pool = concurrent.futures.ThreadPoolExecutor(r.verifier_workers)
     with use_sharding(mesh, rules):
         graphdef, state, shardings = create_train_state(make, tx, mesh, rules, cfg.lora, cfg.seed)
-        lora_on = state.frozen is not None
-        init = _init_model(cfg, make)
-        if init is not None and (lora_on or not start):
-            weights, rest = init(state.frozen if lora_on else state.params, state.rest)
-            state = state.replace(rest=rest, **({"frozen": weights} if lora_on else {"params": weights}))
-        # The KL reference: the starting weights (under LoRA the frozen base: no extra memory).
+        state, start_weights, data = starting_state(state, shardings, ckpt, start, init_model_from(cfg, make),
+                                                    need_start_weights=bool(r.kl_coef))
+        # The KL reference: the starting weights (under LoRA the frozen base: no extra memory; else a
+        # copy, since the policy's buffers are donated to each update).
         ref = ()
         if r.kl_coef:
-            ref = (state.frozen, state.rest) if lora_on else jax.tree.map(jnp.copy, (state.params, state.rest))
+            ref = start_weights if state.frozen is not None else jax.tree.map(jnp.copy, start_weights)
         produced, last_eval = 0, {}
         if start:
-            abstract = abstract_with_shardings(jax.eval_shape(lambda: state), shardings)
-            trees, data, _ = ckpt.restore(start, {k: getattr(abstract, k) for k in CHECKPOINT_ITEMS})
-            state = state.replace(step=jnp.asarray(start, jnp.int32), **trees)
             scheduler.set_state(data["scheduler"])
             produced = data["produced"]
         loss = functools.partial(rl_loss, graphdef=graphdef, rl_cfg=r, moe_cfg=cfg.model.moe)

@@ -72,6 +72,27 @@ def run_eval(stage: Stage, graphdef: nnx.GraphDef, state: TrainState, lora_cfg=N
     return {f"eval/{k}": float(v) for k, v in stage.eval_fn(model).items()}
 
 
+def starting_state(state: TrainState, shardings: TrainState, ckpt: Checkpointer, start: int,
+                   init_model=None, *, need_start_weights: bool = False) -> tuple[TrainState, tuple, dict]:
+    """Where a run begins: the initial weights (`init_model`, e.g. init_from), then, when `start`
+    > 0, the checkpoint at `start`. Returns (state, start weights (params, rest), data JSON).
+
+    Under LoRA the starting weights are the frozen base and are needed on resume too; with
+    `need_start_weights` (a KL reference) they are loaded on resume as well.
+    """
+    lora_on = state.frozen is not None
+    if init_model is not None and (lora_on or not start or need_start_weights):
+        weights, rest = init_model(state.frozen if lora_on else state.params, state.rest)
+        state = state.replace(rest=rest, **({"frozen": weights} if lora_on else {"params": weights}))
+    start_weights = (state.frozen if lora_on else state.params, state.rest)
+    data = {}
+    if start:
+        abstract = abstract_with_shardings(jax.eval_shape(lambda: state), shardings)
+        trees, data, _ = ckpt.restore(start, {k: getattr(abstract, k) for k in CHECKPOINT_ITEMS})
+        state = state.replace(step=jnp.asarray(start, jnp.int32), **trees)
+    return state, start_weights, data
+
+
 def train(cfg, stage: Stage) -> Result:
     """Run `cfg.train.steps` updates of `stage`, resuming from `{workdir}/checkpoints` if present."""
     mesh = make_mesh(cfg.mesh.to_dict())
@@ -86,17 +107,9 @@ def train(cfg, stage: Stage) -> Result:
     rows, evals = [], {}
     with use_sharding(mesh, rules):
         graphdef, state, shardings = create_train_state(stage.make_model, tx, mesh, rules, cfg.lora, cfg.seed)
-        lora_on = state.frozen is not None
-        if stage.init_model is not None and (lora_on or not start):
-            # Under LoRA the starting weights are the frozen base, needed on resume too.
-            weights, rest = stage.init_model(state.frozen if lora_on else state.params, state.rest)
-            state = state.replace(rest=rest, **({"frozen": weights} if lora_on else {"params": weights}))
-        if start:
-            abstract = abstract_with_shardings(jax.eval_shape(lambda: state), shardings)
-            trees, data_state, _ = ckpt.restore(start, {k: getattr(abstract, k) for k in CHECKPOINT_ITEMS})
-            state = state.replace(step=jnp.asarray(start, jnp.int32), **trees)
-            if hasattr(stage.batches, "set_state"):
-                stage.batches.set_state(data_state)
+        state, _, data_state = starting_state(state, shardings, ckpt, start, stage.init_model)
+        if start and hasattr(stage.batches, "set_state"):
+            stage.batches.set_state(data_state)
         step_fn = jax.jit(make_train_step(graphdef, tx, stage.loss_fn, schedule, cfg.lora),
                           out_shardings=(shardings, None), donate_argnums=0)
         bar = tqdm(range(start, steps), desc=stage.name, initial=start, total=steps,

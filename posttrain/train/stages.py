@@ -173,7 +173,7 @@ def _require(files: str, key: str) -> str:
     return files
 
 
-def _init_model(cfg, make_source):
+def init_model_from(cfg, make_source):
     """`Stage.init_model`: overlay the variables of `cfg.init_from`'s newest checkpoint (a model
     built by `make_source`) on the freshly initialised ones."""
     if not cfg.init_from:
@@ -236,7 +236,7 @@ def sft(cfg) -> Result:
             packing=cfg.data.packing, truncate=cfg.data.truncate, shuffle=False, epochs=1, **kw)))
     sample_fn = make_sampler_log(cfg, tok, cfg.sft.eval_files) if cfg.sft.eval_files and cfg.sft.sample_tokens else None
     stage = Stage("sft", make, functools.partial(lm_loss, moe_cfg=cfg.model.moe), batches, eval_fn=eval_fn,
-                  sample_fn=sample_fn, init_model=_init_model(cfg, make))
+                  sample_fn=sample_fn, init_model=init_model_from(cfg, make))
     return train(cfg, stage)
 
 
@@ -267,7 +267,7 @@ def reward_model(cfg) -> Result:
                           tok=tok, kw=kw)
     decoder = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     return train(cfg, Stage("reward_model", make, loss, batches, batch_axes=PREFERENCE_AXES, eval_fn=eval_fn,
-                            init_model=_init_model(cfg, decoder)))
+                            init_model=init_model_from(cfg, decoder)))
 
 
 def dpo(cfg) -> Result:
