@@ -112,8 +112,9 @@ def test_sampled_logprobs_match_learner_for_any_padding_side(mesh):
         generate(graphdef, params, rest, [[4] * 9, [9], [6, 1, 2]], sampling, key)  # same buckets
         assert generate_program._cache_size() == compiled
         learner, logits = learner_logprobs(full_forward(graphdef), params, rest, PROMPTS, samples)
-        cache = jax.jit(lambda kv: kv_cache.allocate(kv, 24))(((jnp.zeros((2, 8, 16, 2, 8)),) * 2,))
-    assert cache[0][0].sharding.spec == P(None, ("data", "expert"), None, "tensor")
+        cache = jax.jit(lambda kv: kv_cache.allocate(kv, 24))(((jnp.zeros((8, 2, 8, 16)), jnp.zeros((8, 2, 16, 8))),))
+    assert cache[0][0].sharding.spec == P(("data", "expert"), "tensor")
+    assert cache[0][0].shape == (8, 2, 8, 24) and cache[0][1].shape == (8, 2, 24, 8)
     np.testing.assert_array_equal(from_array.tokens, samples.tokens)
     np.testing.assert_allclose(from_array.logprobs, samples.logprobs, atol=1e-6)
     assert len(set(samples.lengths.tolist())) > 1                   # stop tokens ended some rows early

@@ -152,18 +152,35 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     return out.reshape(b, s, h, d)
 
 
-def write_cache_rows(cache: jax.Array, new: jax.Array, layer: jax.Array, positions: jax.Array) -> jax.Array:
-    """cache [L, B, T, K, Dh] with cache[layer, b, positions[b]] = new[b] (new: [B, K, Dh]).
+def write_cache_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, time_axis: int) -> jax.Array:
+    """cache [B, K, ...] with the entry of row b at index positions[b] of `time_axis` set to new[b]
+    (new: [B, K, Dh]; time_axis 3 for keys [B, K, Dh, T], 2 for values [B, K, T, Dh]).
 
     One scatter whose batch dimension is b (`operand_batching_dims`): it partitions along a
     sharded batch without gathering and updates a loop-carried cache in place.
     """
-    indices = jnp.stack([jnp.broadcast_to(layer, positions.shape), positions], axis=-1)   # [B, 2]
-    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2), inserted_window_dims=(0, 2),
-                                           scatter_dims_to_operand_dims=(0, 2), operand_batching_dims=(1,),
+    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2), inserted_window_dims=(time_axis,),
+                                           scatter_dims_to_operand_dims=(time_axis,), operand_batching_dims=(0,),
                                            scatter_indices_batching_dims=(0,))
-    return jax.lax.scatter(cache, indices.astype(jnp.int32), new.astype(cache.dtype), dims,
+    return jax.lax.scatter(cache, positions[:, None].astype(jnp.int32), new.astype(cache.dtype), dims,
                            indices_are_sorted=True, unique_indices=True)
+
+
+def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> jax.Array:
+    """One query per row against its cache entries 0..positions[b]; softmax in float32.
+
+    q: [B, H, Dh]; k_cache [B, K, Dh, T] and v_cache [B, K, T, Dh]: each (row, kv head) one
+    matrix laid out as its matmul reads it (keys transposed), so neither is copied per token.
+    Returns [B, H, Dh].
+    """
+    b, h, d = q.shape
+    kv = k_cache.shape[1]
+    q = q.reshape(b, kv, h // kv, d)
+    logits = jnp.einsum("bkgd,bkdt->bkgt", q, k_cache.astype(q.dtype),
+                        preferred_element_type=jnp.float32) / jnp.sqrt(d)
+    visible = (jnp.arange(k_cache.shape[3])[None, :] <= positions[:, None])[:, None, None]   # [B, 1, 1, T]
+    probs = jax.nn.softmax(jnp.where(visible, logits, jnp.finfo(jnp.float32).min), axis=-1)
+    return jnp.einsum("bkgt,bktd->bkgd", probs.astype(q.dtype), v_cache.astype(q.dtype)).reshape(b, h, d)
 
 
 class Attention(nnx.Module):
@@ -233,27 +250,26 @@ class Attention(nnx.Module):
 
     def prefill(self, x: jax.Array, positions: jax.Array,
                 segment_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Attention over the whole sequence that also returns its keys and values (for a KV cache).
+        """Attention over the whole sequence that also returns its keys and values, laid out for
+        the KV cache.
 
-        x: [B, S, D] → (out [B, S, D], k [B, S, K, Dh], v [B, S, K, Dh]).
+        x: [B, S, D] → (out [B, S, D], k [B, K, Dh, S], v [B, K, S, Dh]).
         """
         q, k, v = self.project_qkv(x, positions)
-        return self.output(dot_product_attention(q, k, v, attention_mask(segment_ids))), k, v
+        out = self.output(dot_product_attention(q, k, v, attention_mask(segment_ids)))
+        return out, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
 
-    def decode(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-               layer: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """One new token per row against a layer-stacked KV cache whose index is the position.
+    def decode(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array,
+               v_cache: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One new token per row against this layer's KV cache, whose index is the position.
 
         x: [B, 1, D]; positions: [B] (int), the new token's position and cache index;
-        k_cache, v_cache: [L, B, T, K, Dh]; layer: scalar index into L. Writes the token's key and
-        value at [layer, b, positions[b]] (in place: one row per batch element), attends to
-        cache entries 0..positions[b] and returns (out [B, 1, D], k_cache, v_cache).
+        k_cache [B, K, Dh, T], v_cache [B, K, T, Dh]. Writes the token's key and value at cache
+        index positions[b] of row b (in place), attends to cache entries 0..positions[b] and returns (out [B, 1, D], k_cache,
+        v_cache).
         """
         q, k, v = self.project_qkv(x, positions[:, None])
-        k_cache = write_cache_rows(k_cache, k[:, 0], layer, positions)
-        v_cache = write_cache_rows(v_cache, v[:, 0], layer, positions)
-        keys = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)      # [B, T, K, Dh]
-        values = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
-        mask = jnp.arange(k_cache.shape[2])[None, :] <= positions[:, None]           # [B, T]
-        out = dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask[:, None, None, :])
-        return self.output(out), k_cache, v_cache
+        k_cache = write_cache_rows(k_cache, k[:, 0], positions, time_axis=3)
+        v_cache = write_cache_rows(v_cache, v[:, 0], positions, time_axis=2)
+        out = decode_attention(q[:, 0], k_cache, v_cache, positions)
+        return self.output(out[:, None]), k_cache, v_cache

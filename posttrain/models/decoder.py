@@ -88,14 +88,14 @@ class Block(nnx.Module):
 
     def prefill(self, x, positions, segment_ids):
         """`__call__` that also returns the attention's keys and values: x [B, S, D] →
-        ([B, S, D], (k, v) each [B, S, K, Dh])."""
+        ([B, S, D], (k [B, K, Dh, S], v [B, K, S, Dh])): the KV-cache layout."""
         a, k, v = self.attn.prefill(self.attn_norm(x), positions, segment_ids)
         return self._feed_forward(x + a)[0], (k, v)
 
-    def decode(self, x, positions, k_cache, v_cache, layer):
-        """One token per row against the KV cache (see `Attention.decode`): x [B, 1, D] →
-        ([B, 1, D], k_cache, v_cache)."""
-        a, k_cache, v_cache = self.attn.decode(self.attn_norm(x), positions, k_cache, v_cache, layer)
+    def decode(self, x, positions, k_cache, v_cache):
+        """One token per row against this layer's KV cache (see `Attention.decode`):
+        x [B, 1, D] → ([B, 1, D], k_cache, v_cache)."""
+        a, k_cache, v_cache = self.attn.decode(self.attn_norm(x), positions, k_cache, v_cache)
         return self._feed_forward(x + a)[0], k_cache, v_cache
 
 
@@ -166,8 +166,8 @@ class Decoder(nnx.Module):
     def prefill(self, tokens, positions, segment_ids):
         """The forward pass of a sampler's prompt: tokens [B, S] → (final-normed hidden [B, S, D], kv).
 
-        kv[segment][block] = (k, v), each [repeats, B, S, K, Dh]: the keys and values of every
-        layer, stacked like `stacks` (segment = one scanned stack, block = its place in the unit).
+        kv holds one (k, v) pair per layer, in layer order, laid out like the KV cache
+        (`sampling.kv_cache`): k [B, K, Dh, S], v [B, K, S, Dh].
         """
         x = self._embed(tokens)
         kv = []
@@ -180,38 +180,42 @@ class Decoder(nnx.Module):
                 for block in unit.blocks:
                     x, block_kv = block.prefill(x, positions, segment_ids)
                     kvs.append(block_kv)
-                return x, tuple(kvs)
+                return x, kvs
 
-            x, stack_kv = jax.lax.scan(body, x, state)
-            kv.append(stack_kv)
+            x, stack_kv = jax.lax.scan(body, x, state)          # per block: [repeats, ...]
+            kv += [jax.tree.map(lambda a: a[r], block_kv)
+                   for r in range(_repeats(state)) for block_kv in stack_kv]
         return self.final_norm(x), tuple(kv)
 
-    def decode(self, tokens, positions, cache):
+    def layers(self) -> list[Block]:
+        """The blocks in layer order, each holding its own slice of the stacked (scanned) weights.
+
+        The sampler's decode step runs them one after another, without a scan: a scan over layers
+        would index every weight and cache array with the layer number at every token.
+        """
+        out = []
+        for stack in self.stacks:
+            graphdef, state = nnx.split(stack)
+            for r in range(_repeats(state)):
+                out += nnx.merge(graphdef, jax.tree.map(lambda a: a[r], state)).blocks
+        return out
+
+    def decode(self, tokens, positions, cache, layers: Sequence[Block] | None = None):
         """One new token per row: tokens [B, 1], positions [B] → (final-normed hidden [B, 1, D], cache).
 
-        cache has `prefill`'s kv structure with each array [repeats, B, T, K, Dh] (T: capacity); a
-        token's cache index is its position. The new keys and values are written at `positions`
-        and each row attends to its entries 0..position. The cache is carried through the layer
-        scan and updated in place.
+        cache has `prefill`'s kv structure with T (the capacity) entries per row; a token's cache
+        index is its position. The new keys and values are written at `positions`
+        (in place) and each row attends to its entries 0..position. `layers` is `self.layers()`,
+        computed here unless the caller hoisted it out of its decode loop.
         """
+        layers = self.layers() if layers is None else layers
+        if len(layers) != len(cache):
+            raise ValueError(f"KV cache of {len(cache)} layers for a model of {len(layers)}")
         x = self._embed(tokens)
         new_cache = []
-        for stack, stack_cache in zip(self.stacks, cache):
-            graphdef, state = nnx.split(stack)
-
-            def body(carry, xs):
-                x, kvs = carry
-                state, layer = xs
-                unit = nnx.merge(graphdef, state)
-                out = []
-                for block, (k, v) in zip(unit.blocks, kvs):
-                    x, k, v = block.decode(x, positions, k, v, layer)
-                    out.append((k, v))
-                return (x, tuple(out)), None
-
-            repeats = jax.tree.leaves(stack_cache)[0].shape[0]
-            (x, stack_cache), _ = jax.lax.scan(body, (x, stack_cache), (state, jnp.arange(repeats)))
-            new_cache.append(stack_cache)
+        for block, (k, v) in zip(layers, cache):
+            x, k, v = block.decode(x, positions, k, v)
+            new_cache.append((k, v))
         return self.final_norm(x), tuple(new_cache)
 
     def _run_stack(self, stack: Unit, x, positions, segment_ids, update_bias):
@@ -240,6 +244,11 @@ class Decoder(nnx.Module):
         """tokens [B, S] → (logits [B, S, V] float32, aux) — see `hidden_states`."""
         hidden, aux = self.hidden_states(tokens, positions, segment_ids, update_bias=update_bias)
         return self.logits(hidden), aux
+
+
+def _repeats(stack_state) -> int:
+    """How many times a scanned stack's unit repeats: the leading dim of its weights."""
+    return jax.tree.leaves(stack_state)[0].shape[0]
 
 
 def _reduce_moe_aux(auxs: list[dict]) -> dict:

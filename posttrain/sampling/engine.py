@@ -24,7 +24,7 @@ STOP_REASONS = ("stop", "length")  # stop token sampled | new-token limit reache
 @flax.struct.dataclass
 class Slots:
     """Decode slots (S rows). `logits` are each slot's next-token logits."""
-    cache: tuple           # see kv_cache: [repeats, S, T, K, Dh] per layer
+    cache: tuple           # see kv_cache: (k [S, K, Dh, T], v [S, K, T, Dh]) per layer
     logits: jax.Array      # [S, V] float32
     prompt_len: jax.Array  # [S] int32
     step: jax.Array        # [S] int32: tokens generated so far
@@ -89,11 +89,22 @@ def sample_step(slots: Slots, out: Outputs, key: jax.Array, sampling: SamplingPa
     return slots, out, jnp.where(live, tokens, pad_id).astype(jnp.int32)
 
 
-def decode_step(model: nnx.Module, slots: Slots, tokens: jax.Array) -> Slots:
+def decode_layers(model: nnx.Module) -> list | None:
+    """The model's layers as the decode loop should get them (see `Decoder.layers`).
+
+    On the CPU they are sliced out of the stacked weights once, before the loop: XLA:CPU copies
+    a weight slice that feeds a matmul, so slicing inside the loop would copy every weight at
+    every token. Elsewhere this returns None and the loop body slices them: GPU/TPU compilers
+    fuse the slices into the matmuls, and no second copy of the weights takes memory.
+    """
+    return model.layers() if jax.default_backend() == "cpu" else None
+
+
+def decode_step(model: nnx.Module, slots: Slots, tokens: jax.Array, layers: list | None = None) -> Slots:
     """Feed each slot's last sampled token (tokens [S]) and store the next-token logits."""
-    capacity = jax.tree.leaves(slots.cache)[0].shape[2]
+    capacity = kv_cache.capacity(slots.cache)
     positions = jnp.clip(slots.prompt_len + slots.step - 1, 0, capacity - 1)
-    hidden, cache = model.decode(tokens[:, None], positions, slots.cache)
+    hidden, cache = model.decode(tokens[:, None], positions, slots.cache, layers)
     logits = constrain(model.logits(hidden)[:, 0], ("batch", "vocab"))
     return slots.replace(cache=kv_cache.shard(cache), logits=logits)
 
@@ -106,6 +117,8 @@ def decode_loop(model: nnx.Module, slots: Slots, out: Outputs, key: jax.Array, s
     step to fill free slots, and `pending(queue) -> bool`, whether requests still wait; `queue`
     is their state.
     """
+    layers = decode_layers(model)
+
     def cond(carry):
         slots, _, queue = carry
         live = jnp.any(~slots.done)
@@ -116,6 +129,6 @@ def decode_loop(model: nnx.Module, slots: Slots, out: Outputs, key: jax.Array, s
         if refill is not None:
             slots, queue = refill(slots, queue)
         slots, out, tokens = sample_step(slots, out, key, sampling, pad_id)
-        return decode_step(model, slots, tokens), out, queue
+        return decode_step(model, slots, tokens, layers), out, queue
 
     return jax.lax.while_loop(cond, body, (slots, out, queue))[1]

@@ -1,10 +1,11 @@
-"""The sampler's KV cache: per layer keys and values, stacked like the decoder's scanned layers.
+"""The sampler's KV cache: one (keys, values) pair per layer, in layer order.
 
-A cache is `Decoder.prefill`'s kv structure — cache[segment][block] = (k, v), each
-[repeats, B, T, K, Dh] — with T the capacity (prompt bucket + max new tokens). Rows are
-left-aligned: a token's cache index is its position, so a row with a prompt of n tokens holds it
-at 0..n-1 and its i-th new token at n+i. Sharded like the activations: batch over the data-like
-mesh axes, kv heads over `tensor`.
+A cache is `Decoder.prefill`'s kv structure: cache[layer] = (k [B, K, Dh, T], v [B, K, T, Dh]),
+T the capacity (prompt bucket + max new tokens). Each (row, kv head) is one contiguous matrix
+laid out as its attention matmul reads it: keys transposed for q·kᵀ, values as they are for p·v.
+Rows are left-aligned: a token's cache index is its position, so a row with a prompt of n
+tokens holds it at 0..n-1 and its i-th new token at n+i. Sharded like the activations: batch
+over the data-like mesh axes, kv heads over `tensor`.
 """
 
 from __future__ import annotations
@@ -14,42 +15,56 @@ import jax.numpy as jnp
 
 from posttrain.parallel.sharding import constrain
 
-CACHE_NAMES = ("layers", "batch", None, "kv_heads", "head_dim")
+K_NAMES = ("batch", "kv_heads", "head_dim", None)
+V_NAMES = ("batch", "kv_heads", None, "head_dim")
+TIME_AXES = (3, 2)     # the cache-index axis of k and of v
+
+
+def _per_layer(fn, *caches):
+    """fn(array, time_axis, *others) on the k and v of every layer → a cache."""
+    return tuple(tuple(fn(a, axis, *rest) for a, axis, *rest in zip(kv, TIME_AXES, *others))
+                 for kv, *others in zip(*caches))
 
 
 def shard(cache):
     """Constrain every cache array to the cache layout (a no-op outside `use_sharding`)."""
-    return jax.tree.map(lambda a: constrain(a, CACHE_NAMES), cache)
+    return tuple((constrain(k, K_NAMES), constrain(v, V_NAMES)) for k, v in cache)
 
 
-def allocate(prompt_kv, capacity: int):
-    """A cache of `capacity` entries per row holding a prefill's keys and values at 0..S-1.
-
-    prompt_kv: arrays [repeats, B, S, K, Dh] → [repeats, B, capacity, K, Dh].
-    """
-    def one(a):
-        if a.shape[2] > capacity:
-            raise ValueError(f"prompt of {a.shape[2]} tokens does not fit a cache of {capacity}")
-        return jnp.pad(a, ((0, 0), (0, 0), (0, capacity - a.shape[2]), (0, 0), (0, 0)))
-    return shard(jax.tree.map(one, prompt_kv))
+def capacity(cache) -> int:
+    """Entries per row (T)."""
+    return cache[0][1].shape[TIME_AXES[1]]
 
 
-def empty_like(prompt_kv, batch: int, capacity: int):
-    """A zero cache with `batch` rows of `capacity` entries, shaped like a prefill's kv."""
-    return shard(jax.tree.map(lambda a: jnp.zeros((a.shape[0], batch, capacity) + a.shape[3:], a.dtype),
-                              prompt_kv))
+def allocate(prompt_kv, size: int):
+    """A cache of `size` entries per row holding a prefill's keys and values at 0..S-1."""
+    def one(a, axis):
+        if a.shape[axis] > size:
+            raise ValueError(f"prompt of {a.shape[axis]} tokens does not fit a cache of {size}")
+        return jnp.pad(a, [(0, size - a.shape[axis]) if d == axis else (0, 0) for d in range(a.ndim)])
+    return shard(_per_layer(one, prompt_kv))
+
+
+def empty_like(prompt_kv, batch: int, size: int):
+    """A zero cache with `batch` rows of `size` entries, shaped like a prefill's kv."""
+    def one(a, axis):
+        shape = list(a.shape)
+        shape[0], shape[axis] = batch, size
+        return jnp.zeros(shape, a.dtype)
+    return shard(_per_layer(one, prompt_kv))
 
 
 def repeat_rows(cache, n: int):
-    """Each row n times in a row (a prompt's cache shared by its group): [R, B, ...] → [R, B*n, ...]."""
-    return shard(jax.tree.map(lambda a: jnp.repeat(a, n, axis=1), cache))
+    """Each row n times in a row (a prompt's cache shared by its group): [B, ...] → [B*n, ...]."""
+    return shard(jax.tree.map(lambda a: jnp.repeat(a, n, axis=0), cache))
 
 
 def insert_rows(cache, prompt_kv, rows: jax.Array):
-    """Write prefill kv [repeats, C, S, K, Dh] into cache rows `rows` [C] at entries 0..S-1.
+    """Write a prefill's kv (C rows of S entries) into cache rows `rows` [C] at entries 0..S-1.
 
     Rows equal to the cache's batch size (out of range) are skipped.
     """
-    def one(c, kv):
-        return c.at[:, rows, :kv.shape[2]].set(kv.astype(c.dtype), mode="drop")
-    return shard(jax.tree.map(one, cache, prompt_kv))
+    def one(c, axis, kv):
+        index = (rows,) + (slice(None),) * (axis - 1) + (slice(0, kv.shape[axis]),)
+        return c.at[index].set(kv.astype(c.dtype), mode="drop")
+    return shard(_per_layer(one, cache, prompt_kv))
