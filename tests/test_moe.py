@@ -300,3 +300,33 @@ def test_cpu_grouped_matmuls_equal_ragged_dot_with_grads(form):
     for a, b in zip(jax.grad(lambda x, w: (tiled(x, w) * cot).sum(), (0, 1))(x, w),
                     jax.grad(lambda x, w: (ref(x, w) * cot).sum(), (0, 1))(x, w)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [16, 300])          # fallback: every expert (16) or sorted rows (300)
+@pytest.mark.parametrize("skewed", [False, True])     # skewed: expert 0 over capacity → the fallback
+def test_cpu_expert_paths_match_naive_with_grads(tokens, skewed):
+    from posttrain.models.moe.dispatch import ExpertLayout, routed_experts, spare_capacity
+    keys = jax.random.split(jax.random.key(3), 5)
+    x = jax.random.normal(keys[0], (tokens, D))
+    w_gate, w_up = (jax.random.normal(k, (E, D, F)) * 0.3 for k in keys[1:3])
+    w_down = jax.random.normal(keys[3], (E, F, D)) * 0.3
+    t = np.arange(tokens)
+    experts = np.stack([np.zeros_like(t) if skewed else t % E, (t % (E - 1)) + 1], axis=1)
+    weights = jax.nn.softmax(jax.random.normal(keys[4], (tokens, K)))
+    load = np.bincount(experts.reshape(-1), minlength=E)
+    assert (load.max() > spare_capacity(tokens * K, E)) == skewed
+
+    def routed(x, *w):
+        return routed_experts(x, jnp.asarray(experts, jnp.int32), weights, *w, num_experts=E,
+                              capacity=None, layout=ExpertLayout())[0]
+
+    def naive(x, w_gate, w_up, w_down):
+        combine = jnp.zeros((tokens, E)).at[t[:, None], experts].add(weights)
+        return sum(combine[:, e:e + 1] * swiglu(x, w_gate[e], w_up[e], w_down[e]) for e in range(E))
+
+    args = (x, w_gate, w_up, w_down)
+    np.testing.assert_allclose(jax.jit(routed)(*args), naive(*args), rtol=1e-5, atol=1e-5)
+    ct = jax.random.normal(jax.random.key(9), (tokens, D))
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(routed(*a) * ct), argnums=(0, 1, 2, 3)))(*args)
+    for a, b in zip(grads, jax.grad(lambda *a: jnp.sum(naive(*a) * ct), argnums=(0, 1, 2, 3))(*args)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

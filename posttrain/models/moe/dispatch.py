@@ -27,8 +27,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from posttrain.models.moe.experts import expert_ffn, grouped_ffn, sort_by_expert
 
-# tokens × experts up to which `dense_experts` runs on the CPU (measured crossover with the sorted
-# path: 16-token decode 1.2× and 256-token prefill 1.7× faster dense; 512 tokens 1.5× slower)
+# tokens × experts up to which `dense_experts` is the CPU's fallback from `padded_experts` (measured
+# against the sorted path: 16-token decode 1.2× and 256-token prefill 1.7× faster; 512 tokens 1.5× slower)
 DENSE_EXPERTS_MAX_TOKEN_EXPERTS = 2048
 
 
@@ -141,8 +141,28 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate:
     float32, partial over `layout.psum_axes`, and the number of kept assignments (scalar int32).
     """
     num_tokens, top_k = experts.shape
-    if w_gate.shape[0] == num_experts and few_tokens_on_cpu(num_tokens, num_experts, capacity, layout):
-        return dense_experts(x, experts, weights, w_gate, w_up, w_down), jnp.int32(num_tokens * top_k)
+    args = (x, experts, weights, w_gate, w_up, w_down)
+    if not (jax.default_backend() == "cpu" and w_gate.shape[0] == num_experts and layout.num_peers == 1
+            and capacity is None):
+        return exchanged_experts(*args, num_experts=num_experts, capacity=capacity, layout=layout)
+    # The CPU, every expert on this device, dropless: padded batched matmuls when no expert is
+    # over a generous capacity, else every expert on every token (few tokens) or sorted rows.
+    if num_tokens * num_experts <= DENSE_EXPERTS_MAX_TOKEN_EXPERTS:
+        fallback = lambda: dense_experts(*args)
+    else:
+        fallback = lambda: exchanged_experts(*args, num_experts=num_experts, capacity=None, layout=layout)[0]
+    room = spare_capacity(num_tokens * top_k, num_experts)
+    load = jnp.bincount(experts.reshape(-1), length=num_experts)
+    y = jax.lax.cond(jnp.max(load) <= room, lambda: padded_experts(*args, capacity=room), fallback)
+    return y, jnp.int32(num_tokens * top_k)
+
+
+def exchanged_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
+                      w_up: jax.Array, w_down: jax.Array, *, num_experts: int, capacity: int | None,
+                      layout: ExpertLayout) -> tuple[jax.Array, jax.Array]:
+    """`routed_experts` by sorting the assignments by expert and exchanging them with the peers
+    that hold their experts (see the module docstring); the general path."""
+    num_tokens, top_k = experts.shape
     order, group_sizes = sort_by_expert(experts.reshape(-1), num_experts, capacity)
     local = w_gate.shape[0]
     first = peer_first_experts(layout, local)
@@ -161,11 +181,40 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate:
     return y, jnp.sum(group_sizes)
 
 
-def few_tokens_on_cpu(num_tokens: int, num_experts: int, capacity: int | None, layout: ExpertLayout) -> bool:
-    """Whether to run every expert on every token (`dense_experts`): on the CPU, with all experts on
-    this device and no capacity, for decode-sized token counts, where it beats sorting and grouping."""
-    return (jax.default_backend() == "cpu" and layout.num_peers == 1 and capacity is None
-            and num_tokens * num_experts <= DENSE_EXPERTS_MAX_TOKEN_EXPERTS)
+def spare_capacity(assignments: int, num_experts: int) -> int:
+    """Rows per expert for `padded_experts`: a uniform router's mean load plus three standard
+    deviations, rounded up to a multiple of 4 (at most all assignments)."""
+    mean = assignments / num_experts
+    return min(assignments, 4 * math.ceil((mean + 3 * math.sqrt(mean)) / 4))
+
+
+def batched_swiglu(rows: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
+    """silu(rows[e] @ w_gate[e]) * (rows[e] @ w_up[e]) for every expert e: rows [E, R, D] →
+    [E, R, F] float32. Batched over experts, the layout the weights lie in (no transposed copy)."""
+    mm = functools.partial(jnp.einsum, "erd,edf->erf", preferred_element_type=jnp.float32)
+    return jax.nn.silu(mm(rows, w_gate.astype(rows.dtype))) * mm(rows, w_up.astype(rows.dtype))
+
+
+def padded_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
+                   w_up: jax.Array, w_down: jax.Array, *, capacity: int) -> jax.Array:
+    """Each expert on its first `capacity` assignments (in token order), as batched matmuls over an
+    [E, capacity, D] buffer: no per-group slices of the weights, no tiles. Assignments beyond an
+    expert's capacity contribute nothing: callers use it when none is (`routed_experts`).
+
+    x [T, D]; experts, weights [T, k]; w_* [E, D, F] / [E, F, D]. Returns y [T, D] float32.
+    """
+    num_tokens, top_k = experts.shape
+    num_experts, dim = w_gate.shape[0], x.shape[1]
+    flat = experts.reshape(-1)
+    order, load = sort_by_expert(flat, num_experts)
+    rank = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.shape[0]) - (jnp.cumsum(load) - load)[flat[order]])
+    slot = jnp.where(rank < capacity, flat * capacity + rank, num_experts * capacity)   # out of range: dropped
+    rows = jnp.zeros((num_experts * capacity, dim), x.dtype).at[slot].set(jnp.repeat(x, top_k, axis=0),
+                                                                          mode="drop")
+    h = batched_swiglu(rows.reshape(num_experts, capacity, dim), w_gate, w_up).astype(x.dtype)
+    out = jnp.einsum("erf,efd->erd", h, w_down.astype(x.dtype), preferred_element_type=jnp.float32)
+    out = out.reshape(-1, dim).at[slot].get(mode="fill", fill_value=0)
+    return jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), out.reshape(num_tokens, top_k, dim))
 
 
 def dense_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
@@ -173,18 +222,15 @@ def dense_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: 
     """Σ_e combine[t, e] · FFN_e(x_t) with every expert on every token (one-hot combine weights).
 
     x [T, D]; experts, weights [T, k]; w_* [E, D, F] / [E, F, D]. Returns y [T, D] float32.
-    The matmuls are batched over experts, the layout the weights lie in (no transposed copy of
-    them), and the combine weights scale the hidden activations so that the down projection and
-    the sum over experts are one matmul.
+    The combine weights scale the hidden activations, so that the down projection and the sum
+    over experts are one matmul.
     """
-    dtype, num_experts = x.dtype, w_gate.shape[0]
-    combine = jnp.zeros((x.shape[0], num_experts), jnp.float32).at[
-        jnp.arange(x.shape[0])[:, None], experts].add(weights.astype(jnp.float32))
-    mm = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
-    xs = jnp.broadcast_to(x, (num_experts,) + x.shape)
-    h = jax.nn.silu(mm("etd,edf->etf", xs, w_gate.astype(dtype))) * mm("etd,edf->etf", xs, w_up.astype(dtype))
-    h = h * combine.T[:, :, None]
-    return mm("etf,efd->td", h.astype(dtype), w_down.astype(dtype))
+    num_tokens, num_experts = x.shape[0], w_gate.shape[0]
+    combine = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
+        jnp.arange(num_tokens)[:, None], experts].add(weights.astype(jnp.float32))
+    h = batched_swiglu(jnp.broadcast_to(x, (num_experts,) + x.shape), w_gate, w_up) * combine.T[:, :, None]
+    return jnp.einsum("etf,efd->td", h.astype(x.dtype), w_down.astype(x.dtype), preferred_element_type=jnp.float32)
+
 
 def padded_exchange(x: jax.Array, tokens: jax.Array, sorted_ids: jax.Array, group_sizes: jax.Array,
                     first: jax.Array, send_start: jax.Array, send_size: jax.Array, bound: int,
