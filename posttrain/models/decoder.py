@@ -163,14 +163,20 @@ class Decoder(nnx.Module):
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
         return constrain(x, ("batch", "length", "embed"))
 
-    def prefill(self, tokens, positions, segment_ids):
+    def prefill(self, tokens, positions, segment_ids, layers: Sequence[Block] | None = None):
         """The forward pass of a sampler's prompt: tokens [B, S] → (final-normed hidden [B, S, D], kv).
 
         kv holds one (k, v) pair per layer, in layer order, laid out like the KV cache
-        (`sampling.kv_cache`): k [B, K, Dh, S], v [B, K, S, Dh].
+        (`sampling.kv_cache`): k [B, K, Dh, S], v [B, K, S, Dh]. Given `layers` (`self.layers()`)
+        the layers run one after another, else each stack under its scan.
         """
         x = self._embed(tokens)
         kv = []
+        if layers is not None:
+            for block in layers:
+                x, block_kv = block.prefill(x, positions, segment_ids)
+                kv.append(block_kv)
+            return self.final_norm(x), tuple(kv)
         for stack in self.stacks:
             graphdef, state = nnx.split(stack)
 

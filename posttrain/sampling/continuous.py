@@ -23,10 +23,11 @@ from posttrain.sampling.generate import (MIN_PROMPT_BUCKET, Samples, bucket, new
 from posttrain.sampling.rules import SamplingParams
 
 
-def slot_refill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array, limits: jax.Array,
-                sample_ids: jax.Array, num_requests: jax.Array, prefill_batch: int):
+def slot_refill(model: nnx.Module, layers: list | None, tokens: jax.Array, lengths: jax.Array,
+                limits: jax.Array, streams: jax.Array, num_requests: jax.Array, prefill_batch: int):
     """`engine.decode_loop`'s refill for a request queue tokens [Q + C, P], lengths, new-token
-    limits, sample_ids [Q + C] (C = prefill_batch; rows >= num_requests are padding).
+    limits, RNG streams [Q + C] (C = prefill_batch; rows >= num_requests are padding); `layers`
+    as `engine.decode_layers` gives them.
 
     The queue state is the next request's index. While at least min(C, waiting) slots are free,
     the next C requests are prefilled together and moved into the first free slots; a prefill is
@@ -43,14 +44,14 @@ def slot_refill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array, limits
         slots, nxt = carry
         n, num_slots = take(nxt), slots.done.shape[0]
         chunk = lambda a: jax.lax.dynamic_slice_in_dim(a, nxt, prefill_batch)
-        logits, kv = engine.prefill(model, chunk(tokens), chunk(lengths))
+        logits, kv = engine.prefill(model, chunk(tokens), chunk(lengths), layers)
         free = jnp.nonzero(slots.done, size=prefill_batch, fill_value=num_slots)[0]
         dest = jnp.where(jnp.arange(prefill_batch) < n, free, num_slots)     # out of range: dropped
         put = lambda a, v: a.at[dest].set(v, mode="drop")
         slots = slots.replace(cache=kv_cache.insert_rows(slots.cache, kv, dest), logits=put(slots.logits, logits),
                               prompt_len=put(slots.prompt_len, chunk(lengths)), step=put(slots.step, 0),
                               limit=put(slots.limit, chunk(limits)),
-                              done=put(slots.done, False), sample_id=put(slots.sample_id, chunk(sample_ids)),
+                              done=put(slots.done, False), stream=put(slots.stream, chunk(streams)),
                               row=put(slots.row, nxt + jnp.arange(prefill_batch, dtype=jnp.int32)))
         return slots, nxt + n
 
@@ -65,15 +66,18 @@ def continuous_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.Stat
     """The compiled continuous batcher: a queue tokens [Q + C, P] → Outputs of Q rows (row i is
     request i, drawing from fold_in(key, sample_ids[i]))."""
     model = nnx.merge(graphdef, params, rest)
+    layers = engine.decode_layers(model)
     queue_rows, prompt_len = tokens.shape[0] - prefill_batch, tokens.shape[1]
     logits, kv = jax.eval_shape(lambda: engine.prefill(model, tokens[:prefill_batch], lengths[:prefill_batch]))
+    streams = engine.sample_streams(key, sample_ids)
     zeros = jnp.zeros((num_slots,), jnp.int32)
     slots = engine.Slots(cache=kv_cache.empty_like(kv, num_slots, prompt_len + sampling.max_new_tokens),
                          logits=jnp.zeros((num_slots, logits.shape[1]), jnp.float32), prompt_len=zeros,
-                         step=zeros, limit=zeros, done=jnp.ones((num_slots,), bool), sample_id=zeros, row=zeros)
+                         step=zeros, limit=zeros, done=jnp.ones((num_slots,), bool), stream=streams[:num_slots],
+                         row=zeros)
     out = engine.Outputs.empty(queue_rows, sampling.max_new_tokens, pad_id)
-    refill = slot_refill(model, tokens, lengths, limits, sample_ids, num_requests, prefill_batch)
-    return engine.decode_loop(model, slots, out, key, sampling, pad_id, refill=refill,
+    refill = slot_refill(model, layers, tokens, lengths, limits, streams, num_requests, prefill_batch)
+    return engine.decode_loop(model, slots, out, sampling, pad_id, layers=layers, refill=refill,
                               pending=lambda nxt: nxt < num_requests, queue=jnp.zeros((), jnp.int32))
 
 

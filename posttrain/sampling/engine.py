@@ -30,7 +30,7 @@ class Slots:
     step: jax.Array        # [S] int32: tokens generated so far
     limit: jax.Array       # [S] int32: max new tokens of the sample (<= max_new_tokens)
     done: jax.Array        # [S] bool: finished or empty
-    sample_id: jax.Array   # [S] int32: RNG stream of the sample (request id)
+    stream: jax.Array      # [S] PRNG keys: the sample's RNG stream, `sample_stream(key, id)`
     row: jax.Array         # [S] int32: output row of the sample
 
 
@@ -51,28 +51,45 @@ class Outputs:
                    jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32))
 
 
-def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, tuple]:
+def sample_streams(key: jax.Array, sample_ids: jax.Array) -> jax.Array:
+    """The RNG stream of each sample, fold_in(key, id): sample_ids [N] → keys [N]. A sample's
+    draws depend on nothing else (not its slot, its batch or when it started)."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, sample_ids)
+
+
+def decode_layers(model: nnx.Module) -> list | None:
+    """The model's layers as the sampler should get them (see `Decoder.layers`).
+
+    On the CPU they are sliced out of the stacked weights once, before the loop: XLA:CPU copies
+    a weight slice that feeds a matmul, so slicing inside the loop would copy every weight at
+    every token. Elsewhere this returns None and the model slices them where they are used:
+    GPU/TPU compilers fuse the slices into the matmuls, and no second copy of the weights takes
+    memory.
+    """
+    return model.layers() if jax.default_backend() == "cpu" else None
+
+
+def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array,
+            layers: list | None = None) -> tuple[jax.Array, tuple]:
     """Right-padded prompts tokens [B, P] with lengths [B] (>= 1) → (next-token logits [B, V], kv).
 
     Positions are 0..P-1 and padding has segment id 0, exactly as the learner lays out a row.
+    `layers`: `decode_layers(model)`.
     """
     tokens = constrain(tokens, ("batch", "length"))
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
-    hidden, kv = model.prefill(tokens, positions, segment_ids)
+    hidden, kv = model.prefill(tokens, positions, segment_ids, layers)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)     # [B, 1, D]
     return model.logits(last)[:, 0], kv
 
 
-def sample_step(slots: Slots, out: Outputs, key: jax.Array, sampling: SamplingParams,
+def sample_step(slots: Slots, out: Outputs, sampling: SamplingParams,
                 pad_id: int) -> tuple[Slots, Outputs, jax.Array]:
     """Sample every live slot's next token from its logits and record it; returns the tokens [S]
-    to decode next (pad for done slots).
-
-    The RNG of a token is fold_in(fold_in(key, sample_id), token index), so a sample's draws do
-    not depend on its slot, its batch or when it started.
+    to decode next (pad for done slots). The RNG of a token is fold_in(stream, token index).
     """
-    keys = jax.vmap(lambda i, n: jax.random.fold_in(jax.random.fold_in(key, i), n))(slots.sample_id, slots.step)
+    keys = jax.vmap(jax.random.fold_in)(slots.stream, slots.step)
     tokens, logprobs, sampling_lps = jax.vmap(sample_token, in_axes=(0, 0, None))(keys, slots.logits, sampling)
     live = ~slots.done
     rows = jnp.where(live, slots.row, out.tokens.shape[0])          # out of range: dropped
@@ -89,17 +106,6 @@ def sample_step(slots: Slots, out: Outputs, key: jax.Array, sampling: SamplingPa
     return slots, out, jnp.where(live, tokens, pad_id).astype(jnp.int32)
 
 
-def decode_layers(model: nnx.Module) -> list | None:
-    """The model's layers as the decode loop should get them (see `Decoder.layers`).
-
-    On the CPU they are sliced out of the stacked weights once, before the loop: XLA:CPU copies
-    a weight slice that feeds a matmul, so slicing inside the loop would copy every weight at
-    every token. Elsewhere this returns None and the loop body slices them: GPU/TPU compilers
-    fuse the slices into the matmuls, and no second copy of the weights takes memory.
-    """
-    return model.layers() if jax.default_backend() == "cpu" else None
-
-
 def decode_step(model: nnx.Module, slots: Slots, tokens: jax.Array, layers: list | None = None) -> Slots:
     """Feed each slot's last sampled token (tokens [S]) and store the next-token logits."""
     capacity = kv_cache.capacity(slots.cache)
@@ -109,15 +115,14 @@ def decode_step(model: nnx.Module, slots: Slots, tokens: jax.Array, layers: list
     return slots.replace(cache=kv_cache.shard(cache), logits=logits)
 
 
-def decode_loop(model: nnx.Module, slots: Slots, out: Outputs, key: jax.Array, sampling: SamplingParams,
-                pad_id: int, *, refill=None, pending=None, queue=()) -> Outputs:
+def decode_loop(model: nnx.Module, slots: Slots, out: Outputs, sampling: SamplingParams, pad_id: int, *,
+                layers: list | None = None, refill=None, pending=None, queue=()) -> Outputs:
     """Sample and decode until every slot is done and nothing is pending, in one `lax.while_loop`.
 
-    Continuous batching passes `refill(slots, queue) -> (slots, queue)`, run at the start of every
-    step to fill free slots, and `pending(queue) -> bool`, whether requests still wait; `queue`
-    is their state.
+    `layers`: `decode_layers(model)`, computed once outside the loop. Continuous batching passes
+    `refill(slots, queue) -> (slots, queue)`, run at the start of every step to fill free slots,
+    and `pending(queue) -> bool`, whether requests still wait; `queue` is their state.
     """
-    layers = decode_layers(model)
 
     def cond(carry):
         slots, _, queue = carry
@@ -128,7 +133,7 @@ def decode_loop(model: nnx.Module, slots: Slots, out: Outputs, key: jax.Array, s
         slots, out, queue = carry
         if refill is not None:
             slots, queue = refill(slots, queue)
-        slots, out, tokens = sample_step(slots, out, key, sampling, pad_id)
+        slots, out, tokens = sample_step(slots, out, sampling, pad_id)
         return decode_step(model, slots, tokens, layers), out, queue
 
     return jax.lax.while_loop(cond, body, (slots, out, queue))[1]

@@ -108,14 +108,15 @@ def generate_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
     id too)."""
     model = nnx.merge(graphdef, params, rest)
     g, b = sampling.num_samples, tokens.shape[0]
-    logits, kv = engine.prefill(model, tokens, lengths)
+    layers = engine.decode_layers(model)
+    logits, kv = engine.prefill(model, tokens, lengths, layers)
     cache = kv_cache.repeat_rows(kv_cache.allocate(kv, tokens.shape[1] + sampling.max_new_tokens), g)
     ids = jnp.arange(b * g, dtype=jnp.int32)
     slots = engine.Slots(cache=cache, logits=jnp.repeat(logits, g, axis=0), prompt_len=jnp.repeat(lengths, g),
                          step=jnp.zeros((b * g,), jnp.int32), limit=jnp.repeat(limits, g),
-                         done=ids >= num_prompts * g, sample_id=ids, row=ids)
+                         done=ids >= num_prompts * g, stream=engine.sample_streams(key, ids), row=ids)
     out = engine.Outputs.empty(b * g, sampling.max_new_tokens, pad_id)
-    return engine.decode_loop(model, slots, out, key, sampling, pad_id)
+    return engine.decode_loop(model, slots, out, sampling, pad_id, layers=layers)
 
 
 def generate(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
