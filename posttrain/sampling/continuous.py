@@ -24,10 +24,11 @@ from posttrain.sampling.rules import SamplingParams
 
 
 def slot_refill(model: nnx.Module, layers: list | None, tokens: jax.Array, lengths: jax.Array,
-                limits: jax.Array, streams: jax.Array, num_requests: jax.Array, prefill_batch: int):
+                limits: jax.Array, sample_ids: jax.Array, num_requests: jax.Array, prefill_batch: int,
+                key: jax.Array, max_new: int):
     """`engine.decode_loop`'s refill for a request queue tokens [Q + C, P], lengths, new-token
-    limits, RNG streams [Q + C] (C = prefill_batch; rows >= num_requests are padding); `layers`
-    as `engine.decode_layers` gives them.
+    limits, sample_ids [Q + C] (C = prefill_batch; rows >= num_requests are padding); `layers`
+    as `engine.decode_layers` gives them; RNG keys from `key` (see `engine.token_keys`).
 
     The queue state is the next request's index. While at least min(C, waiting) slots are free,
     the next C requests are prefilled together and moved into the first free slots; a prefill is
@@ -51,7 +52,8 @@ def slot_refill(model: nnx.Module, layers: list | None, tokens: jax.Array, lengt
         slots = slots.replace(cache=kv_cache.insert_rows(slots.cache, kv, dest), logits=put(slots.logits, logits),
                               prompt_len=put(slots.prompt_len, chunk(lengths)), step=put(slots.step, 0),
                               limit=put(slots.limit, chunk(limits)),
-                              done=put(slots.done, False), stream=put(slots.stream, chunk(streams)),
+                              done=put(slots.done, False),
+                              keys=put(slots.keys, engine.token_keys(key, chunk(sample_ids), max_new)),
                               row=put(slots.row, nxt + jnp.arange(prefill_batch, dtype=jnp.int32)))
         return slots, nxt + n
 
@@ -69,14 +71,14 @@ def continuous_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.Stat
     layers = engine.decode_layers(model)
     queue_rows, prompt_len = tokens.shape[0] - prefill_batch, tokens.shape[1]
     logits, kv = jax.eval_shape(lambda: engine.prefill(model, tokens[:prefill_batch], lengths[:prefill_batch]))
-    streams = engine.sample_streams(key, sample_ids)
     zeros = jnp.zeros((num_slots,), jnp.int32)
     slots = engine.Slots(cache=kv_cache.empty_like(kv, num_slots, prompt_len + sampling.max_new_tokens),
                          logits=jnp.zeros((num_slots, logits.shape[1]), jnp.float32), prompt_len=zeros,
-                         step=zeros, limit=zeros, done=jnp.ones((num_slots,), bool), stream=streams[:num_slots],
-                         row=zeros)
+                         step=zeros, limit=zeros, done=jnp.ones((num_slots,), bool),
+                         keys=engine.token_keys(key, zeros, sampling.max_new_tokens), row=zeros)
     out = engine.Outputs.empty(queue_rows, sampling.max_new_tokens, pad_id)
-    refill = slot_refill(model, layers, tokens, lengths, limits, streams, num_requests, prefill_batch)
+    refill = slot_refill(model, layers, tokens, lengths, limits, sample_ids, num_requests, prefill_batch, key,
+                         sampling.max_new_tokens)
     return engine.decode_loop(model, slots, out, sampling, pad_id, layers=layers, refill=refill,
                               pending=lambda nxt: nxt < num_requests, queue=jnp.zeros((), jnp.int32))
 

@@ -30,7 +30,7 @@ class Slots:
     step: jax.Array        # [S] int32: tokens generated so far
     limit: jax.Array       # [S] int32: max new tokens of the sample (<= max_new_tokens)
     done: jax.Array        # [S] bool: finished or empty
-    stream: jax.Array      # [S] PRNG keys: the sample's RNG stream, `sample_stream(key, id)`
+    keys: jax.Array        # [S, M] PRNG keys: the key of each of the sample's tokens (`token_keys`)
     row: jax.Array         # [S] int32: output row of the sample
 
 
@@ -51,10 +51,13 @@ class Outputs:
                    jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32))
 
 
-def sample_streams(key: jax.Array, sample_ids: jax.Array) -> jax.Array:
-    """The RNG stream of each sample, fold_in(key, id): sample_ids [N] → keys [N]. A sample's
-    draws depend on nothing else (not its slot, its batch or when it started)."""
-    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, sample_ids)
+def token_keys(key: jax.Array, sample_ids: jax.Array, max_new: int) -> jax.Array:
+    """The RNG key of every token of each sample: fold_in(fold_in(key, id), n) for n < max_new;
+    sample_ids [N] → keys [N, max_new]. A sample's draws depend on nothing else (not its slot,
+    its batch or when it started). Drawn for all tokens at once: on the CPU every threefry call
+    is a loop of its own, too dear for each token."""
+    streams = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, sample_ids)
+    return jax.vmap(lambda k: jax.vmap(jax.random.fold_in, in_axes=(None, 0))(k, jnp.arange(max_new)))(streams)
 
 
 def decode_layers(model: nnx.Module) -> list | None:
@@ -87,9 +90,10 @@ def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array,
 def sample_step(slots: Slots, out: Outputs, sampling: SamplingParams,
                 pad_id: int) -> tuple[Slots, Outputs, jax.Array]:
     """Sample every live slot's next token from its logits and record it; returns the tokens [S]
-    to decode next (pad for done slots). The RNG of a token is fold_in(stream, token index).
+    to decode next (pad for done slots). A token draws from its key in `slots.keys`.
     """
-    keys = jax.vmap(jax.random.fold_in)(slots.stream, slots.step)
+    index = jnp.minimum(slots.step, slots.keys.shape[1] - 1)[:, None]              # done slots: any key
+    keys = jnp.take_along_axis(slots.keys, index, axis=1)[:, 0]
     tokens, logprobs, sampling_lps = jax.vmap(sample_token, in_axes=(0, 0, None))(keys, slots.logits, sampling)
     live = ~slots.done
     rows = jnp.where(live, slots.row, out.tokens.shape[0])          # out of range: dropped

@@ -114,7 +114,8 @@ def generate_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
     ids = jnp.arange(b * g, dtype=jnp.int32)
     slots = engine.Slots(cache=cache, logits=jnp.repeat(logits, g, axis=0), prompt_len=jnp.repeat(lengths, g),
                          step=jnp.zeros((b * g,), jnp.int32), limit=jnp.repeat(limits, g),
-                         done=ids >= num_prompts * g, stream=engine.sample_streams(key, ids), row=ids)
+                         done=ids >= num_prompts * g, keys=engine.token_keys(key, ids, sampling.max_new_tokens),
+                         row=ids)
     out = engine.Outputs.empty(b * g, sampling.max_new_tokens, pad_id)
     return engine.decode_loop(model, slots, out, sampling, pad_id, layers=layers)
 
