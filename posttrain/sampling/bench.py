@@ -1,7 +1,8 @@
 """Sampler benchmarks, measured side by side in one run (called from `tools/bench.py`).
 
 - decode: KV-cached generation vs naive recomputation (a full forward pass per new token, also
-  in one compiled loop), in new tokens/s;
+  in one compiled loop), in new tokens/s; and the decode steps' feed-forward blocks alone (MLP or
+  MoE), which bound how close MoE decode can come to dense on this machine;
 - groups: G samples of a prompt with one shared prefill vs G prefills of the repeated prompt;
 - continuous vs static batching on a skewed length distribution, in useful tokens/s.
 """
@@ -57,6 +58,20 @@ def recompute_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State
     return jax.lax.fori_loop(0, sampling.max_new_tokens, step, prompts)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
+def feed_forward_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, x: jax.Array, *,
+                         steps: int) -> jax.Array:
+    """The feed-forward half of `steps` decode steps alone: x [B, 1, D] through every layer's MLP or
+    MoE block (norm and residual included), the layers hoisted as the sampler hoists them."""
+    layers = nnx.merge(graphdef, params, rest).layers()
+
+    def step(_, x):
+        for block in layers:
+            x = block._feed_forward(x)[0]
+        return x
+    return jax.lax.fori_loop(0, steps, step, x)
+
+
 def _best_seconds(fns: dict, iters: int) -> dict:
     """Best wall seconds of each blocking `fn()` over `iters` rounds, after a warm-up
     (compilation). Rounds interleave the functions, so load from other work on the machine
@@ -85,7 +100,7 @@ def sampler_bench(*, batch: int = 16, prompt_len: int = 32, max_new: int = 64, g
     """Rows of sampler timings on one device for the tiny Qwen3-style configs (see module doc)."""
     mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
     rng = np.random.default_rng(0)
-    rows = []
+    rows, decode_s, ffn_s = [], {}, {}
     for kind in kinds:
         graphdef, params, rest = nnx.split(Decoder(qwen3_tiny_configs()[kind], rngs=nnx.Rngs(0)), nnx.Param, ...)
         prompts = rng.integers(3, 512, (requests, prompt_len)).astype(np.int32)
@@ -98,14 +113,19 @@ def sampler_bench(*, batch: int = 16, prompt_len: int = 32, max_new: int = 64, g
             buffer = np.pad(prompts[:batch], ((0, 0), (0, max_new)))
             naive = recompute_program.lower(graphdef, params, rest, buffer, key, sampling=sampling,
                                             prompt_len=prompt_len).compile()
-            t_cache = _best_seconds({"cache": cached}, iters)["cache"]
+            x = jax.random.normal(key, (batch, 1, qwen3_tiny_configs()[kind].embed_dim))
+            t = _best_seconds({"cache": cached, "ffn": lambda: jax.block_until_ready(
+                feed_forward_program(graphdef, params, rest, x, steps=max_new))}, iters)
+            t_cache, decode_s[kind], ffn_s[kind] = t["cache"], t["cache"], t["ffn"]
             t0 = time.perf_counter()                      # once: it is slow, and already compiled
             jax.block_until_ready(naive(params, rest, buffer, key))
             t_naive = time.perf_counter() - t0
             new_tokens = batch * max_new
             rows += [{"name": f"decode {kind} kv-cache", "new tokens/s": new_tokens / t_cache, "ms": t_cache * 1e3},
                      {"name": f"decode {kind} recompute", "new tokens/s": new_tokens / t_naive, "ms": t_naive * 1e3},
-                     {"name": f"decode {kind} cache speed-up", "x": t_naive / t_cache}]
+                     {"name": f"decode {kind} cache speed-up", "x": t_naive / t_cache},
+                     {"name": f"decode {kind} feed-forward blocks alone", "ms": ffn_s[kind] * 1e3,
+                      "share of decode": ffn_s[kind] / t_cache}]
 
             for new in (1, max_new):
                 grouped = dataclasses.replace(sampling, max_new_tokens=new, num_samples=group)
@@ -125,16 +145,21 @@ def sampler_bench(*, batch: int = 16, prompt_len: int = 32, max_new: int = 64, g
                     generate(graphdef, params, rest, prompts[i:i + batch], sampling, key,
                              max_new_tokens=limits[i:i + batch])
 
-            batcher = ContinuousBatcher(graphdef, sampling, num_slots=batch, prefill_batch=4)
+            fns = {"static": static}
+            for chunk in (4, 8):                          # requests prefilled together on a refill
+                batcher = ContinuousBatcher(graphdef, sampling, num_slots=batch, prefill_batch=chunk)
 
-            def continuous():
-                for p, limit in zip(prompts, limits):
-                    batcher.submit(p, limit)
-                return batcher.run(params, rest, key)
-            t = _best_seconds({"static": static, "continuous": continuous}, iters)
-            rows += [{"name": f"skewed {kind} static", "useful tokens/s": useful / t["static"],
-                      "ms": t["static"] * 1e3},
-                     {"name": f"skewed {kind} continuous", "useful tokens/s": useful / t["continuous"],
-                      "ms": t["continuous"] * 1e3},
-                     {"name": f"skewed {kind} continuous speed-up", "x": t["static"] / t["continuous"]}]
+                def continuous(batcher=batcher):
+                    for p, limit in zip(prompts, limits):
+                        batcher.submit(p, limit)
+                    return batcher.run(params, rest, key)
+                fns[f"continuous, refill by {chunk}"] = continuous
+            t = _best_seconds(fns, iters)
+            rows += [{"name": f"skewed {kind} {name}", "useful tokens/s": useful / t[name], "ms": t[name] * 1e3,
+                      "x vs static": t["static"] / t[name]} for name in fns]
+    if {"dense", "moe-8x2"} <= set(kinds):
+        dense, moe = decode_s["dense"], decode_s["moe-8x2"]
+        rows.append({"name": "decode moe-8x2 / dense new tokens/s", "x": dense / moe,
+                     # MoE decode if all but its feed-forward blocks cost what dense decode costs
+                     "bound from feed-forward alone": dense / (dense - ffn_s["dense"] + ffn_s["moe-8x2"])})
     return rows

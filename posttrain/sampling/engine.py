@@ -127,7 +127,6 @@ def decode_loop(model: nnx.Module, slots: Slots, out: Outputs, sampling: Samplin
     `refill(slots, queue) -> (slots, queue)`, run at the start of every step to fill free slots,
     and `pending(queue) -> bool`, whether requests still wait; `queue` is their state.
     """
-
     def cond(carry):
         slots, _, queue = carry
         live = jnp.any(~slots.done)
