@@ -95,6 +95,24 @@ def test_greedy_with_cache_equals_recomputation_and_learner_logprobs(sharded, me
     np.testing.assert_array_equal(samples.sampling_logprobs[generated], 0.0)       # greedy: probability 1
 
 
+def test_accelerator_layer_path_equals_cpu_path(sharded, mesh, monkeypatch):
+    """On GPU/TPU the decode loop slices each layer's weights where it uses them and the prefill
+    runs under the layer scan (`engine.decode_layers` is None); on the CPU both use layers sliced
+    once. Both must sample the same tokens with the same log-probs."""
+    from posttrain.sampling import engine
+    kind, graphdef, params, rest = sharded
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
+    key = jax.random.key(11)
+    with use_sharding(mesh, DEFAULT_RULES):
+        cpu = generate(graphdef, params, rest, PROMPTS, sampling, key)
+        monkeypatch.setattr(engine, "decode_layers", lambda model: None)
+        generate_program.clear_cache()
+        accelerator = generate(graphdef, params, rest, PROMPTS, sampling, key)
+    generate_program.clear_cache()
+    np.testing.assert_array_equal(accelerator.tokens, cpu.tokens, err_msg=kind)
+    np.testing.assert_allclose(accelerator.logprobs, cpu.logprobs, atol=1e-5, err_msg=kind)
+
+
 def test_sampled_logprobs_match_learner_for_any_padding_side(mesh):
     cfg = model_config("dense")
     graphdef, params, rest = nnx.split(Decoder(cfg, rngs=nnx.Rngs(1)), nnx.Param, ...)
