@@ -133,28 +133,34 @@ def peer_first_experts(layout: ExpertLayout, experts_per_device: int) -> jax.Arr
 
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
                    w_up: jax.Array, w_down: jax.Array, *, num_experts: int, capacity: int | None,
-                   layout: ExpertLayout) -> tuple[jax.Array, jax.Array]:
+                   layout: ExpertLayout, inference: bool = False) -> tuple[jax.Array, jax.Array]:
     """Weighted sum of each token's expert outputs, for this device's tokens.
 
     x: [T, D] compute dtype; experts, weights: [T, k] from the router; w_*: this device's experts
     [E_local, D, F_local] / [E_local, F_local, D] with the embed dim gathered. Returns y [T, D]
     float32, partial over `layout.psum_axes`, and the number of kept assignments (scalar int32).
+    `inference`: the call is not differentiated (the sampler), see below.
     """
     num_tokens, top_k = experts.shape
     args = (x, experts, weights, w_gate, w_up, w_down)
+
+    def exchanged():
+        return exchanged_experts(*args, num_experts=num_experts, capacity=capacity, layout=layout)[0]
     if not (jax.default_backend() == "cpu" and w_gate.shape[0] == num_experts and layout.num_peers == 1
             and capacity is None):
         return exchanged_experts(*args, num_experts=num_experts, capacity=capacity, layout=layout)
-    # The CPU, every expert on this device, dropless: padded batched matmuls when no expert is
-    # over a generous capacity, else every expert on every token (few tokens) or sorted rows.
-    if num_tokens * num_experts <= DENSE_EXPERTS_MAX_TOKEN_EXPERTS:
-        fallback = lambda: dense_experts(*args)
-    else:
-        fallback = lambda: exchanged_experts(*args, num_experts=num_experts, capacity=None, layout=layout)[0]
+    # The CPU, every expert on this device, dropless: every expert on every token for few tokens,
+    # else sorted rows. When not differentiated, padded batched matmuls first, whenever no expert
+    # is over a generous capacity (a lax.cond on the actual load; under autodiff the cond would
+    # carry both paths' residuals, which costs more than it saves: measured in a training step).
+    few = num_tokens * num_experts <= DENSE_EXPERTS_MAX_TOKEN_EXPERTS
+    fallback = (lambda: dense_experts(*args)) if few else exchanged
+    kept = jnp.int32(num_tokens * top_k)
+    if not inference:
+        return fallback(), kept
     room = spare_capacity(num_tokens * top_k, num_experts)
     load = jnp.bincount(experts.reshape(-1), length=num_experts)
-    y = jax.lax.cond(jnp.max(load) <= room, lambda: padded_experts(*args, capacity=room), fallback)
-    return y, jnp.int32(num_tokens * top_k)
+    return jax.lax.cond(jnp.max(load) <= room, lambda: padded_experts(*args, capacity=room), fallback), kept
 
 
 def exchanged_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,

@@ -53,7 +53,7 @@ class RoutingSpec:
 
 
 def moe_block(x: jax.Array, params: dict[str, jax.Array], *, spec: RoutingSpec,
-              layout: ExpertLayout) -> tuple[jax.Array, dict[str, jax.Array]]:
+              layout: ExpertLayout, inference: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Routed experts on one device's tokens x [T, D] (compute dtype).
 
     params: router [D(/shards), E], w_gate/w_up [E_local, D(/shards), F_local],
@@ -72,7 +72,7 @@ def moe_block(x: jax.Array, params: dict[str, jax.Array], *, spec: RoutingSpec,
         gather_weight(params["w_gate"], layout.embed_axes, 1, layout),
         gather_weight(params["w_up"], layout.embed_axes, 1, layout),
         gather_weight(params["w_down"], layout.embed_axes, 2, layout),
-        num_experts=spec.num_experts, capacity=capacity, layout=layout)
+        num_experts=spec.num_experts, capacity=capacity, layout=layout, inference=inference)
     if layout.psum_axes:
         y = jax.lax.psum(y, layout.psum_axes)
 
@@ -88,7 +88,7 @@ def moe_block(x: jax.Array, params: dict[str, jax.Array], *, spec: RoutingSpec,
 
 
 def sharded_moe_block(x: jax.Array, params: dict[str, jax.Array], *, spec: RoutingSpec, mesh: Mesh,
-                      rules: Rules, dispatch: str) -> tuple[jax.Array, dict[str, jax.Array]]:
+                      rules: Rules, dispatch: str, inference: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`moe_block` in a `jax.shard_map` over the whole mesh; x: [B, S, D] → y [B, S, D] float32.
 
     Tokens are split as the `batch` and `length` rules say, weights as their logical names say;
@@ -108,7 +108,7 @@ def sharded_moe_block(x: jax.Array, params: dict[str, jax.Array], *, spec: Routi
 
     def body(x, params):
         b, s, d = x.shape
-        y, aux = moe_block(x.reshape(b * s, d), params, spec=spec, layout=layout)
+        y, aux = moe_block(x.reshape(b * s, d), params, spec=spec, layout=layout, inference=inference)
         return y.reshape(b, s, d), aux
 
     aux_specs = {"aux_loss": P(), "z_loss": P(), "load": P(), "dropped": P()}
@@ -155,9 +155,11 @@ class MoE(nnx.Module):
         self.shared = (MLP(dim, moe.num_shared_experts * moe.shared_mlp_dim, param_dtype=param_dtype,
                            dtype=self.dtype, rngs=rngs) if moe.num_shared_experts > 0 else None)
 
-    def __call__(self, x: jax.Array, *, update_bias: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array, *, update_bias: bool = False,
+                 inference: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Routed + shared experts on x [B, S, D]; with `update_bias` (sigmoid router, rate > 0)
-        also steps `router_bias` towards balanced load, in place."""
+        also steps `router_bias` towards balanced load, in place. `inference`: the call will not
+        be differentiated (the sampler), which lets the CPU pick its expert path at run time."""
         x = x.astype(self.dtype)
         params = {"router": self.router[...], "w_gate": self.w_gate[...], "w_up": self.w_up[...],
                   "w_down": self.w_down[...]}
@@ -167,10 +169,11 @@ class MoE(nnx.Module):
         if ctx is not None and ctx[0].size > 1:
             mesh, rules = ctx
             y, aux = sharded_moe_block(x, params, spec=self.spec, mesh=mesh, rules=rules,
-                                       dispatch=self.dispatch)
+                                       dispatch=self.dispatch, inference=inference)
         else:
             b, s, d = x.shape
-            y, aux = moe_block(x.reshape(b * s, d), params, spec=self.spec, layout=ExpertLayout())
+            y, aux = moe_block(x.reshape(b * s, d), params, spec=self.spec, layout=ExpertLayout(),
+                               inference=inference)
             y = y.reshape(b, s, d)
         y = y.astype(self.dtype)
         if self.shared is not None:
