@@ -152,9 +152,14 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     return out.reshape(b, s, h, d)
 
 
+# The KV-cache layout (`sampling.kv_cache`): keys [B, K, Dh, T], values [B, K, T, Dh], so that each
+# (row, kv head) is one matrix laid out as its attention matmul reads it. The cache-index axes:
+K_TIME_AXIS, V_TIME_AXIS = 3, 2
+
+
 def write_cache_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, time_axis: int) -> jax.Array:
     """cache [B, K, ...] with the entry of row b at index positions[b] of `time_axis` set to new[b]
-    (new: [B, K, Dh]; time_axis 3 for keys [B, K, Dh, T], 2 for values [B, K, T, Dh]).
+    (new: [B, K, Dh]; `K_TIME_AXIS` for keys, `V_TIME_AXIS` for values).
 
     One scatter whose batch dimension is b (`operand_batching_dims`): it partitions along a
     sharded batch without gathering and updates a loop-carried cache in place.
@@ -169,9 +174,8 @@ def write_cache_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, tim
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> jax.Array:
     """One query per row against its cache entries 0..positions[b]; softmax in float32.
 
-    q: [B, H, Dh]; k_cache [B, K, Dh, T] and v_cache [B, K, T, Dh]: each (row, kv head) one
-    matrix laid out as its matmul reads it (keys transposed), so neither is copied per token.
-    Returns [B, H, Dh].
+    q: [B, H, Dh]; k_cache [B, K, Dh, T] and v_cache [B, K, T, Dh] (the cache layout: neither is
+    copied per token). Returns [B, H, Dh].
     """
     b, h, d = q.shape
     kv = k_cache.shape[1]
@@ -265,11 +269,11 @@ class Attention(nnx.Module):
 
         x: [B, 1, D]; positions: [B] (int), the new token's position and cache index;
         k_cache [B, K, Dh, T], v_cache [B, K, T, Dh]. Writes the token's key and value at cache
-        index positions[b] of row b (in place), attends to cache entries 0..positions[b] and returns (out [B, 1, D], k_cache,
-        v_cache).
+        index positions[b] of row b (in place), attends to cache entries 0..positions[b] and
+        returns (out [B, 1, D], k_cache, v_cache).
         """
         q, k, v = self.project_qkv(x, positions[:, None])
-        k_cache = write_cache_rows(k_cache, k[:, 0], positions, time_axis=3)
-        v_cache = write_cache_rows(v_cache, v[:, 0], positions, time_axis=2)
+        k_cache = write_cache_rows(k_cache, k[:, 0], positions, K_TIME_AXIS)
+        v_cache = write_cache_rows(v_cache, v[:, 0], positions, V_TIME_AXIS)
         out = decode_attention(q[:, 0], k_cache, v_cache, positions)
         return self.output(out[:, None]), k_cache, v_cache

@@ -75,9 +75,9 @@ class Block(nnx.Module):
     def __call__(self, x, positions, segment_ids, update_bias: bool = False):
         """x: [B, S, D] → ([B, S, D], MoE aux dict or {})."""
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        return self._feed_forward(x, update_bias)
+        return self.feed_forward(x, update_bias)
 
-    def _feed_forward(self, x, update_bias: bool = False, inference: bool = False):
+    def feed_forward(self, x, update_bias: bool = False, inference: bool = False):
         """x + mlp_or_moe(norm(x)): [B, S, D] → ([B, S, D], MoE aux dict or {}). `inference`: not
         differentiated (see `MoE`)."""
         h = self.mlp_norm(x)
@@ -91,13 +91,13 @@ class Block(nnx.Module):
         """`__call__` that also returns the attention's keys and values: x [B, S, D] →
         ([B, S, D], (k [B, K, Dh, S], v [B, K, S, Dh])): the KV-cache layout."""
         a, k, v = self.attn.prefill(self.attn_norm(x), positions, segment_ids)
-        return self._feed_forward(x + a, inference=True)[0], (k, v)
+        return self.feed_forward(x + a, inference=True)[0], (k, v)
 
     def decode(self, x, positions, k_cache, v_cache):
         """One token per row against this layer's KV cache (see `Attention.decode`):
         x [B, 1, D] → ([B, 1, D], k_cache, v_cache)."""
         a, k_cache, v_cache = self.attn.decode(self.attn_norm(x), positions, k_cache, v_cache)
-        return self._feed_forward(x + a, inference=True)[0], k_cache, v_cache
+        return self.feed_forward(x + a, inference=True)[0], k_cache, v_cache
 
 
 class Unit(nnx.Module):

@@ -67,7 +67,7 @@ def feed_forward_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.St
 
     def step(_, x):
         for block in layers:
-            x = block._feed_forward(x, inference=True)[0]
+            x = block.feed_forward(x, inference=True)[0]
         return x
     return jax.lax.fori_loop(0, steps, step, x)
 

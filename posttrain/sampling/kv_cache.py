@@ -13,11 +13,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from posttrain.models.attention import K_TIME_AXIS, V_TIME_AXIS
 from posttrain.parallel.sharding import constrain
 
 K_NAMES = ("batch", "kv_heads", "head_dim", None)
 V_NAMES = ("batch", "kv_heads", None, "head_dim")
-TIME_AXES = (3, 2)     # the cache-index axis of k and of v
+TIME_AXES = (K_TIME_AXIS, V_TIME_AXIS)
 
 
 def _per_layer(fn, *caches):

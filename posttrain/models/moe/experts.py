@@ -31,11 +31,17 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int,
     counts = jnp.bincount(expert_ids, length=num_experts).astype(jnp.int32)
     if capacity is None:
         return order, counts
-    starts = jnp.cumsum(counts) - counts
-    rank = jnp.arange(expert_ids.shape[0]) - starts[expert_ids[order]]
-    keep = jnp.zeros(expert_ids.shape, bool).at[order].set(rank < capacity)
+    keep = expert_ranks(expert_ids, order, counts) < capacity
     order = jnp.argsort(jnp.where(keep, expert_ids, num_experts), stable=True)
     return order, jnp.minimum(counts, capacity)
+
+
+def expert_ranks(expert_ids: jax.Array, order: jax.Array, counts: jax.Array) -> jax.Array:
+    """Each assignment's place among its expert's assignments in token order (0 for the first):
+    expert_ids [A], with `order` and `counts` from `sort_by_expert` (no capacity) → [A] int32."""
+    starts = jnp.cumsum(counts) - counts
+    sorted_rank = jnp.arange(expert_ids.shape[0], dtype=jnp.int32) - starts[expert_ids[order]]
+    return jnp.zeros_like(sorted_rank).at[order].set(sorted_rank)
 
 
 TILE_ROWS = 128
