@@ -47,7 +47,12 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     deadline = time.time() + 600
     while time.time() < deadline:
         path = workdir / "metrics.jsonl"
-        if path.exists() and any(json.loads(l)["step"] >= kill_at for l in path.read_text().splitlines() if l.strip()):
+        # kill past step kill_at, once a checkpoint has committed (saves are async: orbax renames a
+        # step's temporary folder to its number when it is complete)
+        committed = (workdir / "checkpoints").is_dir() and any(
+            p.name.isdigit() for p in (workdir / "checkpoints").iterdir())
+        if committed and path.exists() and any(
+                json.loads(l)["step"] >= kill_at for l in path.read_text().splitlines() if l.strip()):
             break
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         time.sleep(0.05)
