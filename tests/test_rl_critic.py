@@ -1,0 +1,105 @@
+"""The critic's numerics against float64 numpy references: GAE over ragged and gapped masks,
+whitening, terminal rewards, and PPO's clipped value loss with its gradient."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posttrain.rl.advantages import gae_advantages, terminal_rewards, whiten
+from posttrain.rl.losses import value_loss
+
+
+def _random_batch(seed, b=6, t=11):
+    rng = np.random.default_rng(seed)
+    rewards, values = rng.normal(size=(b, t)), rng.normal(size=(b, t))
+    mask = np.zeros((b, t), bool)
+    mask[0, 3:9] = True                 # a prompt, then a response, then padding
+    mask[1, 2:] = True                  # a response up to the end of the row
+    mask[2, [4, 5, 8, 9, 10]] = True    # two turns with environment tokens between (not steps)
+    mask[3, 7] = True                   # one generated token
+    mask[5, :] = True                   # row 4 stays empty (a padding row)
+    return rewards, values, mask
+
+
+def gae_reference(rewards, values, mask, gamma, lam):
+    """Plain float64 loops over each row's masked tokens."""
+    adv, ret = np.zeros_like(rewards), np.zeros_like(rewards)
+    for i in range(rewards.shape[0]):
+        idx = np.flatnonzero(mask[i])
+        next_v = next_a = 0.0
+        for t in idx[::-1]:
+            delta = rewards[i, t] + gamma * next_v - values[i, t]
+            next_a = delta + gamma * lam * next_a
+            next_v = values[i, t]
+            adv[i, t], ret[i, t] = next_a, next_a + values[i, t]
+    return adv, ret
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.95), (0.9, 0.0), (0.99, 0.7)])
+def test_gae_matches_numpy_reference(gamma, lam):
+    rewards, values, mask = _random_batch(0)
+    adv, ret = gae_advantages(jnp.asarray(rewards, jnp.float32), jnp.asarray(values, jnp.float32),
+                              jnp.asarray(mask), gamma=gamma, lam=lam)
+    ref_adv, ref_ret = gae_reference(rewards, values, mask, gamma, lam)
+    np.testing.assert_allclose(adv, ref_adv, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(ret, ref_ret, atol=2e-5, rtol=1e-5)
+
+
+def test_gae_special_cases_and_terminal_rewards():
+    rewards, values, mask = _random_batch(1)
+    scores = np.array([1.0, -2.0, 0.5, 3.0, 7.0, -1.0])
+    r = np.asarray(terminal_rewards(jnp.asarray(scores, jnp.float32), jnp.asarray(mask)))
+    assert r[0, 8] == 1.0 and r[1, 10] == -2.0 and r[2, 10] == 0.5 and r[3, 7] == 3.0 and r[5, 10] == -1.0
+    assert np.count_nonzero(r) == 5                          # nothing on the empty row 4
+    # γ = λ = 1 with a terminal reward: every token's return is the outcome, its advantage R − V_t.
+    adv, ret = gae_advantages(jnp.asarray(r), jnp.asarray(values, jnp.float32), jnp.asarray(mask), gamma=1.0, lam=1.0)
+    np.testing.assert_allclose(ret, np.where(mask, scores[:, None], 0), atol=1e-5)
+    np.testing.assert_allclose(adv, np.where(mask, scores[:, None] - values, 0), atol=1e-5)
+
+
+def test_whiten_matches_numpy():
+    x, _, mask = _random_batch(2)
+    sel = x[mask]
+    expected = np.where(mask, (x - sel.mean()) / np.sqrt(sel.var() + 1e-8), 0.0)
+    np.testing.assert_allclose(whiten(jnp.asarray(x, jnp.float32), jnp.asarray(mask)), expected, atol=1e-5)
+
+
+def value_loss_reference(v, old, ret, mask, clip):
+    """float64 loss (token-mean) and its gradient in v."""
+    unclipped = (v - ret) ** 2
+    if not clip:
+        per, grad = unclipped, 2 * (v - ret)
+    else:
+        vc = old + np.clip(v - old, -clip, clip)
+        clipped = (vc - ret) ** 2
+        inside = np.abs(v - old) < clip
+        per = np.maximum(unclipped, clipped)
+        grad = np.where(clipped > unclipped, 2 * (vc - ret) * inside, 2 * (v - ret))
+    n = mask.sum()
+    return 0.5 * (per * mask).sum() / n, 0.5 * grad * mask / n, ((clipped > unclipped) & mask).sum() / n if clip else 0.0
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.2])
+def test_clipped_value_loss_and_gradient_match_numpy(clip):
+    rng = np.random.default_rng(3)
+    _, _, mask = _random_batch(3)
+    v, old, ret = (rng.normal(size=mask.shape) for _ in range(3))
+    old = v + rng.normal(scale=0.3, size=v.shape)      # some tokens inside the clip range, some outside
+    f = lambda x: value_loss(x, jnp.asarray(old, jnp.float32), jnp.asarray(ret, jnp.float32), jnp.asarray(mask),
+                             clip=clip)
+    (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(v, jnp.float32))
+    ref_loss, ref_grad, ref_frac = value_loss_reference(v, old, ret, mask, clip)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(grad, ref_grad, atol=1e-6)
+    np.testing.assert_allclose(metrics["rl/value_clip_frac"], ref_frac, atol=1e-6)
+    if clip:
+        assert 0 < ref_frac < 1
+    err = (ret - v)[mask]
+    np.testing.assert_allclose(metrics["rl/value_explained_var"], 1 - err.var() / ret[mask].var(), rtol=1e-4)
+
+
+def test_value_loss_rejects_negative_clip():
+    z = jnp.zeros((1, 2))
+    with pytest.raises(ValueError, match="value_clip"):
+        value_loss(z, z, z, z > -1, clip=-0.1)
