@@ -111,7 +111,7 @@ def base_config() -> ml_collections.ConfigDict:
         group_size=8,              # G samples per prompt
         max_new_tokens=32,
         temperature=1.0, top_k=0, top_p=1.0,
-        advantage="grpo",          # grpo | drgrpo (no std) | rloo
+        advantage="grpo",          # grpo | drgrpo (no std) | rloo | gae (PPO: a critic, token-level)
         clip_low=0.2, clip_high=0.28,   # DAPO clip-higher
         ratio_level="token",       # token | sequence (GSPO)
         aggregation="token-mean",  # token-mean | seq-mean-token-sum | seq-mean-token-mean
@@ -126,6 +126,16 @@ def base_config() -> ml_collections.ConfigDict:
         overlong_buffer=0,         # DAPO overlong shaping ramp (tokens before max_new_tokens)
         verifier_workers=4,
         verifier_delay=0.0,        # benchmarks only: extra host seconds per verified response
+        # PPO with a critic (advantage="gae") and a learned reward (RLHF)
+        critic="shared",           # shared: a value head on the policy's decoder
+        gamma=1.0, lam=0.95,       # GAE discount and trace decay
+        value_coef=0.5,            # weight of the critic's loss in the learner's loss
+        value_clip=0.2,            # PPO value clipping around the rollout's values (0: unclipped)
+        reward_model="",           # a reward_model run dir ("@reward_model": the pipeline's stage) or ""
+        reward_model_weight=1.0,   # reward = verifier_weight · verifier + reward_model_weight · RM score
+        verifier_weight=1.0,
+        reward_model_normalize=True,    # RM scores by running mean/std (checkpointed)
+        kl_in_reward=False,        # pay rl.kl_coef · KL per token as reward instead of a loss term
         steps=0, lr=0.0, gate=gate,     # as for the other stages
     ))
     cfg.lora = ml_collections.ConfigDict(dict(

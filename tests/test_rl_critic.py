@@ -103,3 +103,34 @@ def test_value_loss_rejects_negative_clip():
     z = jnp.zeros((1, 2))
     with pytest.raises(ValueError, match="value_clip"):
         value_loss(z, z, z, z > -1, clip=-0.1)
+
+
+def test_value_decoder_is_the_decoder_plus_a_value_per_position():
+    from flax import nnx
+
+    from posttrain.config import base_config
+    from posttrain.models.decoder import Decoder
+    from posttrain.rl.critic import ValueDecoder
+
+    cfg = base_config().model
+    cfg.num_layers, cfg.embed_dim, cfg.mlp_dim = 1, 32, 64
+    critic, plain = ValueDecoder(cfg, rngs=nnx.Rngs(0)), Decoder(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(2, 7)))
+    logits, values, _ = critic.logits_and_values(tokens)
+    np.testing.assert_allclose(logits, plain(tokens)[0], rtol=1e-5, atol=1e-5)   # the head changes nothing else
+    hidden, _ = critic.hidden_states(tokens)
+    np.testing.assert_allclose(values, np.asarray(hidden, np.float64) @ np.asarray(critic.value_head[...], np.float64),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_critic_settings_that_cannot_take_effect_are_refused():
+    from posttrain.config import base_config
+    from posttrain.rl.critic import check_critic
+
+    cfg = base_config()
+    cfg.rl.critic = "separate"
+    with pytest.raises(ValueError, match="rl.critic='separate'.*not implemented"):
+        check_critic(cfg.rl, cfg.lora)
+    cfg.rl.critic, cfg.lora.rank = "shared", 4
+    with pytest.raises(ValueError, match="lora.rank=4"):
+        check_critic(cfg.rl, cfg.lora)
