@@ -114,6 +114,8 @@ def base_config() -> ml_collections.ConfigDict:
         advantage="grpo",          # grpo | drgrpo (no std) | rloo | gae (PPO: a critic, token-level)
         clip_low=0.2, clip_high=0.28,   # DAPO clip-higher
         ratio_level="token",       # token | sequence (GSPO)
+        updates_per_batch=1,       # PPO epochs over one rollout batch
+        minibatches=1,             # optimizer steps per epoch (must divide prompts_per_step * group_size)
         aggregation="token-mean",  # token-mean | seq-mean-token-sum | seq-mean-token-mean
         kl_coef=0.0,               # 0: no reference policy is held at all
         kl_estimator="k3",

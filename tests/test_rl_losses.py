@@ -10,7 +10,7 @@ from posttrain.rl.losses import (
     AGGREGATIONS, aggregate, clipped_surrogate, entropy_from_logits, importance_ratio, kl_estimate, policy_loss,
     truncated_is_weights,
 )
-from posttrain.train.losses import token_logprobs
+from posttrain.models.logprobs import token_logprobs
 
 REWARDS = np.array([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.2, 0.9, 0.4, 0.0], np.float32)  # 3 groups of 4
 MASK = np.array([[1, 1, 1, 0, 0],  # ragged response lengths 3, 5, 1, and a padding row

@@ -16,7 +16,7 @@ from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 from posttrain.sampling import ContinuousBatcher, SamplingParams, generate, sample_token, sampling_logprobs
 from posttrain.sampling import kv_cache
 from posttrain.sampling.generate import generate_program
-from posttrain.train.losses import token_logprobs
+from posttrain.models.logprobs import token_logprobs
 from posttrain.train.state import shardings_for
 
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 3, 9, 1, 5], [2], [3, 3, 8, 1, 12]]

@@ -25,7 +25,7 @@ from posttrain.data.examples import rl_prompt_example
 from posttrain.data.pipeline import read_jsonl
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.models.decoder import Decoder
-from posttrain.parallel import make_mesh, parse_rules, use_sharding
+from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.sampling import SamplingParams, generate
 from posttrain.train.checkpoint import Checkpointer, abstract_with_shardings
 from posttrain.train.state import abstract_model, init_model_state, shardings_for
@@ -74,7 +74,7 @@ def main(argv: list[str]) -> None:
                               max_new_tokens=FLAGS.max_new_tokens, stop_ids=tok.stop_ids,
                               num_samples=FLAGS.num_samples)
     records = [(f"{r.path}:{r.line}", rl_prompt_example(r.data, tok)) for r in read_jsonl(FLAGS.prompts)]
-    mesh, rules = make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules.to_dict())
+    mesh, rules = mesh_and_rules(cfg)
     key = jax.random.key(cfg.seed)
     with use_sharding(mesh, rules):
         graphdef, params, rest = load_model(cfg, mesh, rules)

@@ -10,6 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from posttrain.parallel.sharding import Rules, parse_rules
+
 MESH_AXES = ("data", "fsdp", "expert", "tensor", "sequence")
 
 
@@ -49,6 +51,12 @@ def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
         return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
                 axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def mesh_and_rules(cfg) -> tuple[Mesh, Rules]:
+    """A run's mesh (`cfg.mesh`) and logical-axis rules (`cfg.sharding.rules`): the setup every
+    stage and tool starts with."""
+    return make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules.to_dict())
 
 
 _DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")

@@ -1,24 +1,22 @@
 """Stage `rlvr`: the GRPO-family loop.
 
-    scheduler ─tasks─▶ sampler (policy v, groups of G) ─▶ verifiers (thread pool) ─▶ buffer ─▶ learner (v → v+1)
+    scheduler ─tasks─▶ rollout worker (policy v: generate groups, verify) ─▶ learner (v → v+1) ─▶ publish
 
-The sampler and the learner share the same weight arrays on one mesh. With `rl.max_staleness = 0`
-each step samples with the current weights, verifies, then updates (on-policy, deterministic for a
-seed). With `>= 1` a producer thread samples and verifies the next batches while the learner
-updates on the current one (host work overlaps device work); the learner corrects for the lag
-with truncated importance weights between the behaviour log-probs the sampler recorded and its
-own, and rollouts staler than the bound are dropped and counted.
+The rollout worker and the learner share the same weight arrays on one mesh. With
+`rl.max_staleness = 0` each step samples with the current weights, verifies, then updates
+(on-policy, deterministic for a seed). With `>= 1` an `AsyncProducer` samples and verifies the next
+batches on its own threads while the learner updates on the current one; the learner corrects for
+the lag with truncated importance weights between the behaviour log-probs the sampler recorded and
+the proximal ones. Each step is three functions over an explicit `RLState`: `rollout_step`,
+`learn_step`, `publish_step`; `run` wires them.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
-import functools
 import logging
 import os
-import threading
 import time
 
 import jax
@@ -28,264 +26,122 @@ from flax import nnx
 from tqdm import tqdm
 
 from posttrain.data.tokenizer import load_tokenizer
-from posttrain.eval.passk import mean_pass_at_k
 from posttrain.models.decoder import Decoder
-from posttrain.parallel import make_mesh, parse_rules, use_sharding
-from posttrain.rl import domains as domain_lib
-from posttrain.rl.advantages import group_advantages
-from posttrain.rl.buffer import BufferClosed, Rollout, RolloutBuffer
-from posttrain.rl.envs import SingleTurnEnv
-from posttrain.rl.losses import entropy_from_logits, policy_loss
-from posttrain.rl.reward import RewardConfig, RewardFunction
-from posttrain.rl.scheduler import Group, TaskScheduler
-from posttrain.rl.verifiers.code import CodeTask, CodeVerifier
-from posttrain.rl.verifiers.math import MathTask, MathVerifier
-from posttrain.sampling.generate import bucket, generate
+from posttrain.parallel import mesh_and_rules, use_sharding
+from posttrain.rl.buffer import Rollout
+from posttrain.rl.checks import check_rl_config, ppo_steps
+from posttrain.rl.learner import Learner, batch_rows, compute_advantages, rl_batch
+from posttrain.rl.producer import AsyncProducer
+from posttrain.rl.rollout import BusyClock, RolloutBatch, RolloutWorker, collect_batch, evaluate
+from posttrain.rl.scheduler import TaskScheduler
+from posttrain.rl.tasks import make_domains, make_reward_fn, parse_weights
 from posttrain.sampling.rules import SamplingParams
 from posttrain.train.checkpoint import Checkpointer
-from posttrain.train.loop import CHECKPOINT_ITEMS, Result, put_batch, starting_state
-from posttrain.train.losses import token_logprobs
+from posttrain.train.loop import CHECKPOINT_ITEMS, Result, starting_state
 from posttrain.train.metrics import MetricsWriter
 from posttrain.train.optim import lr_schedule, make_optimizer
-from posttrain.train.stages import init_model_from, moe_penalty, with_stage_overrides
-from posttrain.train.state import create_train_state, model_params
-from posttrain.train.step import make_train_step
+from posttrain.train.stages import init_model_from, with_stage_overrides
+from posttrain.train.state import TrainState, create_train_state, model_params
 
-
-# ---------------------------------------------------------------------------------------------
-# Tasks, environments, rewards
-
-
-def parse_weights(spec: str) -> dict[str, float]:
-    """"arithmetic:2,gsm8k" → {"arithmetic": 2.0, "gsm8k": 1.0}."""
-    out = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, _, w = part.partition(":")
-        out[name] = float(w) if w else 1.0
-    if not out:
-        raise ValueError("rl.domains is empty: name at least one of arithmetic, gsm8k, humaneval")
-    return out
-
-
-def make_domains(cfg, tok, reward_fn) -> tuple[dict[str, domain_lib.Domain], list[tuple[str, object]]]:
-    """Training domains and held-out (domain, task) pairs for evaluation, from `rl.domains`."""
-    r = cfg.rl
-    env = lambda: SingleTurnEnv(tok, reward_fn, max_turn_tokens=r.max_new_tokens)
-    kw = dict(instruction=r.instruction, max_value=cfg.data.synthetic_max_value)
-    table = {
-        "arithmetic": lambda: (domain_lib.arithmetic_domain(env, n=r.arithmetic_size, seed=cfg.seed + 1, **kw),
-                               domain_lib.arithmetic_tasks(r.eval_size, seed=cfg.seed + 10_000, **kw)),
-        "gsm8k": lambda: (domain_lib.gsm8k_domain(env, split="train"),
-                          domain_lib.gsm8k_tasks(split="test", limit=r.eval_size)),
-        "humaneval": lambda: (domain_lib.humaneval_domain(env), domain_lib.humaneval_tasks(limit=r.eval_size)),
-    }
-    domains, held_out = {}, []
-    for name in parse_weights(r.domains):
-        if name not in table:
-            raise ValueError(f"rl.domains: unknown {name!r}; valid: {sorted(table)}")
-        domains[name], tasks = table[name]()
-        held_out += [(name, t) for t in tasks]
-    return domains, held_out
-
-
-def make_reward_fn(cfg) -> RewardFunction:
-    """Math and code verifiers with the configured format and overlong shaping."""
-    r = cfg.rl
-    config = RewardConfig(format_penalty=r.format_penalty,
-                          max_tokens=r.max_new_tokens if r.overlong_buffer else None,
-                          overlong_buffer=r.overlong_buffer)
-    verifiers = {MathTask: MathVerifier()}
-    if "humaneval" in parse_weights(r.domains):
-        verifiers[CodeTask] = CodeVerifier()
-    return RewardFunction(verifiers, config)
-
-
-# ---------------------------------------------------------------------------------------------
-# Rollouts
+__all__ = ["RLState", "run", "rl_batch", "compute_advantages", "RolloutWorker", "AsyncProducer"]
 
 
 @dataclasses.dataclass
-class Sampler:
-    """Samples groups for tasks with given weights and verifies them on a thread pool."""
+class RLState:
+    """Where an RLVR run stands between steps (host side). `step` is the number of batches trained
+    and the policy version; `scheduler_state` is the scheduler as of the last trained batch (what
+    a checkpoint saves: no draws of batches not yet trained on)."""
+    train: TrainState
+    step: int
+    scheduler_state: dict | None = None
+    skipped_updates: int = 0
+    last_eval: dict = dataclasses.field(default_factory=dict)
 
-    graphdef: nnx.GraphDef
-    domains: dict
-    sampling: SamplingParams
+
+@dataclasses.dataclass
+class Components:
+    """The fixed parts of a run that the step functions use."""
+    cfg: object
+    worker: RolloutWorker
+    learner: Learner
+    scheduler: TaskScheduler
+    producer: AsyncProducer | None
+    ref: tuple
+    base_key: jax.Array
+    held_out: list
+    clock: BusyClock
     pad_id: int
-    pool: concurrent.futures.ThreadPoolExecutor
-    verifier_delay: float = 0.0       # extra host seconds per response (benchmarks of overlap)
-    clock: "BusyClock | None" = None
 
-    def sample(self, params, rest, tasks: list[tuple[str, object]], key, *, num_samples: int | None = None,
-               greedy: bool = False) -> "Pending":
-        """Generate one group per (domain, task) on the device; verification comes later."""
-        g = num_samples or self.sampling.num_samples
-        sampling = dataclasses.replace(self.sampling, num_samples=g, **({"temperature": 0.0} if greedy else {}))
-        envs = [[self.domains[d].make_env() for _ in range(g)] for d, _ in tasks]
-        prompts = [[e.reset(t) for e in row][0] for row, (_, t) in zip(envs, tasks)]
-        t0 = time.perf_counter()
-        with (self.clock or BusyClock()).busy():
-            samples = generate(self.graphdef, params, rest, prompts, sampling, key, pad_id=self.pad_id)
-        return Pending(tasks, envs, samples, time.perf_counter() - t0)
-
-    def verify(self, pending: "Pending") -> tuple[list[Group], list[np.ndarray], dict]:
-        """Score a generated batch on the verifier pool: (groups, behaviour log-probs per sample, info)."""
-        flat, samples, g = [e for row in pending.envs for e in row], pending.samples, len(pending.envs[0])
-
-        def verify(i):
-            if self.verifier_delay:
-                time.sleep(self.verifier_delay)
-            return flat[i].step(samples.completion(i)).reward.score
-        t0 = time.perf_counter()
-        scores = list(self.pool.map(verify, range(len(flat))))
-        groups, behav = [], []
-        for j, (d, task) in enumerate(pending.tasks):
-            idx = range(j * g, (j + 1) * g)
-            groups.append(Group(d, task, [scores[i] for i in idx], [flat[i].trajectory() for i in idx]))
-            for i in idx:
-                traj = flat[i].trajectory()
-                lp = np.zeros(len(traj.tokens), np.float32)
-                lp[traj.prompt_len:] = samples.logprobs[i, :len(traj.tokens) - traj.prompt_len]
-                behav.append(lp)
-        info = {"gen_s": pending.gen_s, "verify_s": time.perf_counter() - t0,
-                "response_len_mean": float(samples.lengths.mean()), "response_len_max": int(samples.lengths.max()),
-                "truncated_frac": float(np.mean(samples.stop_reason == 1)),
-                "new_tokens": int(samples.lengths.sum())}
-        return groups, behav, info
-
-    def groups(self, params, rest, tasks, key, **kw) -> tuple[list[Group], list[np.ndarray], dict]:
-        """`sample` then `verify`."""
-        return self.verify(self.sample(params, rest, tasks, key, **kw))
+    def weights(self, rl: RLState) -> tuple:
+        """(params, rest) the policy samples with."""
+        return model_params(rl.train, self.cfg.lora), rl.train.rest
 
 
-@dataclasses.dataclass
-class Pending:
-    """A generated batch waiting for verification."""
-    tasks: list
-    envs: list
-    samples: object
-    gen_s: float
+def rollout_step(c: Components, rl: RLState) -> tuple[list[Rollout], RolloutBatch]:
+    """The rollouts of batch `rl.step`: sampled now with the current weights (on-policy), or taken
+    from the producer (overlapped)."""
+    if c.producer is not None:
+        return c.producer.take(rl.step)
+    r = c.cfg.rl
+    batch = collect_batch(c.worker, c.scheduler, *c.weights(rl), jax.random.fold_in(c.base_key, rl.step),
+                          num_groups=r.prompts_per_step, filter_groups=r.filter_groups,
+                          max_rounds=r.max_resample_rounds)
+    return batch.rollouts(rl.step), batch
 
 
-class BusyClock:
-    """Wall time during which at least one device program (sampling or update) is running."""
-
-    def __init__(self):
-        self.lock, self.active, self.since, self.total = threading.Lock(), 0, 0.0, 0.0
-
-    @contextlib.contextmanager
-    def busy(self):
-        """Count the enclosed wall time as busy (overlapping intervals counted once)."""
-        with self.lock:
-            if self.active == 0:
-                self.since = time.perf_counter()
-            self.active += 1
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.active -= 1
-                if self.active == 0:
-                    self.total += time.perf_counter() - self.since
+def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLState, dict]:
+    """Advantages and PPO-style updates on one batch; an empty batch (dynamic sampling kept no
+    group) skips the update and is counted."""
+    r = c.cfg.rl
+    if not rollouts:
+        rl = dataclasses.replace(rl, skipped_updates=rl.skipped_updates + 1)
+        return rl, {"rl/skipped_updates": rl.skipped_updates}
+    num_real = sum(len(ro.group.trajectories) for ro in rollouts)
+    batch = rl_batch(rollouts, pad_id=c.pad_id, num_rows=batch_rows(len(rollouts), r, r.minibatches))
+    batch["advantages"] = compute_advantages(batch, r)
+    rewards = batch.pop("rewards")[:num_real]
+    with c.clock.busy():
+        state, metrics = c.learner.update(rl.train, batch, c.ref, rl.step, num_real)
+    metrics.update({"rl/reward_mean": float(rewards.mean()), "rl/reward_std": float(rewards.std()),
+                    "rl/skipped_updates": rl.skipped_updates})
+    return dataclasses.replace(rl, train=state), metrics
 
 
-def produce(sampler: Sampler, scheduler: TaskScheduler, params, rest, version: int, key, cfg) -> tuple[list[Rollout], dict]:
-    """One batch of rollouts: `rl.prompts_per_step` groups, with dynamic sampling (groups whose
-    rewards are all equal carry no signal) when `rl.filter_groups`."""
-    r = cfg.rl
-    info_all: dict = {}
-    behav_of: dict[int, list[np.ndarray]] = {}
-
-    def sample_groups(tasks):
-        nonlocal key
-        key, sub = jax.random.split(key)
-        groups, behav, info = sampler.groups(params, rest, tasks, sub)
-        for k, v in info.items():
-            info_all[k] = info_all.get(k, 0) + v if k in ("gen_s", "verify_s", "new_tokens") else v
-        for j, grp in enumerate(groups):
-            behav_of[id(grp)] = behav[j * r.group_size:(j + 1) * r.group_size]
-            scheduler.record(grp.domain, grp.task.id, grp.rewards)
-        return groups
-
-    if r.filter_groups:
-        groups = scheduler.dynamic_sample(sample_groups, r.prompts_per_step, max_rounds=r.max_resample_rounds)
-    else:
-        groups = sample_groups(scheduler.next_batch(r.prompts_per_step))
-    info_all["kept_groups"] = len(groups)
-    return [Rollout(g, version, behav_of[id(g)]) for g in groups], info_all
+def publish_step(c: Components, rl: RLState) -> None:
+    """Hand the weights of version `rl.step` to the producer (the synchronous path reads them directly)."""
+    if c.producer is not None:
+        c.producer.publish(rl.step, c.weights(rl))
 
 
-def rl_batch(rollouts: list[Rollout], *, group_size: int, method: str, pad_id: int, eps: float = 1e-6) -> dict:
-    """Rollouts → one learner batch [N, S] (S bucketed): inputs, targets, loss_mask (generated
-    target tokens), positions, segment_ids, behav_logp (the sampler's log-prob of each target),
-    advantages [N] (group-relative) and rewards [N]."""
-    trajs = [t for ro in rollouts for t in ro.group.trajectories]
-    behav = [b for ro in rollouts for b in ro.behav_logprobs]
-    rewards = np.asarray([x for ro in rollouts for x in ro.group.rewards], np.float32)
-    adv = np.asarray(group_advantages(jnp.asarray(rewards), group_size, method=method, eps=eps))
-    s = bucket(max(len(t.tokens) for t in trajs) - 1, 8)
-    n = len(trajs)
-    out = {k: np.zeros((n, s), np.int32) for k in ("inputs", "targets", "loss_mask", "positions", "segment_ids")}
-    out["inputs"][:] = out["targets"][:] = pad_id
-    out["behav_logp"] = np.zeros((n, s), np.float32)
-    for i, (t, b) in enumerate(zip(trajs, behav)):
-        toks, mask, m = np.asarray(t.tokens), np.asarray(t.loss_mask, np.int32), len(t.tokens) - 1
-        out["inputs"][i, :m], out["targets"][i, :m], out["loss_mask"][i, :m] = toks[:-1], toks[1:], mask[1:]
-        out["positions"][i, :m], out["segment_ids"][i, :m] = np.arange(m), 1
-        out["behav_logp"][i, :m] = b[1:]
-    out["advantages"], out["rewards"] = adv.astype(np.float32), rewards
-    return out
+def run_eval(c: Components, rl: RLState, writer: MetricsWriter, step: int) -> RLState:
+    """Held-out evaluation with the current weights, written at `step`."""
+    last_eval = evaluate(c.worker, *c.weights(rl), c.held_out, jax.random.fold_in(c.base_key, 2**31 - 1),
+                         c.cfg.rl.eval_samples)
+    writer.write(step, last_eval)
+    logging.info("rlvr step %d: %s", step, {k: round(v, 4) for k, v in last_eval.items()})
+    return dataclasses.replace(rl, last_eval=last_eval)
 
 
-# ---------------------------------------------------------------------------------------------
-# Learner
-
-
-def rl_loss(model, batch, *ref, graphdef, rl_cfg, moe_cfg):
-    """The policy loss on one batch (see `rl.losses.policy_loss`), plus MoE aux terms. `ref` is
-    (ref_params, ref_rest) when `rl.kl_coef > 0`."""
-    logits, aux = model(batch["inputs"], batch["positions"], batch["segment_ids"], update_bias=True)
-    logp = token_logprobs(logits, batch["targets"])
-    old = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
-    ref_logp = None
-    if ref:
-        ref_model = nnx.merge(graphdef, jax.lax.stop_gradient(ref[0]), ref[1])
-        ref_logits, _ = ref_model(batch["inputs"], batch["positions"], batch["segment_ids"])
-        ref_logp = jax.lax.stop_gradient(token_logprobs(ref_logits, batch["targets"]))
-    entropy = entropy_from_logits(logits)
-    if not rl_cfg.entropy_coef:
-        entropy = jax.lax.stop_gradient(entropy)
-    loss, metrics = policy_loss(
-        logp, old, batch["advantages"], batch["loss_mask"], clip_low=rl_cfg.clip_low, clip_high=rl_cfg.clip_high,
-        ratio_level=rl_cfg.ratio_level, aggregation=rl_cfg.aggregation, ref_logp=ref_logp,
-        kl_coef=rl_cfg.kl_coef, kl_estimator=rl_cfg.kl_estimator, behav_logp=batch["behav_logp"],
-        is_cap=rl_cfg.is_cap, entropy=entropy, entropy_coef=rl_cfg.entropy_coef)
-    loss = loss + moe_penalty(aux, moe_cfg)
-    return loss, {**metrics, "loss": loss}
-
-
-def evaluate(sampler: Sampler, params, rest, held_out, key, k: int) -> dict:
-    """Held-out accuracy (greedy), mean sampled accuracy and pass@k (unbiased, k samples)."""
-    greedy, _, _ = sampler.groups(params, rest, held_out, key, num_samples=1, greedy=True)
-    sampled, _, info = sampler.groups(params, rest, held_out, jax.random.fold_in(key, 1), num_samples=k)
-    correct = [[r >= 1.0 for r in g.rewards] for g in sampled]
-    return {"eval/accuracy": float(np.mean([g.rewards[0] >= 1.0 for g in greedy])),
-            "eval/mean_accuracy": float(np.mean(correct)), f"eval/pass@{k}": mean_pass_at_k(correct, k),
-            "eval/response_len": info["response_len_mean"]}
+def save(c: Components, ckpt: Checkpointer, rl: RLState) -> None:
+    """Checkpoint after `rl.step` batches: weights, optimizer, the scheduler as of the last trained batch."""
+    ckpt.save(rl.step, {k: getattr(rl.train, k) for k in CHECKPOINT_ITEMS},
+              data={"scheduler": rl.scheduler_state, "skipped_updates": rl.skipped_updates,
+                    "optimizer_steps": int(rl.train.step)},
+              meta={"seed": c.cfg.seed, "stage": "rlvr"})
 
 
 def run(cfg) -> Result:
-    """Train with RLVR for `train.steps` (or `rl.steps`) policy updates; `Result.eval` is the
+    """Train with RLVR for `train.steps` (or `rl.steps`) rollout batches; `Result.eval` is the
     final evaluation."""
     cfg = with_stage_overrides(cfg, "rl")
+    check_rl_config(cfg)
     r = cfg.rl
     tok = load_tokenizer(cfg.data.tokenizer)
-    reward_fn = make_reward_fn(cfg)
-    domains, held_out = make_domains(cfg, tok, reward_fn)
+    domains, held_out = make_domains(cfg, tok, make_reward_fn(cfg))
     scheduler = TaskScheduler(domains, parse_weights(r.domains), seed=cfg.seed)
-    mesh, rules = make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules.to_dict())
+    mesh, rules = mesh_and_rules(cfg)
     steps = cfg.train.steps
-    tx = make_optimizer(cfg.optim, steps)
+    tx = make_optimizer(cfg.optim, steps * ppo_steps(r))
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                               stop_ids=tuple(tok.stop_ids), num_samples=r.group_size)
@@ -293,129 +149,70 @@ def run(cfg) -> Result:
                         keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     start = ckpt.latest_step() or 0
     writer = MetricsWriter(cfg.workdir, enabled=jax.process_index() == 0, resume_step=start)
-    clock = BusyClock()
-    pool = concurrent.futures.ThreadPoolExecutor(r.verifier_workers)
-    with use_sharding(mesh, rules):
-        graphdef, state, shardings = create_train_state(make, tx, mesh, rules, cfg.lora, cfg.seed)
-        state, start_weights, data = starting_state(state, shardings, ckpt, start, init_model_from(cfg, make),
-                                                    need_start_weights=bool(r.kl_coef))
-        # The KL reference: the starting weights (under LoRA the frozen base: no extra memory; else a
-        # copy, since the policy's buffers are donated to each update).
-        ref = ()
-        if r.kl_coef:
-            ref = start_weights if state.frozen is not None else jax.tree.map(jnp.copy, start_weights)
-        produced, last_eval = 0, {}
-        if start:
-            scheduler.set_state(data["scheduler"])
-            produced = data["produced"]
-        loss = functools.partial(rl_loss, graphdef=graphdef, rl_cfg=r, moe_cfg=cfg.model.moe)
-        # Donation is only safe when no producer thread may still read the old weights.
-        step_fn = jax.jit(make_train_step(graphdef, tx, loss, lr_schedule(cfg.optim, steps), cfg.lora),
-                          out_shardings=(shardings, None), donate_argnums=0 if r.max_staleness == 0 else ())
-        sampler = Sampler(graphdef, domains, sampling, tok.pad_id, pool, r.verifier_delay, clock)
-        base_key = jax.random.key(cfg.seed)
-        weights = lambda: (model_params(state, cfg.lora), state.rest)
-        eval_key = jax.random.fold_in(base_key, 2**31 - 1)
+    clock, pool, producer = BusyClock(), concurrent.futures.ThreadPoolExecutor(r.verifier_workers), None
+    try:
+        with use_sharding(mesh, rules):
+            graphdef, state, shardings = create_train_state(make, tx, mesh, rules, cfg.lora, cfg.seed)
+            state, start_weights, data = starting_state(state, shardings, ckpt, start, init_model_from(cfg, make),
+                                                        need_start_weights=bool(r.kl_coef))
+            # The KL reference: the starting weights (under LoRA the frozen base: no extra memory; else a
+            # copy, since the policy's buffers are donated to each update).
+            ref = ()
+            if r.kl_coef:
+                ref = start_weights if state.frozen is not None else jax.tree.map(jnp.copy, start_weights)
+            rl = RLState(state, start)
+            if start:
+                scheduler.set_state(data["scheduler"])
+                rl = RLState(state.replace(step=jnp.asarray(data.get("optimizer_steps", start), jnp.int32)), start,
+                             data["scheduler"], int(data.get("skipped_updates", 0)))
+            learner = Learner(graphdef, tx, lr_schedule(cfg.optim, steps * ppo_steps(r)), shardings, rl_cfg=r,
+                              moe_cfg=cfg.model.moe, lora_cfg=cfg.lora, sampling=sampling,
+                              donate=r.max_staleness == 0, seed=cfg.seed)
+            worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, r.verifier_delay, clock)
+            base_key = jax.random.key(cfg.seed)
+            c = Components(cfg, worker, learner, scheduler, None, ref, base_key, held_out, clock, tok.pad_id)
+            if r.max_staleness > 0:
+                producer = c.producer = AsyncProducer(
+                    worker, scheduler, num_groups=r.prompts_per_step, max_staleness=r.max_staleness,
+                    base_key=base_key, start=start, weights=c.weights(rl), mesh=mesh, rules=rules).start()
+            rl, rows = train_loop(c, rl, ckpt, writer, steps)
+    finally:
+        if producer is not None:
+            producer.close()
+        pool.shutdown(wait=False, cancel_futures=True)
+        ckpt.close()
+        writer.close()
+    return Result(graphdef, rl.train, rows, rl.last_eval)
 
-        def run_eval(step):
-            nonlocal last_eval
-            last_eval = evaluate(sampler, *weights(), held_out, eval_key, r.eval_samples)
-            writer.write(step, last_eval)
-            logging.info("rlvr step %d: %s", step, {k: round(v, 4) for k, v in last_eval.items()})
 
-        buffer = RolloutBuffer(r.prompts_per_step * (r.max_staleness + 1), r.max_staleness)
-        published = {"version": start, "weights": weights()}
-        lock, stop = threading.Lock(), threading.Event()
-        published_cv = threading.Condition(lock)
-        infos: list[dict] = []
-        rows: list[dict] = []
-
-        def finish(pending: Pending, version: int) -> None:
-            """Verify a generated batch and hand its groups to the learner (verifier thread)."""
-            groups, behav, info = sampler.verify(pending)
-            g = r.group_size
-            for j, grp in enumerate(groups):
-                with lock:
-                    scheduler.record(grp.domain, grp.task.id, grp.rewards)
-                buffer.put(Rollout(grp, version, behav[j * g:(j + 1) * g]))
-            infos.append({**info, "kept_groups": len(groups)})
-
-        def producer():
-            """Generate batch i+1 on the device while the verifier thread scores batch i."""
-            nonlocal produced
-            verifying = None
-            with use_sharding(mesh, rules), concurrent.futures.ThreadPoolExecutor(1) as verifier:
-                try:
-                    while not stop.is_set():
-                        with published_cv:
-                            # Batch p is trained at step p: sample it no earlier than version p - max_staleness.
-                            published_cv.wait_for(lambda: stop.is_set() or
-                                                  published["version"] >= produced - r.max_staleness)
-                            version, (params, rest) = published["version"], published["weights"]
-                            tasks = scheduler.next_batch(r.prompts_per_step)
-                        pending = sampler.sample(params, rest, tasks, jax.random.fold_in(base_key, produced))
-                        produced += 1
-                        if verifying is not None:
-                            verifying.result()
-                        verifying = verifier.submit(finish, pending, version)
-                    if verifying is not None:
-                        verifying.result()
-                except BufferClosed:
-                    return
-
-        thread = None
-        if r.max_staleness > 0:
-            if r.filter_groups:
-                raise ValueError("rl.filter_groups needs rl.max_staleness=0 (dynamic sampling decides on "
-                                 "verified rewards before the next generation)")
-            thread = threading.Thread(target=producer, daemon=True, name="rollouts")
-            thread.start()
-        if r.eval_every and start == 0:
-            run_eval(0)
-        bar = tqdm(range(start, steps), desc="rlvr", initial=start, total=steps,
-                   disable=not cfg.train.progress or jax.process_index() != 0)
-        wall0, busy0 = time.perf_counter(), clock.total
-        for step in bar:
-            t0 = time.perf_counter()
-            if thread is None:
-                rollouts, info = produce(sampler, scheduler, *weights(), step, jax.random.fold_in(base_key, produced), cfg)
-                produced += 1
-            else:
-                rollouts = buffer.get(r.prompts_per_step, step)
-                info = infos.pop(0) if infos else {}
-            t1 = time.perf_counter()
-            batch = rl_batch(rollouts, group_size=r.group_size, method=r.advantage, pad_id=tok.pad_id)
-            rewards = batch.pop("rewards")
-            with clock.busy():
-                state, metrics = step_fn(state, put_batch(batch), *ref)
-                metrics = jax.device_get(metrics)
-            with published_cv:
-                published["version"], published["weights"] = step + 1, weights()
-                task_metrics = scheduler.metrics()
-                published_cv.notify_all()
-            t2 = time.perf_counter()
-            wall, busy = time.perf_counter() - wall0, clock.total - busy0
-            metrics.update({
-                "rl/reward_mean": float(rewards.mean()), "rl/reward_std": float(rewards.std()),
-                "rl/wait_s": t1 - t0, "rl/update_s": t2 - t1, "rl/device_idle_frac": max(0.0, 1 - busy / wall),
-                **{f"rl/{k}": v for k, v in info.items()}, **buffer.stats(), **task_metrics})
-            if step % cfg.train.log_every == 0 or step == steps - 1:
-                rows.append(writer.write(step, metrics))
+def train_loop(c: Components, rl: RLState, ckpt: Checkpointer, writer: MetricsWriter,
+               steps: int) -> tuple[RLState, list[dict]]:
+    """Steps `rl.step` … `steps − 1`: rollout, learn, publish, log, evaluate, checkpoint."""
+    cfg, r, rows = c.cfg, c.cfg.rl, []
+    if r.eval_every and rl.step == 0:
+        rl = run_eval(c, rl, writer, 0)
+    bar = tqdm(range(rl.step, steps), desc="rlvr", initial=rl.step, total=steps,
+               disable=not cfg.train.progress or jax.process_index() != 0)
+    wall0, busy0 = time.perf_counter(), c.clock.total
+    for step in bar:
+        t0 = time.perf_counter()
+        rollouts, produced = rollout_step(c, rl)
+        t1 = time.perf_counter()
+        rl, metrics = learn_step(c, rl, rollouts)
+        rl = dataclasses.replace(rl, step=step + 1, scheduler_state=produced.scheduler_state)
+        publish_step(c, rl)
+        t2 = time.perf_counter()
+        wall, busy = time.perf_counter() - wall0, c.clock.total - busy0
+        metrics.update({"rl/wait_s": t1 - t0, "rl/update_s": t2 - t1, "rl/device_idle_frac": max(0.0, 1 - busy / wall),
+                        **{f"rl/{k}": v for k, v in produced.info.items()}, **produced.task_metrics})
+        if c.producer is not None:
+            metrics.update(c.producer.buffer.stats())
+        if step % cfg.train.log_every == 0 or step == steps - 1:
+            rows.append(writer.write(step, metrics))
+            if "rl/reward_mean" in metrics:
                 bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
-            done = step + 1
-            if r.eval_every and (done % r.eval_every == 0 or done == steps):
-                run_eval(step)
-            if ckpt.should_save(done, steps):
-                ckpt.save(done, {k: getattr(state, k) for k in CHECKPOINT_ITEMS},
-                          data={"scheduler": scheduler.get_state(), "produced": produced},  # async: approximate
-                          meta={"seed": cfg.seed, "stage": "rlvr"})
-        stop.set()
-        with published_cv:
-            published_cv.notify_all()
-        buffer.close()
-        if thread is not None:
-            thread.join(timeout=60)
-    pool.shutdown()
-    ckpt.close()
-    writer.close()
-    return Result(graphdef, state, rows, last_eval)
+        if r.eval_every and (rl.step % r.eval_every == 0 or rl.step == steps):
+            rl = run_eval(c, rl, writer, step)
+        if ckpt.should_save(rl.step, steps):
+            save(c, ckpt, rl)
+    return rl, rows

@@ -1,7 +1,7 @@
 """Policy-gradient loss of the RLVR learner: PPO-style clipped surrogate and its switches.
 
 All inputs are per response token, [B, T] (B sequences padded to T), with `mask` [B, T] set on
-the tokens the policy generated. Log-probs are `train.losses.token_logprobs` of those tokens:
+the tokens the policy generated. Log-probs are `models.logprobs.token_logprobs` of those tokens:
 `logp` under the policy being updated, `old_logp` under the proximal policy (the learner's weights
 before this update), `behav_logp` as recorded by the sampler that generated the rollout (possibly
 an older version), `ref_logp` under the frozen reference policy.

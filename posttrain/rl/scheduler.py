@@ -101,6 +101,11 @@ class TaskScheduler:
 
     # --- drawing ------------------------------------------------------------------------------
 
+    @property
+    def batches_drawn(self) -> int:
+        """How many batches `next_batch` has drawn (the position in the task sequence)."""
+        return self._batches
+
     def next_batch(self, n: int) -> list[tuple[str, Task]]:
         """The next `n` (domain name, task) pairs; deterministic in (seed, batches drawn, bands)."""
         if n < 0:

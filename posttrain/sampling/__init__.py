@@ -4,7 +4,7 @@ continuous batching, on the learner's own sharded weights."""
 from posttrain.sampling.continuous import ContinuousBatcher
 from posttrain.sampling.engine import STOP_REASONS
 from posttrain.sampling.generate import Samples, generate
-from posttrain.sampling.rules import SamplingParams, sample_token, sampling_logprobs
+from posttrain.sampling.rules import SamplingParams, policy_logprobs, sample_token, sampling_logprobs
 
-__all__ = ["STOP_REASONS", "ContinuousBatcher", "SamplingParams", "Samples", "generate", "sample_token",
+__all__ = ["STOP_REASONS", "ContinuousBatcher", "SamplingParams", "Samples", "generate", "policy_logprobs", "sample_token",
            "sampling_logprobs"]

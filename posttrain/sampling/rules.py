@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from posttrain.train.losses import token_logprobs
+from posttrain.models.logprobs import token_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +72,34 @@ def sampling_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return jax.nn.log_softmax(logits, axis=-1)
 
 
+def policy_logprobs(logits: jax.Array, targets: jax.Array, params: SamplingParams) -> jax.Array:
+    """log-prob of each target under the distribution the sampler draws from, differentiable in
+    the logits: logits [B, S, V], targets [B, S] → [B, S] float32.
+
+    What the RL learner optimises: log softmax(logits / T) renormalised over the tokens top-k /
+    top-p keep (`sampling_logprobs`). Which tokens are kept is a choice, not a function to
+    differentiate (it carries no gradient), and the target is always kept: a token the sampler
+    drew was in its set, and after an update it keeps a finite log-prob. Greedy decoding (T = 0)
+    has no log-probs to learn from and is refused.
+    """
+    if params.greedy:
+        raise ValueError("policy_logprobs: temperature 0 (greedy) puts all mass on one token; a policy "
+                         "gradient needs a sampled distribution (temperature > 0)")
+    logits = logits.astype(jnp.float32)
+    scaled = logits / params.temperature
+    if params.top_k or params.top_p < 1:
+        kept = jax.lax.stop_gradient(sampling_logprobs(logits, params)) > -jnp.inf
+        kept = kept | jax.nn.one_hot(targets, logits.shape[-1], dtype=bool)
+        scaled = jnp.where(kept, scaled, -jnp.inf)
+    return token_logprobs(scaled, targets)
+
+
 def sample_token(key: jax.Array, logits: jax.Array,
                  params: SamplingParams) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Draw one token from logits [V] → (token, policy log-prob, sampling log-prob), scalars.
 
-    The policy log-prob is log softmax(logits)[token] before temperature and filters: what the
-    learner computes (`train.losses.token_logprobs`). The sampling log-prob is under the
+    The policy log-prob is log softmax(logits)[token] before temperature and filters: the untempered
+    policy (`models.logprobs.token_logprobs`). The sampling log-prob is under the
     distribution drawn from (`sampling_logprobs`); the two differ unless temperature is 1 with no
     filters.
     """

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from posttrain.parallel import make_mesh, named_sharding, parse_rules, use_sharding
+from posttrain.parallel import mesh_and_rules, named_sharding, use_sharding
 from posttrain.train.checkpoint import Checkpointer, abstract_with_shardings
 from posttrain.train.metrics import MetricsWriter
 from posttrain.train.optim import lr_schedule, make_optimizer
@@ -95,8 +95,7 @@ def starting_state(state: TrainState, shardings: TrainState, ckpt: Checkpointer,
 
 def train(cfg, stage: Stage) -> Result:
     """Run `cfg.train.steps` updates of `stage`, resuming from `{workdir}/checkpoints` if present."""
-    mesh = make_mesh(cfg.mesh.to_dict())
-    rules = parse_rules(cfg.sharding.rules.to_dict())
+    mesh, rules = mesh_and_rules(cfg)
     steps = cfg.train.steps
     schedule = lr_schedule(cfg.optim, steps)
     tx = make_optimizer(cfg.optim, steps)

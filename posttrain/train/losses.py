@@ -5,15 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """log p(target) per position, in float32. logits [B, S, V], targets [B, S] → [B, S].
-
-    The one definition of a token's log-probability: the sampler, DPO and the RL losses use it.
-    """
-    logits = logits.astype(jnp.float32)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
+from posttrain.models.logprobs import token_logprobs  # noqa: F401 (re-exported: DPO and tests use it here)
 
 
 def sequence_logprobs(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:

@@ -21,14 +21,14 @@ from posttrain.data.synthetic import ensure_arithmetic_file
 from posttrain.data.tokenizer import Tokenizer, load_tokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.models.layers import dtype_of, param
-from posttrain.parallel import make_mesh, parse_rules, use_sharding
+from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams
 from posttrain.train.init import load_model_state, overlay
 from posttrain.train.loop import Result, Stage, put_batch, train
 from posttrain.train.losses import bradley_terry_loss, dpo_loss, sequence_logprobs
 from posttrain.train.state import abstract_model, init_model_state
-from posttrain.train.step import lm_loss, token_cross_entropy
+from posttrain.train.step import lm_loss, moe_penalty, token_cross_entropy
 
 SIDES = ("chosen", "rejected")
 
@@ -47,13 +47,6 @@ class RewardModel(Decoder):
         last = jnp.maximum((segment_ids != 0).sum(axis=1) - 1, 0)
         h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
         return (h.astype(jnp.float32) @ self.value_head[...].astype(jnp.float32)), aux
-
-
-def moe_penalty(aux: dict, moe_cfg) -> jax.Array:
-    """Weighted MoE load-balancing + z losses (0 for a dense model)."""
-    if not aux:
-        return jnp.zeros(())
-    return moe_cfg.aux_loss_coef * aux["moe/aux_loss"] + moe_cfg.z_loss_coef * aux["moe/z_loss"]
 
 
 def both_sides(batch: dict, key: str) -> jax.Array:
@@ -180,7 +173,7 @@ def init_model_from(cfg, make_source):
         return None
 
     def init(params, rest):
-        mesh, rules = make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules.to_dict())
+        mesh, rules = mesh_and_rules(cfg)
         src_params, src_rest, step = load_model_state(cfg.init_from, make_source, mesh, rules)
         logging.info("init_from %s (step %d)", cfg.init_from, step)
         return overlay(params, src_params), overlay(rest, src_rest)
@@ -276,7 +269,7 @@ def dpo(cfg) -> Result:
     _ensure_synthetic(cfg, "dpo", "preference")
     tok, kw = _tokenizer(cfg), _data_kw(cfg)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
-    mesh, rules = make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules.to_dict())
+    mesh, rules = mesh_and_rules(cfg)
     with use_sharding(mesh, rules):
         if cfg.init_from:
             ref_params, ref_rest, _ = load_model_state(cfg.init_from, make, mesh, rules)

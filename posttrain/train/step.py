@@ -10,6 +10,14 @@ from flax import nnx
 from posttrain.models import lora
 from posttrain.train.state import TrainState, lora_scale
 
+
+def moe_penalty(aux: dict, moe_cfg) -> jax.Array:
+    """Weighted MoE load-balancing + z losses (0 for a dense model); every stage adds it to its loss."""
+    if not aux:
+        return jnp.zeros(())
+    return moe_cfg.aux_loss_coef * aux["moe/aux_loss"] + moe_cfg.z_loss_coef * aux["moe/z_loss"]
+
+
 def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Mean cross-entropy over tokens where mask is set, and that token count.
 
@@ -26,9 +34,8 @@ def lm_loss(model: nnx.Module, batch: dict, moe_cfg, *, update_bias: bool = True
     logits, aux = model(batch["inputs"], batch["positions"], batch["segment_ids"], update_bias=update_bias)
     ce, ntok = token_cross_entropy(logits, batch["targets"], batch["loss_mask"])
     metrics = {"ce": ce, "tokens": ntok}
-    loss = ce
+    loss = ce + moe_penalty(aux, moe_cfg)
     if aux:
-        loss = loss + moe_cfg.aux_loss_coef * aux["moe/aux_loss"] + moe_cfg.z_loss_coef * aux["moe/z_loss"]
         metrics.update({k: v for k, v in aux.items() if k != "moe/load"})
         metrics["moe/load"] = aux["moe/load"].mean(axis=0)     # [num_experts], averaged over layers
     metrics["loss"] = loss

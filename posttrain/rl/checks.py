@@ -1,0 +1,54 @@
+"""Start-up checks of the `rl.*` keys: a value that cannot take effect is an error, not ignored."""
+
+from __future__ import annotations
+
+from posttrain.rl.tasks import parse_weights
+
+
+def ppo_steps(r) -> int:
+    """Optimizer steps per rollout batch (epochs × minibatches)."""
+    return r.updates_per_batch * r.minibatches
+
+
+# key -> (when it takes effect, what to set). Checked only when the key differs from its default.
+INERT_UNLESS = {
+    "clip_low": (lambda r: ppo_steps(r) > 1, "the ratio π/π_old is 1 with one optimizer step per batch: set "
+                 "rl.updates_per_batch > 1 or rl.minibatches > 1"),
+    "clip_high": (lambda r: ppo_steps(r) > 1, "the ratio π/π_old is 1 with one optimizer step per batch: set "
+                  "rl.updates_per_batch > 1 or rl.minibatches > 1"),
+    "ratio_level": (lambda r: ppo_steps(r) > 1, "sequence-level ratios equal token-level ones while π = π_old: "
+                    "set rl.updates_per_batch > 1 or rl.minibatches > 1"),
+    "kl_estimator": (lambda r: r.kl_coef > 0, "no KL term without rl.kl_coef > 0"),
+    "max_resample_rounds": (lambda r: r.filter_groups, "resampling needs rl.filter_groups=True"),
+    "eval_samples": (lambda r: r.eval_every > 0, "no evaluation without rl.eval_every > 0"),
+    "arithmetic_size": (lambda r: "arithmetic" in parse_weights(r.domains), "rl.domains has no arithmetic"),
+}
+
+
+def check_rl_config(cfg) -> None:
+    """Raise ValueError naming the `rl.*` key whose value is invalid or cannot take effect."""
+    from posttrain.config import base_config
+    r, defaults = cfg.rl, base_config().rl
+    if not r.temperature > 0:
+        raise ValueError(f"rl.temperature={r.temperature}: RL samples groups from the policy; expected > 0 "
+                         "(0 is greedy: every sample of a group would be the same)")
+    if r.group_size < 2:
+        raise ValueError(f"rl.group_size={r.group_size}: a group-relative baseline needs at least 2 samples")
+    for key in ("updates_per_batch", "minibatches", "prompts_per_step"):
+        if r[key] < 1:
+            raise ValueError(f"rl.{key}={r[key]}: expected >= 1")
+    rows = r.prompts_per_step * r.group_size
+    if rows % r.minibatches:
+        raise ValueError(f"rl.minibatches={r.minibatches} must divide the sequences per batch, rl.prompts_per_step × "
+                         f"rl.group_size = {rows}")
+    if not 0 <= r.clip_low < 1 or r.clip_high < 0:
+        raise ValueError(f"rl.clip_low={r.clip_low}, rl.clip_high={r.clip_high}: expected 0 <= clip_low < 1 and "
+                         "clip_high >= 0")
+    if r.max_staleness < 0:
+        raise ValueError(f"rl.max_staleness={r.max_staleness}: expected >= 0")
+    if r.filter_groups and r.max_staleness > 0:
+        raise ValueError("rl.filter_groups needs rl.max_staleness=0 (dynamic sampling decides on verified rewards "
+                         "before the next generation)")
+    for key, (active, why) in INERT_UNLESS.items():
+        if r[key] != defaults[key] and not active(r):
+            raise ValueError(f"rl.{key}={r[key]!r} cannot take effect: {why}")

@@ -1,0 +1,173 @@
+"""Rollouts: generate groups on the device with the learner's weights, verify them on a thread pool.
+
+`RolloutWorker.generate` runs the sampler (device work); `RolloutWorker.verify` scores the
+responses (host work) and returns a `RolloutBatch`. `collect_batch` is one synchronous batch with
+dynamic sampling; the overlapped path runs the same two phases on `producer.AsyncProducer`'s
+threads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from posttrain.eval.passk import mean_pass_at_k
+from posttrain.rl.buffer import Rollout
+from posttrain.rl.scheduler import Group, TaskScheduler
+from posttrain.sampling.generate import Samples, generate
+from posttrain.sampling.rules import SamplingParams
+
+SUMMED_INFO = ("gen_s", "verify_s", "new_tokens", "verifier_errors")   # added over sampling rounds
+
+
+class BusyClock:
+    """Wall time during which at least one device program (sampling or update) is running."""
+
+    def __init__(self):
+        self.lock, self.active, self.since, self.total = threading.Lock(), 0, 0.0, 0.0
+
+    @contextlib.contextmanager
+    def busy(self):
+        """Count the enclosed wall time as busy (overlapping intervals counted once)."""
+        with self.lock:
+            if self.active == 0:
+                self.since = time.perf_counter()
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.active -= 1
+                if self.active == 0:
+                    self.total += time.perf_counter() - self.since
+
+
+@dataclasses.dataclass
+class Pending:
+    """A generated batch waiting for verification."""
+    tasks: list
+    envs: list
+    samples: Samples
+    gen_s: float
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """The verified groups of one learner batch: behav[j][g] is the behaviour log-prob of every
+    token of group j's sample g (0 on the prompt); `info` holds host numbers for metrics;
+    `scheduler_state` is the scheduler as of this batch (all its draws and records, no later ones)."""
+    groups: list[Group]
+    behav: list[list[np.ndarray]]
+    info: dict[str, Any]
+    scheduler_state: dict | None = None
+    task_metrics: dict | None = None
+
+    def rollouts(self, version: int) -> list[Rollout]:
+        """The groups as buffer/learner rollouts sampled by policy `version`."""
+        return [Rollout(g, version, b) for g, b in zip(self.groups, self.behav)]
+
+
+@dataclasses.dataclass
+class RolloutWorker:
+    """Generates groups for (domain, task) pairs and verifies them on a thread pool."""
+
+    graphdef: nnx.GraphDef
+    domains: dict
+    sampling: SamplingParams
+    pad_id: int
+    pool: concurrent.futures.ThreadPoolExecutor
+    verifier_delay: float = 0.0       # extra host seconds per response (benchmarks of overlap)
+    clock: BusyClock | None = None
+
+    def generate(self, params, rest, tasks: list[tuple[str, object]], key, *, num_samples: int | None = None,
+                 greedy: bool = False) -> Pending:
+        """Generate one group per (domain, task) on the device; verification comes later."""
+        g = num_samples or self.sampling.num_samples
+        sampling = dataclasses.replace(self.sampling, num_samples=g, **({"temperature": 0.0} if greedy else {}))
+        envs = [[self.domains[d].make_env() for _ in range(g)] for d, _ in tasks]
+        prompts = [[e.reset(t) for e in row][0] for row, (_, t) in zip(envs, tasks)]
+        t0 = time.perf_counter()
+        with (self.clock or BusyClock()).busy():
+            samples = generate(self.graphdef, params, rest, prompts, sampling, key, pad_id=self.pad_id)
+        return Pending(tasks, envs, samples, time.perf_counter() - t0)
+
+    def verify(self, pending: Pending) -> RolloutBatch:
+        """Score a generated batch on the verifier pool. The behaviour log-probs are those of the
+        distribution actually sampled (temperature, top-k, top-p), as the learner computes them."""
+        flat, samples, g = [e for row in pending.envs for e in row], pending.samples, len(pending.envs[0])
+
+        def verify(i):
+            if self.verifier_delay:
+                time.sleep(self.verifier_delay)
+            return flat[i].step(samples.completion(i)).reward
+        t0 = time.perf_counter()
+        rewards = list(self.pool.map(verify, range(len(flat))))
+        groups, behav = [], []
+        for j, (d, task) in enumerate(pending.tasks):
+            idx = range(j * g, (j + 1) * g)
+            trajs = [flat[i].trajectory() for i in idx]
+            groups.append(Group(d, task, [rewards[i].score for i in idx], trajs))
+            behav.append([_token_aligned(samples.sampling_logprobs[i], t) for i, t in zip(idx, trajs)])
+        info = {"gen_s": pending.gen_s, "verify_s": time.perf_counter() - t0,
+                "response_len_mean": float(samples.lengths.mean()), "response_len_max": int(samples.lengths.max()),
+                "truncated_frac": float(np.mean(samples.stop_reason == 1)),
+                "new_tokens": int(samples.lengths.sum()),
+                "verifier_errors": sum(getattr(r, "error", None) is not None for r in rewards)}
+        return RolloutBatch(groups, behav, info)
+
+    def rollout(self, params, rest, tasks, key, **kw) -> RolloutBatch:
+        """`generate` then `verify`."""
+        return self.verify(self.generate(params, rest, tasks, key, **kw))
+
+
+def _token_aligned(logprobs: np.ndarray, traj) -> np.ndarray:
+    """A sample's log-probs placed at its generated tokens in the trajectory (0 on the prompt)."""
+    lp = np.zeros(len(traj.tokens), np.float32)
+    lp[traj.prompt_len:] = logprobs[:len(traj.tokens) - traj.prompt_len]
+    return lp
+
+
+def collect_batch(worker: RolloutWorker, scheduler: TaskScheduler, params, rest, key, *, num_groups: int,
+                  filter_groups: bool, max_rounds: int) -> RolloutBatch:
+    """One synchronous batch of `num_groups` groups; with `filter_groups`, dynamic sampling (DAPO):
+    groups whose rewards are all equal carry no signal and are re-drawn, up to `max_rounds`
+    rounds, so the batch may be short or empty. Every group is recorded in the scheduler once."""
+    parts: list[RolloutBatch] = []
+
+    def sample_groups(tasks):
+        nonlocal key
+        key, sub = jax.random.split(key)
+        parts.append(worker.rollout(params, rest, tasks, sub))
+        return parts[-1].groups
+
+    if filter_groups:
+        kept = scheduler.dynamic_sample(sample_groups, num_groups, max_rounds=max_rounds)   # records each group
+    else:
+        kept = sample_groups(scheduler.next_batch(num_groups))
+        for grp in kept:
+            scheduler.record(grp.domain, grp.task.id, grp.rewards)
+    behav_of = {id(g): b for part in parts for g, b in zip(part.groups, part.behav)}
+    info: dict[str, Any] = {}
+    for part in parts:
+        for k, v in part.info.items():
+            info[k] = info.get(k, 0) + v if k in SUMMED_INFO else v
+    info["kept_groups"] = len(kept)
+    return RolloutBatch(kept, [behav_of[id(g)] for g in kept], info, scheduler.get_state(), scheduler.metrics())
+
+
+def evaluate(worker: RolloutWorker, params, rest, held_out, key, k: int) -> dict:
+    """Held-out accuracy (greedy), mean sampled accuracy and pass@k (unbiased, k samples)."""
+    greedy = worker.rollout(params, rest, held_out, key, num_samples=1, greedy=True)
+    sampled = worker.rollout(params, rest, held_out, jax.random.fold_in(key, 1), num_samples=k)
+    correct = [[r >= 1.0 for r in g.rewards] for g in sampled.groups]
+    return {"eval/accuracy": float(np.mean([g.rewards[0] >= 1.0 for g in greedy.groups])),
+            "eval/mean_accuracy": float(np.mean(correct)), f"eval/pass@{k}": mean_pass_at_k(correct, k),
+            "eval/response_len": sampled.info["response_len_mean"]}
