@@ -30,8 +30,10 @@ from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.buffer import Rollout
 from posttrain.rl.checks import check_rl_config, ppo_steps
-from posttrain.rl.learner import Learner, batch_rows, compute_advantages, rl_batch
+from posttrain.rl.critic import ValueDecoder
+from posttrain.rl.learner import Learner, advantage_targets, batch_rows, compute_advantages, rl_batch
 from posttrain.rl.producer import AsyncProducer
+from posttrain.rl.reward_model import RewardComposer
 from posttrain.rl.rollout import BusyClock, RolloutBatch, RolloutWorker, collect_batch, evaluate
 from posttrain.rl.scheduler import TaskScheduler
 from posttrain.rl.tasks import make_domains, make_reward_fn, parse_weights
@@ -71,6 +73,7 @@ class Components:
     held_out: list
     clock: BusyClock
     pad_id: int
+    rewards: RewardComposer
 
     def weights(self, rl: RLState) -> tuple:
         """(params, rest) the policy samples with."""
@@ -98,12 +101,15 @@ def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLS
         return rl, {"rl/skipped_updates": rl.skipped_updates}
     num_real = sum(len(ro.group.trajectories) for ro in rollouts)
     batch = rl_batch(rollouts, pad_id=c.pad_id, num_rows=batch_rows(len(rollouts), r, r.minibatches))
-    batch["advantages"] = compute_advantages(batch, r)
-    rewards = batch.pop("rewards")[:num_real]
+    rows = [t.tokens for ro in rollouts for t in ro.group.trajectories]
+    batch["rewards"][:num_real], reward_metrics = c.rewards(rows, batch["rewards"][:num_real])
     with c.clock.busy():
+        batch = c.learner.prepare(rl.train, batch, c.ref)
+        batch.update(advantage_targets(batch, r))
+        rewards = batch.pop("rewards")[:num_real]
         state, metrics = c.learner.update(rl.train, batch, c.ref, rl.step, num_real)
     metrics.update({"rl/reward_mean": float(rewards.mean()), "rl/reward_std": float(rewards.std()),
-                    "rl/skipped_updates": rl.skipped_updates})
+                    "rl/skipped_updates": rl.skipped_updates, **reward_metrics})
     return dataclasses.replace(rl, train=state), metrics
 
 
@@ -126,7 +132,7 @@ def save(c: Components, ckpt: Checkpointer, rl: RLState) -> None:
     """Checkpoint after `rl.step` batches: weights, optimizer, the scheduler as of the last trained batch."""
     ckpt.save(rl.step, {k: getattr(rl.train, k) for k in CHECKPOINT_ITEMS},
               data={"scheduler": rl.scheduler_state, "skipped_updates": rl.skipped_updates,
-                    "optimizer_steps": int(rl.train.step)},
+                    "optimizer_steps": int(rl.train.step), "reward_stats": c.rewards.stats.get_state()},
               meta={"seed": c.cfg.seed, "stage": "rlvr"})
 
 
@@ -142,7 +148,9 @@ def run(cfg) -> Result:
     mesh, rules = mesh_and_rules(cfg)
     steps = cfg.train.steps
     tx = make_optimizer(cfg.optim, steps * ppo_steps(r))
-    make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    decoder = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    # PPO with a critic: the policy carries the value head (a fresh head on an init_from decoder).
+    make = (lambda: ValueDecoder(cfg.model, rngs=nnx.Rngs(cfg.seed))) if r.advantage == "gae" else decoder
     sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                               stop_ids=tuple(tok.stop_ids), num_samples=r.group_size)
     ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"), every=cfg.checkpoint.every,
@@ -153,7 +161,7 @@ def run(cfg) -> Result:
     try:
         with use_sharding(mesh, rules):
             graphdef, state, shardings = create_train_state(make, tx, mesh, rules, cfg.lora, cfg.seed)
-            state, start_weights, data = starting_state(state, shardings, ckpt, start, init_model_from(cfg, make),
+            state, start_weights, data = starting_state(state, shardings, ckpt, start, init_model_from(cfg, decoder),
                                                         need_start_weights=bool(r.kl_coef))
             # The KL reference: the starting weights (under LoRA the frozen base: no extra memory; else a
             # copy, since the policy's buffers are donated to each update).
@@ -170,7 +178,10 @@ def run(cfg) -> Result:
                               donate=r.max_staleness == 0, seed=cfg.seed)
             worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, r.verifier_delay, clock)
             base_key = jax.random.key(cfg.seed)
-            c = Components(cfg, worker, learner, scheduler, None, ref, base_key, held_out, clock, tok.pad_id)
+            rewards = RewardComposer.from_config(cfg, mesh, rules, pad_id=tok.pad_id)
+            if start and "reward_stats" in data:
+                rewards.stats.set_state(data["reward_stats"])
+            c = Components(cfg, worker, learner, scheduler, None, ref, base_key, held_out, clock, tok.pad_id, rewards)
             if r.max_staleness > 0:
                 producer = c.producer = AsyncProducer(
                     worker, scheduler, num_groups=r.prompts_per_step, max_staleness=r.max_staleness,

@@ -136,3 +136,40 @@ def combine_rewards(verifier: np.ndarray, learned: np.ndarray | None, *, verifie
     if learned is not None:
         out = out + reward_model_weight * np.asarray(learned, np.float32)
     return out.astype(np.float32)
+
+
+class RewardComposer:
+    """The RL training reward of each sample: rl.verifier_weight · verifier reward, plus (with
+    rl.reward_model) rl.reward_model_weight · the learned reward, normalised by running statistics
+    when rl.reward_model_normalize. Called on the main thread once per trained batch, so the
+    statistics a checkpoint saves are those of the batches trained on."""
+
+    def __init__(self, rl_cfg, scorer: RewardModelScorer | None):
+        self.scorer, self.stats = scorer, RunningMeanStd()
+        self.normalize = rl_cfg.reward_model_normalize
+        self.verifier_weight, self.reward_model_weight = rl_cfg.verifier_weight, rl_cfg.reward_model_weight
+
+    @classmethod
+    def from_config(cls, cfg, mesh: Mesh, rules: Rules, *, pad_id: int) -> "RewardComposer":
+        """From `cfg.rl`; `rl.reward_model` must be a run dir here (a pipeline resolves "@stage")."""
+        path = cfg.rl.reward_model
+        if path.startswith("@"):
+            raise ValueError(f"rl.reward_model={path!r} names a pipeline stage: only a pipeline (stage='pipeline') "
+                             "resolves it; give the reward_model run dir instead")
+        return cls(cfg.rl, RewardModelScorer.load(path, mesh, rules, pad_id=pad_id) if path else None)
+
+    def __call__(self, rows: Sequence[Sequence[int]], verifier: np.ndarray) -> tuple[np.ndarray, dict]:
+        """Token rows (prompt + response) and their verifier rewards → (training rewards, metrics)."""
+        verifier = np.asarray(verifier, np.float32)
+        if self.scorer is None:
+            return combine_rewards(verifier, None, verifier_weight=self.verifier_weight, reward_model_weight=0.0), {}
+        raw = self.scorer.score(rows)
+        learned = raw
+        if self.normalize:
+            self.stats.update(raw)
+            learned = self.stats.normalize(raw)
+        rewards = combine_rewards(verifier, learned, verifier_weight=self.verifier_weight,
+                                  reward_model_weight=self.reward_model_weight)
+        return rewards, {"rl/rm_score_mean": float(raw.mean()), "rl/rm_score_std": float(raw.std()),
+                         "rl/verifier_reward_mean": float(verifier.mean()),
+                         "rl/rm_running_mean": self.stats.mean, "rl/rm_running_std": self.stats.std}

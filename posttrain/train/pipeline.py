@@ -1,5 +1,8 @@
 """Stage `pipeline`: run stages in order, each from the previous one's final checkpoint, with gates.
 
+A reward model is not a policy: the stage after `reward_model` starts from the policy before it,
+and an `rlvr` stage reaches the reward model by `rl.reward_model = "@reward_model"`.
+
 Each stage runs in `{workdir}/{i}_{stage}` and must pass its gate (`config.<stage>.gate`, e.g.
 "eval/loss<1.5") before the next starts. Re-running the same command resumes where it stopped.
 """
@@ -22,7 +25,9 @@ def _rlvr(cfg):
 
 
 RUNNERS = {"sft": stage_lib.sft, "reward_model": stage_lib.reward_model, "dpo": stage_lib.dpo, "rlvr": _rlvr}
-SECTION = {"rlvr": "rl"}          # the config section of a stage, where it differs from its name
+SECTION = {"rlvr": "rl"}
+SCORERS = ("reward_model",)       # stages whose result scores a policy rather than being one: later
+                                  # stages start from the policy before them (RLHF: [sft, reward_model, rlvr])          # the config section of a stage, where it differs from its name
 _OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 _GATE = re.compile(r"^\s*([\w/.\-]+)\s*(<=|>=|<|>)\s*([-+0-9.eE]+)\s*$")
 
@@ -47,10 +52,18 @@ def check_gate(stage: str, gate: str, metrics: dict) -> str:
     return f"{stage}: gate {gate!r} passed ({name} = {metrics[name]:.4g})"
 
 
-def stage_config(cfg, name: str, workdir: str, init_from: str):
-    """The config one pipeline stage runs with."""
+def stage_config(cfg, name: str, workdir: str, init_from: str, done: dict[str, str] | None = None):
+    """The config one pipeline stage runs with. `done` maps the stages run before it to their
+    workdirs: `rl.reward_model = "@<stage>"` becomes that stage's workdir (RLHF: the reward
+    model trained earlier in the same pipeline)."""
     sub = cfg.copy_and_resolve_references()
     sub.stage, sub.workdir, sub.init_from = name, workdir, init_from
+    ref = sub.rl.reward_model
+    if name == "rlvr" and ref.startswith("@"):
+        if ref[1:] not in (done or {}):
+            raise ValueError(f"rl.reward_model={ref!r}: no stage {ref[1:]!r} runs before rlvr in pipeline.stages="
+                             f"{tuple(cfg.pipeline.stages)}")
+        sub.rl.reward_model = done[ref[1:]]
     return sub
 
 
@@ -59,14 +72,15 @@ def run(cfg) -> dict:
     unknown = [s for s in cfg.pipeline.stages if s not in RUNNERS]
     if unknown:
         raise ValueError(f"pipeline.stages: unknown {unknown}; valid: {sorted(RUNNERS)}")
-    init_from, results = cfg.init_from, {}
+    init_from, results, done = cfg.init_from, {}, {}
     for i, name in enumerate(cfg.pipeline.stages):
         workdir = os.path.join(cfg.workdir, f"{i}_{name}")
-        result = RUNNERS[name](stage_config(cfg, name, workdir, init_from))
+        result = RUNNERS[name](stage_config(cfg, name, workdir, init_from, done))
         metrics = {**(result.rows[-1] if result.rows else {}), **result.eval}
-        results[name] = metrics
+        results[name], done[name] = metrics, workdir
         logging.info(check_gate(name, cfg[SECTION.get(name, name)].gate, metrics))
-        init_from = workdir
+        if name not in SCORERS:
+            init_from = workdir
     if jax.process_index() == 0:
         logging.info("curves: %s", plot(cfg.workdir, os.path.join(cfg.workdir, "metrics.png")))
     return results
