@@ -134,3 +134,108 @@ def test_critic_settings_that_cannot_take_effect_are_refused():
     cfg.rl.critic, cfg.lora.rank = "shared", 4
     with pytest.raises(ValueError, match="lora.rank=4"):
         check_critic(cfg.rl, cfg.lora)
+
+
+def _rl_cfg(**kw):
+    from posttrain.config import base_config
+    r = base_config().rl
+    r.update(kw)
+    return r
+
+
+def test_advantage_targets_gae_with_kl_paid_as_reward():
+    from posttrain.rl.learner import advantage_targets
+
+    rewards, values, mask = _random_batch(4)
+    rng = np.random.default_rng(4)
+    scores, logp, ref = rng.normal(size=6), -rng.random(mask.shape), -rng.random(mask.shape)
+    batch = {"rewards": scores.astype(np.float32), "loss_mask": mask.astype(np.int32),
+             "old_values": values.astype(np.float32), "rollout_logp": logp.astype(np.float32),
+             "ref_logp": ref.astype(np.float32)}
+    r = _rl_cfg(advantage="gae", gamma=0.9, lam=0.8, kl_coef=0.1, kl_in_reward=True, kl_estimator="k1")
+    out = advantage_targets(batch, r)
+    token_rewards = np.where(mask, -0.1 * (logp - ref), 0.0)
+    for i in range(6):
+        if mask[i].any():
+            token_rewards[i, np.flatnonzero(mask[i])[-1]] += scores[i]
+    adv, ret = gae_reference(token_rewards, values, mask, 0.9, 0.8)
+    sel = adv[mask]
+    np.testing.assert_allclose(out["returns"], ret, atol=1e-5)
+    np.testing.assert_allclose(out["advantages"], np.where(mask, (adv - sel.mean()) / np.sqrt(sel.var() + 1e-8), 0),
+                               atol=1e-4)
+    without = advantage_targets(batch, _rl_cfg(advantage="gae", gamma=0.9, lam=0.8))   # the switch matters
+    assert not np.allclose(without["returns"], out["returns"])
+
+
+def test_advantage_targets_group_advantages_with_kl_reward_to_go():
+    from posttrain.rl.learner import advantage_targets
+
+    _, _, mask = _random_batch(5)
+    mask = mask[:4]
+    rng = np.random.default_rng(5)
+    logp, ref = -rng.random(mask.shape), -rng.random(mask.shape)
+    batch = {"rewards": np.array([1.0, 0.0, 0.5, 0.5], np.float32), "loss_mask": mask.astype(np.int32),
+             "rollout_logp": logp.astype(np.float32), "ref_logp": ref.astype(np.float32)}
+    out = advantage_targets(batch, _rl_cfg(advantage="drgrpo", group_size=2, kl_coef=0.2, kl_in_reward=True,
+                                           kl_estimator="k1"))
+    kl = np.where(mask, logp - ref, 0.0)
+    to_go = np.cumsum(kl[:, ::-1], axis=1)[:, ::-1]
+    expected = (np.array([0.5, -0.5, 0.0, 0.0])[:, None] - 0.2 * to_go) * mask
+    np.testing.assert_allclose(out["advantages"], expected, atol=1e-5)
+    plain = advantage_targets(batch, _rl_cfg(advantage="drgrpo", group_size=2))
+    np.testing.assert_allclose(plain["advantages"], [0.5, -0.5, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(gamma=0.9), r"rl.gamma=0.9 cannot take effect"),
+    (dict(value_clip=0.1), r"rl.value_clip=0.1 cannot take effect"),
+    (dict(kl_in_reward=True), r"rl.kl_in_reward=True cannot take effect"),
+    (dict(reward_model_weight=2.0), r"rl.reward_model_weight=2.0 cannot take effect"),
+    (dict(verifier_weight=0.0), r"rl.verifier_weight=0"),
+    (dict(reward_model="runs/rm", filter_groups=True), r"rl.filter_groups with rl.reward_model"),
+    (dict(advantage="gae", critic="separate"), r"rl.critic='separate'"),
+    (dict(advantage="gae", lam=1.5), r"rl.lam=1.5"),
+    (dict(advantage="ppo"), r"rl.advantage='ppo'"),
+])
+def test_rl_checks_refuse_critic_and_reward_settings_that_cannot_take_effect(kw, match):
+    from posttrain.config import base_config
+    from posttrain.rl.checks import check_rl_config
+
+    cfg = base_config()
+    cfg.rl.update(kw)
+    with pytest.raises(ValueError, match=match):
+        check_rl_config(cfg)
+
+
+def test_gae_allows_single_sample_groups():
+    from posttrain.config import base_config
+    from posttrain.rl.checks import check_rl_config
+
+    cfg = base_config()
+    cfg.rl.advantage, cfg.rl.group_size = "gae", 1
+    check_rl_config(cfg)
+
+
+def test_pipeline_resolves_the_reward_model_stage_and_keeps_the_policy_chain(tmp_path, monkeypatch):
+    from configs.rlhf_tiny import get_config
+    from posttrain.train import pipeline
+    from posttrain.train.loop import Result
+
+    seen = {}
+
+    def fake(name):
+        def run(cfg):
+            seen[name] = (cfg.init_from, cfg.rl.reward_model)
+            return Result(None, None, [], {})
+        return run
+    monkeypatch.setattr(pipeline, "RUNNERS", {n: fake(n) for n in ("sft", "reward_model", "rlvr")})
+    monkeypatch.setattr(pipeline, "plot", lambda *a: "")
+    cfg = get_config()
+    cfg.workdir, cfg.init_from = str(tmp_path), "base"
+    cfg.sft.gate = cfg.reward_model.gate = ""
+    pipeline.run(cfg)
+    assert seen["reward_model"][0] == str(tmp_path / "0_sft")
+    assert seen["rlvr"] == (str(tmp_path / "0_sft"), str(tmp_path / "1_reward_model"))   # policy from SFT
+    cfg.pipeline.stages = ("sft", "rlvr")
+    with pytest.raises(ValueError, match=r"rl.reward_model='@reward_model': no stage 'reward_model'"):
+        pipeline.run(cfg)
