@@ -90,3 +90,32 @@ def test_combine_rewards():
     v, rm = np.array([1.0, 0.0, 1.0]), np.array([0.5, -1.0, 2.0])
     np.testing.assert_allclose(combine_rewards(v, rm, verifier_weight=0.5, reward_model_weight=2.0), [1.5, -2.0, 4.5])
     np.testing.assert_allclose(combine_rewards(v, None, verifier_weight=1.0, reward_model_weight=2.0), v)
+
+
+def test_rlvr_with_the_learned_reward_and_a_critic_resumes_exactly(rm_run, tmp_path):
+    """The loop's wiring: rewards = 0.5 · verifier + 2 · normalised RM score, PPO with GAE and the
+    KL paid as reward; lose the last checkpoint and the rerun repeats the last step exactly (value
+    head, optimizer and RM statistics restored)."""
+    import shutil
+
+    from test_rl_loop import rows, tiny
+
+    from posttrain.rl import loop
+
+    cfg = tiny(tmp_path, steps=3, advantage="gae", reward_model=rm_run.workdir, verifier_weight=0.5,
+               reward_model_weight=2.0, kl_coef=0.05, kl_in_reward=True, updates_per_batch=2)
+    cfg.checkpoint.every = 2
+    loop.run(cfg)
+    before = rows(tmp_path)
+    first = before[0]    # the first batch's normalised RM scores have mean 0
+    assert first["rl/reward_mean"] == pytest.approx(0.5 * first["rl/verifier_reward_mean"], abs=1e-5)
+    assert first["rl/rm_running_std"] == pytest.approx(first["rl/rm_score_std"], rel=1e-5)
+    for r in before:
+        assert r["rl/value_loss"] > 0 and "rl/value_explained_var" in r and r["rl/optimizer_steps"] == 2
+    shutil.rmtree(tmp_path / "checkpoints" / "3")
+    loop.run(cfg)
+    after = rows(tmp_path)
+    assert [r["step"] for r in after] == [0, 1, 2]
+    for k in ("loss", "rl/value_loss", "rl/value_mean", "rl/rm_score_mean", "rl/rm_running_mean", "rl/reward_mean",
+              "rl/adv_max", "rl/kl"):
+        np.testing.assert_allclose(after[2][k], before[2][k], rtol=1e-5, atol=1e-6, err_msg=k)
