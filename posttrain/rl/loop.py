@@ -9,6 +9,10 @@ batches on its own threads while the learner updates on the current one; the lea
 the lag with truncated importance weights between the behaviour log-probs the sampler recorded and
 the proximal ones. Each step is three functions over an explicit `RLState`: `rollout_step`,
 `learn_step`, `publish_step`; `run` wires them.
+
+The reward of a sample is composed in `learn_step` (`reward_model.RewardComposer`: verifier reward
+and, for RLHF, the learned reward model's normalised score); with `rl.advantage = "gae"` the
+policy is a `critic.ValueDecoder` and the learner adds the critic's loss (PPO with GAE).
 """
 
 from __future__ import annotations
