@@ -33,7 +33,7 @@ def tiny(workdir, **rl):
     cfg.train.steps, cfg.train.log_every, cfg.train.progress = 3, 1, False
     cfg.checkpoint.every = 0
     r = cfg.rl
-    r.prompts_per_step, r.group_size, r.max_new_tokens, r.eval_size, r.eval_every = 2, 4, 12, 4, 0
+    r.prompts_per_step, r.group_size, r.max_new_tokens, r.eval_every = 2, 4, 12, 0
     r.arithmetic_size, r.verifier_workers = 50, 2
     r.update(rl)
     return cfg

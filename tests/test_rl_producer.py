@@ -140,10 +140,11 @@ def test_an_rl_key_that_cannot_take_effect_is_an_error(key):
     cfg = base_config()
     cfg.rl.eval_every = 0
     values = {"clip_low": 0.1, "clip_high": 0.5, "ratio_level": "sequence", "kl_estimator": "k1",
-              "max_resample_rounds": 5, "eval_samples": 8, "arithmetic_size": 10}
+              "max_resample_rounds": 5, "eval_samples": 8, "eval_size": 16, "arithmetic_size": 10,
+              "instruction": "Answer with a number."}
     check_rl_config(cfg)
     cfg.rl[key] = values[key]
-    if key == "arithmetic_size":
+    if key in ("arithmetic_size", "instruction"):
         cfg.rl.domains = "gsm8k"
     with pytest.raises(ValueError, match=f"rl.{key}="):
         check_rl_config(cfg)
