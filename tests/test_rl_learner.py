@@ -38,7 +38,7 @@ def setup():
     """(mesh, rules, graphdef, initial state, shardings, optim cfg) on one device."""
     mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
     cfg = base_config()
-    cfg.optim.lr, cfg.optim.warmup_steps = 3e-2, 0
+    cfg.optim.lr, cfg.optim.warmup_steps = 3e-3, 0
     with use_sharding(mesh, rules):
         tx = make_optimizer(cfg.optim, 100)
         graphdef, state, shardings = create_train_state(lambda: Decoder(model_cfg(), rngs=nnx.Rngs(0)), tx, mesh, rules)
@@ -59,14 +59,16 @@ def make_learner(setup, sampling=SAMPLING, **kw):
 
 
 def rollouts(num_groups, seed=0):
-    """Random groups: prompts of PROMPT_LEN tokens, NEW generated ones, rewards 0/1 (informative)."""
+    """Random groups: prompts of PROMPT_LEN tokens, 2..NEW generated ones, rewards 0/1 (informative)."""
     rng = np.random.default_rng(seed)
     out = []
     for j in range(num_groups):
-        trajs = [Trajectory(f"t{j}", rng.integers(3, 64, PROMPT_LEN + NEW).tolist(),
-                            [False] * PROMPT_LEN + [True] * NEW, PROMPT_LEN) for _ in range(G)]
+        lengths = [NEW] + rng.integers(2, NEW + 1, G - 1).tolist()        # generated tokens per sample
+        trajs = [Trajectory(f"t{j}", rng.integers(3, 64, PROMPT_LEN + m).tolist(),
+                            [False] * PROMPT_LEN + [True] * m, PROMPT_LEN) for m in lengths]
         rewards = [1.0, 0.0] + rng.integers(0, 2, G - 2).astype(float).tolist()
-        out.append(Rollout(Group("arithmetic", None, rewards, trajs), 0, [np.zeros(PROMPT_LEN + NEW, np.float32)] * G))
+        out.append(Rollout(Group("arithmetic", None, rewards, trajs), 0,
+                           [np.zeros(len(t.tokens), np.float32) for t in trajs]))
     return out
 
 
@@ -89,17 +91,17 @@ def update(setup, learner, batch, num_real):
 
 
 def test_ppo_epochs_move_the_ratio_so_the_clip_acts_and_minibatches_set_the_step_count(setup):
-    learner = make_learner(setup, updates_per_batch=3, minibatches=2)
+    learner = make_learner(setup, updates_per_batch=3, minibatches=2, clip_low=0.02, clip_high=0.02)
     state, m = update(setup, learner, learner_batch(setup, learner, PROMPTS), PROMPTS * G)
     assert m["rl/optimizer_steps"] == 6 and int(state.step) == 6
     assert m["rl/ratio_max"] > 1.0 + 1e-3 and m["rl/ratio_min"] < 1.0 - 1e-3
-    assert m["rl/clip_frac_low"] + m["rl/clip_frac_high"] > 0
+    assert m["rl/clip_frac_low"] > 0 and m["rl/clip_frac_high"] > 0
 
 
 def test_sequence_ratios_train_differently_from_token_ratios_once_the_ratio_moves(setup):
     params = {}
     for level in ("token", "sequence"):
-        learner = make_learner(setup, updates_per_batch=2, ratio_level=level, clip_low=0.5, clip_high=0.5)
+        learner = make_learner(setup, updates_per_batch=2, ratio_level=level, clip_low=0.9, clip_high=5.0)
         state, m = update(setup, learner, learner_batch(setup, learner, PROMPTS), PROMPTS * G)
         assert m["rl/optimizer_steps"] == 2 and int(state.step) == 2     # one minibatch: a step per epoch
         params[level] = jax.tree.leaves(state.params)
@@ -152,3 +154,38 @@ def test_truncated_policy_logprobs_keep_the_target_and_have_finite_gradients():
     assert np.all(np.isfinite(np.asarray(lp))) and np.all(np.isfinite(np.asarray(grad)))
     with pytest.raises(ValueError, match="temperature 0"):
         policy_logprobs(logits, targets, dataclasses.replace(params, temperature=0.0))
+
+
+LOSS_SWITCHES = {"aggregation": "seq-mean-token-mean", "entropy_coef": 0.1, "is_cap": 1.01, "kl_coef": 0.1,
+                 "temperature": 0.7, "top_k": 8, "top_p": 0.8}
+
+
+def test_every_loss_switch_changes_the_gradient(setup):
+    """Each rl.* key the learner's loss reads changes the gradient on the same batch (one compile)."""
+    from posttrain.rl.learner import rl_loss
+    mesh, rules, graphdef, state, *_ = setup
+    learner = make_learner(setup)
+    batch = learner_batch(setup, learner, PROMPTS)
+    batch["behav_logp"] = batch["behav_logp"] + np.random.default_rng(0).normal(0, 0.3, batch["behav_logp"].shape)
+    ref = (jax.tree.map(lambda x: x * 1.1, state.params), state.rest)
+
+    def grads(params, rest, batch, ref):
+        out = {}
+        for name, value in [("base", None), *LOSS_SWITCHES.items()]:
+            r, sampling = rl_cfg(), SAMPLING
+            if name in ("temperature", "top_k", "top_p"):
+                sampling = dataclasses.replace(SAMPLING, **{name: value})
+            elif name is not None and name != "base":
+                r[name] = value
+            extra = ref if name == "kl_coef" else ()
+            loss = lambda p: rl_loss(nnx.merge(graphdef, p, rest), batch, *extra, graphdef=graphdef, rl_cfg=r,
+                                     moe_cfg=model_cfg().moe, sampling=sampling)[0]
+            out[name] = jax.grad(loss)(params)
+        return out
+
+    with use_sharding(mesh, rules):
+        out = jax.device_get(jax.jit(grads)(state.params, state.rest, put_batch(batch), ref))
+    base = jax.tree.leaves(out.pop("base"))
+    for name, g in out.items():
+        diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(jax.tree.leaves(g), base))
+        assert diff > 1e-7, f"rl.{name}={LOSS_SWITCHES[name]!r} did not change the gradient"
