@@ -3,6 +3,9 @@ overlapped, and the learner batch's alignment of tokens, masks and behaviour log
 
 import json
 import shutil
+import threading
+import time
+import traceback
 
 import ml_collections
 import numpy as np
@@ -11,6 +14,7 @@ import pytest
 from posttrain.config import base_config
 from posttrain.rl import loop
 from posttrain.rl.buffer import Rollout
+from posttrain.rl.envs import SingleTurnEnv
 from posttrain.rl.envs.base import Trajectory
 from posttrain.rl.scheduler import Group
 
@@ -29,7 +33,7 @@ def tiny(workdir, **rl):
     cfg.train.steps, cfg.train.log_every, cfg.train.progress = 3, 1, False
     cfg.checkpoint.every = 0
     r = cfg.rl
-    r.prompts_per_step, r.group_size, r.max_new_tokens, r.eval_size, r.eval_every = 2, 4, 12, 4, 0
+    r.prompts_per_step, r.group_size, r.max_new_tokens, r.eval_every = 2, 4, 12, 0
     r.arithmetic_size, r.verifier_workers = 50, 2
     r.update(rl)
     return cfg
@@ -51,10 +55,55 @@ def test_on_policy_runs_repeat_exactly_and_async_respects_staleness(tmp_path):
     assert ra[0]["rl/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)       # sampler and learner agree
     assert a.eval == b.eval
 
-    loop.run(tiny(tmp_path / "c", max_staleness=1))
+    overlapped = tiny(tmp_path / "c", max_staleness=1, steps=6)
+    overlapped.checkpoint.every = 4
+    loop.run(overlapped)
     rc = rows(tmp_path / "c")
-    assert [r["step"] for r in rc] == [0, 1, 2]
+    assert [r["step"] for r in rc] == list(range(6))
     assert all(r["rl/staleness_max"] <= 1 for r in rc)
+
+    # Resume of an overlapped run from a checkpoint taken while the producer ran ahead: it used to
+    # restore the producer's counter (ahead of the learner), and producer and learner then waited
+    # on each other forever.
+    shutil.rmtree(tmp_path / "c" / "checkpoints" / "6")
+    _, error = run_with_deadline(overlapped, 300)
+    assert error is None, error
+    assert [r["step"] for r in rows(tmp_path / "c")] == list(range(6))
+    assert (tmp_path / "c" / "checkpoints" / "6").is_dir()
+
+
+def run_with_deadline(cfg, seconds):
+    """loop.run(cfg) on a thread: (seconds taken, the exception it raised or None); fails on a hang."""
+    out = {}
+
+    def target():
+        try:
+            loop.run(cfg)
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+    t0 = time.perf_counter()
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"loop.run still running after {seconds} s (hung)"
+    return time.perf_counter() - t0, out.get("error")
+
+
+class VerifierCrashed(Exception):
+    pass
+
+
+def test_a_verifier_exception_ends_an_overlapped_run_with_that_exception(tmp_path, monkeypatch):
+    raised = []
+
+    def crash(self, action):
+        raised.append(time.perf_counter())
+        raise VerifierCrashed("the verifier crashed")
+    monkeypatch.setattr(SingleTurnEnv, "step", crash)
+    _, error = run_with_deadline(tiny(tmp_path, max_staleness=1), 300)
+    assert isinstance(error, VerifierCrashed), error
+    assert "in crash" in "".join(traceback.format_tb(error.__traceback__))
+    assert time.perf_counter() - raised[0] < 30
 
 
 def test_rl_batch_aligns_targets_masks_and_behaviour_logprobs():

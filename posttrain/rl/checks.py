@@ -23,6 +23,9 @@ INERT_UNLESS = {
     "kl_estimator": (lambda r: r.kl_coef > 0, "no KL term without rl.kl_coef > 0"),
     "max_resample_rounds": (lambda r: r.filter_groups, "resampling needs rl.filter_groups=True"),
     "eval_samples": (lambda r: r.eval_every > 0, "no evaluation without rl.eval_every > 0"),
+    "eval_size": (lambda r: r.eval_every > 0, "no evaluation without rl.eval_every > 0"),
+    "instruction": (lambda r: "arithmetic" in parse_weights(r.domains), "only the arithmetic domain's prompts "
+                    "take rl.instruction, and rl.domains has no arithmetic"),
     "arithmetic_size": (lambda r: "arithmetic" in parse_weights(r.domains), "rl.domains has no arithmetic"),
     **{k: (lambda r: r.advantage == "gae", "only the critic (rl.advantage='gae') uses it")
        for k in ("critic", "gamma", "lam", "value_coef", "value_clip")},

@@ -1,0 +1,191 @@
+"""The RL learner on a tiny dense model: PPO epochs and minibatches make the ratio move (clipping
+and GSPO act), batches of different group counts share one compiled step, and the learner's
+log-probs are those of the distribution the sampler drew from (temperature, top-k, top-p)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain.config import base_config
+from posttrain.models.decoder import Decoder
+from posttrain.models.logprobs import token_logprobs
+from posttrain.parallel import make_mesh, parse_rules, use_sharding
+from posttrain.rl.buffer import Rollout
+from posttrain.rl.envs.base import Trajectory
+from posttrain.rl.learner import Learner, batch_rows, compute_advantages, learner_logprobs, rl_batch
+from posttrain.rl.scheduler import Group
+from posttrain.sampling.generate import generate
+from posttrain.sampling.rules import SamplingParams, policy_logprobs
+from posttrain.train.loop import put_batch
+from posttrain.train.optim import lr_schedule, make_optimizer
+from posttrain.train.state import create_train_state
+
+PROMPTS, G, PROMPT_LEN, NEW = 4, 4, 4, 6
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=NEW, num_samples=G)
+
+
+def model_cfg():
+    m = base_config().model
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 64, 32, 1, 2, 1, 16, 64
+    return m
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """(mesh, rules, graphdef, initial state, shardings, optim cfg) on one device."""
+    mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
+    cfg = base_config()
+    cfg.optim.lr, cfg.optim.warmup_steps = 3e-3, 0
+    with use_sharding(mesh, rules):
+        tx = make_optimizer(cfg.optim, 100)
+        graphdef, state, shardings = create_train_state(lambda: Decoder(model_cfg(), rngs=nnx.Rngs(0)), tx, mesh, rules)
+    return mesh, rules, graphdef, state, shardings, cfg.optim, tx
+
+
+def rl_cfg(**kw):
+    r = base_config().rl
+    r.prompts_per_step, r.group_size = PROMPTS, G
+    r.update(kw)
+    return r
+
+
+def make_learner(setup, sampling=SAMPLING, **kw):
+    mesh, rules, graphdef, state, shardings, optim, tx = setup
+    return Learner(graphdef, tx, lr_schedule(optim, 100), shardings, rl_cfg=rl_cfg(**kw), moe_cfg=model_cfg().moe,
+                   lora_cfg=None, sampling=sampling, donate=False, seed=0)
+
+
+def rollouts(num_groups, seed=0):
+    """Random groups: prompts of PROMPT_LEN tokens, 2..NEW generated ones, rewards 0/1 (informative)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for j in range(num_groups):
+        lengths = [NEW] + rng.integers(2, NEW + 1, G - 1).tolist()        # generated tokens per sample
+        trajs = [Trajectory(f"t{j}", rng.integers(3, 64, PROMPT_LEN + m).tolist(),
+                            [False] * PROMPT_LEN + [True] * m, PROMPT_LEN) for m in lengths]
+        rewards = [1.0, 0.0] + rng.integers(0, 2, G - 2).astype(float).tolist()
+        out.append(Rollout(Group("arithmetic", None, rewards, trajs), 0,
+                           [np.zeros(len(t.tokens), np.float32) for t in trajs]))
+    return out
+
+
+def learner_batch(setup, learner, num_groups, seed=0):
+    """A host batch whose behaviour log-probs are the starting policy's (on-policy)."""
+    mesh, rules, graphdef, state, *_ = setup
+    r = learner.rl_cfg
+    batch = rl_batch(rollouts(num_groups, seed), pad_id=0, num_rows=batch_rows(num_groups, r, r.minibatches))
+    batch["advantages"] = compute_advantages(batch, r)
+    batch.pop("rewards")
+    with use_sharding(mesh, rules):
+        batch["behav_logp"] = np.asarray(learner.old_logprobs_fn(state.params, state.rest, put_batch(batch)))
+    return batch
+
+
+def update(setup, learner, batch, num_real):
+    mesh, rules, graphdef, state, *_ = setup
+    with use_sharding(mesh, rules):
+        return learner.update(state, batch, (), 0, num_real)
+
+
+def test_ppo_epochs_move_the_ratio_so_the_clip_acts_and_minibatches_set_the_step_count(setup):
+    learner = make_learner(setup, updates_per_batch=3, minibatches=2, clip_low=0.02, clip_high=0.02)
+    state, m = update(setup, learner, learner_batch(setup, learner, PROMPTS), PROMPTS * G)
+    assert m["rl/optimizer_steps"] == 6 and int(state.step) == 6
+    assert m["rl/ratio_max"] > 1.0 + 1e-3 and m["rl/ratio_min"] < 1.0 - 1e-3
+    assert m["rl/clip_frac_low"] > 0 and m["rl/clip_frac_high"] > 0
+
+
+def test_sequence_ratios_train_differently_from_token_ratios_once_the_ratio_moves(setup):
+    params = {}
+    for level in ("token", "sequence"):
+        learner = make_learner(setup, updates_per_batch=2, ratio_level=level, clip_low=0.9, clip_high=5.0)
+        state, m = update(setup, learner, learner_batch(setup, learner, PROMPTS), PROMPTS * G)
+        assert m["rl/optimizer_steps"] == 2 and int(state.step) == 2     # one minibatch: a step per epoch
+        params[level] = jax.tree.leaves(state.params)
+    diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(params["token"], params["sequence"]))
+    assert diff > 1e-6, "GSPO and token-level ratios gave the same update"
+
+
+def test_batches_with_fewer_groups_are_padded_to_a_bucket_and_reuse_the_compiled_step(setup):
+    learner = make_learner(setup)
+    assert batch_rows(3, learner.rl_cfg) == batch_rows(4, learner.rl_cfg) == PROMPTS * G
+    assert batch_rows(1, learner.rl_cfg) == G and batch_rows(2, rl_cfg(minibatches=8), 8) == 8
+    full = learner_batch(setup, learner, PROMPTS)
+    update(setup, learner, full, PROMPTS * G)
+    padded = learner_batch(setup, learner, 3, seed=1)
+    assert padded["loss_mask"][3 * G:].sum() == 0 and np.all(padded["advantages"][3 * G:] == 0)
+    _, m = update(setup, learner, padded, 3 * G)
+    assert learner.step_fn._cache_size() == 1
+    assert np.isfinite(m["loss"])
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.7, top_k=8, max_new_tokens=NEW, num_samples=2),
+                                      SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=NEW, num_samples=2)],
+                         ids=["T0.7-top_k", "T1.3-top_p"])
+def test_learner_logprobs_equal_the_samplers_behaviour_logprobs(setup, sampling):
+    mesh, rules, graphdef, state, *_ = setup
+    prompts = np.random.default_rng(0).integers(3, 64, (2, PROMPT_LEN))
+    with use_sharding(mesh, rules):
+        samples = generate(graphdef, state.params, state.rest, prompts, sampling, jax.random.key(1), pad_id=0)
+    rows = []
+    for i in range(len(samples.tokens)):
+        toks = prompts[i // 2].tolist() + samples.completion(i)
+        rows.append(Trajectory("t", toks, [False] * PROMPT_LEN + [True] * samples.lengths[i], PROMPT_LEN))
+    behav = [np.r_[np.zeros(PROMPT_LEN), samples.sampling_logprobs[i, :samples.lengths[i]]].astype(np.float32)
+             for i in range(len(rows))]
+    batch = rl_batch([Rollout(Group("a", None, [0.0] * len(rows), rows), 0, behav)], pad_id=0)
+    model = nnx.merge(graphdef, state.params, state.rest)
+    logp, _, _ = learner_logprobs(model, batch, sampling, update_bias=False)
+    mask = batch["loss_mask"].astype(bool)
+    np.testing.assert_allclose(np.asarray(logp)[mask], batch["behav_logp"][mask], atol=1e-5)
+    # the untempered policy is not what was sampled: the test would see a learner that ignores T
+    logits, _ = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+    assert np.abs(np.asarray(token_logprobs(logits, batch["targets"]))[mask] - batch["behav_logp"][mask]).max() > 1e-3
+
+
+def test_truncated_policy_logprobs_keep_the_target_and_have_finite_gradients():
+    logits = jax.random.normal(jax.random.key(0), (2, 3, 16))
+    targets = jax.numpy.argsort(logits, axis=-1)[..., 0]          # the least likely token: outside top-k
+    params = SamplingParams(temperature=0.5, top_k=4)
+    lp, grad = jax.value_and_grad(lambda x: policy_logprobs(x, targets, params).sum())(logits)
+    assert np.all(np.isfinite(np.asarray(lp))) and np.all(np.isfinite(np.asarray(grad)))
+    with pytest.raises(ValueError, match="temperature 0"):
+        policy_logprobs(logits, targets, dataclasses.replace(params, temperature=0.0))
+
+
+LOSS_SWITCHES = {"aggregation": "seq-mean-token-mean", "entropy_coef": 0.1, "is_cap": 1.01, "kl_coef": 0.1,
+                 "temperature": 0.7, "top_k": 8, "top_p": 0.8}
+
+
+def test_every_loss_switch_changes_the_gradient(setup):
+    """Each rl.* key the learner's loss reads changes the gradient on the same batch (one compile)."""
+    from posttrain.rl.learner import rl_loss
+    mesh, rules, graphdef, state, *_ = setup
+    learner = make_learner(setup)
+    batch = learner_batch(setup, learner, PROMPTS)
+    batch["behav_logp"] = batch["behav_logp"] + np.random.default_rng(0).normal(0, 0.3, batch["behav_logp"].shape)
+    ref = (jax.tree.map(lambda x: x * 1.1, state.params), state.rest)
+
+    def grads(params, rest, batch, ref):
+        out = {}
+        for name, value in [("base", None), *LOSS_SWITCHES.items()]:
+            r, sampling = rl_cfg(), SAMPLING
+            if name in ("temperature", "top_k", "top_p"):
+                sampling = dataclasses.replace(SAMPLING, **{name: value})
+            elif name is not None and name != "base":
+                r[name] = value
+            extra = ref if name == "kl_coef" else ()
+            loss = lambda p: rl_loss(nnx.merge(graphdef, p, rest), batch, *extra, graphdef=graphdef, rl_cfg=r,
+                                     moe_cfg=model_cfg().moe, sampling=sampling)[0]
+            out[name] = jax.grad(loss)(params)
+        return out
+
+    with use_sharding(mesh, rules):
+        out = jax.device_get(jax.jit(grads)(state.params, state.rest, put_batch(batch), ref))
+    base = jax.tree.leaves(out.pop("base"))
+    for name, g in out.items():
+        diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(jax.tree.leaves(g), base))
+        assert diff > 1e-7, f"rl.{name}={LOSS_SWITCHES[name]!r} did not change the gradient"

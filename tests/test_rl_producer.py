@@ -1,0 +1,165 @@
+"""The rollout side of the RL loop without a model: the overlapped producer's error path and its
+scheduler snapshots, dynamic sampling's bookkeeping, the verifier-error metric, and the start-up
+checks of the rl.* keys."""
+
+import concurrent.futures
+import time
+import traceback
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+
+from posttrain.config import base_config
+from posttrain.parallel import make_mesh, parse_rules
+from posttrain.rl import loop
+from posttrain.rl.checks import INERT_UNLESS, check_rl_config
+from posttrain.rl.domains import Domain
+from posttrain.rl.envs import Task
+from posttrain.rl.envs.base import Trajectory
+from posttrain.rl.producer import AsyncProducer
+from posttrain.rl.rollout import RolloutBatch, RolloutWorker, collect_batch
+from posttrain.rl.scheduler import Group, TaskScheduler
+from posttrain.rl.verifiers import MathTask
+
+TRAJ = Trajectory("t", [1, 2, 3], [False, True, True], 1)
+LP = np.zeros(3, np.float32)
+
+
+class VerifierCrashed(Exception):
+    pass
+
+
+class FakeWorker:
+    """generate → the tasks; verify → groups of 2 samples with rewards (1, 0), or all equal."""
+
+    def __init__(self, fail_at: int | None = None, informative: bool = True):
+        self.fail_at, self.informative, self.verified = fail_at, informative, 0
+
+    def generate(self, params, rest, tasks, key, **kw):
+        return tasks
+
+    def verify(self, tasks):
+        if self.verified == self.fail_at:
+            raise VerifierCrashed(f"verifier crashed on batch {self.verified}")
+        self.verified += 1
+        rewards = [1.0, 0.0] if self.informative else [0.0, 0.0]
+        return RolloutBatch([Group(d, t, rewards, [TRAJ, TRAJ]) for d, t in tasks], [[LP, LP]] * len(tasks),
+                            {"verifier_errors": 0})
+
+    def rollout(self, params, rest, tasks, key, **kw):
+        return self.verify(self.generate(params, rest, tasks, key))
+
+
+def scheduler():
+    tasks = [Task(f"a{i}", ({"role": "user", "content": str(i)},), MathTask(str(i))) for i in range(10)]
+    return TaskScheduler({"a": Domain("a", tasks, make_env=lambda: None)}, seed=0)
+
+
+def producer(worker, sched, max_staleness=1):
+    mesh = make_mesh(dict(data=1), devices=jax.devices()[:1])
+    return AsyncProducer(worker, sched, num_groups=2, max_staleness=max_staleness, base_key=jax.random.key(0),
+                         start=0, weights=(None, None), mesh=mesh, rules=parse_rules({}), poll_s=0.05).start()
+
+
+def test_a_verifier_exception_reaches_the_learner_with_its_traceback():
+    p = producer(FakeWorker(fail_at=1), scheduler())
+    try:
+        rollouts, _ = p.take(0)
+        assert len(rollouts) == 2
+        p.publish(1, (None, None))
+        t0 = time.perf_counter()
+        with pytest.raises(VerifierCrashed, match="batch 1") as err:
+            p.take(1)
+        assert time.perf_counter() - t0 < 5
+        assert "in verify" in "".join(traceback.format_tb(err.value.__traceback__))
+    finally:
+        p.close(timeout=10)
+    assert not p._thread.is_alive()
+
+
+def test_the_checkpointed_scheduler_state_is_that_of_the_last_trained_batch():
+    sched = scheduler()
+    p = producer(FakeWorker(), sched, max_staleness=2)
+    try:
+        deadline = time.time() + 10
+        while sched.batches_drawn < 3 and time.time() < deadline:       # the producer ran ahead
+            time.sleep(0.01)
+        assert sched.batches_drawn == 3
+        for step in range(2):
+            _, batch = p.take(step)
+            state = batch.scheduler_state
+            assert state["batches"] == step + 1
+            assert state["counters"]["a"]["groups"] == 2 * (step + 1)
+            assert sum(a for a, _ in state["stats"]["a"].values()) == 4 * (step + 1)
+            p.publish(step + 1, (None, None))
+    finally:
+        p.close(timeout=10)
+
+
+def test_dynamic_sampling_records_each_group_once_and_an_empty_batch_skips_the_update():
+    sched = scheduler()
+    batch = collect_batch(FakeWorker(informative=False), sched, None, None, jax.random.key(0), num_groups=2,
+                          filter_groups=True, max_rounds=3)
+    assert batch.groups == [] and batch.info["kept_groups"] == 0
+    assert sched.metrics()["tasks/a/groups"] == 6 and sched.metrics()["tasks/a/samples"] == 12   # 3 rounds × 2
+    assert batch.scheduler_state["counters"]["a"]["groups"] == 6
+    kept = collect_batch(FakeWorker(), scheduler(), None, None, jax.random.key(0), num_groups=2,
+                         filter_groups=False, max_rounds=1)
+    assert kept.task_metrics["tasks/a/groups"] == 2
+
+    c = SimpleNamespace(cfg=base_config())
+    rl = loop.RLState(train=None, step=3)
+    rl, metrics = loop.learn_step(c, rl, [])
+    assert rl.skipped_updates == 1 and metrics == {"rl/skipped_updates": 1}
+
+
+def test_rewards_with_an_error_are_counted_as_verifier_errors():
+    class Env:
+        def __init__(self, error):
+            self.error = error
+
+        def step(self, action):
+            return SimpleNamespace(reward=SimpleNamespace(score=0.0, error=self.error))
+
+        def trajectory(self):
+            return TRAJ
+
+    samples = SimpleNamespace(completion=lambda i: [2, 3], sampling_logprobs=np.zeros((4, 2), np.float32),
+                              lengths=np.full(4, 2), stop_reason=np.zeros(4, np.int32))
+    pending = SimpleNamespace(envs=[[Env(None), Env("timeout")], [Env("SympifyError"), Env(None)]],
+                              samples=samples, tasks=[("a", SimpleNamespace(id="a0"))] * 2, gen_s=0.0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        worker = RolloutWorker(None, {}, None, 0, pool)
+        assert worker.verify(pending).info["verifier_errors"] == 2
+
+
+@pytest.mark.parametrize("key", sorted(INERT_UNLESS))
+def test_an_rl_key_that_cannot_take_effect_is_an_error(key):
+    cfg = base_config()
+    cfg.rl.eval_every = 0
+    values = {"clip_low": 0.1, "clip_high": 0.5, "ratio_level": "sequence", "kl_estimator": "k1",
+              "max_resample_rounds": 5, "eval_samples": 8, "eval_size": 16, "arithmetic_size": 10,
+              "instruction": "Answer with a number."}
+    check_rl_config(cfg)
+    cfg.rl[key] = values[key]
+    if key in ("arithmetic_size", "instruction"):
+        cfg.rl.domains = "gsm8k"
+    with pytest.raises(ValueError, match=f"rl.{key}="):
+        check_rl_config(cfg)
+
+
+def test_rl_config_errors_name_the_key():
+    cfg = base_config()
+    cfg.rl.prompts_per_step, cfg.rl.group_size, cfg.rl.minibatches = 3, 4, 5
+    with pytest.raises(ValueError, match="rl.minibatches=5 must divide .* 12"):
+        check_rl_config(cfg)
+    cfg.rl.minibatches, cfg.rl.temperature = 4, 0.0
+    with pytest.raises(ValueError, match="rl.temperature=0.0"):
+        check_rl_config(cfg)
+    cfg.rl.temperature, cfg.rl.updates_per_batch = 1.0, 2
+    check_rl_config(cfg)
+    cfg.rl.updates_per_batch = 0
+    with pytest.raises(ValueError, match="rl.updates_per_batch=0"):
+        check_rl_config(cfg)
