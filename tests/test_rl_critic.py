@@ -239,3 +239,46 @@ def test_pipeline_resolves_the_reward_model_stage_and_keeps_the_policy_chain(tmp
     cfg.pipeline.stages = ("sft", "rlvr")
     with pytest.raises(ValueError, match=r"rl.reward_model='@reward_model': no stage 'reward_model'"):
         pipeline.run(cfg)
+
+
+def test_rl_loss_with_gae_adds_the_weighted_value_loss_and_trains_the_head():
+    """value_coef weighs the critic's loss in the learner's loss; value_clip changes its gradient."""
+    from flax import nnx
+
+    from posttrain.config import base_config
+    from posttrain.rl.critic import ValueDecoder
+    from posttrain.rl.learner import rl_loss
+    from posttrain.sampling.rules import SamplingParams
+
+    cfg = base_config()
+    m = cfg.model
+    m.num_layers, m.embed_dim, m.mlp_dim = 1, 32, 64
+    graphdef, params, rest = nnx.split(ValueDecoder(m, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    rng = np.random.default_rng(6)
+    tokens = rng.integers(3, 256, size=(4, 8))
+    mask = np.zeros((4, 8), np.int32)
+    mask[:, 3:] = 1
+    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1), "loss_mask": mask,
+             "positions": np.broadcast_to(np.arange(8), (4, 8)), "segment_ids": np.ones((4, 8), np.int32),
+             "behav_logp": np.zeros((4, 8), np.float32), "advantages": rng.normal(size=(4, 8)).astype(np.float32),
+             "returns": rng.normal(size=(4, 8)).astype(np.float32),
+             "old_values": rng.normal(scale=2.0, size=(4, 8)).astype(np.float32)}
+    batch = jax.tree.map(jnp.asarray, batch)
+    sampling = SamplingParams(temperature=1.0)
+
+    def loss_and_head_grad(p, **kw):
+        r = base_config().rl
+        r.advantage, r.is_cap = "gae", 1e6
+        r.update(kw)
+        f = lambda p: rl_loss(nnx.merge(graphdef, p, rest), batch, graphdef=graphdef, rl_cfg=r, moe_cfg=m.moe,
+                              sampling=sampling)
+        (loss, metrics), grads = jax.value_and_grad(f, has_aux=True)(p)
+        return loss, metrics, grads["value_head"][...]
+
+    variants = {"off": dict(value_coef=0.0), "on": dict(value_coef=0.5), "unclipped": dict(value_coef=0.5, value_clip=0.0)}
+    out = jax.device_get(jax.jit(lambda p: {k: loss_and_head_grad(p, **kw) for k, kw in variants.items()})(params))
+    (loss0, _, head0), (loss1, metrics1, head1), (_, _, head_unclipped) = out["off"], out["on"], out["unclipped"]
+    assert np.abs(head0).max() == 0 and np.abs(head1).max() > 0
+    np.testing.assert_allclose(loss1 - loss0, 0.5 * float(metrics1["rl/value_loss"]), rtol=1e-4)
+    assert float(metrics1["rl/value_clip_frac"]) > 0
+    assert np.abs(head_unclipped - head1).max() > 1e-6

@@ -188,6 +188,7 @@ class Learner:
                 out["ref_logp"] = learner_logprobs(nnx.merge(graphdef, *ref), batch, sampling, update_bias=False)[0]
             return out
         self.rollout_pass_fn = jax.jit(rollout_pass)
+        self.old_logprobs_fn = jax.jit(lambda params, rest, batch: rollout_pass(params, rest, batch)["rollout_logp"])
 
     @property
     def steps_per_batch(self) -> int:
@@ -200,7 +201,10 @@ class Learner:
         `rollout_logp` with `ref_logp` (rl.kl_in_reward: the KL paid as reward)."""
         r = self.rl_cfg
         kl_reward = bool(r.kl_in_reward and r.kl_coef)
-        if self.steps_per_batch == 1 and r.advantage != "gae" and not kl_reward:
+        needed = {"old_logp"} if self.steps_per_batch > 1 else set()
+        needed |= {"old_values"} if r.advantage == "gae" else set()
+        needed |= {"rollout_logp", "ref_logp"} if kl_reward else set()
+        if needed <= batch.keys():
             return batch
         rows = {k: batch[k] for k in ROW_KEYS}
         out = jax.device_get(self.rollout_pass_fn(model_params(state, self.lora_cfg), state.rest, put_batch(rows),
@@ -216,7 +220,7 @@ class Learner:
         """Train on one host batch (`prepare`d, with `advantage_targets`); returns (state, metrics
         on the host). `ref` is passed to the loss (a KL loss term) unless rl.kl_in_reward."""
         r = self.rl_cfg
-        batch = {k: v for k, v in batch.items() if k != "rollout_logp"}
+        batch = {k: v for k, v in self.prepare(state, batch, ref).items() if k != "rollout_logp"}
         ref = () if r.kl_in_reward else ref
         rng = np.random.default_rng([self.seed, step])
         all_metrics = []
