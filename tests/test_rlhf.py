@@ -26,16 +26,16 @@ def tiny_rlhf(workdir, data_dir, **rl):
     cfg.sft.steps, cfg.sft.lr, cfg.reward_model.steps, cfg.reward_model.lr = 40, 3e-3, 30, 3e-3
     cfg.train.batch_size, cfg.train.progress = 8, False
     r = cfg.rl
-    r.steps, r.lr, r.eval_every, r.arithmetic_size = 20, 3e-3, 0, 100
+    r.steps, r.lr, r.eval_every, r.eval_size, r.arithmetic_size = 20, 3e-3, 20, 16, 100
     r.prompts_per_step, r.group_size, r.max_new_tokens = 8, 4, 16
     r.update(rl)
     cfg.checkpoint.every = 5
     return cfg
 
 
-def rl_rows(workdir):
+def rl_rows(workdir, key="rl/rm_score_mean"):
     lines = (workdir / "2_rlvr" / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "rl/rm_score_mean" in r]
+    return [r for r in map(json.loads, lines) if key in r]
 
 
 @pytest.mark.slow
@@ -48,6 +48,9 @@ def test_rlhf_pipeline_raises_the_learned_reward_and_resumes(tmp_path):
     score = np.array([r["rl/rm_score_mean"] for r in rows])
     print("rm score per step:", np.round(score, 3))
     assert score[-5:].mean() > score[:5].mean() + 0.1       # seen: 0.04 → 0.32
+    start, end = (r["eval/rm_score"] for r in rl_rows(tmp_path / "run", "eval/rm_score"))   # held-out prompts
+    print("held-out rm score:", start, end)
+    assert end > start
     for r in rows:   # the critic trains, the KL is paid as reward, the reward is the learned one only
         assert np.isfinite(r["rl/value_loss"]) and r["rl/value_loss"] > 0
         assert r["rl/rm_running_std"] > 0

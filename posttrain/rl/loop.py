@@ -125,8 +125,9 @@ def publish_step(c: Components, rl: RLState) -> None:
 
 def run_eval(c: Components, rl: RLState, writer: MetricsWriter, step: int) -> RLState:
     """Held-out evaluation with the current weights, written at `step`."""
+    scorer = c.rewards.scorer
     last_eval = evaluate(c.worker, *c.weights(rl), c.held_out, jax.random.fold_in(c.base_key, 2**31 - 1),
-                         c.cfg.rl.eval_samples)
+                         c.cfg.rl.eval_samples, score_fn=scorer.score if scorer is not None else None)
     writer.write(step, last_eval)
     logging.info("rlvr step %d: %s", step, {k: round(v, 4) for k, v in last_eval.items()})
     return dataclasses.replace(rl, last_eval=last_eval)
