@@ -48,7 +48,8 @@ def check_rl_config(cfg) -> None:
         check_critic(r, cfg.lora)
         if not (0 <= r.gamma <= 1 and 0 <= r.lam <= 1) or r.value_coef < 0 or r.value_clip < 0:
             raise ValueError(f"rl.gamma={r.gamma}, rl.lam={r.lam}, rl.value_coef={r.value_coef}, "
-                             f"rl.value_clip={r.value_clip}: expected gamma, lam in [0, 1], value_coef, value_clip >= 0")
+                             f"rl.value_clip={r.value_clip}: expected gamma, lam in [0, 1] and value_coef, "
+                             "value_clip >= 0")
     elif r.group_size < 2:
         raise ValueError(f"rl.group_size={r.group_size}: a group-relative baseline needs at least 2 samples")
     for key in ("updates_per_batch", "minibatches", "prompts_per_step"):

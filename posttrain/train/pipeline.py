@@ -25,9 +25,10 @@ def _rlvr(cfg):
 
 
 RUNNERS = {"sft": stage_lib.sft, "reward_model": stage_lib.reward_model, "dpo": stage_lib.dpo, "rlvr": _rlvr}
-SECTION = {"rlvr": "rl"}
-SCORERS = ("reward_model",)       # stages whose result scores a policy rather than being one: later
-                                  # stages start from the policy before them (RLHF: [sft, reward_model, rlvr])          # the config section of a stage, where it differs from its name
+SECTION = {"rlvr": "rl"}          # the config section of a stage, where it differs from its name
+# Stages whose result scores a policy rather than being one: later stages start from the policy
+# before them (RLHF: [sft, reward_model, rlvr]).
+SCORERS = ("reward_model",)
 _OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 _GATE = re.compile(r"^\s*([\w/.\-]+)\s*(<=|>=|<|>)\s*([-+0-9.eE]+)\s*$")
 
