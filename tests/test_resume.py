@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from posttrain.models.decoder import Decoder
@@ -90,3 +91,37 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path):
     assert w.sharding.mesh.shape == mesh.shape and w.sharding.spec == jax.sharding.PartitionSpec(None, "expert", "fsdp", "tensor")
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def rl_command(workdir: Path) -> list[str]:
+    """An overlapped (max_staleness=1) RLVR run on the tiny config, small enough for a test."""
+    return [sys.executable, "-m", "posttrain.main", "--config", str(ROOT / "configs/rlvr_tiny.py"),
+            f"--config.workdir={workdir}", "--config.init_from=", "--config.rl.steps=12", "--config.checkpoint.every=4",
+            "--config.rl.max_staleness=1", "--config.rl.prompts_per_step=2", "--config.rl.group_size=4",
+            "--config.rl.max_new_tokens=12", "--config.rl.eval_every=0", "--config.rl.eval_size=128",
+            "--config.rl.gate=", "--config.train.progress=False"]
+
+
+@pytest.mark.slow
+def test_sigkill_an_overlapped_rl_run_then_resume_finishes(tmp_path):
+    """An overlapped run killed after a checkpoint resumes and finishes (the producer's position
+    used to be restored ahead of the learner's, and both then waited on each other forever)."""
+    workdir = tmp_path / "rl"
+    proc = subprocess.Popen(rl_command(workdir), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        path = workdir / "metrics.jsonl"
+        committed = (workdir / "checkpoints").is_dir() and any(
+            p.name.isdigit() for p in (workdir / "checkpoints").iterdir())
+        if committed and path.exists() and any(
+                json.loads(l)["step"] >= 6 for l in path.read_text().splitlines() if l.strip()):
+            break
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert max(r["step"] for r in metrics(workdir)) < 11, "run finished before the kill"
+    resumed = subprocess.run(rl_command(workdir), capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "restored checkpoint" in resumed.stderr
+    assert [r["step"] for r in metrics(workdir)] == list(range(12))

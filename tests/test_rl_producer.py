@@ -115,7 +115,7 @@ def test_dynamic_sampling_records_each_group_once_and_an_empty_batch_skips_the_u
     assert rl.skipped_updates == 1 and metrics == {"rl/skipped_updates": 1}
 
 
-def test_rewards_with_an_error_are_counted_as_verifier_errors():
+def test_rewards_with_an_error_are_counted_as_verifier_errors_and_behaviour_logprobs_are_the_sampled_ones():
     class Env:
         def __init__(self, error):
             self.error = error
@@ -126,13 +126,17 @@ def test_rewards_with_an_error_are_counted_as_verifier_errors():
         def trajectory(self):
             return TRAJ
 
-    samples = SimpleNamespace(completion=lambda i: [2, 3], sampling_logprobs=np.zeros((4, 2), np.float32),
+    samples = SimpleNamespace(completion=lambda i: [2, 3], logprobs=np.full((4, 2), -9.0, np.float32),
+                              sampling_logprobs=np.arange(8, dtype=np.float32).reshape(4, 2) / -10,
                               lengths=np.full(4, 2), stop_reason=np.zeros(4, np.int32))
     pending = SimpleNamespace(envs=[[Env(None), Env("timeout")], [Env("SympifyError"), Env(None)]],
                               samples=samples, tasks=[("a", SimpleNamespace(id="a0"))] * 2, gen_s=0.0)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         worker = RolloutWorker(None, {}, None, 0, pool)
-        assert worker.verify(pending).info["verifier_errors"] == 2
+        batch = worker.verify(pending)
+    assert batch.info["verifier_errors"] == 2
+    # the behaviour log-probs are those of the distribution sampled, placed at the generated tokens
+    np.testing.assert_allclose(batch.behav[1][1], [0.0, -0.6, -0.7])
 
 
 @pytest.mark.parametrize("key", sorted(INERT_UNLESS))

@@ -27,8 +27,9 @@ class Samples:
     """Completions on the host, one row per sample; a prompt's `num_samples` rows are contiguous.
 
     tokens [N, M] (pad after `lengths`, the stop token included), logprobs [N, M] (the policy's
-    log-probs before temperature/top-k/top-p, as the learner computes them; 0 after the end),
-    sampling_logprobs [N, M] (under the distribution sampled from), lengths [N], stop_reason [N]
+    log-probs before temperature/top-k/top-p; 0 after the end), sampling_logprobs [N, M] (under
+    the distribution sampled from: the behaviour log-probs an RL learner compares with its own,
+    `rules.policy_logprobs`), lengths [N], stop_reason [N]
     (index into `STOP_REASONS`), prompt_index [N] (the prompt, or request, of each sample).
     """
     tokens: np.ndarray
