@@ -139,3 +139,15 @@ def test_resume_continues_exactly(tmp_path):
     for x, y in zip(before, after):
         for k in ("loss", "rl/reward_mean", "rl/adv_max", "rl/entropy", "rl/kl", "tasks/arithmetic/samples"):
             np.testing.assert_allclose(y[k], x[k], rtol=1e-5, err_msg=f"step {x['step']} {k}")
+
+
+def test_dynamic_sampling_without_an_informative_group_skips_the_update(tmp_path):
+    """The untrained tiny policy never answers right: every group's rewards are equal, dynamic
+    sampling keeps none, and each step is skipped and counted (it used to crash), with every
+    sampled group recorded once in the scheduler (it used to be twice)."""
+    loop.run(tiny(tmp_path, filter_groups=True, steps=2))
+    rs = rows(tmp_path)
+    assert [r["rl/skipped_updates"] for r in rs] == [1, 2]
+    assert [r["rl/kept_groups"] for r in rs] == [0, 0]
+    assert rs[-1]["tasks/arithmetic/groups"] == 2 * 2 * 2        # steps × max_resample_rounds × prompts
+    assert rs[-1]["tasks/arithmetic/dropped_groups"] == 8

@@ -64,14 +64,15 @@ def producer(worker, sched, max_staleness=1):
 
 
 def test_a_verifier_exception_reaches_the_learner_with_its_traceback():
-    p = producer(FakeWorker(fail_at=1), scheduler())
+    p = producer(FakeWorker(fail_at=2), scheduler())
     try:
-        rollouts, _ = p.take(0)
-        assert len(rollouts) == 2
+        for step in (0, 1):               # batch 2 waits for version 1: the crash cannot come earlier
+            rollouts, _ = p.take(step)
+            assert len(rollouts) == 2
         p.publish(1, (None, None))
         t0 = time.perf_counter()
-        with pytest.raises(VerifierCrashed, match="batch 1") as err:
-            p.take(1)
+        with pytest.raises(VerifierCrashed, match="batch 2") as err:
+            p.take(2)
         assert time.perf_counter() - t0 < 5
         assert "in verify" in "".join(traceback.format_tb(err.value.__traceback__))
     finally:

@@ -198,6 +198,35 @@ def bench_rl(steps: int = 12, delay: float = 0.05, workers: int = 16) -> list[di
     return rows
 
 
+def bench_rl_updates(steps: int = 8, epochs: tuple[int, ...] = (1, 2, 4)) -> list[dict]:
+    """RLVR wall time per step and its update part with `rl.updates_per_batch` = 1, 2, 4 PPO epochs
+    (one minibatch each) on the same rollout sizes (on-policy)."""
+    import tempfile
+
+    from posttrain.rl import loop
+    from posttrain.train.metrics import read_metrics
+
+    rows = []
+    for n in epochs:
+        cfg = base_config()
+        cfg.stage, cfg.workdir = "rlvr", tempfile.mkdtemp()
+        m = cfg.model
+        m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 64, 2, 4, 2, 16, 128
+        m.moe.num_experts, m.moe.expert_mlp_dim = 4, 64
+        cfg.mesh.data = 1
+        cfg.train.steps, cfg.train.log_every, cfg.train.progress, cfg.checkpoint.every = steps, 1, False, 0
+        r = cfg.rl
+        r.prompts_per_step, r.group_size, r.max_new_tokens, r.eval_every, r.updates_per_batch = 4, 8, 32, 0, n
+        with jax.default_device(jax.devices()[0]):
+            loop.run(cfg)
+        m = [r for r in read_metrics(cfg.workdir) if "rl/update_s" in r][2:]     # skip compilation
+        rows.append({"name": f"rlvr updates_per_batch={n}",
+                     "s/step": float(np.mean([r["rl/wait_s"] + r["rl/update_s"] for r in m])),
+                     "update s/step": float(np.mean([r["rl/update_s"] for r in m])),
+                     "clip_frac": float(np.mean([r["rl/clip_frac_low"] + r["rl/clip_frac_high"] for r in m]))})
+    return rows
+
+
 def print_rows(title: str, rows: list[dict]) -> None:
     print(f"\n### {title}  (jax {jax.__version__}, {jax.devices()[0].platform}, {jax.device_count()} devices)")
     for r in rows:
@@ -206,7 +235,7 @@ def print_rows(title: str, rows: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--section", default="train", choices=["train", "sft", "checkpoint", "sandbox", "sampler", "rl", "all"])
+    p.add_argument("--section", default="train", choices=["train", "sft", "checkpoint", "sandbox", "sampler", "rl", "rl-updates", "all"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--iters", type=int, default=10)
@@ -222,6 +251,8 @@ def main() -> None:
         print_rows("sampler", sampler_bench(iters=args.iters // 2 or 1))
     if args.section in ("rl", "all"):
         print_rows("rlvr overlap", bench_rl())
+    if args.section in ("rl-updates", "all"):
+        print_rows("rlvr PPO epochs", bench_rl_updates())
     if args.section in ("sandbox", "all"):
         from posttrain.rl.sandbox_bench import sandbox_bench
         print_rows("sandbox", sandbox_bench())
