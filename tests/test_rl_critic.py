@@ -116,9 +116,9 @@ def test_value_decoder_is_the_decoder_plus_a_value_per_position():
     cfg.num_layers, cfg.embed_dim, cfg.mlp_dim = 1, 32, 64
     critic, plain = ValueDecoder(cfg, rngs=nnx.Rngs(0)), Decoder(cfg, rngs=nnx.Rngs(0))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(2, 7)))
-    logits, values, _ = critic.logits_and_values(tokens)
-    np.testing.assert_allclose(logits, plain(tokens)[0], rtol=1e-5, atol=1e-5)   # the head changes nothing else
-    hidden, _ = critic.hidden_states(tokens)
+    forward = nnx.jit(lambda a, b, t: (a.logits_and_values(t), b(t)[0], a.hidden_states(t)[0]))
+    (logits, values, _), plain_logits, hidden = forward(critic, plain, tokens)
+    np.testing.assert_allclose(logits, plain_logits, rtol=1e-5, atol=1e-5)   # the head changes nothing else
     np.testing.assert_allclose(values, np.asarray(hidden, np.float64) @ np.asarray(critic.value_head[...], np.float64),
                                rtol=1e-5, atol=1e-5)
 
