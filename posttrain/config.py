@@ -75,7 +75,9 @@ def base_config() -> ml_collections.ConfigDict:
         rules=ml_collections.ConfigDict({k: ",".join(v) for k, v in DEFAULT_RULES.items()})))
     cfg.model = model_config()
     cfg.train = ml_collections.ConfigDict(dict(
-        steps=300, batch_size=16, seq_len=64, log_every=10, eval_every=0, progress=True))
+        steps=300, batch_size=16, seq_len=64, log_every=10, eval_every=0, progress=True,
+        seq_len_schedule="",       # staged context: "256:20,1024" = 256 tokens for 20 steps, then train.seq_len
+    ))
     cfg.checkpoint = ml_collections.ConfigDict(dict(every=100, keep=3, async_save=True))
     cfg.optim = ml_collections.ConfigDict(dict(
         lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,

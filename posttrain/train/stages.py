@@ -222,9 +222,10 @@ def sft(cfg) -> Result:
     tok = _tokenizer(cfg)
     kw = _data_kw(cfg)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
-    batches = sft_batches(_require(cfg.sft.train_files, "sft.train_files"), tok, batch_size=cfg.train.batch_size,
-                          seq_len=cfg.train.seq_len, seed=cfg.seed, packing=cfg.data.packing,
-                          truncate=cfg.data.truncate, **kw)
+    train_files = _require(cfg.sft.train_files, "sft.train_files")
+    batches_for = lambda seq_len: sft_batches(
+        train_files, tok, batch_size=cfg.train.batch_size, seq_len=seq_len, seed=cfg.seed, packing=cfg.data.packing,
+        truncate=cfg.data.truncate, final_seq_len=cfg.train.seq_len, **kw)
     eval_fn = None
     if cfg.sft.eval_files:
         def metric(model, batch):
@@ -235,8 +236,8 @@ def sft(cfg) -> Result:
             cfg.sft.eval_files, tok, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=0,
             packing=cfg.data.packing, truncate=cfg.data.truncate, shuffle=False, epochs=1, **kw)))
     sample_fn = make_sampler_log(cfg, tok, cfg.sft.eval_files) if cfg.sft.eval_files and cfg.sft.sample_tokens else None
-    stage = Stage("sft", make, functools.partial(lm_loss, moe_cfg=cfg.model.moe), batches, eval_fn=eval_fn,
-                  sample_fn=sample_fn, init_model=init_model_from(cfg, make))
+    stage = Stage("sft", make, functools.partial(lm_loss, moe_cfg=cfg.model.moe), batches_for(cfg.train.seq_len),
+                  batches_for=batches_for, eval_fn=eval_fn, sample_fn=sample_fn, init_model=init_model_from(cfg, make))
     return train(cfg, stage)
 
 
