@@ -57,6 +57,7 @@ class Result:
     state: TrainState
     rows: list[dict]
     eval: dict
+    train_step_compiles: int = 0      # programs the train step compiled: one per sequence-length stage run
 
 
 def put_batch(batch: dict, axes: dict[str, tuple[str, ...]] | None = None) -> dict:
@@ -176,4 +177,4 @@ def train(cfg, stage: Stage) -> Result:
     ckpt.close()
     writer.close()
     logging.info("%s: finished %d steps in %s", stage.name, steps, cfg.workdir)
-    return Result(graphdef, state, rows, evals)
+    return Result(graphdef, state, rows, evals, getattr(step_fn, "_cache_size", lambda: 0)())
