@@ -45,6 +45,8 @@ def run(cfg) -> list[dict]:
     """Train for `cfg.train.steps` steps; returns the logged metric rows."""
     if cfg.data.task != "arithmetic":
         raise ValueError(f"data.task={cfg.data.task!r}: stage 'lm' supports 'arithmetic'")
+    if cfg.eval.long_context.lengths:
+        raise ValueError("eval.long_context.lengths is set but stage 'lm' has no chat evaluation; use stage sft")
     if cfg.model.vocab_size < 256:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: byte tokens need >= 256")
     batches_for = lambda seq_len: ArithmeticBatches(cfg.seed, cfg.train.batch_size, seq_len)

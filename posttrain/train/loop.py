@@ -46,7 +46,7 @@ class Stage:
     batches_for: Callable[[int], Iterator[dict]] | None = None
     batch_axes: dict[str, tuple[str, ...]] | None = None   # per-key logical axes; default (batch, length)
     extra: tuple = ()
-    eval_fn: Callable[[nnx.Module], dict] | None = None
+    eval_fn: Callable[[nnx.Module, int], dict] | None = None   # (model, step) → metrics
     sample_fn: Callable[[nnx.Module, int], None] | None = None   # logs generations at eval time
     init_model: Callable[[Any, Any], tuple[Any, Any]] | None = None   # (params, rest) → starting (params, rest)
 
@@ -74,7 +74,7 @@ CHECKPOINT_ITEMS = ("params", "rest", "opt_state")   # the step is the checkpoin
 def run_eval(stage: Stage, graphdef: nnx.GraphDef, state: TrainState, lora_cfg=None) -> dict:
     """The stage's evaluation on the current weights, keys prefixed `eval/`."""
     model = nnx.merge(graphdef, model_params(state, lora_cfg), state.rest)
-    return {f"eval/{k}": float(v) for k, v in stage.eval_fn(model).items()}
+    return {f"eval/{k}": float(v) for k, v in stage.eval_fn(model, int(state.step)).items()}
 
 
 def starting_state(state: TrainState, shardings: TrainState, ckpt: Checkpointer, start: int,
