@@ -225,7 +225,7 @@ def long_sft_file(path, n: int = 16) -> str:
 
 
 def test_export_keeps_source_config_and_advertises_trained_context(tmp_path):
-    """--from_hf then --to_hf (no --hf_base) keeps every source key; a run trained longer (staged,
+    """--from_hf then --to_hf (no --hf_base) keeps every source key; a run trained longer (SFT
     from that run) exports its trained context with the source's other settings."""
     from posttrain.main import run as run_main
     src, run, out = str(tmp_path / "src"), str(tmp_path / "run"), str(tmp_path / "out")
@@ -245,7 +245,7 @@ def test_export_keeps_source_config_and_advertises_trained_context(tmp_path):
     cfg.stage, cfg.workdir, cfg.init_from, cfg.data.tokenizer = "sft", str(tmp_path / "long"), run, "byte"
     cfg.sft.train_files, cfg.sft.eval_files = long_sft_file(tmp_path / "long.jsonl"), ""
     cfg.data.truncate, cfg.train.progress, cfg.checkpoint.async_save = True, False, False
-    cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len, cfg.train.seq_len_schedule = 3, 2, 128, "64:1,128"
+    cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len = 2, 2, 128    # (staged runs: test_seq_len_schedule)
     run_main(cfg)
     run_to_hf(read_run_config(cfg.workdir), str(tmp_path / "long_hf"), mesh, DEFAULT_RULES, progress=False)
     exported = json.loads(open(tmp_path / "long_hf" / "config.json").read())

@@ -28,30 +28,21 @@ FLAGS = flags.FLAGS
 
 
 def load_model(cfg, step: int | None):
-    """The run's model at checkpoint `step` (newest when None), on one mesh of all devices."""
+    """The run's model at checkpoint `step` (newest when None), on the run's mesh."""
     from flax import nnx
 
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
-    from posttrain.train.checkpoint import Checkpointer, abstract_with_shardings
-    from posttrain.train.init import checkpoint_dir
-    from posttrain.train.state import abstract_model, shardings_for
+    from posttrain.train.init import load_model_state
+    from posttrain.train.state import abstract_model
     if cfg.lora.rank > 0:
         raise app.UsageError(f"{cfg.workdir}: a LoRA run; export it with tools/convert_hf.py (adapters merged) "
-                             "and train/evaluate from that")
+                             "and evaluate that")
     mesh, rules = make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules.to_dict())
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
-    ckpt = Checkpointer(checkpoint_dir(cfg.workdir), every=0, keep=1, async_save=False)
-    step = ckpt.latest_step() if step is None else step
-    if step is None or step not in ckpt.manager.all_steps():
-        raise app.UsageError(f"{cfg.workdir}: no checkpoint at step {step} (have {ckpt.manager.all_steps()})")
     with use_sharding(mesh, rules):
-        graphdef, params, rest = nnx.split(abstract_model(make), nnx.Param, ...)
-        target = {k: abstract_with_shardings(v, shardings_for(v, mesh, rules)) for k, v in
-                  (("params", params), ("rest", rest))}
-        trees, _, _ = ckpt.restore(step, target)
-    ckpt.close()
-    return nnx.merge(graphdef, trees["params"], trees["rest"]), step, (mesh, rules)
+        params, rest, step = load_model_state(cfg.workdir, make, mesh, rules, step=step)
+    return nnx.merge(nnx.graphdef(abstract_model(make)), params, rest), step, (mesh, rules)
 
 
 def main(argv: list[str]) -> None:
