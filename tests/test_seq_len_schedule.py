@@ -110,3 +110,11 @@ def test_staged_run_resumes_at_the_boundary(tmp_path):
     for r in resumed.rows:
         for k in ("loss", "grad_norm", "seq_len", "data/deferred"):
             np.testing.assert_allclose(r[k], want[r["step"]][k], rtol=1e-6, err_msg=f"step {r['step']} {k}")
+
+
+def test_pipeline_refuses_a_schedule_some_stage_cannot_follow(tmp_path):
+    from posttrain.train import pipeline
+    cfg = sft_config(tmp_path, "unused.jsonl")
+    cfg.pipeline.stages = ("sft", "dpo")
+    with pytest.raises(ValueError, match=r"train\.seq_len_schedule='48:3,128'.*\['dpo'\]"):
+        pipeline.run(cfg)
