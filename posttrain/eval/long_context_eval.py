@@ -52,7 +52,8 @@ def chat_prompt(tok: Tokenizer, text: str) -> list[int]:
 
 def evaluate(model: nnx.Module, tok: Tokenizer, lc, *, step: int | None = None) -> list[dict]:
     """Accuracy of greedy answers per (kind, length, depth) cell: rows {kind, length, depth,
-    accuracy, correct, n, prompt_tokens (mean), step}. `length` counts the whole chat prompt."""
+    accuracy, correct, n, prompt_tokens (mean), example (one answer and completion), step}.
+    `length` counts the whole chat prompt."""
     grid = parse_grid(lc)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=lc.max_new_tokens, stop_ids=tuple(tok.stop_ids))
@@ -66,12 +67,14 @@ def evaluate(model: nnx.Module, tok: Tokenizer, lc, *, step: int | None = None) 
                                          hops=lc.hops, count=count) for d, i in cells]
             prompts = [chat_prompt(tok, p.prompt) for p in problems]
             out = generate(graphdef, params, rest, prompts, sampling, jax.random.key(0), pad_id=tok.pad_id)
-            ok = [is_correct(tok.decode(out.completion(j)), p.answer) for j, p in enumerate(problems)]
+            texts = [tok.decode(out.completion(j)) for j in range(len(problems))]
+            ok = [is_correct(t, p.answer) for t, p in zip(texts, problems)]
             for d in grid["depths"]:
                 idx = [j for j, (dd, _) in enumerate(cells) if dd == d]
                 rows.append({"kind": kind, "length": length, "depth": d, "correct": int(sum(ok[j] for j in idx)),
                              "n": len(idx), "accuracy": float(np.mean([ok[j] for j in idx])),
                              "prompt_tokens": float(np.mean([len(prompts[j]) for j in idx])),
+                             "example": {"answer": problems[idx[0]].answer, "completion": texts[idx[0]]},
                              **({"step": int(step)} if step is not None else {})})
     return rows
 
