@@ -129,3 +129,12 @@ def test_heat_map_and_jsonl(tmp_path):
     out = long_context_eval.plot_heatmaps(rows, str(tmp_path / "lc.png"), "t")
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
+
+
+def test_stages_that_cannot_generate_refuse_the_eval():
+    from posttrain.train import lm, stages
+    cfg = base_config()
+    cfg.eval.long_context.lengths = "256"
+    for run in (stages.reward_model, lm.run):
+        with pytest.raises(ValueError, match=r"eval\.long_context\.lengths"):
+            run(cfg)
