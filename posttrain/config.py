@@ -75,8 +75,21 @@ def base_config() -> ml_collections.ConfigDict:
         rules=ml_collections.ConfigDict({k: ",".join(v) for k, v in DEFAULT_RULES.items()})))
     cfg.model = model_config()
     cfg.train = ml_collections.ConfigDict(dict(
-        steps=300, batch_size=16, seq_len=64, log_every=10, eval_every=0, progress=True))
+        steps=300, batch_size=16, seq_len=64, log_every=10, eval_every=0, progress=True,
+        seq_len_schedule="",       # staged context: "256:20,1024" = 256 tokens for 20 steps, then train.seq_len
+    ))
     cfg.checkpoint = ml_collections.ConfigDict(dict(every=100, keep=3, async_save=True))
+    cfg.eval = ml_collections.ConfigDict(dict(
+        long_context=ml_collections.ConfigDict(dict(   # needle / multi-hop retrieval (eval/long_context_eval.py)
+            lengths="",            # prompt lengths in tokens, e.g. "256,1024"; "" = off. SFT evaluates it
+            depths="0,0.25,0.5,0.75,1",   # where the facts sit (0 = start of the context, 1 = end)
+            kinds="needle,multihop",
+            samples=4,             # problems per (kind, length, depth) cell
+            hops=2,                # facts chained in a multi-hop problem
+            max_new_tokens=8,
+            seed=0,                # problems come from the eval name space, disjoint from training's
+        )),
+    ))
     cfg.optim = ml_collections.ConfigDict(dict(
         lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,
         grad_clip=1.0))

@@ -72,6 +72,12 @@ def check_rl_config(cfg) -> None:
     if r.reward_model and r.filter_groups:
         raise ValueError(f"rl.filter_groups with rl.reward_model={r.reward_model!r}: dynamic sampling filters on "
                          "verifier rewards before the learned reward is scored; set rl.filter_groups=False")
+    if "," in cfg.train.seq_len_schedule:
+        raise ValueError(f"train.seq_len_schedule={cfg.train.seq_len_schedule!r}: the RL stage samples at one "
+                         "length (rl.max_new_tokens); staged context applies to sft and lm only")
+    if cfg.eval.long_context.lengths:
+        raise ValueError(f"eval.long_context.lengths={cfg.eval.long_context.lengths!r}: the RL stage does not run "
+                         "the long-context evals; evaluate its checkpoint with tools/long_context_eval.py")
     for key, (active, why) in INERT_UNLESS.items():
         if r[key] != defaults[key] and not active(r):
             raise ValueError(f"rl.{key}={r[key]!r} cannot take effect: {why}")

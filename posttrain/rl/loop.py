@@ -42,6 +42,7 @@ from posttrain.rl.rollout import BusyClock, RolloutBatch, RolloutWorker, collect
 from posttrain.rl.scheduler import TaskScheduler
 from posttrain.rl.tasks import make_domains, make_reward_fn, parse_weights
 from posttrain.sampling.rules import SamplingParams
+from posttrain.train import lineage
 from posttrain.train.checkpoint import Checkpointer
 from posttrain.train.loop import CHECKPOINT_ITEMS, Result, starting_state
 from posttrain.train.metrics import MetricsWriter
@@ -138,7 +139,7 @@ def save(c: Components, ckpt: Checkpointer, rl: RLState) -> None:
     ckpt.save(rl.step, {k: getattr(rl.train, k) for k in CHECKPOINT_ITEMS},
               data={"scheduler": rl.scheduler_state, "skipped_updates": rl.skipped_updates,
                     "optimizer_steps": int(rl.train.step), "reward_stats": c.rewards.stats.get_state()},
-              meta={"seed": c.cfg.seed, "stage": "rlvr"})
+              meta={"seed": c.cfg.seed, "stage": "rlvr", lineage.KEY: lineage.of_init(c.cfg.init_from)})
 
 
 def run(cfg) -> Result:

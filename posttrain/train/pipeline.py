@@ -25,6 +25,7 @@ def _rlvr(cfg):
 
 
 RUNNERS = {"sft": stage_lib.sft, "reward_model": stage_lib.reward_model, "dpo": stage_lib.dpo, "rlvr": _rlvr}
+STAGED_CONTEXT = ("sft",)         # stages that follow train.seq_len_schedule
 SECTION = {"rlvr": "rl"}          # the config section of a stage, where it differs from its name
 # Stages whose result scores a policy rather than being one: later stages start from the policy
 # before them (RLHF: [sft, reward_model, rlvr]).
@@ -73,6 +74,10 @@ def run(cfg) -> dict:
     unknown = [s for s in cfg.pipeline.stages if s not in RUNNERS]
     if unknown:
         raise ValueError(f"pipeline.stages: unknown {unknown}; valid: {sorted(RUNNERS)}")
+    unstaged = [s for s in cfg.pipeline.stages if s not in STAGED_CONTEXT]
+    if "," in cfg.train.seq_len_schedule and unstaged:     # fail before the first stage, not after it
+        raise ValueError(f"train.seq_len_schedule={cfg.train.seq_len_schedule!r} applies to every stage, but "
+                         f"{unstaged} cannot change sequence length (supported: {', '.join(STAGED_CONTEXT)})")
     init_from, results, done = cfg.init_from, {}, {}
     for i, name in enumerate(cfg.pipeline.stages):
         workdir = os.path.join(cfg.workdir, f"{i}_{name}")
