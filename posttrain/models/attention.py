@@ -11,7 +11,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain.models.layers import RMSNorm, dtype_of, fan_in_init, param
-from posttrain.parallel.sharding import constrain
+from posttrain.ops.blockwise import blockwise_attention
+from posttrain.ops.context_parallel import check_mode, context_parallel_attention, sequence_axes
+from posttrain.ops.fused import KERNEL_PLATFORMS, check_platform, cudnn_attention, splash_attention
+from posttrain.parallel.sharding import constrain, current
 
 ROPE_SCALINGS = ("", "linear", "dynamic", "yarn", "llama3")
 
@@ -124,15 +127,19 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def attention_mask(segment_ids: jax.Array) -> jax.Array:
+def attention_mask(segment_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
     """[batch, 1, q, k] boolean: causal within a segment; segment id 0 marks padding.
 
-    Causality is by index, so packed segments (positions restarting at 0) stay separate.
+    Causality is by index, or by position when `positions` [batch, length] are given (tokens
+    permuted for context parallelism; positions increase within a segment).
     """
     s = segment_ids.shape[1]
-    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+    if positions is None:
+        causal = jnp.tril(jnp.ones((s, s), dtype=bool))[None]
+    else:
+        causal = positions[:, None, :] <= positions[:, :, None]
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (causal[None] & same & (segment_ids[:, None, :] != 0))[:, None]
+    return (causal & same & (segment_ids[:, None, :] != 0))[:, None]
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -187,6 +194,55 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
     return jnp.einsum("bkgt,bktd->bkgd", probs.astype(q.dtype), v_cache.astype(q.dtype)).reshape(b, h, d)
 
 
+ATTENTION_KERNELS = ("xla", "blockwise", "cudnn", "splash")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKernel:
+    """`model.attention`: how causal self-attention over a whole sequence is computed.
+
+    xla (the reference: [B, K, G, S, T] scores in float32) | blockwise (`ops.blockwise`: memory
+    linear in length; over a `sequence`-sharded mesh, context parallel as `model.context_parallel`
+    says) | cudnn (GPU) | splash (TPU): the platform's fused kernel, on unpermuted rows with the
+    `sequence` axis unsharded. `block` is `model.attention_block` (blockwise and splash tiles).
+    """
+    kind: str = "xla"
+    block: int = 512
+    context_parallel: str = "auto"
+
+    @classmethod
+    def from_config(cls, cfg) -> AttentionKernel:
+        """Validated from the model config; a fused kernel must exist on the devices in use."""
+        kernel = cls(cfg.attention, cfg.attention_block, cfg.context_parallel)
+        if kernel.kind not in ATTENTION_KERNELS:
+            raise ValueError(f"model.attention={kernel.kind!r}: expected one of {ATTENTION_KERNELS}")
+        if kernel.block < 1:
+            raise ValueError(f"model.attention_block={kernel.block}: must be positive")
+        check_mode(kernel.context_parallel)
+        if kernel.kind in KERNEL_PLATFORMS:
+            ctx = current()
+            check_platform(kernel.kind, ctx[0].devices.flat[0].platform if ctx else jax.default_backend())
+        return kernel
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                 segment_ids: jax.Array) -> jax.Array:
+        """Causal self-attention within segments: q [B, S, H, Dh], k, v [B, S, K, Dh] → [B, S, H, Dh]."""
+        axes, n = sequence_axes()
+        if self.kind == "xla":
+            return dot_product_attention(q, k, v, attention_mask(segment_ids, positions))
+        if self.kind != "blockwise" and n > 1:
+            raise ValueError(f"model.attention={self.kind!r} runs on an unsharded length; the mesh shards "
+                             f"it over {axes} ({n} devices): use model.attention='blockwise'")
+        if self.kind == "cudnn":
+            return cudnn_attention(q, k, v, segment_ids)
+        if self.kind == "splash":
+            return splash_attention(q, k, v, segment_ids, block_size=self.block)
+        if n > 1:
+            return context_parallel_attention(q, k, v, positions, segment_ids, mode=self.context_parallel,
+                                              block_size=self.block)
+        return blockwise_attention(q, k, v, positions, positions, segment_ids, segment_ids, block_size=self.block)
+
+
 class Attention(nnx.Module):
     """Multi-head attention with grouped KV heads (GQA), RoPE (optionally scaled), optional QK-norm
     (Qwen3) and q/k/v biases (Qwen2)."""
@@ -200,6 +256,7 @@ class Attention(nnx.Module):
                              f"model.num_kv_heads={cfg.num_kv_heads}")
         if cfg.head_dim % 2:
             raise ValueError(f"model.head_dim={cfg.head_dim} must be even for RoPE")
+        self.kernel = AttentionKernel.from_config(cfg)
         self.rope_theta = cfg.rope_theta
         self.rope_scaling = RopeScaling.from_config(cfg.rope_scaling)
         d, h, kv, hd = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -260,7 +317,7 @@ class Attention(nnx.Module):
         x: [B, S, D] → (out [B, S, D], k [B, K, Dh, S], v [B, K, S, Dh]).
         """
         q, k, v = self.project_qkv(x, positions)
-        out = self.output(dot_product_attention(q, k, v, attention_mask(segment_ids)))
+        out = self.output(self.kernel(q, k, v, positions, segment_ids))
         return out, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
 
     def decode(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array,
