@@ -135,3 +135,31 @@ def test_splash_kernel_matches_reference_in_interpret_mode():
     seg = jnp.asarray(np.repeat([[1, 2, 0]], [50, 60, 18], axis=1), jnp.int32)
     got = splash_attention(q, k, v, seg, block_size=128, interpret=True)
     np.testing.assert_allclose(got, dot_product_attention(q, k, v, attention_mask(seg)), rtol=1e-5, atol=1e-5)
+
+
+PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 3, 9, 1, 5], [2], [3, 3, 8, 1, 12]]
+
+
+def test_sampler_with_sequence_sharded_prefill_and_cache_matches_one_device():
+    """Prefill with the length over `sequence` = 4 (ring), then decoding against a cache whose
+    time axis is sharded over `sequence`: the same tokens and log-probs as one device."""
+    from posttrain.sampling import SamplingParams, generate
+    from posttrain.sampling.generate import generate_program
+    cfg = model_config(attention="blockwise", attention_block=4, context_parallel="ring")
+    graphdef, params, rest = nnx.split(Decoder(cfg, rngs=nnx.Rngs(2)), nnx.Param, ...)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, num_samples=2)   # cache: 16 + 8 entries
+    key = jax.random.key(5)
+    with use_sharding(make_mesh(dict(data=1), devices=jax.devices()[:1]), DEFAULT_RULES):
+        single = generate(graphdef, params, rest, PROMPTS, sampling, key)
+    mesh = make_mesh(dict(data=2, sequence=4))
+    with use_sharding(mesh, DEFAULT_RULES):
+        sh_params = jax.device_put(params, shardings_for(params, mesh, DEFAULT_RULES))
+        sharded = generate(graphdef, sh_params, rest, PROMPTS, sampling, key)
+        tokens = np.zeros((4, 16), np.int32)
+        hlo = generate_program.lower(graphdef, sh_params, rest, tokens, np.ones(4, np.int32), np.full(4, 8, np.int32),
+                                     np.int32(4), key, sampling=sampling, pad_id=0).compile().as_text()
+    np.testing.assert_array_equal(sharded.tokens, single.tokens)
+    np.testing.assert_allclose(sharded.logprobs, single.logprobs, atol=1e-5)
+    # Per device the cache holds 4 rows × 2 kv heads × 8 dims × 24/4 entries; no op gathers it whole.
+    assert "f32[4,2,8,6]" in hlo
+    assert not [line for line in hlo.splitlines() if "all-gather" in line and ",24]" in line.split("=")[1][:40]]

@@ -12,6 +12,8 @@ from flax import nnx
 
 from posttrain.models.layers import RMSNorm, dtype_of, fan_in_init, param
 from posttrain.ops.blockwise import blockwise_attention
+from posttrain.ops.decode import (K_TIME_AXIS, V_TIME_AXIS, decode_attention,  # noqa: F401 (re-exported)
+                                 sequence_sharded_decode, write_cache_rows)
 from posttrain.ops.context_parallel import check_mode, context_parallel_attention, sequence_axes
 from posttrain.ops.fused import KERNEL_PLATFORMS, check_platform, cudnn_attention, splash_attention
 from posttrain.parallel.sharding import constrain, current
@@ -159,41 +161,6 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     return out.reshape(b, s, h, d)
 
 
-# The KV-cache layout (`sampling.kv_cache`): keys [B, K, Dh, T], values [B, K, T, Dh], so that each
-# (row, kv head) is one matrix laid out as its attention matmul reads it. The cache-index axes:
-K_TIME_AXIS, V_TIME_AXIS = 3, 2
-
-
-def write_cache_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, time_axis: int) -> jax.Array:
-    """cache [B, K, ...] with the entry of row b at index positions[b] of `time_axis` set to new[b]
-    (new: [B, K, Dh]; `K_TIME_AXIS` for keys, `V_TIME_AXIS` for values).
-
-    One scatter whose batch dimension is b (`operand_batching_dims`): it partitions along a
-    sharded batch without gathering and updates a loop-carried cache in place.
-    """
-    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2), inserted_window_dims=(time_axis,),
-                                           scatter_dims_to_operand_dims=(time_axis,), operand_batching_dims=(0,),
-                                           scatter_indices_batching_dims=(0,))
-    return jax.lax.scatter(cache, positions[:, None].astype(jnp.int32), new.astype(cache.dtype), dims,
-                           indices_are_sorted=True, unique_indices=True)
-
-
-def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> jax.Array:
-    """One query per row against its cache entries 0..positions[b]; softmax in float32.
-
-    q: [B, H, Dh]; k_cache [B, K, Dh, T] and v_cache [B, K, T, Dh] (the cache layout: neither is
-    copied per token). Returns [B, H, Dh].
-    """
-    b, h, d = q.shape
-    kv = k_cache.shape[1]
-    q = q.reshape(b, kv, h // kv, d)
-    logits = jnp.einsum("bkgd,bkdt->bkgt", q, k_cache.astype(q.dtype),
-                        preferred_element_type=jnp.float32) / jnp.sqrt(d)
-    visible = (jnp.arange(k_cache.shape[3])[None, :] <= positions[:, None])[:, None, None]   # [B, 1, 1, T]
-    probs = jax.nn.softmax(jnp.where(visible, logits, jnp.finfo(jnp.float32).min), axis=-1)
-    return jnp.einsum("bkgt,bktd->bkgd", probs.astype(q.dtype), v_cache.astype(q.dtype)).reshape(b, h, d)
-
-
 ATTENTION_KERNELS = ("xla", "blockwise", "cudnn", "splash")
 
 
@@ -330,6 +297,11 @@ class Attention(nnx.Module):
         returns (out [B, 1, D], k_cache, v_cache).
         """
         q, k, v = self.project_qkv(x, positions[:, None])
+        axes, n = sequence_axes()
+        if n > 1 and k_cache.shape[K_TIME_AXIS] % n == 0:       # the cache's time axis is sharded
+            out, k_cache, v_cache = sequence_sharded_decode(q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache,
+                                                            positions, axes, n)
+            return self.output(out[:, None]), k_cache, v_cache
         k_cache = write_cache_rows(k_cache, k[:, 0], positions, K_TIME_AXIS)
         v_cache = write_cache_rows(v_cache, v[:, 0], positions, V_TIME_AXIS)
         out = decode_attention(q[:, 0], k_cache, v_cache, positions)
