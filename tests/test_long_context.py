@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from posttrain.config import base_config
 from posttrain.models.attention import AttentionKernel, attention_mask, dot_product_attention
@@ -144,7 +145,7 @@ def test_sampler_with_sequence_sharded_prefill_and_cache_matches_one_device():
     """Prefill with the length over `sequence` = 4 (ring), then decoding against a cache whose
     time axis is sharded over `sequence`: the same tokens and log-probs as one device."""
     from posttrain.sampling import SamplingParams, generate
-    from posttrain.sampling.generate import generate_program
+    from posttrain.sampling import kv_cache
     cfg = model_config(attention="blockwise", attention_block=4, context_parallel="ring")
     graphdef, params, rest = nnx.split(Decoder(cfg, rngs=nnx.Rngs(2)), nnx.Param, ...)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8, num_samples=2)   # cache: 16 + 8 entries
@@ -155,11 +156,14 @@ def test_sampler_with_sequence_sharded_prefill_and_cache_matches_one_device():
     with use_sharding(mesh, DEFAULT_RULES):
         sh_params = jax.device_put(params, shardings_for(params, mesh, DEFAULT_RULES))
         sharded = generate(graphdef, sh_params, rest, PROMPTS, sampling, key)
-        tokens = np.zeros((4, 16), np.int32)
-        hlo = generate_program.lower(graphdef, sh_params, rest, tokens, np.ones(4, np.int32), np.full(4, 8, np.int32),
-                                     np.int32(4), key, sampling=sampling, pad_id=0).compile().as_text()
+        cache = kv_cache.shard(tuple((jnp.zeros((8, 2, 8, 24)), jnp.zeros((8, 2, 24, 8))) for _ in range(2)))
+        step = jax.jit(lambda params, tokens, positions, cache: nnx.merge(graphdef, params, rest).decode(
+            tokens, positions, cache)[1])
+        hlo = step.lower(sh_params, jnp.zeros((8, 1), jnp.int32), jnp.arange(8), cache).compile().as_text()
     np.testing.assert_array_equal(sharded.tokens, single.tokens)
     np.testing.assert_allclose(sharded.logprobs, single.logprobs, atol=1e-5)
-    # Per device the cache holds 4 rows × 2 kv heads × 8 dims × 24/4 entries; no op gathers it whole.
-    assert "f32[4,2,8,6]" in hlo
-    assert not [line for line in hlo.splitlines() if "all-gather" in line and ",24]" in line.split("=")[1][:40]]
+    assert cache[0][0].sharding.spec == P("data", None, None, "sequence")
+    # A decode step: per device the cache is 4 rows × 2 kv heads × 8 dims × 24/4 entries, no op
+    # gathers it whole, and the parts combine by all-reduces (pmax, psum).
+    assert "f32[4,2,8,6]" in hlo and "all-reduce" in hlo
+    assert not [line for line in hlo.splitlines() if "all-gather" in line and "24]" in line.split("=")[1][:40]]
