@@ -97,8 +97,10 @@ def test_attention_switches_fail_clearly():
         AttentionKernel.from_config(model_config(context_parallel="striped"))
     with pytest.raises(ValueError, match=r"model.attention_block=0"):
         AttentionKernel.from_config(model_config(attention="blockwise", attention_block=0))
-    with pytest.raises(ValueError, match=r"model.attention='cudnn' needs a GPU.*'cpu'"):
+    with pytest.raises(ValueError, match=r"model.attention='cudnn' computes in bfloat16 or float16"):
         AttentionKernel.from_config(model_config(attention="cudnn"))
+    with pytest.raises(ValueError, match=r"model.attention='cudnn' needs a GPU.*'cpu'"):
+        AttentionKernel.from_config(model_config(attention="cudnn", dtype="bfloat16"))
     with pytest.raises(ValueError, match=r"model.attention='splash' needs a TPU"):
         AttentionKernel.from_config(model_config(attention="splash"))
     # A fused kernel does not shard the length: asking for it with sequence > 1 is an error.

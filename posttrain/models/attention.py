@@ -186,6 +186,8 @@ class AttentionKernel:
         if kernel.block < 1:
             raise ValueError(f"model.attention_block={kernel.block}: must be positive")
         check_mode(kernel.context_parallel)
+        if kernel.kind == "cudnn" and cfg.dtype not in ("bfloat16", "float16"):
+            raise ValueError(f"model.attention='cudnn' computes in bfloat16 or float16; model.dtype={cfg.dtype!r}")
         if kernel.kind in KERNEL_PLATFORMS:
             ctx = current()
             check_platform(kernel.kind, ctx[0].devices.flat[0].platform if ctx else jax.default_backend())

@@ -80,7 +80,9 @@ def sequence_sharded_decode(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_
     the mesh axes `axes` (n devices, under `use_sharding`): each device writes the token if its
     position falls in its part and attends to that part; the row max, the softmax denominator
     and the weighted values are reduced over `axes` (pmax, psum, psum), so the result is exact
-    and no device gathers the cache.
+    and no device gathers the cache. (GSPMD partitions the unsharded `decode_attention` without a
+    gather too (its decode step's HLO has only all-reduces, one more than this form, which
+    reduces the sum and the values together); this form does not depend on the partitioner.)
 
     q [B, H, Dh]; k_new, v_new [B, K, Dh]; caches [B, K, Dh, T] / [B, K, T, Dh]; positions [B].
     Returns (out [B, H, Dh], k_cache, v_cache).

@@ -27,16 +27,17 @@ def check_platform(kind: str, platform: str) -> None:
                          f"but the devices are {platform!r}; use 'blockwise' (any platform) or 'xla'")
 
 
-def _has_key(q_seg: jax.Array, kv_seg: jax.Array) -> jax.Array:
-    """[B, S] bool: the query's segment is real (not padding)."""
-    return q_seg != 0
+def _real_rows(segment_ids: jax.Array) -> jax.Array:
+    """[B, S, 1, 1] bool: the query is a token, not padding (which the reference answers with 0)."""
+    return (segment_ids != 0)[:, :, None, None]
 
 
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """cuDNN flash attention, causal within segments: q [B, S, H, Dh], k, v [B, S, K, Dh]."""
+    """cuDNN flash attention, causal within segments: q [B, S, H, Dh], k, v [B, S, K, Dh] in
+    bfloat16 or float16 (cuDNN's types: `model.dtype`)."""
     same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
     out = jax.nn.dot_product_attention(q, k, v, mask=same[:, None], is_causal=True, implementation="cudnn")
-    return out * _has_key(segment_ids, segment_ids)[:, :, None, None].astype(out.dtype)
+    return out * _real_rows(segment_ids).astype(out.dtype)
 
 
 @functools.lru_cache(maxsize=16)
@@ -72,4 +73,4 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
 
     out = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)), in_axes=(0, 0, 0, 0))(qg, kt, vt, segment_ids)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, h, d)
-    return out * _has_key(segment_ids, segment_ids)[:, :, None, None].astype(out.dtype)
+    return out * _real_rows(segment_ids).astype(out.dtype)
