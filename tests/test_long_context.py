@@ -64,16 +64,18 @@ def reference():
     return params, rest, batch, jax.jit(functools.partial(loss_logits_grads, graphdef))(params, rest, batch)
 
 
-LAYOUTS = [(dict(data=1), "ring"), (dict(data=2, sequence=4), "ring"), (dict(data=2, sequence=4), "all_gather")]
+LAYOUTS = [(dict(data=2, sequence=4), "ring"), (dict(data=2, sequence=4), "all_gather")]
 
 
 @pytest.mark.parametrize("sizes,mode", LAYOUTS, ids=lambda x: x if isinstance(x, str) else
                          ",".join(f"{k}={v}" for k, v in x.items()))
 def test_context_parallel_model_matches_single_device(reference, sizes, mode):
     params, rest, batch, (loss, logits, grads) = reference
-    n = sizes.get("sequence", 1)
-    mesh = make_mesh(sizes, devices=jax.devices()[:1] if n == 1 else None)
-    cfg = model_config(attention="blockwise", attention_block=3, context_parallel=mode, remat="full")
+    n = sizes["sequence"]
+    mesh = make_mesh(sizes)
+    # Layers rematerialised under the ring (its custom_vjp inside jax.checkpoint), as long contexts run.
+    cfg = model_config(attention="blockwise", attention_block=3, context_parallel=mode,
+                       remat="full" if mode == "ring" else "none")
     with use_sharding(mesh, DEFAULT_RULES):
         graphdef = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)[0]
         sh_params = jax.device_put(params, shardings_for(params, mesh, DEFAULT_RULES))
@@ -81,9 +83,7 @@ def test_context_parallel_model_matches_single_device(reference, sizes, mode):
         zz = jax.tree.map(jnp.asarray, zigzag_batch(packed_batch(), n))       # built once, on the host
         compiled = jax.jit(functools.partial(loss_logits_grads, graphdef)).lower(sh_params, sh_rest, zz).compile()
         s_loss, s_logits, s_grads = compiled(sh_params, sh_rest, zz)
-    hlo = compiled.as_text()
-    if n > 1:
-        assert ("collective-permute" in hlo) == (mode == "ring")
+    assert ("collective-permute" in compiled.as_text()) == (mode == "ring")
     np.testing.assert_allclose(s_loss, loss, rtol=1e-5)
     np.testing.assert_allclose(unzigzag(s_logits, n), logits, rtol=1e-4, atol=1e-5)
     for (path, a), r in zip(jax.tree_util.tree_leaves_with_path(s_grads), jax.tree.leaves(grads)):
