@@ -8,13 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from posttrain.config import base_config
-from posttrain.models.attention import Attention, attention_mask, dot_product_attention
+from posttrain.models.attention import attention_mask, dot_product_attention
 from posttrain.ops.blockwise import blockwise_attention, visible
-from posttrain.ops.context_parallel import choose, context_parallel_attention
-from posttrain.ops.fused import splash_attention
+from posttrain.ops.context_parallel import context_parallel_attention
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 from posttrain.parallel.zigzag import unzigzag, visible_pairs_per_shard, zigzag, zigzag_batch
 

@@ -12,9 +12,9 @@ from flax import nnx
 
 from posttrain.models.layers import RMSNorm, dtype_of, fan_in_init, param
 from posttrain.ops.blockwise import blockwise_attention
+from posttrain.ops.context_parallel import check_mode, context_parallel_attention, sequence_axes
 from posttrain.ops.decode import (K_TIME_AXIS, V_TIME_AXIS, decode_attention,  # noqa: F401 (re-exported)
                                  sequence_sharded_decode, write_cache_rows)
-from posttrain.ops.context_parallel import check_mode, context_parallel_attention, sequence_axes
 from posttrain.ops.fused import KERNEL_PLATFORMS, check_platform, cudnn_attention, splash_attention
 from posttrain.parallel.sharding import constrain, current
 

@@ -14,7 +14,6 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 
 KERNEL_PLATFORMS = {"cudnn": "gpu", "splash": "tpu"}
 
