@@ -41,7 +41,9 @@ def model_config() -> ml_collections.ConfigDict:
         param_dtype="float32",
         dtype="float32",           # compute dtype
         remat="none",              # none | full | dots (save matmul outputs)
-        attention="xla",           # xla (reference)
+        attention="xla",           # xla (reference) | blockwise (memory-linear) | cudnn (GPU) | splash (TPU)
+        attention_block=512,       # blockwise / splash tile length (queries and keys)
+        context_parallel="auto",   # mesh.sequence > 1 with blockwise: all_gather | ring | auto (ops.context_parallel)
         moe=ml_collections.ConfigDict(dict(
             num_experts=0,         # 0: every layer is a dense MLP
             top_k=2,
