@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from posttrain.data.schedule import ScheduledBatches, parse_seq_len_schedule
 from posttrain.parallel import mesh_and_rules, named_sharding, use_sharding
+from posttrain.parallel.zigzag import zigzag_batch
 from posttrain.train import lineage
 from posttrain.train.checkpoint import Checkpointer, abstract_with_shardings
 from posttrain.train.metrics import MetricsWriter
@@ -129,6 +130,11 @@ def train(cfg, stage: Stage) -> Result:
                         keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     data = ScheduledBatches(parse_seq_len_schedule(cfg.train.seq_len_schedule, cfg.train.seq_len, steps),
                             stage.batches, stage.batches_for, stage.name)
+    shards = mesh.shape["sequence"]      # > 1: rows in zig-zag order (causal balance of context parallelism)
+    for length in parse_seq_len_schedule(cfg.train.seq_len_schedule, cfg.train.seq_len, steps).lengths:
+        if shards > 1 and length % (2 * shards):
+            raise ValueError(f"train.seq_len={length} (or a train.seq_len_schedule stage): context parallelism over "
+                             f"mesh.sequence={shards} needs lengths divisible by 2 × {shards}")
     start = ckpt.latest_step() or 0
     source = start_lineage(ckpt, start, cfg.init_from)
     writer = MetricsWriter(cfg.workdir, enabled=jax.process_index() == 0, resume_step=start)
@@ -145,7 +151,7 @@ def train(cfg, stage: Stage) -> Result:
                    disable=not cfg.train.progress or jax.process_index() != 0)
         t0, last = time.perf_counter(), start - 1
         for step in bar:
-            batch = put_batch(data.at(step), stage.batch_axes)
+            batch = put_batch(zigzag_batch(data.at(step), shards), stage.batch_axes)
             trained = longest_context(trained, batch)
             state, metrics = step_fn(state, batch, *stage.extra)
             if step % cfg.train.log_every == 0 or step == steps - 1:
