@@ -148,7 +148,8 @@ def with_stage_overrides(cfg, stage: str):
 
 
 def _ensure_synthetic(cfg, stage: str, kind: str) -> None:
-    """With data.synthetic = "arithmetic", generate the stage's train/eval files if missing
+    """With data.synthetic = "arithmetic", generate the stage's train/eval files if missing: train
+    files from the arithmetic "train" split, eval files from the held-out "test" split
     ("long_context" is SFT's, see `_ensure_long_context_files`)."""
     if not cfg.data.synthetic or (cfg.data.synthetic == "long_context" and kind == "sft"):
         return
@@ -159,9 +160,9 @@ def _ensure_synthetic(cfg, stage: str, kind: str) -> None:
     if kind == "sft":
         kw["error_rate"] = cfg.data.synthetic_error_rate
     if cfg[stage].train_files:
-        ensure_arithmetic_file(cfg[stage].train_files, kind, n, seed=1, **kw)
+        ensure_arithmetic_file(cfg[stage].train_files, kind, n, seed=1, split="train", **kw)
     if cfg[stage].eval_files:
-        ensure_arithmetic_file(cfg[stage].eval_files, kind, max(n // 4, 1), seed=2, **kw)
+        ensure_arithmetic_file(cfg[stage].eval_files, kind, max(n // 4, 1), seed=2, split="test", **kw)
 
 
 def _ensure_long_context_files(cfg, tok: Tokenizer) -> None:

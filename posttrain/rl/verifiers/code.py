@@ -108,7 +108,8 @@ class CodeVerifier:
         """Verdicts for model responses: code extracted from each, then run."""
         extracted = [extract_code(r) for r in responses]
         results = self.check_many(tasks, [code for code, _ in extracted])
-        return [Verdict(float(r.passed), ok, r.detail) for r, (_, ok) in zip(results, extracted)]
+        return [Verdict(float(r.passed), ok, r.detail, error=r.detail if r.status is Status.ERROR else None)
+                for r, (_, ok) in zip(results, extracted)]
 
     def verify(self, task: CodeTask, response: str) -> Verdict:
         """Verdict for one model response."""
