@@ -76,6 +76,10 @@ def base_config() -> ml_collections.ConfigDict:
     cfg.model = model_config()
     cfg.train = ml_collections.ConfigDict(dict(
         steps=300, batch_size=16, seq_len=64, log_every=10, eval_every=0, progress=True))
+    # Non-finite loss or gradient norm: the update is skipped (counted as nonfinite_skipped); the run
+    # stops when more than this many updates in a row were skipped (0: at the first).
+    cfg.train.max_nonfinite_steps = 10
+    cfg.compilation_cache = "auto"   # "auto" ($POSTTRAIN_COMPILATION_CACHE or ~/.cache/posttrain/jax) | "off" | folder
     cfg.checkpoint = ml_collections.ConfigDict(dict(every=100, keep=3, async_save=True))
     cfg.optim = ml_collections.ConfigDict(dict(
         lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,
