@@ -6,7 +6,8 @@ abstract state carrying target shardings, so a checkpoint written on one mesh lo
 Safety: `save` refuses non-finite weights (one fused reduction at save time, which is rare), so a
 diverged run never rotates good checkpoints out. `restore_newest` verifies by restoring: a
 checkpoint that cannot be read (a truncated file, a half-written folder) is reported by name and
-the next older one is tried; a checkpoint of a differently shaped model is an error naming the
+the next older one is tried (the unreadable folder is renamed `{step}.unreadable`, kept for a
+look, so the step can be saved again); a checkpoint of a differently shaped model is an error naming the
 parameter and both shapes (checked on orbax's metadata before any array is read).
 """
 
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from posttrain.errors import UserError
 
@@ -110,7 +113,8 @@ class Checkpointer:
             saved = meta[name] if name in meta.keys() and meta[name] is not None else None
             if saved is None or not jax.tree.leaves(target):
                 continue
-            saved = dict(jax.tree_util.tree_leaves_with_path(getattr(saved, "tree", saved), is_leaf=_shape_of))
+            saved = dict(jax.tree_util.tree_leaves_with_path(getattr(saved, "tree", saved),
+                                                          is_leaf=lambda x: _shape_of(x) is not None))
             for path, x in jax.tree_util.tree_leaves_with_path(target):
                 key = path[:-1] if path and getattr(path[-1], "name", None) == "value" else path
                 old = saved.get(path, saved.get(key))
@@ -124,13 +128,16 @@ class Checkpointer:
         """(step, trees, data, meta) of the newest readable checkpoint (at or below `at_most`), or
         None if there is none. An unreadable one is skipped with a warning naming it; if none can
         be read the error lists each with its reason."""
-        steps = sorted((s for s in self.manager.all_steps(read=True) if at_most is None or s <= at_most),
+        self.manager.reload()
+        steps = sorted((s for s in self.manager.all_steps() if at_most is None or s <= at_most),
                        reverse=True)
         failed = []
         for step in steps:
             try:
                 self.check_shapes(step, abstract)
-                return (step, *self.restore(step, abstract))
+                out = self.restore(step, abstract)
+                self._set_aside([int(f.split(" ", 1)[0]) for f in failed])
+                return (step, *out)
             except ShapeMismatch:
                 raise
             except Exception as e:     # orbax / tensorstore / JSON: whatever a damaged folder raises
@@ -143,6 +150,22 @@ class Checkpointer:
                             "step folders (or the whole checkpoints folder, to start over) out of the way",
                             path=self.directory)
         return None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename unreadable step folders to `{step}.unreadable` (process 0; the others wait)."""
+        if steps and jax.process_index() == 0:
+            for step in steps:
+                folder = epath.Path(self.directory) / str(step)
+                target = folder.parent / f"{step}.unreadable"
+                if target.exists():
+                    target = folder.parent / f"{step}.unreadable-{int(time.time())}"
+                folder.rename(target)
+                logging.warning("moved the unreadable checkpoint %s aside to %s", folder, target)
+        if steps:
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+                multihost_utils.sync_global_devices("posttrain_checkpoint_set_aside")
+            self.manager.reload()
 
     def wait(self) -> None:
         """Block until pending asynchronous saves are on disk."""
