@@ -69,6 +69,9 @@ def run(config) -> object:
         table = stages()
         if config.stage not in table:
             raise UserError(f"config.stage={config.stage!r}; valid stages: {', '.join(sorted(table))}", key="stage")
+        if config.init_from:
+            from posttrain.train.init import require_init_from
+            require_init_from(config.init_from)
         enable_compilation_cache(config.compilation_cache)
         os.makedirs(config.workdir, exist_ok=True)
         with open(os.path.join(config.workdir, "config.json"), "w") as f:

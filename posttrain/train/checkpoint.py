@@ -52,6 +52,11 @@ def first_nonfinite(trees: dict[str, Any]) -> str | None:
     return named[bad[0]][0] if len(bad) else None
 
 
+def _names(path: tuple) -> tuple[str, ...]:
+    """A pytree key path as plain names: dict keys, attributes and indices alike."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
 def _shape_of(x: Any) -> tuple | None:
     shape = getattr(x, "shape", None)
     return tuple(shape) if shape is not None else None
@@ -108,18 +113,18 @@ class Checkpointer:
     def check_shapes(self, step: int, abstract: dict[str, Any]) -> None:
         """Raise ShapeMismatch naming the first parameter whose shape in checkpoint `step` differs
         from `abstract`'s (read from orbax's metadata: no array is loaded)."""
-        meta = self.manager.item_metadata(step)
         for name, target in abstract.items():
-            saved = meta[name] if name in meta.keys() and meta[name] is not None else None
-            if saved is None or not jax.tree.leaves(target):
+            folder = epath.Path(self.directory) / str(step) / name
+            if not jax.tree.leaves(target) or not folder.exists():
                 continue
-            saved = dict(jax.tree_util.tree_leaves_with_path(getattr(saved, "tree", saved),
-                                                          is_leaf=lambda x: _shape_of(x) is not None))
+            saved = ocp.StandardCheckpointHandler().metadata(folder)
+            saved = {_names(p): x for p, x in jax.tree_util.tree_leaves_with_path(
+                getattr(saved, "tree", saved), is_leaf=lambda x: _shape_of(x) is not None)}
             for path, x in jax.tree_util.tree_leaves_with_path(target):
-                key = path[:-1] if path and getattr(path[-1], "name", None) == "value" else path
-                old = saved.get(path, saved.get(key))
+                old = saved.get(_names(path))
                 if old is not None and _shape_of(old) != _shape_of(x):
-                    where = f"{name}/{jax.tree_util.keystr(key, simple=True, separator='/')}"
+                    names = _names(path)
+                    where = "/".join((name, *(names[:-1] if names[-1] == "value" else names)))
                     raise ShapeMismatch(f"checkpoint {self.directory}/{step}: {where} has shape {_shape_of(old)}, "
                                         f"the model expects {_shape_of(x)}", path=f"{self.directory}/{step}")
 
