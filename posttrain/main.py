@@ -80,6 +80,9 @@ def run(config) -> object:
             return table[config.stage](config)
         except GateFailed as e:
             raise SystemExit(f"error: pipeline stopped: {e}") from None
+        except Exception as e:       # logged while the workdir is still ours
+            e.error_log = write_error_log(config.workdir, e)
+            raise
 
 
 def config_keys_naming(config, text: str, path: str | None = None) -> list[str]:
@@ -109,11 +112,11 @@ def error_line(config, error: BaseException) -> str:
     return message[:2000]
 
 
-def write_error_log(config, error: BaseException) -> str:
-    """Append the traceback to `{workdir}/error.log` (or a temp file); returns its path."""
-    workdir = getattr(config, "workdir", "") if config is not None else ""
-    folder = workdir if workdir and "://" not in workdir and os.path.isdir(workdir) else tempfile.gettempdir()
-    path = os.path.join(folder, "error.log" if folder == workdir else f"posttrain-error-{os.getpid()}.log")
+def write_error_log(workdir: str | None, error: BaseException) -> str:
+    """Append the traceback to `{workdir}/error.log` (a local workdir) or a temp file; its path."""
+    local = workdir and "://" not in workdir and os.path.isdir(workdir)
+    path = os.path.join(workdir, "error.log") if local else os.path.join(
+        tempfile.gettempdir(), f"posttrain-error-{os.getpid()}.log")
     with open(path, "a") as f:
         f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(sys.argv)}\n")
         f.write("".join(traceback.format_exception(error)))
@@ -130,7 +133,7 @@ def run_cli(config, *, verbose: bool = False) -> int:
     except Exception as e:           # the boundary: everything below raises, the user reads one line
         if verbose:
             raise
-        log = write_error_log(config, e)
+        log = getattr(e, "error_log", None) or write_error_log(None, e)
         hint = "" if isinstance(e, UserError) else f" (traceback in {log}; rerun with --verbose)"
         print(f"error: {error_line(config, e)}{hint}", file=sys.stderr)
         return 2 if isinstance(e, UserError) else 1

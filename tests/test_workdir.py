@@ -52,6 +52,7 @@ def test_second_run_in_locked_workdir_fails_fast_naming_the_first(tmp_path, capl
         assert f"started {holder['started']}" in err[-1]
         print(f"second run refused after {elapsed:.1f} s")
         assert first.poll() is None, "the first run must be unaffected"
+        assert not (workdir / "error.log").exists()           # the refused run writes nothing there
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
