@@ -12,6 +12,7 @@ once, naming the first.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import logging
 import os
 import runpy
@@ -64,25 +65,30 @@ def run(config) -> object:
     primary = not jax.distributed.is_initialized() or jax.process_index() == 0
     # The lock comes first (before the heavy imports): a second run in a busy workdir fails at once.
     with workdir_lock(config.workdir) if primary else contextlib.nullcontext():
-        from posttrain.train.compile_cache import enable_compilation_cache
-        from posttrain.train.pipeline import GateFailed
-        table = stages()
-        if config.stage not in table:
-            raise UserError(f"config.stage={config.stage!r}; valid stages: {', '.join(sorted(table))}", key="stage")
-        if config.init_from:
-            from posttrain.train.init import require_init_from
-            require_init_from(config.init_from)
-        enable_compilation_cache(config.compilation_cache)
-        os.makedirs(config.workdir, exist_ok=True)
-        with open(os.path.join(config.workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
         try:
-            return table[config.stage](config)
-        except GateFailed as e:
-            raise SystemExit(f"error: pipeline stopped: {e}") from None
+            return _run_locked(config)
         except Exception as e:       # logged while the workdir is still ours
             e.error_log = write_error_log(config.workdir, e)
             raise
+
+
+def _run_locked(config) -> object:
+    from posttrain.train.compile_cache import enable_compilation_cache
+    from posttrain.train.pipeline import GateFailed
+    table = stages()
+    if config.stage not in table:
+        raise UserError(f"config.stage={config.stage!r}; valid stages: {', '.join(sorted(table))}", key="stage")
+    if config.init_from:
+        from posttrain.train.init import require_init_from
+        require_init_from(config.init_from)
+    enable_compilation_cache(config.compilation_cache)
+    os.makedirs(config.workdir, exist_ok=True)
+    with open(os.path.join(config.workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2))
+    try:
+        return table[config.stage](config)
+    except GateFailed as e:
+        raise SystemExit(f"error: pipeline stopped: {e}") from None
 
 
 def config_keys_naming(config, text: str, path: str | None = None) -> list[str]:
@@ -94,7 +100,7 @@ def config_keys_naming(config, text: str, path: str | None = None) -> list[str]:
             if hasattr(v, "keys"):
                 walk(v, f"{prefix}{k}.")
             elif isinstance(v, str) and len(v) > 2 and ("/" in v or "." in v) and (
-                    v == path or (path and path.startswith(v.rstrip("*"))) or v in text):
+                    v == path or (path and fnmatch.fnmatch(path, v)) or v in text):
                 found.append(f"{prefix}{k}")
     walk(config, "")
     return found
