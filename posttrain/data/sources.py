@@ -83,8 +83,7 @@ def expand_paths(paths: str | Sequence[str]) -> list[str]:
         try:
             fs, _, found = fsspec.get_fs_token_paths(pattern)
         except Exception as e:
-            raise UserError(f"{pattern}: cannot list ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}); "
-                            "check the path, your credentials and the network", path=pattern) from e
+            raise unreachable(pattern, e, "cannot list") from e
         if not found:
             raise UserError(f"{pattern}: no file matches", path=pattern)
         local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
@@ -117,9 +116,14 @@ def read_file(path: str) -> bytes:
     except Exception as e:      # gcsfs/aiohttp/auth errors: hundreds of lines that never name the path
         if "://" not in path or path.startswith(("file://", "memory://")):
             raise
-        reason = (str(e).strip().splitlines() or [""])[0][:200]
-        raise UserError(f"{path}: cannot read ({type(e).__name__}: {reason}); check the path, your credentials "
-                        "(e.g. gcloud auth application-default login) and the network", path=path) from e
+        raise unreachable(path, e, "cannot read") from e
+
+
+def unreachable(path: str, error: Exception, what: str) -> UserError:
+    """A one-line UserError for a remote path that failed (credentials, network), naming it."""
+    reason = (str(error).strip().splitlines() or [""])[0][:200]
+    return UserError(f"{path}: {what} ({type(error).__name__}: {reason}); check the path, your credentials "
+                     "(e.g. gcloud auth application-default login) and the network", path=path)
 
 
 class JsonlSource:

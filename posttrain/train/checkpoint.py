@@ -7,8 +7,8 @@ Safety: `save` refuses non-finite weights (one fused reduction at save time, whi
 diverged run never rotates good checkpoints out. `restore_newest` verifies by restoring: a
 checkpoint that cannot be read (a truncated file, a half-written folder) is reported by name and
 the next older one is tried (the unreadable folder is renamed `{step}.unreadable`, kept for a
-look, so the step can be saved again); a checkpoint of a differently shaped model is an error naming the
-parameter and both shapes (checked on orbax's metadata before any array is read).
+look, so the step can be saved again); a checkpoint of a differently shaped model is an error
+naming the parameter and both shapes (checked on orbax's metadata before any array is read).
 """
 
 from __future__ import annotations

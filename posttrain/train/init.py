@@ -83,7 +83,8 @@ def overlay(target: nnx.State, source: nnx.State) -> nnx.State:
         if path in flat:
             new = flat[path]
             if new.shape != v.shape:
-                raise ValueError(f"init_from: {'/'.join(map(str, path))} has shape {new.shape}, model expects {v.shape}")
+                raise UserError(f"init_from: {'/'.join(map(str, path))} has shape {new.shape}, the model expects "
+                                f"{v.shape}", key="init_from")
             return new
         return v
     return nnx.from_flat_state([(p, pick(p, v)) for p, v in nnx.to_flat_state(target)])
