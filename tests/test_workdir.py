@@ -87,14 +87,14 @@ def test_lock_conflicts_with_ancestors_and_stage_subfolders(held_elsewhere, tmp_
     with pytest.raises(WorkdirBusy, match=r"in use by pid \d+"):
         with workdir_lock(str(held_elsewhere)):
             pass
-    with pytest.raises(WorkdirBusy, match="P/.lock"):       # a stage folder of a busy pipeline
+    with pytest.raises(WorkdirBusy, match="P/.posttrain.lock"):       # a stage folder of a busy pipeline
         with workdir_lock(str(held_elsewhere / "0_sft")):
             pass
     (tmp_path / "Q" / "0_sft").mkdir(parents=True)
     with workdir_lock(str(tmp_path / "Q" / "0_sft")):       # a pipeline over a busy stage folder
         proc = subprocess.run([sys.executable, "-c", HOLD.replace("time.sleep(600)", "pass"), str(tmp_path / "Q")],
                               cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        assert proc.returncode != 0 and "Q/0_sft/.lock" in proc.stderr
+        assert proc.returncode != 0 and "Q/0_sft/.posttrain.lock" in proc.stderr
 
 
 def test_lock_is_reentrant_for_nested_workdirs_of_this_process(tmp_path):

@@ -1,7 +1,7 @@
 """A lock on a run's workdir, held for the whole run: two runs writing one workdir corrupt it
 (interleaved metrics.jsonl, orbax temporary folders left behind), so the second one fails fast.
 
-The lock is `fcntl.flock` on `{workdir}/.lock`, which the kernel releases when the holder dies
+The lock is `fcntl.flock` on `{workdir}/.posttrain.lock`, which the kernel releases when the holder dies
 (also on SIGKILL), plus the holder's pid, host, start time and command written into that file to
 name it in the error. A lock file that still names a holder but is not locked was left by a run
 that died: it is reported and taken over. A run also conflicts with runs holding the lock of an
@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 from posttrain.errors import UserError
 
-LOCK_NAME = ".lock"
+LOCK_NAME = ".posttrain.lock"
 _HELD: dict[str, tuple[int, int]] = {}     # lock file → (fd, depth) held by this process
 
 
@@ -45,7 +45,7 @@ def user_cache_dir() -> str:
 
 
 def lock_file(workdir: str) -> str:
-    """Where the lock of `workdir` lives: `{workdir}/.lock`, or for a URL a local file keyed by it."""
+    """Where the lock of `workdir` lives: `{workdir}/.posttrain.lock`, or for a URL a local file keyed by it."""
     if "://" in workdir and not workdir.startswith("file://"):
         key = hashlib.sha1(workdir.rstrip("/").encode()).hexdigest()[:16]
         return os.path.join(user_cache_dir(), "locks", f"{key}.lock")
@@ -83,7 +83,10 @@ def _check_free(workdir: str, path: str) -> None:
     """Raise WorkdirBusy if another process holds the lock file `path` (without taking it)."""
     if path in _HELD or not os.path.exists(path):
         return
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:           # not ours to read (another user's folder): nothing we can check
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         fcntl.flock(fd, fcntl.LOCK_UN)
