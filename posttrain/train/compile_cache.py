@@ -33,14 +33,13 @@ def compilation_cache_dir(setting: str) -> str | None:
 
 def enable_compilation_cache(setting: str) -> str | None:
     """Point jax's persistent compilation cache at `setting`'s folder (before the first compile);
-    returns the folder, or None when the cache is off. Every compiled program is cached (also the
-    sub-second ones: a run starts with dozens of them) unless
-    $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise."""
+    returns the folder, or None when the cache is off. jax caches programs that took at least
+    $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS (default 1 s) to compile: caching every
+    sub-second one too made the first run slower without making the second measurably faster
+    (BENCHMARKS.md)."""
     path = compilation_cache_dir(setting)
     if path is None:
         return None
     jax.config.update("jax_compilation_cache_dir", path)
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:     # jax's own setting wins
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     logging.info("compilation cache: %s (config.compilation_cache / $%s; 'off' disables)", path, ENV)
     return path
