@@ -56,12 +56,17 @@ class UnreachableGCS(AbstractFileSystem):
     def info(self, path, **kwargs):
         self._open(path)
 
+    def isdir(self, path):
+        self._open(path)
+
 
 def test_unreachable_gs_path_names_key_and_path(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules["fsspec.registry"]._registry, "gs", UnreachableGCS)
     line = one_line_error(capsys, sft_config(tmp_path, **{"sft.train_files": "gs://some-bucket/sft/train.jsonl"}))
     assert "gs://some-bucket/sft/train.jsonl: cannot read (OSError: Cannot connect" in line
     assert "credentials" in line and "[config.sft.train_files]" in line
+    line = one_line_error(capsys, sft_config(tmp_path, **{"init_from": "gs://some-bucket/runs/sft"}))
+    assert line.startswith("error: init_from=gs://some-bucket/runs/sft: cannot be read (OSError: Cannot connect")
 
 
 def test_init_from_missing_path_is_an_error_and_creates_nothing(tmp_path, capsys):

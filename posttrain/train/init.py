@@ -8,6 +8,7 @@ from collections.abc import Callable
 from flax import nnx
 from jax.sharding import Mesh
 
+from posttrain.data.sources import unreachable
 from posttrain.errors import UserError
 from posttrain.parallel.sharding import Rules
 from posttrain.train.checkpoint import Checkpointer, ShapeMismatch, abstract_with_shardings
@@ -28,9 +29,8 @@ def _exists(path: str) -> bool:
         fs, root = fsspec.core.url_to_fs(path)
         return fs.isdir(root)
     except Exception as e:     # credentials, network: say which path and why, in one line
-        raise UserError(f"init_from={path!r} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                        "check the path, your credentials (e.g. gcloud auth application-default login) and the "
-                        "network", key="init_from", path=path) from e
+        error = unreachable(path, e, "cannot be read")
+        raise UserError(f"init_from={error}", key="init_from", path=path) from e
 
 
 def require_init_from(path: str) -> None:
