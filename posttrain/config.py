@@ -80,6 +80,10 @@ def base_config() -> ml_collections.ConfigDict:
         steps=300, batch_size=16, seq_len=64, log_every=10, eval_every=0, progress=True,
         seq_len_schedule="",       # staged context: "256:20,1024" = 256 tokens for 20 steps, then train.seq_len
     ))
+    # Non-finite loss or gradient norm: the update is skipped (counted as nonfinite_skipped); the run
+    # stops when more than this many updates in a row were skipped (0: at the first).
+    cfg.train.max_nonfinite_steps = 10
+    cfg.compilation_cache = "auto"   # "auto" ($POSTTRAIN_COMPILATION_CACHE or ~/.cache/posttrain/jax) | "off" | folder
     cfg.checkpoint = ml_collections.ConfigDict(dict(every=100, keep=3, async_save=True))
     cfg.eval = ml_collections.ConfigDict(dict(
         long_context=ml_collections.ConfigDict(dict(   # needle / multi-hop retrieval (eval/long_context_eval.py)

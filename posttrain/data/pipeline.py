@@ -29,6 +29,7 @@ from posttrain.data.examples import preference_example, rl_prompt_example, sft_e
 from posttrain.data.packing import Packer, build_row, example_from_json, example_to_json, fit_length, stack_rows
 from posttrain.data.sources import DataError, JsonlSource, RawLine, SkipLog, parse_line, read_jsonl
 from posttrain.data.tokenizer import Tokenizer
+from posttrain.errors import UserError
 
 __all__ = ["BatchIterator", "DataError", "preference_batches", "read_jsonl", "rl_prompt_batches", "sft_batches"]
 
@@ -207,8 +208,12 @@ def _records(source: JsonlSource, *, seed: int, shuffle: bool, epochs: int | Non
              process_index: int, process_count: int) -> grain.MapDataset:
     """Shuffled (per epoch), process-sliced, repeated raw lines."""
     usable = len(source) - len(source) % process_count
+    if len(source) == 0:
+        raise UserError(f"{', '.join(source.paths)}: no records (empty, or only blank lines); give JSONL with one "
+                        "JSON object per line", path=source.paths[0])
     if usable == 0:
-        raise ValueError(f"{source.paths}: {len(source)} records, fewer than process_count={process_count}")
+        raise UserError(f"{', '.join(source.paths)}: {len(source)} records, fewer than the {process_count} "
+                        "processes that each need one", path=source.paths[0])
     ds = grain.MapDataset.source(source)
     if shuffle:
         # Hash the seed: grain reshuffles epoch e with seed + e, which would make (seed, epoch 1)

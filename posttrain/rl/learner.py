@@ -235,11 +235,12 @@ class Learner:
 
 
 def combine_metrics(metrics: list[dict]) -> dict:
-    """Metrics of several optimizer steps as one row: `*_min` the min, `*_max` the max, the rest
-    the mean; `rl/optimizer_steps` the count."""
+    """Metrics of several optimizer steps as one row: `*_min` the min, `*_max` and the running
+    divergence-guard counters (`nonfinite_*`) the max, the rest the mean; `rl/optimizer_steps` the count."""
     out = {}
     for k in metrics[0]:
         v = np.stack([np.asarray(m[k], np.float32) for m in metrics])
-        out[k] = v.min(axis=0) if k.endswith("_min") else v.max(axis=0) if k.endswith("_max") else v.mean(axis=0)
+        biggest = k.endswith("_max") or k.startswith("nonfinite_")
+        out[k] = v.min(axis=0) if k.endswith("_min") else v.max(axis=0) if biggest else v.mean(axis=0)
     out["rl/optimizer_steps"] = len(metrics)
     return out

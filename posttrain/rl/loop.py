@@ -49,6 +49,7 @@ from posttrain.train.metrics import MetricsWriter
 from posttrain.train.optim import lr_schedule, make_optimizer
 from posttrain.train.stages import init_model_from, with_stage_overrides
 from posttrain.train.state import TrainState, create_train_state, model_params
+from posttrain.train.step import check_nonfinite
 
 __all__ = ["RLState", "run", "rl_batch", "compute_advantages", "RolloutWorker", "AsyncProducer"]
 
@@ -169,6 +170,7 @@ def run(cfg) -> Result:
             graphdef, state, shardings = create_train_state(make, tx, mesh, rules, cfg.lora, cfg.seed)
             state, start_weights, data = starting_state(state, shardings, ckpt, start, init_model_from(cfg, decoder),
                                                         need_start_weights=bool(r.kl_coef))
+            start = int(state.step)      # older than the newest checkpoint if that one was unreadable
             # The KL reference: the starting weights (under LoRA the frozen base: no extra memory; else a
             # copy, since the policy's buffers are donated to each update).
             ref = ()
@@ -216,6 +218,7 @@ def train_loop(c: Components, rl: RLState, ckpt: Checkpointer, writer: MetricsWr
         rollouts, produced = rollout_step(c, rl)
         t1 = time.perf_counter()
         rl, metrics = learn_step(c, rl, rollouts)
+        check_nonfinite(metrics, cfg.train.max_nonfinite_steps, step, ckpt)
         rl = dataclasses.replace(rl, step=step + 1, scheduler_state=produced.scheduler_state)
         publish_step(c, rl)
         t2 = time.perf_counter()

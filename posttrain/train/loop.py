@@ -28,7 +28,7 @@ from posttrain.train.checkpoint import Checkpointer, abstract_with_shardings
 from posttrain.train.metrics import MetricsWriter
 from posttrain.train.optim import lr_schedule, make_optimizer
 from posttrain.train.state import TrainState, create_train_state, model_params
-from posttrain.train.step import make_train_step
+from posttrain.train.step import check_nonfinite, make_train_step
 
 
 @dataclasses.dataclass
@@ -81,7 +81,8 @@ def run_eval(stage: Stage, graphdef: nnx.GraphDef, state: TrainState, lora_cfg=N
 def starting_state(state: TrainState, shardings: TrainState, ckpt: Checkpointer, start: int,
                    init_model=None, *, need_start_weights: bool = False) -> tuple[TrainState, tuple, dict]:
     """Where a run begins: the initial weights (`init_model`, e.g. init_from), then, when `start`
-    > 0, the checkpoint at `start`. Returns (state, start weights (params, rest), data JSON).
+    > 0, the newest readable checkpoint at or before `start`. Returns (state, start weights
+    (params, rest), data JSON); `state.step` is the step the run continues from.
 
     Under LoRA the starting weights are the frozen base and are needed on resume too; with
     `need_start_weights` (a KL reference) they are loaded on resume as well.
@@ -92,10 +93,12 @@ def starting_state(state: TrainState, shardings: TrainState, ckpt: Checkpointer,
         state = state.replace(rest=rest, **({"frozen": weights} if lora_on else {"params": weights}))
     start_weights = (state.frozen if lora_on else state.params, state.rest)
     data = {}
-    if start:
+    if start:      # the newest readable checkpoint: an unreadable newer one is skipped, with a warning
         abstract = abstract_with_shardings(jax.eval_shape(lambda: state), shardings)
-        trees, data, _ = ckpt.restore(start, {k: getattr(abstract, k) for k in CHECKPOINT_ITEMS})
-        state = state.replace(step=jnp.asarray(start, jnp.int32), **trees)
+        found = ckpt.restore_newest({k: getattr(abstract, k) for k in CHECKPOINT_ITEMS}, at_most=start)
+        if found is not None:
+            start, trees, data, _ = found
+            state = state.replace(step=jnp.asarray(start, jnp.int32), **trees)
     return state, start_weights, data
 
 
@@ -136,14 +139,15 @@ def train(cfg, stage: Stage) -> Result:
             raise ValueError(f"train.seq_len={length} (or a train.seq_len_schedule stage): context parallelism over "
                              f"mesh.sequence={shards} needs lengths divisible by 2 × {shards}")
     start = ckpt.latest_step() or 0
-    source = start_lineage(ckpt, start, cfg.init_from)
     writer = MetricsWriter(cfg.workdir, enabled=jax.process_index() == 0, resume_step=start)
     rows, evals = [], {}
     with use_sharding(mesh, rules):
         graphdef, state, shardings = create_train_state(stage.make_model, tx, mesh, rules, cfg.lora, cfg.seed)
         state, _, data_state = starting_state(state, shardings, ckpt, start, stage.init_model)
+        start = int(state.step)       # older than the newest checkpoint if that one was unreadable
         if start:
             data.set_state(data_state)
+        source = start_lineage(ckpt, start, cfg.init_from)
         trained = jnp.asarray(source.get("trained_context") or 0, jnp.int32)
         step_fn = jax.jit(make_train_step(graphdef, tx, stage.loss_fn, schedule, cfg.lora),
                           out_shardings=(shardings, None), donate_argnums=0)
@@ -164,6 +168,7 @@ def train(cfg, stage: Stage) -> Result:
                 if data.staged:
                     metrics.update({"seq_len": data.length, "data/deferred": getattr(data.batches, "deferred", 0)})
                 rows.append(writer.write(step, metrics))
+                check_nonfinite(metrics, cfg.train.max_nonfinite_steps, step, ckpt)
                 bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}", **({"tok/s": f"{metrics['tokens_per_s']:.0f}"}
                                                                   if "tokens_per_s" in metrics else {}))
                 t0, last = now, step
