@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from posttrain.rl.sandbox import (
+from posttrain.sandbox import (
     ExecResult, Job, Limits, Sandbox, Status, detect_isolation, python_job, shell_job,
 )
 
@@ -246,7 +246,7 @@ def test_bad_input_is_named():
 
 
 def test_world_executable_check():
-    from posttrain.rl.sandbox import _others_can_run
+    from posttrain.sandbox.core import _others_can_run
     assert _others_can_run("/bin/sh")
     private = tempfile.mkdtemp()
     try:

@@ -223,7 +223,7 @@ def main() -> None:
     if args.section in ("rl", "all"):
         print_rows("rlvr overlap", bench_rl())
     if args.section in ("sandbox", "all"):
-        from posttrain.rl.sandbox_bench import sandbox_bench
+        from posttrain.rl.verifiers.bench import sandbox_bench
         print_rows("sandbox", sandbox_bench())
 
 

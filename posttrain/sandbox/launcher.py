@@ -1,4 +1,4 @@
-"""Sandbox launcher: the first process of every sandboxed execution (see `sandbox.py`).
+"""Sandbox launcher: the first process of every sandboxed execution (see `core.py`).
 
 Run as `python -I -S -c <this file's source> <spec json>` (stdlib only, small imports, never
 imported by the host). It enters the namespaces, makes every mount read-only and the working

@@ -17,7 +17,7 @@ and stdout/stderr capped at a byte limit. On Linux it also uses, where the OS al
 that do not. A `Sandbox` runs many executions concurrently on a bounded thread pool and
 retries infrastructure failures (never the program's own).
 
-Process tree of one execution: host -> launcher (`sandbox_launcher.py`: enters namespaces,
+Process tree of one execution: host -> launcher (`launcher.py`: enters namespaces,
 mounts) -> init (pid 1 of the new PID namespace, reaps, reports exit status on a private pipe)
 -> program.
 """
@@ -47,7 +47,7 @@ INFRA_EXIT = 121  # exit code of launcher/init when setting up the sandbox faile
 _READ_CHUNK = 1 << 16
 
 # The launcher runs as `python -I -S -c LAUNCHER_SOURCE <spec json>`: stdlib only, small imports.
-LAUNCHER_SOURCE = (Path(__file__).parent / "sandbox_launcher.py").read_text()
+LAUNCHER_SOURCE = (Path(__file__).parent / "launcher.py").read_text()
 
 
 class Status(enum.StrEnum):
