@@ -248,6 +248,10 @@ def test_bad_input_is_named():
         Sandbox(SMALL).run(Job(argv=(sys.executable,), files={"../x": "y"}))
     with pytest.raises(ValueError, match="not found"):
         Sandbox(SMALL).run(Job(argv=("no-such-program-xyz",)))
+    with pytest.raises(ValueError, match="visible path '/no/such/dir'"):
+        Sandbox(SMALL, visible=("/no/such/dir",))
+    with pytest.raises(ValueError, match="workdir_root"):
+        Sandbox(SMALL, visible=(tempfile.gettempdir(),))
 
 
 def test_world_executable_check():

@@ -163,17 +163,18 @@ def detect_isolation(python: str = sys.executable) -> Isolation:
 
     full = Isolation(drop_uid=root, user_ns=not root, net_ns=True, pid_ns=True, mount_ns=True, ipc_ns=True,
                      private_root=True, memory_cgroup=cgroup.memory_cgroup_parent() is not None)
-    none = dict(net_ns=False, pid_ns=False, mount_ns=False, ipc_ns=False, private_root=False)
+    none = dict(net_ns=False, pid_ns=False, mount_ns=False, ipc_ns=False, private_root=False, memory_cgroup=False)
     if works(full):
         return full
-    if not root and not works(dataclasses.replace(full, **none)):
-        return dataclasses.replace(full, user_ns=False, **none)  # no user namespace: no other either
-    usable = {name: works(dataclasses.replace(full, **{**none, name: True})) for name in none
-              if name != "private_root"}
+    base = dataclasses.replace(full, **none)
+    if not root and not works(base):
+        return dataclasses.replace(base, user_ns=False)  # no user namespace: no other either
+    usable = {name: getattr(full, name) and works(dataclasses.replace(base, **{name: True}))
+              for name in none if name != "private_root"}
     if usable["mount_ns"]:
-        usable["private_root"] = works(dataclasses.replace(full, **none, mount_ns=True, private_root=True))
+        usable["private_root"] = works(dataclasses.replace(base, mount_ns=True, private_root=True))
     iso = dataclasses.replace(full, **usable)
-    return iso if works(iso) else dataclasses.replace(full, **none)
+    return iso if works(iso) else base
 
 
 class _UidPool:
@@ -218,8 +219,11 @@ class Sandbox:
         self.isolation = isolation or detect_isolation(python)
         self.retries = retries
         self.python = python
+        self.workdir_root = os.path.abspath(workdir_root or tempfile.gettempdir())
         self.visible = visible_paths(tuple(visible))
-        self.workdir_root = workdir_root or tempfile.gettempdir()
+        if any(os.path.commonpath([self.workdir_root, p]) == p for p in self.visible):
+            raise ValueError(f"Sandbox workdir_root {self.workdir_root!r} lies inside a visible path; "
+                             "the programs would see each other's working directories")
         self.max_workers = max_workers or os.cpu_count() or 1
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -277,7 +281,10 @@ def _execute(job: Job, limits: Limits, iso: Isolation, python: str, workdir_root
     proc = memory = None
     try:
         _write_files(workdir, job.files, uid if iso.drop_uid else None)
-        memory = cgroup.create(limits.memory_bytes) if iso.memory_cgroup else None
+        try:
+            memory = cgroup.create(limits.memory_bytes) if iso.memory_cgroup else None
+        except OSError as e:
+            raise _InfraError(f"cannot create the run's memory cgroup: {e}") from e
         spec = {
             "argv": argv, "workdir": workdir, "status_fd": status_w, "ns": iso.namespaces(),
             "drop_uid": iso.drop_uid, "uid": uid, "gid": uid, "infra_exit": INFRA_EXIT,
