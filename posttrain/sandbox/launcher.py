@@ -164,6 +164,10 @@ def exec_program(spec, init_pid, uid, gid):
     check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
     if os.getppid() != init_pid:
         os._exit(spec["infra_exit"])
+    if spec["ns"]["pid"]:
+        # Own session: kill(0) must not reach the launcher outside the PID namespace (in a user
+        # namespace it has the program's host uid). Without one, the host's group kill needs the group.
+        os.setsid()
     os.chdir(spec["workdir"])
     for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores these, and exec keeps ignored signals
         signal.signal(sig, signal.SIG_DFL)
@@ -173,8 +177,10 @@ def exec_program(spec, init_pid, uid, gid):
     os.execve(spec["argv"][0], spec["argv"], spec["env"])
 
 
-def run_init(spec, alive_r, uid, gid):
-    """Init (pid 1 of the PID namespace): fork the program, reap everything, report its exit."""
+def run_init(spec, alive_r, uid, gid, root):
+    """Init (pid 1 of the PID namespace): mount its /proc, enter the private root (after the
+    /proc mount: in a user namespace a new proc may only be mounted while the host's is still
+    visible), fork the program, reap everything, report its exit."""
     infra = spec["infra_exit"]
     check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
     os.set_blocking(alive_r, False)
@@ -184,7 +190,9 @@ def run_init(spec, alive_r, uid, gid):
     except BlockingIOError:
         pass
     if spec["ns"]["pid"] and spec["ns"]["mount"]:
-        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if root:
+        enter_root(root)
     init_pid = os.getpid()
     child = os.fork()
     if child == 0:
@@ -212,21 +220,20 @@ def main(spec):
         staging_fd = os.open(spec["workdir"], os.O_RDONLY | os.O_DIRECTORY)
         enter_namespaces(ns)
         uid, gid = (INNER_ID, INNER_ID) if ns["user"] else (spec["uid"], spec["gid"])
+        # The new root is built on the staging directory's path (its files stay readable via staging_fd).
+        root = spec["workdir"] if ns["mount"] and spec["root"] is not None else ""
         if ns["mount"]:
             readonly_mounts()
-            root = spec["workdir"] if spec["root"] is not None else ""  # the new root's mount point
             if root:
                 build_root(root, spec["root"], spec["workdir"], host_proc=not ns["pid"])
             private_workdir(spec["workdir"], staging_fd, uid, gid, spec["limits"]["disk_bytes"], root)
-            if root:
-                enter_root(root)
         os.close(staging_fd)
         alive_r, alive_w = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(alive_w)
             try:
-                run_init(spec, alive_r, uid, gid)
+                run_init(spec, alive_r, uid, gid, root)
             except BaseException as e:
                 report(spec["status_fd"], error=f"init: {e}")
             finally:
