@@ -2,8 +2,8 @@
 `memory.limit_in_bytes`) created per execution below this process's own memory cgroup.
 
 RLIMIT_AS bounds each process; a cgroup bounds the run's processes together (resident memory,
-including the pages of files it writes to its tmpfs). The launcher joins the cgroup before it
-forks, so every descendant is charged to it; when the total passes the budget the kernel's OOM
+including the pages of files it writes to its tmpfs). The host moves the launcher into the
+cgroup before the launcher forks, so every descendant is charged to it; when the total passes the budget the kernel's OOM
 killer kills inside the cgroup only. Where no writable memory controller exists (no root, no
 delegation), `memory_cgroup_parent()` is None and the run's memory is bounded only by
 processes x memory_bytes (reported by `Isolation.missing()`).
@@ -89,6 +89,12 @@ def create(limit_bytes: int) -> str | None:
         _rmdir(path)
         raise
     return path
+
+
+def attach(path: str, pid: int) -> None:
+    """Move process `pid` into the cgroup (its later children are born there)."""
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(pid))
 
 
 def oom_kills(path: str) -> int:

@@ -288,19 +288,12 @@ def _execute(job: Job, limits: Limits, iso: Isolation, python: str, workdir_root
         spec = {
             "argv": argv, "workdir": workdir, "status_fd": status_w, "ns": iso.namespaces(),
             "drop_uid": iso.drop_uid, "uid": uid, "gid": uid, "infra_exit": INFRA_EXIT,
-            "limits": dataclasses.asdict(limits), "cgroup": memory,
+            "limits": dataclasses.asdict(limits),
             "root": list(visible) if iso.private_root else None,
             "env": {"PATH": SANDBOX_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"},
         }
         start = time.monotonic()
-        try:
-            proc = subprocess.Popen(
-                [python, "-I", "-S", "-c", LAUNCHER_SOURCE, json.dumps(spec)],
-                stdin=subprocess.PIPE if job.stdin is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,),
-                start_new_session=True, env={}, cwd="/")
-        except OSError as e:
-            raise _InfraError(f"cannot start launcher: {e}") from e
+        proc = _start_launcher(python, spec, job.stdin is not None, memory)
         os.close(status_w)
         status_w = -1
         out = _collect(proc, status_r, job.stdin, start + limits.wall_s, limits.output_bytes)
@@ -320,6 +313,34 @@ def _execute(job: Job, limits: Limits, iso: Isolation, python: str, workdir_root
         shutil.rmtree(workdir, ignore_errors=True)
         if iso.drop_uid:
             _UIDS.release(uid)
+
+
+def _start_launcher(python: str, spec: dict, has_stdin: bool, memory: str | None) -> subprocess.Popen:
+    """Start the launcher. With a memory cgroup, move it there while its interpreter starts
+    (a move costs milliseconds), then let it fork the program ("go" pipe): every process of
+    the run is charged to the run's budget."""
+    go_r, go_w = os.pipe() if memory else (-1, -1)
+    try:
+        try:
+            proc = subprocess.Popen(
+                [python, "-I", "-S", "-c", LAUNCHER_SOURCE, json.dumps({**spec, "go_fd": go_r if memory else None})],
+                stdin=subprocess.PIPE if has_stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, pass_fds=(spec["status_fd"], *((go_r,) if memory else ())),
+                start_new_session=True, env={}, cwd="/")
+        except OSError as e:
+            raise _InfraError(f"cannot start launcher: {e}") from e
+        if memory:
+            try:
+                cgroup.attach(memory, proc.pid)
+                os.write(go_w, b"1")
+            except OSError as e:
+                _kill_group(proc)
+                raise _InfraError(f"cannot move the launcher into its memory cgroup: {e}") from e
+        return proc
+    finally:
+        for fd in (go_r, go_w):
+            if fd >= 0:
+                os.close(fd)
 
 
 def _write_files(workdir: str, files: Mapping[str, str | bytes], owner: int | None) -> None:

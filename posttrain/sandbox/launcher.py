@@ -1,13 +1,13 @@
 """Sandbox launcher: the first process of every sandboxed execution (see `core.py`).
 
 Run as `python -I -S -c <this file's source> <spec json>` (stdlib only, small imports, never
-imported by the host). It joins the run's memory cgroup, enters the namespaces, makes every
-mount read-only and the working directory a private tmpfs -- with a private root, inside a
-new root filesystem that holds only the visible system paths, a minimal /dev and the working
-directory -- then forks init (pid 1 of the new PID namespace), which forks the
-program, applies the resource limits, drops to the sandbox uid and execs it. Init reports the
-program's exit status (or any setup error) as JSON lines on the private status pipe
-`spec["status_fd"]`; setup failures exit with `spec["infra_exit"]`.
+imported by the host). It enters the namespaces, makes every mount read-only and the working
+directory a private tmpfs -- with a private root, inside a new root filesystem that holds only
+the visible system paths, a minimal /dev and the working directory -- then waits until the
+host has moved it into the run's memory cgroup (if any) and forks init (pid 1 of the new PID
+namespace), which forks the program, applies the resource limits, drops to the sandbox uid
+and execs it. Init reports the program's exit status (or any setup error) as JSON lines on the
+private status pipe `spec["status_fd"]`; setup failures exit with `spec["infra_exit"]`.
 """
 
 import ctypes
@@ -214,9 +214,6 @@ def main(spec):
     infra = spec["infra_exit"]
     try:
         ns = spec["ns"]
-        if spec["cgroup"]:  # before any fork: every descendant is charged to the run's budget
-            with open(os.path.join(spec["cgroup"], "cgroup.procs"), "w") as f:
-                f.write(str(os.getpid()))
         staging_fd = os.open(spec["workdir"], os.O_RDONLY | os.O_DIRECTORY)
         enter_namespaces(ns)
         uid, gid = (INNER_ID, INNER_ID) if ns["user"] else (spec["uid"], spec["gid"])
@@ -228,6 +225,10 @@ def main(spec):
                 build_root(root, spec["root"], spec["workdir"], host_proc=not ns["pid"])
             private_workdir(spec["workdir"], staging_fd, uid, gid, spec["limits"]["disk_bytes"], root)
         os.close(staging_fd)
+        if spec["go_fd"] is not None:  # the host moves us into the run's memory cgroup meanwhile
+            if os.read(spec["go_fd"], 1) != b"1":
+                raise OSError("the host did not move the launcher into the run's memory cgroup")
+            os.close(spec["go_fd"])
         alive_r, alive_w = os.pipe()
         pid = os.fork()
         if pid == 0:
