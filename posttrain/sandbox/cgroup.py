@@ -1,12 +1,13 @@
 """One memory budget per sandboxed run: a memory cgroup (v2 `memory.max` or v1
-`memory.limit_in_bytes`) created per execution below this process's own memory cgroup.
+`memory.limit_in_bytes`) created per execution below this process's own memory cgroup (v2:
+beside it, where the memory controller is enabled for children).
 
 RLIMIT_AS bounds each process; a cgroup bounds the run's processes together (resident memory,
 including the pages of files it writes to its tmpfs). The host moves the launcher into the
-cgroup before the launcher forks, so every descendant is charged to it; when the total passes the budget the kernel's OOM
-killer kills inside the cgroup only. Where no writable memory controller exists (no root, no
-delegation), `memory_cgroup_parent()` is None and the run's memory is bounded only by
-processes x memory_bytes (reported by `Isolation.missing()`).
+cgroup before the launcher forks, so every descendant is charged to it; when the total passes
+the budget the kernel's OOM killer kills inside the cgroup only. Where no writable memory
+controller exists (no root, no delegation), `memory_cgroup_parent()` is None and the run's
+memory is bounded only by processes x memory_bytes (reported by `Isolation.missing()`).
 """
 
 from __future__ import annotations
