@@ -18,7 +18,7 @@ from posttrain.rl.domains import (
 )
 from posttrain.rl.envs import SingleTurnEnv, Task, run_episode
 from posttrain.rl.reward import default_reward_function
-from posttrain.rl.sandbox import Sandbox
+from posttrain.sandbox import Sandbox
 from posttrain.rl.scheduler import Group, TaskScheduler, informative
 from posttrain.rl.verifiers import MathTask
 

@@ -15,7 +15,7 @@ import pytest
 from posttrain.rl.reward import (
     Reward, RewardConfig, RewardFunction, compose, default_reward_function, overlong_penalty,
 )
-from posttrain.rl.sandbox import Limits, Sandbox, Status
+from posttrain.sandbox import Limits, Sandbox, Status
 from posttrain.rl.verifiers import (
     CodeTask, CodeVerifier, MathTask, MathVerifier, Verdict, answers_equal, extract_answer, extract_code,
 )

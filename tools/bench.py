@@ -258,7 +258,7 @@ def main() -> None:
         from attention_bench import attention_bench
         print_rows("attention", attention_bench(length=args.seq * 8, iters=args.iters // 2 or 1))
     if args.section in ("sandbox", "all"):
-        from posttrain.rl.sandbox_bench import sandbox_bench
+        from posttrain.rl.verifiers.bench import sandbox_bench
         print_rows("sandbox", sandbox_bench())
 
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.rl.sandbox import ExecResult, Job, Limits, Sandbox, Status, sandbox_python
+from posttrain.sandbox import ExecResult, Job, Limits, Sandbox, Status, sandbox_python
 from posttrain.rl.verifiers.base import Verdict
 
 HARNESS_SOURCE = (Path(__file__).parent / "code_harness.py").read_text()
