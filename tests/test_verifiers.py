@@ -92,6 +92,11 @@ def test_last_number_fallback_is_configurable():
     ("2.5", "2.6", False), ("3/4", "4/3", False), ("1e3", "1000", True), ("7", "-7", False),
     ("(x+1)^2", "x^2+2x+1", True), ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}", True), ("\\{1,2\\}", "\\{2,1\\}", True),
     ("[0,1)", "[0,1]", False), ("x^2", "x^3", False),
+    # tolerance from the reference's own precision (issue 16)
+    ("1234566.0", "1234567", False), ("1234567.0", "1234567", True), ("1e-9", "0", False), ("0.0", "0", True),
+    ("3.14159", "3.14", True), ("3.146", "3.14", False), ("3.1", "3.14", False), ("1540", "1.5e3", True),
+    ("1560", "1.5e3", False), ("0.333", "1/3", False), ("12.54%", "12.5%", True), ("0.1254", "12.5%", True),
+    ("0.126", "12.5%", False), ("3", "3.0", True), ("1,234,567.0", "1234567", True),
 ])
 def test_answers_equal(pred, ref, equal):
     assert answers_equal(pred, ref) is equal

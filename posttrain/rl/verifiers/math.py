@@ -142,14 +142,13 @@ def parse_number(text: str) -> list[Fraction] | None:
     return [value, value / 100] if percent else [value]
 
 
-def _is_decimal(text: str) -> bool:
-    """Written with a decimal point or exponent, so only as exact as its digits."""
-    return bool(re.search(r"\.\d|\d[eE][-+]?\d", _clean(text)[0]))
-
-
-def numbers_equal(a: Fraction, b: Fraction, *, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> bool:
-    """|a - b| within max(abs_tol, rel_tol * max(|a|, |b|)), exact in rationals."""
-    return abs(a - b) <= max(Fraction(abs_tol), Fraction(rel_tol) * max(abs(a), abs(b)))
+def reference_tolerance(ref: str) -> Fraction:
+    """Half a unit in the last digit the reference writes ("3.14" -> 0.005, "1.5e3" -> 50):
+    a prediction that rounds to the reference equals it. Integers and fractions are exact (0)."""
+    m = re.search(r"\d(?:\.(\d+))?(?:[eE]([-+]?\d+))?\s*$", _clean(ref)[0].replace(",", ""))
+    if m is None or not (m.group(1) or m.group(2)):
+        return Fraction(0)
+    return Fraction(1, 2) * Fraction(10) ** (int(m.group(2) or 0) - len(m.group(1) or ""))
 
 
 def _symbolic_safe(text: str) -> bool:
@@ -199,19 +198,18 @@ def symbolic_equal(pred: str, ref: str, checker: SymbolicChecker | None = None) 
     return (checker or default_checker()).equal(pred, ref)
 
 
-def answers_equal(pred: str, ref: str, *, rel_tol: float = 1e-6, abs_tol: float = 1e-9,
-                  symbolic: bool = True, checker: SymbolicChecker | None = None) -> bool:
+def answers_equal(pred: str, ref: str, *, symbolic: bool = True,
+                  checker: SymbolicChecker | None = None) -> bool:
     """True when the predicted answer equals the reference: same text, same number (exactly
-    for integers and fractions, within tolerance when either is a decimal; either reading of
-    a percent), or (symbolic=True) equivalent expressions (`symbolic_equal` on `checker`,
+    when the reference is an integer or fraction, to the reference's own precision when it is
+    a decimal -- `reference_tolerance`; either reading of a percent), or (symbolic=True) equivalent expressions (`symbolic_equal` on `checker`,
     which may raise SymbolicCheckError)."""
     if _clean(pred)[0].replace(" ", "") == _clean(ref)[0].replace(" ", ""):
         return True
     p, r = parse_number(pred), parse_number(ref)
     if p is not None and r is not None:
-        if not (_is_decimal(pred) or _is_decimal(ref)):
-            rel_tol = abs_tol = 0.0  # integers and fractions compare exactly
-        return any(numbers_equal(a, b, rel_tol=rel_tol, abs_tol=abs_tol) for a in p for b in r)
+        tol = reference_tolerance(ref)  # readings of a percent reference scale with their value
+        return any(abs(a - b) <= tol * (b / r[0] if r[0] else 1) for a in p for b in r)
     return symbolic and symbolic_equal(pred, ref, checker)
 
 
@@ -224,8 +222,6 @@ class MathVerifier:
 
     last_number_fallback: bool = True
     format_sources: tuple[str, ...] = ("boxed", "hash", "answer_is")
-    rel_tol: float = 1e-6
-    abs_tol: float = 1e-9
     symbolic: bool = True
     symbolic_timeout: float = 5.0
     errors: int = dataclasses.field(default=0, init=False, compare=False)
@@ -244,8 +240,7 @@ class MathVerifier:
             return Verdict(0.0, False, "no answer found")
         format_ok = found.source in self.format_sources
         try:
-            ok = answers_equal(found.text, task.answer, rel_tol=self.rel_tol, abs_tol=self.abs_tol,
-                               symbolic=self.symbolic, checker=self._checker)
+            ok = answers_equal(found.text, task.answer, symbolic=self.symbolic, checker=self._checker)
         except Exception as e:   # a failed or timed-out check is no verdict: reported, counted, logged
             error = str(e) if isinstance(e, SymbolicCheckError) else f"{type(e).__name__}: {e}"
             with self._errors_lock:
