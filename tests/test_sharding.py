@@ -133,3 +133,23 @@ def test_mesh_shape_errors_name_the_problem():
         resolve_mesh_shape(dict(data=-1, tensor=-1), 8)
     with pytest.raises(ValueError, match="unknown axes"):
         resolve_mesh_shape(dict(dta=8), 8)
+
+
+def test_platform_comes_from_the_mesh_and_cpu_meshes_keep_the_cpu_paths():
+    """`mesh_platform` reads the devices of the mesh a program is built for; on a CPU mesh the MoE
+    dispatch stays padded and the sampler slices layers before its loop (the TPU side is checked
+    by tests/test_compile_plan.py, which builds a mesh over abstract TPU devices)."""
+    from posttrain.models.moe.dispatch import expert_layout
+    from posttrain.parallel import mesh_platform
+    from posttrain.sampling import engine
+
+    assert mesh_platform() == "cpu"
+    mesh = make_mesh(dict(data=2, expert=4))
+    assert mesh_platform(mesh) == "cpu"
+    cfg = moe_config()
+    model = Decoder(cfg.model, rngs=nnx.Rngs(0))
+    with use_sharding(mesh, DEFAULT_RULES):
+        assert mesh_platform() == "cpu"
+        layout = expert_layout(mesh, P(("data", "expert")), P(), P("expert"), P("expert"), "auto")
+        assert layout.dispatch == "padded"
+        assert engine.decode_layers(model) is not None

@@ -10,6 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from posttrain.parallel.sharding import current
+
 MESH_AXES = ("data", "fsdp", "expert", "tensor", "sequence")
 
 
@@ -49,6 +51,22 @@ def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
         return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
                 axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def mesh_platform(mesh: Mesh | None = None) -> str:
+    """The platform ('cpu', 'gpu', 'tpu') of the devices a program is being built for.
+
+    The devices of `mesh`, else of the mesh made current by `use_sharding` / `jax.set_mesh`, else
+    the default backend. Code choosing an accelerator path asks this rather than
+    `jax.default_backend()`, which says `cpu` on a CPU host even while a program is compiled
+    ahead of time for an (abstract) TPU mesh.
+    """
+    if mesh is None:
+        ctx = current()
+        mesh = ctx[0] if ctx is not None else jax.sharding.get_mesh()
+    if mesh is not None and not mesh.empty:
+        return mesh.devices.flat[0].platform
+    return jax.default_backend()
 
 
 _DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")

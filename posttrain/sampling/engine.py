@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from posttrain.parallel.mesh import mesh_platform
 from posttrain.parallel.sharding import constrain
 from posttrain.sampling import kv_cache
 from posttrain.sampling.rules import SamplingParams, sample_token
@@ -69,7 +70,7 @@ def decode_layers(model: nnx.Module) -> list | None:
     GPU/TPU compilers fuse the slices into the matmuls, and no second copy of the weights takes
     memory.
     """
-    return model.layers() if jax.default_backend() == "cpu" else None
+    return model.layers() if mesh_platform() == "cpu" else None
 
 
 def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array,
