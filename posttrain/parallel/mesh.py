@@ -63,10 +63,11 @@ def mesh_platform(mesh: Mesh | None = None) -> str:
     """
     if mesh is None:
         ctx = current()
-        mesh = ctx[0] if ctx is not None else jax.sharding.get_mesh()
-    if mesh is not None and not mesh.empty:
+        mesh = ctx[0] if ctx is not None else jax.sharding.get_abstract_mesh()   # works under jit
+    device = getattr(mesh, "abstract_device", None) if not mesh.empty else None
+    if isinstance(mesh, Mesh) and not mesh.empty:
         return mesh.devices.flat[0].platform
-    return jax.default_backend()
+    return device.platform if device is not None else jax.default_backend()
 
 
 _DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
