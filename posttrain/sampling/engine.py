@@ -80,7 +80,7 @@ def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array,
     Positions are 0..P-1 and padding has segment id 0, exactly as the learner lays out a row.
     `layers`: `decode_layers(model)`.
     """
-    tokens = constrain(tokens, ("batch", "length"))
+    tokens = constrain(tokens, ("activation_batch", "activation_length"))
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
     hidden, kv = model.prefill(tokens, positions, segment_ids, layers)
@@ -116,7 +116,7 @@ def decode_step(model: nnx.Module, slots: Slots, tokens: jax.Array, layers: list
     capacity = kv_cache.capacity(slots.cache)
     positions = jnp.clip(slots.prompt_len + slots.step - 1, 0, capacity - 1)
     hidden, cache = model.decode(tokens[:, None], positions, slots.cache, layers)
-    logits = constrain(model.logits(hidden)[:, 0], ("batch", "vocab"))
+    logits = constrain(model.logits(hidden)[:, 0], ("activation_batch", "activation_vocab"))
     return slots.replace(cache=kv_cache.shard(cache), logits=logits)
 
 

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from posttrain.models.attention import K_TIME_AXIS, V_TIME_AXIS
 from posttrain.parallel.sharding import constrain
 
-K_NAMES = ("batch", "kv_heads", "head_dim", None)
-V_NAMES = ("batch", "kv_heads", None, "head_dim")
+K_NAMES = ("activation_batch", "activation_kv_heads", "head_dim", None)
+V_NAMES = ("activation_batch", "activation_kv_heads", None, "head_dim")
 TIME_AXES = (K_TIME_AXIS, V_TIME_AXIS)
 
 
