@@ -196,9 +196,19 @@ def estimate_step(report: dict, chip: aot.Chip) -> dict:
             "mfu": report["model_flops_per_device"] / (step_s * chip.peak_flops) if step_s else 0.0}
 
 
+def argument_report(program: Program, chip: aot.Chip, num_devices: int) -> dict:
+    """What is known without compiling: per-device argument bytes by part (exact: the shards of
+    the abstract arguments) and the model's FLOPs; compute-bound time at peak."""
+    parts = {k: aot.shard_bytes(v) for k, v in program.parts.items() if jax.tree.leaves(v)}
+    flops = program.model_flops / num_devices
+    return {"program": program.name, "parts": parts, "arguments": sum(parts.values()),
+            "model_flops_per_device": flops, "hbm": chip.hbm_bytes, "compute_s": flops / chip.peak_flops}
+
+
 def plan(cfg, topology: str, names: tuple[str, ...] = PROGRAMS, prompt_len: int = 256,
-         log: Callable[[str], None] = print) -> list[dict]:
-    """Compile `names` for `cfg` on `topology` (e.g. 'v5p:2x2x1', 'v5p-128'); one report each."""
+         log: Callable[[str], None] = print, compile: bool = True) -> list[dict]:
+    """Compile `names` for `cfg` on `topology` (e.g. 'v5p:2x2x1', 'v5p-128'); one report each.
+    `compile=False`: only `argument_report` (seconds instead of minutes for a large model)."""
     gen, _ = aot.parse_topology(topology)
     devices = aot.tpu_devices(topology)
     mesh, rules = make_mesh(cfg.mesh.to_dict(), devices), parse_rules(cfg.sharding.rules.to_dict())
@@ -206,6 +216,10 @@ def plan(cfg, topology: str, names: tuple[str, ...] = PROGRAMS, prompt_len: int 
     with use_sharding(mesh, rules):
         programs = build_programs(cfg, mesh, rules, names, prompt_len)
     for program in programs:
+        if not compile:
+            reports.append({**argument_report(program, aot.CHIPS[gen], len(devices)),
+                            "topology": topology, "mesh": dict(mesh.shape)})
+            continue
         compiled, seconds = compile_program(program, mesh, rules)
         report = program_report(program, compiled, aot.CHIPS[gen], len(devices))
         report.update(topology=topology, mesh=dict(mesh.shape), compile_s=seconds)

@@ -110,12 +110,15 @@ def test_collective_bytes_follow_loops_and_kinds():
 ENTRY %main (a: f32[8]) -> f32[8] {
   %a = f32[8]{0} parameter(0)
   %s = bf16[4,4]{1,0} all-reduce(%a), to_apply=%add
+  %buf = f32[64]{0} broadcast(%a), dimensions={}
+  %rr = f32[64]{0} ragged-all-to-all(%a, %buf, %o1, %o2, %o3, %o4), replica_groups={{0,1}}
   %w = (s32[], f32[8]) while(%t0), condition=%cond, body=%body
   ROOT %o = f32[8]{0} get-tuple-element(%w), index=1
 }
 """
     counts, unknown = aot.collective_bytes(hlo)
-    assert counts == {"all-gather": 3 * 128, "reduce-scatter": 3 * 128, "all-to-all": 0,
+    # a ragged all-to-all sends at most its input (32 bytes); its output buffer is only a bound
+    assert counts == {"all-gather": 3 * 128, "reduce-scatter": 3 * 128, "all-to-all": 32,
                       "all-reduce": 32, "collective-permute": 0}
     assert not unknown
     counts, unknown = aot.collective_bytes(hlo.replace("%n = s32[] constant(3)", "%n = s32[] get-tuple-element(%p), index=0"))

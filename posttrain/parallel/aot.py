@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from typing import Any
 
@@ -66,6 +67,9 @@ def tpu_devices(topology: str) -> list:
     """Abstract TPU devices of a slice (see `parse_topology`); needs libtpu, not a TPU."""
     from jax.experimental import topologies
     _, name = parse_topology(topology)
+    # libtpu takes a machine-wide lock meant for real chips; compiling only, several processes
+    # (a test run beside a compile plan) may load it
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
 
 
@@ -104,8 +108,6 @@ def _bytes_of(text: str) -> int:
 
 def _collective_kind(opcode: str) -> str | None:
     base = opcode.removesuffix("-start")
-    if base == "ragged-all-to-all":
-        return "all-to-all"
     return base if base in COLLECTIVES and not opcode.endswith("-done") else None
 
 
@@ -142,7 +144,7 @@ def collective_bytes(hlo_text: str) -> tuple[dict[str, int], bool]:
 
     Each collective counts its full-size buffer: the result of an all-gather, all-to-all,
     all-reduce or collective-permute, the operand of a reduce-scatter; a ragged all-to-all counts
-    its receive buffer (an upper bound: only real rows travel). Loop bodies count once per trip
+    the rows it may send (its input: every local assignment; the receive buffer is a bound). Loop bodies count once per trip
     of every enclosing counted loop (a scan over layers runs its body once per layer). Returns
     the counts and whether some loop was not counted (a data-dependent decode loop: its body is
     counted once, i.e. per iteration).
@@ -159,8 +161,10 @@ def collective_bytes(hlo_text: str) -> tuple[dict[str, int], bool]:
         out = memo[comp] = dict.fromkeys(COLLECTIVES, 0)
         for _, result, opcode, rest in comps.get(comp, []):
             kind = _collective_kind(opcode)
-            if kind == "reduce-scatter":
-                operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+            operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+            if opcode == "ragged-all-to-all":        # the rows it sends (its output is a bound)
+                out["all-to-all"] += _bytes_of(types.get(operands[0], ""))
+            elif kind == "reduce-scatter":
                 out[kind] += sum(_bytes_of(types.get(o, "")) for o in operands)
             elif kind:
                 out[kind] += _bytes_of(result)
