@@ -82,6 +82,8 @@ def train_program(name: str, cfg, mesh: Mesh, rules, loss_fn, batch: dict, extra
     parts = {"params": state.params, "optimizer": state.opt_state, "frozen base": state.frozen,
              "model variables": state.rest, "reference": extra, "batch": batch}
     flops = train_flops_per_token(cfg.model, batch[next(iter(batch))].shape[1]) * tokens
+    if cfg.lora.rank > 0:       # frozen weights get no weight gradient: forward + input gradient only
+        flops *= 4 / 6
     return Program(name, step, (state, batch, *extra), parts, flops)
 
 
