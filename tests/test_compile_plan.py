@@ -131,3 +131,22 @@ def test_topology_names():
     assert aot.parse_topology("v5e-256") == ("v5e", "v5e:16x16")
     with pytest.raises(ValueError, match="v5p:2x2"):
         aot.parse_topology("v5p:2x2")
+
+
+@pytest.mark.parametrize("model, billions", [("qwen3_30b_a3b", 30.5), ("qwen3_235b_a22b", 235.1),
+                                             ("deepseek_v3", 674.8), ("kimi_k2", 1028.3)])
+def test_pod_shapes_have_the_published_sizes(model, billions):
+    """The pod configs' parameter counts (abstract, nothing allocated): Qwen3 exactly as published,
+    DeepSeek-V3 / Kimi-K2 within 1% of 671B / 1.03T with the GQA stand-in for MLA."""
+    import runpy
+
+    import jax
+    from flax import nnx
+
+    from posttrain.models.decoder import Decoder
+    from posttrain.train.state import abstract_model
+    cfg = runpy.run_path("configs/pod/moe_shapes.py")["get_config"](f"{model}:sft_full")
+    params = nnx.state(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
+    assert sum(x.size for x in jax.tree.leaves(params)) / 1e9 == pytest.approx(billions, abs=0.1)
+    with pytest.raises(ValueError, match="MODEL:MODE"):
+        runpy.run_path("configs/pod/moe_shapes.py")["get_config"](f"{model}:pretrain")
