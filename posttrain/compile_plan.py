@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from posttrain.models.decoder import Decoder
 from posttrain.models.flops import activated_matmul_params, train_flops_per_token
-from posttrain.parallel import aot, logical_spec, make_mesh, parse_rules, use_sharding
+from posttrain.parallel import aot, logical_spec, make_mesh, parse_rules, shardings_for, use_sharding
 from posttrain.rl.loop import rl_loss
 from posttrain.sampling.generate import bucket, generate_program
 from posttrain.sampling.rules import SamplingParams
@@ -63,7 +63,6 @@ def lm_batch(rows: int, length: int, mesh: Mesh, rules, prefix: str = "") -> dic
 
 def abstract_weights(make: Callable[[], nnx.Module], mesh: Mesh, rules) -> tuple[nnx.State, nnx.State]:
     """(params, rest) of the model as sharded ShapeDtypeStructs: a reference policy or sampler weights."""
-    from posttrain.parallel import shardings_for
     _, params, rest = nnx.split(abstract_model(make), nnx.Param, ...)
     place = lambda tree: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                       tree, shardings_for(tree, mesh, rules))
