@@ -29,5 +29,9 @@ setup(
         # Hugging Face interop: safetensors to read and write folders; torch + transformers for the
         # tests (install the CPU build first: `pip install torch==2.13.0`).
         "hf": ["safetensors>=0.4.3", "transformers>=5.0", "torch>=2.4"],
+        # The TPU compiler: runs on TPU VMs, and compiles for TPU slices on any host
+        # (tools/compile_plan.py, tests/test_compile_plan.py). jax's own `tpu` extra pins libtpu to
+        # the version that matches the jax it installs.
+        "tpu": ["jax[tpu]"],
     },
 )

@@ -1,4 +1,9 @@
-"""SFT of Qwen3-30B-A3B with LoRA on a TPU slice (e.g. v5p-64): the intended production shape.
+"""SFT of Qwen3-30B-A3B with LoRA on a TPU slice of 64 chips (v5p-128): the intended production shape.
+
+Compiled for v5p-128 on a CPU host (`python tools/compile_plan.py --config
+configs/qwen3_moe_sft_lora_tpu.py --topology v5p-128 --programs sft`): 80.6 GB per chip of 95 GB
+(78.5 GB of it temporaries: 4 rows of 4096 tokens per chip with `remat=dots`); see BENCHMARKS.md
+"Pod plan".
 
 Expects the base weights as a posttrain checkpoint (convert the Hugging Face folder once with
 `tools/convert_hf.py --from_hf DIR --run gs://BUCKET/qwen3-30b-a3b`) and chat data as JSONL on

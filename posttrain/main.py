@@ -158,13 +158,14 @@ def main(argv: list[str]) -> None:
     sys.exit(run_cli(_CONFIG.value, verbose=_VERBOSE.value))
 
 
-def entry() -> None:
-    """Validate overrides against the config file first, so a typo fails with a useful message."""
+def entry(program=None) -> None:
+    """Validate overrides against the config file first, so a typo fails with a useful message;
+    then run `program(argv)` (default: `main`) under absl, `--config` parsed."""
     for i, arg in enumerate(sys.argv):
         if arg.startswith("--config=") or arg == "--config":
             path = arg.split("=", 1)[1] if "=" in arg else sys.argv[i + 1]
             check_overrides(sys.argv[1:], runpy.run_path(path.split(":", 1)[0])["get_config"]())
-    app.run(main)
+    app.run(program or main)
 
 
 if __name__ == "__main__":

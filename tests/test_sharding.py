@@ -57,13 +57,20 @@ def reference():
     return cfg, graphdef, params, rest, b, out
 
 
-@pytest.mark.parametrize("sizes", MESHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
-def test_sharded_matches_single_device(reference, sizes):
+# ZeRO-3 weights over fsdp with the residual stream's embed dim over tensor (activation names)
+ACTIVATIONS_ON_TENSOR = {**DEFAULT_RULES, "activation_embed": ("tensor",)}
+LAYOUTS = [(sizes, DEFAULT_RULES) for sizes in MESHES] + [(dict(fsdp=4, tensor=2), ACTIVATIONS_ON_TENSOR)]
+
+
+@pytest.mark.parametrize("sizes, rules", LAYOUTS, ids=[",".join(f"{k}={v}" for k, v in s.items())
+                                                         + ("" if r is DEFAULT_RULES else ",activations-on-tensor")
+                                                         for s, r in LAYOUTS])
+def test_sharded_matches_single_device(reference, sizes, rules):
     cfg, graphdef, params, rest, b, (loss, logits, metrics, grads) = reference
     mesh = make_mesh({**dict(data=1), **sizes})
-    with use_sharding(mesh, DEFAULT_RULES):
-        sh_params = jax.device_put(params, shardings_for(params, mesh, DEFAULT_RULES))
-        sh_rest = jax.device_put(rest, shardings_for(rest, mesh, DEFAULT_RULES))
+    with use_sharding(mesh, rules):
+        sh_params = jax.device_put(params, shardings_for(params, mesh, rules))
+        sh_rest = jax.device_put(rest, shardings_for(rest, mesh, rules))
         fn = jax.jit(functools.partial(loss_and_grads, graphdef, moe_cfg=cfg.model.moe))
         s_loss, s_logits, s_metrics, s_grads = fn(sh_params, sh_rest, b)
     np.testing.assert_allclose(s_loss, loss, rtol=1e-5, atol=1e-6)
@@ -133,3 +140,43 @@ def test_mesh_shape_errors_name_the_problem():
         resolve_mesh_shape(dict(data=-1, tensor=-1), 8)
     with pytest.raises(ValueError, match="unknown axes"):
         resolve_mesh_shape(dict(dta=8), 8)
+
+
+def test_platform_comes_from_the_mesh_and_cpu_meshes_keep_the_cpu_paths():
+    """`mesh_platform` reads the devices of the mesh a program is built for; on a CPU mesh the MoE
+    dispatch stays padded and the sampler slices layers before its loop (the TPU side is checked
+    by tests/test_compile_plan.py, which builds a mesh over abstract TPU devices)."""
+    from posttrain.models.moe.dispatch import expert_layout
+    from posttrain.parallel import mesh_platform
+    from posttrain.sampling import engine
+
+    assert mesh_platform() == "cpu"
+    mesh = make_mesh(dict(data=2, expert=4))
+    assert mesh_platform(mesh) == "cpu"
+    cfg = moe_config()
+    model = Decoder(cfg.model, rngs=nnx.Rngs(0))
+    with use_sharding(mesh, DEFAULT_RULES):
+        assert mesh_platform() == "cpu"
+        layout = expert_layout(mesh, P(("data", "expert")), P(), P("expert"), P("expert"), "auto")
+        assert layout.dispatch == "padded"
+        assert engine.decode_layers(model) is not None
+
+
+def test_activation_and_weight_layouts_change_independently():
+    """`activation_embed` moves the residual stream, not the weights; `embed` moves the weights,
+    not the residual stream."""
+    cfg = moe_config()
+    mesh = make_mesh(dict(fsdp=4, tensor=2))
+    tokens = jnp.zeros((8, 8), jnp.int32)
+
+    def layouts(rules):
+        with use_sharding(mesh, rules):
+            model = nnx.merge(*nnx.split(Decoder(cfg.model, rngs=nnx.Rngs(0))))
+            _, params, _ = nnx.split(model, nnx.Param, ...)
+            weight = shardings_for(params, mesh, rules)["embed"].get_value().spec
+            hidden = jax.jit(lambda t: model._embed(t))(tokens).sharding.spec
+        return weight, hidden
+
+    assert layouts(DEFAULT_RULES) == (P("tensor", "fsdp"), P("fsdp"))
+    assert layouts(ACTIVATIONS_ON_TENSOR) == (P("tensor", "fsdp"), P("fsdp", None, "tensor"))
+    assert layouts({**DEFAULT_RULES, "embed": ()}) == (P("tensor"), P("fsdp"))

@@ -45,3 +45,37 @@ def test_context_parallel_needs_divisible_lengths(tmp_path):
     cfg.train.seq_len = 36
     with pytest.raises(ValueError, match="train.seq_len=36.*mesh.sequence=4"):
         lm.run(cfg)
+
+
+def test_train_step_updates_the_router_bias_of_a_sigmoid_router():
+    """Aux-loss-free balancing (DeepSeek-V3): the train step's forward pass steps the router bias,
+    carried into the new state (the non-trained variables enter the step as plain arguments)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from posttrain.models.decoder import Decoder
+    from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    from posttrain.train.optim import make_optimizer
+    from posttrain.train.state import create_train_state
+    from posttrain.train.step import lm_loss, make_train_step
+
+    cfg = base_config()
+    m = cfg.model
+    m.moe.num_experts, m.moe.router, m.moe.bias_update_rate = 4, "sigmoid", 0.01
+    mesh, rules = make_mesh(dict(data=1), jax.devices()[:1]), parse_rules(cfg.sharding.rules.to_dict())
+    tx = make_optimizer(cfg.optim, 10)
+    rng = np.random.default_rng(0)
+    batch = {k: jnp.asarray(rng.integers(0, m.vocab_size, (2, 8)), jnp.int32) for k in ("inputs", "targets")}
+    batch.update(loss_mask=jnp.ones((2, 8), jnp.int32), segment_ids=jnp.ones((2, 8), jnp.int32),
+                 positions=jnp.broadcast_to(jnp.arange(8), (2, 8)))
+    with use_sharding(mesh, rules):
+        graphdef, state, _ = create_train_state(lambda: Decoder(m, rngs=nnx.Rngs(0)), tx, mesh, rules)
+        step = jax.jit(make_train_step(graphdef, tx, functools.partial(lm_loss, moe_cfg=m.moe)))
+        new, _ = step(state, batch)
+    before, after = jax.tree.leaves(state.rest), jax.tree.leaves(new.rest)
+    assert before and all(np.all(b == 0) for b in before)
+    assert any(np.any(a != 0) for a in after)

@@ -266,9 +266,9 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         if scaling.attention_scale() != 1.0:
             q, k = q * scaling.attention_scale(), k * scaling.attention_scale()
-        q = constrain(q, ("batch", "length", "heads", "head_dim"))
-        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        q = constrain(q, ("activation_batch", "activation_length", "activation_heads", "head_dim"))
+        k = constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", "head_dim"))
+        v = constrain(v, ("activation_batch", "activation_length", "activation_kv_heads", "head_dim"))
         return q, k, v
 
     def output(self, attn: jax.Array) -> jax.Array:

@@ -13,6 +13,8 @@ from posttrain.models.layers import MLP, RMSNorm, dtype_of, param
 from posttrain.models.moe import MoE, RouterBias
 from posttrain.parallel.sharding import constrain
 
+ACTIVATION_NAMES = ("activation_batch", "activation_length", "activation_embed")   # the residual stream [B, S, D]
+
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -86,7 +88,7 @@ class Block(nnx.Module):
             h, aux = self.mlp(h, token_mask, update_bias=update_bias, inference=inference)
         else:
             h, aux = self.mlp(h), {}
-        return constrain(x + h, ("batch", "length", "embed")), aux
+        return constrain(x + h, ACTIVATION_NAMES), aux
 
     def prefill(self, x, positions, segment_ids):
         """`__call__` that also returns the attention's keys and values: x [B, S, D] →
@@ -164,7 +166,7 @@ class Decoder(nnx.Module):
         """tokens [B, S] int → embeddings [B, S, D] in the compute dtype."""
         table = constrain(self.embed[...], (None, None))  # all-gather (ZeRO-3), then a local row gather
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
-        return constrain(x, ("batch", "length", "embed"))
+        return constrain(x, ACTIVATION_NAMES)
 
     def prefill(self, tokens, positions, segment_ids, layers: Sequence[Block] | None = None):
         """The forward pass of a sampler's prompt: tokens [B, S] → (final-normed hidden [B, S, D], kv).
@@ -247,7 +249,7 @@ class Decoder(nnx.Module):
         w = self.embed[...].T if self.head is None else self.head[...]
         out = jnp.einsum("bsd,dv->bsv", hidden.astype(self.dtype), w.astype(self.dtype),
                          preferred_element_type=jnp.float32)
-        return constrain(out, ("batch", "length", "vocab"))
+        return constrain(out, ("activation_batch", "activation_length", "activation_vocab"))
 
     def __call__(self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False):
         """tokens [B, S] → (logits [B, S, V] float32, aux) — see `hidden_states`."""

@@ -63,5 +63,5 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(self.dtype)
         h = jax.nn.silu(x @ self.gate[...].astype(self.dtype)) * (x @ self.up[...].astype(self.dtype))
-        h = constrain(h, ("batch", "length", "mlp"))
+        h = constrain(h, ("activation_batch", "activation_length", "activation_mlp"))
         return h @ self.down[...].astype(self.dtype)

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from posttrain.parallel.sharding import Rules, parse_rules
+from posttrain.parallel.sharding import Rules, current, parse_rules
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor", "sequence")
 
@@ -57,6 +57,23 @@ def mesh_and_rules(cfg) -> tuple[Mesh, Rules]:
     """A run's mesh (`cfg.mesh`) and logical-axis rules (`cfg.sharding.rules`): the setup every
     stage and tool starts with."""
     return make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules.to_dict())
+
+
+def mesh_platform(mesh: Mesh | None = None) -> str:
+    """The platform ('cpu', 'gpu', 'tpu') of the devices a program is being built for.
+
+    The devices of `mesh`, else of the mesh made current by `use_sharding` / `jax.set_mesh`, else
+    the default backend. Code choosing an accelerator path asks this rather than
+    `jax.default_backend()`, which says `cpu` on a CPU host even while a program is compiled
+    ahead of time for an (abstract) TPU mesh.
+    """
+    if mesh is None:
+        ctx = current()
+        mesh = ctx[0] if ctx is not None else jax.sharding.get_abstract_mesh()   # works under jit
+    device = getattr(mesh, "abstract_device", None) if not mesh.empty else None
+    if isinstance(mesh, Mesh) and not mesh.empty:
+        return mesh.devices.flat[0].platform
+    return device.platform if device is not None else jax.default_backend()
 
 
 _DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")

@@ -1,7 +1,8 @@
 """Logical axis names → mesh shardings.
 
-Model code names array dimensions logically (`batch`, `embed`, `heads`, ...). One table of rules
-maps each logical name to zero or more mesh axes; changing parallelism is a change of that table.
+Model code names array dimensions logically: weights by `embed`, `heads`, `mlp`, `experts`, ...,
+activations by `activation_batch`, `activation_embed`, ... One table of rules maps each logical
+name to zero or more mesh axes; changing parallelism is a change of that table.
 """
 
 from __future__ import annotations
@@ -28,6 +29,16 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "expert_mlp": ("tensor",),
     "head_dim": (),
     "layers": (),
+    # Activations have names of their own (as in MaxText), so that the weights' layout (e.g.
+    # ZeRO-3: embed over fsdp) and the activations' (e.g. embed whole, or over tensor) change
+    # independently. `batch` / `length` remain the layout of input batches.
+    "activation_batch": ("data", "fsdp", "expert"),
+    "activation_length": ("sequence",),
+    "activation_embed": (),
+    "activation_heads": ("tensor",),
+    "activation_kv_heads": ("tensor",),
+    "activation_mlp": ("tensor",),
+    "activation_vocab": ("tensor",),
 }
 
 Rules = Mapping[str, tuple[str, ...]]

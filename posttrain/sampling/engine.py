@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from posttrain.parallel.mesh import mesh_platform
 from posttrain.parallel.sharding import constrain
 from posttrain.sampling import kv_cache
 from posttrain.sampling.rules import SamplingParams, sample_token
@@ -69,7 +70,7 @@ def decode_layers(model: nnx.Module) -> list | None:
     GPU/TPU compilers fuse the slices into the matmuls, and no second copy of the weights takes
     memory.
     """
-    return model.layers() if jax.default_backend() == "cpu" else None
+    return model.layers() if mesh_platform() == "cpu" else None
 
 
 def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array,
@@ -79,7 +80,7 @@ def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array,
     Positions are 0..P-1 and padding has segment id 0, exactly as the learner lays out a row.
     `layers`: `decode_layers(model)`.
     """
-    tokens = constrain(tokens, ("batch", "length"))
+    tokens = constrain(tokens, ("activation_batch", "activation_length"))
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
     hidden, kv = model.prefill(tokens, positions, segment_ids, layers)
@@ -115,7 +116,7 @@ def decode_step(model: nnx.Module, slots: Slots, tokens: jax.Array, layers: list
     capacity = kv_cache.capacity(slots.cache)
     positions = jnp.clip(slots.prompt_len + slots.step - 1, 0, capacity - 1)
     hidden, cache = model.decode(tokens[:, None], positions, slots.cache, layers)
-    logits = constrain(model.logits(hidden)[:, 0], ("batch", "vocab"))
+    logits = constrain(model.logits(hidden)[:, 0], ("activation_batch", "activation_vocab"))
     return slots.replace(cache=kv_cache.shard(cache), logits=logits)
 
 

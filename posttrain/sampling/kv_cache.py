@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from posttrain.models.attention import K_TIME_AXIS, V_TIME_AXIS
 from posttrain.parallel.sharding import constrain
 
-K_NAMES = ("batch", "kv_heads", "head_dim", "length")
-V_NAMES = ("batch", "kv_heads", "length", "head_dim")
+K_NAMES = ("activation_batch", "activation_kv_heads", "head_dim", "activation_length")
+V_NAMES = ("activation_batch", "activation_kv_heads", "activation_length", "head_dim")
 TIME_AXES = (K_TIME_AXIS, V_TIME_AXIS)
 
 

@@ -64,14 +64,10 @@ def abstract_model(make_model: Callable[[], nnx.Module]) -> nnx.Module:
     return nnx.merge(graphdef, state)
 
 
-def create_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation,
-                       mesh: Mesh, rules: Rules, lora_cfg=None,
-                       seed: int = 0) -> tuple[nnx.GraphDef, TrainState, TrainState]:
-    """Initialise model and optimizer directly into their shardings (no host copy of the weights).
-
-    With LoRA (`lora_cfg.rank > 0`) the optimizer trains adapters on `lora_cfg.targets` and the
-    initial weights become the frozen base. Returns (graphdef, state, state_shardings).
-    """
+def train_state_init(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation,
+                     lora_cfg=None, seed: int = 0) -> Callable[[], TrainState]:
+    """The function that builds a fresh TrainState (under LoRA: adapters on `lora_cfg.targets`
+    trained, the initial weights kept as the frozen base); jit it, or `jax.eval_shape` it."""
     scale = lora_scale(lora_cfg)
 
     def init() -> TrainState:
@@ -83,7 +79,28 @@ def create_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientT
         nonfinite = {k: jnp.zeros((), jnp.int32) for k in ("skipped", "run", "longest")}
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
                           opt_state=tx.init(params), frozen=frozen, nonfinite=nonfinite)
+    return init
 
+
+def abstract_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation,
+                         mesh: Mesh, rules: Rules, lora_cfg=None) -> tuple[nnx.GraphDef, TrainState, TrainState]:
+    """(graphdef, the TrainState as ShapeDtypeStructs carrying their shardings, the shardings):
+    everything a compile needs, nothing allocated (ahead-of-time compilation for big meshes)."""
+    shapes = jax.eval_shape(train_state_init(make_model, tx, lora_cfg))
+    shardings = shardings_for(shapes, mesh, rules)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    return nnx.graphdef(abstract_model(make_model)), abstract, shardings
+
+
+def create_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation,
+                       mesh: Mesh, rules: Rules, lora_cfg=None,
+                       seed: int = 0) -> tuple[nnx.GraphDef, TrainState, TrainState]:
+    """Initialise model and optimizer directly into their shardings (no host copy of the weights).
+
+    With LoRA (`lora_cfg.rank > 0`) the optimizer trains adapters on `lora_cfg.targets` and the
+    initial weights become the frozen base. Returns (graphdef, state, state_shardings).
+    """
+    init = train_state_init(make_model, tx, lora_cfg, seed)
     graphdef = nnx.graphdef(abstract_model(make_model))
     shardings = shardings_for(jax.eval_shape(init), mesh, rules)
     state = jax.jit(init, out_shardings=shardings)()

@@ -84,7 +84,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
     """
     def wrapped(params, frozen, rest, batch, *extra):
         weights = params if frozen is None else lora.merge(frozen, params, lora_scale(lora_cfg))
-        model = nnx.merge(graphdef, weights, rest)
+        # copies: `rest` is not differentiated, so its Variables would be the caller's, created
+        # outside this trace, and the forward pass's router-bias update could not write them
+        model = nnx.merge(graphdef, weights, rest, copy=True)
         loss, metrics = loss_fn(model, batch, *extra)
         _, _, new_rest = nnx.split(model, nnx.Param, ...)
         return loss, (metrics, new_rest)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from posttrain.models.moe.experts import expert_ffn, expert_ranks, grouped_ffn, sort_by_expert
+from posttrain.parallel.mesh import mesh_platform
 
 # tokens × experts up to which the CPU runs `dense_experts` rather than sorted rows (measured: 16-token
 # decode 1.2× and 256-token prefill 1.7× faster dense; 512 tokens 1.5× slower)
@@ -79,11 +80,11 @@ class ExpertLayout:
 def expert_layout(mesh: Mesh, token_spec: P, router_spec: P, gate_spec: P, down_spec: P,
                   dispatch: str) -> ExpertLayout:
     """ExpertLayout from the PartitionSpecs of the tokens [B, S, D], router kernel [D, E], gate/up
-    weights [E, D, F] and down weights [E, F, D]; dispatch 'auto' picks ragged on GPU/TPU."""
+    weights [E, D, F] and down weights [E, F, D]; dispatch 'auto' picks ragged when the mesh is on GPU/TPU."""
     if dispatch not in ("auto", "ragged", "padded"):
         raise ValueError(f"moe.dispatch={dispatch!r}: expected 'auto', 'ragged' or 'padded'")
     if dispatch == "auto":
-        dispatch = "padded" if jax.default_backend() == "cpu" else "ragged"
+        dispatch = "padded" if mesh_platform(mesh) == "cpu" else "ragged"
     token_axes = spec_axes(token_spec, 0) + spec_axes(token_spec, 1)
     expert_axes, mlp_axes = spec_axes(gate_spec, 0), spec_axes(gate_spec, 2)
     if (spec_axes(down_spec, 0), spec_axes(down_spec, 1)) != (expert_axes, mlp_axes):
@@ -143,7 +144,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate:
     """
     num_tokens, top_k = experts.shape
     args = (x, experts, weights, w_gate, w_up, w_down)
-    if not (jax.default_backend() == "cpu" and w_gate.shape[0] == num_experts and layout.num_peers == 1
+    if not (mesh_platform() == "cpu" and w_gate.shape[0] == num_experts and layout.num_peers == 1
             and capacity is None):
         return exchanged_experts(*args, num_experts=num_experts, capacity=capacity, layout=layout)
     # The CPU, every expert on this device, dropless: every expert on every token for few tokens,

@@ -10,6 +10,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from posttrain.parallel.mesh import mesh_platform
+
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int | None:
     """Per-expert capacity ceil(factor * tokens * k / E) of a token group; None when dropless."""
@@ -99,7 +101,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
     grouped kernel (GPU, TPU). On the CPU, where ragged_dot costs every row times every group,
     the dense form for few rows (decode) and the tiled scan otherwise (4× faster than ragged_dot
     for a 4096-row training step, measured)."""
-    if jax.default_backend() != "cpu":
+    if mesh_platform() != "cpu":
         return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
     if x.shape[0] * w.shape[0] <= DENSE_MAX_ROW_GROUPS:
         return dense_grouped_matmul(x, w, group_sizes)

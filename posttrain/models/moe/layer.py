@@ -23,7 +23,7 @@ from posttrain.models.moe.router import (RouterBias, Routing, expert_counts, loa
                                          router_z_loss, update_router_bias)
 from posttrain.parallel.sharding import Rules, current, logical_spec
 
-TOKEN_NAMES = ("batch", "length", None)
+TOKEN_NAMES = ("activation_batch", "activation_length", None)
 ROUTER_NAMES = ("embed", None)
 GATE_UP_NAMES = ("experts", "embed", "expert_mlp")
 DOWN_NAMES = ("experts", "expert_mlp", "embed")

@@ -1,0 +1,234 @@
+"""Compile a run's programs for a TPU topology without a TPU, and say what each costs per chip.
+
+The programs are the run's own — the SFT and DPO train steps, the RL learner step with its KL
+reference, the sampler (prefill + decode loop) — built from abstract shapes (nothing is
+allocated) on the mesh the config asks for over abstract TPU devices (`parallel.aot`). For each:
+per-device bytes of arguments (by part: params, optimizer state, reference, batch), outputs,
+temporaries and code (`memory_analysis`), FLOPs (`cost_analysis` and the model's own count),
+bytes moved per kind of collective (from the optimized HLO), and whether it fits the chip's HBM.
+CLI: `tools/compile_plan.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from posttrain.models.decoder import Decoder
+from posttrain.models.flops import activated_matmul_params, train_flops_per_token
+from posttrain.parallel import aot, logical_spec, make_mesh, parse_rules, shardings_for, use_sharding
+from posttrain.rl.learner import rl_loss
+from posttrain.sampling.generate import bucket, generate_program
+from posttrain.sampling.rules import SamplingParams
+from posttrain.train.optim import lr_schedule, make_optimizer
+from posttrain.train.stages import dpo_stage_loss
+from posttrain.train.state import abstract_model, abstract_train_state
+from posttrain.train.step import lm_loss, make_train_step
+
+PROGRAMS = ("sft", "dpo", "rl_learner", "sampler")
+LM_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
+
+
+@dataclasses.dataclass
+class Program:
+    """A jitted function with abstract (sharded) arguments, ready to lower and compile.
+
+    parts: named argument subtrees whose per-device bytes the report lists; model_flops: the
+    model's own FLOP count for one call (all devices together), for MFU.
+    """
+    name: str
+    fn: Callable
+    args: tuple
+    parts: dict[str, Any]
+    model_flops: float
+
+
+def abstract(shape: tuple[int, ...], dtype, names: tuple, mesh: Mesh, rules) -> jax.ShapeDtypeStruct:
+    """A ShapeDtypeStruct laid out by logical names, as `put_batch` would place the array."""
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, logical_spec(names, mesh, rules, shape)))
+
+
+def lm_batch(rows: int, length: int, mesh: Mesh, rules, prefix: str = "") -> dict:
+    """An abstract token batch (inputs, targets, loss_mask, positions, segment_ids) [rows, length]."""
+    return {prefix + k: abstract((rows, length), jnp.int32, ("batch", "length"), mesh, rules) for k in LM_KEYS}
+
+
+def abstract_weights(make: Callable[[], nnx.Module], mesh: Mesh, rules) -> tuple[nnx.State, nnx.State]:
+    """(params, rest) of the model as sharded ShapeDtypeStructs: a reference policy or sampler weights."""
+    _, params, rest = nnx.split(abstract_model(make), nnx.Param, ...)
+    place = lambda tree: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                      tree, shardings_for(tree, mesh, rules))
+    return place(params), place(rest)
+
+
+def train_program(name: str, cfg, mesh: Mesh, rules, loss_fn, batch: dict, extra: tuple,
+                  tokens: int) -> Program:
+    """A train step (`make_train_step`, donated state, as `train.loop` jits it) over abstract state."""
+    make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    graphdef, state, shardings = abstract_train_state(make, tx, mesh, rules, cfg.lora)
+    loss = loss_fn(graphdef)
+    step = jax.jit(make_train_step(graphdef, tx, loss, lr_schedule(cfg.optim, cfg.train.steps), cfg.lora),
+                   out_shardings=(shardings, None), donate_argnums=0)
+    parts = {"params": state.params, "optimizer": state.opt_state, "frozen base": state.frozen,
+             "model variables": state.rest, "reference": extra, "batch": batch}
+    flops = train_flops_per_token(cfg.model, batch[next(iter(batch))].shape[1]) * tokens
+    if cfg.lora.rank > 0:       # frozen weights get no weight gradient: forward + input gradient only
+        flops *= 4 / 6
+    return Program(name, step, (state, batch, *extra), parts, flops)
+
+
+def sft_program(cfg, mesh: Mesh, rules) -> Program:
+    """The SFT step on [train.batch_size, train.seq_len] packed rows."""
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    return train_program("sft", cfg, mesh, rules, lambda g: functools.partial(lm_loss, moe_cfg=cfg.model.moe),
+                         lm_batch(b, s, mesh, rules), (), b * s)
+
+
+def dpo_program(cfg, mesh: Mesh, rules) -> Program:
+    """The DPO step: train.batch_size pairs of train.seq_len, the frozen reference's forward inside."""
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    batch = {**lm_batch(b, s, mesh, rules, "chosen_"), **lm_batch(b, s, mesh, rules, "rejected_")}
+    ref = abstract_weights(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh, rules)
+    loss = lambda g: functools.partial(dpo_stage_loss, graphdef=g, dpo_cfg=cfg.dpo, moe_cfg=cfg.model.moe)
+    # the reference's forward is a third of a policy step's FLOPs on the same tokens
+    return train_program("dpo", cfg, mesh, rules, loss, batch, ref, 2 * b * s * 4 / 3)
+
+
+def rl_learner_program(cfg, mesh: Mesh, rules, prompt_len: int) -> Program:
+    """The RL learner step: `rl.learner.rl_loss` in `make_train_step`, as `rl.learner.Learner`
+    jits it, on one minibatch (prompts_per_step × group_size / rl.minibatches rows) of the bucketed
+    prompt + response length; with the proximal log-probs when there are several optimizer steps per
+    batch, and the KL reference as extra arguments when rl.kl_coef > 0 (under LoRA the run passes
+    the frozen base, which the report then counts twice)."""
+    r = cfg.rl
+    rows, length = r.prompts_per_step * r.group_size // r.minibatches, bucket(prompt_len + r.max_new_tokens - 1, 8)
+    batch = lm_batch(rows, length, mesh, rules)
+    per_token = ["behav_logp"] + (["old_logp"] if r.updates_per_batch * r.minibatches > 1 else [])
+    per_token += ["old_values", "returns"] if r.advantage == "gae" else []
+    for key in per_token:
+        batch[key] = abstract((rows, length), jnp.float32, ("batch", "length"), mesh, rules)
+    shape, names = ((rows, length), ("batch", "length")) if r.advantage == "gae" else ((rows,), ("batch",))
+    batch["advantages"] = abstract(shape, jnp.float32, names, mesh, rules)
+    ref = abstract_weights(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh, rules) if r.kl_coef else ()
+    sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+    loss = lambda g: functools.partial(rl_loss, graphdef=g, rl_cfg=r, moe_cfg=cfg.model.moe, sampling=sampling)
+    tokens = rows * length * (4 / 3 if r.kl_coef else 1)
+    return train_program("rl_learner", cfg, mesh, rules, loss, batch, ref, tokens)
+
+
+def sampler_program(cfg, mesh: Mesh, rules, prompt_len: int) -> Program:
+    """The sampler (`generate_program`: prefill, then the decode loop) for one RL step's prompts,
+    with the weights the learner serves (LoRA merged: a full set)."""
+    r = cfg.rl
+    params, rest = abstract_weights(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh, rules)
+    graphdef = nnx.graphdef(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))))
+    b, p = bucket(r.prompts_per_step), bucket(prompt_len, 8)
+    sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                              max_new_tokens=r.max_new_tokens, stop_ids=(0,), num_samples=r.group_size)
+    replicated = lambda shape, dtype: abstract(shape, dtype, (None,) * len(shape), mesh, rules)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    args = (params, rest, replicated((b, p), jnp.int32), replicated((b,), jnp.int32),
+            replicated((b,), jnp.int32), replicated((), jnp.int32),
+            jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec())))
+    fn = jax.jit(lambda *a: generate_program(graphdef, *a, sampling=sampling, pad_id=0))
+    n = activated_matmul_params(cfg.model)
+    flops = 2 * n * (b * p + b * r.group_size * r.max_new_tokens)
+    parts = {"params": params, "model variables": rest}
+    return Program("sampler", fn, args, parts, flops)
+
+
+def build_programs(cfg, mesh: Mesh, rules, names: tuple[str, ...], prompt_len: int) -> list[Program]:
+    """The named programs of `PROGRAMS` for `cfg` on `mesh`."""
+    builders = {"sft": lambda: sft_program(cfg, mesh, rules), "dpo": lambda: dpo_program(cfg, mesh, rules),
+                "rl_learner": lambda: rl_learner_program(cfg, mesh, rules, prompt_len),
+                "sampler": lambda: sampler_program(cfg, mesh, rules, prompt_len)}
+    unknown = [n for n in names if n not in builders]
+    if unknown:
+        raise ValueError(f"programs {unknown}: expected some of {PROGRAMS}")
+    return [builders[n]() for n in names]
+
+
+def compile_program(program: Program, mesh: Mesh, rules) -> tuple[Any, float]:
+    """(compiled, seconds) of a program, lowered under the mesh and rules it was built for."""
+    t = time.perf_counter()
+    with use_sharding(mesh, rules):
+        compiled = program.fn.lower(*program.args).compile()
+    return compiled, time.perf_counter() - t
+
+
+def program_report(program: Program, compiled, chip: aot.Chip, num_devices: int) -> dict:
+    """Per-device memory by category, FLOPs, collective bytes, fit and a roofline step-time
+    estimate (see `estimate_step`) of a compiled program."""
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    collectives, unknown_trips = aot.collective_bytes(compiled.as_text())
+    total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+             + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
+    report = {
+        "program": program.name,
+        "arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
+        "aliased": mem.alias_size_in_bytes, "temporaries": mem.temp_size_in_bytes,
+        "code": mem.generated_code_size_in_bytes, "total": total,
+        "parts": {k: aot.shard_bytes(v) for k, v in program.parts.items() if jax.tree.leaves(v)},
+        "hbm": chip.hbm_bytes, "fits": total <= chip.hbm_bytes,
+        "xla_flops": float(cost.get("flops", 0.0)) if cost else 0.0,
+        "model_flops_per_device": program.model_flops / num_devices,
+        "collectives": collectives, "loop_trip_unknown": unknown_trips,
+    }
+    report.update(estimate_step(report, chip))
+    return report
+
+
+def estimate_step(report: dict, chip: aot.Chip) -> dict:
+    """Roofline step time: the larger of the XLA and model FLOP counts at bf16 peak, plus the
+    collective bytes at the chip's ICI bandwidth (all-reduce counted twice: reduce-scatter +
+    all-gather), without overlap; MFU = model FLOPs / (time × peak). An upper bound on time for
+    a compute-bound step, a rough one otherwise (no HBM-bandwidth term: decode is memory-bound)."""
+    flops = max(report["xla_flops"], report["model_flops_per_device"])
+    comm = sum(v * (2 if k == "all-reduce" else 1) for k, v in report["collectives"].items())
+    compute_s, comm_s = flops / chip.peak_flops, comm / chip.ici_bytes_per_s
+    step_s = compute_s + comm_s
+    return {"compute_s": compute_s, "comm_s": comm_s, "step_s": step_s,
+            "mfu": report["model_flops_per_device"] / (step_s * chip.peak_flops) if step_s else 0.0}
+
+
+def argument_report(program: Program, chip: aot.Chip, num_devices: int) -> dict:
+    """What is known without compiling: per-device argument bytes by part (exact: the shards of
+    the abstract arguments) and the model's FLOPs; compute-bound time at peak."""
+    parts = {k: aot.shard_bytes(v) for k, v in program.parts.items() if jax.tree.leaves(v)}
+    flops = program.model_flops / num_devices
+    return {"program": program.name, "parts": parts, "arguments": sum(parts.values()),
+            "model_flops_per_device": flops, "hbm": chip.hbm_bytes, "compute_s": flops / chip.peak_flops}
+
+
+def plan(cfg, topology: str, names: tuple[str, ...] = PROGRAMS, prompt_len: int = 256,
+         log: Callable[[str], None] = print, compile: bool = True) -> list[dict]:
+    """Compile `names` for `cfg` on `topology` (e.g. 'v5p:2x2x1', 'v5p-128'); one report each.
+    `compile=False`: only `argument_report` (seconds instead of minutes for a large model)."""
+    gen, _ = aot.parse_topology(topology)
+    devices = aot.tpu_devices(topology)
+    mesh, rules = make_mesh(cfg.mesh.to_dict(), devices), parse_rules(cfg.sharding.rules.to_dict())
+    reports = []
+    with use_sharding(mesh, rules):
+        programs = build_programs(cfg, mesh, rules, names, prompt_len)
+    for program in programs:
+        if not compile:
+            reports.append({**argument_report(program, aot.CHIPS[gen], len(devices)),
+                            "topology": topology, "mesh": dict(mesh.shape)})
+            continue
+        compiled, seconds = compile_program(program, mesh, rules)
+        report = program_report(program, compiled, aot.CHIPS[gen], len(devices))
+        report.update(topology=topology, mesh=dict(mesh.shape), compile_s=seconds)
+        log(f"{topology} {program.name}: compiled in {seconds:.1f} s")
+        reports.append(report)
+    return reports

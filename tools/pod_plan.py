@@ -1,0 +1,101 @@
+"""The pod plan: large MoE shapes (configs/pod/moe_shapes.py) × TPU slices, per-chip memory, fit,
+FLOPs, collective bytes and a roofline step time, for BENCHMARKS.md "Pod plan".
+
+    python tools/pod_plan.py --models kimi_k2 --modes sft_full --topologies v5p-1024 [--compile]
+        [--rows_per_chip 1] [--json out.json]
+
+Without --compile only what is exact without the compiler is reported (argument bytes by part,
+model FLOPs); with it every program is compiled for the slice (minutes per large model).
+Needs libtpu (`pip install -e '.[tpu]'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "pod", "moe_shapes.py")
+GB = 1e9
+
+
+def configure(model: str, mode: str, chips: int, rows_per_chip: int):
+    """The model's config for `chips` chips: expert ways capped at the slice, a batch of
+    `rows_per_chip` rows per chip (RL: prompts × group = rows)."""
+    cfg = runpy.run_path(SHAPES)["get_config"](f"{model}:{mode}")
+    cfg.mesh.expert = min(cfg.mesh.expert, chips)
+    cfg.train.batch_size = chips * rows_per_chip
+    if mode == "rl":
+        cfg.rl.prompts_per_step = max(1, chips * rows_per_chip // cfg.rl.group_size)
+    return cfg
+
+
+def row(model: str, mode: str, r: dict) -> str:
+    """One markdown row of a report (compiled or argument-only)."""
+    p = r["parts"]
+    mesh = "·".join(f"{k[0]}{v}" for k, v in r["mesh"].items() if v > 1)
+    held = p.get("reference", 0) + p.get("frozen base", 0)
+    if "total" in r:
+        c = r["collectives"]
+        coll = f"{sum(c.values()) / GB:.1f} ({', '.join(f'{k} {v / GB:.1f}' for k, v in c.items() if v)})"
+        return (f"| {model} | {mode} | {r['program']} | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
+                f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | {r['temporaries'] / GB:.1f} | "
+                f"{r['total'] / GB:.1f} | {'yes' if r['fits'] else '**no**'} | "
+                f"{max(r['xla_flops'], r['model_flops_per_device']) / 1e12:.0f} | {coll} | "
+                f"{r['step_s']:.2f} | {r['mfu']:.0%} |")
+    return (f"| {model} | {mode} | {r['program']} | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
+            f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | (not compiled) | ≥ {r['arguments'] / GB:.1f} | "
+            f"{'no' if r['arguments'] > r['hbm'] else '?'} | {r['model_flops_per_device'] / 1e12:.0f} | – | "
+            f"≥ {r['compute_s']:.2f} | – |")
+
+
+HEADER = ("| model | mode | program | slice | mesh | params GB | opt GB | ref+frozen GB | temps GB | "
+          "total GB/chip | fits | TFLOP/chip | collective GB/chip | est. s | MFU |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="qwen3_30b_a3b,qwen3_235b_a22b,deepseek_v3,kimi_k2")
+    ap.add_argument("--modes", default="sft_full,sft_lora,rl")
+    ap.add_argument("--topologies", default="v5p-128,v5p-256,v5p-512,v5p-1024,v5e-256")
+    ap.add_argument("--rows_per_chip", type=int, default=1)
+    ap.add_argument("--prompt_len", type=int, default=1024)
+    ap.add_argument("--programs", default="", help="override the mode's programs (e.g. rl_learner)")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    from posttrain.compile_plan import plan
+    from posttrain.parallel import aot
+    out = []
+    print(HEADER, flush=True)
+    for model in args.models.split(","):
+        for mode in args.modes.split(","):
+            programs = ("rl_learner", "sampler") if mode == "rl" else ("sft",)
+            if args.programs:
+                programs = tuple(args.programs.split(","))
+            for topology in args.topologies.split(","):
+                chips = len(aot.tpu_devices(topology))
+                cfg = configure(model, mode, chips, args.rows_per_chip)
+                try:
+                    reports = plan(cfg, topology, programs, args.prompt_len, compile=args.compile,
+                                   log=lambda s: print(s, file=sys.stderr, flush=True))
+                except Exception as e:     # a mesh that cannot be built here is a row too
+                    print(f"| {model} | {mode} | – | {topology} | – | error: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120]} |", flush=True)
+                    continue
+                for r in reports:
+                    print(row(model, mode, r), flush=True)
+                    out.append({"model": model, "mode": mode, **r})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
