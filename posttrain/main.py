@@ -44,6 +44,7 @@ def stages() -> dict:
 def run(config) -> object:
     """Run `config.stage` with `config`; the entry point for tools and tests too."""
     from posttrain.parallel import maybe_initialize_distributed
+    from posttrain.eval.alerts import AlertStop
     from posttrain.train.pipeline import GateFailed
     table = stages()
     if config.stage not in table:
@@ -56,6 +57,8 @@ def run(config) -> object:
         return table[config.stage](config)
     except GateFailed as e:
         raise SystemExit(f"error: pipeline stopped: {e}") from None
+    except AlertStop as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def main(argv: list[str]) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from posttrain.eval.alerts import AlertMonitor
 from posttrain.parallel import mesh_and_rules, named_sharding, use_sharding
 from posttrain.train.checkpoint import Checkpointer, abstract_with_shardings
 from posttrain.train.metrics import MetricsWriter
@@ -113,7 +114,7 @@ def train(cfg, stage: Stage) -> Result:
                           out_shardings=(shardings, None), donate_argnums=0)
         bar = tqdm(range(start, steps), desc=stage.name, initial=start, total=steps,
                    disable=not cfg.train.progress or jax.process_index() != 0)
-        t0, last = time.perf_counter(), start - 1
+        t0, last, monitor = time.perf_counter(), start - 1, AlertMonitor.from_config(cfg)
         for step in bar:
             state, metrics = step_fn(state, put_batch(next(stage.batches), stage.batch_axes), *stage.extra)
             if step % cfg.train.log_every == 0 or step == steps - 1:
@@ -126,6 +127,7 @@ def train(cfg, stage: Stage) -> Result:
                 rows.append(writer.write(step, metrics))
                 bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}", **({"tok/s": f"{metrics['tokens_per_s']:.0f}"}
                                                                   if "tokens_per_s" in metrics else {}))
+                monitor.check(step, rows[-1], writer, bar)
                 t0, last = now, step
             done = step + 1
             if stage.eval_fn is not None and (done == steps or cfg.train.eval_every and done % cfg.train.eval_every == 0):
