@@ -36,27 +36,37 @@ def check_overrides(argv: list[str], config) -> None:
 def stages() -> dict:
     """config.stage → the function that runs it (imported lazily: jax starts only when needed)."""
     from posttrain.rl import loop as rl_loop
+    from posttrain.rl import evaluation
     from posttrain.train import lm, pipeline, stages
     return {"lm": lm.run, "sft": stages.sft, "reward_model": stages.reward_model, "dpo": stages.dpo,
-            "rlvr": rl_loop.run, "pipeline": pipeline.run}
+            "rlvr": rl_loop.run, "eval": evaluation.run, "pipeline": pipeline.run}
 
 
 def run(config) -> object:
     """Run `config.stage` with `config`; the entry point for tools and tests too."""
     from posttrain.parallel import maybe_initialize_distributed
     from posttrain.eval.alerts import AlertStop
-    from posttrain.train.pipeline import GateFailed
+    from posttrain.eval.gates import GATED_STAGES, SECTION, GateFailed, check_gate, validate_gates
+    from posttrain.train.pipeline import gate_metrics
     table = stages()
     if config.stage not in table:
         raise SystemExit(f"error: config.stage={config.stage!r}; valid stages: {', '.join(sorted(table))}")
+    try:
+        validate_gates(config, config.pipeline.stages if config.stage == "pipeline" else (config.stage,))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     maybe_initialize_distributed()
     os.makedirs(config.workdir, exist_ok=True)
     with open(os.path.join(config.workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=2))
     try:
-        return table[config.stage](config)
+        result = table[config.stage](config)
+        if config.stage in GATED_STAGES:       # a stage run alone must pass its gate too (exit status 1)
+            logging.info(check_gate(config.stage, config[SECTION.get(config.stage, config.stage)].gate,
+                                    gate_metrics(result)))
+        return result
     except GateFailed as e:
-        raise SystemExit(f"error: pipeline stopped: {e}") from None
+        raise SystemExit(f"error: stopped by a failed gate:\n{e}") from None
     except AlertStop as e:
         raise SystemExit(f"error: {e}") from None
 

@@ -20,9 +20,9 @@ def checkpoint_dir(path: str) -> str:
 
 
 def load_model_state(path: str, make_model: Callable[[], nnx.Module], mesh: Mesh,
-                     rules: Rules) -> tuple[nnx.State, nnx.State, int]:
-    """(params, rest, step) of the newest checkpoint under `path`, for a model built by
-    `make_model`, placed on `mesh` by `rules` (any mesh: restore reshards).
+                     rules: Rules, step: int | None = None) -> tuple[nnx.State, nnx.State, int]:
+    """(params, rest, step) of checkpoint `step` (default: the newest) under `path`, for a model
+    built by `make_model`, placed on `mesh` by `rules` (any mesh: restore reshards).
 
     `hf:/path/to/model` reads a Hugging Face model folder instead (step 0); the model config must
     match its config.json (see `posttrain.models.hf.model_config_from_hf`).
@@ -31,7 +31,7 @@ def load_model_state(path: str, make_model: Callable[[], nnx.Module], mesh: Mesh
         from posttrain.models import hf    # safetensors is only needed here
         return (*hf.load_model_state(path.removeprefix("hf:"), make_model, mesh, rules), 0)
     ckpt = Checkpointer(checkpoint_dir(path), every=0, keep=1, async_save=False)
-    step = ckpt.latest_step()
+    step = ckpt.latest_step() if step is None else step
     if step is None:
         raise FileNotFoundError(f"init_from={path!r}: no checkpoint found under {checkpoint_dir(path)}")
     _, params, rest = nnx.split(abstract_model(make_model), nnx.Param, ...)

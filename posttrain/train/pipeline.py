@@ -1,18 +1,19 @@
 """Stage `pipeline`: run stages in order, each from the previous one's final checkpoint, with gates.
 
 Each stage runs in `{workdir}/{i}_{stage}` and must pass its gate (`config.<stage>.gate`, e.g.
-"eval/loss<1.5") before the next starts. Re-running the same command resumes where it stopped.
+"eval/loss<1.5, eval/accuracy>=0.5"; see posttrain/eval/gates.py) before the next starts. An `eval`
+stage evaluates the previous trained stage's final checkpoint; its `regression_drop` compares with
+the previous eval stage. Re-running the same command resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import logging
-import operator
 import os
-import re
 
 import jax
 
+from posttrain.eval.gates import SECTION, GateFailed, check_gate, validate_gates  # noqa: F401 (re-exported)
 from posttrain.train import stages as stage_lib
 from posttrain.train.plot import plot
 
@@ -21,30 +22,18 @@ def _rlvr(cfg):
     return loop.run(cfg)
 
 
-RUNNERS = {"sft": stage_lib.sft, "reward_model": stage_lib.reward_model, "dpo": stage_lib.dpo, "rlvr": _rlvr}
-SECTION = {"rlvr": "rl"}          # the config section of a stage, where it differs from its name
-_OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
-_GATE = re.compile(r"^\s*([\w/.\-]+)\s*(<=|>=|<|>)\s*([-+0-9.eE]+)\s*$")
+def _eval(cfg, baseline=None):
+    from posttrain.rl import evaluation
+    return evaluation.run(cfg, baseline=baseline)
 
 
-class GateFailed(RuntimeError):
-    """A stage finished but its evaluation gate did not hold."""
+RUNNERS = {"sft": stage_lib.sft, "reward_model": stage_lib.reward_model, "dpo": stage_lib.dpo, "rlvr": _rlvr,
+           "eval": _eval}
 
 
-def check_gate(stage: str, gate: str, metrics: dict) -> str:
-    """Raise GateFailed unless `gate` ("metric op value") holds on `metrics`; returns a summary."""
-    if not gate:
-        return f"{stage}: no gate"
-    m = _GATE.match(gate)
-    if not m:
-        raise ValueError(f"config.{stage}.gate={gate!r}: expected 'metric op number', e.g. 'eval/loss<1.5'")
-    name, op, value = m.group(1), m.group(2), float(m.group(3))
-    if name not in metrics:
-        raise GateFailed(f"{stage}: gate {gate!r} needs metric {name!r}, which the stage did not report "
-                         f"(has: {', '.join(sorted(metrics))}); set config.{stage}.eval_files?")
-    if not _OPS[op](metrics[name], value):
-        raise GateFailed(f"{stage}: gate {gate!r} failed: {name} = {metrics[name]:.4g}")
-    return f"{stage}: gate {gate!r} passed ({name} = {metrics[name]:.4g})"
+def gate_metrics(result) -> dict:
+    """What a stage's gate reads: its last logged row and its final evaluation."""
+    return {**(result.rows[-1] if result.rows else {}), **result.eval}
 
 
 def stage_config(cfg, name: str, workdir: str, init_from: str):
@@ -59,14 +48,19 @@ def run(cfg) -> dict:
     unknown = [s for s in cfg.pipeline.stages if s not in RUNNERS]
     if unknown:
         raise ValueError(f"pipeline.stages: unknown {unknown}; valid: {sorted(RUNNERS)}")
-    init_from, results = cfg.init_from, {}
+    validate_gates(cfg, cfg.pipeline.stages)
+    init_from, results, last_eval = cfg.init_from, {}, None
     for i, name in enumerate(cfg.pipeline.stages):
         workdir = os.path.join(cfg.workdir, f"{i}_{name}")
-        result = RUNNERS[name](stage_config(cfg, name, workdir, init_from))
-        metrics = {**(result.rows[-1] if result.rows else {}), **result.eval}
-        results[name] = metrics
-        logging.info(check_gate(name, cfg[SECTION.get(name, name)].gate, metrics))
-        init_from = workdir
+        sub = stage_config(cfg, name, workdir, init_from)
+        result = RUNNERS[name](sub, baseline=last_eval) if name == "eval" else RUNNERS[name](sub)
+        metrics = results[name] = gate_metrics(result)
+        logging.info(check_gate(name, cfg[SECTION.get(name, name)].gate, metrics,
+                                baseline=last_eval if name == "eval" else None))
+        if name == "eval":          # an eval stage has no checkpoint: the next stage starts from the last trained one
+            last_eval = metrics
+        else:
+            init_from = workdir
     if jax.process_index() == 0:
         logging.info("curves: %s", plot(cfg.workdir, os.path.join(cfg.workdir, "metrics.png")))
     return results
