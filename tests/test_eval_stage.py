@@ -119,6 +119,8 @@ def test_every_checkpoint_is_evaluated_and_compared_with_the_previous(run_dir, t
     recs = records(tmp_path, "mine")
     assert [r["step"] for r in recs] == [1, 2] and recs[0]["version"] == recs[1]["version"]
     assert "pass@2" in recs[0] and "pass@4" not in recs[0]
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["eval/mine/accuracy"] == recs[1]["accuracy"]
     assert result.eval["regression_drop"] == pytest.approx(recs[0]["accuracy"] - recs[1]["accuracy"])
     first = evaluation.run(config(tmp_path / "one", root, f"mine={root / 'mine.jsonl'}", steps="1"))
     assert records(tmp_path / "one", "mine")[0]["step"] == 1 and first.eval["mine/accuracy"] == recs[0]["accuracy"]
@@ -170,6 +172,8 @@ def test_eval_key_errors(run_dir, tmp_path):
         evaluation.run(config(tmp_path, root, "arithmetic", steps="3"))
     with pytest.raises(ValueError, match="eval.checkpoint is empty"):
         evaluation.run(config(tmp_path, "", "arithmetic"))
+    with pytest.raises(ValueError, match=r"config.eval.gate=.*does not report \['arithmetic/acuracy'\]"):
+        evaluation.run(config(tmp_path, root, "arithmetic", gate="arithmetic/acuracy>0.5"))
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         evaluation.run(config(tmp_path, root, f"bad={tmp_path / 'bad.jsonl'}"))
@@ -227,3 +231,17 @@ def test_standalone_stage_below_its_gate_exits_non_zero(run_dir, tmp_path):
     assert "FAIL  mine/response_len" in str(e.value) and "PASS  mine/accuracy" in str(e.value)
     cfg.eval.gate = f"mine/accuracy>={expected}, mine/pass@4>=0, mine/response_len>0"
     assert main_run(cfg).eval["mine/accuracy"] == expected
+
+
+def test_pipeline_eval_stages_compare_with_the_previous_eval(run_dir, tmp_path):
+    """Two eval stages of the same checkpoint: the first has no baseline (n/a), the second a drop of 0."""
+    from posttrain.train import pipeline
+    cfg = config(tmp_path, "", f"mine={run_dir / 'mine.jsonl'}")
+    cfg.stage, cfg.init_from, cfg.pipeline.stages = "pipeline", str(run_dir), ("eval", "eval")
+    cfg.eval.gate = "regression_drop<=0.0, mine/response_len>0"
+    results = pipeline.run(cfg)
+    assert results["eval"]["regression_drop"] == 0.0
+    assert [r["step"] for r in records(tmp_path / "1_eval", "mine")] == [2]
+    cfg.eval.gate = "regression_drop<-0.5"
+    with pytest.raises(GateFailed, match=r"FAIL  regression_drop = 0 \(needs < -0.5\)") as e:
+        pipeline.run(cfg)

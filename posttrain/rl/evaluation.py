@@ -8,7 +8,8 @@ estimator) for each k of `eval.pass_k`, mean response length, verifier errors an
 Sampling uses the `rl.*` settings (temperature, top_k, top_p, max_new_tokens) and the seed, so
 checkpoints are compared on the same draws. Every result is appended to
 `{workdir}/eval/<suite>.jsonl` with the checkpoint path and step and the suite version (a hash of
-its records), so runs and checkpoints can be compared over time.
+its records), so runs and checkpoints can be compared over time; `{workdir}/metrics.jsonl` gets
+one row per checkpoint (`eval/<suite>/<metric>`) for the curves.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from posttrain.sampling.rules import SamplingParams
 from posttrain.train.checkpoint import Checkpointer
 from posttrain.train.init import checkpoint_dir, load_model_state
 from posttrain.train.loop import Result
+from posttrain.train.metrics import MetricsWriter
 from posttrain.train.state import abstract_model
 
 BUILTIN = ("arithmetic", "gsm8k", "humaneval")
@@ -144,6 +146,21 @@ def evaluate_suite(worker: RolloutWorker, params, rest, name: str, tasks: list[T
             "seconds": time.perf_counter() - t0}
 
 
+SUITE_METRICS = ("accuracy", "mean_accuracy", "response_len", "greedy_response_len", "verifier_errors", "seconds")
+
+
+def check_gate_metrics(cfg, suites, ks: list[int]) -> None:
+    """Start-up check: every metric `eval.gate` names is one this evaluation reports."""
+    from posttrain.eval.gates import REGRESSION_DROP, parse_gate
+    known = {REGRESSION_DROP, *(HEADLINE[n] for n in suites if n in HEADLINE)}
+    for n in suites:
+        known |= {f"{n}/{m}" for m in (*SUITE_METRICS, *(f"pass@{k}" for k in ks))}
+    unknown = [c.metric for c in parse_gate(cfg.eval.gate, "config.eval.gate") if c.metric not in known]
+    if unknown:
+        raise ValueError(f"config.eval.gate={cfg.eval.gate!r}: stage eval does not report {unknown}; "
+                         f"it reports {', '.join(sorted(known))}")
+
+
 def checkpoint_steps(cfg, path: str) -> list[int]:
     """The steps of `path` that `eval.steps` selects (latest | all | "10,20")."""
     if path.startswith("hf:"):
@@ -202,6 +219,7 @@ def run(cfg, baseline: dict | None = None) -> Result:
                          "evaluate the merged model (lora.rank=0)")
     ks, tok = pass_ks(cfg), load_tokenizer(cfg.data.tokenizer)
     suites = make_suites(cfg, tok)
+    check_gate_metrics(cfg, suites, ks)
     versions = {n: suite_version(d.tasks) for n, d in suites.items()}
     steps = checkpoint_steps(cfg, path)
     mesh, rules = mesh_and_rules(cfg)
@@ -212,6 +230,8 @@ def run(cfg, baseline: dict | None = None) -> Result:
                               stop_ids=tuple(tok.stop_ids), num_samples=cfg.eval.samples)
     previous, metrics = baseline, {}
     bar = tqdm(total=len(steps) * len(suites), desc="eval", disable=not cfg.train.progress or jax.process_index() != 0)
+    # Curves too: one row per checkpoint in metrics.jsonl, appended (earlier rows, e.g. of training, are kept).
+    writer = MetricsWriter(cfg.workdir, enabled=jax.process_index() == 0, resume_step=2**62)
     with concurrent.futures.ThreadPoolExecutor(r.verifier_workers) as pool, use_sharding(mesh, rules):
         worker = RolloutWorker(graphdef, suites, sampling, tok.pad_id, pool)
         for step in steps:
@@ -227,8 +247,10 @@ def run(cfg, baseline: dict | None = None) -> Result:
                              {k: round(v, 4) for k, v in results[name].items()})
                 bar.update(1)
             metrics = gate_view(results, versions)
+            writer.write(step, {f"eval/{k}": v for k, v in metrics.items() if "/" in k and not k.endswith("/version")})
             if previous is not None and (drop := regression_drop(metrics, previous)) is not None:
                 metrics["regression_drop"] = drop
             previous = metrics
     bar.close()
+    writer.close()
     return Result(graphdef, None, [], metrics)
