@@ -45,7 +45,7 @@ def stages() -> dict:
 def run(config) -> object:
     """Run `config.stage` with `config`; the entry point for tools and tests too."""
     from posttrain.parallel import maybe_initialize_distributed
-    from posttrain.eval.alerts import AlertStop
+    from posttrain.eval.alerts import AlertMonitor, AlertStop
     from posttrain.eval.gates import GATED_STAGES, SECTION, GateFailed, check_gate, validate_gates
     from posttrain.train.pipeline import gate_metrics
     table = stages()
@@ -53,6 +53,7 @@ def run(config) -> object:
         raise SystemExit(f"error: config.stage={config.stage!r}; valid stages: {', '.join(sorted(table))}")
     try:
         validate_gates(config, config.pipeline.stages if config.stage == "pipeline" else (config.stage,))
+        AlertMonitor.from_config(config)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     maybe_initialize_distributed()

@@ -87,9 +87,16 @@ def test_drift_rules_need_warmup():
     assert not m.update(0, rows[0]) and not m.update(1, {**rows[1], "rl/reward_mean": 5.0})
 
 
-def test_bad_mode_is_an_error():
+def test_bad_settings_are_errors_at_start_up(tmp_path):
     with pytest.raises(ValueError, match="alerts.on='loud'"):
         monitor(on="loud")
+    with pytest.raises(ValueError, match="alerts.kl_blowup=-1.0"):
+        monitor(kl_blowup=-1.0)
+    from posttrain.main import run
+    cfg = sft_config(tmp_path / "run", on="loud")
+    with pytest.raises(SystemExit, match="alerts.on='loud'"):
+        run(cfg)
+    assert not (tmp_path / "run").exists()
 
 
 class FakeBar:

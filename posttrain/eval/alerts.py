@@ -112,6 +112,10 @@ class AlertMonitor:
         unknown = set(thresholds) - set(RULES)
         if unknown:
             raise ValueError(f"alerts: unknown rules {sorted(unknown)}; valid: {sorted(RULES)}")
+        negative = {k: v for k, v in thresholds.items() if v < 0}
+        if negative:
+            raise ValueError(f"alerts: thresholds must be >= 0 (0 turns a rule off), got "
+                             + ", ".join(f"alerts.{k}={v}" for k, v in negative.items()))
         if mode not in MODES:
             raise ValueError(f"alerts.on={mode!r}: expected one of {', '.join(MODES)}")
         self.thresholds, self.nonfinite, self.mode = dict(thresholds), nonfinite, mode
