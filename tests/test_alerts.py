@@ -60,16 +60,22 @@ def test_normal_stream_is_silent():
 def test_rule_fires_on_its_trigger_only(rule):
     m = monitor()
     fired = []
+    last = 26 if rule == "throughput_stall" else 25     # a stall must last two rows
     for t, row in normal_stream():
-        fired += m.update(t, TRIGGERS[rule](row) if t == 25 else row)
-    assert [(a.rule, a.step) for a in fired] == [(rule, 25)], fired
+        fired += m.update(t, TRIGGERS[rule](row) if 25 <= t <= last else row)
+    assert [(a.rule, a.step) for a in fired] == [(rule, last)], fired
     assert fired[0].message
+
+
+def test_one_slow_interval_is_not_a_stall():
+    m = monitor()
+    assert not [a for t, row in normal_stream() for a in m.update(t, TRIGGERS["throughput_stall"](row) if t in (25, 27) else row)]
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_zero_threshold_turns_a_rule_off(rule):
     m = monitor(**{rule: 0.0})
-    assert not [a for t, row in normal_stream() for a in m.update(t, TRIGGERS[rule](row) if t == 25 else row)]
+    assert not [a for t, row in normal_stream() for a in m.update(t, TRIGGERS[rule](row) if 25 <= t <= 26 else row)]
 
 
 def test_nonfinite_switch_and_off_mode():

@@ -34,7 +34,9 @@ def config(tmp, run_dir, suites, **eval_kw):
     m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 32, 1, 2, 1, 16, 64
     cfg.train.progress = False
     cfg.rl.max_new_tokens, cfg.rl.verifier_workers = 16, 2
-    cfg.eval.checkpoint, cfg.eval.suites, cfg.eval.size, cfg.eval.samples, cfg.eval.pass_k = str(run_dir), suites, 4, 4, "1,2,4"
+    cfg.eval.checkpoint, cfg.eval.suites, cfg.eval.samples, cfg.eval.pass_k = str(run_dir), suites, 4, "1,2,4"
+    if "arithmetic" in suites:
+        cfg.eval.size = 4
     cfg.eval.update(eval_kw)
     return cfg
 
@@ -174,6 +176,8 @@ def test_eval_key_errors(run_dir, tmp_path):
         evaluation.run(config(tmp_path, "", "arithmetic"))
     with pytest.raises(ValueError, match=r"config.eval.gate=.*does not report \['arithmetic/acuracy'\]"):
         evaluation.run(config(tmp_path, root, "arithmetic", gate="arithmetic/acuracy>0.5"))
+    with pytest.raises(ValueError, match="eval.size=4 cannot take effect"):
+        evaluation.run(config(tmp_path, root, f"mine={root / 'mine.jsonl'}", size=4))
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         evaluation.run(config(tmp_path, root, f"bad={tmp_path / 'bad.jsonl'}"))

@@ -14,8 +14,8 @@ Rules (a threshold of 0 turns one off):
 - clip_saturation: rl/clip_frac_low + rl/clip_frac_high > threshold.
 - nonfinite: any metric is NaN or ±inf (on/off).
 - verifier_error_rate: rl/verifier_errors / rl/responses > threshold.
-- throughput_stall: tokens/s < threshold × its running mean (tokens_per_s, or for RL rl/new_tokens
-  over rl/wait_s + rl/update_s).
+- throughput_stall: tokens/s < threshold × its running mean on STALL_ROWS consecutive rows
+  (tokens_per_s, or for RL rl/new_tokens over rl/wait_s + rl/update_s).
 The drift rules (reward_drift, response_len_explosion, throughput_stall) fire only after WARMUP
 earlier rows; throughput skips the first row (it includes compilation).
 """
@@ -32,6 +32,7 @@ MODES = ("off", "warn", "stop")
 WARMUP = 5            # earlier rows a running statistic needs before its rule may fire
 DECAY = 0.9           # exponential running mean / variance: weight of the past
 MIN_STD = 0.05        # floor on the reward's running std (a constant reward would make every change infinite)
+STALL_ROWS = 2        # consecutive slow rows before throughput_stall fires
 
 
 class AlertStop(RuntimeError):
@@ -121,6 +122,7 @@ class AlertMonitor:
         self.thresholds, self.nonfinite, self.mode = dict(thresholds), nonfinite, mode
         self.running = {rule: Running() for rule in RULES}
         self.seen = {rule: 0 for rule in RULES}
+        self.slow_rows = 0
 
     @classmethod
     def from_config(cls, cfg) -> "AlertMonitor":
@@ -146,7 +148,15 @@ class AlertMonitor:
             if kind == "stall" and self.seen[rule] == 1:
                 continue          # the first interval includes compilation
             fired = self._fires(kind, x, threshold, run)
-            if fired is not None:
+            if kind == "stall":
+                # One slow interval is usually an evaluation or a checkpoint inside it: a stall must
+                # last STALL_ROWS rows, and slow rows do not drag the running mean down.
+                self.slow_rows = self.slow_rows + 1 if fired is not None else 0
+                if fired is not None:
+                    if self.slow_rows >= STALL_ROWS:
+                        out.append(Alert(rule, step, fired, threshold, _message(rule, kind, x, fired, threshold, run)))
+                    continue
+            elif fired is not None:
                 out.append(Alert(rule, step, fired, threshold, _message(rule, kind, x, fired, threshold, run)))
             run.add(x)
         return out

@@ -110,6 +110,9 @@ def make_suites(cfg, tok) -> dict[str, Domain]:
     """The suites of `eval.suites`: name -> Domain (its tasks and environment)."""
     named = parse_suites(cfg.eval.suites)
     builtin = [n for n, p in named if not p and n in BUILTIN]
+    if not builtin and cfg.eval.size != 128:
+        raise ValueError(f"eval.size={cfg.eval.size} cannot take effect: it sizes the built-in suites "
+                         f"({', '.join(BUILTIN)}) and eval.suites={cfg.eval.suites!r} has none")
     sub = cfg.copy_and_resolve_references()
     sub.rl.domains, sub.rl.eval_size = ",".join(builtin) or "arithmetic", cfg.eval.size
     reward_fn = make_reward_fn(sub)
