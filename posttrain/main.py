@@ -47,13 +47,17 @@ def run(config) -> object:
     from posttrain.parallel import maybe_initialize_distributed
     from posttrain.eval.alerts import AlertMonitor, AlertStop
     from posttrain.eval.gates import GATED_STAGES, SECTION, GateFailed, check_gate, validate_gates
+    from posttrain.rl import evaluation
     from posttrain.train.pipeline import gate_metrics
     table = stages()
     if config.stage not in table:
         raise SystemExit(f"error: config.stage={config.stage!r}; valid stages: {', '.join(sorted(table))}")
     try:
-        validate_gates(config, config.pipeline.stages if config.stage == "pipeline" else (config.stage,))
+        stage_names = config.pipeline.stages if config.stage == "pipeline" else (config.stage,)
+        validate_gates(config, stage_names)
         AlertMonitor.from_config(config)
+        if "eval" in stage_names:
+            evaluation.check_eval_config(config)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     maybe_initialize_distributed()

@@ -226,6 +226,16 @@ def test_bad_gate_syntax_fails_at_start_up_naming_the_key(spec, tmp_path):
     assert not os.path.exists(cfg.workdir)          # nothing ran
 
 
+def test_pipeline_checks_the_eval_gate_metrics_before_training(tmp_path):
+    cfg = base_config()
+    cfg.stage, cfg.workdir = "pipeline", str(tmp_path / "run")
+    cfg.pipeline.stages = ("sft", "eval")
+    cfg.eval.gate = "arithmetic/accuracy>=0.5, unit_test_pass>=0.6"      # no humaneval suite
+    with pytest.raises(SystemExit, match=r"config.eval.gate=.*does not report \['unit_test_pass'\]"):
+        main_run(cfg)
+    assert not os.path.exists(cfg.workdir)
+
+
 def test_standalone_stage_below_its_gate_exits_non_zero(run_dir, tmp_path):
     root, expected = run_dir, 0.0
     cfg = config(tmp_path, root, f"mine={root / 'mine.jsonl'}")

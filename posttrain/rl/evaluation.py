@@ -152,8 +152,14 @@ def evaluate_suite(worker: RolloutWorker, params, rest, name: str, tasks: list[T
 SUITE_METRICS = ("accuracy", "mean_accuracy", "response_len", "greedy_response_len", "verifier_errors", "seconds")
 
 
+def check_eval_config(cfg) -> None:
+    """Start-up check of `eval.suites`, `eval.pass_k` and the metrics `eval.gate` names (no data is
+    read: a pipeline runs it before its first stage trains)."""
+    check_gate_metrics(cfg, [n for n, _ in parse_suites(cfg.eval.suites)], pass_ks(cfg))
+
+
 def check_gate_metrics(cfg, suites, ks: list[int]) -> None:
-    """Start-up check: every metric `eval.gate` names is one this evaluation reports."""
+    """Every metric `eval.gate` names is one this evaluation reports (suites: their names)."""
     from posttrain.eval.gates import REGRESSION_DROP, parse_gate
     known = {REGRESSION_DROP, *(HEADLINE[n] for n in suites if n in HEADLINE)}
     for n in suites:
