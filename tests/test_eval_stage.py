@@ -172,6 +172,8 @@ def test_eval_key_errors(run_dir, tmp_path):
         evaluation.run(config(tmp_path, root, "arithmetic", pass_k="8"))
     with pytest.raises(ValueError, match=r"eval.steps='3'.*has \[1, 2\]"):
         evaluation.run(config(tmp_path, root, "arithmetic", steps="3"))
+    with pytest.raises(ValueError, match="eval.steps='all' cannot take effect"):
+        evaluation.checkpoint_steps(config(tmp_path, "hf:/nowhere", "arithmetic", steps="all"), "hf:/nowhere")
     with pytest.raises(ValueError, match="eval.checkpoint is empty"):
         evaluation.run(config(tmp_path, "", "arithmetic"))
     with pytest.raises(ValueError, match=r"config.eval.gate=.*does not report \['arithmetic/acuracy'\]"):

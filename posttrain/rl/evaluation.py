@@ -173,6 +173,9 @@ def check_gate_metrics(cfg, suites, ks: list[int]) -> None:
 def checkpoint_steps(cfg, path: str) -> list[int]:
     """The steps of `path` that `eval.steps` selects (latest | all | "10,20")."""
     if path.startswith("hf:"):
+        if str(cfg.eval.steps).strip() != "latest":
+            raise ValueError(f"eval.steps={cfg.eval.steps!r} cannot take effect: eval.checkpoint={path!r} is a "
+                             "Hugging Face folder (one set of weights, step 0)")
         return [0]
     ckpt = Checkpointer(checkpoint_dir(path), every=0, keep=1, async_save=False)
     available = ckpt.all_steps()
