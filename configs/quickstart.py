@@ -20,15 +20,15 @@ def get_config():
     # The SFT teacher is sloppy: 60% of its worked answers overshoot by one. Imitation learns the
     # mistake; RL with an exact-answer verifier on fresh problems unlearns it.
     cfg.data.synthetic = "arithmetic"
-    cfg.data.synthetic_size, cfg.data.synthetic_max_value, cfg.data.synthetic_error_rate = 20_000, 20, 0.6
+    cfg.data.synthetic_size, cfg.data.synthetic_max_value, cfg.data.synthetic_error_rate = 20_000, 29, 0.6
     cfg.sft.train_files = "runs/data/quickstart_sft_train.jsonl"
     cfg.sft.eval_files = "runs/data/quickstart_sft_eval.jsonl"
-    cfg.sft.steps, cfg.sft.lr = 400, 3e-3
+    cfg.sft.steps, cfg.sft.lr = 800, 3e-3
     cfg.train.batch_size, cfg.train.seq_len, cfg.train.log_every = 16, 128, 10
     cfg.train.eval_every = 100
     cfg.rl.domains = "arithmetic"
     cfg.rl.steps, cfg.rl.lr = 150, 2e-4
     cfg.rl.prompts_per_step, cfg.rl.group_size, cfg.rl.max_new_tokens = 8, 8, 40
-    cfg.rl.eval_every, cfg.rl.eval_size, cfg.rl.eval_samples = 25, 200, 4
+    cfg.rl.eval_every, cfg.rl.eval_size, cfg.rl.eval_samples = 25, 128, 4
     cfg.checkpoint.every = 100
     return cfg

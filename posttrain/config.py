@@ -41,7 +41,9 @@ def model_config() -> ml_collections.ConfigDict:
         param_dtype="float32",
         dtype="float32",           # compute dtype
         remat="none",              # none | full | dots (save matmul outputs)
-        attention="xla",           # xla (reference)
+        attention="xla",           # xla (reference) | blockwise (memory-linear) | cudnn (GPU) | splash (TPU)
+        attention_block=512,       # blockwise / splash tile length (queries and keys)
+        context_parallel="auto",   # mesh.sequence > 1 with blockwise: all_gather | ring | auto (ops.context_parallel)
         moe=ml_collections.ConfigDict(dict(
             num_experts=0,         # 0: every layer is a dense MLP
             top_k=2,
@@ -75,8 +77,25 @@ def base_config() -> ml_collections.ConfigDict:
         rules=ml_collections.ConfigDict({k: ",".join(v) for k, v in DEFAULT_RULES.items()})))
     cfg.model = model_config()
     cfg.train = ml_collections.ConfigDict(dict(
-        steps=300, batch_size=16, seq_len=64, log_every=10, eval_every=0, progress=True))
+        steps=300, batch_size=16, seq_len=64, log_every=10, eval_every=0, progress=True,
+        seq_len_schedule="",       # staged context: "256:20,1024" = 256 tokens for 20 steps, then train.seq_len
+    ))
+    # Non-finite loss or gradient norm: the update is skipped (counted as nonfinite_skipped); the run
+    # stops when more than this many updates in a row were skipped (0: at the first).
+    cfg.train.max_nonfinite_steps = 10
+    cfg.compilation_cache = "auto"   # "auto" ($POSTTRAIN_COMPILATION_CACHE or ~/.cache/posttrain/jax) | "off" | folder
     cfg.checkpoint = ml_collections.ConfigDict(dict(every=100, keep=3, async_save=True))
+    cfg.eval = ml_collections.ConfigDict(dict(
+        long_context=ml_collections.ConfigDict(dict(   # needle / multi-hop retrieval (eval/long_context_eval.py)
+            lengths="",            # prompt lengths in tokens, e.g. "256,1024"; "" = off. SFT evaluates it
+            depths="0,0.25,0.5,0.75,1",   # where the facts sit (0 = start of the context, 1 = end)
+            kinds="needle,multihop",
+            samples=4,             # problems per (kind, length, depth) cell
+            hops=2,                # facts chained in a multi-hop problem
+            max_new_tokens=8,
+            seed=0,                # problems come from the eval name space, disjoint from training's
+        )),
+    ))
     cfg.optim = ml_collections.ConfigDict(dict(
         lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,
         grad_clip=1.0))
@@ -111,7 +130,7 @@ def base_config() -> ml_collections.ConfigDict:
         group_size=8,              # G samples per prompt
         max_new_tokens=32,
         temperature=1.0, top_k=0, top_p=1.0,
-        advantage="grpo",          # grpo | drgrpo (no std) | rloo
+        advantage="grpo",          # grpo | drgrpo (no std) | rloo | gae (PPO: a critic, token-level)
         clip_low=0.2, clip_high=0.28,   # DAPO clip-higher
         ratio_level="token",       # token | sequence (GSPO)
         updates_per_batch=1,       # PPO epochs over one rollout batch
@@ -128,17 +147,26 @@ def base_config() -> ml_collections.ConfigDict:
         overlong_buffer=0,         # DAPO overlong shaping ramp (tokens before max_new_tokens)
         verifier_workers=4,
         verifier_delay=0.0,        # benchmarks only: extra host seconds per verified response
+        # PPO with a critic (advantage="gae") and a learned reward (RLHF)
+        critic="shared",           # shared: a value head on the policy's decoder
+        gamma=1.0, lam=0.95,       # GAE discount and trace decay
+        value_coef=0.5,            # weight of the critic's loss in the learner's loss
+        value_clip=0.2,            # PPO value clipping around the rollout's values (0: unclipped)
+        reward_model="",           # a reward_model run dir ("@reward_model": the pipeline's stage) or ""
+        reward_model_weight=1.0,   # reward = verifier_weight · verifier + reward_model_weight · RM score
+        verifier_weight=1.0,
+        reward_model_normalize=True,    # RM scores by running mean/std (checkpointed)
+        kl_in_reward=False,        # pay rl.kl_coef · KL per token as reward instead of a loss term
         steps=0, lr=0.0, gate=gate,     # as for the other stages
     ))
-    cfg.eval = ml_collections.ConfigDict(dict(      # stage "eval" (see posttrain/rl/evaluation.py)
-        checkpoint="",             # a run dir / checkpoints dir; "" = init_from (in a pipeline: the previous stage)
-        steps="latest",            # latest | all | "100,200": which checkpoints of that run
-        suites="arithmetic",       # arithmetic, gsm8k, humaneval and/or name=path.jsonl ({"prompt","answer"})
-        size=128,                  # problems per built-in suite
-        samples=4,                 # samples per problem (mean sampled accuracy, pass@k)
-        pass_k="1,4",              # pass@k reported for each k (each <= samples)
-        gate=gate,
-    ))
+    # Stage "eval" (posttrain/rl/evaluation.py), beside eval.long_context above.
+    cfg.eval.checkpoint = ""       # a run dir / checkpoints dir; "" = init_from (in a pipeline: the previous stage)
+    cfg.eval.steps = "latest"      # latest | all | "100,200": which checkpoints of that run
+    cfg.eval.suites = "arithmetic"   # arithmetic, gsm8k, humaneval and/or name=path.jsonl ({"prompt","answer"})
+    cfg.eval.size = 128            # problems per built-in suite
+    cfg.eval.samples = 4           # samples per problem (mean sampled accuracy, pass@k)
+    cfg.eval.pass_k = "1,4"        # pass@k reported for each k (each <= samples)
+    cfg.eval.gate = gate
     cfg.alerts = ml_collections.ConfigDict(dict(    # run health rules (posttrain/eval/alerts.py); 0 = rule off
         on="warn",                 # off | warn (log, event row, progress bar) | stop (raise AlertStop)
         reward_drift=6.0,          # |batch mean reward − running mean| / running std above this

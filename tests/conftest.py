@@ -4,6 +4,9 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The persistent compilation cache stays off in tests (and the runs they start): timings and
+# behaviour must not depend on what earlier runs left in ~/.cache. test_robust checks the switch.
+os.environ.setdefault("POSTTRAIN_COMPILATION_CACHE", "off")
 
 import jax  # noqa: E402
 

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from posttrain.config import base_config
+from posttrain.errors import UserError
+from posttrain.train.metrics import read_metrics
 from posttrain.eval.alerts import RULES, AlertMonitor, AlertStop
 
 
@@ -100,9 +102,9 @@ def test_bad_settings_are_errors_at_start_up(tmp_path):
         monitor(kl_blowup=-1.0)
     from posttrain.main import run
     cfg = sft_config(tmp_path / "run", on="loud")
-    with pytest.raises(SystemExit, match="alerts.on='loud'"):
+    with pytest.raises(UserError, match="alerts.on='loud'"):
         run(cfg)
-    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "run" / "config.json").exists()
 
 
 class FakeBar:
@@ -151,7 +153,7 @@ def test_sft_run_with_a_diverging_learning_rate_stops_naming_the_rule(tmp_path):
     cfg.optim.lr, cfg.optim.warmup_steps = 1e30, 0
     with pytest.raises(SystemExit, match="nonfinite"):
         run(cfg)
-    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(str(tmp_path))              # strict JSON: non-finite values come back as NaN
     assert [r["step"] for r in rows] == [0, 1, 1]          # stopped at the first non-finite row
     assert rows[2]["event"] == "alert" and rows[2]["rule"] == "nonfinite"
     bad = [k for k, v in rows[1].items() if isinstance(v, float) and not math.isfinite(v)]

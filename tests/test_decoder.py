@@ -143,3 +143,23 @@ def test_layer_kinds_and_segments():
     cfg.moe.dense_layers = (9,)
     with pytest.raises(ValueError, match="dense_layers"):
         layer_kinds(cfg)
+
+
+def test_moe_statistics_and_router_bias_ignore_padding():
+    # Rows of padding (segment id 0) change neither the MoE statistics nor the router-bias step:
+    # both equal those of the batch with the padding rows removed.
+    cfg = tiny_cfg(num_layers=2)
+    cfg.moe.update(dict(num_experts=4, top_k=2, expert_mlp_dim=16, router="sigmoid", bias_update_rate=0.01))
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 6)))
+    pos = jnp.broadcast_to(jnp.arange(6), (4, 6))
+    seg = jnp.asarray([[1] * 6, [1] * 6, [0] * 6, [0] * 6])
+    step = nnx.jit(lambda m, t, p, s: m(t, p, s, update_bias=True)[1])
+    padded, pruned = Decoder(cfg, rngs=nnx.Rngs(0)), Decoder(cfg, rngs=nnx.Rngs(0))
+    aux = step(padded, tokens, pos, seg)
+    ref = step(pruned, tokens[:2], pos[:2], seg[:2])
+    for k in ref:
+        np.testing.assert_allclose(aux[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    bias = lambda m: [np.asarray(l.mlp.router_bias[...]) for l in m.layers() if l.is_moe]
+    np.testing.assert_allclose(bias(padded), bias(pruned), atol=1e-7)
+    assert np.abs(bias(padded)).max() > 0

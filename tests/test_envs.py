@@ -15,7 +15,7 @@ from posttrain.rl.envs import (
     SingleTurnEnv, Task, ToolCallError, ToolEnv, parse_tool_call, run_episode, run_episodes,
 )
 from posttrain.rl.reward import RewardConfig, RewardFunction, default_reward_function
-from posttrain.rl.sandbox import Sandbox
+from posttrain.sandbox import Sandbox
 from posttrain.rl.verifiers import CodeTask, MathTask
 
 TOK = ByteTokenizer()

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from posttrain.config import base_config
+from posttrain.errors import UserError
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.eval.gates import GateFailed, check_gate, parse_gate, regression_drop
 from posttrain.main import run as main_run
@@ -223,9 +224,9 @@ def test_bad_gate_syntax_fails_at_start_up_naming_the_key(spec, tmp_path):
     cfg.stage, cfg.workdir = "pipeline", str(tmp_path / "run")
     cfg.pipeline.stages = ("sft", "dpo")
     cfg.dpo.gate = spec
-    with pytest.raises(SystemExit, match="config.dpo.gate="):
+    with pytest.raises(UserError, match="config.dpo.gate="):
         main_run(cfg)
-    assert not os.path.exists(cfg.workdir)          # nothing ran
+    assert not os.path.exists(os.path.join(cfg.workdir, "config.json"))          # nothing ran
 
 
 def test_pipeline_checks_the_eval_gate_metrics_before_training(tmp_path):
@@ -233,9 +234,9 @@ def test_pipeline_checks_the_eval_gate_metrics_before_training(tmp_path):
     cfg.stage, cfg.workdir = "pipeline", str(tmp_path / "run")
     cfg.pipeline.stages = ("sft", "eval")
     cfg.eval.gate = "arithmetic/accuracy>=0.5, unit_test_pass>=0.6"      # no humaneval suite
-    with pytest.raises(SystemExit, match=r"config.eval.gate=.*does not report \['unit_test_pass'\]"):
+    with pytest.raises(UserError, match=r"config.eval.gate=.*does not report \['unit_test_pass'\]"):
         main_run(cfg)
-    assert not os.path.exists(cfg.workdir)
+    assert not os.path.exists(os.path.join(cfg.workdir, "config.json"))
 
 
 def test_standalone_stage_below_its_gate_exits_non_zero(run_dir, tmp_path):
@@ -261,3 +262,15 @@ def test_pipeline_eval_stages_compare_with_the_previous_eval(run_dir, tmp_path):
     cfg.eval.gate = "regression_drop<-0.5"
     with pytest.raises(GateFailed, match=r"FAIL  regression_drop = 0 \(needs < -0.5\)") as e:
         pipeline.run(cfg)
+
+
+def test_long_context_grid_runs_beside_the_suites_and_gates_on_it(run_dir, tmp_path):
+    cfg = config(tmp_path, run_dir, f"mine={run_dir / 'mine.jsonl'}", gate="long_ctx_multihop>=0, long_ctx_needle>=0")
+    lc = cfg.eval.long_context
+    lc.lengths, lc.depths, lc.samples = "160", "0", 1
+    result = main_run(cfg)
+    assert {"long_ctx_needle", "long_ctx_multihop"} <= set(result.eval)
+    assert (tmp_path / "long_context.jsonl").exists()
+    cfg.eval.gate = "long_ctx_needle>=1.5"
+    with pytest.raises(SystemExit, match=r"FAIL  long_ctx_needle = 0 \(needs >= 1.5\)"):
+        main_run(cfg)

@@ -126,9 +126,12 @@ def test_config_round_trips_through_config_json(kind):
     hf = getattr(transformers, cls)(**{**SMALL, **kw}).to_dict()
     cfg = model_config_from_dict(hf)
     for base in (hf, None):
-        again = hf_config_from_model(cfg, base)
+        again = hf_config_from_model(cfg, base, context=0 if base else hf["max_position_embeddings"])
         assert model_config_from_dict(again).to_dict() == cfg.to_dict()
         assert again["model_type"] == hf["model_type"]
+        assert again["max_position_embeddings"] == hf["max_position_embeddings"]
+        # every key the import reads is explicit: transformers' class defaults play no part
+        assert {"attention_dropout", "hidden_act", "max_position_embeddings"} <= again.keys()
 
 
 @pytest.mark.parametrize("change, key", [
@@ -198,3 +201,54 @@ def test_convert_runs_both_ways_with_lora_merged(tmp_path):
     theirs = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged"), tokens)
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
     assert np.abs(theirs - hf_logits(model, tokens)).max() > 1e-2      # the adapters did change the model
+
+
+def test_advertised_context():
+    hf = transformers.LlamaConfig(**SMALL).to_dict()
+    cfg = model_config_from_dict(hf)
+    with pytest.raises(ValueError, match="max_position_embeddings is unknown"):
+        hf_config_from_model(cfg, None)
+    assert hf_config_from_model(cfg, hf, context=32)["max_position_embeddings"] == 64      # never shrinks
+    assert hf_config_from_model(cfg, hf, context=300)["max_position_embeddings"] == 300    # trained longer
+    cfg.rope_scaling.update(type="dynamic", factor=2.0, original_max_position_embeddings=48)
+    assert hf_config_from_model(cfg, hf, context=300)["max_position_embeddings"] == 48     # dynamic: math
+
+
+def long_sft_file(path, n: int = 16) -> str:
+    """SFT records alternately short (~30 byte tokens) and long (~200, over every seq_len here)."""
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for i in range(n):
+            text = " ".join(str(x) for x in rng.integers(0, 1000, 60 if i % 2 else 6))
+            f.write(json.dumps({"prompt": text[:len(text) // 2], "response": text[len(text) // 2:]}) + "\n")
+    return str(path)
+
+
+def test_export_keeps_source_config_and_advertises_trained_context(tmp_path):
+    """--from_hf then --to_hf (no --hf_base) keeps every source key; a run trained longer (SFT
+    from that run) exports its trained context with the source's other settings."""
+    from posttrain.main import run as run_main
+    src, run, out = str(tmp_path / "src"), str(tmp_path / "run"), str(tmp_path / "out")
+    hf_model("llama-llama3-untied", vocab_size=264, num_hidden_layers=2, max_position_embeddings=96,
+             bos_token_id=5, eos_token_id=6, pad_token_id=7).save_pretrained(src)
+    source = json.loads(open(os.path.join(src, "config.json")).read())
+    mesh = make_mesh(dict(fsdp=-1))
+    hf_to_run(src, run, mesh, DEFAULT_RULES, progress=False)
+    run_to_hf(read_run_config(run), out, mesh, DEFAULT_RULES, progress=False)
+    exported = json.loads(open(os.path.join(out, "config.json")).read())
+    for key, value in source.items():
+        if key not in ("transformers_version", "dtype"):
+            assert exported.get(key) == value, key
+    assert transformers.AutoConfig.from_pretrained(out).max_position_embeddings == 96
+
+    cfg = read_run_config(run)
+    cfg.stage, cfg.workdir, cfg.init_from, cfg.data.tokenizer = "sft", str(tmp_path / "long"), run, "byte"
+    cfg.sft.train_files, cfg.sft.eval_files = long_sft_file(tmp_path / "long.jsonl"), ""
+    cfg.data.truncate, cfg.train.progress, cfg.checkpoint.async_save = True, False, False
+    cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len = 2, 2, 128    # (staged runs: test_seq_len_schedule)
+    run_main(cfg)
+    run_to_hf(read_run_config(cfg.workdir), str(tmp_path / "long_hf"), mesh, DEFAULT_RULES, progress=False)
+    exported = json.loads(open(tmp_path / "long_hf" / "config.json").read())
+    assert exported["max_position_embeddings"] == 128                 # truncated rows of 128 were trained
+    assert exported["rope_parameters"] == source["rope_parameters"]
+    assert (exported["bos_token_id"], exported["eos_token_id"], exported["pad_token_id"]) == (5, 6, 7)

@@ -44,12 +44,17 @@ def build(case: str, **extra):
 
 X = jax.random.normal(jax.random.key(1), (B, S, D))
 CT = jax.random.normal(jax.random.key(2), (B, S, D))
+# Real tokens (1) and padding (0), uneven over rows (so over devices), one row all padding: an RL
+# batch. The layer tests run on this padded batch; their reference sees only the real tokens.
+ROW_LENGTHS = np.array([8, 5, 0, 8, 3, 8, 1, 6])
+MASK = jnp.asarray(np.arange(S)[None, :] < ROW_LENGTHS[:, None])
+REAL = np.asarray(MASK).reshape(-1)
 
 
-def layer_loss(graphdef, params, rest, x, ct):
-    """A scalar touching the output and both router losses, for gradient checks."""
-    y, aux = nnx.merge(graphdef, params, rest)(x)
-    return jnp.sum(y * ct) + aux["aux_loss"] + aux["z_loss"], (y, aux)
+def layer_loss(graphdef, params, rest, x, ct, mask=MASK):
+    """A scalar touching the real tokens' outputs and both router losses, for gradient checks."""
+    y, aux = nnx.merge(graphdef, params, rest)(x, mask)
+    return jnp.sum(y * ct * mask[..., None]) + aux["aux_loss"] + aux["z_loss"], (y, aux)
 
 
 def layer_grad_fn():
@@ -109,8 +114,13 @@ REFERENCE_GRAD = jax.jit(jax.value_and_grad(reference_loss, argnums=(0, 1), has_
 
 @functools.cache
 def unsharded(case: str):
-    """Single-device loss, outputs, aux and gradients of a case (computed once)."""
+    """Single-device loss, outputs, aux and gradients of a case on the padded batch (computed once)."""
     return LAYER_GRAD(*build(case), X, CT)
+
+
+def real_tokens(a):
+    """[B, S, ...] → [1, real tokens, ...]: the batch with its padding removed."""
+    return jnp.asarray(np.asarray(a).reshape(B * S, *a.shape[2:])[REAL][None])
 
 
 def assert_tree_close(a, b, rtol=1e-5, atol=1e-5):
@@ -120,20 +130,24 @@ def assert_tree_close(a, b, rtol=1e-5, atol=1e-5):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_dropless_matches_dense_reference(case):
+    # On the padded batch, outputs, statistics and gradients equal the plain reference's on the
+    # same batch with the padding removed; padding gets no gradient.
     graphdef, params, rest = build(case)
     (loss, (y, aux)), (g_params, g_x) = unsharded(case)
     bias = rest["router_bias"][...] if "router_bias" in rest else None
     pure = nnx.to_pure_dict(params)
     (ref_loss, (ref_y, ref_aux)), (ref_g_params, ref_g_x) = REFERENCE_GRAD(
-        pure, X, CT, routing_of(make_cfg(**CASES[case])), bias)
-    assert_tree_close(y, ref_y)
+        pure, real_tokens(X), real_tokens(CT), routing_of(make_cfg(**CASES[case])), bias)
+    assert_tree_close(real_tokens(y), ref_y)
     assert_tree_close(aux, ref_aux)
     assert_tree_close(loss, ref_loss)
-    assert_tree_close(g_x, ref_g_x)
+    assert_tree_close(real_tokens(g_x), ref_g_x)
+    np.testing.assert_array_equal(np.asarray(g_x).reshape(B * S, D)[~REAL], 0.0)
     assert_tree_close(nnx.to_pure_dict(g_params), ref_g_params)
 
 
-FORWARD = jax.jit(lambda graphdef, x, *states: nnx.merge(graphdef, *states)(x), static_argnums=0)
+FORWARD = jax.jit(lambda graphdef, x, *states, mask=None: nnx.merge(graphdef, *states)(x, mask),
+                  static_argnums=0)
 
 
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])
@@ -182,6 +196,44 @@ def test_capacity_drops_overflow_in_token_order():
     np.testing.assert_allclose(aux["load"], np.array([48, 48, 16, 16, 0, 0, 0, 0]) / 128)
 
 
+def test_padding_takes_no_capacity():
+    # The capacity case above with the first 16 tokens padding (12 of group A, 4 of B): experts 0
+    # and 1 keep the first 16 *real* A tokens; padding is routed nowhere and not counted.
+    cfg = make_cfg(router="softmax", norm_topk_prob=True, capacity_factor=1.0)
+    model = MoE(cfg, rngs=nnx.Rngs(0))
+    kernel = np.zeros((D, E), np.float32)
+    kernel[0, :2] = [10.0, 9.0]
+    kernel[1, 2:4] = [10.0, 9.0]
+    model.router[...] = jnp.asarray(kernel)
+    group_a = np.arange(B * S) % 4 != 0
+    real = np.arange(B * S) >= 16
+    x = np.array(X).reshape(-1, D)
+    x[:, 0], x[:, 1] = group_a, ~group_a
+    x = jnp.asarray(x.reshape(B, S, D))
+    graphdef, state = nnx.split(model)
+    y, aux = FORWARD(graphdef, x, state, mask=jnp.asarray(real.reshape(B, S)))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    (_, (dense_y, _)), _ = REFERENCE_GRAD(params, x, CT, routing_of(cfg), None)
+    kept = real & (~group_a | (np.cumsum(group_a & real) <= 16))
+    y, dense_y = np.asarray(y).reshape(-1, D), np.asarray(dense_y).reshape(-1, D)
+    np.testing.assert_allclose(y[kept], dense_y[kept], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(y[~kept], 0.0)
+    np.testing.assert_allclose(aux["dropped"], (20 + 20) / 96, rtol=1e-6)      # 36 real A tokens each
+    np.testing.assert_allclose(aux["load"], np.array([36, 36, 12, 12, 0, 0, 0, 0]) / 96, rtol=1e-6)
+
+
+def test_router_bias_update_counts_real_tokens_only():
+    model = MoE(make_cfg(router="sigmoid", bias_update_rate=0.01), rngs=nnx.Rngs(0))
+    nnx.jit(lambda m, x, mask: m(x, mask, update_bias=True))(model, X, MASK)
+    logits = real_tokens(X)[0] @ np.asarray(model.router[...])
+    top = np.argsort(-logits, axis=-1)[:, :K]                      # zero bias: the top sigmoid scores
+    load = np.bincount(top.reshape(-1), minlength=E) / top.size
+    padded_load = np.bincount(np.argsort(-(np.asarray(X).reshape(-1, D) @ np.asarray(model.router[...])),
+                                         axis=-1)[:, :K].reshape(-1), minlength=E) / (B * S * K)
+    assert (np.sign(1 / E - load) != np.sign(1 / E - padded_load)).any()    # padding would mislead
+    np.testing.assert_allclose(model.router_bias[...], 0.01 * np.sign(1 / E - load), atol=1e-7)
+
+
 def test_router_bias_moves_towards_balance():
     model = MoE(make_cfg(router="sigmoid", bias_update_rate=0.01), rngs=nnx.Rngs(0))
 
@@ -209,10 +261,11 @@ def run_sharded(case, sizes, rules=DEFAULT_RULES, **extra):
     graphdef, params, rest = build(case, **extra)
     params, rest = shard(params, mesh, rules), shard(rest, mesh, rules)
     x = jax.device_put(X, NamedSharding(mesh, logical_spec(("batch", "length", None), mesh, rules, X.shape)))
+    mask = jax.device_put(MASK, NamedSharding(mesh, logical_spec(("batch", "length"), mesh, rules, MASK.shape)))
     fn = layer_grad_fn()
     with use_sharding(mesh, rules):
-        out = fn(graphdef, params, rest, x, CT)
-        jaxpr = str(jax.make_jaxpr(fn, static_argnums=0)(graphdef, params, rest, x, CT))
+        out = fn(graphdef, params, rest, x, CT, mask)
+        jaxpr = str(jax.make_jaxpr(fn, static_argnums=0)(graphdef, params, rest, x, CT, mask))
     return mesh, out, params, jaxpr
 
 
@@ -274,12 +327,13 @@ def test_ragged_dispatch_traces_with_real_collective():
 
 
 def test_sharded_capacity_applies_per_device_group():
-    # fsdp=2, expert=4: each device holds one batch row (8 tokens), capacity ceil(8 * 2 / 8) = 2.
+    # fsdp=2, expert=4: each device holds one batch row (8 tokens), capacity ceil(8 * 2 / 8) = 2;
+    # the dropped fraction of the mesh weighs each row by its real tokens.
     _, ((_, (y, aux)), _), _, _ = run_sharded("softmax_raw", dict(fsdp=2, expert=4), capacity_factor=1.0)
     graphdef, params, rest = build("softmax_raw", capacity_factor=1.0)
-    rows = [FORWARD(graphdef, X[i:i + 1], params, rest) for i in range(B)]
+    rows = [FORWARD(graphdef, X[i:i + 1], params, rest, mask=MASK[i:i + 1]) for i in range(B)]
     np.testing.assert_allclose(y, np.concatenate([r[0] for r in rows]), rtol=1e-5, atol=1e-6)
-    dropped = np.mean([r[1]["dropped"] for r in rows])
+    dropped = np.average([r[1]["dropped"] for r in rows], weights=ROW_LENGTHS)
     assert dropped > 0
     np.testing.assert_allclose(aux["dropped"], dropped, rtol=1e-6)
 

@@ -146,7 +146,9 @@ def test_an_rl_key_that_cannot_take_effect_is_an_error(key):
     cfg.rl.eval_every = 0
     values = {"clip_low": 0.1, "clip_high": 0.5, "ratio_level": "sequence", "kl_estimator": "k1",
               "max_resample_rounds": 5, "eval_samples": 8, "eval_size": 16, "arithmetic_size": 10,
-              "instruction": "Answer with a number."}
+              "instruction": "Answer with a number.", "critic": "separate", "gamma": 0.9, "lam": 0.5,
+              "value_coef": 1.0, "value_clip": 0.1, "kl_in_reward": True, "reward_model_weight": 2.0,
+              "reward_model_normalize": False}
     check_rl_config(cfg)
     cfg.rl[key] = values[key]
     if key in ("arithmetic_size", "instruction"):

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from posttrain.rl.sandbox import (
-    ExecResult, Job, Limits, Sandbox, Status, detect_isolation, python_job, shell_job,
+from posttrain.sandbox import (
+    ExecResult, Isolation, Job, Limits, Sandbox, Status, detect_isolation, python_job, shell_job,
 )
 
 SMALL = Limits(cpu_s=1, wall_s=3.0, memory_bytes=256 << 20, processes=16, file_bytes=1 << 20,
@@ -44,7 +44,12 @@ def test_isolation_report_is_honest():
     print(f"\nisolation: {ISO}\nmissing: {ISO.missing() or 'nothing'}")
     if os.geteuid() == 0:
         assert ISO.drop_uid, "as root every execution must get its own unprivileged uid"
-    assert bool(ISO.missing()) == (not (ISO.net_ns and ISO.pid_ns and ISO.mount_ns and ISO.process_limit))
+    active = (ISO.net_ns, ISO.pid_ns, ISO.mount_ns, ISO.ipc_ns, ISO.private_root, ISO.memory_cgroup,
+              ISO.process_limit)
+    assert len(ISO.missing()) == active.count(False)
+    nothing = Isolation(drop_uid=False, user_ns=False, net_ns=False, pid_ns=False, mount_ns=False)
+    assert [gap.split(":")[0] for gap in nothing.missing()] == [
+        "network", "pid", "filesystem", "visibility", "ipc", "memory", "processes", "uid"]
 
 
 def test_pass_fail_and_output(sandbox):
@@ -243,10 +248,14 @@ def test_bad_input_is_named():
         Sandbox(SMALL).run(Job(argv=(sys.executable,), files={"../x": "y"}))
     with pytest.raises(ValueError, match="not found"):
         Sandbox(SMALL).run(Job(argv=("no-such-program-xyz",)))
+    with pytest.raises(ValueError, match="visible path '/no/such/dir'"):
+        Sandbox(SMALL, visible=("/no/such/dir",))
+    with pytest.raises(ValueError, match="workdir_root"):
+        Sandbox(SMALL, visible=(tempfile.gettempdir(),))
 
 
 def test_world_executable_check():
-    from posttrain.rl.sandbox import _others_can_run
+    from posttrain.sandbox.isolation import _others_can_run
     assert _others_can_run("/bin/sh")
     private = tempfile.mkdtemp()
     try:
@@ -258,3 +267,176 @@ def test_world_executable_check():
     finally:
         os.remove(exe)
         os.rmdir(private)
+
+
+# --- Gaps found by a hostile probe: each test is the attack, run once with the protection and,
+# where it is cheap, once without it (showing the attack is real and the test can fail).
+
+
+def _world_open_dir() -> str:
+    """A host temp dir whose contents only the sandbox's filesystem view can protect."""
+    folder = tempfile.mkdtemp(prefix="posttrain-hostile-")
+    os.chmod(folder, 0o777)
+    return folder
+
+
+def test_host_unix_sockets_are_unreachable(sandbox):
+    require(ISO.private_root, "private root (host socket files are visible)")
+    import shutil
+    import socket
+    folder = _world_open_dir()
+    path = os.path.join(folder, "host.sock")
+    abstract = f"\0posttrain-hostile-{os.getpid()}"
+    servers = []
+    try:
+        for address in (path, abstract):
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            server.bind(address)
+            server.listen(4)
+            server.setblocking(False)
+            servers.append(server)
+        os.chmod(path, 0o777)
+        src = ("import os, socket\n"
+               f"for addr in [{path!r}, {abstract!r}]:\n"
+               "    s = socket.socket(socket.AF_UNIX)\n    try:\n        s.connect(addr)\n"
+               "        print('CONNECTED', repr(addr))\n    except OSError as e:\n        print('blocked', e.errno)\n"
+               "for d in ['/tmp', '/run', '/var/run']:\n    try:\n        print(d, os.listdir(d))\n"
+               "    except OSError as e:\n        print(d, 'absent', e.errno)")
+        res = run(sandbox, src)
+        assert res.status is Status.PASS and b"CONNECTED" not in res.stdout, res.stdout
+        assert b"host.sock" not in res.stdout and b"/run [" not in res.stdout
+        if ISO.mount_ns:  # the same attack without the private root: the socket file answers
+            exposed = Sandbox(SMALL, isolation=dataclasses.replace(ISO, private_root=False)).run(python_job(src))
+            assert f"CONNECTED {path!r}".encode() in exposed.stdout, exposed
+        for server in servers:
+            with pytest.raises(BlockingIOError):
+                server.accept()[0].close()  # only the unprotected run may have connected
+                server.accept()
+    finally:
+        for server in servers:
+            server.close()
+        shutil.rmtree(folder)
+
+
+_IPC_PROGRAM = '''import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+key, queue, create = int(sys.argv[1]), sys.argv[2].encode(), sys.argv[3] == "create"
+flags = (0o1000 | 0o666) if create else 0  # IPC_CREAT
+shm = libc.shmget(key, 4096, flags)
+if shm >= 0:
+    addr = libc.shmat(shm, None, 0)
+    if create:
+        ctypes.memmove(addr, b"secret-from-run-1", 17)
+    print("shm", ctypes.string_at(addr, 17))
+else:
+    print("no shm", ctypes.get_errno())
+mq = libc.mq_open(queue, (0o100 | 2) if create else 2, 0o666, None)  # O_CREAT | O_RDWR
+print("mq", mq >= 0, ctypes.get_errno())
+'''
+
+
+def _host_ipc(key: int, queue: str, remove: bool = False) -> tuple[bool, bool]:
+    """(a SysV shm segment with `key` exists, a POSIX queue named `queue` exists) on the host;
+    `remove` deletes them (cleanup after the unprotected run)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    shm = libc.shmget(key, 0, 0)
+    mq = libc.mq_open(queue.encode(), 0, 0, None)
+    if mq >= 0:
+        libc.mq_close(mq)
+    if remove:
+        if shm >= 0:
+            libc.shmctl(shm, 0, None)  # IPC_RMID
+        libc.mq_unlink(queue.encode())
+    return shm >= 0, mq >= 0
+
+
+def test_ipc_objects_die_with_the_run(sandbox):
+    require(ISO.ipc_ns, "IPC namespace (System V IPC and POSIX message queues outlive the run)")
+    key, queue = 0x5EC0000 + os.getpid() % 0xFFFF, f"/posttrain-hostile-{os.getpid()}"
+    first = run(sandbox, _IPC_PROGRAM, args=(str(key), queue, "create"))
+    assert first.status is Status.PASS and b"shm b'secret-from-run-1'" in first.stdout, first
+    assert b"mq True" in first.stdout, first.stdout
+    assert _host_ipc(key, queue) == (False, False), "IPC objects outlived the run on the host"
+    second = run(sandbox, _IPC_PROGRAM, args=(str(key), queue, "open"))
+    assert b"no shm" in second.stdout and b"mq False" in second.stdout, second.stdout  # no channel
+    exposed = Sandbox(SMALL, isolation=dataclasses.replace(ISO, ipc_ns=False))
+    try:
+        exposed.run(python_job(_IPC_PROGRAM, args=(str(key), queue, "create")))
+        assert _host_ipc(key, queue) == (True, True), "without the namespace the attack should work"
+    finally:
+        _host_ipc(key, queue, remove=True)
+
+
+def test_only_the_tasks_own_files_are_visible(sandbox):
+    require(ISO.private_root, "private root (the host filesystem is readable)")
+    import shutil
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    data = Path(os.environ.get("POSTTRAIN_DATA", repo.parent / "shared" / "data"))
+    folder = _world_open_dir()
+    planted = os.path.join(folder, "answers.txt")
+    with open(planted, "w") as f:
+        f.write("canonical solution")
+    os.chmod(planted, 0o644)
+    targets = [planted, str(data / "humaneval" / "HumanEval.jsonl.gz"), str(repo / "README.md"),
+               os.path.abspath(__file__), os.path.expanduser("~"), str(repo), str(data)]
+    src = ("import os, sys\nfor p in sys.argv[1:]:\n    try:\n"
+           "        print('OPENED', p, os.listdir(p) if os.path.isdir(p) else open(p, 'rb').read(20))\n"
+           "    except OSError as e:\n        print('hidden', p, e.errno)\nprint(open('mine.txt').read())")
+    try:
+        res = run(sandbox, src, args=targets, files={"mine.txt": "task file"})
+        assert res.status is Status.PASS, res.stderr
+        assert b"OPENED" not in res.stdout and res.stdout.endswith(b"task file\n"), res.stdout
+        assert all(f"hidden {p} 2".encode() in res.stdout for p in targets if os.path.exists(p))  # ENOENT
+        allowed = Sandbox(SMALL, visible=(folder,)).run(python_job(src, args=[planted], files={"mine.txt": ""}))
+        assert b"OPENED " + planted.encode() + b" b'canonical solution'" in allowed.stdout, allowed
+    finally:
+        shutil.rmtree(folder)
+
+
+_MEMORY_HOGS = '''import os, select, sys, time
+n, each = int(sys.argv[1]), int(sys.argv[2])
+r, w = os.pipe()
+kids = []
+for _ in range(n):
+    pid = os.fork()
+    if pid == 0:
+        hold = b"x" * each  # touched: resident, not just reserved
+        os.write(w, b"1")
+        time.sleep(30)
+        os._exit(0)
+    kids.append(pid)
+held, deadline = 0, time.monotonic() + 2.0
+while held < n and (left := deadline - time.monotonic()) > 0:
+    if select.select([r], [], [], left)[0]:
+        held += len(os.read(r, 64))
+alive = sum(os.waitpid(pid, os.WNOHANG) == (0, 0) for pid in kids)
+print("holding", alive, flush=True)
+for pid in kids:
+    os.kill(pid, 9)
+'''
+
+
+def _leftover_cgroups() -> list[str]:
+    from posttrain.sandbox import cgroup
+    found = cgroup.memory_cgroup_parent()
+    return [] if found is None else [d for d in os.listdir(found[0]) if d.startswith(f"posttrain-sbx-{os.getpid()}-")]
+
+
+def test_memory_is_one_budget_per_run(sandbox):
+    """Four children each touch 60% of memory_bytes: together 2.4x the limit."""
+    each, hogs = int(0.6 * SMALL.memory_bytes), 4
+    exposed = Sandbox(SMALL, isolation=dataclasses.replace(ISO, memory_cgroup=False))
+    unbounded = exposed.run(python_job(_MEMORY_HOGS, args=(str(hogs), str(each))))
+    assert unbounded.status is Status.PASS, unbounded
+    # Without the cgroup, the honest bound is per process: processes x memory_bytes.
+    assert each * int(unbounded.stdout.split()[1]) <= SMALL.processes * SMALL.memory_bytes
+    require(ISO.memory_cgroup, "memory cgroup (a run's processes together may hold processes x memory_bytes)")
+    assert unbounded.stdout == f"holding {hogs}\n".encode(), "the attack should work without the budget"
+    res = run(sandbox, _MEMORY_HOGS, args=(str(hogs), str(each)))
+    assert res.status is Status.LIMIT_EXCEEDED and res.limit == "memory", res
+    if res.stdout:  # the OOM killer may pick the parent too; then nothing is printed
+        assert each * int(res.stdout.split()[1]) <= SMALL.memory_bytes, res.stdout
+    assert not _leftover_cgroups()

@@ -15,11 +15,12 @@ import pytest
 from posttrain.rl.reward import (
     Reward, RewardConfig, RewardFunction, compose, default_reward_function, overlong_penalty,
 )
-from posttrain.rl.sandbox import Limits, Sandbox, Status
+from posttrain.sandbox import Limits, Sandbox, Status
 from posttrain.rl.verifiers import (
     CodeTask, CodeVerifier, MathTask, MathVerifier, Verdict, answers_equal, extract_answer, extract_code,
 )
 from posttrain.rl.verifiers.math import parse_number
+from posttrain.rl.verifiers.symbolic import SymbolicCheckError
 
 DATA = Path(os.environ.get("POSTTRAIN_DATA", Path(__file__).parents[2] / "shared" / "data"))
 
@@ -91,6 +92,11 @@ def test_last_number_fallback_is_configurable():
     ("2.5", "2.6", False), ("3/4", "4/3", False), ("1e3", "1000", True), ("7", "-7", False),
     ("(x+1)^2", "x^2+2x+1", True), ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}", True), ("\\{1,2\\}", "\\{2,1\\}", True),
     ("[0,1)", "[0,1]", False), ("x^2", "x^3", False),
+    # tolerance from the reference's own precision (issue 16)
+    ("1234566.0", "1234567", False), ("1234567.0", "1234567", True), ("1e-9", "0", False), ("0.0", "0", True),
+    ("3.14159", "3.14", True), ("3.146", "3.14", False), ("3.1", "3.14", False), ("1540", "1.5e3", True),
+    ("1560", "1.5e3", False), ("0.333", "1/3", False), ("12.54%", "12.5%", True), ("0.1254", "12.5%", True),
+    ("0.126", "12.5%", False), ("3", "3.0", True), ("1,234,567.0", "1234567", True),
 ])
 def test_answers_equal(pred, ref, equal):
     assert answers_equal(pred, ref) is equal
@@ -102,6 +108,44 @@ def test_symbolic_guard_refuses_towers_quickly_off_the_main_thread():
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # no SIGALRM timeouts in threads
         assert not any(pool.map(lambda s: answers_equal(s, "5"), towers))
     assert time.monotonic() - t < 5
+
+
+@pytest.fixture(scope="module")
+def math_verifier() -> MathVerifier:
+    """One verifier (one symbolic worker process) for the timeout and error tests."""
+    v = MathVerifier(symbolic_timeout=3.0)
+    assert v.verify(MathTask("x^2+2x+1"), "\\boxed{(x+1)^2}").correct == 1.0   # starts the worker
+    yield v
+    v._checker.close()
+
+
+def test_symbolic_timeout_holds_off_the_main_thread_and_is_an_error(math_verifier):
+    # sympy expands both degree-2000 polynomials for minutes; the guard lets it through.
+    rf = RewardFunction({MathTask: math_verifier})
+    before = math_verifier.errors
+    t = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reward = pool.submit(rf.verify, MathTask("0"), "\\boxed{(x+1)^{2000}-(x+2)^{2000}}").result()
+    assert time.monotonic() - t < 3.0 + 3.0
+    assert reward.score == 0.0 and "timed out after 3 s" in reward.error
+    assert math_verifier.errors == before + 1
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:   # a fresh worker serves the next check
+        assert pool.submit(rf.verify, MathTask("\\{1,2\\}"), "\\boxed{\\{2,1\\}}").result() == Reward(
+            1.0, {"correct": 1.0, "format": 0.0, "length": 0.0, "tool_calls": 0.0})
+
+
+def test_verifier_exceptions_set_error_not_a_silent_zero(math_verifier, monkeypatch):
+    with pytest.raises(SymbolicCheckError, match="math-verify failed .*AttributeError"):
+        math_verifier._checker.equal(None, "1")                    # an exception inside math-verify
+    def broken(text):
+        raise ZeroDivisionError("injected")
+    monkeypatch.setattr("posttrain.rl.verifiers.math.parse_number", broken)
+    before = math_verifier.errors
+    verdict = math_verifier.verify(MathTask("18"), "The answer is 17.")
+    assert verdict == Verdict(0.0, True, "answer_is: '17' not checked", error="ZeroDivisionError: injected")
+    assert math_verifier.errors == before + 1
+    reward = compose(verdict, RewardConfig())
+    assert reward.error == "ZeroDivisionError: injected" and reward.score == 0.0
 
 
 def test_gsm8k_record_without_answer_is_named():

@@ -235,7 +235,8 @@ def print_rows(title: str, rows: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--section", default="train", choices=["train", "sft", "checkpoint", "sandbox", "sampler", "rl", "rl-updates", "all"])
+    p.add_argument("--section", default="train", choices=["train", "sft", "checkpoint", "sandbox", "sampler", "rl",
+                                                          "rl-updates", "attention", "all"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--iters", type=int, default=10)
@@ -253,8 +254,11 @@ def main() -> None:
         print_rows("rlvr overlap", bench_rl())
     if args.section in ("rl-updates", "all"):
         print_rows("rlvr PPO epochs", bench_rl_updates())
+    if args.section in ("attention", "all"):     # context parallel rows need several devices (see the module)
+        from attention_bench import attention_bench
+        print_rows("attention", attention_bench(length=args.seq * 8, iters=args.iters // 2 or 1))
     if args.section in ("sandbox", "all"):
-        from posttrain.rl.sandbox_bench import sandbox_bench
+        from posttrain.rl.verifiers.bench import sandbox_bench
         print_rows("sandbox", sandbox_bench())
 
 

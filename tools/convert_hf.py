@@ -10,7 +10,10 @@
     # peak host memory of loading a folder onto one CPU device, in a fresh process
     python tools/convert_hf.py --measure /models/some-llama
 
-The run's model config comes from its config.json (written by `posttrain.main` or --from_hf).
+The run's model config comes from its config.json (written by `posttrain.main` or --from_hf). The
+exported config.json keeps every key of the source model's (carried in the checkpoints' lineage
+through --from_hf, init_from and further runs) and advertises the longest context trained
+(`max_position_embeddings`, e.g. after `train.seq_len_schedule`) with the run's RoPE scaling.
 Start training from either form: `--config configs/hf.py:/models/Qwen3-0.6B` (init_from=hf:...)
 or the same plus `--config.init_from=runs/qwen3-base`. `--mesh` (e.g. "fsdp=-1", the default)
 only sets how the weights are spread while converting.
@@ -31,8 +34,8 @@ from absl import app, flags
 flags.DEFINE_string("from_hf", None, "Hugging Face model folder to convert into the run --run.")
 flags.DEFINE_string("run", None, "posttrain run folder (workdir): written by --from_hf, read by --to_hf.")
 flags.DEFINE_string("to_hf", None, "Write the run's newest weights here as a Hugging Face folder.")
-flags.DEFINE_string("hf_base", "", "--to_hf: folder whose config.json to start from (default: the run's "
-                    "init_from when it is hf:...).")
+flags.DEFINE_string("hf_base", "", "--to_hf: folder whose config.json to start from (default: the source "
+                    "model's config.json, recorded in the run's checkpoints by --from_hf or init_from=hf:...).")
 flags.DEFINE_string("dtype", "", "Parameter dtype (--from_hf, default float32) or saved dtype (--to_hf, "
                     "default the run's param_dtype).")
 flags.DEFINE_string("mesh", "fsdp=-1", "Mesh axis sizes while converting, e.g. 'fsdp=-1' or 'fsdp=4,tensor=2'.")

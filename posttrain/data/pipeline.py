@@ -29,10 +29,12 @@ from posttrain.data.examples import preference_example, rl_prompt_example, sft_e
 from posttrain.data.packing import Packer, build_row, example_from_json, example_to_json, fit_length, stack_rows
 from posttrain.data.sources import DataError, JsonlSource, RawLine, SkipLog, parse_line, read_jsonl
 from posttrain.data.tokenizer import Tokenizer
+from posttrain.errors import UserError
 
 __all__ = ["BatchIterator", "DataError", "preference_batches", "read_jsonl", "rl_prompt_batches", "sft_batches"]
 
 STATE_VERSION = 1
+LENGTH_KEYS = ("seq_len", "final_seq_len", "max_len")   # what stages of a seq_len schedule may change
 
 
 class Loaded(NamedTuple):
@@ -80,13 +82,19 @@ class Batcher:
         if self.packer:
             self.packer.set_state(state["packer"])
 
+    def pending(self) -> list[dict]:
+        """Every example taken but not yet in a batch, in the order they were added to rows."""
+        open_rows = self.packer.get_state()["rows"] if self.packer else []
+        return [e for row in self._rows for e in row] + [example_from_json(e) for row in open_rows for e in row]
+
 
 class BatchIterator:
     """What trainers iterate: this process's rows of each global batch, plus resumable state.
 
-    `skipped` (bad records, with on_error="skip") and `truncated` (with truncate=True) are counts
-    for the trainer to log as `data/skipped` and `data/truncated`; `epoch` is the current pass
-    over this process's records.
+    `skipped` (bad records, with on_error="skip"), `truncated` (with truncate=True) and `deferred`
+    (longer than this stage of a staged-context run allows) are counts for the trainer to log as
+    `data/skipped`, `data/truncated` and `data/deferred`; `epoch` is the current pass over this
+    process's records.
     """
 
     def __init__(self, dataset: grain.MapDataset, batcher: Batcher, *, on_error: str,
@@ -99,6 +107,7 @@ class BatchIterator:
         self._epoch_len = epoch_len
         self._consumed = 0
         self.truncated = 0
+        self.deferred = 0
 
     @property
     def skipped(self) -> int:
@@ -125,11 +134,15 @@ class BatchIterator:
                 raise
             self._consumed += 1
             if item.example is None:
-                self._skips.bad(item.where, item.error)
+                if item.error is None:
+                    self.deferred += 1
+                else:
+                    self._skips.bad(item.where, item.error)
                 bad_in_a_row += 1
                 if bad_in_a_row >= self._epoch_len:      # repeating forever would never yield
                     raise DataError(f"{item.where}: the last {bad_in_a_row} records (an epoch's worth) "
-                                    f"were all bad, e.g. {item.error}")
+                                    f"were all bad or deferred to a longer stage, e.g. "
+                                    f"{item.error or 'longer than ' + str(self._fingerprint.get('seq_len'))}")
                 continue
             bad_in_a_row = 0
             self.truncated += item.truncated
@@ -140,7 +153,7 @@ class BatchIterator:
         """JSON-serialisable position: grain's read index, carried-over rows, counters, config."""
         return {"version": STATE_VERSION, "grain": self._it.get_state(), "batcher": self._batcher.get_state(),
                 "consumed": self._consumed, "skipped": self.skipped, "truncated": self.truncated,
-                "fingerprint": self._fingerprint}
+                "deferred": self.deferred, "fingerprint": self._fingerprint}
 
     def set_state(self, state: dict) -> None:
         """Resume from `get_state()`; refused if the data, seed or batch layout differ."""
@@ -156,6 +169,23 @@ class BatchIterator:
         self._consumed = state["consumed"]
         self._skips.skipped = state["skipped"]
         self.truncated = state["truncated"]
+        self.deferred = state.get("deferred", 0)
+
+    def continue_from(self, previous: BatchIterator) -> None:
+        """Carry on where `previous` (the same data at another length) stopped: its read position,
+        counters, and the examples it had taken but not batched, re-packed to this iterator's
+        length. The next stage of a staged-context run (`train.seq_len_schedule`) starts so."""
+        mine = {k: v for k, v in self._fingerprint.items() if k not in LENGTH_KEYS}
+        theirs = {k: v for k, v in previous._fingerprint.items() if k not in LENGTH_KEYS}
+        if mine != theirs:
+            diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+            raise ValueError(f"continue_from: the iterators read different data or order (differ in {diff})")
+        self._it.set_state(previous._it.get_state())
+        for example in previous._batcher.pending():
+            self._batcher.add(example)
+        self._consumed = previous._consumed
+        self._skips.skipped = previous.skipped
+        self.truncated, self.deferred = previous.truncated, previous.deferred
 
 
 def _process_shard(process_index: int | None, process_count: int | None) -> tuple[int, int]:
@@ -178,8 +208,12 @@ def _records(source: JsonlSource, *, seed: int, shuffle: bool, epochs: int | Non
              process_index: int, process_count: int) -> grain.MapDataset:
     """Shuffled (per epoch), process-sliced, repeated raw lines."""
     usable = len(source) - len(source) % process_count
+    if len(source) == 0:
+        raise UserError(f"{', '.join(source.paths)}: no records (empty, or only blank lines); give JSONL with one "
+                        "JSON object per line", path=source.paths[0])
     if usable == 0:
-        raise ValueError(f"{source.paths}: {len(source)} records, fewer than process_count={process_count}")
+        raise UserError(f"{', '.join(source.paths)}: {len(source)} records, fewer than the {process_count} "
+                        "processes that each need one", path=source.paths[0])
     ds = grain.MapDataset.source(source)
     if shuffle:
         # Hash the seed: grain reshuffles epoch e with seed + e, which would make (seed, epoch 1)
@@ -230,7 +264,7 @@ def sft_batches(paths: str | Sequence[str], tok: Tokenizer, *, batch_size: int, 
                 packing: bool = True, on_error: str = "raise", epochs: int | None = None,
                 truncate: bool = False, fields: Mapping[str, str] | None = None, shuffle: bool = True,
                 open_rows: int = 8, process_index: int | None = None, process_count: int | None = None,
-                read_threads: int = 1) -> BatchIterator:
+                read_threads: int = 1, final_seq_len: int | None = None) -> BatchIterator:
     """SFT batches in the train step's format (`inputs, targets, loss_mask, positions,
     segment_ids`, each `[batch_size // process_count, seq_len]` int32).
 
@@ -238,19 +272,28 @@ def sft_batches(paths: str | Sequence[str], tok: Tokenizer, *, batch_size: int, 
     otherwise one per row. An example longer than `seq_len` is a bad record ("too long") unless
     `truncate`, which keeps its first `seq_len` tokens and counts it in `truncated`. `epochs=None`
     repeats forever; the last batch of finite data is filled with padding rows.
+
+    `final_seq_len` (> seq_len) makes this an early stage of a staged-context run: "too long" and
+    `truncate` apply at `final_seq_len`, and an example that fits it but not `seq_len` is deferred
+    (counted in `deferred`, trained in a later epoch) — short examples first, re-packed at each
+    stage (`continue_from`).
     """
+    final = max(final_seq_len or seq_len, seq_len)
     config = _config("sft", tok, seed=seed, shuffle=shuffle, epochs=epochs, process_index=process_index,
                      process_count=process_count, batch_size=batch_size, fields=fields, seq_len=seq_len,
-                     packing=packing, open_rows=open_rows, truncate=truncate)
+                     packing=packing, open_rows=open_rows, truncate=truncate,
+                     **({"final_seq_len": final} if final != seq_len else {}))
     rows = batch_size // config["process_count"]
 
     def fit(example: dict) -> tuple[dict | None, str | None, bool]:
         n = len(example["tokens"])
-        if n <= seq_len:
-            return example, None, False
-        if truncate:
-            return fit_length(example, seq_len, truncate=True), None, True
-        return None, f"too long: {n} tokens > seq_len={seq_len} (truncate=True would cut it)", False
+        cut = n > final and truncate
+        if n > final and not truncate:
+            return None, f"too long: {n} tokens > seq_len={final} (truncate=True would cut it)", False
+        example = fit_length(example, final, truncate=True) if cut else example
+        if len(example["tokens"]) > seq_len:
+            return None, None, cut          # deferred to a later, longer stage
+        return example, None, cut
 
     empty = build_row([], seq_len, pad_id=tok.pad_id)
 

@@ -15,6 +15,8 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import fsspec
 import numpy as np
 
+from posttrain.errors import UserError
+
 log = logging.getLogger(__name__)
 
 ON_ERROR = ("raise", "skip")
@@ -78,9 +80,12 @@ def expand_paths(paths: str | Sequence[str]) -> list[str]:
         if not any(c in pattern for c in "*?["):
             out.append(pattern)
             continue
-        fs, _, found = fsspec.get_fs_token_paths(pattern)
+        try:
+            fs, _, found = fsspec.get_fs_token_paths(pattern)
+        except Exception as e:
+            raise unreachable(pattern, e, "cannot list") from e
         if not found:
-            raise FileNotFoundError(f"{pattern}: no file matches")
+            raise UserError(f"{pattern}: no file matches", path=pattern)
         local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
         out += sorted(p if local else fs.unstrip_protocol(p) for p in found)
     return out
@@ -100,6 +105,27 @@ def _line_spans(blob: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return starts[keep], ends[keep], np.flatnonzero(keep) + 1
 
 
+def read_file(path: str) -> bytes:
+    """The bytes of `path` (any fsspec URL, compression from the suffix). A missing file or an
+    unreachable remote one (no credentials, no network) is a `UserError` naming the path."""
+    try:
+        with fsspec.open(path, "rb", compression="infer") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file", path=path) from None
+    except Exception as e:      # gcsfs/aiohttp/auth errors: hundreds of lines that never name the path
+        if "://" not in path or path.startswith(("file://", "memory://")):
+            raise
+        raise unreachable(path, e, "cannot read") from e
+
+
+def unreachable(path: str, error: Exception, what: str) -> UserError:
+    """A one-line UserError for a remote path that failed (credentials, network), naming it."""
+    reason = (str(error).strip().splitlines() or [""])[0][:200]
+    return UserError(f"{path}: {what} ({type(error).__name__}: {reason}); check the path, your credentials "
+                     "(e.g. gcloud auth application-default login) and the network", path=path)
+
+
 class JsonlSource:
     """Random access to the non-empty lines of JSONL files (grain's `RandomAccessDataSource`).
 
@@ -113,8 +139,7 @@ class JsonlSource:
         self._blobs: list[bytes] = []
         self._spans: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         for path in self.paths:
-            with fsspec.open(path, "rb", compression="infer") as f:
-                blob = f.read()
+            blob = read_file(path)
             self._blobs.append(blob)
             self._spans.append(_line_spans(blob))
         self.file_lengths = [len(s[0]) for s in self._spans]

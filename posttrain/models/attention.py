@@ -11,7 +11,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain.models.layers import RMSNorm, dtype_of, fan_in_init, param
-from posttrain.parallel.sharding import constrain
+from posttrain.ops.blockwise import blockwise_attention
+from posttrain.ops.context_parallel import check_mode, context_parallel_attention, sequence_axes
+from posttrain.ops.decode import (K_TIME_AXIS, V_TIME_AXIS, decode_attention,  # noqa: F401 (re-exported)
+                                 sequence_sharded_decode, write_cache_rows)
+from posttrain.ops.fused import KERNEL_PLATFORMS, check_platform, cudnn_attention, splash_attention
+from posttrain.parallel.sharding import constrain, current
 
 ROPE_SCALINGS = ("", "linear", "dynamic", "yarn", "llama3")
 
@@ -124,15 +129,19 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def attention_mask(segment_ids: jax.Array) -> jax.Array:
+def attention_mask(segment_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
     """[batch, 1, q, k] boolean: causal within a segment; segment id 0 marks padding.
 
-    Causality is by index, so packed segments (positions restarting at 0) stay separate.
+    Causality is by index, or by position when `positions` [batch, length] are given (tokens
+    permuted for context parallelism; positions increase within a segment).
     """
     s = segment_ids.shape[1]
-    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+    if positions is None:
+        causal = jnp.tril(jnp.ones((s, s), dtype=bool))[None]
+    else:
+        causal = positions[:, None, :] <= positions[:, :, None]
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (causal[None] & same & (segment_ids[:, None, :] != 0))[:, None]
+    return (causal & same & (segment_ids[:, None, :] != 0))[:, None]
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -152,39 +161,55 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     return out.reshape(b, s, h, d)
 
 
-# The KV-cache layout (`sampling.kv_cache`): keys [B, K, Dh, T], values [B, K, T, Dh], so that each
-# (row, kv head) is one matrix laid out as its attention matmul reads it. The cache-index axes:
-K_TIME_AXIS, V_TIME_AXIS = 3, 2
+ATTENTION_KERNELS = ("xla", "blockwise", "cudnn", "splash")
 
 
-def write_cache_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, time_axis: int) -> jax.Array:
-    """cache [B, K, ...] with the entry of row b at index positions[b] of `time_axis` set to new[b]
-    (new: [B, K, Dh]; `K_TIME_AXIS` for keys, `V_TIME_AXIS` for values).
+@dataclasses.dataclass(frozen=True)
+class AttentionKernel:
+    """`model.attention`: how causal self-attention over a whole sequence is computed.
 
-    One scatter whose batch dimension is b (`operand_batching_dims`): it partitions along a
-    sharded batch without gathering and updates a loop-carried cache in place.
+    xla (the reference: [B, K, G, S, T] scores in float32) | blockwise (`ops.blockwise`: memory
+    linear in length; over a `sequence`-sharded mesh, context parallel as `model.context_parallel`
+    says) | cudnn (GPU) | splash (TPU): the platform's fused kernel, on unpermuted rows with the
+    `sequence` axis unsharded. `block` is `model.attention_block` (blockwise and splash tiles).
     """
-    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2), inserted_window_dims=(time_axis,),
-                                           scatter_dims_to_operand_dims=(time_axis,), operand_batching_dims=(0,),
-                                           scatter_indices_batching_dims=(0,))
-    return jax.lax.scatter(cache, positions[:, None].astype(jnp.int32), new.astype(cache.dtype), dims,
-                           indices_are_sorted=True, unique_indices=True)
+    kind: str = "xla"
+    block: int = 512
+    context_parallel: str = "auto"
 
+    @classmethod
+    def from_config(cls, cfg) -> AttentionKernel:
+        """Validated from the model config; a fused kernel must exist on the devices in use."""
+        kernel = cls(cfg.attention, cfg.attention_block, cfg.context_parallel)
+        if kernel.kind not in ATTENTION_KERNELS:
+            raise ValueError(f"model.attention={kernel.kind!r}: expected one of {ATTENTION_KERNELS}")
+        if kernel.block < 1:
+            raise ValueError(f"model.attention_block={kernel.block}: must be positive")
+        check_mode(kernel.context_parallel)
+        if kernel.kind == "cudnn" and cfg.dtype not in ("bfloat16", "float16"):
+            raise ValueError(f"model.attention='cudnn' computes in bfloat16 or float16; model.dtype={cfg.dtype!r}")
+        if kernel.kind in KERNEL_PLATFORMS:
+            ctx = current()
+            check_platform(kernel.kind, ctx[0].devices.flat[0].platform if ctx else jax.default_backend())
+        return kernel
 
-def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> jax.Array:
-    """One query per row against its cache entries 0..positions[b]; softmax in float32.
-
-    q: [B, H, Dh]; k_cache [B, K, Dh, T] and v_cache [B, K, T, Dh] (the cache layout: neither is
-    copied per token). Returns [B, H, Dh].
-    """
-    b, h, d = q.shape
-    kv = k_cache.shape[1]
-    q = q.reshape(b, kv, h // kv, d)
-    logits = jnp.einsum("bkgd,bkdt->bkgt", q, k_cache.astype(q.dtype),
-                        preferred_element_type=jnp.float32) / jnp.sqrt(d)
-    visible = (jnp.arange(k_cache.shape[3])[None, :] <= positions[:, None])[:, None, None]   # [B, 1, 1, T]
-    probs = jax.nn.softmax(jnp.where(visible, logits, jnp.finfo(jnp.float32).min), axis=-1)
-    return jnp.einsum("bkgt,bktd->bkgd", probs.astype(q.dtype), v_cache.astype(q.dtype)).reshape(b, h, d)
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                 segment_ids: jax.Array) -> jax.Array:
+        """Causal self-attention within segments: q [B, S, H, Dh], k, v [B, S, K, Dh] → [B, S, H, Dh]."""
+        axes, n = sequence_axes()
+        if self.kind == "xla":
+            return dot_product_attention(q, k, v, attention_mask(segment_ids, positions))
+        if self.kind != "blockwise" and n > 1:
+            raise ValueError(f"model.attention={self.kind!r} runs on an unsharded length; the mesh shards "
+                             f"it over {axes} ({n} devices): use model.attention='blockwise'")
+        if self.kind == "cudnn":
+            return cudnn_attention(q, k, v, segment_ids)
+        if self.kind == "splash":
+            return splash_attention(q, k, v, segment_ids, block_size=self.block)
+        if n > 1:
+            return context_parallel_attention(q, k, v, positions, segment_ids, mode=self.context_parallel,
+                                              block_size=self.block)
+        return blockwise_attention(q, k, v, positions, positions, segment_ids, segment_ids, block_size=self.block)
 
 
 class Attention(nnx.Module):
@@ -200,6 +225,7 @@ class Attention(nnx.Module):
                              f"model.num_kv_heads={cfg.num_kv_heads}")
         if cfg.head_dim % 2:
             raise ValueError(f"model.head_dim={cfg.head_dim} must be even for RoPE")
+        self.kernel = AttentionKernel.from_config(cfg)
         self.rope_theta = cfg.rope_theta
         self.rope_scaling = RopeScaling.from_config(cfg.rope_scaling)
         d, h, kv, hd = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -260,7 +286,7 @@ class Attention(nnx.Module):
         x: [B, S, D] → (out [B, S, D], k [B, K, Dh, S], v [B, K, S, Dh]).
         """
         q, k, v = self.project_qkv(x, positions)
-        out = self.output(dot_product_attention(q, k, v, attention_mask(segment_ids)))
+        out = self.output(self.kernel(q, k, v, positions, segment_ids))
         return out, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
 
     def decode(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array,
@@ -273,6 +299,11 @@ class Attention(nnx.Module):
         returns (out [B, 1, D], k_cache, v_cache).
         """
         q, k, v = self.project_qkv(x, positions[:, None])
+        axes, n = sequence_axes()
+        if n > 1 and k_cache.shape[K_TIME_AXIS] % n == 0:       # the cache's time axis is sharded
+            out, k_cache, v_cache = sequence_sharded_decode(q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache,
+                                                            positions, axes, n)
+            return self.output(out[:, None]), k_cache, v_cache
         k_cache = write_cache_rows(k_cache, k[:, 0], positions, K_TIME_AXIS)
         v_cache = write_cache_rows(v_cache, v[:, 0], positions, V_TIME_AXIS)
         out = decode_attention(q[:, 0], k_cache, v_cache, positions)

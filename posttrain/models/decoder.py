@@ -75,14 +75,15 @@ class Block(nnx.Module):
     def __call__(self, x, positions, segment_ids, update_bias: bool = False):
         """x: [B, S, D] → ([B, S, D], MoE aux dict or {})."""
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        return self.feed_forward(x, update_bias)
+        return self.feed_forward(x, update_bias, token_mask=segment_ids != 0)
 
-    def feed_forward(self, x, update_bias: bool = False, inference: bool = False):
+    def feed_forward(self, x, update_bias: bool = False, inference: bool = False, token_mask=None):
         """x + mlp_or_moe(norm(x)): [B, S, D] → ([B, S, D], MoE aux dict or {}). `inference`: not
-        differentiated (see `MoE`)."""
+        differentiated (see `MoE`); token_mask [B, S]: real tokens (padding, segment id 0, takes
+        no expert capacity and is left out of the MoE statistics; None: all real)."""
         h = self.mlp_norm(x)
         if self.is_moe:
-            h, aux = self.mlp(h, update_bias=update_bias, inference=inference)
+            h, aux = self.mlp(h, token_mask, update_bias=update_bias, inference=inference)
         else:
             h, aux = self.mlp(h), {}
         return constrain(x + h, ("batch", "length", "embed")), aux
@@ -91,7 +92,7 @@ class Block(nnx.Module):
         """`__call__` that also returns the attention's keys and values: x [B, S, D] →
         ([B, S, D], (k [B, K, Dh, S], v [B, K, S, Dh])): the KV-cache layout."""
         a, k, v = self.attn.prefill(self.attn_norm(x), positions, segment_ids)
-        return self.feed_forward(x + a, inference=True)[0], (k, v)
+        return self.feed_forward(x + a, inference=True, token_mask=segment_ids != 0)[0], (k, v)
 
     def decode(self, x, positions, k_cache, v_cache):
         """One token per row against this layer's KV cache (see `Attention.decode`):
@@ -145,7 +146,8 @@ class Decoder(nnx.Module):
 
         positions default to 0..S-1 and segment_ids to ones (one unpacked sequence per row).
         aux holds the MoE statistics averaged over MoE layers ("moe/aux_loss", "moe/z_loss",
-        "moe/dropped") and "moe/load" [num_moe_layers, num_experts]; empty for a dense model.
+        "moe/dropped") and "moe/load" [num_moe_layers, num_experts], over real tokens only
+        (segment id != 0); empty for a dense model.
         """
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)

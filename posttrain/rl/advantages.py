@@ -1,13 +1,17 @@
-"""Critic-free advantages for RLVR: group-relative baselines and the KL-to-reference reward penalty.
+"""Advantages for the RL learner: group-relative baselines, GAE with a critic, and the KL penalty.
 
-Rewards come one per sample, the G samples of a prompt contiguous. The advantage of a sample is
-its reward against a baseline from its own group (no value network):
+Critic-free: rewards come one per sample, the G samples of a prompt contiguous. The advantage of a
+sample is its reward against a baseline from its own group (no value network):
 
 - grpo (Shao et al. 2024): (r − mean) / (std + eps), std unbiased as in TRL / verl;
 - drgrpo (Liu et al. 2025, Dr. GRPO): r − mean, no std (which up-weights near-solved prompts);
 - rloo (Ahmadian et al. 2024): r − mean of the *other* G − 1 rewards = G/(G−1) · (r − mean).
 
 A KL penalty paid as reward is applied before (sequence form) or on top of (per-token form) these.
+
+With a critic (PPO, Schulman et al. 2017; RLHF as in Ouyang et al. 2022): token-level rewards (the
+outcome reward at the last generated token, optionally −β·kl_t on every token) and per-token values
+give generalised advantage estimates (GAE, Schulman et al. 2016) and the critic's returns.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-ADVANTAGE_METHODS = ("grpo", "drgrpo", "rloo")
+GROUP_METHODS = ("grpo", "drgrpo", "rloo")
+ADVANTAGE_METHODS = (*GROUP_METHODS, "gae")
 
 
 def group_advantages(rewards: jax.Array, group_size: int, *, method: str = "grpo",
@@ -25,8 +30,8 @@ def group_advantages(rewards: jax.Array, group_size: int, *, method: str = "grpo
     Each group's samples are contiguous. A group whose rewards are all equal carries no signal
     and gets exactly zero (also under grpo, where rounding could otherwise leave (r − mean)/eps).
     """
-    if method not in ADVANTAGE_METHODS:
-        raise ValueError(f"method={method!r}: expected one of {ADVANTAGE_METHODS}")
+    if method not in GROUP_METHODS:
+        raise ValueError(f"method={method!r}: expected one of {GROUP_METHODS}")
     if group_size < 2:
         raise ValueError(f"group_size={group_size}: a group-relative baseline needs at least 2 samples")
     if rewards.ndim != 1 or rewards.shape[0] % group_size:
@@ -62,3 +67,57 @@ def kl_penalized_advantages(advantages: jax.Array, kl: jax.Array, mask: jax.Arra
     m = mask.astype(jnp.float32)
     to_go = jnp.flip(jnp.cumsum(jnp.flip(kl * m, axis=-1), axis=-1), axis=-1)
     return (advantages.astype(jnp.float32)[:, None] - kl_coef * to_go) * m
+
+
+def terminal_rewards(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """Token-level rewards with each sequence's outcome score at its last generated token.
+
+    scores [B]; mask [B, T] (generated tokens) → [B, T] float32, zero elsewhere (and all zero for a
+    row without generated tokens).
+    """
+    m = mask.astype(bool)
+    t = jnp.arange(m.shape[-1])
+    last = jnp.where(m, t, -1).max(axis=-1, keepdims=True)
+    return jnp.where(t == last, scores.astype(jnp.float32)[:, None], 0.0)
+
+
+def gae_advantages(rewards: jax.Array, values: jax.Array, mask: jax.Array, *, gamma: float,
+                   lam: float) -> tuple[jax.Array, jax.Array]:
+    """Generalised advantage estimates and returns per generated token (Schulman et al. 2016).
+
+    rewards, values, mask [B, T]: r_t and V(s_t) on the tokens the policy generated (mask set).
+    Over the masked tokens t < t' (t' the next masked token; positions off the mask — padding,
+    tool output in a multi-turn episode — are part of the transition, not steps of their own):
+        δ_t = r_t + γ·V_t' − V_t,   A_t = δ_t + γλ·A_t',
+    with V and A zero after a row's last masked token (the episode ends there). Returns
+    (advantages, returns = A + V), both [B, T] float32 and zero off the mask; rewards off the mask
+    do not count (put the outcome reward on a generated token with `terminal_rewards`).
+    """
+    m = mask.astype(bool)
+    r = jnp.where(m, rewards.astype(jnp.float32), 0.0)
+    v = jnp.where(m, values.astype(jnp.float32), 0.0)
+
+    def step(carry, x):
+        next_value, next_adv = carry
+        r_t, v_t, m_t = x
+        adv = r_t + gamma * next_value - v_t + gamma * lam * next_adv
+        carry = (jnp.where(m_t, v_t, next_value), jnp.where(m_t, adv, next_adv))
+        return carry, jnp.where(m_t, adv, 0.0)
+
+    zeros = jnp.zeros(r.shape[:1], jnp.float32)
+    _, adv = jax.lax.scan(step, (zeros, zeros), (r.T, v.T, m.T), reverse=True)
+    adv = adv.T
+    return adv, jnp.where(m, adv + v, 0.0)
+
+
+def whiten(x: jax.Array, mask: jax.Array, eps: float = 1e-8) -> jax.Array:
+    """x [B, T] minus its mean over the masked tokens, over their std; zero off the mask.
+
+    PPO normalises GAE advantages over the batch this way (as TRL and verl do) so the policy
+    step's scale does not follow the reward's.
+    """
+    m = mask.astype(bool)
+    n = jnp.maximum(m.sum(), 1)
+    mean = jnp.where(m, x, 0.0).sum() / n
+    var = jnp.where(m, (x - mean) ** 2, 0.0).sum() / n
+    return jnp.where(m, (x - mean) * jax.lax.rsqrt(var + eps), 0.0)

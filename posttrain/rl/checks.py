@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from posttrain.rl.advantages import ADVANTAGE_METHODS
+from posttrain.rl.critic import check_critic
 from posttrain.rl.tasks import parse_weights
 
 
@@ -25,6 +27,11 @@ INERT_UNLESS = {
     "instruction": (lambda r: "arithmetic" in parse_weights(r.domains), "only the arithmetic domain's prompts "
                     "take rl.instruction, and rl.domains has no arithmetic"),
     "arithmetic_size": (lambda r: "arithmetic" in parse_weights(r.domains), "rl.domains has no arithmetic"),
+    **{k: (lambda r: r.advantage == "gae", "only the critic (rl.advantage='gae') uses it")
+       for k in ("critic", "gamma", "lam", "value_coef", "value_clip")},
+    "kl_in_reward": (lambda r: r.kl_coef > 0, "no KL to pay without rl.kl_coef > 0"),
+    "reward_model_weight": (lambda r: bool(r.reward_model), "no learned reward without rl.reward_model"),
+    "reward_model_normalize": (lambda r: bool(r.reward_model), "no learned reward without rl.reward_model"),
 }
 
 
@@ -35,7 +42,15 @@ def check_rl_config(cfg) -> None:
     if not r.temperature > 0:
         raise ValueError(f"rl.temperature={r.temperature}: RL samples groups from the policy; expected > 0 "
                          "(0 is greedy: every sample of a group would be the same)")
-    if r.group_size < 2:
+    if r.advantage not in ADVANTAGE_METHODS:
+        raise ValueError(f"rl.advantage={r.advantage!r}: expected one of {ADVANTAGE_METHODS}")
+    if r.advantage == "gae":
+        check_critic(r, cfg.lora)
+        if not (0 <= r.gamma <= 1 and 0 <= r.lam <= 1) or r.value_coef < 0 or r.value_clip < 0:
+            raise ValueError(f"rl.gamma={r.gamma}, rl.lam={r.lam}, rl.value_coef={r.value_coef}, "
+                             f"rl.value_clip={r.value_clip}: expected gamma, lam in [0, 1] and value_coef, "
+                             "value_clip >= 0")
+    elif r.group_size < 2:
         raise ValueError(f"rl.group_size={r.group_size}: a group-relative baseline needs at least 2 samples")
     for key in ("updates_per_batch", "minibatches", "prompts_per_step"):
         if r[key] < 1:
@@ -52,6 +67,17 @@ def check_rl_config(cfg) -> None:
     if r.filter_groups and r.max_staleness > 0:
         raise ValueError("rl.filter_groups needs rl.max_staleness=0 (dynamic sampling decides on verified rewards "
                          "before the next generation)")
+    if not r.reward_model and not r.verifier_weight:
+        raise ValueError("rl.verifier_weight=0 without rl.reward_model: there is no reward left")
+    if r.reward_model and r.filter_groups:
+        raise ValueError(f"rl.filter_groups with rl.reward_model={r.reward_model!r}: dynamic sampling filters on "
+                         "verifier rewards before the learned reward is scored; set rl.filter_groups=False")
+    if "," in cfg.train.seq_len_schedule:
+        raise ValueError(f"train.seq_len_schedule={cfg.train.seq_len_schedule!r}: the RL stage samples at one "
+                         "length (rl.max_new_tokens); staged context applies to sft and lm only")
+    if cfg.eval.long_context.lengths:
+        raise ValueError(f"eval.long_context.lengths={cfg.eval.long_context.lengths!r}: the RL stage does not run "
+                         "the long-context evals; evaluate its checkpoint with tools/long_context_eval.py")
     for key, (active, why) in INERT_UNLESS.items():
         if r[key] != defaults[key] and not active(r):
             raise ValueError(f"rl.{key}={r[key]!r} cannot take effect: {why}")

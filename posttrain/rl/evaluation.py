@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from posttrain.data.sources import SkipLog, read_jsonl
 from posttrain.data.tokenizer import load_tokenizer
+from posttrain.eval.long_context_eval import make_long_context_eval, parse_grid
 from posttrain.eval.passk import mean_pass_at_k
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
@@ -49,9 +50,9 @@ from posttrain.train.state import abstract_model
 BUILTIN = ("arithmetic", "gsm8k", "humaneval")
 # A suite's greedy accuracy also under a headline name, for gates ("unit_test_pass>=0.6").
 HEADLINE = {"humaneval": "unit_test_pass", "gsm8k": "gsm8k_accuracy", "arithmetic": "arithmetic_accuracy"}
-# Hook for further built-in suites: name -> (cfg, tokenizer, reward_fn) -> Domain. The long-context
-# needle / multi-hop sets (posttrain/eval/long_context.py, metrics long_ctx_needle / long_ctx_multihop)
-# and the tool episodes register here when they land on main.
+# Hook for further built-in suites: name -> (cfg, tokenizer, reward_fn) -> Domain (e.g. the tool
+# episodes). The long-context grid (eval.long_context.*, metrics long_ctx_needle / long_ctx_multihop)
+# runs beside the suites, through posttrain/eval/long_context_eval.py.
 EXTRA_SUITES: dict[str, Callable] = {}
 
 
@@ -164,6 +165,10 @@ def check_gate_metrics(cfg, suites, ks: list[int]) -> None:
     known = {REGRESSION_DROP, *(HEADLINE[n] for n in suites if n in HEADLINE)}
     for n in suites:
         known |= {f"{n}/{m}" for m in (*SUITE_METRICS, *(f"pass@{k}" for k in ks))}
+    if cfg.eval.long_context.lengths:
+        grid = parse_grid(cfg.eval.long_context)
+        known |= {f"long_ctx_{kind}" for kind in grid["kinds"]}
+        known |= {f"long_ctx_{kind}/len{n}" for kind in grid["kinds"] for n in grid["lengths"]}
     unknown = [c.metric for c in parse_gate(cfg.eval.gate, "config.eval.gate") if c.metric not in known]
     if unknown:
         raise ValueError(f"config.eval.gate={cfg.eval.gate!r}: stage eval does not report {unknown}; "
@@ -234,6 +239,7 @@ def run(cfg, baseline: dict | None = None) -> Result:
     check_gate_metrics(cfg, suites, ks)
     versions = {n: suite_version(d.tasks) for n, d in suites.items()}
     steps = checkpoint_steps(cfg, path)
+    long_context = make_long_context_eval(cfg, tok)      # None unless eval.long_context.lengths
     mesh, rules = mesh_and_rules(cfg)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     graphdef = nnx.split(abstract_model(make), nnx.Param, ...)[0]
@@ -259,7 +265,10 @@ def run(cfg, baseline: dict | None = None) -> Result:
                              {k: round(v, 4) for k, v in results[name].items()})
                 bar.update(1)
             metrics = gate_view(results, versions)
-            writer.write(step, {f"eval/{k}": v for k, v in metrics.items() if "/" in k and not k.endswith("/version")})
+            if long_context is not None:
+                metrics.update(long_context(nnx.merge(graphdef, params, rest), step))
+            writer.write(step, {f"eval/{k}": v for k, v in metrics.items()
+                                if ("/" in k or k.startswith("long_ctx")) and not k.endswith("/version")})
             if previous is not None and (drop := regression_drop(metrics, previous)) is not None:
                 metrics["regression_drop"] = drop
             previous = metrics

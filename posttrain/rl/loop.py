@@ -9,6 +9,10 @@ batches on its own threads while the learner updates on the current one; the lea
 the lag with truncated importance weights between the behaviour log-probs the sampler recorded and
 the proximal ones. Each step is three functions over an explicit `RLState`: `rollout_step`,
 `learn_step`, `publish_step`; `run` wires them.
+
+The reward of a sample is composed in `learn_step` (`reward_model.RewardComposer`: verifier reward
+and, for RLHF, the learned reward model's normalised score); with `rl.advantage = "gae"` the
+policy is a `critic.ValueDecoder` and the learner adds the critic's loss (PPO with GAE).
 """
 
 from __future__ import annotations
@@ -31,18 +35,22 @@ from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.buffer import Rollout
 from posttrain.rl.checks import check_rl_config, ppo_steps
-from posttrain.rl.learner import Learner, batch_rows, compute_advantages, rl_batch
+from posttrain.rl.critic import ValueDecoder
+from posttrain.rl.learner import Learner, advantage_targets, batch_rows, compute_advantages, rl_batch
 from posttrain.rl.producer import AsyncProducer
+from posttrain.rl.reward_model import RewardComposer
 from posttrain.rl.rollout import BusyClock, RolloutBatch, RolloutWorker, collect_batch, evaluate
 from posttrain.rl.scheduler import TaskScheduler
 from posttrain.rl.tasks import make_domains, make_reward_fn, parse_weights
 from posttrain.sampling.rules import SamplingParams
+from posttrain.train import lineage
 from posttrain.train.checkpoint import Checkpointer
 from posttrain.train.loop import CHECKPOINT_ITEMS, Result, starting_state
 from posttrain.train.metrics import MetricsWriter
 from posttrain.train.optim import lr_schedule, make_optimizer
 from posttrain.train.stages import init_model_from, with_stage_overrides
 from posttrain.train.state import TrainState, create_train_state, model_params
+from posttrain.train.step import check_nonfinite
 
 __all__ = ["RLState", "run", "rl_batch", "compute_advantages", "RolloutWorker", "AsyncProducer"]
 
@@ -72,6 +80,7 @@ class Components:
     held_out: list
     clock: BusyClock
     pad_id: int
+    rewards: RewardComposer
 
     def weights(self, rl: RLState) -> tuple:
         """(params, rest) the policy samples with."""
@@ -99,12 +108,15 @@ def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLS
         return rl, {"rl/skipped_updates": rl.skipped_updates}
     num_real = sum(len(ro.group.trajectories) for ro in rollouts)
     batch = rl_batch(rollouts, pad_id=c.pad_id, num_rows=batch_rows(len(rollouts), r, r.minibatches))
-    batch["advantages"] = compute_advantages(batch, r)
-    rewards = batch.pop("rewards")[:num_real]
+    rows = [t.tokens for ro in rollouts for t in ro.group.trajectories]
+    batch["rewards"][:num_real], reward_metrics = c.rewards(rows, batch["rewards"][:num_real])
     with c.clock.busy():
+        batch = c.learner.prepare(rl.train, batch, c.ref)
+        batch.update(advantage_targets(batch, r))
+        rewards = batch.pop("rewards")[:num_real]
         state, metrics = c.learner.update(rl.train, batch, c.ref, rl.step, num_real)
     metrics.update({"rl/reward_mean": float(rewards.mean()), "rl/reward_std": float(rewards.std()),
-                    "rl/skipped_updates": rl.skipped_updates})
+                    "rl/skipped_updates": rl.skipped_updates, **reward_metrics})
     return dataclasses.replace(rl, train=state), metrics
 
 
@@ -116,8 +128,9 @@ def publish_step(c: Components, rl: RLState) -> None:
 
 def run_eval(c: Components, rl: RLState, writer: MetricsWriter, step: int) -> RLState:
     """Held-out evaluation with the current weights, written at `step`."""
+    scorer = c.rewards.scorer
     last_eval = evaluate(c.worker, *c.weights(rl), c.held_out, jax.random.fold_in(c.base_key, 2**31 - 1),
-                         c.cfg.rl.eval_samples)
+                         c.cfg.rl.eval_samples, score_fn=scorer.score if scorer is not None else None)
     writer.write(step, last_eval)
     logging.info("rlvr step %d: %s", step, {k: round(v, 4) for k, v in last_eval.items()})
     return dataclasses.replace(rl, last_eval=last_eval)
@@ -127,8 +140,8 @@ def save(c: Components, ckpt: Checkpointer, rl: RLState) -> None:
     """Checkpoint after `rl.step` batches: weights, optimizer, the scheduler as of the last trained batch."""
     ckpt.save(rl.step, {k: getattr(rl.train, k) for k in CHECKPOINT_ITEMS},
               data={"scheduler": rl.scheduler_state, "skipped_updates": rl.skipped_updates,
-                    "optimizer_steps": int(rl.train.step)},
-              meta={"seed": c.cfg.seed, "stage": "rlvr"})
+                    "optimizer_steps": int(rl.train.step), "reward_stats": c.rewards.stats.get_state()},
+              meta={"seed": c.cfg.seed, "stage": "rlvr", lineage.KEY: lineage.of_init(c.cfg.init_from)})
 
 
 def run(cfg) -> Result:
@@ -143,7 +156,9 @@ def run(cfg) -> Result:
     mesh, rules = mesh_and_rules(cfg)
     steps = cfg.train.steps
     tx = make_optimizer(cfg.optim, steps * ppo_steps(r))
-    make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    decoder = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    # PPO with a critic: the policy carries the value head (a fresh head on an init_from decoder).
+    make = (lambda: ValueDecoder(cfg.model, rngs=nnx.Rngs(cfg.seed))) if r.advantage == "gae" else decoder
     sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                               stop_ids=tuple(tok.stop_ids), num_samples=r.group_size)
     ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"), every=cfg.checkpoint.every,
@@ -154,8 +169,9 @@ def run(cfg) -> Result:
     try:
         with use_sharding(mesh, rules):
             graphdef, state, shardings = create_train_state(make, tx, mesh, rules, cfg.lora, cfg.seed)
-            state, start_weights, data = starting_state(state, shardings, ckpt, start, init_model_from(cfg, make),
+            state, start_weights, data = starting_state(state, shardings, ckpt, start, init_model_from(cfg, decoder),
                                                         need_start_weights=bool(r.kl_coef))
+            start = int(state.step)      # older than the newest checkpoint if that one was unreadable
             # The KL reference: the starting weights (under LoRA the frozen base: no extra memory; else a
             # copy, since the policy's buffers are donated to each update).
             ref = ()
@@ -171,7 +187,10 @@ def run(cfg) -> Result:
                               donate=r.max_staleness == 0, seed=cfg.seed)
             worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, r.verifier_delay, clock)
             base_key = jax.random.key(cfg.seed)
-            c = Components(cfg, worker, learner, scheduler, None, ref, base_key, held_out, clock, tok.pad_id)
+            rewards = RewardComposer.from_config(cfg, mesh, rules, pad_id=tok.pad_id)
+            if start and "reward_stats" in data:
+                rewards.stats.set_state(data["reward_stats"])
+            c = Components(cfg, worker, learner, scheduler, None, ref, base_key, held_out, clock, tok.pad_id, rewards)
             if r.max_staleness > 0:
                 producer = c.producer = AsyncProducer(
                     worker, scheduler, num_groups=r.prompts_per_step, max_staleness=r.max_staleness,
@@ -200,6 +219,7 @@ def train_loop(c: Components, rl: RLState, ckpt: Checkpointer, writer: MetricsWr
         rollouts, produced = rollout_step(c, rl)
         t1 = time.perf_counter()
         rl, metrics = learn_step(c, rl, rollouts)
+        check_nonfinite(metrics, cfg.train.max_nonfinite_steps, step, ckpt)
         rl = dataclasses.replace(rl, step=step + 1, scheduler_state=produced.scheduler_state)
         publish_step(c, rl)
         t2 = time.perf_counter()

@@ -12,6 +12,7 @@ an older version), `ref_logp` under the frozen reference policy.
   `advantages.kl_penalized_rewards` / `kl_penalized_advantages`).
 - Decoupled off-policy correction: truncated importance weights π_prox / π_behav per token.
 - Entropy bonus; loss aggregation token-mean | seq-mean-token-sum | seq-mean-token-mean.
+- The critic's clipped value loss (PPO with GAE, `advantages.gae_advantages`).
 """
 
 from __future__ import annotations
@@ -171,6 +172,39 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
             loss = loss - entropy_coef * aggregate(entropy, mask, aggregation, max_len_norm)
     metrics["rl/loss"] = loss
     return loss, metrics
+
+
+def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mask: jax.Array, *,
+               clip: float, aggregation: str = "token-mean") -> tuple[jax.Array, dict]:
+    """The critic's loss: PPO's clipped value loss ½·max((V − R)², (V_clip − R)²).
+
+    values [B, T] (the critic now), old_values [B, T] (the critic when the rollout's returns were
+    computed), returns [B, T] (GAE returns), mask [B, T]. V_clip = V_old + clip(V − V_old, ±clip)
+    keeps the critic near the values its targets came from; clip = 0 turns clipping off (plain
+    ½(V − R)²). Returns (loss, metrics): `rl/value_loss`, `rl/value_clip_frac` (tokens where the
+    clipped term is the larger: its gradient is zero), `rl/value_mean`, `rl/return_mean`,
+    `rl/value_explained_var` (1 − Var(R − V) / Var(R), over the masked tokens).
+    """
+    if clip < 0:
+        raise ValueError(f"value_clip={clip}: expected >= 0 (0: unclipped)")
+    mask = mask.astype(bool)
+    v, returns = values.astype(jnp.float32), jax.lax.stop_gradient(returns.astype(jnp.float32))
+    loss_unclipped = (v - returns) ** 2
+    per_token = loss_unclipped
+    clipped_frac = jnp.zeros(())
+    if clip:
+        old = jax.lax.stop_gradient(old_values.astype(jnp.float32))
+        loss_clipped = (old + jnp.clip(v - old, -clip, clip) - returns) ** 2
+        per_token = jnp.maximum(loss_unclipped, loss_clipped)
+        clipped_frac = _masked_mean(loss_clipped > loss_unclipped, mask)
+    loss = 0.5 * aggregate(per_token, mask, aggregation)
+    sg_v = jax.lax.stop_gradient(v)
+    ret_mean = _masked_mean(returns, mask)
+    var_ret = _masked_mean((returns - ret_mean) ** 2, mask)
+    err = returns - sg_v
+    var_err = _masked_mean((err - _masked_mean(err, mask)) ** 2, mask)
+    return loss, {"rl/value_loss": loss, "rl/value_clip_frac": clipped_frac, "rl/value_mean": _masked_mean(sg_v, mask),
+                  "rl/return_mean": ret_mean, "rl/value_explained_var": 1.0 - var_err / jnp.maximum(var_ret, 1e-8)}
 
 
 def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:

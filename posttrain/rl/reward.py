@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from posttrain.rl.sandbox import Sandbox
+from posttrain.sandbox import Sandbox
 from posttrain.rl.verifiers.base import Verdict, Verifier
 from posttrain.rl.verifiers.code import CodeTask, CodeVerifier
 from posttrain.rl.verifiers.math import MathTask, MathVerifier
@@ -20,10 +20,13 @@ from posttrain.rl.verifiers.math import MathTask, MathVerifier
 
 @dataclasses.dataclass(frozen=True)
 class Reward:
-    """Total reward of one response and its parts (they sum to score)."""
+    """Total reward of one response and its parts (they sum to score); `error` says why the
+    verifier could not decide (failed, timed out) — such a reward is not a judgement of the
+    response and is counted apart (`rl/verifier_errors`)."""
 
     score: float
     parts: dict[str, float]
+    error: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +76,7 @@ def compose(verdict: Verdict, config: RewardConfig, *, num_tokens: int | None = 
         "length": length,
         "tool_calls": -tools if tools else 0.0,
     }
-    return Reward(score=sum(parts.values()), parts=parts)
+    return Reward(score=sum(parts.values()), parts=parts, error=verdict.error)
 
 
 class RewardFunction:

@@ -163,11 +163,16 @@ def collect_batch(worker: RolloutWorker, scheduler: TaskScheduler, params, rest,
     return RolloutBatch(kept, [behav_of[id(g)] for g in kept], info, scheduler.get_state(), scheduler.metrics())
 
 
-def evaluate(worker: RolloutWorker, params, rest, held_out, key, k: int) -> dict:
-    """Held-out accuracy (greedy), mean sampled accuracy and pass@k (unbiased, k samples)."""
+def evaluate(worker: RolloutWorker, params, rest, held_out, key, k: int, score_fn=None) -> dict:
+    """Held-out accuracy (greedy), mean sampled accuracy and pass@k (unbiased, k samples); with
+    `score_fn` (token rows → learned rewards, RLHF) also the mean learned reward of the sampled
+    responses, `eval/rm_score`."""
     greedy = worker.rollout(params, rest, held_out, key, num_samples=1, greedy=True)
     sampled = worker.rollout(params, rest, held_out, jax.random.fold_in(key, 1), num_samples=k)
     correct = [[r >= 1.0 for r in g.rewards] for g in sampled.groups]
-    return {"eval/accuracy": float(np.mean([g.rewards[0] >= 1.0 for g in greedy.groups])),
-            "eval/mean_accuracy": float(np.mean(correct)), f"eval/pass@{k}": mean_pass_at_k(correct, k),
-            "eval/response_len": sampled.info["response_len_mean"]}
+    out = {"eval/accuracy": float(np.mean([g.rewards[0] >= 1.0 for g in greedy.groups])),
+           "eval/mean_accuracy": float(np.mean(correct)), f"eval/pass@{k}": mean_pass_at_k(correct, k),
+           "eval/response_len": sampled.info["response_len_mean"]}
+    if score_fn is not None:
+        out["eval/rm_score"] = float(np.mean(score_fn([t.tokens for g in sampled.groups for t in g.trajectories])))
+    return out

@@ -5,7 +5,8 @@ T the capacity (prompt bucket + max new tokens). Each (row, kv head) is one cont
 laid out as its attention matmul reads it: keys transposed for q·kᵀ, values as they are for p·v.
 Rows are left-aligned: a token's cache index is its position, so a row with a prompt of n
 tokens holds it at 0..n-1 and its i-th new token at n+i. Sharded like the activations: batch
-over the data-like mesh axes, kv heads over `tensor`.
+over the data-like mesh axes, kv heads over `tensor`, and the time axis like `length` (over
+`sequence` when T divides; decoding then combines per-device parts, `ops.decode`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import jax.numpy as jnp
 from posttrain.models.attention import K_TIME_AXIS, V_TIME_AXIS
 from posttrain.parallel.sharding import constrain
 
-K_NAMES = ("batch", "kv_heads", "head_dim", None)
-V_NAMES = ("batch", "kv_heads", None, "head_dim")
+K_NAMES = ("batch", "kv_heads", "head_dim", "length")
+V_NAMES = ("batch", "kv_heads", "length", "head_dim")
 TIME_AXES = (K_TIME_AXIS, V_TIME_AXIS)
 
 

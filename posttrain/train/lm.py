@@ -36,14 +36,21 @@ class ArithmeticBatches:
     def set_state(self, state: dict) -> None:
         self.step = int(state["step"])
 
+    def continue_from(self, previous: "ArithmeticBatches") -> None:
+        """Carry on from `previous` (another length): the data is a function of the step."""
+        self.step = previous.step
+
 
 def run(cfg) -> list[dict]:
     """Train for `cfg.train.steps` steps; returns the logged metric rows."""
     if cfg.data.task != "arithmetic":
         raise ValueError(f"data.task={cfg.data.task!r}: stage 'lm' supports 'arithmetic'")
+    if cfg.eval.long_context.lengths:
+        raise ValueError("eval.long_context.lengths is set but stage 'lm' has no chat evaluation; use stage sft")
     if cfg.model.vocab_size < 256:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: byte tokens need >= 256")
+    batches_for = lambda seq_len: ArithmeticBatches(cfg.seed, cfg.train.batch_size, seq_len)
     stage = Stage(name="lm", make_model=lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed)),
                   loss_fn=functools.partial(lm_loss, moe_cfg=cfg.model.moe),
-                  batches=ArithmeticBatches(cfg.seed, cfg.train.batch_size, cfg.train.seq_len))
+                  batches=batches_for(cfg.train.seq_len), batches_for=batches_for)
     return train(cfg, stage).rows

@@ -20,13 +20,16 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from posttrain.data.schedule import ScheduledBatches, parse_seq_len_schedule
 from posttrain.eval.alerts import AlertMonitor
 from posttrain.parallel import mesh_and_rules, named_sharding, use_sharding
+from posttrain.parallel.zigzag import zigzag_batch
+from posttrain.train import lineage
 from posttrain.train.checkpoint import Checkpointer, abstract_with_shardings
 from posttrain.train.metrics import MetricsWriter
 from posttrain.train.optim import lr_schedule, make_optimizer
 from posttrain.train.state import TrainState, create_train_state, model_params
-from posttrain.train.step import make_train_step
+from posttrain.train.step import check_nonfinite, make_train_step
 
 
 @dataclasses.dataclass
@@ -41,9 +44,11 @@ class Stage:
     make_model: Callable[[], nnx.Module]
     loss_fn: Callable[..., tuple[jax.Array, dict]]
     batches: Iterator[dict]
+    # batches at another sequence length (train.seq_len_schedule); the iterators offer continue_from
+    batches_for: Callable[[int], Iterator[dict]] | None = None
     batch_axes: dict[str, tuple[str, ...]] | None = None   # per-key logical axes; default (batch, length)
     extra: tuple = ()
-    eval_fn: Callable[[nnx.Module], dict] | None = None
+    eval_fn: Callable[[nnx.Module, int], dict] | None = None   # (model, step) → metrics
     sample_fn: Callable[[nnx.Module, int], None] | None = None   # logs generations at eval time
     init_model: Callable[[Any, Any], tuple[Any, Any]] | None = None   # (params, rest) → starting (params, rest)
 
@@ -54,6 +59,7 @@ class Result:
     state: TrainState
     rows: list[dict]
     eval: dict
+    train_step_compiles: int = 0      # programs the train step compiled: one per sequence-length stage run
 
 
 def put_batch(batch: dict, axes: dict[str, tuple[str, ...]] | None = None) -> dict:
@@ -70,13 +76,14 @@ CHECKPOINT_ITEMS = ("params", "rest", "opt_state")   # the step is the checkpoin
 def run_eval(stage: Stage, graphdef: nnx.GraphDef, state: TrainState, lora_cfg=None) -> dict:
     """The stage's evaluation on the current weights, keys prefixed `eval/`."""
     model = nnx.merge(graphdef, model_params(state, lora_cfg), state.rest)
-    return {f"eval/{k}": float(v) for k, v in stage.eval_fn(model).items()}
+    return {f"eval/{k}": float(v) for k, v in stage.eval_fn(model, int(state.step)).items()}
 
 
 def starting_state(state: TrainState, shardings: TrainState, ckpt: Checkpointer, start: int,
                    init_model=None, *, need_start_weights: bool = False) -> tuple[TrainState, tuple, dict]:
     """Where a run begins: the initial weights (`init_model`, e.g. init_from), then, when `start`
-    > 0, the checkpoint at `start`. Returns (state, start weights (params, rest), data JSON).
+    > 0, the newest readable checkpoint at or before `start`. Returns (state, start weights
+    (params, rest), data JSON); `state.step` is the step the run continues from.
 
     Under LoRA the starting weights are the frozen base and are needed on resume too; with
     `need_start_weights` (a KL reference) they are loaded on resume as well.
@@ -87,11 +94,34 @@ def starting_state(state: TrainState, shardings: TrainState, ckpt: Checkpointer,
         state = state.replace(rest=rest, **({"frozen": weights} if lora_on else {"params": weights}))
     start_weights = (state.frozen if lora_on else state.params, state.rest)
     data = {}
-    if start:
+    if start:      # the newest readable checkpoint: an unreadable newer one is skipped, with a warning
         abstract = abstract_with_shardings(jax.eval_shape(lambda: state), shardings)
-        trees, data, _ = ckpt.restore(start, {k: getattr(abstract, k) for k in CHECKPOINT_ITEMS})
-        state = state.replace(step=jnp.asarray(start, jnp.int32), **trees)
+        found = ckpt.restore_newest({k: getattr(abstract, k) for k in CHECKPOINT_ITEMS}, at_most=start)
+        if found is not None:
+            start, trees, data, _ = found
+            state = state.replace(step=jnp.asarray(start, jnp.int32), **trees)
     return state, start_weights, data
+
+
+@jax.jit
+def longest_context(longest: jax.Array, batch: dict) -> jax.Array:
+    """`longest` raised to the longest sequence in `batch`: the last position + 1 of any real
+    (segment id > 0) token, over every `*positions` array with its `*segment_ids`."""
+    for key, positions in batch.items():
+        if key.endswith("positions") and key.replace("positions", "segment_ids") in batch:
+            real = batch[key.replace("positions", "segment_ids")] > 0
+            longest = jnp.maximum(longest, jnp.max(jnp.where(real, positions + 1, 0)).astype(jnp.int32))
+    return longest
+
+
+def start_lineage(ckpt: Checkpointer, start: int, init_from: str) -> dict:
+    """The lineage a run carries (see `posttrain.train.lineage`): its checkpoint's when resuming,
+    else inherited from `init_from`."""
+    if start:
+        meta = ckpt.restore(start, {})[2]
+        if meta.get(lineage.KEY):
+            return meta[lineage.KEY]
+    return lineage.of_init(init_from)
 
 
 def train(cfg, stage: Stage) -> Result:
@@ -102,29 +132,44 @@ def train(cfg, stage: Stage) -> Result:
     tx = make_optimizer(cfg.optim, steps)
     ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"), every=cfg.checkpoint.every,
                         keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    data = ScheduledBatches(parse_seq_len_schedule(cfg.train.seq_len_schedule, cfg.train.seq_len, steps),
+                            stage.batches, stage.batches_for, stage.name)
+    shards = mesh.shape["sequence"]      # > 1: rows in zig-zag order (causal balance of context parallelism)
+    for length in parse_seq_len_schedule(cfg.train.seq_len_schedule, cfg.train.seq_len, steps).lengths:
+        if shards > 1 and length % (2 * shards):
+            raise ValueError(f"train.seq_len={length} (or a train.seq_len_schedule stage): context parallelism over "
+                             f"mesh.sequence={shards} needs lengths divisible by 2 × {shards}")
     start = ckpt.latest_step() or 0
     writer = MetricsWriter(cfg.workdir, enabled=jax.process_index() == 0, resume_step=start)
     rows, evals = [], {}
     with use_sharding(mesh, rules):
         graphdef, state, shardings = create_train_state(stage.make_model, tx, mesh, rules, cfg.lora, cfg.seed)
         state, _, data_state = starting_state(state, shardings, ckpt, start, stage.init_model)
-        if start and hasattr(stage.batches, "set_state"):
-            stage.batches.set_state(data_state)
+        start = int(state.step)       # older than the newest checkpoint if that one was unreadable
+        if start:
+            data.set_state(data_state)
+        source = start_lineage(ckpt, start, cfg.init_from)
+        trained = jnp.asarray(source.get("trained_context") or 0, jnp.int32)
         step_fn = jax.jit(make_train_step(graphdef, tx, stage.loss_fn, schedule, cfg.lora),
                           out_shardings=(shardings, None), donate_argnums=0)
         bar = tqdm(range(start, steps), desc=stage.name, initial=start, total=steps,
                    disable=not cfg.train.progress or jax.process_index() != 0)
         t0, last, monitor = time.perf_counter(), start - 1, AlertMonitor.from_config(cfg)
         for step in bar:
-            state, metrics = step_fn(state, put_batch(next(stage.batches), stage.batch_axes), *stage.extra)
+            batch = put_batch(zigzag_batch(data.at(step), shards), stage.batch_axes)
+            trained = longest_context(trained, batch)
+            state, metrics = step_fn(state, batch, *stage.extra)
             if step % cfg.train.log_every == 0 or step == steps - 1:
                 metrics = jax.device_get(metrics)
                 now = time.perf_counter()
                 if "tokens" in metrics:   # first interval includes compilation
                     metrics["tokens_per_s"] = float(metrics["tokens"]) * (step - last) / max(now - t0, 1e-9)
-                if hasattr(stage.batches, "skipped"):
-                    metrics["data/skipped"] = stage.batches.skipped
+                if hasattr(data.batches, "skipped"):
+                    metrics["data/skipped"] = data.batches.skipped
+                if data.staged:
+                    metrics.update({"seq_len": data.length, "data/deferred": getattr(data.batches, "deferred", 0)})
                 rows.append(writer.write(step, metrics))
+                check_nonfinite(metrics, cfg.train.max_nonfinite_steps, step, ckpt)
                 bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}", **({"tok/s": f"{metrics['tokens_per_s']:.0f}"}
                                                                   if "tokens_per_s" in metrics else {}))
                 monitor.check(step, rows[-1], writer, bar)
@@ -136,12 +181,12 @@ def train(cfg, stage: Stage) -> Result:
                 if stage.sample_fn is not None and jax.process_index() == 0:
                     stage.sample_fn(nnx.merge(graphdef, model_params(state, cfg.lora), state.rest), step)
             if ckpt.should_save(done, steps):
-                data_state = stage.batches.get_state() if hasattr(stage.batches, "get_state") else {}
-                ckpt.save(done, {k: getattr(state, k) for k in CHECKPOINT_ITEMS}, data=data_state,
-                          meta={"seed": cfg.seed, "stage": stage.name, "config": cfg.to_dict()})
+                ckpt.save(done, {k: getattr(state, k) for k in CHECKPOINT_ITEMS}, data=data.get_state(),
+                          meta={"seed": cfg.seed, "stage": stage.name, "config": cfg.to_dict(),
+                                lineage.KEY: lineage.merge(source, int(trained))})
         if stage.eval_fn is not None and not evals:      # resumed after the last step: gates still need it
             evals = run_eval(stage, graphdef, state, cfg.lora)
     ckpt.close()
     writer.close()
     logging.info("%s: finished %d steps in %s", stage.name, steps, cfg.workdir)
-    return Result(graphdef, state, rows, evals)
+    return Result(graphdef, state, rows, evals, getattr(step_fn, "_cache_size", lambda: 0)())

@@ -1,4 +1,8 @@
-"""Metrics to `{workdir}/metrics.jsonl` (one JSON object per logged step) and TensorBoard events."""
+"""Metrics to `{workdir}/metrics.jsonl` (one JSON object per logged step) and TensorBoard events.
+
+Every line is strict JSON (RFC 8259): a non-finite value (NaN, ±inf, e.g. the loss of a diverged
+step) is written as `null`; `read_metrics` gives it back as NaN. TensorBoard gets the float itself.
+"""
 
 from __future__ import annotations
 
@@ -17,21 +21,45 @@ def to_python(value: Any) -> Any:
     return arr.tolist()
 
 
+def strict_json(value: Any) -> Any:
+    """`value` with non-finite floats (also inside lists) replaced by None: JSON without NaN."""
+    if isinstance(value, float):
+        return value if np.isfinite(value) else None
+    if isinstance(value, list):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def _from_json(value: Any) -> Any:
+    if value is None:
+        return float("nan")
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value
+
+
+def dumps(row: dict[str, Any]) -> str:
+    """One metrics row as a strict JSON line (no NaN/Infinity tokens)."""
+    return json.dumps({k: strict_json(v) for k, v in row.items()}, allow_nan=False)
+
+
 class MetricsWriter:
     """Appends metrics to metrics.jsonl and TensorBoard; only process 0 writes."""
 
     def __init__(self, workdir: str, *, enabled: bool = True, resume_step: int = 0):
         """`resume_step`: rows at or past it (logged after the checkpoint a resumed run starts
-        from) are dropped, so the file reads as one uninterrupted run."""
+        from) are dropped, so the file reads as one uninterrupted run. The first `write` drops
+        rows at or past its own step too (a resume that fell back to an older checkpoint)."""
         self.enabled = enabled
         self.path = os.path.join(workdir, "metrics.jsonl")
+        self._first = True      # the first write also drops rows at or past its step (see write)
         self._tb = None
         if enabled:
             os.makedirs(workdir, exist_ok=True)
             if os.path.exists(self.path):
                 kept = [r for r in read_metrics(workdir) if r["step"] < resume_step]
                 with open(self.path, "w") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in kept)
+                    f.writelines(dumps(r) + "\n" for r in kept)
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
@@ -40,8 +68,13 @@ class MetricsWriter:
         row = {"step": int(step), **{k: to_python(v) for k, v in metrics.items()}}
         if not self.enabled:
             return row
+        if self._first and os.path.exists(self.path):
+            kept = [r for r in read_metrics(os.path.dirname(self.path)) if r["step"] < row["step"]]
+            with open(self.path, "w") as f:
+                f.writelines(dumps(r) + "\n" for r in kept)
+        self._first = False
         with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(dumps(row) + "\n")
         for k, v in row.items():
             if k == "step":
                 continue
@@ -60,7 +93,7 @@ class MetricsWriter:
         if not self.enabled:
             return row
         with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(dumps(row) + "\n")
         self._tb.add_text(f"events/{kind}", json.dumps(fields, default=str), step)
         return row
 
@@ -70,6 +103,6 @@ class MetricsWriter:
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-    """All rows of `{workdir}/metrics.jsonl`."""
+    """All rows of `{workdir}/metrics.jsonl`; values written as null (non-finite) come back as NaN."""
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [{k: _from_json(v) for k, v in json.loads(line).items()} for line in f if line.strip()]

@@ -1,5 +1,8 @@
 """Stage `pipeline`: run stages in order, each from the previous one's final checkpoint, with gates.
 
+A reward model is not a policy: the stage after `reward_model` starts from the policy before it,
+and an `rlvr` stage reaches the reward model by `rl.reward_model = "@reward_model"`.
+
 Each stage runs in `{workdir}/{i}_{stage}` and must pass its gate (`config.<stage>.gate`, e.g.
 "eval/loss<1.5, eval/accuracy>=0.5"; see posttrain/eval/gates.py) before the next starts. An `eval`
 stage evaluates the previous trained stage's final checkpoint; its `regression_drop` compares with
@@ -29,6 +32,10 @@ def _eval(cfg, baseline=None):
 
 RUNNERS = {"sft": stage_lib.sft, "reward_model": stage_lib.reward_model, "dpo": stage_lib.dpo, "rlvr": _rlvr,
            "eval": _eval}
+STAGED_CONTEXT = ("sft",)         # stages that follow train.seq_len_schedule
+# Stages whose result scores a policy rather than being one: later stages start from the policy
+# before them (RLHF: [sft, reward_model, rlvr]).
+SCORERS = ("reward_model",)
 
 
 def gate_metrics(result) -> dict:
@@ -36,10 +43,18 @@ def gate_metrics(result) -> dict:
     return {**(result.rows[-1] if result.rows else {}), **result.eval}
 
 
-def stage_config(cfg, name: str, workdir: str, init_from: str):
-    """The config one pipeline stage runs with."""
+def stage_config(cfg, name: str, workdir: str, init_from: str, done: dict[str, str] | None = None):
+    """The config one pipeline stage runs with. `done` maps the stages run before it to their
+    workdirs: `rl.reward_model = "@<stage>"` becomes that stage's workdir (RLHF: the reward
+    model trained earlier in the same pipeline)."""
     sub = cfg.copy_and_resolve_references()
     sub.stage, sub.workdir, sub.init_from = name, workdir, init_from
+    ref = sub.rl.reward_model
+    if name == "rlvr" and ref.startswith("@"):
+        if ref[1:] not in (done or {}):
+            raise ValueError(f"rl.reward_model={ref!r}: no stage {ref[1:]!r} runs before rlvr in pipeline.stages="
+                             f"{tuple(cfg.pipeline.stages)}")
+        sub.rl.reward_model = done[ref[1:]]
     return sub
 
 
@@ -49,17 +64,22 @@ def run(cfg) -> dict:
     if unknown:
         raise ValueError(f"pipeline.stages: unknown {unknown}; valid: {sorted(RUNNERS)}")
     validate_gates(cfg, cfg.pipeline.stages)
-    init_from, results, last_eval = cfg.init_from, {}, None
+    unstaged = [s for s in cfg.pipeline.stages if s not in STAGED_CONTEXT and s != "eval"]
+    if "," in cfg.train.seq_len_schedule and unstaged:     # fail before the first stage, not after it
+        raise ValueError(f"train.seq_len_schedule={cfg.train.seq_len_schedule!r} applies to every stage, but "
+                         f"{unstaged} cannot change sequence length (supported: {', '.join(STAGED_CONTEXT)})")
+    init_from, results, done, last_eval = cfg.init_from, {}, {}, None
     for i, name in enumerate(cfg.pipeline.stages):
         workdir = os.path.join(cfg.workdir, f"{i}_{name}")
-        sub = stage_config(cfg, name, workdir, init_from)
+        sub = stage_config(cfg, name, workdir, init_from, done)
         result = RUNNERS[name](sub, baseline=last_eval) if name == "eval" else RUNNERS[name](sub)
-        metrics = results[name] = gate_metrics(result)
+        metrics = gate_metrics(result)
+        results[name], done[name] = metrics, workdir
         logging.info(check_gate(name, cfg[SECTION.get(name, name)].gate, metrics,
                                 baseline=last_eval if name == "eval" else None))
         if name == "eval":          # an eval stage has no checkpoint: the next stage starts from the last trained one
             last_eval = metrics
-        else:
+        elif name not in SCORERS:
             init_from = workdir
     if jax.process_index() == 0:
         logging.info("curves: %s", plot(cfg.workdir, os.path.join(cfg.workdir, "metrics.png")))

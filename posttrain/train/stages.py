@@ -19,6 +19,7 @@ from posttrain.data.examples import sft_messages
 from posttrain.data.pipeline import preference_batches, read_jsonl, sft_batches
 from posttrain.data.synthetic import ensure_arithmetic_file
 from posttrain.data.tokenizer import Tokenizer, load_tokenizer
+from posttrain.eval.long_context_eval import make_long_context_eval
 from posttrain.models.decoder import Decoder
 from posttrain.models.layers import dtype_of, param
 from posttrain.parallel import mesh_and_rules, use_sharding
@@ -86,10 +87,10 @@ def dpo_stage_loss(model: Decoder, batch: dict, ref_params, ref_rest, *, graphde
 
 
 def make_evaluator(metric_fn, make_batches):
-    """eval_fn(model) → metrics averaged over a finite pass of `make_batches()`, jitted once."""
+    """eval_fn(model, step) → metrics averaged over a finite pass of `make_batches()`, jitted once."""
     compiled = {}
 
-    def eval_fn(model: nnx.Module) -> dict:
+    def eval_fn(model: nnx.Module, step: int | None = None) -> dict:
         graphdef, state = nnx.split(model)
         if "fn" not in compiled:
             compiled["fn"] = jax.jit(lambda state, batch: metric_fn(nnx.merge(graphdef, state), batch))
@@ -102,6 +103,15 @@ def make_evaluator(metric_fn, make_batches):
             weight += w
         return {k: v / max(weight, 1e-9) for k, v in sums.items()}
     return eval_fn
+
+
+def combine_evals(*fns):
+    """One eval_fn(model, step) returning the union of the given ones' metrics (None entries
+    skipped; None when there are none)."""
+    fns = [f for f in fns if f is not None]
+    if not fns:
+        return None
+    return lambda model, step=None: {k: v for f in fns for k, v in f(model, step).items()}
 
 
 def _finite(make):
@@ -138,18 +148,42 @@ def with_stage_overrides(cfg, stage: str):
 
 
 def _ensure_synthetic(cfg, stage: str, kind: str) -> None:
-    """With data.synthetic = "arithmetic", generate the stage's train/eval files if missing."""
-    if not cfg.data.synthetic:
+    """With data.synthetic = "arithmetic", generate the stage's train/eval files if missing: train
+    files from the arithmetic "train" split, eval files from the held-out "test" split
+    ("long_context" is SFT's, see `_ensure_long_context_files`)."""
+    if not cfg.data.synthetic or (cfg.data.synthetic == "long_context" and kind == "sft"):
         return
     if cfg.data.synthetic != "arithmetic":
-        raise ValueError(f"data.synthetic={cfg.data.synthetic!r}: expected '' or 'arithmetic'")
+        raise ValueError(f"data.synthetic={cfg.data.synthetic!r}: expected '' or 'arithmetic' "
+                         f"(or 'long_context' for stage sft)")
     n, kw = cfg.data.synthetic_size, {"max_value": cfg.data.synthetic_max_value}
     if kind == "sft":
         kw["error_rate"] = cfg.data.synthetic_error_rate
     if cfg[stage].train_files:
-        ensure_arithmetic_file(cfg[stage].train_files, kind, n, seed=1, **kw)
+        ensure_arithmetic_file(cfg[stage].train_files, kind, n, seed=1, split="train", **kw)
     if cfg[stage].eval_files:
-        ensure_arithmetic_file(cfg[stage].eval_files, kind, max(n // 4, 1), seed=2, **kw)
+        ensure_arithmetic_file(cfg[stage].eval_files, kind, max(n // 4, 1), seed=2, split="test", **kw)
+
+
+def _ensure_long_context_files(cfg, tok: Tokenizer) -> None:
+    """With data.synthetic = "long_context", write SFT files of needle / multi-hop problems from the
+    training name space (disjoint from `eval.long_context`'s) if missing, prompts of 160 tokens
+    (the longest facts of `eval.long_context.hops` <= 3 fit) up to what fits train.seq_len."""
+    if cfg.data.synthetic != "long_context":
+        return
+    import fsspec
+    from posttrain.eval.long_context import training_records
+    count = lambda s: len(tok.encode(s))
+    hi = cfg.train.seq_len - 24             # room for the chat markers and the answer
+    for files, n, seed in ((cfg.sft.train_files, cfg.data.synthetic_size, 1),
+                           (cfg.sft.eval_files, max(cfg.data.synthetic_size // 8, 1), 2)):
+        fs, path = fsspec.core.url_to_fs(files) if files else (None, "")
+        if not files or fs.exists(path):
+            continue
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True) if "/" in path else None
+        with fsspec.open(files, "w") as f:
+            for rec in training_records(n, min(160, hi), hi, seed=seed, hops=cfg.eval.long_context.hops, count=count):
+                f.write(json.dumps(rec) + "\n")
 
 
 def _tokenizer(cfg) -> Tokenizer:
@@ -213,11 +247,13 @@ def sft(cfg) -> Result:
     cfg = with_stage_overrides(cfg, "sft")
     _ensure_synthetic(cfg, "sft", "sft")
     tok = _tokenizer(cfg)
+    _ensure_long_context_files(cfg, tok)
     kw = _data_kw(cfg)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
-    batches = sft_batches(_require(cfg.sft.train_files, "sft.train_files"), tok, batch_size=cfg.train.batch_size,
-                          seq_len=cfg.train.seq_len, seed=cfg.seed, packing=cfg.data.packing,
-                          truncate=cfg.data.truncate, **kw)
+    train_files = _require(cfg.sft.train_files, "sft.train_files")
+    batches_for = lambda seq_len: sft_batches(
+        train_files, tok, batch_size=cfg.train.batch_size, seq_len=seq_len, seed=cfg.seed, packing=cfg.data.packing,
+        truncate=cfg.data.truncate, final_seq_len=cfg.train.seq_len, **kw)
     eval_fn = None
     if cfg.sft.eval_files:
         def metric(model, batch):
@@ -227,9 +263,10 @@ def sft(cfg) -> Result:
         eval_fn = make_evaluator(metric, _finite(lambda: sft_batches(
             cfg.sft.eval_files, tok, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=0,
             packing=cfg.data.packing, truncate=cfg.data.truncate, shuffle=False, epochs=1, **kw)))
+    eval_fn = combine_evals(eval_fn, make_long_context_eval(cfg, tok))
     sample_fn = make_sampler_log(cfg, tok, cfg.sft.eval_files) if cfg.sft.eval_files and cfg.sft.sample_tokens else None
-    stage = Stage("sft", make, functools.partial(lm_loss, moe_cfg=cfg.model.moe), batches, eval_fn=eval_fn,
-                  sample_fn=sample_fn, init_model=init_model_from(cfg, make))
+    stage = Stage("sft", make, functools.partial(lm_loss, moe_cfg=cfg.model.moe), batches_for(cfg.train.seq_len),
+                  batches_for=batches_for, eval_fn=eval_fn, sample_fn=sample_fn, init_model=init_model_from(cfg, make))
     return train(cfg, stage)
 
 
@@ -246,6 +283,9 @@ PREFERENCE_AXES = {f"{s}_{k}": ("batch", "length") for s in SIDES
 def reward_model(cfg) -> Result:
     """Reward model: decoder + scalar head trained with the Bradley–Terry loss on preference pairs."""
     cfg = with_stage_overrides(cfg, "reward_model")
+    if cfg.eval.long_context.lengths:
+        raise ValueError(f"eval.long_context.lengths={cfg.eval.long_context.lengths!r}: a reward model does not "
+                         "generate; evaluate long context in the sft or dpo stage")
     _ensure_synthetic(cfg, "reward_model", "preference")
     tok, kw = _tokenizer(cfg), _data_kw(cfg)
     make = lambda: RewardModel(cfg.model, rngs=nnx.Rngs(cfg.seed))
@@ -283,6 +323,7 @@ def dpo(cfg) -> Result:
             _, m = loss(model, batch, ref_params, ref_rest)
             return {k.removeprefix("dpo/"): v for k, v in m.items() if k.startswith("dpo/")}, batch["chosen_inputs"].shape[0]
         eval_fn = make_evaluator(metric, _preference(cfg, cfg.dpo.eval_files, eval=True, tok=tok, kw=kw))
+    eval_fn = combine_evals(eval_fn, make_long_context_eval(cfg, tok))
     batches = _preference(cfg, _require(cfg.dpo.train_files, "dpo.train_files"), eval=False, tok=tok, kw=kw)
     # The policy starts as a copy of the reference (the step donates the policy's buffers).
     start = lambda params, rest: jax.tree.map(jnp.copy, (ref_params, ref_rest))

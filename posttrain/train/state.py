@@ -19,12 +19,15 @@ from posttrain.parallel.sharding import Rules, shardings_for  # noqa: F401 (re-e
 class TrainState:
     """Everything a train step uses. `params` are what the optimizer trains (all weights, or only
     LoRA adapters); `rest` holds non-trainable model variables (router biases); `frozen` is the
-    base weights under LoRA (None otherwise), never updated or checkpointed."""
+    base weights under LoRA (None otherwise), never updated or checkpointed. `nonfinite` counts
+    updates skipped for a non-finite loss or gradient (see `step.nonfinite_counts`); not
+    checkpointed either: the counts are per run."""
     step: jax.Array
     params: Any
     rest: nnx.State
     opt_state: optax.OptState
     frozen: nnx.State | None = None
+    nonfinite: dict | None = None
 
 
 def lora_scale(lora_cfg) -> float | None:
@@ -77,8 +80,9 @@ def create_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientT
         if scale is not None:
             frozen, params = params, lora.init_adapters(params, lora_cfg.targets, lora_cfg.rank,
                                                         jax.random.key(seed))
+        nonfinite = {k: jnp.zeros((), jnp.int32) for k in ("skipped", "run", "longest")}
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
-                          opt_state=tx.init(params), frozen=frozen)
+                          opt_state=tx.init(params), frozen=frozen, nonfinite=nonfinite)
 
     graphdef = nnx.graphdef(abstract_model(make_model))
     shardings = shardings_for(jax.eval_shape(init), mesh, rules)

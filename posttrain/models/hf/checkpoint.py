@@ -181,15 +181,17 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def save_hf(path: str, params: nnx.State, cfg: ml_collections.ConfigDict, *, base_config: dict | None = None,
-            dtype: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True) -> dict:
+            context: int = 0, dtype: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+            progress: bool = True) -> dict:
     """Write `params` (full weights: merge LoRA adapters first) of a model built from `cfg` as a
     Hugging Face folder: config.json (`base_config`, e.g. the source model's, updated with every
-    math key) and safetensors shards of at most `max_shard_bytes` with their index, per-expert
-    layout. `dtype` (e.g. "bfloat16") defaults to the parameters' own. Returns the config written.
+    math key; `max_position_embeddings` from `context`, the longest trained context, see
+    `hf_config_from_model`) and safetensors shards of at most `max_shard_bytes` with their index,
+    per-expert layout. `dtype` (e.g. "bfloat16") defaults to the parameters' own. Returns the config written.
 
     Every process must call it (gathers are collective); process 0 writes.
     """
-    hf = hf_config_from_model(cfg, base_config)
+    hf = hf_config_from_model(cfg, base_config, context=context)
     flat = _flat(params)
     entries = param_entries(cfg, hf["architectures"][0])
     if entries.keys() != flat.keys():

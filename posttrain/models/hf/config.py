@@ -37,6 +37,14 @@ ROPE_KEYS = {                                                # what each RoPE ty
 }
 ROPE_COMMON_KEYS = {"type", "rope_type", "rope_theta", "partial_rotary_factor"}
 _REQUIRED = object()
+# Keys the import checks, written explicitly so an exported file never relies on a class default.
+EXPLICIT_DEFAULTS = {
+    "LlamaForCausalLM": dict(attention_bias=False, mlp_bias=False),
+    "Qwen2ForCausalLM": dict(use_sliding_window=False),
+    "Qwen3ForCausalLM": dict(attention_bias=False, use_sliding_window=False),
+    "Qwen3MoeForCausalLM": dict(attention_bias=False, use_sliding_window=False),
+    "MixtralForCausalLM": dict(sliding_window=None, router_jitter_noise=0.0),
+}
 
 
 def read_hf_config(path: str) -> dict:
@@ -199,17 +207,24 @@ def infer_architecture(cfg: ml_collections.ConfigDict) -> str:
 
 
 def hf_config_from_model(cfg: ml_collections.ConfigDict, base: dict | None = None,
-                         arch: str | None = None) -> dict:
+                         arch: str | None = None, *, context: int = 0) -> dict:
     """config.json contents for model config `cfg`: `base` (e.g. the source model's config.json,
-    keeping its token ids and other keys) with every math key set from `cfg`. The architecture is
-    `arch`, else base's, else inferred; a model it cannot represent raises ValueError."""
+    keeping its token ids and other keys) with every key the import reads set from `cfg`, so the
+    file never leans on a transformers class default. The architecture is `arch`, else base's,
+    else inferred; a model it cannot represent raises ValueError.
+
+    `context` is the longest context the weights were trained at (0: unknown); the advertised
+    `max_position_embeddings` is the longer of it and base's (see `advertised_context`).
+    """
     arch = arch or (architecture(base) if base else infer_architecture(cfg))
     _check_representable(cfg, arch)
     out = dict(base or {})
     out.update(architectures=[arch], model_type=ARCHITECTURES[arch], vocab_size=cfg.vocab_size,
                hidden_size=cfg.embed_dim, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim,
-               rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu")
+               rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu",
+               attention_dropout=0.0, **EXPLICIT_DEFAULTS.get(arch, {}))
+    out["max_position_embeddings"] = advertised_context(cfg, base, context)
     out.update(_rope_to_hf(cfg, "rope_parameters" in out))
     if arch == "Qwen3MoeForCausalLM":
         out.pop("num_local_experts", None)
@@ -221,6 +236,20 @@ def hf_config_from_model(cfg: ml_collections.ConfigDict, base: dict | None = Non
     if arch in MOE:
         out.update(num_experts_per_tok=cfg.moe.top_k, router_aux_loss_coef=cfg.moe.aux_loss_coef)
     return out
+
+
+def advertised_context(cfg: ml_collections.ConfigDict, base: dict | None, context: int = 0) -> int:
+    """`max_position_embeddings` to write: under dynamic RoPE it is the scaling's original length
+    (part of the math); otherwise the longer of base's and the trained `context` (fine-tuning on
+    shorter sequences does not shrink it). ValueError when neither is known."""
+    s = cfg.rope_scaling
+    if s.type == "dynamic":
+        return int(s.original_max_position_embeddings)
+    longest = max(int((base or {}).get("max_position_embeddings") or 0), int(context))
+    if longest <= 0:
+        raise ValueError("max_position_embeddings is unknown: no source config.json and no trained context; "
+                         "pass context= (the longest sequence length the model was trained at)")
+    return longest
 
 
 def _check_representable(cfg: ml_collections.ConfigDict, arch: str) -> None:
@@ -253,12 +282,9 @@ def _rope_to_hf(cfg: ml_collections.ConfigDict, nested: bool) -> dict:
     s = cfg.rope_scaling
     kind = s.type or "default"
     scaling = {"rope_type": kind}
-    extra = {}
     if s.type:
         scaling["factor"] = s.factor
-    if s.type == "dynamic":
-        extra["max_position_embeddings"] = s.original_max_position_embeddings
-    elif s.type == "llama3":
+    if s.type == "llama3":
         scaling.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
                        original_max_position_embeddings=s.original_max_position_embeddings)
     elif s.type == "yarn":
@@ -269,5 +295,5 @@ def _rope_to_hf(cfg: ml_collections.ConfigDict, nested: bool) -> dict:
         if not s.truncate:
             scaling["truncate"] = False
     if nested:
-        return {"rope_parameters": {"rope_theta": cfg.rope_theta, **scaling}, **extra}
-    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling if s.type else None, **extra}
+        return {"rope_parameters": {"rope_theta": cfg.rope_theta, **scaling}}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling if s.type else None}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 
@@ -18,7 +19,7 @@ from posttrain.models.decoder import Decoder
 from posttrain.models.hf.checkpoint import load_model_state, save_hf
 from posttrain.models.hf.config import model_config_from_hf, read_hf_config
 from posttrain.parallel.sharding import Rules, use_sharding
-from posttrain.train import init
+from posttrain.train import init, lineage
 from posttrain.train.checkpoint import Checkpointer, abstract_with_shardings
 from posttrain.train.state import lora_scale, shardings_for
 
@@ -71,19 +72,27 @@ def run_to_hf(cfg: ml_collections.ConfigDict, out: str, mesh: Mesh, rules: Rules
     """Write the newest checkpoint of run `cfg` (`cfg.workdir`; under LoRA its adapters merged into
     the base weights of `cfg.init_from`) as HF folder `out`, and return the config.json written.
 
-    config.json starts from `hf_base`'s (default: the `hf:` folder of `cfg.init_from`) so token ids
-    and other keys carry over; tokenizer files are copied from `cfg.data.tokenizer` when it is a
+    config.json starts from `hf_base`'s (default: the source model's config.json recorded in the
+    run's lineage, see `posttrain.train.lineage`) so token ids and other keys carry over, and
+    advertises the longest context the weights were trained at; tokenizer files are copied from `cfg.data.tokenizer` when it is a
     local folder. `dtype` (e.g. "bfloat16") defaults to `cfg.model.param_dtype`.
     """
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
-    hf_base = hf_base or (cfg.init_from.removeprefix("hf:") if cfg.init_from.startswith("hf:") else "")
-    base = read_hf_config(hf_base) if hf_base else None
+    source = lineage.of_run(cfg.workdir)
+    if source == lineage.empty():        # e.g. adapters saved without meta: the run's init_from
+        source = lineage.of_init(cfg.init_from)
+    base = read_hf_config(hf_base) if hf_base else source["hf_config"]
+    context = source["trained_context"]
+    if not context and not base:
+        context = cfg.train.seq_len
+        logging.warning("%s records no trained context; advertising train.seq_len=%d", cfg.workdir, context)
     with use_sharding(mesh, rules):
         if cfg.lora.rank > 0:
             params = _merged_lora(cfg, make, mesh, rules)
         else:
             params, _, _ = init.load_model_state(cfg.workdir, make, mesh, rules)
-        hf = save_hf(out, params, cfg.model, base_config=base, dtype=dtype or None, progress=progress)
+        hf = save_hf(out, params, cfg.model, base_config=base, context=context, dtype=dtype or None,
+                     progress=progress)
     if jax.process_index() == 0 and os.path.isdir(cfg.data.tokenizer):
         for name in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(cfg.data.tokenizer, name)):

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from posttrain.models.layers import MLP, dtype_of, fan_in_init, param
 from posttrain.models.moe.dispatch import ExpertLayout, expert_layout, gather_weight, routed_experts
 from posttrain.models.moe.experts import expert_capacity
-from posttrain.models.moe.router import (RouterBias, expert_counts, load_balancing_loss, route,
+from posttrain.models.moe.router import (RouterBias, Routing, expert_counts, load_balancing_loss, route,
                                          router_z_loss, update_router_bias)
 from posttrain.parallel.sharding import Rules, current, logical_spec
 
@@ -52,44 +52,61 @@ class RoutingSpec:
                    float(moe.routed_scaling), float(moe.capacity_factor))
 
 
-def moe_block(x: jax.Array, params: dict[str, jax.Array], *, spec: RoutingSpec,
-              layout: ExpertLayout, inference: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+def moe_block(x: jax.Array, params: dict[str, jax.Array], *, spec: RoutingSpec, layout: ExpertLayout,
+              mask: jax.Array | None = None, inference: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Routed experts on one device's tokens x [T, D] (compute dtype).
 
     params: router [D(/shards), E], w_gate/w_up [E_local, D(/shards), F_local],
-    w_down [E_local, F_local, D(/shards)] and, for the sigmoid router, bias [E]. Returns y [T, D]
-    float32 and the layer statistics averaged over all tokens of the mesh (see `MoE`).
+    w_down [E_local, F_local, D(/shards)] and, for the sigmoid router, bias [E]. mask [T]: 1 for a
+    real token, 0 for padding (None: all real); padding takes no expert capacity and is left out of
+    the statistics. Returns y [T, D] float32 and the layer statistics averaged over the real tokens
+    of the whole mesh (see `MoE`).
     """
     num_tokens = x.shape[0]
-    assignments = num_tokens * spec.top_k
+    mask = jnp.ones((num_tokens,), jnp.float32) if mask is None else mask.astype(jnp.float32)
     router = gather_weight(params["router"], layout.router_axes, 0, layout)
     logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
     routing = route(logits, top_k=spec.top_k, router=spec.router, norm_topk_prob=spec.norm_topk_prob,
                     routed_scaling=spec.routed_scaling, bias=params.get("bias"))
     capacity = expert_capacity(num_tokens, spec.top_k, spec.num_experts, spec.capacity_factor)
+    experts = routing.experts
+    if capacity is not None:   # padding goes to no expert (id E): it takes no capacity rank
+        experts = jnp.where(mask[:, None] > 0, experts, spec.num_experts)
     y, kept = routed_experts(
-        x, routing.experts, routing.weights,
+        x, experts, routing.weights,
         gather_weight(params["w_gate"], layout.embed_axes, 1, layout),
         gather_weight(params["w_up"], layout.embed_axes, 1, layout),
         gather_weight(params["w_down"], layout.embed_axes, 2, layout),
         num_experts=spec.num_experts, capacity=capacity, layout=layout, inference=inference)
     if layout.psum_axes:
         y = jax.lax.psum(y, layout.psum_axes)
-
-    def token_mean(v):
-        return jax.lax.pmean(v, layout.token_axes) if layout.token_axes else v
-    load = token_mean(expert_counts(routing.experts, spec.num_experts) / assignments)
-    mean_probs = token_mean(jnp.mean(routing.probs, axis=0))
-    aux = {"aux_loss": load_balancing_loss(mean_probs, load, spec.top_k),
-           "z_loss": token_mean(jnp.mean(router_z_loss(logits))),
-           "load": load,
-           "dropped": token_mean(1.0 - kept.astype(jnp.float32) / assignments)}
-    return y, aux
+    return y, routing_stats(routing, logits, mask, kept if capacity is not None else None, spec, layout)
 
 
-def sharded_moe_block(x: jax.Array, params: dict[str, jax.Array], *, spec: RoutingSpec, mesh: Mesh,
-                      rules: Rules, dispatch: str, inference: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """`moe_block` in a `jax.shard_map` over the whole mesh; x: [B, S, D] → y [B, S, D] float32.
+def routing_stats(routing: Routing, logits: jax.Array, mask: jax.Array, kept: jax.Array | None,
+                  spec: RoutingSpec, layout: ExpertLayout) -> dict[str, jax.Array]:
+    """Load, load-balancing and z losses, and the dropped fraction over the real tokens (mask [T])
+    of all devices: sums over `layout.token_axes` divided by the global real-token count, so
+    devices holding more padding weigh less. kept: kept real assignments (None: dropless)."""
+    def token_sum(v):
+        return jax.lax.psum(v, layout.token_axes) if layout.token_axes else v
+    real = token_sum(jnp.sum(mask))
+    tokens, assignments = jnp.maximum(real, 1.0), jnp.maximum(real * spec.top_k, 1.0)
+    load = token_sum(expert_counts(routing.experts, spec.num_experts, mask)) / assignments
+    mean_probs = token_sum(jnp.sum(routing.probs * mask[:, None], axis=0)) / tokens
+    dropped = (jnp.float32(0.0) if kept is None
+               else (real * spec.top_k - token_sum(kept.astype(jnp.float32))) / assignments)
+    return {"aux_loss": load_balancing_loss(mean_probs, load, spec.top_k),
+            "z_loss": token_sum(jnp.sum(router_z_loss(logits) * mask)) / tokens,
+            "load": load,
+            "dropped": dropped}
+
+
+def sharded_moe_block(x: jax.Array, mask: jax.Array, params: dict[str, jax.Array], *, spec: RoutingSpec,
+                      mesh: Mesh, rules: Rules, dispatch: str,
+                      inference: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`moe_block` in a `jax.shard_map` over the whole mesh; x: [B, S, D], mask [B, S] → y [B, S, D]
+    float32.
 
     Tokens are split as the `batch` and `length` rules say, weights as their logical names say;
     the specs come from `logical_spec`, so rule changes carry through.
@@ -106,32 +123,36 @@ def sharded_moe_block(x: jax.Array, params: dict[str, jax.Array], *, spec: Routi
     layout = expert_layout(mesh, token_spec, param_specs["router"], param_specs["w_gate"],
                            param_specs["w_down"], dispatch)
 
-    def body(x, params):
+    def body(x, mask, params):
         b, s, d = x.shape
-        y, aux = moe_block(x.reshape(b * s, d), params, spec=spec, layout=layout, inference=inference)
+        y, aux = moe_block(x.reshape(b * s, d), params, spec=spec, layout=layout, mask=mask.reshape(b * s),
+                           inference=inference)
         return y.reshape(b, s, d), aux
 
     aux_specs = {"aux_loss": P(), "z_loss": P(), "load": P(), "dropped": P()}
     # check_vma stays on: the varying/invariant types make autodiff insert the psums that the
     # gradients of replicated weights need; `gather_weight` picks the type per mesh axis so that
     # outputs are invariant exactly where out_specs replicate them.
-    return jax.shard_map(body, mesh=mesh, in_specs=(token_spec, param_specs),
-                         out_specs=(token_spec, aux_specs), check_vma=True)(x, params)
+    mask_spec = P(*token_spec[:2])
+    return jax.shard_map(body, mesh=mesh, in_specs=(token_spec, mask_spec, param_specs),
+                         out_specs=(token_spec, aux_specs), check_vma=True)(x, mask, params)
 
 
 class MoE(nnx.Module):
     """Mixture-of-Experts SwiGLU layer (Mixtral, Qwen3-MoE, DeepSeek-V3 routing), dropless by
     default.
 
-    `__call__(x [B, S, D]) -> (y [B, S, D], aux)`, y in the compute dtype; aux holds float32
+    `__call__(x [B, S, D], mask [B, S] | None) -> (y [B, S, D], aux)`, y in the compute dtype;
+    mask marks real tokens (1) and padding (0). aux holds float32, over the real tokens only,
     `aux_loss` (unweighted load-balancing loss, HF normalisation), `z_loss` (unweighted router
-    z-loss), `load` [E] (fraction of the B*S*k routed assignments per expert, before any capacity
-    drop; sums to 1) and `dropped` (fraction of assignments over capacity; 0 when dropless).
+    z-loss), `load` [E] (fraction of the real tokens' routed assignments per expert, before any
+    capacity drop; sums to 1) and `dropped` (fraction of them over capacity; 0 when dropless).
 
     Capacity mode (`capacity_factor > 0`): each expert keeps, per group of tokens, the first
-    ceil(capacity_factor * tokens * k / E) assignments in token order and drops the rest (their
-    combine weight becomes 0; the shared experts and the residual still carry the token). The
-    group is the tokens of one call, or of one device when expert-parallel.
+    ceil(capacity_factor * tokens * k / E) real assignments in token order and drops the rest
+    (their combine weight becomes 0; the shared experts and the residual still carry the token);
+    padding is routed to no expert. The group is the tokens of one call, or of one device when
+    expert-parallel.
     """
 
     def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
@@ -155,12 +176,14 @@ class MoE(nnx.Module):
         self.shared = (MLP(dim, moe.num_shared_experts * moe.shared_mlp_dim, param_dtype=param_dtype,
                            dtype=self.dtype, rngs=rngs) if moe.num_shared_experts > 0 else None)
 
-    def __call__(self, x: jax.Array, *, update_bias: bool = False,
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, update_bias: bool = False,
                  inference: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Routed + shared experts on x [B, S, D]; with `update_bias` (sigmoid router, rate > 0)
-        also steps `router_bias` towards balanced load, in place. `inference`: the call will not
-        be differentiated (the sampler), which lets the CPU pick its expert path at run time."""
+        """Routed + shared experts on x [B, S, D] (mask [B, S]: 1 real token, 0 padding; None: all
+        real); with `update_bias` (sigmoid router, rate > 0) also steps `router_bias` towards
+        balanced load of the real tokens, in place. `inference`: the call will not be
+        differentiated (the sampler), which lets the CPU pick its expert path at run time."""
         x = x.astype(self.dtype)
+        mask = jnp.ones(x.shape[:2], jnp.float32) if mask is None else mask.astype(jnp.float32)
         params = {"router": self.router[...], "w_gate": self.w_gate[...], "w_up": self.w_up[...],
                   "w_down": self.w_down[...]}
         if self.router_bias is not None:
@@ -168,12 +191,12 @@ class MoE(nnx.Module):
         ctx = current()
         if ctx is not None and ctx[0].size > 1:
             mesh, rules = ctx
-            y, aux = sharded_moe_block(x, params, spec=self.spec, mesh=mesh, rules=rules,
+            y, aux = sharded_moe_block(x, mask, params, spec=self.spec, mesh=mesh, rules=rules,
                                        dispatch=self.dispatch, inference=inference)
         else:
             b, s, d = x.shape
             y, aux = moe_block(x.reshape(b * s, d), params, spec=self.spec, layout=ExpertLayout(),
-                               inference=inference)
+                               mask=mask.reshape(b * s), inference=inference)
             y = y.reshape(b, s, d)
         y = y.astype(self.dtype)
         if self.shared is not None:

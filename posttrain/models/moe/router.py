@@ -60,9 +60,11 @@ def route(logits: jax.Array, *, top_k: int, router: str, norm_topk_prob: bool,
     return Routing(weights * routed_scaling, experts.astype(jnp.int32), probs)
 
 
-def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:
-    """How many (token, slot) assignments each expert received: experts [T, k] → [E] float32."""
-    return jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.float32)
+def expert_counts(experts: jax.Array, num_experts: int, mask: jax.Array | None = None) -> jax.Array:
+    """How many (token, slot) assignments each expert received: experts [T, k] → [E] float32;
+    with `mask` [T] (1 for a real token, 0 for padding) only real tokens count."""
+    weights = None if mask is None else jnp.repeat(mask.astype(jnp.float32), experts.shape[1])
+    return jnp.bincount(experts.reshape(-1), weights=weights, length=num_experts).astype(jnp.float32)
 
 
 def load_balancing_loss(mean_probs: jax.Array, load: jax.Array, top_k: int) -> jax.Array:

@@ -26,7 +26,7 @@ from posttrain.data.tokenizer import Tokenizer
 from posttrain.rl.envs.base import Step
 from posttrain.rl.envs.chat import ChatEnv, continuation
 from posttrain.rl.reward import RewardFunction
-from posttrain.rl.sandbox import Limits, Sandbox, Status, python_job
+from posttrain.sandbox import Limits, Sandbox, Status, python_job
 
 TOOLS = ("python",)
 TOOL_LIMITS = Limits(cpu_s=2, wall_s=5.0, memory_bytes=512 << 20, processes=16, file_bytes=4 << 20,

@@ -10,11 +10,13 @@ from typing import Any, Protocol
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """Correctness of one response in [0, 1], whether it used the expected answer format,
-    and a short human-readable reason (for logs, never for the reward)."""
+    a short human-readable reason (for logs, never for the reward) and, when the verifier could
+    not decide (it failed or timed out; `correct` is then 0), what went wrong."""
 
     correct: float
     format_ok: bool
     detail: str = ""
+    error: str | None = None
 
 
 class Verifier(Protocol):

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.rl.sandbox import ExecResult, Job, Limits, Sandbox, Status, sandbox_python
+from posttrain.sandbox import ExecResult, Job, Limits, Sandbox, Status, sandbox_python
 from posttrain.rl.verifiers.base import Verdict
 
 HARNESS_SOURCE = (Path(__file__).parent / "code_harness.py").read_text()
@@ -108,7 +108,8 @@ class CodeVerifier:
         """Verdicts for model responses: code extracted from each, then run."""
         extracted = [extract_code(r) for r in responses]
         results = self.check_many(tasks, [code for code, _ in extracted])
-        return [Verdict(float(r.passed), ok, r.detail) for r, (_, ok) in zip(results, extracted)]
+        return [Verdict(float(r.passed), ok, r.detail, error=r.detail if r.status is Status.ERROR else None)
+                for r, (_, ok) in zip(results, extracted)]
 
     def verify(self, task: CodeTask, response: str) -> Verdict:
         """Verdict for one model response."""

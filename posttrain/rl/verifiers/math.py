@@ -4,14 +4,16 @@ Extraction tries, in order: the last `\\boxed{...}` (or `\\fbox`), the last `###
 the last "the answer is x" / "final answer: x", and (optionally) the last number in the text.
 Comparison is numeric first (commas, currency and percent signs, units, fractions, LaTeX
 `\\frac`, decimals within a tolerance), then symbolic through `math-verify` (sympy) for
-expressions, sets and intervals. Symbolic parsing can hang on inputs like `2^{10^{10}}`;
-such inputs are refused by a cheap guard, and `math-verify`'s own timeouts are on whenever
-this runs in the main thread (they rely on SIGALRM).
+expressions, sets and intervals. Symbolic checks run in a worker process with a real timeout
+on any thread (`symbolic.SymbolicChecker`); inputs that would surely hang (towers like
+`2^{10^{10}}`) are refused by a cheap guard first. A check that fails or times out is reported
+in `Verdict.error` (and counted, logged), never passed off as a wrong answer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import threading
 from collections.abc import Mapping, Sequence
@@ -19,6 +21,7 @@ from fractions import Fraction
 from typing import Any
 
 from posttrain.rl.verifiers.base import Verdict
+from posttrain.rl.verifiers.symbolic import SymbolicChecker, SymbolicCheckError
 
 SOURCES = ("boxed", "hash", "answer_is", "last_number")
 _NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:[eE][-+]?\d+)?"
@@ -31,6 +34,7 @@ _HASH_RE = re.compile(r"####\s*([^\n]+)")
 _ANSWER_IS_RE = re.compile(r"(?:final answer|the answer)(?:\s+is|\s*:)\s*:?\s*([^\n]+)", re.IGNORECASE)
 _UNIT_WRAP_RE = re.compile(r"\\(?:text|mbox|mathrm|textbf)\{([^{}]*)\}")
 _SYMBOLIC_MAX_CHARS = 256
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,14 +142,13 @@ def parse_number(text: str) -> list[Fraction] | None:
     return [value, value / 100] if percent else [value]
 
 
-def _is_decimal(text: str) -> bool:
-    """Written with a decimal point or exponent, so only as exact as its digits."""
-    return bool(re.search(r"\.\d|\d[eE][-+]?\d", _clean(text)[0]))
-
-
-def numbers_equal(a: Fraction, b: Fraction, *, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> bool:
-    """|a - b| within max(abs_tol, rel_tol * max(|a|, |b|)), exact in rationals."""
-    return abs(a - b) <= max(Fraction(abs_tol), Fraction(rel_tol) * max(abs(a), abs(b)))
+def reference_tolerance(ref: str) -> Fraction:
+    """Half a unit in the last digit the reference writes ("3.14" -> 0.005, "1.5e3" -> 50):
+    a prediction that rounds to the reference equals it. Integers and fractions are exact (0)."""
+    m = re.search(r"\d(?:\.(\d+))?(?:[eE]([-+]?\d+))?\s*$", _clean(ref)[0].replace(",", ""))
+    if m is None or not (m.group(1) or m.group(2)):
+        return Fraction(0)
+    return Fraction(1, 2) * Fraction(10) ** (int(m.group(2) or 0) - len(m.group(1) or ""))
 
 
 def _symbolic_safe(text: str) -> bool:
@@ -174,60 +177,78 @@ def _operand(text: str, start: int) -> str:
     return rest
 
 
-def symbolic_equal(pred: str, ref: str) -> bool:
-    """Equivalence through math-verify (sympy): expressions, sets, intervals, equations."""
+_DEFAULT_CHECKER: SymbolicChecker | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_checker() -> SymbolicChecker:
+    """The process-wide symbolic checker (5 s timeout) for callers that bring none."""
+    global _DEFAULT_CHECKER
+    with _DEFAULT_LOCK:
+        if _DEFAULT_CHECKER is None:
+            _DEFAULT_CHECKER = SymbolicChecker(timeout=5.0)
+        return _DEFAULT_CHECKER
+
+
+def symbolic_equal(pred: str, ref: str, checker: SymbolicChecker | None = None) -> bool:
+    """Equivalence through math-verify (sympy): expressions, sets, intervals, equations. False
+    for inputs the guard refuses; SymbolicCheckError when the check fails or times out."""
     if not (_symbolic_safe(pred) and _symbolic_safe(ref)):
         return False
-    from math_verify import parse, verify  # heavy import (sympy), only when needed
-
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    try:
-        gold, guess = (parse(s if s.strip().startswith("$") else f"${s}$", parsing_timeout=timeout)
-                       for s in (ref, pred))
-        return bool(gold and guess and verify(gold, guess, timeout_seconds=timeout))
-    except Exception:  # math-verify raises on unparsable LaTeX and on timeouts
-        return False
+    return (checker or default_checker()).equal(pred, ref)
 
 
-def answers_equal(pred: str, ref: str, *, rel_tol: float = 1e-6, abs_tol: float = 1e-9,
-                  symbolic: bool = True) -> bool:
+def answers_equal(pred: str, ref: str, *, symbolic: bool = True,
+                  checker: SymbolicChecker | None = None) -> bool:
     """True when the predicted answer equals the reference: same text, same number (exactly
-    for integers and fractions, within tolerance when either is a decimal; either reading of
-    a percent), or (symbolic=True) equivalent expressions."""
+    when the reference is an integer or fraction, to the reference's own precision when it is
+    a decimal -- `reference_tolerance`; either reading of a percent), or (symbolic=True) equivalent expressions (`symbolic_equal` on `checker`,
+    which may raise SymbolicCheckError)."""
     if _clean(pred)[0].replace(" ", "") == _clean(ref)[0].replace(" ", ""):
         return True
     p, r = parse_number(pred), parse_number(ref)
     if p is not None and r is not None:
-        if not (_is_decimal(pred) or _is_decimal(ref)):
-            rel_tol = abs_tol = 0.0  # integers and fractions compare exactly
-        return any(numbers_equal(a, b, rel_tol=rel_tol, abs_tol=abs_tol) for a in p for b in r)
-    return symbolic and symbolic_equal(pred, ref)
+        tol = reference_tolerance(ref)  # readings of a percent reference scale with their value
+        return any(abs(a - b) <= tol * (b / r[0] if r[0] else 1) for a in p for b in r)
+    return symbolic and symbolic_equal(pred, ref, checker)
 
 
 @dataclasses.dataclass
 class MathVerifier:
     """Verifier for MathTask: correct = 1 when the extracted answer equals the reference;
-    format_ok when the answer came from one of `format_sources` (not the bare last number)."""
+    format_ok when the answer came from one of `format_sources` (not the bare last number).
+    A symbolic check may take `symbolic_timeout` seconds (in this verifier's worker process);
+    one that fails or times out gives a Verdict with `error` set, counted in `errors`."""
 
     last_number_fallback: bool = True
     format_sources: tuple[str, ...] = ("boxed", "hash", "answer_is")
-    rel_tol: float = 1e-6
-    abs_tol: float = 1e-9
     symbolic: bool = True
+    symbolic_timeout: float = 5.0
+    errors: int = dataclasses.field(default=0, init=False, compare=False)
 
     def __post_init__(self) -> None:
         unknown = set(self.format_sources) - set(SOURCES)
         if unknown:
             raise ValueError(f"MathVerifier.format_sources has unknown {sorted(unknown)}; valid: {SOURCES}")
+        self._checker = SymbolicChecker(self.symbolic_timeout)
+        self._errors_lock = threading.Lock()
 
     def verify(self, task: MathTask, response: str) -> Verdict:
         """Verdict for one response."""
         found = extract_answer(response, last_number_fallback=self.last_number_fallback)
         if found is None:
             return Verdict(0.0, False, "no answer found")
-        ok = answers_equal(found.text, task.answer, rel_tol=self.rel_tol, abs_tol=self.abs_tol,
-                           symbolic=self.symbolic)
-        return Verdict(float(ok), found.source in self.format_sources,
+        format_ok = found.source in self.format_sources
+        try:
+            ok = answers_equal(found.text, task.answer, symbolic=self.symbolic, checker=self._checker)
+        except Exception as e:   # a failed or timed-out check is no verdict: reported, counted, logged
+            error = str(e) if isinstance(e, SymbolicCheckError) else f"{type(e).__name__}: {e}"
+            with self._errors_lock:
+                self.errors += 1
+                count = self.errors
+            logger.warning("math verifier error %d: %s", count, error)
+            return Verdict(0.0, format_ok, f"{found.source}: {found.text[:80]!r} not checked", error=error)
+        return Verdict(float(ok), format_ok,
                        f"{found.source}: {found.text[:80]!r} {'==' if ok else '!='} {task.answer[:80]!r}")
 
     def verify_many(self, tasks: Sequence[MathTask], responses: Sequence[str]) -> list[Verdict]:

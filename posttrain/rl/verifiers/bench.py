@@ -1,4 +1,4 @@
-"""Sandbox throughput: executions/s of the worker pool vs one at a time on the HumanEval
+"""Code-verifier throughput: executions/s of the sandbox pool vs one at a time on the HumanEval
 canonical solutions, and the fixed cost of one execution (called from tools/bench.py)."""
 
 from __future__ import annotations
@@ -6,25 +6,14 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
-from posttrain.rl.sandbox import Job, Sandbox, python_job
 from posttrain.rl.verifiers.code import CodeTask, CodeVerifier
+from posttrain.sandbox import Sandbox
+from posttrain.sandbox.bench import overhead_rows
 
-DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-
-
-def _median_ms(sandbox: Sandbox, job: Job, repeats: int) -> float:
-    """Median wall milliseconds of running `job` alone, `repeats` times (after one warm-up)."""
-    sandbox.run(job)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        sandbox.run(job)
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+DEFAULT_DATA = Path(__file__).resolve().parents[4] / "shared" / "data"
 
 
 def sandbox_bench(data_dir: str | os.PathLike | None = None, *, workers: int | None = None,
@@ -48,15 +37,8 @@ def sandbox_bench(data_dir: str | os.PathLike | None = None, *, workers: int | N
     out = []
     with Sandbox(max_workers=1) as serial, Sandbox(max_workers=workers) as pool:
         trivial = CodeTask(test="assert f() == 1", functions=("f",))
-        overheads = {
-            "empty program (/bin/true)": Job(argv=("/bin/true",)),
-            "python -I (pass)": python_job("pass"),
-            "code harness, trivial task": CodeVerifier(serial).job(trivial, "def f():\n    return 1\n")[0],
-        }
-        for what, job in overheads.items():
-            out.append({"what": f"overhead: {what}", "ms_per_exec": _median_ms(serial, job, repeats)})
-        missing = "; ".join(serial.isolation.missing()) or "none"
-        out.append({"what": "isolation", "active": str(serial.isolation), "missing": missing})
+        harness = {"code harness, trivial task": CodeVerifier(serial).job(trivial, "def f():\n    return 1\n")[0]}
+        out += overhead_rows(serial, harness, repeats)
         for name, sandbox in (("one at a time", serial), (f"pool of {workers}", pool)):
             verifier = CodeVerifier(sandbox)
             t = time.perf_counter()

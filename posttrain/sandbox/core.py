@@ -9,6 +9,12 @@ and stdout/stderr capped at a byte limit. On Linux it also uses, where the OS al
 * a PID namespace (the program sees only its own processes; when it ends, all die),
 * a mount namespace (every mount read-only, a fresh size-limited tmpfs as working
   directory and /dev/shm, a private /proc),
+* a private root: the program sees only the system directories and the interpreter
+  (`isolation.visible_paths()`, read-only) and its own files -- no home directories, no
+  repository, no reference data, no host /tmp or /run and so no host Unix sockets,
+* an IPC namespace (System V IPC and POSIX message queues die with the run),
+* a memory cgroup per execution (`cgroup.py`): `Limits.memory_bytes` is one budget for all
+  the run's processes together, not only a per-process address-space limit,
 * a dedicated unprivileged uid per execution when the host runs as root (so RLIMIT_NPROC
   bounds fork bombs, and the program can signal or write nothing of anyone else's), or a
   user namespace when it does not.
@@ -17,7 +23,7 @@ and stdout/stderr capped at a byte limit. On Linux it also uses, where the OS al
 that do not. A `Sandbox` runs many executions concurrently on a bounded thread pool and
 retries infrastructure failures (never the program's own).
 
-Process tree of one execution: host -> launcher (`sandbox_launcher.py`: enters namespaces,
+Process tree of one execution: host -> launcher (`launcher.py`: enters namespaces,
 mounts) -> init (pid 1 of the new PID namespace, reaps, reports exit status on a private pipe)
 -> program.
 """
@@ -34,7 +40,6 @@ import random
 import selectors
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -43,11 +48,14 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from posttrain.sandbox import cgroup
+from posttrain.sandbox.isolation import SANDBOX_PATH, Isolation, sandbox_python, visible_paths
+
 INFRA_EXIT = 121  # exit code of launcher/init when setting up the sandbox failed
 _READ_CHUNK = 1 << 16
 
 # The launcher runs as `python -I -S -c LAUNCHER_SOURCE <spec json>`: stdlib only, small imports.
-LAUNCHER_SOURCE = (Path(__file__).parent / "sandbox_launcher.py").read_text()
+LAUNCHER_SOURCE = (Path(__file__).parent / "launcher.py").read_text()
 
 
 class Status(enum.StrEnum):
@@ -63,11 +71,12 @@ class Status(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Resource limits for one execution (per process where the OS counts per process)."""
+    """Resource limits for one execution. memory_bytes is the address-space limit of each
+    process and, where a memory cgroup is available, the budget of all of them together."""
 
     cpu_s: int = 10
     wall_s: float = 20.0
-    memory_bytes: int = 1 << 30  # RLIMIT_AS: address space
+    memory_bytes: int = 1 << 30  # RLIMIT_AS per process; the run's cgroup budget
     processes: int = 32  # RLIMIT_NPROC: processes/threads of the sandbox uid
     file_bytes: int = 16 << 20  # RLIMIT_FSIZE: largest file the program may write
     open_files: int = 64
@@ -80,42 +89,6 @@ class Limits:
         for f in dataclasses.fields(self):
             if getattr(self, f.name) <= 0:
                 raise ValueError(f"Limits.{f.name} must be positive, got {getattr(self, f.name)!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Isolation:
-    """Which protections the sandbox applies on this machine (see module docstring)."""
-
-    drop_uid: bool  # dedicated unprivileged uid per execution (host runs as root)
-    user_ns: bool
-    net_ns: bool
-    pid_ns: bool
-    mount_ns: bool
-
-    def namespaces(self) -> dict[str, bool]:
-        """Namespace switches as the launcher spec expects them."""
-        return {"user": self.user_ns, "net": self.net_ns, "pid": self.pid_ns, "mount": self.mount_ns}
-
-    @property
-    def process_limit(self) -> bool:
-        """RLIMIT_NPROC only bounds a fork bomb when the program's uid is its own (not root's,
-        not shared with the host user's other processes)."""
-        return self.drop_uid or self.user_ns
-
-    def missing(self) -> list[str]:
-        """Human-readable list of the protections that are NOT active here."""
-        gaps = []
-        if not self.net_ns:
-            gaps.append("network: no network namespace, programs can open connections")
-        if not self.pid_ns:
-            gaps.append("pid: no PID namespace, processes that leave the process group can outlive the run")
-        if not self.mount_ns:
-            gaps.append("filesystem: no mount namespace, the program can write wherever its uid may")
-        if not self.process_limit:
-            gaps.append("processes: RLIMIT_NPROC counts the host user's processes, fork bombs are not bounded")
-        if not (self.drop_uid or self.user_ns):
-            gaps.append("uid: the program runs as the host user and can signal the host's processes")
-        return gaps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,36 +127,6 @@ class _InfraError(RuntimeError):
     """The sandbox machinery (not the program) failed; the execution may be retried."""
 
 
-SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
-
-
-def _others_can_run(path: str) -> bool:
-    """True when a uid with no relation to the file's owner can execute `path` (every
-    directory on the way to it and to its symlink target searchable by others)."""
-    real = os.path.realpath(path)
-    dirs = {os.path.dirname(p) for p in (os.path.abspath(path), real)}
-    while dirs:
-        d = dirs.pop()
-        if not os.stat(d).st_mode & stat.S_IXOTH:
-            return False
-        if d != os.path.dirname(d):
-            dirs.add(os.path.dirname(d))
-    return os.stat(real).st_mode & (stat.S_IXOTH | stat.S_IROTH) == stat.S_IXOTH | stat.S_IROTH
-
-
-@functools.cache
-def sandbox_python() -> str:
-    """Interpreter for sandboxed Python programs: this one when the sandbox uid can run it,
-    else python3 from the sandbox PATH (e.g. when this one lives under a private /root)."""
-    if os.geteuid() != 0 or _others_can_run(sys.executable):
-        return sys.executable
-    found = shutil.which("python3", path=SANDBOX_PATH)
-    if found is None or not _others_can_run(found):
-        raise RuntimeError(f"no Python interpreter an unprivileged uid can run: {sys.executable} is private "
-                           f"and python3 on {SANDBOX_PATH} is {found!r}")
-    return found
-
-
 def python_job(source: str, *, args: Sequence[str] = (), files: Mapping[str, str | bytes] | None = None,
                stdin: bytes | None = None, limits: Limits | None = None, python: str | None = None) -> Job:
     """A job that runs `source` as main.py with `python -I` (isolated mode: no user site,
@@ -204,27 +147,34 @@ def shell_job(command: str, *, files: Mapping[str, str | bytes] | None = None, s
 def detect_isolation(python: str = sys.executable) -> Isolation:
     """Probe which protections work on this machine by running /bin/true under each candidate.
 
-    Root gets a dedicated uid plus whichever of net/pid/mount namespaces can be created;
-    other users need a user namespace for any namespace at all. Cached per interpreter.
+    Root gets a dedicated uid plus whichever of net/pid/mount/ipc namespaces can be created
+    (a private root needs the mount namespace); other users need a user namespace for any
+    namespace at all. The memory cgroup is probed separately. Cached per interpreter.
     """
     root = os.geteuid() == 0
 
     def works(iso: Isolation) -> bool:
         try:
             job = Job(argv=("/bin/true",))
-            return _execute(job, Limits(cpu_s=5, wall_s=10.0), iso, python, tempfile.gettempdir(), 1).passed
+            return _execute(job, Limits(cpu_s=5, wall_s=10.0), iso, python, tempfile.gettempdir(), 1,
+                            visible_paths()).passed
         except _InfraError:
             return False
 
-    full = Isolation(drop_uid=root, user_ns=not root, net_ns=True, pid_ns=True, mount_ns=True)
-    none = dict(net_ns=False, pid_ns=False, mount_ns=False)
+    full = Isolation(drop_uid=root, user_ns=not root, net_ns=True, pid_ns=True, mount_ns=True, ipc_ns=True,
+                     private_root=True, memory_cgroup=cgroup.memory_cgroup_parent() is not None)
+    none = dict(net_ns=False, pid_ns=False, mount_ns=False, ipc_ns=False, private_root=False, memory_cgroup=False)
     if works(full):
         return full
-    if not root and not works(dataclasses.replace(full, **none)):
-        return dataclasses.replace(full, user_ns=False, **none)  # no user namespace: no other either
-    usable = {name: works(dataclasses.replace(full, **{**none, name: True})) for name in none}
+    base = dataclasses.replace(full, **none)
+    if not root and not works(base):
+        return dataclasses.replace(base, user_ns=False)  # no user namespace: no other either
+    usable = {name: getattr(full, name) and works(dataclasses.replace(base, **{name: True}))
+              for name in none if name != "private_root"}
+    if usable["mount_ns"]:
+        usable["private_root"] = works(dataclasses.replace(base, mount_ns=True, private_root=True))
     iso = dataclasses.replace(full, **usable)
-    return iso if works(iso) else dataclasses.replace(full, **none)
+    return iso if works(iso) else base
 
 
 class _UidPool:
@@ -256,19 +206,24 @@ class Sandbox:
     """Runs jobs under `detect_isolation()` protections with a bounded worker pool.
 
     max_workers bounds concurrent executions (default: CPU count); retries is how often an
-    infrastructure failure is retried; workdir_root is where staging directories go.
+    infrastructure failure is retried; workdir_root is where staging directories go; visible
+    names host paths a program may read besides the system directories (with a private root).
     """
 
     def __init__(self, limits: Limits = Limits(), *, isolation: Isolation | None = None,
                  max_workers: int | None = None, retries: int = 2, workdir_root: str | None = None,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, visible: Sequence[str] = ()) -> None:
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         self.limits = limits
         self.isolation = isolation or detect_isolation(python)
         self.retries = retries
         self.python = python
-        self.workdir_root = workdir_root or tempfile.gettempdir()
+        self.workdir_root = os.path.abspath(workdir_root or tempfile.gettempdir())
+        self.visible = visible_paths(tuple(visible))
+        if any(os.path.commonpath([self.workdir_root, p]) == p for p in self.visible):
+            raise ValueError(f"Sandbox workdir_root {self.workdir_root!r} lies inside a visible path; "
+                             "the programs would see each other's working directories")
         self.max_workers = max_workers or os.cpu_count() or 1
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -280,7 +235,7 @@ class Sandbox:
         for attempt in range(1, self.retries + 2):
             try:
                 return _execute(job, job.limits or self.limits, self.isolation, self.python,
-                                self.workdir_root, attempt)
+                                self.workdir_root, attempt, self.visible)
             except _InfraError as e:
                 last = str(e)
                 time.sleep(0.05 * attempt)
@@ -310,7 +265,8 @@ class Sandbox:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-def _execute(job: Job, limits: Limits, iso: Isolation, python: str, workdir_root: str, attempt: int) -> ExecResult:
+def _execute(job: Job, limits: Limits, iso: Isolation, python: str, workdir_root: str, attempt: int,
+             visible: Sequence[str]) -> ExecResult:
     """One execution of `job`; raises _InfraError when the sandbox machinery fails."""
     argv = list(job.argv)
     if not argv:
@@ -322,38 +278,69 @@ def _execute(job: Job, limits: Limits, iso: Isolation, python: str, workdir_root
     uid = _UIDS.acquire() if iso.drop_uid else os.getuid()
     workdir = tempfile.mkdtemp(prefix="posttrain-sbx-", dir=workdir_root)
     status_r, status_w = os.pipe()
-    proc = None
+    proc = memory = None
     try:
         _write_files(workdir, job.files, uid if iso.drop_uid else None)
+        try:
+            memory = cgroup.create(limits.memory_bytes) if iso.memory_cgroup else None
+        except OSError as e:
+            raise _InfraError(f"cannot create the run's memory cgroup: {e}") from e
         spec = {
             "argv": argv, "workdir": workdir, "status_fd": status_w, "ns": iso.namespaces(),
             "drop_uid": iso.drop_uid, "uid": uid, "gid": uid, "infra_exit": INFRA_EXIT,
             "limits": dataclasses.asdict(limits),
+            "root": list(visible) if iso.private_root else None,
             "env": {"PATH": SANDBOX_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"},
         }
         start = time.monotonic()
-        try:
-            proc = subprocess.Popen(
-                [python, "-I", "-S", "-c", LAUNCHER_SOURCE, json.dumps(spec)],
-                stdin=subprocess.PIPE if job.stdin is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,),
-                start_new_session=True, env={}, cwd="/")
-        except OSError as e:
-            raise _InfraError(f"cannot start launcher: {e}") from e
+        proc = _start_launcher(python, spec, job.stdin is not None, memory)
         os.close(status_w)
         status_w = -1
         out = _collect(proc, status_r, job.stdin, start + limits.wall_s, limits.output_bytes)
         wall = time.monotonic() - start
-        return _classify(out, proc.returncode, limits, wall, attempt)
-    finally:
-        if proc is not None:
+        if not proc.stdout.closed:  # the PID namespace dies with init; its processes leave the cgroup
             _kill_group(proc)
+        oom = cgroup.oom_kills(memory) if memory else 0
+        return _classify(out, proc.returncode, limits, wall, attempt, oom)
+    finally:
+        if proc is not None and not proc.stdout.closed:  # not yet killed and reaped above
+            _kill_group(proc)
+        if memory is not None:
+            cgroup.remove(memory)
         for fd in (status_r, status_w):
             if fd >= 0:
                 os.close(fd)
         shutil.rmtree(workdir, ignore_errors=True)
         if iso.drop_uid:
             _UIDS.release(uid)
+
+
+def _start_launcher(python: str, spec: dict, has_stdin: bool, memory: str | None) -> subprocess.Popen:
+    """Start the launcher. With a memory cgroup, move it there while its interpreter starts
+    (a move costs milliseconds), then let it fork the program ("go" pipe): every process of
+    the run is charged to the run's budget."""
+    go_r, go_w = os.pipe() if memory else (-1, -1)
+    try:
+        try:
+            proc = subprocess.Popen(
+                [python, "-I", "-S", "-c", LAUNCHER_SOURCE, json.dumps({**spec, "go_fd": go_r if memory else None})],
+                stdin=subprocess.PIPE if has_stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, pass_fds=(spec["status_fd"], *((go_r,) if memory else ())),
+                start_new_session=True, env={}, cwd="/")
+        except OSError as e:
+            raise _InfraError(f"cannot start launcher: {e}") from e
+        if memory:
+            try:
+                cgroup.attach(memory, proc.pid)
+                os.write(go_w, b"1")
+            except OSError as e:
+                _kill_group(proc)
+                raise _InfraError(f"cannot move the launcher into its memory cgroup: {e}") from e
+        return proc
+    finally:
+        for fd in (go_r, go_w):
+            if fd >= 0:
+                os.close(fd)
 
 
 def _write_files(workdir: str, files: Mapping[str, str | bytes], owner: int | None) -> None:
@@ -470,8 +457,10 @@ _STDERR_LIMITS = {b"MemoryError": "memory", b"File too large": "file_size",
                   b"Resource temporarily unavailable": "processes"}
 
 
-def _classify(out: _Collected, launcher_rc: int, limits: Limits, wall: float, attempt: int) -> ExecResult:
-    """Turn the collected streams and status lines into an ExecResult (or an _InfraError)."""
+def _classify(out: _Collected, launcher_rc: int, limits: Limits, wall: float, attempt: int,
+              oom_kills: int = 0) -> ExecResult:
+    """Turn the collected streams and status lines into an ExecResult (or an _InfraError).
+    A run in which the kernel killed a process for the run's memory budget exceeded it."""
     errors = [s["error"] for s in out.status if "error" in s]
     exits = [s for s in out.status if "exit" in s]
     common = dict(stdout=bytes(out.stdout), stderr=bytes(out.stderr), wall_s=wall, attempts=attempt)
@@ -484,6 +473,8 @@ def _classify(out: _Collected, launcher_rc: int, limits: Limits, wall: float, at
                           f"; stderr: {bytes(out.stderr[-500:])!r}")
     code, cpu = exits[-1]["exit"], exits[-1]["cpu_s"]
     common["cpu_s"] = cpu
+    if oom_kills:
+        return ExecResult(Status.LIMIT_EXCEEDED, code, limit="memory", **common)
     if code == 0:
         return ExecResult(Status.PASS, 0, **common)
     if code < 0:

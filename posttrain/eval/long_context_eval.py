@@ -1,0 +1,147 @@
+"""Run the long-context problems (`posttrain.eval.long_context`) through the greedy sampler over a
+grid of length x depth: accuracy per cell as JSONL, one heat map per kind, and the means
+`long_ctx_needle` / `long_ctx_multihop` (usable as stage gates).
+
+Configured by `eval.long_context.*` (lengths "" switches it off); reachable from SFT (evaluated
+with the stage's other metrics) and from `tools/long_context_eval.py --run R`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from posttrain.data.tokenizer import Tokenizer
+from posttrain.eval.long_context import KINDS, generate_problem, is_correct
+from posttrain.sampling.generate import generate
+from posttrain.sampling.rules import SamplingParams
+
+KEY = "eval.long_context"
+
+
+def parse_grid(lc) -> dict:
+    """`eval.long_context` → {lengths, depths, kinds} lists, or ValueError naming the key."""
+    try:
+        lengths = [int(x) for x in lc.lengths.split(",") if x.strip()]
+        depths = [float(x) for x in lc.depths.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{KEY}.lengths={lc.lengths!r} / depths={lc.depths!r}: expected comma-separated "
+                         "integers / fractions, e.g. '256,1024' and '0,0.5,1'") from None
+    kinds = [k.strip() for k in lc.kinds.split(",") if k.strip()]
+    if not lengths or min(lengths) <= 0:
+        raise ValueError(f"{KEY}.lengths={lc.lengths!r}: expected positive token counts, e.g. '256,1024'")
+    if not depths or not all(0.0 <= d <= 1.0 for d in depths):
+        raise ValueError(f"{KEY}.depths={lc.depths!r}: expected fractions in [0, 1], e.g. '0,0.5,1'")
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise ValueError(f"{KEY}.kinds={lc.kinds!r}: expected a comma-separated subset of {list(KINDS)}")
+    if lc.samples < 1 or lc.hops < 1 or lc.max_new_tokens < 1:
+        raise ValueError(f"{KEY}.samples={lc.samples}, hops={lc.hops}, max_new_tokens={lc.max_new_tokens}: "
+                         "each must be >= 1")
+    return {"lengths": lengths, "depths": depths, "kinds": kinds}
+
+
+def chat_prompt(tok: Tokenizer, text: str) -> list[int]:
+    """`text` as the user turn of a chat, ready for the assistant's reply."""
+    return list(tok.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True)[0])
+
+
+def evaluate(model: nnx.Module, tok: Tokenizer, lc, *, step: int | None = None) -> list[dict]:
+    """Accuracy of greedy answers per (kind, length, depth) cell: rows {kind, length, depth,
+    accuracy, correct, n, prompt_tokens (mean), example (one answer and completion), step}.
+    `length` counts the whole chat prompt."""
+    grid = parse_grid(lc)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=lc.max_new_tokens, stop_ids=tuple(tok.stop_ids))
+    overhead = len(chat_prompt(tok, ""))
+    count = lambda s: len(tok.encode(s))
+    rows = []
+    for kind in grid["kinds"]:
+        for length in grid["lengths"]:
+            cells = [(d, i) for d in grid["depths"] for i in range(lc.samples)]
+            problems = [generate_problem(kind, length - overhead, d, index=i, seed=lc.seed, split="eval",
+                                         hops=lc.hops, count=count) for d, i in cells]
+            prompts = [chat_prompt(tok, p.prompt) for p in problems]
+            out = generate(graphdef, params, rest, prompts, sampling, jax.random.key(0), pad_id=tok.pad_id)
+            texts = [tok.decode(out.completion(j)) for j in range(len(problems))]
+            ok = [is_correct(t, p.answer) for t, p in zip(texts, problems)]
+            for d in grid["depths"]:
+                idx = [j for j, (dd, _) in enumerate(cells) if dd == d]
+                rows.append({"kind": kind, "length": length, "depth": d, "correct": int(sum(ok[j] for j in idx)),
+                             "n": len(idx), "accuracy": float(np.mean([ok[j] for j in idx])),
+                             "prompt_tokens": float(np.mean([len(prompts[j]) for j in idx])),
+                             "example": {"answer": problems[idx[0]].answer, "completion": texts[idx[0]]},
+                             **({"step": int(step)} if step is not None else {})})
+    return rows
+
+
+def summarize(rows: Sequence[dict]) -> dict[str, float]:
+    """`long_ctx_<kind>` (mean accuracy over the grid) and `long_ctx_<kind>/len<L>` (over depths)."""
+    out = {}
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        mine = [r for r in rows if r["kind"] == kind]
+        out[f"long_ctx_{kind}"] = float(np.mean([r["accuracy"] for r in mine]))
+        for length in dict.fromkeys(r["length"] for r in mine):
+            out[f"long_ctx_{kind}/len{length}"] = float(np.mean([r["accuracy"] for r in mine if r["length"] == length]))
+    return out
+
+
+def write_rows(rows: Sequence[dict], path: str) -> None:
+    """Append `rows` to the JSONL file `path`."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def plot_heatmaps(rows: Sequence[dict], out: str, title: str = "") -> str:
+    """One length x depth accuracy heat map per kind (the newest step's rows) to PNG `out`."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    last = max((r.get("step", -1) for r in rows), default=-1)
+    rows = [r for r in rows if r.get("step", -1) == last]
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4.5 * len(kinds), 3.6), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        mine = [r for r in rows if r["kind"] == kind]
+        lengths, depths = sorted({r["length"] for r in mine}), sorted({r["depth"] for r in mine})
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for r in mine:
+            grid[depths.index(r["depth"]), lengths.index(r["length"])] = r["accuracy"]
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", origin="upper", aspect="auto")
+        for (i, j), v in np.ndenumerate(grid):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="w" if v < 0.6 else "k", fontsize=8)
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("depth")
+        ax.set_title(f"long_ctx_{kind} = {np.nanmean(grid):.2f}")
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.suptitle(title + (f" (step {last})" if last >= 0 else ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def make_long_context_eval(cfg, tok: Tokenizer):
+    """eval hook for a stage: `fn(model, step)` → `long_ctx_*` metrics; each call appends its rows
+    to `{workdir}/long_context.jsonl` and redraws `{workdir}/long_context.png`. None when
+    `eval.long_context.lengths` is empty."""
+    lc = cfg.eval.long_context
+    if not lc.lengths:
+        return None
+    parse_grid(lc)                       # fail at start-up, not at the first evaluation
+    jsonl, png = os.path.join(cfg.workdir, "long_context.jsonl"), os.path.join(cfg.workdir, "long_context.png")
+
+    def fn(model: nnx.Module, step: int | None = None) -> dict:
+        rows = evaluate(model, tok, lc, step=step)
+        if jax.process_index() == 0:
+            write_rows(rows, jsonl)
+            plot_heatmaps(rows, png, cfg.workdir)
+        return summarize(rows)
+    return fn

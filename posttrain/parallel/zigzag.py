@@ -1,0 +1,52 @@
+"""Zig-zag placement of sequence chunks for causally balanced context parallelism.
+
+A row of length L is cut into 2n chunks; device i of the `sequence` axis holds chunks i and
+2n-1-i (Brandon et al. 2023, "striped"/zig-zag ring attention). Under a causal mask early
+chunks see few keys and late chunks many, so each device gets one of each and the same work.
+The permutation is applied once when the batch is built, to every per-token array together
+(tokens, targets, loss mask, positions, segment ids); attention then masks by positions and
+segment ids, never by index, so results equal the unpermuted row's, permuted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+
+def zigzag_indices(length: int, n: int) -> np.ndarray:
+    """[length] gather indices: zigzagged = row[zigzag_indices(length, n)] for n devices."""
+    if n < 1 or length % (2 * n):
+        raise ValueError(f"zig-zag over {n} sequence shards needs a length divisible by {2 * n}, got {length}")
+    chunks = np.arange(length).reshape(2 * n, length // (2 * n))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
+
+
+def zigzag(x, n: int, axis: int = 1):
+    """x with its `axis` (the sequence) permuted to zig-zag order for n shards (numpy or jax)."""
+    return x.take(zigzag_indices(x.shape[axis], n), axis=axis) if n > 1 else x
+
+
+def unzigzag(x, n: int, axis: int = 1):
+    """The inverse of `zigzag`: back to the original token order."""
+    return x.take(np.argsort(zigzag_indices(x.shape[axis], n)), axis=axis) if n > 1 else x
+
+
+def zigzag_batch(batch: Mapping, n: int, axis: int = 1) -> dict:
+    """Every per-token array of a batch ([B, L, ...]: inputs, targets, loss_mask, positions,
+    segment_ids, ...) in zig-zag order for n sequence shards; other entries (with fewer dims)
+    pass through. Call once when the batch is built, before it is placed on the mesh."""
+    lengths = {v.shape[axis] for v in batch.values() if getattr(v, "ndim", 0) > axis}
+    if len(lengths) > 1:
+        raise ValueError(f"zigzag_batch: per-token arrays of different lengths {sorted(lengths)}")
+    return {k: zigzag(v, n, axis) if getattr(v, "ndim", 0) > axis else v for k, v in batch.items()}
+
+
+def visible_pairs_per_shard(positions: np.ndarray, n: int) -> np.ndarray:
+    """Causal (query, key) pairs each of n contiguous shards computes for rows with these
+    positions ([B, L], one segment per row): the work a context-parallel device does."""
+    b, length = positions.shape
+    per = length // n
+    q = positions.reshape(b, n, per)
+    return np.array([(q[:, i, :, None] >= positions[:, None, :]).sum() for i in range(n)])

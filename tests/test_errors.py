@@ -1,0 +1,116 @@
+"""User-facing errors are one line naming the config key, the path and what to do (traceback in
+{workdir}/error.log, or with --verbose); checked per case at the `main` boundary."""
+
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import fsspec
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from fsspec.spec import AbstractFileSystem
+
+from posttrain.errors import UserError
+from posttrain.main import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sft_config(tmp_path, **overrides):
+    cfg = runpy.run_path(str(ROOT / "configs/sft_tiny.py"))["get_config"]()
+    cfg.workdir, cfg.sft.eval_files, cfg.sft.gate, cfg.data.synthetic = str(tmp_path / "W"), "", "", ""
+    cfg.train.progress = False
+    for key, value in overrides.items():
+        node = cfg
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return cfg
+
+
+def one_line_error(capsys, cfg, status=2) -> str:
+    assert run_cli(cfg) == status
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) >= 1 and err[-1].startswith("error: ") and not any("Traceback" in l for l in err), err
+    return err[-1]
+
+
+def test_empty_data_file_names_key_and_path(tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    line = one_line_error(capsys, sft_config(tmp_path, **{"sft.train_files": str(tmp_path / "empty.jsonl")}))
+    assert f"{tmp_path}/empty.jsonl: no records" in line and "[config.sft.train_files]" in line
+    assert "Traceback" in (tmp_path / "W" / "error.log").read_text()      # the traceback is kept there
+
+
+class UnreachableGCS(AbstractFileSystem):
+    """What gcsfs does without credentials or network, minus the 222 lines and the DNS wait."""
+    protocol = ("gs", "gcs")
+
+    def _open(self, path, mode="rb", **kwargs):
+        raise OSError("Cannot connect to host storage.googleapis.com:443 ssl:default [Name or service not known]")
+
+    def info(self, path, **kwargs):
+        self._open(path)
+
+    def isdir(self, path):
+        self._open(path)
+
+
+def test_unreachable_gs_path_names_key_and_path(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules["fsspec.registry"]._registry, "gs", UnreachableGCS)
+    line = one_line_error(capsys, sft_config(tmp_path, **{"sft.train_files": "gs://some-bucket/sft/train.jsonl"}))
+    assert "gs://some-bucket/sft/train.jsonl: cannot read (OSError: Cannot connect" in line
+    assert "credentials" in line and "[config.sft.train_files]" in line
+    line = one_line_error(capsys, sft_config(tmp_path, **{"init_from": "gs://some-bucket/runs/sft"}))
+    assert line.startswith("error: init_from=gs://some-bucket/runs/sft: cannot be read (OSError: Cannot connect")
+
+
+def test_init_from_missing_path_is_an_error_and_creates_nothing(tmp_path, capsys):
+    missing = tmp_path / "no_such_run"
+    line = one_line_error(capsys, sft_config(tmp_path, **{"init_from": str(missing), "sft.train_files":
+                                                          str(tmp_path / "t.jsonl"), "data.synthetic": "arithmetic",
+                                                          "data.synthetic_size": 32}))
+    assert line.startswith(f"error: init_from='{missing}': no such folder") and not missing.exists()
+
+
+def test_init_from_a_differently_shaped_model_names_parameter_shapes_and_key(tmp_path):
+    from posttrain.config import base_config
+    from posttrain.models.decoder import Decoder
+    from posttrain.parallel import DEFAULT_RULES, make_mesh
+    from posttrain.train.checkpoint import Checkpointer
+    from posttrain.train.init import load_model_state
+    from posttrain.train.state import abstract_model
+    small, big = base_config().model, base_config().model
+    big.mlp_dim = small.mlp_dim * 2
+    mesh = make_mesh(dict(data=1), devices=jax.devices()[:1])
+    _, params, rest = nnx.split(abstract_model(lambda: Decoder(small, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    params, rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (params, rest))   # no compile
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"), every=1, keep=1, async_save=False)
+    ckpt.save(3, {"params": params, "rest": rest})
+    ckpt.close()
+    with pytest.raises(UserError, match=rf"init_from='{tmp_path}' is a different model: .*params/.*has shape "
+                                        rf"\(.*{small.mlp_dim}.*\), the model expects \(.*{big.mlp_dim}.*\)") as e:
+        load_model_state(str(tmp_path), lambda: Decoder(big, rngs=nnx.Rngs(0)), mesh, DEFAULT_RULES)
+    assert e.value.key == "init_from" and "\n" not in str(e.value)
+
+
+def test_no_config_is_one_line_naming_the_flag():
+    out = subprocess.run([sys.executable, "-m", "posttrain.main"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: no config given: pass --config")
+
+
+def test_verbose_shows_the_traceback(tmp_path):
+    """Without --verbose the same error is one line (test_empty_data_file_names_key_and_path)."""
+    (tmp_path / "empty.jsonl").write_text("")
+    loud = subprocess.run([sys.executable, "-m", "posttrain.main", "--config", str(ROOT / "configs/sft_tiny.py"),
+                           f"--config.workdir={tmp_path}/W", f"--config.sft.train_files={tmp_path}/empty.jsonl",
+                           "--config.data.synthetic=", "--config.sft.eval_files=", "--verbose"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert loud.returncode != 0 and "Traceback" in loud.stderr and "UserError" in loud.stderr
+    assert "no records" in loud.stderr

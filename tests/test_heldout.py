@@ -1,0 +1,85 @@
+"""Held-out evaluation sets are disjoint from all training data, by construction, for every
+built-in domain (issue 11 item 8): the quickstart's arithmetic (RL tasks, SFT and preference files,
+the lm task), GSM8K test vs train, HumanEval's reserved problems."""
+
+from __future__ import annotations
+
+import json
+import re
+import runpy
+from pathlib import Path
+
+import pytest
+
+from posttrain.data.synthetic import (arithmetic_lm_batch, arithmetic_problem_count, arithmetic_split,
+                                      ensure_arithmetic_file)
+from posttrain.data.tokenizer import ByteTokenizer
+from posttrain.rl.domains import gsm8k_tasks, humaneval_tasks, shared_data_dir
+from posttrain.rl.loop import make_domains
+from posttrain.train.stages import _ensure_synthetic
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBLEM = re.compile(r"What is (\d+[+-]\d+)\?")
+
+
+def quickstart_config(tmp_path):
+    cfg = runpy.run_path(str(ROOT / "configs/quickstart.py"))["get_config"]()
+    for stage in ("sft", "reward_model", "dpo"):
+        cfg[stage].train_files = str(tmp_path / f"{stage}_train.jsonl")
+        cfg[stage].eval_files = str(tmp_path / f"{stage}_eval.jsonl")
+    return cfg
+
+
+def problems(path: Path) -> list[str]:
+    return [PROBLEM.match(json.loads(line)["prompt"]).group(1) for line in path.read_text().splitlines()]
+
+
+def test_arithmetic_eval_problems_are_in_no_training_data(tmp_path):
+    cfg = quickstart_config(tmp_path)
+    domains, held_out = make_domains(cfg, ByteTokenizer(), None)
+    evals = [PROBLEM.match(t.prompt[0]["content"]).group(1) for _, t in held_out]
+    assert len(evals) == len(set(evals)) == cfg.rl.eval_size                 # distinct problems
+    assert {arithmetic_split(q) for q in evals} == {"test"}
+    train = {PROBLEM.match(t.prompt[0]["content"]).group(1) for t in domains["arithmetic"].tasks}
+    _ensure_synthetic(cfg, "sft", "sft")
+    _ensure_synthetic(cfg, "dpo", "preference")
+    sft, preference = set(problems(tmp_path / "sft_train.jsonl")), set(problems(tmp_path / "dpo_train.jsonl"))
+    lm = {q for step in range(20) for row in arithmetic_lm_batch(0, step, 8, 128)["inputs"]
+          for q in re.findall(r"(?:^|;)(\d+[+-]\d+)=", bytes(row.astype("uint8")).decode())}
+    for name, data in (("rl", train), ("sft", sft), ("preference", preference), ("lm", lm)):
+        assert not data & set(evals), name
+    assert {arithmetic_split(q) for q in set(problems(tmp_path / "sft_eval.jsonl"))} == {"test"}
+    assert cfg.rl.eval_size <= arithmetic_problem_count(cfg.data.synthetic_max_value, "test")
+
+
+def test_stale_generated_file_with_held_out_problems_is_refused(tmp_path):
+    path = tmp_path / "old.jsonl"
+    test_problem = next(f"{a}+{b}" for a in range(50) for b in range(50) if arithmetic_split(f"{a}+{b}") == "test")
+    path.write_text(json.dumps({"prompt": "What is 1+1?"}) + "\n" + json.dumps({"prompt": f"What is {test_problem}?"}) + "\n")
+    with pytest.raises(ValueError, match=f"old.jsonl:2: problem '{re.escape(test_problem)}' belongs to .*'test'"):
+        ensure_arithmetic_file(str(path), "sft", 10, seed=0, split="train")
+
+
+def test_gsm8k_train_drops_test_questions(tmp_path):
+    (tmp_path / "gsm8k").mkdir()
+    rows = lambda qs: "".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in qs)
+    (tmp_path / "gsm8k" / "train.jsonl").write_text(rows(["A  question?", "Another one?"]))
+    (tmp_path / "gsm8k" / "test.jsonl").write_text(rows(["a question?"]))
+    assert [t.id for t in gsm8k_tasks(str(tmp_path), split="train")] == ["gsm8k/train:2"]
+    assert [t.id for t in gsm8k_tasks(str(tmp_path), split="test")] == ["gsm8k/test:1"]
+
+
+def test_gsm8k_and_humaneval_eval_sets_are_disjoint_from_training(tmp_path, monkeypatch):
+    data = shared_data_dir()
+    if not Path(data, "gsm8k", "test.jsonl").exists() or not Path(data, "humaneval", "HumanEval.jsonl.gz").exists():
+        pytest.skip(f"shared data folder {data} is absent (set POSTTRAIN_DATA to it)")
+    cfg = quickstart_config(tmp_path)
+    cfg.rl.domains, cfg.rl.eval_size = "gsm8k,humaneval", 10_000
+    domains, held_out = make_domains(cfg, ByteTokenizer(), None)
+    norm = lambda t: " ".join(t.prompt[0]["content"].lower().split())
+    gsm_eval = {norm(t) for d, t in held_out if d == "gsm8k"}
+    assert len(gsm_eval) == 1319 and not gsm_eval & {norm(t) for t in domains["gsm8k"].tasks}
+    he_eval = {t.id for d, t in held_out if d == "humaneval"}
+    he_train = {t.id for t in domains["humaneval"].tasks}
+    assert not he_eval & he_train and len(he_eval | he_train) == 164 and len(he_eval) == 40
+    assert he_eval == {t.id for t in humaneval_tasks(split="test")}

@@ -1,0 +1,140 @@
+"""Long-context evals: generated problems (deterministic, at the asked length and depth, exact
+answers, evaluation names disjoint from training data) and the grid evaluation's accounting."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from posttrain.config import base_config
+from posttrain.data.tokenizer import load_tokenizer
+from posttrain.eval import long_context_eval
+from posttrain.eval.long_context import is_correct, multihop, names, needle, training_records
+
+FACT = re.compile(r"The code of (\w+) is (?:(-?\d+)|the code of (\w+) (plus|minus) (\d+))\.")
+
+
+def solve_multihop(prompt: str) -> str:
+    """Reference solver: read every code fact, resolve the asked name through the chain."""
+    facts = {m.group(1): m.groups()[1:] for m in FACT.finditer(prompt)}
+    asked = re.search(r"What is the code of (\w+)\?", prompt).group(1)
+
+    def value(name):
+        base, prev, sign, step = facts[name]
+        return int(base) if base else value(prev) + (int(step) if sign == "plus" else -int(step))
+    return str(value(asked))
+
+
+@pytest.mark.parametrize("length", [200, 1000, 4000])
+@pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
+def test_problems_have_the_asked_length_depth_and_answer(length, depth):
+    p = needle(length, depth, index=3)
+    assert p == needle(length, depth, index=3)                       # deterministic
+    assert p.prompt != needle(length, depth, index=4).prompt
+    n = len(p.prompt.encode())
+    assert length - 60 < n <= length                                  # within one filler sentence
+    fact = re.search(r"The magic number of \w+ is (\d+)\.", p.prompt)
+    assert fact.group(1) == p.answer and p.prompt.count("magic number") == 2
+    context = p.prompt.rsplit("\n", 1)[0]
+    assert abs(fact.start() / len(context) - depth) < 0.1 + 60 / length
+    hops = 4 if length >= 1000 else 2
+    q = multihop(length, depth, hops=hops, index=1)
+    assert solve_multihop(q.prompt) == q.answer
+    assert len(q.fact_depths) == hops and q.fact_depths[0] == pytest.approx(depth, abs=0.1 + 60 / length)
+    assert length - 60 < len(q.prompt.encode()) <= length
+
+
+def test_too_short_is_an_error():
+    with pytest.raises(ValueError, match="length=100: too short"):
+        multihop(100, 0.5, hops=4)
+
+
+def test_eval_names_never_occur_in_training_data():
+    rng = np.random.default_rng(0)
+    eval_names = set(names(rng, "eval", 300))
+    train_text = " ".join(r["prompt"] for r in training_records(200, 160, 400, seed=0))
+    train_text += " ".join(r["prompt"] for r in training_records(50, 160, 400, seed=7))
+    found = set(re.findall(r"[A-Z][a-z]+", train_text))
+    assert len(found) > 100 and not eval_names & found
+    for i in range(50):                                               # and the eval problems' own names
+        for p in (needle(300, 0.5, index=i), multihop(300, 0.5, index=i)):
+            asked = re.search(r"of (\w+)\?", p.prompt).group(1)
+            assert asked not in train_text
+
+
+def test_exact_answer_check():
+    assert is_correct("4821", "4821") and is_correct(" 4821.", "4821") and is_correct("It is -3", "-3")
+    assert not is_correct("482", "4821") and not is_correct("48210", "4821") and not is_correct("", "1")
+
+
+def lc_config(**kw):
+    lc = base_config().eval.long_context
+    lc.update(lengths="192,256", depths="0,1", samples=3, max_new_tokens=4, **kw)
+    return lc
+
+
+def test_grid_accuracy_accounting(monkeypatch):
+    """Accuracy per cell and the means come from the exact check of what the sampler returned:
+    an oracle answering only deep needles and short multi-hop problems scores exactly that."""
+    tok = load_tokenizer("byte")
+    calls = []
+
+    def fake_generate(graphdef, params, rest, prompts, sampling, key, *, pad_id):
+        calls.append(max(map(len, prompts)))
+        texts = [tok.decode(p) for p in prompts]
+        answers = []
+        for t in texts:
+            if "magic number" in t:
+                num = re.search(r"magic number of \w+ is (\d+)", t)
+                answers.append(num.group(1) if num.start() > t.rfind("\n") / 2 else "0")
+            else:
+                answers.append(solve_multihop(t) if len(t) < 200 else "x")
+        return _Samples([tok.encode(a) for a in answers])
+    monkeypatch.setattr(long_context_eval, "generate", fake_generate)
+    monkeypatch.setattr(long_context_eval.nnx, "split", lambda model, *a: (None, None, None))
+    rows = long_context_eval.evaluate(object(), tok, lc_config(), step=7)
+    assert len(rows) == 2 * 2 * 2 and all(r["n"] == 3 and r["step"] == 7 for r in rows)
+    assert all(r["prompt_tokens"] <= r["length"] for r in rows) and max(calls) <= 256
+    acc = {(r["kind"], r["length"], r["depth"]): r["accuracy"] for r in rows}
+    assert acc == {("needle", 192, 0.0): 0.0, ("needle", 192, 1.0): 1.0, ("needle", 256, 0.0): 0.0,
+                   ("needle", 256, 1.0): 1.0, ("multihop", 192, 0.0): 1.0, ("multihop", 192, 1.0): 1.0,
+                   ("multihop", 256, 0.0): 0.0, ("multihop", 256, 1.0): 0.0}
+    s = long_context_eval.summarize(rows)
+    assert s["long_ctx_needle"] == 0.5 and s["long_ctx_multihop"] == 0.5 and s["long_ctx_multihop/len192"] == 1.0
+
+
+class _Samples:
+    def __init__(self, completions):
+        self.completions = completions
+
+    def completion(self, i):
+        return self.completions[i]
+
+
+@pytest.mark.parametrize("key, value, why", [("lengths", "0,12", "positive"), ("depths", "0,1.5", r"\[0, 1\]"),
+                                             ("kinds", "needle,haystack", "subset"), ("lengths", "a", "integers")])
+def test_bad_grid_names_the_key(key, value, why):
+    lc = lc_config()
+    lc[key] = value
+    with pytest.raises(ValueError, match=rf"eval\.long_context\.{key}=.*{why}"):
+        long_context_eval.parse_grid(lc)
+
+
+def test_heat_map_and_jsonl(tmp_path):
+    rows = [{"kind": k, "length": n, "depth": d, "accuracy": a, "n": 1, "correct": int(a), "prompt_tokens": n, "step": 3}
+            for k in ("needle", "multihop") for n in (128, 256) for d, a in ((0.0, 0.0), (1.0, 1.0))]
+    long_context_eval.write_rows(rows, str(tmp_path / "lc.jsonl"))
+    assert [json.loads(line) for line in open(tmp_path / "lc.jsonl")] == rows
+    out = long_context_eval.plot_heatmaps(rows, str(tmp_path / "lc.png"), "t")
+    assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+
+def test_stages_that_cannot_generate_refuse_the_eval():
+    from posttrain.train import lm, stages
+    cfg = base_config()
+    cfg.eval.long_context.lengths = "256"
+    for run in (stages.reward_model, lm.run):
+        with pytest.raises(ValueError, match=r"eval\.long_context\.lengths"):
+            run(cfg)

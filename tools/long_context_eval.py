@@ -1,0 +1,75 @@
+"""Long-context evaluation of a run's checkpoint: needle retrieval and multi-hop reasoning over a
+length x depth grid, greedy answers checked exactly.
+
+    python tools/long_context_eval.py --run runs/long_context_tiny [--step 40] \
+        [--lengths 256,1024] [--depths 0,0.5,1] [--samples 8] [--out DIR]
+
+Settings default to the run's `eval.long_context.*` (its config.json); the flags override them.
+Writes DIR/long_context.jsonl (appended, one row per kind x length x depth, with the step) and
+DIR/long_context.png (heat maps); prints the rows' means (`long_ctx_needle`, `long_ctx_multihop`).
+DIR defaults to the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from absl import app, flags
+
+flags.DEFINE_string("run", None, "posttrain run folder (workdir) to evaluate.", required=True)
+flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
+flags.DEFINE_string("out", "", "Output folder (default: the run folder).")
+for _name, _kind in (("lengths", "string"), ("depths", "string"), ("kinds", "string"), ("samples", "integer"),
+                     ("hops", "integer"), ("max_new_tokens", "integer"), ("seed", "integer")):
+    getattr(flags, f"DEFINE_{_kind}")(_name, None, f"Overrides eval.long_context.{_name}.")
+FLAGS = flags.FLAGS
+
+
+def load_model(cfg, step: int | None):
+    """The run's model at checkpoint `step` (newest when None), on the run's mesh."""
+    from flax import nnx
+
+    from posttrain.models.decoder import Decoder
+    from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    from posttrain.train.init import load_model_state
+    from posttrain.train.state import abstract_model
+    if cfg.lora.rank > 0:
+        raise app.UsageError(f"{cfg.workdir}: a LoRA run; export it with tools/convert_hf.py (adapters merged) "
+                             "and evaluate that")
+    mesh, rules = make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules.to_dict())
+    make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    with use_sharding(mesh, rules):
+        params, rest, step = load_model_state(cfg.workdir, make, mesh, rules, step=step)
+    return nnx.merge(nnx.graphdef(abstract_model(make)), params, rest), step, (mesh, rules)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    for noisy in ("absl", "jax"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.eval.long_context_eval import evaluate, plot_heatmaps, summarize, write_rows
+    from posttrain.models.hf.convert import read_run_config
+    from posttrain.parallel import use_sharding
+    cfg = read_run_config(FLAGS.run)
+    lc = cfg.eval.long_context
+    for name in ("lengths", "depths", "kinds", "samples", "hops", "max_new_tokens", "seed"):
+        if getattr(FLAGS, name) is not None:
+            lc[name] = getattr(FLAGS, name)
+    if not lc.lengths:
+        raise app.UsageError("no lengths: give --lengths (e.g. 256,1024) or set eval.long_context.lengths")
+    model, step, (mesh, rules) = load_model(cfg, FLAGS.step)
+    with use_sharding(mesh, rules):
+        rows = evaluate(model, load_tokenizer(cfg.data.tokenizer), lc, step=step)
+    out = FLAGS.out or FLAGS.run
+    os.makedirs(out, exist_ok=True)
+    write_rows(rows, os.path.join(out, "long_context.jsonl"))
+    png = plot_heatmaps(rows, os.path.join(out, "long_context.png"), FLAGS.run)
+    print(json.dumps({"step": step, **summarize(rows), "plot": png}, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)
