@@ -122,7 +122,7 @@ def base_config() -> ml_collections.ConfigDict:
     cfg.rl = ml_collections.ConfigDict(dict(
         domains="arithmetic",      # task mixture "name[:weight],...": arithmetic, gsm8k, humaneval
         instruction="",            # appended to math prompts (e.g. "Give the final answer as \\boxed{}.")
-        arithmetic_size=2000,      # generated training problems (held-out ones use another seed)
+        arithmetic_size=2000,      # generated training problems (train split; held-out ones come from the test split)
         eval_size=128,             # held-out problems per domain
         eval_every=10,             # evaluate every n updates (and at start and end); 0: never
         eval_samples=4,            # samples per held-out problem for mean accuracy and pass@k
