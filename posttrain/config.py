@@ -159,6 +159,25 @@ def base_config() -> ml_collections.ConfigDict:
         kl_in_reward=False,        # pay rl.kl_coef · KL per token as reward instead of a loss term
         steps=0, lr=0.0, gate=gate,     # as for the other stages
     ))
+    # Stage "eval" (posttrain/rl/evaluation.py), beside eval.long_context above.
+    cfg.eval.checkpoint = ""       # a run dir / checkpoints dir; "" = init_from (in a pipeline: the previous stage)
+    cfg.eval.steps = "latest"      # latest | all | "100,200": which checkpoints of that run
+    cfg.eval.suites = "arithmetic"   # arithmetic, gsm8k, humaneval and/or name=path.jsonl ({"prompt","answer"})
+    cfg.eval.size = 128            # problems per built-in suite
+    cfg.eval.samples = 4           # samples per problem (mean sampled accuracy, pass@k)
+    cfg.eval.pass_k = "1,4"        # pass@k reported for each k (each <= samples)
+    cfg.eval.gate = gate
+    cfg.alerts = ml_collections.ConfigDict(dict(    # run health rules (posttrain/eval/alerts.py); 0 = rule off
+        on="warn",                 # off | warn (log, event row, progress bar) | stop (raise AlertStop)
+        reward_drift=6.0,          # |batch mean reward − running mean| / running std above this
+        entropy_collapse=0.01,     # rl/entropy (nats/token) below this
+        kl_blowup=1.0,             # rl/kl above this
+        response_len_explosion=3.0,   # mean response length above this × its running mean
+        clip_saturation=0.5,       # rl/clip_frac_low + rl/clip_frac_high above this
+        nonfinite=True,            # any NaN/inf metric
+        verifier_error_rate=0.1,   # rl/verifier_errors / rl/responses above this
+        throughput_stall=0.2,      # tokens/s below this × its running mean
+    ))
     cfg.lora = ml_collections.ConfigDict(dict(
         rank=0,                    # 0: full fine-tuning; > 0: train only low-rank adapters
         alpha=16.0,                # adapters scaled by alpha / rank

@@ -49,10 +49,11 @@ def check_overrides(argv: list[str], config) -> None:
 
 def stages() -> dict:
     """config.stage → the function that runs it (imported lazily: jax starts only when needed)."""
+    from posttrain.rl import evaluation
     from posttrain.rl import loop as rl_loop
     from posttrain.train import lm, pipeline, stages
     return {"lm": lm.run, "sft": stages.sft, "reward_model": stages.reward_model, "dpo": stages.dpo,
-            "rlvr": rl_loop.run, "pipeline": pipeline.run}
+            "rlvr": rl_loop.run, "eval": evaluation.run, "pipeline": pipeline.run}
 
 
 def run(config) -> object:
@@ -73,11 +74,22 @@ def run(config) -> object:
 
 
 def _run_locked(config) -> object:
+    from posttrain.eval.alerts import AlertMonitor, AlertStop
+    from posttrain.eval.gates import GATED_STAGES, SECTION, GateFailed, check_gate, validate_gates
+    from posttrain.rl import evaluation
     from posttrain.train.compile_cache import enable_compilation_cache
-    from posttrain.train.pipeline import GateFailed
+    from posttrain.train.pipeline import gate_metrics
     table = stages()
     if config.stage not in table:
         raise UserError(f"config.stage={config.stage!r}; valid stages: {', '.join(sorted(table))}", key="stage")
+    try:       # gates, alerts and eval suites are checked before anything trains
+        stage_names = config.pipeline.stages if config.stage == "pipeline" else (config.stage,)
+        validate_gates(config, stage_names)
+        AlertMonitor.from_config(config)
+        if "eval" in stage_names:
+            evaluation.check_eval_config(config)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     if config.init_from:
         from posttrain.train.init import require_init_from
         require_init_from(config.init_from)
@@ -86,9 +98,15 @@ def _run_locked(config) -> object:
     with open(os.path.join(config.workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=2))
     try:
-        return table[config.stage](config)
+        result = table[config.stage](config)
+        if config.stage in GATED_STAGES:       # a stage run alone must pass its gate too (exit status 1)
+            logging.info(check_gate(config.stage, config[SECTION.get(config.stage, config.stage)].gate,
+                                    gate_metrics(result)))
+        return result
     except GateFailed as e:
-        raise SystemExit(f"error: pipeline stopped: {e}") from None
+        raise SystemExit(f"error: stopped by a failed gate:\n{e}") from None
+    except AlertStop as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def config_keys_naming(config, text: str, path: str | None = None) -> list[str]:

@@ -30,6 +30,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from posttrain.data.tokenizer import load_tokenizer
+from posttrain.eval.alerts import AlertMonitor
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.buffer import Rollout
@@ -212,7 +213,7 @@ def train_loop(c: Components, rl: RLState, ckpt: Checkpointer, writer: MetricsWr
         rl = run_eval(c, rl, writer, 0)
     bar = tqdm(range(rl.step, steps), desc="rlvr", initial=rl.step, total=steps,
                disable=not cfg.train.progress or jax.process_index() != 0)
-    wall0, busy0 = time.perf_counter(), c.clock.total
+    wall0, busy0, monitor = time.perf_counter(), c.clock.total, AlertMonitor.from_config(cfg)
     for step in bar:
         t0 = time.perf_counter()
         rollouts, produced = rollout_step(c, rl)
@@ -231,6 +232,7 @@ def train_loop(c: Components, rl: RLState, ckpt: Checkpointer, writer: MetricsWr
             rows.append(writer.write(step, metrics))
             if "rl/reward_mean" in metrics:
                 bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
+            monitor.check(step, rows[-1], writer, bar)
         if r.eval_every and (rl.step % r.eval_every == 0 or rl.step == steps):
             rl = run_eval(c, rl, writer, step)
         if ckpt.should_save(rl.step, steps):

@@ -25,7 +25,7 @@ from posttrain.rl.scheduler import Group, TaskScheduler
 from posttrain.sampling.generate import Samples, generate
 from posttrain.sampling.rules import SamplingParams
 
-SUMMED_INFO = ("gen_s", "verify_s", "new_tokens", "verifier_errors")   # added over sampling rounds
+SUMMED_INFO = ("gen_s", "verify_s", "new_tokens", "verifier_errors", "responses")   # added over sampling rounds
 
 
 class BusyClock:
@@ -119,7 +119,7 @@ class RolloutWorker:
         info = {"gen_s": pending.gen_s, "verify_s": time.perf_counter() - t0,
                 "response_len_mean": float(samples.lengths.mean()), "response_len_max": int(samples.lengths.max()),
                 "truncated_frac": float(np.mean(samples.stop_reason == 1)),
-                "new_tokens": int(samples.lengths.sum()),
+                "new_tokens": int(samples.lengths.sum()), "responses": len(flat),
                 "verifier_errors": sum(getattr(r, "error", None) is not None for r in rewards)}
         return RolloutBatch(groups, behav, info)
 

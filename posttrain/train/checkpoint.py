@@ -79,6 +79,10 @@ class Checkpointer:
         """The newest complete checkpoint's step, or None."""
         return self.manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """The steps of every complete checkpoint, ascending."""
+        return sorted(self.manager.all_steps())
+
     def should_save(self, step: int, last_step: int) -> bool:
         return self.every > 0 and (step % self.every == 0 or step == last_step)
 

@@ -21,6 +21,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from posttrain.data.schedule import ScheduledBatches, parse_seq_len_schedule
+from posttrain.eval.alerts import AlertMonitor
 from posttrain.parallel import mesh_and_rules, named_sharding, use_sharding
 from posttrain.parallel.zigzag import zigzag_batch
 from posttrain.train import lineage
@@ -153,7 +154,7 @@ def train(cfg, stage: Stage) -> Result:
                           out_shardings=(shardings, None), donate_argnums=0)
         bar = tqdm(range(start, steps), desc=stage.name, initial=start, total=steps,
                    disable=not cfg.train.progress or jax.process_index() != 0)
-        t0, last = time.perf_counter(), start - 1
+        t0, last, monitor = time.perf_counter(), start - 1, AlertMonitor.from_config(cfg)
         for step in bar:
             batch = put_batch(zigzag_batch(data.at(step), shards), stage.batch_axes)
             trained = longest_context(trained, batch)
@@ -171,6 +172,7 @@ def train(cfg, stage: Stage) -> Result:
                 check_nonfinite(metrics, cfg.train.max_nonfinite_steps, step, ckpt)
                 bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}", **({"tok/s": f"{metrics['tokens_per_s']:.0f}"}
                                                                   if "tokens_per_s" in metrics else {}))
+                monitor.check(step, rows[-1], writer, bar)
                 t0, last = now, step
             done = step + 1
             if stage.eval_fn is not None and (done == steps or cfg.train.eval_every and done % cfg.train.eval_every == 0):

@@ -85,6 +85,18 @@ class MetricsWriter:
                 self._tb.add_scalar(k, float(v), step)
         return row
 
+    def event(self, step: int, kind: str, **fields: Any) -> dict[str, Any]:
+        """Record a non-scalar event (e.g. a health alert) as a row `{"step", "event": kind, ...}`
+        in metrics.jsonl and as TensorBoard text under `events/{kind}`."""
+        row = {"step": int(step), "event": kind, **{k: to_python(v) if not isinstance(v, str) else v
+                                                     for k, v in fields.items()}}
+        if not self.enabled:
+            return row
+        with open(self.path, "a") as f:
+            f.write(dumps(row) + "\n")
+        self._tb.add_text(f"events/{kind}", json.dumps(fields, default=str), step)
+        return row
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()

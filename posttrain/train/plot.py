@@ -38,6 +38,8 @@ def series(rows: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
     """Scalar metric name → (steps, values)."""
     out: dict[str, tuple[list[int], list[float]]] = {}
     for r in rows:
+        if "event" in r:          # alerts and other events are not curves
+            continue
         for k, v in r.items():
             if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                 xs, ys = out.setdefault(k, ([], []))

@@ -1,0 +1,135 @@
+"""Evaluation gates: a stage's gate is a list of conditions over its metrics, all of which must hold.
+
+Syntax (`config.<stage>.gate`): conditions separated by commas, each `metric op number` with op
+one of `< <= > >=`, e.g. "unit_test_pass>=0.6, tool_success_rate>=0.5, long_ctx_multihop>=0.3,
+regression_drop<=0.02". Gates are parsed when a run starts (`validate_gates`), so a typo fails
+before anything trains, naming the key.
+
+`regression_drop` is computed, not logged: over the suites that both the current evaluation and the
+baseline (the previous evaluation of the same run: the previous eval stage of a pipeline, or the
+previous checkpoint of a multi-checkpoint eval stage) report with the same suite version,
+    regression_drop = max over those suites of (baseline greedy accuracy − current greedy accuracy),
+from the `<suite>/accuracy` and `<suite>/version` entries. Negative means every shared suite
+improved. With no baseline at all the condition is reported "n/a" and holds (there is nothing to
+regress from); with a baseline but no shared suite of the same version it fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import re
+
+OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
+_CONDITION = re.compile(r"^\s*([\w/@.\-]+)\s*(<=|>=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+REGRESSION_DROP = "regression_drop"
+SECTION = {"rlvr": "rl"}          # the config section of a stage, where it differs from its name
+GATED_STAGES = ("sft", "reward_model", "dpo", "rlvr", "eval")
+
+
+class GateFailed(RuntimeError):
+    """A stage finished but its evaluation gate did not hold; the message reports every condition."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Condition:
+    """`metric op threshold`."""
+    metric: str
+    op: str
+    threshold: float
+
+    def __str__(self) -> str:
+        return f"{self.metric} {self.op} {self.threshold:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """One condition checked: the metric's value (None when missing), whether it held, a note."""
+    condition: Condition
+    value: float | None
+    passed: bool
+    note: str = ""
+
+
+def parse_gate(spec: str, key: str) -> list[Condition]:
+    """"a>=0.6, b<=0.02" → conditions; a ValueError naming `key` on any malformed part."""
+    conditions = []
+    for part in spec.split(","):
+        if not part.strip():
+            if spec.strip():
+                raise ValueError(f"{key}={spec!r}: empty condition (a stray comma?)")
+            continue
+        m = _CONDITION.match(part)
+        if not m:
+            raise ValueError(f"{key}={spec!r}: cannot read {part.strip()!r}; expected 'metric op number' with op "
+                             f"one of {' '.join(OPS)}, conditions separated by commas, e.g. 'eval/loss<1.5, "
+                             "regression_drop<=0.02'")
+        conditions.append(Condition(m.group(1), m.group(2), float(m.group(3))))
+    return conditions
+
+
+def gate_key(stage: str) -> str:
+    """The config key holding `stage`'s gate."""
+    return f"config.{SECTION.get(stage, stage)}.gate"
+
+
+def validate_gates(cfg, stages) -> None:
+    """Parse the gate of every stage in `stages` (start-up check: raises ValueError naming the key)."""
+    for stage in stages:
+        if stage in GATED_STAGES:
+            parse_gate(cfg[SECTION.get(stage, stage)].gate, gate_key(stage))
+
+
+def regression_drop(current: dict, baseline: dict) -> float | None:
+    """max over suites in both with the same version of (baseline − current) greedy accuracy; None
+    when no suite is shared."""
+    drops = [baseline[k] - current[k] for k in current
+             if k.endswith("/accuracy") and k in baseline
+             and current.get(k.removesuffix("accuracy") + "version") is not None
+             and current.get(k.removesuffix("accuracy") + "version") == baseline.get(k.removesuffix("accuracy") + "version")]
+    return max(drops) if drops else None
+
+
+def evaluate_gate(conditions: list[Condition], metrics: dict, baseline: dict | None = None) -> list[Outcome]:
+    """Every condition checked against `metrics` (and `baseline` for regression_drop)."""
+    out = []
+    for c in conditions:
+        if c.metric == REGRESSION_DROP and c.metric not in metrics:
+            if baseline is None:
+                out.append(Outcome(c, None, True, "n/a: no earlier evaluation to compare with"))
+                continue
+            value = regression_drop(metrics, baseline)
+            if value is None:
+                out.append(Outcome(c, None, False, "no suite evaluated in both with the same version"))
+                continue
+        else:
+            value = metrics.get(c.metric)
+        if not isinstance(value, (int, float)):
+            has = ", ".join(sorted(k for k, v in metrics.items() if isinstance(v, (int, float))))
+            out.append(Outcome(c, None, False, f"not reported (has: {has})"))
+            continue
+        out.append(Outcome(c, float(value), bool(OPS[c.op](value, c.threshold))))
+    return out
+
+
+def gate_report(stage: str, outcomes: list[Outcome]) -> str:
+    """One line per condition: value, threshold, PASS/FAIL (and why, when the value is missing)."""
+    lines = [f"{stage} gate: {'passed' if all(o.passed for o in outcomes) else 'FAILED'}"]
+    for o in outcomes:
+        value = "—" if o.value is None else f"{o.value:.4g}"
+        lines.append(f"  {'PASS' if o.passed else 'FAIL'}  {o.condition.metric} = {value} "
+                     f"(needs {o.condition.op} {o.condition.threshold:g}){'  ' + o.note if o.note else ''}")
+    return "\n".join(lines)
+
+
+def check_gate(stage: str, spec: str, metrics: dict, baseline: dict | None = None) -> str:
+    """The report of `stage`'s gate `spec` on `metrics`; raises GateFailed (with the full report)
+    unless every condition holds."""
+    conditions = parse_gate(spec, gate_key(stage))
+    if not conditions:
+        return f"{stage}: no gate"
+    outcomes = evaluate_gate(conditions, metrics, baseline)
+    report = gate_report(stage, outcomes)
+    if not all(o.passed for o in outcomes):
+        raise GateFailed(report)
+    return report

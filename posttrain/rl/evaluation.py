@@ -1,0 +1,277 @@
+"""Stage `eval`: evaluate one checkpoint, or every checkpoint of a run, on named suites.
+
+Suites (`eval.suites`, comma-separated): the built-in held-out sets of the RL domains
+(`arithmetic`, `gsm8k` test, `humaneval`, via `rl.tasks.make_domains`) and user JSONL suites
+`name=path.jsonl` with records `{"prompt", "answer"}` scored by the math verifier. Each suite
+reports greedy accuracy, mean sampled accuracy over `eval.samples` samples, pass@k (unbiased
+estimator) for each k of `eval.pass_k`, mean response length, verifier errors and its wall time.
+Sampling uses the `rl.*` settings (temperature, top_k, top_p, max_new_tokens) and the seed, so
+checkpoints are compared on the same draws. Every result is appended to
+`{workdir}/eval/<suite>.jsonl` with the checkpoint path and step and the suite version (a hash of
+its records), so runs and checkpoints can be compared over time; `{workdir}/metrics.jsonl` gets
+one row per checkpoint (`eval/<suite>/<metric>`) for the curves.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from posttrain.data.sources import SkipLog, read_jsonl
+from posttrain.data.tokenizer import load_tokenizer
+from posttrain.eval.long_context_eval import make_long_context_eval, parse_grid
+from posttrain.eval.passk import mean_pass_at_k
+from posttrain.models.decoder import Decoder
+from posttrain.parallel import mesh_and_rules, use_sharding
+from posttrain.rl.domains import Domain
+from posttrain.rl.envs import SingleTurnEnv
+from posttrain.rl.envs.base import Task
+from posttrain.rl.rollout import RolloutWorker
+from posttrain.rl.tasks import make_domains, make_reward_fn
+from posttrain.rl.verifiers.math import MathTask
+from posttrain.sampling.rules import SamplingParams
+from posttrain.train.checkpoint import Checkpointer
+from posttrain.train.init import checkpoint_dir, load_model_state
+from posttrain.train.loop import Result
+from posttrain.train.metrics import MetricsWriter
+from posttrain.train.state import abstract_model
+
+BUILTIN = ("arithmetic", "gsm8k", "humaneval")
+# A suite's greedy accuracy also under a headline name, for gates ("unit_test_pass>=0.6").
+HEADLINE = {"humaneval": "unit_test_pass", "gsm8k": "gsm8k_accuracy", "arithmetic": "arithmetic_accuracy"}
+# Hook for further built-in suites: name -> (cfg, tokenizer, reward_fn) -> Domain (e.g. the tool
+# episodes). The long-context grid (eval.long_context.*, metrics long_ctx_needle / long_ctx_multihop)
+# runs beside the suites, through posttrain/eval/long_context_eval.py.
+EXTRA_SUITES: dict[str, Callable] = {}
+
+
+def suite_version(tasks) -> str:
+    """A short hash of a suite's records (ids, prompts, targets): changes when any record does."""
+    h = hashlib.sha256()
+    for t in tasks:
+        target = dataclasses.asdict(t.target) if dataclasses.is_dataclass(t.target) else repr(t.target)
+        h.update(json.dumps([t.id, list(t.prompt), target], sort_keys=True, default=repr).encode())
+    return h.hexdigest()[:16]
+
+
+def parse_suites(spec: str) -> list[tuple[str, str]]:
+    """"arithmetic, mine=/data/x.jsonl" → [("arithmetic", ""), ("mine", "/data/x.jsonl")]."""
+    out = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, path = (s.strip() for s in part.partition("="))
+        if not path and name not in BUILTIN and name not in EXTRA_SUITES:
+            raise ValueError(f"eval.suites: unknown suite {name!r}; built-in: {', '.join(BUILTIN + tuple(EXTRA_SUITES))}"
+                             ", or name=path.jsonl for a file of {\"prompt\", \"answer\"} records")
+        if not name or "/" in name:
+            raise ValueError(f"eval.suites: bad suite name {name!r} in {part!r} (a name without '/', e.g. mine=x.jsonl)")
+        out.append((name, path))
+    if not out:
+        raise ValueError("eval.suites is empty: name at least one suite")
+    if len({n for n, _ in out}) != len(out):
+        raise ValueError(f"eval.suites={spec!r}: a suite name appears twice")
+    return out
+
+
+def pass_ks(cfg) -> list[int]:
+    """eval.pass_k as ints, each in 1..eval.samples."""
+    try:
+        ks = [int(k) for k in str(cfg.eval.pass_k).split(",") if k.strip()]
+    except ValueError:
+        raise ValueError(f"eval.pass_k={cfg.eval.pass_k!r}: expected comma-separated integers, e.g. '1,4'") from None
+    bad = [k for k in ks if not 1 <= k <= cfg.eval.samples]
+    if bad or not ks:
+        raise ValueError(f"eval.pass_k={cfg.eval.pass_k!r}: each k must be in 1..eval.samples={cfg.eval.samples}")
+    return ks
+
+
+def user_tasks(name: str, path: str, on_error: str = "raise") -> list[Task]:
+    """The records `{"prompt", "answer"}` of a JSONL file as math tasks, ids `{name}:{line}`."""
+    skips, tasks = SkipLog(on_error), []
+    for rec in read_jsonl(path, skips=skips):
+        prompt, answer = rec.data.get("prompt"), rec.data.get("answer")
+        if not isinstance(prompt, str) or answer is None or isinstance(answer, (dict, list)):
+            skips.bad(f"{rec.path}:{rec.line}", 'expected {"prompt": str, "answer": str or number}')
+            continue
+        tasks.append(Task(f"{name}:{rec.line}", ({"role": "user", "content": prompt},), MathTask(str(answer))))
+    return tasks
+
+
+def make_suites(cfg, tok) -> dict[str, Domain]:
+    """The suites of `eval.suites`: name -> Domain (its tasks and environment)."""
+    named = parse_suites(cfg.eval.suites)
+    builtin = [n for n, p in named if not p and n in BUILTIN]
+    if not builtin and cfg.eval.size != 128:
+        raise ValueError(f"eval.size={cfg.eval.size} cannot take effect: it sizes the built-in suites "
+                         f"({', '.join(BUILTIN)}) and eval.suites={cfg.eval.suites!r} has none")
+    sub = cfg.copy_and_resolve_references()
+    sub.rl.domains, sub.rl.eval_size = ",".join(builtin) or "arithmetic", cfg.eval.size
+    reward_fn = make_reward_fn(sub)
+    suites = {}
+    if builtin:
+        domains, held_out = make_domains(sub, tok, reward_fn)
+        for n in builtin:
+            suites[n] = Domain(n, [t for d, t in held_out if d == n], domains[n].make_env)
+    env = lambda: SingleTurnEnv(tok, reward_fn, max_turn_tokens=cfg.rl.max_new_tokens)
+    for n, path in named:
+        if path:
+            suites[n] = Domain(n, user_tasks(n, path, cfg.data.on_error), env)
+        elif n in EXTRA_SUITES:
+            suites[n] = EXTRA_SUITES[n](cfg, tok, reward_fn)
+    return {n: suites[n] for n, _ in named}
+
+
+def evaluate_suite(worker: RolloutWorker, params, rest, name: str, tasks: list[Task], key, samples: int,
+                   ks: list[int]) -> dict:
+    """Greedy accuracy, mean sampled accuracy, pass@k, response length, verifier errors, seconds.
+
+    Same draws as `rollout.evaluate`: greedy with `key`, `samples` samples with fold_in(key, 1)."""
+    t0 = time.perf_counter()
+    pairs = [(name, t) for t in tasks]
+    greedy = worker.rollout(params, rest, pairs, key, num_samples=1, greedy=True)
+    sampled = worker.rollout(params, rest, pairs, jax.random.fold_in(key, 1), num_samples=samples)
+    correct = [[r >= 1.0 for r in g.rewards] for g in sampled.groups]
+    return {"accuracy": float(np.mean([g.rewards[0] >= 1.0 for g in greedy.groups])),
+            "mean_accuracy": float(np.mean(correct)),
+            **{f"pass@{k}": mean_pass_at_k(correct, k) for k in ks},
+            "response_len": sampled.info["response_len_mean"],
+            "greedy_response_len": greedy.info["response_len_mean"],
+            "verifier_errors": greedy.info["verifier_errors"] + sampled.info["verifier_errors"],
+            "seconds": time.perf_counter() - t0}
+
+
+SUITE_METRICS = ("accuracy", "mean_accuracy", "response_len", "greedy_response_len", "verifier_errors", "seconds")
+
+
+def check_eval_config(cfg) -> None:
+    """Start-up check of `eval.suites`, `eval.pass_k` and the metrics `eval.gate` names (no data is
+    read: a pipeline runs it before its first stage trains)."""
+    check_gate_metrics(cfg, [n for n, _ in parse_suites(cfg.eval.suites)], pass_ks(cfg))
+
+
+def check_gate_metrics(cfg, suites, ks: list[int]) -> None:
+    """Every metric `eval.gate` names is one this evaluation reports (suites: their names)."""
+    from posttrain.eval.gates import REGRESSION_DROP, parse_gate
+    known = {REGRESSION_DROP, *(HEADLINE[n] for n in suites if n in HEADLINE)}
+    for n in suites:
+        known |= {f"{n}/{m}" for m in (*SUITE_METRICS, *(f"pass@{k}" for k in ks))}
+    if cfg.eval.long_context.lengths:
+        grid = parse_grid(cfg.eval.long_context)
+        known |= {f"long_ctx_{kind}" for kind in grid["kinds"]}
+        known |= {f"long_ctx_{kind}/len{n}" for kind in grid["kinds"] for n in grid["lengths"]}
+    unknown = [c.metric for c in parse_gate(cfg.eval.gate, "config.eval.gate") if c.metric not in known]
+    if unknown:
+        raise ValueError(f"config.eval.gate={cfg.eval.gate!r}: stage eval does not report {unknown}; "
+                         f"it reports {', '.join(sorted(known))}")
+
+
+def checkpoint_steps(cfg, path: str) -> list[int]:
+    """The steps of `path` that `eval.steps` selects (latest | all | "10,20")."""
+    if path.startswith("hf:"):
+        if str(cfg.eval.steps).strip() != "latest":
+            raise ValueError(f"eval.steps={cfg.eval.steps!r} cannot take effect: eval.checkpoint={path!r} is a "
+                             "Hugging Face folder (one set of weights, step 0)")
+        return [0]
+    ckpt = Checkpointer(checkpoint_dir(path), every=0, keep=1, async_save=False)
+    available = ckpt.all_steps()
+    ckpt.close()
+    if not available:
+        raise FileNotFoundError(f"eval.checkpoint={path!r}: no checkpoint under {checkpoint_dir(path)}")
+    spec = str(cfg.eval.steps).strip()
+    if spec == "latest":
+        return available[-1:]
+    if spec == "all":
+        return available
+    try:
+        steps = [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"eval.steps={spec!r}: expected latest, all or comma-separated steps") from None
+    missing = [s for s in steps if s not in available]
+    if missing or not steps:
+        raise ValueError(f"eval.steps={spec!r}: no checkpoint {missing} in {path} (has {available})")
+    return steps
+
+
+def write_record(workdir: str, record: dict) -> None:
+    """Append one suite's result to `{workdir}/eval/<suite>.jsonl` (process 0 only)."""
+    if jax.process_index() != 0:
+        return
+    os.makedirs(os.path.join(workdir, "eval"), exist_ok=True)
+    with open(os.path.join(workdir, "eval", f"{record['suite']}.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def gate_view(results: dict[str, dict], versions: dict[str, str]) -> dict:
+    """Flat metrics for gates: `<suite>/<metric>`, `<suite>/version` and the headline aliases."""
+    out = {}
+    for name, m in results.items():
+        out.update({f"{name}/{k}": v for k, v in m.items()})
+        out[f"{name}/version"] = versions[name]
+        if name in HEADLINE:
+            out[HEADLINE[name]] = m["accuracy"]
+    return out
+
+
+def run(cfg, baseline: dict | None = None) -> Result:
+    """Evaluate the selected checkpoints of `eval.checkpoint` (or `init_from`) on `eval.suites`.
+
+    `Result.eval` holds the last checkpoint's gate metrics, with `regression_drop` against the
+    previous checkpoint evaluated here, else against `baseline` (a pipeline's previous eval)."""
+    from posttrain.eval.gates import regression_drop
+    path = cfg.eval.checkpoint or cfg.init_from
+    if not path:
+        raise ValueError("eval.checkpoint is empty and there is no init_from: give a run dir or checkpoints dir")
+    if cfg.lora.rank:
+        raise ValueError("stage eval with lora.rank > 0: evaluating adapter checkpoints is not supported; "
+                         "evaluate the merged model (lora.rank=0)")
+    ks, tok = pass_ks(cfg), load_tokenizer(cfg.data.tokenizer)
+    suites = make_suites(cfg, tok)
+    check_gate_metrics(cfg, suites, ks)
+    versions = {n: suite_version(d.tasks) for n, d in suites.items()}
+    steps = checkpoint_steps(cfg, path)
+    long_context = make_long_context_eval(cfg, tok)      # None unless eval.long_context.lengths
+    mesh, rules = mesh_and_rules(cfg)
+    make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    graphdef = nnx.split(abstract_model(make), nnx.Param, ...)[0]
+    r = cfg.rl
+    sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                              stop_ids=tuple(tok.stop_ids), num_samples=cfg.eval.samples)
+    previous, metrics = baseline, {}
+    bar = tqdm(total=len(steps) * len(suites), desc="eval", disable=not cfg.train.progress or jax.process_index() != 0)
+    # Curves too: one row per checkpoint in metrics.jsonl, appended (earlier rows, e.g. of training, are kept).
+    writer = MetricsWriter(cfg.workdir, enabled=jax.process_index() == 0, resume_step=2**62)
+    with concurrent.futures.ThreadPoolExecutor(r.verifier_workers) as pool, use_sharding(mesh, rules):
+        worker = RolloutWorker(graphdef, suites, sampling, tok.pad_id, pool)
+        for step in steps:
+            params, rest, _ = load_model_state(path, make, mesh, rules, step=None if path.startswith("hf:") else step)
+            results = {}
+            for name, suite in suites.items():
+                results[name] = evaluate_suite(worker, params, rest, name, list(suite.tasks), jax.random.key(cfg.seed),
+                                               cfg.eval.samples, ks)
+                write_record(cfg.workdir, {"suite": name, "version": versions[name], "checkpoint": path, "step": step,
+                                           "problems": len(suite.tasks), "samples": cfg.eval.samples,
+                                           **results[name], "time": time.time()})
+                logging.info("eval %s step %d %s: %s", path, step, name,
+                             {k: round(v, 4) for k, v in results[name].items()})
+                bar.update(1)
+            metrics = gate_view(results, versions)
+            if long_context is not None:
+                metrics.update(long_context(nnx.merge(graphdef, params, rest), step))
+            writer.write(step, {f"eval/{k}": v for k, v in metrics.items()
+                                if ("/" in k or k.startswith("long_ctx")) and not k.endswith("/version")})
+            if previous is not None and (drop := regression_drop(metrics, previous)) is not None:
+                metrics["regression_drop"] = drop
+            previous = metrics
+    bar.close()
+    writer.close()
+    return Result(graphdef, None, [], metrics)
