@@ -116,7 +116,12 @@ def base_config() -> ml_collections.ConfigDict:
     cfg.dpo = stage(beta=0.1, loss_type="sigmoid", label_smoothing=0.0)
     cfg.pipeline = ml_collections.ConfigDict(dict(stages=("sft", "dpo")))
     cfg.rl = ml_collections.ConfigDict(dict(
-        domains="arithmetic",      # task mixture "name[:weight],...": arithmetic, gsm8k, humaneval
+        domains="",                # task mixture "name[:weight],...": arithmetic, gsm8k, humaneval, the domains of
+                                   # train_files; "": arithmetic, or with train_files their domains alone
+        train_files="",            # the user's tasks: JSONL files / globs, comma-separated (rl/task_files.py)
+        eval_files="",             # held-out user tasks (prompts must not be training prompts)
+        verifiers="",              # user verifiers "[name=]package.module:function,..." (rl/verifiers/user.py)
+        verifier_timeout_s=30.0,   # wall-clock limit of one user verifier call (then Reward.error, counted)
         instruction="",            # appended to math prompts (e.g. "Give the final answer as \\boxed{}.")
         arithmetic_size=2000,      # generated training problems (held-out ones use another seed)
         eval_size=128,             # held-out problems per domain

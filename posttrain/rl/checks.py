@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from posttrain.rl.advantages import ADVANTAGE_METHODS
 from posttrain.rl.critic import check_critic
-from posttrain.rl.tasks import parse_weights
+from posttrain.rl.tasks import VERIFIERS, domain_spec
 
 
 def ppo_steps(r) -> int:
@@ -24,9 +24,12 @@ INERT_UNLESS = {
     "max_resample_rounds": (lambda r: r.filter_groups, "resampling needs rl.filter_groups=True"),
     "eval_samples": (lambda r: r.eval_every > 0, "no evaluation without rl.eval_every > 0"),
     "eval_size": (lambda r: r.eval_every > 0, "no evaluation without rl.eval_every > 0"),
-    "instruction": (lambda r: "arithmetic" in parse_weights(r.domains), "only the arithmetic domain's prompts "
+    "instruction": (lambda r: "arithmetic" in domain_spec(r), "only the arithmetic domain's prompts "
                     "take rl.instruction, and rl.domains has no arithmetic"),
-    "arithmetic_size": (lambda r: "arithmetic" in parse_weights(r.domains), "rl.domains has no arithmetic"),
+    "arithmetic_size": (lambda r: "arithmetic" in domain_spec(r), "rl.domains has no arithmetic"),
+    "eval_files": (lambda r: r.eval_every > 0, "no evaluation without rl.eval_every > 0"),
+    "verifier_timeout_s": (lambda r: bool(r.verifiers or VERIFIERS), "only user verifiers (rl.verifiers) have "
+                           "this timeout; the math and code verifiers have their own"),
     **{k: (lambda r: r.advantage == "gae", "only the critic (rl.advantage='gae') uses it")
        for k in ("critic", "gamma", "lam", "value_coef", "value_clip")},
     "kl_in_reward": (lambda r: r.kl_coef > 0, "no KL to pay without rl.kl_coef > 0"),

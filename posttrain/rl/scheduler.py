@@ -199,6 +199,21 @@ class TaskScheduler:
             out[prefix + "pass_rate"] = c["passes"] / c["samples"] if c["samples"] else 0.0
             out[prefix + "dropped_frac"] = c["dropped_groups"] / c["groups"] if c["groups"] else 0.0
             out.update({f"{prefix}band_{b}": len(members) for b, members in self._bands[name].items()})
+            out.update(self._difficulty_metrics(name))
+        return out
+
+    def _difficulty_metrics(self, name: str) -> dict[str, float]:
+        """Samples and pass rate per difficulty label the data gives (`tasks/{domain}/difficulty/{label}/...`)."""
+        tasks, totals = self.domains[name].tasks, {}
+        for i, (attempts, passes) in self._stats[name].items():
+            label = getattr(tasks[i], "difficulty", None)
+            if label is not None:
+                t = totals.setdefault(label, [0, 0])
+                t[0], t[1] = t[0] + attempts, t[1] + passes
+        out = {}
+        for label, (attempts, passes) in sorted(totals.items()):
+            out[f"tasks/{name}/difficulty/{label}/samples"] = attempts
+            out[f"tasks/{name}/difficulty/{label}/pass_rate"] = passes / attempts
         return out
 
     def get_state(self) -> dict[str, Any]:
