@@ -122,6 +122,8 @@ def base_config() -> ml_collections.ConfigDict:
         eval_files="",             # held-out user tasks (prompts must not be training prompts)
         verifiers="",              # user verifiers "[name=]package.module:function,..." (rl/verifiers/user.py)
         verifier_timeout_s=30.0,   # wall-clock limit of one user verifier call (then Reward.error, counted)
+        rollouts_every=0,          # keep trajectories: every n steps write {workdir}/rollouts/{step}.jsonl; 0: off
+        rollouts_fraction=1.0,     # the fraction of that step's samples written (chosen by seed and step)
         instruction="",            # appended to math prompts (e.g. "Give the final answer as \\boxed{}.")
         arithmetic_size=2000,      # generated training problems (held-out ones use another seed)
         eval_size=128,             # held-out problems per domain

@@ -70,7 +70,8 @@ def test_user_task_file_with_user_verifier_trains_end_to_end(tmp_path, user_modu
         {"prompt": "no way to verify this"},                            # bad: skipped, counted
     ])
     cfg = tiny(tmp_path / "run", train_files=train, verifiers=f"{user_module}:score", verifier_timeout_s=0.5,
-               max_new_tokens=96)    # an untrained policy ends a turn (byte 2) rarely: room for it to
+               max_new_tokens=96,    # an untrained policy ends a turn (byte 2) rarely: room for it to
+               rollouts_every=2, rollouts_fraction=0.5)
     cfg.data.on_error, cfg.rl.arithmetic_size = "skip", base_config().rl.arithmetic_size
     cfg.model.moe.num_experts, cfg.mesh.data, cfg.mesh.expert, cfg.mesh.tensor = 0, -1, 1, 1   # dense: compiles faster
     t0 = time.perf_counter()
@@ -88,6 +89,16 @@ def test_user_task_file_with_user_verifier_trains_end_to_end(tmp_path, user_modu
     samples = 3 * 2 * 4                                                 # steps × prompts × group size
     assert rs[-1]["tasks/user/samples"] == samples
     assert rs[-1]["tasks/user/difficulty/easy/samples"] + rs[-1]["tasks/user/difficulty/hard/samples"] == samples
+    # Trajectories kept: steps 0 and 2, half of each step's 8 samples, strict JSON with every field.
+    files = sorted((tmp_path / "run" / "rollouts").glob("*.jsonl"))
+    assert [f.name for f in files] == ["0000000.jsonl", "0000002.jsonl"]
+    kept = [json.loads(line, parse_constant=pytest.fail) for f in files for line in f.read_text().splitlines()]
+    assert len(kept) == 2 * 4
+    assert set(kept[0]) == {"step", "policy_version", "domain", "task_id", "difficulty", "sample", "prompt", "response",
+                            "reward", "parts", "verifier_parts", "error", "truncated", "turns", "num_tokens"}
+    assert [k["step"] for k in kept] == [0] * 4 + [2] * 4 and [k["policy_version"] for k in kept] == [0] * 4 + [2] * 4
+    assert all("Say a word with the letter" in k["prompt"] and k["domain"] == "user" for k in kept)
+    assert all(k["reward"] == pytest.approx(sum(k["parts"].values())) for k in kept)
     assert "train.jsonl:7" in caplog.text and "train.jsonl:8" in caplog.text
 
 
@@ -172,6 +183,13 @@ def test_new_keys_that_cannot_take_effect_are_errors(tmp_path):
     cfg = base_config()
     cfg.rl.eval_files, cfg.rl.eval_every = "x.jsonl", 0
     with pytest.raises(ValueError, match="rl.eval_files='x.jsonl' cannot take effect"):
+        check_rl_config(cfg)
+    cfg = base_config()
+    cfg.rl.rollouts_fraction = 0.5
+    with pytest.raises(ValueError, match="rl.rollouts_fraction=0.5 cannot take effect"):
+        check_rl_config(cfg)
+    cfg.rl.rollouts_every, cfg.rl.rollouts_fraction = 1, 1.5
+    with pytest.raises(ValueError, match="rollouts_fraction <= 1"):
         check_rl_config(cfg)
     cfg = base_config()
     cfg.rl.verifiers = "no_such_module_here:score"

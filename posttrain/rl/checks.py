@@ -27,6 +27,7 @@ INERT_UNLESS = {
     "instruction": (lambda r: "arithmetic" in domain_spec(r), "only the arithmetic domain's prompts "
                     "take rl.instruction, and rl.domains has no arithmetic"),
     "arithmetic_size": (lambda r: "arithmetic" in domain_spec(r), "rl.domains has no arithmetic"),
+    "rollouts_fraction": (lambda r: r.rollouts_every > 0, "no rollouts are written without rl.rollouts_every > 0"),
     "eval_files": (lambda r: r.eval_every > 0, "no evaluation without rl.eval_every > 0"),
     "verifier_timeout_s": (lambda r: bool(r.verifiers or VERIFIERS), "only user verifiers (rl.verifiers) have "
                            "this timeout; the math and code verifiers have their own"),
@@ -65,6 +66,9 @@ def check_rl_config(cfg) -> None:
     if not 0 <= r.clip_low < 1 or r.clip_high < 0:
         raise ValueError(f"rl.clip_low={r.clip_low}, rl.clip_high={r.clip_high}: expected 0 <= clip_low < 1 and "
                          "clip_high >= 0")
+    if r.rollouts_every < 0 or not 0 < r.rollouts_fraction <= 1:
+        raise ValueError(f"rl.rollouts_every={r.rollouts_every}, rl.rollouts_fraction={r.rollouts_fraction}: expected "
+                         "rollouts_every >= 0 and 0 < rollouts_fraction <= 1")
     if r.max_staleness < 0:
         raise ValueError(f"rl.max_staleness={r.max_staleness}: expected >= 0")
     if r.filter_groups and r.max_staleness > 0:

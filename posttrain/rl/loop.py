@@ -39,6 +39,7 @@ from posttrain.rl.learner import Learner, advantage_targets, batch_rows, compute
 from posttrain.rl.producer import AsyncProducer
 from posttrain.rl.reward_model import RewardComposer
 from posttrain.rl.rollout import BusyClock, RolloutBatch, RolloutWorker, collect_batch, evaluate
+from posttrain.rl.rollout_log import RolloutLog
 from posttrain.rl.scheduler import TaskScheduler
 from posttrain.rl.tasks import domain_weights, make_domains, make_reward_fn
 from posttrain.sampling.rules import SamplingParams
@@ -79,6 +80,7 @@ class Components:
     clock: BusyClock
     pad_id: int
     rewards: RewardComposer
+    rollout_log: RolloutLog | None = None
 
     def weights(self, rl: RLState) -> tuple:
         """(params, rest) the policy samples with."""
@@ -188,6 +190,9 @@ def run(cfg) -> Result:
             if start and "reward_stats" in data:
                 rewards.stats.set_state(data["reward_stats"])
             c = Components(cfg, worker, learner, scheduler, None, ref, base_key, held_out, clock, tok.pad_id, rewards)
+            if r.rollouts_every:
+                c.rollout_log = RolloutLog(cfg.workdir, tok, every=r.rollouts_every, fraction=r.rollouts_fraction,
+                                           seed=cfg.seed, enabled=jax.process_index() == 0)
             if r.max_staleness > 0:
                 producer = c.producer = AsyncProducer(
                     worker, scheduler, num_groups=r.prompts_per_step, max_staleness=r.max_staleness,
@@ -216,6 +221,8 @@ def train_loop(c: Components, rl: RLState, ckpt: Checkpointer, writer: MetricsWr
         rollouts, produced = rollout_step(c, rl)
         t1 = time.perf_counter()
         rl, metrics = learn_step(c, rl, rollouts)
+        if c.rollout_log is not None:
+            c.rollout_log.write(step, rollouts)
         rl = dataclasses.replace(rl, step=step + 1, scheduler_state=produced.scheduler_state)
         publish_step(c, rl)
         t2 = time.perf_counter()
