@@ -73,6 +73,7 @@ def test_user_task_file_with_user_verifier_trains_end_to_end(tmp_path, user_modu
                max_new_tokens=96,    # an untrained policy ends a turn (byte 2) rarely: room for it to
                rollouts_every=2, rollouts_fraction=0.5)
     cfg.data.on_error, cfg.rl.arithmetic_size = "skip", base_config().rl.arithmetic_size
+    cfg.rl.curriculum.retire_above, cfg.rl.curriculum.retire_after = 0.0, 4   # every task retires after one group
     cfg.model.moe.num_experts, cfg.mesh.data, cfg.mesh.expert, cfg.mesh.tensor = 0, -1, 1, 1   # dense: compiles faster
     t0 = time.perf_counter()
     loop.run(cfg)
@@ -89,6 +90,9 @@ def test_user_task_file_with_user_verifier_trains_end_to_end(tmp_path, user_modu
     samples = 3 * 2 * 4                                                 # steps × prompts × group size
     assert rs[-1]["tasks/user/samples"] == samples
     assert rs[-1]["tasks/user/difficulty/easy/samples"] + rs[-1]["tasks/user/difficulty/hard/samples"] == samples
+    # The curriculum from the config reaches the loop's scheduler: each task drawn retired after its group.
+    assert rs[-1]["tasks/user/band_retired"] + rs[-1]["tasks/user/band_new"] == 6
+    assert rs[0]["tasks/user/band_retired"] >= 1 and rs[-1]["tasks/user/exhausted_draws"] == 0
     # Trajectories kept: steps 0 and 2, half of each step's 8 samples, strict JSON with every field.
     files = sorted((tmp_path / "run" / "rollouts").glob("*.jsonl"))
     assert [f.name for f in files] == ["0000000.jsonl", "0000002.jsonl"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from posttrain.rl.advantages import ADVANTAGE_METHODS
 from posttrain.rl.critic import check_critic
-from posttrain.rl.tasks import VERIFIERS, domain_spec
+from posttrain.rl.tasks import VERIFIERS, curriculum_options, domain_spec
 
 
 def ppo_steps(r) -> int:
@@ -37,6 +37,26 @@ INERT_UNLESS = {
     "reward_model_weight": (lambda r: bool(r.reward_model), "no learned reward without rl.reward_model"),
     "reward_model_normalize": (lambda r: bool(r.reward_model), "no learned reward without rl.reward_model"),
 }
+
+
+def check_curriculum(c, defaults) -> None:
+    """`rl.curriculum.*`: values in range, and none set that the rest leaves without effect."""
+    if not 0 <= c.hard_below <= c.easy_above <= 1 or not 0 <= c.pass_threshold <= 1:
+        raise ValueError(f"rl.curriculum: expected 0 <= hard_below ({c.hard_below}) <= easy_above ({c.easy_above}) "
+                         f"<= 1 and pass_threshold ({c.pass_threshold}) in [0, 1]")
+    if c.min_attempts < 1 or c.window < 0 or c.retire_after < 1:
+        raise ValueError(f"rl.curriculum: expected min_attempts >= 1 ({c.min_attempts}), window >= 0 ({c.window}), "
+                         f"retire_after >= 1 ({c.retire_after})")
+    weighted, retiring = bool(c.band_weights.strip()), c.retire_above >= 0 or c.retire_below >= 0
+    inert = {"hard_below": weighted, "easy_above": weighted, "min_attempts": weighted or retiring,
+             "window": weighted or retiring, "retire_after": retiring}
+    for key, active in inert.items():
+        if c[key] != defaults[key] and not active:
+            why = ("only retirement uses it: set rl.curriculum.retire_above or retire_below >= 0" if key == "retire_after"
+                   else "it places tasks in bands, and bands steer nothing without rl.curriculum.band_weights"
+                   + ("" if key in ("hard_below", "easy_above") else " or retirement (retire_above / retire_below >= 0)"))
+            raise ValueError(f"rl.curriculum.{key}={c[key]!r} cannot take effect: {why}")
+    curriculum_options(c)       # band_weights parse
 
 
 def check_rl_config(cfg) -> None:
@@ -85,6 +105,7 @@ def check_rl_config(cfg) -> None:
     if cfg.eval.long_context.lengths:
         raise ValueError(f"eval.long_context.lengths={cfg.eval.long_context.lengths!r}: the RL stage does not run "
                          "the long-context evals; evaluate its checkpoint with tools/long_context_eval.py")
+    check_curriculum(r.curriculum, defaults.curriculum)
     for key, (active, why) in INERT_UNLESS.items():
         if r[key] != defaults[key] and not active(r):
             raise ValueError(f"rl.{key}={r[key]!r} cannot take effect: {why}")

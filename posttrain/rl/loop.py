@@ -41,7 +41,7 @@ from posttrain.rl.reward_model import RewardComposer
 from posttrain.rl.rollout import BusyClock, RolloutBatch, RolloutWorker, collect_batch, evaluate
 from posttrain.rl.rollout_log import RolloutLog
 from posttrain.rl.scheduler import TaskScheduler
-from posttrain.rl.tasks import domain_weights, make_domains, make_reward_fn
+from posttrain.rl.tasks import curriculum_options, domain_weights, make_domains, make_reward_fn
 from posttrain.sampling.rules import SamplingParams
 from posttrain.train import lineage
 from posttrain.train.checkpoint import Checkpointer
@@ -152,7 +152,7 @@ def run(cfg) -> Result:
     r = cfg.rl
     tok = load_tokenizer(cfg.data.tokenizer)
     domains, held_out = make_domains(cfg, tok, make_reward_fn(cfg))
-    scheduler = TaskScheduler(domains, domain_weights(r, domains), seed=cfg.seed)
+    scheduler = TaskScheduler(domains, domain_weights(r, domains), seed=cfg.seed, **curriculum_options(r.curriculum))
     mesh, rules = mesh_and_rules(cfg)
     steps = cfg.train.steps
     tx = make_optimizer(cfg.optim, steps * ppo_steps(r))

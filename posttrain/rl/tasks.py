@@ -23,6 +23,7 @@ from posttrain.rl import task_files
 from posttrain.rl.envs import SingleTurnEnv
 from posttrain.rl.envs.base import Task
 from posttrain.rl.reward import RewardConfig, RewardFunction
+from posttrain.rl.scheduler import BANDS
 from posttrain.rl.verifiers.code import CodeTask, CodeVerifier
 from posttrain.rl.verifiers.math import MathTask, MathVerifier
 from posttrain.rl.verifiers.user import ScoreFn, UserTask, UserVerifier, load_callable
@@ -84,6 +85,27 @@ def domain_weights(r, domains) -> dict[str, float]:
     """Mixture weights of the training `domains`: as `rl.domains` gives them, else 1."""
     spec = domain_spec(r)
     return {name: spec.get(name, 1.0) for name in domains}
+
+
+def curriculum_options(c) -> dict:
+    """`rl.curriculum` as TaskScheduler keyword arguments (its module docstring says what each does)."""
+    weights = None
+    if c.band_weights.strip():
+        weights = {}
+        for part in filter(None, (p.strip() for p in c.band_weights.split(","))):
+            band, _, w = part.partition(":")
+            try:
+                weights[band.strip()] = float(w) if w else 1.0
+            except ValueError:
+                raise ValueError(f"rl.curriculum.band_weights={c.band_weights!r}: {part!r} is not band[:weight]") from None
+        unknown = sorted(set(weights) - set(BANDS))
+        if unknown or sum(weights.values()) <= 0 or min(weights.values()) < 0:
+            raise ValueError(f"rl.curriculum.band_weights={c.band_weights!r}: expected non-negative weights, some "
+                             f"positive, of the bands {BANDS}" + (f"; unknown {unknown}" if unknown else ""))
+    return dict(band_weights=weights, band_edges=(c.hard_below, c.easy_above), min_attempts=c.min_attempts,
+                pass_threshold=c.pass_threshold, window=c.window, retire_after=c.retire_after,
+                retire_above=c.retire_above if c.retire_above >= 0 else None,
+                retire_below=c.retire_below if c.retire_below >= 0 else None)
 
 
 def user_verifiers(r) -> dict[str, ScoreFn]:
