@@ -16,6 +16,7 @@ from posttrain.data.sources import DataError
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.rl import loop
 from posttrain.rl.checks import check_rl_config
+from posttrain.rl.envs.base import Task
 from posttrain.rl.tasks import make_domains, make_reward_fn
 from posttrain.rl.verifiers.code import CodeTask
 from posttrain.rl.verifiers.math import MathTask
@@ -103,6 +104,7 @@ def test_user_task_file_with_user_verifier_trains_end_to_end(tmp_path, user_modu
     assert [k["step"] for k in kept] == [0] * 4 + [2] * 4 and [k["policy_version"] for k in kept] == [0] * 4 + [2] * 4
     assert all("Say a word with the letter" in k["prompt"] and k["domain"] == "user" for k in kept)
     assert all(k["reward"] == pytest.approx(sum(k["parts"].values())) for k in kept)
+    assert "skipped 2 bad task records" in caplog.text
     assert "train.jsonl:7" in caplog.text and "train.jsonl:8" in caplog.text
 
 
@@ -199,3 +201,24 @@ def test_new_keys_that_cannot_take_effect_are_errors(tmp_path):
     cfg.rl.verifiers = "no_such_module_here:score"
     with pytest.raises(ValueError, match="cannot import 'no_such_module_here'"):
         make_reward_fn(cfg)
+
+
+def test_rollout_log_samples_by_seed_and_step_and_writes_strict_json(tmp_path):
+    from posttrain.rl.buffer import Rollout
+    from posttrain.rl.envs.base import Trajectory
+    from posttrain.rl.reward import Reward
+    from posttrain.rl.rollout_log import RolloutLog
+    from posttrain.rl.scheduler import Group
+    tok = ByteTokenizer()
+    trajs = [Trajectory("t", [104, 105, 33 + i], [False, False, True], 2,
+                        reward=Reward(float("nan") if i == 0 else 1.0, {"correct": float("nan") if i == 0 else 1.0},
+                                      verifier_parts={"x": float("inf")})) for i in range(10)]
+    ro = Rollout(Group("d", Task("t", (), None, difficulty="easy"), [float("nan")] + [1.0] * 9, trajs), 7, [[0.0] * 3] * 10)
+    log = RolloutLog(str(tmp_path), tok, every=3, fraction=0.3, seed=0)
+    assert log.write(1, [ro]) is None and log.write(0, [ro]) is not None
+    kept = [json.loads(line) for line in (tmp_path / "rollouts" / "0000000.jsonl").read_text().splitlines()]
+    assert len(kept) == 3 and kept == log.records(0, [ro]) and log.records(3, [ro]) != kept
+    assert {k["policy_version"] for k in kept} == {7} and kept[0]["prompt"] == tok.decode([104, 105])
+    assert all(k["verifier_parts"] == {"x": None} for k in kept)
+    everything = RolloutLog(str(tmp_path), tok, every=1, fraction=1.0, seed=0).records(0, [ro])
+    assert everything[0]["reward"] is None and everything[0]["parts"] == {"correct": None}

@@ -14,6 +14,7 @@ the configured shaping. A learned reward model is another source beside them (`r
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
@@ -171,6 +172,9 @@ def _user_tasks(cfg) -> tuple[dict[str, list[tuple[str, Task]]], dict[str, list[
     if unused:
         raise ValueError(f"rl.verifiers: {unused} verify no record of rl.train_files / rl.eval_files (a record "
                          "names its verifier in its 'verifier' field)")
+    if skips.skipped:
+        logging.warning("rl.train_files / rl.eval_files: skipped %d bad task records (data.on_error='skip')",
+                        skips.skipped)
     for what, found in (("rl.train_files", train), ("rl.eval_files", evals)):
         if r[what.split(".")[1]] and not any(found.values()):
             raise ValueError(f"{what}={r[what.split('.')[1]]!r}: no usable task record")
