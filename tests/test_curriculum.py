@@ -98,3 +98,10 @@ def test_curriculum_keys_that_cannot_take_effect_or_are_wrong_raise():
         cfg.rl.curriculum[key] = value
         with pytest.raises(ValueError, match=message):
             check_rl_config(cfg)
+
+
+def test_pass_threshold_decides_what_passes():
+    lenient, strict = scheduler(), scheduler(pass_threshold=0.9)
+    for sched in (lenient, strict):
+        sched.record("a", "t0", [0.8, 0.8, 1.0, 0.0])
+    assert (lenient.pass_rate("a", "t0"), strict.pass_rate("a", "t0")) == (0.75, 0.25)
