@@ -222,3 +222,30 @@ def test_rollout_log_samples_by_seed_and_step_and_writes_strict_json(tmp_path):
     assert all(k["verifier_parts"] == {"x": None} for k in kept)
     everything = RolloutLog(str(tmp_path), tok, every=1, fraction=1.0, seed=0).records(0, [ro])
     assert everything[0]["reward"] is None and everything[0]["parts"] == {"correct": None}
+
+
+def test_record_kinds_are_scored_by_their_verifiers(tmp_path, user_module):
+    """A math record by the math verifier, a code record in the sandbox (CodeVerifier), a user record by
+    the user's function with its named parts."""
+    cfg = base_config()
+    r = cfg.rl
+    r.train_files = write_jsonl(tmp_path / "t.jsonl", [
+        {"prompt": "What is 2+2?", "answer": 4},
+        {"prompt": "Write add(a, b).", "tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"],
+         "entry_point": "add", "domain": "code"},
+        {"prompt": "Shout.", "verifier": "score", "keyword": "a"},
+    ])
+    r.verifiers, r.eval_every = f"{user_module}:score", 0
+    reward_fn = make_reward_fn(cfg)
+    domains, _ = make_domains(cfg, ByteTokenizer(), reward_fn)
+    math, user = domains["user"].tasks
+    code, = domains["code"].tasks
+    assert reward_fn.verify(math.target, "so \\boxed{4}").score == 1.0
+    assert reward_fn.verify(math.target, "so \\boxed{5}").score == 0.0
+    good = reward_fn.verify(code.target, "```python\ndef add(a, b):\n    return a + b\n```")
+    bad = reward_fn.verify(code.target, "```python\ndef add(a, b):\n    return a - b\n```")
+    assert (good.score, good.error, bad.score) == (1.0, None, 0.0)
+    reward_fn.verify(user.target, "x")                                  # call 1 raises, call 2 hangs (timeout 30 s):
+    sys.modules[user_module].calls.append(None)                        # skip the hang
+    scored = reward_fn.verify(user.target, "banana")
+    assert (scored.score, scored.verifier_parts, scored.error) == (1.0, {"length": 6.0}, None)
