@@ -61,7 +61,9 @@ class TaskScheduler:
 
     weights: domain name -> non-negative weight (default: equal); seed: fixes the draws;
     band_weights: band name -> weight, None for uniform draws within a domain; band_edges:
-    (hard_below, easy_above) pass rates; min_attempts: samples before a task leaves "new".
+    (hard_below, easy_above) pass rates; min_attempts: samples before a task leaves "new";
+    window: pass rates over a task's last n samples (0: all); retire_above / retire_below: pass
+    rates that retire a task (None: never) once it has retire_after samples.
     """
 
     def __init__(self, domains: Mapping[str, Domain], weights: Mapping[str, float] | None = None, *,
