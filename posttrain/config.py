@@ -120,7 +120,25 @@ def base_config() -> ml_collections.ConfigDict:
     cfg.dpo = stage(beta=0.1, loss_type="sigmoid", label_smoothing=0.0)
     cfg.pipeline = ml_collections.ConfigDict(dict(stages=("sft", "dpo")))
     cfg.rl = ml_collections.ConfigDict(dict(
-        domains="arithmetic",      # task mixture "name[:weight],...": arithmetic, gsm8k, humaneval
+        domains="",                # task mixture "name[:weight],...": arithmetic, gsm8k, humaneval, the domains of
+                                   # train_files; "": arithmetic, or with train_files their domains alone
+        train_files="",            # the user's tasks: JSONL files / globs, comma-separated (rl/task_files.py)
+        eval_files="",             # held-out user tasks (prompts must not be training prompts)
+        verifiers="",              # user verifiers "[name=]package.module:function,..." (rl/verifiers/user.py)
+        verifier_timeout_s=30.0,   # wall-clock limit of one user verifier call (then Reward.error, counted)
+        curriculum=ml_collections.ConfigDict(dict(   # task scheduler (rl/scheduler.py): bands by observed pass rate
+            band_weights="",       # e.g. "new:1,hard:0.5,medium:4,easy:0.2": draw a band by weight, then a task in it
+            hard_below=0.2,        # pass rate < this: band "hard"
+            easy_above=0.8,        # pass rate > this: band "easy" (else "medium")
+            min_attempts=1,        # samples before a task leaves band "new"
+            window=0,              # pass rate over a task's last n samples (0: all of them)
+            retire_above=-1.0,     # >= 0: retire (never draw again) tasks whose pass rate is >= this (too easy)
+            retire_below=-1.0,     # >= 0: retire tasks whose pass rate is < this (too hard)
+            retire_after=16,       # samples of a task before it may retire
+            pass_threshold=0.5,    # a sample passes when its reward >= this
+        )),
+        rollouts_every=0,          # keep trajectories: every n steps write {workdir}/rollouts/{step}.jsonl; 0: off
+        rollouts_fraction=1.0,     # the fraction of that step's samples written (chosen by seed and step)
         instruction="",            # appended to math prompts (e.g. "Give the final answer as \\boxed{}.")
         arithmetic_size=2000,      # generated training problems (train split; held-out ones come from the test split)
         eval_size=128,             # held-out problems per domain

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from posttrain.rl.advantages import ADVANTAGE_METHODS
 from posttrain.rl.critic import check_critic
-from posttrain.rl.tasks import parse_weights
+from posttrain.rl.tasks import VERIFIERS, curriculum_options, domain_spec
 
 
 def ppo_steps(r) -> int:
@@ -24,15 +24,39 @@ INERT_UNLESS = {
     "max_resample_rounds": (lambda r: r.filter_groups, "resampling needs rl.filter_groups=True"),
     "eval_samples": (lambda r: r.eval_every > 0, "no evaluation without rl.eval_every > 0"),
     "eval_size": (lambda r: r.eval_every > 0, "no evaluation without rl.eval_every > 0"),
-    "instruction": (lambda r: "arithmetic" in parse_weights(r.domains), "only the arithmetic domain's prompts "
+    "instruction": (lambda r: "arithmetic" in domain_spec(r), "only the arithmetic domain's prompts "
                     "take rl.instruction, and rl.domains has no arithmetic"),
-    "arithmetic_size": (lambda r: "arithmetic" in parse_weights(r.domains), "rl.domains has no arithmetic"),
+    "arithmetic_size": (lambda r: "arithmetic" in domain_spec(r), "rl.domains has no arithmetic"),
+    "rollouts_fraction": (lambda r: r.rollouts_every > 0, "no rollouts are written without rl.rollouts_every > 0"),
+    "eval_files": (lambda r: r.eval_every > 0, "no evaluation without rl.eval_every > 0"),
+    "verifier_timeout_s": (lambda r: bool(r.verifiers or VERIFIERS), "only user verifiers (rl.verifiers) have "
+                           "this timeout; the math and code verifiers have their own"),
     **{k: (lambda r: r.advantage == "gae", "only the critic (rl.advantage='gae') uses it")
        for k in ("critic", "gamma", "lam", "value_coef", "value_clip")},
     "kl_in_reward": (lambda r: r.kl_coef > 0, "no KL to pay without rl.kl_coef > 0"),
     "reward_model_weight": (lambda r: bool(r.reward_model), "no learned reward without rl.reward_model"),
     "reward_model_normalize": (lambda r: bool(r.reward_model), "no learned reward without rl.reward_model"),
 }
+
+
+def check_curriculum(c, defaults) -> None:
+    """`rl.curriculum.*`: values in range, and none set that the rest leaves without effect."""
+    if not 0 <= c.hard_below <= c.easy_above <= 1 or not 0 <= c.pass_threshold <= 1:
+        raise ValueError(f"rl.curriculum: expected 0 <= hard_below ({c.hard_below}) <= easy_above ({c.easy_above}) "
+                         f"<= 1 and pass_threshold ({c.pass_threshold}) in [0, 1]")
+    if c.min_attempts < 1 or c.window < 0 or c.retire_after < 1:
+        raise ValueError(f"rl.curriculum: expected min_attempts >= 1 ({c.min_attempts}), window >= 0 ({c.window}), "
+                         f"retire_after >= 1 ({c.retire_after})")
+    weighted, retiring = bool(c.band_weights.strip()), c.retire_above >= 0 or c.retire_below >= 0
+    inert = {"hard_below": weighted, "easy_above": weighted, "min_attempts": weighted or retiring,
+             "window": weighted or retiring, "retire_after": retiring}
+    for key, active in inert.items():
+        if c[key] != defaults[key] and not active:
+            why = ("only retirement uses it: set rl.curriculum.retire_above or retire_below >= 0" if key == "retire_after"
+                   else "it places tasks in bands, and bands steer nothing without rl.curriculum.band_weights"
+                   + ("" if key in ("hard_below", "easy_above") else " or retirement (retire_above / retire_below >= 0)"))
+            raise ValueError(f"rl.curriculum.{key}={c[key]!r} cannot take effect: {why}")
+    curriculum_options(c)       # band_weights parse
 
 
 def check_rl_config(cfg) -> None:
@@ -62,6 +86,9 @@ def check_rl_config(cfg) -> None:
     if not 0 <= r.clip_low < 1 or r.clip_high < 0:
         raise ValueError(f"rl.clip_low={r.clip_low}, rl.clip_high={r.clip_high}: expected 0 <= clip_low < 1 and "
                          "clip_high >= 0")
+    if r.rollouts_every < 0 or not 0 < r.rollouts_fraction <= 1:
+        raise ValueError(f"rl.rollouts_every={r.rollouts_every}, rl.rollouts_fraction={r.rollouts_fraction}: expected "
+                         "rollouts_every >= 0 and 0 < rollouts_fraction <= 1")
     if r.max_staleness < 0:
         raise ValueError(f"rl.max_staleness={r.max_staleness}: expected >= 0")
     if r.filter_groups and r.max_staleness > 0:
@@ -78,6 +105,7 @@ def check_rl_config(cfg) -> None:
     if cfg.eval.long_context.lengths:
         raise ValueError(f"eval.long_context.lengths={cfg.eval.long_context.lengths!r}: the RL stage does not run "
                          "the long-context evals; evaluate its checkpoint with tools/long_context_eval.py")
+    check_curriculum(r.curriculum, defaults.curriculum)
     for key, (active, why) in INERT_UNLESS.items():
         if r[key] != defaults[key] and not active(r):
             raise ValueError(f"rl.{key}={r[key]!r} cannot take effect: {why}")

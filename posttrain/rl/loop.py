@@ -40,8 +40,9 @@ from posttrain.rl.learner import Learner, advantage_targets, batch_rows, compute
 from posttrain.rl.producer import AsyncProducer
 from posttrain.rl.reward_model import RewardComposer
 from posttrain.rl.rollout import BusyClock, RolloutBatch, RolloutWorker, collect_batch, evaluate
+from posttrain.rl.rollout_log import RolloutLog
 from posttrain.rl.scheduler import TaskScheduler
-from posttrain.rl.tasks import make_domains, make_reward_fn, parse_weights
+from posttrain.rl.tasks import curriculum_options, domain_weights, make_domains, make_reward_fn
 from posttrain.sampling.rules import SamplingParams
 from posttrain.train import lineage
 from posttrain.train.checkpoint import Checkpointer
@@ -81,6 +82,7 @@ class Components:
     clock: BusyClock
     pad_id: int
     rewards: RewardComposer
+    rollout_log: RolloutLog | None = None
 
     def weights(self, rl: RLState) -> tuple:
         """(params, rest) the policy samples with."""
@@ -152,7 +154,7 @@ def run(cfg) -> Result:
     r = cfg.rl
     tok = load_tokenizer(cfg.data.tokenizer)
     domains, held_out = make_domains(cfg, tok, make_reward_fn(cfg))
-    scheduler = TaskScheduler(domains, parse_weights(r.domains), seed=cfg.seed)
+    scheduler = TaskScheduler(domains, domain_weights(r, domains), seed=cfg.seed, **curriculum_options(r.curriculum))
     mesh, rules = mesh_and_rules(cfg)
     steps = cfg.train.steps
     tx = make_optimizer(cfg.optim, steps * ppo_steps(r))
@@ -191,6 +193,9 @@ def run(cfg) -> Result:
             if start and "reward_stats" in data:
                 rewards.stats.set_state(data["reward_stats"])
             c = Components(cfg, worker, learner, scheduler, None, ref, base_key, held_out, clock, tok.pad_id, rewards)
+            if r.rollouts_every:
+                c.rollout_log = RolloutLog(cfg.workdir, tok, every=r.rollouts_every, fraction=r.rollouts_fraction,
+                                           seed=cfg.seed, enabled=jax.process_index() == 0)
             if r.max_staleness > 0:
                 producer = c.producer = AsyncProducer(
                     worker, scheduler, num_groups=r.prompts_per_step, max_staleness=r.max_staleness,
@@ -220,6 +225,8 @@ def train_loop(c: Components, rl: RLState, ckpt: Checkpointer, writer: MetricsWr
         t1 = time.perf_counter()
         rl, metrics = learn_step(c, rl, rollouts)
         check_nonfinite(metrics, cfg.train.max_nonfinite_steps, step, ckpt)
+        if c.rollout_log is not None:
+            c.rollout_log.write(step, rollouts)
         rl = dataclasses.replace(rl, step=step + 1, scheduler_state=produced.scheduler_state)
         publish_step(c, rl)
         t2 = time.perf_counter()

@@ -22,11 +22,13 @@ from posttrain.rl.verifiers.math import MathTask, MathVerifier
 class Reward:
     """Total reward of one response and its parts (they sum to score); `error` says why the
     verifier could not decide (failed, timed out) — such a reward is not a judgement of the
-    response and is counted apart (`rl/verifier_errors`)."""
+    response and is counted apart (`rl/verifier_errors`). `verifier_parts` are the named numbers
+    the verifier reported beside correctness (not added to the score)."""
 
     score: float
     parts: dict[str, float]
     error: str | None = None
+    verifier_parts: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +78,7 @@ def compose(verdict: Verdict, config: RewardConfig, *, num_tokens: int | None = 
         "length": length,
         "tool_calls": -tools if tools else 0.0,
     }
-    return Reward(score=sum(parts.values()), parts=parts, error=verdict.error)
+    return Reward(score=sum(parts.values()), parts=parts, error=verdict.error, verifier_parts=dict(verdict.parts))
 
 
 class RewardFunction:

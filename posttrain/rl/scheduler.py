@@ -5,7 +5,13 @@
   than `min_attempts` samples), "hard" (< band_edges[0]), "easy" (> band_edges[1]), else
   "medium". With `band_weights`, a draw in a domain picks a non-empty band by weight, then a task
   uniformly in it (e.g. favour medium tasks, rarely revisit solved ones); without, tasks are
-  drawn uniformly.
+  drawn uniformly. With `window`, the pass rate is that of the task's last `window` samples
+  (a task that became easy moves out of "hard" without its early failures holding it back).
+- Retirement: once a task has `retire_after` samples, a pass rate >= `retire_above` (too easy) or
+  < `retire_below` (too hard) moves it to the "retired" band, never drawn again (unless every
+  task of its domain is retired: then the domain is drawn uniformly, counted in
+  `tasks/{domain}/exhausted_draws`). Per-band pass rates (`tasks/{domain}/band_{band}/pass_rate`:
+  samples scored while the task was in that band) show what the curriculum is feeding the policy.
 - Dynamic sampling (DAPO): a group whose rewards are all equal has zero advantage and trains
   nothing. `filter_groups` drops such groups; `dynamic_sample` draws replacements until the batch
   is full or `max_rounds` sampling rounds are spent (then the batch is short, and counted).
@@ -27,9 +33,10 @@ import numpy as np
 from posttrain.rl.domains import Domain
 from posttrain.rl.envs.base import Task, Trajectory
 
-BANDS = ("new", "hard", "medium", "easy")
+BANDS = ("new", "hard", "medium", "easy")        # the bands a draw may pick
+RETIRED = "retired"
 STATE_VERSION = 1
-_COUNTERS = ("samples", "passes", "groups", "dropped_groups")
+_COUNTERS = ("samples", "passes", "groups", "dropped_groups", "exhausted_draws")
 
 
 @dataclasses.dataclass
@@ -54,13 +61,16 @@ class TaskScheduler:
 
     weights: domain name -> non-negative weight (default: equal); seed: fixes the draws;
     band_weights: band name -> weight, None for uniform draws within a domain; band_edges:
-    (hard_below, easy_above) pass rates; min_attempts: samples before a task leaves "new".
+    (hard_below, easy_above) pass rates; min_attempts: samples before a task leaves "new";
+    window: pass rates over a task's last n samples (0: all); retire_above / retire_below: pass
+    rates that retire a task (None: never) once it has retire_after samples.
     """
 
     def __init__(self, domains: Mapping[str, Domain], weights: Mapping[str, float] | None = None, *,
                  seed: int = 0, band_weights: Mapping[str, float] | None = None,
                  band_edges: tuple[float, float] = (0.2, 0.8), min_attempts: int = 1,
-                 pass_threshold: float = 0.5) -> None:
+                 pass_threshold: float = 0.5, window: int = 0, retire_above: float | None = None,
+                 retire_below: float | None = None, retire_after: int = 1) -> None:
         if not domains:
             raise ValueError("TaskScheduler needs at least one domain")
         if not isinstance(seed, int) or seed < 0:
@@ -69,6 +79,12 @@ class TaskScheduler:
             raise ValueError(f"band_edges must satisfy 0 <= hard_below <= easy_above <= 1, got {band_edges}")
         if min_attempts < 1:
             raise ValueError(f"min_attempts must be >= 1, got {min_attempts}")
+        if window < 0 or retire_after < 1:
+            raise ValueError(f"window must be >= 0 and retire_after >= 1, got {window}, {retire_after}")
+        if retire_above is not None and retire_below is not None and retire_below > retire_above:
+            raise ValueError(f"retire_below={retire_below} > retire_above={retire_above}: every task would retire")
+        self.window, self.retire_above, self.retire_below, self.retire_after = (window, retire_above, retire_below,
+                                                                              retire_after)
         self.domains = dict(domains)
         self.names = list(self.domains)
         self.seed = seed
@@ -95,7 +111,9 @@ class TaskScheduler:
         self._short_batches = 0
         self._stats: dict[str, dict[int, list[int]]] = {name: {} for name in self.names}
         self._counters = {name: dict.fromkeys(_COUNTERS, 0) for name in self.names}
-        self._bands = {name: {b: [] for b in BANDS} for name in self.names}
+        self._recent: dict[str, dict[int, list[int]]] = {name: {} for name in self.names}
+        self._band_counts = {name: {b: [0, 0] for b in BANDS} for name in self.names}
+        self._bands = {name: {b: [] for b in (*BANDS, RETIRED)} for name in self.names}
         for name in self.names:
             self._bands[name]["new"] = list(range(len(self.domains[name].tasks)))
 
@@ -119,30 +137,49 @@ class TaskScheduler:
         """One task of domain `name`: by band weight among the non-empty bands, then uniformly."""
         tasks = self.domains[name].tasks
         bands = self._bands[name]
-        w = np.array([self.band_weights[b] if bands[b] else 0.0 for b in BANDS]) if self.band_weights else None
-        if w is None or w.sum() == 0:  # no curriculum, or only zero-weight bands left: uniform
+        if len(bands[RETIRED]) == len(tasks):
+            self._counters[name]["exhausted_draws"] += 1
             return tasks[int(rng.integers(len(tasks)))]
+        w = np.array([self.band_weights[b] if bands[b] else 0.0 for b in BANDS]) if self.band_weights else None
+        if w is None or w.sum() == 0:  # no curriculum, or only zero-weight bands left: uniform over active tasks
+            if not bands[RETIRED]:
+                return tasks[int(rng.integers(len(tasks)))]
+            active = sorted(i for b in BANDS for i in bands[b])
+            return tasks[active[int(rng.integers(len(active)))]]
         members = bands[BANDS[int(rng.choice(len(BANDS), p=w / w.sum()))]]
         return tasks[members[int(rng.integers(len(members)))]]
 
     # --- results ------------------------------------------------------------------------------
 
-    def band(self, attempts: int, passes: int) -> str:
-        """The difficulty band of a task with this record."""
+    def band(self, attempts: int, passes: int, recent: Sequence[int] | None = None) -> str:
+        """The band of a task with this record (`recent`: its last outcomes, 1 = pass, when windowed)."""
         if attempts < self.min_attempts:
             return "new"
-        rate = passes / attempts
+        rate = float(np.mean(recent)) if recent else passes / attempts
+        if attempts >= self.retire_after and (
+                (self.retire_above is not None and rate >= self.retire_above)
+                or (self.retire_below is not None and rate < self.retire_below)):
+            return RETIRED
         return "hard" if rate < self.band_edges[0] else "easy" if rate > self.band_edges[1] else "medium"
+
+    def _band_of(self, domain: str, i: int) -> str:
+        return self.band(*self._stats[domain].get(i, (0, 0)), self._recent[domain].get(i))
 
     def record(self, domain: str, task_id: str, rewards: Sequence[float]) -> None:
         """Add one group's rewards (one per sample) to the task's pass count and the domain's metrics."""
         i = self._task(domain, task_id)
-        passes = sum(float(r) >= self.pass_threshold for r in rewards)
+        outcomes = [int(float(r) >= self.pass_threshold) for r in rewards]
+        passes = sum(outcomes)
+        old = self._band_of(domain, i)
         stats = self._stats[domain].setdefault(i, [0, 0])
-        old = self.band(*stats)
         stats[0] += len(rewards)
         stats[1] += passes
-        self._move(domain, i, old, self.band(*stats))
+        if self.window:
+            self._recent[domain][i] = (self._recent[domain].get(i, []) + outcomes)[-self.window:]
+        self._move(domain, i, old, self._band_of(domain, i))
+        if old in self._band_counts[domain]:      # a retired task drawn only when its domain is exhausted
+            self._band_counts[domain][old][0] += len(rewards)
+            self._band_counts[domain][old][1] += passes
         counters = self._counters[domain]
         counters["samples"] += len(rewards)
         counters["passes"] += passes
@@ -199,6 +236,24 @@ class TaskScheduler:
             out[prefix + "pass_rate"] = c["passes"] / c["samples"] if c["samples"] else 0.0
             out[prefix + "dropped_frac"] = c["dropped_groups"] / c["groups"] if c["groups"] else 0.0
             out.update({f"{prefix}band_{b}": len(members) for b, members in self._bands[name].items()})
+            for b, (samples, passes) in self._band_counts[name].items():
+                out[f"{prefix}band_{b}/samples"] = samples
+                out[f"{prefix}band_{b}/pass_rate"] = passes / samples if samples else 0.0
+            out.update(self._difficulty_metrics(name))
+        return out
+
+    def _difficulty_metrics(self, name: str) -> dict[str, float]:
+        """Samples and pass rate per difficulty label the data gives (`tasks/{domain}/difficulty/{label}/...`)."""
+        tasks, totals = self.domains[name].tasks, {}
+        for i, (attempts, passes) in self._stats[name].items():
+            label = getattr(tasks[i], "difficulty", None)
+            if label is not None:
+                t = totals.setdefault(label, [0, 0])
+                t[0], t[1] = t[0] + attempts, t[1] + passes
+        out = {}
+        for label, (attempts, passes) in sorted(totals.items()):
+            out[f"tasks/{name}/difficulty/{label}/samples"] = attempts
+            out[f"tasks/{name}/difficulty/{label}/pass_rate"] = passes / attempts
         return out
 
     def get_state(self) -> dict[str, Any]:
@@ -207,7 +262,10 @@ class TaskScheduler:
                  for name in self.names}
         return {"version": STATE_VERSION, "seed": self.seed, "domains": list(self.names), "batches": self._batches,
                 "short_batches": self._short_batches, "weights": dict(self.weights), "stats": stats,
-                "counters": {name: dict(c) for name, c in self._counters.items()}}
+                "counters": {name: dict(c) for name, c in self._counters.items()},
+                "band_counts": {name: {b: list(c) for b, c in bc.items()} for name, bc in self._band_counts.items()},
+                "recent": {name: {self.domains[name].tasks[i].id: list(r) for i, r in sorted(self._recent[name].items())}
+                           for name in self.names}}
 
     def set_state(self, state: Mapping[str, Any]) -> None:
         """Restore `get_state()`; refused when the seed or the domains differ."""
@@ -221,11 +279,15 @@ class TaskScheduler:
         self.set_weights(state["weights"])
         self._batches, self._short_batches = int(state["batches"]), int(state["short_batches"])
         for name in self.names:
-            self._counters[name] = {k: int(state["counters"][name][k]) for k in _COUNTERS}
+            self._counters[name] = {k: int(state["counters"][name].get(k, 0)) for k in _COUNTERS}
+            for b, counts in state.get("band_counts", {}).get(name, {}).items():
+                self._band_counts[name][b] = [int(c) for c in counts]
+            for task_id, recent in (state.get("recent", {}).get(name, {}) if self.window else {}).items():
+                self._recent[name][self._task(name, task_id)] = [int(o) for o in recent][-self.window:]
             for task_id, (attempts, passes) in state["stats"][name].items():
                 i = self._task(name, task_id)
                 self._stats[name][i] = [int(attempts), int(passes)]
-                self._move(name, i, "new", self.band(attempts, passes))
+                self._move(name, i, "new", self._band_of(name, i))
 
     # --- helpers --------------------------------------------------------------------------------
 

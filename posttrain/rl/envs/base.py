@@ -22,11 +22,13 @@ from posttrain.rl.reward import Reward
 class Task:
     """One problem: a stable id (pass rates are tracked by it), the prompt messages the model
     sees (`[{"role", "content"}, ...]`) and the verifier's task (MathTask, CodeTask, ...) that
-    the final answer is checked against."""
+    the final answer is checked against; `difficulty`, when the data gives one, is reported per
+    label in the scheduler's metrics."""
 
     id: str
     prompt: tuple[dict, ...]
     target: Any
+    difficulty: str | None = None
 
 
 class Step(NamedTuple):

@@ -11,12 +11,14 @@ from typing import Any, Protocol
 class Verdict:
     """Correctness of one response in [0, 1], whether it used the expected answer format,
     a short human-readable reason (for logs, never for the reward) and, when the verifier could
-    not decide (it failed or timed out; `correct` is then 0), what went wrong."""
+    not decide (it failed or timed out; `correct` is then 0), what went wrong. `parts`: named
+    numbers a verifier reports beside `correct` (e.g. the fraction of tests passed), for logs."""
 
     correct: float
     format_ok: bool
     detail: str = ""
     error: str | None = None
+    parts: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class Verifier(Protocol):
