@@ -78,9 +78,12 @@ def test_user_task_file_with_user_verifier_trains_end_to_end(tmp_path, user_modu
     cfg.model.moe.num_experts, cfg.mesh.data, cfg.mesh.expert, cfg.mesh.tensor = 0, -1, 1, 1   # dense: compiles faster
     t0 = time.perf_counter()
     loop.run(cfg)
-    rs = rows(tmp_path / "run")
+    all_rows = rows(tmp_path / "run")
+    rs = [r for r in all_rows if "event" not in r]
     calls = sys.modules[user_module].calls
     assert [r["step"] for r in rs] == [0, 1, 2]
+    # the contained verifier failures are an alert (rl.verifier_errors over alerts.verifier_error_rate)
+    assert any(r.get("rule") == "verifier_error_rate" for r in all_rows if "event" in r)
     # The untrained policy rarely ends a turn (a truncated turn scores 0 without a verifier call), but the
     # run is deterministic for its seed: it calls the verifier, which raised on call 1 and hung on call 2.
     assert len(calls) >= 2
