@@ -150,3 +150,27 @@ def test_pod_shapes_have_the_published_sizes(model, billions):
     assert sum(x.size for x in jax.tree.leaves(params)) / 1e9 == pytest.approx(billions, abs=0.1)
     with pytest.raises(ValueError, match="MODEL:MODE"):
         runpy.run_path("configs/pod/moe_shapes.py")["get_config"](f"{model}:pretrain")
+
+
+@needs_libtpu
+@pytest.mark.parametrize("attention,sequence", [("splash", 1), ("blockwise", 2)], ids=["splash", "ring"])
+def test_long_context_attention_compiles_for_tpu(attention, sequence):
+    """The TPU attention paths lower and compile for a TPU slice: splash attention (a Pallas TPU
+    kernel) on one sequence shard, ring attention (collective-permutes) over two."""
+    from posttrain import compile_plan as cp
+    from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    cfg = tiny_moe_config()
+    cfg.model.moe.num_experts = 0
+    cfg.model.attention, cfg.model.context_parallel = attention, "ring"
+    cfg.model.attention_block = 128
+    cfg.mesh.data, cfg.mesh.expert, cfg.mesh.sequence = 4 // sequence, 1, sequence
+    cfg.train.seq_len = 256
+    mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
+    rules = parse_rules(cfg.sharding.rules.to_dict())
+    with use_sharding(mesh, rules):
+        (program,) = cp.build_programs(cfg, mesh, rules, ("sft",), prompt_len=8)
+        hlo = cp.compile_program(program, mesh, rules)[0].as_text()
+    if attention == "splash":
+        assert "tpu_custom_call" in hlo
+    else:
+        assert "collective-permute" in hlo

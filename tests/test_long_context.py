@@ -138,6 +138,14 @@ def test_splash_kernel_matches_reference_in_interpret_mode():
     seg = jnp.asarray(np.repeat([[1, 2, 0]], [50, 60, 18], axis=1), jnp.int32)
     got = splash_attention(q, k, v, seg, block_size=128, interpret=True)
     np.testing.assert_allclose(got, dot_product_attention(q, k, v, attention_mask(seg)), rtol=1e-5, atol=1e-5)
+    # On a mesh the Mosaic kernel runs per device inside shard_map (the compiler cannot partition
+    # it): rows over data, whole GQA groups over tensor.
+    from posttrain.ops.fused import on_local_shards
+    q2, k2, v2, seg2 = (jnp.concatenate([x, x[:, ::-1]]) for x in (q, k, v, seg))
+    kernel = functools.partial(splash_attention, block_size=128, interpret=True)
+    with use_sharding(make_mesh(dict(data=2, tensor=2, fsdp=2)), DEFAULT_RULES):
+        sharded = jax.jit(lambda *a: on_local_shards(kernel, *a))(q2, k2, v2, seg2)
+    np.testing.assert_allclose(sharded, dot_product_attention(q2, k2, v2, attention_mask(seg2)), rtol=1e-5, atol=1e-5)
 
 
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 3, 9, 1, 5], [2], [3, 3, 8, 1, 12]]

@@ -4,6 +4,7 @@ causal + segment masking."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -15,7 +16,7 @@ from posttrain.ops.blockwise import blockwise_attention
 from posttrain.ops.context_parallel import check_mode, context_parallel_attention, sequence_axes
 from posttrain.ops.decode import (K_TIME_AXIS, V_TIME_AXIS, decode_attention,  # noqa: F401 (re-exported)
                                  sequence_sharded_decode, write_cache_rows)
-from posttrain.ops.fused import KERNEL_PLATFORMS, check_platform, cudnn_attention, splash_attention
+from posttrain.ops.fused import KERNEL_PLATFORMS, check_platform, cudnn_attention, on_local_shards, splash_attention
 from posttrain.parallel.sharding import constrain, current
 
 ROPE_SCALINGS = ("", "linear", "dynamic", "yarn", "llama3")
@@ -205,7 +206,7 @@ class AttentionKernel:
         if self.kind == "cudnn":
             return cudnn_attention(q, k, v, segment_ids)
         if self.kind == "splash":
-            return splash_attention(q, k, v, segment_ids, block_size=self.block)
+            return on_local_shards(functools.partial(splash_attention, block_size=self.block), q, k, v, segment_ids)
         if n > 1:
             return context_parallel_attention(q, k, v, positions, segment_ids, mode=self.context_parallel,
                                               block_size=self.block)

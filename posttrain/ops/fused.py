@@ -14,6 +14,9 @@ import functools
 import math
 
 import jax
+from jax.sharding import PartitionSpec as P
+
+from posttrain.parallel.sharding import current, logical_spec
 
 KERNEL_PLATFORMS = {"cudnn": "gpu", "splash": "tpu"}
 
@@ -73,3 +76,18 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     out = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)), in_axes=(0, 0, 0, 0))(qg, kt, vt, segment_ids)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, h, d)
     return out * _real_rows(segment_ids).astype(out.dtype)
+
+
+def on_local_shards(kernel, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """`kernel(q, k, v, segment_ids)` per device under `use_sharding`: a Pallas (Mosaic) kernel
+    cannot be partitioned by the compiler, so it runs inside `shard_map` on each device's rows and
+    whole GQA groups (heads split as the kv heads are), the length whole."""
+    ctx = current()
+    if ctx is None or ctx[0].size == 1:
+        return kernel(q, k, v, segment_ids)
+    mesh, rules = ctx
+    batch, _, heads, _ = (tuple(logical_spec(("batch", "length", "kv_heads", "head_dim"), mesh, rules,
+                                             k.shape)) + (None,) * 4)[:4]
+    spec = P(batch, None, heads, None)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec, P(batch, None)), out_specs=spec,
+                         check_vma=False)(q, k, v, segment_ids)
