@@ -276,7 +276,8 @@ LAYOUTS = [  # (mesh, rules, case, expected expert-parallel all-to-all)
     # the same device grid as data2-expert2-tensor2 (make_mesh fixes the axis order): another router
     (dict(tensor=2, expert=2, data=2), DEFAULT_RULES, "sigmoid_norm_scaled", True),
     # tokens replicated over fsdp and expert: embed gathered invariant, experts summed, no a2a
-    (dict(data=2, fsdp=2, expert=2), {**DEFAULT_RULES, "batch": ("data",)}, "softmax_norm_shared", False),
+    (dict(data=2, fsdp=2, expert=2), {**DEFAULT_RULES, "batch": ("data",), "activation_batch": ("data",)},
+     "softmax_norm_shared", False),
 ]
 
 
