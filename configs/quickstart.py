@@ -29,8 +29,9 @@ def get_config():
     cfg.train.batch_size, cfg.train.seq_len, cfg.train.log_every = 16, 128, 10
     cfg.train.eval_every = 100
     cfg.rl.domains = "arithmetic"
-    # 16 prompts per update at a low lr: 8 at 2e-4 peaks early and falls back, higher lrs collapse
-    cfg.rl.steps, cfg.rl.lr = 100, 1e-4
+    # 16 prompts per update at a low lr, two PPO epochs over each rollout batch (BENCHMARKS.md:
+    # 8 prompts at 2e-4 peaks early and falls back, higher lrs collapse)
+    cfg.rl.steps, cfg.rl.lr, cfg.rl.updates_per_batch = 100, 1e-4, 2
     cfg.rl.prompts_per_step, cfg.rl.group_size, cfg.rl.max_new_tokens = 16, 8, 40
     cfg.rl.eval_every, cfg.rl.eval_size, cfg.rl.eval_samples = 25, 128, 4
     cfg.checkpoint.every = 100
