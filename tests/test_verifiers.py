@@ -348,3 +348,20 @@ def test_default_reward_function_knows_both_domains():
     assert set(rf.verifiers) == {MathTask, CodeTask}
     assert rf.verify(MathTask("0.5"), "\\boxed{\\frac{1}{2}}").score == 1.0
     assert parse_number("\\frac{1}{2}") == [Fraction(1, 2)]
+
+
+def test_symbolic_worker_exits_quietly_when_its_parent_goes():
+    """The worker answers until its parent's end of the pipe closes, then exits cleanly (no EOFError
+    traceback printed at the end of every run that used it)."""
+    import multiprocessing
+
+    from posttrain.rl.verifiers.symbolic import _serve
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    worker = ctx.Process(target=_serve, args=(child,), daemon=True)
+    worker.start()
+    child.close()
+    assert parent.recv() == "ready"
+    parent.close()
+    worker.join(timeout=60)
+    assert worker.exitcode == 0

@@ -30,7 +30,13 @@ def _serve(conn: Connection) -> None:
     # sympy imports much of itself on first use: pay that before the first timed check
     verify(parse("$(x+1)^2$", parsing_timeout=None), parse("$x^2+2x+1$", parsing_timeout=None), timeout_seconds=None)
     conn.send("ready")
-    while (request := conn.recv()) is not None:
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:     # the parent closed its end (it exited): nothing left to answer
+            return
+        if request is None:
+            return
         try:
             gold, guess = (parse(s if s.strip().startswith("$") else f"${s}$", parsing_timeout=None,
                                  raise_on_error=True) for s in (request[1], request[0]))
