@@ -119,3 +119,26 @@ def test_rlvr_with_the_learned_reward_and_a_critic_resumes_exactly(rm_run, tmp_p
     for k in ("loss", "rl/value_loss", "rl/value_mean", "rl/rm_score_mean", "rl/rm_running_mean", "rl/reward_mean",
               "rl/adv_max", "rl/kl"):
         np.testing.assert_allclose(after[2][k], before[2][k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_reward_composer_weights_and_normalisation_switch():
+    """rl.verifier_weight / rl.reward_model_weight weight the two sources; rl.reward_model_normalize
+    puts the learned score through its running statistics (off: the raw score)."""
+    from types import SimpleNamespace
+
+    from posttrain.rl.reward_model import RewardComposer
+
+    class FakeScorer:
+        def score(self, rows):
+            return np.asarray([float(sum(r)) for r in rows], np.float32)
+
+    rows, verifier = [[1, 2], [3], [4, 5, 6]], np.asarray([1.0, 0.0, 1.0], np.float32)
+    raw = np.asarray([3.0, 3.0, 15.0], np.float32)
+    cfg = lambda normalize: SimpleNamespace(reward_model_normalize=normalize, verifier_weight=0.5,
+                                            reward_model_weight=2.0)
+    plain, _ = RewardComposer(cfg(False), FakeScorer())(rows, verifier)
+    np.testing.assert_allclose(plain, 0.5 * verifier + 2.0 * raw, rtol=1e-6)
+    composer = RewardComposer(cfg(True), FakeScorer())
+    normalised, _ = composer(rows, verifier)
+    np.testing.assert_allclose(normalised, 0.5 * verifier + 2.0 * (raw - raw.mean()) / (raw.std() + 1e-6), rtol=1e-5)
+    assert not np.allclose(plain, normalised)
