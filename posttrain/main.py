@@ -16,6 +16,7 @@ import fnmatch
 import logging
 import os
 import runpy
+import shlex
 import sys
 import tempfile
 import time
@@ -147,13 +148,33 @@ def write_error_log(workdir: str | None, error: BaseException) -> str:
     return path
 
 
+def resume_command() -> str:
+    """The command line of this run, to repeat it (the module form when started as `-m posttrain.main`)."""
+    argv = sys.argv[1:]
+    program = ["python", "-m", "posttrain.main"] if sys.argv[0].endswith(os.path.join("posttrain", "main.py")) \
+        else [sys.argv[0]]
+    return shlex.join(program + argv)
+
+
 def run_cli(config, *, verbose: bool = False) -> int:
-    """`run(config)` with errors as one line on stderr; the exit status (0 ok, 2 bad input, 1 other).
+    """`run(config)` with errors as one line on stderr; the exit status (0 ok, 2 bad input, 1 other,
+    128 + signal when stopped by SIGINT/SIGTERM after saving a checkpoint).
 
     With `verbose` the exception propagates (full traceback)."""
+    from posttrain.train.interrupt import Interrupted
     try:
         run(config)
         return 0
+    except Interrupted as e:         # SIGINT/SIGTERM: the loop saved a checkpoint and stopped
+        print(f"{e}; to resume, run the same command again (it resumes from {config.workdir}): "
+              f"{resume_command()}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:        # a second signal, or one outside a training loop
+        if verbose:
+            raise
+        print(f"error: aborted; the checkpoints already in {config.workdir} are kept: run the same command again "
+              "to resume", file=sys.stderr)
+        return 130
     except Exception as e:           # the boundary: everything below raises, the user reads one line
         if verbose:
             raise

@@ -37,10 +37,26 @@ def metrics(workdir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
 
 
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(workdir, data folder) of an uninterrupted run, the reference of the resume tests."""
+    tmp_path = tmp_path_factory.mktemp("full")
     data = tmp_path / "data"
     full = subprocess.run(command(tmp_path / "full", data), capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert full.returncode == 0, full.stderr[-3000:]
+    return tmp_path / "full", data
+
+
+def assert_same_metrics(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(STEPS))
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            np.testing.assert_allclose(rb[k], ra[k], rtol=1e-5, atol=1e-6, err_msg=f"step {ra['step']} {k}")
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, full_run):
+    full, data = full_run
 
     workdir = tmp_path / "killed"
     kill_at = random.randint(EVERY + 1, STEPS - 3)
@@ -65,12 +81,38 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     resumed = subprocess.run(command(workdir, data), capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "restored checkpoint" in resumed.stderr
-    a, b = metrics(tmp_path / "full"), metrics(workdir)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(STEPS))
-    for ra, rb in zip(a, b):
-        assert ra.keys() == rb.keys()
-        for k in ra:
-            np.testing.assert_allclose(rb[k], ra[k], rtol=1e-5, atol=1e-6, err_msg=f"step {ra['step']} {k}")
+    assert_same_metrics(metrics(full), metrics(workdir))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_at_the_current_step_then_resume_equals_uninterrupted(tmp_path, full_run):
+    """Preemption: SIGTERM mid-run finishes the step, checkpoints it (between the periodic saves),
+    says how to resume and exits 143; the rerun continues to the uninterrupted run's losses."""
+    full, data = full_run
+    workdir = tmp_path / "stopped"
+    signal_at = random.randint(EVERY + 1, STEPS - 4)
+    proc = subprocess.Popen(command(workdir, data), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        path = workdir / "metrics.jsonl"
+        if path.exists() and any(json.loads(l)["step"] >= signal_at for l in path.read_text().splitlines() if l.strip()):
+            break
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    err = proc.communicate(timeout=600)[1]
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    done = max(r["step"] for r in metrics(workdir)) + 1            # the step running at the signal finished
+    assert done < STEPS, "run finished before the signal"
+    assert f"checkpoint saved at step {done}" in err.strip().splitlines()[-1], err[-3000:]
+    assert "run the same command again" in err.strip().splitlines()[-1]
+    assert (workdir / "checkpoints" / str(done)).is_dir()
+    resumed = subprocess.run(command(workdir, data), capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"restored checkpoint {done}" in resumed.stderr
+    assert_same_metrics(metrics(full), metrics(workdir))
 
 
 def test_checkpoint_restores_onto_another_mesh(tmp_path):

@@ -44,7 +44,7 @@ from posttrain.rl.rollout_log import RolloutLog
 from posttrain.rl.scheduler import TaskScheduler
 from posttrain.rl.tasks import curriculum_options, domain_weights, make_domains, make_reward_fn
 from posttrain.sampling.rules import SamplingParams
-from posttrain.train import lineage
+from posttrain.train import interrupt, lineage
 from posttrain.train.checkpoint import Checkpointer
 from posttrain.train.loop import CHECKPOINT_ITEMS, Result, starting_state
 from posttrain.train.metrics import MetricsWriter
@@ -169,7 +169,7 @@ def run(cfg) -> Result:
     writer = MetricsWriter(cfg.workdir, enabled=jax.process_index() == 0, resume_step=start)
     clock, pool, producer = BusyClock(), concurrent.futures.ThreadPoolExecutor(r.verifier_workers), None
     try:
-        with use_sharding(mesh, rules):
+        with use_sharding(mesh, rules), interrupt.on_signal():      # SIGINT/SIGTERM: save at the step, stop
             graphdef, state, shardings = create_train_state(make, tx, mesh, rules, cfg.lora, cfg.seed)
             state, start_weights, data = starting_state(state, shardings, ckpt, start, init_model_from(cfg, decoder),
                                                         need_start_weights=bool(r.kl_coef))
@@ -242,6 +242,8 @@ def train_loop(c: Components, rl: RLState, ckpt: Checkpointer, writer: MetricsWr
             monitor.check(step, rows[-1], writer, bar)
         if r.eval_every and (rl.step % r.eval_every == 0 or rl.step == steps):
             rl = run_eval(c, rl, writer, step)
-        if ckpt.should_save(rl.step, steps):
+        if saved := ckpt.should_save(rl.step, steps):
             save(c, ckpt, rl)
+        interrupt.stop_if_requested(rl.step, saved=saved, save=lambda: save(c, ckpt, rl), ckpt=ckpt,
+                                    workdir=cfg.workdir)
     return rl, rows

@@ -24,7 +24,7 @@ from posttrain.data.schedule import ScheduledBatches, parse_seq_len_schedule
 from posttrain.eval.alerts import AlertMonitor
 from posttrain.parallel import mesh_and_rules, named_sharding, use_sharding
 from posttrain.parallel.zigzag import zigzag_batch
-from posttrain.train import lineage
+from posttrain.train import interrupt, lineage
 from posttrain.train.checkpoint import Checkpointer, abstract_with_shardings
 from posttrain.train.metrics import MetricsWriter
 from posttrain.train.optim import lr_schedule, make_optimizer
@@ -142,7 +142,7 @@ def train(cfg, stage: Stage) -> Result:
     start = ckpt.latest_step() or 0
     writer = MetricsWriter(cfg.workdir, enabled=jax.process_index() == 0, resume_step=start)
     rows, evals = [], {}
-    with use_sharding(mesh, rules):
+    with use_sharding(mesh, rules), interrupt.on_signal():      # SIGINT/SIGTERM: save at the step, stop
         graphdef, state, shardings = create_train_state(stage.make_model, tx, mesh, rules, cfg.lora, cfg.seed)
         state, _, data_state = starting_state(state, shardings, ckpt, start, stage.init_model)
         start = int(state.step)       # older than the newest checkpoint if that one was unreadable
@@ -180,10 +180,12 @@ def train(cfg, stage: Stage) -> Result:
                 rows.append(writer.write(step, evals))
                 if stage.sample_fn is not None and jax.process_index() == 0:
                     stage.sample_fn(nnx.merge(graphdef, model_params(state, cfg.lora), state.rest), step)
-            if ckpt.should_save(done, steps):
-                ckpt.save(done, {k: getattr(state, k) for k in CHECKPOINT_ITEMS}, data=data.get_state(),
-                          meta={"seed": cfg.seed, "stage": stage.name, "config": cfg.to_dict(),
-                                lineage.KEY: lineage.merge(source, int(trained))})
+            save = lambda: ckpt.save(done, {k: getattr(state, k) for k in CHECKPOINT_ITEMS}, data=data.get_state(),
+                                     meta={"seed": cfg.seed, "stage": stage.name, "config": cfg.to_dict(),
+                                           lineage.KEY: lineage.merge(source, int(trained))})
+            if saved := ckpt.should_save(done, steps):
+                save()
+            interrupt.stop_if_requested(done, saved=saved, save=save, ckpt=ckpt, workdir=cfg.workdir, writer=writer)
         if stage.eval_fn is not None and not evals:      # resumed after the last step: gates still need it
             evals = run_eval(stage, graphdef, state, cfg.lora)
     ckpt.close()

@@ -100,6 +100,7 @@ class MetricsWriter:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
