@@ -11,8 +11,8 @@ def get_config():
     cfg = sft_config()
     cfg.stage = "dpo"
     cfg.workdir = "runs/dpo_tiny"
-    cfg.dpo.train_files = "runs/data/arith_pref_train.jsonl"
-    cfg.dpo.eval_files = "runs/data/arith_pref_eval.jsonl"
+    cfg.dpo.train_files = "synthetic:"
+    cfg.dpo.eval_files = "synthetic:"
     cfg.dpo.beta = 0.1
     cfg.dpo.gate = "eval/reward_accuracy>0.6"
     cfg.dpo.steps, cfg.dpo.lr = 100, 5e-4

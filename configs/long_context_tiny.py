@@ -29,7 +29,7 @@ def get_config():
     m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 64, 2, 4, 2, 16, 128
     m.rope_theta = 10_000.0
     cfg.data.synthetic, cfg.data.synthetic_size = "long_context", 2000
-    cfg.sft.train_files = "runs/data/long_context_train.jsonl"
+    cfg.sft.train_files = "synthetic:"
     cfg.sft.eval_files, cfg.sft.sample_tokens = "", 0
     cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len = 48, 8, 1024
     cfg.train.seq_len_schedule = "256:32,1024"

@@ -23,8 +23,8 @@ def get_config():
     # with operands 0-29, by a hash of the problem) are never in the SFT or RL training data.
     cfg.data.synthetic = "arithmetic"
     cfg.data.synthetic_size, cfg.data.synthetic_max_value, cfg.data.synthetic_error_rate = 20_000, 29, 0.6
-    cfg.sft.train_files = "runs/data/quickstart_sft_train.jsonl"
-    cfg.sft.eval_files = "runs/data/quickstart_sft_eval.jsonl"
+    cfg.sft.train_files = "synthetic:"
+    cfg.sft.eval_files = "synthetic:"
     cfg.sft.steps, cfg.sft.lr = 800, 3e-3
     cfg.train.batch_size, cfg.train.seq_len, cfg.train.log_every = 16, 128, 10
     cfg.train.eval_every = 100

@@ -10,8 +10,8 @@ def get_config():
     cfg = sft_config()
     cfg.stage = "reward_model"
     cfg.workdir = "runs/reward_model_tiny"
-    cfg.reward_model.train_files = "runs/data/arith_pref_train.jsonl"
-    cfg.reward_model.eval_files = "runs/data/arith_pref_eval.jsonl"
+    cfg.reward_model.train_files = "synthetic:"
+    cfg.reward_model.eval_files = "synthetic:"
     cfg.reward_model.gate = "eval/accuracy>0.6"
     cfg.train.steps, cfg.train.seq_len, cfg.train.eval_every = 150, 64, 50
     cfg.optim.lr = 1e-3

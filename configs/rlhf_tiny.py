@@ -19,8 +19,8 @@ def get_config():
     cfg.pipeline.stages = ("sft", "reward_model", "rlvr")
     cfg.train.seq_len = 64
     cfg.sft.steps = 200
-    cfg.reward_model.train_files = "runs/data/arith_pref_train.jsonl"
-    cfg.reward_model.eval_files = "runs/data/arith_pref_eval.jsonl"
+    cfg.reward_model.train_files = "synthetic:"
+    cfg.reward_model.eval_files = "synthetic:"
     cfg.reward_model.gate = "eval/accuracy>0.6"
     cfg.reward_model.steps, cfg.reward_model.lr = 150, 1e-3
     r = cfg.rl

@@ -139,7 +139,7 @@ def sft_config(workdir, **alerts):
     m = cfg.model
     m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 32, 1, 2, 1, 16, 64
     cfg.data.synthetic, cfg.data.synthetic_size = "arithmetic", 64
-    cfg.sft.train_files = str(workdir / "train.jsonl")
+    cfg.sft.train_files = "synthetic:"
     cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len, cfg.train.log_every = 4, 8, 64, 1
     cfg.train.progress, cfg.checkpoint.every = False, 0
     cfg.alerts.update(alerts)

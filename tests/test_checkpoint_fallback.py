@@ -69,7 +69,7 @@ def test_resume_after_corrupt_newest_checkpoint_continues_from_the_previous(tmp_
 
     def config(steps):
         cfg = runpy.run_path(str(ROOT / "configs/sft_tiny.py"))["get_config"]()
-        cfg.workdir, cfg.sft.train_files, cfg.sft.eval_files, cfg.sft.gate = str(tmp_path / "W"), str(tmp_path / "t.jsonl"), "", ""
+        cfg.workdir, cfg.sft.eval_files, cfg.sft.gate = str(tmp_path / "W"), "", ""
         cfg.data.synthetic_size, cfg.train.steps, cfg.train.log_every, cfg.checkpoint.every = 64, steps, 1, 2
         cfg.train.batch_size, cfg.train.seq_len, cfg.train.progress, cfg.checkpoint.async_save = 8, 64, False, False
         cfg.model.num_layers, cfg.model.moe.num_experts = 1, 0

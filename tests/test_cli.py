@@ -38,7 +38,7 @@ def test_cli_rejects_typo_before_compiling():
 def test_cli_trains_and_writes_metrics(tmp_path):
     """A few steps through the real entry point: metrics.jsonl and TensorBoard events appear."""
     cmd = [sys.executable, "-m", "posttrain.main", "--config", str(ROOT / "configs/sft_tiny.py"),
-           f"--config.workdir={tmp_path}", f"--config.sft.train_files={tmp_path}/train.jsonl",
+           f"--config.workdir={tmp_path}",
            "--config.sft.eval_files=", "--config.sft.gate=", "--config.data.synthetic_size=100",
            "--config.train.steps=3", "--config.train.log_every=1", "--config.train.batch_size=8",
            "--config.train.seq_len=64", "--config.train.progress=False"]

@@ -99,7 +99,7 @@ def test_checkpointer_refuses_nonfinite_weights(tmp_path):
 def test_diverging_run_stops_with_clear_error_and_finite_checkpoints(tmp_path):
     """The issue's command: lr=1e6 without warmup or clipping, checkpoints every 6 steps."""
     cmd = [sys.executable, "-m", "posttrain.main", "--config", str(ROOT / "configs/sft_tiny.py"),
-           f"--config.workdir={tmp_path}/W", f"--config.sft.train_files={tmp_path}/train.jsonl",
+           f"--config.workdir={tmp_path}/W",
            "--config.sft.eval_files=", "--config.sft.gate=", "--config.data.synthetic_size=100",
            "--config.train.steps=40", "--config.train.log_every=1", "--config.train.batch_size=8",
            "--config.train.seq_len=64", "--config.train.progress=False", "--config.optim.lr=1e6",

@@ -72,7 +72,7 @@ def test_unreachable_gs_path_names_key_and_path(tmp_path, capsys, monkeypatch):
 def test_init_from_missing_path_is_an_error_and_creates_nothing(tmp_path, capsys):
     missing = tmp_path / "no_such_run"
     line = one_line_error(capsys, sft_config(tmp_path, **{"init_from": str(missing), "sft.train_files":
-                                                          str(tmp_path / "t.jsonl"), "data.synthetic": "arithmetic",
+                                                          "synthetic:", "data.synthetic": "arithmetic",
                                                           "data.synthetic_size": 32}))
     assert line.startswith(f"error: init_from='{missing}': no such folder") and not missing.exists()
 
@@ -114,3 +114,36 @@ def test_verbose_shows_the_traceback(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert loud.returncode != 0 and "Traceback" in loud.stderr and "UserError" in loud.stderr
     assert "no records" in loud.stderr
+
+
+@pytest.mark.parametrize("named", ["mydata/trian.jsonl", "mydata/none_*.jsonl"])
+def test_mistyped_data_path_with_synthetic_data_on_is_an_error_and_creates_nothing(tmp_path, capsys, monkeypatch,
+                                                                                    named):
+    """sft_tiny generates arithmetic data; a mistyped user path used to receive it (and a glob a file
+    named `none_*.jsonl`). Now: an error naming the key and the path, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    cfg = sft_config(tmp_path, **{"data.synthetic": "arithmetic", "sft.train_files": named})
+    line = one_line_error(capsys, cfg)
+    assert line.startswith(f"error: config.sft.train_files={named!r}: no ") and "synthetic:" in line
+    assert not (tmp_path / "mydata").exists() and not (tmp_path / "W" / "synthetic").exists()
+
+
+def test_synthetic_data_goes_to_the_workdir_only(tmp_path, monkeypatch):
+    from posttrain.train.data_files import resolve_data_files
+    monkeypatch.chdir(tmp_path)
+    cfg = sft_config(tmp_path, **{"data.synthetic": "arithmetic", "data.synthetic_size": 40,
+                                  "sft.train_files": "synthetic:", "sft.eval_files": "synthetic:"})
+    resolve_data_files(cfg, "sft", "sft")
+    made = sorted((tmp_path / "W" / "synthetic").iterdir())
+    assert [str(p) for p in made] == sorted([cfg.sft.train_files, cfg.sft.eval_files])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["W"]                 # nothing anywhere else
+    assert len((tmp_path / "W" / "synthetic" / Path(cfg.sft.train_files).name).read_text().splitlines()) == 40
+    cfg2 = sft_config(tmp_path, **{"data.synthetic": "arithmetic", "data.synthetic_size": 60,
+                                   "sft.train_files": "synthetic:"})
+    resolve_data_files(cfg2, "sft", "sft")                  # another size: another file, never a stale one
+    assert cfg2.sft.train_files != cfg.sft.train_files and len(Path(cfg2.sft.train_files).read_text().splitlines()) == 60
+    cfg3 = sft_config(tmp_path, **{"sft.train_files": "synthetic:"})       # data.synthetic empty
+    with pytest.raises(UserError, match=r"config.sft.train_files='synthetic:' asks for generated data but "
+                                        "data.synthetic is empty") as e:
+        resolve_data_files(cfg3, "sft", "sft")
+    assert e.value.key == "sft.train_files"

@@ -16,7 +16,7 @@ from posttrain.data.synthetic import (arithmetic_lm_batch, arithmetic_problem_co
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.rl.domains import gsm8k_tasks, humaneval_tasks, shared_data_dir
 from posttrain.rl.loop import make_domains
-from posttrain.train.stages import _ensure_synthetic
+from posttrain.train.data_files import resolve_data_files
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBLEM = re.compile(r"What is (\d+[+-]\d+)\?")
@@ -24,9 +24,9 @@ PROBLEM = re.compile(r"What is (\d+[+-]\d+)\?")
 
 def quickstart_config(tmp_path):
     cfg = runpy.run_path(str(ROOT / "configs/quickstart.py"))["get_config"]()
+    cfg.workdir = str(tmp_path)
     for stage in ("sft", "reward_model", "dpo"):
-        cfg[stage].train_files = str(tmp_path / f"{stage}_train.jsonl")
-        cfg[stage].eval_files = str(tmp_path / f"{stage}_eval.jsonl")
+        cfg[stage].train_files = cfg[stage].eval_files = "synthetic:"
     return cfg
 
 
@@ -41,14 +41,14 @@ def test_arithmetic_eval_problems_are_in_no_training_data(tmp_path):
     assert len(evals) == len(set(evals)) == cfg.rl.eval_size                 # distinct problems
     assert {arithmetic_split(q) for q in evals} == {"test"}
     train = {PROBLEM.match(t.prompt[0]["content"]).group(1) for t in domains["arithmetic"].tasks}
-    _ensure_synthetic(cfg, "sft", "sft")
-    _ensure_synthetic(cfg, "dpo", "preference")
-    sft, preference = set(problems(tmp_path / "sft_train.jsonl")), set(problems(tmp_path / "dpo_train.jsonl"))
+    resolve_data_files(cfg, "sft", "sft")
+    resolve_data_files(cfg, "dpo", "preference")
+    sft, preference = set(problems(Path(cfg.sft.train_files))), set(problems(Path(cfg.dpo.train_files)))
     lm = {q for step in range(20) for row in arithmetic_lm_batch(0, step, 8, 128)["inputs"]
           for q in re.findall(r"(?:^|;)(\d+[+-]\d+)=", bytes(row.astype("uint8")).decode())}
     for name, data in (("rl", train), ("sft", sft), ("preference", preference), ("lm", lm)):
         assert not data & set(evals), name
-    assert {arithmetic_split(q) for q in set(problems(tmp_path / "sft_eval.jsonl"))} == {"test"}
+    assert {arithmetic_split(q) for q in set(problems(Path(cfg.sft.eval_files)))} == {"test"}
     assert cfg.rl.eval_size <= arithmetic_problem_count(cfg.data.synthetic_max_value, "test")
 
 

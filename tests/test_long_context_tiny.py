@@ -21,7 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def tiny_config(tmp_path):
     cfg = runpy.run_path(str(ROOT / "configs/long_context_tiny.py"))["get_config"]()
     cfg.workdir = str(tmp_path / "run")
-    cfg.sft.train_files = str(tmp_path / "data" / "train.jsonl")
     cfg.data.synthetic_size = 24
     cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len, cfg.train.seq_len_schedule = 4, 2, 256, "192:2,256"
     cfg.train.progress, cfg.train.log_every = False, 1
@@ -34,7 +33,8 @@ def test_long_context_tiny_end_to_end(tmp_path):
     from posttrain.main import run
     cfg = tiny_config(tmp_path)
     result = run(cfg)
-    records = [json.loads(line) for line in open(cfg.sft.train_files)]
+    [data] = (tmp_path / "run" / "synthetic").glob("long_context_train_*.jsonl")     # generated there
+    records = [json.loads(line) for line in open(data)]
     assert len(records) == 24 and all(r["response"].lstrip("-").isdigit() for r in records)
     assert [r["seq_len"] for r in result.rows if "seq_len" in r] == [192, 192, 256, 256]
     assert result.train_step_compiles == 2

@@ -20,7 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quickstart_rl_raises_heldout_accuracy(tmp_path):
     cfg = runpy.run_path(str(ROOT / "configs/quickstart.py"))["get_config"]()
     cfg.workdir = str(tmp_path / "run")
-    cfg.sft.train_files, cfg.sft.eval_files = str(tmp_path / "sft_train.jsonl"), str(tmp_path / "sft_eval.jsonl")
     cfg.train.progress = False
     pipeline.run(cfg)
     evals = [json.loads(l) for l in (tmp_path / "run/1_rlvr/metrics.jsonl").read_text().splitlines()

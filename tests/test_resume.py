@@ -26,7 +26,7 @@ STEPS, EVERY = 30, 10
 
 def command(workdir: Path, data: Path) -> list[str]:
     return [sys.executable, "-m", "posttrain.main", "--config", str(ROOT / "configs/sft_tiny.py"),
-            f"--config.workdir={workdir}", f"--config.sft.train_files={data}/train.jsonl",
+            f"--config.workdir={workdir}",
             "--config.sft.eval_files=", "--config.sft.gate=", f"--config.train.steps={STEPS}",
             "--config.train.log_every=1", "--config.train.batch_size=8", "--config.train.seq_len=64",
             f"--config.checkpoint.every={EVERY}", "--config.train.progress=False", "--config.data.synthetic_size=300"]

@@ -23,7 +23,7 @@ def tiny_reward_model_config(workdir, data_dir):
     m.moe.num_experts, m.moe.expert_mlp_dim = 2, 32
     cfg.mesh.data, cfg.mesh.expert, cfg.mesh.tensor = 2, 2, 2
     cfg.data.synthetic, cfg.data.synthetic_size = "arithmetic", 64
-    cfg.reward_model.train_files = str(data_dir / "pref.jsonl")
+    cfg.reward_model.train_files = "synthetic:"
     cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len, cfg.train.progress = 1, 8, 64, False
     cfg.checkpoint.every = 1
     return cfg

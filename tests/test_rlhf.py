@@ -20,7 +20,7 @@ def tiny_rlhf(workdir, data_dir, **rl):
     m.moe.num_experts, m.moe.expert_mlp_dim = 2, 32
     cfg.mesh.data, cfg.mesh.expert, cfg.mesh.tensor = 2, 2, 2
     cfg.data.synthetic_size = 256
-    cfg.sft.train_files, cfg.reward_model.train_files = str(data_dir / "sft.jsonl"), str(data_dir / "pref.jsonl")
+    cfg.sft.train_files = cfg.reward_model.train_files = "synthetic:"
     cfg.sft.eval_files = cfg.reward_model.eval_files = ""
     cfg.sft.gate = cfg.reward_model.gate = ""
     cfg.sft.steps, cfg.sft.lr, cfg.reward_model.steps, cfg.reward_model.lr = 40, 3e-3, 30, 3e-3

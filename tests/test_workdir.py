@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def sft_command(workdir: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "posttrain.main", "--config", str(ROOT / "configs/sft_tiny.py"),
-            f"--config.workdir={workdir}", f"--config.sft.train_files={workdir.parent}/data/train.jsonl",
+            f"--config.workdir={workdir}",
             "--config.sft.eval_files=", "--config.sft.gate=", "--config.data.synthetic_size=100",
             "--config.train.progress=False", *extra]
 

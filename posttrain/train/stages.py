@@ -17,7 +17,6 @@ from flax import nnx
 
 from posttrain.data.examples import sft_messages
 from posttrain.data.pipeline import preference_batches, read_jsonl, sft_batches
-from posttrain.data.synthetic import ensure_arithmetic_file
 from posttrain.data.tokenizer import Tokenizer, load_tokenizer
 from posttrain.eval.long_context_eval import make_long_context_eval
 from posttrain.models.decoder import Decoder
@@ -25,6 +24,7 @@ from posttrain.models.layers import dtype_of, param
 from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams
+from posttrain.train.data_files import resolve_data_files
 from posttrain.train.init import load_model_state, overlay
 from posttrain.train.loop import Result, Stage, put_batch, train
 from posttrain.train.losses import bradley_terry_loss, dpo_loss, sequence_logprobs
@@ -147,45 +147,6 @@ def with_stage_overrides(cfg, stage: str):
     return cfg
 
 
-def _ensure_synthetic(cfg, stage: str, kind: str) -> None:
-    """With data.synthetic = "arithmetic", generate the stage's train/eval files if missing: train
-    files from the arithmetic "train" split, eval files from the held-out "test" split
-    ("long_context" is SFT's, see `_ensure_long_context_files`)."""
-    if not cfg.data.synthetic or (cfg.data.synthetic == "long_context" and kind == "sft"):
-        return
-    if cfg.data.synthetic != "arithmetic":
-        raise ValueError(f"data.synthetic={cfg.data.synthetic!r}: expected '' or 'arithmetic' "
-                         f"(or 'long_context' for stage sft)")
-    n, kw = cfg.data.synthetic_size, {"max_value": cfg.data.synthetic_max_value}
-    if kind == "sft":
-        kw["error_rate"] = cfg.data.synthetic_error_rate
-    if cfg[stage].train_files:
-        ensure_arithmetic_file(cfg[stage].train_files, kind, n, seed=1, split="train", **kw)
-    if cfg[stage].eval_files:
-        ensure_arithmetic_file(cfg[stage].eval_files, kind, max(n // 4, 1), seed=2, split="test", **kw)
-
-
-def _ensure_long_context_files(cfg, tok: Tokenizer) -> None:
-    """With data.synthetic = "long_context", write SFT files of needle / multi-hop problems from the
-    training name space (disjoint from `eval.long_context`'s) if missing, prompts of 160 tokens
-    (the longest facts of `eval.long_context.hops` <= 3 fit) up to what fits train.seq_len."""
-    if cfg.data.synthetic != "long_context":
-        return
-    import fsspec
-    from posttrain.eval.long_context import training_records
-    count = lambda s: len(tok.encode(s))
-    hi = cfg.train.seq_len - 24             # room for the chat markers and the answer
-    for files, n, seed in ((cfg.sft.train_files, cfg.data.synthetic_size, 1),
-                           (cfg.sft.eval_files, max(cfg.data.synthetic_size // 8, 1), 2)):
-        fs, path = fsspec.core.url_to_fs(files) if files else (None, "")
-        if not files or fs.exists(path):
-            continue
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True) if "/" in path else None
-        with fsspec.open(files, "w") as f:
-            for rec in training_records(n, min(160, hi), hi, seed=seed, hops=cfg.eval.long_context.hops, count=count):
-                f.write(json.dumps(rec) + "\n")
-
-
 def _tokenizer(cfg) -> Tokenizer:
     tok = load_tokenizer(cfg.data.tokenizer)
     if tok.vocab_size > cfg.model.vocab_size:
@@ -245,9 +206,8 @@ def make_sampler_log(cfg, tok: Tokenizer, files: str, n: int = 3):
 def sft(cfg) -> Result:
     """Supervised fine-tuning: next-token loss on response tokens of packed conversations."""
     cfg = with_stage_overrides(cfg, "sft")
-    _ensure_synthetic(cfg, "sft", "sft")
     tok = _tokenizer(cfg)
-    _ensure_long_context_files(cfg, tok)
+    resolve_data_files(cfg, "sft", "sft", tok)
     kw = _data_kw(cfg)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     train_files = _require(cfg.sft.train_files, "sft.train_files")
@@ -286,7 +246,7 @@ def reward_model(cfg) -> Result:
     if cfg.eval.long_context.lengths:
         raise ValueError(f"eval.long_context.lengths={cfg.eval.long_context.lengths!r}: a reward model does not "
                          "generate; evaluate long context in the sft or dpo stage")
-    _ensure_synthetic(cfg, "reward_model", "preference")
+    resolve_data_files(cfg, "reward_model", "preference")
     tok, kw = _tokenizer(cfg), _data_kw(cfg)
     make = lambda: RewardModel(cfg.model, rngs=nnx.Rngs(cfg.seed))
     loss = functools.partial(reward_model_loss, moe_cfg=cfg.model.moe)
@@ -306,7 +266,7 @@ def reward_model(cfg) -> Result:
 def dpo(cfg) -> Result:
     """DPO from `init_from` (or the seed's initial weights); the reference is that starting point."""
     cfg = with_stage_overrides(cfg, "dpo")
-    _ensure_synthetic(cfg, "dpo", "preference")
+    resolve_data_files(cfg, "dpo", "preference")
     tok, kw = _tokenizer(cfg), _data_kw(cfg)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     mesh, rules = mesh_and_rules(cfg)
