@@ -75,22 +75,15 @@ def run(config) -> object:
 
 
 def _run_locked(config) -> object:
-    from posttrain.eval.alerts import AlertMonitor, AlertStop
-    from posttrain.eval.gates import GATED_STAGES, SECTION, GateFailed, check_gate, validate_gates
-    from posttrain.rl import evaluation
+    from posttrain.config_schema import check_config
+    from posttrain.eval.alerts import AlertStop
+    from posttrain.eval.gates import GATED_STAGES, SECTION, GateFailed, check_gate
     from posttrain.train.compile_cache import enable_compilation_cache
     from posttrain.train.pipeline import gate_metrics
     table = stages()
     if config.stage not in table:
         raise UserError(f"config.stage={config.stage!r}; valid stages: {', '.join(sorted(table))}", key="stage")
-    try:       # gates, alerts and eval suites are checked before anything trains
-        stage_names = config.pipeline.stages if config.stage == "pipeline" else (config.stage,)
-        validate_gates(config, stage_names)
-        AlertMonitor.from_config(config)
-        if "eval" in stage_names:
-            evaluation.check_eval_config(config)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    check_config(config)      # every enum, range and cross-field rule, gates, rl.*, alerts: before anything trains
     if config.init_from:
         from posttrain.train.init import require_init_from
         require_init_from(config.init_from)
@@ -194,6 +187,8 @@ def main(argv: list[str]) -> None:
         names = sorted(f for f in os.listdir(configs) if f.endswith(".py")) if os.path.isdir(configs) else []
         raise SystemExit("error: no config given: pass --config path/to/config.py, e.g. --config "
                          f"configs/quickstart.py{' (configs/: ' + ', '.join(names) + ')' if names else ''}")
+    from posttrain.config_schema import apply_command_line_precedence, command_line_keys
+    apply_command_line_precedence(_CONFIG.value, command_line_keys(sys.argv[1:]))
     sys.exit(run_cli(_CONFIG.value, verbose=_VERBOSE.value))
 
 

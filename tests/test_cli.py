@@ -49,3 +49,63 @@ def test_cli_trains_and_writes_metrics(tmp_path):
     assert all(k in rows[0] for k in ("loss", "ce", "grad_norm", "lr", "moe/aux_loss", "moe/load"))
     assert len(rows[0]["moe/load"]) == 4
     assert list((tmp_path / "tensorboard").iterdir())
+
+
+def load(name: str):
+    import runpy
+    return runpy.run_path(str(ROOT / "configs" / name))["get_config"]()
+
+
+@pytest.mark.parametrize("config_file, key, value, expected", [
+    ("rlvr_tiny.py", "rl.advantage", "foo", "config.rl.advantage='foo': expected one of 'grpo'"),
+    ("sft_tiny.py", "train.steps", -1, "config.train.steps=-1: expected >= 1"),
+    ("sft_tiny.py", "optim.lr", -1.0, "config.optim.lr=-1.0: expected > 0"),
+    ("dpo_tiny.py", "dpo.steps", -5, "config.dpo.steps=-5: expected >= 0"),
+    ("sft_tiny.py", "model.num_kv_heads", 3, "config.model.num_kv_heads=3 must divide model.num_heads=4"),
+    ("sft_tiny.py", "model.moe.top_k", 5, "config.model.moe.top_k=5: expected <= model.moe.num_experts=4"),
+    ("sft_tiny.py", "data.on_error", "ignore", "config.data.on_error='ignore': expected one of 'raise', 'skip'"),
+    ("pipeline_tiny.py", "dpo.gate", "eval/reward_accuracy>>0.6", "dpo.gate"),     # the last stage's gate
+    ("quickstart.py", "rl.kl_estimator", "k1", "rl.kl_estimator='k1' cannot take effect"),   # rl.* rules, a pipeline
+])
+def test_bad_values_fail_before_any_stage_runs_naming_the_key(tmp_path, capsys, monkeypatch, config_file, key,
+                                                              value, expected):
+    from posttrain import main
+    names = ("lm", "sft", "reward_model", "dpo", "rlvr", "eval", "pipeline")
+    monkeypatch.setattr(main, "stages", lambda: {n: lambda cfg: pytest.fail("a stage ran") for n in names})
+    cfg = load(config_file)
+    cfg.workdir = str(tmp_path / "W")
+    section, *rest = key.split(".")
+    node = cfg[section]
+    for part in rest[:-1]:
+        node = node[part]
+    node[rest[-1]] = value
+    assert main.run_cli(cfg) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: ") and expected in line and key in line, line
+
+
+def test_cli_bad_enum_fails_at_once_and_command_line_steps_win_over_the_file(tmp_path):
+    """`--config.train.steps=6` on rlvr_tiny (rl.steps=60 in the file) used to run 60 steps; the
+    command line now wins (and says so). rl.advantage=foo fails before anything compiles."""
+    out = subprocess.run([sys.executable, "-m", "posttrain.main", "--config", str(ROOT / "configs/rlvr_tiny.py"),
+                          f"--config.workdir={tmp_path}", "--config.train.steps=6", "--config.rl.advantage=foo"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("error: config.rl.advantage='foo'")
+    assert "train.steps=6 from the command line replaces rl.steps=60 from the config file" in out.stderr
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_precedence_of_stage_keys_and_generic_keys():
+    from posttrain.config_schema import apply_command_line_precedence, command_line_keys
+    from posttrain.train.stages import with_stage_overrides
+    cfg = load("rlvr_tiny.py")
+    assert cfg.rl.steps == 60 and with_stage_overrides(cfg, "rl").train.steps == 60      # the file: stage key wins
+    cfg.train.steps = 6
+    apply_command_line_precedence(cfg, command_line_keys(["--config.train.steps=6", "--config.seed", "1"]))
+    assert cfg.rl.steps == 0 and with_stage_overrides(cfg, "rl").train.steps == 6        # the command line wins
+    cfg = load("dpo_tiny.py")
+    cfg.optim.lr, cfg.dpo.lr = 1e-2, 2e-4
+    notes = apply_command_line_precedence(cfg, command_line_keys(["--config.optim.lr=1e-2", "--config.dpo.lr=2e-4"]))
+    assert notes == [] and with_stage_overrides(cfg, "dpo").optim.lr == 2e-4           # both given: the specific one
+    assert with_stage_overrides(cfg, "dpo").train.steps == 100
