@@ -47,7 +47,7 @@ from posttrain.sampling.rules import SamplingParams
 from posttrain.train import interrupt, lineage
 from posttrain.train.checkpoint import Checkpointer
 from posttrain.train.loop import CHECKPOINT_ITEMS, Result, starting_state
-from posttrain.train.metrics import MetricsWriter
+from posttrain.train.metrics import MetricsWriter, compiled, compiling
 from posttrain.train.optim import lr_schedule, make_optimizer
 from posttrain.train.stages import init_model_from, with_stage_overrides
 from posttrain.train.state import TrainState, create_train_state, model_params
@@ -219,11 +219,15 @@ def train_loop(c: Components, rl: RLState, ckpt: Checkpointer, writer: MetricsWr
     bar = tqdm(range(rl.step, steps), desc="rlvr", initial=rl.step, total=steps,
                disable=not cfg.train.progress or jax.process_index() != 0)
     wall0, busy0, monitor = time.perf_counter(), c.clock.total, AlertMonitor.from_config(cfg)
+    compiling(bar, "rlvr")
+    first = rl.step
     for step in bar:
         t0 = time.perf_counter()
         rollouts, produced = rollout_step(c, rl)
         t1 = time.perf_counter()
         rl, metrics = learn_step(c, rl, rollouts)
+        if step == first:
+            compiled(bar, "rlvr")
         check_nonfinite(metrics, cfg.train.max_nonfinite_steps, step, ckpt)
         if c.rollout_log is not None:
             c.rollout_log.write(step, rollouts)

@@ -26,7 +26,7 @@ from posttrain.parallel import mesh_and_rules, named_sharding, use_sharding
 from posttrain.parallel.zigzag import zigzag_batch
 from posttrain.train import interrupt, lineage
 from posttrain.train.checkpoint import Checkpointer, abstract_with_shardings
-from posttrain.train.metrics import MetricsWriter
+from posttrain.train.metrics import DataCounts, MetricsWriter, compiled, compiling, summary
 from posttrain.train.optim import lr_schedule, make_optimizer
 from posttrain.train.state import TrainState, create_train_state, model_params
 from posttrain.train.step import check_nonfinite, make_train_step
@@ -155,17 +155,20 @@ def train(cfg, stage: Stage) -> Result:
         bar = tqdm(range(start, steps), desc=stage.name, initial=start, total=steps,
                    disable=not cfg.train.progress or jax.process_index() != 0)
         t0, last, monitor = time.perf_counter(), start - 1, AlertMonitor.from_config(cfg)
+        counts = DataCounts(stage.name)
+        compiling(bar, stage.name)
         for step in bar:
             batch = put_batch(zigzag_batch(data.at(step), shards), stage.batch_axes)
             trained = longest_context(trained, batch)
             state, metrics = step_fn(state, batch, *stage.extra)
+            if step == start:
+                compiled(bar, stage.name)
             if step % cfg.train.log_every == 0 or step == steps - 1:
                 metrics = jax.device_get(metrics)
                 now = time.perf_counter()
                 if "tokens" in metrics:   # first interval includes compilation
                     metrics["tokens_per_s"] = float(metrics["tokens"]) * (step - last) / max(now - t0, 1e-9)
-                if hasattr(data.batches, "skipped"):
-                    metrics["data/skipped"] = data.batches.skipped
+                metrics.update(counts.read(step, data.batches))      # data/skipped, data/truncated
                 if data.staged:
                     metrics.update({"seq_len": data.length, "data/deferred": getattr(data.batches, "deferred", 0)})
                 rows.append(writer.write(step, metrics))
@@ -178,6 +181,7 @@ def train(cfg, stage: Stage) -> Result:
             if stage.eval_fn is not None and (done == steps or cfg.train.eval_every and done % cfg.train.eval_every == 0):
                 evals = run_eval(stage, graphdef, state, cfg.lora)
                 rows.append(writer.write(step, evals))
+                logging.info("%s step %d: %s", stage.name, done, summary(evals))
                 if stage.sample_fn is not None and jax.process_index() == 0:
                     stage.sample_fn(nnx.merge(graphdef, model_params(state, cfg.lora), state.rest), step)
             save = lambda: ckpt.save(done, {k: getattr(state, k) for k in CHECKPOINT_ITEMS}, data=data.get_state(),
@@ -188,6 +192,7 @@ def train(cfg, stage: Stage) -> Result:
             interrupt.stop_if_requested(done, saved=saved, save=save, ckpt=ckpt, workdir=cfg.workdir, writer=writer)
         if stage.eval_fn is not None and not evals:      # resumed after the last step: gates still need it
             evals = run_eval(stage, graphdef, state, cfg.lora)
+            logging.info("%s step %d: %s", stage.name, int(state.step), summary(evals))
     ckpt.close()
     writer.close()
     logging.info("%s: finished %d steps in %s", stage.name, steps, cfg.workdir)

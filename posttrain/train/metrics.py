@@ -7,6 +7,7 @@ step) is written as `null`; `read_metrics` gives it back as NaN. TensorBoard get
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -101,6 +102,39 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def summary(row: dict[str, Any]) -> str:
+    """A row's scalars as one console line: `eval/loss=0.8123 eval/accuracy=0.6`."""
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                    if k != "step" and isinstance(v, (int, float)))
+
+
+def compiling(bar, name: str) -> None:
+    """Say that the first step compiles (tens of seconds of an otherwise silent 0% bar)."""
+    bar.set_description(f"{name} (compiling…)")
+    logging.info("%s: compiling the first step (the bar moves once it ran)", name)
+
+
+def compiled(bar, name: str) -> None:
+    """The first step ran: the bar's description back to the stage's name."""
+    bar.set_description(name)
+
+
+class DataCounts:
+    """The data iterator's counts for the metrics (`data/skipped`, `data/truncated`), and a console
+    line whenever more examples were truncated (`data.truncate=True` cuts them silently otherwise)."""
+
+    def __init__(self, stage: str):
+        self.stage, self.truncated = stage, 0
+
+    def read(self, step: int, batches) -> dict[str, int]:
+        counts = {f"data/{k}": int(getattr(batches, k)) for k in ("skipped", "truncated") if hasattr(batches, k)}
+        if counts.get("data/truncated", 0) > self.truncated:
+            self.truncated = counts["data/truncated"]
+            logging.info("%s step %d: %d examples so far were longer than train.seq_len and cut to it "
+                         "(data.truncate=True)", self.stage, step, self.truncated)
+        return counts
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
