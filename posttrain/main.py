@@ -192,9 +192,42 @@ def main(argv: list[str]) -> None:
     sys.exit(run_cli(_CONFIG.value, verbose=_VERBOSE.value))
 
 
+ENVIRONMENT = {
+    "POSTTRAIN_DATA": "folder of the ready-made data sets (gsm8k/, humaneval/: rl.domains, eval.suites); "
+                      "default: shared/data beside the repository",
+    "POSTTRAIN_COMPILATION_CACHE": "JAX's persistent compilation cache folder for compilation_cache=auto "
+                                   "(default ~/.cache/posttrain/jax; off: none)",
+}
+
+
+def usage() -> str:
+    """`--help`: how to call, the stages, every config section with its keys, the environment."""
+    from posttrain.config import base_config
+    cfg = base_config()
+    top = [k for k in cfg.keys() if not hasattr(cfg[k], "keys")]
+    lines = ["usage: python -m posttrain.main --config configs/X.py [--config.section.key=value ...] [--verbose]",
+             "", f"Runs config.stage, one of: {', '.join(sorted(stages()))} (pipeline: pipeline.stages in order).",
+             "A run in the same workdir resumes from its newest checkpoint; Ctrl-C / SIGTERM saves one and stops.",
+             "", "Config keys (defaults in posttrain/config.py, allowed values in posttrain/config_schema.py; an",
+             "unknown --config.a.b lists every valid key at its level):",
+             f"  {' '.join(top)}"]
+    for section in (k for k in cfg.keys() if hasattr(cfg[k], "keys")):
+        keys = [f"{k}.*" if hasattr(cfg[section][k], "keys") else k for k in cfg[section].keys()]
+        lines.append(f"  {section}.{{{', '.join(keys)}}}" if len(keys) < 12 else
+                     f"  {section}.{{{', '.join(keys[:11])}, ... {len(keys) - 11} more}}")
+    lines += ["", "Environment:", *(f"  ${k}: {v}" for k, v in ENVIRONMENT.items()),
+              "", "Exit status: 0 done, 1 error, 2 bad input (a config key or path), 130 / 143 stopped by "
+              "SIGINT / SIGTERM after saving a checkpoint.", ""]
+    return "\n".join(lines)
+
+
 def entry(program=None) -> None:
     """Validate overrides against the config file first, so a typo fails with a useful message;
-    then run `program(argv)` (default: `main`) under absl, `--config` parsed."""
+    then run `program(argv)` (default: `main`) under absl, `--config` parsed. `--help` starts with
+    `usage()`."""
+    if any(a in ("--help", "-h", "-?") for a in sys.argv[1:]):
+        print(usage() + "\nFlags:\n" + flags.FLAGS.module_help(sys.modules[__name__]))
+        sys.exit(0)
     for i, arg in enumerate(sys.argv):
         if arg.startswith("--config=") or arg == "--config":
             path = arg.split("=", 1)[1] if "=" in arg else sys.argv[i + 1]
