@@ -52,26 +52,25 @@ RANGES: dict[str, tuple] = {
 }
 
 
-def enums() -> dict[str, tuple]:
-    """key → valid values, from the tables of the modules that use them (one source of truth)."""
-    from posttrain.data.sources import ON_ERROR
-    from posttrain.eval.alerts import MODES
-    from posttrain.models.attention import ATTENTION_KERNELS, ROPE_SCALINGS
-    from posttrain.models.decoder import REMAT_POLICIES
-    from posttrain.ops.context_parallel import CONTEXT_PARALLEL
-    from posttrain.rl.advantages import ADVANTAGE_METHODS
-    from posttrain.rl.losses import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
-    from posttrain.train.losses import DPO_LOSSES
-    return {
-        "model.attention": ATTENTION_KERNELS, "model.rope_scaling.type": ROPE_SCALINGS,
-        "model.context_parallel": CONTEXT_PARALLEL, "model.remat": ("none", *REMAT_POLICIES),
-        "model.moe.router": ("softmax", "sigmoid"), "model.moe.dispatch": ("auto", "ragged", "padded"),
-        "model.param_dtype": ("float32", "bfloat16", "float16"), "model.dtype": ("float32", "bfloat16", "float16"),
-        "data.on_error": ON_ERROR, "data.synthetic": ("", "arithmetic", "long_context"),
-        "dpo.loss_type": DPO_LOSSES, "alerts.on": MODES,
-        "rl.advantage": ADVANTAGE_METHODS, "rl.aggregation": AGGREGATIONS, "rl.kl_estimator": KL_ESTIMATORS,
-        "rl.ratio_level": RATIO_LEVELS,
-    }
+# key → valid values. Written out (not imported from the modules that use them, which import jax and
+# flax) so that `check_values` runs before any of that is loaded; `tests/test_cli.py` checks each
+# table against its module's.
+ENUMS: dict[str, tuple] = {
+    "model.attention": ("xla", "blockwise", "cudnn", "splash"),                  # models.attention.ATTENTION_KERNELS
+    "model.rope_scaling.type": ("", "linear", "dynamic", "yarn", "llama3"),     # models.attention.ROPE_SCALINGS
+    "model.context_parallel": ("all_gather", "ring", "auto"),                   # ops.context_parallel.CONTEXT_PARALLEL
+    "model.remat": ("none", "full", "dots"),                                    # models.decoder.REMAT_POLICIES
+    "model.moe.router": ("softmax", "sigmoid"), "model.moe.dispatch": ("auto", "ragged", "padded"),
+    "model.param_dtype": ("float32", "bfloat16", "float16"), "model.dtype": ("float32", "bfloat16", "float16"),
+    "data.on_error": ("raise", "skip"),                                         # data.sources.ON_ERROR
+    "data.synthetic": ("", "arithmetic", "long_context"),
+    "dpo.loss_type": ("sigmoid", "ipo"),                                        # train.losses.DPO_LOSSES
+    "alerts.on": ("off", "warn", "stop"),                                       # eval.alerts.MODES
+    "rl.advantage": ("grpo", "drgrpo", "rloo", "gae"),                          # rl.advantages.ADVANTAGE_METHODS
+    "rl.aggregation": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),   # rl.losses.AGGREGATIONS
+    "rl.kl_estimator": ("k1", "k2", "k3"),                                      # rl.losses.KL_ESTIMATORS
+    "rl.ratio_level": ("token", "sequence"),                                    # rl.losses.RATIO_LEVELS
+}
 
 
 def get(cfg, key: str):
@@ -112,17 +111,23 @@ def _as_user_error(e: ValueError) -> UserError:
     return UserError(str(e), key=m.group(1) if m else None)
 
 
-def check_config(cfg) -> None:
-    """Raise a UserError naming the first key whose value is out of its enum or range, breaks a
-    cross-field rule, or fails a stage's own start-up check (gates, rl.*, alerts, eval suites)."""
-    from posttrain.eval.alerts import AlertMonitor
-    from posttrain.eval.gates import validate_gates
-    for key, valid in enums().items():
+def check_values(cfg) -> None:
+    """Raise a UserError naming the first key whose value is out of its enum or range or breaks a
+    cross-field rule. Imports nothing heavy: `main.run` calls it first."""
+    for key, valid in ENUMS.items():
         if get(cfg, key) not in valid:
             raise UserError(f"config.{key}={get(cfg, key)!r}: expected one of {', '.join(map(repr, valid))}", key=key)
     for key, bounds in RANGES.items():
         _check_range(key, get(cfg, key), bounds)
     _cross_field(cfg)
+
+
+def check_config(cfg) -> None:
+    """`check_values`, then each stage's own start-up checks (gates, rl.*, alerts, eval suites) for
+    the stages the run reaches; a UserError naming the key."""
+    from posttrain.eval.alerts import AlertMonitor
+    from posttrain.eval.gates import validate_gates
+    check_values(cfg)
     stages = stages_of(cfg)
     try:
         validate_gates(cfg, stages)

@@ -60,6 +60,8 @@ def stages() -> dict:
 def run(config) -> object:
     """Run `config.stage` with `config`, holding the workdir's lock; the entry point for tools and
     tests too."""
+    from posttrain.config_schema import check_values
+    check_values(config)        # enums, ranges, cross-field rules: before the heavy imports
     import jax
     from posttrain.parallel import maybe_initialize_distributed
     from posttrain.train.workdir import workdir_lock

@@ -109,3 +109,22 @@ def test_precedence_of_stage_keys_and_generic_keys():
     notes = apply_command_line_precedence(cfg, command_line_keys(["--config.optim.lr=1e-2", "--config.dpo.lr=2e-4"]))
     assert notes == [] and with_stage_overrides(cfg, "dpo").optim.lr == 2e-4           # both given: the specific one
     assert with_stage_overrides(cfg, "dpo").train.steps == 100
+
+
+def test_schema_enums_are_the_modules_tables():
+    from posttrain.config_schema import ENUMS
+    from posttrain.data.sources import ON_ERROR
+    from posttrain.eval.alerts import MODES
+    from posttrain.models.attention import ATTENTION_KERNELS, ROPE_SCALINGS
+    from posttrain.models.decoder import REMAT_POLICIES
+    from posttrain.ops.context_parallel import CONTEXT_PARALLEL
+    from posttrain.rl.advantages import ADVANTAGE_METHODS
+    from posttrain.rl.losses import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
+    from posttrain.train.losses import DPO_LOSSES
+    modules = {"model.attention": ATTENTION_KERNELS, "model.rope_scaling.type": ROPE_SCALINGS,
+               "model.context_parallel": CONTEXT_PARALLEL, "model.remat": ("none", *REMAT_POLICIES),
+               "data.on_error": ON_ERROR, "dpo.loss_type": DPO_LOSSES, "alerts.on": MODES,
+               "rl.advantage": ADVANTAGE_METHODS, "rl.aggregation": AGGREGATIONS, "rl.kl_estimator": KL_ESTIMATORS,
+               "rl.ratio_level": RATIO_LEVELS}
+    for key, values in modules.items():
+        assert tuple(ENUMS[key]) == tuple(values), key
