@@ -22,7 +22,7 @@ from posttrain.data.tokenizer import Tokenizer, load_tokenizer
 from posttrain.eval.long_context_eval import make_long_context_eval
 from posttrain.models.decoder import Decoder
 from posttrain.models.layers import dtype_of, param
-from posttrain.parallel import mesh_and_rules, use_sharding
+from posttrain.parallel import is_primary, mesh_and_rules, sync_processes, use_sharding
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams
 from posttrain.train.init import load_model_state, overlay
@@ -156,6 +156,12 @@ def _ensure_synthetic(cfg, stage: str, kind: str) -> None:
     if cfg.data.synthetic != "arithmetic":
         raise ValueError(f"data.synthetic={cfg.data.synthetic!r}: expected '' or 'arithmetic' "
                          f"(or 'long_context' for stage sft)")
+    if is_primary():
+        _write_synthetic(cfg, stage, kind)
+    sync_processes(f"posttrain_synthetic_{stage}")     # the others read what process 0 wrote
+
+
+def _write_synthetic(cfg, stage: str, kind: str) -> None:
     n, kw = cfg.data.synthetic_size, {"max_value": cfg.data.synthetic_max_value}
     if kind == "sft":
         kw["error_rate"] = cfg.data.synthetic_error_rate
@@ -234,6 +240,8 @@ def make_sampler_log(cfg, tok: Tokenizer, files: str, n: int = 3):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         out = generate(graphdef, params, rest, [ids for _, ids in prompts], sampling, jax.random.key(0),
                        pad_id=tok.pad_id)
+        if not is_primary():
+            return
         with open(os.path.join(cfg.workdir, "samples.jsonl"), "a") as f:
             for i, (text, _) in enumerate(prompts):
                 completion = tok.decode(out.completion(i))
