@@ -132,3 +132,12 @@ def allgather_json(value) -> list:
     padded[:data.size] = data
     rows = np.asarray(multihost_utils.process_allgather(padded))
     return [json.loads(rows[i, :n].tobytes()) for i, n in enumerate(sizes)]
+
+
+def local_rows(x: jax.Array) -> np.ndarray:
+    """This process's rows of a global array whose first axis is split across processes (the
+    inverse of `make_array_from_process_local_data`), as numpy; the whole array on one process."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.global_array_to_host_local_array(x, x.sharding.mesh, x.sharding.spec))
