@@ -254,3 +254,29 @@ def test_lost_process_stops_the_other_and_rerun_resumes(sft_runs):
     assert sorted(after) == list(range(200))
     overlap = [s for s in before if s >= latest]
     np.testing.assert_allclose([after[s] for s in overlap], [before[s] for s in overlap], rtol=1e-5)
+
+
+def test_rl_across_processes_refuses_what_it_cannot_split(monkeypatch):
+    """With several processes, RL keys whose work cannot be split by groups fail at start, naming
+    the key; groups are shared out whole and evenly (training) or nearly so (evaluation)."""
+    import jax
+    from posttrain.rl import hosts
+    cfg = runpy_config(RL_CONFIG)
+    hosts.check_multihost_rl(cfg)                       # one process: anything goes
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    hosts.check_multihost_rl(cfg)
+    for key, value in (("filter_groups", True), ("max_staleness", 1), ("rollouts_every", 5), ("prompts_per_step", 7)):
+        bad = cfg.copy_and_resolve_references()
+        bad.rl[key] = value
+        with pytest.raises(UserError, match=f"rl.{key}"):
+            hosts.check_multihost_rl(bad)
+    assert hosts.group_share(8, exact=True) == slice(4, 8)
+    assert hosts.group_share(5, exact=False) == slice(2, 5)
+    with pytest.raises(ValueError, match="5 groups cannot be split evenly over 2 processes"):
+        hosts.group_share(5, exact=True)
+
+
+def runpy_config(path: str):
+    import runpy
+    return runpy.run_path(path)["get_config"]()
