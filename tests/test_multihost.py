@@ -65,19 +65,28 @@ def params(out: str) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def sft_runs(tmp_path_factory):
-    """The same tiny SFT job as 1 process × 8 devices and as 2 processes × 4 devices."""
+def sft_setup(tmp_path_factory):
+    """A folder with the training data, and the tiny SFT job's overrides for a workdir."""
     root = tmp_path_factory.mktemp("multihost_sft")
     data = str(root / "train.jsonl")
     ensure_arithmetic_file(data, "sft", 256, seed=1, split="train", max_value=20)
+    ensure_arithmetic_file(str(root / "eval.jsonl"), "sft", 16, seed=2, split="test", max_value=20)
 
-    def overrides(workdir):
-        return {"workdir": workdir, "sft.train_files": data, "sft.eval_files": "", "sft.gate": "",
+    def overrides(workdir, evaluate=False):
+        return {"workdir": workdir, "sft.train_files": data, "sft.gate": "", "sft.sample_tokens": 8,
+                "sft.eval_files": str(root / "eval.jsonl") if evaluate else "",
                 "data.synthetic": "", "model.moe.num_experts": 0, "train.steps": STEPS, "train.batch_size": 8,
                 "train.seq_len": 64, "train.log_every": 1, "train.progress": False, "data.packing": False,
                 "checkpoint.every": 2, "checkpoint.keep": 5, "checkpoint.async_save": True}
-    one = launch(str(root / "one"), SFT_CONFIG, overrides(str(root / "one" / "wd")), processes=1, devices=8)
-    two = launch(str(root / "two"), SFT_CONFIG, overrides(str(root / "two" / "wd")), processes=2, devices=4)
+    return root, overrides
+
+
+@pytest.fixture(scope="module")
+def sft_runs(sft_setup):
+    """The same tiny SFT job as 1 process × 8 devices and as 2 processes × 4 devices."""
+    root, overrides = sft_setup
+    one = launch(str(root / "one"), SFT_CONFIG, overrides(str(root / "one" / "wd"), True), processes=1, devices=8)
+    two = launch(str(root / "two"), SFT_CONFIG, overrides(str(root / "two" / "wd"), True), processes=2, devices=4)
     return root, overrides, one, two
 
 
@@ -93,7 +102,12 @@ def test_sft_two_processes_match_one_process(sft_runs):
         got = losses(record)
         assert sorted(got) == sorted(ref)
         np.testing.assert_allclose([got[s] for s in ref], [ref[s] for s in ref], rtol=1e-5)
-    a, b = (set(r["read_lines"]) for r in two)
+    evals = [[r["eval/loss"] for r in rec["rows"] if "eval/loss" in r] for rec in (one, *two)]
+    assert len(evals[0]) == 1 and evals[1] == evals[2]
+    np.testing.assert_allclose(evals[1], evals[0], rtol=1e-5)      # each process evaluated its share
+    samples = [open(root / run / "wd" / "samples.jsonl").read() for run in ("one", "two")]
+    assert samples[0] and samples[1] == samples[0]            # sampled on every process, written by one
+    a, b = ({x for x in r["read_lines"] if x.startswith("train.jsonl")} for r in two)
     assert a and b and not a & b, f"records read by both processes: {sorted(a & b)[:5]}"
     assert len(a | b) < 256            # neither read the whole file
     p1, p2 = params(str(root / "one")), params(str(root / "two"))
@@ -193,6 +207,7 @@ def rl_runs(tmp_path_factory):
         return {"workdir": workdir, "model.moe.num_experts": 0, "rl.steps": 2, "rl.prompts_per_step": 4,
                 "rl.group_size": 4, "rl.max_new_tokens": 8, "rl.eval_every": 2, "rl.eval_size": 6,
                 "rl.eval_samples": 2, "rl.entropy_coef": 0.01, "rl.gate": "", "rl.verifier_workers": 2,
+                "rl.overlong_buffer": 7,       # samples that stop early score higher: groups with signal
                 "train.progress": False, "checkpoint.every": 2}
     one = launch(str(root / "one"), RL_CONFIG, overrides(str(root / "one" / "wd")), processes=1, devices=8)
     two = launch(str(root / "two"), RL_CONFIG, overrides(str(root / "two" / "wd")), processes=2, devices=4)
@@ -212,6 +227,7 @@ def test_rlvr_two_processes_match_one_process(rl_runs):
     assert got.keys() == ref.keys()
     np.testing.assert_allclose([got[k] for k in ref], [ref[k] for k in ref], rtol=1e-5, atol=1e-7)
     assert got[(0, "rl/responses")] == 16       # both processes' groups counted
+    assert ref[(0, "rl/reward_std")] > 0        # some group has non-zero advantages
     p1, p2 = params(str(root / "one")), params(str(root / "two"))
     for k in p1:
         np.testing.assert_allclose(p2[k], p1[k], rtol=1e-4, atol=1e-6, err_msg=k)
@@ -224,11 +240,11 @@ def metric_rows(workdir) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_lost_process_stops_the_other_and_rerun_resumes(sft_runs):
+def test_lost_process_stops_the_other_and_rerun_resumes(sft_setup):
     """Kill process 1 mid-run: process 0 exits within 60 s with an error naming the lost task (jax's
     heartbeat, distributed.heartbeat_timeout_s); rerunning both resumes from the last checkpoint and
     logs the losses the interrupted run logged for the same steps."""
-    root, overrides, _, _ = sft_runs
+    root, overrides = sft_setup
     out, wd = str(root / "killed"), str(root / "killed" / "wd")
     cfg = {**overrides(wd), "train.steps": 200, "checkpoint.every": 50, "distributed.heartbeat_timeout_s": 10}
     procs = start(out, SFT_CONFIG, cfg, processes=2, devices=4)
