@@ -72,6 +72,13 @@ def base_config() -> ml_collections.ConfigDict:
     cfg.seed = 0
     cfg.workdir = "runs/default"
     cfg.init_from = ""             # another run's checkpoint (workdir or checkpoint dir), or "hf:/hf/folder"
+    cfg.distributed = ml_collections.ConfigDict(dict(   # several processes (parallel/distributed.py)
+        coordinator="",            # "host:port" of process 0; "" = $JAX_COORDINATOR_ADDRESS, a TPU pod / SLURM, or one process
+        num_processes=0,           # with coordinator: how many processes in all
+        process_id=-1,             # with coordinator: this process (0 .. num_processes-1)
+        heartbeat_timeout_s=30,    # a process silent this long is declared dead: the others stop, naming it
+        initialization_timeout_s=300,   # how long processes wait for each other at start
+    ))
     cfg.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1, sequence=1))
     cfg.sharding = ml_collections.ConfigDict(dict(
         rules=ml_collections.ConfigDict({k: ",".join(v) for k, v in DEFAULT_RULES.items()})))

@@ -65,8 +65,8 @@ def run(config) -> object:
     import jax
     from posttrain.parallel import maybe_initialize_distributed
     from posttrain.train.workdir import workdir_lock
-    maybe_initialize_distributed()
-    primary = not jax.distributed.is_initialized() or jax.process_index() == 0
+    maybe_initialize_distributed(config)
+    primary = jax.process_index() == 0
     # The lock comes first (before the heavy imports): a second run in a busy workdir fails at once.
     with workdir_lock(config.workdir) if primary else contextlib.nullcontext():
         try:
@@ -80,6 +80,7 @@ def _run_locked(config) -> object:
     from posttrain.config_schema import check_config
     from posttrain.eval.alerts import AlertStop
     from posttrain.eval.gates import GATED_STAGES, SECTION, GateFailed, check_gate
+    from posttrain.parallel import is_primary
     from posttrain.train.compile_cache import enable_compilation_cache
     from posttrain.train.pipeline import gate_metrics
     table = stages()
@@ -90,9 +91,10 @@ def _run_locked(config) -> object:
         from posttrain.train.init import require_init_from
         require_init_from(config.init_from)
     enable_compilation_cache(config.compilation_cache)
-    os.makedirs(config.workdir, exist_ok=True)
-    with open(os.path.join(config.workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
+    if is_primary():
+        os.makedirs(config.workdir, exist_ok=True)
+        with open(os.path.join(config.workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
     try:
         result = table[config.stage](config)
         if config.stage in GATED_STAGES:       # a stage run alone must pass its gate too (exit status 1)

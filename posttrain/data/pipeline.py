@@ -13,9 +13,10 @@ the shuffled epoch is cut into `process_count` interleaved slices of equal lengt
 `len % process_count` records of each shuffled epoch are left out — different ones each epoch),
 and process `i` packs its slice into its `batch_size // process_count` rows of each global batch
 (`jax.make_array_from_process_local_data` assembles them). The data order therefore depends on
-`process_count`; the iterator state is per process and records both, so a resume on another
-topology is refused rather than silently reordered. With finite `epochs` processes may run out of
-packed rows at different steps: train for a step count.
+`process_count`. The iterator state is per process and records both; a checkpoint holds every
+process's, and a resume on another process count recomputes each slice from the global read
+position (the rule is in `data/reshard.py`). With finite `epochs` processes may run out of packed
+rows at different steps: train for a step count.
 """
 
 from __future__ import annotations
@@ -170,6 +171,8 @@ class BatchIterator:
         self._skips.skipped = state["skipped"]
         self.truncated = state["truncated"]
         self.deferred = state.get("deferred", 0)
+        for example in state.get("readd", ()):      # dealt from other processes' rows (data/reshard.py)
+            self._batcher.add(example_from_json(example))
 
     def continue_from(self, previous: BatchIterator) -> None:
         """Carry on where `previous` (the same data at another length) stopped: its read position,

@@ -1,10 +1,8 @@
-"""Device mesh construction and multi-process start."""
+"""Device mesh construction."""
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 
 import jax
 import numpy as np
@@ -74,19 +72,3 @@ def mesh_platform(mesh: Mesh | None = None) -> str:
     if isinstance(mesh, Mesh) and not mesh.empty:
         return mesh.devices.flat[0].platform
     return device.platform if device is not None else jax.default_backend()
-
-
-_DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
-
-
-def maybe_initialize_distributed() -> None:
-    """Start `jax.distributed` when the environment describes several processes (TPU pod, SLURM, MPI).
-
-    Single-process runs (laptop, Colab, one TPU host) skip it.
-    """
-    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-    multi_tpu_host = len([h for h in hosts.split(",") if h]) > 1
-    if multi_tpu_host or any(k in os.environ for k in _DISTRIBUTED_ENV):
-        if not jax.distributed.is_initialized():
-            jax.distributed.initialize()
-            logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())

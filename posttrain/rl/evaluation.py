@@ -37,7 +37,8 @@ from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.domains import Domain
 from posttrain.rl.envs import SingleTurnEnv
 from posttrain.rl.envs.base import Task
-from posttrain.rl.rollout import RolloutWorker
+from posttrain.rl.hosts import all_group_rewards, combine_info
+from posttrain.rl.rollout import SUMMED_INFO, RolloutWorker
 from posttrain.rl.tasks import make_domains, make_reward_fn
 from posttrain.rl.verifiers.math import MathTask
 from posttrain.sampling.rules import SamplingParams
@@ -138,10 +139,13 @@ def evaluate_suite(worker: RolloutWorker, params, rest, name: str, tasks: list[T
     Same draws as `rollout.evaluate`: greedy with `key`, `samples` samples with fold_in(key, 1)."""
     t0 = time.perf_counter()
     pairs = [(name, t) for t in tasks]
-    greedy = worker.rollout(params, rest, pairs, key, num_samples=1, greedy=True)
-    sampled = worker.rollout(params, rest, pairs, jax.random.fold_in(key, 1), num_samples=samples)
-    correct = [[r >= 1.0 for r in g.rewards] for g in sampled.groups]
-    return {"accuracy": float(np.mean([g.rewards[0] >= 1.0 for g in greedy.groups])),
+    greedy = worker.rollout(params, rest, pairs, key, num_samples=1, greedy=True, exact_share=False)
+    sampled = worker.rollout(params, rest, pairs, jax.random.fold_in(key, 1), num_samples=samples, exact_share=False)
+    # several processes: each verified its share of the problems; results from all of them
+    correct = [[r >= 1.0 for r in rewards] for _, _, rewards in all_group_rewards(sampled.groups)]
+    greedy_ok = [rewards[0] >= 1.0 for _, _, rewards in all_group_rewards(greedy.groups)]
+    greedy, sampled = (dataclasses.replace(b, info=combine_info(b.info, SUMMED_INFO)) for b in (greedy, sampled))
+    return {"accuracy": float(np.mean(greedy_ok)),
             "mean_accuracy": float(np.mean(correct)),
             **{f"pass@{k}": mean_pass_at_k(correct, k) for k in ks},
             "response_len": sampled.info["response_len_mean"],

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from posttrain.parallel import local_rows
 from posttrain.rl.advantages import (gae_advantages, group_advantages, kl_penalized_advantages, terminal_rewards,
                                      whiten)
 from posttrain.rl.buffer import Rollout
@@ -36,20 +37,23 @@ from posttrain.train.step import make_train_step, moe_penalty
 ROW_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 
 
-def rl_batch(rollouts: list[Rollout], *, pad_id: int, num_rows: int | None = None) -> dict:
+def rl_batch(rollouts: list[Rollout], *, pad_id: int, num_rows: int | None = None,
+             longest: int | None = None) -> dict:
     """Rollouts → one learner batch of [N, S] rows (S bucketed to a multiple of 8): inputs,
     targets, loss_mask (generated target tokens), positions, segment_ids, behav_logp (the
     sampler's log-prob of each target) and rewards [N].
 
     num_rows pads the batch with empty rows (zero loss mask, zero reward) to a fixed size, so
-    batches with different numbers of groups reuse one compiled step.
+    batches with different numbers of groups reuse one compiled step. `longest` (>= every
+    trajectory's length) sets S instead of these rollouts' longest: every process of a
+    multi-process run builds its rows at the global longest.
     """
     trajs = [t for ro in rollouts for t in ro.group.trajectories]
     behav = [b for ro in rollouts for b in ro.behav_logprobs]
     n = len(trajs) if num_rows is None else num_rows
     if n < len(trajs):
         raise ValueError(f"num_rows={num_rows} is less than the {len(trajs)} sequences of the rollouts")
-    s = bucket(max(len(t.tokens) for t in trajs) - 1, 8)
+    s = bucket(max([len(t.tokens) for t in trajs] + [longest or 0]) - 1, 8)
     out = {k: np.zeros((n, s), np.int32) for k in ROW_KEYS}
     out["inputs"][:] = out["targets"][:] = pad_id
     out["behav_logp"] = np.zeros((n, s), np.float32)
@@ -207,9 +211,9 @@ class Learner:
         if needed <= batch.keys():
             return batch
         rows = {k: batch[k] for k in ROW_KEYS}
-        out = jax.device_get(self.rollout_pass_fn(model_params(state, self.lora_cfg), state.rest, put_batch(rows),
-                                                  *(ref if kl_reward else ())))
-        out = {k: np.asarray(v) for k, v in out.items()}
+        out = self.rollout_pass_fn(model_params(state, self.lora_cfg), state.rest, put_batch(rows),
+                                   *(ref if kl_reward else ()))
+        out = {k: local_rows(v) for k, v in out.items()}       # this process's rows of the global batch
         if self.steps_per_batch > 1:
             out["old_logp"] = out["rollout_logp"]
         if not kl_reward:

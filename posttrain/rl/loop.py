@@ -36,6 +36,7 @@ from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.buffer import Rollout
 from posttrain.rl.checks import check_rl_config, ppo_steps
 from posttrain.rl.critic import ValueDecoder
+from posttrain.rl.hosts import all_values, check_multihost_rl
 from posttrain.rl.learner import Learner, advantage_targets, batch_rows, compute_advantages, rl_batch
 from posttrain.rl.producer import AsyncProducer
 from posttrain.rl.reward_model import RewardComposer
@@ -109,7 +110,8 @@ def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLS
         rl = dataclasses.replace(rl, skipped_updates=rl.skipped_updates + 1)
         return rl, {"rl/skipped_updates": rl.skipped_updates}
     num_real = sum(len(ro.group.trajectories) for ro in rollouts)
-    batch = rl_batch(rollouts, pad_id=c.pad_id, num_rows=batch_rows(len(rollouts), r, r.minibatches))
+    longest = int(all_values([max(len(t.tokens) for ro in rollouts for t in ro.group.trajectories)]).max())
+    batch = rl_batch(rollouts, pad_id=c.pad_id, num_rows=batch_rows(len(rollouts), r, r.minibatches), longest=longest)
     rows = [t.tokens for ro in rollouts for t in ro.group.trajectories]
     batch["rewards"][:num_real], reward_metrics = c.rewards(rows, batch["rewards"][:num_real])
     with c.clock.busy():
@@ -117,6 +119,7 @@ def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLS
         batch.update(advantage_targets(batch, r))
         rewards = batch.pop("rewards")[:num_real]
         state, metrics = c.learner.update(rl.train, batch, c.ref, rl.step, num_real)
+    rewards = all_values(rewards)         # every process's rows
     metrics.update({"rl/reward_mean": float(rewards.mean()), "rl/reward_std": float(rewards.std()),
                     "rl/skipped_updates": rl.skipped_updates, **reward_metrics})
     return dataclasses.replace(rl, train=state), metrics
@@ -151,6 +154,7 @@ def run(cfg) -> Result:
     final evaluation."""
     cfg = with_stage_overrides(cfg, "rl")
     check_rl_config(cfg)
+    check_multihost_rl(cfg)
     r = cfg.rl
     tok = load_tokenizer(cfg.data.tokenizer)
     domains, held_out = make_domains(cfg, tok, make_reward_fn(cfg))

@@ -21,6 +21,7 @@ from flax import nnx
 
 from posttrain.eval.passk import mean_pass_at_k
 from posttrain.rl.buffer import Rollout
+from posttrain.rl.hosts import all_group_rewards, combine_info, group_share
 from posttrain.rl.scheduler import Group, TaskScheduler
 from posttrain.sampling.generate import Samples, generate
 from posttrain.sampling.rules import SamplingParams
@@ -123,9 +124,21 @@ class RolloutWorker:
                 "verifier_errors": sum(getattr(r, "error", None) is not None for r in rewards)}
         return RolloutBatch(groups, behav, info)
 
-    def rollout(self, params, rest, tasks, key, **kw) -> RolloutBatch:
-        """`generate` then `verify`."""
-        return self.verify(self.generate(params, rest, tasks, key, **kw))
+    def rollout(self, params, rest, tasks, key, *, exact_share: bool = True, **kw) -> RolloutBatch:
+        """`generate` then `verify`; with several processes each verifies only its share of the
+        groups (`hosts.group_share`; `exact_share`: as many groups on every process)."""
+        return self.verify(local_share(self.generate(params, rest, tasks, key, **kw), exact=exact_share))
+
+
+def local_share(pending: Pending, *, exact: bool) -> Pending:
+    """This process's groups of a generated batch (all of them in a single-process run)."""
+    if jax.process_count() == 1:
+        return pending
+    share = group_share(len(pending.tasks), exact=exact)
+    g = len(pending.envs[0]) if pending.envs else 0
+    rows = slice(share.start * g, share.stop * g)
+    samples = Samples(**{f.name: getattr(pending.samples, f.name)[rows] for f in dataclasses.fields(Samples)})
+    return Pending(pending.tasks[share], pending.envs[share], samples, pending.gen_s)
 
 
 def _token_aligned(logprobs: np.ndarray, traj) -> np.ndarray:
@@ -152,14 +165,15 @@ def collect_batch(worker: RolloutWorker, scheduler: TaskScheduler, params, rest,
         kept = scheduler.dynamic_sample(sample_groups, num_groups, max_rounds=max_rounds)   # records each group
     else:
         kept = sample_groups(scheduler.next_batch(num_groups))
-        for grp in kept:
-            scheduler.record(grp.domain, grp.task.id, grp.rewards)
+        for domain, task_id, rewards in all_group_rewards(kept):      # every process's groups
+            scheduler.record(domain, task_id, rewards)
     behav_of = {id(g): b for part in parts for g, b in zip(part.groups, part.behav)}
     info: dict[str, Any] = {}
     for part in parts:
         for k, v in part.info.items():
             info[k] = info.get(k, 0) + v if k in SUMMED_INFO else v
     info["kept_groups"] = len(kept)
+    info = combine_info(info, SUMMED_INFO + ("kept_groups",))
     return RolloutBatch(kept, [behav_of[id(g)] for g in kept], info, scheduler.get_state(), scheduler.metrics())
 
 
@@ -167,12 +181,13 @@ def evaluate(worker: RolloutWorker, params, rest, held_out, key, k: int, score_f
     """Held-out accuracy (greedy), mean sampled accuracy and pass@k (unbiased, k samples); with
     `score_fn` (token rows → learned rewards, RLHF) also the mean learned reward of the sampled
     responses, `eval/rm_score`."""
-    greedy = worker.rollout(params, rest, held_out, key, num_samples=1, greedy=True)
-    sampled = worker.rollout(params, rest, held_out, jax.random.fold_in(key, 1), num_samples=k)
-    correct = [[r >= 1.0 for r in g.rewards] for g in sampled.groups]
-    out = {"eval/accuracy": float(np.mean([g.rewards[0] >= 1.0 for g in greedy.groups])),
+    greedy = worker.rollout(params, rest, held_out, key, num_samples=1, greedy=True, exact_share=False)
+    sampled = worker.rollout(params, rest, held_out, jax.random.fold_in(key, 1), num_samples=k, exact_share=False)
+    correct = [[r >= 1.0 for r in rewards] for _, _, rewards in all_group_rewards(sampled.groups)]
+    greedy_ok = [rewards[0] >= 1.0 for _, _, rewards in all_group_rewards(greedy.groups)]
+    out = {"eval/accuracy": float(np.mean(greedy_ok)),
            "eval/mean_accuracy": float(np.mean(correct)), f"eval/pass@{k}": mean_pass_at_k(correct, k),
-           "eval/response_len": sampled.info["response_len_mean"]}
+           "eval/response_len": combine_info(sampled.info, SUMMED_INFO)["response_len_mean"]}
     if score_fn is not None:
         out["eval/rm_score"] = float(np.mean(score_fn([t.tokens for g in sampled.groups for t in g.trajectories])))
     return out

@@ -121,6 +121,15 @@ def generate_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
     return engine.decode_loop(model, slots, out, sampling, pad_id, layers=layers)
 
 
+def host_outputs(out):
+    """Device outputs → numpy on this host; with several processes, every process gets all rows
+    (the sampler's output is a global array no single process can read alone)."""
+    if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(out)):
+        return jax.device_get(out)
+    from jax.experimental import multihost_utils
+    return multihost_utils.process_allgather(out, tiled=True)
+
+
 def generate(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
              prompts: Sequence[Sequence[int]] | np.ndarray, sampling: SamplingParams, key: jax.Array, *,
              pad_id: int = 0, prompt_mask: np.ndarray | None = None,
@@ -138,7 +147,7 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
     limits = new_token_limits(max_new_tokens, len(tokens), n, sampling)
     out = generate_program(graphdef, params, rest, tokens, lengths, limits, np.int32(n), key,
                            sampling=sampling, pad_id=pad_id)
-    out = jax.device_get(out)
+    out = host_outputs(out)
     return Samples(tokens=out.tokens[:n * g], logprobs=out.logprobs[:n * g],
                    sampling_logprobs=out.sampling_logprobs[:n * g], lengths=out.lengths[:n * g],
                    stop_reason=out.stop_reason[:n * g], prompt_index=np.repeat(np.arange(n), g))

@@ -17,6 +17,7 @@ import os
 
 from posttrain.data.synthetic import SYNTHETIC, ensure_arithmetic_file
 from posttrain.errors import UserError
+from posttrain.parallel import is_primary, sync_processes
 
 SPLITS = (("train_files", "train"), ("eval_files", "test"))     # config key → arithmetic split
 
@@ -45,12 +46,13 @@ def resolve_data_files(cfg, stage: str, kind: str, tok=None) -> None:
     for name, split in SPLITS:
         key, value = f"{stage}.{name}", cfg[stage][name]
         if value == SYNTHETIC:
-            cfg[stage][name] = _generate(cfg, key, kind, split, tok)
+            cfg[stage][name] = _generate(cfg, key, kind, split, tok, write=is_primary())
+            sync_processes(f"posttrain_synthetic_{stage}_{name}")   # the others read what process 0 wrote
         elif value:
             check_named_files(value, key)
 
 
-def _generate(cfg, key: str, kind: str, split: str, tok) -> str:
+def _generate(cfg, key: str, kind: str, split: str, tok, write: bool) -> str:
     d, folder = cfg.data, synthetic_dir(cfg.workdir)
     if d.synthetic == "arithmetic":
         n, kw = d.synthetic_size if split == "train" else max(d.synthetic_size // 4, 1), {"max_value": d.synthetic_max_value}
@@ -58,10 +60,11 @@ def _generate(cfg, key: str, kind: str, split: str, tok) -> str:
             kw["error_rate"] = d.synthetic_error_rate
         params = "_".join(f"{k}{v}" for k, v in kw.items())
         path = f"{folder}/arithmetic_{kind}_{split}_n{n}_{params}.jsonl"
-        ensure_arithmetic_file(path, kind, n, seed=1 if split == "train" else 2, split=split, **kw)
+        if write:
+            ensure_arithmetic_file(path, kind, n, seed=1 if split == "train" else 2, split=split, **kw)
         return path
     if d.synthetic == "long_context" and kind == "sft":
-        return _long_context_file(cfg, folder, split, tok)
+        return _long_context_file(cfg, folder, split, tok, write)
     if not d.synthetic:
         raise UserError(f"config.{key}={SYNTHETIC!r} asks for generated data but data.synthetic is empty: set "
                         "--config.data.synthetic=arithmetic, or name your JSONL files", key=key)
@@ -69,7 +72,7 @@ def _generate(cfg, key: str, kind: str, split: str, tok) -> str:
                     f"sft; {key} is another stage's)", key="data.synthetic")
 
 
-def _long_context_file(cfg, folder: str, split: str, tok) -> str:
+def _long_context_file(cfg, folder: str, split: str, tok, write: bool) -> str:
     """SFT records of needle / multi-hop problems from the training name space (disjoint from
     `eval.long_context`'s), prompts of 160 tokens (the longest facts of `eval.long_context.hops`
     <= 3 fit) up to what fits train.seq_len."""
@@ -79,7 +82,7 @@ def _long_context_file(cfg, folder: str, split: str, tok) -> str:
     hi, hops = cfg.train.seq_len - 24, cfg.eval.long_context.hops      # room for chat markers, answer
     path = f"{folder}/long_context_{split}_n{n}_len{hi}_hops{hops}.jsonl"
     fs, local = fsspec.core.url_to_fs(path)
-    if fs.exists(local):
+    if not write or fs.exists(local):
         return path
     fs.makedirs(folder if "://" in folder else os.path.abspath(folder), exist_ok=True)
     records = training_records(n, min(160, hi), hi, seed=1 if split == "train" else 2, hops=hops,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 from flax import nnx
 
 from posttrain.data.synthetic import arithmetic_lm_batch
@@ -26,9 +27,14 @@ class ArithmeticBatches:
         return self
 
     def __next__(self) -> dict:
+        """This process's rows of the step's global batch (the same global batch for any process count)."""
         batch = arithmetic_lm_batch(self.seed, self.step, self.batch_size, self.seq_len)
         self.step += 1
-        return batch
+        n, i = jax.process_count(), jax.process_index()
+        if self.batch_size % n:
+            raise ValueError(f"train.batch_size={self.batch_size}: must be a multiple of the {n} processes")
+        rows = self.batch_size // n
+        return {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()}
 
     def get_state(self) -> dict:
         return {"step": self.step}

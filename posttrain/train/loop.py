@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from posttrain.data.schedule import ScheduledBatches, parse_seq_len_schedule
 from posttrain.eval.alerts import AlertMonitor
-from posttrain.parallel import mesh_and_rules, named_sharding, use_sharding
+from posttrain.data.reshard import state_for_process
+from posttrain.parallel import allgather_json, mesh_and_rules, named_sharding, use_sharding
 from posttrain.parallel.zigzag import zigzag_batch
 from posttrain.train import interrupt, lineage
 from posttrain.train.checkpoint import Checkpointer, abstract_with_shardings
@@ -63,10 +64,23 @@ class Result:
 
 
 def put_batch(batch: dict, axes: dict[str, tuple[str, ...]] | None = None) -> dict:
-    """Host batch (this process's rows) → global arrays sharded by logical names."""
+    """Host batch (this process's rows) → global arrays sharded by logical names.
+
+    Every process holds the same number of rows; the global batch is their concatenation in
+    process order, and its sharding is derived from that global shape (a local shape could drop
+    batch axes that the global batch divides).
+    """
+    processes = jax.process_count()
+
     def put(k, v):
-        names = (axes or {}).get(k, ("batch", "length")[:np.ndim(v)])
-        return jax.make_array_from_process_local_data(named_sharding(names, np.shape(v)), np.asarray(v))
+        v = np.asarray(v)
+        names = (axes or {}).get(k, ("batch", "length")[:v.ndim])
+        shape = (v.shape[0] * processes, *v.shape[1:]) if v.ndim else v.shape
+        sharding = named_sharding(names, shape)
+        if processes > 1 and v.ndim and sharding.is_fully_replicated:
+            raise ValueError(f"batch[{k!r}]: {shape[0]} rows over {processes} processes, but the batch axes "
+                             f"{sharding.mesh.shape} do not split them; make the batch size a multiple of them")
+        return jax.make_array_from_process_local_data(sharding, v, shape)
     return {k: put(k, v) for k, v in batch.items()}
 
 
@@ -147,7 +161,8 @@ def train(cfg, stage: Stage) -> Result:
         state, _, data_state = starting_state(state, shardings, ckpt, start, stage.init_model)
         start = int(state.step)       # older than the newest checkpoint if that one was unreadable
         if start:
-            data.set_state(data_state)
+            states = data_state["processes"] if "processes" in data_state else [data_state]
+            data.set_state(state_for_process(states, jax.process_index(), jax.process_count()) if states[0] else {})
         source = start_lineage(ckpt, start, cfg.init_from)
         trained = jnp.asarray(source.get("trained_context") or 0, jnp.int32)
         step_fn = jax.jit(make_train_step(graphdef, tx, stage.loss_fn, schedule, cfg.lora),
@@ -182,9 +197,10 @@ def train(cfg, stage: Stage) -> Result:
                 evals = run_eval(stage, graphdef, state, cfg.lora)
                 rows.append(writer.write(step, evals))
                 logging.info("%s step %d: %s", stage.name, done, summary(evals))
-                if stage.sample_fn is not None and jax.process_index() == 0:
+                if stage.sample_fn is not None:      # every process: sampling runs on the global mesh
                     stage.sample_fn(nnx.merge(graphdef, model_params(state, cfg.lora), state.rest), step)
-            save = lambda: ckpt.save(done, {k: getattr(state, k) for k in CHECKPOINT_ITEMS}, data=data.get_state(),
+            save = lambda: ckpt.save(done, {k: getattr(state, k) for k in CHECKPOINT_ITEMS},
+                                     data={"processes": allgather_json(data.get_state())},
                                      meta={"seed": cfg.seed, "stage": stage.name, "config": cfg.to_dict(),
                                            lineage.KEY: lineage.merge(source, int(trained))})
             if saved := ckpt.should_save(done, steps):

@@ -21,7 +21,7 @@ from posttrain.data.tokenizer import Tokenizer, load_tokenizer
 from posttrain.eval.long_context_eval import make_long_context_eval
 from posttrain.models.decoder import Decoder
 from posttrain.models.layers import dtype_of, param
-from posttrain.parallel import mesh_and_rules, use_sharding
+from posttrain.parallel import is_primary, mesh_and_rules, sync_processes, use_sharding
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams
 from posttrain.train.data_files import resolve_data_files
@@ -195,6 +195,8 @@ def make_sampler_log(cfg, tok: Tokenizer, files: str, n: int = 3):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         out = generate(graphdef, params, rest, [ids for _, ids in prompts], sampling, jax.random.key(0),
                        pad_id=tok.pad_id)
+        if not is_primary():
+            return
         with open(os.path.join(cfg.workdir, "samples.jsonl"), "a") as f:
             for i, (text, _) in enumerate(prompts):
                 completion = tok.decode(out.completion(i))

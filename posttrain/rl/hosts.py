@@ -1,0 +1,87 @@
+"""RLVR across processes (hosts): groups are process-local by construction.
+
+Every process runs the same task scheduler (same seed, same records), so all draw the same tasks.
+Sampling is one program on the global mesh over every drawn prompt; its outputs reach every
+process (`sampling.generate.host_outputs`). Process p then keeps a contiguous share of the groups
+— all G samples of a prompt live on one process — and verifies and scores only those on its own
+verifier pool, so verification scales with hosts. Group statistics (GRPO baselines) therefore
+never cross hosts; the learner batch is the concatenation of the processes' rows
+(`put_batch`). What does cross hosts is small host data, exchanged as JSON: every group's rewards
+(so each scheduler records all groups and the schedulers stay identical), rewards and rollout
+info for metrics, and held-out evaluation results.
+
+Not supported with several processes (refused at start, naming the key): dynamic sampling
+(`rl.filter_groups`: kept groups would be spread unevenly over processes), the overlapped producer
+(`rl.max_staleness > 0`), a learned reward model (`rl.reward_model`) and PPO with a critic
+(`rl.advantage = "gae"`: its whitening is a batch-wide statistic), and trajectory dumps
+(`rl.rollouts_every`: process 0 would write only its own groups).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from posttrain.errors import UserError
+from posttrain.parallel import allgather_json
+
+
+def group_share(num_groups: int, *, exact: bool) -> slice:
+    """This process's contiguous share of `num_groups` groups. With `exact` (training batches)
+    every process must get as many; otherwise (evaluation) the first ones get one more."""
+    n, i = jax.process_count(), jax.process_index()
+    if exact and num_groups % n:
+        raise ValueError(f"{num_groups} groups cannot be split evenly over {n} processes")
+    bounds = np.linspace(0, num_groups, n + 1).round().astype(int) if not exact else np.arange(n + 1) * (num_groups // n)
+    return slice(int(bounds[i]), int(bounds[i + 1]))
+
+
+def check_multihost_rl(cfg) -> None:
+    """Refuse, naming the key, what RLVR cannot do across several processes (module docstring)."""
+    n, r = jax.process_count(), cfg.rl
+    if n == 1:
+        return
+    refused = {"rl.filter_groups": bool(r.filter_groups), "rl.max_staleness": r.max_staleness > 0,
+               "rl.reward_model": bool(r.reward_model), "rl.advantage": r.advantage == "gae",
+               "rl.rollouts_every": r.rollouts_every > 0}
+    for key, bad in refused.items():
+        if bad:
+            raise UserError(f"{key}={r[key.split('.')[1]]!r} is not supported with {n} processes (see posttrain/rl/"
+                            "hosts.py); run it in one process or change the key", key=key)
+    if r.prompts_per_step % n:
+        raise UserError(f"rl.prompts_per_step={r.prompts_per_step}: with {n} processes each holds whole groups; "
+                        f"use a multiple of {n}", key="rl.prompts_per_step")
+
+
+def all_group_rewards(groups: list) -> list[tuple[str, str, list[float]]]:
+    """(domain, task id, rewards) of every process's groups, in process order (global task order)."""
+    mine = [[g.domain, g.task.id, [float(x) for x in g.rewards]] for g in groups]
+    return [tuple(row) for part in allgather_json(mine) for row in part]
+
+
+def all_values(values: np.ndarray) -> np.ndarray:
+    """Every process's 1-D `values`, concatenated in process order."""
+    if jax.process_count() == 1:
+        return np.asarray(values)
+    return np.asarray([x for part in allgather_json(np.asarray(values, np.float64).tolist()) for x in part])
+
+
+def combine_info(info: dict[str, Any], summed: tuple[str, ...]) -> dict[str, Any]:
+    """Rollout info of every process as one: `summed` keys added, `*_max` the max, means weighted
+    by each process's responses, anything else process 0's."""
+    if jax.process_count() == 1:
+        return info
+    parts = allgather_json(info)
+    weights = np.asarray([p.get("responses", 1) for p in parts], np.float64)
+    out = dict(parts[0])
+    for k, v in parts[0].items():
+        vals = [p[k] for p in parts]
+        if k in summed:
+            out[k] = sum(vals)
+        elif k.endswith("_max"):
+            out[k] = max(vals)
+        elif k.endswith(("_mean", "_frac")):
+            out[k] = float(np.average(vals, weights=weights)) if weights.sum() else vals[0]
+    return out

@@ -1,0 +1,298 @@
+"""Multi-process runs: several Python processes × simulated CPU devices form one mesh (gloo).
+
+Each run starts fresh Pythons (`tests/multihost_worker.py`) that compile on their own, so the
+runs are few and tiny (a dense 2-layer model, 4 steps) and shared through module-scoped fixtures.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from posttrain.config import base_config
+from posttrain.data.pipeline import sft_batches
+from posttrain.data.reshard import state_for_process
+from posttrain.data.synthetic import ensure_arithmetic_file
+from posttrain.data.tokenizer import load_tokenizer
+from posttrain.errors import UserError
+from posttrain.parallel.distributed import distributed_settings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "multihost_worker.py")
+SFT_CONFIG = os.path.join(ROOT, "configs", "sft_tiny.py")
+STEPS = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(out: str, config: str, overrides: dict, *, processes: int, devices: int) -> list[subprocess.Popen]:
+    """Start `processes` workers (each with `devices` CPU devices) writing into `out`."""
+    os.makedirs(out, exist_ok=True)
+    port, env = free_port(), {**os.environ, "PYTHONPATH": ROOT}
+    return [subprocess.Popen([sys.executable, WORKER, out, config, str(devices), str(i), str(processes), str(port),
+                              json.dumps(overrides)], env=env, stdout=open(os.path.join(out, f"log{i}.txt"), "w"),
+                             stderr=subprocess.STDOUT) for i in range(processes)]
+
+
+def launch(out: str, config: str, overrides: dict, *, processes: int, devices: int, timeout: float = 900) -> list[dict]:
+    """Run to completion; each process's record (rows, lines read)."""
+    procs = start(out, config, overrides, processes=processes, devices=devices)
+    for i, p in enumerate(procs):
+        if p.wait(timeout=timeout) != 0:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"process {i} exited with {p.returncode}:\n" + open(os.path.join(out, f"log{i}.txt")).read()[-4000:])
+    return [json.load(open(os.path.join(out, f"process{i}.json"))) for i in range(processes)]
+
+
+def losses(record: dict) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in record["rows"] if "loss" in r}
+
+
+def params(out: str) -> dict[str, np.ndarray]:
+    with np.load(os.path.join(out, "params.npz")) as f:
+        return dict(f)
+
+
+@pytest.fixture(scope="module")
+def sft_setup(tmp_path_factory):
+    """A folder with the training data, and the tiny SFT job's overrides for a workdir."""
+    root = tmp_path_factory.mktemp("multihost_sft")
+    data = str(root / "train.jsonl")
+    ensure_arithmetic_file(data, "sft", 256, seed=1, split="train", max_value=20)
+    ensure_arithmetic_file(str(root / "eval.jsonl"), "sft", 16, seed=2, split="test", max_value=20)
+
+    def overrides(workdir, evaluate=False):
+        return {"workdir": workdir, "sft.train_files": data, "sft.gate": "", "sft.sample_tokens": 8,
+                "sft.eval_files": str(root / "eval.jsonl") if evaluate else "",
+                "data.synthetic": "", "model.moe.num_experts": 0, "train.steps": STEPS, "train.batch_size": 8,
+                "train.seq_len": 64, "train.log_every": 1, "train.progress": False, "data.packing": False,
+                "checkpoint.every": 2, "checkpoint.keep": 5, "checkpoint.async_save": True}
+    return root, overrides
+
+
+@pytest.fixture(scope="module")
+def sft_runs(sft_setup):
+    """The same tiny SFT job as 1 process × 8 devices and as 2 processes × 4 devices."""
+    root, overrides = sft_setup
+    one = launch(str(root / "one"), SFT_CONFIG, overrides(str(root / "one" / "wd"), True), processes=1, devices=8)
+    two = launch(str(root / "two"), SFT_CONFIG, overrides(str(root / "two" / "wd"), True), processes=2, devices=4)
+    return root, overrides, one, two
+
+
+def test_sft_two_processes_match_one_process(sft_runs):
+    """Losses and final weights of 2 processes × 4 devices equal 1 process × 8 devices (same seed and
+    global batch; unpacked rows, so each global batch holds the same records); each process read
+    only its own records, and only process 0 wrote the shared outputs."""
+    root, _, (one,), two = sft_runs
+    assert [r["process_count"] for r in two] == [2, 2]
+    ref = losses(one)
+    assert sorted(ref) == list(range(STEPS))
+    for record in two:
+        got = losses(record)
+        assert sorted(got) == sorted(ref)
+        np.testing.assert_allclose([got[s] for s in ref], [ref[s] for s in ref], rtol=1e-5)
+    evals = [[r["eval/loss"] for r in rec["rows"] if "eval/loss" in r] for rec in (one, *two)]
+    assert len(evals[0]) == 1 and evals[1] == evals[2]
+    np.testing.assert_allclose(evals[1], evals[0], rtol=1e-5)      # each process evaluated its share
+    samples = [open(root / run / "wd" / "samples.jsonl").read() for run in ("one", "two")]
+    assert samples[0] and samples[1] == samples[0]            # sampled on every process, written by one
+    a, b = ({x for x in r["read_lines"] if x.startswith("train.jsonl")} for r in two)
+    assert a and b and not a & b, f"records read by both processes: {sorted(a & b)[:5]}"
+    assert len(a | b) < 256            # neither read the whole file
+    p1, p2 = params(str(root / "one")), params(str(root / "two"))
+    assert p1.keys() == p2.keys()
+    for k in p1:
+        np.testing.assert_allclose(p2[k], p1[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    wd = root / "two" / "wd"
+    assert sorted(os.listdir(wd / "checkpoints")) == ["2", "4"]
+    assert len(open(wd / "metrics.jsonl").readlines()) == STEPS      # one writer, not two
+
+
+def test_two_process_checkpoint_resumes_on_one_process_other_mesh(sft_runs):
+    """The 2-process checkpoint at step 2 resumes in 1 process × 8 devices on another mesh
+    (data=2, fsdp=4): steps 2-3 read the same records (global data position) from the same weights,
+    so their losses and the final weights equal the 2-process run's."""
+    root, overrides, _, two = sft_runs
+    wd = root / "resumed" / "wd"
+    shutil.copytree(root / "two" / "wd", wd)
+    shutil.rmtree(wd / "checkpoints" / "4")
+    os.remove(wd / "metrics.jsonl")
+    (resumed,) = launch(str(root / "resumed"), SFT_CONFIG, {**overrides(str(wd)), "mesh.data": 2, "mesh.fsdp": 4},
+                        processes=1, devices=8)
+    got, ref = losses(resumed), losses(two[0])
+    assert sorted(got) == [2, 3]
+    np.testing.assert_allclose([got[s] for s in got], [ref[s] for s in got], rtol=1e-5)
+    p_two, p_resumed = params(str(root / "two")), params(str(root / "resumed"))
+    for k in p_two:
+        np.testing.assert_allclose(p_resumed[k], p_two[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+BYTE = load_tokenizer("byte")
+
+
+def test_data_state_reshards_to_another_process_count(tmp_path):
+    """Per-process iterator states of 2 processes resume 1 process (and back) at the global
+    position: the next global batch holds the records the 2 processes would have read next."""
+    path = str(tmp_path / "d.jsonl")
+    ensure_arithmetic_file(path, "sft", 64, seed=1, split="train", max_value=20)
+    make = lambda p, n: sft_batches(path, BYTE, batch_size=8, seq_len=64, seed=3, packing=False,
+                                    process_index=p, process_count=n)
+    rows = lambda batch: sorted(map(tuple, batch["inputs"].tolist()))
+    two = [make(p, 2) for p in range(2)]
+    for it in two:
+        for _ in range(3):
+            next(it)
+    states = [it.get_state() for it in two]
+    expected = [rows({"inputs": np.concatenate([next(it)["inputs"] for it in two])}) for _ in range(2)]
+    one = make(0, 1)
+    one.set_state(state_for_process(states, 0, 1))
+    assert [rows(next(one)) for _ in range(2)] == expected
+    back = [make(p, 2) for p in range(2)]              # 1 → 2 processes, from the 1-process state
+    single = make(0, 1)
+    for _ in range(3):
+        next(single)
+    for p, it in enumerate(back):
+        it.set_state(state_for_process([single.get_state()], p, 2))
+    assert rows({"inputs": np.concatenate([next(it)["inputs"] for it in back])}) == rows(next(single))
+    assert state_for_process(states, 1, 2) is states[1]       # same count: each its own state
+
+
+def test_distributed_settings_from_config_and_environment():
+    cfg = base_config()
+    assert distributed_settings(cfg, {}) is None
+    with cfg.unlocked():
+        cfg.distributed.coordinator, cfg.distributed.num_processes, cfg.distributed.process_id = "h:1234", 4, 3
+        cfg.distributed.heartbeat_timeout_s = 7
+    s = distributed_settings(cfg, {})
+    assert (s.coordinator, s.num_processes, s.process_id, s.heartbeat_timeout_s) == ("h:1234", 4, 3, 7)
+    with cfg.unlocked():
+        cfg.distributed.process_id = 4
+    with pytest.raises(UserError, match="process_id=4 and num_processes=4"):
+        distributed_settings(cfg, {})
+    env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:8476", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
+    s = distributed_settings(base_config(), env)
+    assert (s.coordinator, s.num_processes, s.process_id) == ("10.0.0.1:8476", 2, 1)
+    with pytest.raises(UserError, match="JAX_PROCESS_ID"):
+        distributed_settings(base_config(), {**env, "JAX_PROCESS_ID": ""})
+    tpu = distributed_settings(base_config(), {"TPU_WORKER_HOSTNAMES": "a,b"})
+    assert tpu.coordinator is None and tpu.num_processes is None        # jax detects the pod
+    assert distributed_settings(base_config(), {"TPU_WORKER_HOSTNAMES": "a"}) is None
+    cfg = base_config()
+    with cfg.unlocked():
+        cfg.distributed.num_processes = 2
+    with pytest.raises(UserError, match="need distributed.coordinator"):
+        distributed_settings(cfg, {})
+
+
+RL_CONFIG = os.path.join(ROOT, "configs", "rlvr_tiny.py")
+
+
+@pytest.fixture(scope="module")
+def rl_runs(tmp_path_factory):
+    """A 2-step RLVR job (with a final held-out evaluation) as 1 × 8 and as 2 × 4 devices."""
+    root = tmp_path_factory.mktemp("multihost_rl")
+
+    def overrides(workdir):
+        return {"workdir": workdir, "model.moe.num_experts": 0, "rl.steps": 2, "rl.prompts_per_step": 4,
+                "rl.group_size": 4, "rl.max_new_tokens": 8, "rl.eval_every": 2, "rl.eval_size": 6,
+                "rl.eval_samples": 2, "rl.entropy_coef": 0.01, "rl.gate": "", "rl.verifier_workers": 2,
+                "rl.overlong_buffer": 7,       # samples that stop early score higher: groups with signal
+                "train.progress": False, "checkpoint.every": 2}
+    one = launch(str(root / "one"), RL_CONFIG, overrides(str(root / "one" / "wd")), processes=1, devices=8)
+    two = launch(str(root / "two"), RL_CONFIG, overrides(str(root / "two" / "wd")), processes=2, devices=4)
+    return root, one, two
+
+
+def test_rlvr_two_processes_match_one_process(rl_runs):
+    """RLVR with 2 processes (each verifying its own groups) logs the losses, rewards and held-out
+    accuracies of the 1-process run and ends at the same weights."""
+    root, (one,), two = rl_runs
+    keys = ("loss", "rl/reward_mean", "rl/reward_std", "rl/responses", "rl/new_tokens", "eval/accuracy",
+            "eval/mean_accuracy", "eval/response_len")
+    by_step = lambda rec: {(r["step"], k): r[k] for r in rec["rows"] for k in keys if k in r}
+    ref = by_step(one)
+    assert {k for _, k in ref} >= {"loss", "rl/reward_mean", "rl/responses"} and len(ref) > 4
+    got = by_step(two[0])
+    assert got.keys() == ref.keys()
+    np.testing.assert_allclose([got[k] for k in ref], [ref[k] for k in ref], rtol=1e-5, atol=1e-7)
+    assert got[(0, "rl/responses")] == 16       # both processes' groups counted
+    assert ref[(0, "rl/reward_std")] > 0        # some group has non-zero advantages
+    p1, p2 = params(str(root / "one")), params(str(root / "two"))
+    for k in p1:
+        np.testing.assert_allclose(p2[k], p1[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    assert sorted(os.listdir(root / "two" / "wd" / "checkpoints")) == ["2"]
+
+
+def metric_rows(workdir) -> dict[int, float]:
+    rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl")) if line.strip()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.slow
+def test_lost_process_stops_the_other_and_rerun_resumes(sft_setup):
+    """Kill process 1 mid-run: process 0 exits within 60 s with an error naming the lost task (jax's
+    heartbeat, distributed.heartbeat_timeout_s); rerunning both resumes from the last checkpoint and
+    logs the losses the interrupted run logged for the same steps."""
+    root, overrides = sft_setup
+    out, wd = str(root / "killed"), str(root / "killed" / "wd")
+    cfg = {**overrides(wd), "train.steps": 200, "checkpoint.every": 50, "distributed.heartbeat_timeout_s": 10}
+    procs = start(out, SFT_CONFIG, cfg, processes=2, devices=4)
+    deadline = time.time() + 900
+    while not (os.path.exists(os.path.join(wd, "metrics.jsonl")) and max(metric_rows(wd), default=0) >= 60):
+        assert time.time() < deadline and procs[0].poll() is None, open(os.path.join(out, "log0.txt")).read()[-3000:]
+        time.sleep(0.05)
+    procs[1].kill()
+    killed_at = time.time()
+    try:
+        procs[0].wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        raise AssertionError("process 0 still running 60 s after process 1 died")
+    log = open(os.path.join(out, "log0.txt")).read()
+    assert procs[0].returncode != 0 and time.time() - killed_at < 60
+    assert "stopped sending heartbeats" in log and "\n1\n" in log, log[-3000:]
+    before = metric_rows(wd)
+    latest = max(int(s) for s in os.listdir(os.path.join(wd, "checkpoints")) if s.isdigit())
+    assert 50 <= latest < max(before)
+    launch(out, SFT_CONFIG, cfg, processes=2, devices=4)
+    after = metric_rows(wd)
+    assert sorted(after) == list(range(200))
+    overlap = [s for s in before if s >= latest]
+    np.testing.assert_allclose([after[s] for s in overlap], [before[s] for s in overlap], rtol=1e-5)
+
+
+def test_rl_across_processes_refuses_what_it_cannot_split(monkeypatch):
+    """With several processes, RL keys whose work cannot be split by groups fail at start, naming
+    the key; groups are shared out whole and evenly (training) or nearly so (evaluation)."""
+    import jax
+    from posttrain.rl import hosts
+    cfg = runpy_config(RL_CONFIG)
+    hosts.check_multihost_rl(cfg)                       # one process: anything goes
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    hosts.check_multihost_rl(cfg)
+    for key, value in (("filter_groups", True), ("max_staleness", 1), ("rollouts_every", 5), ("prompts_per_step", 7)):
+        bad = cfg.copy_and_resolve_references()
+        bad.rl[key] = value
+        with pytest.raises(UserError, match=f"rl.{key}"):
+            hosts.check_multihost_rl(bad)
+    assert hosts.group_share(8, exact=True) == slice(4, 8)
+    assert hosts.group_share(5, exact=False) == slice(2, 5)
+    with pytest.raises(ValueError, match="5 groups cannot be split evenly over 2 processes"):
+        hosts.group_share(5, exact=True)
+
+
+def runpy_config(path: str):
+    import runpy
+    return runpy.run_path(path)["get_config"]()
