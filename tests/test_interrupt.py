@@ -134,3 +134,17 @@ def test_sigint_in_the_rl_loop_saves_at_the_step(monkeypatch):
     with pytest.raises(Interrupted), interrupt.on_signal():
         rl_loop.train_loop(c, rl_loop.RLState(None, 0), ckpt, writer, steps=10)
     assert saved == [(3, {"drawn": 2})]
+
+
+def test_hosts_agree_to_stop_at_the_same_step(monkeypatch):
+    """Multi-host: a host without a signal stops too when another got one, at the agreed steps only."""
+    import jax
+    from jax.experimental import multihost_utils
+    gathered = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather",
+                        lambda x: gathered.append(int(x)) or __import__("numpy").asarray([int(x), signal.SIGTERM]))
+    assert interrupt.agreed(None, step=3, every=2) is None and gathered == []       # not an agreed step
+    assert interrupt.agreed(None, step=4, every=2) == signal.SIGTERM and gathered == [0]
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    assert interrupt.agreed(None, step=4, every=1) is None and gathered == [0]

@@ -18,6 +18,8 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
+import numpy as np
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -85,12 +87,29 @@ def requested() -> int | None:
     return _ACTIVE.signum if _ACTIVE is not None else None
 
 
+def agreed(signum: int | None, step: int, every: int) -> int | None:
+    """The signal every process acts on. One process: its own. Several (multi-host): a signal
+    reaches the hosts at different steps, and a host that stops alone leaves the others waiting in
+    a collective; so every `every` steps (the same steps on each host) they all-gather their flags
+    and all stop if any got one."""
+    import jax
+    if jax.process_count() == 1:
+        return signum
+    if step % max(every, 1):
+        return None
+    from jax.experimental import multihost_utils
+    flags = np.asarray(multihost_utils.process_allgather(np.int32(signum or 0)))
+    return int(flags.max()) or None
+
+
 def stop_if_requested(step: int, *, saved: bool, save: Callable[[], None], ckpt, workdir: str,
-                      writer=None) -> None:
+                      writer=None, agree_every: int = 1) -> None:
     """At the end of a step (`step` updates done): if a signal asked to stop, save a checkpoint at
     `step` (unless the loop just `saved` one), wait until it is on disk, close `writer` (metrics),
-    raise `Interrupted`."""
-    signum = requested()
+    raise `Interrupted`. Multi-host runs agree on it every `agree_every` steps (see `agreed`)."""
+    if _ACTIVE is None:
+        return
+    signum = agreed(requested(), step, agree_every)
     if signum is None:
         return
     if not saved:

@@ -205,7 +205,8 @@ def train(cfg, stage: Stage) -> Result:
                                            lineage.KEY: lineage.merge(source, int(trained))})
             if saved := ckpt.should_save(done, steps):
                 save()
-            interrupt.stop_if_requested(done, saved=saved, save=save, ckpt=ckpt, workdir=cfg.workdir, writer=writer)
+            interrupt.stop_if_requested(done, saved=saved, save=save, ckpt=ckpt, workdir=cfg.workdir, writer=writer,
+                                        agree_every=cfg.train.log_every)
         if stage.eval_fn is not None and not evals:      # resumed after the last step: gates still need it
             evals = run_eval(stage, graphdef, state, cfg.lora)
             logging.info("%s step %d: %s", stage.name, int(state.step), summary(evals))
