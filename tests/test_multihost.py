@@ -116,7 +116,7 @@ def test_sft_two_processes_match_one_process(sft_runs):
         np.testing.assert_allclose(p2[k], p1[k], rtol=1e-4, atol=1e-6, err_msg=k)
     wd = root / "two" / "wd"
     assert sorted(os.listdir(wd / "checkpoints")) == ["2", "4"]
-    assert len(open(wd / "metrics.jsonl").readlines()) == STEPS      # one writer, not two
+    assert len(open(wd / "metrics.jsonl").readlines()) == STEPS + 1      # one writer, not two (+ the eval row)
 
 
 def test_two_process_checkpoint_resumes_on_one_process_other_mesh(sft_runs):
@@ -184,15 +184,17 @@ def test_distributed_settings_from_config_and_environment():
     s = distributed_settings(base_config(), env)
     assert (s.coordinator, s.num_processes, s.process_id) == ("10.0.0.1:8476", 2, 1)
     with pytest.raises(UserError, match="JAX_PROCESS_ID"):
-        distributed_settings(base_config(), {**env, "JAX_PROCESS_ID": ""})
+        distributed_settings(base_config(), {**env, "JAX_PROCESS_ID": "x"})
+    assert distributed_settings(base_config(), {"JAX_COORDINATOR_ADDRESS": "h:1"}).num_processes is None
     tpu = distributed_settings(base_config(), {"TPU_WORKER_HOSTNAMES": "a,b"})
     assert tpu.coordinator is None and tpu.num_processes is None        # jax detects the pod
     assert distributed_settings(base_config(), {"TPU_WORKER_HOSTNAMES": "a"}) is None
     cfg = base_config()
     with cfg.unlocked():
         cfg.distributed.num_processes = 2
-    with pytest.raises(UserError, match="need distributed.coordinator"):
-        distributed_settings(cfg, {})
+    for env in ({}, {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}):
+        with pytest.raises(UserError, match="need distributed.coordinator"):
+            distributed_settings(cfg, env)
 
 
 RL_CONFIG = os.path.join(ROOT, "configs", "rlvr_tiny.py")

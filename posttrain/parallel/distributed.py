@@ -31,7 +31,7 @@ import numpy as np
 
 from posttrain.errors import UserError
 
-_CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
+_CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")   # clusters jax.distributed detects
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ def _int_setting(value, key: str) -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise UserError(f"{key}={value!r}: expected an integer", key=key.removeprefix("config.")) from None
+        raise UserError(f"${key}={value!r}: expected an integer") from None
 
 
 def distributed_settings(cfg=None, environ: Mapping[str, str] | None = None) -> DistributedSettings | None:
@@ -62,28 +62,30 @@ def distributed_settings(cfg=None, environ: Mapping[str, str] | None = None) -> 
     for key, value in timeouts.items():
         if value < 1:
             raise UserError(f"distributed.{key}={value}: expected a positive number of seconds", key=f"distributed.{key}")
+    if d is not None and not d.coordinator and (d.num_processes or d.process_id >= 0):
+        raise UserError(f"distributed.num_processes={d.num_processes}, distributed.process_id={d.process_id} "
+                        "need distributed.coordinator (host:port of process 0)", key="distributed.coordinator")
     if d is not None and d.coordinator:
-        where = "config.distributed"
+        where, key = "config.distributed", "distributed.process_id"
         coordinator, num, pid = d.coordinator, d.num_processes, d.process_id
     elif env.get("JAX_COORDINATOR_ADDRESS"):
-        where = "environment JAX"
+        where, key = "$JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID", None
         coordinator = env["JAX_COORDINATOR_ADDRESS"]
+        if not env.get("JAX_NUM_PROCESSES") and not env.get("JAX_PROCESS_ID"):   # a cluster jax detects gives them
+            return DistributedSettings(coordinator, None, None, **timeouts)
         num = _int_setting(env.get("JAX_NUM_PROCESSES", ""), "JAX_NUM_PROCESSES")
         pid = _int_setting(env.get("JAX_PROCESS_ID", ""), "JAX_PROCESS_ID")
     else:
-        if d is not None and (d.num_processes or d.process_id >= 0):
-            raise UserError(f"distributed.num_processes={d.num_processes}, distributed.process_id={d.process_id} "
-                            "need distributed.coordinator (host:port of process 0)", key="distributed.coordinator")
         hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
         if len(hosts) > 1 or any(k in env for k in _CLUSTER_ENV):
             return DistributedSettings(None, None, None, **timeouts)
         return None
     if ":" not in coordinator:
-        raise UserError(f"{where} coordinator {coordinator!r}: expected host:port of process 0",
-                        key="distributed.coordinator")
+        raise UserError(f"{where}: coordinator {coordinator!r}: expected host:port of process 0",
+                        key=key and "distributed.coordinator")
     if num < 1 or not 0 <= pid < num:
         raise UserError(f"{where}: process_id={pid} and num_processes={num}: expected num_processes >= 1 and "
-                        f"0 <= process_id < num_processes", key="distributed.process_id")
+                        f"0 <= process_id < num_processes", key=key)
     return DistributedSettings(coordinator, num, pid, **timeouts)
 
 
