@@ -194,3 +194,21 @@ def test_gs_rl_run_started_from_the_gs_init_from(gs_runs):
     dist = lambda a, b: max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
                             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
     assert dist(rl, sft) < 0.2 * dist(fresh, sft)
+
+
+def test_hf_export_to_gs_equals_the_local_export(gs_runs, tmp_path):
+    """tools/convert_hf.py --run gs://... --to_hf gs://...: the same files, byte for byte, as an
+    export of that run to a local folder."""
+    pytest.importorskip("safetensors")
+    from posttrain.models.hf.convert import read_run_config, run_to_hf
+    from posttrain.parallel import DEFAULT_RULES, make_mesh
+    cfg = read_run_config(gs_runs["sft"][0].workdir)
+    mesh, out = make_mesh(dict(fsdp=-1)), f"gs://{BUCKET}/hf/sft"
+    assert run_to_hf(cfg, out, mesh, DEFAULT_RULES, progress=False) == run_to_hf(
+        cfg, str(tmp_path), mesh, DEFAULT_RULES, progress=False)
+    names = sorted(os.listdir(tmp_path))
+    assert "model.safetensors" in names and "config.json" in names
+    assert [p.rsplit("/", 1)[1] for p in storage.glob(f"{out}/*")] == names
+    for name in names:
+        with storage.open_file(f"{out}/{name}", "rb") as f:
+            assert f.read() == (tmp_path / name).read_bytes(), name
