@@ -174,26 +174,23 @@ def test_gs_rl_run_logs_rollouts(gs_runs):
 
 
 def test_gs_rl_run_started_from_the_gs_init_from(gs_runs):
-    """The RL policy after 2 small updates is the SFT run's final weights (read from gs://) moved
-    a little, not a fresh initialisation."""
+    """The RL policy after 2 updates is the SFT run's final weights (read from gs://) moved by at
+    most what 2 Adam steps can move a weight (about lr each), not a fresh (other seed) policy."""
     import jax
     from flax import nnx
 
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import mesh_and_rules, use_sharding
     from posttrain.train.init import load_model_state
-    from posttrain.train.state import init_model_state
     cfg = gs_runs["rl"][0]
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     mesh, rules = mesh_and_rules(cfg)
     with use_sharding(mesh, rules):
         sft, _, sft_step = load_model_state(gs_runs["sft"][0].workdir, make, mesh, rules)
         rl, _, _ = load_model_state(cfg.workdir, make, mesh, rules, step=2)
-        fresh, _ = init_model_state(make, mesh, rules)
     assert sft_step == SFT_STEPS
-    dist = lambda a, b: max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
-                            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    assert dist(rl, sft) < 0.2 * dist(fresh, sft)
+    moved = max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(rl), jax.tree.leaves(sft)))
+    assert moved <= 3 * 2 * cfg.optim.lr, moved      # a fresh seed-0 policy is ~0.1-1 away
 
 
 def test_hf_export_to_gs_equals_the_local_export(gs_runs, tmp_path):
