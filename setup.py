@@ -25,7 +25,8 @@ setup(
         "math-verify>=0.9.0",
     ],
     extras_require={
-        "test": ["pytest>=8.0", "chex>=0.1.88"],
+        # gcp-storage-emulator: the local GCS server tests/test_storage.py runs gs:// paths against.
+        "test": ["pytest>=8.0", "chex>=0.1.88", "gcp-storage-emulator>=2026.7.19"],
         # Hugging Face interop: safetensors to read and write folders; torch + transformers for the
         # tests (install the CPU build first: `pip install torch==2.13.0`).
         "hf": ["safetensors>=0.4.3", "transformers>=5.0", "torch>=2.4"],

@@ -25,6 +25,7 @@ import traceback
 from absl import app, flags
 from ml_collections import config_flags
 
+from posttrain import storage
 from posttrain.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().",
@@ -92,9 +93,8 @@ def _run_locked(config) -> object:
         require_init_from(config.init_from)
     enable_compilation_cache(config.compilation_cache)
     if is_primary():
-        os.makedirs(config.workdir, exist_ok=True)
-        with open(os.path.join(config.workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
+        storage.makedirs(config.workdir)
+        storage.write_text(storage.join(config.workdir, "config.json"), config.to_json_best_effort(indent=2))
     try:
         result = table[config.stage](config)
         if config.stage in GATED_STAGES:       # a stage run alone must pass its gate too (exit status 1)
@@ -135,13 +135,19 @@ def error_line(config, error: BaseException) -> str:
 
 
 def write_error_log(workdir: str | None, error: BaseException) -> str:
-    """Append the traceback to `{workdir}/error.log` (a local workdir) or a temp file; its path."""
-    local = workdir and "://" not in workdir and os.path.isdir(workdir)
-    path = os.path.join(workdir, "error.log") if local else os.path.join(
-        tempfile.gettempdir(), f"posttrain-error-{os.getpid()}.log")
-    with open(path, "a") as f:
-        f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(sys.argv)}\n")
-        f.write("".join(traceback.format_exception(error)))
+    """Append the traceback to `{workdir}/error.log` (a workdir that exists, local or URL), else to a
+    temp file; its path."""
+    text = f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(sys.argv)}\n" + "".join(traceback.format_exception(error))
+    if workdir:
+        try:
+            if storage.isdir(workdir):
+                path = storage.join(workdir, "error.log")
+                storage.append_text(path, text)
+                return path
+        except Exception:        # an unreachable remote workdir: the traceback still goes somewhere
+            pass
+    path = os.path.join(tempfile.gettempdir(), f"posttrain-error-{os.getpid()}.log")
+    storage.append_text(path, text)
     return path
 
 

@@ -21,6 +21,7 @@ from flax import nnx
 from ml_collections import config_flags
 from tqdm import tqdm
 
+from posttrain import storage
 from posttrain.data.examples import rl_prompt_example
 from posttrain.data.pipeline import read_jsonl
 from posttrain.data.tokenizer import load_tokenizer
@@ -32,7 +33,7 @@ from posttrain.train.state import abstract_model, init_model_state, shardings_fo
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().")
 flags.DEFINE_string("prompts", None, "JSONL file of {\"prompt\": ...} records.", required=True)
-flags.DEFINE_string("out", None, "Where to write the samples (JSONL).", required=True)
+flags.DEFINE_string("out", None, "Where to write the samples (JSONL; local or gs://).", required=True)
 flags.DEFINE_string("tokenizer", "byte", "'byte' or a folder with tokenizer.json.")
 flags.DEFINE_integer("step", -1, "Checkpoint step to load (-1: the newest).")
 flags.DEFINE_float("temperature", 1.0, "0 = greedy.")
@@ -78,7 +79,7 @@ def main(argv: list[str]) -> None:
     key = jax.random.key(cfg.seed)
     with use_sharding(mesh, rules):
         graphdef, params, rest = load_model(cfg, mesh, rules)
-    with use_sharding(mesh, rules), open(FLAGS.out, "w") as out, tqdm(total=len(records), desc="generate") as bar:
+    with use_sharding(mesh, rules), storage.open_file(FLAGS.out, "w") as out, tqdm(total=len(records), desc="generate") as bar:
         for start in range(0, len(records), FLAGS.batch_size):
             batch = records[start:start + FLAGS.batch_size]
             samples = generate(graphdef, params, rest, [ex["prompt"] for _, ex in batch], sampling,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 
 from absl import app, flags
 
@@ -50,6 +49,7 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     for noisy in ("absl", "jax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from posttrain import storage
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.eval.long_context_eval import evaluate, plot_heatmaps, summarize, write_rows
     from posttrain.models.hf.convert import read_run_config
@@ -65,9 +65,9 @@ def main(argv: list[str]) -> None:
     with use_sharding(mesh, rules):
         rows = evaluate(model, load_tokenizer(cfg.data.tokenizer), lc, step=step)
     out = FLAGS.out or FLAGS.run
-    os.makedirs(out, exist_ok=True)
-    write_rows(rows, os.path.join(out, "long_context.jsonl"))
-    png = plot_heatmaps(rows, os.path.join(out, "long_context.png"), FLAGS.run)
+    storage.makedirs(out)
+    write_rows(rows, storage.join(out, "long_context.jsonl"))
+    png = plot_heatmaps(rows, storage.join(out, "long_context.png"), FLAGS.run)
     print(json.dumps({"step": step, **summarize(rows), "plot": png}, indent=2))
 
 

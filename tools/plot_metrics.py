@@ -1,10 +1,10 @@
-"""Draw a run's main curves to PNG: `python tools/plot_metrics.py WORKDIR [--out FILE]`."""
+"""Draw a run's main curves to PNG: `python tools/plot_metrics.py WORKDIR [--out FILE]` (either may be gs://)."""
 
 from __future__ import annotations
 
 import argparse
-import os
 
+from posttrain import storage
 from posttrain.train.plot import plot
 
 
@@ -13,7 +13,7 @@ def main() -> None:
     p.add_argument("workdir")
     p.add_argument("--out", default=None, help="PNG path (default WORKDIR/metrics.png)")
     args = p.parse_args()
-    print(plot(args.workdir, args.out or os.path.join(args.workdir, "metrics.png")))
+    print(plot(args.workdir, args.out or storage.join(args.workdir, "metrics.png")))
 
 
 if __name__ == "__main__":

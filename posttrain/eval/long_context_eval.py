@@ -8,6 +8,7 @@ with the stage's other metrics) and from `tools/long_context_eval.py --run R`.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from posttrain import storage
 from posttrain.data.tokenizer import Tokenizer
 from posttrain.eval.long_context import KINDS, generate_problem, is_correct
 from posttrain.sampling.generate import generate
@@ -91,10 +93,10 @@ def summarize(rows: Sequence[dict]) -> dict[str, float]:
 
 
 def write_rows(rows: Sequence[dict], path: str) -> None:
-    """Append `rows` to the JSONL file `path`."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    """Append `rows` to the JSONL file `path` (local or URL)."""
+    if not storage.is_url(path):
+        storage.makedirs(os.path.dirname(os.path.abspath(path)))
+    storage.append_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def plot_heatmaps(rows: Sequence[dict], out: str, title: str = "") -> str:
@@ -123,7 +125,9 @@ def plot_heatmaps(rows: Sequence[dict], out: str, title: str = "") -> str:
         fig.colorbar(im, ax=ax, fraction=0.046)
     fig.suptitle(title + (f" (step {last})" if last >= 0 else ""), fontsize=9)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    storage.write_bytes(out, png.getvalue())
     plt.close(fig)
     return out
 
@@ -136,7 +140,7 @@ def make_long_context_eval(cfg, tok: Tokenizer):
     if not lc.lengths:
         return None
     parse_grid(lc)                       # fail at start-up, not at the first evaluation
-    jsonl, png = os.path.join(cfg.workdir, "long_context.jsonl"), os.path.join(cfg.workdir, "long_context.png")
+    jsonl, png = storage.join(cfg.workdir, "long_context.jsonl"), storage.join(cfg.workdir, "long_context.png")
 
     def fn(model: nnx.Module, step: int | None = None) -> dict:
         rows = evaluate(model, tok, lc, step=step)

@@ -19,7 +19,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 
@@ -28,6 +27,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from posttrain import storage
 from posttrain.data.sources import SkipLog, read_jsonl
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.eval.long_context_eval import make_long_context_eval, parse_grid
@@ -210,9 +210,8 @@ def write_record(workdir: str, record: dict) -> None:
     """Append one suite's result to `{workdir}/eval/<suite>.jsonl` (process 0 only)."""
     if jax.process_index() != 0:
         return
-    os.makedirs(os.path.join(workdir, "eval"), exist_ok=True)
-    with open(os.path.join(workdir, "eval", f"{record['suite']}.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    storage.makedirs(storage.join(workdir, "eval"))
+    storage.append_text(storage.join(workdir, "eval", f"{record['suite']}.jsonl"), json.dumps(record) + "\n")
 
 
 def gate_view(results: dict[str, dict], versions: dict[str, str]) -> dict:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from posttrain import storage
 from posttrain.rl.buffer import Rollout
 
 
@@ -36,7 +36,7 @@ class RolloutLog:
     def __init__(self, workdir: str, tok, *, every: int, fraction: float, seed: int, enabled: bool = True) -> None:
         if every < 1 or not 0 < fraction <= 1:
             raise ValueError(f"rollout log: every={every} must be >= 1 and fraction={fraction} in (0, 1]")
-        self.dir = os.path.join(workdir, "rollouts")
+        self.dir = storage.join(workdir, "rollouts")
         self.tok, self.every, self.fraction, self.seed, self.enabled = tok, every, fraction, seed, enabled
 
     def records(self, step: int, rollouts: Sequence[Rollout]) -> list[dict]:
@@ -67,10 +67,12 @@ class RolloutLog:
         """Write step `step`'s sampled rollouts when it is due; returns the file written (or None)."""
         if not self.enabled or step % self.every:
             return None
-        os.makedirs(self.dir, exist_ok=True)
-        path = os.path.join(self.dir, f"{step:07d}.jsonl")
-        with open(path + ".tmp", "w") as f:
-            for rec in self.records(step, rollouts):
-                f.write(json.dumps(rec, allow_nan=False, ensure_ascii=False) + "\n")
-        os.replace(path + ".tmp", path)
+        storage.makedirs(self.dir)
+        path = storage.join(self.dir, f"{step:07d}.jsonl")
+        text = "".join(json.dumps(rec, allow_nan=False, ensure_ascii=False) + "\n" for rec in self.records(step, rollouts))
+        if storage.is_url(path):          # an object appears whole when its upload completes
+            storage.write_text(path, text)
+        else:
+            storage.write_text(path + ".tmp", text)
+            storage.replace(path + ".tmp", path)
         return path

@@ -2,16 +2,22 @@
 
 Every line is strict JSON (RFC 8259): a non-finite value (NaN, ±inf, e.g. the loss of a diverged
 step) is written as `null`; `read_metrics` gives it back as NaN. TensorBoard gets the float itself.
+
+A `gs://` (any URL) workdir: metrics.jsonl is an `AppendLog` (uploaded whole at most every 10 s
+and on close, see `posttrain.storage`) and the TensorBoard event file is buffered and uploaded
+whole on each TensorBoard flush, through fsspec.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
-import os
 from typing import Any
 
 import numpy as np
+
+from posttrain import storage
 
 
 def to_python(value: Any) -> Any:
@@ -52,30 +58,35 @@ class MetricsWriter:
         from) are dropped, so the file reads as one uninterrupted run. The first `write` drops
         rows at or past its own step too (a resume that fell back to an older checkpoint)."""
         self.enabled = enabled
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.path = storage.join(workdir, "metrics.jsonl")
         self._first = True      # the first write also drops rows at or past its step (see write)
         self._tb = None
         if enabled:
-            os.makedirs(workdir, exist_ok=True)
-            if os.path.exists(self.path):
-                kept = [r for r in read_metrics(workdir) if r["step"] < resume_step]
-                with open(self.path, "w") as f:
-                    f.writelines(dumps(r) + "\n" for r in kept)
+            storage.makedirs(workdir)
+            self._log = storage.AppendLog(self.path)
+            self._keep_before(resume_step)
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            tb = storage.join(workdir, "tensorboard")
+            if storage.is_url(tb):
+                _register_tensorboard_store(tb)
+            self._tb = SummaryWriter(tb)
+
+    def _keep_before(self, step: int) -> None:
+        """Drop the rows at or past `step` from metrics.jsonl (if it has any)."""
+        text = self._log.text()
+        if text:
+            kept = [r for r in parse_metrics(text) if r["step"] < step]
+            self._log.rewrite("".join(dumps(r) + "\n" for r in kept))
 
     def write(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Record `metrics` at `step`; vectors go to JSONL whole and to TensorBoard per element."""
         row = {"step": int(step), **{k: to_python(v) for k, v in metrics.items()}}
         if not self.enabled:
             return row
-        if self._first and os.path.exists(self.path):
-            kept = [r for r in read_metrics(os.path.dirname(self.path)) if r["step"] < row["step"]]
-            with open(self.path, "w") as f:
-                f.writelines(dumps(r) + "\n" for r in kept)
+        if self._first:
+            self._keep_before(row["step"])
         self._first = False
-        with open(self.path, "a") as f:
-            f.write(dumps(row) + "\n")
+        self._log.append(dumps(row) + "\n")
         for k, v in row.items():
             if k == "step":
                 continue
@@ -93,14 +104,14 @@ class MetricsWriter:
                                                      for k, v in fields.items()}}
         if not self.enabled:
             return row
-        with open(self.path, "a") as f:
-            f.write(dumps(row) + "\n")
+        self._log.append(dumps(row) + "\n")
         self._tb.add_text(f"events/{kind}", json.dumps(fields, default=str), step)
         return row
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+            self._log.close()
             self._tb = None
 
 
@@ -137,7 +148,42 @@ class DataCounts:
         return counts
 
 
+def parse_metrics(text: str) -> list[dict[str, Any]]:
+    """The rows of metrics.jsonl text; values written as null (non-finite) come back as NaN."""
+    return [{k: _from_json(v) for k, v in json.loads(line).items()} for line in text.splitlines() if line.strip()]
+
+
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-    """All rows of `{workdir}/metrics.jsonl`; values written as null (non-finite) come back as NaN."""
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [{k: _from_json(v) for k, v in json.loads(line).items()} for line in f if line.strip()]
+    """All rows of `{workdir}/metrics.jsonl` (local or URL); non-finite values come back as NaN."""
+    return parse_metrics(storage.read_text(storage.join(workdir, "metrics.jsonl")))
+
+
+class _StoreRecordWriter:
+    """A TensorBoard event file on an object store: bytes kept in memory, uploaded whole per flush."""
+
+    def __init__(self, path: str):
+        self.path, self.buffer = path, io.BytesIO()
+
+    def write(self, data: bytes) -> None:
+        self.buffer.write(data)
+
+    def flush(self) -> None:
+        storage.write_bytes(self.path, self.buffer.getvalue())
+
+    def close(self) -> None:
+        self.flush()
+
+
+class _StoreWriterFactory:
+    def open(self, path: str) -> _StoreRecordWriter:
+        return _StoreRecordWriter(path)
+
+    def directory_check(self, path: str) -> None:
+        pass        # object stores have no folders
+
+
+def _register_tensorboard_store(url: str) -> None:
+    """Make tensorboardX write event files under `url`'s protocol through fsspec (gcsfs for gs://,
+    replacing tensorboardX's own google-cloud-storage writer: one set of credentials for all)."""
+    from tensorboardX.record_writer import register_writer_factory
+    register_writer_factory(url.split("://", 1)[0], _StoreWriterFactory())

@@ -12,10 +12,10 @@ the previous eval stage. Re-running the same command resumes where it stopped.
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
 
+from posttrain import storage
 from posttrain.eval.gates import SECTION, GateFailed, check_gate, validate_gates  # noqa: F401 (re-exported)
 from posttrain.train import stages as stage_lib
 from posttrain.train.plot import plot
@@ -70,7 +70,7 @@ def run(cfg) -> dict:
                          f"{unstaged} cannot change sequence length (supported: {', '.join(STAGED_CONTEXT)})")
     init_from, results, done, last_eval = cfg.init_from, {}, {}, None
     for i, name in enumerate(cfg.pipeline.stages):
-        workdir = os.path.join(cfg.workdir, f"{i}_{name}")
+        workdir = storage.join(cfg.workdir, f"{i}_{name}")
         sub = stage_config(cfg, name, workdir, init_from, done)
         result = RUNNERS[name](sub, baseline=last_eval) if name == "eval" else RUNNERS[name](sub)
         metrics = gate_metrics(result)
@@ -82,5 +82,5 @@ def run(cfg) -> dict:
         elif name not in SCORERS:
             init_from = workdir
     if jax.process_index() == 0:
-        logging.info("curves: %s", plot(cfg.workdir, os.path.join(cfg.workdir, "metrics.png")))
+        logging.info("curves: %s", plot(cfg.workdir, storage.join(cfg.workdir, "metrics.png")))
     return results

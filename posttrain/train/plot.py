@@ -6,7 +6,7 @@ metric that has more than one point â€” loss, eval metrics, rewards, accuracy â€
 
 from __future__ import annotations
 
-import glob
+import io
 import json
 import math
 import os
@@ -16,21 +16,23 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from posttrain import storage  # noqa: E402
+
 PREFERRED = ("eval/accuracy", "rl/reward_mean", "loss", "ce", "eval/loss", "eval/mean_accuracy", "eval/pass@4",
              "eval/reward_accuracy", "dpo/margin", "rm/accuracy", "rl/entropy", "rl/kl", "grad_norm", "lr",
              "tokens_per_s")
 
 
 def load_runs(workdir: str) -> dict[str, list[dict]]:
-    """{run name: rows} for WORKDIR and any pipeline stage folders inside it."""
-    paths = sorted(glob.glob(os.path.join(workdir, "metrics.jsonl")) +
-                   glob.glob(os.path.join(workdir, "*", "metrics.jsonl")))
+    """{run name: rows} for WORKDIR (local or URL) and any pipeline stage folders inside it."""
+    top = storage.join(workdir, "metrics.jsonl")
+    paths = ([top] if storage.isfile(top) else []) + storage.glob(storage.join(workdir, "*", "metrics.jsonl"))
     if not paths:
         raise SystemExit(f"error: no metrics.jsonl in {workdir} or its stage folders")
-    runs = {}
+    runs, root = {}, storage.join(workdir, "")
     for p in paths:
-        with open(p) as f:
-            runs[os.path.relpath(os.path.dirname(p), workdir) or "."] = [json.loads(l) for l in f if l.strip()]
+        name = p[len(root):].rsplit("metrics.jsonl", 1)[0].strip("/") if p.startswith(root) else p
+        runs[name or "."] = [json.loads(l) for l in storage.read_text(p).splitlines() if l.strip()]
     return runs
 
 
@@ -67,8 +69,10 @@ def plot(workdir: str, out: str, max_panels: int = 12) -> str:
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
-    fig.suptitle(os.path.abspath(workdir), fontsize=9)
+    fig.suptitle(workdir if storage.is_url(workdir) else os.path.abspath(workdir), fontsize=9)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    storage.write_bytes(out, png.getvalue())
     plt.close(fig)
     return out

@@ -9,19 +9,19 @@ import functools
 import itertools
 import json
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from posttrain import storage
 from posttrain.data.examples import sft_messages
 from posttrain.data.pipeline import preference_batches, read_jsonl, sft_batches
 from posttrain.data.tokenizer import Tokenizer, load_tokenizer
 from posttrain.eval.long_context_eval import make_long_context_eval
 from posttrain.models.decoder import Decoder
 from posttrain.models.layers import dtype_of, param
-from posttrain.parallel import is_primary, mesh_and_rules, sync_processes, use_sharding
+from posttrain.parallel import is_primary, mesh_and_rules, use_sharding
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams
 from posttrain.train.data_files import resolve_data_files
@@ -195,13 +195,13 @@ def make_sampler_log(cfg, tok: Tokenizer, files: str, n: int = 3):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         out = generate(graphdef, params, rest, [ids for _, ids in prompts], sampling, jax.random.key(0),
                        pad_id=tok.pad_id)
-        if not is_primary():
-            return
-        with open(os.path.join(cfg.workdir, "samples.jsonl"), "a") as f:
-            for i, (text, _) in enumerate(prompts):
-                completion = tok.decode(out.completion(i))
-                f.write(json.dumps({"step": step, "prompt": text, "completion": completion}) + "\n")
-                logging.info("sample %d: %r → %r", i, text[-80:], completion[:160])
+        lines = []
+        for i, (text, _) in enumerate(prompts):
+            completion = tok.decode(out.completion(i))
+            lines.append(json.dumps({"step": step, "prompt": text, "completion": completion}) + "\n")
+            logging.info("sample %d: %r → %r", i, text[-80:], completion[:160])
+        if is_primary():
+            storage.append_text(storage.join(cfg.workdir, "samples.jsonl"), "".join(lines))
     return sample_fn
 
 

@@ -26,6 +26,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
+from posttrain import storage
 from posttrain.models.decoder import Decoder
 from posttrain.models.hf.config import architecture, hf_config_from_model, model_config_from_hf, read_hf_config
 from posttrain.models.hf.files import SafetensorsFolder, ShardWriter
@@ -202,7 +203,7 @@ def save_hf(path: str, params: nnx.State, cfg: ml_collections.ConfigDict, *, bas
     out_dtype = np.dtype(jnp.dtype(dtype)) if dtype else np.dtype(next(iter(flat.values())).dtype)
     writer = jax.process_index() == 0
     if writer:
-        os.makedirs(path, exist_ok=True)
+        storage.makedirs(path)
     shards = ShardWriter(path, max_shard_bytes)
     for p, r, entry in tqdm(units, desc=f"save {os.path.basename(path.rstrip('/'))}", unit="array",
                             disable=not progress or not writer):
@@ -216,8 +217,7 @@ def save_hf(path: str, params: nnx.State, cfg: ml_collections.ConfigDict, *, bas
         hf["dtype"] = str(out_dtype)
         if "torch_dtype" in hf:
             hf["torch_dtype"] = str(out_dtype)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(hf, f, indent=2, sort_keys=True)
+        storage.write_text(storage.join(path, "config.json"), json.dumps(hf, indent=2, sort_keys=True))
         logging.info("saved %s: %d files, %.1f MB", path, len(shards.files), shards.total_bytes / 2**20)
     return hf
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import ml_collections
 
+from posttrain import storage
 from posttrain.config import model_config
 
 # architecture → model_type
@@ -48,12 +48,11 @@ EXPLICIT_DEFAULTS = {
 
 
 def read_hf_config(path: str) -> dict:
-    """The parsed `config.json` of a local Hugging Face model folder."""
-    file = os.path.join(path, "config.json")
-    if not os.path.isfile(file):
+    """The parsed `config.json` of a Hugging Face model folder (local or URL)."""
+    file = storage.join(path, "config.json")
+    if not storage.isfile(file):
         raise FileNotFoundError(f"{file}: not found (expected a Hugging Face model folder)")
-    with open(file) as f:
-        return json.load(f)
+    return json.loads(storage.read_text(file))
 
 
 def architecture(hf: dict, where: str = "config.json") -> str:
@@ -71,7 +70,7 @@ def model_config_from_hf(path: str) -> ml_collections.ConfigDict:
     Use it in a config file (`cfg.model = model_config_from_hf(path)`, then set dtypes) or through
     `--config configs/hf.py:PATH`.
     """
-    return model_config_from_dict(read_hf_config(path), os.path.join(path, "config.json"))
+    return model_config_from_dict(read_hf_config(path), storage.join(path, "config.json"))
 
 
 def model_config_from_dict(hf: dict, where: str = "config.json") -> ml_collections.ConfigDict:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 
 import fsspec
 import jax
@@ -13,6 +11,7 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
+from posttrain import storage
 from posttrain.config import base_config
 from posttrain.models import lora
 from posttrain.models.decoder import Decoder
@@ -40,7 +39,7 @@ def hf_to_run(hf_dir: str, workdir: str, mesh: Mesh, rules: Rules, *, param_dtyp
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     with use_sharding(mesh, rules):
         params, rest = load_model_state(hf_dir, make, mesh, rules, progress=progress)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=0, keep=1, async_save=False)
+    ckpt = Checkpointer(storage.join(workdir, "checkpoints"), every=0, keep=1, async_save=False)
     ckpt.save(0, {"params": params, "rest": rest}, meta={"hf_config": read_hf_config(hf_dir)})
     ckpt.close()
     if jax.process_index() == 0:
@@ -74,8 +73,8 @@ def run_to_hf(cfg: ml_collections.ConfigDict, out: str, mesh: Mesh, rules: Rules
 
     config.json starts from `hf_base`'s (default: the source model's config.json recorded in the
     run's lineage, see `posttrain.train.lineage`) so token ids and other keys carry over, and
-    advertises the longest context the weights were trained at; tokenizer files are copied from `cfg.data.tokenizer` when it is a
-    local folder. `dtype` (e.g. "bfloat16") defaults to `cfg.model.param_dtype`.
+    advertises the longest context the weights were trained at; tokenizer files are copied from
+    `cfg.data.tokenizer` when it is a folder. `out` may be a URL (gs://). `dtype` (e.g. "bfloat16") defaults to `cfg.model.param_dtype`.
     """
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     source = lineage.of_run(cfg.workdir)
@@ -93,10 +92,10 @@ def run_to_hf(cfg: ml_collections.ConfigDict, out: str, mesh: Mesh, rules: Rules
             params, _, _ = init.load_model_state(cfg.workdir, make, mesh, rules)
         hf = save_hf(out, params, cfg.model, base_config=base, context=context, dtype=dtype or None,
                      progress=progress)
-    if jax.process_index() == 0 and os.path.isdir(cfg.data.tokenizer):
+    if jax.process_index() == 0 and storage.isdir(cfg.data.tokenizer):
         for name in TOKENIZER_FILES:
-            if os.path.isfile(os.path.join(cfg.data.tokenizer, name)):
-                shutil.copy(os.path.join(cfg.data.tokenizer, name), os.path.join(out, name))
+            if storage.isfile(storage.join(cfg.data.tokenizer, name)):
+                storage.copy_file(storage.join(cfg.data.tokenizer, name), storage.join(out, name))
     return hf
 
 

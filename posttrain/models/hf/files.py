@@ -11,9 +11,11 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensor
 import numpy as np
 try:
     from safetensors import safe_open
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save, save_file
 except ImportError as e:
     raise ImportError("Hugging Face interop needs safetensors: pip install -e '.[hf]'") from e
+
+from posttrain import storage
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -84,7 +86,8 @@ class SafetensorsFolder:
 class ShardWriter:
     """Writes tensors into `model-0000i-of-0000n.safetensors` files of at most `max_bytes` each
     (one tensor larger than that gets a file of its own) plus the index, or a single
-    `model.safetensors` when everything fits in one. Holds at most one shard in memory."""
+    `model.safetensors` when everything fits in one. Holds at most one shard in memory. `path`
+    may be a URL (gs://): each shard is serialised in memory and uploaded."""
 
     def __init__(self, path: str, max_bytes: int):
         self.path, self.max_bytes = path, max_bytes
@@ -101,10 +104,13 @@ class ShardWriter:
         self.total_bytes += tensor.nbytes
 
     def _temp_name(self, i: int) -> str:
-        return os.path.join(self.path, f"model-{i + 1:05d}.safetensors.partial")
+        return storage.join(self.path, f"model-{i + 1:05d}.safetensors.partial")
 
     def _flush(self) -> None:
-        save_file(self.pending, self._temp_name(len(self.files)), metadata={"format": "pt"})
+        if storage.is_url(self.path):
+            storage.write_bytes(self._temp_name(len(self.files)), save(self.pending, metadata={"format": "pt"}))
+        else:
+            save_file(self.pending, self._temp_name(len(self.files)), metadata={"format": "pt"})
         self.files.append(list(self.pending))
         self.pending, self.pending_bytes = {}, 0
 
@@ -114,12 +120,12 @@ class ShardWriter:
             self._flush()
         n = len(self.files)
         if n == 1:
-            os.replace(self._temp_name(0), os.path.join(self.path, SINGLE))
+            storage.replace(self._temp_name(0), storage.join(self.path, SINGLE))
             return
         weight_map = {}
         for i, names in enumerate(self.files):
             final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(self._temp_name(i), os.path.join(self.path, final))
+            storage.replace(self._temp_name(i), storage.join(self.path, final))
             weight_map.update({name: final for name in names})
-        with open(os.path.join(self.path, INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
+        storage.write_text(storage.join(self.path, INDEX),
+                           json.dumps({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, indent=2))
