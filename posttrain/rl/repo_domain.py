@@ -13,6 +13,7 @@ training task (nor in the scripted demonstrations, which are drawn from "train")
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import random
 
@@ -70,6 +71,21 @@ def demonstration(task: Task) -> list[str]:
     """A scripted solution, turn by turn: read the test, write the fix, finish."""
     m, c, _, r = task_fields(task)
     return [f"<tool>sh\ncat test_{m}.py\n</tool>", f"<tool>sh\necho '{c} = {r}' > {m}.py\n</tool>", "Done."]
+
+
+def demonstration_records(tasks: list[Task], make_env, *, workers: int = 2) -> list[dict]:
+    """SFT records `{"messages": [...]}` of scripted episodes (`demonstration`) run for real in
+    `make_env()`'s sandboxed workspace, so their tool outputs are what the policy will see;
+    only episodes whose final check passed are kept (all of them, unless the sandbox failed)."""
+    from posttrain.rl.envs.runner import run_episode
+
+    def one(task):
+        env, turns = make_env(), iter(demonstration(task))
+        traj = run_episode(env, task, lambda _: env.tok.encode(next(turns)) + [env.tok.stop_ids[0]])
+        return {"messages": env.messages, "task_id": task.id} if traj.reward.parts["correct"] >= 1.0 else None
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return [r for r in pool.map(one, tasks) if r is not None]
 
 
 def repo_fix_domain(make_env, *, n: int = TRAIN_SIZE, seed: int = 0) -> Domain:

@@ -76,6 +76,12 @@ class ChatEnv:
                                 info={"tool_calls": 0, "invalid_tool_calls": 0, "truncated": None})
         return list(ids)
 
+    @property
+    def messages(self) -> list[dict]:
+        """The episode's conversation so far (system, prompt, model turns, tool messages): e.g. a
+        scripted episode written out as SFT data."""
+        return [dict(m) for m in self._messages]
+
     def _check_target(self, task: Task) -> None:
         """Raise TypeError unless this env can score `task` (its reward function has a verifier for it)."""
         if type(task.target) not in self.reward_fn.verifiers:
