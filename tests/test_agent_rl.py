@@ -238,3 +238,18 @@ SINGLE = dict(env="single", max_turns=4, tool_timeout_s=5.0, invalid_tool_call_p
 def test_tool_env_keys_take_effect_or_raise(tmp_path, rl, match):
     with pytest.raises(ValueError, match=re.escape(match)):
         loop.run(tool_cfg(tmp_path, **rl))
+
+
+def test_tool_keys_reach_the_environment_and_the_reward(tmp_path, sandbox):
+    from posttrain.rl.tasks import make_env_factory, make_reward_fn
+    cfg = tool_cfg(tmp_path, max_turns=3, tool_timeout_s=1.5, redundant_tool_call_penalty=0.2, overlong_buffer=8)
+    reward_fn = make_reward_fn(cfg)
+    env = make_env_factory(cfg, TOK, reward_fn)()
+    assert (env.max_turns, env.limits.wall_s, env.max_turn_tokens) == (3, 1.5, 16)
+    c = reward_fn.config
+    assert (c.invalid_tool_call_penalty, c.redundant_tool_call_penalty, c.max_tokens) == (0.1, 0.2, 3 * 16)
+    # The same env answers non-repository tasks too: a math answer after a Python call.
+    env = WorkspaceEnv(TOK, RewardFunction({MathTask: MathVerifier()}), sandbox, limits=LIMITS)
+    task = Task("m", ({"role": "user", "content": "6*7?"},), MathTask("42"))
+    traj = run_episode(env, task, scripted("<tool>python\nprint(6*7)\n</tool>", "\\boxed{42}"))
+    assert traj.reward.score == 1.0 and "<output>\n42\n</output>" in TOK.decode(traj.tokens)
