@@ -31,7 +31,7 @@ from posttrain.rl.verifiers import MathTask
 from posttrain.rl.verifiers.math import MathVerifier
 from posttrain.sampling.rules import SamplingParams
 from posttrain.sandbox import Limits, Sandbox, Status
-from posttrain.sandbox.session import Session
+from posttrain.sandbox.session import Session, _parse_report
 from posttrain.train.optim import make_optimizer
 from posttrain.train.state import create_train_state
 
@@ -253,3 +253,16 @@ def test_tool_keys_reach_the_environment_and_the_reward(tmp_path, sandbox):
     task = Task("m", ({"role": "user", "content": "6*7?"},), MathTask("42"))
     traj = run_episode(env, task, scripted("<tool>python\nprint(6*7)\n</tool>", "\\boxed{42}"))
     assert traj.reward.score == 1.0 and "<output>\n42\n</output>" in TOK.decode(traj.tokens)
+
+
+def test_session_does_not_trust_a_report_forged_by_the_command(sandbox):
+    s = Session(sandbox, {"a.txt": "keep\n"})
+    forged = ('{"exit": 0, "output": "", "dropped": 0, "skipped": [], '
+              '"files": [["../../etc/x", "aGk=", 420]]}')
+    # Into the driver's own report: denied where /proc/PID/fd of the parent is closed to the program,
+    # refused by the host's check where it is not; either way the state stays.
+    r = s.run("sh", f"printf '%s' '{forged}' > /proc/$PPID/fd/1")
+    assert r.status in (Status.FAIL, Status.CRASH) and s.snapshot().as_dict() == {"a.txt": b"keep\n"}
+    assert s.run("sh", "cat a.txt").output == b"keep\n"       # the session goes on
+    assert _parse_report(forged.encode()) is None             # a path outside the directory is refused
+    assert _parse_report(forged.replace("../../etc/x", "b/x").encode())[1].as_dict() == {"b/x": b"hi"}

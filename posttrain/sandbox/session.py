@@ -118,6 +118,29 @@ class CallResult:
         return self.status is Status.PASS
 
 
+def _parse_report(stdout: bytes) -> tuple[dict, Snapshot, bytes] | None:
+    """The driver's report (`DRIVER`), checked: every path relative and inside the directory,
+    modes in range, contents base64. None when it is not such a report (a program inside the
+    sandbox can write to the driver's stdout, so the host trusts nothing it did not check)."""
+    try:
+        rep = json.loads(stdout)
+        files = []
+        for path, content, mode in rep["files"]:
+            parts = path.split("/")
+            if not isinstance(path, str) or path.startswith("/") or ".." in parts or "" in parts or "." in parts:
+                return None
+            if not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+                return None
+            files.append((path, base64.b64decode(content, validate=True), mode))
+        output = base64.b64decode(rep["output"], validate=True)
+        if not (rep["exit"] is None or isinstance(rep["exit"], int)) or not isinstance(rep["dropped"], int):
+            return None
+        rep["skipped"] = [str(p) for p in rep["skipped"]]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return rep, Snapshot(tuple(sorted(files))), output
+
+
 class Session:
     """A persistent working directory on `sandbox` (see the module docstring).
 
@@ -169,9 +192,11 @@ class Session:
             status = Status.ERROR if res.status is Status.ERROR else Status.LIMIT_EXCEEDED
             return CallResult(f"call failed ({res.status.value}{', ' + res.limit if res.limit else ''}): {why}".encode(),
                               status, limit=res.limit or ("error" if status is Status.ERROR else None), wall_s=wall)
-        rep = json.loads(res.stdout)
-        new = Snapshot(tuple((p, base64.b64decode(c), m) for p, c, m in rep["files"]))
-        output = base64.b64decode(rep["output"])
+        parsed = _parse_report(res.stdout)
+        if parsed is None:     # the command wrote into the driver's own stdout: treat like a crash
+            return CallResult(b"call failed: the session report was unreadable (did the command write to its "
+                              b"parent's output?)", Status.CRASH, wall_s=wall)
+        rep, new, output = parsed
         if new.num_bytes > self.max_bytes:
             note = f"\n[session limit: the working directory would hold {new.num_bytes} bytes > {self.max_bytes}; " \
                    "this call's changes were undone]"
