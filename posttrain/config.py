@@ -144,6 +144,12 @@ def base_config() -> ml_collections.ConfigDict:
             retire_after=16,       # samples of a task before it may retire
             pass_threshold=0.5,    # a sample passes when its reward >= this
         )),
+        env="single",              # single: one answer per sample | tool: multi-turn episodes with sandboxed sh/python
+                                   # calls in a persistent working directory (rl/envs/workspace.py, rl/episodes.py)
+        max_turns=4,               # rl.env=tool: model turns per episode (rl.max_new_tokens each), calls included
+        tool_timeout_s=5.0,        # rl.env=tool: wall-clock limit of one call
+        invalid_tool_call_penalty=0.0,    # rl.env=tool: per malformed or failed call
+        redundant_tool_call_penalty=0.0,  # rl.env=tool: per call repeating an earlier one on an unchanged directory
         rollouts_every=0,          # keep trajectories: every n steps write {workdir}/rollouts/{step}.jsonl; 0: off
         rollouts_fraction=1.0,     # the fraction of that step's samples written (chosen by seed and step)
         instruction="",            # appended to math prompts (e.g. "Give the final answer as \\boxed{}.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from posttrain.rl.advantages import ADVANTAGE_METHODS
 from posttrain.rl.critic import check_critic
-from posttrain.rl.tasks import VERIFIERS, curriculum_options, domain_spec
+from posttrain.rl.tasks import ENVS, VERIFIERS, curriculum_options, domain_spec
 
 
 def ppo_steps(r) -> int:
@@ -33,6 +33,8 @@ INERT_UNLESS = {
                            "this timeout; the math and code verifiers have their own"),
     **{k: (lambda r: r.advantage == "gae", "only the critic (rl.advantage='gae') uses it")
        for k in ("critic", "gamma", "lam", "value_coef", "value_clip")},
+    **{k: (lambda r: r.env == "tool", "only multi-turn episodes (rl.env='tool') make tool calls")
+       for k in ("max_turns", "tool_timeout_s", "invalid_tool_call_penalty", "redundant_tool_call_penalty")},
     "kl_in_reward": (lambda r: r.kl_coef > 0, "no KL to pay without rl.kl_coef > 0"),
     "reward_model_weight": (lambda r: bool(r.reward_model), "no learned reward without rl.reward_model"),
     "reward_model_normalize": (lambda r: bool(r.reward_model), "no learned reward without rl.reward_model"),
@@ -57,6 +59,18 @@ def check_curriculum(c, defaults) -> None:
                    + ("" if key in ("hard_below", "easy_above") else " or retirement (retire_above / retire_below >= 0)"))
             raise ValueError(f"rl.curriculum.{key}={c[key]!r} cannot take effect: {why}")
     curriculum_options(c)       # band_weights parse
+
+
+def check_env(r) -> None:
+    """`rl.env` and its limits and penalties."""
+    if r.env not in ENVS:
+        raise ValueError(f"rl.env={r.env!r}: expected one of {ENVS}")
+    if r.max_turns < 1 or not r.tool_timeout_s > 0:
+        raise ValueError(f"rl.max_turns={r.max_turns}, rl.tool_timeout_s={r.tool_timeout_s}: expected max_turns >= 1 "
+                         "and tool_timeout_s > 0")
+    for key in ("invalid_tool_call_penalty", "redundant_tool_call_penalty"):
+        if r[key] < 0:
+            raise ValueError(f"rl.{key}={r[key]}: a penalty size, expected >= 0")
 
 
 def check_rl_config(cfg) -> None:
@@ -105,6 +119,7 @@ def check_rl_config(cfg) -> None:
     if cfg.eval.long_context.lengths:
         raise ValueError(f"eval.long_context.lengths={cfg.eval.long_context.lengths!r}: the RL stage does not run "
                          "the long-context evals; evaluate its checkpoint with tools/long_context_eval.py")
+    check_env(r)
     check_curriculum(r.curriculum, defaults.curriculum)
     for key, (active, why) in INERT_UNLESS.items():
         if r[key] != defaults[key] and not active(r):

@@ -25,7 +25,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
@@ -36,6 +35,7 @@ from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.buffer import Rollout
 from posttrain.rl.checks import check_rl_config, ppo_steps
 from posttrain.rl.critic import ValueDecoder
+from posttrain.rl.episodes import rollout_episodes
 from posttrain.rl.hosts import all_values, check_multihost_rl
 from posttrain.rl.learner import Learner, advantage_targets, batch_rows, compute_advantages, rl_batch
 from posttrain.rl.producer import AsyncProducer
@@ -191,7 +191,8 @@ def run(cfg) -> Result:
             learner = Learner(graphdef, tx, lr_schedule(cfg.optim, steps * ppo_steps(r)), shardings, rl_cfg=r,
                               moe_cfg=cfg.model.moe, lora_cfg=cfg.lora, sampling=sampling,
                               donate=r.max_staleness == 0, seed=cfg.seed)
-            worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, r.verifier_delay, clock)
+            worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, r.verifier_delay, clock,
+                                   episodes=rollout_episodes if r.env == "tool" else None)
             base_key = jax.random.key(cfg.seed)
             rewards = RewardComposer.from_config(cfg, mesh, rules, pad_id=tok.pad_id)
             if start and "reward_stats" in data:

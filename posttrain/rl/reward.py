@@ -43,12 +43,14 @@ class RewardConfig:
     invalid_tool_call_penalty: float = 0.0  # per malformed / failed tool call
     max_tool_calls: int | None = None  # calls beyond this cost excess_tool_call_penalty each
     excess_tool_call_penalty: float = 0.0
+    redundant_tool_call_penalty: float = 0.0  # per call repeating an earlier one on an unchanged state
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and not 0 <= self.overlong_buffer < self.max_tokens:
             raise ValueError(f"RewardConfig.overlong_buffer must be in [0, max_tokens={self.max_tokens}), "
                              f"got {self.overlong_buffer}")
-        for name in ("format_penalty", "overlong_penalty", "invalid_tool_call_penalty", "excess_tool_call_penalty"):
+        for name in ("format_penalty", "overlong_penalty", "invalid_tool_call_penalty", "excess_tool_call_penalty",
+                     "redundant_tool_call_penalty"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RewardConfig.{name} is a penalty size and must be >= 0, got {getattr(self, name)}")
 
@@ -63,7 +65,7 @@ def overlong_penalty(num_tokens: int, max_tokens: int, buffer: int) -> float:
 
 
 def compose(verdict: Verdict, config: RewardConfig, *, num_tokens: int | None = None, tool_calls: int = 0,
-            invalid_tool_calls: int = 0) -> Reward:
+            invalid_tool_calls: int = 0, redundant_tool_calls: int = 0) -> Reward:
     """Combine a verifier's verdict with the shaping terms of `config` into a Reward."""
     if config.max_tokens is not None and num_tokens is None:
         raise ValueError("RewardConfig.max_tokens is set, so num_tokens (response length in tokens) is required")
@@ -71,7 +73,8 @@ def compose(verdict: Verdict, config: RewardConfig, *, num_tokens: int | None = 
     if config.max_tokens is not None:
         length = config.overlong_penalty * overlong_penalty(num_tokens, config.max_tokens, config.overlong_buffer)
     excess = max(0, tool_calls - config.max_tool_calls) if config.max_tool_calls is not None else 0
-    tools = config.invalid_tool_call_penalty * invalid_tool_calls + config.excess_tool_call_penalty * excess
+    tools = (config.invalid_tool_call_penalty * invalid_tool_calls + config.excess_tool_call_penalty * excess
+             + config.redundant_tool_call_penalty * redundant_tool_calls)
     parts = {
         "correct": config.correct_weight * verdict.correct,
         "format": 0.0 if verdict.format_ok or not config.format_penalty else -config.format_penalty,
@@ -97,11 +100,11 @@ class RewardFunction:
                             f"known: {[t.__name__ for t in self.verifiers]}") from None
 
     def verify(self, task: Any, response: str, *, num_tokens: int | None = None, tool_calls: int = 0,
-               invalid_tool_calls: int = 0) -> Reward:
+               invalid_tool_calls: int = 0, redundant_tool_calls: int = 0) -> Reward:
         """Reward of one response."""
         verdict = self._verifier(task).verify(task, response)
         return compose(verdict, self.config, num_tokens=num_tokens, tool_calls=tool_calls,
-                       invalid_tool_calls=invalid_tool_calls)
+                       invalid_tool_calls=invalid_tool_calls, redundant_tool_calls=redundant_tool_calls)
 
     def verify_many(self, tasks: Sequence[Any], responses: Sequence[str], *,
                     num_tokens: Sequence[int] | None = None, tool_calls: Sequence[int] | None = None,

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -56,8 +57,9 @@ class Pending:
     """A generated batch waiting for verification."""
     tasks: list
     envs: list
-    samples: Samples
+    samples: Samples | None
     gen_s: float
+    done: RolloutBatch | None = None     # multi-turn episodes run to the end in `generate`
 
 
 @dataclasses.dataclass
@@ -87,10 +89,15 @@ class RolloutWorker:
     pool: concurrent.futures.ThreadPoolExecutor
     verifier_delay: float = 0.0       # extra host seconds per response (benchmarks of overlap)
     clock: BusyClock | None = None
+    episodes: Callable | None = None  # multi-turn rollouts (`episodes.rollout_episodes`, rl.env = "tool")
 
     def generate(self, params, rest, tasks: list[tuple[str, object]], key, *, num_samples: int | None = None,
                  greedy: bool = False) -> Pending:
         """Generate one group per (domain, task) on the device; verification comes later."""
+        if self.episodes is not None:    # episodes interleave sampling and tool calls: run them to the end here
+            t0 = time.perf_counter()
+            done = self.episodes(self, params, rest, tasks, key, num_samples=num_samples, greedy=greedy)
+            return Pending(tasks, [], None, time.perf_counter() - t0, done)
         g = num_samples or self.sampling.num_samples
         sampling = dataclasses.replace(self.sampling, num_samples=g, **({"temperature": 0.0} if greedy else {}))
         envs = [[self.domains[d].make_env() for _ in range(g)] for d, _ in tasks]
@@ -103,6 +110,8 @@ class RolloutWorker:
     def verify(self, pending: Pending) -> RolloutBatch:
         """Score a generated batch on the verifier pool. The behaviour log-probs are those of the
         distribution actually sampled (temperature, top-k, top-p), as the learner computes them."""
+        if pending.done is not None:
+            return pending.done
         flat, samples, g = [e for row in pending.envs for e in row], pending.samples, len(pending.envs[0])
 
         def verify(i):
@@ -188,6 +197,10 @@ def evaluate(worker: RolloutWorker, params, rest, held_out, key, k: int, score_f
     out = {"eval/accuracy": float(np.mean(greedy_ok)),
            "eval/mean_accuracy": float(np.mean(correct)), f"eval/pass@{k}": mean_pass_at_k(correct, k),
            "eval/response_len": combine_info(sampled.info, SUMMED_INFO)["response_len_mean"]}
+    if "tool_success_rate" in greedy.info:     # multi-turn episodes: solved by the final check, penalties aside
+        out.update({"eval/tool_success_rate": greedy.info["tool_success_rate"],
+                    "eval/tool_success_rate_sampled": sampled.info["tool_success_rate"],
+                    "eval/turns_per_episode": greedy.info["turns_per_episode"]})
     if score_fn is not None:
         out["eval/rm_score"] = float(np.mean(score_fn([t.tokens for g in sampled.groups for t in g.trajectories])))
     return out

@@ -2,7 +2,8 @@
 
 Two registries, both filled from the config:
 - `DOMAINS`: name → builder of a (training domain, held-out tasks) pair. The built-ins
-  (`arithmetic`, `gsm8k`, `humaneval`) are entries; `register_domain` adds more. The user's
+  (`arithmetic`, `gsm8k`, `humaneval`, and the agent domain `repo_fix`, which needs
+  `rl.env = "tool"`) are entries; `register_domain` adds more. The user's
   own files (`rl.train_files`, `rl.eval_files`, see `task_files`) add one domain per `domain`
   field of their records.
 - verifiers: the built-in `math` and `code` (sandboxed) ones by task type, and user functions by
@@ -14,20 +15,24 @@ the configured shaping. A learned reward model is another source beside them (`r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
 
 from posttrain.data.sources import SkipLog
 from posttrain.rl import domains as domain_lib
+from posttrain.rl import repo_domain
 from posttrain.rl import task_files
 from posttrain.rl.envs import SingleTurnEnv
+from posttrain.rl.envs.workspace import WORKSPACE_LIMITS, WorkspaceEnv
 from posttrain.rl.envs.base import Task
 from posttrain.rl.reward import RewardConfig, RewardFunction
 from posttrain.rl.scheduler import BANDS
 from posttrain.rl.verifiers.code import CodeTask, CodeVerifier
 from posttrain.rl.verifiers.math import MathTask, MathVerifier
 from posttrain.rl.verifiers.user import ScoreFn, UserTask, UserVerifier, load_callable
+from posttrain.sandbox import Sandbox
 
 DomainBuilder = Callable[[object, Callable], tuple[domain_lib.Domain, list[Task]]]
 
@@ -38,13 +43,23 @@ def _arithmetic(cfg, env):
             domain_lib.arithmetic_tasks(r.eval_size, seed=cfg.seed + 10_000, **kw))
 
 
+def _repo_fix(cfg, env):
+    if cfg.rl.env != "tool":
+        raise ValueError(f"rl.domains: repo_fix is an agent domain (tool calls in a sandboxed repository); it needs "
+                         f"rl.env='tool', got rl.env={cfg.rl.env!r}")
+    return (repo_domain.repo_fix_domain(env, seed=cfg.seed + 1),
+            repo_domain.repo_tasks("test", cfg.rl.eval_size, seed=cfg.seed + 10_000))
+
+
 DOMAINS: dict[str, DomainBuilder] = {
     "arithmetic": _arithmetic,
     "gsm8k": lambda cfg, env: (domain_lib.gsm8k_domain(env, split="train"),
                                domain_lib.gsm8k_tasks(split="test", limit=cfg.rl.eval_size)),
     "humaneval": lambda cfg, env: (domain_lib.humaneval_domain(env),
                                    domain_lib.humaneval_tasks(limit=cfg.rl.eval_size)),
+    "repo_fix": _repo_fix,
 }
+ENVS = ("single", "tool")       # rl.env: one answer per sample, or multi-turn episodes with sandboxed tools
 VERIFIERS: dict[str, ScoreFn] = {}      # user verifiers added from Python (`register_verifier`)
 
 
@@ -129,7 +144,7 @@ def make_domains(cfg, tok, reward_fn) -> tuple[dict[str, domain_lib.Domain], lis
     """Training domains and held-out (domain, task) pairs for evaluation: the registry's domains
     named in `rl.domains`, then those of `rl.train_files` / `rl.eval_files`."""
     r = cfg.rl
-    env = lambda: SingleTurnEnv(tok, reward_fn, max_turn_tokens=r.max_new_tokens)
+    env = make_env_factory(cfg, tok, reward_fn)
     spec, domains, held_out = domain_spec(r), {}, []
     file_domains, eval_tasks = _user_tasks(cfg)
     for name in spec:
@@ -154,6 +169,18 @@ def make_domains(cfg, tok, reward_fn) -> tuple[dict[str, domain_lib.Domain], lis
         raise ValueError(f"rl.eval_every={r.eval_every} but there are no held-out tasks: set rl.eval_files "
                          "(or rl.eval_every=0)")
     return domains, held_out
+
+
+def make_env_factory(cfg, tok, reward_fn) -> Callable:
+    """The environment of one episode, per `rl.env`: `single` (one answer) or `tool` (up to
+    `rl.max_turns` model turns of `rl.max_new_tokens` each, with shell/Python calls in a
+    persistent sandboxed working directory; `envs/workspace.py`). One sandbox serves all episodes."""
+    r = cfg.rl
+    if r.env == "single":
+        return lambda: SingleTurnEnv(tok, reward_fn, max_turn_tokens=r.max_new_tokens)
+    sandbox, limits = Sandbox(WORKSPACE_LIMITS), dataclasses.replace(WORKSPACE_LIMITS, wall_s=r.tool_timeout_s)
+    return lambda: WorkspaceEnv(tok, reward_fn, sandbox, max_turns=r.max_turns, max_turn_tokens=r.max_new_tokens,
+                                limits=limits)
 
 
 def _user_tasks(cfg) -> tuple[dict[str, list[tuple[str, Task]]], dict[str, list[tuple[str, Task]]]]:
@@ -204,9 +231,11 @@ def make_reward_fn(cfg) -> RewardFunction:
     """Math, code (sandboxed, built when first needed) and user verifiers with the configured
     format and overlong shaping."""
     r = cfg.rl
-    config = RewardConfig(format_penalty=r.format_penalty,
-                          max_tokens=r.max_new_tokens if r.overlong_buffer else None,
-                          overlong_buffer=r.overlong_buffer)
+    # The overlong ramp is over a sample's model tokens: one turn, or all turns of an episode.
+    budget = r.max_new_tokens * (r.max_turns if r.env == "tool" else 1)
+    config = RewardConfig(format_penalty=r.format_penalty, max_tokens=budget if r.overlong_buffer else None,
+                          overlong_buffer=r.overlong_buffer, invalid_tool_call_penalty=r.invalid_tool_call_penalty,
+                          redundant_tool_call_penalty=r.redundant_tool_call_penalty)
     verifiers = {MathTask: MathVerifier(), CodeTask: _LazyVerifier(CodeVerifier)}
     functions = user_verifiers(r)
     if functions:

@@ -67,9 +67,7 @@ class ChatEnv:
 
     def reset(self, task: Task) -> list[int]:
         """Start an episode on `task`; returns the prompt tokens (ending with the generation prompt)."""
-        if type(task.target) not in self.reward_fn.verifiers:
-            raise TypeError(f"task {task.id!r}: the reward function has no verifier for "
-                            f"{type(task.target).__name__}; known: {[t.__name__ for t in self.reward_fn.verifiers]}")
+        self._check_target(task)
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         self._messages = system + list(task.prompt)
         ids, _ = self.tok.encode_chat(self._messages, add_generation_prompt=True)
@@ -77,6 +75,18 @@ class ChatEnv:
         self._traj = Trajectory(task.id, list(ids), [False] * len(ids), len(ids),
                                 info={"tool_calls": 0, "invalid_tool_calls": 0, "truncated": None})
         return list(ids)
+
+    @property
+    def messages(self) -> list[dict]:
+        """The episode's conversation so far (system, prompt, model turns, tool messages): e.g. a
+        scripted episode written out as SFT data."""
+        return [dict(m) for m in self._messages]
+
+    def _check_target(self, task: Task) -> None:
+        """Raise TypeError unless this env can score `task` (its reward function has a verifier for it)."""
+        if type(task.target) not in self.reward_fn.verifiers:
+            raise TypeError(f"task {task.id!r}: the reward function has no verifier for "
+                            f"{type(task.target).__name__}; known: {[t.__name__ for t in self.reward_fn.verifiers]}")
 
     def trajectory(self) -> Trajectory:
         """The current episode's trajectory (complete once `step` returned done)."""
@@ -103,16 +113,19 @@ class ChatEnv:
             return text, None
         return text, "turn_tokens" if len(action) >= self.max_turn_tokens else "no_stop"
 
-    def _finish(self, answer: str, *, truncated: str | None = None) -> Step:
-        """End the episode: score `answer` (or score 0 correctness when truncated) with the
-        episode's tool-call counts, and store the reward in the trajectory."""
+    def _finish(self, answer: str, *, truncated: str | None = None, verdict: Verdict | None = None) -> Step:
+        """End the episode: score `answer` (or take the env's own `verdict`; correctness 0 when
+        truncated) with the episode's tool-call counts, and store the reward in the trajectory."""
         traj, info = self._traj, self._traj.info
         kw: dict[str, Any] = {"num_tokens": traj.num_generated, "tool_calls": info["tool_calls"],
-                              "invalid_tool_calls": info["invalid_tool_calls"]}
-        if truncated is None:
+                              "invalid_tool_calls": info["invalid_tool_calls"],
+                              "redundant_tool_calls": info.get("redundant_tool_calls", 0)}
+        if truncated is not None:
+            verdict = Verdict(0.0, False, f"truncated: {truncated}")
+        if verdict is None:
             reward = self.reward_fn.verify(self._task.target, answer, **kw)
         else:
-            reward = compose(Verdict(0.0, False, f"truncated: {truncated}"), self.reward_fn.config, **kw)
+            reward = compose(verdict, self.reward_fn.config, **kw)
         info["truncated"] = truncated
         traj.reward, self._done = reward, True
         return Step([], reward, True, dict(info))

@@ -51,9 +51,9 @@ class ToolCallError(ValueError):
     """A turn that tries to call a tool but does not follow the protocol; the message says how."""
 
 
-def parse_tool_call(text: str) -> ToolCall | None:
+def parse_tool_call(text: str, tools: tuple[str, ...] = TOOLS) -> ToolCall | None:
     """The tool call a turn ends with; None when the turn has no `<tool>` (a final answer).
-    Raises ToolCallError when the call is malformed."""
+    Raises ToolCallError when the call is malformed or names a tool not in `tools`."""
     if "<tool>" not in text:
         return None
     calls = list(_CALL.finditer(text))
@@ -63,8 +63,8 @@ def parse_tool_call(text: str) -> ToolCall | None:
         raise ToolCallError(f"{text.count('<tool>')} tool calls in one turn: make one call per turn")
     if text[calls[0].end():].strip():
         raise ToolCallError("text after </tool>: a tool call must end the turn")
-    if calls[0].group(1) not in TOOLS:
-        raise ToolCallError(f"unknown tool {calls[0].group(1)!r}; available: {', '.join(TOOLS)}")
+    if calls[0].group(1) not in tools:
+        raise ToolCallError(f"unknown tool {calls[0].group(1)!r}; available: {', '.join(tools)}")
     return ToolCall(calls[0].group(1), calls[0].group(2))
 
 

@@ -1,0 +1,93 @@
+"""`repo_fix`: a built-in agent domain that takes several tool calls to solve.
+
+Each task is a tiny repository with a failing test: `{module}.py` sets a constant to the wrong
+value and `test_{module}.py` asserts the right one. The prompt names the failing test but not
+the constant or its value, so the agent has to look (`cat test_config.py`), then fix the module
+(`echo 'SIZE = 37' > config.py`, or `sed`, or Python), then say it is done; the final check runs
+the pristine test on the agent's working directory.
+
+Held-out tasks are disjoint from training tasks by construction: a task's split is a hash of the
+fix it needs (module, constant, right value), 10% "test", so no held-out fix line appears in any
+training task (nor in the scripted demonstrations, which are drawn from "train").
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import random
+
+from posttrain.rl.domains import Domain
+from posttrain.rl.envs.base import Task
+from posttrain.rl.envs.workspace import RepoTask
+
+MODULES = ("config", "limits", "params", "settings", "consts", "defaults", "values", "options")
+CONSTANTS = ("SIZE", "LIMIT", "COUNT", "RATE", "DEPTH", "WIDTH", "SCALE", "OFFSET")
+VALUES = range(10, 100)
+TEST_PERCENT = 10
+TRAIN_SIZE = 2000
+
+
+def repo_split(module: str, constant: str, right: int) -> str:
+    """"train" or "test" (TEST_PERCENT %): a hash of the fix the task needs."""
+    h = int(hashlib.sha256(f"{module}:{constant}={right}".encode()).hexdigest(), 16)
+    return "test" if h % 100 < TEST_PERCENT else "train"
+
+
+def repo_task(module: str, constant: str, wrong: int, right: int) -> Task:
+    """The task whose `{module}.py` sets `constant = wrong` and whose test wants `right`."""
+    if module not in MODULES or constant not in CONSTANTS or wrong == right:
+        raise ValueError(f"repo_task: expected a module of {MODULES}, a constant of {CONSTANTS} and "
+                         f"wrong != right, got {module!r}, {constant!r}, {wrong}, {right}")
+    test = f"test_{module}.py"
+    test_src = f"from {module} import {constant}\nassert {constant} == {right}, {constant}\n"
+    target = RepoTask(files=((f"{module}.py", f"{constant} = {wrong}\n"), (test, test_src)),
+                      tests=((test, test_src),), command=("python", "-E", "-s", test))
+    prompt = ({"role": "user", "content": f"{test} fails. Fix {module}.py."},)
+    return Task(f"repo_fix/{module}/{constant}/{wrong}/{right}", prompt, target)
+
+
+def repo_tasks(split: str, n: int, seed: int) -> list[Task]:
+    """`n` distinct tasks of `split`, drawn with `seed`."""
+    if split not in ("train", "test"):
+        raise ValueError(f"repo_tasks: split must be 'train' or 'test', got {split!r}")
+    rng, seen, out = random.Random(seed), set(), []
+    while len(out) < n:
+        m, c, w, r = rng.choice(MODULES), rng.choice(CONSTANTS), rng.choice(VALUES), rng.choice(VALUES)
+        if w == r or (m, c, w, r) in seen or repo_split(m, c, r) != split:
+            continue
+        seen.add((m, c, w, r))
+        out.append(repo_task(m, c, w, r))
+    return out
+
+
+def task_fields(task: Task) -> tuple[str, str, int, int]:
+    """(module, constant, wrong, right) of a repo_fix task."""
+    _, m, c, w, r = task.id.split("/")
+    return m, c, int(w), int(r)
+
+
+def demonstration(task: Task) -> list[str]:
+    """A scripted solution, turn by turn: read the test, write the fix, finish."""
+    m, c, _, r = task_fields(task)
+    return [f"<tool>sh\ncat test_{m}.py\n</tool>", f"<tool>sh\necho '{c} = {r}' > {m}.py\n</tool>", "Done."]
+
+
+def demonstration_records(tasks: list[Task], make_env, *, workers: int = 2) -> list[dict]:
+    """SFT records `{"messages": [...]}` of scripted episodes (`demonstration`) run for real in
+    `make_env()`'s sandboxed workspace, so their tool outputs are what the policy will see;
+    only episodes whose final check passed are kept (all of them, unless the sandbox failed)."""
+    from posttrain.rl.envs.runner import run_episode
+
+    def one(task):
+        env, turns = make_env(), iter(demonstration(task))
+        traj = run_episode(env, task, lambda _: env.tok.encode(next(turns)) + [env.tok.stop_ids[0]])
+        return {"messages": env.messages, "task_id": task.id} if traj.reward.parts["correct"] >= 1.0 else None
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return [r for r in pool.map(one, tasks) if r is not None]
+
+
+def repo_fix_domain(make_env, *, n: int = TRAIN_SIZE, seed: int = 0) -> Domain:
+    """The training domain: `n` tasks of the "train" split."""
+    return Domain("repo_fix", repo_tasks("train", n, seed), make_env)
