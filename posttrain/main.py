@@ -49,11 +49,12 @@ def check_overrides(argv: list[str], config) -> None:
 
 def stages() -> dict:
     """config.stage → the function that runs it (imported lazily: jax starts only when needed)."""
-    from posttrain.rl import evaluation
+    from posttrain.rl import evaluation, rejection
     from posttrain.rl import loop as rl_loop
     from posttrain.train import lm, pipeline, stages
     return {"lm": lm.run, "sft": stages.sft, "reward_model": stages.reward_model, "dpo": stages.dpo,
-            "rlvr": rl_loop.run, "eval": evaluation.run, "pipeline": pipeline.run}
+            "rlvr": rl_loop.run, "eval": evaluation.run, "rejection_sampling": rejection.run,
+            "pipeline": pipeline.run}
 
 
 def run(config) -> object:
@@ -88,6 +89,9 @@ def _run_locked(config) -> object:
         AlertMonitor.from_config(config)
         if "eval" in stage_names:
             evaluation.check_eval_config(config)
+        if "rejection_sampling" in stage_names:
+            from posttrain.rl.rejection import check_config
+            check_config(config)
     except ValueError as e:
         raise UserError(str(e)) from None
     if config.init_from:
