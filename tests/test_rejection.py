@@ -155,70 +155,85 @@ def check_records(records, calls, cfg, policy):
         assert sorted((-k["provenance"]["score"], len(k["response"])) for k in kept) == ranks[:len(kept)]
 
 
-def test_stage_writes_the_passing_deduplicated_length_filtered_candidates_with_provenance(policy, user_tasks,
-                                                                                           tmp_path):
+class SFTReadProducedData(Exception):
+    """Raised by the spy once the sft stage has read its first batch: the training itself is sft's own test."""
+
+
+def sft_spy(monkeypatch, read: list):
+    """Make the sft stage record which files it reads and the tokens of its first batch, then stop."""
+    real = stage_lib.sft_batches
+
+    def spy(files, *args, **kw):
+        read.append((files, next(real(files, *args, **kw))["inputs"]))
+        raise SFTReadProducedData
+    monkeypatch.setattr(stage_lib, "sft_batches", spy)
+
+
+def test_pipeline_stage_writes_the_best_distinct_passing_candidates_and_feeds_the_next_sft(
+        policy, user_tasks, tmp_path, monkeypatch):
+    """sft.train_files is mixed with the kept records (rejection.mix_original) and the sft stage
+    after rejection_sampling reads the mixed file; kept records are exactly the best distinct
+    passing ones within rejection.max_tokens, with provenance; the report's counts match."""
     files, verifier, module = user_tasks
-    cfg = tiny(tmp_path / "rs", files, verifier, max_tokens=3)
-    cfg.init_from = policy
-    result = main.run(cfg)
-    calls = sys.modules[module].calls
-    records = [json.loads(line) for line in (tmp_path / "rs" / "sft.jsonl").read_text().splitlines()]
-    assert records and len({p for p, _ in calls}) == cfg.rejection.prompts
+    original = tmp_path / "orig.jsonl"
+    original.write_text(json.dumps({"prompt": "hi", "response": "hello"}) + "\n")
+    cfg = tiny(tmp_path / "pipe", files, verifier, max_tokens=3, mix_original=True, prompts=8)
+    cfg.stage, cfg.pipeline.stages, cfg.init_from = "pipeline", ("rejection_sampling", "sft"), policy
+    cfg.sft.train_files, cfg.rejection.gate = str(original), "rejection/yield>=0.5"
+    read = []
+    sft_spy(monkeypatch, read)
+    with pytest.raises(SFTReadProducedData):
+        main.run(cfg)
+    out = tmp_path / "pipe" / "0_rejection_sampling"
+    kept_lines = (out / "sft.jsonl").read_text().splitlines()
+    assert (out / "sft.mixed.jsonl").read_text().splitlines() == original.read_text().splitlines() + kept_lines
+    assert [f for f, _ in read] == [str(out / "sft.mixed.jsonl")]     # not sft.train_files
+    tok = ByteTokenizer()
+    assert any(b"Say something" in bytes(t - tok.OFFSET for t in row if t >= tok.OFFSET) for row in read[0][1])
+
+    calls, records = sys.modules[module].calls, [json.loads(line) for line in kept_lines]
+    assert records and len({p for p, _ in calls}) == 8
     check_records(records, calls, cfg, policy)
-    report = json.loads((tmp_path / "rs" / "rejection_report.json").read_text())
+    report = json.loads((out / "rejection_report.json").read_text())
     total = report["total"]
-    assert total["prompts"] == 6 and total["candidates"] == 36 and total["kept"] == len(records)
-    assert total["truncated"] == 36 - len(calls) and total["verifier_errors"] == 0
+    assert total["prompts"] == 8 and total["candidates"] == 48 and total["kept"] == len(records)   # 8 × 6
+    assert total["truncated"] == 48 - len(calls) and total["verifier_errors"] == 0
     assert total["passing"] == sum(score(resp) >= 0.5 for _, resp in calls)
-    assert total["too_long"] == sum(score(resp) >= 0.5 and len(resp) > 3 for _, resp in calls)
+    assert total["too_long"] == sum(score(resp) >= 0.5 and len(resp) > 3 for _, resp in calls) > 0
     assert total["prompts_with_kept"] == len({r["prompt"] for r in records})
-    assert total["yield"] == total["prompts_with_kept"] / 6 and total["duplicates"] > 0 and total["too_long"] > 0
-    assert {d: r["prompts"] for d, r in report["domains"].items()} == {"alpha": 3, "beta": 3}
+    assert total["yield"] == total["prompts_with_kept"] / 8 and total["duplicates"] > 0
+    assert {d: r["prompts"] for d, r in report["domains"].items()} == {"alpha": 4, "beta": 4}
     for d, r in report["domains"].items():
         assert r["kept"] == sum(rec["provenance"]["domain"] == d for rec in records)
-        assert sum(x["kept"] for x in report["difficulty"][d].values()) == r["kept"]
+        assert sum(x["prompts"] for x in report["difficulty"][d].values()) == 4
         for label, x in report["difficulty"][d].items():
             assert x["kept"] == sum(rec["provenance"]["domain"] == d and rec["provenance"]["difficulty"] == label
                                     for rec in records)
-    assert result.eval["rejection/kept"] == len(records) and result.eval["rejection/alpha/yield"] == \
-        report["domains"]["alpha"]["yield"]
-    # other keys take effect: more samples and keep more per prompt, no length filter
-    calls.clear()
-    cfg2 = tiny(tmp_path / "rs2", files, verifier, samples_per_prompt=8, keep_per_prompt=3, prompts=4,
-                output=str(tmp_path / "out" / "mine.jsonl"), temperature=0.7)
-    cfg2.init_from = policy
-    main.run(cfg2)
-    records2 = [json.loads(line) for line in (tmp_path / "out" / "mine.jsonl").read_text().splitlines()]
-    check_records(records2, calls, cfg2, policy)
-    assert max(collections.Counter(r["prompt"] for r in records2).values()) == 3
-    assert not (tmp_path / "rs2" / "sft.jsonl").exists()
-    total2 = json.loads((tmp_path / "rs2" / "rejection_report.json").read_text())["total"]
-    assert total2["candidates"] == 32 and total2["too_long"] == 0
-
-
-def test_pipeline_trains_the_next_sft_stage_on_the_produced_records(policy, user_tasks, tmp_path, monkeypatch):
-    files, verifier, _ = user_tasks
-    original = tmp_path / "orig.jsonl"
-    original.write_text(json.dumps({"prompt": "hi", "response": "hello"}) + "\n")
-    cfg = tiny(tmp_path / "pipe", files, verifier, mix_original=True)
-    cfg.stage, cfg.pipeline.stages, cfg.init_from = "pipeline", ("rejection_sampling", "sft"), policy
-    cfg.sft.train_files, cfg.sft.sample_tokens, cfg.sft.gate = str(original), 0, "loss<100"
-    cfg.rejection.gate = "rejection/yield>=0.5"
-    read = []
-    real = stage_lib.sft_batches
-    monkeypatch.setattr(stage_lib, "sft_batches", lambda files, *a, **kw: read.append(files) or real(files, *a, **kw))
-    results = main.run(cfg)
-    produced, mixed = tmp_path / "pipe" / "0_rejection_sampling" / "sft.jsonl", \
-        tmp_path / "pipe" / "0_rejection_sampling" / "sft.mixed.jsonl"
-    assert set(read) == {str(mixed)}                     # the sft stage read the mixed file, not sft.train_files
-    kept = produced.read_text().splitlines()
-    assert mixed.read_text().splitlines() == original.read_text().splitlines() + kept
-    assert results["rejection_sampling"]["rejection/kept"] == len(kept) and results["sft"]["loss"] < 100
-    # the sft stage started from the policy that sampled (rejection_sampling has no checkpoint)
+    # the sft stage starts from the policy that sampled (rejection_sampling has no checkpoint); by
+    # default it trains on the kept records alone
     sft_cfg = pipeline.stage_config(cfg, "sft", "w", policy, sft_files="x.jsonl")
     assert sft_cfg.sft.train_files == "x.jsonl" and sft_cfg.init_from == policy
     cfg.rejection.mix_original = False
     assert rejection.next_sft_files(pipeline.stage_config(cfg, "rejection_sampling", "w", policy)) == "w/sft.jsonl"
+
+
+def test_stage_alone_other_settings(policy, user_tasks, tmp_path):
+    """Fewer prompts, more kept per prompt, no length filter, an output path; a low temperature."""
+    files, verifier, module = user_tasks
+    cfg = tiny(tmp_path / "rs", files, verifier, keep_per_prompt=3, prompts=4, output=str(tmp_path / "o" / "mine.jsonl"))
+    cfg.init_from = policy
+    result = main.run(cfg)
+    calls = sys.modules[module].calls
+    records = [json.loads(line) for line in (tmp_path / "o" / "mine.jsonl").read_text().splitlines()]
+    check_records(records, calls, cfg, policy)
+    assert max(collections.Counter(r["prompt"] for r in records).values()) == 3
+    assert not (tmp_path / "rs" / "sft.jsonl").exists()
+    total = json.loads((tmp_path / "rs" / "rejection_report.json").read_text())["total"]
+    assert total["candidates"] == 24 and total["too_long"] == 0 and result.eval["rejection/kept"] == len(records)
+    # at temperature 0.05 the policy ends its turn at once (its stop logit is the largest): one empty answer each
+    cfg.rejection.temperature, cfg.workdir = 0.05, str(tmp_path / "cold")
+    main.run(cfg)
+    assert [json.loads(line)["response"] for line in (tmp_path / "o" / "mine.jsonl").read_text().splitlines()] == [""] * 4
 
 
 @pytest.mark.parametrize("key, value, message", [
