@@ -57,7 +57,7 @@ def tiny(workdir, train_files, verifier, **rejection_kw):
     m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 32, 1, 2, 1, 16, 64
     cfg.train.progress, cfg.train.steps, cfg.train.log_every, cfg.checkpoint.every = False, 2, 1, 0
     r = cfg.rl
-    r.train_files, r.verifiers, r.eval_every = train_files, verifier, 0
+    r.train_files, r.verifiers = train_files, verifier      # no rl.eval_files: none needed (rl.eval_every is 10)
     r.prompts_per_step, r.max_new_tokens, r.verifier_workers = 4, 10, 2
     cfg.rejection.update(dict(prompts=6, samples_per_prompt=6, keep_per_prompt=2, min_score=0.5))
     cfg.rejection.update(rejection_kw)
@@ -266,3 +266,29 @@ def test_bad_gate_fails_at_start_up(tmp_path):
     cfg.rejection.gate = "rejection/yield >> 1"
     with pytest.raises(Exception, match="config.rejection.gate"):
         main.run(cfg)
+
+
+def test_pipeline_chain_sft_rejection_sampling_sft_rlvr(tmp_path, monkeypatch):
+    """Which policy and data each stage of ("sft", "rejection_sampling", "sft", "rlvr") gets (stages faked)."""
+    from posttrain.train.loop import Result
+    seen = []
+
+    def fake(name):
+        def run(cfg):
+            seen.append((name, cfg.init_from, cfg.sft.train_files))
+            return Result(None, None, [], {})
+        return run
+    monkeypatch.setattr(pipeline, "RUNNERS", {n: fake(n) for n in ("sft", "rejection_sampling", "rlvr")})
+    monkeypatch.setattr(pipeline, "plot", lambda *a: "")
+    cfg = tiny(tmp_path, "", "")
+    cfg.stage, cfg.pipeline.stages, cfg.init_from = "pipeline", ("sft", "rejection_sampling", "sft", "rlvr"), "base"
+    cfg.sft.train_files = "orig.jsonl"
+    pipeline.run(cfg)
+    w = str(tmp_path)
+    assert seen == [("sft", "base", "orig.jsonl"), ("rejection_sampling", f"{w}/0_sft", "orig.jsonl"),
+                    ("sft", f"{w}/0_sft", f"{w}/1_rejection_sampling/sft.jsonl"),
+                    ("rlvr", f"{w}/2_sft", "orig.jsonl")]
+    seen.clear()
+    cfg.rejection.mix_original, cfg.rejection.output = True, "gs://bucket/rs/data.jsonl"
+    pipeline.run(cfg)
+    assert seen[2] == ("sft", f"{w}/0_sft", "gs://bucket/rs/data.mixed.jsonl")

@@ -318,7 +318,9 @@ def run(cfg) -> Result:
     check_config(cfg)
     r = cfg.rejection
     tok = load_tokenizer(cfg.data.tokenizer)
-    domains, _ = make_domains(cfg, tok, make_reward_fn(cfg))      # training domains only: never the held-out
+    sub = cfg.copy_and_resolve_references()
+    sub.rl.eval_every = 0              # held-out tasks are not needed here (and never sampled)
+    domains, _ = make_domains(sub, tok, make_reward_fn(cfg))
     pairs = choose_prompts(domains, domain_weights(cfg.rl, domains), r.prompts, cfg.seed)
     mesh, rules = mesh_and_rules(cfg)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
