@@ -354,5 +354,8 @@ def run(cfg) -> Result:
         with open_for_writing(os.path.join(cfg.workdir, REPORT)) as f:
             json.dump({**report, "policy": policy, "output": output_path(cfg), "next_sft_files": next_sft_files(cfg),
                        "rejection": r.to_dict()}, f, indent=2)
+    if jax.process_count() > 1:        # the next stage reads the files on every process
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("rejection_sampling: SFT records written")
     log_report(report)
     return Result(graphdef, None, [], gate_metrics(report))
