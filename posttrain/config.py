@@ -198,6 +198,20 @@ def base_config() -> ml_collections.ConfigDict:
     cfg.eval.samples = 4           # samples per problem (mean sampled accuracy, pass@k)
     cfg.eval.pass_k = "1,4"        # pass@k reported for each k (each <= samples)
     cfg.eval.gate = gate
+    # Stage "rejection_sampling" (posttrain/rl/rejection.py): verified samples of the policy → SFT data.
+    # Prompts are RL training tasks (rl.domains, rl.train_files); sampling uses rl.max_new_tokens, top_k, top_p.
+    cfg.rejection = ml_collections.ConfigDict(dict(
+        prompts=256,               # distinct training prompts, split over the domains by their rl.domains weights
+        samples_per_prompt=8,      # N candidates sampled per prompt
+        keep_per_prompt=1,         # at most this many kept per prompt: the best by score, then shortest
+        min_score=1.0,             # a candidate passes when its reward >= this (and the verifier did not fail)
+        max_tokens=0,              # length filter: drop passing responses longer than this many tokens; 0: off
+        temperature=1.0,
+        output="",                 # the SFT JSONL written (local or gs://); "": {workdir}/sft.jsonl
+        mix_original=False,        # also write {output}.mixed.jsonl (sft.train_files, then the kept records); the
+                                   # next sft stage of a pipeline trains on it instead of the kept records alone
+        gate=gate,                 # e.g. "rejection/yield>=0.2" (see rl/rejection.py for the metrics)
+    ))
     cfg.alerts = ml_collections.ConfigDict(dict(    # run health rules (posttrain/eval/alerts.py); 0 = rule off
         on="warn",                 # off | warn (log, event row, progress bar) | stop (raise AlertStop)
         reward_drift=6.0,          # |batch mean reward − running mean| / running std above this

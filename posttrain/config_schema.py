@@ -138,6 +138,9 @@ def check_config(cfg) -> None:
         if "rlvr" in stages:
             from posttrain.rl.checks import check_rl_config
             check_rl_config(cfg)
+        if "rejection_sampling" in stages:
+            from posttrain.rl.rejection import check_config as check_rejection_config
+            check_rejection_config(cfg)
     except ValueError as e:
         raise _as_user_error(e) from None
 

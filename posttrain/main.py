@@ -51,11 +51,12 @@ def check_overrides(argv: list[str], config) -> None:
 
 def stages() -> dict:
     """config.stage → the function that runs it (imported lazily: jax starts only when needed)."""
-    from posttrain.rl import evaluation
+    from posttrain.rl import evaluation, rejection
     from posttrain.rl import loop as rl_loop
     from posttrain.train import lm, pipeline, stages
     return {"lm": lm.run, "sft": stages.sft, "reward_model": stages.reward_model, "dpo": stages.dpo,
-            "rlvr": rl_loop.run, "eval": evaluation.run, "pipeline": pipeline.run}
+            "rlvr": rl_loop.run, "eval": evaluation.run, "rejection_sampling": rejection.run,
+            "pipeline": pipeline.run}
 
 
 def run(config) -> object:

@@ -6,7 +6,11 @@ and an `rlvr` stage reaches the reward model by `rl.reward_model = "@reward_mode
 Each stage runs in `{workdir}/{i}_{stage}` and must pass its gate (`config.<stage>.gate`, e.g.
 "eval/loss<1.5, eval/accuracy>=0.5"; see posttrain/eval/gates.py) before the next starts. An `eval`
 stage evaluates the previous trained stage's final checkpoint; its `regression_drop` compares with
-the previous eval stage. Re-running the same command resumes where it stopped.
+the previous eval stage. A `rejection_sampling` stage samples with the previous stage's policy and
+writes SFT records; every later `sft` stage trains on them (`rejection.output`, or with
+`rejection.mix_original` the original data plus them) instead of `sft.train_files`, starting from
+that policy (e.g. ["sft", "rejection_sampling", "sft", "rlvr"]). Re-running the same command
+resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -30,12 +34,19 @@ def _eval(cfg, baseline=None):
     return evaluation.run(cfg, baseline=baseline)
 
 
+def _rejection_sampling(cfg):
+    from posttrain.rl import rejection
+    return rejection.run(cfg)
+
+
 RUNNERS = {"sft": stage_lib.sft, "reward_model": stage_lib.reward_model, "dpo": stage_lib.dpo, "rlvr": _rlvr,
-           "eval": _eval}
+           "eval": _eval, "rejection_sampling": _rejection_sampling}
 STAGED_CONTEXT = ("sft",)         # stages that follow train.seq_len_schedule
 # Stages whose result scores a policy rather than being one: later stages start from the policy
 # before them (RLHF: [sft, reward_model, rlvr]).
 SCORERS = ("reward_model",)
+# Stages that train nothing (no checkpoint): the next stage starts from the policy before them.
+UNTRAINED = ("eval", "rejection_sampling")
 
 
 def gate_metrics(result) -> dict:
@@ -43,12 +54,16 @@ def gate_metrics(result) -> dict:
     return {**(result.rows[-1] if result.rows else {}), **result.eval}
 
 
-def stage_config(cfg, name: str, workdir: str, init_from: str, done: dict[str, str] | None = None):
+def stage_config(cfg, name: str, workdir: str, init_from: str, done: dict[str, str] | None = None,
+                 sft_files: str = ""):
     """The config one pipeline stage runs with. `done` maps the stages run before it to their
     workdirs: `rl.reward_model = "@<stage>"` becomes that stage's workdir (RLHF: the reward
-    model trained earlier in the same pipeline)."""
+    model trained earlier in the same pipeline). `sft_files` (what the last rejection_sampling
+    stage wrote) replaces `sft.train_files` of an sft stage."""
     sub = cfg.copy_and_resolve_references()
     sub.stage, sub.workdir, sub.init_from = name, workdir, init_from
+    if name == "sft" and sft_files:
+        sub.sft.train_files = sft_files
     ref = sub.rl.reward_model
     if name == "rlvr" and ref.startswith("@"):
         if ref[1:] not in (done or {}):
@@ -64,14 +79,14 @@ def run(cfg) -> dict:
     if unknown:
         raise ValueError(f"pipeline.stages: unknown {unknown}; valid: {sorted(RUNNERS)}")
     validate_gates(cfg, cfg.pipeline.stages)
-    unstaged = [s for s in cfg.pipeline.stages if s not in STAGED_CONTEXT and s != "eval"]
+    unstaged = [s for s in cfg.pipeline.stages if s not in STAGED_CONTEXT and s not in UNTRAINED]
     if "," in cfg.train.seq_len_schedule and unstaged:     # fail before the first stage, not after it
         raise ValueError(f"train.seq_len_schedule={cfg.train.seq_len_schedule!r} applies to every stage, but "
                          f"{unstaged} cannot change sequence length (supported: {', '.join(STAGED_CONTEXT)})")
-    init_from, results, done, last_eval = cfg.init_from, {}, {}, None
+    init_from, results, done, last_eval, sft_files = cfg.init_from, {}, {}, None, ""
     for i, name in enumerate(cfg.pipeline.stages):
         workdir = storage.join(cfg.workdir, f"{i}_{name}")
-        sub = stage_config(cfg, name, workdir, init_from, done)
+        sub = stage_config(cfg, name, workdir, init_from, done, sft_files)
         result = RUNNERS[name](sub, baseline=last_eval) if name == "eval" else RUNNERS[name](sub)
         metrics = gate_metrics(result)
         results[name], done[name] = metrics, workdir
@@ -79,7 +94,10 @@ def run(cfg) -> dict:
                                 baseline=last_eval if name == "eval" else None))
         if name == "eval":          # an eval stage has no checkpoint: the next stage starts from the last trained one
             last_eval = metrics
-        elif name not in SCORERS:
+        elif name == "rejection_sampling":      # the sft stages after it train on its records
+            from posttrain.rl.rejection import next_sft_files
+            sft_files = next_sft_files(sub)
+        if name not in SCORERS and name not in UNTRAINED:
             init_from = workdir
     if jax.process_index() == 0:
         logging.info("curves: %s", plot(cfg.workdir, storage.join(cfg.workdir, "metrics.png")))
