@@ -75,7 +75,7 @@ def run(config) -> object:
 
 def _run_locked(config) -> object:
     from posttrain.eval.alerts import AlertMonitor, AlertStop
-    from posttrain.eval.gates import GATED_STAGES, SECTION, GateFailed, check_gate, validate_gates
+    from posttrain.eval.gates import GATED_STAGES, SECTION, GateFailed, check_gate, gate_record_dir, validate_gates
     from posttrain.rl import evaluation
     from posttrain.train.compile_cache import enable_compilation_cache
     from posttrain.train.pipeline import gate_metrics
@@ -101,7 +101,7 @@ def _run_locked(config) -> object:
         result = table[config.stage](config)
         if config.stage in GATED_STAGES:       # a stage run alone must pass its gate too (exit status 1)
             logging.info(check_gate(config.stage, config[SECTION.get(config.stage, config.stage)].gate,
-                                    gate_metrics(result)))
+                                    gate_metrics(result), workdir=gate_record_dir(config.workdir)))
         return result
     except GateFailed as e:
         raise SystemExit(f"error: stopped by a failed gate:\n{e}") from None
