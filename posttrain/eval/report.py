@@ -111,7 +111,7 @@ def reward_parts(rollouts: list[dict]) -> dict[str, tuple[list[int], list[float]
 
 def figure_png(curves: list[tuple[str, list, list]], title: str) -> str:
     """One panel (label, steps, values per curve) as a base64 PNG."""
-    fig, ax = plt.subplots(figsize=(5.2, 3.0))
+    fig, ax = plt.subplots(figsize=(5.0, 2.9))
     for label, xs, ys in curves:
         ax.plot(xs, ys, label=label, marker="." if len(xs) < 30 else None, linewidth=1.2)
     ax.set_title(title, fontsize=10)
@@ -144,7 +144,7 @@ def curves_section(stages: list[Stage]) -> str:
     """The panels of every stage, a heading per stage when there are several."""
     parts = []
     for s in stages:
-        imgs = "".join(f'<img alt="{_text(t)}" title="{_text(t)}" width=400 height=231 src="data:image/png;base64,{png}">'
+        imgs = "".join(f'<img alt="{_text(t)}" title="{_text(t)}" width=400 height=232 src="data:image/png;base64,{png}">'
                        for t, png in panels(s))
         if imgs:
             parts.append((f"<h3>{_text(s.name)}</h3>" if len(stages) > 1 else "") + f"<div class=grid>{imgs}</div>")
