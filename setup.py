@@ -25,7 +25,8 @@ setup(
         "math-verify>=0.9.0",
     ],
     extras_require={
-        "test": ["pytest>=8.0", "chex>=0.1.88"],
+        # nbclient, nbformat, ipykernel: tests/test_notebook.py runs notebooks/quickstart.ipynb in a kernel.
+        "test": ["pytest>=8.0", "chex>=0.1.88", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29"],
         # Hugging Face interop: safetensors to read and write folders; torch + transformers for the
         # tests (install the CPU build first: `pip install torch==2.13.0`).
         "hf": ["safetensors>=0.4.3", "transformers>=5.0", "torch>=2.4"],

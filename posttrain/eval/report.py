@@ -184,7 +184,7 @@ def eval_section(stages: list[Stage]) -> str:
                 if fnmatch.fnmatchcase(c, pat)]
         cols = list(dict.fromkeys(cols))
         parts.append(table(cols, [[r.get(c) for c in cols] for r in recs]))
-    for s in stages:
+    for s in (s for s in stages if not s.evals):          # an eval stage's rows repeat its records
         rows = [r for r in s.rows if "event" not in r and any(k.startswith("eval/") for k in r)]
         if rows:
             cols = sorted({k for r in rows for k in r if k.startswith("eval/") and not isinstance(r[k], (list, dict))})
