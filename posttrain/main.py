@@ -81,7 +81,7 @@ def run(config) -> object:
 def _run_locked(config) -> object:
     from posttrain.config_schema import check_config
     from posttrain.eval.alerts import AlertStop
-    from posttrain.eval.gates import GATED_STAGES, SECTION, GateFailed, check_gate
+    from posttrain.eval.gates import GATED_STAGES, SECTION, GateFailed, check_gate, gate_record_dir
     from posttrain.parallel import is_primary
     from posttrain.train.compile_cache import enable_compilation_cache
     from posttrain.train.pipeline import gate_metrics
@@ -100,7 +100,7 @@ def _run_locked(config) -> object:
         result = table[config.stage](config)
         if config.stage in GATED_STAGES:       # a stage run alone must pass its gate too (exit status 1)
             logging.info(check_gate(config.stage, config[SECTION.get(config.stage, config.stage)].gate,
-                                    gate_metrics(result)))
+                                    gate_metrics(result), workdir=gate_record_dir(config.workdir)))
         return result
     except GateFailed as e:
         raise SystemExit(f"error: stopped by a failed gate:\n{e}") from None

@@ -248,6 +248,9 @@ def test_standalone_stage_below_its_gate_exits_non_zero(run_dir, tmp_path):
     assert "FAIL  mine/response_len" in str(e.value) and "PASS  mine/accuracy" in str(e.value)
     cfg.eval.gate = f"mine/accuracy>={expected}, mine/pass@4>=0, mine/response_len>0"
     assert main_run(cfg).eval["mine/accuracy"] == expected
+    gates = [json.loads(l) for l in (tmp_path / "gates.jsonl").read_text().splitlines()]    # for tools/report.py
+    assert [g["passed"] for g in gates] == [False, True]
+    assert [c["passed"] for c in gates[0]["conditions"]] == [True, True, False]
 
 
 def test_pipeline_eval_stages_compare_with_the_previous_eval(run_dir, tmp_path):
@@ -262,6 +265,9 @@ def test_pipeline_eval_stages_compare_with_the_previous_eval(run_dir, tmp_path):
     cfg.eval.gate = "regression_drop<-0.5"
     with pytest.raises(GateFailed, match=r"FAIL  regression_drop = 0 \(needs < -0.5\)") as e:
         pipeline.run(cfg)
+    gates = [json.loads(l) for l in (tmp_path / "gates.jsonl").read_text().splitlines()]    # every gate checked
+    assert [(g["stage"], g["passed"]) for g in gates] == [("eval", True)] * 3 + [("eval", False)]
+    assert gates[2]["conditions"][0]["note"].startswith("n/a") and gates[3]["conditions"][0]["value"] == 0.0
 
 
 def test_long_context_grid_runs_beside_the_suites_and_gates_on_it(run_dir, tmp_path):

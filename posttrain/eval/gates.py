@@ -17,12 +17,15 @@ regress from); with a baseline but no shared suite of the same version it fails.
 from __future__ import annotations
 
 import dataclasses
+import json
 import operator
 import re
+import time
 
 OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 _CONDITION = re.compile(r"^\s*([\w/@.\-]+)\s*(<=|>=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
 REGRESSION_DROP = "regression_drop"
+GATES_FILE = "gates.jsonl"        # every gate checked, appended under the run's workdir (for tools/report.py)
 SECTION = {"rlvr": "rl", "rejection_sampling": "rejection"}          # the config section of a stage, where it differs from its name
 GATED_STAGES = ("sft", "reward_model", "dpo", "rlvr", "eval", "rejection_sampling")
 
@@ -122,13 +125,35 @@ def gate_report(stage: str, outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
-def check_gate(stage: str, spec: str, metrics: dict, baseline: dict | None = None) -> str:
+def gate_record(stage: str, outcomes: list[Outcome]) -> dict:
+    """One checked gate as a JSON object: the stage, whether it passed, and every condition."""
+    return {"stage": stage, "passed": all(o.passed for o in outcomes), "time": time.time(),
+            "conditions": [{"metric": o.condition.metric, "op": o.condition.op, "threshold": o.condition.threshold,
+                            "value": o.value, "passed": o.passed, "note": o.note} for o in outcomes]}
+
+
+def gate_record_dir(workdir: str) -> str | None:
+    """Where a run records its gate outcomes: its workdir (local or URL), on process 0 only."""
+    import jax
+    return workdir if jax.process_index() == 0 else None
+
+
+def write_gate_record(workdir: str, record: dict) -> None:
+    """Append `record` to `{workdir}/gates.jsonl` (what a report shows as gate outcomes)."""
+    from posttrain import storage
+    storage.makedirs(workdir)
+    storage.append_text(storage.join(workdir, GATES_FILE), json.dumps(record) + "\n")
+
+
+def check_gate(stage: str, spec: str, metrics: dict, baseline: dict | None = None, workdir: str | None = None) -> str:
     """The report of `stage`'s gate `spec` on `metrics`; raises GateFailed (with the full report)
-    unless every condition holds."""
+    unless every condition holds. With `workdir`, the outcome is also appended to its gates.jsonl."""
     conditions = parse_gate(spec, gate_key(stage))
     if not conditions:
         return f"{stage}: no gate"
     outcomes = evaluate_gate(conditions, metrics, baseline)
+    if workdir is not None:
+        write_gate_record(workdir, gate_record(stage, outcomes))
     report = gate_report(stage, outcomes)
     if not all(o.passed for o in outcomes):
         raise GateFailed(report)

@@ -20,7 +20,7 @@ import logging
 import jax
 
 from posttrain import storage
-from posttrain.eval.gates import SECTION, GateFailed, check_gate, validate_gates  # noqa: F401 (re-exported)
+from posttrain.eval.gates import SECTION, GateFailed, check_gate, gate_record_dir, validate_gates  # noqa: F401 (re-exported)
 from posttrain.train import stages as stage_lib
 from posttrain.train.plot import plot
 
@@ -91,7 +91,8 @@ def run(cfg) -> dict:
         metrics = gate_metrics(result)
         results[name], done[name] = metrics, workdir
         logging.info(check_gate(name, cfg[SECTION.get(name, name)].gate, metrics,
-                                baseline=last_eval if name == "eval" else None))
+                                baseline=last_eval if name == "eval" else None,
+                                workdir=gate_record_dir(cfg.workdir)))
         if name == "eval":          # an eval stage has no checkpoint: the next stage starts from the last trained one
             last_eval = metrics
         elif name == "rejection_sampling":      # the sft stages after it train on its records
