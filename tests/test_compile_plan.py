@@ -192,7 +192,7 @@ def test_restore_target_is_the_train_steps_input_layout(compiled):
     for item, tree in target.items():
         want = jax.tree.leaves(getattr(state_shardings, item))
         got = jax.tree.leaves(tree)
-        assert len(got) == len(want) > 0, item
+        assert len(got) == len(want) and (got or item == "rest"), item     # rest: router biases, if any
         for x, s in zip(got, want):
             assert x.sharding.is_equivalent_to(s, len(x.shape)), (item, x.sharding, s)
         assert all(a.sharding == x.sharding for a, x in zip(jax.tree.leaves(restore_args[item]), got))
