@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
@@ -31,9 +33,10 @@ from posttrain.sampling.rules import SamplingParams
 from posttrain.train.optim import lr_schedule, make_optimizer
 from posttrain.train.stages import dpo_stage_loss
 from posttrain.train.state import abstract_model, abstract_train_state
+from posttrain.train.loop import restore_target
 from posttrain.train.step import lm_loss, make_train_step
 
-PROGRAMS = ("sft", "dpo", "rl_learner", "sampler")
+PROGRAMS = ("sft", "dpo", "rl_learner", "sampler")   # and "restore" (`restore_report`: not compiled)
 LM_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 
 
@@ -211,14 +214,58 @@ def argument_report(program: Program, chip: aot.Chip, num_devices: int) -> dict:
             "model_flops_per_device": flops, "hbm": chip.hbm_bytes, "compute_s": flops / chip.peak_flops}
 
 
+def restore_plan(cfg, mesh: Mesh, rules) -> tuple[dict, Any]:
+    """(target, orbax restore args) of a resume of the run's train state on `mesh`: the same
+    `train.loop.restore_target` a run restores into, from abstract shapes (nothing read)."""
+    make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))
+    _, state, shardings = abstract_train_state(make, make_optimizer(cfg.optim, cfg.train.steps), mesh, rules, cfg.lora)
+    target = restore_target(state, shardings)
+    return target, ocp.checkpoint_utils.construct_restore_args(target)
+
+
+def restore_report(target: dict, restore_args: Any, mesh: Mesh, chip: aot.Chip) -> dict:
+    """Per-device bytes each restored item lands in, and the checks that make a restore at this
+    scale possible: every array gets a sharding on `mesh` with its global shape (orbax reads only
+    the device's shards), shards split the array evenly, and the total fits the chip's HBM.
+    `problems` names each array that fails; `replicated` counts the bytes held whole on every chip."""
+    problems, replicated = [], 0
+    leaves = jax.tree_util.tree_leaves_with_path(target)
+    for (path, x), args in zip(leaves, jax.tree.leaves(restore_args)):
+        name = jax.tree_util.keystr(path)
+        sharding = getattr(args, "sharding", None)
+        if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
+            problems.append(f"{name}: no sharding on the plan's mesh ({sharding})")
+            continue
+        if tuple(args.global_shape) != tuple(x.shape):
+            problems.append(f"{name}: global shape {args.global_shape} != {x.shape}")
+        spec = sharding.spec
+        for dim, axes in zip(x.shape, spec):
+            ways = 1 if axes is None else math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
+            if dim % ways:
+                problems.append(f"{name}: dim {dim} not divisible into {ways} shards ({spec})")
+        if sharding.is_fully_replicated:
+            replicated += aot.shard_bytes(x)
+    parts = {k: aot.shard_bytes(v) for k, v in target.items()}
+    total = sum(parts.values())
+    return {"program": "restore", "parts": parts, "arguments": total, "total": total, "arrays": len(leaves),
+            "replicated": replicated, "problems": problems, "hbm": chip.hbm_bytes,
+            "fits": total <= chip.hbm_bytes and not problems}
+
+
 def plan(cfg, topology: str, names: tuple[str, ...] = PROGRAMS, prompt_len: int = 256,
          log: Callable[[str], None] = print, compile: bool = True) -> list[dict]:
     """Compile `names` for `cfg` on `topology` (e.g. 'v5p:2x2x1', 'v5p-128'); one report each.
-    `compile=False`: only `argument_report` (seconds instead of minutes for a large model)."""
+    `compile=False`: only `argument_report` (seconds instead of minutes for a large model).
+    "restore" in `names` adds the checkpoint restore's report (`restore_report`, nothing compiled)."""
     gen, _ = aot.parse_topology(topology)
     devices = aot.tpu_devices(topology)
     mesh, rules = make_mesh(cfg.mesh.to_dict(), devices), parse_rules(cfg.sharding.rules.to_dict())
     reports = []
+    if "restore" in names:
+        target, restore_args = restore_plan(cfg, mesh, rules)
+        reports.append({**restore_report(target, restore_args, mesh, aot.CHIPS[gen]),
+                        "topology": topology, "mesh": dict(mesh.shape)})
+        names = tuple(n for n in names if n != "restore")
     with use_sharding(mesh, rules):
         programs = build_programs(cfg, mesh, rules, names, prompt_len)
     for program in programs:

@@ -155,6 +155,35 @@ def test_blockwise_memory_grows_linearly_with_length():
     assert temps["blockwise", 2048] < temps["reference", 2048] / 20
 
 
+def over_layers(attend, layers: int = 2):
+    """attend applied `layers` times under `lax.scan`, as the decoder runs its layers: positions,
+    segment ids, keys and values are loop-invariant inputs of the scan, the queries its carry."""
+    return lambda q, k, v, pos, seg: jax.lax.scan(lambda x, _: (attend(x, k, v, pos, seg), None), q, None,
+                                                  length=layers)[0]
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "ring"])
+def test_memory_stays_linear_under_a_layer_scan(mode):
+    """Under `grad` of a scan over layers, JAX's partial evaluation hoists what depends only on
+    loop-invariant inputs out of the loop; the tile masks (built from integer positions) and their
+    `lax.cond` branch values were hoisted as residuals stacked over every (q block, kv block)
+    tile, O(L²) memory. The kernels tie the masks to q (`ops.blockwise._tie_masks_to`)."""
+    if mode == "blockwise":
+        fn, mesh, lengths = (lambda q, k, v, pos, seg: blockwise_attention(q, k, v, pos, pos, seg, seg,
+                                                                          block_size=128)), None, (1024, 2048)
+    else:
+        fn = lambda q, k, v, pos, seg: context_parallel_attention(q, k, v, pos, seg, mode="ring", block_size=128)
+        mesh, lengths = make_mesh(dict(data=2, sequence=4)), (4096, 8192)
+    temps = {}
+    for length in lengths:
+        compiled = compiled_grad(over_layers(fn), length, mesh, batch=1 if mesh is None else 2)
+        temps[length] = compiled.memory_analysis().temp_size_in_bytes
+        tiles = [s for s in re.findall(r"(?:f32|pred)\[([\d,]+)\]", compiled.as_text())
+                 if s.endswith("128,128") and len(s.split(",")) >= 7]
+        assert not tiles, f"{mode}: stacked score tiles {tiles[:3]}"
+    assert temps[lengths[1]] / temps[lengths[0]] < 2.2, temps
+
+
 def test_ring_memory_falls_with_sequence_shards():
     """Per-device temporaries at a fixed total length as `sequence` grows 4 → 8 (each device holds
     one row's L/n chunk; at 2 the per-tile scratch weighs more); all-gather keeps whole-length K/V

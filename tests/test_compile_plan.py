@@ -134,7 +134,8 @@ def test_topology_names():
 
 
 @pytest.mark.parametrize("model, billions", [("qwen3_30b_a3b", 30.5), ("qwen3_235b_a22b", 235.1),
-                                             ("deepseek_v3", 674.8), ("kimi_k2", 1028.3)])
+                                             ("deepseek_v3", 674.8), ("kimi_k2", 1028.3),
+                                             ("llama3_8b", 8.03)])
 def test_pod_shapes_have_the_published_sizes(model, billions):
     """The pod configs' parameter counts (abstract, nothing allocated): Qwen3 exactly as published,
     DeepSeek-V3 / Kimi-K2 within 1% of 671B / 1.03T with the GQA stand-in for MLA."""
@@ -174,3 +175,33 @@ def test_long_context_attention_compiles_for_tpu(attention, sequence):
         assert "tpu_custom_call" in hlo
     else:
         assert "collective-permute" in hlo
+
+
+@needs_libtpu
+def test_restore_target_is_the_train_steps_input_layout(compiled):
+    """A resume reads every array of the train state straight into the shards the compiled train
+    step takes (no resharding after restore), and the restore report checks every array."""
+    import dataclasses
+
+    import jax
+
+    from posttrain import compile_plan as cp
+    cfg, mesh, rules, out = compiled
+    target, restore_args = cp.restore_plan(cfg, mesh, rules)
+    state_shardings = out["sft"][0].input_shardings[0][0]
+    for item, tree in target.items():
+        want = jax.tree.leaves(getattr(state_shardings, item))
+        got = jax.tree.leaves(tree)
+        assert len(got) == len(want) and (got or item == "rest"), item     # rest: router biases, if any
+        for x, s in zip(got, want):
+            assert x.sharding.is_equivalent_to(s, len(x.shape)), (item, x.sharding, s)
+        assert all(a.sharding == x.sharding for a, x in zip(jax.tree.leaves(restore_args[item]), got))
+    report = cp.restore_report(target, restore_args, mesh, aot.CHIPS["v5p"])
+    assert report["fits"] and not report["problems"]
+    assert report["parts"]["params"] == out["sft"][1]["parts"]["params"]
+    assert report["parts"]["opt_state"] == pytest.approx(2 * report["parts"]["params"], rel=0.01)
+    # an array whose sharding is not on the plan's mesh is named
+    single = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
+    first = jax.tree.leaves(restore_args["params"])[0]
+    bad = jax.tree.map(lambda a: dataclasses.replace(a, sharding=single) if a is first else a, restore_args)
+    assert "no sharding on the plan's mesh" in cp.restore_report(target, bad, mesh, aot.CHIPS["v5p"])["problems"][0]

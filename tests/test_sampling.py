@@ -96,10 +96,12 @@ def test_greedy_with_cache_equals_recomputation_and_learner_logprobs(sharded, me
 
 
 def test_accelerator_layer_path_equals_cpu_path(sharded, mesh, monkeypatch):
-    """On GPU/TPU the decode loop slices each layer's weights where it uses them and the prefill
-    runs under the layer scan (`engine.decode_layers` is None); on the CPU both use layers sliced
-    once. Both must sample the same tokens with the same log-probs."""
+    """On GPU/TPU (`engine.decode_layers` is None) prefill and decode run each stack of layers
+    under a scan, the KV cache stacked per stack (`Decoder.decode_stacked`); on the CPU both run
+    the layers unrolled, sliced once. Both must sample the same tokens with the same log-probs,
+    in static and (dense) continuous batching."""
     from posttrain.sampling import engine
+    from posttrain.sampling.continuous import continuous_program
     kind, graphdef, params, rest = sharded
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
     key = jax.random.key(11)
@@ -108,9 +110,18 @@ def test_accelerator_layer_path_equals_cpu_path(sharded, mesh, monkeypatch):
         monkeypatch.setattr(engine, "decode_layers", lambda model: None)
         generate_program.clear_cache()
         accelerator = generate(graphdef, params, rest, PROMPTS, sampling, key)
+        if kind == "dense":
+            batcher = ContinuousBatcher(graphdef, sampling, num_slots=2, prefill_batch=2)
+            for p in PROMPTS:
+                batcher.submit(p)
+            continuous = batcher.run(params, rest, key)
+            continuous_program.clear_cache()
     generate_program.clear_cache()
     np.testing.assert_array_equal(accelerator.tokens, cpu.tokens, err_msg=kind)
     np.testing.assert_allclose(accelerator.logprobs, cpu.logprobs, atol=1e-5, err_msg=kind)
+    if kind == "dense":
+        np.testing.assert_array_equal(continuous.tokens, cpu.tokens)
+        np.testing.assert_allclose(continuous.logprobs, cpu.logprobs, atol=1e-5)
 
 
 def test_sampled_logprobs_match_learner_for_any_padding_side(mesh):

@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from posttrain import main as cli   # noqa: E402  (defines --config, checks --config.* overrides)
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x1", "TPU slice: 'v5p:2x2x1', 'v5p-128', 'v5e-256', ...")
-_PROGRAMS = flags.DEFINE_string("programs", "sft,dpo,rl_learner,sampler", "Programs to compile.")
+_PROGRAMS = flags.DEFINE_string("programs", "sft,dpo,rl_learner,sampler",
+                                "Programs to compile; 'restore' adds the checkpoint restore target (not compiled).")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 256, "Sampler prompt bucket (RL rows: prompt + rl.max_new_tokens).")
 _JSON = flags.DEFINE_string("json", "", "Also write the reports to this JSON file.")
 
@@ -34,6 +35,8 @@ def table(reports: list[dict]) -> str:
             "AG/RS/A2A/AR/CP GB | est. s | MFU |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in reports:
+        if r["program"] == "restore":
+            continue
         p = r["parts"]
         c = r["collectives"]
         coll = "/".join(f"{c[k] / GB:.1f}" for k in ("all-gather", "reduce-scatter", "all-to-all",
@@ -47,6 +50,14 @@ def table(reports: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def restore_line(r: dict) -> str:
+    """The checkpoint restore's per-chip bytes by item, and its problems (none when it fits)."""
+    parts = ", ".join(f"{k} {v / GB:.2f}" for k, v in r["parts"].items())
+    verdict = "fits" if r["fits"] else "DOES NOT FIT" if not r["problems"] else "; ".join(r["problems"][:5])
+    return (f"restore: {r['arrays']} arrays, {r['total'] / GB:.2f} GB/chip ({parts}; replicated "
+            f"{r['replicated'] / GB:.3f}): {verdict}")
+
+
 def main(argv: list[str]) -> None:
     del argv
     from posttrain.compile_plan import plan
@@ -58,6 +69,9 @@ def main(argv: list[str]) -> None:
                    _PROMPT_LEN.value, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(f"## {cli._CONFIG.value.model.num_layers}-layer model on {_TOPOLOGY.value}, mesh {reports[0]['mesh']}")
     print(table(reports))
+    for r in reports:
+        if r["program"] == "restore":
+            print(restore_line(r))
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump(reports, f, indent=1)

@@ -6,7 +6,7 @@ Models: qwen3_30b_a3b, qwen3_235b_a22b (Hugging Face configs), deepseek_v3 (671B
 1 shared expert, top-8, sigmoid router; MLA replaced by a GQA stand-in of 128 query and 8 KV
 heads of 128, ~250M attention params per layer vs MLA's ~190M, and a larger KV cache than MLA's
 compressed one) and kimi_k2 (~1.03T: DeepSeek-V3's architecture with 384 experts, 64 heads,
-1 dense layer; same GQA stand-in).
+1 dense layer; same GQA stand-in); llama3_8b (Llama-3-8B's dense shape, for long-context plans).
 
 Modes: sft_full (all weights trained, bf16 weights and Adam moments), sft_lora (rank-16 adapters on
 attention and experts, base frozen in bf16), rl (GRPO learner with a KL reference + the sampler,
@@ -23,6 +23,7 @@ MODELS = {
     "qwen3_235b_a22b": (151_936, 4096, 94, 64, 4, 128, 12_288, 0, 128, 8, 1536, 0, "softmax", 1.0, 32),
     "deepseek_v3": (129_280, 7168, 61, 128, 8, 128, 18_432, 3, 256, 8, 2048, 1, "sigmoid", 2.5, 64),
     "kimi_k2": (163_840, 7168, 61, 64, 8, 128, 18_432, 1, 384, 8, 2048, 1, "sigmoid", 2.827, 128),
+    "llama3_8b": (128_256, 4096, 32, 32, 8, 128, 14_336, 0, 0, 0, 0, 0, "softmax", 1.0, 1),
 }
 MODES = ("sft_full", "sft_lora", "rl")
 
@@ -42,6 +43,8 @@ def get_config(spec: str = "qwen3_30b_a3b:sft_full"):
     m.vocab_size, m.embed_dim, m.num_layers = vocab, dim, layers
     m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = heads, kv, head_dim, mlp
     m.rope_theta, m.qk_norm, m.norm_eps, m.tie_embeddings = 1_000_000.0, name.startswith("qwen3"), 1e-6, False
+    if name == "llama3_8b":
+        m.rope_theta, m.norm_eps = 500_000.0, 1e-5
     m.param_dtype, m.dtype, m.remat = "bfloat16", "bfloat16", "full"
     moe = m.moe
     moe.num_experts, moe.top_k, moe.expert_mlp_dim, moe.first_dense = experts, top_k, expert_mlp, first_dense

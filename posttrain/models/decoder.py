@@ -168,12 +168,15 @@ class Decoder(nnx.Module):
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
         return constrain(x, ACTIVATION_NAMES)
 
-    def prefill(self, tokens, positions, segment_ids, layers: Sequence[Block] | None = None):
+    def prefill(self, tokens, positions, segment_ids, layers: Sequence[Block] | None = None, *,
+                stacked: bool = False):
         """The forward pass of a sampler's prompt: tokens [B, S] → (final-normed hidden [B, S, D], kv).
 
         kv holds one (k, v) pair per layer, in layer order, laid out like the KV cache
         (`sampling.kv_cache`): k [B, K, Dh, S], v [B, K, S, Dh]. Given `layers` (`self.layers()`)
-        the layers run one after another, else each stack under its scan.
+        the layers run one after another, else each stack under its scan; `stacked` (no `layers`)
+        keeps the scan's layout, one pair per block of each stack with the repeats in front
+        (k [R, B, K, Dh, S]): the cache `decode_stacked` takes.
         """
         x = self._embed(tokens)
         kv = []
@@ -194,8 +197,8 @@ class Decoder(nnx.Module):
                 return x, kvs
 
             x, stack_kv = jax.lax.scan(body, x, state)          # per block: [repeats, ...]
-            kv += [jax.tree.map(lambda a: a[r], block_kv)
-                   for r in range(_repeats(state)) for block_kv in stack_kv]
+            kv += [tuple(block_kv) for block_kv in stack_kv] if stacked else [
+                jax.tree.map(lambda a: a[r], block_kv) for r in range(_repeats(state)) for block_kv in stack_kv]
         return self.final_norm(x), tuple(kv)
 
     def layers(self) -> list[Block]:
@@ -227,6 +230,34 @@ class Decoder(nnx.Module):
         for block, (k, v) in zip(layers, cache):
             x, k, v = block.decode(x, positions, k, v)
             new_cache.append((k, v))
+        return self.final_norm(x), tuple(new_cache)
+
+    def decode_stacked(self, tokens, positions, cache):
+        """`decode` with each stack's layers under `lax.scan`, so the compiled decode step does not
+        grow with depth (the unrolled one does: minutes per layer-count doubling when compiling a
+        deep model for a TPU pod). cache: `prefill(stacked=True)`'s layout; each layer's cache
+        slice goes through the scan with its weights and comes back updated."""
+        x = self._embed(tokens)
+        new_cache, i = [], 0
+        for stack in self.stacks:
+            graphdef, state = nnx.split(stack)
+            width = len(stack.blocks)
+
+            def body(x, xs, graphdef=graphdef):
+                state, kvs = xs
+                out = []
+                for block, (k, v) in zip(nnx.merge(graphdef, state).blocks, kvs):
+                    x, k, v = block.decode(x, positions, k, v)
+                    out.append((k, v))
+                return x, tuple(out)
+
+            stack_cache = tuple(cache[i:i + width])
+            if len(stack_cache) != width or _repeats(state) != stack_cache[0][0].shape[0]:
+                raise ValueError(f"stacked KV cache of {len(cache)} (k, v) pairs does not match the model's "
+                                 f"stacks (use prefill(stacked=True))")
+            x, stack_cache = jax.lax.scan(body, x, (state, stack_cache))
+            new_cache += list(stack_cache)
+            i += width
         return self.final_norm(x), tuple(new_cache)
 
     def _run_stack(self, stack: Unit, x, positions, segment_ids, update_bias):

@@ -52,6 +52,16 @@ def _block_sizes(s: int, t: int, block: int) -> tuple[int, int]:
     return min(block, s), min(block, t)
 
 
+def _tie_masks_to(q, *positions_and_segments):
+    """(q, *positions_and_segments) through an optimization barrier, so the masks built from the
+    integer positions and segment ids depend on q. Without it, JAX's partial evaluation of a
+    `scan` over layers (under `grad`) sees that they depend only on the scan's loop-invariant
+    inputs and hoists them out of the loop as precomputed residuals: every (q block, kv block)
+    tile's mask and its `lax.cond` branch values, stacked, O(L²) memory (measured: 12.9 GB per
+    array at 32K tokens per 8 devices, compiled for TPU)."""
+    return jax.lax.optimization_barrier((q, *positions_and_segments))
+
+
 def flash_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, causal: bool, block: int):
     """Attention of queries over one key/value chunk, unnormalised across chunks.
 
@@ -59,6 +69,7 @@ def flash_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, causal: bool, block:
     Returns (out [B, S, H, Dh] float32, lse [B, S, H] float32): the softmax-normalised output over
     this chunk and its log-sum-exp (NEG where the query sees nothing here).
     """
+    q, q_pos, kv_pos, q_seg, kv_seg = _tie_masks_to(q, q_pos, kv_pos, q_seg, kv_seg)
     b, s, h, d = q.shape
     t, kv = k.shape[1], k.shape[2]
     bq, bk = _block_sizes(s, t, block)
@@ -108,6 +119,7 @@ def flash_backward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, lse, delta, dout, *, c
     exp(logits − lse) and its contribution is exact. Tiles are recomputed, never stored.
     Returns float32 (dq [B, S, H, Dh], dk, dv [B, T, K, Dh]).
     """
+    q, q_pos, kv_pos, q_seg, kv_seg = _tie_masks_to(q, q_pos, kv_pos, q_seg, kv_seg)
     b, s, h, d = q.shape
     t, kv = k.shape[1], k.shape[2]
     g = h // kv

@@ -70,7 +70,7 @@ def continuous_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.Stat
     model = nnx.merge(graphdef, params, rest)
     layers = engine.decode_layers(model)
     queue_rows, prompt_len = tokens.shape[0] - prefill_batch, tokens.shape[1]
-    logits, kv = jax.eval_shape(lambda: engine.prefill(model, tokens[:prefill_batch], lengths[:prefill_batch]))
+    logits, kv = jax.eval_shape(lambda: engine.prefill(model, tokens[:prefill_batch], lengths[:prefill_batch], layers))
     zeros = jnp.zeros((num_slots,), jnp.int32)
     slots = engine.Slots(cache=kv_cache.empty_like(kv, num_slots, prompt_len + sampling.max_new_tokens),
                          logits=jnp.zeros((num_slots, logits.shape[1]), jnp.float32), prompt_len=zeros,

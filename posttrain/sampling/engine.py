@@ -66,9 +66,10 @@ def decode_layers(model: nnx.Module) -> list | None:
 
     On the CPU they are sliced out of the stacked weights once, before the loop: XLA:CPU copies
     a weight slice that feeds a matmul, so slicing inside the loop would copy every weight at
-    every token. Elsewhere this returns None and the model slices them where they are used:
-    GPU/TPU compilers fuse the slices into the matmuls, and no second copy of the weights takes
-    memory.
+    every token. Elsewhere this returns None: prefill and decode run each stack of layers under
+    `lax.scan` (`Decoder.decode_stacked`, the KV cache stacked to match, `sampling.kv_cache`), so
+    the compiled program stays one layer deep whatever the depth, GPU/TPU compilers fuse the
+    per-layer weight slices into the matmuls, and no second copy of the weights takes memory.
     """
     return model.layers() if mesh_platform() == "cpu" else None
 
@@ -78,12 +79,12 @@ def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array,
     """Right-padded prompts tokens [B, P] with lengths [B] (>= 1) → (next-token logits [B, V], kv).
 
     Positions are 0..P-1 and padding has segment id 0, exactly as the learner lays out a row.
-    `layers`: `decode_layers(model)`.
+    `layers`: `decode_layers(model)`; None gives the stacked cache `decode_step` then takes.
     """
     tokens = constrain(tokens, ("activation_batch", "activation_length"))
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
-    hidden, kv = model.prefill(tokens, positions, segment_ids, layers)
+    hidden, kv = model.prefill(tokens, positions, segment_ids, layers, stacked=layers is None)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)     # [B, 1, D]
     return model.logits(last)[:, 0], kv
 
@@ -115,7 +116,10 @@ def decode_step(model: nnx.Module, slots: Slots, tokens: jax.Array, layers: list
     """Feed each slot's last sampled token (tokens [S]) and store the next-token logits."""
     capacity = kv_cache.capacity(slots.cache)
     positions = jnp.clip(slots.prompt_len + slots.step - 1, 0, capacity - 1)
-    hidden, cache = model.decode(tokens[:, None], positions, slots.cache, layers)
+    if layers is None:
+        hidden, cache = model.decode_stacked(tokens[:, None], positions, slots.cache)
+    else:
+        hidden, cache = model.decode(tokens[:, None], positions, slots.cache, layers)
     logits = constrain(model.logits(hidden)[:, 0], ("activation_batch", "activation_vocab"))
     return slots.replace(cache=kv_cache.shard(cache), logits=logits)
 

@@ -7,6 +7,10 @@ Rows are left-aligned: a token's cache index is its position, so a row with a pr
 tokens holds it at 0..n-1 and its i-th new token at n+i. Sharded like the activations: batch
 over the data-like mesh axes, kv heads over `tensor`, and the time axis like `length` (over
 `sequence` when T divides; decoding then combines per-device parts, `ops.decode`).
+
+A *stacked* cache (`Decoder.prefill(stacked=True)`, decoded by `Decoder.decode_stacked` under a
+scan over layers) holds one pair per block of each scanned stack, with the stack's repeats as a
+leading axis: (k [R, B, K, Dh, T], v [R, B, K, T, Dh]). Every function here takes either layout.
 """
 
 from __future__ import annotations
@@ -22,20 +26,26 @@ V_NAMES = ("activation_batch", "activation_kv_heads", "activation_length", "head
 TIME_AXES = (K_TIME_AXIS, V_TIME_AXIS)
 
 
+def _lead(a: jax.Array) -> int:
+    """Leading (stacked-layer) axes before the batch axis: 0, or 1 in a stacked cache."""
+    return a.ndim - 4
+
+
 def _per_layer(fn, *caches):
     """fn(array, time_axis, *others) on the k and v of every layer → a cache."""
-    return tuple(tuple(fn(a, axis, *rest) for a, axis, *rest in zip(kv, TIME_AXES, *others))
+    return tuple(tuple(fn(a, axis + _lead(a), *rest) for a, axis, *rest in zip(kv, TIME_AXES, *others))
                  for kv, *others in zip(*caches))
 
 
 def shard(cache):
     """Constrain every cache array to the cache layout (a no-op outside `use_sharding`)."""
-    return tuple((constrain(k, K_NAMES), constrain(v, V_NAMES)) for k, v in cache)
+    lead = lambda a: (None,) * _lead(a)
+    return tuple((constrain(k, lead(k) + K_NAMES), constrain(v, lead(v) + V_NAMES)) for k, v in cache)
 
 
 def capacity(cache) -> int:
     """Entries per row (T)."""
-    return cache[0][1].shape[TIME_AXES[1]]
+    return cache[0][1].shape[TIME_AXES[1] - 4]
 
 
 def allocate(prompt_kv, size: int):
@@ -51,14 +61,14 @@ def empty_like(prompt_kv, batch: int, size: int):
     """A zero cache with `batch` rows of `size` entries, shaped like a prefill's kv."""
     def one(a, axis):
         shape = list(a.shape)
-        shape[0], shape[axis] = batch, size
+        shape[_lead(a)], shape[axis] = batch, size
         return jnp.zeros(shape, a.dtype)
     return shard(_per_layer(one, prompt_kv))
 
 
 def repeat_rows(cache, n: int):
     """Each row n times in a row (a prompt's cache shared by its group): [B, ...] → [B*n, ...]."""
-    return shard(jax.tree.map(lambda a: jnp.repeat(a, n, axis=0), cache))
+    return shard(jax.tree.map(lambda a: jnp.repeat(a, n, axis=_lead(a)), cache))
 
 
 def insert_rows(cache, prompt_kv, rows: jax.Array):
@@ -67,6 +77,7 @@ def insert_rows(cache, prompt_kv, rows: jax.Array):
     Rows equal to the cache's batch size (out of range) are skipped.
     """
     def one(c, axis, kv):
-        index = (rows,) + (slice(None),) * (axis - 1) + (slice(0, kv.shape[axis]),)
+        lead = _lead(c)
+        index = (slice(None),) * lead + (rows,) + (slice(None),) * (axis - lead - 1) + (slice(0, kv.shape[axis]),)
         return c.at[index].set(kv.astype(c.dtype), mode="drop")
     return shard(_per_layer(one, cache, prompt_kv))

@@ -87,6 +87,14 @@ def put_batch(batch: dict, axes: dict[str, tuple[str, ...]] | None = None) -> di
 CHECKPOINT_ITEMS = ("params", "rest", "opt_state")   # the step is the checkpoint's own number
 
 
+def restore_target(state_shapes: TrainState, shardings: TrainState) -> dict[str, Any]:
+    """What a resume asks orbax for: the `CHECKPOINT_ITEMS` of the train state as
+    ShapeDtypeStructs carrying the train step's shardings, so each array is read straight into
+    its shards on any mesh (`Checkpointer.restore`). state_shapes: shapes and dtypes only."""
+    abstract = abstract_with_shardings(state_shapes, shardings)
+    return {k: getattr(abstract, k) for k in CHECKPOINT_ITEMS}
+
+
 def run_eval(stage: Stage, graphdef: nnx.GraphDef, state: TrainState, lora_cfg=None) -> dict:
     """The stage's evaluation on the current weights, keys prefixed `eval/`."""
     model = nnx.merge(graphdef, model_params(state, lora_cfg), state.rest)
@@ -109,8 +117,7 @@ def starting_state(state: TrainState, shardings: TrainState, ckpt: Checkpointer,
     start_weights = (state.frozen if lora_on else state.params, state.rest)
     data = {}
     if start:      # the newest readable checkpoint: an unreadable newer one is skipped, with a warning
-        abstract = abstract_with_shardings(jax.eval_shape(lambda: state), shardings)
-        found = ckpt.restore_newest({k: getattr(abstract, k) for k in CHECKPOINT_ITEMS}, at_most=start)
+        found = ckpt.restore_newest(restore_target(jax.eval_shape(lambda: state), shardings), at_most=start)
         if found is not None:
             start, trees, data, _ = found
             state = state.replace(step=jnp.asarray(start, jnp.int32), **trees)
