@@ -3,8 +3,9 @@
 Runs the job named by `config.stage`. The config is locked: an unknown key fails before anything is
 compiled, naming the key and the valid keys at that level.
 
-Errors reach the user as one line naming the config key and path (`error: ...`, exit status 2 for
-bad input, 1 otherwise); the traceback goes to `{workdir}/error.log`, and to the console with
+Values are checked up front (`config_schema.py`). Errors reach the user as one line naming the config
+key and path (`error: ...`, exit status 2 for bad input, 1 otherwise; SIGINT / SIGTERM save a
+checkpoint at the step and exit 130 / 143); the traceback goes to `{workdir}/error.log`, and to the console with
 `--verbose`. The workdir is locked for the run (`train/workdir.py`): a second run there fails at
 once, naming the first.
 """

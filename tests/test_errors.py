@@ -1,6 +1,7 @@
 """User-facing errors are one line naming the config key, the path and what to do (traceback in
 {workdir}/error.log, or with --verbose); checked per case at the `main` boundary."""
 
+import logging
 import runpy
 import subprocess
 import sys
@@ -128,7 +129,7 @@ def test_mistyped_data_path_with_synthetic_data_on_is_an_error_and_creates_nothi
     assert not (tmp_path / "mydata").exists() and not (tmp_path / "W" / "synthetic").exists()
 
 
-def test_synthetic_data_goes_to_the_workdir_only(tmp_path, monkeypatch):
+def test_synthetic_data_goes_to_the_workdir_only(tmp_path, monkeypatch, caplog):
     from posttrain.train.data_files import resolve_data_files
     monkeypatch.chdir(tmp_path)
     cfg = sft_config(tmp_path, **{"data.synthetic": "arithmetic", "data.synthetic_size": 40,
@@ -142,6 +143,13 @@ def test_synthetic_data_goes_to_the_workdir_only(tmp_path, monkeypatch):
                                    "sft.train_files": "synthetic:"})
     resolve_data_files(cfg2, "sft", "sft")                  # another size: another file, never a stale one
     assert cfg2.sft.train_files != cfg.sft.train_files and len(Path(cfg2.sft.train_files).read_text().splitlines()) == 60
+    own = tmp_path / "own.jsonl"
+    own.write_text('{"prompt": "a", "response": "b"}\n')
+    cfg4 = sft_config(tmp_path, **{"data.synthetic": "arithmetic", "sft.train_files": str(own),
+                                   "sft.eval_files": "synthetic:"})
+    with caplog.at_level(logging.WARNING):
+        resolve_data_files(cfg4, "sft", "sft")
+    assert cfg4.sft.train_files == str(own) and "sft.eval_files='synthetic:' evaluates on" in caplog.text
     cfg3 = sft_config(tmp_path, **{"sft.train_files": "synthetic:"})       # data.synthetic empty
     with pytest.raises(UserError, match=r"config.sft.train_files='synthetic:' asks for generated data but "
                                         "data.synthetic is empty") as e:

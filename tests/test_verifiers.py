@@ -134,6 +134,18 @@ def test_symbolic_timeout_holds_off_the_main_thread_and_is_an_error(math_verifie
             1.0, {"correct": 1.0, "format": 0.0, "length": 0.0, "tool_calls": 0.0})
 
 
+def test_symbolic_worker_ignores_ctrl_c(math_verifier):
+    """Ctrl-C goes to the terminal's whole process group; the run finishes its step (with this
+    worker's checks) before stopping, so the worker must not die of it."""
+    import signal
+    checker = math_verifier._checker
+    assert checker.equal("1", "1")
+    pid = checker._proc.pid
+    os.kill(pid, signal.SIGINT)
+    time.sleep(0.5)
+    assert checker.equal("2", "1+1") and checker._proc.pid == pid
+
+
 def test_verifier_exceptions_set_error_not_a_silent_zero(math_verifier, monkeypatch):
     with pytest.raises(SymbolicCheckError, match="math-verify failed .*AttributeError"):
         math_verifier._checker.equal(None, "1")                    # an exception inside math-verify

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 
 from posttrain.data.synthetic import SYNTHETIC, ensure_arithmetic_file
@@ -43,6 +44,11 @@ def resolve_data_files(cfg, stage: str, kind: str, tok=None) -> None:
     """Replace `"synthetic:"` in `cfg.<stage>.{train,eval}_files` (in place: `cfg` is the stage's
     own copy) by generated files, and check the named ones exist. `kind`: "sft" or "preference";
     `tok` counts tokens for long-context data."""
+    values = {name: cfg[stage][name] for name, _ in SPLITS}
+    if values["eval_files"] == SYNTHETIC and values["train_files"] not in ("", SYNTHETIC):
+        logging.warning("%s.train_files names your data but %s.eval_files=%r evaluates on data.synthetic=%r data; "
+                        "name your eval files, or --config.%s.eval_files= for none", stage, stage, SYNTHETIC,
+                        cfg.data.synthetic, stage)
     for name, split in SPLITS:
         key, value = f"{stage}.{name}", cfg[stage][name]
         if value == SYNTHETIC:

@@ -24,6 +24,10 @@ class SymbolicCheckError(RuntimeError):
 def _serve(conn: Connection) -> None:
     """Worker process: answer (pred, ref) requests with ("ok", bool) or ("error", message)."""
     import logging
+    import signal
+    # Ctrl-C reaches the terminal's whole process group: the parent decides (finish the step, save,
+    # stop: train/interrupt.py) and closes this worker; dying here would fail the step's checks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     from math_verify import parse, verify
     logging.getLogger("math_verify").setLevel(logging.ERROR)   # "timeout is disabled": ours is outside
