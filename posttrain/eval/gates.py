@@ -12,6 +12,9 @@ previous checkpoint of a multi-checkpoint eval stage) report with the same suite
 from the `<suite>/accuracy` and `<suite>/version` entries. Negative means every shared suite
 improved. With no baseline at all the condition is reported "n/a" and holds (there is nothing to
 regress from); with a baseline but no shared suite of the same version it fails.
+
+Every gate checked (pass or fail, each condition with its value) is appended to
+`{workdir}/gates.jsonl` of the run (a pipeline's top workdir), which tools/report.py shows.
 """
 
 from __future__ import annotations
