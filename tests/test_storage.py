@@ -209,3 +209,18 @@ def test_hf_export_to_gs_equals_the_local_export(gs_runs, tmp_path):
     for name in names:
         with storage.open_file(f"{out}/{name}", "rb") as f:
             assert f.read() == (tmp_path / name).read_bytes(), name
+
+
+def test_plot_and_error_log_of_a_gs_workdir(gs_runs):
+    """tools/plot_metrics.py and the error log on a gs:// workdir: written there, not locally."""
+    from posttrain.main import write_error_log
+    from posttrain.train.plot import load_runs, plot
+    wd = gs_runs["sft"][0].workdir
+    assert [r["step"] for r in load_runs(wd)["."]] == list(range(SFT_STEPS))
+    png = plot(wd, f"{wd}/metrics.png")
+    with storage.open_file(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    for attempt in range(2):
+        assert write_error_log(wd, ValueError(f"boom {attempt}")) == f"{wd}/error.log"
+    text = storage.read_text(f"{wd}/error.log")
+    assert "ValueError: boom 0" in text and "ValueError: boom 1" in text
