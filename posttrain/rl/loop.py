@@ -243,5 +243,6 @@ def train_loop(c: Components, rl: RLState, ckpt: Checkpointer, writer: MetricsWr
         if r.eval_every and (rl.step % r.eval_every == 0 or rl.step == steps):
             rl = run_eval(c, rl, writer, step)
         if ckpt.should_save(rl.step, steps):
+            writer.flush()          # rows up to the checkpoint reach a gs:// metrics.jsonl before it
             save(c, ckpt, rl)
     return rl, rows

@@ -181,6 +181,7 @@ def train(cfg, stage: Stage) -> Result:
                 if stage.sample_fn is not None and jax.process_index() == 0:
                     stage.sample_fn(nnx.merge(graphdef, model_params(state, cfg.lora), state.rest), step)
             if ckpt.should_save(done, steps):
+                writer.flush()      # rows up to the checkpoint reach a gs:// metrics.jsonl before it
                 ckpt.save(done, {k: getattr(state, k) for k in CHECKPOINT_ITEMS}, data=data.get_state(),
                           meta={"seed": cfg.seed, "stage": stage.name, "config": cfg.to_dict(),
                                 lineage.KEY: lineage.merge(source, int(trained))})
