@@ -163,7 +163,8 @@ class AppendLog:
 
     Local: appended in place. URL: the text is kept in memory (read once from the object if it
     exists) and uploaded whole when a write comes `flush_secs` after the last upload, on `flush`
-    and `close`, and at interpreter exit; a process killed outright loses at most `flush_secs`.
+    and `close`, and at interpreter exit (or when the log is garbage collected); a process killed
+    outright loses the rows written since the last upload: at most `flush_secs` worth of them.
     """
 
     def __init__(self, path: str, *, flush_secs: float = 10.0):
@@ -193,6 +194,11 @@ class AppendLog:
             self._pending.dirty = True
         if time.monotonic() - self._last >= self.flush_secs:
             self.flush()
+
+    @property
+    def pending(self) -> bool:
+        """Whether text was appended since the last upload (always False locally)."""
+        return self.remote and self._pending.dirty
 
     def text(self) -> str:
         """The whole file as it is (or will be, once uploaded)."""

@@ -115,6 +115,14 @@ def gs_runs(gcs, tmp_path_factory):
     from an empty working folder with an empty temp folder and cache home; what they left there."""
     cwd, tmp, cache = (tmp_path_factory.mktemp(n) for n in ("cwd", "tmp", "cache"))
     mp = pytest.MonkeyPatch()
+    # metrics.jsonl uploads only when flushed, and each writer notes at close whether rows were still
+    # waiting: the loops flush before every checkpoint (the last step always checkpoints).
+    from functools import partialmethod
+
+    from posttrain.train.metrics import MetricsWriter
+    mp.setattr(storage.AppendLog, "__init__", partialmethod(storage.AppendLog.__init__, flush_secs=3600))
+    pending_at_close, close = [], MetricsWriter.close
+    mp.setattr(MetricsWriter, "close", lambda self: (pending_at_close.append(self._log.pending), close(self)))
     mp.chdir(cwd)
     mp.setattr(tempfile, "tempdir", str(tmp))
     mp.setenv("TMPDIR", str(tmp))
@@ -131,7 +139,7 @@ def gs_runs(gcs, tmp_path_factory):
         r.train_files, r.prompts_per_step, r.group_size, r.max_new_tokens = data["tasks"], 2, 4, 12
         r.eval_every, r.rollouts_every, r.verifier_workers = 0, 1, 2
         rl_results = run_twice(rl, RL_STEPS, 2)
-        yield {"sft": (sft, sft_results), "rl": (rl, rl_results),
+        yield {"sft": (sft, sft_results), "rl": (rl, rl_results), "pending_at_close": pending_at_close,
                "local": local_files(str(cwd), str(tmp), str(cache)), "cache": str(cache)}
     finally:
         mp.undo()
@@ -144,6 +152,12 @@ def test_gs_runs_write_nothing_locally(gs_runs):
     allowed = [os.path.join(gs_runs["cache"], d) + os.sep for d in (os.path.join("posttrain", "locks"), "matplotlib")]
     assert {f for f in gs_runs["local"] if not f.startswith(tuple(allowed))} == set()
     assert any(f.startswith(allowed[0]) for f in gs_runs["local"])
+
+
+def test_gs_metrics_reach_the_store_before_each_checkpoint(gs_runs):
+    """A run killed after a checkpoint and resumed from it finds every row up to it in a gs://
+    metrics.jsonl: nothing was left waiting for the writer's close (4 runs: 2 SFT, 2 RL)."""
+    assert gs_runs["pending_at_close"] == [False] * 4
 
 
 @pytest.mark.parametrize("name,steps", [("sft", SFT_STEPS), ("rl", RL_STEPS)])
@@ -209,3 +223,18 @@ def test_hf_export_to_gs_equals_the_local_export(gs_runs, tmp_path):
     for name in names:
         with storage.open_file(f"{out}/{name}", "rb") as f:
             assert f.read() == (tmp_path / name).read_bytes(), name
+
+
+def test_plot_and_error_log_of_a_gs_workdir(gs_runs):
+    """tools/plot_metrics.py and the error log on a gs:// workdir: written there, not locally."""
+    from posttrain.main import write_error_log
+    from posttrain.train.plot import load_runs, plot
+    wd = gs_runs["sft"][0].workdir
+    assert [r["step"] for r in load_runs(wd)["."]] == list(range(SFT_STEPS))
+    png = plot(wd, f"{wd}/metrics.png")
+    with storage.open_file(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    for attempt in range(2):
+        assert write_error_log(wd, ValueError(f"boom {attempt}")) == f"{wd}/error.log"
+    text = storage.read_text(f"{wd}/error.log")
+    assert "ValueError: boom 0" in text and "ValueError: boom 1" in text

@@ -252,7 +252,8 @@ def train_loop(c: Components, rl: RLState, ckpt: Checkpointer, writer: MetricsWr
         if r.eval_every and (rl.step % r.eval_every == 0 or rl.step == steps):
             rl = run_eval(c, rl, writer, step)
         if saved := ckpt.should_save(rl.step, steps):
+            writer.flush()          # rows up to the checkpoint reach a gs:// metrics.jsonl before it
             save(c, ckpt, rl)
-        interrupt.stop_if_requested(rl.step, saved=saved, save=lambda: save(c, ckpt, rl), ckpt=ckpt,
+        interrupt.stop_if_requested(rl.step, saved=saved, save=lambda: (writer.flush(), save(c, ckpt, rl)), ckpt=ckpt,
                                     workdir=cfg.workdir)
     return rl, rows

@@ -206,10 +206,12 @@ def train(cfg, stage: Stage) -> Result:
                 logging.info("%s step %d: %s", stage.name, done, summary(evals))
                 if stage.sample_fn is not None:      # every process: sampling runs on the global mesh
                     stage.sample_fn(nnx.merge(graphdef, model_params(state, cfg.lora), state.rest), step)
-            save = lambda: ckpt.save(done, {k: getattr(state, k) for k in CHECKPOINT_ITEMS},
-                                     data={"processes": allgather_json(data.get_state())},
-                                     meta={"seed": cfg.seed, "stage": stage.name, "config": cfg.to_dict(),
-                                           lineage.KEY: lineage.merge(source, int(trained))})
+            def save():
+                writer.flush()      # rows up to the checkpoint reach a gs:// metrics.jsonl before it
+                ckpt.save(done, {k: getattr(state, k) for k in CHECKPOINT_ITEMS},
+                          data={"processes": allgather_json(data.get_state())},
+                          meta={"seed": cfg.seed, "stage": stage.name, "config": cfg.to_dict(),
+                                lineage.KEY: lineage.merge(source, int(trained))})
             if saved := ckpt.should_save(done, steps):
                 save()
             interrupt.stop_if_requested(done, saved=saved, save=save, ckpt=ckpt, workdir=cfg.workdir, writer=writer,

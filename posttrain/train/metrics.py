@@ -3,8 +3,8 @@
 Every line is strict JSON (RFC 8259): a non-finite value (NaN, ±inf, e.g. the loss of a diverged
 step) is written as `null`; `read_metrics` gives it back as NaN. TensorBoard gets the float itself.
 
-A `gs://` (any URL) workdir: metrics.jsonl is an `AppendLog` (uploaded whole at most every 10 s
-and on close, see `posttrain.storage`) and the TensorBoard event file is buffered and uploaded
+A `gs://` (any URL) workdir: metrics.jsonl is an `AppendLog` (uploaded whole by the first write
+10 s or more after the previous upload and on close, see `posttrain.storage`) and the TensorBoard event file is buffered and uploaded
 whole on each TensorBoard flush, through fsspec.
 """
 
@@ -107,6 +107,13 @@ class MetricsWriter:
         self._log.append(dumps(row) + "\n")
         self._tb.add_text(f"events/{kind}", json.dumps(fields, default=str), step)
         return row
+
+    def flush(self) -> None:
+        """Make every row written so far durable (uploads a gs:// metrics.jsonl; local files are
+        appended as they come). Loops call it before a checkpoint, so a run killed after that
+        checkpoint and resumed from it has every earlier row."""
+        if self._tb is not None:
+            self._log.flush()
 
     def close(self) -> None:
         if self._tb is not None:
