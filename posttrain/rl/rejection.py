@@ -1,8 +1,9 @@
 """Stage `rejection_sampling`: the data flywheel — verified samples of the policy become SFT data.
 
     training prompts ─▶ sampler (policy: init_from, in a pipeline the previous stage) ─▶ N candidates
-        ─▶ verifier (the task's: math, code, user) ─▶ pass (score >= min_score, not truncated, no verifier
-        error) ─▶ length filter ─▶ dedup ─▶ best `keep_per_prompt` ─▶ SFT JSONL with provenance + yield report
+        ─▶ verifier (the task's: math, code, user) ─▶ pass (score >= min_score, not truncated,
+        no verifier error) ─▶ length filter ─▶ dedup ─▶ best `keep_per_prompt`
+        ─▶ SFT JSONL with provenance + yield report
 
 Prompts are RL *training* tasks (the registry of `rl/tasks.py`: `rl.domains`, `rl.train_files` with
 their verifiers), `rejection.prompts` distinct ones (case and whitespace normalised), split over the
