@@ -233,8 +233,11 @@ def test_stage_alone_other_settings(policy, user_tasks, tmp_path):
     assert not (tmp_path / "rs" / "sft.jsonl").exists()
     total = json.loads((tmp_path / "rs" / "rejection_report.json").read_text())["total"]
     assert total["candidates"] == 24 and total["too_long"] == 0 and result.eval["rejection/kept"] == len(records)
+    # run again (a resumed pipeline): the records are there, nothing is sampled again
+    n = len(calls)
+    assert main.run(cfg).eval == result.eval and len(calls) == n
     # at temperature 0.05 the policy ends its turn at once (its stop logit is the largest): one empty answer each
-    cfg.rejection.temperature, cfg.workdir = 0.05, str(tmp_path / "cold")
+    cfg.rejection.temperature = 0.05
     main.run(cfg)
     assert [r["response"] for r in read()] == [""] * 4
 
