@@ -16,6 +16,7 @@ import re
 import sys
 import textwrap
 
+import fsspec
 import jax
 import numpy as np
 import pytest
@@ -218,22 +219,27 @@ def test_pipeline_stage_writes_the_best_distinct_passing_candidates_and_feeds_th
 
 
 def test_stage_alone_other_settings(policy, user_tasks, tmp_path):
-    """Fewer prompts, more kept per prompt, no length filter, an output path; a low temperature."""
+    """Fewer prompts, more kept per prompt, no length filter, an output URL; a low temperature."""
     files, verifier, module = user_tasks
-    cfg = tiny(tmp_path / "rs", files, verifier, keep_per_prompt=3, prompts=4, output=str(tmp_path / "o" / "mine.jsonl"))
+    out = f"memory://{tmp_path.name}/o/mine.jsonl"         # any fsspec URL (gs://, ...)
+    cfg = tiny(tmp_path / "rs", files, verifier, keep_per_prompt=3, prompts=4, output=out)
     cfg.init_from = policy
     result = main.run(cfg)
     calls = sys.modules[module].calls
-    records = [json.loads(line) for line in (tmp_path / "o" / "mine.jsonl").read_text().splitlines()]
+    read = lambda: [json.loads(line) for line in fsspec.open(out, "r").open().read().splitlines()]
+    records = read()
     check_records(records, calls, cfg, policy)
     assert max(collections.Counter(r["prompt"] for r in records).values()) == 3
     assert not (tmp_path / "rs" / "sft.jsonl").exists()
     total = json.loads((tmp_path / "rs" / "rejection_report.json").read_text())["total"]
     assert total["candidates"] == 24 and total["too_long"] == 0 and result.eval["rejection/kept"] == len(records)
+    # run again (a resumed pipeline): the records are there, nothing is sampled again
+    n = len(calls)
+    assert main.run(cfg).eval == result.eval and len(calls) == n
     # at temperature 0.05 the policy ends its turn at once (its stop logit is the largest): one empty answer each
-    cfg.rejection.temperature, cfg.workdir = 0.05, str(tmp_path / "cold")
+    cfg.rejection.temperature = 0.05
     main.run(cfg)
-    assert [json.loads(line)["response"] for line in (tmp_path / "o" / "mine.jsonl").read_text().splitlines()] == [""] * 4
+    assert [r["response"] for r in read()] == [""] * 4
 
 
 @pytest.mark.parametrize("key, value, message", [

@@ -29,7 +29,8 @@ OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 _CONDITION = re.compile(r"^\s*([\w/@.\-]+)\s*(<=|>=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
 REGRESSION_DROP = "regression_drop"
 GATES_FILE = "gates.jsonl"        # every gate checked, appended under the run's workdir (for tools/report.py)
-SECTION = {"rlvr": "rl", "rejection_sampling": "rejection"}          # the config section of a stage, where it differs from its name
+# The config section of a stage, where it differs from its name.
+SECTION = {"rlvr": "rl", "rejection_sampling": "rejection"}
 GATED_STAGES = ("sft", "reward_model", "dpo", "rlvr", "eval", "rejection_sampling")
 
 

@@ -1,8 +1,9 @@
 """Stage `rejection_sampling`: the data flywheel — verified samples of the policy become SFT data.
 
     training prompts ─▶ sampler (policy: init_from, in a pipeline the previous stage) ─▶ N candidates
-        ─▶ verifier (the task's: math, code, user) ─▶ pass (score >= min_score, not truncated, no verifier
-        error) ─▶ length filter ─▶ dedup ─▶ best `keep_per_prompt` ─▶ SFT JSONL with provenance + yield report
+        ─▶ verifier (the task's: math, code, user) ─▶ pass (score >= min_score, not truncated,
+        no verifier error) ─▶ length filter ─▶ dedup ─▶ best `keep_per_prompt`
+        ─▶ SFT JSONL with provenance + yield report
 
 Prompts are RL *training* tasks (the registry of `rl/tasks.py`: `rl.domains`, `rl.train_files` with
 their verifiers), `rejection.prompts` distinct ones (case and whitespace normalised), split over the
@@ -23,6 +24,9 @@ and step, domain, task id, difficulty, verifier, score and its parts, sample ind
 kept ones. In a pipeline the next `sft` stage trains on the kept records (or the mixed file),
 starting from the policy that sampled them.
 
+Re-run in the same workdir (a resumed pipeline) with the same config and policy checkpoint, the stage
+finds its report and files and does not sample again.
+
 Yield report (`{workdir}/rejection_report.json`, and one console line per domain and difficulty):
 prompts, candidates, passing, verifier errors, truncated, too long, duplicates, kept, prompts with
 a kept candidate; `yield` = prompts with a kept candidate / prompts, `pass_rate` = passing /
@@ -35,6 +39,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import hashlib
 import itertools
 import json
 import logging
@@ -61,7 +66,8 @@ from posttrain.rl.verifiers.code import CodeTask
 from posttrain.rl.verifiers.math import MathTask
 from posttrain.rl.verifiers.user import UserTask
 from posttrain.sampling.rules import SamplingParams
-from posttrain.train.init import load_model_state
+from posttrain.train.checkpoint import Checkpointer
+from posttrain.train.init import checkpoint_dir, load_model_state
 from posttrain.train.loop import Result
 from posttrain.train.state import abstract_model, init_model_state
 
@@ -313,10 +319,48 @@ def load_policy(cfg, make, mesh, rules) -> tuple:
     return params, rest, {"policy_checkpoint": "", "policy_step": 0}
 
 
+def fingerprint(cfg) -> str:
+    """A hash of everything in the config but the workdir and stage name: what the records depend on."""
+    config = json.loads(cfg.to_json_best_effort())
+    config.pop("workdir"), config.pop("stage")
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def policy_step(init_from: str) -> int:
+    """The step `load_policy` will read: `init_from`'s newest checkpoint (0: none, or a HF folder)."""
+    if not init_from or init_from.startswith("hf:"):
+        return 0
+    ckpt = Checkpointer(checkpoint_dir(init_from), every=0, keep=1, async_save=False, create=False)
+    try:
+        return ckpt.latest_step() or 0
+    finally:
+        ckpt.close()
+
+
+def finished_report(cfg) -> dict | None:
+    """The report of an earlier run in this workdir with the same config and policy step whose files
+    are all there (a re-run pipeline resumes after this stage), else None."""
+    fs, path = fsspec.core.url_to_fs(os.path.join(cfg.workdir, REPORT))
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "r") as f:
+        report = json.load(f)
+    files = [output_path(cfg)] + ([mixed_path(cfg)] if cfg.rejection.mix_original else [])
+    same = (report.get("fingerprint") == fingerprint(cfg) and report["policy"]["policy_step"] == policy_step(cfg.init_from))
+    return report if same and all(fsspec.core.url_to_fs(f)[0].exists(f) for f in files) else None
+
+
 def run(cfg) -> Result:
-    """Sample, verify, select and write the SFT records and the yield report (module docstring)."""
+    """Sample, verify, select and write the SFT records and the yield report (module docstring).
+
+    When this workdir already holds them from the same config and policy, nothing is sampled again."""
     check_config(cfg)
     r = cfg.rejection
+    if (done := finished_report(cfg)) is not None:
+        logging.info("rejection_sampling: %s holds the records of this config and policy already; not sampling "
+                     "again", cfg.workdir)
+        log_report(done)
+        return Result(None, None, [], gate_metrics(done))
     tok = load_tokenizer(cfg.data.tokenizer)
     sub = cfg.copy_and_resolve_references()
     sub.rl.eval_every = 0              # held-out tasks are not needed here (and never sampled)
@@ -353,7 +397,7 @@ def run(cfg) -> Result:
             write_jsonl(mixed_path(cfg), itertools.chain(original, records))
         with open_for_writing(os.path.join(cfg.workdir, REPORT)) as f:
             json.dump({**report, "policy": policy, "output": output_path(cfg), "next_sft_files": next_sft_files(cfg),
-                       "rejection": r.to_dict()}, f, indent=2)
+                       "rejection": r.to_dict(), "fingerprint": fingerprint(cfg)}, f, indent=2)
     if jax.process_count() > 1:        # the next stage reads the files on every process
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("rejection_sampling: SFT records written")
