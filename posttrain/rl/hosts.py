@@ -64,6 +64,12 @@ def all_group_rewards(groups: list) -> list[tuple[str, str, list[float]]]:
     return [tuple(row) for part in allgather_json(mine) for row in part]
 
 
+def all_rewards(groups: list) -> list[list[float]]:
+    """The rewards of every process's groups, in process order (global task order)."""
+    mine = [[float(x) for x in g.rewards] for g in groups]
+    return [row for part in allgather_json(mine) for row in part]
+
+
 def all_values(values: np.ndarray) -> np.ndarray:
     """Every process's 1-D `values`, concatenated in process order."""
     if jax.process_count() == 1:
