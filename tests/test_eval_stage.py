@@ -135,7 +135,7 @@ class FakeWorker:
     def __init__(self, greedy, sampled):
         self.greedy, self.sampled = greedy, sampled
 
-    def rollout(self, params, rest, pairs, key, *, num_samples, greedy=False):
+    def rollout(self, params, rest, pairs, key, *, num_samples, greedy=False, exact_share=True):
         from posttrain.rl.rollout import RolloutBatch
         from posttrain.rl.scheduler import Group
         rewards = [[g] for g in self.greedy] if greedy else self.sampled

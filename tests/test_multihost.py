@@ -138,6 +138,25 @@ def test_two_process_checkpoint_resumes_on_one_process_other_mesh(sft_runs):
         np.testing.assert_allclose(p_resumed[k], p_two[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.slow
+def test_two_process_checkpoint_resumes_on_two_processes_other_mesh(sft_runs):
+    """The same resume onto 2 processes with another mesh (data=2, fsdp=2, tensor=2: weights
+    sharded over a tensor axis inside each host)."""
+    root, overrides, _, two = sft_runs
+    wd = root / "resumed2" / "wd"
+    shutil.copytree(root / "two" / "wd", wd)
+    shutil.rmtree(wd / "checkpoints" / "4")
+    os.remove(wd / "metrics.jsonl")
+    resumed = launch(str(root / "resumed2"), SFT_CONFIG,
+                     {**overrides(str(wd)), "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}, processes=2, devices=4)
+    got, ref = losses(resumed[0]), losses(two[0])
+    assert sorted(got) == [2, 3]
+    np.testing.assert_allclose([got[s] for s in got], [ref[s] for s in got], rtol=1e-5)
+    p_two, p_resumed = params(str(root / "two")), params(str(root / "resumed2"))
+    for k in p_two:
+        np.testing.assert_allclose(p_resumed[k], p_two[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
 BYTE = load_tokenizer("byte")
 
 

@@ -37,7 +37,7 @@ from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.domains import Domain
 from posttrain.rl.envs import SingleTurnEnv
 from posttrain.rl.envs.base import Task
-from posttrain.rl.hosts import all_group_rewards, combine_info
+from posttrain.rl.hosts import all_rewards, combine_info
 from posttrain.rl.rollout import SUMMED_INFO, RolloutWorker
 from posttrain.rl.tasks import make_domains, make_reward_fn
 from posttrain.rl.verifiers.math import MathTask
@@ -142,8 +142,8 @@ def evaluate_suite(worker: RolloutWorker, params, rest, name: str, tasks: list[T
     greedy = worker.rollout(params, rest, pairs, key, num_samples=1, greedy=True, exact_share=False)
     sampled = worker.rollout(params, rest, pairs, jax.random.fold_in(key, 1), num_samples=samples, exact_share=False)
     # several processes: each verified its share of the problems; results from all of them
-    correct = [[r >= 1.0 for r in rewards] for _, _, rewards in all_group_rewards(sampled.groups)]
-    greedy_ok = [rewards[0] >= 1.0 for _, _, rewards in all_group_rewards(greedy.groups)]
+    correct = [[r >= 1.0 for r in rewards] for rewards in all_rewards(sampled.groups)]
+    greedy_ok = [rewards[0] >= 1.0 for rewards in all_rewards(greedy.groups)]
     greedy, sampled = (dataclasses.replace(b, info=combine_info(b.info, SUMMED_INFO)) for b in (greedy, sampled))
     return {"accuracy": float(np.mean(greedy_ok)),
             "mean_accuracy": float(np.mean(correct)),

@@ -8,7 +8,10 @@ verifier pool, so verification scales with hosts. Group statistics (GRPO baselin
 never cross hosts; the learner batch is the concatenation of the processes' rows
 (`put_batch`). What does cross hosts is small host data, exchanged as JSON: every group's rewards
 (so each scheduler records all groups and the schedulers stay identical), rewards and rollout
-info for metrics, and held-out evaluation results.
+info for metrics, and held-out evaluation results. With `rl.minibatches > 1` each minibatch takes
+a share of every process's rows (the learner permutes each process's rows with the same seed), so
+the minibatches differ from a single-process run's; with one minibatch (the default) the losses
+are the same.
 
 Not supported with several processes (refused at start, naming the key): dynamic sampling
 (`rl.filter_groups`: kept groups would be spread unevenly over processes), the overlapped producer
@@ -59,6 +62,12 @@ def all_group_rewards(groups: list) -> list[tuple[str, str, list[float]]]:
     """(domain, task id, rewards) of every process's groups, in process order (global task order)."""
     mine = [[g.domain, g.task.id, [float(x) for x in g.rewards]] for g in groups]
     return [tuple(row) for part in allgather_json(mine) for row in part]
+
+
+def all_rewards(groups: list) -> list[list[float]]:
+    """The rewards of every process's groups, in process order (global task order)."""
+    mine = [[float(x) for x in g.rewards] for g in groups]
+    return [row for part in allgather_json(mine) for row in part]
 
 
 def all_values(values: np.ndarray) -> np.ndarray:

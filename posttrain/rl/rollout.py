@@ -22,7 +22,7 @@ from flax import nnx
 
 from posttrain.eval.passk import mean_pass_at_k
 from posttrain.rl.buffer import Rollout
-from posttrain.rl.hosts import all_group_rewards, combine_info, group_share
+from posttrain.rl.hosts import all_group_rewards, all_rewards, combine_info, group_share
 from posttrain.rl.scheduler import Group, TaskScheduler
 from posttrain.sampling.generate import Samples, generate
 from posttrain.sampling.rules import SamplingParams
@@ -192,8 +192,8 @@ def evaluate(worker: RolloutWorker, params, rest, held_out, key, k: int, score_f
     responses, `eval/rm_score`."""
     greedy = worker.rollout(params, rest, held_out, key, num_samples=1, greedy=True, exact_share=False)
     sampled = worker.rollout(params, rest, held_out, jax.random.fold_in(key, 1), num_samples=k, exact_share=False)
-    correct = [[r >= 1.0 for r in rewards] for _, _, rewards in all_group_rewards(sampled.groups)]
-    greedy_ok = [rewards[0] >= 1.0 for _, _, rewards in all_group_rewards(greedy.groups)]
+    correct = [[r >= 1.0 for r in rewards] for rewards in all_rewards(sampled.groups)]
+    greedy_ok = [rewards[0] >= 1.0 for rewards in all_rewards(greedy.groups)]
     out = {"eval/accuracy": float(np.mean(greedy_ok)),
            "eval/mean_accuracy": float(np.mean(correct)), f"eval/pass@{k}": mean_pass_at_k(correct, k),
            "eval/response_len": combine_info(sampled.info, SUMMED_INFO)["response_len_mean"]}
