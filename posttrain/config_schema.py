@@ -49,6 +49,13 @@ RANGES: dict[str, tuple] = {
     "rl.eval_every": (0, True, None, False), "rl.top_k": (0, True, None, False), "rl.top_p": (0, False, 1, True),
     "rl.kl_coef": (0, True, None, False), "rl.entropy_coef": (0, True, None, False),
     "rl.verifier_workers": (1, True, None, False),
+    "rl.max_turns": (1, True, None, False), "rl.tool_timeout_s": (0, False, None, False),
+    "rl.invalid_tool_call_penalty": (0, True, None, False), "rl.redundant_tool_call_penalty": (0, True, None, False),
+    **{f"rejection.{k}": (1, True, None, False) for k in ("prompts", "samples_per_prompt", "keep_per_prompt")},
+    "rejection.max_tokens": (0, True, None, False), "rejection.temperature": (0, True, None, False),
+    "distributed.num_processes": (0, True, None, False), "distributed.process_id": (-1, True, None, False),
+    "distributed.heartbeat_timeout_s": (1, True, None, False),
+    "distributed.initialization_timeout_s": (1, True, None, False),
 }
 
 
@@ -70,6 +77,7 @@ ENUMS: dict[str, tuple] = {
     "rl.aggregation": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),   # rl.losses.AGGREGATIONS
     "rl.kl_estimator": ("k1", "k2", "k3"),                                      # rl.losses.KL_ESTIMATORS
     "rl.ratio_level": ("token", "sequence"),                                    # rl.losses.RATIO_LEVELS
+    "rl.env": ("single", "tool"),                                               # rl.tasks.ENVS
 }
 
 

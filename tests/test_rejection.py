@@ -24,6 +24,7 @@ from flax import nnx
 from posttrain import main
 from posttrain.config import base_config
 from posttrain.data.tokenizer import ByteTokenizer
+from posttrain.errors import UserError
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl import rejection
@@ -259,6 +260,17 @@ def test_bad_values_fail_at_start_up_naming_the_key(key, value, message, tmp_pat
     with pytest.raises(Exception, match="rejection"):
         main.run(cfg)
     assert not (tmp_path / "bad" / "0_sft").exists()
+
+
+def test_tool_episodes_are_refused_at_start_up(tmp_path):
+    """Candidates are single-turn answers: a multi-turn env would be scored on its first turn alone."""
+    cfg = tiny(tmp_path / "tool", "", "")
+    cfg.rl.env = "tool"
+    with pytest.raises(ValueError, match=r"^rl.env='tool': stage rejection_sampling samples one answer"):
+        check_config(cfg)
+    with pytest.raises(UserError, match="rl.env='tool'") as e:    # main names the key before anything compiles
+        main.run(cfg)
+    assert e.value.key == "rl.env" and not (tmp_path / "tool" / "sft.jsonl").exists()
 
 
 def test_bad_gate_fails_at_start_up(tmp_path):

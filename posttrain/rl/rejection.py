@@ -116,6 +116,9 @@ def check_config(cfg) -> None:
     if r.mix_original and not cfg.sft.train_files:
         raise ValueError("rejection.mix_original=True mixes in sft.train_files, which is empty: set it, or "
                          "mix_original=False")
+    if cfg.rl.env != "single":
+        raise ValueError(f"rl.env={cfg.rl.env!r}: stage rejection_sampling samples one answer per prompt "
+                         "(single-turn); multi-turn tool episodes are not supported there: use rl.env='single'")
     if cfg.lora.rank:
         raise ValueError("stage rejection_sampling with lora.rank > 0: sampling adapter checkpoints is not "
                          "supported; sample with the merged model (lora.rank=0)")
