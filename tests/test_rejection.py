@@ -273,6 +273,18 @@ def test_tool_episodes_are_refused_at_start_up(tmp_path):
     assert e.value.key == "rl.env" and not (tmp_path / "tool" / "sft.jsonl").exists()
 
 
+def test_mix_original_reads_generated_sft_data(tmp_path):
+    """sft.train_files='synthetic:' (the quickstart's) is generated as the sft stage would, then mixed in."""
+    cfg = tiny(tmp_path / "mix", "", "", mix_original=True)
+    cfg.data.synthetic, cfg.data.synthetic_size, cfg.sft.train_files = "arithmetic", 6, "synthetic:"
+    check_config(cfg)
+    sub = rejection.original_sft_files(cfg, ByteTokenizer())
+    assert sub.sft.train_files.startswith(str(tmp_path / "mix" / "synthetic" / "arithmetic_sft_train_n6"))
+    assert cfg.sft.train_files == "synthetic:" and len(list((tmp_path / "mix" / "synthetic").iterdir())) == 1   # no eval split
+    records = list(rejection.original_sft_records(sub))
+    assert len(records) == 6 and all(r.get("messages") or r.get("prompt") for r in records)
+
+
 def test_bad_gate_fails_at_start_up(tmp_path):
     cfg = tiny(tmp_path / "gate", "", "")
     cfg.rejection.gate = "rejection/yield >> 1"

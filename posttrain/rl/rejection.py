@@ -43,6 +43,7 @@ import os
 
 import fsspec
 import jax
+import ml_collections
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -62,6 +63,7 @@ from posttrain.rl.verifiers.math import MathTask
 from posttrain.rl.verifiers.user import UserTask
 from posttrain.sampling.rules import SamplingParams
 from posttrain.train.init import load_model_state
+from posttrain.train.data_files import resolve_data_files
 from posttrain.train.loop import Result
 from posttrain.train.state import abstract_model, init_model_state
 
@@ -122,6 +124,20 @@ def check_config(cfg) -> None:
     if cfg.lora.rank:
         raise ValueError("stage rejection_sampling with lora.rank > 0: sampling adapter checkpoints is not "
                          "supported; sample with the merged model (lora.rank=0)")
+
+
+def original_sft_files(cfg, tok) -> ml_collections.ConfigDict:
+    """A copy of `cfg` whose `sft.train_files` names files: `"synthetic:"` generated (into
+    `{workdir}/synthetic`, by process 0) as the sft stage would, named files checked."""
+    sub = cfg.copy_and_resolve_references()
+    sub.sft.eval_files = ""
+    resolve_data_files(sub, "sft", "sft", tok)
+    return sub
+
+
+def original_sft_records(sub):
+    """The records of `sft.train_files` (resolved by `original_sft_files`) that `rejection.mix_original` mixes in."""
+    return (rec.data for rec in read_jsonl(sub.sft.train_files, on_error=sub.data.on_error))
 
 
 def output_path(cfg) -> str:
@@ -347,13 +363,13 @@ def run(cfg) -> Result:
                          f"samples (pass rate {report['total']['pass_rate']:.1%}, rejection.min_score={r.min_score}): "
                          "there is no SFT data to write; sample more (rejection.prompts, samples_per_prompt) or "
                          "start from a stronger policy (init_from)")
+    original = original_sft_files(cfg, tok) if r.mix_original else None     # every process: a barrier
     fields = dict(kv.split("=", 1) for kv in cfg.data.fields.split(",") if kv) if cfg.data.fields else None
     records = [sft_record(c, policy, cfg, fields) for c in kept]
     if jax.process_index() == 0:
         write_jsonl(output_path(cfg), records)
         if r.mix_original:
-            original = (rec.data for rec in read_jsonl(cfg.sft.train_files, on_error=cfg.data.on_error))
-            write_jsonl(mixed_path(cfg), itertools.chain(original, records))
+            write_jsonl(mixed_path(cfg), itertools.chain(original_sft_records(original), records))
         with open_for_writing(os.path.join(cfg.workdir, REPORT)) as f:
             json.dump({**report, "policy": policy, "output": output_path(cfg), "next_sft_files": next_sft_files(cfg),
                        "rejection": r.to_dict()}, f, indent=2)
