@@ -52,7 +52,7 @@ from posttrain.data.examples import field_key
 from posttrain.data.sources import read_jsonl
 from posttrain.data.tokenizer import Tokenizer, load_tokenizer
 from posttrain.models.decoder import Decoder
-from posttrain.parallel import mesh_and_rules, use_sharding
+from posttrain.parallel import allgather_json, mesh_and_rules, use_sharding
 from posttrain.rl.domains import Domain
 from posttrain.rl.envs.base import Task, Trajectory
 from posttrain.rl.rollout import RolloutWorker
@@ -216,27 +216,39 @@ def choose_prompts(domains: dict[str, Domain], weights: dict[str, float], n: int
     return [(d, t) for d in domains for t in pools[d][:counts[d]]]
 
 
-def candidate(domain: str, task: Task, index: int, traj: Trajectory, tok: Tokenizer) -> Candidate:
-    """A verified trajectory of a single-turn episode as a Candidate."""
+def candidate_fields(index: int, traj: Trajectory, tok: Tokenizer) -> dict:
+    """A verified single-turn trajectory as a Candidate's JSON fields (all but its domain and task)."""
     tokens = traj.tokens[traj.prompt_len:]
     if tokens and tokens[-1] in tok.stop_ids:
         tokens = tokens[:-1]
     reward = traj.reward
-    return Candidate(domain, task, index, tok.decode(tokens), len(tokens), float(reward.score), dict(reward.parts),
-                     traj.info.get("truncated") is not None, reward.error)
+    return dict(index=index, response=tok.decode(tokens), num_tokens=len(tokens), score=float(reward.score),
+                parts=dict(reward.parts), truncated=traj.info.get("truncated") is not None, error=reward.error)
+
+
+def candidate(domain: str, task: Task, index: int, traj: Trajectory, tok: Tokenizer) -> Candidate:
+    """A verified trajectory of a single-turn episode as a Candidate."""
+    return Candidate(domain, task, **candidate_fields(index, traj, tok))
 
 
 def sample_candidates(worker: RolloutWorker, params, rest, pairs: list[tuple[str, Task]], key, *, samples: int,
                       chunk: int, tok: Tokenizer, progress: bool = True) -> list[list[Candidate]]:
-    """`samples` verified candidates for each (domain, task), `chunk` prompts per sampler call."""
+    """`samples` verified candidates for each (domain, task), `chunk` prompts per sampler call.
+
+    With several processes each verifies a contiguous share of a chunk's groups (`hosts.group_share`);
+    their candidates are gathered, so every process returns every prompt's, in `pairs` order."""
     out = []
     with tqdm(total=len(pairs), desc="rejection_sampling", disable=not progress) as bar:
         for start in range(0, len(pairs), chunk):
-            batch = worker.rollout(params, rest, pairs[start:start + chunk], jax.random.fold_in(key, start),
-                                   num_samples=samples)
-            out += [[candidate(g.domain, g.task, i, t, tok) for i, t in enumerate(g.trajectories)]
-                    for g in batch.groups]
-            bar.update(len(batch.groups))
+            part = pairs[start:start + chunk]
+            batch = worker.rollout(params, rest, part, jax.random.fold_in(key, start), num_samples=samples,
+                                   exact_share=False)
+            mine = [[candidate_fields(i, t, tok) for i, t in enumerate(g.trajectories)] for g in batch.groups]
+            groups = [g for share in allgather_json(mine) for g in share]
+            if len(groups) != len(part):
+                raise RuntimeError(f"rejection_sampling: {len(groups)} groups gathered for {len(part)} prompts")
+            out += [[Candidate(d, task, **fields) for fields in group] for (d, task), group in zip(part, groups)]
+            bar.update(len(part))
     return out
 
 
