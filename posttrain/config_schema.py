@@ -145,7 +145,9 @@ def check_config(cfg) -> None:
             check_eval_config(cfg)
         if "rlvr" in stages:
             from posttrain.rl.checks import check_rl_config
+            from posttrain.rl.hosts import check_multihost_rl
             check_rl_config(cfg)
+            check_multihost_rl(cfg)      # what RL cannot split over processes: before a pipeline's first stage
         if "rejection_sampling" in stages:
             from posttrain.rl.rejection import check_config as check_rejection_config
             check_rejection_config(cfg)
