@@ -131,12 +131,14 @@ def check_values(cfg) -> None:
 
 
 def check_config(cfg) -> None:
-    """`check_values`, then each stage's own start-up checks (gates, rl.*, alerts, eval suites) for
-    the stages the run reaches; a UserError naming the key."""
+    """`check_values`, then each stage's own start-up checks (data files, gates, rl.*, alerts, eval
+    suites) for the stages the run reaches; a UserError naming the key."""
     from posttrain.eval.alerts import AlertMonitor
     from posttrain.eval.gates import validate_gates
+    from posttrain.train.data_files import check_stage_files
     check_values(cfg)
     stages = stages_of(cfg)
+    check_stage_files(cfg, stages)      # named files exist, "synthetic:" can be generated: every stage, up front
     try:
         validate_gates(cfg, stages)
         AlertMonitor.from_config(cfg)

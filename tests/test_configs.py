@@ -1,7 +1,7 @@
 """Every shipped config, and every `python -m posttrain.main` command of the README, passes the
-start-up checks a run makes before anything compiles (`config_schema.check_config`, the data-file
-rules of `train/data_files.py`): a config edited out of step with a key's rules fails here, not
-minutes into a user's run. Nothing trains."""
+start-up checks a run makes before anything compiles (`config_schema.check_config`, with the
+data-file rules of `train/data_files.py`): a config edited out of step with a key's rules fails
+here, not minutes into a user's run. Nothing trains."""
 
 import ast
 import re
@@ -14,10 +14,9 @@ import pytest
 from posttrain.config_schema import apply_command_line_precedence, check_config, command_line_keys, stages_of
 from posttrain.data.synthetic import SYNTHETIC
 from posttrain.main import check_overrides
-from posttrain.train.data_files import SPLITS, _generate, check_named_files
+from posttrain.train.data_files import DATA_STAGES, SPLITS
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA_STAGES = {"sft": "sft", "reward_model": "preference", "dpo": "preference"}    # stage → data kind
 
 
 def pod_specs() -> list[str]:
@@ -35,26 +34,26 @@ def load(spec: str):
     return get(arg) if arg else get()
 
 
-def check_data_files(cfg, doc: str) -> None:
-    """What `resolve_data_files` checks at each data stage's start, for every stage the run reaches:
-    "synthetic:" must be generable from `data.synthetic`; a named local file must exist, or be one
-    the config's docstring says how to make (e.g. tools/agent_demos.py --out PATH)."""
-    for stage in stages_of(cfg):
-        if stage not in DATA_STAGES:
-            continue
-        for name, split in SPLITS:
-            key, value = f"{stage}.{name}", cfg[stage][name]
-            if value == SYNTHETIC:
-                _generate(cfg, key, DATA_STAGES[stage], split, tok=None, write=False)
-            elif value and value not in doc:
-                check_named_files(value, key)
+def make_documented_files(cfg, doc: str) -> None:
+    """Create (empty, in the current folder) the named local data files a config's docstring says
+    how to make (e.g. `tools/agent_demos.py --out PATH`): the start-up checks require them."""
+    for stage in DATA_STAGES:
+        for name, _ in SPLITS:
+            value = cfg[stage][name]
+            if value and value != SYNTHETIC and "://" not in value and value in doc:
+                Path(value).parent.mkdir(parents=True, exist_ok=True)
+                Path(value).touch()
 
 
 @pytest.mark.parametrize("spec", CONFIGS)
-def test_config_passes_its_start_up_checks(spec):
+def test_config_passes_its_start_up_checks(spec, tmp_path, monkeypatch):
+    """Data files included: "synthetic:" must be generable from data.synthetic, a named local
+    file must exist (or be one the docstring says how to make)."""
+    monkeypatch.syspath_prepend(str(ROOT))      # configs import configs.sft_tiny
+    monkeypatch.chdir(tmp_path)
     cfg = load(spec)
+    make_documented_files(cfg, runpy.run_path(str(ROOT / "configs" / spec.partition(":")[0])).get("__doc__") or "")
     check_config(cfg)
-    check_data_files(cfg, runpy.run_path(str(ROOT / "configs" / spec.partition(":")[0])).get("__doc__") or "")
 
 
 def readme_commands() -> list[list[str]]:
@@ -87,7 +86,10 @@ def set_override(cfg, key: str, text: str) -> None:
     node[leaf] = value
 
 
-def test_readme_commands_pass_the_start_up_checks():
+def test_readme_commands_pass_the_start_up_checks(tmp_path, monkeypatch):
+    """Local .jsonl files a command names (the user's own data) are created empty first."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.chdir(tmp_path)
     commands = readme_commands()
     assert len(commands) >= 10, commands
     checked = 0
@@ -98,7 +100,13 @@ def test_readme_commands_pass_the_start_up_checks():
         if spec.startswith("hf.py:"):      # needs a Hugging Face folder; its keys are checked on the base config
             spec = "hf.py"
         cfg = load(spec)
+        make_documented_files(cfg, runpy.run_path(str(ROOT / "configs" / spec.partition(":")[0])).get("__doc__") or "")
         overrides = [a for a in argv if a.startswith("--config.")]
+        for arg in overrides:
+            value = arg.partition("=")[2]
+            if value.endswith(".jsonl") and "://" not in value and "*" not in value:
+                Path(value).parent.mkdir(parents=True, exist_ok=True)
+                Path(value).touch()
         check_overrides(overrides, cfg)
         for arg in overrides:
             key, _, text = arg[len("--config."):].partition("=")

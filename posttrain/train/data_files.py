@@ -58,6 +58,35 @@ def resolve_data_files(cfg, stage: str, kind: str, tok=None) -> None:
             check_named_files(value, key)
 
 
+DATA_STAGES = {"sft": "sft", "reward_model": "preference", "dpo": "preference"}     # stage → kind of records
+
+
+def check_stage_files(cfg, stages) -> None:
+    """Start-up check of the data files of every stage in `stages` (a pipeline's later ones too,
+    before the first trains): named local files exist, `"synthetic:"` can be generated. Nothing is
+    written. An sft stage after `rejection_sampling` trains on that stage's records (its
+    `sft.train_files` is read only by `rejection.mix_original`)."""
+    after_rejection = False
+    for stage in stages:
+        if stage == "rejection_sampling":
+            after_rejection = True
+            if cfg.rejection.mix_original:
+                _check_value(cfg, "sft", "train_files", "train")
+        if stage not in DATA_STAGES:
+            continue
+        for name, split in SPLITS:
+            if not (stage == "sft" and name == "train_files" and after_rejection):
+                _check_value(cfg, stage, name, split)
+
+
+def _check_value(cfg, stage: str, name: str, split: str) -> None:
+    key, value = f"{stage}.{name}", cfg[stage][name]
+    if value == SYNTHETIC:
+        _generate(cfg, key, DATA_STAGES[stage], split, None, write=False)
+    elif value:
+        check_named_files(value, key)
+
+
 def _generate(cfg, key: str, kind: str, split: str, tok, write: bool) -> str:
     d, folder = cfg.data, synthetic_dir(cfg.workdir)
     if d.synthetic == "arithmetic":
