@@ -68,6 +68,8 @@ def load(name: str):
     ("quickstart.py", "rl.kl_estimator", "k1", "rl.kl_estimator='k1' cannot take effect"),   # rl.* rules, a pipeline
     ("pipeline_tiny.py", "dpo.train_files", "mine/prefs.jsonl", "config.dpo.train_files='mine/prefs.jsonl': no such "
      "file"),                                                                    # a later stage's data, up front
+    ("quickstart.py", "rl.train_files", "tasks.jsonl", "config.rl.train_files='tasks.jsonl': no such file; name "
+     "existing JSONL task files"),                                                       # the pipeline's rlvr stage, up front
     ("sft_tiny.py", "rl.env", "tools", "config.rl.env='tools': expected one of 'single', 'tool'"),
     ("sft_tiny.py", "rejection.samples_per_prompt", 0, "config.rejection.samples_per_prompt=0: expected >= 1"),
     ("sft_tiny.py", "distributed.heartbeat_timeout_s", 0, "config.distributed.heartbeat_timeout_s=0: expected >= 1"),
