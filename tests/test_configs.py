@@ -115,3 +115,18 @@ def test_readme_commands_pass_the_start_up_checks(tmp_path, monkeypatch):
         check_config(cfg)
         checked += 1
     assert checked == len(commands)
+
+
+def test_notebook_config_passes_the_start_up_checks(tmp_path, monkeypatch):
+    """The quickstart notebook's parameters and config cells, run as written, give a config the
+    start-up checks accept (the notebook's end-to-end run is tests/test_notebook.py)."""
+    import json
+    monkeypatch.chdir(tmp_path)
+    cells = [c for c in json.loads((ROOT / "notebooks/quickstart.ipynb").read_text())["cells"] if c["cell_type"] == "code"]
+    (params,) = [c for c in cells if "parameters" in c["metadata"].get("tags", [])]
+    (config,) = [c for c in cells if "base_config()" in "".join(c["source"])]
+    scope: dict = {}
+    for cell in (params, config):
+        exec("".join(cell["source"]), scope)
+    assert scope["cfg"].stage == "pipeline" and scope["cfg"].data.synthetic == "arithmetic"
+    check_config(scope["cfg"])
