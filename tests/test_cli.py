@@ -70,6 +70,7 @@ def load(name: str):
      "file"),                                                                    # a later stage's data, up front
     ("quickstart.py", "rl.train_files", "tasks.jsonl", "config.rl.train_files='tasks.jsonl': no such file; name "
      "existing JSONL task files"),                                                       # the pipeline's rlvr stage, up front
+    ("quickstart.py", "eval.suites", "arithmetic,mine=my.jsonl", "config.eval.suites='my.jsonl': no such file"),
     ("sft_tiny.py", "rl.env", "tools", "config.rl.env='tools': expected one of 'single', 'tool'"),
     ("sft_tiny.py", "rejection.samples_per_prompt", 0, "config.rejection.samples_per_prompt=0: expected >= 1"),
     ("sft_tiny.py", "distributed.heartbeat_timeout_s", 0, "config.distributed.heartbeat_timeout_s=0: expected >= 1"),

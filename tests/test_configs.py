@@ -102,11 +102,11 @@ def test_readme_commands_pass_the_start_up_checks(tmp_path, monkeypatch):
         cfg = load(spec)
         make_documented_files(cfg, runpy.run_path(str(ROOT / "configs" / spec.partition(":")[0])).get("__doc__") or "")
         overrides = [a for a in argv if a.startswith("--config.")]
-        for arg in overrides:
-            value = arg.partition("=")[2]
-            if value.endswith(".jsonl") and "://" not in value and "*" not in value:
-                Path(value).parent.mkdir(parents=True, exist_ok=True)
-                Path(value).touch()
+        for arg in overrides:           # "a.jsonl", "x.jsonl,y.jsonl", "arithmetic,mine=my.jsonl"
+            for value in (p.rpartition("=")[2] for p in arg.partition("=")[2].split(",")):
+                if value.endswith(".jsonl") and "://" not in value and "*" not in value:
+                    Path(value).parent.mkdir(parents=True, exist_ok=True)
+                    Path(value).touch()
         check_overrides(overrides, cfg)
         for arg in overrides:
             key, _, text = arg[len("--config."):].partition("=")

@@ -64,25 +64,34 @@ DATA_STAGES = {"sft": "sft", "reward_model": "preference", "dpo": "preference"} 
 
 def check_stage_files(cfg, stages) -> None:
     """Start-up check of the data files of every stage in `stages` (a pipeline's later ones too,
-    before the first trains): named local files exist (`rl.train_files` / `rl.eval_files` too),
-    `"synthetic:"` can be generated. Nothing is written. An sft stage after `rejection_sampling` trains on that stage's records (its
-    `sft.train_files` is read only by `rejection.mix_original`)."""
+    before the first trains): named local files exist (`rl.train_files` / `rl.eval_files` and the
+    user suites of `eval.suites` too) and `"synthetic:"` can be generated. Nothing is written. An
+    sft stage after `rejection_sampling` trains on that stage's records (its `sft.train_files` is
+    read only by `rejection.mix_original`)."""
     after_rejection = False
     for stage in stages:
-        if stage in ("rlvr", "rejection_sampling"):       # the user's RL tasks: comma-separated files / globs
+        if stage in ("rlvr", "rejection_sampling"):       # the user's RL tasks
             for name in ("train_files", "eval_files") if stage == "rlvr" else ("train_files",):
-                for part in filter(None, (p.strip() for p in cfg.rl[name].split(","))):
-                    check_named_files(part, f"rl.{name}", "name existing JSONL task files (comma-separated "
-                                      "paths or globs)")
+                _check_list(cfg.rl[name].split(","), f"rl.{name}", TASK_FILES_HINT)
+        if stage == "eval":
+            _check_list([p.partition("=")[2] for p in cfg.eval.suites.split(",")], "eval.suites", SUITE_HINT)
         if stage == "rejection_sampling":
             after_rejection = True
             if cfg.rejection.mix_original:
                 _check_value(cfg, "sft", "train_files", "train")
-        if stage not in DATA_STAGES:
-            continue
-        for name, split in SPLITS:
-            if not (stage == "sft" and name == "train_files" and after_rejection):
-                _check_value(cfg, stage, name, split)
+        if stage in DATA_STAGES:
+            for name, split in SPLITS:
+                if not (stage == "sft" and name == "train_files" and after_rejection):
+                    _check_value(cfg, stage, name, split)
+
+
+TASK_FILES_HINT = "name existing JSONL task files (comma-separated paths or globs)"
+SUITE_HINT = 'name an existing JSONL file of {"prompt", "answer"} records (suite=path)'
+
+
+def _check_list(paths: list[str], key: str, hint: str) -> None:
+    for path in filter(None, (p.strip() for p in paths)):
+        check_named_files(path, key, hint)
 
 
 def _check_value(cfg, stage: str, name: str, split: str) -> None:
