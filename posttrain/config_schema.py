@@ -49,6 +49,13 @@ RANGES: dict[str, tuple] = {
     "rl.eval_every": (0, True, None, False), "rl.top_k": (0, True, None, False), "rl.top_p": (0, False, 1, True),
     "rl.kl_coef": (0, True, None, False), "rl.entropy_coef": (0, True, None, False),
     "rl.verifier_workers": (1, True, None, False),
+    "rl.max_turns": (1, True, None, False), "rl.tool_timeout_s": (0, False, None, False),
+    "rl.invalid_tool_call_penalty": (0, True, None, False), "rl.redundant_tool_call_penalty": (0, True, None, False),
+    **{f"rejection.{k}": (1, True, None, False) for k in ("prompts", "samples_per_prompt", "keep_per_prompt")},
+    "rejection.max_tokens": (0, True, None, False), "rejection.temperature": (0, True, None, False),
+    "distributed.num_processes": (0, True, None, False), "distributed.process_id": (-1, True, None, False),
+    "distributed.heartbeat_timeout_s": (1, True, None, False),
+    "distributed.initialization_timeout_s": (1, True, None, False),
 }
 
 
@@ -70,6 +77,7 @@ ENUMS: dict[str, tuple] = {
     "rl.aggregation": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),   # rl.losses.AGGREGATIONS
     "rl.kl_estimator": ("k1", "k2", "k3"),                                      # rl.losses.KL_ESTIMATORS
     "rl.ratio_level": ("token", "sequence"),                                    # rl.losses.RATIO_LEVELS
+    "rl.env": ("single", "tool"),                                               # rl.tasks.ENVS
 }
 
 
@@ -123,12 +131,14 @@ def check_values(cfg) -> None:
 
 
 def check_config(cfg) -> None:
-    """`check_values`, then each stage's own start-up checks (gates, rl.*, alerts, eval suites) for
-    the stages the run reaches; a UserError naming the key."""
+    """`check_values`, then each stage's own start-up checks (data files, gates, rl.*, alerts, eval
+    suites) for the stages the run reaches; a UserError naming the key."""
     from posttrain.eval.alerts import AlertMonitor
     from posttrain.eval.gates import validate_gates
+    from posttrain.train.data_files import check_stage_files
     check_values(cfg)
     stages = stages_of(cfg)
+    check_stage_files(cfg, stages)      # named files exist, "synthetic:" can be generated: every stage, up front
     try:
         validate_gates(cfg, stages)
         AlertMonitor.from_config(cfg)
@@ -137,7 +147,9 @@ def check_config(cfg) -> None:
             check_eval_config(cfg)
         if "rlvr" in stages:
             from posttrain.rl.checks import check_rl_config
+            from posttrain.rl.hosts import check_multihost_rl
             check_rl_config(cfg)
+            check_multihost_rl(cfg)      # what RL cannot split over processes: before a pipeline's first stage
         if "rejection_sampling" in stages:
             from posttrain.rl.rejection import check_config as check_rejection_config
             check_rejection_config(cfg)

@@ -266,3 +266,18 @@ def test_session_does_not_trust_a_report_forged_by_the_command(sandbox):
     assert s.run("sh", "cat a.txt").output == b"keep\n"       # the session goes on
     assert _parse_report(forged.encode()) is None             # a path outside the directory is refused
     assert _parse_report(forged.replace("../../etc/x", "b/x").encode())[1].as_dict() == {"b/x": b"hi"}
+
+
+def test_agent_demos_tool_writes_to_a_store_url(monkeypatch, capsys):
+    """tools/agent_demos.py --out takes gs:// (here memory://) paths, through posttrain.storage."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    from posttrain import storage
+    tool = Path(__file__).resolve().parents[1] / "tools" / "agent_demos.py"
+    monkeypatch.setattr(sys, "argv", ["agent_demos.py", "--out", "memory:///demos/sft.jsonl", "--n", "1", "--workers", "1"])
+    runpy.run_path(str(tool), run_name="__main__")
+    records = [json.loads(line) for line in storage.read_text("memory:///demos/sft.jsonl").splitlines()]
+    assert len(records) == 1 and records[0]["messages"][-1]["role"] == "assistant"
+    assert "1/1 demonstrations passed" in capsys.readouterr().out

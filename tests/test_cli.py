@@ -66,6 +66,14 @@ def load(name: str):
     ("sft_tiny.py", "data.on_error", "ignore", "config.data.on_error='ignore': expected one of 'raise', 'skip'"),
     ("pipeline_tiny.py", "dpo.gate", "eval/reward_accuracy>>0.6", "dpo.gate"),     # the last stage's gate
     ("quickstart.py", "rl.kl_estimator", "k1", "rl.kl_estimator='k1' cannot take effect"),   # rl.* rules, a pipeline
+    ("pipeline_tiny.py", "dpo.train_files", "mine/prefs.jsonl", "config.dpo.train_files='mine/prefs.jsonl': no such "
+     "file"),                                                                    # a later stage's data, up front
+    ("quickstart.py", "rl.train_files", "tasks.jsonl", "config.rl.train_files='tasks.jsonl': no such file; name "
+     "existing JSONL task files"),                                                       # the pipeline's rlvr stage, up front
+    ("quickstart.py", "eval.suites", "arithmetic,mine=my.jsonl", "config.eval.suites='my.jsonl': no such file"),
+    ("sft_tiny.py", "rl.env", "tools", "config.rl.env='tools': expected one of 'single', 'tool'"),
+    ("sft_tiny.py", "rejection.samples_per_prompt", 0, "config.rejection.samples_per_prompt=0: expected >= 1"),
+    ("sft_tiny.py", "distributed.heartbeat_timeout_s", 0, "config.distributed.heartbeat_timeout_s=0: expected >= 1"),
 ])
 def test_bad_values_fail_before_any_stage_runs_naming_the_key(tmp_path, capsys, monkeypatch, config_file, key,
                                                               value, expected):
@@ -120,11 +128,12 @@ def test_schema_enums_are_the_modules_tables():
     from posttrain.ops.context_parallel import CONTEXT_PARALLEL
     from posttrain.rl.advantages import ADVANTAGE_METHODS
     from posttrain.rl.losses import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
+    from posttrain.rl.tasks import ENVS
     from posttrain.train.losses import DPO_LOSSES
     modules = {"model.attention": ATTENTION_KERNELS, "model.rope_scaling.type": ROPE_SCALINGS,
                "model.context_parallel": CONTEXT_PARALLEL, "model.remat": ("none", *REMAT_POLICIES),
                "data.on_error": ON_ERROR, "dpo.loss_type": DPO_LOSSES, "alerts.on": MODES,
                "rl.advantage": ADVANTAGE_METHODS, "rl.aggregation": AGGREGATIONS, "rl.kl_estimator": KL_ESTIMATORS,
-               "rl.ratio_level": RATIO_LEVELS}
+               "rl.ratio_level": RATIO_LEVELS, "rl.env": ENVS}
     for key, values in modules.items():
         assert tuple(ENUMS[key]) == tuple(values), key

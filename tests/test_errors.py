@@ -66,7 +66,8 @@ def test_unreachable_gs_path_names_key_and_path(tmp_path, capsys, monkeypatch):
     line = one_line_error(capsys, sft_config(tmp_path, **{"sft.train_files": "gs://some-bucket/sft/train.jsonl"}))
     assert "gs://some-bucket/sft/train.jsonl: cannot read (OSError: Cannot connect" in line
     assert "credentials" in line and "[config.sft.train_files]" in line
-    line = one_line_error(capsys, sft_config(tmp_path, **{"init_from": "gs://some-bucket/runs/sft"}))
+    line = one_line_error(capsys, sft_config(tmp_path, **{"init_from": "gs://some-bucket/runs/sft",
+                                                           "data.synthetic": "arithmetic"}))
     assert line.startswith("error: init_from=gs://some-bucket/runs/sft: cannot be read (OSError: Cannot connect")
 
 

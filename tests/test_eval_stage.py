@@ -138,6 +138,7 @@ class FakeWorker:
     def rollout(self, params, rest, pairs, key, *, num_samples, greedy=False, exact_share=True):
         from posttrain.rl.rollout import RolloutBatch
         from posttrain.rl.scheduler import Group
+        assert not exact_share          # across processes a suite's problems are shared out nearly evenly
         rewards = [[g] for g in self.greedy] if greedy else self.sampled
         assert len(pairs) == len(rewards) and all(len(r) == num_samples for r in rewards)
         groups = [Group(d, t, r, []) for (d, t), r in zip(pairs, rewards)]
@@ -147,7 +148,8 @@ class FakeWorker:
 def test_suite_metrics_aggregate_rewards():
     """Accuracy counts reward >= 1 (partial credit is not correct); pass@k is 1 − C(n−c,k)/C(n,k) per problem."""
     greedy, sampled = [1.0, 0.0, 0.5], [[1.0, 0.0, 0.0, 1.0], [0.0] * 4, [1.0, 1.0, 1.0, 0.9]]
-    m = evaluation.evaluate_suite(FakeWorker(greedy, sampled), None, None, "s", ["a", "b", "c"],
+    from posttrain.rl.envs.base import Task
+    m = evaluation.evaluate_suite(FakeWorker(greedy, sampled), None, None, "s", [Task(x, (), None) for x in "abc"],
                                   jax.random.key(0), 4, [1, 2, 3])
     assert m["accuracy"] == pytest.approx(1 / 3) and m["mean_accuracy"] == pytest.approx(5 / 12)
     for k in (1, 2, 3):

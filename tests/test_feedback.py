@@ -51,5 +51,5 @@ def test_help_lists_stages_sections_and_environment():
     for section, key in (("train", "steps"), ("optim", "lr"), ("rl", "advantage"), ("data", "synthetic"),
                          ("checkpoint", "every"), ("mesh", "data"), ("model", "moe.*")):
         assert key in lines[section].split("{", 1)[1].replace(",", " ").replace("}", " ").split(), (section, key)
-    assert "stage, one of: dpo, eval, lm, pipeline, reward_model, rlvr, sft" in text
+    assert "stage, one of: dpo, eval, lm, pipeline, rejection_sampling, reward_model, rlvr, sft" in text
     assert "POSTTRAIN_DATA" in text and "POSTTRAIN_COMPILATION_CACHE" in text

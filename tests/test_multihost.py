@@ -303,11 +303,20 @@ def test_rl_across_processes_refuses_what_it_cannot_split(monkeypatch):
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     hosts.check_multihost_rl(cfg)
-    for key, value in (("filter_groups", True), ("max_staleness", 1), ("rollouts_every", 5), ("prompts_per_step", 7)):
+    for key, value in (("filter_groups", True), ("max_staleness", 1), ("rollouts_every", 5), ("prompts_per_step", 7),
+                       ("env", "tool"), ("reward_model", "runs/rm"), ("advantage", "gae")):
         bad = cfg.copy_and_resolve_references()
         bad.rl[key] = value
         with pytest.raises(UserError, match=f"rl.{key}"):
             hosts.check_multihost_rl(bad)
+    # a pipeline is refused before its first stage trains (the config schema's start-up checks)
+    from posttrain.config_schema import check_config
+    pipe = runpy_config(os.path.join(ROOT, "configs", "quickstart.py"))     # (sft, rlvr, eval)
+    pipe.rl.rollouts_every, pipe.rl.rollouts_fraction = 0, 1.0
+    check_config(pipe)
+    pipe.rl.env = "tool"
+    with pytest.raises(UserError, match="rl.env='tool' is not supported with 2 processes"):
+        check_config(pipe)
     assert hosts.group_share(8, exact=True) == slice(4, 8)
     assert hosts.group_share(5, exact=False) == slice(2, 5)
     with pytest.raises(ValueError, match="5 groups cannot be split evenly over 2 processes"):

@@ -25,6 +25,7 @@ from flax import nnx
 from posttrain import main
 from posttrain.config import base_config
 from posttrain.data.tokenizer import ByteTokenizer
+from posttrain.errors import UserError
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl import rejection
@@ -110,6 +111,53 @@ def user_tasks(tmp_path, monkeypatch):
 def cand(index, response, s, *, tokens=None, truncated=False, error=None):
     return Candidate("d", Task("t", ({"role": "user", "content": "p"},), None), index, response,
                      len(response) if tokens is None else tokens, s, {"correct": s}, truncated, error)
+
+
+class ShareWorker:
+    """A RolloutWorker stand-in: a group of `num_samples` scored responses per task, of which it
+    returns the share of process `self.process` (as `RolloutWorker.rollout` does across hosts)."""
+
+    def __init__(self, monkeypatch, tok):
+        self.monkeypatch, self.tok, self.process = monkeypatch, tok, 0
+
+    def groups(self, tasks, num_samples):
+        from types import SimpleNamespace
+        from posttrain.rl.envs.base import Trajectory
+        from posttrain.rl.reward import Reward
+        def traj(task, s):
+            answer = list(self.tok.encode(f"{task.id}/{s}")) + [self.tok.stop_ids[0]] * (s % 2)
+            return Trajectory(task.id, [1, 2] + answer, [False, False] + [True] * len(answer), 2,
+                              Reward(s / num_samples, {"correct": s / num_samples}), info={})
+        return [SimpleNamespace(trajectories=[traj(t, s) for s in range(num_samples)]) for _, t in tasks]
+
+    def rollout(self, params, rest, tasks, key, *, num_samples, exact_share):
+        from posttrain.rl.hosts import group_share
+        self.monkeypatch.setattr(jax, "process_index", lambda: self.process)
+        return type("Batch", (), {"groups": self.groups(tasks, num_samples)[group_share(len(tasks), exact=exact_share)]})
+
+
+def test_candidates_of_several_processes_are_gathered_in_prompt_order(monkeypatch):
+    """Two processes (simulated): each verifies a share of a chunk's groups; after the gather both
+    hold every prompt's candidates in prompt order, equal to one process's."""
+    tok = ByteTokenizer()
+    pairs = [(f"d{i % 2}", Task(f"t{i}", ({"role": "user", "content": f"q{i}"},), None)) for i in range(7)]
+    worker = ShareWorker(monkeypatch, tok)
+    kw = dict(samples=3, chunk=3, tok=tok, progress=False)
+    one = rejection.sample_candidates(worker, None, None, pairs, jax.random.key(0), **kw)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+
+    def allgather_json(mine):        # process 1's share of the same chunk, computed as process 1 would
+        worker.process = 1
+        chunk = pairs[calls.pop(0):][:3]
+        theirs = [[rejection.candidate_fields(i, t, tok) for i, t in enumerate(g.trajectories)]
+                  for g in worker.rollout(None, None, chunk, None, num_samples=3, exact_share=False).groups]
+        worker.process = 0
+        return [json.loads(json.dumps(mine)), json.loads(json.dumps(theirs))]
+    calls = [0, 3, 6]
+    monkeypatch.setattr(rejection, "allgather_json", allgather_json)
+    two = rejection.sample_candidates(worker, None, None, pairs, jax.random.key(0), **kw)
+    assert two == one and [c[0].task.id for c in two] == [f"t{i}" for i in range(7)]
+    assert [c.response for c in one[4]] == ["t4/0", "t4/1", "t4/2"] and one[4][1].score == 1 / 3
 
 
 def test_select_keeps_the_best_distinct_passing_responses_within_the_length_limit():
@@ -265,6 +313,29 @@ def test_bad_values_fail_at_start_up_naming_the_key(key, value, message, tmp_pat
     with pytest.raises(Exception, match="rejection"):
         main.run(cfg)
     assert not (tmp_path / "bad" / "0_sft").exists()
+
+
+def test_tool_episodes_are_refused_at_start_up(tmp_path):
+    """Candidates are single-turn answers: a multi-turn env would be scored on its first turn alone."""
+    cfg = tiny(tmp_path / "tool", "", "")
+    cfg.rl.env = "tool"
+    with pytest.raises(ValueError, match=r"^rl.env='tool': stage rejection_sampling samples one answer"):
+        check_config(cfg)
+    with pytest.raises(UserError, match="rl.env='tool'") as e:    # main names the key before anything compiles
+        main.run(cfg)
+    assert e.value.key == "rl.env" and not (tmp_path / "tool" / "sft.jsonl").exists()
+
+
+def test_mix_original_reads_generated_sft_data(tmp_path):
+    """sft.train_files='synthetic:' (the quickstart's) is generated as the sft stage would, then mixed in."""
+    cfg = tiny(tmp_path / "mix", "", "", mix_original=True)
+    cfg.data.synthetic, cfg.data.synthetic_size, cfg.sft.train_files = "arithmetic", 6, "synthetic:"
+    check_config(cfg)
+    sub = rejection.original_sft_files(cfg, ByteTokenizer())
+    assert sub.sft.train_files.startswith(str(tmp_path / "mix" / "synthetic" / "arithmetic_sft_train_n6"))
+    assert cfg.sft.train_files == "synthetic:" and len(list((tmp_path / "mix" / "synthetic").iterdir())) == 1   # no eval split
+    records = list(rejection.original_sft_records(sub))
+    assert len(records) == 6 and all(r.get("messages") or r.get("prompt") for r in records)
 
 
 def test_bad_gate_fails_at_start_up(tmp_path):

@@ -99,6 +99,22 @@ def test_report_holds_every_section(run):
     assert "<script" not in page
 
 
+def test_report_of_a_run_on_an_object_store(run):
+    """A gs:// (here memory://) workdir: evals, gates, rollouts and config are read through
+    posttrain.storage and the page is written there (plain open/glob saw nothing, then failed)."""
+    import fsspec
+    from posttrain import storage
+    fsspec.filesystem("memory").put(str(run), "/report_store", recursive=True)
+    check_gate("rlvr", "rl/reward_mean>0.5", {"rl/reward_mean": 0.75}, workdir="memory:///report_store")   # appended there
+    out = write_report("memory:///report_store")
+    assert out == "memory:///report_store/report.html" and not os.path.exists("memory:")
+    page = storage.read_text(out)
+    assert "memory:///report_store" in page and "abc123" in page and "<td>200</td>" in page     # eval table
+    assert "<tr class=fail><td>eval</td><td>FAILED</td><td>arithmetic_accuracy</td>" in page    # gates
+    assert "<tr class=pass><td>rlvr</td><td>passed</td><td>rl/reward_mean</td><td>&gt; 0.5</td><td>0.75</td>" in page
+    assert "&lt;script&gt;console.error(&#x27;escaped?&#x27;)" in page                          # rollouts
+
+
 def test_rollout_sample_spreads_over_steps_and_parts_average_per_step():
     rows = [rollout(step, s, float(s % 2)) for step in (0, 5, 10) for s in range(8)]
     picked = sample_rollouts(rows, 5)

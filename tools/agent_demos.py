@@ -13,6 +13,7 @@ import json
 import os
 import time
 
+from posttrain import storage
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.rl import repo_domain
 from posttrain.rl.envs.workspace import WORKSPACE_LIMITS, WorkspaceEnv
@@ -23,7 +24,7 @@ from posttrain.sandbox import Sandbox
 def main() -> None:
     """Parse the flags, run the scripted episodes, write the records."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="the JSONL written (local or gs://)")
     ap.add_argument("--n", type=int, default=800)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workers", type=int, default=2)
@@ -33,10 +34,9 @@ def main() -> None:
     t0 = time.perf_counter()
     records = repo_domain.demonstration_records(repo_domain.repo_tasks("train", args.n, args.seed), make_env,
                                                 workers=args.workers)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
+    if not storage.is_url(args.out):
+        storage.makedirs(os.path.dirname(os.path.abspath(storage.local(args.out))))
+    storage.write_text(args.out, "".join(json.dumps(rec) + "\n" for rec in records))     # local or gs://
     print(f"{len(records)}/{args.n} demonstrations passed their final check -> {args.out} "
           f"({time.perf_counter() - t0:.0f} s)")
 

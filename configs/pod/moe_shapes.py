@@ -47,13 +47,15 @@ def get_config(spec: str = "qwen3_30b_a3b:sft_full"):
         m.rope_theta, m.norm_eps = 500_000.0, 1e-5
     m.param_dtype, m.dtype, m.remat = "bfloat16", "bfloat16", "full"
     moe = m.moe
-    moe.num_experts, moe.top_k, moe.expert_mlp_dim, moe.first_dense = experts, top_k, expert_mlp, first_dense
-    moe.num_shared_experts, moe.shared_mlp_dim = shared, expert_mlp
-    moe.router, moe.routed_scaling, moe.norm_topk_prob = router, scaling, True
-    moe.aux_loss_coef, moe.z_loss_coef = 0.001, 0.0
-    # dropless needs a receive buffer for the worst case (every peer's rows to one device): with
-    # many expert-parallel peers that is peers × tokens × k rows; a capacity bounds it
-    moe.capacity_factor = 1.25
+    moe.num_experts = experts
+    if experts:     # a dense model (llama3_8b) keeps the moe defaults: they take no effect, top_k=0 is invalid
+        moe.top_k, moe.expert_mlp_dim, moe.first_dense = top_k, expert_mlp, first_dense
+        moe.num_shared_experts, moe.shared_mlp_dim = shared, expert_mlp
+        moe.router, moe.routed_scaling, moe.norm_topk_prob = router, scaling, True
+        moe.aux_loss_coef, moe.z_loss_coef = 0.001, 0.0
+        # dropless needs a receive buffer for the worst case (every peer's rows to one device): with
+        # many expert-parallel peers that is peers × tokens × k rows; a capacity bounds it
+        moe.capacity_factor = 1.25
     cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.mesh.tensor = 1, -1, expert_ways, 1
     cfg.sharding.rules.embed = "fsdp,expert"
     cfg.train.batch_size, cfg.train.seq_len = 64, 4096

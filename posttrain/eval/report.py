@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import fnmatch
-import glob
 import html
 import io
 import json
@@ -25,6 +24,7 @@ import os
 import re
 import time
 
+from posttrain import storage
 from posttrain.train.plot import load_runs, plt, series
 
 # (title, metric patterns): one panel each, every matching metric of every stage drawn in it.
@@ -63,13 +63,12 @@ class Stage:
 def _jsonl(path: str) -> list[dict]:
     """The objects of a JSONL file; a malformed line is an error naming the file and line."""
     out = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{i}: not JSON ({e.msg})") from None
+    for i, line in enumerate(storage.read_text(path).splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not JSON ({e.msg})") from None
     return out
 
 
@@ -77,9 +76,9 @@ def load_stages(workdir: str) -> list[Stage]:
     """The run folder and its stage folders (those with a metrics.jsonl), in pipeline order."""
     stages = []
     for name, rows in load_runs(workdir).items():
-        folder = os.path.join(workdir, name)
-        evals = [r for p in sorted(glob.glob(os.path.join(folder, "eval", "*.jsonl"))) for r in _jsonl(p)]
-        rollouts = [r for p in sorted(glob.glob(os.path.join(folder, "rollouts", "*.jsonl"))) for r in _jsonl(p)]
+        folder = workdir if name == "." else storage.join(workdir, name)
+        evals = [r for p in storage.glob(storage.join(folder, "eval", "*.jsonl")) for r in _jsonl(p)]
+        rollouts = [r for p in storage.glob(storage.join(folder, "rollouts", "*.jsonl")) for r in _jsonl(p)]
         stages.append(Stage(name, rows, evals, rollouts))
     order = lambda s: (s.name != ".", int(m.group(1)) if (m := re.match(r"(\d+)_", s.name)) else 1 << 30, s.name)
     return sorted(stages, key=order)
@@ -200,7 +199,7 @@ def _pass_k_order(name: str):
 
 def gates_section(workdir: str) -> str:
     """Every gate checked (`gates.jsonl` of the run and its stages), each condition with its value."""
-    paths = sorted(glob.glob(os.path.join(workdir, "gates.jsonl")) + glob.glob(os.path.join(workdir, "*", "gates.jsonl")))
+    paths = storage.glob(storage.join(workdir, "gates.jsonl")) + storage.glob(storage.join(workdir, "*", "gates.jsonl"))
     records = [r for p in paths for r in _jsonl(p)]
     if not records:
         return "<p class=none>No gate was checked in this run (none configured, or the run stopped before one).</p>"
@@ -267,16 +266,15 @@ pre{white-space:pre-wrap;word-break:break-all;margin:2px 0}.prompt{color:#555}.r
 def render(workdir: str) -> str:
     """The report page of the run in `workdir`, as HTML text."""
     stages = load_stages(workdir)
-    config = os.path.join(workdir, "config.json")
+    config = storage.join(workdir, "config.json")
     stage_names = ", ".join(s.name for s in stages if s.name != ".") or "one stage"
-    if os.path.exists(config):
-        with open(config) as f:
-            c = json.load(f)
+    if storage.isfile(config):
+        c = json.loads(storage.read_text(config))
         stage_names = f"{c.get('stage')}: {', '.join(c.get('pipeline', {}).get('stages', []))}" \
             if c.get("stage") == "pipeline" else str(c.get("stage"))
     return (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>posttrain report: {_text(workdir)}</title>"
             f"<style>{CSS}</style></head><body><h1>posttrain run report</h1>"
-            f"<p title=\"{_text(os.path.abspath(workdir))}\">{_text(workdir)} · {_text(stage_names)} · written {time.strftime('%Y-%m-%d %H:%M %Z')}</p>"
+            f"<p title=\"{_text(workdir if storage.is_url(workdir) else os.path.abspath(storage.local(workdir)))}\">{_text(workdir)} · {_text(stage_names)} · written {time.strftime('%Y-%m-%d %H:%M %Z')}</p>"
             f"<h2>Curves</h2>{curves_section(stages)}"
             f"<h2>Evaluations</h2>{eval_section(stages)}<h2>Gates</h2>{gates_section(workdir)}"
             f"<h2>Alerts and events</h2>{events_section(stages)}<h2>Sample rollouts</h2>{rollouts_section(stages)}"
@@ -285,8 +283,6 @@ def render(workdir: str) -> str:
 
 def write_report(workdir: str, out: str | None = None) -> str:
     """Write the report of the run in `workdir` to `out` (default `{workdir}/report.html`); its path."""
-    out = out or os.path.join(workdir, "report.html")
-    page = render(workdir)
-    with open(out, "w", encoding="utf-8") as f:
-        f.write(page)
+    out = out or storage.join(workdir, "report.html")
+    storage.write_bytes(out, render(workdir).encode("utf-8"))
     return out

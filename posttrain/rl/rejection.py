@@ -48,6 +48,7 @@ import os
 
 import fsspec
 import jax
+import ml_collections
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -56,7 +57,7 @@ from posttrain.data.examples import field_key
 from posttrain.data.sources import read_jsonl
 from posttrain.data.tokenizer import Tokenizer, load_tokenizer
 from posttrain.models.decoder import Decoder
-from posttrain.parallel import mesh_and_rules, use_sharding
+from posttrain.parallel import allgather_json, mesh_and_rules, use_sharding
 from posttrain.rl.domains import Domain
 from posttrain.rl.envs.base import Task, Trajectory
 from posttrain.rl.rollout import RolloutWorker
@@ -67,6 +68,7 @@ from posttrain.rl.verifiers.math import MathTask
 from posttrain.rl.verifiers.user import UserTask
 from posttrain.sampling.rules import SamplingParams
 from posttrain.train.checkpoint import Checkpointer
+from posttrain.train.data_files import resolve_data_files
 from posttrain.train.init import checkpoint_dir, load_model_state
 from posttrain.train.loop import Result
 from posttrain.train.state import abstract_model, init_model_state
@@ -122,9 +124,26 @@ def check_config(cfg) -> None:
     if r.mix_original and not cfg.sft.train_files:
         raise ValueError("rejection.mix_original=True mixes in sft.train_files, which is empty: set it, or "
                          "mix_original=False")
+    if cfg.rl.env != "single":
+        raise ValueError(f"rl.env={cfg.rl.env!r}: stage rejection_sampling samples one answer per prompt "
+                         "(single-turn); multi-turn tool episodes are not supported there: use rl.env='single'")
     if cfg.lora.rank:
         raise ValueError("stage rejection_sampling with lora.rank > 0: sampling adapter checkpoints is not "
                          "supported; sample with the merged model (lora.rank=0)")
+
+
+def original_sft_files(cfg, tok) -> ml_collections.ConfigDict:
+    """A copy of `cfg` whose `sft.train_files` names files: `"synthetic:"` generated (into
+    `{workdir}/synthetic`, by process 0) as the sft stage would, named files checked."""
+    sub = cfg.copy_and_resolve_references()
+    sub.sft.eval_files = ""
+    resolve_data_files(sub, "sft", "sft", tok)
+    return sub
+
+
+def original_sft_records(sub):
+    """The records of `sft.train_files` (resolved by `original_sft_files`) that `rejection.mix_original` mixes in."""
+    return (rec.data for rec in read_jsonl(sub.sft.train_files, on_error=sub.data.on_error))
 
 
 def output_path(cfg) -> str:
@@ -203,27 +222,39 @@ def choose_prompts(domains: dict[str, Domain], weights: dict[str, float], n: int
     return [(d, t) for d in domains for t in pools[d][:counts[d]]]
 
 
-def candidate(domain: str, task: Task, index: int, traj: Trajectory, tok: Tokenizer) -> Candidate:
-    """A verified trajectory of a single-turn episode as a Candidate."""
+def candidate_fields(index: int, traj: Trajectory, tok: Tokenizer) -> dict:
+    """A verified single-turn trajectory as a Candidate's JSON fields (all but its domain and task)."""
     tokens = traj.tokens[traj.prompt_len:]
     if tokens and tokens[-1] in tok.stop_ids:
         tokens = tokens[:-1]
     reward = traj.reward
-    return Candidate(domain, task, index, tok.decode(tokens), len(tokens), float(reward.score), dict(reward.parts),
-                     traj.info.get("truncated") is not None, reward.error)
+    return dict(index=index, response=tok.decode(tokens), num_tokens=len(tokens), score=float(reward.score),
+                parts=dict(reward.parts), truncated=traj.info.get("truncated") is not None, error=reward.error)
+
+
+def candidate(domain: str, task: Task, index: int, traj: Trajectory, tok: Tokenizer) -> Candidate:
+    """A verified trajectory of a single-turn episode as a Candidate."""
+    return Candidate(domain, task, **candidate_fields(index, traj, tok))
 
 
 def sample_candidates(worker: RolloutWorker, params, rest, pairs: list[tuple[str, Task]], key, *, samples: int,
                       chunk: int, tok: Tokenizer, progress: bool = True) -> list[list[Candidate]]:
-    """`samples` verified candidates for each (domain, task), `chunk` prompts per sampler call."""
+    """`samples` verified candidates for each (domain, task), `chunk` prompts per sampler call.
+
+    With several processes each verifies a contiguous share of a chunk's groups (`hosts.group_share`);
+    their candidates are gathered, so every process returns every prompt's, in `pairs` order."""
     out = []
     with tqdm(total=len(pairs), desc="rejection_sampling", disable=not progress) as bar:
         for start in range(0, len(pairs), chunk):
-            batch = worker.rollout(params, rest, pairs[start:start + chunk], jax.random.fold_in(key, start),
-                                   num_samples=samples)
-            out += [[candidate(g.domain, g.task, i, t, tok) for i, t in enumerate(g.trajectories)]
-                    for g in batch.groups]
-            bar.update(len(batch.groups))
+            part = pairs[start:start + chunk]
+            batch = worker.rollout(params, rest, part, jax.random.fold_in(key, start), num_samples=samples,
+                                   exact_share=False)
+            mine = [[candidate_fields(i, t, tok) for i, t in enumerate(g.trajectories)] for g in batch.groups]
+            groups = [g for share in allgather_json(mine) for g in share]
+            if len(groups) != len(part):
+                raise RuntimeError(f"rejection_sampling: {len(groups)} groups gathered for {len(part)} prompts")
+            out += [[Candidate(d, task, **fields) for fields in group] for (d, task), group in zip(part, groups)]
+            bar.update(len(part))
     return out
 
 
@@ -388,13 +419,13 @@ def run(cfg) -> Result:
                          f"samples (pass rate {report['total']['pass_rate']:.1%}, rejection.min_score={r.min_score}): "
                          "there is no SFT data to write; sample more (rejection.prompts, samples_per_prompt) or "
                          "start from a stronger policy (init_from)")
+    original = original_sft_files(cfg, tok) if r.mix_original else None     # every process: a barrier
     fields = dict(kv.split("=", 1) for kv in cfg.data.fields.split(",") if kv) if cfg.data.fields else None
     records = [sft_record(c, policy, cfg, fields) for c in kept]
     if jax.process_index() == 0:
         write_jsonl(output_path(cfg), records)
         if r.mix_original:
-            original = (rec.data for rec in read_jsonl(cfg.sft.train_files, on_error=cfg.data.on_error))
-            write_jsonl(mixed_path(cfg), itertools.chain(original, records))
+            write_jsonl(mixed_path(cfg), itertools.chain(original_sft_records(original), records))
         with open_for_writing(os.path.join(cfg.workdir, REPORT)) as f:
             json.dump({**report, "policy": policy, "output": output_path(cfg), "next_sft_files": next_sft_files(cfg),
                        "rejection": r.to_dict(), "fingerprint": fingerprint(cfg)}, f, indent=2)

@@ -1,0 +1,132 @@
+"""Every shipped config, and every `python -m posttrain.main` command of the README, passes the
+start-up checks a run makes before anything compiles (`config_schema.check_config`, with the
+data-file rules of `train/data_files.py`): a config edited out of step with a key's rules fails
+here, not minutes into a user's run. Nothing trains."""
+
+import ast
+import re
+import runpy
+import shlex
+from pathlib import Path
+
+import pytest
+
+from posttrain.config_schema import apply_command_line_precedence, check_config, command_line_keys, stages_of
+from posttrain.data.synthetic import SYNTHETIC
+from posttrain.main import check_overrides
+from posttrain.train.data_files import DATA_STAGES, SPLITS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pod_specs() -> list[str]:
+    pod = runpy.run_path(str(ROOT / "configs/pod/moe_shapes.py"))
+    return [f"pod/moe_shapes.py:{m}:{mode}" for m in pod["MODELS"] for mode in pod["MODES"]]
+
+
+CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.py")) + pod_specs()
+
+
+def load(spec: str):
+    """`configs/<file>[:arg]` as `--config` loads it."""
+    path, _, arg = spec.partition(":")
+    get = runpy.run_path(str(ROOT / "configs" / path))["get_config"]
+    return get(arg) if arg else get()
+
+
+def make_documented_files(cfg, doc: str) -> None:
+    """Create (empty, in the current folder) the named local data files a config's docstring says
+    how to make (e.g. `tools/agent_demos.py --out PATH`): the start-up checks require them."""
+    for stage in DATA_STAGES:
+        for name, _ in SPLITS:
+            value = cfg[stage][name]
+            if value and value != SYNTHETIC and "://" not in value and value in doc:
+                Path(value).parent.mkdir(parents=True, exist_ok=True)
+                Path(value).touch()
+
+
+@pytest.mark.parametrize("spec", CONFIGS)
+def test_config_passes_its_start_up_checks(spec, tmp_path, monkeypatch):
+    """Data files included: "synthetic:" must be generable from data.synthetic, a named local
+    file must exist (or be one the docstring says how to make)."""
+    monkeypatch.syspath_prepend(str(ROOT))      # configs import configs.sft_tiny
+    monkeypatch.chdir(tmp_path)
+    cfg = load(spec)
+    make_documented_files(cfg, runpy.run_path(str(ROOT / "configs" / spec.partition(":")[0])).get("__doc__") or "")
+    check_config(cfg)
+
+
+def readme_commands() -> list[list[str]]:
+    """The README's `python -m posttrain.main ...` commands (continued lines joined) as argv."""
+    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        m = re.search(r"python -m posttrain\.main (--config[^`#]*)", line)
+        if m:
+            command = m.group(1).replace("$i", "0").strip()
+            if command.count('"') % 2:          # the end of a quoted remote command (gcloud ... --command="...")
+                command = command.removesuffix('"')
+            out.append(shlex.split(command))
+    return out
+
+
+def set_override(cfg, key: str, text: str) -> None:
+    """`--config.key=text` as ml_collections' config flags set it (the field's type decides)."""
+    *path, leaf = key.split(".")
+    node = cfg
+    for part in path:
+        node = node[part]
+    old = node[leaf]
+    if isinstance(old, bool):
+        value = text.lower() in ("true", "1")
+    elif isinstance(old, (tuple, list)):
+        value = tuple(ast.literal_eval(text))
+    else:
+        value = type(old)(text)
+    node[leaf] = value
+
+
+def test_readme_commands_pass_the_start_up_checks(tmp_path, monkeypatch):
+    """Local .jsonl files a command names (the user's own data) are created empty first."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.chdir(tmp_path)
+    commands = readme_commands()
+    assert len(commands) >= 10, commands
+    checked = 0
+    for argv in commands:
+        spec = next(a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
+                    if a.startswith("--config") and not a.startswith("--config."))
+        spec = spec.removeprefix("configs/")
+        if spec.startswith("hf.py:"):      # needs a Hugging Face folder; its keys are checked on the base config
+            spec = "hf.py"
+        cfg = load(spec)
+        make_documented_files(cfg, runpy.run_path(str(ROOT / "configs" / spec.partition(":")[0])).get("__doc__") or "")
+        overrides = [a for a in argv if a.startswith("--config.")]
+        for arg in overrides:           # "a.jsonl", "x.jsonl,y.jsonl", "arithmetic,mine=my.jsonl"
+            for value in (p.rpartition("=")[2] for p in arg.partition("=")[2].split(",")):
+                if value.endswith(".jsonl") and "://" not in value and "*" not in value:
+                    Path(value).parent.mkdir(parents=True, exist_ok=True)
+                    Path(value).touch()
+        check_overrides(overrides, cfg)
+        for arg in overrides:
+            key, _, text = arg[len("--config."):].partition("=")
+            set_override(cfg, key, text)
+        apply_command_line_precedence(cfg, command_line_keys(overrides))
+        check_config(cfg)
+        checked += 1
+    assert checked == len(commands)
+
+
+def test_notebook_config_passes_the_start_up_checks(tmp_path, monkeypatch):
+    """The quickstart notebook's parameters and config cells, run as written, give a config the
+    start-up checks accept (the notebook's end-to-end run is tests/test_notebook.py)."""
+    import json
+    monkeypatch.chdir(tmp_path)
+    cells = [c for c in json.loads((ROOT / "notebooks/quickstart.ipynb").read_text())["cells"] if c["cell_type"] == "code"]
+    (params,) = [c for c in cells if "parameters" in c["metadata"].get("tags", [])]
+    (config,) = [c for c in cells if "base_config()" in "".join(c["source"])]
+    scope: dict = {}
+    for cell in (params, config):
+        exec("".join(cell["source"]), scope)
+    assert scope["cfg"].stage == "pipeline" and scope["cfg"].data.synthetic == "arithmetic"
+    check_config(scope["cfg"])
