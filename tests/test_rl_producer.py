@@ -131,7 +131,7 @@ def test_rewards_with_an_error_are_counted_as_verifier_errors_and_behaviour_logp
                               sampling_logprobs=np.arange(8, dtype=np.float32).reshape(4, 2) / -10,
                               lengths=np.full(4, 2), stop_reason=np.zeros(4, np.int32))
     pending = SimpleNamespace(envs=[[Env(None), Env("timeout")], [Env("SympifyError"), Env(None)]],
-                              samples=samples, tasks=[("a", SimpleNamespace(id="a0"))] * 2, gen_s=0.0)
+                              samples=samples, tasks=[("a", SimpleNamespace(id="a0"))] * 2, gen_s=0.0, done=None)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         worker = RolloutWorker(None, {}, None, 0, pool)
         batch = worker.verify(pending)
