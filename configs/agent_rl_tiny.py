@@ -19,7 +19,7 @@ def get_config():
     r.invalid_tool_call_penalty, r.redundant_tool_call_penalty = 0.1, 0.1
     r.prompts_per_step, r.group_size = 8, 8
     r.eval_every, r.eval_size, r.eval_samples = 10, 64, 2
-    r.steps, r.lr = 30, 3e-4
+    r.steps, r.lr = 20, 3e-4
     r.verifier_workers = 4
     cfg.optim.warmup_steps = 3
     cfg.checkpoint.every = 10

@@ -67,7 +67,7 @@ def runs(tokens, mask) -> list[list[int]]:
 
 
 def test_session_keeps_its_directory_across_calls_and_restores_snapshots(sandbox):
-    s = Session(sandbox, {"a.txt": "one\n"}, max_calls=6, max_bytes=4096)
+    s = Session(sandbox, {"a.txt": "one\n"}, max_calls=7, max_bytes=4096)
     r = s.run("sh", "echo two >> a.txt; mkdir -p d; printf '#!/bin/sh\\necho run\\n' > d/x.sh; chmod +x d/x.sh")
     assert r.status is Status.PASS, r
     after_first = s.snapshot()
@@ -80,8 +80,10 @@ def test_session_keeps_its_directory_across_calls_and_restores_snapshots(sandbox
     assert r.status is Status.LIMIT_EXCEEDED and r.limit == "bytes" and "big" not in s.snapshot().as_dict()
     r = s.run("sh", "echo partial > p; sleep 5")               # the call's own time limit (2 s)
     assert r.status is Status.TIMEOUT and s.snapshot().as_dict()["p"] == b"partial\n"
+    r = s.run("sh", "echo a\0b")                              # a command no shell can take is the call's failure
+    assert r.status is Status.FAIL and r.exit_code == 126 and b"null byte" in r.output
     r = s.run("sh", "true")
-    assert r.status is Status.LIMIT_EXCEEDED and r.limit == "calls"   # max_calls=6 per session
+    assert r.status is Status.LIMIT_EXCEEDED and r.limit == "calls"   # max_calls=7 per session
 
 
 @pytest.fixture(scope="module")

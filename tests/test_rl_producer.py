@@ -131,8 +131,7 @@ def test_rewards_with_an_error_are_counted_as_verifier_errors_and_behaviour_logp
                               sampling_logprobs=np.arange(8, dtype=np.float32).reshape(4, 2) / -10,
                               lengths=np.full(4, 2), stop_reason=np.zeros(4, np.int32))
     pending = SimpleNamespace(envs=[[Env(None), Env("timeout")], [Env("SympifyError"), Env(None)]],
-                              samples=samples, tasks=[("a", SimpleNamespace(id="a0"))] * 2, gen_s=0.0,
-                              done=None)
+                              samples=samples, tasks=[("a", SimpleNamespace(id="a0"))] * 2, gen_s=0.0, done=None)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         worker = RolloutWorker(None, {}, None, 0, pool)
         batch = worker.verify(pending)
@@ -150,7 +149,7 @@ def test_an_rl_key_that_cannot_take_effect_is_an_error(key):
               "instruction": "Answer with a number.", "critic": "separate", "gamma": 0.9, "lam": 0.5,
               "value_coef": 1.0, "value_clip": 0.1, "kl_in_reward": True, "reward_model_weight": 2.0,
               "reward_model_normalize": False, "eval_files": "held_out.jsonl", "verifier_timeout_s": 5.0,
-              "rollouts_fraction": 0.5, "max_turns": 2, "tool_timeout_s": 2.0, "invalid_tool_call_penalty": 0.1,
+              "rollouts_fraction": 0.5, "max_turns": 3, "tool_timeout_s": 2.0, "invalid_tool_call_penalty": 0.1,
               "redundant_tool_call_penalty": 0.1}
     check_rl_config(cfg)
     cfg.rl[key] = values[key]

@@ -1,7 +1,9 @@
 """Multi-turn rollouts (`rl.env = "tool"`): episodes batched across the sampler, turn by turn.
 
-Each round, one sampler call continues every unfinished episode of the batch (episodes at
-different turns share it: their contexts are simply prompts of different lengths), then their
+Each round, one sampler call continues every unfinished episode of the batch (their contexts,
+of different lengths after different tool outputs, are simply prompts of different lengths;
+finished episodes drop out of the batch; no slot refilling yet: a new episode waits for the next
+batch), then their
 environments step on the worker's thread pool (tool calls wait on sandboxes, not the GIL) and
 append the tool output. The behaviour log-prob of every model token is recorded at its position
 in the episode's token row, turn by turn (0 on prompt and environment tokens), so the learner's

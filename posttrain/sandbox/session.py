@@ -38,8 +38,12 @@ req = json.loads(sys.stdin.read())
 for path, mode in req["modes"].items():
     os.chmod(path, mode)
 argv = ["/bin/sh", "-c", req["code"]] if req["tool"] == "sh" else [sys.executable, "-E", "-s", "-c", req["code"]]
-proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                        start_new_session=True)
+try:
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+except (ValueError, OSError) as e:      # e.g. a NUL byte in the command
+    proc = subprocess.Popen(["/bin/sh", "-c", 'printf "%s\\n" "$0"; exit 126', f"cannot run the command: {e}"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 fd, out, dropped, timed_out = proc.stdout.fileno(), bytearray(), 0, False
 deadline = time.monotonic() + req["timeout"]
 while True:
@@ -189,9 +193,9 @@ class Session:
         wall = time.perf_counter() - t0
         if res.status is not Status.PASS:      # the driver did not finish: the call's effects are lost
             why = res.error or (res.stderr.decode(errors="replace")[-300:] or res.status.value)
-            status = Status.ERROR if res.status is Status.ERROR else Status.LIMIT_EXCEEDED
+            status = res.status if res.status in (Status.ERROR, Status.TIMEOUT, Status.LIMIT_EXCEEDED) else Status.CRASH
             return CallResult(f"call failed ({res.status.value}{', ' + res.limit if res.limit else ''}): {why}".encode(),
-                              status, limit=res.limit or ("error" if status is Status.ERROR else None), wall_s=wall)
+                              status, limit=res.limit, wall_s=wall)
         parsed = _parse_report(res.stdout)
         if parsed is None:     # the command wrote into the driver's own stdout: treat like a crash
             return CallResult(b"call failed: the session report was unreadable (did the command write to its "
