@@ -240,7 +240,8 @@ def restore_report(target: dict, restore_args: Any, mesh: Mesh, chip: aot.Chip) 
             problems.append(f"{name}: global shape {args.global_shape} != {x.shape}")
         spec = sharding.spec
         for dim, axes in zip(x.shape, spec):
-            ways = 1 if axes is None else math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
+            axes = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+            ways = math.prod(mesh.shape[a] for a in axes)
             if dim % ways:
                 problems.append(f"{name}: dim {dim} not divisible into {ways} shards ({spec})")
         if sharding.is_fully_replicated:
