@@ -77,6 +77,7 @@ def _run_locked(config) -> object:
     from posttrain.eval.alerts import AlertMonitor, AlertStop
     from posttrain.eval.gates import GATED_STAGES, SECTION, GateFailed, check_gate, validate_gates
     from posttrain.rl import evaluation
+    from posttrain.rl.checks import check_sampling_config
     from posttrain.train.compile_cache import enable_compilation_cache
     from posttrain.train.pipeline import gate_metrics
     table = stages()
@@ -85,6 +86,7 @@ def _run_locked(config) -> object:
     try:       # gates, alerts and eval suites are checked before anything trains
         stage_names = config.pipeline.stages if config.stage == "pipeline" else (config.stage,)
         validate_gates(config, stage_names)
+        check_sampling_config(config, stage_names)
         AlertMonitor.from_config(config)
         if "eval" in stage_names:
             evaluation.check_eval_config(config)

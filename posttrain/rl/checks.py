@@ -109,3 +109,17 @@ def check_rl_config(cfg) -> None:
     for key, (active, why) in INERT_UNLESS.items():
         if r[key] != defaults[key] and not active(r):
             raise ValueError(f"rl.{key}={r[key]!r} cannot take effect: {why}")
+
+
+def check_sampling_config(cfg, stage_names) -> None:
+    """Raise ValueError naming the `sampling.*` key whose value is invalid or cannot take effect: the
+    keys configure the rlvr stage's sampler, so another stage alone must leave them at their defaults."""
+    from posttrain.config import base_config
+    from posttrain.models.quant import check_mode
+    s, defaults = cfg.sampling, base_config().sampling
+    check_mode(s.quantize)
+    if "rlvr" not in stage_names:
+        changed = [k for k in defaults if s[k] != defaults[k]]
+        if changed:
+            raise ValueError(f"sampling.{changed[0]}={s[changed[0]]!r}: the sampling.* keys configure the rlvr "
+                             f"stage's sampler, and this run ({', '.join(stage_names)}) has no rlvr stage")
