@@ -235,7 +235,8 @@ def print_rows(title: str, rows: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--section", default="train", choices=["train", "sft", "checkpoint", "sandbox", "sampler", "rl",
+    p.add_argument("--section", default="train", choices=["train", "sft", "checkpoint", "sandbox", "sampler", "sampler-quant",
+                                                          "speculative", "rl",
                                                           "rl-updates", "attention", "all"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
@@ -250,6 +251,12 @@ def main() -> None:
     if args.section in ("sampler", "all"):
         from posttrain.sampling.bench import sampler_bench
         print_rows("sampler", sampler_bench(iters=args.iters // 2 or 1))
+    if args.section in ("sampler-quant", "all"):
+        from posttrain.sampling.bench import quant_bench
+        print_rows("quantised sampler weights", quant_bench(rounds=args.iters // 2 or 1))
+    if args.section in ("speculative", "all"):
+        from posttrain.sampling.bench import speculative_bench
+        print_rows("speculative decoding", speculative_bench(rounds=args.iters // 2 or 1))
     if args.section in ("rl", "all"):
         print_rows("rlvr overlap", bench_rl())
     if args.section in ("rl-updates", "all"):

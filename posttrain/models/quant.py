@@ -104,8 +104,9 @@ def weight_einsum(spec: str, x: jax.Array, w, dtype, *, preferred_element_type=N
     if all(w.scale.shape[i] == 1 for i in contracted):
         y = jnp.einsum(spec, x, w.qvalue.astype(COMPUTE_DTYPE), preferred_element_type=acc).astype(jnp.float32)
         scale = w.scale.astype(jnp.float32).reshape([d for i, d in enumerate(w.scale.shape) if i not in contracted])
-        kept = "".join(c for c in w_subs if c in out)
-        y = jnp.einsum(f"{out},{kept}->{out}", y, scale)
+        kept = [c for c in w_subs if c in out]
+        scale = scale.transpose(sorted(range(len(kept)), key=lambda i: out.index(kept[i])))
+        y = y * scale.reshape([scale.shape[sorted(kept, key=out.index).index(c)] if c in kept else 1 for c in out])
     else:
         y = jnp.einsum(spec, x, qwix.dequantize(w).astype(COMPUTE_DTYPE), preferred_element_type=acc)
     return y.astype(out_dtype)

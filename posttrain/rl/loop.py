@@ -35,7 +35,7 @@ from posttrain.models.decoder import Decoder
 from posttrain.models.quant import quantize_params
 from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.buffer import Rollout
-from posttrain.rl.checks import check_rl_config, ppo_steps
+from posttrain.rl.checks import check_rl_config, check_sampling_config, ppo_steps
 from posttrain.rl.critic import ValueDecoder
 from posttrain.rl.learner import Learner, advantage_targets, batch_rows, compute_advantages, rl_batch
 from posttrain.rl.producer import AsyncProducer
@@ -95,6 +95,15 @@ class Components:
         if self.cfg.sampling.quantize != "none":
             params = quantize_sampler_params(params, self.cfg.sampling.quantize)
         return params, rl.train.rest
+
+
+def rollout_sampling(cfg, stop_ids) -> SamplingParams:
+    """The rollouts' sampling params: rl.temperature/top_k/top_p/max_new_tokens/group_size and the
+    sampler's sampling.speculative_k / draft_layers."""
+    r = cfg.rl
+    return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                          stop_ids=tuple(stop_ids), num_samples=r.group_size,
+                          speculative_k=cfg.sampling.speculative_k, draft_layers=cfg.sampling.draft_layers)
 
 
 def rollout_step(c: Components, rl: RLState) -> tuple[list[Rollout], RolloutBatch]:
@@ -159,6 +168,7 @@ def run(cfg) -> Result:
     final evaluation."""
     cfg = with_stage_overrides(cfg, "rl")
     check_rl_config(cfg)
+    check_sampling_config(cfg, ("rlvr",))
     r = cfg.rl
     tok = load_tokenizer(cfg.data.tokenizer)
     domains, held_out = make_domains(cfg, tok, make_reward_fn(cfg))
@@ -172,8 +182,7 @@ def run(cfg) -> Result:
     decoder = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     # PPO with a critic: the policy carries the value head (a fresh head on an init_from decoder).
     make = (lambda: ValueDecoder(cfg.model, rngs=nnx.Rngs(cfg.seed))) if r.advantage == "gae" else decoder
-    sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                              stop_ids=tuple(tok.stop_ids), num_samples=r.group_size)
+    sampling = rollout_sampling(cfg, tok.stop_ids)
     ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"), every=cfg.checkpoint.every,
                         keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     start = ckpt.latest_step() or 0
