@@ -48,6 +48,10 @@ def test_weight_einsum_is_the_dequantised_matmul(mode):
     exact = np.einsum("bsd,dhk->bshk", x.astype(np.float64), w.astype(np.float64))
     rel = np.linalg.norm(y - exact) / np.linalg.norm(exact)
     assert rel < (0.01 if mode == "int8" else 0.12), rel
+    w2 = w.reshape(256, 32)                       # the MLP's form, with a leading "..."
+    q2 = quantize_weight(jnp.asarray(w2), mode, (-2,))
+    np.testing.assert_allclose(weight_einsum("...d,df->...f", jnp.asarray(x), q2, jnp.float32),
+                               y.reshape(3, 5, 32), rtol=2e-2, atol=2e-2)
     # a float weight takes the model's old path, unchanged
     np.testing.assert_array_equal(weight_einsum("bsd,dhk->bshk", jnp.asarray(x), jnp.asarray(w), jnp.float32),
                                   jnp.einsum("bsd,dhk->bshk", jnp.asarray(x), jnp.asarray(w)))

@@ -235,9 +235,9 @@ def print_rows(title: str, rows: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--section", default="train", choices=["train", "sft", "checkpoint", "sandbox", "sampler", "sampler-quant",
-                                                          "speculative", "rl",
-                                                          "rl-updates", "attention", "all"])
+    p.add_argument("--section", default="train", choices=["train", "sft", "checkpoint", "sandbox", "sampler",
+                                                          "sampler-quant", "speculative", "rl", "rl-updates",
+                                                          "attention", "all"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--iters", type=int, default=10)

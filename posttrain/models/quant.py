@@ -104,9 +104,12 @@ def weight_einsum(spec: str, x: jax.Array, w, dtype, *, preferred_element_type=N
     if all(w.scale.shape[i] == 1 for i in contracted):
         y = jnp.einsum(spec, x, w.qvalue.astype(COMPUTE_DTYPE), preferred_element_type=acc).astype(jnp.float32)
         scale = w.scale.astype(jnp.float32).reshape([d for i, d in enumerate(w.scale.shape) if i not in contracted])
-        kept = [c for c in w_subs if c in out]
-        scale = scale.transpose(sorted(range(len(kept)), key=lambda i: out.index(kept[i])))
-        y = y * scale.reshape([scale.shape[sorted(kept, key=out.index).index(c)] if c in kept else 1 for c in out])
+        # a broadcast multiply over the output (as an einsum it would become a batched dot); the
+        # output's explicit axes, after a leading "...", align from the right
+        explicit, kept = out.replace("...", ""), [c for c in w_subs if c in out]
+        scale = scale.transpose(sorted(range(len(kept)), key=lambda i: explicit.index(kept[i])))
+        ordered = sorted(kept, key=explicit.index)
+        y = y * scale.reshape([scale.shape[ordered.index(c)] if c in kept else 1 for c in explicit])
     else:
         y = jnp.einsum(spec, x, qwix.dequantize(w).astype(COMPUTE_DTYPE), preferred_element_type=acc)
     return y.astype(out_dtype)
