@@ -120,7 +120,8 @@ def check_sampling_config(cfg, stage_names) -> None:
     check_mode(s.quantize)
     if s.speculative_k < 0 or not 1 <= s.draft_layers <= cfg.model.num_layers:
         raise ValueError(f"sampling.speculative_k={s.speculative_k}, sampling.draft_layers={s.draft_layers}: "
-                         f"expected speculative_k >= 0 and draft_layers in 1..model.num_layers ({cfg.model.num_layers})")
+                         f"expected speculative_k >= 0 and draft_layers in 1..model.num_layers "
+                         f"({cfg.model.num_layers})")
     if s.draft_layers != defaults.draft_layers and not s.speculative_k:
         raise ValueError(f"sampling.draft_layers={s.draft_layers}: no draft without sampling.speculative_k > 0")
     if "rlvr" not in stage_names:

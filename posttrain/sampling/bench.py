@@ -180,7 +180,8 @@ def quant_bench(*, batch: int = 16, prompt_len: int = 32, max_new: int = 64, rou
     for kind in kinds:
         graphdef, params, rest = nnx.split(Decoder(qwen3_tiny_configs()[kind], rngs=nnx.Rngs(0)), nnx.Param, ...)
         with use_sharding(mesh, rules):
-            weights = {mode: jax.jit(quantize_params, static_argnums=1)(params, mode) for mode in ("none", "int8", "int4")}
+            quantize = jax.jit(quantize_params, static_argnums=1)
+            weights = {mode: quantize(params, mode) for mode in ("none", "int8", "int4")}
             times = _interleaved({mode: functools.partial(generate, graphdef, w, rest, prompts, sampling, key)
                                   for mode, w in weights.items()}, rounds)
         for mode, ts in times.items():
