@@ -29,7 +29,7 @@ def model_config(kind, vocab=64):
     return cfg
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=pytest.mark.slow)])   # MoE: ~3 min loaded
 def test_greedy_speculative_equals_plain_decoding(kind):
     graphdef, params, rest = nnx.split(Decoder(model_config(kind), rngs=nnx.Rngs(0)), nnx.Param, ...)
     plain = SamplingParams(temperature=0.0, max_new_tokens=10, stop_ids=(7,))
