@@ -23,6 +23,7 @@ setup(
         "tokenizers>=0.19",
         "jinja2>=3.1",
         "math-verify>=0.9.0",
+        "qwix>=0.1.8",             # weight-only quantisation of the sampler (sampling.quantize)
     ],
     extras_require={
         # gcp-storage-emulator: the local GCS server tests/test_storage.py runs gs:// paths against.

@@ -223,6 +223,11 @@ def base_config() -> ml_collections.ConfigDict:
         verifier_error_rate=0.1,   # rl/verifier_errors / rl/responses above this
         throughput_stall=0.2,      # tokens/s below this × its running mean
     ))
+    cfg.sampling = ml_collections.ConfigDict(dict(   # the rlvr stage's sampler (rollouts and held-out evals)
+        quantize="none",           # none | int8 (w8a16) | int4 (w4a16): weights quantised from the learner's at each publish
+        speculative_k=0,           # > 0: speculative decoding, k tokens drafted per round (same distribution, policy log-probs)
+        draft_layers=1,            # the draft: the policy's first n layers + its final norm and head
+    ))
     cfg.lora = ml_collections.ConfigDict(dict(
         rank=0,                    # 0: full fine-tuning; > 0: train only low-rank adapters
         alpha=16.0,                # adapters scaled by alpha / rank

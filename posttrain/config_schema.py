@@ -77,6 +77,7 @@ ENUMS: dict[str, tuple] = {
     "rl.aggregation": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),   # rl.losses.AGGREGATIONS
     "rl.kl_estimator": ("k1", "k2", "k3"),                                      # rl.losses.KL_ESTIMATORS
     "rl.ratio_level": ("token", "sequence"),                                    # rl.losses.RATIO_LEVELS
+    "sampling.quantize": ("none", "int8", "int4"),                              # models.quant.QUANT_MODES
     "rl.env": ("single", "tool"),                                               # rl.tasks.ENVS
 }
 
@@ -141,6 +142,8 @@ def check_config(cfg) -> None:
     check_stage_files(cfg, stages)      # named files exist, "synthetic:" can be generated: every stage, up front
     try:
         validate_gates(cfg, stages)
+        from posttrain.rl.checks import check_sampling_config
+        check_sampling_config(cfg, stages)
         AlertMonitor.from_config(cfg)
         if "eval" in stages:
             from posttrain.rl.evaluation import check_eval_config

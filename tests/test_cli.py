@@ -125,6 +125,7 @@ def test_schema_enums_are_the_modules_tables():
     from posttrain.eval.alerts import MODES
     from posttrain.models.attention import ATTENTION_KERNELS, ROPE_SCALINGS
     from posttrain.models.decoder import REMAT_POLICIES
+    from posttrain.models.quant import QUANT_MODES
     from posttrain.ops.context_parallel import CONTEXT_PARALLEL
     from posttrain.rl.advantages import ADVANTAGE_METHODS
     from posttrain.rl.losses import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
@@ -134,6 +135,6 @@ def test_schema_enums_are_the_modules_tables():
                "model.context_parallel": CONTEXT_PARALLEL, "model.remat": ("none", *REMAT_POLICIES),
                "data.on_error": ON_ERROR, "dpo.loss_type": DPO_LOSSES, "alerts.on": MODES,
                "rl.advantage": ADVANTAGE_METHODS, "rl.aggregation": AGGREGATIONS, "rl.kl_estimator": KL_ESTIMATORS,
-               "rl.ratio_level": RATIO_LEVELS, "rl.env": ENVS}
+               "rl.ratio_level": RATIO_LEVELS, "rl.env": ENVS, "sampling.quantize": QUANT_MODES}
     for key, values in modules.items():
         assert tuple(ENUMS[key]) == tuple(values), key

@@ -227,6 +227,36 @@ def bench_rl_updates(steps: int = 8, epochs: tuple[int, ...] = (1, 2, 4)) -> lis
     return rows
 
 
+def bench_rl_quant(steps: int = 3) -> list[dict]:
+    """The learner's truncated importance weights π_learner / π_behav when the rollouts come from a
+    quantised sampler (sampling.quantize) and/or speculative decoding, tiny MoE policy, on-policy."""
+    import tempfile
+
+    from posttrain.rl import loop
+    from posttrain.train.metrics import read_metrics
+
+    rows = []
+    for quantize, speculative_k in (("none", 0), ("int8", 0), ("int4", 0), ("int8", 2)):
+        cfg = base_config()
+        cfg.stage, cfg.workdir = "rlvr", tempfile.mkdtemp()
+        m = cfg.model
+        m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 64, 2, 4, 2, 16, 128
+        m.moe.num_experts, m.moe.expert_mlp_dim = 4, 64
+        cfg.mesh.data = 1
+        cfg.train.steps, cfg.train.log_every, cfg.train.progress, cfg.checkpoint.every = steps, 1, False, 0
+        r = cfg.rl
+        r.prompts_per_step, r.group_size, r.max_new_tokens, r.eval_every, r.arithmetic_size = 4, 8, 16, 0, 50
+        cfg.sampling.quantize, cfg.sampling.speculative_k = quantize, speculative_k
+        with jax.default_device(jax.devices()[0]):
+            loop.run(cfg)
+        m = [r for r in read_metrics(cfg.workdir) if "rl/update_s" in r]
+        rows.append({"name": f"rlvr sampler quantize={quantize} speculative_k={speculative_k}",
+                     "IS weight mean": float(np.mean([r["rl/is_weight_mean"] for r in m])),
+                     "min": min(r["rl/is_weight_min"] for r in m), "max": max(r["rl/is_weight_max"] for r in m),
+                     "truncated frac": float(np.mean([r["rl/is_truncated_frac"] for r in m]))})
+    return rows
+
+
 def print_rows(title: str, rows: list[dict]) -> None:
     print(f"\n### {title}  (jax {jax.__version__}, {jax.devices()[0].platform}, {jax.device_count()} devices)")
     for r in rows:
@@ -235,7 +265,8 @@ def print_rows(title: str, rows: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--section", default="train", choices=["train", "sft", "checkpoint", "sandbox", "sampler", "rl",
+    p.add_argument("--section", default="train", choices=["train", "sft", "checkpoint", "sandbox", "sampler",
+                                                          "sampler-quant", "speculative", "rl-quant", "rl",
                                                           "rl-updates", "attention", "all"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
@@ -250,6 +281,14 @@ def main() -> None:
     if args.section in ("sampler", "all"):
         from posttrain.sampling.bench import sampler_bench
         print_rows("sampler", sampler_bench(iters=args.iters // 2 or 1))
+    if args.section in ("sampler-quant", "all"):
+        from posttrain.sampling.bench import quant_bench
+        print_rows("quantised sampler weights", quant_bench(rounds=args.iters // 2 or 1))
+    if args.section in ("speculative", "all"):
+        from posttrain.sampling.bench import speculative_bench
+        print_rows("speculative decoding", speculative_bench(rounds=args.iters // 2 or 1))
+    if args.section in ("rl-quant", "all"):
+        print_rows("rlvr with a quantised / speculative sampler", bench_rl_quant())
     if args.section in ("rl", "all"):
         print_rows("rlvr overlap", bench_rl())
     if args.section in ("rl-updates", "all"):

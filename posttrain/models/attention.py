@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain.models.layers import RMSNorm, dtype_of, fan_in_init, param
+from posttrain.models.quant import weight_einsum
 from posttrain.ops.blockwise import blockwise_attention
 from posttrain.ops.context_parallel import check_mode, context_parallel_attention, sequence_axes
 from posttrain.ops.decode import (K_TIME_AXIS, V_TIME_AXIS, decode_attention,  # noqa: F401 (re-exported)
@@ -252,9 +253,9 @@ class Attention(nnx.Module):
     def project_qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x: [B, S, D] → q [B, S, H, Dh], k, v [B, S, K, Dh]: biases, QK-norm and (scaled) RoPE applied."""
         x = x.astype(self.dtype)
-        q = jnp.einsum("bsd,dhk->bshk", x, self.q[...].astype(self.dtype))
-        k = jnp.einsum("bsd,dhk->bshk", x, self.k[...].astype(self.dtype))
-        v = jnp.einsum("bsd,dhk->bshk", x, self.v[...].astype(self.dtype))
+        q = weight_einsum("bsd,dhk->bshk", x, self.q[...], self.dtype)
+        k = weight_einsum("bsd,dhk->bshk", x, self.k[...], self.dtype)
+        v = weight_einsum("bsd,dhk->bshk", x, self.v[...], self.dtype)
         if self.q_bias is not None:
             q = q + self.q_bias[...].astype(self.dtype)
             k = k + self.k_bias[...].astype(self.dtype)
@@ -274,7 +275,7 @@ class Attention(nnx.Module):
 
     def output(self, attn: jax.Array) -> jax.Array:
         """[B, S, H, Dh] → [B, S, D]."""
-        return jnp.einsum("bshk,hkd->bsd", attn, self.o[...].astype(self.dtype))
+        return weight_einsum("bshk,hkd->bsd", attn, self.o[...], self.dtype)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         return self.prefill(x, positions, segment_ids)[0]

@@ -11,6 +11,7 @@ from flax import nnx
 from posttrain.models.attention import Attention
 from posttrain.models.layers import MLP, RMSNorm, dtype_of, param
 from posttrain.models.moe import MoE, RouterBias
+from posttrain.models.quant import weight_einsum
 from posttrain.parallel.sharding import constrain
 
 ACTIVATION_NAMES = ("activation_batch", "activation_length", "activation_embed")   # the residual stream [B, S, D]
@@ -278,8 +279,8 @@ class Decoder(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[B, S, D] → float32 logits [B, S, V]."""
         w = self.embed[...].T if self.head is None else self.head[...]
-        out = jnp.einsum("bsd,dv->bsv", hidden.astype(self.dtype), w.astype(self.dtype),
-                         preferred_element_type=jnp.float32)
+        out = weight_einsum("bsd,dv->bsv", hidden.astype(self.dtype), w, self.dtype,
+                            preferred_element_type=jnp.float32)
         return constrain(out, ("activation_batch", "activation_length", "activation_vocab"))
 
     def __call__(self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False):

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from posttrain.models.quant import weight_einsum
 from posttrain.parallel.sharding import constrain
 
 
@@ -62,6 +63,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(self.dtype)
-        h = jax.nn.silu(x @ self.gate[...].astype(self.dtype)) * (x @ self.up[...].astype(self.dtype))
+        mm = lambda a, w: weight_einsum("...d,df->...f", a, w, self.dtype)   # a float or quantised weight
+        h = jax.nn.silu(mm(x, self.gate[...])) * mm(x, self.up[...])
         h = constrain(h, ("activation_batch", "activation_length", "activation_mlp"))
-        return h @ self.down[...].astype(self.dtype)
+        return mm(h, self.down[...])

@@ -124,3 +124,23 @@ def check_rl_config(cfg) -> None:
     for key, (active, why) in INERT_UNLESS.items():
         if r[key] != defaults[key] and not active(r):
             raise ValueError(f"rl.{key}={r[key]!r} cannot take effect: {why}")
+
+
+def check_sampling_config(cfg, stage_names) -> None:
+    """Raise ValueError naming the `sampling.*` key whose value is invalid or cannot take effect: the
+    keys configure the rlvr stage's sampler, so another stage alone must leave them at their defaults."""
+    from posttrain.config import base_config
+    from posttrain.models.quant import check_mode
+    s, defaults = cfg.sampling, base_config().sampling
+    check_mode(s.quantize)
+    if s.speculative_k < 0 or not 1 <= s.draft_layers <= cfg.model.num_layers:
+        raise ValueError(f"sampling.speculative_k={s.speculative_k}, sampling.draft_layers={s.draft_layers}: "
+                         f"expected speculative_k >= 0 and draft_layers in 1..model.num_layers "
+                         f"({cfg.model.num_layers})")
+    if s.draft_layers != defaults.draft_layers and not s.speculative_k:
+        raise ValueError(f"sampling.draft_layers={s.draft_layers}: no draft without sampling.speculative_k > 0")
+    if "rlvr" not in stage_names:
+        changed = [k for k in defaults if s[k] != defaults[k]]
+        if changed:
+            raise ValueError(f"sampling.{changed[0]}={s[changed[0]]!r}: the sampling.* keys configure the rlvr "
+                             f"stage's sampler, and this run ({', '.join(stage_names)}) has no rlvr stage")

@@ -31,9 +31,10 @@ from tqdm import tqdm
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.eval.alerts import AlertMonitor
 from posttrain.models.decoder import Decoder
+from posttrain.models.quant import quantize_params
 from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.buffer import Rollout
-from posttrain.rl.checks import check_rl_config, ppo_steps
+from posttrain.rl.checks import check_rl_config, check_sampling_config, ppo_steps
 from posttrain.rl.critic import ValueDecoder
 from posttrain.rl.episodes import rollout_episodes
 from posttrain.rl.hosts import all_values, check_multihost_rl
@@ -53,6 +54,8 @@ from posttrain.train.optim import lr_schedule, make_optimizer
 from posttrain.train.stages import init_model_from, with_stage_overrides
 from posttrain.train.state import TrainState, create_train_state, model_params
 from posttrain.train.step import check_nonfinite
+
+quantize_sampler_params = jax.jit(quantize_params, static_argnums=1)
 
 __all__ = ["RLState", "run", "rl_batch", "compute_advantages", "RolloutWorker", "AsyncProducer"]
 
@@ -86,8 +89,22 @@ class Components:
     rollout_log: RolloutLog | None = None
 
     def weights(self, rl: RLState) -> tuple:
-        """(params, rest) the policy samples with."""
-        return model_params(rl.train, self.cfg.lora), rl.train.rest
+        """(params, rest) the policy samples with: the learner's, quantised when sampling.quantize
+        says so (w8a16 / w4a16; the behaviour log-probs are then the quantised policy's, and the
+        learner's truncated importance weights correct for the gap)."""
+        params = model_params(rl.train, self.cfg.lora)
+        if self.cfg.sampling.quantize != "none":
+            params = quantize_sampler_params(params, self.cfg.sampling.quantize)
+        return params, rl.train.rest
+
+
+def rollout_sampling(cfg, stop_ids) -> SamplingParams:
+    """The rollouts' sampling params: rl.temperature/top_k/top_p/max_new_tokens/group_size and the
+    sampler's sampling.speculative_k / draft_layers."""
+    r = cfg.rl
+    return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                          stop_ids=tuple(stop_ids), num_samples=r.group_size,
+                          speculative_k=cfg.sampling.speculative_k, draft_layers=cfg.sampling.draft_layers)
 
 
 def rollout_step(c: Components, rl: RLState) -> tuple[list[Rollout], RolloutBatch]:
@@ -155,18 +172,21 @@ def run(cfg) -> Result:
     cfg = with_stage_overrides(cfg, "rl")
     check_rl_config(cfg)
     check_multihost_rl(cfg)
+    check_sampling_config(cfg, ("rlvr",))
     r = cfg.rl
     tok = load_tokenizer(cfg.data.tokenizer)
     domains, held_out = make_domains(cfg, tok, make_reward_fn(cfg))
     scheduler = TaskScheduler(domains, domain_weights(r, domains), seed=cfg.seed, **curriculum_options(r.curriculum))
     mesh, rules = mesh_and_rules(cfg)
+    if cfg.sampling.quantize != "none" and cfg.model.moe.num_experts > 0 and mesh.size > 1:
+        raise ValueError(f"sampling.quantize={cfg.sampling.quantize!r}: quantised expert weights run on one "
+                         f"device only for now; this mesh has {mesh.size}")
     steps = cfg.train.steps
     tx = make_optimizer(cfg.optim, steps * ppo_steps(r))
     decoder = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     # PPO with a critic: the policy carries the value head (a fresh head on an init_from decoder).
     make = (lambda: ValueDecoder(cfg.model, rngs=nnx.Rngs(cfg.seed))) if r.advantage == "gae" else decoder
-    sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                              stop_ids=tuple(tok.stop_ids), num_samples=r.group_size)
+    sampling = rollout_sampling(cfg, tok.stop_ids)
     ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"), every=cfg.checkpoint.every,
                         keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     start = ckpt.latest_step() or 0

@@ -4,7 +4,9 @@
   in one compiled loop), in new tokens/s; and the decode steps' feed-forward blocks alone (MLP or
   MoE), which bound how close MoE decode can come to dense on this machine;
 - groups: G samples of a prompt with one shared prefill vs G prefills of the repeated prompt;
-- continuous vs static batching on a skewed length distribution, in useful tokens/s.
+- continuous vs static batching on a skewed length distribution, in useful tokens/s;
+- quantised sampler weights (w8a16, w4a16) vs float32, new tokens/s (`quant_bench`);
+- speculative decoding vs plain decoding: acceptance rate and speed-up (`speculative_bench`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from flax import nnx
 
 from posttrain.config import base_config
 from posttrain.models.decoder import Decoder
+from posttrain.models.quant import quantize_params
 from posttrain.parallel import make_mesh, parse_rules, use_sharding
 from posttrain.sampling.continuous import ContinuousBatcher
 from posttrain.sampling.generate import generate
@@ -162,4 +165,69 @@ def sampler_bench(*, batch: int = 16, prompt_len: int = 32, max_new: int = 64, g
         rows.append({"name": "decode moe-8x2 / dense new tokens/s", "x": dense / moe,
                      # MoE decode if all but its feed-forward blocks cost what dense decode costs
                      "bound from feed-forward alone": dense / (dense - ffn_s["dense"] + ffn_s["moe-8x2"])})
+    return rows
+
+
+def quant_bench(*, batch: int = 16, prompt_len: int = 32, max_new: int = 64, rounds: int = 5,
+                kinds: tuple[str, ...] = ("dense", "moe-8x2")) -> list[dict]:
+    """New tokens/s of the sampler with float32, int8 (w8a16) and int4 (w4a16) weights, the tiny
+    Qwen3-style configs, temperature 1, one device. Each round times the three back to back, so a
+    round's ratios see the same machine load; rows give each mode's best and the per-round ratio
+    to float32 (median and range)."""
+    mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
+    prompts = np.random.default_rng(0).integers(3, 512, (batch, prompt_len)).astype(np.int32)
+    sampling, key, rows = SamplingParams(temperature=1.0, max_new_tokens=max_new), jax.random.key(0), []
+    for kind in kinds:
+        graphdef, params, rest = nnx.split(Decoder(qwen3_tiny_configs()[kind], rngs=nnx.Rngs(0)), nnx.Param, ...)
+        with use_sharding(mesh, rules):
+            quantize = jax.jit(quantize_params, static_argnums=1)
+            weights = {mode: quantize(params, mode) for mode in ("none", "int8", "int4")}
+            times = _interleaved({mode: functools.partial(generate, graphdef, w, rest, prompts, sampling, key)
+                                  for mode, w in weights.items()}, rounds)
+        for mode, ts in times.items():
+            ratios = np.array(times["none"]) / np.array(ts)
+            rows.append({"name": f"quantised sampler {kind} {mode}", "new tokens/s": batch * max_new / min(ts),
+                         "x vs f32 per round (median)": float(np.median(ratios)),
+                         "min": float(ratios.min()), "max": float(ratios.max())})
+    return rows
+
+
+def _interleaved(calls: dict, rounds: int) -> dict:
+    """Seconds of each blocking call per round, after one warm-up call each (compilation); each
+    round runs them back to back, so per-round ratios see the same machine load."""
+    for call in calls.values():
+        call()
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            t = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
+def speculative_bench(*, batch: int = 16, prompt_len: int = 32, max_new: int = 64, rounds: int = 5,
+                      variants: tuple[tuple[int, int], ...] = ((2, 1), (4, 1), (2, 2), (4, 4)),
+                      kinds: tuple[str, ...] = ("dense", "moe-8x2")) -> list[dict]:
+    """Speculative decoding (k drafted tokens, draft = the first n of the 4 layers) vs plain
+    decoding, temperature 1, the tiny Qwen3-style configs (random weights), one device: new
+    tokens/s, acceptance rate and the per-round speed-up (median and range). n = 4 drafts with the
+    whole policy: every draft is accepted, so that row is the mechanism's own overhead."""
+    mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
+    prompts = np.random.default_rng(0).integers(3, 512, (batch, prompt_len)).astype(np.int32)
+    plain, key, rows = SamplingParams(temperature=1.0, max_new_tokens=max_new), jax.random.key(0), []
+    for kind in kinds:
+        graphdef, params, rest = nnx.split(Decoder(qwen3_tiny_configs()[kind], rngs=nnx.Rngs(0)), nnx.Param, ...)
+        modes = {"plain": plain, **{f"k={k} draft={n}": dataclasses.replace(plain, speculative_k=k, draft_layers=n)
+                                    for k, n in variants}}
+        with use_sharding(mesh, rules):
+            calls = {name: functools.partial(generate, graphdef, params, rest, prompts, sp, key)
+                     for name, sp in modes.items()}
+            times = _interleaved(calls, rounds)
+            accepted = {name: calls[name]().acceptance_rate for name in modes}
+        for name, ts in times.items():
+            ratios = np.array(times["plain"]) / np.array(ts)
+            rows.append({"name": f"speculative {kind} {name}", "new tokens/s": batch * max_new / min(ts),
+                         "acceptance": accepted[name], "x vs plain per round (median)": float(np.median(ratios)),
+                         "min": float(ratios.min()), "max": float(ratios.max())})
     return rows

@@ -93,6 +93,8 @@ class ContinuousBatcher:
 
     def __init__(self, graphdef: nnx.GraphDef, sampling: SamplingParams, *, num_slots: int = 16,
                  prefill_batch: int = 4, pad_id: int = 0):
+        if sampling.speculative_k:
+            raise ValueError("ContinuousBatcher: speculative decoding (speculative_k > 0) runs in `generate` only")
         if not 1 <= prefill_batch <= num_slots:
             raise ValueError(f"prefill_batch={prefill_batch}: expected 1..num_slots ({num_slots})")
         self.graphdef, self.sampling, self.pad_id = graphdef, sampling, pad_id

@@ -18,6 +18,7 @@ from flax import nnx
 
 from posttrain.sampling import engine, kv_cache
 from posttrain.sampling.rules import SamplingParams
+from posttrain.sampling.speculative import speculative_program
 
 MIN_PROMPT_BUCKET = 8
 
@@ -38,6 +39,13 @@ class Samples:
     lengths: np.ndarray
     stop_reason: np.ndarray
     prompt_index: np.ndarray
+    speculative: dict | None = None     # speculative decoding: rounds, drafted and accepted tokens
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens of speculative decoding (nan without it)."""
+        s = self.speculative or {}
+        return s["accepted"] / s["drafted"] if s.get("drafted") else float("nan")
 
     def completion(self, i: int) -> list[int]:
         """Sample i's token ids."""
@@ -145,9 +153,15 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
     n, g = len(rows), sampling.num_samples
     tokens, lengths = pad_prompts(rows, bucket(n), bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)
     limits = new_token_limits(max_new_tokens, len(tokens), n, sampling)
-    out = generate_program(graphdef, params, rest, tokens, lengths, limits, np.int32(n), key,
-                           sampling=sampling, pad_id=pad_id)
+    stats = None
+    if sampling.speculative_k:
+        out, stats = speculative_program(graphdef, params, rest, tokens, lengths, limits, np.int32(n), key,
+                                         sampling=sampling, pad_id=pad_id)
+        stats = dict(zip(("rounds", "drafted", "accepted"), np.asarray(stats).tolist()))
+    else:
+        out = generate_program(graphdef, params, rest, tokens, lengths, limits, np.int32(n), key,
+                               sampling=sampling, pad_id=pad_id)
     out = host_outputs(out)
     return Samples(tokens=out.tokens[:n * g], logprobs=out.logprobs[:n * g],
                    sampling_logprobs=out.sampling_logprobs[:n * g], lengths=out.lengths[:n * g],
-                   stop_reason=out.stop_reason[:n * g], prompt_index=np.repeat(np.arange(n), g))
+                   stop_reason=out.stop_reason[:n * g], prompt_index=np.repeat(np.arange(n), g), speculative=stats)

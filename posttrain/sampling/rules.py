@@ -17,6 +17,8 @@ class SamplingParams:
     temperature 0 is greedy (argmax); top_k 0 and top_p 1 switch those filters off. Generation
     stops at any of `stop_ids` (the stop token is part of the completion) or after
     `max_new_tokens`. `num_samples` completions are drawn per prompt (a GRPO group).
+    `speculative_k` > 0 decodes speculatively (`sampling.speculative`): the same distribution,
+    k tokens drafted per round by the policy's first `draft_layers` layers.
     """
     temperature: float = 1.0
     top_k: int = 0
@@ -24,6 +26,8 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_ids: tuple[int, ...] = ()
     num_samples: int = 1
+    speculative_k: int = 0     # > 0: speculative decoding, k draft tokens per round (`sampling.speculative`)
+    draft_layers: int = 1      # the draft: the policy's first n layers + its final norm and head
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -36,6 +40,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens}: expected >= 1")
         if self.num_samples < 1:
             raise ValueError(f"SamplingParams.num_samples={self.num_samples}: expected >= 1")
+        if self.speculative_k < 0 or self.draft_layers < 1:
+            raise ValueError(f"SamplingParams.speculative_k={self.speculative_k}, draft_layers={self.draft_layers}: "
+                             "expected speculative_k >= 0 (0 = off) and draft_layers >= 1")
         object.__setattr__(self, "stop_ids", tuple(sorted({int(i) for i in self.stop_ids})))
 
     @property

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from posttrain.models.moe.experts import expert_ffn, expert_ranks, grouped_ffn, sort_by_expert
+from posttrain.models.quant import weight_einsum
 from posttrain.parallel.mesh import mesh_platform
 
 # tokens × experts up to which the CPU runs `dense_experts` rather than sorted rows (measured: 16-token
@@ -197,8 +198,8 @@ def spare_capacity(assignments: int, num_experts: int) -> int:
 def batched_swiglu(rows: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
     """silu(rows[e] @ w_gate[e]) * (rows[e] @ w_up[e]) for every expert e: rows [E, R, D] →
     [E, R, F] float32. Batched over experts, the layout the weights lie in (no transposed copy)."""
-    mm = functools.partial(jnp.einsum, "erd,edf->erf", preferred_element_type=jnp.float32)
-    return jax.nn.silu(mm(rows, w_gate.astype(rows.dtype))) * mm(rows, w_up.astype(rows.dtype))
+    mm = functools.partial(weight_einsum, "erd,edf->erf", dtype=rows.dtype, preferred_element_type=jnp.float32)
+    return jax.nn.silu(mm(rows, w_gate)) * mm(rows, w_up)
 
 
 def padded_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
@@ -217,7 +218,7 @@ def padded_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate:
     rows = jnp.zeros((num_experts * capacity, dim), x.dtype).at[slot].set(jnp.repeat(x, top_k, axis=0),
                                                                           mode="drop")
     h = batched_swiglu(rows.reshape(num_experts, capacity, dim), w_gate, w_up).astype(x.dtype)
-    out = jnp.einsum("erf,efd->erd", h, w_down.astype(x.dtype), preferred_element_type=jnp.float32)
+    out = weight_einsum("erf,efd->erd", h, w_down, x.dtype, preferred_element_type=jnp.float32)
     out = out.reshape(-1, dim).at[slot].get(mode="fill", fill_value=0)
     return jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), out.reshape(num_tokens, top_k, dim))
 
@@ -234,7 +235,7 @@ def dense_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: 
     combine = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
         jnp.arange(num_tokens)[:, None], experts].add(weights.astype(jnp.float32))
     h = batched_swiglu(jnp.broadcast_to(x, (num_experts,) + x.shape), w_gate, w_up) * combine.T[:, :, None]
-    return jnp.einsum("etf,efd->td", h.astype(x.dtype), w_down.astype(x.dtype), preferred_element_type=jnp.float32)
+    return weight_einsum("etf,efd->td", h.astype(x.dtype), w_down, x.dtype, preferred_element_type=jnp.float32)
 
 
 def padded_exchange(x: jax.Array, tokens: jax.Array, sorted_ids: jax.Array, group_sizes: jax.Array,

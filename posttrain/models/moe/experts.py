@@ -10,6 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from posttrain.models.quant import dequantize
 from posttrain.parallel.mesh import mesh_platform
 
 
@@ -117,8 +118,8 @@ def expert_ffn(rows: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up:
     zero on padding rows. Matmuls accumulate in float32.
     """
     dtype = rows.dtype
-    def mm(a, w):
-        return grouped_matmul(a, w.astype(dtype), group_sizes)
+    def mm(a, w):     # a quantised weight (the sampler's) is dequantised first on this general path
+        return grouped_matmul(a, dequantize(w, dtype), group_sizes)
     h = (jax.nn.silu(mm(rows, w_gate)) * mm(rows, w_up)).astype(dtype)
     out = mm(h, w_down)
     valid = jnp.arange(rows.shape[0]) < jnp.sum(group_sizes)

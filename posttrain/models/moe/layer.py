@@ -21,6 +21,7 @@ from posttrain.models.moe.dispatch import ExpertLayout, expert_layout, gather_we
 from posttrain.models.moe.experts import expert_capacity
 from posttrain.models.moe.router import (RouterBias, Routing, expert_counts, load_balancing_loss, route,
                                          router_z_loss, update_router_bias)
+from posttrain.models.quant import is_quantized
 from posttrain.parallel.sharding import Rules, current, logical_spec
 
 TOKEN_NAMES = ("activation_batch", "activation_length", None)
@@ -191,6 +192,9 @@ class MoE(nnx.Module):
         ctx = current()
         if ctx is not None and ctx[0].size > 1:
             mesh, rules = ctx
+            if any(is_quantized(params[k]) for k in ("w_gate", "w_up", "w_down")):
+                raise ValueError("sampling.quantize: quantised expert weights run on one device only for now; "
+                                 f"this mesh has {mesh.size} devices (use sampling.quantize='none')")
             y, aux = sharded_moe_block(x, mask, params, spec=self.spec, mesh=mesh, rules=rules,
                                        dispatch=self.dispatch, inference=inference)
         else:

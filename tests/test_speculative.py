@@ -1,0 +1,130 @@
+"""Speculative decoding against plain decoding and the policy's exact distribution: greedy output
+identical, log-probs the policy's, sampled sequences distributed as the policy's (chi-square on
+every 3-token continuation of a tiny vocabulary), and a wrong acceptance rule caught."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+from posttrain.config import base_config
+from posttrain.models.decoder import Decoder
+from posttrain.models.logprobs import token_logprobs
+from posttrain.sampling import SamplingParams, generate, speculative
+
+PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 3, 9, 1, 5], [2], [3, 3, 8, 1, 12]]
+
+
+def model_config(kind, vocab=64):
+    cfg = base_config().model
+    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = \
+        vocab, 16, 3, 4, 2, 8, 32
+    cfg.qk_norm = True
+    if kind == "moe":
+        cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_mlp_dim, cfg.moe.first_dense = 8, 2, 16, 1
+    return cfg
+
+
+@pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=pytest.mark.slow)])   # MoE: ~3 min loaded
+def test_greedy_speculative_equals_plain_decoding(kind):
+    graphdef, params, rest = nnx.split(Decoder(model_config(kind), rngs=nnx.Rngs(0)), nnx.Param, ...)
+    plain = SamplingParams(temperature=0.0, max_new_tokens=10, stop_ids=(7,))
+    spec = SamplingParams(temperature=0.0, max_new_tokens=10, stop_ids=(7,), speculative_k=3, draft_layers=1)
+    a = generate(graphdef, params, rest, PROMPTS, plain, jax.random.key(0), max_new_tokens=[10, 4, 10, 7])
+    b = generate(graphdef, params, rest, PROMPTS, spec, jax.random.key(0), max_new_tokens=[10, 4, 10, 7])
+    np.testing.assert_array_equal(b.tokens, a.tokens)
+    np.testing.assert_array_equal(b.lengths, a.lengths)
+    np.testing.assert_array_equal(b.stop_reason, a.stop_reason)
+    np.testing.assert_allclose(b.logprobs, a.logprobs, atol=2e-5)
+    assert 0 < b.speculative["rounds"] < a.lengths.sum() and 0 <= b.acceptance_rate <= 1
+
+
+VOCAB, NEW, DRAWS = 6, 3, 6000
+
+
+@pytest.fixture(scope="module")
+def tiny_policy():
+    """A 3-layer policy over 6 tokens, its exact probability of every 3-token continuation of the
+    prompt (from full forward passes), and speculative samples of it at temperature 1."""
+    graphdef, params, rest = nnx.split(Decoder(model_config("dense", VOCAB), rngs=nnx.Rngs(3)), nnx.Param, ...)
+    prompt = [1, 4, 2]
+    seqs = np.array(list(itertools.product(range(VOCAB), repeat=NEW)), np.int32)
+    rows = np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], axis=1)
+    logits = nnx.merge(graphdef, params, rest)(jnp.asarray(rows))[0]
+    lp = np.asarray(token_logprobs(logits[:, :-1], jnp.asarray(rows[:, 1:])))[:, len(prompt) - 1:]
+    exact = np.exp(lp.sum(1).astype(np.float64))
+    return graphdef, params, rest, prompt, seqs, exact, lp
+
+
+def chi_square_pvalue(tokens, seqs, exact):
+    """p-value of the observed 3-token sequences against the exact probabilities (cells with an
+    expected count below 5 pooled)."""
+    index = {tuple(s): i for i, s in enumerate(seqs.tolist())}
+    counts = np.bincount([index[tuple(t)] for t in tokens.tolist()], minlength=len(seqs))
+    expected = exact / exact.sum() * len(tokens)
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    return stats.chisquare(obs, exp).pvalue
+
+
+def speculative_samples(tiny_policy, monkeypatch=None):
+    graphdef, params, rest, prompt, *_ = tiny_policy
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=NEW, num_samples=DRAWS, speculative_k=2,
+                              draft_layers=1)
+    return generate(graphdef, params, rest, [prompt], sampling, jax.random.key(7))
+
+
+def test_speculative_samples_follow_the_policy_distribution(tiny_policy):
+    graphdef, params, rest, prompt, seqs, exact, lp = tiny_policy
+    out = speculative_samples(tiny_policy)
+    assert (out.lengths == NEW).all()
+    p = chi_square_pvalue(out.tokens, seqs, exact)
+    print("chi-square p", p, "acceptance", out.acceptance_rate)
+    assert p > 1e-3
+    assert 0.2 < out.acceptance_rate < 1.0          # the draft differs from the policy, yet helps
+    # the returned log-probs are the policy's own
+    index = {tuple(s): i for i, s in enumerate(seqs.tolist())}
+    ref = lp[[index[tuple(t)] for t in out.tokens.tolist()]]
+    np.testing.assert_allclose(out.logprobs, ref, atol=2e-5)
+
+
+def test_a_wrong_acceptance_rule_fails_the_same_check(tiny_policy, monkeypatch):
+    """Always accepting the drafts (sampling the draft model) must fail the chi-square check."""
+    seqs, exact = tiny_policy[4], tiny_policy[5]
+    right = speculative.accept
+
+    def always(key, drafts, q, p, greedy):
+        a, t = right(key, drafts, q, p, greedy)
+        return jnp.full_like(a, drafts.shape[1]), t
+    monkeypatch.setattr(speculative, "accept", always)
+    speculative.speculative_program.clear_cache()
+    try:
+        out = speculative_samples(tiny_policy)
+    finally:
+        speculative.speculative_program.clear_cache()
+    p = chi_square_pvalue(out.tokens, seqs, exact)
+    print("wrong rule chi-square p", p)
+    assert p < 1e-6
+
+
+def test_sampling_speculative_keys_reach_the_rollouts_or_raise():
+    from posttrain.rl.checks import check_sampling_config
+    from posttrain.rl.loop import rollout_sampling
+    cfg = base_config()
+    assert rollout_sampling(cfg, (1,)).speculative_k == 0
+    cfg.sampling.speculative_k, cfg.sampling.draft_layers = 4, 2
+    check_sampling_config(cfg, ("rlvr",))
+    assert (rollout_sampling(cfg, (1,)).speculative_k, rollout_sampling(cfg, (1,)).draft_layers) == (4, 2)
+    cfg.sampling.draft_layers = cfg.model.num_layers + 1
+    with pytest.raises(ValueError, match="sampling.draft_layers"):
+        check_sampling_config(cfg, ("rlvr",))
+    cfg.sampling.speculative_k, cfg.sampling.draft_layers = 0, 2
+    with pytest.raises(ValueError, match="no draft without sampling.speculative_k"):
+        check_sampling_config(cfg, ("rlvr",))
+    with pytest.raises(ValueError, match="speculative_k"):
+        SamplingParams(speculative_k=-1)
