@@ -123,11 +123,14 @@ def test_sigint_in_the_rl_loop_saves_at_the_step(monkeypatch):
     c = type("C", (), {"cfg": cfg, "clock": clock, "producer": None, "rollout_log": None})()
     ckpt = FakeCheckpointer()
     ckpt.should_save = lambda step, last: step % 4 == 0
-    writer = type("W", (), {"write": lambda self, step, m: {"step": step, **m}})()
+    flushed = []
+    writer = type("W", (), {"write": lambda self, step, m: {"step": step, **m},
+                            "flush": lambda self: flushed.append(True)})()
     with pytest.raises(Interrupted) as info, interrupt.on_signal():
         rl_loop.train_loop(c, rl_loop.RLState(None, 0), ckpt, writer, steps=10)
     assert info.value.step == 3 and info.value.exit_code == 130
     assert saved == [(3, {"drawn": 2})] and ckpt.waited == 1      # the step finished, then saved
+    assert flushed                 # metrics rows reach the (maybe gs://) file before that checkpoint
 
     saved.clear()
     ckpt.should_save = lambda step, last: step % 3 == 0          # the loop's own save at that step: not twice

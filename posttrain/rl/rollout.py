@@ -146,7 +146,8 @@ def local_share(pending: Pending, *, exact: bool) -> Pending:
     share = group_share(len(pending.tasks), exact=exact)
     g = len(pending.envs[0]) if pending.envs else 0
     rows = slice(share.start * g, share.stop * g)
-    samples = Samples(**{f.name: getattr(pending.samples, f.name)[rows] for f in dataclasses.fields(Samples)})
+    per_row = {f.name: getattr(pending.samples, f.name) for f in dataclasses.fields(Samples)}
+    samples = dataclasses.replace(pending.samples, **{k: v[rows] for k, v in per_row.items() if isinstance(v, np.ndarray)})
     return Pending(pending.tasks[share], pending.envs[share], samples, pending.gen_s)
 
 
