@@ -53,6 +53,7 @@ RANGES: dict[str, tuple] = {
     "rl.invalid_tool_call_penalty": (0, True, None, False), "rl.redundant_tool_call_penalty": (0, True, None, False),
     **{f"rejection.{k}": (1, True, None, False) for k in ("prompts", "samples_per_prompt", "keep_per_prompt")},
     "rejection.max_tokens": (0, True, None, False), "rejection.temperature": (0, True, None, False),
+    "sampling.prefix_cache": (0, True, None, False),
     "distributed.num_processes": (0, True, None, False), "distributed.process_id": (-1, True, None, False),
     "distributed.heartbeat_timeout_s": (1, True, None, False),
     "distributed.initialization_timeout_s": (1, True, None, False),

@@ -50,6 +50,28 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
     return jnp.einsum("bkgt,bktd->bkgd", probs.astype(q.dtype), v_cache.astype(q.dtype)).reshape(b, h, d)
 
 
+def write_cache_span(cache: jax.Array, new: jax.Array, positions: jax.Array, time_axis: int) -> jax.Array:
+    """`write_cache_rows` for S entries per row: row b's entries at indices positions[b, s] of
+    `time_axis` set to new[b, s] (new: [B, S, K, Dh], as `project_qkv` returns keys and values;
+    positions [B, S], distinct within a row). Out-of-range indices write nothing."""
+    rows = jnp.arange(cache.shape[0])[:, None]
+    index = (rows, slice(None), slice(None), positions) if time_axis == K_TIME_AXIS else \
+        (rows, slice(None), positions, slice(None))
+    return cache.at[index].set(new.astype(cache.dtype), mode="drop")     # non-adjacent indices: [B, S, K, Dh]
+
+
+def extend_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> jax.Array:
+    """`decode_attention` for S queries per row: q [B, S, H, Dh] at positions [B, S], each against
+    its row's cache entries 0..its position; softmax in float32. Returns [B, S, H, Dh]."""
+    b, s, h, d = q.shape
+    kv = k_cache.shape[1]
+    q = q.reshape(b, s, kv, h // kv, d)
+    logits = jnp.einsum("bskgd,bkdt->bkgst", q, k_cache.astype(q.dtype),
+                        preferred_element_type=jnp.float32) / jnp.sqrt(d)
+    visible = (jnp.arange(k_cache.shape[3])[None, None, :] <= positions[:, :, None])[:, None, None]  # [B,1,1,S,T]
+    probs = jax.nn.softmax(jnp.where(visible, logits, jnp.finfo(jnp.float32).min), axis=-1)
+    out = jnp.einsum("bkgst,bktd->bskgd", probs.astype(q.dtype), v_cache.astype(q.dtype))
+    return out.reshape(b, s, h, d)
 
 
 def _local_decode(q, k_new, v_new, k_cache, v_cache, positions, *, axis, n):

@@ -137,6 +137,12 @@ def check_sampling_config(cfg, stage_names) -> None:
         raise ValueError(f"sampling.speculative_k={s.speculative_k}, sampling.draft_layers={s.draft_layers}: "
                          f"expected speculative_k >= 0 and draft_layers in 1..model.num_layers "
                          f"({cfg.model.num_layers})")
+    if s.prefix_cache and s.speculative_k:
+        raise ValueError(f"sampling.prefix_cache={s.prefix_cache}: not supported with sampling.speculative_k="
+                         f"{s.speculative_k} (set one of them to 0)")
+    if s.prefix_cache and cfg.distributed.num_processes > 1:
+        raise ValueError(f"sampling.prefix_cache={s.prefix_cache}: runs in a single process for now "
+                         f"(distributed.num_processes={cfg.distributed.num_processes})")
     if s.draft_layers != defaults.draft_layers and not s.speculative_k:
         raise ValueError(f"sampling.draft_layers={s.draft_layers}: no draft without sampling.speculative_k > 0")
     if "rlvr" not in stage_names:

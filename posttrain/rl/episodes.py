@@ -44,7 +44,7 @@ def rollout_episodes(worker: RolloutWorker, params, rest, tasks: list[tuple[str,
         t0 = time.perf_counter()
         with (worker.clock or BusyClock()).busy():
             samples = generate(worker.graphdef, params, rest, [envs[i].trajectory().tokens for i in active], sampling,
-                               jax.random.fold_in(key, turn), pad_id=worker.pad_id)
+                               jax.random.fold_in(key, turn), pad_id=worker.pad_id, prefix_cache=worker.prefix_cache)
         t1 = time.perf_counter()
         actions = [samples.completion(j) for j in range(len(active))]
         steps = list(worker.pool.map(lambda i, a: envs[i].step(a), active, actions))

@@ -45,6 +45,7 @@ from posttrain.rl.rollout import BusyClock, RolloutBatch, RolloutWorker, collect
 from posttrain.rl.rollout_log import RolloutLog
 from posttrain.rl.scheduler import TaskScheduler
 from posttrain.rl.tasks import curriculum_options, domain_weights, make_domains, make_reward_fn
+from posttrain.sampling.prefix_cache import PrefixCache
 from posttrain.sampling.rules import SamplingParams
 from posttrain.train import interrupt, lineage
 from posttrain.train.checkpoint import Checkpointer
@@ -105,6 +106,12 @@ def rollout_sampling(cfg, stop_ids) -> SamplingParams:
     return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                           stop_ids=tuple(stop_ids), num_samples=r.group_size,
                           speculative_k=cfg.sampling.speculative_k, draft_layers=cfg.sampling.draft_layers)
+
+
+def rollout_prefix_cache(cfg) -> PrefixCache | None:
+    """The rollouts' prefix cache: `sampling.prefix_cache` tokens of prompt KV kept across sampler calls
+    (the turns of multi-turn episodes, resampled prompts), emptied when the weights change; 0: none."""
+    return PrefixCache(cfg.sampling.prefix_cache) if cfg.sampling.prefix_cache else None
 
 
 def rollout_step(c: Components, rl: RLState) -> tuple[list[Rollout], RolloutBatch]:
@@ -212,7 +219,8 @@ def run(cfg) -> Result:
                               moe_cfg=cfg.model.moe, lora_cfg=cfg.lora, sampling=sampling,
                               donate=r.max_staleness == 0, seed=cfg.seed)
             worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, r.verifier_delay, clock,
-                                   episodes=rollout_episodes if r.env == "tool" else None)
+                                   episodes=rollout_episodes if r.env == "tool" else None,
+                                   prefix_cache=rollout_prefix_cache(cfg))
             base_key = jax.random.key(cfg.seed)
             rewards = RewardComposer.from_config(cfg, mesh, rules, pad_id=tok.pad_id)
             if start and "reward_stats" in data:

@@ -90,6 +90,7 @@ class RolloutWorker:
     verifier_delay: float = 0.0       # extra host seconds per response (benchmarks of overlap)
     clock: BusyClock | None = None
     episodes: Callable | None = None  # multi-turn rollouts (`episodes.rollout_episodes`, rl.env = "tool")
+    prefix_cache: Any = None          # `sampling.prefix_cache.PrefixCache` (sampling.prefix_cache > 0)
 
     def generate(self, params, rest, tasks: list[tuple[str, object]], key, *, num_samples: int | None = None,
                  greedy: bool = False) -> Pending:
@@ -104,7 +105,8 @@ class RolloutWorker:
         prompts = [[e.reset(t) for e in row][0] for row, (_, t) in zip(envs, tasks)]
         t0 = time.perf_counter()
         with (self.clock or BusyClock()).busy():
-            samples = generate(self.graphdef, params, rest, prompts, sampling, key, pad_id=self.pad_id)
+            samples = generate(self.graphdef, params, rest, prompts, sampling, key, pad_id=self.pad_id,
+                               prefix_cache=self.prefix_cache)
         return Pending(tasks, envs, samples, time.perf_counter() - t0)
 
     def verify(self, pending: Pending) -> RolloutBatch:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from posttrain.ops.decode import K_TIME_AXIS, V_TIME_AXIS, extend_attention, write_cache_span
 from posttrain.parallel.mesh import mesh_platform
 from posttrain.parallel.sharding import constrain
 from posttrain.sampling import kv_cache
@@ -89,6 +90,25 @@ def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array,
     return model.logits(last)[:, 0], kv
 
 
+def extend(model: nnx.Module, layers: list, tokens: jax.Array, positions: jax.Array, cache: tuple,
+           num_layers: int | None = None) -> tuple[jax.Array, tuple]:
+    """Several new tokens per row through the first `num_layers` (default: all) layers against the
+    KV cache (`decode_layers`' unstacked layout): tokens, positions [B, S] → (hidden [B, S, D] after
+    the final norm, cache). Each token's key and value are written at its position (one scatter per
+    layer) and it attends to the row's cache entries 0..its position. Speculative decoding scores
+    its drafts with it; the prefix cache prefills a prompt's uncached suffix with it."""
+    x = model._embed(tokens)
+    new_cache = list(cache)
+    for i, block in enumerate(layers[:num_layers]):
+        q, k, v = block.attn.project_qkv(block.attn_norm(x), positions)
+        k_cache = write_cache_span(cache[i][0], k, positions, K_TIME_AXIS)
+        v_cache = write_cache_span(cache[i][1], v, positions, V_TIME_AXIS)
+        attn = extend_attention(q, k_cache, v_cache, positions)
+        x = block.feed_forward(x + block.attn.output(attn), inference=True)[0]
+        new_cache[i] = (k_cache, v_cache)
+    return model.final_norm(x), kv_cache.shard(tuple(new_cache))
+
+
 def sample_step(slots: Slots, out: Outputs, sampling: SamplingParams,
                 pad_id: int) -> tuple[Slots, Outputs, jax.Array]:
     """Sample every live slot's next token from its logits and record it; returns the tokens [S]
@@ -125,12 +145,14 @@ def decode_step(model: nnx.Module, slots: Slots, tokens: jax.Array, layers: list
 
 
 def decode_loop(model: nnx.Module, slots: Slots, out: Outputs, sampling: SamplingParams, pad_id: int, *,
-                layers: list | None = None, refill=None, pending=None, queue=()) -> Outputs:
+                layers: list | None = None, refill=None, pending=None, queue=(),
+                return_slots: bool = False) -> Outputs | tuple[Outputs, Slots]:
     """Sample and decode until every slot is done and nothing is pending, in one `lax.while_loop`.
 
     `layers`: `decode_layers(model)`, computed once outside the loop. Continuous batching passes
     `refill(slots, queue) -> (slots, queue)`, run at the start of every step to fill free slots,
     and `pending(queue) -> bool`, whether requests still wait; `queue` is their state.
+    `return_slots`: also return the final slots (the prefix cache keeps their KV).
     """
     def cond(carry):
         slots, _, queue = carry
@@ -144,4 +166,5 @@ def decode_loop(model: nnx.Module, slots: Slots, out: Outputs, sampling: Samplin
         slots, out, tokens = sample_step(slots, out, sampling, pad_id)
         return decode_step(model, slots, tokens, layers), out, queue
 
-    return jax.lax.while_loop(cond, body, (slots, out, queue))[1]
+    slots, out, _ = jax.lax.while_loop(cond, body, (slots, out, queue))
+    return (out, slots) if return_slots else out

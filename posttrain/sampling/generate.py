@@ -141,20 +141,24 @@ def host_outputs(out):
 def generate(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
              prompts: Sequence[Sequence[int]] | np.ndarray, sampling: SamplingParams, key: jax.Array, *,
              pad_id: int = 0, prompt_mask: np.ndarray | None = None,
-             max_new_tokens: Sequence[int] | None = None) -> Samples:
+             max_new_tokens: Sequence[int] | None = None, prefix_cache=None) -> Samples:
     """Sample `sampling.num_samples` completions for each prompt with the learner's weights.
 
     prompts: see `prompt_rows`; max_new_tokens: optional per-prompt limits (<= the sampling
     params'). Runs one compiled program, cached per bucketed batch size and prompt length; call it
     under `use_sharding(mesh, rules)` to shard the cache and activations. Sample i*G+g is prompt
-    i's g-th and draws from fold_in(key, i*G+g).
+    i's g-th and draws from fold_in(key, i*G+g). `prefix_cache`: a `prefix_cache.PrefixCache`
+    that serves cached prompt prefixes' KV and keeps this call's (same outputs, less prefill).
     """
     rows = prompt_rows(prompts, prompt_mask)
     n, g = len(rows), sampling.num_samples
     tokens, lengths = pad_prompts(rows, bucket(n), bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)
     limits = new_token_limits(max_new_tokens, len(tokens), n, sampling)
     stats = None
-    if sampling.speculative_k:
+    if prefix_cache is not None:
+        out = prefix_cache.sample(graphdef, params, rest, rows, len(tokens), tokens.shape[1], limits, key,
+                                  sampling=sampling, pad_id=pad_id)
+    elif sampling.speculative_k:
         out, stats = speculative_program(graphdef, params, rest, tokens, lengths, limits, np.int32(n), key,
                                          sampling=sampling, pad_id=pad_id)
         stats = dict(zip(("rounds", "drafted", "accepted"), np.asarray(stats).tolist()))

@@ -24,29 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain.models.logprobs import token_logprobs
-from posttrain.ops.decode import K_TIME_AXIS, V_TIME_AXIS, decode_attention, write_cache_rows
 from posttrain.sampling import engine, kv_cache
+from posttrain.sampling.engine import extend
 from posttrain.sampling.rules import SamplingParams, sample_token, sampling_logprobs
-
-
-def extend(model: nnx.Module, layers: list, tokens: jax.Array, positions: jax.Array, cache: tuple,
-           num_layers: int) -> tuple[jax.Array, tuple]:
-    """Several new tokens per row through the first `num_layers` layers against the KV cache:
-    tokens, positions [B, S] → (hidden [B, S, D] after the final norm, cache). Each token's key and
-    value are written at its position; a token attends to cache entries 0..its position."""
-    x = model._embed(tokens)
-    new_cache = list(cache)
-    for i, block in enumerate(layers[:num_layers]):
-        k_cache, v_cache = cache[i]
-        q, k, v = block.attn.project_qkv(block.attn_norm(x), positions)
-        for s in range(tokens.shape[1]):
-            k_cache = write_cache_rows(k_cache, k[:, s], positions[:, s], K_TIME_AXIS)
-            v_cache = write_cache_rows(v_cache, v[:, s], positions[:, s], V_TIME_AXIS)
-        attn = jnp.stack([decode_attention(q[:, s], k_cache, v_cache, positions[:, s])
-                          for s in range(tokens.shape[1])], axis=1)
-        x = block.feed_forward(x + block.attn.output(attn), inference=True)[0]
-        new_cache[i] = (k_cache, v_cache)
-    return model.final_norm(x), tuple(new_cache)
 
 
 def draw(key: jax.Array, logp: jax.Array, greedy: bool) -> jax.Array:
