@@ -153,6 +153,14 @@ class ThreeTurnEnv(CountingEnv):
         return Step(obs, None, False, {})
 
 
+def test_a_hash_collision_is_a_miss(monkeypatch):
+    from posttrain.sampling import prefix_cache
+    monkeypatch.setattr(prefix_cache, "block_keys", lambda tokens, block: [bytes([i]) for i in range(len(tokens) // block)])
+    cache = PrefixCache(64, block=16)
+    cache.insert(np.arange(16), fake_kv(range(16)))
+    assert cache.lookup(np.arange(17))[1] == 16 and cache.lookup(np.arange(1, 18))[1] == 0
+
+
 def test_sampling_prefix_cache_key_reaches_episodes_and_bad_values_raise():
     cfg = base_config()
     cfg.stage = "rlvr"
@@ -188,3 +196,16 @@ def test_sampling_prefix_cache_key_reaches_episodes_and_bad_values_raise():
     for p, c in zip(batches[0].behav[0], batches[1].behav[0]):
         np.testing.assert_allclose(c, p, atol=1e-5)
     assert cache.stats.hits > 0 and cache.stats.hit_tokens >= 32    # later turns hit earlier turns' KV
+
+
+@pytest.mark.slow      # ~1 min loaded: three more compiles on 8 simulated devices
+def test_cached_sampling_on_a_sharded_mesh_equals_the_unsharded_result(policy, first_turn):
+    from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    prompts, plain1 = first_turn
+    second = turn_two(plain1, prompts)
+    plain2 = generate(*policy, second, GREEDY, jax.random.key(1))
+    cache = PrefixCache(4096)
+    with use_sharding(make_mesh(dict(data=2, fsdp=2, tensor=2)), parse_rules({})):
+        same(generate(*policy, prompts, GREEDY, jax.random.key(0), prefix_cache=cache), plain1)
+        same(generate(*policy, second, GREEDY, jax.random.key(1), prefix_cache=cache), plain2)
+    assert cache.stats.hits == 3

@@ -267,7 +267,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--section", default="train", choices=["train", "sft", "checkpoint", "sandbox", "sampler",
                                                           "sampler-quant", "speculative", "rl-quant", "rl",
-                                                          "rl-updates", "attention", "all"])
+                                                          "rl-updates", "attention", "prefix-cache", "all"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--iters", type=int, default=10)
@@ -296,6 +296,9 @@ def main() -> None:
     if args.section in ("attention", "all"):     # context parallel rows need several devices (see the module)
         from attention_bench import attention_bench
         print_rows("attention", attention_bench(length=args.seq * 8, iters=args.iters // 2 or 1))
+    if args.section in ("prefix-cache", "all"):
+        from prefix_cache_bench import prefix_cache_bench
+        print_rows("prefix cache, multi-turn", prefix_cache_bench(rounds=args.iters // 2 or 1))
     if args.section in ("sandbox", "all"):
         from posttrain.rl.verifiers.bench import sandbox_bench
         print_rows("sandbox", sandbox_bench())
