@@ -16,7 +16,9 @@ entries need one copy per hit and no block tables, and a multi-turn history (the
 pays) is linear: inserting an entry drops every entry that is a prefix of it, so the turns of one
 episode hold one entry, not one per turn. Branches (many prompts after one system prompt) keep the
 shared blocks once per entry: the bound counts them each time. Host memory keeps device memory for
-the sampler's own cache; on a CPU it is the same memory.
+the sampler's own cache; on a CPU it is the same memory, on an accelerator each call copies its
+batch's final KV to the host once (a cost not measured here: no accelerator). A paged pool was not
+built: whole entries already serve 73% of a multi-turn workload's prompt tokens (BENCHMARKS.md).
 
 Bound: `max_tokens`, the sum of the entries' lengths; the least recently used entries (a hit or an
 insert uses one) are evicted first. Weights: KV is only valid for the weights that computed it;
