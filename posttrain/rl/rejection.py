@@ -406,7 +406,7 @@ def run(cfg) -> Result:
                               num_samples=r.samples_per_prompt)
     with concurrent.futures.ThreadPoolExecutor(rl.verifier_workers) as pool, use_sharding(mesh, rules):
         params, rest, policy = load_policy(cfg, make, mesh, rules)
-        worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool)
+        worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, continuous=slot_config(cfg.sampling))
         candidates = sample_candidates(worker, params, rest, pairs, jax.random.key(cfg.seed),
                                        samples=r.samples_per_prompt, chunk=rl.prompts_per_step, tok=tok,
                                        progress=cfg.train.progress and jax.process_index() == 0)

@@ -5,10 +5,16 @@ completions do not idle the batch.
 Every request samples from its own RNG stream fold_in(key, sample id), so its completion does not
 depend on which slot it ran in or when: with the same key it equals static `generate`'s (up to
 float rounding of the different batch shapes).
+
+`generate_continuous` has `generate`'s contract (the RL rollouts call either, `sampling.
+continuous_batching`); `ContinuousBatcher` queues requests across calls. A group's G samples are
+G requests, each prefilled on its own (static `generate` prefills a prompt once for its group):
+more prefill work, traded for decode steps that only run live samples.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -18,8 +24,8 @@ import numpy as np
 from flax import nnx
 
 from posttrain.sampling import engine, kv_cache
-from posttrain.sampling.generate import (MIN_PROMPT_BUCKET, Samples, bucket, new_token_limits, pad_prompts,
-                                         prompt_rows)
+from posttrain.sampling.generate import (MIN_PROMPT_BUCKET, Samples, bucket, host_outputs, new_token_limits,
+                                         pad_prompts, prompt_rows)
 from posttrain.sampling.rules import SamplingParams
 
 
@@ -83,6 +89,61 @@ def continuous_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.Stat
                               pending=lambda nxt: nxt < num_requests, queue=jnp.zeros((), jnp.int32))
 
 
+@dataclasses.dataclass(frozen=True)
+class SlotConfig:
+    """Continuous batching's shape: `num_slots` decode slots (rows of the KV cache), refilled
+    `prefill_batch` requests at a time (prefilled together)."""
+    num_slots: int = 16
+    prefill_batch: int = 4
+
+    def __post_init__(self):
+        if not 1 <= self.prefill_batch <= self.num_slots:
+            raise ValueError(f"prefill_batch={self.prefill_batch}: expected 1..num_slots ({self.num_slots})")
+
+    def fitted(self, num_requests: int) -> SlotConfig:
+        """No more slots than the (bucketed) requests of one call can fill: a call with fewer
+        samples than slots runs them all at once, like a static batch."""
+        slots = min(self.num_slots, bucket(num_requests))
+        return SlotConfig(slots, min(self.prefill_batch, slots))
+
+
+def run_requests(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, rows: list[np.ndarray],
+                 limits: np.ndarray, sample_ids: np.ndarray, sampling: SamplingParams, key: jax.Array,
+                 slots: SlotConfig, pad_id: int) -> engine.Outputs:
+    """Run requests (prompt `rows`, new-token `limits` and RNG `sample_ids`, one each, in order)
+    through `continuous_program`; host outputs of exactly len(rows) rows."""
+    if sampling.speculative_k:
+        raise ValueError("continuous batching: speculative decoding (speculative_k > 0) runs in `generate` only")
+    n, c = len(rows), slots.prefill_batch
+    tokens, lengths = pad_prompts(rows, bucket(n) + c, bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)
+    padded_limits, ids = np.ones((len(tokens),), np.int32), np.zeros((len(tokens),), np.int32)
+    padded_limits[:n], ids[:n] = limits, sample_ids
+    out = continuous_program(graphdef, params, rest, tokens, lengths, padded_limits, ids, np.int32(n), key,
+                             sampling=sampling, pad_id=pad_id, num_slots=slots.num_slots, prefill_batch=c)
+    return jax.tree.map(lambda a: a[:n], host_outputs(out))
+
+
+def generate_continuous(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
+                        prompts: Sequence[Sequence[int]] | np.ndarray, sampling: SamplingParams, key: jax.Array, *,
+                        slots: SlotConfig = SlotConfig(), pad_id: int = 0, prompt_mask: np.ndarray | None = None,
+                        max_new_tokens: Sequence[int] | None = None) -> Samples:
+    """`generate` through continuously refilled slots: the same contract and the same samples.
+
+    Each prompt's `num_samples` samples are requests of the queue; sample i*G+g is prompt i's g-th
+    and draws from fold_in(key, i*G+g), as in `generate`, so with the same key every sample's
+    tokens are the same and its log-probs equal to float rounding, whatever slot ran it. A few
+    long samples then occupy a few slots while the rest of the queue flows through the others,
+    instead of holding a whole static batch until they end.
+    """
+    rows = prompt_rows(prompts, prompt_mask)
+    n, g = len(rows), sampling.num_samples
+    limits = new_token_limits(max_new_tokens, n, n, sampling)
+    out = run_requests(graphdef, params, rest, [r for r in rows for _ in range(g)], np.repeat(limits, g),
+                       np.arange(n * g, dtype=np.int32), sampling, key, slots.fitted(n * g), pad_id)
+    return Samples(tokens=out.tokens, logprobs=out.logprobs, sampling_logprobs=out.sampling_logprobs,
+                   lengths=out.lengths, stop_reason=out.stop_reason, prompt_index=np.repeat(np.arange(n), g))
+
+
 class ContinuousBatcher:
     """Queue prompts with `submit`, then `run` them through `num_slots` continuously refilled slots.
 
@@ -95,10 +156,8 @@ class ContinuousBatcher:
                  prefill_batch: int = 4, pad_id: int = 0):
         if sampling.speculative_k:
             raise ValueError("ContinuousBatcher: speculative decoding (speculative_k > 0) runs in `generate` only")
-        if not 1 <= prefill_batch <= num_slots:
-            raise ValueError(f"prefill_batch={prefill_batch}: expected 1..num_slots ({num_slots})")
+        self.slots = SlotConfig(num_slots, prefill_batch)
         self.graphdef, self.sampling, self.pad_id = graphdef, sampling, pad_id
-        self.num_slots, self.prefill_batch = num_slots, prefill_batch
         self._next_id = 0
         self._waiting: list[tuple[int, np.ndarray, int]] = []
 
@@ -117,18 +176,10 @@ class ContinuousBatcher:
             raise ValueError("ContinuousBatcher.run: no requests submitted")
         g = self.sampling.num_samples
         rids = np.repeat([rid for rid, _, _ in self._waiting], g)
-        rows = [row for _, row, _ in self._waiting for _ in range(g)]
-        n, c = len(rows), self.prefill_batch
-        tokens, lengths = pad_prompts(rows, bucket(n) + c, bucket(max(map(len, rows)), MIN_PROMPT_BUCKET),
-                                      self.pad_id)
-        limits = np.ones((len(tokens),), np.int32)
-        limits[:n] = np.repeat([limit for _, _, limit in self._waiting], g)
-        ids = np.zeros((len(tokens),), np.int32)
-        ids[:n] = rids * g + np.tile(np.arange(g), len(self._waiting))
-        out = continuous_program(self.graphdef, params, rest, tokens, lengths, limits, ids, np.int32(n), key,
-                                 sampling=self.sampling, pad_id=self.pad_id, num_slots=self.num_slots,
-                                 prefill_batch=c)
-        out = jax.device_get(out)
+        out = run_requests(self.graphdef, params, rest, [row for _, row, _ in self._waiting for _ in range(g)],
+                           np.repeat([limit for _, _, limit in self._waiting], g),
+                           rids * g + np.tile(np.arange(g), len(self._waiting)), self.sampling, key, self.slots,
+                           self.pad_id)
         self._waiting = []
-        return Samples(tokens=out.tokens[:n], logprobs=out.logprobs[:n], sampling_logprobs=out.sampling_logprobs[:n],
-                       lengths=out.lengths[:n], stop_reason=out.stop_reason[:n], prompt_index=rids)
+        return Samples(tokens=out.tokens, logprobs=out.logprobs, sampling_logprobs=out.sampling_logprobs,
+                       lengths=out.lengths, stop_reason=out.stop_reason, prompt_index=rids)
