@@ -58,6 +58,7 @@ from posttrain.data.sources import read_jsonl
 from posttrain.data.tokenizer import Tokenizer, load_tokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import allgather_json, mesh_and_rules, use_sharding
+from posttrain.rl.checks import slot_config
 from posttrain.rl.domains import Domain
 from posttrain.rl.envs.base import Task, Trajectory
 from posttrain.rl.rollout import RolloutWorker
