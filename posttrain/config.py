@@ -229,7 +229,7 @@ def base_config() -> ml_collections.ConfigDict:
         draft_layers=1,            # the draft: the policy's first n layers + its final norm and head
         continuous_batching=False,  # rollouts through continuously refilled decode slots (same samples as static)
         num_slots=16,              # continuous_batching: decode slots (at most the samples of one sampler call)
-        prefill_batch=4,           # continuous_batching: free slots refilled (prefilled) this many requests at a time
+        refill_batch=4,            # continuous_batching: free slots refilled this many samples at a time
     ))
     cfg.lora = ml_collections.ConfigDict(dict(
         rank=0,                    # 0: full fine-tuning; > 0: train only low-rank adapters

@@ -33,7 +33,7 @@ from posttrain.sampling.rules import SamplingParams
 from tests.test_agent_rl import TOK, CountingEnv
 from tests.test_rl_loop import rows, tiny
 
-SLOTS = SlotConfig(num_slots=4, prefill_batch=2)
+SLOTS = SlotConfig(num_slots=4, refill_batch=2)
 # Every byte below 48 ends a response: most stop within a few tokens, a few run to the limit.
 SKEWED = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=24,
                         stop_ids=(TOK.eos_id, *range(48)), num_samples=4)
@@ -96,7 +96,7 @@ def test_continuous_episodes_equal_static_ones_and_align_with_the_learner(policy
     domain = Domain("count", say, lambda: CountingEnv(TOK, REWARD, max_turn_tokens=6))
     key = jax.random.key(3)
     static = rollout(policy, domain, sampling, None, key, episodes=rollout_episodes)
-    cont = rollout(policy, domain, sampling, SlotConfig(num_slots=3, prefill_batch=2), key, episodes=rollout_episodes)
+    cont = rollout(policy, domain, sampling, SlotConfig(num_slots=3, refill_batch=2), key, episodes=rollout_episodes)
     trajs = [t for g in cont.groups for t in g.trajectories]
     assert {t.turns for t in trajs} >= {1, 3}, "episodes should end at different turns"
     assert_same_rollouts(static, cont)
@@ -114,7 +114,7 @@ def test_rl_loop_trains_with_continuous_batching(tmp_path, monkeypatch):
     real = continuous.generate_continuous
     monkeypatch.setattr("posttrain.rl.rollout.generate_continuous", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     cfg = tiny(tmp_path, steps=2)
-    cfg.sampling.continuous_batching, cfg.sampling.num_slots, cfg.sampling.prefill_batch = True, 4, 2
+    cfg.sampling.continuous_batching, cfg.sampling.num_slots, cfg.sampling.refill_batch = True, 4, 2
     loop.run(cfg)
     out = rows(tmp_path)
     assert [r["step"] for r in out] == [0, 1] and all(np.isfinite(r["loss"]) for r in out)
@@ -125,9 +125,9 @@ def test_rl_loop_trains_with_continuous_batching(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("keys, stages, match", [
     (dict(continuous_batching=True, speculative_k=2), ("rlvr",), "sampling.continuous_batching with sampling.speculative_k=2"),
-    (dict(continuous_batching=True, num_slots=2, prefill_batch=4), ("rlvr",), "sampling.prefill_batch=4: expected 1..sampling.num_slots"),
+    (dict(continuous_batching=True, num_slots=2, refill_batch=4), ("rlvr",), "sampling.refill_batch=4: expected 1..sampling.num_slots"),
     (dict(num_slots=8), ("rlvr",), "sampling.num_slots=8 cannot take effect without sampling.continuous_batching"),
-    (dict(prefill_batch=2), ("rlvr",), "sampling.prefill_batch=2 cannot take effect"),
+    (dict(refill_batch=2), ("rlvr",), "sampling.refill_batch=2 cannot take effect"),
     (dict(continuous_batching=True), ("sft",), "sampling.continuous_batching=True: .* no rlvr stage"),
     (dict(quantize="int8"), ("rejection_sampling",), "rejection_sampling stage takes only continuous_batching"),
 ])
@@ -140,7 +140,7 @@ def test_continuous_batching_keys_take_effect_or_raise(keys, stages, match):
 
 def test_continuous_batching_keys_pass_for_rl_and_rejection_sampling(monkeypatch):
     cfg = base_config()
-    cfg.sampling.update(dict(continuous_batching=True, num_slots=8, prefill_batch=8))
+    cfg.sampling.update(dict(continuous_batching=True, num_slots=8, refill_batch=8))
     check_sampling_config(cfg, ("rlvr",))
     check_sampling_config(cfg, ("rejection_sampling",))
     monkeypatch.setattr(jax, "process_count", lambda: 2)

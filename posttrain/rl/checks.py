@@ -128,14 +128,14 @@ def check_rl_config(cfg) -> None:
             raise ValueError(f"rl.{key}={r[key]!r} cannot take effect: {why}")
 
 
-CONTINUOUS_KEYS = ("continuous_batching", "num_slots", "prefill_batch")
+CONTINUOUS_KEYS = ("continuous_batching", "num_slots", "refill_batch")
 
 
 def slot_config(sampling_cfg):
     """`sampling.continuous_batching`'s slots (`sampling.continuous.SlotConfig`), or None: static batches."""
     from posttrain.sampling.continuous import SlotConfig
     s = sampling_cfg
-    return SlotConfig(s.num_slots, s.prefill_batch) if s.continuous_batching else None
+    return SlotConfig(s.num_slots, s.refill_batch) if s.continuous_batching else None
 
 
 def check_sampling_config(cfg, stage_names) -> None:
@@ -157,9 +157,9 @@ def check_sampling_config(cfg, stage_names) -> None:
     if s.continuous_batching and jax.process_count() > 1:     # untested across processes: refused until it is
         raise ValueError(f"sampling.continuous_batching=True is not supported with {jax.process_count()} processes; "
                          "run it in one process or set it to False")
-    if not 1 <= s.prefill_batch <= s.num_slots:
-        raise ValueError(f"sampling.prefill_batch={s.prefill_batch}: expected 1..sampling.num_slots ({s.num_slots})")
-    for key in ("num_slots", "prefill_batch"):
+    if not 1 <= s.refill_batch <= s.num_slots:
+        raise ValueError(f"sampling.refill_batch={s.refill_batch}: expected 1..sampling.num_slots ({s.num_slots})")
+    for key in ("num_slots", "refill_batch"):
         if s[key] != defaults[key] and not s.continuous_batching:
             raise ValueError(f"sampling.{key}={s[key]!r} cannot take effect without sampling.continuous_batching")
     if "rejection_sampling" in stage_names and "rlvr" not in stage_names:   # it samples with the continuous keys only
