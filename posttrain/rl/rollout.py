@@ -3,9 +3,9 @@
 `RolloutWorker.generate` runs the sampler (device work); `RolloutWorker.verify` scores the
 responses (host work) and returns a `RolloutBatch`. The sampler is static `generate` or, with
 `sampling.continuous_batching` (`RolloutWorker.continuous`), `generate_continuous`: the same
-samples for the same key, a few long responses no longer holding the whole batch's slots. `collect_batch` is one synchronous batch with
-dynamic sampling; the overlapped path runs the same two phases on `producer.AsyncProducer`'s
-threads.
+samples for the same key, a few long responses no longer holding every row of the batch.
+`collect_batch` is one synchronous batch with dynamic sampling; the overlapped path runs the same
+two phases on `producer.AsyncProducer`'s threads.
 """
 
 from __future__ import annotations

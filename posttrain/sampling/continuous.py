@@ -1,6 +1,6 @@
 """Continuous batching: a fixed number of decode slots; a finished sample's slot is refilled with
-the next waiting request (prefilled into that slot) inside the same device loop, so a few long
-completions do not idle the batch.
+the next waiting sample inside the same device loop, so a few long completions do not idle the
+batch.
 
 Every request samples from its own RNG stream fold_in(key, sample id), so its completion does not
 depend on which slot it ran in or when: with the same key it equals static `generate`'s (up to
