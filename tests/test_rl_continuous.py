@@ -30,6 +30,8 @@ from posttrain.rl.verifiers.math import MathVerifier
 from posttrain.sampling import continuous
 from posttrain.sampling.continuous import SlotConfig
 from posttrain.sampling.rules import SamplingParams
+from posttrain.train.optim import make_optimizer
+from posttrain.train.state import create_train_state
 from tests.test_agent_rl import TOK, CountingEnv
 from tests.test_rl_loop import rows, tiny
 
@@ -42,13 +44,15 @@ REWARD = RewardFunction({MathTask: MathVerifier()})
 
 @pytest.fixture(scope="module")
 def policy():
-    """(graphdef, params, rest) of the tiny dense policy of tests/test_agent_rl.py, on one device."""
+    """(graphdef, params, rest, mesh, rules) of the tiny dense policy of tests/test_agent_rl.py, made
+    as it makes it (so its episodes' static sampler programs are shared with that test's)."""
     m = base_config().model
     m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 32, 1, 2, 1, 16, 64
     mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
     with use_sharding(mesh, rules):
-        graphdef, params, rest = nnx.split(Decoder(m, rngs=nnx.Rngs(0)), nnx.Param, ...)
-    return graphdef, params, rest, mesh, rules
+        tx = make_optimizer(base_config().optim, 10)
+        graphdef, state, _ = create_train_state(lambda: Decoder(m, rngs=nnx.Rngs(0)), tx, mesh, rules)
+    return graphdef, state.params, state.rest, mesh, rules
 
 
 def tasks(n: int) -> list[Task]:
