@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import jax
-
 from posttrain.rl.advantages import ADVANTAGE_METHODS
 from posttrain.rl.critic import check_critic
 from posttrain.rl.tasks import ENVS, VERIFIERS, curriculum_options, domain_spec
@@ -154,9 +152,6 @@ def check_sampling_config(cfg, stage_names) -> None:
     if s.continuous_batching and s.speculative_k:
         raise ValueError(f"sampling.continuous_batching with sampling.speculative_k={s.speculative_k}: speculative "
                          "decoding runs in static batches only; turn one of them off")
-    if s.continuous_batching and jax.process_count() > 1:     # untested across processes: refused until it is
-        raise ValueError(f"sampling.continuous_batching=True is not supported with {jax.process_count()} processes; "
-                         "run it in one process or set it to False")
     if not 1 <= s.refill_batch <= s.num_slots:
         raise ValueError(f"sampling.refill_batch={s.refill_batch}: expected 1..sampling.num_slots ({s.num_slots})")
     for key in ("num_slots", "refill_batch"):
