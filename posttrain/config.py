@@ -228,6 +228,9 @@ def base_config() -> ml_collections.ConfigDict:
         speculative_k=0,           # > 0: speculative decoding, k tokens drafted per round (same distribution, policy log-probs)
         draft_layers=1,            # the draft: the policy's first n layers + its final norm and head
         prefix_cache=0,            # > 0: keep prompt-prefix KV across sampler calls (multi-turn turns), bound in tokens
+        continuous_batching=False,  # rollouts through continuously refilled decode slots (same samples as static)
+        num_slots=16,              # continuous_batching: decode slots (at most the samples of one sampler call)
+        refill_batch=4,            # continuous_batching: free slots refilled this many samples at a time
     ))
     cfg.lora = ml_collections.ConfigDict(dict(
         rank=0,                    # 0: full fine-tuning; > 0: train only low-rank adapters

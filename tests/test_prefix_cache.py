@@ -171,7 +171,10 @@ def test_sampling_prefix_cache_key_reaches_episodes_and_bad_values_raise():
     cfg.sampling.prefix_cache, cfg.sampling.speculative_k = 512, 2
     with pytest.raises(ValueError, match="sampling.prefix_cache=512"):
         check_sampling_config(cfg, ("rlvr",))
-    cfg.sampling.speculative_k = 0
+    cfg.sampling.speculative_k, cfg.sampling.continuous_batching = 0, True
+    with pytest.raises(ValueError, match="sampling.prefix_cache=512: not supported with sampling.continuous_batching"):
+        check_sampling_config(cfg, ("rlvr",))
+    cfg.sampling.continuous_batching = False
     check_sampling_config(cfg, ("rlvr",))
     with pytest.raises(ValueError, match="sampling.prefix_cache"):
         check_sampling_config(cfg, ("sft",))

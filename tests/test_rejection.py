@@ -266,8 +266,9 @@ def test_pipeline_stage_writes_the_best_distinct_passing_candidates_and_feeds_th
     assert rejection.next_sft_files(pipeline.stage_config(cfg, "rejection_sampling", "w", policy)) == "w/sft.jsonl"
 
 
-def test_stage_alone_other_settings(policy, user_tasks, tmp_path):
-    """Fewer prompts, more kept per prompt, no length filter, an output URL; a low temperature."""
+def test_stage_alone_other_settings(policy, user_tasks, tmp_path, monkeypatch):
+    """Fewer prompts, more kept per prompt, no length filter, an output URL; a low temperature
+    (sampled through continuous batching, sampling.continuous_batching)."""
     files, verifier, module = user_tasks
     out = f"memory://{tmp_path.name}/o/mine.jsonl"         # any fsspec URL (gs://, ...)
     cfg = tiny(tmp_path / "rs", files, verifier, keep_per_prompt=3, prompts=4, output=out)
@@ -286,8 +287,12 @@ def test_stage_alone_other_settings(policy, user_tasks, tmp_path):
     assert main.run(cfg).eval == result.eval and len(calls) == n
     # at temperature 0.05 the policy ends its turn at once (its stop logit is the largest): one empty answer each
     cfg.rejection.temperature = 0.05
+    cfg.sampling.continuous_batching, cfg.sampling.num_slots = True, 8
+    from posttrain.rl import rollout
+    slots, real = [], rollout.generate_continuous
+    monkeypatch.setattr(rollout, "generate_continuous", lambda *a, **kw: slots.append(kw["slots"]) or real(*a, **kw))
     main.run(cfg)
-    assert [r["response"] for r in read()] == [""] * 4
+    assert [r["response"] for r in read()] == [""] * 4 and slots and slots[0].num_slots == 8
 
 
 @pytest.mark.parametrize("key, value, message", [

@@ -99,9 +99,10 @@ def test_accelerator_layer_path_equals_cpu_path(sharded, mesh, monkeypatch):
     """On GPU/TPU (`engine.decode_layers` is None) prefill and decode run each stack of layers
     under a scan, the KV cache stacked per stack (`Decoder.decode_stacked`); on the CPU both run
     the layers unrolled, sliced once. Both must sample the same tokens with the same log-probs,
-    in static and (dense) continuous batching."""
+    in static and (dense) continuous batching (queued and grouped)."""
     from posttrain.sampling import engine
-    from posttrain.sampling.continuous import continuous_program
+    from posttrain.sampling.continuous import (SlotConfig, continuous_program, generate_continuous,
+                                               grouped_continuous_program)
     kind, graphdef, params, rest = sharded
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
     key = jax.random.key(11)
@@ -116,12 +117,15 @@ def test_accelerator_layer_path_equals_cpu_path(sharded, mesh, monkeypatch):
                 batcher.submit(p)
             continuous = batcher.run(params, rest, key)
             continuous_program.clear_cache()
+            grouped = generate_continuous(graphdef, params, rest, PROMPTS, sampling, key, slots=SlotConfig(2, 1))
+            grouped_continuous_program.clear_cache()
     generate_program.clear_cache()
     np.testing.assert_array_equal(accelerator.tokens, cpu.tokens, err_msg=kind)
     np.testing.assert_allclose(accelerator.logprobs, cpu.logprobs, atol=1e-5, err_msg=kind)
     if kind == "dense":
-        np.testing.assert_array_equal(continuous.tokens, cpu.tokens)
-        np.testing.assert_allclose(continuous.logprobs, cpu.logprobs, atol=1e-5)
+        for out in (continuous, grouped):
+            np.testing.assert_array_equal(out.tokens, cpu.tokens)
+            np.testing.assert_allclose(out.logprobs, cpu.logprobs, atol=1e-5)
 
 
 def test_sampled_logprobs_match_learner_for_any_padding_side(mesh):

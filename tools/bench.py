@@ -267,7 +267,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--section", default="train", choices=["train", "sft", "checkpoint", "sandbox", "sampler",
                                                           "sampler-quant", "speculative", "rl-quant", "rl",
-                                                          "rl-updates", "attention", "prefix-cache", "all"])
+                                                          "rl-updates", "rl-continuous", "attention", "prefix-cache", "all"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--iters", type=int, default=10)
@@ -291,6 +291,9 @@ def main() -> None:
         print_rows("rlvr with a quantised / speculative sampler", bench_rl_quant())
     if args.section in ("rl", "all"):
         print_rows("rlvr overlap", bench_rl())
+    if args.section in ("rl-continuous", "all"):
+        from rl_continuous_bench import rl_continuous_bench
+        print_rows("rlvr rollouts: continuous vs static batching, skewed lengths", rl_continuous_bench())
     if args.section in ("rl-updates", "all"):
         print_rows("rlvr PPO epochs", bench_rl_updates())
     if args.section in ("attention", "all"):     # context parallel rows need several devices (see the module)

@@ -126,6 +126,16 @@ def check_rl_config(cfg) -> None:
             raise ValueError(f"rl.{key}={r[key]!r} cannot take effect: {why}")
 
 
+CONTINUOUS_KEYS = ("continuous_batching", "num_slots", "refill_batch")
+
+
+def slot_config(sampling_cfg):
+    """`sampling.continuous_batching`'s slots (`sampling.continuous.SlotConfig`), or None: static batches."""
+    from posttrain.sampling.continuous import SlotConfig
+    s = sampling_cfg
+    return SlotConfig(s.num_slots, s.refill_batch) if s.continuous_batching else None
+
+
 def check_sampling_config(cfg, stage_names) -> None:
     """Raise ValueError naming the `sampling.*` key whose value is invalid or cannot take effect: the
     keys configure the rlvr stage's sampler, so another stage alone must leave them at their defaults."""
@@ -143,9 +153,25 @@ def check_sampling_config(cfg, stage_names) -> None:
     if s.prefix_cache and cfg.distributed.num_processes > 1:
         raise ValueError(f"sampling.prefix_cache={s.prefix_cache}: runs in a single process for now "
                          f"(distributed.num_processes={cfg.distributed.num_processes})")
+    if s.prefix_cache and s.continuous_batching:
+        raise ValueError(f"sampling.prefix_cache={s.prefix_cache}: not supported with sampling.continuous_batching "
+                         "(the continuous engine prefills every prompt whole); turn one of them off")
     if s.draft_layers != defaults.draft_layers and not s.speculative_k:
         raise ValueError(f"sampling.draft_layers={s.draft_layers}: no draft without sampling.speculative_k > 0")
-    if "rlvr" not in stage_names:
+    if s.continuous_batching and s.speculative_k:
+        raise ValueError(f"sampling.continuous_batching with sampling.speculative_k={s.speculative_k}: speculative "
+                         "decoding runs in static batches only; turn one of them off")
+    if not 1 <= s.refill_batch <= s.num_slots:
+        raise ValueError(f"sampling.refill_batch={s.refill_batch}: expected 1..sampling.num_slots ({s.num_slots})")
+    for key in ("num_slots", "refill_batch"):
+        if s[key] != defaults[key] and not s.continuous_batching:
+            raise ValueError(f"sampling.{key}={s[key]!r} cannot take effect without sampling.continuous_batching")
+    if "rejection_sampling" in stage_names and "rlvr" not in stage_names:   # it samples with the continuous keys only
+        changed = [k for k in defaults if s[k] != defaults[k] and k not in CONTINUOUS_KEYS]
+        if changed:
+            raise ValueError(f"sampling.{changed[0]}={s[changed[0]]!r}: of the sampling.* keys, the rejection_sampling "
+                             f"stage takes only {', '.join(CONTINUOUS_KEYS)}")
+    elif "rlvr" not in stage_names:
         changed = [k for k in defaults if s[k] != defaults[k]]
         if changed:
             raise ValueError(f"sampling.{changed[0]}={s[changed[0]]!r}: the sampling.* keys configure the rlvr "

@@ -1,11 +1,15 @@
 """Multi-turn rollouts (`rl.env = "tool"`): episodes batched across the sampler, turn by turn.
 
-Each round, one sampler call continues every unfinished episode of the batch (their contexts,
-of different lengths after different tool outputs, are simply prompts of different lengths;
-finished episodes drop out of the batch; no slot refilling yet: a new episode waits for the next
-batch), then their
-environments step on the worker's thread pool (tool calls wait on sandboxes, not the GIL) and
-append the tool output. The behaviour log-prob of every model token is recorded at its position
+Each round, one sampler call (`RolloutWorker.sample`) continues every unfinished episode of the
+batch (their contexts, of different lengths after different tool outputs, are simply prompts of
+different lengths; finished episodes drop out of the batch). With `sampling.continuous_batching`
+that call runs the round's contexts as requests through continuously refilled slots, so within a
+round one long turn holds one slot, not the whole batch; the samples are the same as static
+batching's (same RNG ids: the context's index in the round, key fold_in(key, round)). Not done:
+interleaving *across* rounds: an episode's next turn waits for its round to end (the environment
+steps run on the host between two device programs), so a round still lasts as long as its longest
+turn. After each round the environments step on the worker's thread pool (tool calls wait on
+sandboxes, not the GIL) and append the tool output. The behaviour log-prob of every model token is recorded at its position
 in the episode's token row, turn by turn (0 on prompt and environment tokens), so the learner's
 `rl_batch` sees the same [tokens, loss_mask, behav_logp] layout as for single-turn samples: the
 loss mask is True exactly on the model's tokens (`Trajectory.loss_mask`).
@@ -24,9 +28,8 @@ import time
 import jax
 import numpy as np
 
-from posttrain.rl.rollout import BusyClock, RolloutBatch, RolloutWorker
+from posttrain.rl.rollout import RolloutBatch, RolloutWorker
 from posttrain.rl.scheduler import Group
-from posttrain.sampling.generate import generate
 
 
 def rollout_episodes(worker: RolloutWorker, params, rest, tasks: list[tuple[str, object]], key, *,
@@ -42,9 +45,8 @@ def rollout_episodes(worker: RolloutWorker, params, rest, tasks: list[tuple[str,
     active, model_s, env_s, turn = list(range(len(envs))), 0.0, 0.0, 0
     while active:
         t0 = time.perf_counter()
-        with (worker.clock or BusyClock()).busy():
-            samples = generate(worker.graphdef, params, rest, [envs[i].trajectory().tokens for i in active], sampling,
-                               jax.random.fold_in(key, turn), pad_id=worker.pad_id, prefix_cache=worker.prefix_cache)
+        samples = worker.sample(params, rest, [envs[i].trajectory().tokens for i in active], sampling,
+                                jax.random.fold_in(key, turn))
         t1 = time.perf_counter()
         actions = [samples.completion(j) for j in range(len(active))]
         steps = list(worker.pool.map(lambda i, a: envs[i].step(a), active, actions))

@@ -34,7 +34,7 @@ from posttrain.models.decoder import Decoder
 from posttrain.models.quant import quantize_params
 from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.buffer import Rollout
-from posttrain.rl.checks import check_rl_config, check_sampling_config, ppo_steps
+from posttrain.rl.checks import check_rl_config, check_sampling_config, ppo_steps, slot_config
 from posttrain.rl.critic import ValueDecoder
 from posttrain.rl.episodes import rollout_episodes
 from posttrain.rl.hosts import all_values, check_multihost_rl
@@ -220,7 +220,8 @@ def run(cfg) -> Result:
                               donate=r.max_staleness == 0, seed=cfg.seed)
             worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, r.verifier_delay, clock,
                                    episodes=rollout_episodes if r.env == "tool" else None,
-                                   prefix_cache=rollout_prefix_cache(cfg))
+                                   prefix_cache=rollout_prefix_cache(cfg),
+                                   continuous=slot_config(cfg.sampling))
             base_key = jax.random.key(cfg.seed)
             rewards = RewardComposer.from_config(cfg, mesh, rules, pad_id=tok.pad_id)
             if start and "reward_stats" in data:

@@ -58,6 +58,7 @@ from posttrain.data.sources import read_jsonl
 from posttrain.data.tokenizer import Tokenizer, load_tokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import allgather_json, mesh_and_rules, use_sharding
+from posttrain.rl.checks import slot_config
 from posttrain.rl.domains import Domain
 from posttrain.rl.envs.base import Task, Trajectory
 from posttrain.rl.rollout import RolloutWorker
@@ -406,7 +407,7 @@ def run(cfg) -> Result:
                               num_samples=r.samples_per_prompt)
     with concurrent.futures.ThreadPoolExecutor(rl.verifier_workers) as pool, use_sharding(mesh, rules):
         params, rest, policy = load_policy(cfg, make, mesh, rules)
-        worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool)
+        worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, continuous=slot_config(cfg.sampling))
         candidates = sample_candidates(worker, params, rest, pairs, jax.random.key(cfg.seed),
                                        samples=r.samples_per_prompt, chunk=rl.prompts_per_step, tok=tok,
                                        progress=cfg.train.progress and jax.process_index() == 0)

@@ -1,9 +1,11 @@
 """Rollouts: generate groups on the device with the learner's weights, verify them on a thread pool.
 
 `RolloutWorker.generate` runs the sampler (device work); `RolloutWorker.verify` scores the
-responses (host work) and returns a `RolloutBatch`. `collect_batch` is one synchronous batch with
-dynamic sampling; the overlapped path runs the same two phases on `producer.AsyncProducer`'s
-threads.
+responses (host work) and returns a `RolloutBatch`. The sampler is static `generate` or, with
+`sampling.continuous_batching` (`RolloutWorker.continuous`), `generate_continuous`: the same
+samples for the same key, a few long responses no longer holding every row of the batch.
+`collect_batch` is one synchronous batch with dynamic sampling; the overlapped path runs the same
+two phases on `producer.AsyncProducer`'s threads.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from posttrain.eval.passk import mean_pass_at_k
 from posttrain.rl.buffer import Rollout
 from posttrain.rl.hosts import all_group_rewards, all_rewards, combine_info, group_share
 from posttrain.rl.scheduler import Group, TaskScheduler
+from posttrain.sampling.continuous import SlotConfig, generate_continuous
 from posttrain.sampling.generate import Samples, generate
 from posttrain.sampling.rules import SamplingParams
 
@@ -91,6 +94,17 @@ class RolloutWorker:
     clock: BusyClock | None = None
     episodes: Callable | None = None  # multi-turn rollouts (`episodes.rollout_episodes`, rl.env = "tool")
     prefix_cache: Any = None          # `sampling.prefix_cache.PrefixCache` (sampling.prefix_cache > 0)
+    continuous: SlotConfig | None = None   # continuous batching (sampling.continuous_batching); None: static
+
+    def sample(self, params, rest, prompts: list, sampling: SamplingParams, key) -> Samples:
+        """The sampler call of every rollout: `sampling.num_samples` samples per prompt, sample
+        i*G+g drawing from fold_in(key, i*G+g), in a static batch or continuously refilled slots."""
+        with (self.clock or BusyClock()).busy():
+            if self.continuous is None:
+                return generate(self.graphdef, params, rest, prompts, sampling, key, pad_id=self.pad_id,
+                                prefix_cache=self.prefix_cache)
+            return generate_continuous(self.graphdef, params, rest, prompts, sampling, key, slots=self.continuous,
+                                       pad_id=self.pad_id)
 
     def generate(self, params, rest, tasks: list[tuple[str, object]], key, *, num_samples: int | None = None,
                  greedy: bool = False) -> Pending:
@@ -104,9 +118,7 @@ class RolloutWorker:
         envs = [[self.domains[d].make_env() for _ in range(g)] for d, _ in tasks]
         prompts = [[e.reset(t) for e in row][0] for row, (_, t) in zip(envs, tasks)]
         t0 = time.perf_counter()
-        with (self.clock or BusyClock()).busy():
-            samples = generate(self.graphdef, params, rest, prompts, sampling, key, pad_id=self.pad_id,
-                               prefix_cache=self.prefix_cache)
+        samples = self.sample(params, rest, prompts, sampling, key)
         return Pending(tasks, envs, samples, time.perf_counter() - t0)
 
     def verify(self, pending: Pending) -> RolloutBatch:
