@@ -89,6 +89,44 @@ def test_argument_memory_is_the_hand_count(compiled):
     assert sft["xla_flops"] > 0 and sft["collectives"]["all-reduce"] > 0
 
 
+@pytest.mark.parametrize("kind, platform, want", [("cpu", "cpu", "padded"), ("TPU v5", "tpu", "ragged"),
+                                                   ("TPU v5 lite", "tpu", "padded"), ("NVIDIA H100", "gpu", "ragged")])
+def test_auto_dispatch_follows_the_meshs_device_kind(kind, platform, want):
+    """'auto' takes the padded all-to-all on the CPU and on v5e (whose compiler fails on the ragged
+    one at scale), from the mesh's devices, not the host's backend; an explicit kind is kept."""
+    from jax._src.mesh import AbstractDevice
+    from jax.sharding import AbstractMesh, PartitionSpec as P
+
+    from posttrain.models.moe.dispatch import expert_layout
+    mesh = AbstractMesh((2, 2), ("data", "expert"), abstract_device=AbstractDevice(kind, 1, platform))
+    layout = lambda dispatch: expert_layout(mesh, P(("data", "expert")), P(), P("expert"), P("expert"), dispatch)
+    assert layout("auto").dispatch == want
+    assert layout("ragged").dispatch == "ragged" and layout("padded").dispatch == "padded"
+    with pytest.raises(ValueError, match="moe.dispatch='all'"):
+        layout("all")
+
+
+@needs_libtpu
+def test_v5e_compiles_the_expert_parallel_step_with_the_padded_all_to_all():
+    """The tiny MoE train step compiles for v5e (data 2 · expert 2) with expert parallelism on
+    the padded all-to-all; `model.moe.dispatch='ragged'` would choose the ragged one."""
+    from posttrain import compile_plan as cp
+    from posttrain.parallel import make_mesh, mesh_device_kind, parse_rules, use_sharding
+    cfg = tiny_moe_config()
+    mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices("v5e:2x2"))
+    rules = parse_rules(cfg.sharding.rules.to_dict())
+    assert mesh_device_kind(mesh) == "TPU v5 lite"
+    with use_sharding(mesh, rules):
+        (program,) = cp.build_programs(cfg, mesh, rules, ("sft",), prompt_len=8)
+        compiled, _ = cp.compile_program(program, mesh, rules)
+    hlo = compiled.as_text()
+    assert "ragged-dot" in hlo, "experts not on ragged_dot"
+    assert not re.search(r"ragged-all-to-all\(", hlo)
+    assert len(re.findall(r" all-to-all(?:-start)?\(", hlo)) >= 4        # rows and ids there, rows back, transposed
+    report = cp.program_report(program, compiled, aot.CHIPS["v5e"], mesh.size)
+    assert report["fits"] and report["collectives"]["all-to-all"] > 0
+
+
 def test_collective_bytes_follow_loops_and_kinds():
     hlo = """HloModule m
 
