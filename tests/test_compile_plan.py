@@ -125,6 +125,49 @@ def test_v5e_compiles_the_expert_parallel_step_with_the_padded_all_to_all():
     assert len(re.findall(r" all-to-all(?:-start)?\(", hlo)) >= 4        # rows and ids there, rows back, transposed
     report = cp.program_report(program, compiled, aot.CHIPS["v5e"], mesh.size)
     assert report["fits"] and report["collectives"]["all-to-all"] > 0
+    # the analytic model counts the padded exchange's buffers (rows both ways, ids) exactly
+    from posttrain import cost_model
+    analytic = cost_model.program_cost(cfg, mesh, rules, "sft", 8, aot.CHIPS["v5e"])
+    assert analytic["collectives"]["all-to-all"] == pytest.approx(report["collectives"]["all-to-all"], rel=0.01)
+
+
+def pod_like_tiny_config():
+    """The tiny MoE laid out as the pod configs are (configs/pod/moe_shapes.py): ZeRO-3 over
+    fsdp × expert, experts over expert, bf16, remat full, capacity 1.25; embed 256 wide (the TPU
+    ragged all-to-all pads narrower rows to 256 elements)."""
+    cfg = tiny_moe_config()
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert = 1, 2, 2
+    cfg.sharding.rules.embed = "fsdp,expert"
+    m = cfg.model
+    m.embed_dim, m.param_dtype, m.dtype, m.remat, m.moe.capacity_factor = 256, "bfloat16", "bfloat16", "full", 1.25
+    return cfg
+
+
+@needs_libtpu
+def test_analytic_cost_model_matches_the_compiled_program():
+    """`cost_model.program_cost` (FLOPs and collective bytes from the shapes, mesh and rules) against
+    the compiled pod-like step: FLOPs and the expert all-to-all exactly, the gradient reduction
+    (reduce-scatter + all-reduce) within 10%; XLA gathers the attention weights a third time in
+    the backward (the model: forward and remat forward), so its all-gather is 1-1.5x the model's."""
+    from posttrain import compile_plan as cp
+    from posttrain import cost_model
+    from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    import jax
+    cfg = pod_like_tiny_config()
+    mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
+    rules = parse_rules(cfg.sharding.rules.to_dict())
+    # bf16 as a pod run computes it (conftest asks 'highest', which Mosaic rejects for bf16 operands)
+    with use_sharding(mesh, rules), jax.default_matmul_precision("default"):
+        (program,) = cp.build_programs(cfg, mesh, rules, ("sft",), prompt_len=8)
+        compiled, _ = cp.compile_program(program, mesh, rules)
+    got = cp.program_report(program, compiled, aot.CHIPS["v5p"], mesh.size)["collectives"]
+    analytic = cost_model.program_cost(cfg, mesh, rules, "sft", 8, aot.CHIPS["v5p"])
+    want = analytic["collectives"]
+    assert analytic["model_flops_per_device"] == program.model_flops / mesh.size
+    assert want["all-to-all"] == pytest.approx(got["all-to-all"], rel=0.01)
+    assert want["reduce-scatter"] + want["all-reduce"] == pytest.approx(got["reduce-scatter"] + got["all-reduce"], rel=0.1)
+    assert want["all-gather"] <= got["all-gather"] <= 1.5 * want["all-gather"]
+    assert 0 < analytic["mfu"] < 1 and analytic["step_s"] > analytic["compute_s"] > 0
 
 
 def test_collective_bytes_follow_loops_and_kinds():
