@@ -7,7 +7,8 @@ programs by tests/test_compile_plan.py and in BENCHMARKS.md "Pod plan").
 The schedule it counts (mesh axes data · fsdp · expert, the batch over all of them):
 * ZeRO-3: every weight sharded over batch axes is all-gathered before use, once per forward
   pass, and again in the backward pass under remat (`model.remat` full or dots: the gathered copy
-  is not a residual); experts keep their `expert` sharding and gather only the embed dim. Each
+  is not a residual; see `WeightBytes.gathered_per_pass`); experts keep their `expert` sharding
+  and gather only the embed dim. Each
   trained weight's gradient is reduced at its gathered size (see `WeightBytes` for which
   collective); LoRA adapters' gradients are all-reduced.
 * Expert parallelism: per MoE layer and pass, each chip sends its T·k (token, expert) rows to the
@@ -56,6 +57,18 @@ class WeightBytes:
     gathered: float
     reduce_scattered: float
     all_reduced: float
+    stacked_dense: float = 0.0
+    experts: float = 0.0
+
+    def gathered_per_pass(self, trained: bool, remat: bool) -> float:
+        """Bytes all-gathered by one pass over the model. A trained pass under remat gathers the
+        experts twice (forward, recomputed forward: one explicit gather in the `shard_map` feeds
+        the recompute and the transposed matmuls) and the other weights of the layer stack three
+        times (XLA partitions the backward's transposed matmul with a gather of its own); weights
+        outside the stack (embedding, head) once. Counted from the compiled programs' HLO."""
+        if not (trained and remat):
+            return self.gathered
+        return self.gathered + self.experts + 2 * self.stacked_dense
 
 
 def _spec_ways(spec, mesh: Mesh, names: tuple, batch_axes: set[str]) -> tuple[tuple[str, ...], int]:
@@ -85,14 +98,19 @@ def weight_bytes(cfg, mesh: Mesh, rules: Rules) -> WeightBytes:
     lora = cfg.lora.rank > 0
     adapted = set(target_paths(params, cfg.lora.targets)) if lora else set()
     batch_axes = set(rules["batch"])
-    gathered = reduce_scattered = all_reduced = 0.0
+    gathered = reduce_scattered = all_reduced = stacked_dense = experts = 0.0
     for path, var in nnx.to_flat_state(params):
         key = "/".join(str(getattr(p, "key", p)) for p in path)
         names = tuple(var.get_metadata().get("out_sharding") or (None,) * len(var.shape))
         spec = logical_spec(names, mesh, rules, var.shape)
         gather_axes, keep = _spec_ways(spec, mesh, names, batch_axes)
         nbytes = math.prod(var.shape) * var.dtype.itemsize / keep         # this chip's part, gathered
-        gathered += nbytes if gather_axes else 0.0
+        if gather_axes:
+            gathered += nbytes
+            if "experts" in names:
+                experts += nbytes
+            elif key.startswith("stacks/"):
+                stacked_dense += nbytes
         if key in adapted or not lora:
             if len(gather_axes) == 1:
                 reduce_scattered += nbytes
@@ -104,7 +122,7 @@ def weight_bytes(cfg, mesh: Mesh, rules: Rules) -> WeightBytes:
             fans = math.prod(var.shape[nb:nb + nin]) + math.prod(var.shape[nb + nin:])
             experts = keep_experts(spec, names, mesh)
             all_reduced += math.prod(var.shape[:nb]) / experts * cfg.lora.rank * fans * var.dtype.itemsize
-    return WeightBytes(gathered, reduce_scattered, all_reduced)
+    return WeightBytes(gathered, reduce_scattered, all_reduced, stacked_dense, experts)
 
 def activated_by_weight(m) -> dict[str, float]:
     """Weights one token multiplies through, by weight name (q, k, v, o, gate, up, down, w_gate,
@@ -216,7 +234,7 @@ def program_cost(cfg, mesh: Mesh, rules: Rules, program: str, prompt_len: int, c
             model, executed = model + ref, executed + ref
         forward = 2 if m.remat != "none" else 1       # under remat the backward gathers and exchanges again
         rows_b, ids_b = exchange_bytes(cfg, mesh, rules, tokens_per_chip(rows, length, mesh, rules))
-        coll["all-gather"] = (forward + (1 if ref_rows else 0)) * w.gathered
+        coll["all-gather"] = w.gathered_per_pass(True, forward == 2) + (w.gathered if ref_rows else 0.0)
         coll["reduce-scatter"], coll["all-reduce"] = w.reduce_scattered, w.all_reduced
         coll["all-to-all"] = forward * (rows_b + ids_b) + rows_b
         if ref_rows:
