@@ -55,14 +55,19 @@ def row(model: str, mode: str, r: dict) -> str:
     return (f"| {model} | {mode} | {r['program']} | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
             f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | (not compiled) | ≥ {r['arguments'] / GB:.1f} | "
             f"{'no' if r['arguments'] > r['hbm'] else '?'} | {a['executed_flops_per_device'] / 1e12:.0f} (analytic) | "
-            f"{sum(a['collectives'].values()) / GB:.1f} ({coll}) | {a['step_s']:.2f} | {a['mfu']:.0%} |")
+            f"{sum(a['collectives'].values()) / GB:.1f} ({coll}) | {a['step_s']:.2f} | {mfu(a['mfu'])} |")
 
 
 def grid_cell(r: dict) -> str:
     """One slice's analytic numbers for the grid: TFLOP/chip · collective GB/chip · est. s · MFU."""
     a = r["analytic"]
     return (f"{a['executed_flops_per_device'] / 1e12:.0f} · {sum(a['collectives'].values()) / GB:.0f} · "
-            f"{a['step_s']:.2f} · {a['mfu']:.0%}{' ✗' if r['arguments'] > r['hbm'] else ''}")
+            f"{a['step_s']:.2f} · {mfu(a['mfu'])}{' ✗' if r['arguments'] > r['hbm'] else ''}")
+
+
+def mfu(x: float) -> str:
+    """MFU as a percentage, with a decimal below 10% (a decode-bound sampler)."""
+    return f"{x:.1%}" if x < 0.1 else f"{x:.0%}"
 
 
 HEADER = ("| model | mode | program | slice | mesh | params GB | opt GB | ref+frozen GB | temps GB | "
