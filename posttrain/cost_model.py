@@ -8,9 +8,8 @@ The schedule it counts (mesh axes data · fsdp · expert, the batch over all of 
 * ZeRO-3: every weight sharded over batch axes is all-gathered before use, once per forward
   pass, and again in the backward pass under remat (`model.remat` full or dots: the gathered copy
   is not a residual; see `WeightBytes.gathered_per_pass`); experts keep their `expert` sharding
-  and gather only the embed dim. Each
-  trained weight's gradient is reduced at its gathered size (see `WeightBytes` for which
-  collective); LoRA adapters' gradients are all-reduced.
+  and gather only the embed dim. Each trained weight's gradient is reduced at its gathered size
+  (see `WeightBytes` for which collective); LoRA adapters' gradients are all-reduced.
 * Expert parallelism: per MoE layer and pass, each chip sends its T·k (token, expert) rows to the
   peers holding their experts and gets the outputs back; the backward pass does both again
   (transposed). Bytes are those the program's buffers hold, as `aot.collective_bytes` counts
@@ -53,6 +52,8 @@ class WeightBytes:
       over one batch axis; an all-reduce where it is sharded over several (XLA reduces the
       gradient of a weight split over fsdp × expert with an all-reduce, seen in every compiled
       program) or over none, and for LoRA adapters (sharded only over layers and experts).
+    stacked_dense / experts: the parts of `gathered` that are the layer stack's non-expert
+      weights and the experts (the rest: embedding, head, final norm).
     """
     gathered: float
     reduce_scattered: float
