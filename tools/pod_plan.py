@@ -6,7 +6,7 @@ FLOPs, collective bytes and a roofline step time, for BENCHMARKS.md "Pod plan".
 
 Without --compile: the exact argument bytes by part and the analytic cost model
 (`posttrain.cost_model`: FLOPs, collective bytes, roofline step time and MFU from the shapes,
-mesh and rules; seconds for all rows); with it every program is compiled for the slice (20-30
+mesh and rules; ~2 minutes for all 80 rows); with it every program is compiled for the slice (20-30
 minutes per large model on a CPU host). --grid prints the analytic numbers as one row per
 program with a column per slice (BENCHMARKS.md "Pod plan"). Needs libtpu (`pip install -e '.[tpu]'`).
 """
