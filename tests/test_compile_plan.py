@@ -195,6 +195,33 @@ def test_analytic_cost_model_matches_the_cpu_compiled_program():
                                 aot.CHIPS["v5p"])
 
 
+def test_analytic_flops_are_the_programs_model_flops():
+    """The cost model's model FLOPs per chip are those `compile_plan` builds each train program with
+    (SFT, DPO with its reference, the RL learner with its KL reference); the reference and LoRA
+    change them as stated."""
+    import jax
+
+    from posttrain import compile_plan as cp
+    from posttrain import cost_model
+    from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    cfg = pod_like_tiny_config()
+    mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
+    rules = parse_rules(cfg.sharding.rules.to_dict())
+    names = ("sft", "dpo", "rl_learner")
+    with use_sharding(mesh, rules):
+        programs = cp.build_programs(cfg, mesh, rules, names, prompt_len=8)
+    cost = {n: cost_model.program_cost(cfg, mesh, rules, n, 8, aot.CHIPS["v5p"]) for n in names}
+    for p in programs:
+        assert cost[p.name]["model_flops_per_device"] == pytest.approx(p.model_flops / mesh.size, rel=1e-9), p.name
+    assert cost["rl_learner"]["collectives"]["all-gather"] > 0
+    cfg.lora.rank, cfg.lora.targets = 4, ("q", "k", "v", "o")
+    lora = cost_model.program_cost(cfg, mesh, rules, "sft", 8, aot.CHIPS["v5p"])
+    assert lora["model_flops_per_device"] == pytest.approx(cost["sft"]["model_flops_per_device"] * 4 / 6)
+    assert lora["model_flops_per_device"] < lora["executed_flops_per_device"] < cost["sft"]["model_flops_per_device"]
+    assert lora["collectives"]["reduce-scatter"] + lora["collectives"]["all-reduce"] < (
+        cost["sft"]["collectives"]["reduce-scatter"] + cost["sft"]["collectives"]["all-reduce"])
+
+
 def test_collective_bytes_follow_loops_and_kinds():
     hlo = """HloModule m
 
