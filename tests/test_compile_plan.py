@@ -89,6 +89,139 @@ def test_argument_memory_is_the_hand_count(compiled):
     assert sft["xla_flops"] > 0 and sft["collectives"]["all-reduce"] > 0
 
 
+@pytest.mark.parametrize("kind, platform, want", [("cpu", "cpu", "padded"), ("TPU v5", "tpu", "ragged"),
+                                                   ("TPU v5 lite", "tpu", "padded"), ("NVIDIA H100", "gpu", "ragged")])
+def test_auto_dispatch_follows_the_meshs_device_kind(kind, platform, want):
+    """'auto' takes the padded all-to-all on the CPU and on v5e (whose compiler fails on the ragged
+    one at scale), from the mesh's devices, not the host's backend; an explicit kind is kept."""
+    from jax._src.mesh import AbstractDevice
+    from jax.sharding import AbstractMesh, PartitionSpec as P
+
+    from posttrain.models.moe.dispatch import expert_layout
+    mesh = AbstractMesh((2, 2), ("data", "expert"), abstract_device=AbstractDevice(kind, 1, platform))
+    layout = lambda dispatch: expert_layout(mesh, P(("data", "expert")), P(), P("expert"), P("expert"), dispatch)
+    assert layout("auto").dispatch == want
+    assert layout("ragged").dispatch == "ragged" and layout("padded").dispatch == "padded"
+    with pytest.raises(ValueError, match="moe.dispatch='all'"):
+        layout("all")
+
+
+@needs_libtpu
+def test_v5e_compiles_the_expert_parallel_step_with_the_padded_all_to_all():
+    """The tiny MoE train step compiles for v5e (data 2 · expert 2) with expert parallelism on
+    the padded all-to-all; `model.moe.dispatch='ragged'` would choose the ragged one."""
+    from posttrain import compile_plan as cp
+    from posttrain.parallel import make_mesh, mesh_device_kind, parse_rules, use_sharding
+    cfg = tiny_moe_config()
+    mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices("v5e:2x2"))
+    rules = parse_rules(cfg.sharding.rules.to_dict())
+    assert mesh_device_kind(mesh) == "TPU v5 lite"
+    with use_sharding(mesh, rules):
+        (program,) = cp.build_programs(cfg, mesh, rules, ("sft",), prompt_len=8)
+        compiled, _ = cp.compile_program(program, mesh, rules)
+    hlo = compiled.as_text()
+    assert "ragged-dot" in hlo, "experts not on ragged_dot"
+    assert not re.search(r"ragged-all-to-all\(", hlo)
+    assert len(re.findall(r" all-to-all(?:-start)?\(", hlo)) >= 4        # rows and ids there, rows back, transposed
+    report = cp.program_report(program, compiled, aot.CHIPS["v5e"], mesh.size)
+    assert report["fits"] and report["collectives"]["all-to-all"] > 0
+    # the analytic model counts the padded exchange's buffers (rows both ways, ids) exactly
+    from posttrain import cost_model
+    analytic = cost_model.program_cost(cfg, mesh, rules, "sft", 8, aot.CHIPS["v5e"])
+    assert analytic["collectives"]["all-to-all"] == pytest.approx(report["collectives"]["all-to-all"], rel=0.01)
+
+
+def pod_like_tiny_config():
+    """The tiny MoE laid out as the pod configs are (configs/pod/moe_shapes.py): ZeRO-3 over
+    fsdp × expert, experts over expert, bf16, remat full, capacity 1.25; embed 256 wide (the TPU
+    ragged all-to-all pads narrower rows to 256 elements)."""
+    cfg = tiny_moe_config()
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert = 1, 2, 2
+    cfg.sharding.rules.embed = "fsdp,expert"
+    m = cfg.model
+    m.embed_dim, m.param_dtype, m.dtype, m.remat, m.moe.capacity_factor = 256, "bfloat16", "bfloat16", "full", 1.25
+    return cfg
+
+
+@needs_libtpu
+def test_analytic_cost_model_matches_the_compiled_program():
+    """`cost_model.program_cost` (FLOPs and collective bytes from the shapes, mesh and rules) against
+    the compiled pod-like step: the expert all-to-all within 1%, the weight gathers and the
+    gradient reduction (reduce-scatter + all-reduce: XLA merges small reductions) within 10%."""
+    from posttrain import compile_plan as cp
+    from posttrain import cost_model
+    from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    import jax
+    cfg = pod_like_tiny_config()
+    mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
+    rules = parse_rules(cfg.sharding.rules.to_dict())
+    # bf16 as a pod run computes it (conftest asks 'highest', which Mosaic rejects for bf16 operands)
+    with use_sharding(mesh, rules), jax.default_matmul_precision("default"):
+        (program,) = cp.build_programs(cfg, mesh, rules, ("sft",), prompt_len=8)
+        compiled, _ = cp.compile_program(program, mesh, rules)
+    got = cp.program_report(program, compiled, aot.CHIPS["v5p"], mesh.size)["collectives"]
+    analytic = cost_model.program_cost(cfg, mesh, rules, "sft", 8, aot.CHIPS["v5p"])
+    want = analytic["collectives"]
+    assert analytic["model_flops_per_device"] == program.model_flops / mesh.size
+    assert want["all-to-all"] == pytest.approx(got["all-to-all"], rel=0.01)
+    assert want["reduce-scatter"] + want["all-reduce"] == pytest.approx(got["reduce-scatter"] + got["all-reduce"], rel=0.1)
+    assert want["all-gather"] == pytest.approx(got["all-gather"], rel=0.1)
+    assert 0 < analytic["mfu"] < 1 and analytic["step_s"] > analytic["compute_s"] > 0
+
+
+def test_analytic_cost_model_matches_the_cpu_compiled_program():
+    """Where libtpu is absent: the same pod-like step compiled for 4 CPU devices (the padded
+    exchange, the CPU's path) against `cost_model.program_cost`: the all-to-all buffers within
+    1%, the gradient reduction (reduce-scatter + all-reduce) within 10%; XLA:CPU gathers the dense
+    weights of the backward once less than XLA:TPU (the model counts TPU's), so only a bound."""
+    import jax
+
+    from posttrain import compile_plan as cp
+    from posttrain import cost_model
+    from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    cfg = pod_like_tiny_config()
+    mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
+    rules = parse_rules(cfg.sharding.rules.to_dict())
+    with use_sharding(mesh, rules):
+        (program,) = cp.build_programs(cfg, mesh, rules, ("sft",), prompt_len=8)
+        got, _ = aot.collective_bytes(cp.compile_program(program, mesh, rules)[0].as_text())
+    want = cost_model.program_cost(cfg, mesh, rules, "sft", 8, aot.CHIPS["v5p"])["collectives"]
+    assert want["all-to-all"] == pytest.approx(got["all-to-all"], rel=0.01)
+    assert want["reduce-scatter"] + want["all-reduce"] == pytest.approx(got["reduce-scatter"] + got["all-reduce"], rel=0.1)
+    assert 0.6 * want["all-gather"] <= got["all-gather"] <= want["all-gather"]
+    cfg.mesh.tensor, cfg.mesh.fsdp = 2, 1
+    with pytest.raises(ValueError, match="tensor"):
+        cost_model.program_cost(cfg, make_mesh(cfg.mesh.to_dict(), jax.devices()[:4]), rules, "sft", 8,
+                                aot.CHIPS["v5p"])
+
+
+def test_analytic_flops_are_the_programs_model_flops():
+    """The cost model's model FLOPs per chip are those `compile_plan` builds each train program with
+    (SFT, DPO with its reference, the RL learner with its KL reference); the reference and LoRA
+    change them as stated."""
+    import jax
+
+    from posttrain import compile_plan as cp
+    from posttrain import cost_model
+    from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    cfg = pod_like_tiny_config()
+    mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
+    rules = parse_rules(cfg.sharding.rules.to_dict())
+    names = ("sft", "dpo", "rl_learner")
+    with use_sharding(mesh, rules):
+        programs = cp.build_programs(cfg, mesh, rules, names, prompt_len=8)
+    cost = {n: cost_model.program_cost(cfg, mesh, rules, n, 8, aot.CHIPS["v5p"]) for n in names}
+    for p in programs:
+        assert cost[p.name]["model_flops_per_device"] == pytest.approx(p.model_flops / mesh.size, rel=1e-9), p.name
+    assert cost["rl_learner"]["collectives"]["all-gather"] > 0
+    cfg.lora.rank, cfg.lora.targets = 4, ("q", "k", "v", "o")
+    lora = cost_model.program_cost(cfg, mesh, rules, "sft", 8, aot.CHIPS["v5p"])
+    assert lora["model_flops_per_device"] == pytest.approx(cost["sft"]["model_flops_per_device"] * 4 / 6)
+    assert lora["model_flops_per_device"] < lora["executed_flops_per_device"] < cost["sft"]["model_flops_per_device"]
+    assert lora["collectives"]["reduce-scatter"] + lora["collectives"]["all-reduce"] < (
+        cost["sft"]["collectives"]["reduce-scatter"] + cost["sft"]["collectives"]["all-reduce"])
+
+
 def test_collective_bytes_follow_loops_and_kinds():
     hlo = """HloModule m
 

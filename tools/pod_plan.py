@@ -2,11 +2,13 @@
 FLOPs, collective bytes and a roofline step time, for BENCHMARKS.md "Pod plan".
 
     python tools/pod_plan.py --models kimi_k2 --modes sft_full --topologies v5p-1024 [--compile]
-        [--rows_per_chip 1] [--json out.json]
+        [--rows_per_chip 1] [--json out.json] [--grid]
 
-Without --compile only what is exact without the compiler is reported (argument bytes by part,
-model FLOPs); with it every program is compiled for the slice (minutes per large model).
-Needs libtpu (`pip install -e '.[tpu]'`).
+Without --compile: the exact argument bytes by part and the analytic cost model
+(`posttrain.cost_model`: FLOPs, collective bytes, roofline step time and MFU from the shapes,
+mesh and rules; ~2 minutes for all 80 rows); with it every program is compiled for the slice (20-30
+minutes per large model on a CPU host). --grid prints the analytic numbers as one row per
+program with a column per slice (BENCHMARKS.md "Pod plan"). Needs libtpu (`pip install -e '.[tpu]'`).
 """
 
 from __future__ import annotations
@@ -48,10 +50,24 @@ def row(model: str, mode: str, r: dict) -> str:
                 f"{r['total'] / GB:.1f} | {'yes' if r['fits'] else '**no**'} | "
                 f"{max(r['xla_flops'], r['model_flops_per_device']) / 1e12:.0f} | {coll} | "
                 f"{r['step_s']:.2f} | {r['mfu']:.0%} |")
+    a = r["analytic"]
+    coll = ", ".join(f"{k} {v / GB:.1f}" for k, v in a["collectives"].items() if v)
     return (f"| {model} | {mode} | {r['program']} | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
             f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | (not compiled) | ≥ {r['arguments'] / GB:.1f} | "
-            f"{'no' if r['arguments'] > r['hbm'] else '?'} | {r['model_flops_per_device'] / 1e12:.0f} | – | "
-            f"≥ {r['compute_s']:.2f} | – |")
+            f"{'no' if r['arguments'] > r['hbm'] else '?'} | {a['executed_flops_per_device'] / 1e12:.0f} (analytic) | "
+            f"{sum(a['collectives'].values()) / GB:.1f} ({coll}) | {a['step_s']:.2f} | {mfu(a['mfu'])} |")
+
+
+def grid_cell(r: dict) -> str:
+    """One slice's analytic numbers for the grid: TFLOP/chip · collective GB/chip · est. s · MFU."""
+    a = r["analytic"]
+    return (f"{a['executed_flops_per_device'] / 1e12:.0f} · {sum(a['collectives'].values()) / GB:.0f} · "
+            f"{a['step_s']:.2f} · {mfu(a['mfu'])}{' ✗' if r['arguments'] > r['hbm'] else ''}")
+
+
+def mfu(x: float) -> str:
+    """MFU as a percentage, with a decimal below 10% (a decode-bound sampler)."""
+    return f"{x:.1%}" if x < 0.1 else f"{x:.0%}"
 
 
 HEADER = ("| model | mode | program | slice | mesh | params GB | opt GB | ref+frozen GB | temps GB | "
@@ -69,10 +85,13 @@ def main() -> None:
     ap.add_argument("--programs", default="", help="override the mode's programs (e.g. rl_learner)")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--json", default="")
+    ap.add_argument("--grid", action="store_true", help="analytic numbers, one column per slice")
     args = ap.parse_args()
+    from posttrain import cost_model
     from posttrain.compile_plan import plan
-    from posttrain.parallel import aot
-    out = []
+    from posttrain.parallel import aot, make_mesh, parse_rules
+    out, grid = [], {}
+    topologies = args.topologies.split(",")
     print(HEADER, flush=True)
     for model in args.models.split(","):
         for mode in args.modes.split(","):
@@ -89,9 +108,18 @@ def main() -> None:
                     print(f"| {model} | {mode} | – | {topology} | – | error: {type(e).__name__}: "
                           f"{str(e).splitlines()[0][:120]} |", flush=True)
                     continue
+                mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(topology))
+                rules = parse_rules(cfg.sharding.rules.to_dict())
+                chip = aot.CHIPS[aot.parse_topology(topology)[0]]
                 for r in reports:
+                    r["analytic"] = cost_model.program_cost(cfg, mesh, rules, r["program"], args.prompt_len, chip)
                     print(row(model, mode, r), flush=True)
                     out.append({"model": model, "mode": mode, **r})
+                    grid.setdefault((model, mode, r["program"]), {})[topology] = grid_cell(r)
+    if args.grid:
+        print(f"\n| model | mode | program | {' | '.join(topologies)} |\n|---|---|---|{'---|' * len(topologies)}")
+        for (model, mode, program), cells in grid.items():
+            print(f"| {model} | {mode} | {program} | {' | '.join(cells.get(t, '–') for t in topologies)} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -57,6 +57,19 @@ def mesh_and_rules(cfg) -> tuple[Mesh, Rules]:
     return make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules.to_dict())
 
 
+def mesh_device(mesh: Mesh | None = None):
+    """A device (or jax's `AbstractDevice` under jit) of the mesh a program is being built for:
+    `mesh`, else the mesh made current by `use_sharding` / `jax.set_mesh`; None when there is none."""
+    if mesh is None:
+        ctx = current()
+        mesh = ctx[0] if ctx is not None else jax.sharding.get_abstract_mesh()   # works under jit
+    if mesh.empty:
+        return None
+    if isinstance(mesh, Mesh):
+        return mesh.devices.flat[0]
+    return getattr(mesh, "abstract_device", None)
+
+
 def mesh_platform(mesh: Mesh | None = None) -> str:
     """The platform ('cpu', 'gpu', 'tpu') of the devices a program is being built for.
 
@@ -65,10 +78,12 @@ def mesh_platform(mesh: Mesh | None = None) -> str:
     `jax.default_backend()`, which says `cpu` on a CPU host even while a program is compiled
     ahead of time for an (abstract) TPU mesh.
     """
-    if mesh is None:
-        ctx = current()
-        mesh = ctx[0] if ctx is not None else jax.sharding.get_abstract_mesh()   # works under jit
-    device = getattr(mesh, "abstract_device", None) if not mesh.empty else None
-    if isinstance(mesh, Mesh) and not mesh.empty:
-        return mesh.devices.flat[0].platform
+    device = mesh_device(mesh)
     return device.platform if device is not None else jax.default_backend()
+
+
+def mesh_device_kind(mesh: Mesh | None = None) -> str:
+    """The device kind ('TPU v5 lite', 'TPU v5', 'cpu', ...) of the devices a program is being
+    built for (see `mesh_platform`): some code paths compile for one TPU generation, not another."""
+    device = mesh_device(mesh)
+    return device.device_kind if device is not None else jax.devices()[0].device_kind

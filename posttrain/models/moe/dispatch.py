@@ -12,6 +12,9 @@ Two exchanges do the same thing:
 * ragged (GPU/TPU): `jax.lax.ragged_all_to_all` moves only the real rows; peers first all-gather
   how many rows each sends to whom so that every device can compute where its rows land.
 
+`model.moe.dispatch='auto'` picks by the devices of the mesh (`auto_dispatch`): ragged on GPU and
+TPU, padded on the CPU and on TPU generations whose compiler rejects the ragged collective (v5e).
+
 Without expert-parallel peers the same code runs with one chunk and no collective.
 """
 
@@ -27,11 +30,17 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from posttrain.models.moe.experts import expert_ffn, expert_ranks, grouped_ffn, sort_by_expert
 from posttrain.models.quant import weight_einsum
-from posttrain.parallel.mesh import mesh_platform
+from posttrain.parallel.mesh import mesh_device_kind, mesh_platform
 
 # tokens × experts up to which the CPU runs `dense_experts` rather than sorted rows (measured: 16-token
 # decode 1.2× and 256-token prefill 1.7× faster dense; 512 tokens 1.5× slower)
 DENSE_EXPERTS_MAX_TOKEN_EXPERTS = 2048
+
+# device kinds for which 'auto' avoids `ragged_all_to_all`: libtpu 0.0.42.1 fails on the Qwen3-30B
+# step for v5e-256 with "RET_CHECK failure ... ragged_all_to_all_emitter.cc:325" (BENCHMARKS "Pod
+# plan"; a tiny step for v5e:2x2 does compile it), while every v5p slice compiles it
+NO_RAGGED_ALL_TO_ALL = ("TPU v5 lite",)
+DISPATCHES = ("auto", "ragged", "padded")
 
 
 def spec_axes(spec: P, dim: int) -> tuple[str, ...]:
@@ -78,14 +87,24 @@ class ExpertLayout:
         return self.mlp_axes + tuple(a for a in self.expert_axes if a not in self.token_axes)
 
 
+def auto_dispatch(mesh: Mesh) -> str:
+    """The all-to-all flavour `dispatch='auto'` takes on `mesh`: 'padded' where the compiler has no
+    `ragged_all_to_all` (XLA:CPU; TPU kinds in `NO_RAGGED_ALL_TO_ALL`), else 'ragged'. Read from
+    the mesh's devices, so a program compiled ahead of time for a TPU slice gets that slice's path."""
+    if mesh_platform(mesh) == "cpu" or mesh_device_kind(mesh) in NO_RAGGED_ALL_TO_ALL:
+        return "padded"
+    return "ragged"
+
+
 def expert_layout(mesh: Mesh, token_spec: P, router_spec: P, gate_spec: P, down_spec: P,
                   dispatch: str) -> ExpertLayout:
     """ExpertLayout from the PartitionSpecs of the tokens [B, S, D], router kernel [D, E], gate/up
-    weights [E, D, F] and down weights [E, F, D]; dispatch 'auto' picks ragged when the mesh is on GPU/TPU."""
-    if dispatch not in ("auto", "ragged", "padded"):
-        raise ValueError(f"moe.dispatch={dispatch!r}: expected 'auto', 'ragged' or 'padded'")
+    weights [E, D, F] and down weights [E, F, D]; dispatch 'auto' resolves by `auto_dispatch`,
+    'ragged' and 'padded' (`model.moe.dispatch`) force a flavour."""
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"moe.dispatch={dispatch!r}: expected one of {DISPATCHES}")
     if dispatch == "auto":
-        dispatch = "padded" if mesh_platform(mesh) == "cpu" else "ragged"
+        dispatch = auto_dispatch(mesh)
     token_axes = spec_axes(token_spec, 0) + spec_axes(token_spec, 1)
     expert_axes, mlp_axes = spec_axes(gate_spec, 0), spec_axes(gate_spec, 2)
     if (spec_axes(down_spec, 0), spec_axes(down_spec, 1)) != (expert_axes, mlp_axes):
