@@ -29,6 +29,7 @@ from posttrain.models.flops import activated_matmul_params, train_flops_per_toke
 from posttrain.parallel import aot, logical_spec, make_mesh, parse_rules, shardings_for, use_sharding
 from posttrain.rl.learner import rl_loss
 from posttrain.sampling.generate import bucket, generate_program
+from posttrain.sampling.layout import sampler_rules
 from posttrain.sampling.rules import SamplingParams
 from posttrain.train.optim import lr_schedule, make_optimizer
 from posttrain.train.stages import dpo_stage_loss
@@ -52,6 +53,7 @@ class Program:
     args: tuple
     parts: dict[str, Any]
     model_flops: float
+    rules: Any = None           # the logical-axis rules it runs under, when not the run's (the sampler's layout)
 
 
 def abstract(shape: tuple[int, ...], dtype, names: tuple, mesh: Mesh, rules) -> jax.ShapeDtypeStruct:
@@ -130,8 +132,10 @@ def rl_learner_program(cfg, mesh: Mesh, rules, prompt_len: int) -> Program:
 
 def sampler_program(cfg, mesh: Mesh, rules, prompt_len: int) -> Program:
     """The sampler (`generate_program`: prefill, then the decode loop) for one RL step's prompts,
-    with the weights the learner serves (LoRA merged: a full set)."""
+    with the weights the learner publishes (LoRA merged: a full set), in the layout
+    `sampling.layout` says (the learner's, or the decode layout's copy)."""
     r = cfg.rl
+    rules = sampler_rules(rules, cfg.sampling.layout)
     params, rest = abstract_weights(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh, rules)
     graphdef = nnx.graphdef(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))))
     b, p = bucket(r.prompts_per_step), bucket(prompt_len, 8)
@@ -146,7 +150,7 @@ def sampler_program(cfg, mesh: Mesh, rules, prompt_len: int) -> Program:
     n = activated_matmul_params(cfg.model)
     flops = 2 * n * (b * p + b * r.group_size * r.max_new_tokens)
     parts = {"params": params, "model variables": rest}
-    return Program("sampler", fn, args, parts, flops)
+    return Program("sampler", fn, args, parts, flops, rules)
 
 
 def build_programs(cfg, mesh: Mesh, rules, names: tuple[str, ...], prompt_len: int) -> list[Program]:
@@ -163,7 +167,7 @@ def build_programs(cfg, mesh: Mesh, rules, names: tuple[str, ...], prompt_len: i
 def compile_program(program: Program, mesh: Mesh, rules) -> tuple[Any, float]:
     """(compiled, seconds) of a program, lowered under the mesh and rules it was built for."""
     t = time.perf_counter()
-    with use_sharding(mesh, rules):
+    with use_sharding(mesh, rules if program.rules is None else program.rules):
         compiled = program.fn.lower(*program.args).compile()
     return compiled, time.perf_counter() - t
 

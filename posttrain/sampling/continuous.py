@@ -19,7 +19,7 @@ from flax import nnx
 
 from posttrain.sampling import engine, kv_cache
 from posttrain.sampling.generate import (MIN_PROMPT_BUCKET, Samples, bucket, new_token_limits, pad_prompts,
-                                         prompt_rows)
+                                         prompt_rows, sharding_key)
 from posttrain.sampling.rules import SamplingParams
 
 
@@ -60,13 +60,13 @@ def slot_refill(model: nnx.Module, layers: list | None, tokens: jax.Array, lengt
     return lambda slots, nxt: jax.lax.while_loop(can_fill, fill, (slots, nxt))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id", "num_slots", "prefill_batch"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id", "num_slots", "prefill_batch", "rules"))
 def continuous_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, tokens: jax.Array,
                        lengths: jax.Array, limits: jax.Array, sample_ids: jax.Array, num_requests: jax.Array,
-                       key: jax.Array, *,
-                       sampling: SamplingParams, pad_id: int, num_slots: int, prefill_batch: int) -> engine.Outputs:
+                       key: jax.Array, *, sampling: SamplingParams, pad_id: int, num_slots: int, prefill_batch: int,
+                       rules: tuple | None = None) -> engine.Outputs:
     """The compiled continuous batcher: a queue tokens [Q + C, P] → Outputs of Q rows (row i is
-    request i, drawing from fold_in(key, sample_ids[i]))."""
+    request i, drawing from fold_in(key, sample_ids[i])). `rules`: `generate.sharding_key()`."""
     model = nnx.merge(graphdef, params, rest)
     layers = engine.decode_layers(model)
     queue_rows, prompt_len = tokens.shape[0] - prefill_batch, tokens.shape[1]
@@ -127,7 +127,7 @@ class ContinuousBatcher:
         ids[:n] = rids * g + np.tile(np.arange(g), len(self._waiting))
         out = continuous_program(self.graphdef, params, rest, tokens, lengths, limits, ids, np.int32(n), key,
                                  sampling=self.sampling, pad_id=self.pad_id, num_slots=self.num_slots,
-                                 prefill_batch=c)
+                                 prefill_batch=c, rules=sharding_key())
         out = jax.device_get(out)
         self._waiting = []
         return Samples(tokens=out.tokens[:n], logprobs=out.logprobs[:n], sampling_logprobs=out.sampling_logprobs[:n],
