@@ -178,7 +178,8 @@ def program_report(program: Program, compiled, chip: aot.Chip, num_devices: int)
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    collectives, unknown_trips = aot.collective_bytes(compiled.as_text())
+    hlo = compiled.as_text()
+    collectives, unknown_trips = aot.collective_bytes(hlo)
     total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
              + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
     report = {
@@ -191,6 +192,7 @@ def program_report(program: Program, compiled, chip: aot.Chip, num_devices: int)
         "xla_flops": float(cost.get("flops", 0.0)) if cost else 0.0,
         "model_flops_per_device": program.model_flops / num_devices,
         "collectives": collectives, "loop_trip_unknown": unknown_trips,
+        "loop_iteration_collectives": aot.loop_iteration_bytes(hlo),   # the decode loop's: per token
     }
     report.update(estimate_step(report, chip))
     return report
