@@ -37,7 +37,7 @@ from posttrain.train.state import abstract_model, abstract_train_state
 from posttrain.train.loop import restore_target
 from posttrain.train.step import lm_loss, make_train_step
 
-PROGRAMS = ("sft", "dpo", "rl_learner", "sampler")   # and "restore" (`restore_report`: not compiled)
+PROGRAMS = ("sft", "dpo", "rl_learner", "sampler")   # and "restore" (`restore_report`: not compiled), "publish"
 LM_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 
 
@@ -153,14 +153,25 @@ def sampler_program(cfg, mesh: Mesh, rules, prompt_len: int) -> Program:
     return Program("sampler", fn, args, parts, flops, rules)
 
 
+def publish_program(cfg, mesh: Mesh, rules) -> Program:
+    """The RL publish's reshard of the learner's weights into the sampler's layout
+    (`sampling.layout.publish_weights`: a new copy; with sampling.layout = 'learner' a plain copy)."""
+    params, _ = abstract_weights(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh, rules)
+    target, _ = abstract_weights(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh,
+                                 sampler_rules(rules, cfg.sampling.layout))
+    fn = jax.jit(lambda p: p, out_shardings=jax.tree.map(lambda x: x.sharding, target))
+    return Program("publish", fn, (params,), {"params": params}, 0.0)
+
+
 def build_programs(cfg, mesh: Mesh, rules, names: tuple[str, ...], prompt_len: int) -> list[Program]:
     """The named programs of `PROGRAMS` for `cfg` on `mesh`."""
     builders = {"sft": lambda: sft_program(cfg, mesh, rules), "dpo": lambda: dpo_program(cfg, mesh, rules),
                 "rl_learner": lambda: rl_learner_program(cfg, mesh, rules, prompt_len),
-                "sampler": lambda: sampler_program(cfg, mesh, rules, prompt_len)}
+                "sampler": lambda: sampler_program(cfg, mesh, rules, prompt_len),
+                "publish": lambda: publish_program(cfg, mesh, rules)}
     unknown = [n for n in names if n not in builders]
     if unknown:
-        raise ValueError(f"programs {unknown}: expected some of {PROGRAMS}")
+        raise ValueError(f"programs {unknown}: expected some of {tuple(builders)}")
     return [builders[n]() for n in names]
 
 

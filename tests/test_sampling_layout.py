@@ -77,6 +77,19 @@ def test_loop_publishes_the_decode_layout(model, mesh):
         assert spec == (P("tensor", "fsdp") if layout == "learner" else P(TP)), layout
 
 
+def test_publish_program_reshards_into_the_decode_layout(model, mesh):
+    """`compile_plan`'s "publish" program (what pod plans compile to cost the reshard) lands the
+    learner's weights in the shardings `publish_weights` gives."""
+    from posttrain import compile_plan as cp
+    _, learner, published, _ = model
+    cfg = base_config()
+    cfg.model, cfg.sampling.layout = model_config("moe"), "tensor"
+    (program,) = cp.build_programs(cfg, mesh, RULES, ("publish",), prompt_len=8)
+    compiled, _ = cp.compile_program(program, mesh, RULES)
+    got = [s.spec for s in jax.tree.leaves(compiled.output_shardings)]
+    assert got == [x.sharding.spec for x in jax.tree.leaves(published)]
+
+
 @pytest.fixture(scope="module")
 def samples(model, mesh):
     """The same prompts and key sampled on one device, in the learner layout and in the decode
@@ -120,3 +133,23 @@ def test_decode_layout_shards_the_cache_by_rows_and_kv_heads(mesh):
     spec = logical_spec(K_NAMES, mesh, decode_rules(RULES), (8, 2, 8, 16))
     assert spec == P("expert", "tensor")
     assert logical_spec(K_NAMES, mesh, decode_rules(RULES), (8, 4, 8, 16)) == P("expert", TP)
+
+
+@pytest.mark.slow
+def test_rl_run_in_the_decode_layout_equals_the_learner_layout(tmp_path):
+    """Two on-policy RLVR steps on a ZeRO-3 mesh: sampling from the decode-layout copy made at
+    each publish gives the same metrics as sampling from the learner's arrays."""
+    from posttrain.rl import loop
+    from tests.test_rl_loop import TIMING, rows, tiny
+    runs = {}
+    for layout in ("learner", "tensor"):
+        cfg = tiny(tmp_path / layout)
+        cfg.mesh.data, cfg.mesh.fsdp, cfg.train.steps = 1, 2, 2
+        cfg.sampling.layout = layout
+        loop.run(cfg)
+        runs[layout] = rows(tmp_path / layout)
+    assert len(runs["tensor"]) == 2
+    for x, y in zip(runs["learner"], runs["tensor"]):
+        for k in x:
+            if k not in TIMING:
+                np.testing.assert_allclose(y[k], x[k], rtol=1e-5, atol=1e-6, err_msg=k)
