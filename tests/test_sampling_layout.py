@@ -48,6 +48,18 @@ def test_decode_rules_move_zero3_axes_to_tensor_parallelism():
         check_layout("zero3")
 
 
+def test_sampling_layout_key_is_checked():
+    from posttrain.rl.checks import check_sampling_config
+    cfg = base_config()
+    cfg.sampling.layout = "zero3"
+    with pytest.raises(ValueError, match="sampling.layout='zero3'"):
+        check_sampling_config(cfg, ("rlvr",))
+    cfg.sampling.layout = "tensor"
+    check_sampling_config(cfg, ("rlvr",))
+    with pytest.raises(ValueError, match="sampling.layout='tensor'.*no rlvr stage"):     # nothing else samples with it
+        check_sampling_config(cfg, ("sft",))
+
+
 def test_published_params_have_the_decode_shardings(model, mesh):
     _, learner, published, _ = model
     want = shardings_for(learner, mesh, decode_rules(RULES))
