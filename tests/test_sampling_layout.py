@@ -72,6 +72,8 @@ def test_published_params_have_the_decode_shardings(model, mesh):
     assert published["embed"][...].sharding.spec == P(TP)                           # [V, D]: vocab
     assert learner["embed"][...].sharding.spec == P("tensor", "fsdp")              # the learner's: unchanged
     np.testing.assert_array_equal(np.asarray(published["embed"][...]), np.asarray(learner["embed"][...]))
+    with pytest.raises(ValueError, match="logical axis names"):
+        publish_weights(jax.tree.leaves(learner), mesh, RULES, "tensor")
 
 
 def test_loop_publishes_the_decode_layout(model, mesh):
@@ -100,6 +102,27 @@ def test_publish_program_reshards_into_the_decode_layout(model, mesh):
     compiled, _ = cp.compile_program(program, mesh, RULES)
     got = [s.spec for s in jax.tree.leaves(compiled.output_shardings)]
     assert got == [x.sharding.spec for x in jax.tree.leaves(published)]
+
+
+def test_sampler_programs_are_keyed_on_the_rules_in_force(mesh, monkeypatch):
+    """jit keys its traces on shapes and the mesh, not on our rules: a sampler program traced under
+    the learner's rules would be reused, with their sharding constraints, under the decode rules
+    (same mesh and shapes) unless the rules are a static argument."""
+    import importlib
+
+    from posttrain.sampling import engine
+    gen = importlib.import_module("posttrain.sampling.generate")      # the module (the package exports the function)
+    seen = []
+
+    def program(graphdef, params, rest, tokens, *args, sampling, pad_id, rules):
+        seen.append(rules)
+        return engine.Outputs.empty(tokens.shape[0] * sampling.num_samples, sampling.max_new_tokens, pad_id)
+    monkeypatch.setattr(gen, "generate_program", program)
+    for rules in (RULES, decode_rules(RULES)):
+        with use_sharding(mesh, rules):
+            gen.generate(None, None, None, PROMPTS, SAMPLING, jax.random.key(0))
+    gen.generate(None, None, None, PROMPTS, SAMPLING, jax.random.key(0))
+    assert dict(seen[0]) == RULES and dict(seen[1]) == decode_rules(RULES) and seen[2] is None
 
 
 @pytest.fixture(scope="module")
