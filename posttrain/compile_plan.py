@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from posttrain.models.decoder import Decoder
 from posttrain.models.flops import activated_matmul_params, train_flops_per_token
-from posttrain.parallel import aot, logical_spec, make_mesh, parse_rules, shardings_for, use_sharding
+from posttrain.parallel import aot, logical_spec, make_mesh, parse_rules, rules_key, shardings_for, use_sharding
 from posttrain.rl.learner import rl_loss
 from posttrain.sampling.generate import bucket, generate_program
 from posttrain.sampling.layout import sampler_rules
@@ -146,7 +146,7 @@ def sampler_program(cfg, mesh: Mesh, rules, prompt_len: int) -> Program:
     args = (params, rest, replicated((b, p), jnp.int32), replicated((b,), jnp.int32),
             replicated((b,), jnp.int32), replicated((), jnp.int32),
             jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec())))
-    fn = jax.jit(lambda *a: generate_program(graphdef, *a, sampling=sampling, pad_id=0))
+    fn = jax.jit(lambda *a: generate_program(graphdef, *a, sampling=sampling, pad_id=0, rules=rules_key(rules)))
     n = activated_matmul_params(cfg.model)
     flops = 2 * n * (b * p + b * r.group_size * r.max_new_tokens)
     parts = {"params": params, "model variables": rest}

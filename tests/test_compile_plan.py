@@ -254,6 +254,28 @@ def test_scanned_decode_over_a_sequence_axis_compiles_for_tpu():
 
 
 @needs_libtpu
+def test_decode_layout_moves_no_weights_per_token_on_tpu():
+    """The sampler compiled for TPU with ZeRO-3 weights (fsdp 2): served from the learner's layout,
+    each decode step all-gathers the weight shards again (more bytes than a chip's params); from
+    the decode layout (`sampling.layout = "tensor"`) it gathers nothing of the kind."""
+    from posttrain import compile_plan as cp
+    from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    step, devices = {}, aot.tpu_devices(TOPOLOGY)         # one set: meshes over new device objects clash
+    for layout in ("learner", "tensor"):
+        cfg = tiny_moe_config()
+        cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert = 1, 2, 2
+        cfg.sampling.layout = layout
+        mesh = make_mesh(cfg.mesh.to_dict(), devices)
+        rules = parse_rules(cfg.sharding.rules.to_dict())
+        with use_sharding(mesh, rules):
+            (program,) = cp.build_programs(cfg, mesh, rules, ("sampler",), prompt_len=8)
+        report = cp.program_report(program, cp.compile_program(program, mesh, rules)[0], aot.CHIPS["v5p"], mesh.size)
+        step[layout], params = report["loop_iteration_collectives"], report["parts"]["params"]
+    assert step["learner"]["all-gather"] > params
+    assert step["tensor"]["all-gather"] < params / 100 and step["tensor"]["all-reduce"] > 0
+
+
+@needs_libtpu
 def test_restore_target_is_the_train_steps_input_layout(compiled):
     """A resume reads every array of the train state straight into the shards the compiled train
     step takes (no resharding after restore), and the restore report checks every array."""
