@@ -260,7 +260,7 @@ def test_decode_layout_moves_no_weights_per_token_on_tpu():
     the decode layout (`sampling.layout = "tensor"`) it gathers nothing of the kind."""
     from posttrain import compile_plan as cp
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
-    step, devices = {}, aot.tpu_devices(TOPOLOGY)         # one set: meshes over new device objects clash
+    step, params, devices = {}, {}, aot.tpu_devices(TOPOLOGY)   # one device set: meshes over new device objects clash
     for layout in ("learner", "tensor"):
         cfg = tiny_moe_config()
         cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert = 1, 2, 2
@@ -270,9 +270,9 @@ def test_decode_layout_moves_no_weights_per_token_on_tpu():
         with use_sharding(mesh, rules):
             (program,) = cp.build_programs(cfg, mesh, rules, ("sampler",), prompt_len=8)
         report = cp.program_report(program, cp.compile_program(program, mesh, rules)[0], aot.CHIPS["v5p"], mesh.size)
-        step[layout], params = report["loop_iteration_collectives"], report["parts"]["params"]
-    assert step["learner"]["all-gather"] > params
-    assert step["tensor"]["all-gather"] < params / 100 and step["tensor"]["all-reduce"] > 0
+        step[layout], params[layout] = report["loop_iteration_collectives"], report["parts"]["params"]
+    assert step["learner"]["all-gather"] > params["learner"]
+    assert step["tensor"]["all-gather"] < params["learner"] / 100 and step["tensor"]["all-reduce"] > 0
 
 
 @needs_libtpu
