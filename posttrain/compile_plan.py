@@ -26,9 +26,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from posttrain.models.decoder import Decoder
 from posttrain.models.flops import activated_matmul_params, train_flops_per_token
-from posttrain.parallel import aot, logical_spec, make_mesh, parse_rules, shardings_for, use_sharding
+from posttrain.parallel import aot, logical_spec, make_mesh, parse_rules, rules_key, shardings_for, use_sharding
 from posttrain.rl.learner import rl_loss
 from posttrain.sampling.generate import bucket, generate_program
+from posttrain.sampling.layout import sampler_rules
 from posttrain.sampling.rules import SamplingParams
 from posttrain.train.optim import lr_schedule, make_optimizer
 from posttrain.train.stages import dpo_stage_loss
@@ -36,7 +37,7 @@ from posttrain.train.state import abstract_model, abstract_train_state
 from posttrain.train.loop import restore_target
 from posttrain.train.step import lm_loss, make_train_step
 
-PROGRAMS = ("sft", "dpo", "rl_learner", "sampler")   # and "restore" (`restore_report`: not compiled)
+PROGRAMS = ("sft", "dpo", "rl_learner", "sampler")   # and "restore" (`restore_report`: not compiled), "publish"
 LM_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 
 
@@ -52,6 +53,7 @@ class Program:
     args: tuple
     parts: dict[str, Any]
     model_flops: float
+    rules: Any = None           # the logical-axis rules it runs under, when not the run's (the sampler's layout)
 
 
 def abstract(shape: tuple[int, ...], dtype, names: tuple, mesh: Mesh, rules) -> jax.ShapeDtypeStruct:
@@ -130,8 +132,10 @@ def rl_learner_program(cfg, mesh: Mesh, rules, prompt_len: int) -> Program:
 
 def sampler_program(cfg, mesh: Mesh, rules, prompt_len: int) -> Program:
     """The sampler (`generate_program`: prefill, then the decode loop) for one RL step's prompts,
-    with the weights the learner serves (LoRA merged: a full set)."""
+    with the weights the learner publishes (LoRA merged: a full set), in the layout
+    `sampling.layout` says (the learner's, or the decode layout's copy)."""
     r = cfg.rl
+    rules = sampler_rules(rules, cfg.sampling.layout)
     params, rest = abstract_weights(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh, rules)
     graphdef = nnx.graphdef(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))))
     b, p = bucket(r.prompts_per_step), bucket(prompt_len, 8)
@@ -142,28 +146,39 @@ def sampler_program(cfg, mesh: Mesh, rules, prompt_len: int) -> Program:
     args = (params, rest, replicated((b, p), jnp.int32), replicated((b,), jnp.int32),
             replicated((b,), jnp.int32), replicated((), jnp.int32),
             jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec())))
-    fn = jax.jit(lambda *a: generate_program(graphdef, *a, sampling=sampling, pad_id=0))
+    fn = jax.jit(lambda *a: generate_program(graphdef, *a, sampling=sampling, pad_id=0, rules=rules_key(rules)))
     n = activated_matmul_params(cfg.model)
     flops = 2 * n * (b * p + b * r.group_size * r.max_new_tokens)
     parts = {"params": params, "model variables": rest}
-    return Program("sampler", fn, args, parts, flops)
+    return Program("sampler", fn, args, parts, flops, rules)
+
+
+def publish_program(cfg, mesh: Mesh, rules) -> Program:
+    """The RL publish's reshard of the learner's weights into the sampler's layout
+    (`sampling.layout.publish_weights`: a new copy; with sampling.layout = 'learner' a plain copy)."""
+    params, _ = abstract_weights(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh, rules)
+    target, _ = abstract_weights(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh,
+                                 sampler_rules(rules, cfg.sampling.layout))
+    fn = jax.jit(lambda p: p, out_shardings=jax.tree.map(lambda x: x.sharding, target))
+    return Program("publish", fn, (params,), {"params": params}, 0.0)
 
 
 def build_programs(cfg, mesh: Mesh, rules, names: tuple[str, ...], prompt_len: int) -> list[Program]:
     """The named programs of `PROGRAMS` for `cfg` on `mesh`."""
     builders = {"sft": lambda: sft_program(cfg, mesh, rules), "dpo": lambda: dpo_program(cfg, mesh, rules),
                 "rl_learner": lambda: rl_learner_program(cfg, mesh, rules, prompt_len),
-                "sampler": lambda: sampler_program(cfg, mesh, rules, prompt_len)}
+                "sampler": lambda: sampler_program(cfg, mesh, rules, prompt_len),
+                "publish": lambda: publish_program(cfg, mesh, rules)}
     unknown = [n for n in names if n not in builders]
     if unknown:
-        raise ValueError(f"programs {unknown}: expected some of {PROGRAMS}")
+        raise ValueError(f"programs {unknown}: expected some of {tuple(builders)}")
     return [builders[n]() for n in names]
 
 
 def compile_program(program: Program, mesh: Mesh, rules) -> tuple[Any, float]:
     """(compiled, seconds) of a program, lowered under the mesh and rules it was built for."""
     t = time.perf_counter()
-    with use_sharding(mesh, rules):
+    with use_sharding(mesh, rules if program.rules is None else program.rules):
         compiled = program.fn.lower(*program.args).compile()
     return compiled, time.perf_counter() - t
 
@@ -174,7 +189,8 @@ def program_report(program: Program, compiled, chip: aot.Chip, num_devices: int)
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    collectives, unknown_trips = aot.collective_bytes(compiled.as_text())
+    hlo = compiled.as_text()
+    collectives, unknown_trips = aot.collective_bytes(hlo)
     total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
              + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
     report = {
@@ -187,6 +203,7 @@ def program_report(program: Program, compiled, chip: aot.Chip, num_devices: int)
         "xla_flops": float(cost.get("flops", 0.0)) if cost else 0.0,
         "model_flops_per_device": program.model_flops / num_devices,
         "collectives": collectives, "loop_trip_unknown": unknown_trips,
+        "loop_iteration_collectives": aot.loop_iteration_bytes(hlo),   # the decode loop's: per token
     }
     report.update(estimate_step(report, chip))
     return report

@@ -225,6 +225,7 @@ def base_config() -> ml_collections.ConfigDict:
     ))
     cfg.sampling = ml_collections.ConfigDict(dict(   # the rlvr stage's sampler (rollouts and held-out evals)
         quantize="none",           # none | int8 (w8a16) | int4 (w4a16): weights quantised from the learner's at each publish
+        layout="learner",          # learner (serve the learner's ZeRO-3 arrays) | tensor (a decode-layout copy made at each publish)
         speculative_k=0,           # > 0: speculative decoding, k tokens drafted per round (same distribution, policy log-probs)
         draft_layers=1,            # the draft: the policy's first n layers + its final norm and head
         prefix_cache=0,            # > 0: keep prompt-prefix KV across sampler calls (multi-turn turns), bound in tokens

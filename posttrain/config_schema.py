@@ -81,6 +81,7 @@ ENUMS: dict[str, tuple] = {
     "rl.kl_estimator": ("k1", "k2", "k3"),                                      # rl.losses.KL_ESTIMATORS
     "rl.ratio_level": ("token", "sequence"),                                    # rl.losses.RATIO_LEVELS
     "sampling.quantize": ("none", "int8", "int4"),                              # models.quant.QUANT_MODES
+    "sampling.layout": ("learner", "tensor"),                                   # sampling.layout.SAMPLING_LAYOUTS
     "rl.env": ("single", "tool"),                                               # rl.tasks.ENVS
 }
 

@@ -130,11 +130,13 @@ def test_schema_enums_are_the_modules_tables():
     from posttrain.rl.advantages import ADVANTAGE_METHODS
     from posttrain.rl.losses import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
     from posttrain.rl.tasks import ENVS
+    from posttrain.sampling.layout import SAMPLING_LAYOUTS
     from posttrain.train.losses import DPO_LOSSES
     modules = {"model.attention": ATTENTION_KERNELS, "model.rope_scaling.type": ROPE_SCALINGS,
                "model.context_parallel": CONTEXT_PARALLEL, "model.remat": ("none", *REMAT_POLICIES),
                "data.on_error": ON_ERROR, "dpo.loss_type": DPO_LOSSES, "alerts.on": MODES,
                "rl.advantage": ADVANTAGE_METHODS, "rl.aggregation": AGGREGATIONS, "rl.kl_estimator": KL_ESTIMATORS,
-               "rl.ratio_level": RATIO_LEVELS, "rl.env": ENVS, "sampling.quantize": QUANT_MODES}
+               "rl.ratio_level": RATIO_LEVELS, "rl.env": ENVS, "sampling.quantize": QUANT_MODES,
+               "sampling.layout": SAMPLING_LAYOUTS}
     for key, values in modules.items():
         assert tuple(ENUMS[key]) == tuple(values), key

@@ -258,6 +258,54 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert unknown and counts["all-gather"] == 128
 
 
+def test_loop_iteration_bytes_count_one_decode_step():
+    """A decode loop (data-dependent trip count) around a scan over 3 layers: one iteration is the
+    scan's collectives times 3 plus the loop body's own; what runs outside (prefill) is not in it."""
+    hlo = """HloModule m
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %g = f32[32]{0} all-gather(%x), dimensions={0}
+  ROOT %t = (s32[], f32[8]) tuple(%i, %x)
+}
+
+%decode_cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]) parameter(0)
+  %d = pred[] get-tuple-element(%p), index=0
+  ROOT %any = pred[] and(%d, %d)
+}
+
+%decode (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %s = f32[8]{0} all-reduce(%x), to_apply=%add
+  %w = (s32[], f32[8]) while(%p), condition=%cond, body=%body
+  ROOT %t = (s32[], f32[8]) tuple(%i, %s)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %prefill = f32[64]{0} all-gather(%a), dimensions={0}
+  %w = (s32[], f32[8]) while(%t0), condition=%decode_cond, body=%decode
+  ROOT %o = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+    step = aot.loop_iteration_bytes(hlo)
+    assert step == {"all-gather": 3 * 128, "reduce-scatter": 0, "all-to-all": 0, "all-reduce": 32,
+                    "collective-permute": 0}
+    counts, unknown = aot.collective_bytes(hlo)
+    assert unknown and counts["all-gather"] == 256 + 3 * 128
+    assert aot.loop_iteration_bytes(hlo.replace("condition=%decode_cond", "condition=%cond")) == {}    # every loop counted
+
+
 def test_topology_names():
     assert aot.parse_topology("v5p-128") == ("v5p", "v5p:4x4x4")
     assert aot.parse_topology("v5p-8") == ("v5p", "v5p:2x2x1")
@@ -308,6 +356,56 @@ def test_long_context_attention_compiles_for_tpu(attention, sequence):
         assert "tpu_custom_call" in hlo
     else:
         assert "collective-permute" in hlo
+
+
+@needs_libtpu
+def test_scanned_decode_over_a_sequence_axis_compiles_for_tpu():
+    """The sampler (prefill, then the decode loop with `Decoder.decode_stacked`: layers under
+    `lax.scan`) on a mesh whose `sequence` axis is 2: the KV cache's time axis is split over it,
+    each decode step attends to its half and combines the halves (`ops.decode`), never gathering
+    the cache."""
+    from flax import nnx
+
+    from posttrain import compile_plan as cp
+    from posttrain.models.decoder import Decoder
+    from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    from posttrain.sampling import engine
+    from posttrain.train.state import abstract_model
+    cfg = tiny_moe_config()
+    cfg.mesh.data, cfg.mesh.expert, cfg.mesh.sequence = 1, 2, 2
+    mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
+    rules = parse_rules(cfg.sharding.rules.to_dict())
+    with use_sharding(mesh, rules):
+        assert engine.decode_layers(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)))) is None
+        (program,) = cp.build_programs(cfg, mesh, rules, ("sampler",), prompt_len=8)
+    compiled, _ = cp.compile_program(program, mesh, rules)
+    report = cp.program_report(program, compiled, aot.CHIPS["v5p"], mesh.size)
+    step = report["loop_iteration_collectives"]          # one decode step
+    m = cfg.model
+    row_keys = m.num_kv_heads * m.head_dim * (8 + cfg.rl.max_new_tokens) // 2 * 4   # one row's key half, one layer
+    assert report["fits"] and step["all-reduce"] > 0 and step["all-gather"] < row_keys
+
+
+@needs_libtpu
+def test_decode_layout_moves_no_weights_per_token_on_tpu():
+    """The sampler compiled for TPU with ZeRO-3 weights (fsdp 2): served from the learner's layout,
+    each decode step all-gathers the weight shards again (more bytes than a chip's params); from
+    the decode layout (`sampling.layout = "tensor"`) it gathers nothing of the kind."""
+    from posttrain import compile_plan as cp
+    from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    step, params, devices = {}, {}, aot.tpu_devices(TOPOLOGY)   # one device set: meshes over new device objects clash
+    for layout in ("learner", "tensor"):
+        cfg = tiny_moe_config()
+        cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert = 1, 2, 2
+        cfg.sampling.layout = layout
+        mesh = make_mesh(cfg.mesh.to_dict(), devices)
+        rules = parse_rules(cfg.sharding.rules.to_dict())
+        with use_sharding(mesh, rules):
+            (program,) = cp.build_programs(cfg, mesh, rules, ("sampler",), prompt_len=8)
+        report = cp.program_report(program, cp.compile_program(program, mesh, rules)[0], aot.CHIPS["v5p"], mesh.size)
+        step[layout], params[layout] = report["loop_iteration_collectives"], report["parts"]["params"]
+    assert step["learner"]["all-gather"] > params["learner"]
+    assert step["tensor"]["all-gather"] < params["learner"] / 100 and step["tensor"]["all-reduce"] > 0
 
 
 @needs_libtpu

@@ -45,6 +45,9 @@ def row(model: str, mode: str, r: dict) -> str:
     if "total" in r:
         c = r["collectives"]
         coll = f"{sum(c.values()) / GB:.1f} ({', '.join(f'{k} {v / GB:.1f}' for k, v in c.items() if v)})"
+        if r.get("loop_iteration_collectives"):        # the sampler's decode loop, per token
+            coll += "; per decode step " + ", ".join(f"{k} {v / 1e6:.1f} MB"
+                                                     for k, v in r["loop_iteration_collectives"].items() if v)
         return (f"| {model} | {mode} | {r['program']} | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
                 f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | {r['temporaries'] / GB:.1f} | "
                 f"{r['total'] / GB:.1f} | {'yes' if r['fits'] else '**no**'} | "
@@ -83,6 +86,7 @@ def main() -> None:
     ap.add_argument("--rows_per_chip", type=int, default=1)
     ap.add_argument("--prompt_len", type=int, default=1024)
     ap.add_argument("--programs", default="", help="override the mode's programs (e.g. rl_learner)")
+    ap.add_argument("--sampling_layout", default="learner", help="sampling.layout of the sampler: learner | tensor")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--json", default="")
     ap.add_argument("--grid", action="store_true", help="analytic numbers, one column per slice")
@@ -101,6 +105,7 @@ def main() -> None:
             for topology in args.topologies.split(","):
                 chips = len(aot.tpu_devices(topology))
                 cfg = configure(model, mode, chips, args.rows_per_chip)
+                cfg.sampling.layout = args.sampling_layout
                 try:
                     reports = plan(cfg, topology, programs, args.prompt_len, compile=args.compile,
                                    log=lambda s: print(s, file=sys.stderr, flush=True))

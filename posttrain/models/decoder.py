@@ -165,7 +165,9 @@ class Decoder(nnx.Module):
 
     def _embed(self, tokens):
         """tokens [B, S] int → embeddings [B, S, D] in the compute dtype."""
-        table = constrain(self.embed[...], (None, None))  # all-gather (ZeRO-3), then a local row gather
+        # embed dim all-gathered (ZeRO-3); the vocab dim as `vocab_lookup` says: whole (a local row
+        # gather) or left sharded (each shard looks up its tokens, the partials are summed)
+        table = constrain(self.embed[...], ("vocab_lookup", None))
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
         return constrain(x, ACTIVATION_NAMES)
 

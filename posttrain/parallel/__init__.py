@@ -4,5 +4,5 @@ from posttrain.parallel.distributed import (allgather_json, is_primary, local_ro
                                             sync_processes)
 from posttrain.parallel.mesh import (MESH_AXES, make_mesh, mesh_and_rules, mesh_device_kind, mesh_platform,
                                      resolve_mesh_shape)
-from posttrain.parallel.sharding import (DEFAULT_RULES, constrain, current, logical_spec, named_sharding,
-                                         parse_rules, shardings_for, use_sharding)
+from posttrain.parallel.sharding import (DEFAULT_RULES, constrain, current, decode_rules, logical_spec,
+                                         named_sharding, parse_rules, rules_key, shardings_for, use_sharding)

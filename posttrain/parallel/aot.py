@@ -149,13 +149,25 @@ def collective_bytes(hlo_text: str) -> tuple[dict[str, int], bool]:
     the counts and whether some loop was not counted (a data-dependent decode loop: its body is
     counted once, i.e. per iteration).
     """
+    counts, loops = _count_collectives(hlo_text)
+    return counts, bool(loops)
+
+
+def loop_iteration_bytes(hlo_text: str) -> dict[str, int]:
+    """Bytes per device moved by each kind of collective in one iteration of the module's
+    data-dependent loops (a sampler's decode loop: per token), nested counted loops (the scan
+    over layers) times their trip counts; outermost such loops only, summed."""
+    return _count_collectives(hlo_text)[1]
+
+
+def _count_collectives(hlo_text: str) -> tuple[dict[str, int], dict[str, int]]:
+    """(`collective_bytes`'s counts, `loop_iteration_bytes`'s); see those."""
     comps, entry = _parse_hlo(hlo_text)
     types = {n: t for instrs in comps.values() for n, t, _, _ in instrs}
-    unknown = False
+    uncounted: dict[str, set[str]] = {}       # body of a data-dependent loop → the computations it calls
     memo: dict[str, dict[str, int]] = {}
 
     def total(comp: str) -> dict[str, int]:
-        nonlocal unknown
         if comp in memo:
             return memo[comp]
         out = memo[comp] = dict.fromkeys(COLLECTIVES, 0)
@@ -171,17 +183,37 @@ def collective_bytes(hlo_text: str) -> tuple[dict[str, int], bool]:
             if opcode.endswith("-done") or opcode == "async-update":
                 continue                      # the -start already counted the called computation
             trips = 1
+            callees = [c for group in _CALLEE.findall(rest) for c in re.findall(r"%?([\w.\-]+)", group)
+                       if c in comps and c != comp]
             if opcode == "while":
                 cond = re.search(r"condition=%?([\w.\-]+)", rest)
                 n = _trip_count(comps.get(cond.group(1), [])) if cond else None
-                unknown |= n is None
+                body = re.search(r"body=%?([\w.\-]+)", rest)
+                if n is None and body:
+                    uncounted[body.group(1)] = _reachable(comps, body.group(1))
                 trips = n or 1
-            for callees in _CALLEE.findall(rest):
-                for callee in re.findall(r"%?([\w.\-]+)", callees):
-                    if callee in comps and callee != comp:
-                        for k, v in total(callee).items():
-                            out[k] += trips * v
+            for callee in callees:
+                for k, v in total(callee).items():
+                    out[k] += trips * v
         return out
 
     counts = total(entry) if entry else dict.fromkeys(COLLECTIVES, 0)
-    return counts, unknown
+    per_iteration = dict.fromkeys(COLLECTIVES, 0)
+    for body in uncounted:
+        if not any(body in inner for other, inner in uncounted.items() if other != body):
+            for k, v in total(body).items():
+                per_iteration[k] += v
+    return counts, {k: v for k, v in per_iteration.items() if uncounted}
+
+
+def _reachable(comps: dict[str, list], comp: str) -> set[str]:
+    """The computations `comp` calls, directly or not."""
+    seen, todo = set(), [comp]
+    while todo:
+        for _, _, _, rest in comps.get(todo.pop(), []):
+            for group in _CALLEE.findall(rest) + re.findall(r"condition=(%?[\w.\-]+)", rest):
+                for c in re.findall(r"%?([\w.\-]+)", group):
+                    if c in comps and c not in seen:
+                        seen.add(c)
+                        todo.append(c)
+    return seen

@@ -39,7 +39,15 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "activation_kv_heads": ("tensor",),
     "activation_mlp": ("tensor",),
     "activation_vocab": ("tensor",),
+    # The vocab dim of the embedding table as the token lookup reads it: () gathers the table and
+    # looks tokens up locally (training); the `vocab` axes look each token up in its shard and sum
+    # (the decode layout, `decode_rules`: no table gather per token).
+    "vocab_lookup": (),
 }
+
+# Tensor-parallel dims (Megatron): attention heads, MLP and expert hidden, vocab; weights and activations.
+TENSOR_PARALLEL_NAMES = ("heads", "kv_heads", "mlp", "expert_mlp", "vocab", "vocab_lookup", "activation_heads",
+                         "activation_kv_heads", "activation_mlp", "activation_vocab")
 
 Rules = Mapping[str, tuple[str, ...]]
 
@@ -52,6 +60,34 @@ def parse_rules(table: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
             axes = tuple(a.strip() for a in axes.split(",") if a.strip())
         rules[name] = tuple(axes)
     return rules
+
+
+def decode_rules(rules: Rules) -> dict[str, tuple[str, ...]]:
+    """The sampler's decode layout derived from the learner's `rules` (as MaxText decodes with
+    ici_tensor_parallelism): no ZeRO-3. The mesh axes that shard the weights' `embed` dim, except
+    those holding experts, join each tensor-parallel name (heads, MLP / expert hidden, vocab) after
+    its own axes; `embed` is whole; batch, and so the KV cache's rows, keeps only the axes left.
+
+    A decode step then moves activations (an all-reduce of [B, D] per projection that sums over
+    heads or hidden) instead of all-gathering every weight shard again for each token. Weights
+    are replicated over the batch axes (data, and expert outside the experts).
+    """
+    zero3 = tuple(a for a in rules["embed"] if a not in rules["experts"])
+    out = dict(rules)
+    out["embed"] = ()
+    for name in TENSOR_PARALLEL_NAMES:
+        out[name] = tuple(rules[name]) + tuple(a for a in zero3 if a not in rules[name])
+    out["vocab_lookup"] = out["vocab"]          # look tokens up in the table's own shards
+    tensor = {a for name in TENSOR_PARALLEL_NAMES for a in out[name]}
+    for name in ("batch", "activation_batch"):
+        out[name] = tuple(a for a in rules[name] if a not in tensor)
+    return out
+
+
+def rules_key(rules: Rules) -> tuple:
+    """`rules` as a hashable value: a jit static argument for programs whose traced sharding
+    constraints depend on the rules in force (two rule sets on one mesh must not share a trace)."""
+    return tuple(sorted((k, tuple(v)) for k, v in rules.items()))
 
 
 def logical_spec(names: Sequence[str | None], mesh: Mesh, rules: Rules,

@@ -46,6 +46,7 @@ from posttrain.rl.rollout_log import RolloutLog
 from posttrain.rl.scheduler import TaskScheduler
 from posttrain.rl.tasks import curriculum_options, domain_weights, make_domains, make_reward_fn
 from posttrain.sampling.prefix_cache import PrefixCache
+from posttrain.sampling.layout import publish_weights, sampler_rules
 from posttrain.sampling.rules import SamplingParams
 from posttrain.train import interrupt, lineage
 from posttrain.train.checkpoint import Checkpointer
@@ -88,12 +89,16 @@ class Components:
     pad_id: int
     rewards: RewardComposer
     rollout_log: RolloutLog | None = None
+    learner_sharding: tuple | None = None      # (mesh, rules) of the learner's params
 
     def weights(self, rl: RLState) -> tuple:
-        """(params, rest) the policy samples with: the learner's, quantised when sampling.quantize
-        says so (w8a16 / w4a16; the behaviour log-probs are then the quantised policy's, and the
+        """(params, rest) the policy samples with: the learner's, resharded into the decode layout
+        when sampling.layout says so (a second copy), quantised when sampling.quantize says so
+        (w8a16 / w4a16; the behaviour log-probs are then the quantised policy's, and the
         learner's truncated importance weights correct for the gap)."""
         params = model_params(rl.train, self.cfg.lora)
+        if self.learner_sharding is not None:
+            params = publish_weights(params, *self.learner_sharding, self.cfg.sampling.layout)
         if self.cfg.sampling.quantize != "none":
             params = quantize_sampler_params(params, self.cfg.sampling.quantize)
         return params, rl.train.rest
@@ -221,12 +226,14 @@ def run(cfg) -> Result:
             worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, r.verifier_delay, clock,
                                    episodes=rollout_episodes if r.env == "tool" else None,
                                    prefix_cache=rollout_prefix_cache(cfg),
-                                   continuous=slot_config(cfg.sampling))
+                                   continuous=slot_config(cfg.sampling),
+                                   rules=sampler_rules(rules, cfg.sampling.layout))
             base_key = jax.random.key(cfg.seed)
             rewards = RewardComposer.from_config(cfg, mesh, rules, pad_id=tok.pad_id)
             if start and "reward_stats" in data:
                 rewards.stats.set_state(data["reward_stats"])
-            c = Components(cfg, worker, learner, scheduler, None, ref, base_key, held_out, clock, tok.pad_id, rewards)
+            c = Components(cfg, worker, learner, scheduler, None, ref, base_key, held_out, clock, tok.pad_id, rewards,
+                           learner_sharding=(mesh, rules))
             if r.rollouts_every:
                 c.rollout_log = RolloutLog(cfg.workdir, tok, every=r.rollouts_every, fraction=r.rollouts_fraction,
                                            seed=cfg.seed, enabled=jax.process_index() == 0)

@@ -28,6 +28,7 @@ from posttrain.rl.hosts import all_group_rewards, all_rewards, combine_info, gro
 from posttrain.rl.scheduler import Group, TaskScheduler
 from posttrain.sampling.continuous import SlotConfig, generate_continuous
 from posttrain.sampling.generate import Samples, generate
+from posttrain.sampling.layout import sampling_sharding
 from posttrain.sampling.rules import SamplingParams
 
 SUMMED_INFO = ("gen_s", "verify_s", "new_tokens", "verifier_errors", "responses")   # added over sampling rounds
@@ -93,6 +94,7 @@ class RolloutWorker:
     verifier_delay: float = 0.0       # extra host seconds per response (benchmarks of overlap)
     clock: BusyClock | None = None
     episodes: Callable | None = None  # multi-turn rollouts (`episodes.rollout_episodes`, rl.env = "tool")
+    rules: dict | None = None         # the sampler's logical-axis rules (`sampling.layout`); None: those in force
     prefix_cache: Any = None          # `sampling.prefix_cache.PrefixCache` (sampling.prefix_cache > 0)
     continuous: SlotConfig | None = None   # continuous batching (sampling.continuous_batching); None: static
 
@@ -108,7 +110,12 @@ class RolloutWorker:
 
     def generate(self, params, rest, tasks: list[tuple[str, object]], key, *, num_samples: int | None = None,
                  greedy: bool = False) -> Pending:
-        """Generate one group per (domain, task) on the device; verification comes later."""
+        """Generate one group per (domain, task) on the device, traced under the sampler's rules;
+        verification comes later."""
+        with sampling_sharding(self.rules):
+            return self._generate(params, rest, tasks, key, num_samples=num_samples, greedy=greedy)
+
+    def _generate(self, params, rest, tasks, key, *, num_samples, greedy) -> Pending:
         if self.episodes is not None:    # episodes interleave sampling and tool calls: run them to the end here
             t0 = time.perf_counter()
             done = self.episodes(self, params, rest, tasks, key, num_samples=num_samples, greedy=greedy)

@@ -26,7 +26,7 @@ from flax import nnx
 
 from posttrain.sampling import engine, kv_cache
 from posttrain.sampling.generate import (MIN_PROMPT_BUCKET, Samples, bucket, host_outputs, new_token_limits,
-                                         pad_prompts, prompt_rows)
+                                         pad_prompts, prompt_rows, sharding_key)
 from posttrain.sampling.rules import SamplingParams
 
 
@@ -105,13 +105,13 @@ def _empty_slots(kv, logits: jax.Array, num_slots: int, capacity: int, key: jax.
                         keys=engine.token_keys(key, zeros, max_new), row=zeros)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id", "num_slots", "prefill_batch"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id", "num_slots", "prefill_batch", "rules"))
 def continuous_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, tokens: jax.Array,
                        lengths: jax.Array, limits: jax.Array, sample_ids: jax.Array, num_requests: jax.Array,
-                       key: jax.Array, *,
-                       sampling: SamplingParams, pad_id: int, num_slots: int, prefill_batch: int) -> engine.Outputs:
+                       key: jax.Array, *, sampling: SamplingParams, pad_id: int, num_slots: int, prefill_batch: int,
+                       rules: tuple | None = None) -> engine.Outputs:
     """The compiled continuous batcher: a queue tokens [Q + C, P] → Outputs of Q rows (row i is
-    request i, drawing from fold_in(key, sample_ids[i]))."""
+    request i, drawing from fold_in(key, sample_ids[i])). `rules`: `generate.sharding_key()`."""
     model = nnx.merge(graphdef, params, rest)
     layers = engine.decode_layers(model)
     queue_rows, prompt_len = tokens.shape[0] - prefill_batch, tokens.shape[1]
@@ -124,13 +124,14 @@ def continuous_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.Stat
                               pending=lambda nxt: nxt < num_requests, queue=jnp.zeros((), jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id", "num_slots", "refill_batch"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id", "num_slots", "refill_batch", "rules"))
 def grouped_continuous_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, tokens: jax.Array,
                                lengths: jax.Array, limits: jax.Array, num_prompts: jax.Array, key: jax.Array, *,
                                sampling: SamplingParams, pad_id: int, num_slots: int,
-                               refill_batch: int) -> engine.Outputs:
+                               refill_batch: int, rules: tuple | None = None) -> engine.Outputs:
     """`generate_program`'s contract (prompts tokens [B, P] prefilled once, B * G output rows,
-    sample i*G+g from fold_in(key, i*G+g)) decoded in `num_slots` continuously refilled slots."""
+    sample i*G+g from fold_in(key, i*G+g)) decoded in `num_slots` continuously refilled slots.
+    `rules`: `generate.sharding_key()`, the rules it is traced under (part of the compile key)."""
     model = nnx.merge(graphdef, params, rest)
     layers = engine.decode_layers(model)
     logits, kv = engine.prefill(model, tokens, lengths, layers)
@@ -173,7 +174,8 @@ def run_requests(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, row
     padded_limits, ids = np.ones((len(tokens),), np.int32), np.zeros((len(tokens),), np.int32)
     padded_limits[:n], ids[:n] = limits, sample_ids
     out = continuous_program(graphdef, params, rest, tokens, lengths, padded_limits, ids, np.int32(n), key,
-                             sampling=sampling, pad_id=pad_id, num_slots=slots.num_slots, prefill_batch=c)
+                             sampling=sampling, pad_id=pad_id, num_slots=slots.num_slots, prefill_batch=c,
+                             rules=sharding_key())
     return jax.tree.map(lambda a: a[:n], host_outputs(out))
 
 
@@ -198,7 +200,7 @@ def generate_continuous(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.Sta
     fitted = slots.fitted(n * g)
     out = grouped_continuous_program(graphdef, params, rest, tokens, lengths, limits, np.int32(n), key,
                                      sampling=sampling, pad_id=pad_id, num_slots=fitted.num_slots,
-                                     refill_batch=fitted.refill_batch)
+                                     refill_batch=fitted.refill_batch, rules=sharding_key())
     out = jax.tree.map(lambda a: a[:n * g], host_outputs(out))
     return Samples(tokens=out.tokens, logprobs=out.logprobs, sampling_logprobs=out.sampling_logprobs,
                    lengths=out.lengths, stop_reason=out.stop_reason, prompt_index=np.repeat(np.arange(n), g))

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from posttrain.parallel.sharding import current, rules_key
 from posttrain.sampling import engine, kv_cache
 from posttrain.sampling.rules import SamplingParams
 from posttrain.sampling.speculative import speculative_program
@@ -108,13 +109,13 @@ def new_token_limits(limits: Sequence[int] | None, num_rows: int, num_prompts: i
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id", "rules"))
 def generate_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, tokens: jax.Array,
                      lengths: jax.Array, limits: jax.Array, num_prompts: jax.Array, key: jax.Array, *,
-                     sampling: SamplingParams, pad_id: int) -> engine.Outputs:
+                     sampling: SamplingParams, pad_id: int, rules: tuple | None = None) -> engine.Outputs:
     """The compiled sampler: tokens [B, P], lengths and new-token limits [B] (rows >= num_prompts
     are padding) → Outputs of B * num_samples rows, sample i*G+g being prompt i's g-th (its RNG
-    id too)."""
+    id too). `rules`: `sharding_key()`, the rules it is traced under (part of the compile key)."""
     model = nnx.merge(graphdef, params, rest)
     g, b = sampling.num_samples, tokens.shape[0]
     layers = engine.decode_layers(model)
@@ -127,6 +128,14 @@ def generate_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
                          row=ids)
     out = engine.Outputs.empty(b * g, sampling.max_new_tokens, pad_id)
     return engine.decode_loop(model, slots, out, sampling, pad_id, layers=layers)
+
+
+def sharding_key() -> tuple | None:
+    """The logical-axis rules in force, hashable (`parallel.rules_key`): the sampler programs take
+    it as a static argument, so that one mesh under two rule sets (`sampling.layout`) never reuses
+    a program traced with the other's sharding constraints."""
+    ctx = current()
+    return None if ctx is None else rules_key(ctx[1])
 
 
 def host_outputs(out):
@@ -160,11 +169,11 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
                                   sampling=sampling, pad_id=pad_id)
     elif sampling.speculative_k:
         out, stats = speculative_program(graphdef, params, rest, tokens, lengths, limits, np.int32(n), key,
-                                         sampling=sampling, pad_id=pad_id)
+                                         sampling=sampling, pad_id=pad_id, rules=sharding_key())
         stats = dict(zip(("rounds", "drafted", "accepted"), np.asarray(stats).tolist()))
     else:
         out = generate_program(graphdef, params, rest, tokens, lengths, limits, np.int32(n), key,
-                               sampling=sampling, pad_id=pad_id)
+                               sampling=sampling, pad_id=pad_id, rules=sharding_key())
     out = host_outputs(out)
     return Samples(tokens=out.tokens[:n * g], logprobs=out.logprobs[:n * g],
                    sampling_logprobs=out.sampling_logprobs[:n * g], lengths=out.lengths[:n * g],

@@ -50,7 +50,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain.sampling import engine, kv_cache
-from posttrain.sampling.generate import MIN_PROMPT_BUCKET, bucket, host_outputs, pad_prompts
+from posttrain.sampling.generate import MIN_PROMPT_BUCKET, bucket, host_outputs, pad_prompts, sharding_key
 from posttrain.sampling.rules import SamplingParams
 
 BLOCK = 16
@@ -208,7 +208,7 @@ class PrefixCache:
                 if starts.any() else None
         capacity = prompt_bucket + sampling.max_new_tokens
         common = dict(limits=limits, num_prompts=np.int32(len(rows)), key=key, capacity=capacity,
-                      sampling=sampling, pad_id=pad_id)
+                      sampling=sampling, pad_id=pad_id, rules=sharding_key())
         if prefix is None:
             tokens, lengths = pad_prompts(rows, num_rows, prompt_bucket, pad_id)
         else:
@@ -255,15 +255,16 @@ def _gather_prefix(entries: list[Entry | None], starts: np.ndarray, num_rows: in
     return tuple(out)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "sampling", "pad_id"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "sampling", "pad_id", "rules"))
 def cached_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, prefix: tuple | None,
                    tokens: jax.Array, starts: jax.Array, lengths: jax.Array, limits: jax.Array,
                    num_prompts: jax.Array, key: jax.Array, *, capacity: int, sampling: SamplingParams,
-                   pad_id: int) -> tuple[engine.Outputs, tuple]:
+                   pad_id: int, rules: tuple | None = None) -> tuple[engine.Outputs, tuple]:
     """`generate_program` on top of cached KV: prefix (per layer k [B, K, Dh, H], v [B, K, H, Dh];
     None: no row hit, a plain prefill) holds row b's first starts[b] entries; tokens [B, S] are the
     uncached suffixes (lengths [B] >= 1) at positions starts[b]... → (Outputs, the final cache
-    [B * G rows]: each sample's prompt and completion KV)."""
+    [B * G rows]: each sample's prompt and completion KV). `rules`: `generate.sharding_key()`, the
+    rules it is traced under (part of the compile key)."""
     model = nnx.merge(graphdef, params, rest)
     g, b = sampling.num_samples, tokens.shape[0]
     layers = model.layers()

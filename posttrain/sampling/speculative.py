@@ -83,12 +83,13 @@ def emit(out: engine.Outputs, rows: jax.Array, step: jax.Array, limit: jax.Array
     return out, new_step, finished
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id", "rules"))
 def speculative_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, tokens: jax.Array,
                         lengths: jax.Array, limits: jax.Array, num_prompts: jax.Array, key: jax.Array, *,
-                        sampling: SamplingParams, pad_id: int) -> tuple[engine.Outputs, jax.Array]:
+                        sampling: SamplingParams, pad_id: int,
+                        rules: tuple | None = None) -> tuple[engine.Outputs, jax.Array]:
     """`generate_program` by speculative rounds (see the module doc): → (Outputs, [rounds, drafted,
-    accepted] summed over rows)."""
+    accepted] summed over rows). `rules`: the compile key of the rules in force (`generate.sharding_key`)."""
     model = nnx.merge(graphdef, params, rest)
     g, b, k, n = sampling.num_samples, tokens.shape[0], sampling.speculative_k, sampling.draft_layers
     layers = model.layers()
