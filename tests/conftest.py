@@ -28,6 +28,14 @@ enable_compilation_cache("auto")          # this process too, before its first c
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def sft_cli_run(tmp_path_factory):
+    """The workdir of one uninterrupted tiny SFT run through the command line (tests/cli_runs.py):
+    test_cli reads its metrics, test_resume resumes against it. Treat it as read-only."""
+    from tests.cli_runs import run_sft
+    return run_sft(tmp_path_factory.mktemp("sft_cli_run") / "full")
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true",
                      help="also run the slow end-to-end tests (e.g. the quickstart's learning goal, ~5 min)")
