@@ -56,28 +56,28 @@ def _fs(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     return fsspec.core.url_to_fs(path)
 
 
+def _path_test(path: str, name: str) -> bool:
+    """`os.path.<name>(path)` for a local path, the fsspec filesystem's `<name>` for a URL
+    (`exists`, `isdir`, `isfile`: the same question on either side)."""
+    if not is_url(path):
+        return getattr(os.path, name)(local(path))
+    fs, p = _fs(path)
+    return getattr(fs, name)(p)
+
+
 def exists(path: str) -> bool:
     """Whether a file or folder `path` exists (a URL folder: any object under it)."""
-    if not is_url(path):
-        return os.path.exists(local(path))
-    fs, p = _fs(path)
-    return fs.exists(p)
+    return _path_test(path, "exists")
 
 
 def isdir(path: str) -> bool:
     """Whether `path` is a folder (for a URL: a prefix with objects under it)."""
-    if not is_url(path):
-        return os.path.isdir(local(path))
-    fs, p = _fs(path)
-    return fs.isdir(p)
+    return _path_test(path, "isdir")
 
 
 def isfile(path: str) -> bool:
     """Whether `path` is a file (object)."""
-    if not is_url(path):
-        return os.path.isfile(local(path))
-    fs, p = _fs(path)
-    return fs.isfile(p)
+    return _path_test(path, "isfile")
 
 
 def makedirs(path: str) -> None:

@@ -1,18 +1,39 @@
 """Test setup: 8 simulated CPU devices (set before jax is imported) and shared fixtures."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The persistent compilation cache stays off in tests (and the runs they start): timings and
-# behaviour must not depend on what earlier runs left in ~/.cache. test_robust checks the switch.
-os.environ.setdefault("POSTTRAIN_COMPILATION_CACHE", "off")
+# One persistent compilation cache per test session, in a fresh temporary folder removed at exit:
+# a program that several tests, or the runs they start in subprocesses (which inherit the
+# variable), compile with the same shapes is compiled once. Nothing comes from earlier sessions or
+# ~/.cache, so results and timings never depend on what other runs left behind. Set
+# POSTTRAIN_COMPILATION_CACHE=off (or a folder) before pytest to override; test_compile_cache
+# checks the switch itself.
+if "POSTTRAIN_COMPILATION_CACHE" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="posttrain-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["POSTTRAIN_COMPILATION_CACHE"] = _cache
 
 import jax  # noqa: E402
 
+from posttrain.train.compile_cache import enable_compilation_cache  # noqa: E402
+
 jax.config.update("jax_default_matmul_precision", "highest")
+enable_compilation_cache("auto")          # this process too, before its first compile
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def sft_cli_run(tmp_path_factory):
+    """The workdir of one uninterrupted tiny SFT run through the command line (tests/cli_runs.py):
+    test_cli reads its metrics, test_resume resumes against it. Treat it as read-only."""
+    from tests.cli_runs import run_sft
+    return run_sft(tmp_path_factory.mktemp("sft_cli_run") / "full")
 
 
 def pytest_addoption(parser):

@@ -35,20 +35,15 @@ def test_cli_rejects_typo_before_compiling():
     assert "unknown config key 'config.optim.lrr'" in out.stderr + out.stdout
 
 
-def test_cli_trains_and_writes_metrics(tmp_path):
-    """A few steps through the real entry point: metrics.jsonl and TensorBoard events appear."""
-    cmd = [sys.executable, "-m", "posttrain.main", "--config", str(ROOT / "configs/sft_tiny.py"),
-           f"--config.workdir={tmp_path}",
-           "--config.sft.eval_files=", "--config.sft.gate=", "--config.data.synthetic_size=100",
-           "--config.train.steps=3", "--config.train.log_every=1", "--config.train.batch_size=8",
-           "--config.train.seq_len=64", "--config.train.progress=False"]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    assert all(k in rows[0] for k in ("loss", "ce", "grad_norm", "lr", "moe/aux_loss", "moe/load"))
+def test_cli_trains_and_writes_metrics(sft_cli_run):
+    """A run through the real entry point (the session's tiny SFT run, tests/cli_runs.py):
+    metrics.jsonl has every step's row with the loss, MoE and optimizer keys; TensorBoard events appear."""
+    from tests.cli_runs import SFT_STEPS
+    rows = [json.loads(line) for line in (sft_cli_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(SFT_STEPS))
+    assert all(k in r for r in rows for k in ("loss", "ce", "grad_norm", "lr", "moe/aux_loss", "moe/load"))
     assert len(rows[0]["moe/load"]) == 4
-    assert list((tmp_path / "tensorboard").iterdir())
+    assert list((sft_cli_run / "tensorboard").iterdir())
 
 
 def load(name: str):

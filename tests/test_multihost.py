@@ -44,15 +44,32 @@ def start(out: str, config: str, overrides: dict, *, processes: int, devices: in
                              stderr=subprocess.STDOUT) for i in range(processes)]
 
 
-def launch(out: str, config: str, overrides: dict, *, processes: int, devices: int, timeout: float = 900) -> list[dict]:
-    """Run to completion; each process's record (rows, lines read)."""
-    procs = start(out, config, overrides, processes=processes, devices=devices)
+def finish(out: str, procs: list[subprocess.Popen], timeout: float = 900) -> list[dict]:
+    """Wait for a started run; each process's record (rows, lines read)."""
     for i, p in enumerate(procs):
         if p.wait(timeout=timeout) != 0:
             for q in procs:
                 q.kill()
             raise AssertionError(f"process {i} exited with {p.returncode}:\n" + open(os.path.join(out, f"log{i}.txt")).read()[-4000:])
-    return [json.load(open(os.path.join(out, f"process{i}.json"))) for i in range(processes)]
+    return [json.load(open(os.path.join(out, f"process{i}.json"))) for i in range(len(procs))]
+
+
+def launch(out: str, config: str, overrides: dict, *, processes: int, devices: int, timeout: float = 900) -> list[dict]:
+    """Run to completion; each process's record (rows, lines read)."""
+    return finish(out, start(out, config, overrides, processes=processes, devices=devices), timeout)
+
+
+def launch_together(config: str, runs: list[tuple[str, dict, int, int]]) -> list[list[dict]]:
+    """Several independent runs (out, overrides, processes, devices) started at once: XLA compiles
+    on one core per process, so the runs' compiles overlap instead of queueing."""
+    started = [(out, start(out, config, overrides, processes=n, devices=d)) for out, overrides, n, d in runs]
+    try:
+        return [finish(out, procs) for out, procs in started]
+    finally:
+        for _, procs in started:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
 
 
 def losses(record: dict) -> dict[int, float]:
@@ -85,8 +102,8 @@ def sft_setup(tmp_path_factory):
 def sft_runs(sft_setup):
     """The same tiny SFT job as 1 process × 8 devices and as 2 processes × 4 devices."""
     root, overrides = sft_setup
-    one = launch(str(root / "one"), SFT_CONFIG, overrides(str(root / "one" / "wd"), True), processes=1, devices=8)
-    two = launch(str(root / "two"), SFT_CONFIG, overrides(str(root / "two" / "wd"), True), processes=2, devices=4)
+    one, two = launch_together(SFT_CONFIG, [(str(root / "one"), overrides(str(root / "one" / "wd"), True), 1, 8),
+                                            (str(root / "two"), overrides(str(root / "two" / "wd"), True), 2, 4)])
     return root, overrides, one, two
 
 
@@ -233,8 +250,8 @@ def rl_runs(tmp_path_factory):
     """A 2-step RLVR job (with a final held-out evaluation) as 1 × 8 and as 2 × 4 devices."""
     root = tmp_path_factory.mktemp("multihost_rl")
 
-    one = launch(str(root / "one"), RL_CONFIG, rl_overrides(str(root / "one" / "wd")), processes=1, devices=8)
-    two = launch(str(root / "two"), RL_CONFIG, rl_overrides(str(root / "two" / "wd")), processes=2, devices=4)
+    one, two = launch_together(RL_CONFIG, [(str(root / "one"), rl_overrides(str(root / "one" / "wd")), 1, 8),
+                                           (str(root / "two"), rl_overrides(str(root / "two" / "wd")), 2, 4)])
     return root, one, two
 
 

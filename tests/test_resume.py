@@ -19,32 +19,15 @@ from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 from posttrain.train.checkpoint import Checkpointer
 from posttrain.train.init import load_model_state
 from posttrain.train.state import init_model_state
+from tests.cli_runs import SFT_EVERY, SFT_STEPS, sft_command
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, EVERY = 30, 10
-
-
-def command(workdir: Path, data: Path) -> list[str]:
-    return [sys.executable, "-m", "posttrain.main", "--config", str(ROOT / "configs/sft_tiny.py"),
-            f"--config.workdir={workdir}",
-            "--config.sft.eval_files=", "--config.sft.gate=", f"--config.train.steps={STEPS}",
-            "--config.train.log_every=1", "--config.train.batch_size=8", "--config.train.seq_len=64",
-            f"--config.checkpoint.every={EVERY}", "--config.train.progress=False", "--config.data.synthetic_size=300"]
+STEPS, EVERY = SFT_STEPS, SFT_EVERY
 
 
 def metrics(workdir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
-
-
-@pytest.fixture(scope="module")
-def full_run(tmp_path_factory) -> tuple[Path, Path]:
-    """(workdir, data folder) of an uninterrupted run, the reference of the resume tests."""
-    tmp_path = tmp_path_factory.mktemp("full")
-    data = tmp_path / "data"
-    full = subprocess.run(command(tmp_path / "full", data), capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert full.returncode == 0, full.stderr[-3000:]
-    return tmp_path / "full", data
 
 
 def assert_same_metrics(a: list[dict], b: list[dict]) -> None:
@@ -55,12 +38,12 @@ def assert_same_metrics(a: list[dict], b: list[dict]) -> None:
             np.testing.assert_allclose(rb[k], ra[k], rtol=1e-5, atol=1e-6, err_msg=f"step {ra['step']} {k}")
 
 
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path, full_run):
-    full, data = full_run
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sft_cli_run):
+    full = sft_cli_run
 
     workdir = tmp_path / "killed"
     kill_at = random.randint(EVERY + 1, STEPS - 3)
-    proc = subprocess.Popen(command(workdir, data), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(sft_command(workdir), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 600
     while time.time() < deadline:
         path = workdir / "metrics.jsonl"
@@ -78,20 +61,20 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, full_run):
     assert proc.returncode == -signal.SIGKILL
     assert max(r["step"] for r in metrics(workdir)) < STEPS - 1, "run finished before the kill"
 
-    resumed = subprocess.run(command(workdir, data), capture_output=True, text=True, cwd=ROOT, timeout=600)
+    resumed = subprocess.run(sft_command(workdir), capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "restored checkpoint" in resumed.stderr
     assert_same_metrics(metrics(full), metrics(workdir))
 
 
 @pytest.mark.slow
-def test_sigterm_saves_at_the_current_step_then_resume_equals_uninterrupted(tmp_path, full_run):
+def test_sigterm_saves_at_the_current_step_then_resume_equals_uninterrupted(tmp_path, sft_cli_run):
     """Preemption: SIGTERM mid-run finishes the step, checkpoints it (between the periodic saves),
     says how to resume and exits 143; the rerun continues to the uninterrupted run's losses."""
-    full, data = full_run
+    full = sft_cli_run
     workdir = tmp_path / "stopped"
     signal_at = random.randint(EVERY + 1, STEPS - 4)
-    proc = subprocess.Popen(command(workdir, data), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(sft_command(workdir), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.time() + 600
     while time.time() < deadline:
@@ -109,7 +92,7 @@ def test_sigterm_saves_at_the_current_step_then_resume_equals_uninterrupted(tmp_
     assert f"checkpoint saved at step {done}" in err.strip().splitlines()[-1], err[-3000:]
     assert "run the same command again" in err.strip().splitlines()[-1]
     assert (workdir / "checkpoints" / str(done)).is_dir()
-    resumed = subprocess.run(command(workdir, data), capture_output=True, text=True, cwd=ROOT, timeout=600)
+    resumed = subprocess.run(sft_command(workdir), capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"restored checkpoint {done}" in resumed.stderr
     assert_same_metrics(metrics(full), metrics(workdir))

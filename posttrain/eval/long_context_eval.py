@@ -8,7 +8,6 @@ with the stage's other metrics) and from `tools/long_context_eval.py --run R`.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from collections.abc import Sequence
@@ -101,9 +100,7 @@ def write_rows(rows: Sequence[dict], path: str) -> None:
 
 def plot_heatmaps(rows: Sequence[dict], out: str, title: str = "") -> str:
     """One length x depth accuracy heat map per kind (the newest step's rows) to PNG `out`."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from posttrain.train.plot import plt, png_bytes      # matplotlib (Agg) only when plotting
     last = max((r.get("step", -1) for r in rows), default=-1)
     rows = [r for r in rows if r.get("step", -1) == last]
     kinds = list(dict.fromkeys(r["kind"] for r in rows))
@@ -124,11 +121,7 @@ def plot_heatmaps(rows: Sequence[dict], out: str, title: str = "") -> str:
         ax.set_title(f"long_ctx_{kind} = {np.nanmean(grid):.2f}")
         fig.colorbar(im, ax=ax, fraction=0.046)
     fig.suptitle(title + (f" (step {last})" if last >= 0 else ""), fontsize=9)
-    fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=100)
-    storage.write_bytes(out, png.getvalue())
-    plt.close(fig)
+    storage.write_bytes(out, png_bytes(fig))
     return out
 
 

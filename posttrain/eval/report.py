@@ -17,7 +17,6 @@ import base64
 import dataclasses
 import fnmatch
 import html
-import io
 import json
 import math
 import os
@@ -25,7 +24,7 @@ import re
 import time
 
 from posttrain import storage
-from posttrain.train.plot import load_runs, plt, series
+from posttrain.train.plot import load_runs, plt, png_bytes, series
 
 # (title, metric patterns): one panel each, every matching metric of every stage drawn in it.
 PANELS = (
@@ -118,11 +117,7 @@ def figure_png(curves: list[tuple[str, list, list]], title: str) -> str:
     ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, loc="best")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
+    return base64.b64encode(png_bytes(fig, dpi=80)).decode()
 
 
 def panels(stage: Stage) -> list[tuple[str, str]]:

@@ -50,6 +50,15 @@ def series(rows: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
     return {k: v for k, v in out.items() if len(v[0]) > 1}
 
 
+def png_bytes(fig, dpi: int = 100) -> bytes:
+    """A finished matplotlib figure as PNG bytes (laid out tight); the figure is closed."""
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    return buf.getvalue()
+
+
 def plot(workdir: str, out: str, max_panels: int = 12) -> str:
     """Write the PNG and return its path."""
     runs = {name: series(rows) for name, rows in load_runs(workdir).items()}
@@ -70,9 +79,5 @@ def plot(workdir: str, out: str, max_panels: int = 12) -> str:
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
     fig.suptitle(workdir if storage.is_url(workdir) else os.path.abspath(workdir), fontsize=9)
-    fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=100)
-    storage.write_bytes(out, png.getvalue())
-    plt.close(fig)
+    storage.write_bytes(out, png_bytes(fig))
     return out
