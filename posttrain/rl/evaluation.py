@@ -59,8 +59,8 @@ MULTI_TURN = ("repo_fix",)      # built-in suites of multi-turn tool episodes (r
 # A suite's greedy accuracy also under a headline name, for gates ("unit_test_pass>=0.6").
 HEADLINE = {"humaneval": "unit_test_pass", "gsm8k": "gsm8k_accuracy", "arithmetic": "arithmetic_accuracy",
             "repo_fix": "tool_success_rate"}
-# Hook for further built-in suites: name -> (cfg, tokenizer, reward_fn) -> Domain (e.g. the tool
-# episodes). The long-context grid (eval.long_context.*, metrics long_ctx_needle / long_ctx_multihop)
+# Hook for further built-in single-turn suites: name -> (cfg, tokenizer, reward_fn) -> Domain (multi-turn
+# ones are the MULTI_TURN domains of rl.tasks). The long-context grid (eval.long_context.*, metrics long_ctx_needle / long_ctx_multihop)
 # runs beside the suites, through posttrain/eval/long_context_eval.py.
 EXTRA_SUITES: dict[str, Callable] = {}
 
