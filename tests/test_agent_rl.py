@@ -137,6 +137,13 @@ def test_repo_fix_held_out_tasks_are_disjoint_from_training_by_construction():
     demo_lines = {line for t in train for line in repo_domain.demonstration(t)}
     assert not demo_lines & {repo_domain.demonstration(t)[1] for t in test}
     assert all(repo_domain.repo_split(*fix(t)) == "test" for t in test)
+    drills = repo_domain.copy_drills(2000, seed=3)            # SFT copy drills: no task's module or constant
+    drill_lines = {m["content"] for r in drills for m in r["messages"] if m["role"] == "assistant"}
+    assert len(drill_lines) > 3000 and not drill_lines & (demo_lines | {repo_domain.demonstration(t)[1] for t in test})
+    for r in drills:
+        fixed = r["messages"][-1]["content"]
+        assert fixed.split("'")[1].split(" = ")[0].islower() and fixed.split("> ")[1].split(".py")[0] not in \
+            repo_domain.MODULES
 
 
 class CountingEnv(ChatEnv):
@@ -278,8 +285,10 @@ def test_agent_demos_tool_writes_to_a_store_url(monkeypatch, capsys):
 
     from posttrain import storage
     tool = Path(__file__).resolve().parents[1] / "tools" / "agent_demos.py"
-    monkeypatch.setattr(sys, "argv", ["agent_demos.py", "--out", "memory:///demos/sft.jsonl", "--n", "1", "--workers", "1"])
+    monkeypatch.setattr(sys, "argv", ["agent_demos.py", "--out", "memory:///demos/sft.jsonl", "--n", "1", "--workers", "1",
+                                      "--copy_drills", "2"])
     runpy.run_path(str(tool), run_name="__main__")
     records = [json.loads(line) for line in storage.read_text("memory:///demos/sft.jsonl").splitlines()]
-    assert len(records) == 1 and records[0]["messages"][-1]["role"] == "assistant"
-    assert "1/1 demonstrations passed" in capsys.readouterr().out
+    assert len(records) == 3 and records[0]["messages"][-1]["content"] == "Done."
+    assert records[1:] == repo_domain.copy_drills(2, seed=1)
+    assert "1/1 demonstrations passed their final check, 2 copy drills" in capsys.readouterr().out

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.config_schema import apply_command_line_precedence, check_config, command_line_keys, stages_of
+from posttrain.config_schema import apply_command_line_precedence, check_config, command_line_keys
 from posttrain.data.synthetic import SYNTHETIC
 from posttrain.main import check_overrides
 from posttrain.train.data_files import DATA_STAGES, SPLITS
@@ -36,13 +36,17 @@ def load(spec: str):
 
 def make_documented_files(cfg, doc: str) -> None:
     """Create (empty, in the current folder) the named local data files a config's docstring says
-    how to make (e.g. `tools/agent_demos.py --out PATH`): the start-up checks require them."""
+    how to make (e.g. `tools/agent_demos.py --out PATH`; for a glob, the documented paths it
+    matches): the start-up checks require them."""
+    import fnmatch
     for stage in DATA_STAGES:
         for name, _ in SPLITS:
             value = cfg[stage][name]
-            if value and value != SYNTHETIC and "://" not in value and value in doc:
-                Path(value).parent.mkdir(parents=True, exist_ok=True)
-                Path(value).touch()
+            if not value or value == SYNTHETIC or "://" in value:
+                continue
+            for path in [value] if value in doc else [w for w in doc.split() if fnmatch.fnmatch(w, value)]:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                Path(path).touch()
 
 
 @pytest.mark.parametrize("spec", CONFIGS)

@@ -20,7 +20,6 @@ from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl import evaluation
 from posttrain.rl.rollout import RolloutWorker, evaluate
-from posttrain.rl.verifiers.math import extract_answer
 from posttrain.train.checkpoint import Checkpointer
 from posttrain.train.init import load_model_state
 from posttrain.train.state import abstract_model, init_model_state
@@ -265,7 +264,7 @@ def test_pipeline_eval_stages_compare_with_the_previous_eval(run_dir, tmp_path):
     assert results["eval"]["regression_drop"] == 0.0
     assert [r["step"] for r in records(tmp_path / "1_eval", "mine")] == [2]
     cfg.eval.gate = "regression_drop<-0.5"
-    with pytest.raises(GateFailed, match=r"FAIL  regression_drop = 0 \(needs < -0.5\)") as e:
+    with pytest.raises(GateFailed, match=r"FAIL  regression_drop = 0 \(needs < -0.5\)"):
         pipeline.run(cfg)
     gates = [json.loads(l) for l in (tmp_path / "gates.jsonl").read_text().splitlines()]    # every gate checked
     assert [(g["stage"], g["passed"]) for g in gates] == [("eval", True)] * 3 + [("eval", False)]
@@ -281,4 +280,64 @@ def test_long_context_grid_runs_beside_the_suites_and_gates_on_it(run_dir, tmp_p
     assert (tmp_path / "long_context.jsonl").exists()
     cfg.eval.gate = "long_ctx_needle>=1.5"
     with pytest.raises(SystemExit, match=r"FAIL  long_ctx_needle = 0 \(needs >= 1.5\)"):
+        main_run(cfg)
+
+
+# --- multi-turn suites (repo_fix: tool episodes) ---
+
+class ScriptedSampler:
+    """Stands in for the sampler in the episode loop: reads each episode's context and writes the
+    next turn of a script (cat the test and a missing file: a failing call; then the fix, right
+    only when the asserted value is a multiple of 3; then "Done."), so the solved set is known."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def turn(self, context: str) -> str:
+        import re
+        module = re.search(r"Fix (\w+)\.py\.", context).group(1)
+        shown = re.search(r"assert (\w+) == (\d+)", context.split("<output>", 1)[-1])
+        if context.count("<output>") == 0:
+            return f"<tool>sh\ncat test_{module}.py missing.txt\n</tool>"
+        if context.count("<output>") == 1:
+            name, value = shown.group(1), int(shown.group(2))
+            return f"<tool>sh\necho '{name} = {value if value % 3 == 0 else value + 1}' > {module}.py\n</tool>"
+        return "Done."
+
+    def __call__(self, graphdef, params, rest, contexts, sampling, key, *, pad_id):
+        turns = [self.tok.encode(self.turn(self.tok.decode(c))) + [self.tok.stop_ids[0]] for c in contexts]
+
+        class Samples:
+            sampling_logprobs = np.zeros((len(turns), max(map(len, turns))), np.float32)
+
+            @staticmethod
+            def completion(j):
+                return turns[j]
+        return Samples()
+
+
+def test_multi_turn_suite_reports_episode_metrics_and_gates_on_them(run_dir, tmp_path, monkeypatch):
+    """Stage eval on repo_fix's held-out episodes (real sandboxed calls and final checks, the
+    sampler scripted): solved = the final check passed, although the failing first call's penalty
+    leaves the reward below 1; the episode metrics are reported and gated on."""
+    from posttrain.rl import episodes, repo_domain
+    tok = load_tokenizer(base_config().data.tokenizer)
+    monkeypatch.setattr(episodes, "generate", ScriptedSampler(tok))
+    cfg = config(tmp_path, run_dir, "repo_fix", samples=2, pass_k="1,2", size=4)
+    cfg.rl.max_new_tokens, cfg.rl.invalid_tool_call_penalty = 64, 0.1
+    cfg.eval.gate = "tool_success_rate>=0.5, repo_fix/turns_per_episode<=3, repo_fix/tool_call_ok_rate>=0.5"
+    want = np.mean([repo_domain.task_fields(t)[3] % 3 == 0 for t in evaluation.make_suites(cfg, tok)["repo_fix"].tasks])
+    assert want == 0.5            # the seed's 4 held-out tasks: 2 multiples of 3
+    result = main_run(cfg)
+    (rec,) = records(tmp_path, "repo_fix")
+    assert rec["problems"] == 4 and rec["accuracy"] == rec["tool_success_rate"] == want
+    assert rec["mean_accuracy"] == rec["tool_success_rate_sampled"] == rec["pass@2"] == want
+    assert rec["turns_per_episode"] == 3 and rec["calls_per_turn"] == pytest.approx(2 / 3)
+    assert rec["tool_call_ok_rate"] == 0.5           # cat of a missing file exits 1: invalid, penalised
+    assert result.eval["tool_success_rate"] == result.eval["repo_fix/tool_success_rate"] == want
+    with pytest.raises(GateFailed, match=r"FAIL  tool_success_rate = 0.5 \(needs >= 0.99\)"):
+        check_gate("eval", "tool_success_rate>=0.99", result.eval)
+    cfg.eval.gate = "arithmetic/tool_success_rate>=0"      # episode metrics only for multi-turn suites
+    cfg.eval.suites, cfg.eval.size = "repo_fix,arithmetic", 4
+    with pytest.raises(UserError, match=r"does not report \['arithmetic/tool_success_rate'\]"):
         main_run(cfg)

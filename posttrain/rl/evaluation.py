@@ -1,10 +1,15 @@
 """Stage `eval`: evaluate one checkpoint, or every checkpoint of a run, on named suites.
 
 Suites (`eval.suites`, comma-separated): the built-in held-out sets of the RL domains
-(`arithmetic`, `gsm8k` test, `humaneval`, via `rl.tasks.make_domains`) and user JSONL suites
-`name=path.jsonl` with records `{"prompt", "answer"}` scored by the math verifier. Each suite
-reports greedy accuracy, mean sampled accuracy over `eval.samples` samples, pass@k (unbiased
-estimator) for each k of `eval.pass_k`, mean response length, verifier errors and its wall time.
+(`arithmetic`, `gsm8k` test, `humaneval`, the agent domain `repo_fix`'s "test" split, via
+`rl.tasks.make_domains`) and user JSONL suites `name=path.jsonl` with records `{"prompt", "answer"}`
+scored by the math verifier. Each suite reports greedy accuracy, mean sampled accuracy over
+`eval.samples` samples, pass@k (unbiased estimator) for each k of `eval.pass_k`, mean response
+length, verifier errors and its wall time. A multi-turn suite (`repo_fix`) runs whole episodes
+as `rl.env='tool'` does (`rl.max_turns` turns of `rl.max_new_tokens`, sandboxed calls, the
+configured tool-call penalties): a problem counts as solved when its final check passes,
+penalties aside (`tool_success_rate`, greedy; `tool_success_rate_sampled`), and it also reports
+`turns_per_episode`, `calls_per_turn` and `tool_call_ok_rate` of the greedy episodes.
 Sampling uses the `rl.*` settings (temperature, top_k, top_p, max_new_tokens) and the seed, so
 checkpoints are compared on the same draws. Every result is appended to
 `{workdir}/eval/<suite>.jsonl` with the checkpoint path and step and the suite version (a hash of
@@ -33,11 +38,12 @@ from posttrain.data.tokenizer import load_tokenizer
 from posttrain.eval.long_context_eval import make_long_context_eval, parse_grid
 from posttrain.eval.passk import mean_pass_at_k
 from posttrain.models.decoder import Decoder
-from posttrain.parallel import mesh_and_rules, use_sharding
+from posttrain.parallel import allgather_json, mesh_and_rules, use_sharding
 from posttrain.rl.domains import Domain
 from posttrain.rl.envs import SingleTurnEnv
 from posttrain.rl.envs.base import Task
-from posttrain.rl.hosts import all_rewards, combine_info
+from posttrain.rl.episodes import rollout_episodes
+from posttrain.rl.hosts import combine_info
 from posttrain.rl.rollout import SUMMED_INFO, RolloutWorker
 from posttrain.rl.tasks import make_domains, make_reward_fn
 from posttrain.rl.verifiers.math import MathTask
@@ -48,11 +54,13 @@ from posttrain.train.loop import Result
 from posttrain.train.metrics import MetricsWriter
 from posttrain.train.state import abstract_model
 
-BUILTIN = ("arithmetic", "gsm8k", "humaneval")
+BUILTIN = ("arithmetic", "gsm8k", "humaneval", "repo_fix")
+MULTI_TURN = ("repo_fix",)      # built-in suites of multi-turn tool episodes (rl.env = "tool")
 # A suite's greedy accuracy also under a headline name, for gates ("unit_test_pass>=0.6").
-HEADLINE = {"humaneval": "unit_test_pass", "gsm8k": "gsm8k_accuracy", "arithmetic": "arithmetic_accuracy"}
-# Hook for further built-in suites: name -> (cfg, tokenizer, reward_fn) -> Domain (e.g. the tool
-# episodes). The long-context grid (eval.long_context.*, metrics long_ctx_needle / long_ctx_multihop)
+HEADLINE = {"humaneval": "unit_test_pass", "gsm8k": "gsm8k_accuracy", "arithmetic": "arithmetic_accuracy",
+            "repo_fix": "tool_success_rate"}
+# Hook for further built-in single-turn suites: name -> (cfg, tokenizer, reward_fn) -> Domain (multi-turn
+# ones are the MULTI_TURN domains of rl.tasks). The long-context grid (eval.long_context.*, metrics long_ctx_needle / long_ctx_multihop)
 # runs beside the suites, through posttrain/eval/long_context_eval.py.
 EXTRA_SUITES: dict[str, Callable] = {}
 
@@ -108,21 +116,36 @@ def user_tasks(name: str, path: str, on_error: str = "raise") -> list[Task]:
     return tasks
 
 
+def multi_turn_suites(spec: str) -> list[str]:
+    """The suites of `eval.suites` spec that run multi-turn tool episodes."""
+    return [n for n, p in parse_suites(spec) if not p and n in MULTI_TURN]
+
+
+def _builtin_suites(cfg, tok, names: list[str], env: str) -> dict[str, Domain]:
+    """The held-out tasks of built-in domains `names`, in `rl.env = env` environments."""
+    if not names:
+        return {}
+    sub = cfg.copy_and_resolve_references()
+    sub.rl.domains, sub.rl.eval_size, sub.rl.env = ",".join(names), cfg.eval.size, env
+    domains, held_out = make_domains(sub, tok, make_reward_fn(sub))
+    return {n: Domain(n, [t for d, t in held_out if d == n], domains[n].make_env) for n in names}
+
+
 def make_suites(cfg, tok) -> dict[str, Domain]:
-    """The suites of `eval.suites`: name -> Domain (its tasks and environment)."""
+    """The suites of `eval.suites`: name -> Domain (its tasks and environment). Built-in
+    single-turn suites get one-answer environments and multi-turn ones (`MULTI_TURN`) tool
+    episodes, whatever `rl.env` says (it is the RL stage's switch)."""
     named = parse_suites(cfg.eval.suites)
     builtin = [n for n, p in named if not p and n in BUILTIN]
     if not builtin and cfg.eval.size != 128:
         raise ValueError(f"eval.size={cfg.eval.size} cannot take effect: it sizes the built-in suites "
                          f"({', '.join(BUILTIN)}) and eval.suites={cfg.eval.suites!r} has none")
+    multi = multi_turn_suites(cfg.eval.suites)
+    suites = {**_builtin_suites(cfg, tok, [n for n in builtin if n not in multi], "single"),
+              **_builtin_suites(cfg, tok, multi, "tool")}
     sub = cfg.copy_and_resolve_references()
-    sub.rl.domains, sub.rl.eval_size = ",".join(builtin) or "arithmetic", cfg.eval.size
+    sub.rl.env = "single"
     reward_fn = make_reward_fn(sub)
-    suites = {}
-    if builtin:
-        domains, held_out = make_domains(sub, tok, reward_fn)
-        for n in builtin:
-            suites[n] = Domain(n, [t for d, t in held_out if d == n], domains[n].make_env)
     env = lambda: SingleTurnEnv(tok, reward_fn, max_turn_tokens=cfg.rl.max_new_tokens)
     for n, path in named:
         if path:
@@ -132,9 +155,21 @@ def make_suites(cfg, tok) -> dict[str, Domain]:
     return {n: suites[n] for n, _ in named}
 
 
+def solved(groups, *, episodes: bool) -> list[list[bool]]:
+    """Per problem, whether each sample solved it, from every process's groups (global task
+    order): reward >= 1 for one answer; for a tool episode its final check (correctness 1),
+    whatever the tool-call penalties took off the reward."""
+    if episodes:
+        mine = [[t.reward.parts["correct"] >= 1.0 for t in g.trajectories] for g in groups]
+    else:
+        mine = [[float(r) >= 1.0 for r in g.rewards] for g in groups]
+    return [row for part in allgather_json(mine) for row in part]
+
+
 def evaluate_suite(worker: RolloutWorker, params, rest, name: str, tasks: list[Task], key, samples: int,
-                   ks: list[int]) -> dict:
-    """Greedy accuracy, mean sampled accuracy, pass@k, response length, verifier errors, seconds.
+                   ks: list[int], *, episodes: bool = False) -> dict:
+    """Greedy accuracy, mean sampled accuracy, pass@k, response length, verifier errors, seconds;
+    with `episodes` (the worker runs multi-turn tool episodes) also the `EPISODE_METRICS`.
 
     Same draws as `rollout.evaluate`: greedy with `key`, `samples` samples with fold_in(key, 1)."""
     t0 = time.perf_counter()
@@ -142,33 +177,43 @@ def evaluate_suite(worker: RolloutWorker, params, rest, name: str, tasks: list[T
     greedy = worker.rollout(params, rest, pairs, key, num_samples=1, greedy=True, exact_share=False)
     sampled = worker.rollout(params, rest, pairs, jax.random.fold_in(key, 1), num_samples=samples, exact_share=False)
     # several processes: each verified its share of the problems; results from all of them
-    correct = [[r >= 1.0 for r in rewards] for rewards in all_rewards(sampled.groups)]
-    greedy_ok = [rewards[0] >= 1.0 for rewards in all_rewards(greedy.groups)]
+    correct = solved(sampled.groups, episodes=episodes)
+    greedy_ok = [row[0] for row in solved(greedy.groups, episodes=episodes)]
     greedy, sampled = (dataclasses.replace(b, info=combine_info(b.info, SUMMED_INFO)) for b in (greedy, sampled))
-    return {"accuracy": float(np.mean(greedy_ok)),
-            "mean_accuracy": float(np.mean(correct)),
-            **{f"pass@{k}": mean_pass_at_k(correct, k) for k in ks},
-            "response_len": sampled.info["response_len_mean"],
-            "greedy_response_len": greedy.info["response_len_mean"],
-            "verifier_errors": greedy.info["verifier_errors"] + sampled.info["verifier_errors"],
-            "seconds": time.perf_counter() - t0}
+    out = {"accuracy": float(np.mean(greedy_ok)),
+           "mean_accuracy": float(np.mean(correct)),
+           **{f"pass@{k}": mean_pass_at_k(correct, k) for k in ks},
+           "response_len": sampled.info["response_len_mean"],
+           "greedy_response_len": greedy.info["response_len_mean"],
+           "verifier_errors": greedy.info["verifier_errors"] + sampled.info["verifier_errors"]}
+    if episodes:
+        out.update(tool_success_rate=out["accuracy"], tool_success_rate_sampled=out["mean_accuracy"],
+                   **{k: greedy.info[k] for k in ("turns_per_episode", "calls_per_turn", "tool_call_ok_rate")})
+    return {**out, "seconds": time.perf_counter() - t0}
 
 
 SUITE_METRICS = ("accuracy", "mean_accuracy", "response_len", "greedy_response_len", "verifier_errors", "seconds")
+EPISODE_METRICS = ("tool_success_rate", "tool_success_rate_sampled", "turns_per_episode", "calls_per_turn",
+                   "tool_call_ok_rate")
 
 
 def check_eval_config(cfg) -> None:
     """Start-up check of `eval.suites`, `eval.pass_k` and the metrics `eval.gate` names (no data is
     read: a pipeline runs it before its first stage trains)."""
     check_gate_metrics(cfg, [n for n, _ in parse_suites(cfg.eval.suites)], pass_ks(cfg))
+    if multi_turn_suites(cfg.eval.suites):
+        from posttrain.rl.checks import check_env
+        check_env(cfg.rl)
 
 
 def check_gate_metrics(cfg, suites, ks: list[int]) -> None:
     """Every metric `eval.gate` names is one this evaluation reports (suites: their names)."""
     from posttrain.eval.gates import REGRESSION_DROP, parse_gate
     known = {REGRESSION_DROP, *(HEADLINE[n] for n in suites if n in HEADLINE)}
+    multi = multi_turn_suites(cfg.eval.suites)
     for n in suites:
-        known |= {f"{n}/{m}" for m in (*SUITE_METRICS, *(f"pass@{k}" for k in ks))}
+        known |= {f"{n}/{m}" for m in (*SUITE_METRICS, *(f"pass@{k}" for k in ks),
+                                       *(EPISODE_METRICS if n in multi else ()))}
     if cfg.eval.long_context.lengths:
         grid = parse_grid(cfg.eval.long_context)
         known |= {f"long_ctx_{kind}" for kind in grid["kinds"]}
@@ -255,12 +300,15 @@ def run(cfg, baseline: dict | None = None) -> Result:
     writer = MetricsWriter(cfg.workdir, enabled=jax.process_index() == 0, resume_step=2**62)
     with concurrent.futures.ThreadPoolExecutor(r.verifier_workers) as pool, use_sharding(mesh, rules):
         worker = RolloutWorker(graphdef, suites, sampling, tok.pad_id, pool)
+        multi = multi_turn_suites(cfg.eval.suites)
+        episode_worker = dataclasses.replace(worker, episodes=rollout_episodes)
         for step in steps:
             params, rest, _ = load_model_state(path, make, mesh, rules, step=None if path.startswith("hf:") else step)
             results = {}
             for name, suite in suites.items():
-                results[name] = evaluate_suite(worker, params, rest, name, list(suite.tasks), jax.random.key(cfg.seed),
-                                               cfg.eval.samples, ks)
+                results[name] = evaluate_suite(episode_worker if name in multi else worker, params, rest, name,
+                                               list(suite.tasks), jax.random.key(cfg.seed), cfg.eval.samples, ks,
+                                               episodes=name in multi)
                 write_record(cfg.workdir, {"suite": name, "version": versions[name], "checkpoint": path, "step": step,
                                            "problems": len(suite.tasks), "samples": cfg.eval.samples,
                                            **results[name], "time": time.time()})

@@ -88,6 +88,26 @@ def demonstration_records(tasks: list[Task], make_env, *, workers: int = 2) -> l
         return [r for r in pool.map(one, tasks) if r is not None]
 
 
+def copy_drills(n: int, seed: int) -> list[dict]:
+    """SFT records `{"messages": [...]}` that drill the copy a fix needs (read a module, a name and
+    a value from a tool's output, write them into a command) in the episode's message format, on
+    names no task uses: lowercase modules and names (tasks' constants are upper case, their
+    modules from MODULES) with 1-4 digit values, so no task's fix line, held-out or not, appears."""
+    rng, letters, out = random.Random(seed), "abcdefghijklmnopqrstuvwxyz", []
+    word = lambda: "".join(rng.choice(letters) for _ in range(rng.randint(2, 8)))
+    for _ in range(n):
+        mod, name = word(), word()
+        while mod in MODULES:
+            mod = word()
+        value = rng.randint(0, 10 ** rng.randint(1, 4) - 1)
+        out.append({"messages": [
+            {"role": "user", "content": f"test_{mod}.py fails. Fix {mod}.py."},
+            {"role": "assistant", "content": f"<tool>sh\ncat test_{mod}.py\n</tool>"},
+            {"role": "tool", "content": f"<output>\nfrom {mod} import {name}\nassert {name} == {value}, {name}\n</output>"},
+            {"role": "assistant", "content": f"<tool>sh\necho '{name} = {value}' > {mod}.py\n</tool>"}]})
+    return out
+
+
 def repo_fix_domain(make_env, *, n: int = TRAIN_SIZE, seed: int = 0) -> Domain:
     """The training domain: `n` tasks of the "train" split."""
     return Domain("repo_fix", repo_tasks("train", n, seed), make_env)

@@ -81,26 +81,26 @@ def run_python(sandbox: Sandbox, code: str, limits: Limits, max_chars: int) -> t
     return out, res.status
 
 
-class ToolEnv(ChatEnv):
-    """Multi-turn episodes with a sandboxed Python tool (protocol in the module docstring).
+class ToolCallEnv(ChatEnv):
+    """Multi-turn episodes where a turn may end with one tool call (protocol in the module
+    docstring): `step` parses the turn, counts the call, ends the episode at `max_turns` and
+    answers with the output message; a subclass runs the call in `_call` (`tools` names those it has).
 
     max_turns: model turns per episode, tool calls included; max_turn_tokens: token budget of
-    each turn; tool_limits: sandbox limits of one tool run; max_output_chars: how much of a
-    run's output the model sees; observation_role: the chat role of tool output messages (use
-    "user" for templates without a tool role).
+    each turn; max_output_chars: how much of a call's output the model sees; observation_role:
+    the chat role of tool output messages (use "user" for templates without a tool role).
     """
 
-    def __init__(self, tok: Tokenizer, reward_fn: RewardFunction, sandbox: Sandbox, *, max_turns: int = 4,
-                 max_turn_tokens: int = 512, tool_limits: Limits = TOOL_LIMITS, max_output_chars: int = 2000,
-                 system_prompt: str | None = TOOL_SYSTEM_PROMPT, observation_role: str = "tool") -> None:
+    tools: tuple[str, ...] = TOOLS
+
+    def __init__(self, tok: Tokenizer, reward_fn: RewardFunction, *, max_turns: int, max_turn_tokens: int,
+                 max_output_chars: int, system_prompt: str | None, observation_role: str = "tool") -> None:
         super().__init__(tok, reward_fn, max_turn_tokens=max_turn_tokens, system_prompt=system_prompt)
         if max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+            raise ValueError(f"{type(self).__name__}: max_turns must be >= 1, got {max_turns}")
         if max_output_chars < 1:
-            raise ValueError(f"max_output_chars must be >= 1, got {max_output_chars}")
-        self.sandbox = sandbox
+            raise ValueError(f"{type(self).__name__}: max_output_chars must be >= 1, got {max_output_chars}")
         self.max_turns = max_turns
-        self.tool_limits = tool_limits
         self.max_output_chars = max_output_chars
         self.observation_role = observation_role
 
@@ -110,7 +110,7 @@ class ToolEnv(ChatEnv):
         if truncated:
             return self._finish(text, truncated=truncated)
         try:
-            call, error = parse_tool_call(text), None
+            call, error = parse_tool_call(text, self.tools), None
         except ToolCallError as e:
             call, error = None, str(e)
         if call is None and error is None:
@@ -120,11 +120,7 @@ class ToolEnv(ChatEnv):
         info["invalid_tool_calls"] += error is not None
         if self.trajectory().turns >= self.max_turns:
             return self._finish(text, truncated="max_turns")
-        if error is None:
-            output, status = run_python(self.sandbox, call.code, self.tool_limits, self.max_output_chars)
-            info["invalid_tool_calls"] += status not in (Status.PASS, Status.ERROR)  # ERROR: the sandbox's fault
-        else:
-            output = f"error: {error}"
+        output = self._call(call, info) if error is None else f"error: {error}"
         if output and not output.endswith("\n"):
             output += "\n"
         message = {"role": self.observation_role, "content": f"<output>\n{output}</output>"}
@@ -132,3 +128,29 @@ class ToolEnv(ChatEnv):
         self._messages.append(message)
         self.trajectory().extend(observation, generated=False)
         return Step(observation, None, False, dict(info))
+
+    def _call(self, call: ToolCall, info: dict) -> str:
+        """Run one well-formed call, count what it did in `info`; returns what the model sees."""
+        raise NotImplementedError
+
+
+class ToolEnv(ToolCallEnv):
+    """Multi-turn episodes with a sandboxed Python tool, each call a fresh program (protocol in
+    the module docstring). tool_limits: sandbox limits of one tool run; the other arguments as
+    for `ToolCallEnv`.
+    """
+
+    def __init__(self, tok: Tokenizer, reward_fn: RewardFunction, sandbox: Sandbox, *, max_turns: int = 4,
+                 max_turn_tokens: int = 512, tool_limits: Limits = TOOL_LIMITS, max_output_chars: int = 2000,
+                 system_prompt: str | None = TOOL_SYSTEM_PROMPT, observation_role: str = "tool") -> None:
+        super().__init__(tok, reward_fn, max_turns=max_turns, max_turn_tokens=max_turn_tokens,
+                         max_output_chars=max_output_chars, system_prompt=system_prompt,
+                         observation_role=observation_role)
+        self.sandbox = sandbox
+        self.tool_limits = tool_limits
+
+    def _call(self, call: ToolCall, info: dict) -> str:
+        """Run the program; a failing one (not a failure of the sandbox itself) is an invalid call."""
+        output, status = run_python(self.sandbox, call.code, self.tool_limits, self.max_output_chars)
+        info["invalid_tool_calls"] += status not in (Status.PASS, Status.ERROR)  # ERROR: the sandbox's fault
+        return output

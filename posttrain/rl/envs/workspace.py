@@ -30,9 +30,8 @@ import hashlib
 import time
 from posttrain.data.tokenizer import Tokenizer
 from posttrain.rl.envs.base import Step, Task
-from posttrain.rl.envs.chat import ChatEnv, continuation
-from posttrain.rl.envs.tool import ToolCallError, parse_tool_call
-from posttrain.rl.reward import RewardFunction, compose
+from posttrain.rl.envs.tool import ToolCall, ToolCallEnv
+from posttrain.rl.reward import RewardFunction
 from posttrain.rl.verifiers.base import Verdict
 from posttrain.sandbox import Job, Limits, Sandbox, Status
 from posttrain.sandbox.isolation import sandbox_python
@@ -65,7 +64,7 @@ def check_repo(sandbox: Sandbox, task: RepoTask, state: Snapshot, limits: Limits
     return Verdict(float(res.passed), True, f"tests {res.status.value}: {tail}", error=error)
 
 
-class WorkspaceEnv(ChatEnv):
+class WorkspaceEnv(ToolCallEnv):
     """Episodes with sandboxed shell/Python tools in a persistent working directory (protocol,
     reward and limits in the module docstring).
 
@@ -75,17 +74,16 @@ class WorkspaceEnv(ChatEnv):
     max_workspace_bytes: the most the working directory may hold between calls.
     """
 
+    tools = SESSION_TOOLS
+
     def __init__(self, tok: Tokenizer, reward_fn: RewardFunction, sandbox: Sandbox, *, max_turns: int = 4,
                  max_turn_tokens: int = 128, limits: Limits = WORKSPACE_LIMITS, max_output_chars: int = 1000,
                  max_workspace_bytes: int = 256 << 10, system_prompt: str | None = WORKSPACE_SYSTEM_PROMPT,
                  observation_role: str = "tool") -> None:
-        super().__init__(tok, reward_fn, max_turn_tokens=max_turn_tokens, system_prompt=system_prompt)
-        if max_turns < 1 or max_output_chars < 1:
-            raise ValueError(f"WorkspaceEnv: max_turns ({max_turns}) and max_output_chars ({max_output_chars}) "
-                             "must be >= 1")
-        self.sandbox, self.max_turns, self.limits = sandbox, max_turns, limits
-        self.max_output_chars, self.max_workspace_bytes = max_output_chars, max_workspace_bytes
-        self.observation_role = observation_role
+        super().__init__(tok, reward_fn, max_turns=max_turns, max_turn_tokens=max_turn_tokens,
+                         max_output_chars=max_output_chars, system_prompt=system_prompt,
+                         observation_role=observation_role)
+        self.sandbox, self.limits, self.max_workspace_bytes = sandbox, limits, max_workspace_bytes
         self.session: Session | None = None
         self.snapshots: list[Snapshot] = []   # after each call of the episode
         self._seen: set[str] = set()
@@ -108,32 +106,7 @@ class WorkspaceEnv(ChatEnv):
         return Session(self.sandbox, state, limits=self.limits, max_calls=self.max_turns,
                        max_bytes=self.max_workspace_bytes, max_output_bytes=4 * self.max_output_chars)
 
-    def step(self, action: list[int]) -> Step:
-        """Take one model turn: run a call and answer with its output, or end and score the episode."""
-        text, truncated = self._take(action)
-        if truncated:
-            return self._finish(text, truncated=truncated)
-        try:
-            call, error = parse_tool_call(text, SESSION_TOOLS), None
-        except ToolCallError as e:
-            call, error = None, str(e)
-        if call is None and error is None:
-            return self._finish(text)
-        info = self.trajectory().info
-        info["tool_calls"] += 1
-        info["invalid_tool_calls"] += error is not None
-        if self.trajectory().turns >= self.max_turns:
-            return self._finish(text, truncated="max_turns")
-        output = self._call(call, info) if error is None else f"error: {error}"
-        if output and not output.endswith("\n"):
-            output += "\n"
-        message = {"role": self.observation_role, "content": f"<output>\n{output}</output>"}
-        observation = continuation(self.tok, self._messages, [message])
-        self._messages.append(message)
-        self.trajectory().extend(observation, generated=False)
-        return Step(observation, None, False, dict(info))
-
-    def _call(self, call, info: dict) -> str:
+    def _call(self, call: ToolCall, info: dict) -> str:
         """Run one call in the session; count it (ok / invalid / redundant); returns what the model sees."""
         key = hashlib.sha256(repr((call.name, call.code, self.session.snapshot().files)).encode()).hexdigest()
         info["redundant_tool_calls"] += key in self._seen
