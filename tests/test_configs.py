@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.config_schema import apply_command_line_precedence, check_config, command_line_keys, stages_of
+from posttrain.config_schema import apply_command_line_precedence, check_config, command_line_keys
 from posttrain.data.synthetic import SYNTHETIC
 from posttrain.main import check_overrides
 from posttrain.train.data_files import DATA_STAGES, SPLITS

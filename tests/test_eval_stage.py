@@ -20,7 +20,6 @@ from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl import evaluation
 from posttrain.rl.rollout import RolloutWorker, evaluate
-from posttrain.rl.verifiers.math import extract_answer
 from posttrain.train.checkpoint import Checkpointer
 from posttrain.train.init import load_model_state
 from posttrain.train.state import abstract_model, init_model_state
@@ -265,7 +264,7 @@ def test_pipeline_eval_stages_compare_with_the_previous_eval(run_dir, tmp_path):
     assert results["eval"]["regression_drop"] == 0.0
     assert [r["step"] for r in records(tmp_path / "1_eval", "mine")] == [2]
     cfg.eval.gate = "regression_drop<-0.5"
-    with pytest.raises(GateFailed, match=r"FAIL  regression_drop = 0 \(needs < -0.5\)") as e:
+    with pytest.raises(GateFailed, match=r"FAIL  regression_drop = 0 \(needs < -0.5\)"):
         pipeline.run(cfg)
     gates = [json.loads(l) for l in (tmp_path / "gates.jsonl").read_text().splitlines()]    # every gate checked
     assert [(g["stage"], g["passed"]) for g in gates] == [("eval", True)] * 3 + [("eval", False)]

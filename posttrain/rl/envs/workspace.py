@@ -32,7 +32,7 @@ from posttrain.data.tokenizer import Tokenizer
 from posttrain.rl.envs.base import Step, Task
 from posttrain.rl.envs.chat import ChatEnv, continuation
 from posttrain.rl.envs.tool import ToolCallError, parse_tool_call
-from posttrain.rl.reward import RewardFunction, compose
+from posttrain.rl.reward import RewardFunction
 from posttrain.rl.verifiers.base import Verdict
 from posttrain.sandbox import Job, Limits, Sandbox, Status
 from posttrain.sandbox.isolation import sandbox_python
