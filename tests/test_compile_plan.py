@@ -436,3 +436,23 @@ def test_restore_target_is_the_train_steps_input_layout(compiled):
     first = jax.tree.leaves(restore_args["params"])[0]
     bad = jax.tree.map(lambda a: dataclasses.replace(a, sharding=single) if a is first else a, restore_args)
     assert "no sharding on the plan's mesh" in cp.restore_report(target, bad, mesh, aot.CHIPS["v5p"])["problems"][0]
+
+
+def test_analytic_sampler_cost_refuses_the_decode_layout():
+    """The analytic model counts the sampler's weight gathers per decode step (learner layout);
+    with sampling.layout='tensor' (`tools/pod_plan.py --sampling_layout tensor`) it would give the
+    learner layout's numbers for a layout that gathers no weights, so it refuses instead."""
+    import jax
+
+    from posttrain import cost_model
+    from posttrain.parallel import make_mesh, parse_rules
+    cfg = pod_like_tiny_config()
+    mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
+    rules = parse_rules(cfg.sharding.rules.to_dict())
+    learner = cost_model.program_cost(cfg, mesh, rules, "sampler", 8, aot.CHIPS["v5p"])
+    assert learner["collectives"]["all-gather"] > 0
+    cfg.sampling.layout = "tensor"
+    with pytest.raises(ValueError, match="sampling.layout='tensor'.*not modelled"):
+        cost_model.program_cost(cfg, mesh, rules, "sampler", 8, aot.CHIPS["v5p"])
+    assert cost_model.program_cost(cfg, mesh, rules, "sft", 8, aot.CHIPS["v5p"])["collectives"] == \
+        cost_model.program_cost(pod_like_tiny_config(), mesh, rules, "sft", 8, aot.CHIPS["v5p"])["collectives"]
