@@ -474,3 +474,20 @@ def test_pod_plan_rows_for_programs_the_analytic_model_does_not_cover(monkeypatc
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| qwen3_30b_a3b")]
     assert [r.split(" | ")[2] for r in rows] == ["publish", "sampler"]
     assert all("not modelled" in r for r in rows)
+
+
+@pytest.mark.parametrize("key, value", [("continuous_batching", True), ("prefix_cache", 64), ("speculative_k", 2),
+                                        ("quantize", "int8")])
+def test_compile_plan_sampler_refuses_the_samplers_it_does_not_compile(key, value):
+    """The compile plan's sampler is the static `generate_program`: a config whose rollouts run
+    another sampler program (continuous batching, prefix cache, speculative, quantised) is
+    refused, not planned as the static one."""
+    import jax
+
+    from posttrain import compile_plan as cp
+    from posttrain.parallel import make_mesh, parse_rules
+    cfg = tiny_moe_config()
+    mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
+    cfg.sampling[key] = value
+    with pytest.raises(ValueError, match=f"sampling.{key}={value!r}"):
+        cp.build_programs(cfg, mesh, parse_rules(cfg.sharding.rules.to_dict()), ("sampler",), prompt_len=8)
