@@ -133,8 +133,14 @@ def rl_learner_program(cfg, mesh: Mesh, rules, prompt_len: int) -> Program:
 def sampler_program(cfg, mesh: Mesh, rules, prompt_len: int) -> Program:
     """The sampler (`generate_program`: prefill, then the decode loop) for one RL step's prompts,
     with the weights the learner publishes (LoRA merged: a full set), in the layout
-    `sampling.layout` says (the learner's, or the decode layout's copy)."""
-    r = cfg.rl
+    `sampling.layout` says (the learner's, or the decode layout's copy). The other samplers
+    (quantised, speculative, continuous, prefix-cached) are different programs: refused, not
+    costed as this one."""
+    r, s = cfg.rl, cfg.sampling
+    for key, static in (("quantize", "none"), ("speculative_k", 0), ("continuous_batching", False), ("prefix_cache", 0)):
+        if s[key] != static:
+            raise ValueError(f"sampling.{key}={s[key]!r}: the compile plan's sampler is the static bf16 "
+                             f"`generate_program`; set sampling.{key}={static!r} to plan it")
     rules = sampler_rules(rules, cfg.sampling.layout)
     params, rest = abstract_weights(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh, rules)
     graphdef = nnx.graphdef(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))))

@@ -219,6 +219,10 @@ def program_cost(cfg, mesh: Mesh, rules: Rules, program: str, prompt_len: int, c
     if unmodelled:
         raise ValueError(f"mesh {dict(mesh.shape)}: the analytic cost model covers data · fsdp · expert "
                          f"meshes; {unmodelled} (tensor / sequence parallelism) is not modelled")
+    if program == "sampler" and cfg.sampling.layout != "learner":
+        raise ValueError(f"sampling.layout={cfg.sampling.layout!r}: the analytic cost model covers the sampler in "
+                         "the learner layout (weights gathered at every decode step); the decode layout's "
+                         "tensor-parallel activations are not modelled (compile it: tools/pod_plan.py --compile)")
     w, work, m = weight_bytes(cfg, mesh, rules), program_work(cfg, program, prompt_len), cfg.model
     coll = dict.fromkeys(aot.COLLECTIVES, 0.0)
     if program == "sampler":

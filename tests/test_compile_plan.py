@@ -436,3 +436,58 @@ def test_restore_target_is_the_train_steps_input_layout(compiled):
     first = jax.tree.leaves(restore_args["params"])[0]
     bad = jax.tree.map(lambda a: dataclasses.replace(a, sharding=single) if a is first else a, restore_args)
     assert "no sharding on the plan's mesh" in cp.restore_report(target, bad, mesh, aot.CHIPS["v5p"])["problems"][0]
+
+
+def test_analytic_sampler_cost_refuses_the_decode_layout():
+    """The analytic model counts the sampler's weight gathers per decode step (learner layout);
+    with sampling.layout='tensor' (`tools/pod_plan.py --sampling_layout tensor`) it would give the
+    learner layout's numbers for a layout that gathers no weights, so it refuses instead."""
+    import jax
+
+    from posttrain import cost_model
+    from posttrain.parallel import make_mesh, parse_rules
+    cfg = pod_like_tiny_config()
+    mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
+    rules = parse_rules(cfg.sharding.rules.to_dict())
+    learner = cost_model.program_cost(cfg, mesh, rules, "sampler", 8, aot.CHIPS["v5p"])
+    assert learner["collectives"]["all-gather"] > 0
+    cfg.sampling.layout = "tensor"
+    with pytest.raises(ValueError, match="sampling.layout='tensor'.*not modelled"):
+        cost_model.program_cost(cfg, mesh, rules, "sampler", 8, aot.CHIPS["v5p"])
+    assert cost_model.program_cost(cfg, mesh, rules, "sft", 8, aot.CHIPS["v5p"])["collectives"] == \
+        cost_model.program_cost(pod_like_tiny_config(), mesh, rules, "sft", 8, aot.CHIPS["v5p"])["collectives"]
+
+
+@needs_libtpu
+def test_pod_plan_rows_for_programs_the_analytic_model_does_not_cover(monkeypatch, capsys):
+    """`tools/pod_plan.py --programs publish,sampler --sampling_layout tensor` (BENCHMARKS "Decode
+    layout"): the publish reshard and the decode-layout sampler have no analytic model; their rows
+    say so instead of the tool stopping with the model's ValueError."""
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location("pod_plan", "tools/pod_plan.py")
+    pod_plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pod_plan)
+    monkeypatch.setattr(sys, "argv", ["pod_plan", "--models", "qwen3_30b_a3b", "--modes", "rl", "--topologies",
+                                      "v5p-128", "--programs", "publish,sampler", "--sampling_layout", "tensor"])
+    pod_plan.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| qwen3_30b_a3b")]
+    assert [r.split(" | ")[2] for r in rows] == ["publish", "sampler"]
+    assert all("not modelled" in r for r in rows)
+
+
+@pytest.mark.parametrize("key, value", [("continuous_batching", True), ("prefix_cache", 64), ("speculative_k", 2),
+                                        ("quantize", "int8")])
+def test_compile_plan_sampler_refuses_the_samplers_it_does_not_compile(key, value):
+    """The compile plan's sampler is the static `generate_program`: a config whose rollouts run
+    another sampler program (continuous batching, prefix cache, speculative, quantised) is
+    refused, not planned as the static one."""
+    import jax
+
+    from posttrain import compile_plan as cp
+    from posttrain.parallel import make_mesh, parse_rules
+    cfg = tiny_moe_config()
+    mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
+    cfg.sampling[key] = value
+    with pytest.raises(ValueError, match=f"sampling.{key}={value!r}"):
+        cp.build_programs(cfg, mesh, parse_rules(cfg.sharding.rules.to_dict()), ("sampler",), prompt_len=8)

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import fsspec
 import jax
 import jax.numpy as jnp
 import pytest

@@ -13,7 +13,7 @@ import pytest
 
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.eval.long_context_eval import evaluate, summarize
-from posttrain.train.pipeline import GateFailed, check_gate
+from posttrain.eval.gates import GateFailed, check_gate
 
 ROOT = Path(__file__).resolve().parents[1]
 

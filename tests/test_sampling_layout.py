@@ -188,3 +188,56 @@ def test_rl_run_in_the_decode_layout_equals_the_learner_layout(tmp_path):
         for k in x:
             if k not in TIMING:
                 np.testing.assert_allclose(y[k], x[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_rollout_worker_in_the_decode_layout_continuous_and_prefix_cache(model, mesh, samples, monkeypatch):
+    """What `RolloutWorker.sample` runs with sampling.layout='tensor' and continuous batching
+    (the grouped continuous program) or the prefix cache (the cached program; the second call is
+    served from the first's KV): each traced under the decode rules, each sampling as the learner
+    layout's static batch."""
+    import importlib
+
+    from posttrain.parallel import rules_key
+    from posttrain.rl.rollout import RolloutWorker
+    from posttrain.sampling.continuous import SlotConfig
+    from posttrain.sampling.layout import sampling_sharding
+    from posttrain.sampling.prefix_cache import PrefixCache
+    graphdef, _, published, rest = model
+    _, learner_layout, _, _ = samples
+    traced = []
+    for module, name in (("continuous", "grouped_continuous_program"), ("prefix_cache", "cached_program")):
+        mod = importlib.import_module(f"posttrain.sampling.{module}")
+        program = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _p=program, _n=name, **kw: (traced.append((_n, kw["rules"])),
+                                                                                 _p(*a, **kw))[1])
+    cache = PrefixCache(4096, block=4)
+    workers = [RolloutWorker(graphdef, {}, SAMPLING, 0, None, rules=decode_rules(RULES), continuous=SlotConfig(2, 1)),
+               RolloutWorker(graphdef, {}, SAMPLING, 0, None, rules=decode_rules(RULES), prefix_cache=cache)]
+    with use_sharding(mesh, RULES), sampling_sharding(workers[0].rules):     # as RolloutWorker.generate runs them
+        outs = [w.sample(published, rest, PROMPTS, SAMPLING, jax.random.key(7)) for w in workers + workers[1:]]
+    assert traced == [("grouped_continuous_program", rules_key(decode_rules(RULES)))] + \
+        [("cached_program", rules_key(decode_rules(RULES)))] * 2
+    assert cache.stats.hits == 2        # the second call hits the two prompts longer than a block
+    for out in outs:
+        np.testing.assert_array_equal(out.tokens, learner_layout.tokens)
+        np.testing.assert_array_equal(out.lengths, learner_layout.lengths)
+        np.testing.assert_allclose(out.sampling_logprobs, learner_layout.sampling_logprobs, atol=1e-5)
+
+
+def test_int8_weights_in_the_decode_layout_sample_as_in_the_learner_layout(mesh):
+    """sampling.quantize='int8' with sampling.layout='tensor' (dense model): the loop's weights
+    (`Components.weights`: reshard, then quantise) sample as the quantised learner-layout weights."""
+    from posttrain.rl.loop import Components, RLState
+    make = lambda: Decoder(model_config("dense"), rngs=nnx.Rngs(3))
+    learner, rest = init_model_state(make, mesh, RULES)
+    graphdef, state = nnx.graphdef(abstract_model(make)), types.SimpleNamespace(params=learner, frozen=None, rest=rest)
+    cfg, outs = base_config(), {}
+    cfg.sampling.quantize = "int8"
+    for layout in ("learner", "tensor"):
+        cfg.sampling.layout = layout
+        params, _ = Components(cfg, *([None] * 10), learner_sharding=(mesh, RULES)).weights(RLState(state, 0))
+        assert params["embed"][...].sharding.spec == (P("tensor", "fsdp") if layout == "learner" else P(TP))
+        with use_sharding(mesh, sampler_rules(RULES, layout)):
+            outs[layout] = generate(graphdef, params, rest, PROMPTS, SAMPLING, jax.random.key(7))
+    np.testing.assert_array_equal(outs["tensor"].tokens, outs["learner"].tokens)
+    np.testing.assert_allclose(outs["tensor"].sampling_logprobs, outs["learner"].sampling_logprobs, atol=1e-5)

@@ -15,7 +15,7 @@ import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")      # this host runs nothing; libtpu only compiles
 
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

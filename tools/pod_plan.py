@@ -54,6 +54,10 @@ def row(model: str, mode: str, r: dict) -> str:
                 f"{max(r['xla_flops'], r['model_flops_per_device']) / 1e12:.0f} | {coll} | "
                 f"{r['step_s']:.2f} | {r['mfu']:.0%} |")
     a = r["analytic"]
+    if a is None:
+        return (f"| {model} | {mode} | {r['program']} | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
+                f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | (not compiled) | ≥ {r['arguments'] / GB:.1f} | "
+                f"{'no' if r['arguments'] > r['hbm'] else '?'} | – | – (not modelled: compile it) | – | – |")
     coll = ", ".join(f"{k} {v / GB:.1f}" for k, v in a["collectives"].items() if v)
     return (f"| {model} | {mode} | {r['program']} | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
             f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | (not compiled) | ≥ {r['arguments'] / GB:.1f} | "
@@ -64,6 +68,8 @@ def row(model: str, mode: str, r: dict) -> str:
 def grid_cell(r: dict) -> str:
     """One slice's analytic numbers for the grid: TFLOP/chip · collective GB/chip · est. s · MFU."""
     a = r["analytic"]
+    if a is None:
+        return "not modelled"
     return (f"{a['executed_flops_per_device'] / 1e12:.0f} · {sum(a['collectives'].values()) / GB:.0f} · "
             f"{a['step_s']:.2f} · {mfu(a['mfu'])}{' ✗' if r['arguments'] > r['hbm'] else ''}")
 
@@ -117,7 +123,10 @@ def main() -> None:
                 rules = parse_rules(cfg.sharding.rules.to_dict())
                 chip = aot.CHIPS[aot.parse_topology(topology)[0]]
                 for r in reports:
-                    r["analytic"] = cost_model.program_cost(cfg, mesh, rules, r["program"], args.prompt_len, chip)
+                    try:
+                        r["analytic"] = cost_model.program_cost(cfg, mesh, rules, r["program"], args.prompt_len, chip)
+                    except ValueError as e:     # not modelled (e.g. the sampler in the decode layout)
+                        r["analytic"], r["analytic_error"] = None, str(e)
                     print(row(model, mode, r), flush=True)
                     out.append({"model": model, "mode": mode, **r})
                     grid.setdefault((model, mode, r["program"]), {})[topology] = grid_cell(r)

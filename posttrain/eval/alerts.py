@@ -115,7 +115,7 @@ class AlertMonitor:
             raise ValueError(f"alerts: unknown rules {sorted(unknown)}; valid: {sorted(RULES)}")
         negative = {k: v for k, v in thresholds.items() if v < 0}
         if negative:
-            raise ValueError(f"alerts: thresholds must be >= 0 (0 turns a rule off), got "
+            raise ValueError("alerts: thresholds must be >= 0 (0 turns a rule off), got "
                              + ", ".join(f"alerts.{k}={v}" for k, v in negative.items()))
         if mode not in MODES:
             raise ValueError(f"alerts.on={mode!r}: expected one of {', '.join(MODES)}")

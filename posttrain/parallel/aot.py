@@ -9,6 +9,7 @@ them compiles programs exactly as a pod would, and nothing is allocated.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -75,11 +76,7 @@ def tpu_devices(topology: str) -> list:
 
 def libtpu_available() -> bool:
     """Whether the TPU compiler (libtpu) is installed, so TPU programs can be compiled here."""
-    try:
-        import libtpu  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("libtpu") is not None
 
 
 def shard_bytes(tree: Any) -> int:

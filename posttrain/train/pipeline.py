@@ -20,7 +20,7 @@ import logging
 import jax
 
 from posttrain import storage
-from posttrain.eval.gates import SECTION, GateFailed, check_gate, gate_record_dir, validate_gates  # noqa: F401 (re-exported)
+from posttrain.eval.gates import SECTION, check_gate, gate_record_dir, validate_gates
 from posttrain.train import stages as stage_lib
 from posttrain.train.plot import plot
 

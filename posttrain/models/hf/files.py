@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import math
 import os
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors' numpy reader needs)
 import numpy as np
+
+importlib.import_module("ml_dtypes")    # registers bfloat16 with numpy, which safetensors' numpy reader needs
 try:
     from safetensors import safe_open
     from safetensors.numpy import save, save_file
