@@ -304,7 +304,8 @@ class ScriptedSampler:
             return f"<tool>sh\necho '{name} = {value if value % 3 == 0 else value + 1}' > {module}.py\n</tool>"
         return "Done."
 
-    def __call__(self, graphdef, params, rest, contexts, sampling, key, *, pad_id):
+    def __call__(self, worker, params, rest, contexts, sampling, key):
+        """`RolloutWorker.sample`'s signature: the next turn of every context."""
         turns = [self.tok.encode(self.turn(self.tok.decode(c))) + [self.tok.stop_ids[0]] for c in contexts]
 
         class Samples:
@@ -320,9 +321,11 @@ def test_multi_turn_suite_reports_episode_metrics_and_gates_on_them(run_dir, tmp
     """Stage eval on repo_fix's held-out episodes (real sandboxed calls and final checks, the
     sampler scripted): solved = the final check passed, although the failing first call's penalty
     leaves the reward below 1; the episode metrics are reported and gated on."""
-    from posttrain.rl import episodes, repo_domain
+    from posttrain.rl import repo_domain
+    from posttrain.rl.rollout import RolloutWorker
     tok = load_tokenizer(base_config().data.tokenizer)
-    monkeypatch.setattr(episodes, "generate", ScriptedSampler(tok))
+    scripted = ScriptedSampler(tok)
+    monkeypatch.setattr(RolloutWorker, "sample", lambda worker, *a: scripted(worker, *a))
     cfg = config(tmp_path, run_dir, "repo_fix", samples=2, pass_k="1,2", size=4)
     cfg.rl.max_new_tokens, cfg.rl.invalid_tool_call_penalty = 64, 0.1
     cfg.eval.gate = "tool_success_rate>=0.5, repo_fix/turns_per_episode<=3, repo_fix/tool_call_ok_rate>=0.5"
