@@ -64,6 +64,7 @@ def run_posttrain(args) -> list[dict]:
     from flax import nnx
 
     from posttrain.models.decoder import Decoder
+    from posttrain.models.quant import quantize_params
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
     from posttrain.sampling.bench import qwen3_tiny_configs
     from posttrain.sampling.generate import generate
@@ -77,6 +78,8 @@ def run_posttrain(args) -> list[dict]:
     for kind in args.kinds:
         cfg = qwen3_tiny_configs()[kind]
         graphdef, params, rest = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+        if args.quantize != "none":      # the RL sampler's weights under sampling.quantize (w8a16 / w4a16)
+            params = jax.jit(quantize_params, static_argnums=1)(params, args.quantize)
 
         def call(graphdef=graphdef, params=params, rest=rest):
             with use_sharding(mesh, rules):
@@ -174,7 +177,8 @@ def drive(args) -> None:
                                                       env.get("PYTHONPATH", "")]))
     pythons = dict(posttrain=args.posttrain_python, tunix=args.tunix_python)
     passthrough = ["--batch", str(args.batch), "--prompt-len", str(args.prompt_len), "--new-tokens",
-                   str(args.new_tokens), "--iters", str(args.iters), "--kinds", *args.kinds] + (
+                   str(args.new_tokens), "--iters", str(args.iters), "--kinds", *args.kinds,
+                   "--quantize", args.quantize] + (
                        ["--greedy"] if args.greedy else [])
     best, versions, per_round = {}, {}, []
     for r in range(args.rounds):
@@ -200,7 +204,8 @@ def drive(args) -> None:
         per_round.append(this_round)
     print(f"\nXLA_FLAGS={env.get('XLA_FLAGS')!r}  versions={json.dumps(versions)}")
     print(f"batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-          f"{'greedy' if args.greedy else 'temperature 1'}; best of {args.rounds} rounds x {args.iters} iters")
+          f"{'greedy' if args.greedy else 'temperature 1'}, posttrain weights {args.quantize}; "
+          f"best of {args.rounds} rounds x {args.iters} iters")
     print(f"{'config':8s} {'posttrain tok/s':>16s} {'tunix tok/s':>12s} {'ours/tunix':>11s}")
     for kind in args.kinds:
         p, t = best[("posttrain", kind)], best[("tunix", kind)]
@@ -229,6 +234,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5, help="timed calls per config after the warm-up")
     ap.add_argument("--rounds", type=int, default=2, help="--impl both: alternations posttrain, tunix")
     ap.add_argument("--greedy", action="store_true", help="argmax for both (default: temperature 1)")
+    ap.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+                    help="posttrain's sampler weights as sampling.quantize sets them (Tunix: unchanged)")
     ap.add_argument("--posttrain-python", default="/tmp/venv/bin/python")
     ap.add_argument("--tunix-python", default="/tmp/tunix-venv/bin/python")
     args = ap.parse_args()
