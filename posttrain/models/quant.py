@@ -154,3 +154,23 @@ def quantized_spec(w: QArray, spec: P, axis_sizes: dict[str, int], name: str = "
                              f"which do not split over its {shards} shards ({entry}); use int8 or another mesh")
         scale_entries.append(entry)
     return dataclasses.replace(w, qvalue=spec, scale=P(*scale_entries))
+
+
+def split_single_groups(w: QArray, spec: P, axis_sizes: dict[str, int], whole: tuple[int, ...] = ()) -> QArray:
+    """w with its group scales repeated twice (groups of half the size: the same dequantised
+    values) along every sharded dim where a shard would hold exactly one group. Inside a
+    `shard_map` such a shard's scales would look per-channel (`is_channelwise`) and take the
+    other arithmetic; with two groups per shard it takes the single-device one. `whole`: dims
+    whose scales are not sharded (see `quantized_spec`)."""
+    scale = w.scale
+    for i, (n, k) in enumerate(zip(w.qvalue.shape, w.scale.shape)):
+        entry = spec[i] if i < len(spec) else None
+        if entry is None or k == 1 or i in whole:
+            continue
+        axes = (entry,) if isinstance(entry, str) else tuple(entry)
+        if k == math.prod(axis_sizes[a] for a in axes):
+            if (n // k) % 2:
+                raise ValueError(f"sampling.quantize: weight {w.qvalue.shape}: groups of {n // k} along dim {i}, "
+                                 "one per shard, cannot be halved; use int8 or another mesh")
+            scale = jnp.repeat(scale, 2, axis=i)
+    return dataclasses.replace(w, scale=scale)

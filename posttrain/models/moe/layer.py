@@ -21,7 +21,7 @@ from posttrain.models.moe.dispatch import ExpertLayout, expert_layout, gather_we
 from posttrain.models.moe.experts import expert_capacity
 from posttrain.models.moe.router import (RouterBias, Routing, expert_counts, load_balancing_loss, route,
                                          router_z_loss, update_router_bias)
-from posttrain.models.quant import is_quantized, quantized_spec
+from posttrain.models.quant import is_quantized, quantized_spec, split_single_groups
 from posttrain.parallel.sharding import Rules, current, logical_spec
 
 TOKEN_NAMES = ("activation_batch", "activation_length", None)
@@ -125,6 +125,8 @@ def sharded_moe_block(x: jax.Array, mask: jax.Array, params: dict[str, jax.Array
                            param_specs["w_down"], dispatch)
     for name, embed_dim in (("w_gate", 1), ("w_up", 1), ("w_down", 2)):   # the sampler's quantised experts
         if is_quantized(params[name]):       # scales go with their values, whole along the gathered embed dim
+            params = {**params, name: split_single_groups(params[name], param_specs[name], dict(mesh.shape),
+                                                          whole=(embed_dim,))}
             param_specs[name] = quantized_spec(params[name], param_specs[name], dict(mesh.shape), f"moe.{name}",
                                                whole=(embed_dim,))
 
