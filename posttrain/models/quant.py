@@ -81,20 +81,10 @@ def is_quantized(w) -> bool:
 
 
 def dequantize(w, dtype) -> jax.Array:
-    """A float weight as it is (cast to `dtype`), a QArray dequantised into `dtype` (rounded
-    explicitly when that is the 16-bit compute dtype, see `to_compute`)."""
+    """A float weight as it is (cast to `dtype`), a QArray dequantised into `dtype`."""
     if isinstance(w, QArray):
-        w = qwix.dequantize(w)
-        return to_compute(w) if dtype == COMPUTE_DTYPE else w.astype(dtype)
+        return qwix.dequantize(w).astype(dtype)
     return w.astype(dtype)
-
-
-def to_compute(a: jax.Array) -> jax.Array:
-    """`a` in COMPUTE_DTYPE, rounded by an explicit reduce_precision: XLA may drop a bare
-    float32 → bfloat16 convert that feeds a float32-accumulating dot (excess precision) in one
-    program and keep it in another, and then one model would give different numbers on
-    different meshes."""
-    return jax.lax.reduce_precision(a, exponent_bits=8, mantissa_bits=7).astype(COMPUTE_DTYPE)
 
 
 def is_channelwise(w: QArray, contracting: list[int] | tuple[int, ...]) -> bool:
@@ -117,7 +107,7 @@ def weight_einsum(spec: str, x: jax.Array, w, dtype, *, preferred_element_type=N
     inputs, out = spec.split("->")
     x_subs, w_subs = inputs.split(",")
     contracted = [i for i, c in enumerate(w_subs) if c not in out]
-    x = to_compute(x)
+    x = x.astype(COMPUTE_DTYPE)
     if is_channelwise(w, contracted):
         y = jnp.einsum(spec, x, w.qvalue.astype(COMPUTE_DTYPE), preferred_element_type=jnp.float32)
         scale = w.scale.astype(jnp.float32).reshape([d for i, d in enumerate(w.scale.shape) if i not in contracted])

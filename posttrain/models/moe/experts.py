@@ -11,7 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from posttrain.models.quant import COMPUTE_DTYPE, dequantize, is_channelwise, is_quantized, to_compute
+from posttrain.models.quant import COMPUTE_DTYPE, dequantize, is_channelwise, is_quantized
 from posttrain.parallel.mesh import mesh_platform
 
 
@@ -120,7 +120,7 @@ def weight_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, dtype) -> jax
     """
     if not is_quantized(w):
         return grouped_matmul(x, w.astype(dtype), group_sizes)
-    x = to_compute(x)
+    x = x.astype(COMPUTE_DTYPE)
     if not is_channelwise(w, (1,)):
         return grouped_matmul(x, dequantize(w, COMPUTE_DTYPE), group_sizes)
     y = grouped_matmul(x, w.qvalue.astype(COMPUTE_DTYPE), group_sizes)
