@@ -192,6 +192,7 @@ def test_policy_loss_with_is_weights_kl_and_entropy():
     _close(m["rl/is_weight_mean"], w[MASK].mean())
     _close(m["rl/is_weight_max"], w[MASK].max())
     _close(m["rl/is_truncated_frac"], (w_raw[MASK] > cap).mean())
+    _close(m["rl/behav_gap_abs"], np.abs(old.astype(np.float64) - behav)[MASK].mean())
 
 
 def test_policy_loss_needs_reference_only_with_kl():

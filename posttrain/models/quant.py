@@ -14,24 +14,27 @@ head. Kept in float: the embedding table (also the head when tied), norms, biase
 router (routing decisions are discrete; small errors there flip experts).
 Quantisation, scales and dequantisation are qwix's (`qwix.quantize`, `qwix.dequantize`); the
 matmul form is ours (qwix's weight-only matmul dequantises into the scales' dtype before the dot).
+Matmuls accumulate and return float32 on every path (decode, prefill, the grouped expert matmul of
+the expert-parallel path), so that one model gives the same numbers on any mesh.
+On a multi-device mesh the scales are sharded with their values (`quantized_spec`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import qwix
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from posttrain.parallel.mesh import mesh_platform
 
 QArray = qwix.QArray
 QUANT_MODES = ("none", "int8", "int4")
 INT4_GROUP = 128
 COMPUTE_DTYPE = jnp.bfloat16            # the "a16" of w8a16 / w4a16
-CPU_F32_BATCHED_ROWS = 16               # see `weight_einsum`
 
 # parameter name → its contracting axes (counted from the end: stacked layers add leading axes)
 CONTRACTING_AXES = {"q": (-3,), "k": (-3,), "v": (-3,), "o": (-3, -2), "gate": (-2,), "up": (-2,),
@@ -84,6 +87,12 @@ def dequantize(w, dtype) -> jax.Array:
     return w.astype(dtype)
 
 
+def is_channelwise(w: QArray, contracting: list[int] | tuple[int, ...]) -> bool:
+    """Whether w has one scale per output channel (none along its `contracting` axes): then the
+    matmul can run on the int values and scale its output."""
+    return all(w.scale.shape[i] == 1 for i in contracting)
+
+
 def weight_einsum(spec: str, x: jax.Array, w, dtype, *, preferred_element_type=None) -> jax.Array:
     """`jnp.einsum(spec, x, w)` for an activation x and a weight w, float or QArray.
 
@@ -99,16 +108,8 @@ def weight_einsum(spec: str, x: jax.Array, w, dtype, *, preferred_element_type=N
     x_subs, w_subs = inputs.split(",")
     contracted = [i for i, c in enumerate(w_subs) if c not in out]
     x = x.astype(COMPUTE_DTYPE)
-    acc = jnp.float32
-    batched = any(c in x_subs and c in out for c in w_subs if c != ".")
-    rows = math.prod(d for c, d in zip(x_subs, x.shape) if c in out and c not in w_subs)
-    if mesh_platform() == "cpu" and batched and rows > CPU_F32_BATCHED_ROWS:
-        # XLA:CPU's dot thunk lacks bf16 x bf16 -> f32 for the layout it picks for batched matmuls
-        # of many rows (MoE prefill): a bf16 result there (accumulated in f32 inside the kernel,
-        # rounded once). Decode-sized ones keep f32, which is also the fast kernel (2.5x, measured).
-        acc = COMPUTE_DTYPE
-    if all(w.scale.shape[i] == 1 for i in contracted):
-        y = jnp.einsum(spec, x, w.qvalue.astype(COMPUTE_DTYPE), preferred_element_type=acc).astype(jnp.float32)
+    if is_channelwise(w, contracted):
+        y = jnp.einsum(spec, x, w.qvalue.astype(COMPUTE_DTYPE), preferred_element_type=jnp.float32)
         scale = w.scale.astype(jnp.float32).reshape([d for i, d in enumerate(w.scale.shape) if i not in contracted])
         # a broadcast multiply over the output (as an einsum it would become a batched dot); the
         # output's explicit axes, after a leading "...", align from the right
@@ -117,5 +118,49 @@ def weight_einsum(spec: str, x: jax.Array, w, dtype, *, preferred_element_type=N
         ordered = sorted(kept, key=explicit.index)
         y = y * scale.reshape([scale.shape[ordered.index(c)] if c in kept else 1 for c in explicit])
     else:
-        y = jnp.einsum(spec, x, qwix.dequantize(w).astype(COMPUTE_DTYPE), preferred_element_type=acc)
+        y = jnp.einsum(spec, x, dequantize(w, COMPUTE_DTYPE), preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
+
+
+def quantized_spec(w: QArray, spec: P, axis_sizes: dict[str, int], name: str = "weight",
+                   whole: tuple[int, ...] = ()) -> QArray:
+    """PartitionSpecs (in a QArray's shape) for a quantised weight whose float form is laid out as
+    `spec`: the int values as the weight, the scales along with them, so that every shard holds the
+    scales of its own values. Replicated: scales of a dim with one scale (per-channel weights'
+    contracting dim, or a single group) and of the dims in `whole` (those the caller all-gathers
+    before use; scales are small). A dim of group scales that stays sharded needs its groups to
+    split evenly over its mesh axes, else a ValueError naming `name`. axis_sizes: axis → size.
+    """
+    scale_entries = []
+    for i, (n, k) in enumerate(zip(w.qvalue.shape, w.scale.shape)):
+        entry = spec[i] if i < len(spec) else None
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        if k == 1 or i in whole:
+            scale_entries.append(None)
+            continue
+        shards = math.prod(axis_sizes[a] for a in axes)
+        if k % shards:
+            raise ValueError(f"sampling.quantize: {name} {w.qvalue.shape} has {k} scale groups along dim {i}, "
+                             f"which do not split over its {shards} shards ({entry}); use int8 or another mesh")
+        scale_entries.append(entry)
+    return dataclasses.replace(w, qvalue=spec, scale=P(*scale_entries))
+
+
+def split_single_groups(w: QArray, spec: P, axis_sizes: dict[str, int], whole: tuple[int, ...] = ()) -> QArray:
+    """w with its group scales repeated twice (groups of half the size: the same dequantised
+    values) along every sharded dim where a shard would hold exactly one group. Inside a
+    `shard_map` such a shard's scales would look per-channel (`is_channelwise`) and take the
+    other arithmetic; with two groups per shard it takes the single-device one. `whole`: dims
+    whose scales are not sharded (see `quantized_spec`)."""
+    scale = w.scale
+    for i, (n, k) in enumerate(zip(w.qvalue.shape, w.scale.shape)):
+        entry = spec[i] if i < len(spec) else None
+        if entry is None or k == 1 or i in whole:
+            continue
+        axes = (entry,) if isinstance(entry, str) else tuple(entry)
+        if k == math.prod(axis_sizes[a] for a in axes):
+            if (n // k) % 2:
+                raise ValueError(f"sampling.quantize: weight {w.qvalue.shape}: groups of {n // k} along dim {i}, "
+                                 "one per shard, cannot be halved; use int8 or another mesh")
+            scale = jnp.repeat(scale, 2, axis=i)
+    return dataclasses.replace(w, scale=scale)

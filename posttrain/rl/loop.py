@@ -190,9 +190,6 @@ def run(cfg) -> Result:
     domains, held_out = make_domains(cfg, tok, make_reward_fn(cfg))
     scheduler = TaskScheduler(domains, domain_weights(r, domains), seed=cfg.seed, **curriculum_options(r.curriculum))
     mesh, rules = mesh_and_rules(cfg)
-    if cfg.sampling.quantize != "none" and cfg.model.moe.num_experts > 0 and mesh.size > 1:
-        raise ValueError(f"sampling.quantize={cfg.sampling.quantize!r}: quantised expert weights run on one "
-                         f"device only for now; this mesh has {mesh.size}")
     steps = cfg.train.steps
     tx = make_optimizer(cfg.optim, steps * ppo_steps(r))
     decoder = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))

@@ -133,7 +133,8 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
 
     Returns (loss, metrics): `rl/loss`, `rl/pg_loss`, `rl/clip_frac_low` / `_high` (tokens
     where the clip zeroes the gradient: r < 1 − clip_low with A < 0, r > 1 + clip_high with A > 0),
-    `rl/ratio_*`, `rl/adv_*` (mean/min/max), `rl/is_weight_*`, `rl/is_truncated_frac`, `rl/kl`,
+    `rl/ratio_*`, `rl/adv_*` (mean/min/max), `rl/is_weight_*`, `rl/is_truncated_frac`,
+    `rl/behav_gap_abs` (mean |log π_old − log π_behav|: a quantised sampler's gap), `rl/kl`,
     `rl/entropy`; all over the masked tokens.
     """
     if kl_coef and ref_logp is None:
@@ -158,6 +159,7 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
         per_token = w * per_token
         metrics.update(_masked_stats("rl/is_weight", w, mask))
         metrics["rl/is_truncated_frac"] = _masked_mean(old_logp - behav_logp > jnp.log(is_cap), mask)
+        metrics["rl/behav_gap_abs"] = _masked_mean(jnp.abs(old_logp - behav_logp), mask)
     pg_loss = aggregate(per_token, mask, aggregation, max_len_norm)
     loss = pg_loss
     metrics["rl/pg_loss"] = pg_loss

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from posttrain.models.moe.experts import expert_ffn, expert_ranks, grouped_ffn, sort_by_expert
-from posttrain.models.quant import weight_einsum
+from posttrain.models.quant import QArray, is_quantized, weight_einsum
 from posttrain.parallel.mesh import mesh_device_kind, mesh_platform
 
 # tokens × experts up to which the CPU runs `dense_experts` rather than sorted rows (measured: 16-token
@@ -119,13 +119,15 @@ def expert_layout(mesh: Mesh, token_spec: P, router_spec: P, gate_spec: P, down_
                         mlp_axes=mlp_axes, dispatch=dispatch)
 
 
-def gather_weight(w: jax.Array, axes: tuple[str, ...], axis: int, layout: ExpertLayout) -> jax.Array:
+def gather_weight(w: jax.Array | QArray, axes: tuple[str, ...], axis: int, layout: ExpertLayout) -> jax.Array:
     """All-gather dimension `axis` of a weight shard over `axes` (innermost axis first).
 
     Over an axis the tokens are sharded on, the gathered copy is typed varying, so the backward
     pass reduce-scatters its gradient; over one they are replicated on it is typed invariant, so
     the outputs computed from it stay invariant there.
     """
+    if is_quantized(w):        # the values; the scales come whole along `axis` (`quantized_spec`)
+        return dataclasses.replace(w, qvalue=gather_weight(w.qvalue, axes, axis, layout))
     for a in reversed(axes):
         to = "varying" if a in layout.token_axes else "invarying"
         w = jax.lax.all_gather(w, a, axis=axis, tiled=True, to=to)
@@ -253,7 +255,11 @@ def dense_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: 
     num_tokens, num_experts = x.shape[0], w_gate.shape[0]
     combine = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
         jnp.arange(num_tokens)[:, None], experts].add(weights.astype(jnp.float32))
-    h = batched_swiglu(jnp.broadcast_to(x, (num_experts,) + x.shape), w_gate, w_up) * combine.T[:, :, None]
+    h = batched_swiglu(jnp.broadcast_to(x, (num_experts,) + x.shape), w_gate, w_up)
+    if is_quantized(w_down):   # bfloat16 inputs: round h before the combine weights, as the other paths do
+        out = weight_einsum("etf,efd->etd", h.astype(x.dtype), w_down, x.dtype, preferred_element_type=jnp.float32)
+        return jnp.einsum("te,etd->td", combine, out)
+    h = h * combine.T[:, :, None]
     return weight_einsum("etf,efd->td", h.astype(x.dtype), w_down, x.dtype, preferred_element_type=jnp.float32)
 
 

@@ -5,12 +5,13 @@ on GPU/TPU; a tiled scan on the CPU, where ragged_dot is not a grouped kernel.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from posttrain.models.quant import dequantize
+from posttrain.models.quant import COMPUTE_DTYPE, dequantize, is_channelwise, is_quantized
 from posttrain.parallel.mesh import mesh_platform
 
 
@@ -109,6 +110,25 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
     return tiled_grouped_matmul(x, w, group_sizes)
 
 
+def weight_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, dtype) -> jax.Array:
+    """`grouped_matmul` for a float weight (cast to `dtype`) or a quantised one (the sampler's).
+
+    A QArray takes `weight_einsum`'s arithmetic, so that the expert-parallel path gives the
+    single-device numbers: bfloat16 inputs, float32 accumulation, per-channel scales applied to
+    each row's output by its group, group scales (int4) dequantised first. x [M, K], w [G, K, N]
+    → [M, N] float32.
+    """
+    if not is_quantized(w):
+        return grouped_matmul(x, w.astype(dtype), group_sizes)
+    x = x.astype(COMPUTE_DTYPE)
+    if not is_channelwise(w, (1,)):
+        return grouped_matmul(x, dequantize(w, COMPUTE_DTYPE), group_sizes)
+    y = grouped_matmul(x, w.qvalue.astype(COMPUTE_DTYPE), group_sizes)
+    row_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(x.shape[0]), side="right"),
+                            w.shape[0] - 1)
+    return y * w.scale[:, 0, :].astype(jnp.float32)[row_group]
+
+
 def expert_ffn(rows: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                w_down: jax.Array) -> jax.Array:
     """SwiGLU of each expert on its rows: down(silu(x @ gate) * (x @ up)), as grouped matmuls.
@@ -118,8 +138,7 @@ def expert_ffn(rows: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up:
     zero on padding rows. Matmuls accumulate in float32.
     """
     dtype = rows.dtype
-    def mm(a, w):     # a quantised weight (the sampler's) is dequantised first on this general path
-        return grouped_matmul(a, dequantize(w, dtype), group_sizes)
+    mm = functools.partial(weight_grouped_matmul, group_sizes=group_sizes, dtype=dtype)
     h = (jax.nn.silu(mm(rows, w_gate)) * mm(rows, w_up)).astype(dtype)
     out = mm(h, w_down)
     valid = jnp.arange(rows.shape[0]) < jnp.sum(group_sizes)

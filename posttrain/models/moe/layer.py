@@ -21,7 +21,7 @@ from posttrain.models.moe.dispatch import ExpertLayout, expert_layout, gather_we
 from posttrain.models.moe.experts import expert_capacity
 from posttrain.models.moe.router import (RouterBias, Routing, expert_counts, load_balancing_loss, route,
                                          router_z_loss, update_router_bias)
-from posttrain.models.quant import is_quantized
+from posttrain.models.quant import is_quantized, quantized_spec, split_single_groups
 from posttrain.parallel.sharding import Rules, current, logical_spec
 
 TOKEN_NAMES = ("activation_batch", "activation_length", None)
@@ -123,6 +123,12 @@ def sharded_moe_block(x: jax.Array, mask: jax.Array, params: dict[str, jax.Array
         param_specs["bias"] = P()
     layout = expert_layout(mesh, token_spec, param_specs["router"], param_specs["w_gate"],
                            param_specs["w_down"], dispatch)
+    for name, embed_dim in (("w_gate", 1), ("w_up", 1), ("w_down", 2)):   # the sampler's quantised experts
+        if is_quantized(params[name]):       # scales go with their values, whole along the gathered embed dim
+            params = {**params, name: split_single_groups(params[name], param_specs[name], dict(mesh.shape),
+                                                          whole=(embed_dim,))}
+            param_specs[name] = quantized_spec(params[name], param_specs[name], dict(mesh.shape), f"moe.{name}",
+                                               whole=(embed_dim,))
 
     def body(x, mask, params):
         b, s, d = x.shape
@@ -192,9 +198,6 @@ class MoE(nnx.Module):
         ctx = current()
         if ctx is not None and ctx[0].size > 1:
             mesh, rules = ctx
-            if any(is_quantized(params[k]) for k in ("w_gate", "w_up", "w_down")):
-                raise ValueError("sampling.quantize: quantised expert weights run on one device only for now; "
-                                 f"this mesh has {mesh.size} devices (use sampling.quantize='none')")
             y, aux = sharded_moe_block(x, mask, params, spec=self.spec, mesh=mesh, rules=rules,
                                        dispatch=self.dispatch, inference=inference)
         else:
