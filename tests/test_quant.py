@@ -126,6 +126,6 @@ def test_sampling_quantize_key_is_checked_and_used():
     rl = types.SimpleNamespace(train=types.SimpleNamespace(params=params, frozen=None, rest="rest"))
     for mode, kind in (("none", jax.Array), ("int8", QArray), ("int4", QArray)):
         cfg.sampling.quantize = mode
-        sampler_params, rest = Components.weights(types.SimpleNamespace(cfg=cfg), rl)
+        sampler_params, rest = Components.weights(types.SimpleNamespace(cfg=cfg, learner_sharding=None), rl)
         assert isinstance(sampler_params["stacks"][0]["blocks"][0]["attn"]["q"].get_value(), kind)
         assert rest == "rest"
