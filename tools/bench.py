@@ -166,6 +166,21 @@ def bench_checkpoint(iters: int = 3) -> list[dict]:
     return rows
 
 
+def tiny_rlvr_config(workdir: str, steps: int):
+    """The RL benches' run: rlvr with a tiny MoE policy (width 64, 2 layers, 4 experts) on one
+    device, `steps` steps logged every step, no checkpoints and no held-out evals; each bench sets
+    its own batch shape and the switch it measures."""
+    cfg = base_config()
+    cfg.stage, cfg.workdir = "rlvr", workdir
+    m = cfg.model
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 64, 2, 4, 2, 16, 128
+    m.moe.num_experts, m.moe.expert_mlp_dim = 4, 64
+    cfg.mesh.data = 1
+    cfg.train.steps, cfg.train.log_every, cfg.train.progress, cfg.checkpoint.every = steps, 1, False, 0
+    cfg.rl.eval_every = 0
+    return cfg
+
+
 def bench_rl(steps: int = 12, delay: float = 0.05, workers: int = 16) -> list[dict]:
     """RLVR steps/s and device-idle fraction, on-policy vs one step of overlap, with a verifier that
     costs `delay` host seconds per response on `workers` threads."""
@@ -176,15 +191,9 @@ def bench_rl(steps: int = 12, delay: float = 0.05, workers: int = 16) -> list[di
 
     rows = []
     for staleness in (0, 1):
-        cfg = base_config()
-        cfg.stage, cfg.workdir = "rlvr", tempfile.mkdtemp()
-        m = cfg.model
-        m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 64, 2, 4, 2, 16, 128
-        m.moe.num_experts, m.moe.expert_mlp_dim = 4, 64
-        cfg.mesh.data = 1
-        cfg.train.steps, cfg.train.log_every, cfg.train.progress, cfg.checkpoint.every = steps, 1, False, 0
+        cfg = tiny_rlvr_config(tempfile.mkdtemp(), steps)
         r = cfg.rl
-        r.prompts_per_step, r.group_size, r.max_new_tokens, r.eval_every = 4, 8, 32, 0
+        r.prompts_per_step, r.group_size, r.max_new_tokens = 4, 8, 32
         r.max_staleness, r.verifier_delay, r.verifier_workers = staleness, delay, workers
         with jax.default_device(jax.devices()[0]):
             loop.run(cfg)
@@ -208,15 +217,9 @@ def bench_rl_updates(steps: int = 8, epochs: tuple[int, ...] = (1, 2, 4)) -> lis
 
     rows = []
     for n in epochs:
-        cfg = base_config()
-        cfg.stage, cfg.workdir = "rlvr", tempfile.mkdtemp()
-        m = cfg.model
-        m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 64, 2, 4, 2, 16, 128
-        m.moe.num_experts, m.moe.expert_mlp_dim = 4, 64
-        cfg.mesh.data = 1
-        cfg.train.steps, cfg.train.log_every, cfg.train.progress, cfg.checkpoint.every = steps, 1, False, 0
+        cfg = tiny_rlvr_config(tempfile.mkdtemp(), steps)
         r = cfg.rl
-        r.prompts_per_step, r.group_size, r.max_new_tokens, r.eval_every, r.updates_per_batch = 4, 8, 32, 0, n
+        r.prompts_per_step, r.group_size, r.max_new_tokens, r.updates_per_batch = 4, 8, 32, n
         with jax.default_device(jax.devices()[0]):
             loop.run(cfg)
         m = [r for r in read_metrics(cfg.workdir) if "rl/update_s" in r][2:]     # skip compilation
@@ -237,15 +240,9 @@ def bench_rl_quant(steps: int = 3) -> list[dict]:
 
     rows = []
     for quantize, speculative_k in (("none", 0), ("int8", 0), ("int4", 0), ("int8", 2)):
-        cfg = base_config()
-        cfg.stage, cfg.workdir = "rlvr", tempfile.mkdtemp()
-        m = cfg.model
-        m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 64, 2, 4, 2, 16, 128
-        m.moe.num_experts, m.moe.expert_mlp_dim = 4, 64
-        cfg.mesh.data = 1
-        cfg.train.steps, cfg.train.log_every, cfg.train.progress, cfg.checkpoint.every = steps, 1, False, 0
+        cfg = tiny_rlvr_config(tempfile.mkdtemp(), steps)
         r = cfg.rl
-        r.prompts_per_step, r.group_size, r.max_new_tokens, r.eval_every, r.arithmetic_size = 4, 8, 16, 0, 50
+        r.prompts_per_step, r.group_size, r.max_new_tokens, r.arithmetic_size = 4, 8, 16, 50
         cfg.sampling.quantize, cfg.sampling.speculative_k = quantize, speculative_k
         with jax.default_device(jax.devices()[0]):
             loop.run(cfg)

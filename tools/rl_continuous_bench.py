@@ -29,7 +29,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from posttrain.config import base_config
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
@@ -41,18 +40,15 @@ from posttrain.train.checkpoint import Checkpointer
 from posttrain.train.metrics import read_metrics
 from posttrain.train.state import abstract_model, init_model_state
 
+from bench import tiny_rlvr_config     # tools/ is on the path: bench.py runs this module
+
 
 def bench_config(workdir: str, steps: int):
-    """The bench's RLVR config (one device): 8 prompts × 8 samples per step, up to 64 new tokens."""
-    cfg = base_config()
-    cfg.stage, cfg.workdir = "rlvr", workdir
-    m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 64, 2, 4, 2, 16, 128
-    m.moe.num_experts, m.moe.expert_mlp_dim = 4, 64
-    cfg.mesh.data = 1
-    cfg.train.steps, cfg.train.log_every, cfg.train.progress, cfg.checkpoint.every = steps, 1, False, 0
+    """The bench's RLVR config (`bench.tiny_rlvr_config`): 8 prompts × 8 samples per step, up to 64
+    new tokens."""
+    cfg = tiny_rlvr_config(workdir, steps)
     r = cfg.rl
-    r.prompts_per_step, r.group_size, r.max_new_tokens, r.eval_every, r.arithmetic_size = 8, 8, 64, 0, 200
+    r.prompts_per_step, r.group_size, r.max_new_tokens, r.arithmetic_size = 8, 8, 64, 200
     cfg.optim.lr = 1e-7                  # the length distribution stays what the weights set
     return cfg
 
