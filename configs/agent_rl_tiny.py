@@ -15,7 +15,7 @@ def get_config():
     cfg.workdir = "runs/agent_rl_tiny"
     cfg.data.synthetic = ""
     r = cfg.rl
-    r.env, r.domains, r.max_turns, r.max_new_tokens, r.tool_timeout_s = "tool", "repo_fix", 4, 64, 5.0
+    r.env, r.domains, r.max_turns, r.max_new_tokens, r.tool_timeout_s = "tool", "repo_fix", 4, 96, 5.0
     r.invalid_tool_call_penalty, r.redundant_tool_call_penalty = 0.1, 0.1
     r.prompts_per_step, r.group_size = 8, 8
     r.eval_every, r.eval_size, r.eval_samples = 10, 64, 2

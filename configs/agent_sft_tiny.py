@@ -1,13 +1,15 @@
 """SFT warm start for multi-turn agent RL: the tiny MoE decoder of sft_tiny.py on scripted,
-sandbox-checked repo_fix episodes (tool-call format, tool outputs masked out of the loss) plus
-copy drills (the same message format on names no task uses), meant to teach the copy of a value
-from a tool's output into the fix; measured in BENCHMARKS.md: not yet learned in 600 steps.
+sandbox-checked repo_fix episodes (tool-call format, tool outputs masked out of the loss).
 
-    python tools/agent_demos.py --out runs/data/repo_fix_sft/demos.jsonl --n 3000 --seed 1
-    python tools/agent_demos.py --out runs/data/repo_fix_sft/drills.jsonl --n 0 --copy_drills 8000 --seed 7
-    python tools/agent_demos.py --out runs/data/repo_fix_sft_eval.jsonl --n 100 --seed 2
+A quarter of the demonstrations fix the module with `sed` (the value cut out of the test by the
+shell), the rest copy the value by hand (`echo 'SIZE = 37' > config.py`), which this tiny model
+does not learn to do (it writes the right constant with a guessed number; BENCHMARKS.md): the SFT
+policy mostly copies and mostly fails, and RL (configs/agent_rl_tiny.py) has to find out which of
+its two habits solves held-out tasks.
+
+    python tools/agent_demos.py --out runs/data/repo_fix_sft/demos.jsonl --n 3000 --seed 1 --extract_frac 0.25
+    python tools/agent_demos.py --out runs/data/repo_fix_sft_eval.jsonl --n 100 --seed 2 --extract_frac 0.25
     python -m posttrain.main --config configs/agent_sft_tiny.py
-then RL: configs/agent_rl_tiny.py.
 """
 
 from configs.sft_tiny import get_config as sft_config
@@ -20,7 +22,7 @@ def get_config():
     cfg.sft.train_files = "runs/data/repo_fix_sft/*.jsonl"
     cfg.sft.eval_files = "runs/data/repo_fix_sft_eval.jsonl"
     cfg.sft.gate, cfg.sft.sample_tokens = "", 0
-    # An episode is ~344 byte tokens, a drill ~175: one episode (or two drills) per packed row.
-    cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len, cfg.train.eval_every = 600, 16, 384, 100
+    # An episode is 340-390 byte tokens: one per packed row.
+    cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len, cfg.train.eval_every = 600, 16, 400, 100
     cfg.checkpoint.every = 200
     return cfg

@@ -113,6 +113,10 @@ def test_repo_fix_demonstration_solves_it_and_masks_exactly_the_model_turns(repo
     # The working directory after each call can be replayed from.
     assert env.replay(0).snapshot().as_dict()["config.py"] == b"SIZE = 12\n"
     assert env.replay(1).run("sh", "cat config.py").output == b"SIZE = 37\n"
+    # The other scripted fix lets sed take the value out of the test: no value in the model's tokens.
+    demo = repo_domain.demonstration(TASK, extract=True)
+    traj = run_episode(repo_env(), TASK, scripted(*demo))
+    assert traj.reward.score == 1.0 and "37" not in demo[1] and demo[1] != repo_domain.demonstration(TASK)[1]
 
 
 def test_repo_fix_final_check_uses_the_pristine_tests_and_penalties_apply(repo_env):
@@ -134,7 +138,7 @@ def test_repo_fix_held_out_tasks_are_disjoint_from_training_by_construction():
     fix = lambda t: repo_domain.task_fields(t)[:2] + repo_domain.task_fields(t)[3:]
     assert len({t.id for t in train}) == 500 and len({t.id for t in test}) == 100
     assert not {fix(t) for t in train} & {fix(t) for t in test}
-    demo_lines = {line for t in train for line in repo_domain.demonstration(t)}
+    demo_lines = {line for t in train for ext in (False, True) for line in repo_domain.demonstration(t, extract=ext)}
     assert not demo_lines & {repo_domain.demonstration(t)[1] for t in test}
     assert all(repo_domain.repo_split(*fix(t)) == "test" for t in test)
     drills = repo_domain.copy_drills(2000, seed=3)            # SFT copy drills: no task's module or constant
@@ -286,9 +290,10 @@ def test_agent_demos_tool_writes_to_a_store_url(monkeypatch, capsys):
     from posttrain import storage
     tool = Path(__file__).resolve().parents[1] / "tools" / "agent_demos.py"
     monkeypatch.setattr(sys, "argv", ["agent_demos.py", "--out", "memory:///demos/sft.jsonl", "--n", "1", "--workers", "1",
-                                      "--copy_drills", "2"])
+                                      "--copy_drills", "2", "--extract_frac", "1"])
     runpy.run_path(str(tool), run_name="__main__")
     records = [json.loads(line) for line in storage.read_text("memory:///demos/sft.jsonl").splitlines()]
     assert len(records) == 3 and records[0]["messages"][-1]["content"] == "Done."
+    assert records[0]["fix"] == "extract" and records[0]["messages"][4]["content"].startswith("<tool>sh\nsed ")
     assert records[1:] == repo_domain.copy_drills(2, seed=1)
-    assert "1/1 demonstrations passed their final check, 2 copy drills" in capsys.readouterr().out
+    assert "1/1 demonstrations passed their final check (1 fix with sed), 2 copy drills" in capsys.readouterr().out

@@ -3,8 +3,9 @@
 Each task is a tiny repository with a failing test: `{module}.py` sets a constant to the wrong
 value and `test_{module}.py` asserts the right one. The prompt names the failing test but not
 the constant or its value, so the agent has to look (`cat test_config.py`), then fix the module
-(`echo 'SIZE = 37' > config.py`, or `sed`, or Python), then say it is done; the final check runs
-the pristine test on the agent's working directory.
+(`echo 'SIZE = 37' > config.py`, copying the value by hand; or let the shell take it from the test,
+`sed ... test_config.py > config.py`; or Python), then say it is done; the final check runs the
+pristine test on the agent's working directory.
 
 Held-out tasks are disjoint from training tasks by construction: a task's split is a hash of the
 fix it needs (module, constant, right value), 10% "test", so no held-out fix line appears in any
@@ -67,25 +68,37 @@ def task_fields(task: Task) -> tuple[str, str, int, int]:
     return m, c, int(w), int(r)
 
 
-def demonstration(task: Task) -> list[str]:
-    """A scripted solution, turn by turn: read the test, write the fix, finish."""
+def demonstration(task: Task, *, extract: bool = False) -> list[str]:
+    """A scripted solution, turn by turn: read the test, write the fix, finish. The fix copies the
+    value by hand (`echo 'SIZE = 37' > config.py`) or, with `extract`, has `sed` cut it out of the
+    test (`sed '1d;s/assert //;s/=//;s/,.*//' test_config.py > config.py`: the same line for every
+    task of a module, so it carries no task's answer)."""
     m, c, _, r = task_fields(task)
-    return [f"<tool>sh\ncat test_{m}.py\n</tool>", f"<tool>sh\necho '{c} = {r}' > {m}.py\n</tool>", "Done."]
+    fix = f"sed '1d;s/assert //;s/=//;s/,.*//' test_{m}.py > {m}.py" if extract else f"echo '{c} = {r}' > {m}.py"
+    return [f"<tool>sh\ncat test_{m}.py\n</tool>", f"<tool>sh\n{fix}\n</tool>", "Done."]
 
 
-def demonstration_records(tasks: list[Task], make_env, *, workers: int = 2) -> list[dict]:
+def demonstration_records(tasks: list[Task], make_env, *, workers: int = 2, extract_frac: float = 0.0,
+                          seed: int = 0) -> list[dict]:
     """SFT records `{"messages": [...]}` of scripted episodes (`demonstration`) run for real in
     `make_env()`'s sandboxed workspace, so their tool outputs are what the policy will see;
-    only episodes whose final check passed are kept (all of them, unless the sandbox failed)."""
+    a fraction `extract_frac` (drawn with `seed`) fix with `sed` instead of by hand (the record's
+    `fix` says which); only episodes whose final check passed are kept (all, unless the sandbox failed)."""
     from posttrain.rl.envs.runner import run_episode
 
-    def one(task):
-        env, turns = make_env(), iter(demonstration(task))
+    if not 0.0 <= extract_frac <= 1.0:
+        raise ValueError(f"demonstration_records: extract_frac must be in [0, 1], got {extract_frac}")
+    rng = random.Random(seed)
+    extract = [rng.random() < extract_frac for _ in tasks]
+
+    def one(task, ext):
+        env, turns = make_env(), iter(demonstration(task, extract=ext))
         traj = run_episode(env, task, lambda _: env.tok.encode(next(turns)) + [env.tok.stop_ids[0]])
-        return {"messages": env.messages, "task_id": task.id} if traj.reward.parts["correct"] >= 1.0 else None
+        return ({"messages": env.messages, "task_id": task.id, "fix": "extract" if ext else "copy"}
+                if traj.reward.parts["correct"] >= 1.0 else None)
 
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        return [r for r in pool.map(one, tasks) if r is not None]
+        return [r for r in pool.map(one, tasks, extract) if r is not None]
 
 
 def copy_drills(n: int, seed: int) -> list[dict]:
