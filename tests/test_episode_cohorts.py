@@ -31,6 +31,7 @@ from posttrain.rl.rollout import RolloutWorker
 from posttrain.rl.verifiers import MathTask
 from posttrain.rl.verifiers.math import MathVerifier
 from posttrain.sampling.continuous import SlotConfig
+from posttrain.sampling.prefix_cache import PrefixCache
 from posttrain.sampling.rules import SamplingParams
 from posttrain.train.optim import make_optimizer
 from posttrain.train.state import create_train_state
@@ -85,7 +86,7 @@ class RecordingWorker(RolloutWorker):
         return out
 
 
-def episodes(policy, cohorts: int, key, *, delay=0.0, jitter=0.0, workers=2, slots=None):
+def episodes(policy, cohorts: int, key, *, delay=0.0, jitter=0.0, workers=2, slots=None, prefix_cache=None):
     """The episodes of TASKS (4 per task) in `cohorts` cohorts, the envs in episode order, the
     worker (its sampler calls) and the environment steps' (start, end)."""
     graphdef, params, rest, mesh, rules = policy
@@ -98,7 +99,7 @@ def episodes(policy, cohorts: int, key, *, delay=0.0, jitter=0.0, workers=2, slo
             return envs[-1]
     with use_sharding(mesh, rules), concurrent.futures.ThreadPoolExecutor(workers) as pool:
         worker = RecordingWorker(graphdef, {"count": Domain("count", TASKS, make_env)}, SAMPLING, TOK.pad_id, pool,
-                                 continuous=slots)
+                                 continuous=slots, prefix_cache=prefix_cache)
         batch = rollout_episodes(worker, params, rest, [("count", t) for t in TASKS], key, cohorts=cohorts)
     return batch, envs, worker, steps
 
@@ -143,9 +144,13 @@ def test_cohort_episodes_are_keyed_by_seed_cohort_and_turn_not_by_timing(policy)
     assert [e.actions for e in envs1] != [e.actions for e in envs2]      # other keys: other episodes
     assert jax.random.key_data(turn_key(key, 0, 3, 1)).tolist() == \
         jax.random.key_data(jax.random.fold_in(key, 3)).tolist()          # C = 1: the rounds' keys
-    # continuous batching: each cohort's call through the slots, the same episodes
+    # continuous batching: each cohort's call through the slots, the same episodes; so with the prefix cache
     cont, _, _, _ = episodes(policy, 2, key, slots=SlotConfig(num_slots=3, refill_batch=2))
     assert_same_rollouts(first, cont)
+    cache = PrefixCache(4096)
+    cached, _, _, _ = episodes(policy, 2, key, prefix_cache=cache)
+    assert_same_rollouts(first, cached)
+    assert cache.stats.hits > 0                       # later turns of a cohort hit its earlier turns' KV
 
 
 def overlaps(calls, steps) -> bool:
