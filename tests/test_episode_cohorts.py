@@ -129,7 +129,7 @@ def test_cohort_episodes_mask_model_tokens_and_their_behaviour_logprobs_equal_th
 
 def test_cohort_episodes_are_keyed_by_seed_cohort_and_turn_not_by_timing(policy):
     key = jax.random.key(5)
-    first, _, w1, _ = episodes(policy, 2, key)
+    first, envs2, w1, _ = episodes(policy, 2, key)
     # environment steps of random duration on a wider pool: cohorts finish their steps in other orders
     again, _, w2, _ = episodes(policy, 2, key, jitter=0.05, workers=4)
     assert [n for *_, n in w1.calls] == [n for *_, n in w2.calls]
@@ -138,8 +138,7 @@ def test_cohort_episodes_are_keyed_by_seed_cohort_and_turn_not_by_timing(policy)
         for x, y in zip(b1, b2):
             np.testing.assert_array_equal(x, y)
     # cohort 0's first call is keyed fold_in(key, 0) like the lockstep round 0, row 0 = episode 0 in both
-    lockstep, envs1, _, _ = episodes(policy, 1, key)
-    _, envs2, _, _ = episodes(policy, 2, key)
+    _, envs1, _, _ = episodes(policy, 1, key)
     assert envs1[0].actions[0] == envs2[0].actions[0]
     assert [e.actions for e in envs1] != [e.actions for e in envs2]      # other keys: other episodes
     assert jax.random.key_data(turn_key(key, 0, 3, 1)).tolist() == \

@@ -430,7 +430,7 @@ def test_multi_turn_eval_two_processes_match_one_process(tmp_path, monkeypatch):
     """Stage eval on repo_fix (real sandboxed episodes; the sampler's calls run on the global mesh,
     their turns scripted by task) with 2 processes × 4 devices reports what 1 process × 8 reports,
     and what the script implies, although the two processes' shares of the suite differ in turns,
-    calls and successes; the episodes run in 2 cohorts."""
+    calls and successes; the episodes run in 2 cohorts. (~70-100 s at load 5: slow.)"""
     from flax import nnx
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import mesh_and_rules, use_sharding
