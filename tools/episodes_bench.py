@@ -12,13 +12,19 @@ so their episodes differ in detail but not in distribution; `--greedy` (as held-
 makes them the same episodes (checked: same turns and tokens), so the times compare like for like. Rows per C: episodes_s (wall time of the batch), model_s and env_s
 (sums of sampler and environment time), the overlap (model_s + env_s) / episodes_s (1: none), turns
 per episode; and the per-round ratio episodes_s(C=1) / episodes_s(C=2), median (range).
+
+`--tool_wait S` adds S seconds of waiting (not computing) to every environment step, as a tool that
+waits on I/O or a remote service would: host time that does not compete with the sampler for the
+CPU cores, unlike this machine's sandbox processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -38,17 +44,37 @@ from posttrain.rl.tasks import make_domains, make_reward_fn      # noqa: E402
 from posttrain.train.init import load_model_state               # noqa: E402
 from posttrain.train.state import init_model_state              # noqa: E402
 
+class WaitingEnv:
+    """An environment whose every step first waits `wait` seconds (a tool waiting on I/O)."""
+
+    def __init__(self, env, wait: float):
+        self.env, self.wait = env, wait
+
+    def reset(self, task):
+        return self.env.reset(task)
+
+    def step(self, action):
+        time.sleep(self.wait)
+        return self.env.step(action)
+
+    def trajectory(self):
+        return self.env.trajectory()
+
+
 KEYS = ("episodes_s", "model_s", "env_s", "turns_per_episode", "new_tokens")
 
 
 def episodes_bench(*, init_from: str = "", episodes: int = 16, group_size: int = 4, rounds: int = 3,
-                   cohorts: tuple[int, ...] = (1, 2), greedy: bool = False) -> list[dict]:
+                   cohorts: tuple[int, ...] = (1, 2), greedy: bool = False, tool_wait: float = 0.0) -> list[dict]:
     """Rows for BENCHMARKS.md: per cohort count the median episode-batch numbers, and the
     per-round speed-up of each C > 1 over C = 1."""
     cfg = get_config()
     tok = load_tokenizer(cfg.data.tokenizer)
     domains, _ = make_domains(cfg, tok, make_reward_fn(cfg))
     domain = domains["repo_fix"]
+    if tool_wait:
+        plain = domain.make_env
+        domain = domains["repo_fix"] = dataclasses.replace(domain, make_env=lambda: WaitingEnv(plain(), tool_wait))
     mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     with use_sharding(mesh, rules):
@@ -77,7 +103,8 @@ def episodes_bench(*, init_from: str = "", episodes: int = 16, group_size: int =
     for c in cohorts:
         med = {k: float(np.median([i[k] for i in info[c]])) for k in KEYS}
         overlap = [(i["model_s"] + i["env_s"]) / i["episodes_s"] for i in info[c]]
-        row = {"name": f"{episodes} episodes{', greedy' if greedy else ''}, C={c}", **med, "overlap (median)": float(np.median(overlap))}
+        row = {"name": f"{episodes} episodes{', greedy' if greedy else ''}{f', tool wait {tool_wait}s' if tool_wait else ''}"
+                       f", C={c}", **med, "overlap (median)": float(np.median(overlap))}
         if c != cohorts[0]:
             ratios = np.array([a["episodes_s"] / b["episodes_s"] for a, b in zip(info[cohorts[0]], info[c])])
             row.update({f"x vs C={cohorts[0]} per round (median)": float(np.median(ratios)),
@@ -94,10 +121,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cohorts", default="1,2", help="cohort counts, the first the baseline")
     p.add_argument("--greedy", action="store_true", help="greedy episodes: the same for every cohort count")
+    p.add_argument("--tool_wait", type=float, default=0.0, help="seconds every environment step waits (I/O-bound tools)")
     args = p.parse_args()
     for r in episodes_bench(init_from=args.init_from, episodes=args.episodes, group_size=args.group_size,
                             rounds=args.rounds, cohorts=tuple(int(c) for c in args.cohorts.split(",")),
-                            greedy=args.greedy):
+                            greedy=args.greedy, tool_wait=args.tool_wait):
         print("| " + " | ".join(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in r.items()) + " |")
 
 
