@@ -76,13 +76,16 @@ class SlowEnv(CountingEnv):
 
 @dataclasses.dataclass
 class RecordingWorker(RolloutWorker):
-    """A rollout worker that records each sampler call as (start, end, number of contexts)."""
+    """A rollout worker that records each sampler call as (start, end, number of contexts), and
+    its contexts."""
     calls: list = dataclasses.field(default_factory=list)
+    contexts: list = dataclasses.field(default_factory=list)
 
     def sample(self, params, rest, prompts, sampling, key):
         t0 = time.perf_counter()
         out = super().sample(params, rest, prompts, sampling, key)
         self.calls.append((t0, time.perf_counter(), len(prompts)))
+        self.contexts.append([list(p) for p in prompts])
         return out
 
 
@@ -168,6 +171,46 @@ def test_one_cohorts_environment_steps_run_while_another_cohort_samples(policy):
     # model_s and env_s stay sums of their own work: every call's time, and each cohort turn's steps (>= 0.2 s)
     assert batch.info["model_s"] >= sum(s1 - s0 for s0, s1, _ in piped.calls)
     assert batch.info["env_s"] >= 0.2 * len(piped.calls)
+
+
+def test_two_processes_step_only_their_share_and_sample_the_same_contexts(policy, monkeypatch):
+    """Two processes simulated by two threads (the exchange of observations a barrier): each steps
+    the environments of its own task only, both make the same sampler calls on the same contexts,
+    and their groups together are the one-process episodes."""
+    from posttrain.rl import episodes as episodes_module
+    key = jax.random.key(3)
+    whole, _, one, _ = episodes(policy, 2, key)
+    local, barrier, slots = threading.local(), threading.Barrier(2, timeout=120), [None, None]
+
+    def allgather(value):
+        slots[local.p] = value
+        barrier.wait()
+        out = list(slots)
+        barrier.wait()
+        return out
+    monkeypatch.setattr(episodes_module, "allgather_json", allgather)
+    monkeypatch.setattr(episodes_module, "group_share", lambda n, exact: slice(local.p * n // 2, (local.p + 1) * n // 2))
+    results, errors = [None, None], []
+
+    def process(p):
+        local.p = p
+        try:
+            results[p] = episodes(policy, 2, key)
+        except BaseException as e:      # noqa: BLE001  (re-raised below)
+            errors.append(e)
+            barrier.abort()
+    threads = [threading.Thread(target=process, args=(p,)) for p in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    (b0, envs0, w0, _), (b1, envs1, w1, _) = results
+    assert len(envs0) == len(envs1) == 4 and [g.task.id for g in b0.groups + b1.groups] == ["t0", "t1"]
+    assert w0.contexts == w1.contexts == one.contexts
+    assert_same_rollouts(whole, dataclasses.replace(whole, groups=b0.groups + b1.groups, behav=b0.behav + b1.behav))
+    assert b0.info["responses"] == b1.info["responses"] == 4
 
 
 def test_episode_cohorts_key_is_checked_at_start_up():
