@@ -344,7 +344,7 @@ def test_rl_across_processes_refuses_what_it_cannot_split(monkeypatch):
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     hosts.check_multihost_rl(cfg)
     for key, value in (("filter_groups", True), ("max_staleness", 1), ("rollouts_every", 5), ("prompts_per_step", 7),
-                       ("env", "tool"), ("reward_model", "runs/rm"), ("advantage", "gae")):
+                       ("reward_model", "runs/rm"), ("advantage", "gae")):
         bad = cfg.copy_and_resolve_references()
         bad.rl[key] = value
         with pytest.raises(UserError, match=f"rl.{key}"):
@@ -354,13 +354,48 @@ def test_rl_across_processes_refuses_what_it_cannot_split(monkeypatch):
     pipe = runpy_config(os.path.join(ROOT, "configs", "quickstart.py"))     # (sft, rlvr, eval)
     pipe.rl.rollouts_every, pipe.rl.rollouts_fraction = 0, 1.0
     check_config(pipe)
-    pipe.rl.env = "tool"
-    with pytest.raises(UserError, match="rl.env='tool' is not supported with 2 processes"):
+    pipe.rl.max_staleness = 1
+    with pytest.raises(UserError, match="rl.max_staleness=1 is not supported with 2 processes"):
         check_config(pipe)
     assert hosts.group_share(8, exact=True) == slice(4, 8)
     assert hosts.group_share(5, exact=False) == slice(2, 5)
     with pytest.raises(ValueError, match="5 groups cannot be split evenly over 2 processes"):
         hosts.group_share(5, exact=True)
+
+
+def scripted_turns_by_sample():
+    """multihost_worker hook: `scripted_turns(by_sample=True)`."""
+    scripted_turns(by_sample=True)
+
+
+@pytest.mark.slow
+def test_multi_turn_rlvr_two_processes_match_one_process(tmp_path, monkeypatch):
+    """RLVR on repo_fix episodes (real sandboxed calls; real sampler calls on the global mesh, turns
+    scripted by their first sampled token, so a group's rewards differ) with 2 processes × 4
+    devices logs the 1-process run's losses, rewards and episode metrics and ends at its weights.
+    (~4 min at load 5: slow.)"""
+    overrides = {"model.moe.num_experts": 0, "rl.env": "tool", "rl.domains": "repo_fix", "rl.steps": 2,
+                 "rl.prompts_per_step": 2, "rl.group_size": 4, "rl.max_new_tokens": 64, "rl.eval_every": 2,
+                 "rl.eval_size": 4, "rl.eval_samples": 2, "rl.gate": "", "rl.verifier_workers": 2,
+                 "rl.invalid_tool_call_penalty": 0.1, "rl.episode_cohorts": 2, "train.progress": False,
+                 "checkpoint.every": 2}
+    monkeypatch.setenv("POSTTRAIN_TEST_HOOK", "tests.test_multihost:scripted_turns_by_sample")
+    runs = [(str(tmp_path / n), {**overrides, "workdir": str(tmp_path / n / "wd")}, p, d)
+            for n, p, d in (("one", 1, 8), ("two", 2, 4))]
+    launch_together(RL_CONFIG, runs)
+    keys = ("loss", "rl/reward_mean", "rl/reward_std", "rl/responses", "rl/new_tokens", "rl/tool_success_rate",
+            "rl/turns_per_episode", "rl/calls_per_turn", "rl/tool_call_ok_rate", "eval/accuracy",
+            "eval/tool_success_rate", "eval/tool_success_rate_sampled", "eval/turns_per_episode")
+    logged = lambda n: {(r["step"], k): r[k] for r in map(json.loads, open(tmp_path / n / "wd" / "metrics.jsonl"))
+                        for k in keys if k in r}
+    ref, got = logged("one"), logged("two")
+    assert got.keys() == ref.keys() and {k for _, k in ref} == set(keys)
+    np.testing.assert_allclose([got[k] for k in ref], [ref[k] for k in ref], rtol=1e-5, atol=1e-7)
+    assert ref[(0, "rl/reward_std")] > 0 and ref[(0, "rl/responses")] == 8
+    assert 3 < ref[(0, "rl/turns_per_episode")] < 4       # some episodes start with the failing call, some not
+    p1, p2 = params(str(tmp_path / "one")), params(str(tmp_path / "two"))
+    for k in p1:
+        np.testing.assert_allclose(p2[k], p1[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
 def test_episode_rates_combine_from_every_process_counts(monkeypatch):
@@ -398,28 +433,38 @@ class TaskScript:
         self.tok = load_tokenizer("byte")
 
     @staticmethod
-    def turns(module: str, name: str = "", value: int = 0) -> list[str]:
+    def turns(module: str, name: str = "", value: int = 0, failing: bool | None = None) -> list[str]:
         fix = f"<tool>sh\necho '{name} = {value if value % 3 == 0 else value + 1}' > {module}.py\n</tool>"
-        first = [f"<tool>sh\ncat test_{module}.py missing.txt\n</tool>"] if len(module) % 2 else []
+        failing = len(module) % 2 == 1 if failing is None else failing
+        first = [f"<tool>sh\ncat test_{module}.py missing.txt\n</tool>"] if failing else []
         return first + [f"<tool>sh\ncat test_{module}.py\n</tool>", fix, "Done."]
 
-    def turn(self, context: str) -> str:
+    def turn(self, context: str, failing: bool | None = None) -> str:
+        """The next turn; `failing` (default: by the module name) whether the episode starts with
+        the failing call (later turns read it from the context)."""
         import re
         module = re.search(r"Fix (\w+)\.py\.", context).group(1)
         shown = re.search(r"assert (\w+) == (\d+)", context.split("<output>", 1)[-1]) if "<output>" in context else None
         name, value = (shown.group(1), int(shown.group(2))) if shown else ("", 0)
-        return self.turns(module, name, value)[context.count("<output>")]
+        if shown:
+            failing = "missing.txt" in context
+        return self.turns(module, name, value, failing)[context.count("<output>")]
 
 
-def scripted_turns():
+def scripted_turns(by_sample: bool = False):
     """multihost_worker hook: every sampler call runs for real (one program on the global mesh over
-    every process's contexts, which must therefore agree), then the script replaces its tokens."""
+    every process's contexts, which must therefore agree), then the script replaces its tokens;
+    `by_sample`: an episode starts with the failing call when its first real token is even (so the
+    samples of one task differ, and so do their rewards)."""
     from posttrain.rl.rollout import RolloutWorker
     script, real = TaskScript(), RolloutWorker.sample
 
     def sample(worker, params, rest, contexts, sampling, key):
-        real(worker, params, rest, contexts, sampling, key)
-        turns = [script.tok.encode(script.turn(script.tok.decode(c))) + [script.tok.stop_ids[0]] for c in contexts]
+        samples = real(worker, params, rest, contexts, sampling, key)
+        firsts = [samples.completion(j)[:1] or [0] for j in range(len(contexts))]
+        failing = [first[0] % 2 == 0 if by_sample else None for first in firsts]
+        turns = [script.tok.encode(script.turn(script.tok.decode(c), f)) + [script.tok.stop_ids[0]]
+                 for c, f in zip(contexts, failing)]
         logprobs = np.zeros((len(turns), max(map(len, turns))), np.float32)
         return type("Scripted", (), {"sampling_logprobs": logprobs, "completion": staticmethod(lambda j: turns[j])})()
     RolloutWorker.sample = sample

@@ -17,9 +17,9 @@ Not supported with several processes (refused at start, naming the key): dynamic
 (`rl.filter_groups`: kept groups would be spread unevenly over processes), the overlapped producer
 (`rl.max_staleness > 0`), a learned reward model (`rl.reward_model`) and PPO with a critic
 (`rl.advantage = "gae"`: its whitening is a batch-wide statistic), and trajectory dumps
-(`rl.rollouts_every`: process 0 would write only its own groups), multi-turn episodes (`rl.env`).
-Held-out multi-turn episodes (stage eval's `repo_fix`) do run across processes: each process steps
-its share's environments and the observations are exchanged after every turn (`episodes.py`).
+(`rl.rollouts_every`: process 0 would write only its own groups). Multi-turn episodes
+(`rl.env = "tool"`, and stage eval's `repo_fix`) run across processes: each process steps its
+share's environments and the observations are exchanged after every turn (`episodes.py`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def check_multihost_rl(cfg) -> None:
         return
     refused = {"rl.filter_groups": bool(r.filter_groups), "rl.max_staleness": r.max_staleness > 0,
                "rl.reward_model": bool(r.reward_model), "rl.advantage": r.advantage == "gae",
-               "rl.rollouts_every": r.rollouts_every > 0, "rl.env": r.env == "tool"}
+               "rl.rollouts_every": r.rollouts_every > 0}
     for key, bad in refused.items():
         if bad:
             raise UserError(f"{key}={r[key.split('.')[1]]!r} is not supported with {n} processes (see posttrain/rl/"
