@@ -23,12 +23,13 @@ rounds, fold_in(key, turn). With `sampling.continuous_batching` each call runs i
 requests through continuously refilled slots (same samples as static batching), so within a call
 one long turn holds one slot, not the whole batch; the prefix cache serves each call as any other.
 
-Several processes (`hosts.py`): every sampler call is one program on the global mesh over every episode's context,
-so every process must hold the same contexts. Process p runs the environments of its own share of
-the tasks only (`hosts.group_share`, all G episodes of a task on one process, as many tasks on
-each process when their count divides evenly, as training's `rl.prompts_per_step` must); after each cohort
-turn the processes exchange their episodes' observations and done flags (`allgather_json`, in
-the fixed cohort order), so each extends every context alike, and p returns its share's groups.
+Several processes (`hosts.py`): every sampler call is one program on the global mesh over every
+episode's context, so every process must hold the same contexts. Process p runs the environments
+of its own share of the tasks only (`hosts.group_share`: all G episodes of a task on one
+process, as many tasks on each when their count divides evenly, as training's
+`rl.prompts_per_step` must); after each cohort turn the processes exchange their episodes'
+observations and done flags (`allgather_json`, in the fixed cohort order), so each extends every
+context alike, and p returns its share's groups.
 
 The behaviour log-prob of every model token is recorded at its position in the episode's token
 row, turn by turn (0 on prompt and environment tokens), so the learner's `rl_batch` sees the same
