@@ -147,6 +147,8 @@ def base_config() -> ml_collections.ConfigDict:
         env="single",              # single: one answer per sample | tool: multi-turn episodes with sandboxed sh/python
                                    # calls in a persistent working directory (rl/envs/workspace.py, rl/episodes.py)
         max_turns=4,               # rl.env=tool: model turns per episode (rl.max_new_tokens each), calls included
+        episode_cohorts=1,         # rl.env=tool: episodes split into n cohorts taking turns on the sampler, so one
+                                   # cohort's tool calls overlap another's sampling (rl/episodes.py); 1: lockstep rounds
         tool_timeout_s=5.0,        # rl.env=tool: wall-clock limit of one call
         invalid_tool_call_penalty=0.0,    # rl.env=tool: per malformed or failed call
         redundant_tool_call_penalty=0.0,  # rl.env=tool: per call repeating an earlier one on an unchanged directory

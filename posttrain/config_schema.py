@@ -50,6 +50,7 @@ RANGES: dict[str, tuple] = {
     "rl.kl_coef": (0, True, None, False), "rl.entropy_coef": (0, True, None, False),
     "rl.verifier_workers": (1, True, None, False),
     "rl.max_turns": (1, True, None, False), "rl.tool_timeout_s": (0, False, None, False),
+    "rl.episode_cohorts": (1, True, None, False),
     "rl.invalid_tool_call_penalty": (0, True, None, False),
     "rl.redundant_tool_call_penalty": (0, True, None, False),
     "sampling.num_slots": (1, True, None, False), "sampling.refill_batch": (1, True, None, False),
@@ -146,8 +147,9 @@ def check_config(cfg) -> None:
     check_stage_files(cfg, stages)      # named files exist, "synthetic:" can be generated: every stage, up front
     try:
         validate_gates(cfg, stages)
-        from posttrain.rl.checks import check_sampling_config
+        from posttrain.rl.checks import check_episode_cohorts, check_sampling_config
         check_sampling_config(cfg, stages)
+        check_episode_cohorts(cfg, stages)
         AlertMonitor.from_config(cfg)
         if "eval" in stages:
             from posttrain.rl.evaluation import check_eval_config

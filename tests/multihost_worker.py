@@ -6,7 +6,8 @@ Runs `posttrain.main.run` on `DEVICES` simulated CPU devices, as process PROCESS
 NUM_PROCESSES (coordinator 127.0.0.1:PORT, via `config.distributed`), and writes
 `OUT/process{i}.json`: the logged rows, and the JSONL lines this process read (counted at the
 source, so the test can check that each process read only its own shard). Process 0 also writes
-`OUT/params.npz`, the final parameters gathered from every process.
+`OUT/params.npz`, the final parameters gathered from every process. `POSTTRAIN_TEST_HOOK=module:function`
+names a function called before the run (e.g. one that scripts the sampler's turns).
 """
 
 import json
@@ -54,6 +55,10 @@ if int(num_processes) > 1:
     cfg.distributed.num_processes = int(num_processes)
     cfg.distributed.process_id = int(process_id)
 
+if os.environ.get("POSTTRAIN_TEST_HOOK"):
+    import importlib
+    module, function = os.environ["POSTTRAIN_TEST_HOOK"].split(":")
+    getattr(importlib.import_module(module), function)()
 result = main.run(cfg)
 rows = getattr(result, "rows", result if isinstance(result, list) else [])
 record = {"rows": [{k: v for k, v in r.items() if isinstance(v, (int, float))} for r in rows],

@@ -226,13 +226,17 @@ def tool_cfg(workdir, **rl):
     return cfg
 
 
-def test_loop_trains_on_the_repo_fix_domain_end_to_end(tmp_path):
-    result = loop.run(tool_cfg(tmp_path))
+def test_loop_trains_on_the_repo_fix_domain_end_to_end(tmp_path, monkeypatch):
+    cohorts = []          # rl.episode_cohorts reaches the episodes of training and of the held-out eval
+    monkeypatch.setattr(loop, "rollout_episodes", lambda *a, **kw: cohorts.append(kw["cohorts"]) or
+                        rollout_episodes(*a, **kw))
+    result = loop.run(tool_cfg(tmp_path, episode_cohorts=2))
+    assert cohorts and set(cohorts) == {2}
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "rl/reward_mean" in r]
     assert len(train) == 2 and all(np.isfinite(r["loss"]) for r in train)
     for key in ("rl/tool_success_rate", "rl/turns_per_episode", "rl/calls_per_turn", "rl/env_s", "rl/model_s",
-                "rl/env_frac", "rl/tool_call_ok_rate"):
+                "rl/env_frac", "rl/tool_call_ok_rate", "rl/episodes_s"):
         assert key in train[0], key
     assert 1 <= train[0]["rl/turns_per_episode"] <= 2
     assert {"eval/tool_success_rate", "eval/turns_per_episode"} <= result.eval.keys()

@@ -320,18 +320,20 @@ class ScriptedSampler:
 def test_multi_turn_suite_reports_episode_metrics_and_gates_on_them(run_dir, tmp_path, monkeypatch):
     """Stage eval on repo_fix's held-out episodes (real sandboxed calls and final checks, the
     sampler scripted): solved = the final check passed, although the failing first call's penalty
-    leaves the reward below 1; the episode metrics are reported and gated on."""
+    leaves the reward below 1; the episode metrics are reported and gated on. The episodes run in
+    2 cohorts (rl.episode_cohorts): sampler calls of half the episodes, the same results."""
     from posttrain.rl import repo_domain
     from posttrain.rl.rollout import RolloutWorker
     tok = load_tokenizer(base_config().data.tokenizer)
-    scripted = ScriptedSampler(tok)
-    monkeypatch.setattr(RolloutWorker, "sample", lambda worker, *a: scripted(worker, *a))
+    scripted, calls = ScriptedSampler(tok), []
+    monkeypatch.setattr(RolloutWorker, "sample", lambda worker, *a: calls.append(len(a[2])) or scripted(worker, *a))
     cfg = config(tmp_path, run_dir, "repo_fix", samples=2, pass_k="1,2", size=4)
-    cfg.rl.max_new_tokens, cfg.rl.invalid_tool_call_penalty = 64, 0.1
+    cfg.rl.max_new_tokens, cfg.rl.invalid_tool_call_penalty, cfg.rl.episode_cohorts = 64, 0.1, 2
     cfg.eval.gate = "tool_success_rate>=0.5, repo_fix/turns_per_episode<=3, repo_fix/tool_call_ok_rate>=0.5"
     want = np.mean([repo_domain.task_fields(t)[3] % 3 == 0 for t in evaluation.make_suites(cfg, tok)["repo_fix"].tasks])
     assert want == 0.5            # the seed's 4 held-out tasks: 2 multiples of 3
     result = main_run(cfg)
+    assert max(calls) == 4 and calls[:2] == [2, 2]     # greedy: 4 episodes in 2 cohorts; sampled: 8 in 2
     (rec,) = records(tmp_path, "repo_fix")
     assert rec["problems"] == 4 and rec["accuracy"] == rec["tool_success_rate"] == want
     assert rec["mean_accuracy"] == rec["tool_success_rate_sampled"] == rec["pass@2"] == want

@@ -344,7 +344,7 @@ def test_rl_across_processes_refuses_what_it_cannot_split(monkeypatch):
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     hosts.check_multihost_rl(cfg)
     for key, value in (("filter_groups", True), ("max_staleness", 1), ("rollouts_every", 5), ("prompts_per_step", 7),
-                       ("env", "tool"), ("reward_model", "runs/rm"), ("advantage", "gae")):
+                       ("reward_model", "runs/rm"), ("advantage", "gae")):
         bad = cfg.copy_and_resolve_references()
         bad.rl[key] = value
         with pytest.raises(UserError, match=f"rl.{key}"):
@@ -354,8 +354,8 @@ def test_rl_across_processes_refuses_what_it_cannot_split(monkeypatch):
     pipe = runpy_config(os.path.join(ROOT, "configs", "quickstart.py"))     # (sft, rlvr, eval)
     pipe.rl.rollouts_every, pipe.rl.rollouts_fraction = 0, 1.0
     check_config(pipe)
-    pipe.rl.env = "tool"
-    with pytest.raises(UserError, match="rl.env='tool' is not supported with 2 processes"):
+    pipe.rl.max_staleness = 1
+    with pytest.raises(UserError, match="rl.max_staleness=1 is not supported with 2 processes"):
         check_config(pipe)
     assert hosts.group_share(8, exact=True) == slice(4, 8)
     assert hosts.group_share(5, exact=False) == slice(2, 5)
@@ -363,6 +363,158 @@ def test_rl_across_processes_refuses_what_it_cannot_split(monkeypatch):
         hosts.group_share(5, exact=True)
 
 
+def scripted_turns_by_sample():
+    """multihost_worker hook: `scripted_turns(by_sample=True)`."""
+    scripted_turns(by_sample=True)
+
+
+@pytest.mark.slow
+def test_multi_turn_rlvr_two_processes_match_one_process(tmp_path, monkeypatch):
+    """RLVR on repo_fix episodes (real sandboxed calls; real sampler calls on the global mesh, turns
+    scripted by their first sampled token, so a group's rewards differ) with 2 processes × 4
+    devices logs the 1-process run's losses, rewards and episode metrics and ends at its weights.
+    (~4 min at load 5: slow.)"""
+    overrides = {"model.moe.num_experts": 0, "rl.env": "tool", "rl.domains": "repo_fix", "rl.steps": 2,
+                 "rl.prompts_per_step": 2, "rl.group_size": 4, "rl.max_new_tokens": 64, "rl.eval_every": 2,
+                 "rl.eval_size": 4, "rl.eval_samples": 2, "rl.gate": "", "rl.verifier_workers": 2,
+                 "rl.invalid_tool_call_penalty": 0.1, "rl.episode_cohorts": 2, "train.progress": False,
+                 "checkpoint.every": 2}
+    monkeypatch.setenv("POSTTRAIN_TEST_HOOK", "tests.test_multihost:scripted_turns_by_sample")
+    runs = [(str(tmp_path / n), {**overrides, "workdir": str(tmp_path / n / "wd")}, p, d)
+            for n, p, d in (("one", 1, 8), ("two", 2, 4))]
+    launch_together(RL_CONFIG, runs)
+    keys = ("loss", "rl/reward_mean", "rl/reward_std", "rl/responses", "rl/new_tokens", "rl/tool_success_rate",
+            "rl/turns_per_episode", "rl/calls_per_turn", "rl/tool_call_ok_rate", "eval/accuracy",
+            "eval/tool_success_rate", "eval/tool_success_rate_sampled", "eval/turns_per_episode")
+    logged = lambda n: {(r["step"], k): r[k] for r in map(json.loads, open(tmp_path / n / "wd" / "metrics.jsonl"))
+                        for k in keys if k in r}
+    ref, got = logged("one"), logged("two")
+    assert got.keys() == ref.keys() and {k for _, k in ref} == set(keys)
+    np.testing.assert_allclose([got[k] for k in ref], [ref[k] for k in ref], rtol=1e-5, atol=1e-7)
+    assert ref[(0, "rl/reward_std")] > 0 and ref[(0, "rl/responses")] == 8
+    assert 3 < ref[(0, "rl/turns_per_episode")] < 4       # some episodes start with the failing call, some not
+    p1, p2 = params(str(tmp_path / "one")), params(str(tmp_path / "two"))
+    for k in p1:
+        np.testing.assert_allclose(p2[k], p1[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_episode_rates_combine_from_every_process_counts(monkeypatch):
+    """Across processes the multi-turn rates are the ratios of the summed counts (not process 0's
+    rates, nor a mean of rates), and a batch of episodes is already this process's share."""
+    import jax
+    from posttrain.rl import hosts, rollout
+    parts = [{"responses": 2, "episode_turns": 6, "episode_calls": 4, "episode_calls_ok": 4, "episodes_solved": 2,
+              "episode_calls_invalid": 0, "turns_per_episode": 3.0, "response_len_mean": 10.0},
+             {"responses": 4, "episode_turns": 16, "episode_calls": 12, "episode_calls_ok": 8, "episodes_solved": 0,
+              "episode_calls_invalid": 4, "turns_per_episode": 4.0, "response_len_mean": 40.0}]
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(hosts, "allgather_json", lambda info: parts)
+    out = hosts.combine_info(parts[0], rollout.SUMMED_INFO)
+    assert out["turns_per_episode"] == 22 / 6 and out["calls_per_turn"] == 16 / 22
+    assert out["tool_call_ok_rate"] == 12 / 16 and out["invalid_call_rate"] == 4 / 16
+    assert out["tool_success_rate"] == 2 / 6 and out["response_len_mean"] == 30.0 and out["responses"] == 6
+    done = rollout.Pending([("d", None)] * 4, [], None, 0.0, done=object())
+    assert rollout.local_share(done, exact=False) is done
+
+
 def runpy_config(path: str):
     import runpy
     return runpy.run_path(path)["get_config"]()
+
+
+class TaskScript:
+    """The turns of a repo_fix episode by task, so that episodes of different tasks differ in
+    turns and calls (per-process shares of a suite have different episode metrics): a module name
+    of even length: cat the test, write the fix, "Done." (3 turns, 2 calls, both ok); odd: cat the
+    test and a missing file first (a failing call), then the same (4 turns, 3 calls, 2 ok). The
+    fix is right only when the asserted value is a multiple of 3."""
+
+    def __init__(self):
+        self.tok = load_tokenizer("byte")
+
+    @staticmethod
+    def turns(module: str, name: str = "", value: int = 0, failing: bool | None = None) -> list[str]:
+        fix = f"<tool>sh\necho '{name} = {value if value % 3 == 0 else value + 1}' > {module}.py\n</tool>"
+        failing = len(module) % 2 == 1 if failing is None else failing
+        first = [f"<tool>sh\ncat test_{module}.py missing.txt\n</tool>"] if failing else []
+        return first + [f"<tool>sh\ncat test_{module}.py\n</tool>", fix, "Done."]
+
+    def turn(self, context: str, failing: bool | None = None) -> str:
+        """The next turn; `failing` (default: by the module name) whether the episode starts with
+        the failing call (later turns read it from the context)."""
+        import re
+        module = re.search(r"Fix (\w+)\.py\.", context).group(1)
+        shown = re.search(r"assert (\w+) == (\d+)", context.split("<output>", 1)[-1]) if "<output>" in context else None
+        name, value = (shown.group(1), int(shown.group(2))) if shown else ("", 0)
+        if shown:
+            failing = "missing.txt" in context
+        return self.turns(module, name, value, failing)[context.count("<output>")]
+
+
+def scripted_turns(by_sample: bool = False):
+    """multihost_worker hook: every sampler call runs for real (one program on the global mesh over
+    every process's contexts, which must therefore agree), then the script replaces its tokens;
+    `by_sample`: an episode starts with the failing call when its first real token is even (so the
+    samples of one task differ, and so do their rewards)."""
+    from posttrain.rl.rollout import RolloutWorker
+    script, real = TaskScript(), RolloutWorker.sample
+
+    def sample(worker, params, rest, contexts, sampling, key):
+        samples = real(worker, params, rest, contexts, sampling, key)
+        firsts = [samples.completion(j)[:1] or [0] for j in range(len(contexts))]
+        failing = [first[0] % 2 == 0 if by_sample else None for first in firsts]
+        turns = [script.tok.encode(script.turn(script.tok.decode(c), f)) + [script.tok.stop_ids[0]]
+                 for c, f in zip(contexts, failing)]
+        logprobs = np.zeros((len(turns), max(map(len, turns))), np.float32)
+        return type("Scripted", (), {"sampling_logprobs": logprobs, "completion": staticmethod(lambda j: turns[j])})()
+    RolloutWorker.sample = sample
+
+
+@pytest.mark.slow
+def test_multi_turn_eval_two_processes_match_one_process(tmp_path, monkeypatch):
+    """Stage eval on repo_fix (real sandboxed episodes; the sampler's calls run on the global mesh,
+    their turns scripted by task) with 2 processes × 4 devices reports what 1 process × 8 reports,
+    and what the script implies, although the two processes' shares of the suite differ in turns,
+    calls and successes; the episodes run in 2 cohorts. (~70-100 s at load 5: slow.)"""
+    from flax import nnx
+    from posttrain.models.decoder import Decoder
+    from posttrain.parallel import mesh_and_rules, use_sharding
+    from posttrain.rl import evaluation, repo_domain
+    from posttrain.train.checkpoint import Checkpointer
+    from posttrain.train.state import init_model_state
+    overrides = {"stage": "eval", "model.moe.num_experts": 0, "eval.checkpoint": str(tmp_path / "run"),
+                 "eval.suites": "repo_fix", "eval.size": 6, "eval.samples": 2, "eval.pass_k": "1,2",
+                 "rl.max_new_tokens": 64, "rl.invalid_tool_call_penalty": 0.1, "rl.verifier_workers": 2,
+                 "rl.episode_cohorts": 2, "train.progress": False}
+    cfg = runpy_config(RL_CONFIG)
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = cfg
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    mesh, rules = mesh_and_rules(cfg)
+    ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"), every=1, keep=1, async_save=False)
+    with use_sharding(mesh, rules):
+        ckpt.save(1, dict(zip(("params", "rest"), init_model_state(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)),
+                                                                     mesh, rules))))
+    ckpt.close()
+    tasks = evaluation.make_suites(cfg, load_tokenizer("byte"))["repo_fix"].tasks
+    fields = [repo_domain.task_fields(t) for t in tasks]
+    turns = [len(TaskScript.turns(m)) for m, *_ in fields]
+    solved = [r % 3 == 0 for *_, r in fields]
+    assert np.mean(turns[:3]) != np.mean(turns[3:]), f"the processes' shares should differ in turns: {turns}"
+    monkeypatch.setenv("POSTTRAIN_TEST_HOOK", "tests.test_multihost:scripted_turns")
+    runs = [(str(tmp_path / n), {**overrides, "workdir": str(tmp_path / n / "wd")}, p, d)
+            for n, p, d in (("one", 1, 8), ("two", 2, 4))]
+    launch_together(RL_CONFIG, runs)
+    (one,), (two,) = ([json.loads(line) for line in open(tmp_path / n / "wd" / "eval" / "repo_fix.jsonl")]
+                      for n in ("one", "two"))
+    keys = ("accuracy", "mean_accuracy", "pass@1", "pass@2", "response_len", "greedy_response_len",
+            "verifier_errors", "tool_success_rate", "tool_success_rate_sampled", "turns_per_episode",
+            "calls_per_turn", "tool_call_ok_rate")
+    assert {k: two[k] for k in keys} == pytest.approx({k: one[k] for k in keys})
+    assert one["problems"] == 6 and one["accuracy"] == pytest.approx(np.mean(solved))
+    assert one["turns_per_episode"] == pytest.approx(np.mean(turns))
+    assert one["calls_per_turn"] == pytest.approx(sum(t - 1 for t in turns) / sum(turns))
+    assert one["tool_call_ok_rate"] == pytest.approx(2 * len(turns) / sum(t - 1 for t in turns))

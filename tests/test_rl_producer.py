@@ -150,7 +150,7 @@ def test_an_rl_key_that_cannot_take_effect_is_an_error(key):
               "value_coef": 1.0, "value_clip": 0.1, "kl_in_reward": True, "reward_model_weight": 2.0,
               "reward_model_normalize": False, "eval_files": "held_out.jsonl", "verifier_timeout_s": 5.0,
               "rollouts_fraction": 0.5, "max_turns": 3, "tool_timeout_s": 2.0, "invalid_tool_call_penalty": 0.1,
-              "redundant_tool_call_penalty": 0.1}
+              "redundant_tool_call_penalty": 0.1, "episode_cohorts": 2}
     check_rl_config(cfg)
     cfg.rl[key] = values[key]
     if key in ("arithmetic_size", "instruction"):

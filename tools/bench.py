@@ -264,7 +264,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--section", default="train", choices=["train", "sft", "checkpoint", "sandbox", "sampler",
                                                           "sampler-quant", "speculative", "rl-quant", "rl",
-                                                          "rl-updates", "rl-continuous", "attention", "prefix-cache", "all"])
+                                                          "rl-updates", "rl-continuous", "attention", "prefix-cache", "episodes",
+                                                          "all"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--iters", type=int, default=10)
@@ -299,6 +300,9 @@ def main() -> None:
     if args.section in ("prefix-cache", "all"):
         from prefix_cache_bench import prefix_cache_bench
         print_rows("prefix cache, multi-turn", prefix_cache_bench(rounds=args.iters // 2 or 1))
+    if args.section in ("episodes", "all"):
+        from episodes_bench import episodes_bench
+        print_rows("multi-turn episodes: 2 cohorts vs lockstep rounds (repo_fix, random policy)", episodes_bench())
     if args.section in ("sandbox", "all"):
         from posttrain.rl.verifiers.bench import sandbox_bench
         print_rows("sandbox", sandbox_bench())

@@ -34,7 +34,8 @@ INERT_UNLESS = {
     **{k: (lambda r: r.advantage == "gae", "only the critic (rl.advantage='gae') uses it")
        for k in ("critic", "gamma", "lam", "value_coef", "value_clip")},
     **{k: (lambda r: r.env == "tool", "only multi-turn episodes (rl.env='tool') make tool calls")
-       for k in ("max_turns", "tool_timeout_s", "invalid_tool_call_penalty", "redundant_tool_call_penalty")},
+       for k in ("max_turns", "episode_cohorts", "tool_timeout_s", "invalid_tool_call_penalty",
+                 "redundant_tool_call_penalty")},
     "kl_in_reward": (lambda r: r.kl_coef > 0, "no KL to pay without rl.kl_coef > 0"),
     "reward_model_weight": (lambda r: bool(r.reward_model), "no learned reward without rl.reward_model"),
     "reward_model_normalize": (lambda r: bool(r.reward_model), "no learned reward without rl.reward_model"),
@@ -68,9 +69,23 @@ def check_env(r) -> None:
     if r.max_turns < 1 or not r.tool_timeout_s > 0:
         raise ValueError(f"rl.max_turns={r.max_turns}, rl.tool_timeout_s={r.tool_timeout_s}: expected max_turns >= 1 "
                          "and tool_timeout_s > 0")
+    if r.episode_cohorts < 1:
+        raise ValueError(f"rl.episode_cohorts={r.episode_cohorts}: expected >= 1 (1: all episodes in lockstep rounds)")
     for key in ("invalid_tool_call_penalty", "redundant_tool_call_penalty"):
         if r[key] < 0:
             raise ValueError(f"rl.{key}={r[key]}: a penalty size, expected >= 0")
+
+
+def check_episode_cohorts(cfg, stage_names) -> None:
+    """`rl.episode_cohorts` other than 1 needs a stage that runs multi-turn episodes: rlvr (whose
+    `rl.env='tool'` `check_rl_config` checks) or eval with a multi-turn suite."""
+    if cfg.rl.episode_cohorts == 1 or "rlvr" in stage_names:
+        return
+    from posttrain.rl.evaluation import multi_turn_suites
+    if "eval" not in stage_names or not multi_turn_suites(cfg.eval.suites):
+        raise ValueError(f"rl.episode_cohorts={cfg.rl.episode_cohorts} cannot take effect: only multi-turn episodes "
+                         "(stage rlvr with rl.env='tool', or stage eval with a multi-turn suite such as repo_fix) "
+                         f"run in cohorts, and this run ({', '.join(stage_names)}) has none")
 
 
 def check_rl_config(cfg) -> None:

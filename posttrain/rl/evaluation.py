@@ -26,6 +26,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import numpy as np
@@ -301,7 +302,7 @@ def run(cfg, baseline: dict | None = None) -> Result:
     with concurrent.futures.ThreadPoolExecutor(r.verifier_workers) as pool, use_sharding(mesh, rules):
         worker = RolloutWorker(graphdef, suites, sampling, tok.pad_id, pool)
         multi = multi_turn_suites(cfg.eval.suites)
-        episode_worker = dataclasses.replace(worker, episodes=rollout_episodes)
+        episode_worker = dataclasses.replace(worker, episodes=partial(rollout_episodes, cohorts=r.episode_cohorts))
         for step in steps:
             params, rest, _ = load_model_state(path, make, mesh, rules, step=None if path.startswith("hf:") else step)
             results = {}

@@ -17,7 +17,9 @@ Not supported with several processes (refused at start, naming the key): dynamic
 (`rl.filter_groups`: kept groups would be spread unevenly over processes), the overlapped producer
 (`rl.max_staleness > 0`), a learned reward model (`rl.reward_model`) and PPO with a critic
 (`rl.advantage = "gae"`: its whitening is a batch-wide statistic), and trajectory dumps
-(`rl.rollouts_every`: process 0 would write only its own groups), multi-turn episodes (`rl.env`).
+(`rl.rollouts_every`: process 0 would write only its own groups). Multi-turn episodes
+(`rl.env = "tool"`, and stage eval's `repo_fix`) run across processes: each process steps its
+share's environments and the observations are exchanged after every turn (`episodes.py`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def check_multihost_rl(cfg) -> None:
         return
     refused = {"rl.filter_groups": bool(r.filter_groups), "rl.max_staleness": r.max_staleness > 0,
                "rl.reward_model": bool(r.reward_model), "rl.advantage": r.advantage == "gae",
-               "rl.rollouts_every": r.rollouts_every > 0, "rl.env": r.env == "tool"}
+               "rl.rollouts_every": r.rollouts_every > 0}
     for key, bad in refused.items():
         if bad:
             raise UserError(f"{key}={r[key.split('.')[1]]!r} is not supported with {n} processes (see posttrain/rl/"
@@ -77,11 +79,25 @@ def all_values(values: np.ndarray) -> np.ndarray:
     return np.asarray([x for part in allgather_json(np.asarray(values, np.float64).tolist()) for x in part])
 
 
+# rate -> (numerator, denominator): rates of counts (e.g. of multi-turn episodes) recomputed from the
+# counts once these are summed over sampling rounds and processes
+RATIOS = {"tool_success_rate": ("episodes_solved", "responses"), "turns_per_episode": ("episode_turns", "responses"),
+          "calls_per_turn": ("episode_calls", "episode_turns"), "tool_call_ok_rate": ("episode_calls_ok", "episode_calls"),
+          "invalid_call_rate": ("episode_calls_invalid", "episode_calls")}
+
+
+def ratios(info: dict[str, Any]) -> dict[str, float]:
+    """The `RATIOS` whose counts `info` holds (0 where the denominator is 0)."""
+    return {k: info[num] / info[den] if info[den] else 0.0 for k, (num, den) in RATIOS.items()
+            if num in info and den in info}
+
+
 def combine_info(info: dict[str, Any], summed: tuple[str, ...]) -> dict[str, Any]:
     """Rollout info of every process as one: `summed` keys added, `*_max` the max, means weighted
-    by each process's responses, anything else process 0's."""
+    by each process's responses, `RATIOS` recomputed from their summed counts, anything else
+    process 0's."""
     if jax.process_count() == 1:
-        return info
+        return {**info, **ratios(info)}
     parts = allgather_json(info)
     weights = np.asarray([p.get("responses", 1) for p in parts], np.float64)
     out = dict(parts[0])
@@ -93,4 +109,4 @@ def combine_info(info: dict[str, Any], summed: tuple[str, ...]) -> dict[str, Any
             out[k] = max(vals)
         elif k.endswith(("_mean", "_frac")):
             out[k] = float(np.average(vals, weights=weights)) if weights.sum() else vals[0]
-    return out
+    return {**out, **ratios(out)}

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import os
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -221,7 +222,7 @@ def run(cfg) -> Result:
                               moe_cfg=cfg.model.moe, lora_cfg=cfg.lora, sampling=sampling,
                               donate=r.max_staleness == 0, seed=cfg.seed)
             worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, r.verifier_delay, clock,
-                                   episodes=rollout_episodes if r.env == "tool" else None,
+                                   episodes=partial(rollout_episodes, cohorts=r.episode_cohorts) if r.env == "tool" else None,
                                    prefix_cache=rollout_prefix_cache(cfg),
                                    continuous=slot_config(cfg.sampling),
                                    rules=sampler_rules(rules, cfg.sampling.layout))

@@ -31,7 +31,8 @@ from posttrain.sampling.generate import Samples, generate
 from posttrain.sampling.layout import sampling_sharding
 from posttrain.sampling.rules import SamplingParams
 
-SUMMED_INFO = ("gen_s", "verify_s", "new_tokens", "verifier_errors", "responses")   # added over sampling rounds
+SUMMED_INFO = ("gen_s", "verify_s", "new_tokens", "verifier_errors", "responses",   # added over sampling rounds
+               "episodes_solved", "episode_turns", "episode_calls", "episode_calls_ok", "episode_calls_invalid")
 
 
 class BusyClock:
@@ -161,8 +162,9 @@ class RolloutWorker:
 
 
 def local_share(pending: Pending, *, exact: bool) -> Pending:
-    """This process's groups of a generated batch (all of them in a single-process run)."""
-    if jax.process_count() == 1:
+    """This process's groups of a generated batch (all of them in a single-process run). Multi-turn
+    episodes (`pending.done`) are already this process's share (`episodes.rollout_episodes`)."""
+    if jax.process_count() == 1 or pending.done is not None:
         return pending
     share = group_share(len(pending.tasks), exact=exact)
     g = len(pending.envs[0]) if pending.envs else 0
@@ -216,13 +218,14 @@ def evaluate(worker: RolloutWorker, params, rest, held_out, key, k: int, score_f
     sampled = worker.rollout(params, rest, held_out, jax.random.fold_in(key, 1), num_samples=k, exact_share=False)
     correct = [[r >= 1.0 for r in rewards] for rewards in all_rewards(sampled.groups)]
     greedy_ok = [rewards[0] >= 1.0 for rewards in all_rewards(greedy.groups)]
+    greedy_info, sampled_info = combine_info(greedy.info, SUMMED_INFO), combine_info(sampled.info, SUMMED_INFO)
     out = {"eval/accuracy": float(np.mean(greedy_ok)),
            "eval/mean_accuracy": float(np.mean(correct)), f"eval/pass@{k}": mean_pass_at_k(correct, k),
-           "eval/response_len": combine_info(sampled.info, SUMMED_INFO)["response_len_mean"]}
+           "eval/response_len": sampled_info["response_len_mean"]}
     if "tool_success_rate" in greedy.info:     # multi-turn episodes: solved by the final check, penalties aside
-        out.update({"eval/tool_success_rate": greedy.info["tool_success_rate"],
-                    "eval/tool_success_rate_sampled": sampled.info["tool_success_rate"],
-                    "eval/turns_per_episode": greedy.info["turns_per_episode"]})
+        out.update({"eval/tool_success_rate": greedy_info["tool_success_rate"],
+                    "eval/tool_success_rate_sampled": sampled_info["tool_success_rate"],
+                    "eval/turns_per_episode": greedy_info["turns_per_episode"]})
     if score_fn is not None:
         out["eval/rm_score"] = float(np.mean(score_fn([t.tokens for g in sampled.groups for t in g.trajectories])))
     return out
