@@ -91,6 +91,8 @@ def _named_factored(state, params, min_dim: int):
 
     def box(kind):
         def one(p, stat):
+            if not _is_variable(p):     # a plain-array parameter: its statistics stay plain (replicated)
+                return stat
             names, dims = names_of(p), factored_dims(p.shape, min_dim)
             keep = {"v": None if dims else range(p.ndim), "v_row": dims and np.delete(range(p.ndim), dims[1]),
                     "v_col": dims and np.delete(range(p.ndim), dims[0])}[kind]
