@@ -168,8 +168,11 @@ def test_adafactor_train_step_learns_and_resumes_exactly(adafactor_run, tmp_path
             losses.append(float(metrics["loss"]))
         assert losses[-1] < losses[0] - 0.05, losses
         ckpt = Checkpointer(str(tmp_path), every=1, keep=2, async_save=False)
-        ckpt.save(2, {k: getattr(states[2], k) for k in ("params", "rest", "opt_state")})
-        resumed, _, _ = starting_state(fresh, shardings, ckpt, start=2)
+        ckpt.save(2, {k: getattr(states[2], k) for k in ("params", "rest", "opt_state")}, meta={"optim": "adafactor"})
+        with pytest.raises(UserError, match=r"optim\.name='adamw'.*holds the state of optim\.name='adafactor'") as e:
+            starting_state(fresh, shardings, ckpt, start=2, optim_name="adamw")
+        assert e.value.key == "optim.name"
+        resumed, _, _ = starting_state(fresh, shardings, ckpt, start=2, optim_name="adafactor")
         ckpt.close()
         assert int(resumed.step) == 2
         for _ in range(2):
