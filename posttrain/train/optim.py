@@ -55,17 +55,17 @@ def make_optimizer(cfg, total_steps: int) -> optax.GradientTransformation:
         if moment_dtype:
             raise ValueError(f"optim.moment_dtype={moment_dtype!r}: adafactor keeps no first moment; "
                              "leave it '' or use optim.name='adamw'")
-        min_dim = cfg.get("factored_min_dim", 128)
-        tx = with_factored_names(optax.adafactor(
+        min_dim, decay = cfg.get("factored_min_dim", 128), cfg.weight_decay
+        tx = with_factored_names(optax.adafactor(     # optax's second-moment decay (1 - t^-0.8) and eps
             schedule, min_dim_size_to_factor=min_dim, multiply_by_parameter_scale=False,
-            weight_decay_rate=lambda count: cfg.weight_decay * schedule(count), weight_decay_mask=decay_mask),
-            min_dim)
+            weight_decay_rate=lambda count: decay * schedule(count), weight_decay_mask=decay_mask), min_dim)
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(), tx)
 
 
 def factored_dims(shape: tuple[int, ...], min_dim: int) -> tuple[int, int] | None:
     """(d1, d0): the dims optax's Adafactor reduces to build v_col and v_row of a `shape` parameter
-    (its two largest, the later one on ties), or None when it keeps a full second moment."""
+    (its two largest, picked by np.argsort as optax does), or None when it keeps a full second
+    moment (a vector, or the second-largest dim below `min_dim`)."""
     if len(shape) < 2:
         return None
     order = np.argsort(shape)
