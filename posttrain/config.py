@@ -104,8 +104,12 @@ def base_config() -> ml_collections.ConfigDict:
         )),
     ))
     cfg.optim = ml_collections.ConfigDict(dict(
-        lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,
-        grad_clip=1.0))
+        name="adamw",              # adamw | adafactor (factored second moments, no first: ~(rows+cols) per matrix)
+        lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.01, grad_clip=1.0,
+        b1=0.9, b2=0.95, eps=1e-8,  # adamw only
+        moment_dtype="",           # adamw only: first-moment dtype, "" = the params' dtype, float32 | bfloat16
+        factored_min_dim=128,      # adafactor only: factor a matrix's second moment when its 2 largest dims are >= this
+    ))
     cfg.data = ml_collections.ConfigDict(dict(
         task="arithmetic",         # stage lm: the built-in task
         tokenizer="byte",          # "byte" or a folder with tokenizer.json (local, gs://)

@@ -34,6 +34,7 @@ RANGES: dict[str, tuple] = {
     "optim.warmup_steps": (0, True, None, False), "optim.weight_decay": (0, True, None, False),
     "optim.b1": (0, True, 1, False), "optim.b2": (0, True, 1, False), "optim.eps": (0, False, None, False),
     "optim.grad_clip": (0, True, None, False),
+    "optim.factored_min_dim": (1, True, None, False),
     "checkpoint.every": (0, True, None, False), "checkpoint.keep": (1, True, None, False),
     **{f"{s}.steps": (0, True, None, False) for s in STAGE_SECTIONS.values()},
     **{f"{s}.lr": (0, True, None, False) for s in STAGE_SECTIONS.values()},
@@ -84,7 +85,12 @@ ENUMS: dict[str, tuple] = {
     "sampling.quantize": ("none", "int8", "int4"),                              # models.quant.QUANT_MODES
     "sampling.layout": ("learner", "tensor"),                                   # sampling.layout.SAMPLING_LAYOUTS
     "rl.env": ("single", "tool"),                                               # rl.tasks.ENVS
+    "optim.name": ("adamw", "adafactor"),                                       # train.optim.OPTIMIZERS
+    "optim.moment_dtype": ("", "float32", "bfloat16"),                          # train.optim.MOMENT_DTYPES
 }
+# Keys one optimizer reads and the other does not (train.optim.ADAMW_ONLY / ADAFACTOR_ONLY): a value
+# other than the default is refused under the other optimizer rather than ignored.
+OPTIMIZER_ONLY = {"adamw": ("b1", "b2", "eps", "moment_dtype"), "adafactor": ("factored_min_dim",)}
 
 
 def get(cfg, key: str):
@@ -104,7 +110,19 @@ def _check_range(key: str, value, bounds: tuple) -> None:
         raise UserError(f"config.{key}={value!r}: expected {want}", key=key)
 
 
+def _check_optimizer_keys(cfg) -> None:
+    from posttrain.config import base_config     # already loaded wherever a cfg exists
+    default = base_config().optim
+    for owner, keys in OPTIMIZER_ONLY.items():
+        for key in keys if cfg.optim.name != owner else ():
+            if cfg.optim[key] != default[key]:
+                raise UserError(f"config.optim.{key}={cfg.optim[key]!r} applies to optim.name={owner!r} only; "
+                                f"optim.name={cfg.optim.name!r} does not read it (leave it {default[key]!r})",
+                                key=f"optim.{key}")
+
+
 def _cross_field(cfg) -> None:
+    _check_optimizer_keys(cfg)
     m = cfg.model
     if m.num_heads % m.num_kv_heads:
         raise UserError(f"config.model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads} "

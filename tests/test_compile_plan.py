@@ -491,3 +491,25 @@ def test_compile_plan_sampler_refuses_the_samplers_it_does_not_compile(key, valu
     cfg.sampling[key] = value
     with pytest.raises(ValueError, match=f"sampling.{key}={value!r}"):
         cp.build_programs(cfg, mesh, parse_rules(cfg.sharding.rules.to_dict()), ("sampler",), prompt_len=8)
+
+
+@needs_libtpu
+def test_adafactor_state_is_factored_and_restores_into_its_shards():
+    """optim.name=adafactor on the TPU slice's mesh (no compile): the optimizer state is the factored
+    vectors (a few % of the params, AdamW's is 2x), each sharded along its parameter's kept axes,
+    and the restore plan finds every array shardable."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from posttrain import compile_plan as cp
+    from posttrain.parallel import make_mesh, parse_rules
+    cfg = tiny_moe_config()
+    cfg.optim.name = "adafactor"
+    mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
+    target, restore_args = cp.restore_plan(cfg, mesh, parse_rules(cfg.sharding.rules.to_dict()))
+    report = cp.restore_report(target, restore_args, mesh, aot.CHIPS["v5p"])
+    assert report["fits"] and not report["problems"]
+    assert 0 < report["parts"]["opt_state"] < 0.1 * report["parts"]["params"]
+    v_row = target["opt_state"][1][0].v_row["stacks"][0]["blocks"][0]["mlp"]["w_gate"]   # [L, E, D, F] minus F
+    assert len(v_row.shape) == 3 and v_row.sharding.spec == P(None, "expert")
+    assert jax.tree.leaves(target["opt_state"])

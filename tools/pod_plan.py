@@ -2,7 +2,8 @@
 FLOPs, collective bytes and a roofline step time, for BENCHMARKS.md "Pod plan".
 
     python tools/pod_plan.py --models kimi_k2 --modes sft_full --topologies v5p-1024 [--compile]
-        [--rows_per_chip 1] [--json out.json] [--grid]
+        [--rows_per_chip 1] [--seq_len 4096] [--optim adamw|adafactor] [--moment_dtype bfloat16]
+        [--json out.json] [--grid]
 
 Without --compile: the exact argument bytes by part and the analytic cost model
 (`posttrain.cost_model`: FLOPs, collective bytes, roofline step time and MFU from the shapes,
@@ -26,12 +27,16 @@ SHAPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 GB = 1e9
 
 
-def configure(model: str, mode: str, chips: int, rows_per_chip: int):
+def configure(model: str, mode: str, chips: int, rows_per_chip: int, optim: dict | None = None, seq_len: int = 0):
     """The model's config for `chips` chips: expert ways capped at the slice, a batch of
-    `rows_per_chip` rows per chip (RL: prompts × group = rows)."""
+    `rows_per_chip` rows per chip (RL: prompts × group = rows), `optim` keys (name, moment_dtype)
+    over the shapes' AdamW and rows of `seq_len` tokens when non-zero."""
     cfg = runpy.run_path(SHAPES)["get_config"](f"{model}:{mode}")
     cfg.mesh.expert = min(cfg.mesh.expert, chips)
     cfg.train.batch_size = chips * rows_per_chip
+    cfg.optim.update(optim or {})
+    if seq_len:
+        cfg.train.seq_len = seq_len
     if mode == "rl":
         cfg.rl.prompts_per_step = max(1, chips * rows_per_chip // cfg.rl.group_size)
     return cfg
@@ -93,12 +98,16 @@ def main() -> None:
     ap.add_argument("--prompt_len", type=int, default=1024)
     ap.add_argument("--programs", default="", help="override the mode's programs (e.g. rl_learner)")
     ap.add_argument("--sampling_layout", default="learner", help="sampling.layout of the sampler: learner | tensor")
+    ap.add_argument("--seq_len", type=int, default=0, help="tokens per row (0: the shapes' train.seq_len, 4096)")
+    ap.add_argument("--optim", default="adamw", help="optim.name: adamw | adafactor (the optimizer state's bytes follow)")
+    ap.add_argument("--moment_dtype", default="", help="optim.moment_dtype of adamw: '' (the params') | float32 | bfloat16")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--json", default="")
     ap.add_argument("--grid", action="store_true", help="analytic numbers, one column per slice")
     args = ap.parse_args()
     from posttrain import cost_model
     from posttrain.compile_plan import plan
+    from posttrain.config_schema import check_values
     from posttrain.parallel import aot, make_mesh, parse_rules
     out, grid = [], {}
     topologies = args.topologies.split(",")
@@ -110,7 +119,9 @@ def main() -> None:
                 programs = tuple(args.programs.split(","))
             for topology in args.topologies.split(","):
                 chips = len(aot.tpu_devices(topology))
-                cfg = configure(model, mode, chips, args.rows_per_chip)
+                cfg = configure(model, mode, chips, args.rows_per_chip,
+                                dict(name=args.optim, moment_dtype=args.moment_dtype), args.seq_len)
+                check_values(cfg)
                 cfg.sampling.layout = args.sampling_layout
                 try:
                     reports = plan(cfg, topology, programs, args.prompt_len, compile=args.compile,

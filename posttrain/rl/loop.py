@@ -176,7 +176,8 @@ def save(c: Components, ckpt: Checkpointer, rl: RLState) -> None:
     ckpt.save(rl.step, {k: getattr(rl.train, k) for k in CHECKPOINT_ITEMS},
               data={"scheduler": rl.scheduler_state, "skipped_updates": rl.skipped_updates,
                     "optimizer_steps": int(rl.train.step), "reward_stats": c.rewards.stats.get_state()},
-              meta={"seed": c.cfg.seed, "stage": "rlvr", lineage.KEY: lineage.of_init(c.cfg.init_from)})
+              meta={"seed": c.cfg.seed, "stage": "rlvr", "optim": c.cfg.optim.name,
+                    lineage.KEY: lineage.of_init(c.cfg.init_from)})
 
 
 def run(cfg) -> Result:
@@ -206,7 +207,7 @@ def run(cfg) -> Result:
         with use_sharding(mesh, rules), interrupt.on_signal():      # SIGINT/SIGTERM: save at the step, stop
             graphdef, state, shardings = create_train_state(make, tx, mesh, rules, cfg.lora, cfg.seed)
             state, start_weights, data = starting_state(state, shardings, ckpt, start, init_model_from(cfg, decoder),
-                                                        need_start_weights=bool(r.kl_coef))
+                                                        need_start_weights=bool(r.kl_coef), optim_name=cfg.optim.name)
             start = int(state.step)      # older than the newest checkpoint if that one was unreadable
             # The KL reference: the starting weights (under LoRA the frozen base: no extra memory; else a
             # copy, since the policy's buffers are donated to each update).

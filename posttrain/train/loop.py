@@ -21,6 +21,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from posttrain.data.schedule import ScheduledBatches, parse_seq_len_schedule
+from posttrain.errors import UserError
 from posttrain.eval.alerts import AlertMonitor
 from posttrain.data.reshard import state_for_process
 from posttrain.parallel import allgather_json, mesh_and_rules, named_sharding, use_sharding
@@ -101,11 +102,27 @@ def run_eval(stage: Stage, graphdef: nnx.GraphDef, state: TrainState, lora_cfg=N
     return {f"eval/{k}": float(v) for k, v in stage.eval_fn(model, int(state.step)).items()}
 
 
+def check_optimizer_matches(ckpt: Checkpointer, step: int, optim_name: str) -> None:
+    """Refuse to resume checkpoint `step` under another optimizer (its state has another structure):
+    a UserError naming optim.name rather than every checkpoint reported unreadable. Checkpoints
+    without the `optim` meta key predate the choice and hold AdamW's state."""
+    try:
+        saved = ckpt.restore(step, {})[2].get("optim", "adamw")
+    except Exception:      # an unreadable newest checkpoint: restore_newest reports it and falls back
+        return
+    if saved != optim_name:
+        raise UserError(f"config.optim.name={optim_name!r}: checkpoint {ckpt.directory}/{step} holds the state of "
+                        f"optim.name={saved!r}; resume with that optimizer, or start a new workdir (init_from "
+                        "the checkpoint's weights) to switch", key="optim.name")
+
+
 def starting_state(state: TrainState, shardings: TrainState, ckpt: Checkpointer, start: int,
-                   init_model=None, *, need_start_weights: bool = False) -> tuple[TrainState, tuple, dict]:
+                   init_model=None, *, need_start_weights: bool = False,
+                   optim_name: str = "adamw") -> tuple[TrainState, tuple, dict]:
     """Where a run begins: the initial weights (`init_model`, e.g. init_from), then, when `start`
-    > 0, the newest readable checkpoint at or before `start`. Returns (state, start weights
-    (params, rest), data JSON); `state.step` is the step the run continues from.
+    > 0, the newest readable checkpoint at or before `start` (written with the same `optim_name`).
+    Returns (state, start weights (params, rest), data JSON); `state.step` is the step the run
+    continues from.
 
     Under LoRA the starting weights are the frozen base and are needed on resume too; with
     `need_start_weights` (a KL reference) they are loaded on resume as well.
@@ -117,6 +134,7 @@ def starting_state(state: TrainState, shardings: TrainState, ckpt: Checkpointer,
     start_weights = (state.frozen if lora_on else state.params, state.rest)
     data = {}
     if start:      # the newest readable checkpoint: an unreadable newer one is skipped, with a warning
+        check_optimizer_matches(ckpt, start, optim_name)
         found = ckpt.restore_newest(restore_target(jax.eval_shape(lambda: state), shardings), at_most=start)
         if found is not None:
             start, trees, data, _ = found
@@ -165,7 +183,8 @@ def train(cfg, stage: Stage) -> Result:
     rows, evals = [], {}
     with use_sharding(mesh, rules), interrupt.on_signal():      # SIGINT/SIGTERM: save at the step, stop
         graphdef, state, shardings = create_train_state(stage.make_model, tx, mesh, rules, cfg.lora, cfg.seed)
-        state, _, data_state = starting_state(state, shardings, ckpt, start, stage.init_model)
+        state, _, data_state = starting_state(state, shardings, ckpt, start, stage.init_model,
+                                              optim_name=cfg.optim.name)
         start = int(state.step)       # older than the newest checkpoint if that one was unreadable
         if start:
             states = data_state["processes"] if "processes" in data_state else [data_state]
@@ -210,7 +229,7 @@ def train(cfg, stage: Stage) -> Result:
                 writer.flush()      # rows up to the checkpoint reach a gs:// metrics.jsonl before it
                 ckpt.save(done, {k: getattr(state, k) for k in CHECKPOINT_ITEMS},
                           data={"processes": allgather_json(data.get_state())},
-                          meta={"seed": cfg.seed, "stage": stage.name, "config": cfg.to_dict(),
+                          meta={"seed": cfg.seed, "stage": stage.name, "config": cfg.to_dict(), "optim": cfg.optim.name,
                                 lineage.KEY: lineage.merge(source, int(trained))})
             if saved := ckpt.should_save(done, steps):
                 save()
