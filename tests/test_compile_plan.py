@@ -462,18 +462,19 @@ def test_analytic_sampler_cost_refuses_the_decode_layout():
 def test_pod_plan_rows_for_programs_the_analytic_model_does_not_cover(monkeypatch, capsys):
     """`tools/pod_plan.py --programs publish,sampler --sampling_layout tensor` (BENCHMARKS "Decode
     layout"): the publish reshard and the decode-layout sampler have no analytic model; their rows
-    say so instead of the tool stopping with the model's ValueError."""
+    say so instead of the tool stopping with the model's ValueError; `restore` (nothing compiled)
+    has its own row instead of a KeyError."""
     import importlib.util
     import sys
     spec = importlib.util.spec_from_file_location("pod_plan", "tools/pod_plan.py")
     pod_plan = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pod_plan)
     monkeypatch.setattr(sys, "argv", ["pod_plan", "--models", "qwen3_30b_a3b", "--modes", "rl", "--topologies",
-                                      "v5p-128", "--programs", "publish,sampler", "--sampling_layout", "tensor"])
+                                      "v5p-128", "--programs", "publish,sampler,restore", "--sampling_layout", "tensor"])
     pod_plan.main()
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| qwen3_30b_a3b")]
-    assert [r.split(" | ")[2] for r in rows] == ["publish", "sampler"]
-    assert all("not modelled" in r for r in rows)
+    assert [r.split(" | ")[2] for r in rows] == ["restore", "publish", "sampler"]
+    assert "shards evenly" in rows[0] and all("not modelled" in r for r in rows[1:])
 
 
 @pytest.mark.parametrize("key, value", [("continuous_batching", True), ("prefix_cache", 64), ("speculative_k", 2),

@@ -47,6 +47,11 @@ def row(model: str, mode: str, r: dict) -> str:
     p = r["parts"]
     mesh = "·".join(f"{k[0]}{v}" for k, v in r["mesh"].items() if v > 1)
     held = p.get("reference", 0) + p.get("frozen base", 0)
+    if r["program"] == "restore":                   # restore_report: the checkpoint's arrays, nothing compiled
+        problems = f"{len(r['problems'])} sharding problems" if r["problems"] else "shards evenly"
+        return (f"| {model} | {mode} | restore | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
+                f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | – | {r['total'] / GB:.1f} | "
+                f"{'yes' if r['fits'] else '**no**'} | – | – ({r['arrays']} arrays, {problems}) | – | – |")
     if "total" in r:
         c = r["collectives"]
         coll = f"{sum(c.values()) / GB:.1f} ({', '.join(f'{k} {v / GB:.1f}' for k, v in c.items() if v)})"
@@ -134,6 +139,10 @@ def main() -> None:
                 rules = parse_rules(cfg.sharding.rules.to_dict())
                 chip = aot.CHIPS[aot.parse_topology(topology)[0]]
                 for r in reports:
+                    if r["program"] == "restore":
+                        print(row(model, mode, r), flush=True)
+                        out.append({"model": model, "mode": mode, **r})
+                        continue
                     try:
                         r["analytic"] = cost_model.program_cost(cfg, mesh, rules, r["program"], args.prompt_len, chip)
                     except ValueError as e:     # not modelled (e.g. the sampler in the decode layout)
