@@ -88,8 +88,8 @@ ENUMS: dict[str, tuple] = {
     "optim.name": ("adamw", "adafactor"),                                       # train.optim.OPTIMIZERS
     "optim.moment_dtype": ("", "float32", "bfloat16"),                          # train.optim.MOMENT_DTYPES
 }
-# Keys one optimizer reads and the other does not (train.optim.ADAMW_ONLY / ADAFACTOR_ONLY): a value
-# other than the default is refused under the other optimizer rather than ignored.
+# Keys one optimizer reads and the other does not (train.optim.make_optimizer): a value other than
+# the default is refused under the other optimizer rather than ignored.
 OPTIMIZER_ONLY = {"adamw": ("b1", "b2", "eps", "moment_dtype"), "adafactor": ("factored_min_dim",)}
 
 

@@ -117,6 +117,8 @@ def test_repo_fix_demonstration_solves_it_and_masks_exactly_the_model_turns(repo
     demo = repo_domain.demonstration(TASK, extract=True)
     traj = run_episode(repo_env(), TASK, scripted(*demo))
     assert traj.reward.score == 1.0 and "37" not in demo[1] and demo[1] != repo_domain.demonstration(TASK)[1]
+    with pytest.raises(ValueError, match="extract_frac must be in"):
+        repo_domain.demonstration_records([TASK], repo_env, extract_frac=1.5)
 
 
 def test_repo_fix_final_check_uses_the_pristine_tests_and_penalties_apply(repo_env):

@@ -127,10 +127,9 @@ def test_schema_enums_are_the_modules_tables():
     from posttrain.rl.tasks import ENVS
     from posttrain.sampling.layout import SAMPLING_LAYOUTS
     from posttrain.train.losses import DPO_LOSSES
-    from posttrain.train.optim import ADAFACTOR_ONLY, ADAMW_ONLY, MOMENT_DTYPES, OPTIMIZERS
-    from posttrain.config_schema import OPTIMIZER_ONLY
-    assert OPTIMIZER_ONLY == {"adamw": ADAMW_ONLY, "adafactor": ADAFACTOR_ONLY}
-    modules = {"optim.name": OPTIMIZERS, "optim.moment_dtype": MOMENT_DTYPES,"model.attention": ATTENTION_KERNELS, "model.rope_scaling.type": ROPE_SCALINGS,
+    from posttrain.train.optim import MOMENT_DTYPES, OPTIMIZERS
+    modules = {"optim.name": OPTIMIZERS, "optim.moment_dtype": MOMENT_DTYPES,
+               "model.attention": ATTENTION_KERNELS, "model.rope_scaling.type": ROPE_SCALINGS,
                "model.context_parallel": CONTEXT_PARALLEL, "model.remat": ("none", *REMAT_POLICIES),
                "data.on_error": ON_ERROR, "dpo.loss_type": DPO_LOSSES, "alerts.on": MODES,
                "rl.advantage": ADVANTAGE_METHODS, "rl.aggregation": AGGREGATIONS, "rl.kl_estimator": KL_ESTIMATORS,

@@ -19,8 +19,7 @@ from flax import nnx
 from posttrain.config import base_config
 from posttrain.config_schema import check_values
 from posttrain.errors import UserError
-from posttrain.models.decoder import Decoder
-from posttrain.parallel import make_mesh, parse_rules, use_sharding
+from posttrain.parallel import use_sharding
 from posttrain.rl.checks import check_episode_cohorts, check_rl_config
 from posttrain.rl.domains import Domain
 from posttrain.rl.envs.base import Task
@@ -33,10 +32,8 @@ from posttrain.rl.verifiers.math import MathVerifier
 from posttrain.sampling.continuous import SlotConfig
 from posttrain.sampling.prefix_cache import PrefixCache
 from posttrain.sampling.rules import SamplingParams
-from posttrain.train.optim import make_optimizer
-from posttrain.train.state import create_train_state
 from tests.test_agent_rl import TOK, CountingEnv, runs
-from tests.test_rl_continuous import assert_same_rollouts
+from tests.test_rl_continuous import assert_same_rollouts, tiny_policy
 
 # tests/test_agent_rl.py's episodes and sampling (so the sampler's programs are shared with it)
 SAMPLING = SamplingParams(temperature=0.7, top_k=12, top_p=0.9, max_new_tokens=6, stop_ids=(TOK.eos_id,),
@@ -47,15 +44,7 @@ TASKS = [Task(f"t{i}", ({"role": "user", "content": f"say {i}"},), MathTask(str(
 
 @pytest.fixture(scope="module")
 def policy():
-    """(graphdef, params, rest, mesh, rules) of the tiny dense policy of tests/test_agent_rl.py, made
-    as it makes it (so the sampler's programs are shared with that test's)."""
-    m = base_config().model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 32, 1, 2, 1, 16, 64
-    mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
-    with use_sharding(mesh, rules):
-        graphdef, state, _ = create_train_state(lambda: Decoder(m, rngs=nnx.Rngs(0)),
-                                                make_optimizer(base_config().optim, 10), mesh, rules)
-    return graphdef, state.params, state.rest, mesh, rules
+    return tiny_policy()
 
 
 class SlowEnv(CountingEnv):

@@ -42,8 +42,7 @@ SKEWED = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=24,
 REWARD = RewardFunction({MathTask: MathVerifier()})
 
 
-@pytest.fixture(scope="module")
-def policy():
+def tiny_policy():
     """(graphdef, params, rest, mesh, rules) of the tiny dense policy of tests/test_agent_rl.py, made
     as it makes it (so its episodes' static sampler programs are shared with that test's)."""
     m = base_config().model
@@ -53,6 +52,11 @@ def policy():
         tx = make_optimizer(base_config().optim, 10)
         graphdef, state, _ = create_train_state(lambda: Decoder(m, rngs=nnx.Rngs(0)), tx, mesh, rules)
     return graphdef, state.params, state.rest, mesh, rules
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return tiny_policy()
 
 
 def tasks(n: int) -> list[Task]:

@@ -44,6 +44,7 @@ from posttrain.rl.tasks import make_domains, make_reward_fn      # noqa: E402
 from posttrain.train.init import load_model_state               # noqa: E402
 from posttrain.train.state import init_model_state              # noqa: E402
 
+
 class WaitingEnv:
     """An environment whose every step first waits `wait` seconds (a tool waiting on I/O)."""
 

@@ -20,9 +20,6 @@ from flax import nnx
 
 OPTIMIZERS = ("adamw", "adafactor")
 MOMENT_DTYPES = ("", "float32", "bfloat16")   # "": the parameters' dtype
-# Keys only one optimizer reads; the other refuses a non-default value (config_schema).
-ADAMW_ONLY = ("b1", "b2", "eps", "moment_dtype")
-ADAFACTOR_ONLY = ("factored_min_dim",)
 
 
 def lr_schedule(cfg, total_steps: int) -> optax.Schedule:
