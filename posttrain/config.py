@@ -196,7 +196,7 @@ def base_config() -> ml_collections.ConfigDict:
         kl_in_reward=False,        # pay rl.kl_coef · KL per token as reward instead of a loss term
         steps=0, lr=0.0, gate=gate,     # as for the other stages
     ))
-    # Stage "eval" (posttrain/rl/evaluation.py), beside eval.long_context above.
+    # Stage "eval" (posttrain/stages/eval.py), beside eval.long_context above.
     cfg.eval.checkpoint = ""       # a run dir / checkpoints dir; "" = init_from (in a pipeline: the previous stage)
     cfg.eval.steps = "latest"      # latest | all | "100,200": which checkpoints of that run
     cfg.eval.suites = "arithmetic"   # arithmetic, gsm8k, humaneval and/or name=path.jsonl ({"prompt","answer"})
@@ -204,7 +204,7 @@ def base_config() -> ml_collections.ConfigDict:
     cfg.eval.samples = 4           # samples per problem (mean sampled accuracy, pass@k)
     cfg.eval.pass_k = "1,4"        # pass@k reported for each k (each <= samples)
     cfg.eval.gate = gate
-    # Stage "rejection_sampling" (posttrain/rl/rejection.py): verified samples of the policy → SFT data.
+    # Stage "rejection_sampling" (posttrain/stages/rejection_sampling.py): verified samples of the policy → SFT data.
     # Prompts are RL training tasks (rl.domains, rl.train_files); sampling uses rl.max_new_tokens, top_k, top_p.
     cfg.rejection = ml_collections.ConfigDict(dict(
         prompts=256,               # distinct training prompts, split over the domains by their rl.domains weights
@@ -218,7 +218,7 @@ def base_config() -> ml_collections.ConfigDict:
                                    # next sft stage of a pipeline trains on it instead of the kept records alone
         gate=gate,                 # e.g. "rejection/yield>=0.2" (see rl/rejection.py for the metrics)
     ))
-    cfg.alerts = ml_collections.ConfigDict(dict(    # run health rules (posttrain/eval/alerts.py); 0 = rule off
+    cfg.alerts = ml_collections.ConfigDict(dict(    # run health rules (posttrain/core/alerts.py); 0 = rule off
         on="warn",                 # off | warn (log, event row, progress bar) | stop (raise AlertStop)
         reward_drift=6.0,          # |batch mean reward − running mean| / running std above this
         entropy_collapse=0.01,     # rl/entropy (nats/token) below this
@@ -246,4 +246,14 @@ def base_config() -> ml_collections.ConfigDict:
         dropout=0.0,               # not supported (adapters are merged into the weights)
     ))
     cfg.lock()
+    return cfg
+
+
+def with_stage_overrides(cfg, stage: str):
+    """`cfg` with `<stage>.steps` / `<stage>.lr` (when non-zero) in train.steps / optim.lr."""
+    cfg = cfg.copy_and_resolve_references()
+    if cfg[stage].steps:
+        cfg.train.steps = cfg[stage].steps
+    if cfg[stage].lr:
+        cfg.optim.lr = cfg[stage].lr
     return cfg

@@ -18,9 +18,10 @@ import logging
 import re
 
 from posttrain.errors import UserError
+from posttrain.stages import registry
 
-STAGE_SECTIONS = {"sft": "sft", "reward_model": "reward_model", "dpo": "dpo", "rlvr": "rl"}
-# generic key → the per-stage keys that replace it when non-zero (posttrain.train.stages.with_stage_overrides)
+STAGE_SECTIONS = {s.name: s.section for s in registry.STAGES if s.own_steps}
+# generic key → the per-stage keys that replace it when non-zero (posttrain.config.with_stage_overrides)
 OVERRIDDEN_BY_STAGE = {"train.steps": [f"{s}.steps" for s in STAGE_SECTIONS.values()],
                        "optim.lr": [f"{s}.lr" for s in STAGE_SECTIONS.values()]}
 
@@ -157,9 +158,9 @@ def check_values(cfg) -> None:
 def check_config(cfg) -> None:
     """`check_values`, then each stage's own start-up checks (data files, gates, rl.*, alerts, eval
     suites) for the stages the run reaches; a UserError naming the key."""
-    from posttrain.eval.alerts import AlertMonitor
+    from posttrain.core.alerts import AlertMonitor
     from posttrain.eval.gates import validate_gates
-    from posttrain.train.data_files import check_stage_files
+    from posttrain.stages.data_files import check_stage_files
     check_values(cfg)
     stages = stages_of(cfg)
     check_stage_files(cfg, stages)      # named files exist, "synthetic:" can be generated: every stage, up front
@@ -169,17 +170,9 @@ def check_config(cfg) -> None:
         check_sampling_config(cfg, stages)
         check_episode_cohorts(cfg, stages)
         AlertMonitor.from_config(cfg)
-        if "eval" in stages:
-            from posttrain.rl.evaluation import check_eval_config
-            check_eval_config(cfg)
-        if "rlvr" in stages:
-            from posttrain.rl.checks import check_rl_config
-            from posttrain.rl.hosts import check_multihost_rl
-            check_rl_config(cfg)
-            check_multihost_rl(cfg)      # what RL cannot split over processes: before a pipeline's first stage
-        if "rejection_sampling" in stages:
-            from posttrain.rl.rejection import check_config as check_rejection_config
-            check_rejection_config(cfg)
+        for stage in registry.STAGES:    # each stage's own checks: a pipeline's last stage before its first trains
+            if stage.name in stages and stage.check:
+                stage.checker()(cfg)
     except ValueError as e:
         raise _as_user_error(e) from None
 

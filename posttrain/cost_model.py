@@ -36,7 +36,7 @@ from posttrain.models.moe.experts import expert_capacity
 from posttrain.parallel import aot, logical_spec
 from posttrain.parallel.sharding import Rules
 from posttrain.sampling.generate import bucket
-from posttrain.train.state import abstract_model
+from posttrain.core.state import abstract_model
 
 PROGRAMS = ("sft", "dpo", "rl_learner", "sampler")
 

@@ -27,6 +27,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from posttrain import storage
+from posttrain.stages import registry
 from posttrain.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().",
@@ -50,16 +51,6 @@ def check_overrides(argv: list[str], config) -> None:
             node, seen = node[key], f"{seen}.{key}"
 
 
-def stages() -> dict:
-    """config.stage → the function that runs it (imported lazily: jax starts only when needed)."""
-    from posttrain.rl import evaluation, rejection
-    from posttrain.rl import loop as rl_loop
-    from posttrain.train import lm, pipeline, stages
-    return {"lm": lm.run, "sft": stages.sft, "reward_model": stages.reward_model, "dpo": stages.dpo,
-            "rlvr": rl_loop.run, "eval": evaluation.run, "rejection_sampling": rejection.run,
-            "pipeline": pipeline.run}
-
-
 def run(config) -> object:
     """Run `config.stage` with `config`, holding the workdir's lock; the entry point for tools and
     tests too."""
@@ -67,7 +58,7 @@ def run(config) -> object:
     check_values(config)        # enums, ranges, cross-field rules: before the heavy imports
     import jax
     from posttrain.parallel import maybe_initialize_distributed
-    from posttrain.train.workdir import workdir_lock
+    from posttrain.core.workdir import workdir_lock
     maybe_initialize_distributed(config)
     primary = jax.process_index() == 0
     # The lock comes first (before the heavy imports): a second run in a busy workdir fails at once.
@@ -81,27 +72,28 @@ def run(config) -> object:
 
 def _run_locked(config) -> object:
     from posttrain.config_schema import check_config
-    from posttrain.eval.alerts import AlertStop
-    from posttrain.eval.gates import GATED_STAGES, SECTION, GateFailed, check_gate, gate_record_dir
+    from posttrain.core.alerts import AlertStop
+    from posttrain.core.compile_cache import enable_compilation_cache
+    from posttrain.eval.gates import GateFailed, check_gate, gate_record_dir
     from posttrain.parallel import is_primary
-    from posttrain.train.compile_cache import enable_compilation_cache
-    from posttrain.train.pipeline import gate_metrics
-    table = stages()
-    if config.stage not in table:
-        raise UserError(f"config.stage={config.stage!r}; valid stages: {', '.join(sorted(table))}", key="stage")
+    from posttrain.stages.pipeline import gate_metrics
+    if config.stage not in registry.BY_NAME:
+        raise UserError(f"config.stage={config.stage!r}; valid stages: {', '.join(sorted(registry.BY_NAME))}",
+                        key="stage")
+    stage = registry.BY_NAME[config.stage]
     check_config(config)      # every enum, range and cross-field rule, gates, rl.*, alerts: before anything trains
     if config.init_from:
-        from posttrain.train.init import require_init_from
+        from posttrain.core.init import require_init_from
         require_init_from(config.init_from)
     enable_compilation_cache(config.compilation_cache)
     if is_primary():
         storage.makedirs(config.workdir)
         storage.write_text(storage.join(config.workdir, "config.json"), config.to_json_best_effort(indent=2))
     try:
-        result = table[config.stage](config)
-        if config.stage in GATED_STAGES:       # a stage run alone must pass its gate too (exit status 1)
-            logging.info(check_gate(config.stage, config[SECTION.get(config.stage, config.stage)].gate,
-                                    gate_metrics(result), workdir=gate_record_dir(config.workdir)))
+        result = stage.runner()(config)
+        if stage.gated:       # a stage run alone must pass its gate too (exit status 1)
+            logging.info(check_gate(stage.name, config[stage.section].gate, gate_metrics(result),
+                                    workdir=gate_record_dir(config.workdir)))
         return result
     except GateFailed as e:
         raise SystemExit(f"error: stopped by a failed gate:\n{e}") from None
@@ -166,7 +158,7 @@ def run_cli(config, *, verbose: bool = False) -> int:
     128 + signal when stopped by SIGINT/SIGTERM after saving a checkpoint).
 
     With `verbose` the exception propagates (full traceback)."""
-    from posttrain.train.interrupt import Interrupted
+    from posttrain.core.interrupt import Interrupted
     try:
         run(config)
         return 0
@@ -218,7 +210,7 @@ def usage() -> str:
     cfg = base_config()
     top = [k for k in cfg.keys() if not hasattr(cfg[k], "keys")]
     lines = ["usage: python -m posttrain.main --config configs/X.py [--config.section.key=value ...] [--verbose]",
-             "", f"Runs config.stage, one of: {', '.join(sorted(stages()))} (pipeline: pipeline.stages in order).",
+             "", f"Runs config.stage, one of: {', '.join(sorted(registry.BY_NAME))} (pipeline: pipeline.stages in order).",
              "A run in the same workdir resumes from its newest checkpoint; Ctrl-C / SIGTERM saves one and stops.",
              "", "Config keys (defaults in posttrain/config.py, allowed values in posttrain/config_schema.py; an",
              "unknown --config.a.b lists every valid key at its level):",

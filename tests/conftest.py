@@ -20,7 +20,7 @@ if "POSTTRAIN_COMPILATION_CACHE" not in os.environ:
 
 import jax  # noqa: E402
 
-from posttrain.train.compile_cache import enable_compilation_cache  # noqa: E402
+from posttrain.core.compile_cache import enable_compilation_cache  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 enable_compilation_cache("auto")          # this process too, before its first compile

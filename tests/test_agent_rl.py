@@ -17,23 +17,24 @@ from posttrain.config import base_config
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import make_mesh, parse_rules, use_sharding
-from posttrain.rl import loop, repo_domain
-from posttrain.rl.domains import Domain
+from posttrain.stages import rlvr as loop
+from posttrain.rl.tasks import repo_domain
+from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.envs import run_episode
 from posttrain.rl.envs.base import Step, Task
 from posttrain.rl.envs.chat import ChatEnv, continuation
 from posttrain.rl.envs.workspace import WorkspaceEnv
-from posttrain.rl.episodes import rollout_episodes
-from posttrain.rl.learner import learner_logprobs, rl_batch
+from posttrain.rl.rollout.episodes import rollout_episodes
+from posttrain.rl.algo.learner import learner_logprobs, rl_batch
 from posttrain.rl.reward import RewardConfig, RewardFunction
-from posttrain.rl.rollout import RolloutWorker
+from posttrain.rl.rollout.worker import RolloutWorker
 from posttrain.rl.verifiers import MathTask
 from posttrain.rl.verifiers.math import MathVerifier
 from posttrain.sampling.rules import SamplingParams
 from posttrain.sandbox import Limits, Sandbox, Status
 from posttrain.sandbox.session import Session, _parse_report
-from posttrain.train.optim import make_optimizer
-from posttrain.train.state import create_train_state
+from posttrain.core.optim import make_optimizer
+from posttrain.core.state import create_train_state
 
 TOK = ByteTokenizer()
 LIMITS = Limits(cpu_s=2, wall_s=2.0, memory_bytes=512 << 20, processes=16, file_bytes=1 << 20,
@@ -260,7 +261,7 @@ def test_tool_env_keys_take_effect_or_raise(tmp_path, rl, match):
 
 
 def test_tool_keys_reach_the_environment_and_the_reward(tmp_path, sandbox):
-    from posttrain.rl.tasks import make_env_factory, make_reward_fn
+    from posttrain.rl.tasks.registry import make_env_factory, make_reward_fn
     cfg = tool_cfg(tmp_path, max_turns=3, tool_timeout_s=1.5, redundant_tool_call_penalty=0.2, overlong_buffer=8)
     reward_fn = make_reward_fn(cfg)
     env = make_env_factory(cfg, TOK, reward_fn)()

@@ -6,9 +6,9 @@ import time
 import numpy as np
 import pytest
 
-from posttrain.rl.buffer import BufferClosed, Rollout, RolloutBuffer
+from posttrain.rl.rollout.buffer import BufferClosed, Rollout, RolloutBuffer
 from posttrain.rl.envs.base import Task, Trajectory
-from posttrain.rl.scheduler import Group
+from posttrain.rl.tasks.scheduler import Group
 
 
 def rollout(name: str, version: int) -> Rollout:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from posttrain.errors import UserError
-from posttrain.train.checkpoint import Checkpointer, ShapeMismatch
+from posttrain.core.checkpoint import Checkpointer, ShapeMismatch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,7 +65,7 @@ def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path):
 
 def test_resume_after_corrupt_newest_checkpoint_continues_from_the_previous(tmp_path, caplog):
     from posttrain.main import run
-    from posttrain.train.metrics import read_metrics
+    from posttrain.core.metrics import read_metrics
 
     def config(steps):
         cfg = runpy.run_path(str(ROOT / "configs/sft_tiny.py"))["get_config"]()

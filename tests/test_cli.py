@@ -73,8 +73,8 @@ def load(name: str):
 def test_bad_values_fail_before_any_stage_runs_naming_the_key(tmp_path, capsys, monkeypatch, config_file, key,
                                                               value, expected):
     from posttrain import main
-    names = ("lm", "sft", "reward_model", "dpo", "rlvr", "eval", "pipeline")
-    monkeypatch.setattr(main, "stages", lambda: {n: lambda cfg: pytest.fail("a stage ran") for n in names})
+    from posttrain.stages import registry
+    monkeypatch.setattr(registry.Stage, "runner", lambda self: lambda cfg, **kw: pytest.fail("a stage ran"))
     cfg = load(config_file)
     cfg.workdir = str(tmp_path / "W")
     section, *rest = key.split(".")
@@ -101,7 +101,7 @@ def test_cli_bad_enum_fails_at_once_and_command_line_steps_win_over_the_file(tmp
 
 def test_precedence_of_stage_keys_and_generic_keys():
     from posttrain.config_schema import apply_command_line_precedence, command_line_keys
-    from posttrain.train.stages import with_stage_overrides
+    from posttrain.config import with_stage_overrides
     cfg = load("rlvr_tiny.py")
     assert cfg.rl.steps == 60 and with_stage_overrides(cfg, "rl").train.steps == 60      # the file: stage key wins
     cfg.train.steps = 6
@@ -117,17 +117,17 @@ def test_precedence_of_stage_keys_and_generic_keys():
 def test_schema_enums_are_the_modules_tables():
     from posttrain.config_schema import ENUMS
     from posttrain.data.sources import ON_ERROR
-    from posttrain.eval.alerts import MODES
+    from posttrain.core.alerts import MODES
     from posttrain.models.attention import ATTENTION_KERNELS, ROPE_SCALINGS
     from posttrain.models.decoder import REMAT_POLICIES
     from posttrain.models.quant import QUANT_MODES
     from posttrain.ops.context_parallel import CONTEXT_PARALLEL
-    from posttrain.rl.advantages import ADVANTAGE_METHODS
-    from posttrain.rl.losses import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
-    from posttrain.rl.tasks import ENVS
+    from posttrain.rl.algo.advantages import ADVANTAGE_METHODS
+    from posttrain.rl.algo.losses import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
+    from posttrain.rl.tasks.registry import ENVS
     from posttrain.sampling.layout import SAMPLING_LAYOUTS
-    from posttrain.train.losses import DPO_LOSSES
-    from posttrain.train.optim import MOMENT_DTYPES, OPTIMIZERS
+    from posttrain.stages.losses import DPO_LOSSES
+    from posttrain.core.optim import MOMENT_DTYPES, OPTIMIZERS
     modules = {"optim.name": OPTIMIZERS, "optim.moment_dtype": MOMENT_DTYPES,
                "model.attention": ATTENTION_KERNELS, "model.rope_scaling.type": ROPE_SCALINGS,
                "model.context_parallel": CONTEXT_PARALLEL, "model.remat": ("none", *REMAT_POLICIES),

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from posttrain.errors import UserError
-from posttrain.train.compile_cache import ENV, compilation_cache_dir
+from posttrain.core.compile_cache import ENV, compilation_cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
 COMPILE = """
 import sys
 import jax, jax.numpy as jnp
-from posttrain.train.compile_cache import enable_compilation_cache
+from posttrain.core.compile_cache import enable_compilation_cache
 print(enable_compilation_cache(sys.argv[1]))
 jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((8, 8))).block_until_ready()
 """
@@ -47,6 +47,6 @@ def test_cache_folder_fills_when_on_and_off_sets_nothing(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(folder) and list(folder.rglob("*"))
     import jax
-    from posttrain.train.compile_cache import enable_compilation_cache
+    from posttrain.core.compile_cache import enable_compilation_cache
     before = jax.config.jax_compilation_cache_dir
     assert enable_compilation_cache("off") is None and jax.config.jax_compilation_cache_dir == before

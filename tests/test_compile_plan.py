@@ -60,7 +60,7 @@ def test_tpu_paths_are_compiled(compiled):
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import mesh_platform, use_sharding
     from posttrain.sampling import engine
-    from posttrain.train.state import abstract_model
+    from posttrain.core.state import abstract_model
     cfg, mesh, rules, out = compiled
     with use_sharding(mesh, rules):
         assert mesh_platform() == "tpu"
@@ -326,7 +326,7 @@ def test_pod_shapes_have_the_published_sizes(model, billions):
     from flax import nnx
 
     from posttrain.models.decoder import Decoder
-    from posttrain.train.state import abstract_model
+    from posttrain.core.state import abstract_model
     cfg = runpy.run_path("configs/pod/moe_shapes.py")["get_config"](f"{model}:sft_full")
     params = nnx.state(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
     assert sum(x.size for x in jax.tree.leaves(params)) / 1e9 == pytest.approx(billions, abs=0.1)
@@ -370,7 +370,7 @@ def test_scanned_decode_over_a_sequence_axis_compiles_for_tpu():
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
     from posttrain.sampling import engine
-    from posttrain.train.state import abstract_model
+    from posttrain.core.state import abstract_model
     cfg = tiny_moe_config()
     cfg.mesh.data, cfg.mesh.expert, cfg.mesh.sequence = 1, 2, 2
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))

@@ -14,7 +14,7 @@ import pytest
 from posttrain.config_schema import apply_command_line_precedence, check_config, command_line_keys
 from posttrain.data.synthetic import SYNTHETIC
 from posttrain.main import check_overrides
-from posttrain.train.data_files import DATA_STAGES, SPLITS
+from posttrain.stages.data_files import DATA_STAGES, SPLITS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,11 +16,11 @@ from flax import nnx
 from posttrain.config import base_config
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
-from posttrain.train.checkpoint import Checkpointer, NonFiniteCheckpoint
-from posttrain.train.metrics import MetricsWriter, read_metrics
-from posttrain.train.optim import make_optimizer
-from posttrain.train.state import create_train_state
-from posttrain.train.step import Diverged, check_nonfinite, lm_loss, make_train_step
+from posttrain.core.checkpoint import Checkpointer, NonFiniteCheckpoint
+from posttrain.core.metrics import MetricsWriter, read_metrics
+from posttrain.core.optim import make_optimizer
+from posttrain.core.state import create_train_state
+from posttrain.core.step import Diverged, check_nonfinite, lm_loss, make_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,7 +115,7 @@ def test_diverging_run_stops_with_clear_error_and_finite_checkpoints(tmp_path):
     assert rows[-1]["grad_norm"] is None or rows[-1]["loss"] is None        # NaN/inf written as null
     steps = sorted(int(p.name) for p in (tmp_path / "W" / "checkpoints").iterdir() if p.name.isdigit())
     assert steps, "no checkpoint was written"
-    from posttrain.train.checkpoint import first_nonfinite
+    from posttrain.core.checkpoint import first_nonfinite
     ckpt = Checkpointer(str(tmp_path / "W" / "checkpoints"), every=0, keep=1, create=False)
     restored = ckpt.manager.restore(steps[-1])
     assert first_nonfinite({k: restored[k] for k in ("params", "opt_state")}) is None

@@ -21,12 +21,12 @@ from posttrain.config_schema import check_values
 from posttrain.errors import UserError
 from posttrain.parallel import use_sharding
 from posttrain.rl.checks import check_episode_cohorts, check_rl_config
-from posttrain.rl.domains import Domain
+from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.envs.base import Task
-from posttrain.rl.episodes import rollout_episodes, turn_key
-from posttrain.rl.learner import learner_logprobs, rl_batch
+from posttrain.rl.rollout.episodes import rollout_episodes, turn_key
+from posttrain.rl.algo.learner import learner_logprobs, rl_batch
 from posttrain.rl.reward import RewardFunction
-from posttrain.rl.rollout import RolloutWorker
+from posttrain.rl.rollout.worker import RolloutWorker
 from posttrain.rl.verifiers import MathTask
 from posttrain.rl.verifiers.math import MathVerifier
 from posttrain.sampling.continuous import SlotConfig
@@ -166,7 +166,7 @@ def test_two_processes_step_only_their_share_and_sample_the_same_contexts(policy
     """Two processes simulated by two threads (the exchange of observations a barrier): each steps
     the environments of its own task only, both make the same sampler calls on the same contexts,
     and their groups together are the one-process episodes."""
-    from posttrain.rl import episodes as episodes_module
+    from posttrain.rl.rollout import episodes as episodes_module
     key = jax.random.key(3)
     whole, _, one, _ = episodes(policy, 2, key)
     local, barrier, slots = threading.local(), threading.Barrier(2, timeout=120), [None, None]

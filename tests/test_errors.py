@@ -82,9 +82,9 @@ def test_init_from_a_differently_shaped_model_names_parameter_shapes_and_key(tmp
     from posttrain.config import base_config
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import DEFAULT_RULES, make_mesh
-    from posttrain.train.checkpoint import Checkpointer
-    from posttrain.train.init import load_model_state
-    from posttrain.train.state import abstract_model
+    from posttrain.core.checkpoint import Checkpointer
+    from posttrain.core.init import load_model_state
+    from posttrain.core.state import abstract_model
     small, big = base_config().model, base_config().model
     big.mlp_dim = small.mlp_dim * 2
     mesh = make_mesh(dict(data=1), devices=jax.devices()[:1])
@@ -130,7 +130,7 @@ def test_mistyped_data_path_with_synthetic_data_on_is_an_error_and_creates_nothi
 
 
 def test_synthetic_data_goes_to_the_workdir_only(tmp_path, monkeypatch, caplog):
-    from posttrain.train.data_files import resolve_data_files
+    from posttrain.stages.data_files import resolve_data_files
     monkeypatch.chdir(tmp_path)
     cfg = sft_config(tmp_path, **{"data.synthetic": "arithmetic", "data.synthetic_size": 40,
                                   "sft.train_files": "synthetic:", "sft.eval_files": "synthetic:"})

@@ -18,11 +18,12 @@ from posttrain.eval.gates import GateFailed, check_gate, parse_gate, regression_
 from posttrain.main import run as main_run
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
-from posttrain.rl import evaluation
-from posttrain.rl.rollout import RolloutWorker, evaluate
-from posttrain.train.checkpoint import Checkpointer
-from posttrain.train.init import load_model_state
-from posttrain.train.state import abstract_model, init_model_state
+from posttrain.stages import eval as evaluation
+from posttrain.rl.tasks import suites as suite_lib
+from posttrain.rl.rollout.worker import RolloutWorker, evaluate
+from posttrain.core.checkpoint import Checkpointer
+from posttrain.core.init import load_model_state
+from posttrain.core.state import abstract_model, init_model_state
 
 PROMPTS = [f"What is {a} plus {b}?" for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 2), (4, 4), (6, 1)]]
 
@@ -68,7 +69,7 @@ def run_dir(tmp_path_factory):
 def direct(cfg, name, step=2):
     """The checkpoint evaluated by hand: the rollout worker's `evaluate`, and a hand loop for pass@k."""
     tok = load_tokenizer(cfg.data.tokenizer)
-    suites = evaluation.make_suites(cfg, tok)
+    suites = suite_lib.make_suites(cfg, tok)
     mesh, rules = mesh_and_rules(cfg)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     graphdef = nnx.split(abstract_model(make), nnx.Param, ...)[0]
@@ -135,8 +136,8 @@ class FakeWorker:
         self.greedy, self.sampled = greedy, sampled
 
     def rollout(self, params, rest, pairs, key, *, num_samples, greedy=False, exact_share=True):
-        from posttrain.rl.rollout import RolloutBatch
-        from posttrain.rl.scheduler import Group
+        from posttrain.rl.rollout.worker import RolloutBatch
+        from posttrain.rl.tasks.scheduler import Group
         assert not exact_share          # across processes a suite's problems are shared out nearly evenly
         rewards = [[g] for g in self.greedy] if greedy else self.sampled
         assert len(pairs) == len(rewards) and all(len(r) == num_samples for r in rewards)
@@ -160,10 +161,10 @@ def test_suite_metrics_aggregate_rewards():
 def test_suite_version_changes_when_a_record_changes(tmp_path):
     write_suite(tmp_path / "a.jsonl", ["3", "7", "11"])
     write_suite(tmp_path / "b.jsonl", ["3", "8", "11"])
-    a, b = (evaluation.user_tasks("s", str(tmp_path / f"{x}.jsonl")) for x in "ab")
-    assert evaluation.suite_version(a) == evaluation.suite_version(evaluation.user_tasks("s", str(tmp_path / "a.jsonl")))
-    assert evaluation.suite_version(a) != evaluation.suite_version(b)
-    assert evaluation.suite_version(a) != evaluation.suite_version(a[:2])
+    a, b = (suite_lib.user_tasks("s", str(tmp_path / f"{x}.jsonl")) for x in "ab")
+    assert suite_lib.suite_version(a) == suite_lib.suite_version(suite_lib.user_tasks("s", str(tmp_path / "a.jsonl")))
+    assert suite_lib.suite_version(a) != suite_lib.suite_version(b)
+    assert suite_lib.suite_version(a) != suite_lib.suite_version(a[:2])
 
 
 def test_eval_key_errors(run_dir, tmp_path):
@@ -256,7 +257,7 @@ def test_standalone_stage_below_its_gate_exits_non_zero(run_dir, tmp_path):
 
 def test_pipeline_eval_stages_compare_with_the_previous_eval(run_dir, tmp_path):
     """Two eval stages of the same checkpoint: the first has no baseline (n/a), the second a drop of 0."""
-    from posttrain.train import pipeline
+    from posttrain.stages import pipeline
     cfg = config(tmp_path, "", f"mine={run_dir / 'mine.jsonl'}")
     cfg.stage, cfg.init_from, cfg.pipeline.stages = "pipeline", str(run_dir), ("eval", "eval")
     cfg.eval.gate = "regression_drop<=0.0, mine/response_len>0"
@@ -322,15 +323,15 @@ def test_multi_turn_suite_reports_episode_metrics_and_gates_on_them(run_dir, tmp
     sampler scripted): solved = the final check passed, although the failing first call's penalty
     leaves the reward below 1; the episode metrics are reported and gated on. The episodes run in
     2 cohorts (rl.episode_cohorts): sampler calls of half the episodes, the same results."""
-    from posttrain.rl import repo_domain
-    from posttrain.rl.rollout import RolloutWorker
+    from posttrain.rl.tasks import repo_domain
+    from posttrain.rl.rollout.worker import RolloutWorker
     tok = load_tokenizer(base_config().data.tokenizer)
     scripted, calls = ScriptedSampler(tok), []
     monkeypatch.setattr(RolloutWorker, "sample", lambda worker, *a: calls.append(len(a[2])) or scripted(worker, *a))
     cfg = config(tmp_path, run_dir, "repo_fix", samples=2, pass_k="1,2", size=4)
     cfg.rl.max_new_tokens, cfg.rl.invalid_tool_call_penalty, cfg.rl.episode_cohorts = 64, 0.1, 2
     cfg.eval.gate = "tool_success_rate>=0.5, repo_fix/turns_per_episode<=3, repo_fix/tool_call_ok_rate>=0.5"
-    want = np.mean([repo_domain.task_fields(t)[3] % 3 == 0 for t in evaluation.make_suites(cfg, tok)["repo_fix"].tasks])
+    want = np.mean([repo_domain.task_fields(t)[3] % 3 == 0 for t in suite_lib.make_suites(cfg, tok)["repo_fix"].tasks])
     assert want == 0.5            # the seed's 4 held-out tasks: 2 multiples of 3
     result = main_run(cfg)
     assert max(calls) == 4 and calls[:2] == [2, 2]     # greedy: 4 episodes in 2 cohorts; sampled: 8 in 2

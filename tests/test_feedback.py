@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_sft_reports_evals_truncation_and_compilation(tmp_path, monkeypatch, caplog):
     from posttrain.main import run
-    from posttrain.train import loop
+    from posttrain.core import loop
     descriptions = []
 
     class Bar(loop.tqdm):

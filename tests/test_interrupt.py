@@ -12,8 +12,8 @@ import pytest
 
 from posttrain.data.synthetic import arithmetic_records
 from posttrain.main import run_cli
-from posttrain.train import interrupt
-from posttrain.train.interrupt import Interrupted
+from posttrain.core import interrupt
+from posttrain.core.interrupt import Interrupted
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def sft_config(tmp_path: Path, steps: int):
 
 
 def test_sigterm_in_sft_saves_at_the_step_and_the_rerun_resumes(tmp_path, monkeypatch, capsys):
-    from posttrain.train import loop
+    from posttrain.core import loop
     put_batch, calls = loop.put_batch, []
 
     def put_batch_and_signal(*args, **kwargs):       # SIGTERM while step 2 is being prepared
@@ -99,7 +99,7 @@ def test_sigterm_in_sft_saves_at_the_step_and_the_rerun_resumes(tmp_path, monkey
 
 def test_sigint_in_the_rl_loop_saves_at_the_step(monkeypatch):
     """`rl.loop.train_loop` with its phases replaced by fakes: the flag → save → stop logic alone."""
-    from posttrain.rl import loop as rl_loop
+    from posttrain.stages import rlvr as rl_loop
     from posttrain.config import base_config
     cfg = base_config()
     cfg.train.progress, cfg.workdir, cfg.rl.eval_every = False, "W", 0

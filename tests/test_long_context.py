@@ -19,8 +19,8 @@ from posttrain.ops.context_parallel import choose, gathered_kv_bytes
 from posttrain.ops.fused import splash_attention
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 from posttrain.parallel.zigzag import unzigzag, zigzag_batch
-from posttrain.train.state import shardings_for
-from posttrain.train.step import lm_loss
+from posttrain.core.state import shardings_for
+from posttrain.core.step import lm_loss
 
 
 def model_config(**kw):

@@ -132,9 +132,10 @@ def test_heat_map_and_jsonl(tmp_path):
 
 
 def test_stages_that_cannot_generate_refuse_the_eval():
-    from posttrain.train import lm, stages
+    from posttrain.stages import lm
+    from posttrain.stages import reward_model
     cfg = base_config()
     cfg.eval.long_context.lengths = "256"
-    for run in (stages.reward_model, lm.run):
+    for run in (reward_model.run, lm.run):
         with pytest.raises(ValueError, match=r"eval\.long_context\.lengths"):
             run(cfg)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posttrain.train.losses import bradley_terry_loss, dpo_loss, sequence_logprobs, token_logprobs
+from posttrain.stages.losses import bradley_terry_loss, dpo_loss, sequence_logprobs, token_logprobs
 
 
 def test_token_logprobs_against_numpy():

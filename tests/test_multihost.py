@@ -337,7 +337,7 @@ def test_rl_across_processes_refuses_what_it_cannot_split(monkeypatch):
     """With several processes, RL keys whose work cannot be split by groups fail at start, naming
     the key; groups are shared out whole and evenly (training) or nearly so (evaluation)."""
     import jax
-    from posttrain.rl import hosts
+    from posttrain.rl.rollout import hosts
     cfg = runpy_config(RL_CONFIG)
     hosts.check_multihost_rl(cfg)                       # one process: anything goes
     monkeypatch.setattr(jax, "process_count", lambda: 2)
@@ -402,7 +402,8 @@ def test_episode_rates_combine_from_every_process_counts(monkeypatch):
     """Across processes the multi-turn rates are the ratios of the summed counts (not process 0's
     rates, nor a mean of rates), and a batch of episodes is already this process's share."""
     import jax
-    from posttrain.rl import hosts, rollout
+    from posttrain.rl.rollout import hosts
+    from posttrain.rl.rollout import worker as rollout
     parts = [{"responses": 2, "episode_turns": 6, "episode_calls": 4, "episode_calls_ok": 4, "episodes_solved": 2,
               "episode_calls_invalid": 0, "turns_per_episode": 3.0, "response_len_mean": 10.0},
              {"responses": 4, "episode_turns": 16, "episode_calls": 12, "episode_calls_ok": 8, "episodes_solved": 0,
@@ -456,7 +457,7 @@ def scripted_turns(by_sample: bool = False):
     every process's contexts, which must therefore agree), then the script replaces its tokens;
     `by_sample`: an episode starts with the failing call when its first real token is even (so the
     samples of one task differ, and so do their rewards)."""
-    from posttrain.rl.rollout import RolloutWorker
+    from posttrain.rl.rollout.worker import RolloutWorker
     script, real = TaskScript(), RolloutWorker.sample
 
     def sample(worker, params, rest, contexts, sampling, key):
@@ -479,9 +480,11 @@ def test_multi_turn_eval_two_processes_match_one_process(tmp_path, monkeypatch):
     from flax import nnx
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import mesh_and_rules, use_sharding
-    from posttrain.rl import evaluation, repo_domain
-    from posttrain.train.checkpoint import Checkpointer
-    from posttrain.train.state import init_model_state
+    from posttrain.stages import eval as evaluation
+    from posttrain.rl.tasks import suites
+    from posttrain.rl.tasks import repo_domain
+    from posttrain.core.checkpoint import Checkpointer
+    from posttrain.core.state import init_model_state
     overrides = {"stage": "eval", "model.moe.num_experts": 0, "eval.checkpoint": str(tmp_path / "run"),
                  "eval.suites": "repo_fix", "eval.size": 6, "eval.samples": 2, "eval.pass_k": "1,2",
                  "rl.max_new_tokens": 64, "rl.invalid_tool_call_penalty": 0.1, "rl.verifier_workers": 2,
@@ -499,7 +502,7 @@ def test_multi_turn_eval_two_processes_match_one_process(tmp_path, monkeypatch):
         ckpt.save(1, dict(zip(("params", "rest"), init_model_state(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)),
                                                                      mesh, rules))))
     ckpt.close()
-    tasks = evaluation.make_suites(cfg, load_tokenizer("byte"))["repo_fix"].tasks
+    tasks = suites.make_suites(cfg, load_tokenizer("byte"))["repo_fix"].tasks
     fields = [repo_domain.task_fields(t) for t in tasks]
     turns = [len(TaskScript.turns(m)) for m, *_ in fields]
     solved = [r % 3 == 0 for *_, r in fields]

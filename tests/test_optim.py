@@ -17,11 +17,11 @@ from posttrain.config_schema import check_values
 from posttrain.errors import UserError
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
-from posttrain.train.checkpoint import Checkpointer
-from posttrain.train.loop import starting_state
-from posttrain.train.optim import lr_schedule, make_optimizer
-from posttrain.train.state import create_train_state, shardings_for
-from posttrain.train.step import lm_loss, make_train_step
+from posttrain.core.checkpoint import Checkpointer
+from posttrain.core.loop import starting_state
+from posttrain.core.optim import lr_schedule, make_optimizer
+from posttrain.core.state import create_train_state, shardings_for
+from posttrain.core.step import lm_loss, make_train_step
 from test_sharding import batch, moe_config
 
 MESH = dict(data=1, fsdp=2, expert=2, tensor=2)

@@ -121,7 +121,7 @@ def test_sampling_quantize_key_is_checked_and_used():
     with pytest.raises(ValueError, match="no rlvr stage"):
         check_sampling_config(cfg, ("sft",))
     # the rlvr loop's sampler weights follow the key; the learner's stay float
-    from posttrain.rl.loop import Components
+    from posttrain.stages.rlvr import Components
     params = nnx.split(Decoder(model_config("dense"), rngs=nnx.Rngs(0)), nnx.Param, ...)[1]
     rl = types.SimpleNamespace(train=types.SimpleNamespace(params=params, frozen=None, rest="rest"))
     for mode, kind in (("none", jax.Array), ("int8", QArray), ("int4", QArray)):

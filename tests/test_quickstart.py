@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.train import pipeline
+from posttrain.stages import pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,13 +28,13 @@ from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.errors import UserError
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
-from posttrain.rl import rejection
+from posttrain.stages import rejection_sampling as rejection
 from posttrain.rl.envs.base import Task
-from posttrain.rl.rejection import Candidate, check_config, select
-from posttrain.train import pipeline
-from posttrain.train import stages as stage_lib
-from posttrain.train.checkpoint import Checkpointer
-from posttrain.train.state import init_model_state
+from posttrain.stages.rejection_sampling import Candidate, check_config, select
+from posttrain.stages import pipeline
+from posttrain.stages import sft as stage_lib
+from posttrain.core.checkpoint import Checkpointer
+from posttrain.core.state import init_model_state
 
 VERIFIER = '''
 import threading
@@ -131,7 +131,7 @@ class ShareWorker:
         return [SimpleNamespace(trajectories=[traj(t, s) for s in range(num_samples)]) for _, t in tasks]
 
     def rollout(self, params, rest, tasks, key, *, num_samples, exact_share):
-        from posttrain.rl.hosts import group_share
+        from posttrain.rl.rollout.hosts import group_share
         self.monkeypatch.setattr(jax, "process_index", lambda: self.process)
         return type("Batch", (), {"groups": self.groups(tasks, num_samples)[group_share(len(tasks), exact=exact_share)]})
 
@@ -288,7 +288,7 @@ def test_stage_alone_other_settings(policy, user_tasks, tmp_path, monkeypatch):
     # at temperature 0.05 the policy ends its turn at once (its stop logit is the largest): one empty answer each
     cfg.rejection.temperature = 0.05
     cfg.sampling.continuous_batching, cfg.sampling.num_slots = True, 8
-    from posttrain.rl import rollout
+    from posttrain.rl.rollout import worker as rollout
     slots, real = [], rollout.generate_continuous
     monkeypatch.setattr(rollout, "generate_continuous", lambda *a, **kw: slots.append(kw["slots"]) or real(*a, **kw))
     main.run(cfg)
@@ -352,7 +352,7 @@ def test_bad_gate_fails_at_start_up(tmp_path):
 
 def test_pipeline_chain_sft_rejection_sampling_sft_rlvr(tmp_path, monkeypatch):
     """Which policy and data each stage of ("sft", "rejection_sampling", "sft", "rlvr") gets (stages faked)."""
-    from posttrain.train.loop import Result
+    from posttrain.core.loop import Result
     seen = []
 
     def fake(name):
@@ -360,7 +360,7 @@ def test_pipeline_chain_sft_rejection_sampling_sft_rlvr(tmp_path, monkeypatch):
             seen.append((name, cfg.init_from, cfg.sft.train_files))
             return Result(None, None, [], {})
         return run
-    monkeypatch.setattr(pipeline, "RUNNERS", {n: fake(n) for n in ("sft", "rejection_sampling", "rlvr")})
+    monkeypatch.setattr(pipeline, "run_stage", lambda name, cfg, baseline=None: fake(name)(cfg))
     monkeypatch.setattr(pipeline, "plot", lambda *a: "")
     cfg = tiny(tmp_path, "", "")
     cfg.stage, cfg.pipeline.stages, cfg.init_from = "pipeline", ("sft", "rejection_sampling", "sft", "rlvr"), "base"

@@ -14,8 +14,8 @@ import pytest
 
 from posttrain.eval.gates import GATES_FILE, GateFailed, check_gate
 from posttrain.eval.report import reward_parts, sample_rollouts, write_report
-from posttrain.rl.evaluation import write_record
-from posttrain.train.metrics import MetricsWriter
+from posttrain.stages.eval import write_record
+from posttrain.core.metrics import MetricsWriter
 from tests.browser import find_chromium, render
 
 ROOT = Path(__file__).resolve().parents[1]

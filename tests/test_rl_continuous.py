@@ -16,22 +16,22 @@ from flax import nnx
 from posttrain.config import base_config
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import make_mesh, parse_rules, use_sharding
-from posttrain.rl import loop
+from posttrain.stages import rlvr as loop
 from posttrain.rl.checks import check_sampling_config
-from posttrain.rl.domains import Domain
+from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.envs.base import Task
 from posttrain.rl.envs.chat import SingleTurnEnv
-from posttrain.rl.episodes import rollout_episodes
-from posttrain.rl.learner import learner_logprobs, rl_batch
+from posttrain.rl.rollout.episodes import rollout_episodes
+from posttrain.rl.algo.learner import learner_logprobs, rl_batch
 from posttrain.rl.reward import RewardFunction
-from posttrain.rl.rollout import RolloutWorker
+from posttrain.rl.rollout.worker import RolloutWorker
 from posttrain.rl.verifiers import MathTask
 from posttrain.rl.verifiers.math import MathVerifier
 from posttrain.sampling import continuous
 from posttrain.sampling.continuous import SlotConfig
 from posttrain.sampling.rules import SamplingParams
-from posttrain.train.optim import make_optimizer
-from posttrain.train.state import create_train_state
+from posttrain.core.optim import make_optimizer
+from posttrain.core.state import create_train_state
 from tests.test_agent_rl import TOK, CountingEnv
 from tests.test_rl_loop import rows, tiny
 
@@ -86,7 +86,7 @@ def test_continuous_rollouts_equal_static_ones_group_by_group(policy, monkeypatc
     key = jax.random.key(7)
     static = rollout(policy, domain, SKEWED, None, key)
     calls = []
-    monkeypatch.setattr("posttrain.rl.rollout.generate_continuous",
+    monkeypatch.setattr("posttrain.rl.rollout.worker.generate_continuous",
                         lambda *a, **kw: calls.append(kw["slots"]) or continuous.generate_continuous(*a, **kw))
     cont = rollout(policy, domain, SKEWED, SLOTS, key)
     assert calls == [SLOTS]                         # the switch routes the rollouts through the slots
@@ -120,7 +120,7 @@ def test_continuous_episodes_equal_static_ones_and_align_with_the_learner(policy
 def test_rl_loop_trains_with_continuous_batching(tmp_path, monkeypatch):
     calls = []
     real = continuous.generate_continuous
-    monkeypatch.setattr("posttrain.rl.rollout.generate_continuous", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr("posttrain.rl.rollout.worker.generate_continuous", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     cfg = tiny(tmp_path, steps=2)
     cfg.sampling.continuous_batching, cfg.sampling.num_slots, cfg.sampling.refill_batch = True, 4, 2
     loop.run(cfg)

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posttrain.rl.advantages import gae_advantages, terminal_rewards, whiten
-from posttrain.rl.losses import value_loss
+from posttrain.rl.algo.advantages import gae_advantages, terminal_rewards, whiten
+from posttrain.rl.algo.losses import value_loss
 
 
 def _random_batch(seed, b=6, t=11):
@@ -110,7 +110,7 @@ def test_value_decoder_is_the_decoder_plus_a_value_per_position():
 
     from posttrain.config import base_config
     from posttrain.models.decoder import Decoder
-    from posttrain.rl.critic import ValueDecoder
+    from posttrain.rl.algo.critic import ValueDecoder
 
     cfg = base_config().model
     cfg.num_layers, cfg.embed_dim, cfg.mlp_dim = 1, 32, 64
@@ -125,7 +125,7 @@ def test_value_decoder_is_the_decoder_plus_a_value_per_position():
 
 def test_critic_settings_that_cannot_take_effect_are_refused():
     from posttrain.config import base_config
-    from posttrain.rl.critic import check_critic
+    from posttrain.rl.algo.critic import check_critic
 
     cfg = base_config()
     cfg.rl.critic = "separate"
@@ -144,7 +144,7 @@ def _rl_cfg(**kw):
 
 
 def test_advantage_targets_gae_with_kl_paid_as_reward():
-    from posttrain.rl.learner import advantage_targets
+    from posttrain.rl.algo.learner import advantage_targets
 
     rewards, values, mask = _random_batch(4)
     rng = np.random.default_rng(4)
@@ -168,7 +168,7 @@ def test_advantage_targets_gae_with_kl_paid_as_reward():
 
 
 def test_advantage_targets_group_advantages_with_kl_reward_to_go():
-    from posttrain.rl.learner import advantage_targets
+    from posttrain.rl.algo.learner import advantage_targets
 
     _, _, mask = _random_batch(5)
     mask = mask[:4]
@@ -218,8 +218,8 @@ def test_gae_allows_single_sample_groups():
 
 def test_pipeline_resolves_the_reward_model_stage_and_keeps_the_policy_chain(tmp_path, monkeypatch):
     from configs.rlhf_tiny import get_config
-    from posttrain.train import pipeline
-    from posttrain.train.loop import Result
+    from posttrain.stages import pipeline
+    from posttrain.core.loop import Result
 
     seen = {}
 
@@ -228,7 +228,7 @@ def test_pipeline_resolves_the_reward_model_stage_and_keeps_the_policy_chain(tmp
             seen[name] = (cfg.init_from, cfg.rl.reward_model)
             return Result(None, None, [], {})
         return run
-    monkeypatch.setattr(pipeline, "RUNNERS", {n: fake(n) for n in ("sft", "reward_model", "rlvr")})
+    monkeypatch.setattr(pipeline, "run_stage", lambda name, cfg, baseline=None: fake(name)(cfg))
     monkeypatch.setattr(pipeline, "plot", lambda *a: "")
     cfg = get_config()
     cfg.workdir, cfg.init_from = str(tmp_path), "base"
@@ -246,8 +246,8 @@ def test_rl_loss_with_gae_adds_the_weighted_value_loss_and_trains_the_head():
     from flax import nnx
 
     from posttrain.config import base_config
-    from posttrain.rl.critic import ValueDecoder
-    from posttrain.rl.learner import rl_loss
+    from posttrain.rl.algo.critic import ValueDecoder
+    from posttrain.rl.algo.learner import rl_loss
     from posttrain.sampling.rules import SamplingParams
 
     cfg = base_config()

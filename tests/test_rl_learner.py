@@ -13,15 +13,15 @@ from posttrain.config import base_config
 from posttrain.models.decoder import Decoder
 from posttrain.models.logprobs import token_logprobs
 from posttrain.parallel import make_mesh, parse_rules, use_sharding
-from posttrain.rl.buffer import Rollout
+from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.envs.base import Trajectory
-from posttrain.rl.learner import Learner, batch_rows, compute_advantages, learner_logprobs, rl_batch
-from posttrain.rl.scheduler import Group
+from posttrain.rl.algo.learner import Learner, batch_rows, compute_advantages, learner_logprobs, rl_batch
+from posttrain.rl.tasks.scheduler import Group
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams, policy_logprobs
-from posttrain.train.loop import put_batch
-from posttrain.train.optim import lr_schedule, make_optimizer
-from posttrain.train.state import create_train_state
+from posttrain.core.loop import put_batch
+from posttrain.core.optim import lr_schedule, make_optimizer
+from posttrain.core.state import create_train_state
 
 PROMPTS, G, PROMPT_LEN, NEW = 4, 4, 4, 6
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=NEW, num_samples=G)
@@ -163,7 +163,7 @@ LOSS_SWITCHES = {"aggregation": "seq-mean-token-mean", "entropy_coef": 0.1, "is_
 
 def test_every_loss_switch_changes_the_gradient(setup):
     """Each rl.* key the learner's loss reads changes the gradient on the same batch (one compile)."""
-    from posttrain.rl.learner import rl_loss
+    from posttrain.rl.algo.learner import rl_loss
     mesh, rules, graphdef, state, *_ = setup
     learner = make_learner(setup)
     batch = learner_batch(setup, learner, PROMPTS)

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posttrain.rl.advantages import group_advantages, kl_penalized_advantages, kl_penalized_rewards
-from posttrain.rl.losses import (
+from posttrain.rl.algo.advantages import group_advantages, kl_penalized_advantages, kl_penalized_rewards
+from posttrain.rl.algo.losses import (
     AGGREGATIONS, aggregate, clipped_surrogate, entropy_from_logits, importance_ratio, kl_estimate, policy_loss,
     truncated_is_weights,
 )

@@ -10,9 +10,10 @@ from flax import nnx
 from posttrain.config import base_config
 from posttrain.data.packing import build_row
 from posttrain.parallel import make_mesh, parse_rules
-from posttrain.rl.reward_model import RewardModelScorer, RunningMeanStd, combine_rewards, reward_model_config
-from posttrain.train import stages
-from posttrain.train.checkpoint import Checkpointer
+from posttrain.rl.algo.reward_model import RewardModelScorer, RunningMeanStd, combine_rewards, reward_model_config
+from posttrain.models.reward import RewardModel
+from posttrain.stages import reward_model as reward_model_stage
+from posttrain.core.checkpoint import Checkpointer
 
 
 def tiny_reward_model_config(workdir, data_dir):
@@ -33,7 +34,7 @@ def tiny_reward_model_config(workdir, data_dir):
 def rm_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("rm")
     cfg = tiny_reward_model_config(root / "run", root)
-    stages.reward_model(cfg)
+    reward_model_stage.run(cfg)
     return cfg
 
 
@@ -47,7 +48,7 @@ def test_scorer_equals_the_reward_models_own_forward(rm_run):
     assert got.shape == (6,) and got.dtype == np.float32
 
     # Reference: the stage's model class, weights on the host, no mesh, one jitted batch of rows.
-    model = stages.RewardModel(reward_model_config(cfg.workdir), rngs=nnx.Rngs(1))
+    model = RewardModel(reward_model_config(cfg.workdir), rngs=nnx.Rngs(1))
     graphdef, _, _ = nnx.split(model, nnx.Param, ...)
     host = nnx.merge(graphdef, jax.device_get(scorer.params), jax.device_get(scorer.rest))
     built = [build_row([{"tokens": r, "loss_mask": np.zeros(len(r), bool)}], 64) for r in rows]
@@ -100,7 +101,7 @@ def test_rlvr_with_the_learned_reward_and_a_critic_resumes_exactly(rm_run, tmp_p
 
     from test_rl_loop import rows, tiny
 
-    from posttrain.rl import loop
+    from posttrain.stages import rlvr as loop
 
     cfg = tiny(tmp_path, steps=3, advantage="gae", reward_model=rm_run.workdir, verifier_weight=0.5,
                reward_model_weight=2.0, kl_coef=0.05, kl_in_reward=True, updates_per_batch=2)
@@ -126,7 +127,7 @@ def test_reward_composer_weights_and_normalisation_switch():
     puts the learned score through its running statistics (off: the raw score)."""
     from types import SimpleNamespace
 
-    from posttrain.rl.reward_model import RewardComposer
+    from posttrain.rl.algo.reward_model import RewardComposer
 
     class FakeScorer:
         def score(self, rows):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from configs.rlhf_tiny import get_config
-from posttrain.train import pipeline
+from posttrain.stages import pipeline
 
 
 def tiny_rlhf(workdir, data_dir, **rl):

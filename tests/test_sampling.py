@@ -17,7 +17,7 @@ from posttrain.sampling import ContinuousBatcher, SamplingParams, generate, samp
 from posttrain.sampling import kv_cache
 from posttrain.sampling.generate import generate_program
 from posttrain.models.logprobs import token_logprobs
-from posttrain.train.state import shardings_for
+from posttrain.core.state import shardings_for
 
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 3, 9, 1, 5], [2], [3, 3, 8, 1, 12]]
 

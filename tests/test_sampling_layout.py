@@ -16,7 +16,7 @@ from posttrain.models.decoder import Decoder
 from posttrain.parallel import DEFAULT_RULES, decode_rules, logical_spec, make_mesh, shardings_for, use_sharding
 from posttrain.sampling import ContinuousBatcher, SamplingParams, generate
 from posttrain.sampling.layout import check_layout, publish_weights, sampler_rules
-from posttrain.train.state import abstract_model, init_model_state
+from posttrain.core.state import abstract_model, init_model_state
 from tests.test_sampling import PROMPTS, model_config
 
 RULES = {**DEFAULT_RULES, "embed": ("fsdp",)}
@@ -79,7 +79,7 @@ def test_published_params_have_the_decode_shardings(model, mesh):
 def test_loop_publishes_the_decode_layout(model, mesh):
     """`rl.loop.Components.weights` (what rollouts, evals and the async producer sample with)
     reshards into the layout `sampling.layout` names."""
-    from posttrain.rl.loop import Components, RLState
+    from posttrain.stages.rlvr import Components, RLState
     _, learner, _, rest = model
     cfg = base_config()
     state = types.SimpleNamespace(params=learner, frozen=None, rest=rest)
@@ -174,7 +174,7 @@ def test_decode_layout_shards_the_cache_by_rows_and_kv_heads(mesh):
 def test_rl_run_in_the_decode_layout_equals_the_learner_layout(tmp_path):
     """Two on-policy RLVR steps on a ZeRO-3 mesh: sampling from the decode-layout copy made at
     each publish gives the same metrics as sampling from the learner's arrays."""
-    from posttrain.rl import loop
+    from posttrain.stages import rlvr as loop
     from tests.test_rl_loop import TIMING, rows, tiny
     runs = {}
     for layout in ("learner", "tensor"):
@@ -198,7 +198,7 @@ def test_rollout_worker_in_the_decode_layout_continuous_and_prefix_cache(model, 
     import importlib
 
     from posttrain.parallel import rules_key
-    from posttrain.rl.rollout import RolloutWorker
+    from posttrain.rl.rollout.worker import RolloutWorker
     from posttrain.sampling.continuous import SlotConfig
     from posttrain.sampling.layout import sampling_sharding
     from posttrain.sampling.prefix_cache import PrefixCache
@@ -227,7 +227,7 @@ def test_rollout_worker_in_the_decode_layout_continuous_and_prefix_cache(model, 
 def test_int8_weights_in_the_decode_layout_sample_as_in_the_learner_layout(mesh):
     """sampling.quantize='int8' with sampling.layout='tensor' (dense model): the loop's weights
     (`Components.weights`: reshard, then quantise) sample as the quantised learner-layout weights."""
-    from posttrain.rl.loop import Components, RLState
+    from posttrain.stages.rlvr import Components, RLState
     make = lambda: Decoder(model_config("dense"), rngs=nnx.Rngs(3))
     learner, rest = init_model_state(make, mesh, RULES)
     graphdef, state = nnx.graphdef(abstract_model(make)), types.SimpleNamespace(params=learner, frozen=None, rest=rest)

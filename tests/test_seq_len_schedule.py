@@ -93,8 +93,8 @@ def test_staged_run_resumes_at_the_boundary(tmp_path):
     """Resuming from the checkpoint at the boundary (its data state saved by the short stage, the
     next step in the long one) gives the uninterrupted run's losses; each stage compiles the train
     step once. (Resuming anywhere else is the data test above plus the plain resume path.)"""
-    from posttrain.train import lineage
-    from posttrain.train.stages import sft
+    from posttrain.core import lineage
+    from posttrain.stages.sft import run as sft
     files = write_records(tmp_path / "d.jsonl")
     full = sft(sft_config(tmp_path / "full", files))
     assert full.train_step_compiles == 2
@@ -113,7 +113,7 @@ def test_staged_run_resumes_at_the_boundary(tmp_path):
 
 
 def test_pipeline_refuses_a_schedule_some_stage_cannot_follow(tmp_path):
-    from posttrain.train import pipeline
+    from posttrain.stages import pipeline
     cfg = sft_config(tmp_path, "unused.jsonl")
     cfg.pipeline.stages = ("sft", "dpo")
     with pytest.raises(ValueError, match=r"train\.seq_len_schedule='48:3,128'.*\['dpo'\]"):

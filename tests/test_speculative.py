@@ -114,7 +114,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_check(tiny_policy, monkeypatch):
 
 def test_sampling_speculative_keys_reach_the_rollouts_or_raise():
     from posttrain.rl.checks import check_sampling_config
-    from posttrain.rl.loop import rollout_sampling
+    from posttrain.stages.rlvr import rollout_sampling
     cfg = base_config()
     assert rollout_sampling(cfg, (1,)).speculative_k == 0
     cfg.sampling.speculative_k, cfg.sampling.draft_layers = 4, 2

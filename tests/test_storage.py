@@ -119,7 +119,7 @@ def gs_runs(gcs, tmp_path_factory):
     # waiting: the loops flush before every checkpoint (the last step always checkpoints).
     from functools import partialmethod
 
-    from posttrain.train.metrics import MetricsWriter
+    from posttrain.core.metrics import MetricsWriter
     mp.setattr(storage.AppendLog, "__init__", partialmethod(storage.AppendLog.__init__, flush_secs=3600))
     pending_at_close, close = [], MetricsWriter.close
     mp.setattr(MetricsWriter, "close", lambda self: (pending_at_close.append(self._log.pending), close(self)))
@@ -162,8 +162,8 @@ def test_gs_metrics_reach_the_store_before_each_checkpoint(gs_runs):
 
 @pytest.mark.parametrize("name,steps", [("sft", SFT_STEPS), ("rl", RL_STEPS)])
 def test_gs_run_resumes_and_writes_its_workdir(gs_runs, name, steps):
-    from posttrain.train.checkpoint import Checkpointer
-    from posttrain.train.metrics import read_metrics
+    from posttrain.core.checkpoint import Checkpointer
+    from posttrain.core.metrics import read_metrics
     cfg, (first, second) = gs_runs[name]
     wd = cfg.workdir
     assert [r["step"] for r in first.rows] == [0, 1]
@@ -195,7 +195,7 @@ def test_gs_rl_run_started_from_the_gs_init_from(gs_runs):
 
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import mesh_and_rules, use_sharding
-    from posttrain.train.init import load_model_state
+    from posttrain.core.init import load_model_state
     cfg = gs_runs["rl"][0]
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     mesh, rules = mesh_and_rules(cfg)
@@ -211,7 +211,7 @@ def test_hf_export_to_gs_equals_the_local_export(gs_runs, tmp_path):
     """tools/convert_hf.py --run gs://... --to_hf gs://...: the same files, byte for byte, as an
     export of that run to a local folder."""
     pytest.importorskip("safetensors")
-    from posttrain.models.hf.convert import read_run_config, run_to_hf
+    from posttrain.core.hf_convert import read_run_config, run_to_hf
     from posttrain.parallel import DEFAULT_RULES, make_mesh
     cfg = read_run_config(gs_runs["sft"][0].workdir)
     mesh, out = make_mesh(dict(fsdp=-1)), f"gs://{BUCKET}/hf/sft"
@@ -228,7 +228,7 @@ def test_hf_export_to_gs_equals_the_local_export(gs_runs, tmp_path):
 def test_plot_and_error_log_of_a_gs_workdir(gs_runs):
     """tools/plot_metrics.py and the error log on a gs:// workdir: written there, not locally."""
     from posttrain.main import write_error_log
-    from posttrain.train.plot import load_runs, plot
+    from posttrain.core.plot import load_runs, plot
     wd = gs_runs["sft"][0].workdir
     assert [r["step"] for r in load_runs(wd)["."]] == list(range(SFT_STEPS))
     png = plot(wd, f"{wd}/metrics.png")

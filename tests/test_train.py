@@ -3,7 +3,7 @@
 import pytest
 
 from posttrain.config import base_config
-from posttrain.train import lm
+from posttrain.stages import lm
 
 
 @pytest.mark.parametrize("experts", [0, 4], ids=["dense", "moe"])
@@ -60,9 +60,9 @@ def test_train_step_updates_the_router_bias_of_a_sigmoid_router():
 
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
-    from posttrain.train.optim import make_optimizer
-    from posttrain.train.state import create_train_state
-    from posttrain.train.step import lm_loss, make_train_step
+    from posttrain.core.optim import make_optimizer
+    from posttrain.core.state import create_train_state
+    from posttrain.core.step import lm_loss, make_train_step
 
     cfg = base_config()
     m = cfg.model

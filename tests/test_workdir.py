@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.train.workdir import LOCK_NAME, WorkdirBusy, lock_file, workdir_lock
+from posttrain.core.workdir import LOCK_NAME, WorkdirBusy, lock_file, workdir_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,7 +65,7 @@ def test_second_run_in_locked_workdir_fails_fast_naming_the_first(tmp_path, capl
 
 HOLD = """
 import sys, time
-from posttrain.train.workdir import workdir_lock
+from posttrain.core.workdir import workdir_lock
 with workdir_lock(sys.argv[1]):
     print("locked", flush=True)
     time.sleep(600)

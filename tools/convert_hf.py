@@ -109,7 +109,7 @@ def main(argv: list[str]) -> None:
     if FLAGS.measure:
         print(json.dumps(measure(FLAGS.measure), indent=2))
         return
-    from posttrain.models.hf.convert import hf_to_run, read_run_config, run_to_hf
+    from posttrain.core.hf_convert import hf_to_run, read_run_config, run_to_hf
     if not FLAGS.run or bool(FLAGS.from_hf) == bool(FLAGS.to_hf):
         raise app.UsageError("give --run with exactly one of --from_hf and --to_hf (or --measure)")
     mesh, rules = _mesh()

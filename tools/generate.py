@@ -28,8 +28,8 @@ from posttrain.data.tokenizer import load_tokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.sampling import SamplingParams, generate
-from posttrain.train.checkpoint import Checkpointer, abstract_with_shardings
-from posttrain.train.state import abstract_model, init_model_state, shardings_for
+from posttrain.core.checkpoint import Checkpointer, abstract_with_shardings
+from posttrain.core.state import abstract_model, init_model_state, shardings_for
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().")
 flags.DEFINE_string("prompts", None, "JSONL file of {\"prompt\": ...} records.", required=True)

@@ -32,8 +32,8 @@ def load_model(cfg, step: int | None):
 
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
-    from posttrain.train.init import load_model_state
-    from posttrain.train.state import abstract_model
+    from posttrain.core.init import load_model_state
+    from posttrain.core.state import abstract_model
     if cfg.lora.rank > 0:
         raise app.UsageError(f"{cfg.workdir}: a LoRA run; export it with tools/convert_hf.py (adapters merged) "
                              "and evaluate that")
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> None:
     from posttrain import storage
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.eval.long_context_eval import evaluate, plot_heatmaps, summarize, write_rows
-    from posttrain.models.hf.convert import read_run_config
+    from posttrain.core.hf_convert import read_run_config
     from posttrain.parallel import use_sharding
     cfg = read_run_config(FLAGS.run)
     lc = cfg.eval.long_context

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from posttrain import storage
-from posttrain.train.plot import plot
+from posttrain.core.plot import plot
 
 
 def main() -> None:

@@ -25,13 +25,12 @@ import operator
 import re
 import time
 
+from posttrain.stages import registry
+
 OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 _CONDITION = re.compile(r"^\s*([\w/@.\-]+)\s*(<=|>=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
 REGRESSION_DROP = "regression_drop"
 GATES_FILE = "gates.jsonl"        # every gate checked, appended under the run's workdir (for tools/report.py)
-# The config section of a stage, where it differs from its name.
-SECTION = {"rlvr": "rl", "rejection_sampling": "rejection"}
-GATED_STAGES = ("sft", "reward_model", "dpo", "rlvr", "eval", "rejection_sampling")
 
 
 class GateFailed(RuntimeError):
@@ -77,14 +76,14 @@ def parse_gate(spec: str, key: str) -> list[Condition]:
 
 def gate_key(stage: str) -> str:
     """The config key holding `stage`'s gate."""
-    return f"config.{SECTION.get(stage, stage)}.gate"
+    return f"config.{registry.section(stage)}.gate"
 
 
 def validate_gates(cfg, stages) -> None:
     """Parse the gate of every stage in `stages` (start-up check: raises ValueError naming the key)."""
     for stage in stages:
-        if stage in GATED_STAGES:
-            parse_gate(cfg[SECTION.get(stage, stage)].gate, gate_key(stage))
+        if stage in registry.GATED:
+            parse_gate(cfg[registry.section(stage)].gate, gate_key(stage))
 
 
 def regression_drop(current: dict, baseline: dict) -> float | None:

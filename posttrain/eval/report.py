@@ -24,7 +24,7 @@ import re
 import time
 
 from posttrain import storage
-from posttrain.train.plot import load_runs, plt, png_bytes, series
+from posttrain.core.plot import load_runs, plt, png_bytes, series
 
 # (title, metric patterns): one panel each, every matching metric of every stage drawn in it.
 PANELS = (

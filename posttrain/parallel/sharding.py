@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -166,3 +166,20 @@ def named_sharding(names: Sequence[str | None], shape: Sequence[int] | None = No
         raise RuntimeError("named_sharding() needs an active use_sharding(mesh, rules) context")
     mesh, rules = ctx
     return NamedSharding(mesh, logical_spec(names, mesh, rules, shape))
+
+
+def abstract_model(make_model: Callable[[], nnx.Module]) -> nnx.Module:
+    """The model's structure and shapes without allocating (for shardings and restores).
+
+    Plain `jax.eval_shape` rather than `nnx.eval_shape`, which would resolve the logical axis
+    names against the current mesh itself; `shardings_for` applies our rules instead.
+    """
+    graphdef = None
+
+    def shapes():
+        nonlocal graphdef
+        graphdef, state = nnx.split(make_model())
+        return state
+
+    state = jax.eval_shape(shapes)
+    return nnx.merge(graphdef, state)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from posttrain.rl.advantages import ADVANTAGE_METHODS
-from posttrain.rl.critic import check_critic
-from posttrain.rl.tasks import ENVS, VERIFIERS, curriculum_options, domain_spec
+from posttrain.rl.algo.advantages import ADVANTAGE_METHODS
+from posttrain.rl.algo.critic import check_critic
+from posttrain.rl.tasks.registry import ENVS, VERIFIERS, curriculum_options, domain_spec
 
 
 def ppo_steps(r) -> int:
@@ -81,7 +81,7 @@ def check_episode_cohorts(cfg, stage_names) -> None:
     `rl.env='tool'` `check_rl_config` checks) or eval with a multi-turn suite."""
     if cfg.rl.episode_cohorts == 1 or "rlvr" in stage_names:
         return
-    from posttrain.rl.evaluation import multi_turn_suites
+    from posttrain.rl.tasks.suites import multi_turn_suites
     if "eval" not in stage_names or not multi_turn_suites(cfg.eval.suites):
         raise ValueError(f"rl.episode_cohorts={cfg.rl.episode_cohorts} cannot take effect: only multi-turn episodes "
                          "(stage rlvr with rl.env='tool', or stage eval with a multi-turn suite such as repo_fix) "
@@ -193,3 +193,10 @@ def check_sampling_config(cfg, stage_names) -> None:
         if changed:
             raise ValueError(f"sampling.{changed[0]}={s[changed[0]]!r}: the sampling.* keys configure the rlvr "
                              f"stage's sampler, and this run ({', '.join(stage_names)}) has no rlvr stage")
+
+
+def check_rlvr_stage(cfg) -> None:
+    """The rlvr stage's start-up checks: the `rl.*` rules, then what RL cannot split over processes."""
+    from posttrain.rl.rollout.hosts import check_multihost_rl
+    check_rl_config(cfg)
+    check_multihost_rl(cfg)

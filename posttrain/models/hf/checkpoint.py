@@ -32,7 +32,7 @@ from posttrain.models.hf.config import architecture, hf_config_from_model, model
 from posttrain.models.hf.files import SafetensorsFolder, ShardWriter
 from posttrain.models.hf.layout import Entry, checkpoint_order, expected_shapes, hf_tensors, param_entries, read_entry
 from posttrain.parallel.sharding import Rules
-from posttrain.train.state import abstract_model, shardings_for
+from posttrain.parallel.sharding import abstract_model, shardings_for
 
 # Checkpoint tensors that carry no weights of ours: old Llama checkpoints store RoPE buffers.
 IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")

@@ -1,0 +1,76 @@
+"""A model's lineage across runs: the Hugging Face config.json its weights came from and the
+longest context they have been trained at.
+
+Every checkpoint the training loop writes carries it in its `meta` (key `lineage`), inherited
+from `init_from` and updated as training sees longer sequences, so exporting any run
+(`tools/convert_hf.py --run R --to_hf OUT`) keeps every setting of the source model and
+advertises the context actually trained (`max_position_embeddings`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import fsspec
+
+from posttrain.core.checkpoint import Checkpointer
+
+KEY = "lineage"
+
+
+def empty() -> dict:
+    """No source config, nothing trained."""
+    return {"hf_config": None, "trained_context": 0}
+
+
+def merge(lineage: dict, trained_context: int) -> dict:
+    """`lineage` with its trained context raised to at least `trained_context`."""
+    return {**lineage, "trained_context": max(int(lineage.get("trained_context") or 0), int(trained_context))}
+
+
+def of_init(init_from: str, _depth: int = 0) -> dict:
+    """The lineage a run starting from `init_from` inherits: an `hf:` folder's config.json (nothing
+    trained yet), another run's newest checkpoint's, or nothing."""
+    if not init_from:
+        return empty()
+    if init_from.startswith("hf:"):
+        from posttrain.models.hf.config import read_hf_config    # models below train: import on use
+        return {"hf_config": read_hf_config(init_from.removeprefix("hf:")), "trained_context": 0}
+    return of_run(init_from, _depth)
+
+
+def of_run(path: str, _depth: int = 0) -> dict:
+    """The lineage of the newest checkpoint under run (or checkpoints folder) `path`.
+
+    Checkpoints written before lineage was recorded fall back to what they have: the source
+    config a `convert_hf.py --from_hf` run stored, else the lineage of the run's own `init_from`.
+    """
+    from posttrain.core.init import checkpoint_dir
+    fs, _ = fsspec.core.url_to_fs(path)
+    if not fs.exists(path):
+        return empty()
+    ckpt = Checkpointer(checkpoint_dir(path), every=0, keep=1, async_save=False)
+    step = ckpt.latest_step()
+    meta = ckpt.restore(step, {})[2] if step is not None else {}
+    ckpt.close()
+    if meta.get(KEY):
+        return {**empty(), **meta[KEY]}
+    if meta.get("hf_config"):
+        return {"hf_config": meta["hf_config"], "trained_context": 0}
+    init_from = _run_init_from(path)
+    if init_from and _depth < 16:
+        logging.warning("%s: checkpoint has no lineage; using that of its init_from %s", path, init_from)
+        return of_init(init_from, _depth + 1)
+    return empty()
+
+
+def _run_init_from(path: str) -> str:
+    """`init_from` of the run config saved in `{path}/config.json` ('' when there is none)."""
+    file = f"{path.rstrip('/')}/config.json"
+    fs, _ = fsspec.core.url_to_fs(file)
+    if not fs.exists(file):
+        return ""
+    with fsspec.open(file) as f:
+        return json.load(f).get("init_from", "")
+

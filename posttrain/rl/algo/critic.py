@@ -1,0 +1,50 @@
+"""The PPO critic: a value per generated token, from a head on the policy's own decoder.
+
+`rl.critic = "shared"` puts a scalar value head on the final hidden state of the policy's decoder
+(the reward model's head, `models.reward.RewardModel`, read at every position instead of the last):
+one forward pass gives logits and values, the head is a parameter of the policy (trained by the
+same optimizer, checkpointed and restored with it), and the sampler ignores it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posttrain.models.decoder import Decoder
+from posttrain.models.layers import dtype_of, param
+
+CRITICS = ("shared",)
+
+
+def scalar_head(hidden: jax.Array, head: jax.Array) -> jax.Array:
+    """hidden [..., D] · head [D] → [...] in float32 (a value or reward per position)."""
+    return hidden.astype(jnp.float32) @ head.astype(jnp.float32)
+
+
+class ValueDecoder(Decoder):
+    """The decoder with a value head (a shared actor-critic): `V(s_t)` at every position t is the
+    value of the state after reading tokens[:t + 1], i.e. before the policy emits targets[t]."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        self.value_head = param(rngs, jax.nn.initializers.normal(cfg.embed_dim ** -0.5), (cfg.embed_dim,),
+                                ("embed",), dtype_of(cfg.param_dtype))
+
+    def logits_and_values(self, tokens, positions=None, segment_ids=None, *,
+                          update_bias: bool = False) -> tuple[jax.Array, jax.Array, dict]:
+        """tokens [B, S] → (logits [B, S, V] float32, values [B, S] float32, MoE aux)."""
+        hidden, aux = self.hidden_states(tokens, positions, segment_ids, update_bias=update_bias)
+        return self.logits(hidden), scalar_head(hidden, self.value_head[...]), aux
+
+
+def check_critic(rl_cfg, lora_cfg) -> None:
+    """Refuse critic settings that cannot take effect (named keys, what is expected)."""
+    if rl_cfg.critic not in CRITICS:
+        extra = (" (a separate value model is not implemented: its own train state, optimizer and "
+                 "checkpoint items)" if rl_cfg.critic == "separate" else "")
+        raise ValueError(f"rl.critic={rl_cfg.critic!r}: expected one of {CRITICS}{extra}")
+    if lora_cfg.rank > 0:
+        raise ValueError(f"rl.advantage='gae' with lora.rank={lora_cfg.rank}: the shared critic's value head "
+                         "is not a LoRA target and would never train; use full fine-tuning (lora.rank=0)")

@@ -1,0 +1,243 @@
+"""What the RLVR loop trains on: the task domains, the held-out tasks and the reward sources.
+
+Two registries, both filled from the config:
+- `DOMAINS`: name → builder of a (training domain, held-out tasks) pair. The built-ins
+  (`arithmetic`, `gsm8k`, `humaneval`, and the agent domain `repo_fix`, which needs
+  `rl.env = "tool"`) are entries; `register_domain` adds more. The user's
+  own files (`rl.train_files`, `rl.eval_files`, see `task_files`) add one domain per `domain`
+  field of their records.
+- verifiers: the built-in `math` and `code` (sandboxed) ones by task type, and user functions by
+  name (`rl.verifiers = "mypkg.rewards:score"`, or `register_verifier`), run with a timeout
+  (`rl.verifier_timeout_s`; the contract is in `verifiers/user.py` and the README).
+Reward sources are composed here, in one place (`make_reward_fn`): verifiers per task type with
+the configured shaping. A learned reward model is another source beside them (`reward_model`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+
+from posttrain.data.sources import SkipLog
+from posttrain.rl.tasks import domains as domain_lib
+from posttrain.rl.tasks import repo_domain
+from posttrain.rl.tasks import files as task_files
+from posttrain.rl.envs import SingleTurnEnv
+from posttrain.rl.envs.workspace import WORKSPACE_LIMITS, WorkspaceEnv
+from posttrain.rl.envs.base import Task
+from posttrain.rl.reward import RewardConfig, RewardFunction
+from posttrain.rl.tasks.scheduler import BANDS
+from posttrain.rl.verifiers.code import CodeTask, CodeVerifier
+from posttrain.rl.verifiers.math import MathTask, MathVerifier
+from posttrain.rl.verifiers.user import ScoreFn, UserTask, UserVerifier, load_callable
+from posttrain.sandbox import Sandbox
+
+DomainBuilder = Callable[[object, Callable], tuple[domain_lib.Domain, list[Task]]]
+
+
+def _arithmetic(cfg, env):
+    r, kw = cfg.rl, dict(instruction=cfg.rl.instruction, max_value=cfg.data.synthetic_max_value)
+    return (domain_lib.arithmetic_domain(env, n=r.arithmetic_size, seed=cfg.seed + 1, **kw),
+            domain_lib.arithmetic_tasks(r.eval_size, seed=cfg.seed + 10_000, **kw))
+
+
+def _repo_fix(cfg, env):
+    if cfg.rl.env != "tool":
+        raise ValueError(f"rl.domains: repo_fix is an agent domain (tool calls in a sandboxed repository); it needs "
+                         f"rl.env='tool', got rl.env={cfg.rl.env!r}")
+    return (repo_domain.repo_fix_domain(env, seed=cfg.seed + 1),
+            repo_domain.repo_tasks("test", cfg.rl.eval_size, seed=cfg.seed + 10_000))
+
+
+DOMAINS: dict[str, DomainBuilder] = {
+    "arithmetic": _arithmetic,
+    "gsm8k": lambda cfg, env: (domain_lib.gsm8k_domain(env, split="train"),
+                               domain_lib.gsm8k_tasks(split="test", limit=cfg.rl.eval_size)),
+    "humaneval": lambda cfg, env: (domain_lib.humaneval_domain(env),
+                                   domain_lib.humaneval_tasks(limit=cfg.rl.eval_size)),
+    "repo_fix": _repo_fix,
+}
+ENVS = ("single", "tool")       # rl.env: one answer per sample, or multi-turn episodes with sandboxed tools
+VERIFIERS: dict[str, ScoreFn] = {}      # user verifiers added from Python (`register_verifier`)
+
+
+def register_domain(name: str, builder: DomainBuilder) -> None:
+    """Make `name` usable in `rl.domains`: `builder(cfg, make_env)` returns (training Domain,
+    held-out Tasks), both disjoint by construction."""
+    if name in DOMAINS:
+        raise ValueError(f"domain {name!r} is already registered")
+    DOMAINS[name] = builder
+
+
+def register_verifier(name: str, fn: ScoreFn) -> None:
+    """Make `name` usable as a record's `"verifier"`: `fn(prompt, response, record)` (see verifiers/user.py)."""
+    if name in task_files.BUILTIN_VERIFIERS or name in VERIFIERS:
+        raise ValueError(f"verifier {name!r} is already registered")
+    VERIFIERS[name] = fn
+
+
+def parse_weights(spec: str) -> dict[str, float]:
+    """"arithmetic:2,gsm8k" → {"arithmetic": 2.0, "gsm8k": 1.0}."""
+    out = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, w = part.partition(":")
+        out[name] = float(w) if w else 1.0
+    if not out:
+        raise ValueError(f"rl.domains is empty: name at least one of {sorted(DOMAINS)} or set rl.train_files")
+    return out
+
+
+def domain_spec(r) -> dict[str, float]:
+    """`rl.domains` as {name: weight}. Empty: arithmetic alone, or with `rl.train_files` the files'
+    domains alone (each weight 1; `rl.domains` may also weight them by name)."""
+    if r.domains.strip():
+        return parse_weights(r.domains)
+    return {} if r.train_files else {"arithmetic": 1.0}
+
+
+def domain_weights(r, domains) -> dict[str, float]:
+    """Mixture weights of the training `domains`: as `rl.domains` gives them, else 1."""
+    spec = domain_spec(r)
+    return {name: spec.get(name, 1.0) for name in domains}
+
+
+def curriculum_options(c) -> dict:
+    """`rl.curriculum` as TaskScheduler keyword arguments (its module docstring says what each does)."""
+    weights = None
+    if c.band_weights.strip():
+        weights = {}
+        for part in filter(None, (p.strip() for p in c.band_weights.split(","))):
+            band, _, w = part.partition(":")
+            try:
+                weights[band.strip()] = float(w) if w else 1.0
+            except ValueError:
+                raise ValueError(f"rl.curriculum.band_weights={c.band_weights!r}: {part!r} is not band[:weight]") from None
+        unknown = sorted(set(weights) - set(BANDS))
+        if unknown or sum(weights.values()) <= 0 or min(weights.values()) < 0:
+            raise ValueError(f"rl.curriculum.band_weights={c.band_weights!r}: expected non-negative weights, some "
+                             f"positive, of the bands {BANDS}" + (f"; unknown {unknown}" if unknown else ""))
+    return dict(band_weights=weights, band_edges=(c.hard_below, c.easy_above), min_attempts=c.min_attempts,
+                pass_threshold=c.pass_threshold, window=c.window, retire_after=c.retire_after,
+                retire_above=c.retire_above if c.retire_above >= 0 else None,
+                retire_below=c.retire_below if c.retire_below >= 0 else None)
+
+
+def user_verifiers(r) -> dict[str, ScoreFn]:
+    """Registered user verifiers plus those of `rl.verifiers` ("[name=]package.module:function,..."; the
+    name defaults to the function's)."""
+    out = dict(VERIFIERS)
+    for spec in filter(None, (s.strip() for s in r.verifiers.split(","))):
+        name, eq, target = spec.partition("=")
+        if not eq:
+            name, target = spec.rpartition(":")[2].rpartition(".")[2], spec
+        name = name.strip()
+        if name in task_files.BUILTIN_VERIFIERS or name in out:
+            raise ValueError(f"rl.verifiers: the name {name!r} is taken (built-ins {task_files.BUILTIN_VERIFIERS}, "
+                             f"registered {sorted(VERIFIERS)}); give yours another: 'myname={target.strip()}'")
+        out[name] = load_callable(target.strip())
+    return out
+
+
+def make_domains(cfg, tok, reward_fn) -> tuple[dict[str, domain_lib.Domain], list[tuple[str, object]]]:
+    """Training domains and held-out (domain, task) pairs for evaluation: the registry's domains
+    named in `rl.domains`, then those of `rl.train_files` / `rl.eval_files`."""
+    r = cfg.rl
+    env = make_env_factory(cfg, tok, reward_fn)
+    spec, domains, held_out = domain_spec(r), {}, []
+    file_domains, eval_tasks = _user_tasks(cfg)
+    for name in spec:
+        if name in DOMAINS and name not in file_domains:
+            domains[name], tasks = DOMAINS[name](cfg, env)
+            held_out += [(name, t) for t in tasks]
+        elif name not in file_domains:
+            raise ValueError(f"rl.domains: unknown {name!r}; valid: {sorted(DOMAINS)} and the domains of "
+                             f"rl.train_files {sorted(file_domains)}")
+    for name, tasks in file_domains.items():
+        if name in DOMAINS and name in spec:
+            raise ValueError(f"rl.train_files: domain {name!r} is also a built-in domain named in rl.domains; "
+                             "rename it in the records' 'domain' field")
+        domains[name] = domain_lib.Domain(name, [t for _, t in tasks], env)
+    # Held-out tasks of a domain not trained on run in any domain's environment (they are all the same).
+    fallback = next(iter(domains), None)
+    for name, tasks in eval_tasks.items():
+        held_out += [(name if name in domains else fallback, t) for _, t in tasks[:r.eval_size]]
+    if not domains:
+        raise ValueError("no training tasks: rl.domains names none and rl.train_files has none")
+    if r.eval_every and not held_out:
+        raise ValueError(f"rl.eval_every={r.eval_every} but there are no held-out tasks: set rl.eval_files "
+                         "(or rl.eval_every=0)")
+    return domains, held_out
+
+
+def make_env_factory(cfg, tok, reward_fn) -> Callable:
+    """The environment of one episode, per `rl.env`: `single` (one answer) or `tool` (up to
+    `rl.max_turns` model turns of `rl.max_new_tokens` each, with shell/Python calls in a
+    persistent sandboxed working directory; `envs/workspace.py`). One sandbox serves all episodes."""
+    r = cfg.rl
+    if r.env == "single":
+        return lambda: SingleTurnEnv(tok, reward_fn, max_turn_tokens=r.max_new_tokens)
+    sandbox, limits = Sandbox(WORKSPACE_LIMITS), dataclasses.replace(WORKSPACE_LIMITS, wall_s=r.tool_timeout_s)
+    return lambda: WorkspaceEnv(tok, reward_fn, sandbox, max_turns=r.max_turns, max_turn_tokens=r.max_new_tokens,
+                                limits=limits)
+
+
+def _user_tasks(cfg) -> tuple[dict[str, list[tuple[str, Task]]], dict[str, list[tuple[str, Task]]]]:
+    """(train, eval) tasks of the user's files by domain; every rl.verifiers entry must be used."""
+    r = cfg.rl
+    names = user_verifiers(r)
+    skips = SkipLog(cfg.data.on_error)
+    train = task_files.read_task_files(r.train_files, names, skips) if r.train_files else {}
+    evals = task_files.read_task_files(r.eval_files, names, skips) if r.eval_files else {}
+    if evals:
+        prompts = {task_files.normalise_prompt(t): where for tasks in train.values() for where, t in tasks}
+        task_files.drop_overlap(evals, prompts, skips)
+    used = {t.target.verifier for d in (train, evals) for ts in d.values() for _, t in ts
+            if isinstance(t.target, UserTask)}
+    unused = sorted(set(names) - set(VERIFIERS) - used)
+    if unused:
+        raise ValueError(f"rl.verifiers: {unused} verify no record of rl.train_files / rl.eval_files (a record "
+                         "names its verifier in its 'verifier' field)")
+    if skips.skipped:
+        logging.warning("rl.train_files / rl.eval_files: skipped %d bad task records (data.on_error='skip')",
+                        skips.skipped)
+    for what, found in (("rl.train_files", train), ("rl.eval_files", evals)):
+        if r[what.split(".")[1]] and not any(found.values()):
+            raise ValueError(f"{what}={r[what.split('.')[1]]!r}: no usable task record")
+    return train, evals
+
+
+class _LazyVerifier:
+    """A verifier built on first use (the code verifier's sandbox probes the OS: only when code is verified)."""
+
+    def __init__(self, make: Callable[[], object]) -> None:
+        self._make, self._made, self._lock = make, None, threading.Lock()
+
+    def _get(self):
+        with self._lock:
+            if self._made is None:
+                self._made = self._make()
+            return self._made
+
+    def verify(self, task, response):
+        return self._get().verify(task, response)
+
+    def verify_many(self, tasks, responses):
+        return self._get().verify_many(tasks, responses)
+
+
+def make_reward_fn(cfg) -> RewardFunction:
+    """Math, code (sandboxed, built when first needed) and user verifiers with the configured
+    format and overlong shaping."""
+    r = cfg.rl
+    # The overlong ramp is over a sample's model tokens: one turn, or all turns of an episode.
+    budget = r.max_new_tokens * (r.max_turns if r.env == "tool" else 1)
+    config = RewardConfig(format_penalty=r.format_penalty, max_tokens=budget if r.overlong_buffer else None,
+                          overlong_buffer=r.overlong_buffer, invalid_tool_call_penalty=r.invalid_tool_call_penalty,
+                          redundant_tool_call_penalty=r.redundant_tool_call_penalty)
+    verifiers = {MathTask: MathVerifier(), CodeTask: _LazyVerifier(CodeVerifier)}
+    functions = user_verifiers(r)
+    if functions:
+        verifiers[UserTask] = UserVerifier(functions, timeout_s=r.verifier_timeout_s)
+    return RewardFunction(verifiers, config)

@@ -1,0 +1,128 @@
+"""What the gradient stages (SFT, reward model, DPO) share: tokenizer, data options, evaluators, the
+sample log."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+
+import jax
+from flax import nnx
+
+from posttrain import storage
+from posttrain.core.loop import put_batch
+from posttrain.data.examples import sft_messages
+from posttrain.data.pipeline import preference_batches, read_jsonl
+from posttrain.data.tokenizer import Tokenizer, load_tokenizer
+from posttrain.parallel import is_primary
+from posttrain.sampling.generate import generate
+from posttrain.sampling.rules import SamplingParams
+
+
+SIDES = ("chosen", "rejected")
+
+
+PREFERENCE_AXES = {f"{s}_{k}": ("batch", "length") for s in SIDES
+                   for k in ("inputs", "targets", "loss_mask", "positions", "segment_ids")}
+
+
+def make_evaluator(metric_fn, make_batches):
+    """eval_fn(model, step) → metrics averaged over a finite pass of `make_batches()`, jitted once."""
+    compiled = {}
+
+    def eval_fn(model: nnx.Module, step: int | None = None) -> dict:
+        graphdef, state = nnx.split(model)
+        if "fn" not in compiled:
+            compiled["fn"] = jax.jit(lambda state, batch: metric_fn(nnx.merge(graphdef, state), batch))
+        sums, weight = {}, 0.0
+        for batch in make_batches():
+            metrics, w = compiled["fn"](state, put_batch(batch))
+            w = float(w)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * w
+            weight += w
+        return {k: v / max(weight, 1e-9) for k, v in sums.items()}
+    return eval_fn
+
+
+def combine_evals(*fns):
+    """One eval_fn(model, step) returning the union of the given ones' metrics (None entries
+    skipped; None when there are none)."""
+    fns = [f for f in fns if f is not None]
+    if not fns:
+        return None
+    return lambda model, step=None: {k: v for f in fns for k, v in f(model, step).items()}
+
+
+def finite_batches(make):
+    """An iterator over one epoch in file order that stops at the padding rows of the last batch."""
+    def batches():
+        it = make()
+        seen = -1
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            if it.epoch != seen and seen >= 0:
+                return
+            seen = it.epoch
+            yield batch
+    return batches
+
+
+def data_kw(cfg) -> dict:
+    d = cfg.data
+    fields = dict(kv.split("=", 1) for kv in d.fields.split(",") if kv) if d.fields else None
+    return dict(on_error=d.on_error, fields=fields)
+
+
+def stage_tokenizer(cfg) -> Tokenizer:
+    tok = load_tokenizer(cfg.data.tokenizer)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r} has {tok.vocab_size} tokens but "
+                         f"model.vocab_size={cfg.model.vocab_size}")
+    return tok
+
+
+def require_files(files: str, key: str) -> str:
+    if not files:
+        raise ValueError(f"config.{key} is empty: give a JSONL path or glob (local, gs:// or memory://)")
+    return files
+
+
+def preference_data(cfg, files: str, *, eval: bool, tok: Tokenizer, kw: dict):
+    make = lambda: preference_batches(files, tok, batch_size=cfg.train.batch_size, max_len=cfg.train.seq_len,
+                                      seed=0 if eval else cfg.seed, shuffle=not eval, epochs=1 if eval else None, **kw)
+    return finite_batches(make) if eval else make()
+
+
+def sample_prompts(files: str, tok: Tokenizer, n: int, fields=None) -> list[tuple[str, list[int]]]:
+    """The first `n` conversations of `files` up to their last assistant turn, as (text, prompt ids)."""
+    out = []
+    for rec in itertools.islice(read_jsonl(files), n):
+        messages, _ = sft_messages(rec.data, fields)
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
+        ids, _ = tok.encode_chat(messages[:last], add_generation_prompt=True)
+        out.append((messages[last - 1]["content"] if last else "", ids))
+    return out
+
+
+def make_sampler_log(cfg, tok: Tokenizer, files: str, n: int = 3):
+    """sample_fn for `TrainSpec`: greedy completions of a few held-out prompts → `{workdir}/samples.jsonl`."""
+    prompts = sample_prompts(files, tok, n, data_kw(cfg)["fields"])
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.sft.sample_tokens, stop_ids=tuple(tok.stop_ids))
+
+    def sample_fn(model: nnx.Module, step: int) -> None:
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        out = generate(graphdef, params, rest, [ids for _, ids in prompts], sampling, jax.random.key(0),
+                       pad_id=tok.pad_id)
+        lines = []
+        for i, (text, _) in enumerate(prompts):
+            completion = tok.decode(out.completion(i))
+            lines.append(json.dumps({"step": step, "prompt": text, "completion": completion}) + "\n")
+            logging.info("sample %d: %r → %r", i, text[-80:], completion[:160])
+        if is_primary():
+            storage.append_text(storage.join(cfg.workdir, "samples.jsonl"), "".join(lines))
+    return sample_fn

@@ -1,0 +1,240 @@
+"""Stage `eval`: evaluate one checkpoint, or every checkpoint of a run, on named suites.
+
+Suites (`eval.suites`, comma-separated): the built-in held-out sets of the RL domains
+(`arithmetic`, `gsm8k` test, `humaneval`, the agent domain `repo_fix`'s "test" split, via
+`rl.tasks.make_domains`) and user JSONL suites `name=path.jsonl` with records `{"prompt", "answer"}`
+scored by the math verifier. Each suite reports greedy accuracy, mean sampled accuracy over
+`eval.samples` samples, pass@k (unbiased estimator) for each k of `eval.pass_k`, mean response
+length, verifier errors and its wall time. A multi-turn suite (`repo_fix`) runs whole episodes
+as `rl.env='tool'` does (`rl.max_turns` turns of `rl.max_new_tokens`, sandboxed calls, the
+configured tool-call penalties): a problem counts as solved when its final check passes,
+penalties aside (`tool_success_rate`, greedy; `tool_success_rate_sampled`), and it also reports
+`turns_per_episode`, `calls_per_turn` and `tool_call_ok_rate` of the greedy episodes.
+Sampling uses the `rl.*` settings (temperature, top_k, top_p, max_new_tokens) and the seed, so
+checkpoints are compared on the same draws. Every result is appended to
+`{workdir}/eval/<suite>.jsonl` with the checkpoint path and step and the suite version (a hash of
+its records), so runs and checkpoints can be compared over time; `{workdir}/metrics.jsonl` gets
+one row per checkpoint (`eval/<suite>/<metric>`) for the curves.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from posttrain import storage
+from posttrain.data.sources import SkipLog, read_jsonl
+from posttrain.data.tokenizer import load_tokenizer
+from posttrain.eval.long_context_eval import make_long_context_eval, parse_grid
+from posttrain.eval.passk import mean_pass_at_k
+from posttrain.models.decoder import Decoder
+from posttrain.parallel import allgather_json, mesh_and_rules, use_sharding
+from posttrain.rl.tasks.domains import Domain
+from posttrain.rl.envs import SingleTurnEnv
+from posttrain.rl.envs.base import Task
+from posttrain.rl.rollout.episodes import rollout_episodes
+from posttrain.rl.rollout.hosts import combine_info
+from posttrain.rl.rollout.worker import SUMMED_INFO, RolloutWorker
+from posttrain.rl.tasks.suites import BUILTIN, HEADLINE, MULTI_TURN, make_suites, multi_turn_suites, parse_suites, suite_version
+from posttrain.rl.verifiers.math import MathTask
+from posttrain.sampling.rules import SamplingParams
+from posttrain.core.checkpoint import Checkpointer
+from posttrain.core.init import checkpoint_dir, load_model_state
+from posttrain.core.loop import Result
+from posttrain.core.metrics import MetricsWriter
+from posttrain.core.state import abstract_model
+
+def pass_ks(cfg) -> list[int]:
+    """eval.pass_k as ints, each in 1..eval.samples."""
+    try:
+        ks = [int(k) for k in str(cfg.eval.pass_k).split(",") if k.strip()]
+    except ValueError:
+        raise ValueError(f"eval.pass_k={cfg.eval.pass_k!r}: expected comma-separated integers, e.g. '1,4'") from None
+    bad = [k for k in ks if not 1 <= k <= cfg.eval.samples]
+    if bad or not ks:
+        raise ValueError(f"eval.pass_k={cfg.eval.pass_k!r}: each k must be in 1..eval.samples={cfg.eval.samples}")
+    return ks
+
+
+def solved(groups, *, episodes: bool) -> list[list[bool]]:
+    """Per problem, whether each sample solved it, from every process's groups (global task
+    order): reward >= 1 for one answer; for a tool episode its final check (correctness 1),
+    whatever the tool-call penalties took off the reward."""
+    if episodes:
+        mine = [[t.reward.parts["correct"] >= 1.0 for t in g.trajectories] for g in groups]
+    else:
+        mine = [[float(r) >= 1.0 for r in g.rewards] for g in groups]
+    return [row for part in allgather_json(mine) for row in part]
+
+
+def evaluate_suite(worker: RolloutWorker, params, rest, name: str, tasks: list[Task], key, samples: int,
+                   ks: list[int], *, episodes: bool = False) -> dict:
+    """Greedy accuracy, mean sampled accuracy, pass@k, response length, verifier errors, seconds;
+    with `episodes` (the worker runs multi-turn tool episodes) also the `EPISODE_METRICS`.
+
+    Same draws as `rollout.evaluate`: greedy with `key`, `samples` samples with fold_in(key, 1)."""
+    t0 = time.perf_counter()
+    pairs = [(name, t) for t in tasks]
+    greedy = worker.rollout(params, rest, pairs, key, num_samples=1, greedy=True, exact_share=False)
+    sampled = worker.rollout(params, rest, pairs, jax.random.fold_in(key, 1), num_samples=samples, exact_share=False)
+    # several processes: each verified its share of the problems; results from all of them
+    correct = solved(sampled.groups, episodes=episodes)
+    greedy_ok = [row[0] for row in solved(greedy.groups, episodes=episodes)]
+    greedy, sampled = (dataclasses.replace(b, info=combine_info(b.info, SUMMED_INFO)) for b in (greedy, sampled))
+    out = {"accuracy": float(np.mean(greedy_ok)),
+           "mean_accuracy": float(np.mean(correct)),
+           **{f"pass@{k}": mean_pass_at_k(correct, k) for k in ks},
+           "response_len": sampled.info["response_len_mean"],
+           "greedy_response_len": greedy.info["response_len_mean"],
+           "verifier_errors": greedy.info["verifier_errors"] + sampled.info["verifier_errors"]}
+    if episodes:
+        out.update(tool_success_rate=out["accuracy"], tool_success_rate_sampled=out["mean_accuracy"],
+                   **{k: greedy.info[k] for k in ("turns_per_episode", "calls_per_turn", "tool_call_ok_rate")})
+    return {**out, "seconds": time.perf_counter() - t0}
+
+
+SUITE_METRICS = ("accuracy", "mean_accuracy", "response_len", "greedy_response_len", "verifier_errors", "seconds")
+EPISODE_METRICS = ("tool_success_rate", "tool_success_rate_sampled", "turns_per_episode", "calls_per_turn",
+                   "tool_call_ok_rate")
+
+
+def check_eval_config(cfg) -> None:
+    """Start-up check of `eval.suites`, `eval.pass_k` and the metrics `eval.gate` names (no data is
+    read: a pipeline runs it before its first stage trains)."""
+    check_gate_metrics(cfg, [n for n, _ in parse_suites(cfg.eval.suites)], pass_ks(cfg))
+    if multi_turn_suites(cfg.eval.suites):
+        from posttrain.rl.checks import check_env
+        check_env(cfg.rl)
+
+
+def check_gate_metrics(cfg, suites, ks: list[int]) -> None:
+    """Every metric `eval.gate` names is one this evaluation reports (suites: their names)."""
+    from posttrain.eval.gates import REGRESSION_DROP, parse_gate
+    known = {REGRESSION_DROP, *(HEADLINE[n] for n in suites if n in HEADLINE)}
+    multi = multi_turn_suites(cfg.eval.suites)
+    for n in suites:
+        known |= {f"{n}/{m}" for m in (*SUITE_METRICS, *(f"pass@{k}" for k in ks),
+                                       *(EPISODE_METRICS if n in multi else ()))}
+    if cfg.eval.long_context.lengths:
+        grid = parse_grid(cfg.eval.long_context)
+        known |= {f"long_ctx_{kind}" for kind in grid["kinds"]}
+        known |= {f"long_ctx_{kind}/len{n}" for kind in grid["kinds"] for n in grid["lengths"]}
+    unknown = [c.metric for c in parse_gate(cfg.eval.gate, "config.eval.gate") if c.metric not in known]
+    if unknown:
+        raise ValueError(f"config.eval.gate={cfg.eval.gate!r}: stage eval does not report {unknown}; "
+                         f"it reports {', '.join(sorted(known))}")
+
+
+def checkpoint_steps(cfg, path: str) -> list[int]:
+    """The steps of `path` that `eval.steps` selects (latest | all | "10,20")."""
+    if path.startswith("hf:"):
+        if str(cfg.eval.steps).strip() != "latest":
+            raise ValueError(f"eval.steps={cfg.eval.steps!r} cannot take effect: eval.checkpoint={path!r} is a "
+                             "Hugging Face folder (one set of weights, step 0)")
+        return [0]
+    ckpt = Checkpointer(checkpoint_dir(path), every=0, keep=1, async_save=False)
+    available = ckpt.all_steps()
+    ckpt.close()
+    if not available:
+        raise FileNotFoundError(f"eval.checkpoint={path!r}: no checkpoint under {checkpoint_dir(path)}")
+    spec = str(cfg.eval.steps).strip()
+    if spec == "latest":
+        return available[-1:]
+    if spec == "all":
+        return available
+    try:
+        steps = [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"eval.steps={spec!r}: expected latest, all or comma-separated steps") from None
+    missing = [s for s in steps if s not in available]
+    if missing or not steps:
+        raise ValueError(f"eval.steps={spec!r}: no checkpoint {missing} in {path} (has {available})")
+    return steps
+
+
+def write_record(workdir: str, record: dict) -> None:
+    """Append one suite's result to `{workdir}/eval/<suite>.jsonl` (process 0 only)."""
+    if jax.process_index() != 0:
+        return
+    storage.makedirs(storage.join(workdir, "eval"))
+    storage.append_text(storage.join(workdir, "eval", f"{record['suite']}.jsonl"), json.dumps(record) + "\n")
+
+
+def gate_view(results: dict[str, dict], versions: dict[str, str]) -> dict:
+    """Flat metrics for gates: `<suite>/<metric>`, `<suite>/version` and the headline aliases."""
+    out = {}
+    for name, m in results.items():
+        out.update({f"{name}/{k}": v for k, v in m.items()})
+        out[f"{name}/version"] = versions[name]
+        if name in HEADLINE:
+            out[HEADLINE[name]] = m["accuracy"]
+    return out
+
+
+def run(cfg, baseline: dict | None = None) -> Result:
+    """Evaluate the selected checkpoints of `eval.checkpoint` (or `init_from`) on `eval.suites`.
+
+    `Result.eval` holds the last checkpoint's gate metrics, with `regression_drop` against the
+    previous checkpoint evaluated here, else against `baseline` (a pipeline's previous eval)."""
+    from posttrain.eval.gates import regression_drop
+    path = cfg.eval.checkpoint or cfg.init_from
+    if not path:
+        raise ValueError("eval.checkpoint is empty and there is no init_from: give a run dir or checkpoints dir")
+    if cfg.lora.rank:
+        raise ValueError("stage eval with lora.rank > 0: evaluating adapter checkpoints is not supported; "
+                         "evaluate the merged model (lora.rank=0)")
+    ks, tok = pass_ks(cfg), load_tokenizer(cfg.data.tokenizer)
+    suites = make_suites(cfg, tok)
+    check_gate_metrics(cfg, suites, ks)
+    versions = {n: suite_version(d.tasks) for n, d in suites.items()}
+    steps = checkpoint_steps(cfg, path)
+    long_context = make_long_context_eval(cfg, tok)      # None unless eval.long_context.lengths
+    mesh, rules = mesh_and_rules(cfg)
+    make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    graphdef = nnx.split(abstract_model(make), nnx.Param, ...)[0]
+    r = cfg.rl
+    sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                              stop_ids=tuple(tok.stop_ids), num_samples=cfg.eval.samples)
+    previous, metrics = baseline, {}
+    bar = tqdm(total=len(steps) * len(suites), desc="eval", disable=not cfg.train.progress or jax.process_index() != 0)
+    # Curves too: one row per checkpoint in metrics.jsonl, appended (earlier rows, e.g. of training, are kept).
+    writer = MetricsWriter(cfg.workdir, enabled=jax.process_index() == 0, resume_step=2**62)
+    with concurrent.futures.ThreadPoolExecutor(r.verifier_workers) as pool, use_sharding(mesh, rules):
+        worker = RolloutWorker(graphdef, suites, sampling, tok.pad_id, pool)
+        multi = multi_turn_suites(cfg.eval.suites)
+        episode_worker = dataclasses.replace(worker, episodes=partial(rollout_episodes, cohorts=r.episode_cohorts))
+        for step in steps:
+            params, rest, _ = load_model_state(path, make, mesh, rules, step=None if path.startswith("hf:") else step)
+            results = {}
+            for name, suite in suites.items():
+                results[name] = evaluate_suite(episode_worker if name in multi else worker, params, rest, name,
+                                               list(suite.tasks), jax.random.key(cfg.seed), cfg.eval.samples, ks,
+                                               episodes=name in multi)
+                write_record(cfg.workdir, {"suite": name, "version": versions[name], "checkpoint": path, "step": step,
+                                           "problems": len(suite.tasks), "samples": cfg.eval.samples,
+                                           **results[name], "time": time.time()})
+                logging.info("eval %s step %d %s: %s", path, step, name,
+                             {k: round(v, 4) for k, v in results[name].items()})
+                bar.update(1)
+            metrics = gate_view(results, versions)
+            if long_context is not None:
+                metrics.update(long_context(nnx.merge(graphdef, params, rest), step))
+            writer.write(step, {f"eval/{k}": v for k, v in metrics.items()
+                                if ("/" in k or k.startswith("long_ctx")) and not k.endswith("/version")})
+            if previous is not None and (drop := regression_drop(metrics, previous)) is not None:
+                metrics["regression_drop"] = drop
+            previous = metrics
+    bar.close()
+    writer.close()
+    return Result(graphdef, None, [], metrics)

@@ -1,0 +1,437 @@
+"""Stage `rejection_sampling`: the data flywheel — verified samples of the policy become SFT data.
+
+    training prompts ─▶ sampler (policy: init_from, in a pipeline the previous stage) ─▶ N candidates
+        ─▶ verifier (the task's: math, code, user) ─▶ pass (score >= min_score, not truncated,
+        no verifier error) ─▶ length filter ─▶ dedup ─▶ best `keep_per_prompt`
+        ─▶ SFT JSONL with provenance + yield report
+
+Prompts are RL *training* tasks (the registry of `rl/tasks.py`: `rl.domains`, `rl.train_files` with
+their verifiers), `rejection.prompts` distinct ones (case and whitespace normalised), split over the
+domains by their `rl.domains` weights; held-out tasks are never sampled, so evaluation stays clean.
+Candidates are generated and verified by the RL `RolloutWorker` (`rl.prompts_per_step` prompts per
+sampler call; `rl.max_new_tokens`, `rl.top_k`, `rl.top_p`; `rejection.temperature`).
+
+Selection per prompt: passing candidates ranked by score (high first), then length (short first),
+then sample index; one kept per normalised response text (surrounding whitespace stripped, runs of
+whitespace as one space; case kept); responses over `rejection.max_tokens` tokens dropped; at
+most `rejection.keep_per_prompt` kept.
+
+Output (`rejection.output`, default `{workdir}/sft.jsonl`, local or gs://): one SFT record per kept
+candidate, `{"prompt", "response"}` (or `{"messages"}` for multi-message prompts; names as
+`data.fields` maps them, so the next SFT stage reads them) plus `"provenance"`: policy checkpoint
+and step, domain, task id, difficulty, verifier, score and its parts, sample index. With
+`rejection.mix_original`, `{output stem}.mixed.jsonl` holds `sft.train_files`'s records, then the
+kept ones. In a pipeline the next `sft` stage trains on the kept records (or the mixed file),
+starting from the policy that sampled them.
+
+Re-run in the same workdir (a resumed pipeline) with the same config and policy checkpoint, the stage
+finds its report and files and does not sample again.
+
+Yield report (`{workdir}/rejection_report.json`, and one console line per domain and difficulty):
+prompts, candidates, passing, verifier errors, truncated, too long, duplicates, kept, prompts with
+a kept candidate; `yield` = prompts with a kept candidate / prompts, `pass_rate` = passing /
+candidates. Gate metrics (`rejection.gate`): `rejection/{yield,pass_rate,kept,prompts}` and
+`rejection/<domain>/{yield,pass_rate,kept}`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import hashlib
+import itertools
+import json
+import logging
+import math
+import os
+
+import fsspec
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from posttrain.data.examples import field_key
+from posttrain.data.sources import read_jsonl
+from posttrain.data.tokenizer import Tokenizer, load_tokenizer
+from posttrain.models.decoder import Decoder
+from posttrain.parallel import allgather_json, mesh_and_rules, use_sharding
+from posttrain.rl.checks import slot_config
+from posttrain.rl.tasks.domains import Domain
+from posttrain.rl.envs.base import Task, Trajectory
+from posttrain.rl.rollout.worker import RolloutWorker
+from posttrain.rl.tasks.files import normalise_prompt
+from posttrain.rl.tasks.registry import domain_weights, make_domains, make_reward_fn
+from posttrain.rl.verifiers.code import CodeTask
+from posttrain.rl.verifiers.math import MathTask
+from posttrain.rl.verifiers.user import UserTask
+from posttrain.sampling.rules import SamplingParams
+from posttrain.core.checkpoint import Checkpointer
+from posttrain.stages.data_files import resolve_data_files
+from posttrain.core.init import checkpoint_dir, load_model_state
+from posttrain.core.loop import Result
+from posttrain.core.state import abstract_model, init_model_state
+
+REPORT = "rejection_report.json"
+COUNTS = ("prompts", "candidates", "passing", "verifier_errors", "truncated", "too_long", "duplicates", "kept",
+          "prompts_with_kept")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One verified sample: its prompt's domain and task, its index among the prompt's samples,
+    the response text and its length in tokens (stop token excluded), the reward and its parts,
+    whether the sampler cut it off, and the verifier's error (None when it judged the response)."""
+    domain: str
+    task: Task
+    index: int
+    response: str
+    num_tokens: int
+    score: float
+    parts: dict
+    truncated: bool = False
+    error: str | None = None
+
+
+def check_config(cfg) -> None:
+    """Start-up check of `rejection.*` (raises ValueError naming the key and what was expected)."""
+    r = cfg.rejection
+    for key in ("prompts", "samples_per_prompt", "keep_per_prompt"):
+        if not isinstance(r[key], int) or r[key] < 1:
+            raise ValueError(f"rejection.{key}={r[key]!r}: expected an integer >= 1")
+    if r.keep_per_prompt > r.samples_per_prompt:
+        raise ValueError(f"rejection.keep_per_prompt={r.keep_per_prompt}: at most rejection.samples_per_prompt="
+                         f"{r.samples_per_prompt} candidates exist per prompt")
+    if not math.isfinite(r.min_score):
+        raise ValueError(f"rejection.min_score={r.min_score!r}: expected a finite number (rewards are in [0, 1] "
+                         "plus shaping)")
+    if not isinstance(r.max_tokens, int) or r.max_tokens < 0:
+        raise ValueError(f"rejection.max_tokens={r.max_tokens!r}: expected an integer >= 0 (0: no length filter)")
+    if r.max_tokens >= cfg.rl.max_new_tokens:
+        raise ValueError(f"rejection.max_tokens={r.max_tokens} cannot take effect: no passing response is longer "
+                         f"than rl.max_new_tokens={cfg.rl.max_new_tokens} − 1 (the sampler's budget); lower it or "
+                         "use 0 (off)")
+    if not math.isfinite(r.temperature) or r.temperature < 0:
+        raise ValueError(f"rejection.temperature={r.temperature!r}: expected a number >= 0 (0: greedy)")
+    if r.temperature == 0 and r.samples_per_prompt > 1:
+        raise ValueError(f"rejection.temperature=0 (greedy) makes all rejection.samples_per_prompt="
+                         f"{r.samples_per_prompt} samples of a prompt the same: use samples_per_prompt=1 or a "
+                         "temperature > 0")
+    if r.output and not r.output.endswith(".jsonl"):
+        raise ValueError(f"rejection.output={r.output!r}: expected a .jsonl path (local or gs://), or '' for "
+                         "{workdir}/sft.jsonl")
+    if r.mix_original and not cfg.sft.train_files:
+        raise ValueError("rejection.mix_original=True mixes in sft.train_files, which is empty: set it, or "
+                         "mix_original=False")
+    if cfg.rl.env != "single":
+        raise ValueError(f"rl.env={cfg.rl.env!r}: stage rejection_sampling samples one answer per prompt "
+                         "(single-turn); multi-turn tool episodes are not supported there: use rl.env='single'")
+    if cfg.lora.rank:
+        raise ValueError("stage rejection_sampling with lora.rank > 0: sampling adapter checkpoints is not "
+                         "supported; sample with the merged model (lora.rank=0)")
+
+
+def original_sft_files(cfg, tok) -> ml_collections.ConfigDict:
+    """A copy of `cfg` whose `sft.train_files` names files: `"synthetic:"` generated (into
+    `{workdir}/synthetic`, by process 0) as the sft stage would, named files checked."""
+    sub = cfg.copy_and_resolve_references()
+    sub.sft.eval_files = ""
+    resolve_data_files(sub, "sft", "sft", tok)
+    return sub
+
+
+def original_sft_records(sub):
+    """The records of `sft.train_files` (resolved by `original_sft_files`) that `rejection.mix_original` mixes in."""
+    return (rec.data for rec in read_jsonl(sub.sft.train_files, on_error=sub.data.on_error))
+
+
+def output_path(cfg) -> str:
+    """The kept records' file: `rejection.output`, or `{workdir}/sft.jsonl`."""
+    return cfg.rejection.output or os.path.join(cfg.workdir, "sft.jsonl")
+
+
+def mixed_path(cfg) -> str:
+    """The file of `sft.train_files`'s records then the kept ones (`rejection.mix_original`)."""
+    return output_path(cfg).removesuffix(".jsonl") + ".mixed.jsonl"
+
+
+def next_sft_files(cfg) -> str:
+    """What the `sft` stage after this one in a pipeline trains on."""
+    return mixed_path(cfg) if cfg.rejection.mix_original else output_path(cfg)
+
+
+def normalise_response(text: str) -> str:
+    """A response's text for duplicate detection: stripped, runs of whitespace as one space."""
+    return " ".join(text.split())
+
+
+def passes(c: Candidate, min_score: float) -> bool:
+    """Whether a candidate passes: judged (no verifier error), not cut off, score >= min_score."""
+    return c.error is None and not c.truncated and c.score >= min_score
+
+
+def select(candidates: list[Candidate], *, keep: int, min_score: float,
+           max_tokens: int) -> tuple[list[Candidate], collections.Counter]:
+    """The kept candidates of one prompt (module docstring: pass, length, dedup, best `keep`) and
+    the counts of each filter (`COUNTS`, all but prompts)."""
+    counts = collections.Counter(candidates=len(candidates), prompts_with_kept=0,
+                                 verifier_errors=sum(c.error is not None for c in candidates),
+                                 truncated=sum(c.truncated for c in candidates))
+    ranked = sorted((c for c in candidates if passes(c, min_score)), key=lambda c: (-c.score, c.num_tokens, c.index))
+    counts["passing"] = len(ranked)
+    kept, seen = [], set()
+    for c in ranked:
+        if max_tokens and c.num_tokens > max_tokens:
+            counts["too_long"] += 1
+            continue
+        text = normalise_response(c.response)
+        if text in seen:
+            counts["duplicates"] += 1
+            continue
+        seen.add(text)
+        if len(kept) < keep:
+            kept.append(c)
+    counts["kept"] = len(kept)
+    counts["prompts_with_kept"] = int(bool(kept))
+    return kept, counts
+
+
+def choose_prompts(domains: dict[str, Domain], weights: dict[str, float], n: int,
+                   seed: int) -> list[tuple[str, Task]]:
+    """`n` distinct training prompts (normalised text) as (domain, task): each domain's share by
+    weight (largest remainder), capped at its distinct prompts, each domain's in a seeded order."""
+    pools = {}
+    for i, (name, domain) in enumerate(domains.items()):
+        seen, tasks = set(), []
+        for t in domain.tasks:
+            if (key := normalise_prompt(t)) not in seen:
+                seen.add(key)
+                tasks.append(t)
+        pools[name] = [tasks[k] for k in np.random.default_rng([seed, i]).permutation(len(tasks))]
+    total = sum(weights[d] for d in domains)
+    quota = {d: n * weights[d] / total for d in domains}
+    counts = {d: min(int(quota[d]), len(pools[d])) for d in domains}
+    while sum(counts.values()) < n:
+        open_ = [d for d in domains if counts[d] < len(pools[d])]
+        if not open_:
+            logging.warning("rejection.prompts=%d: the training domains have only %d distinct prompts", n,
+                            sum(counts.values()))
+            break
+        counts[max(open_, key=lambda d: quota[d] - counts[d])] += 1
+    return [(d, t) for d in domains for t in pools[d][:counts[d]]]
+
+
+def candidate_fields(index: int, traj: Trajectory, tok: Tokenizer) -> dict:
+    """A verified single-turn trajectory as a Candidate's JSON fields (all but its domain and task)."""
+    tokens = traj.tokens[traj.prompt_len:]
+    if tokens and tokens[-1] in tok.stop_ids:
+        tokens = tokens[:-1]
+    reward = traj.reward
+    return dict(index=index, response=tok.decode(tokens), num_tokens=len(tokens), score=float(reward.score),
+                parts=dict(reward.parts), truncated=traj.info.get("truncated") is not None, error=reward.error)
+
+
+def candidate(domain: str, task: Task, index: int, traj: Trajectory, tok: Tokenizer) -> Candidate:
+    """A verified trajectory of a single-turn episode as a Candidate."""
+    return Candidate(domain, task, **candidate_fields(index, traj, tok))
+
+
+def sample_candidates(worker: RolloutWorker, params, rest, pairs: list[tuple[str, Task]], key, *, samples: int,
+                      chunk: int, tok: Tokenizer, progress: bool = True) -> list[list[Candidate]]:
+    """`samples` verified candidates for each (domain, task), `chunk` prompts per sampler call.
+
+    With several processes each verifies a contiguous share of a chunk's groups (`hosts.group_share`);
+    their candidates are gathered, so every process returns every prompt's, in `pairs` order."""
+    out = []
+    with tqdm(total=len(pairs), desc="rejection_sampling", disable=not progress) as bar:
+        for start in range(0, len(pairs), chunk):
+            part = pairs[start:start + chunk]
+            batch = worker.rollout(params, rest, part, jax.random.fold_in(key, start), num_samples=samples,
+                                   exact_share=False)
+            mine = [[candidate_fields(i, t, tok) for i, t in enumerate(g.trajectories)] for g in batch.groups]
+            groups = [g for share in allgather_json(mine) for g in share]
+            if len(groups) != len(part):
+                raise RuntimeError(f"rejection_sampling: {len(groups)} groups gathered for {len(part)} prompts")
+            out += [[Candidate(d, task, **fields) for fields in group] for (d, task), group in zip(part, groups)]
+            bar.update(len(part))
+    return out
+
+
+def verifier_name(target) -> str:
+    """The name of the verifier that scores a task's target (as `rl.train_files` records name it)."""
+    if isinstance(target, UserTask):
+        return target.verifier
+    return {MathTask: "math", CodeTask: "code"}.get(type(target), type(target).__name__)
+
+
+def sft_record(c: Candidate, policy: dict, cfg, fields: dict | None) -> dict:
+    """One kept candidate as an SFT record (field names as `data.fields` maps them) with provenance."""
+    prompt = [dict(m) for m in c.task.prompt]
+    if len(prompt) == 1 and prompt[0]["role"] == "user":
+        record = {field_key("prompt", fields): prompt[0]["content"], field_key("response", fields): c.response}
+    else:
+        record = {field_key("messages", fields): prompt + [{"role": "assistant", "content": c.response}]}
+    record["provenance"] = {
+        "stage": "rejection_sampling", **policy, "domain": c.domain, "task_id": c.task.id,
+        "difficulty": c.task.difficulty, "verifier": verifier_name(c.task.target), "score": c.score,
+        "parts": c.parts, "sample_index": c.index, "samples_per_prompt": cfg.rejection.samples_per_prompt,
+        "temperature": cfg.rejection.temperature, "response_tokens": c.num_tokens, "seed": cfg.seed}
+    return record
+
+
+def yield_report(per_prompt: list[tuple[Candidate | None, collections.Counter]],
+                 pairs: list[tuple[str, Task]]) -> dict:
+    """Counts (`COUNTS`) with yield and pass rate: in total, per domain, per domain and difficulty."""
+    def rates(c: collections.Counter) -> dict:
+        out = {k: int(c[k]) for k in COUNTS}
+        out["yield"] = c["prompts_with_kept"] / c["prompts"] if c["prompts"] else 0.0
+        out["pass_rate"] = c["passing"] / c["candidates"] if c["candidates"] else 0.0
+        return out
+    total, by_domain, by_difficulty = collections.Counter(), {}, {}
+    for (_, counts), (domain, task) in zip(per_prompt, pairs):
+        counts = counts + collections.Counter(prompts=1)
+        total.update(counts)
+        by_domain.setdefault(domain, collections.Counter()).update(counts)
+        label = task.difficulty if task.difficulty is not None else "none"
+        by_difficulty.setdefault(domain, {}).setdefault(label, collections.Counter()).update(counts)
+    return {"total": rates(total), "domains": {d: rates(c) for d, c in by_domain.items()},
+            "difficulty": {d: {lab: rates(c) for lab, c in sorted(labels.items())}
+                           for d, labels in by_difficulty.items()}}
+
+
+def open_for_writing(path: str):
+    """`fsspec.open(path, "w")` (local or URL) with the parent folders made."""
+    fs, p = fsspec.core.url_to_fs(path)
+    if "/" in p:
+        fs.makedirs(p.rsplit("/", 1)[0], exist_ok=True)
+    return fsspec.open(path, "w")
+
+
+def write_jsonl(path: str, records) -> int:
+    """Write records as JSONL to `path` (local or fsspec URL); how many."""
+    n = 0
+    with open_for_writing(path) as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+            n += 1
+    return n
+
+
+def gate_metrics(report: dict) -> dict:
+    """The flat numbers a `rejection.gate` reads."""
+    keys = ("yield", "pass_rate", "kept")
+    out = {f"rejection/{k}": report["total"][k] for k in (*keys, "prompts")}
+    for d, r in report["domains"].items():
+        out.update({f"rejection/{d}/{k}": r[k] for k in keys})
+    return out
+
+
+def log_report(report: dict) -> None:
+    """One console line per domain and per difficulty label, then the total."""
+    line = lambda name, r: (f"rejection_sampling {name}: {r['kept']} kept from {r['prompts']} prompts, yield "
+                            f"{r['yield']:.1%}, pass rate {r['pass_rate']:.1%} ({r['passing']} of {r['candidates']} "
+                            f"passed; {r['too_long']} too long, {r['duplicates']} duplicates, {r['truncated']} "
+                            f"truncated, {r['verifier_errors']} verifier errors)")
+    for d, r in report["domains"].items():
+        logging.info(line(d, r))
+        for label, rr in report["difficulty"][d].items():
+            if label != "none" or len(report["difficulty"][d]) > 1:
+                logging.info(line(f"{d} difficulty {label}", rr))
+    logging.info(line("total", report["total"]))
+
+
+def load_policy(cfg, make, mesh, rules) -> tuple:
+    """(params, rest, provenance) of the policy: `init_from`'s newest checkpoint, else the seed's init."""
+    if cfg.init_from:
+        params, rest, step = load_model_state(cfg.init_from, make, mesh, rules)
+        return params, rest, {"policy_checkpoint": cfg.init_from, "policy_step": int(step)}
+    params, rest = init_model_state(make, mesh, rules)
+    return params, rest, {"policy_checkpoint": "", "policy_step": 0}
+
+
+def fingerprint(cfg) -> str:
+    """A hash of everything in the config but the workdir and stage name: what the records depend on."""
+    config = json.loads(cfg.to_json_best_effort())
+    config.pop("workdir"), config.pop("stage")
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def policy_step(init_from: str) -> int:
+    """The step `load_policy` will read: `init_from`'s newest checkpoint (0: none, or a HF folder)."""
+    if not init_from or init_from.startswith("hf:"):
+        return 0
+    ckpt = Checkpointer(checkpoint_dir(init_from), every=0, keep=1, async_save=False, create=False)
+    try:
+        return ckpt.latest_step() or 0
+    finally:
+        ckpt.close()
+
+
+def finished_report(cfg) -> dict | None:
+    """The report of an earlier run in this workdir with the same config and policy step whose files
+    are all there (a re-run pipeline resumes after this stage), else None."""
+    fs, path = fsspec.core.url_to_fs(os.path.join(cfg.workdir, REPORT))
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "r") as f:
+        report = json.load(f)
+    files = [output_path(cfg)] + ([mixed_path(cfg)] if cfg.rejection.mix_original else [])
+    same = (report.get("fingerprint") == fingerprint(cfg) and report["policy"]["policy_step"] == policy_step(cfg.init_from))
+    return report if same and all(fsspec.core.url_to_fs(f)[0].exists(f) for f in files) else None
+
+
+def run(cfg) -> Result:
+    """Sample, verify, select and write the SFT records and the yield report (module docstring).
+
+    When this workdir already holds them from the same config and policy, nothing is sampled again."""
+    check_config(cfg)
+    r = cfg.rejection
+    if (done := finished_report(cfg)) is not None:
+        logging.info("rejection_sampling: %s holds the records of this config and policy already; not sampling "
+                     "again", cfg.workdir)
+        log_report(done)
+        return Result(None, None, [], gate_metrics(done))
+    tok = load_tokenizer(cfg.data.tokenizer)
+    sub = cfg.copy_and_resolve_references()
+    sub.rl.eval_every = 0              # held-out tasks are not needed here (and never sampled)
+    domains, _ = make_domains(sub, tok, make_reward_fn(cfg))
+    pairs = choose_prompts(domains, domain_weights(cfg.rl, domains), r.prompts, cfg.seed)
+    mesh, rules = mesh_and_rules(cfg)
+    make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    graphdef = nnx.split(abstract_model(make), nnx.Param, ...)[0]
+    rl = cfg.rl
+    sampling = SamplingParams(temperature=r.temperature, top_k=rl.top_k, top_p=rl.top_p,
+                              max_new_tokens=rl.max_new_tokens, stop_ids=tuple(tok.stop_ids),
+                              num_samples=r.samples_per_prompt)
+    with concurrent.futures.ThreadPoolExecutor(rl.verifier_workers) as pool, use_sharding(mesh, rules):
+        params, rest, policy = load_policy(cfg, make, mesh, rules)
+        worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, continuous=slot_config(cfg.sampling))
+        candidates = sample_candidates(worker, params, rest, pairs, jax.random.key(cfg.seed),
+                                       samples=r.samples_per_prompt, chunk=rl.prompts_per_step, tok=tok,
+                                       progress=cfg.train.progress and jax.process_index() == 0)
+    selected = [select(cs, keep=r.keep_per_prompt, min_score=r.min_score, max_tokens=r.max_tokens)
+                for cs in candidates]
+    report = yield_report(selected, pairs)
+    kept = [c for cs, _ in selected for c in cs]
+    if not kept:
+        raise ValueError(f"rejection_sampling kept no candidate of {len(pairs)} prompts × {r.samples_per_prompt} "
+                         f"samples (pass rate {report['total']['pass_rate']:.1%}, rejection.min_score={r.min_score}): "
+                         "there is no SFT data to write; sample more (rejection.prompts, samples_per_prompt) or "
+                         "start from a stronger policy (init_from)")
+    original = original_sft_files(cfg, tok) if r.mix_original else None     # every process: a barrier
+    fields = dict(kv.split("=", 1) for kv in cfg.data.fields.split(",") if kv) if cfg.data.fields else None
+    records = [sft_record(c, policy, cfg, fields) for c in kept]
+    if jax.process_index() == 0:
+        write_jsonl(output_path(cfg), records)
+        if r.mix_original:
+            write_jsonl(mixed_path(cfg), itertools.chain(original_sft_records(original), records))
+        with open_for_writing(os.path.join(cfg.workdir, REPORT)) as f:
+            json.dump({**report, "policy": policy, "output": output_path(cfg), "next_sft_files": next_sft_files(cfg),
+                       "rejection": r.to_dict(), "fingerprint": fingerprint(cfg)}, f, indent=2)
+    if jax.process_count() > 1:        # the next stage reads the files on every process
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("rejection_sampling: SFT records written")
+    log_report(report)
+    return Result(graphdef, None, [], gate_metrics(report))

@@ -1,0 +1,296 @@
+"""Stage `rlvr`: the GRPO-family loop.
+
+    scheduler ─tasks─▶ rollout worker (policy v: generate groups, verify) ─▶ learner (v → v+1) ─▶ publish
+
+The rollout worker and the learner share the same weight arrays on one mesh. With
+`rl.max_staleness = 0` each step samples with the current weights, verifies, then updates
+(on-policy, deterministic for a seed). With `>= 1` an `AsyncProducer` samples and verifies the next
+batches on its own threads while the learner updates on the current one; the learner corrects for
+the lag with truncated importance weights between the behaviour log-probs the sampler recorded and
+the proximal ones. Each step is three functions over an explicit `RLState`: `rollout_step`,
+`learn_step`, `publish_step`; `run` wires them.
+
+The reward of a sample is composed in `learn_step` (`reward_model.RewardComposer`: verifier reward
+and, for RLHF, the learned reward model's normalised score); with `rl.advantage = "gae"` the
+policy is a `critic.ValueDecoder` and the learner adds the critic's loss (PPO with GAE).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from tqdm import tqdm
+
+from posttrain.data.tokenizer import load_tokenizer
+from posttrain.core.alerts import AlertMonitor
+from posttrain.models.decoder import Decoder
+from posttrain.models.quant import quantize_params
+from posttrain.parallel import mesh_and_rules, use_sharding
+from posttrain.rl.rollout.buffer import Rollout
+from posttrain.rl.checks import check_rl_config, check_sampling_config, ppo_steps, slot_config
+from posttrain.rl.algo.critic import ValueDecoder
+from posttrain.rl.rollout.episodes import rollout_episodes
+from posttrain.rl.rollout.hosts import all_values, check_multihost_rl
+from posttrain.rl.algo.learner import Learner, advantage_targets, batch_rows, compute_advantages, rl_batch
+from posttrain.rl.rollout.producer import AsyncProducer
+from posttrain.rl.algo.reward_model import RewardComposer
+from posttrain.rl.rollout.worker import BusyClock, RolloutBatch, RolloutWorker, collect_batch, evaluate
+from posttrain.rl.rollout.log import RolloutLog
+from posttrain.rl.tasks.scheduler import TaskScheduler
+from posttrain.rl.tasks.registry import curriculum_options, domain_weights, make_domains, make_reward_fn
+from posttrain.sampling.prefix_cache import PrefixCache
+from posttrain.sampling.layout import publish_weights, sampler_rules
+from posttrain.sampling.rules import SamplingParams
+from posttrain.core import interrupt
+from posttrain.core import lineage
+from posttrain.core.checkpoint import Checkpointer
+from posttrain.core.loop import CHECKPOINT_ITEMS, Result, starting_state
+from posttrain.core.metrics import MetricsWriter, compiled, compiling
+from posttrain.core.optim import lr_schedule, make_optimizer
+from posttrain.config import with_stage_overrides
+from posttrain.core.init import init_model_from
+from posttrain.core.state import TrainState, create_train_state, model_params
+from posttrain.core.step import check_nonfinite
+
+quantize_sampler_params = jax.jit(quantize_params, static_argnums=1)
+
+__all__ = ["RLState", "run", "rl_batch", "compute_advantages", "RolloutWorker", "AsyncProducer"]
+
+
+@dataclasses.dataclass
+class RLState:
+    """Where an RLVR run stands between steps (host side). `step` is the number of batches trained
+    and the policy version; `scheduler_state` is the scheduler as of the last trained batch (what
+    a checkpoint saves: no draws of batches not yet trained on)."""
+    train: TrainState
+    step: int
+    scheduler_state: dict | None = None
+    skipped_updates: int = 0
+    last_eval: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Components:
+    """The fixed parts of a run that the step functions use."""
+    cfg: object
+    worker: RolloutWorker
+    learner: Learner
+    scheduler: TaskScheduler
+    producer: AsyncProducer | None
+    ref: tuple
+    base_key: jax.Array
+    held_out: list
+    clock: BusyClock
+    pad_id: int
+    rewards: RewardComposer
+    rollout_log: RolloutLog | None = None
+    learner_sharding: tuple | None = None      # (mesh, rules) of the learner's params
+
+    def weights(self, rl: RLState) -> tuple:
+        """(params, rest) the policy samples with: the learner's, resharded into the decode layout
+        when sampling.layout says so (a second copy), quantised when sampling.quantize says so
+        (w8a16 / w4a16; the behaviour log-probs are then the quantised policy's, and the
+        learner's truncated importance weights correct for the gap)."""
+        params = model_params(rl.train, self.cfg.lora)
+        if self.learner_sharding is not None:
+            params = publish_weights(params, *self.learner_sharding, self.cfg.sampling.layout)
+        if self.cfg.sampling.quantize != "none":
+            params = quantize_sampler_params(params, self.cfg.sampling.quantize)
+        return params, rl.train.rest
+
+
+def rollout_sampling(cfg, stop_ids) -> SamplingParams:
+    """The rollouts' sampling params: rl.temperature/top_k/top_p/max_new_tokens/group_size and the
+    sampler's sampling.speculative_k / draft_layers."""
+    r = cfg.rl
+    return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                          stop_ids=tuple(stop_ids), num_samples=r.group_size,
+                          speculative_k=cfg.sampling.speculative_k, draft_layers=cfg.sampling.draft_layers)
+
+
+def rollout_prefix_cache(cfg) -> PrefixCache | None:
+    """The rollouts' prefix cache: `sampling.prefix_cache` tokens of prompt KV kept across sampler calls
+    (the turns of multi-turn episodes, resampled prompts), emptied when the weights change; 0: none."""
+    return PrefixCache(cfg.sampling.prefix_cache) if cfg.sampling.prefix_cache else None
+
+
+def rollout_step(c: Components, rl: RLState) -> tuple[list[Rollout], RolloutBatch]:
+    """The rollouts of batch `rl.step`: sampled now with the current weights (on-policy), or taken
+    from the producer (overlapped)."""
+    if c.producer is not None:
+        return c.producer.take(rl.step)
+    r = c.cfg.rl
+    batch = collect_batch(c.worker, c.scheduler, *c.weights(rl), jax.random.fold_in(c.base_key, rl.step),
+                          num_groups=r.prompts_per_step, filter_groups=r.filter_groups,
+                          max_rounds=r.max_resample_rounds)
+    return batch.rollouts(rl.step), batch
+
+
+def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLState, dict]:
+    """Advantages and PPO-style updates on one batch; an empty batch (dynamic sampling kept no
+    group) skips the update and is counted."""
+    r = c.cfg.rl
+    if not rollouts:
+        rl = dataclasses.replace(rl, skipped_updates=rl.skipped_updates + 1)
+        return rl, {"rl/skipped_updates": rl.skipped_updates}
+    num_real = sum(len(ro.group.trajectories) for ro in rollouts)
+    longest = int(all_values([max(len(t.tokens) for ro in rollouts for t in ro.group.trajectories)]).max())
+    batch = rl_batch(rollouts, pad_id=c.pad_id, num_rows=batch_rows(len(rollouts), r, r.minibatches), longest=longest)
+    rows = [t.tokens for ro in rollouts for t in ro.group.trajectories]
+    batch["rewards"][:num_real], reward_metrics = c.rewards(rows, batch["rewards"][:num_real])
+    with c.clock.busy():
+        batch = c.learner.prepare(rl.train, batch, c.ref)
+        batch.update(advantage_targets(batch, r))
+        rewards = batch.pop("rewards")[:num_real]
+        state, metrics = c.learner.update(rl.train, batch, c.ref, rl.step, num_real)
+    rewards = all_values(rewards)         # every process's rows
+    metrics.update({"rl/reward_mean": float(rewards.mean()), "rl/reward_std": float(rewards.std()),
+                    "rl/skipped_updates": rl.skipped_updates, **reward_metrics})
+    return dataclasses.replace(rl, train=state), metrics
+
+
+def publish_step(c: Components, rl: RLState) -> None:
+    """Hand the weights of version `rl.step` to the producer (the synchronous path reads them directly)."""
+    if c.producer is not None:
+        c.producer.publish(rl.step, c.weights(rl))
+
+
+def run_eval(c: Components, rl: RLState, writer: MetricsWriter, step: int) -> RLState:
+    """Held-out evaluation with the current weights, written at `step`."""
+    scorer = c.rewards.scorer
+    last_eval = evaluate(c.worker, *c.weights(rl), c.held_out, jax.random.fold_in(c.base_key, 2**31 - 1),
+                         c.cfg.rl.eval_samples, score_fn=scorer.score if scorer is not None else None)
+    writer.write(step, last_eval)
+    logging.info("rlvr step %d: %s", step, {k: round(v, 4) for k, v in last_eval.items()})
+    return dataclasses.replace(rl, last_eval=last_eval)
+
+
+def save(c: Components, ckpt: Checkpointer, rl: RLState) -> None:
+    """Checkpoint after `rl.step` batches: weights, optimizer, the scheduler as of the last trained batch."""
+    ckpt.save(rl.step, {k: getattr(rl.train, k) for k in CHECKPOINT_ITEMS},
+              data={"scheduler": rl.scheduler_state, "skipped_updates": rl.skipped_updates,
+                    "optimizer_steps": int(rl.train.step), "reward_stats": c.rewards.stats.get_state()},
+              meta={"seed": c.cfg.seed, "stage": "rlvr", "optim": c.cfg.optim.name,
+                    lineage.KEY: lineage.of_init(c.cfg.init_from)})
+
+
+def run(cfg) -> Result:
+    """Train with RLVR for `train.steps` (or `rl.steps`) rollout batches; `Result.eval` is the
+    final evaluation."""
+    cfg = with_stage_overrides(cfg, "rl")
+    check_rl_config(cfg)
+    check_multihost_rl(cfg)
+    check_sampling_config(cfg, ("rlvr",))
+    r = cfg.rl
+    tok = load_tokenizer(cfg.data.tokenizer)
+    domains, held_out = make_domains(cfg, tok, make_reward_fn(cfg))
+    scheduler = TaskScheduler(domains, domain_weights(r, domains), seed=cfg.seed, **curriculum_options(r.curriculum))
+    mesh, rules = mesh_and_rules(cfg)
+    steps = cfg.train.steps
+    tx = make_optimizer(cfg.optim, steps * ppo_steps(r))
+    decoder = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    # PPO with a critic: the policy carries the value head (a fresh head on an init_from decoder).
+    make = (lambda: ValueDecoder(cfg.model, rngs=nnx.Rngs(cfg.seed))) if r.advantage == "gae" else decoder
+    sampling = rollout_sampling(cfg, tok.stop_ids)
+    ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"), every=cfg.checkpoint.every,
+                        keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    start = ckpt.latest_step() or 0
+    writer = MetricsWriter(cfg.workdir, enabled=jax.process_index() == 0, resume_step=start)
+    clock, pool, producer = BusyClock(), concurrent.futures.ThreadPoolExecutor(r.verifier_workers), None
+    try:
+        with use_sharding(mesh, rules), interrupt.on_signal():      # SIGINT/SIGTERM: save at the step, stop
+            graphdef, state, shardings = create_train_state(make, tx, mesh, rules, cfg.lora, cfg.seed)
+            state, start_weights, data = starting_state(state, shardings, ckpt, start, init_model_from(cfg, decoder),
+                                                        need_start_weights=bool(r.kl_coef), optim_name=cfg.optim.name)
+            start = int(state.step)      # older than the newest checkpoint if that one was unreadable
+            # The KL reference: the starting weights (under LoRA the frozen base: no extra memory; else a
+            # copy, since the policy's buffers are donated to each update).
+            ref = ()
+            if r.kl_coef:
+                ref = start_weights if state.frozen is not None else jax.tree.map(jnp.copy, start_weights)
+            rl = RLState(state, start)
+            if start:
+                scheduler.set_state(data["scheduler"])
+                rl = RLState(state.replace(step=jnp.asarray(data.get("optimizer_steps", start), jnp.int32)), start,
+                             data["scheduler"], int(data.get("skipped_updates", 0)))
+            learner = Learner(graphdef, tx, lr_schedule(cfg.optim, steps * ppo_steps(r)), shardings, rl_cfg=r,
+                              moe_cfg=cfg.model.moe, lora_cfg=cfg.lora, sampling=sampling,
+                              donate=r.max_staleness == 0, seed=cfg.seed)
+            worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, r.verifier_delay, clock,
+                                   episodes=partial(rollout_episodes, cohorts=r.episode_cohorts) if r.env == "tool" else None,
+                                   prefix_cache=rollout_prefix_cache(cfg),
+                                   continuous=slot_config(cfg.sampling),
+                                   rules=sampler_rules(rules, cfg.sampling.layout))
+            base_key = jax.random.key(cfg.seed)
+            rewards = RewardComposer.from_config(cfg, mesh, rules, pad_id=tok.pad_id)
+            if start and "reward_stats" in data:
+                rewards.stats.set_state(data["reward_stats"])
+            c = Components(cfg, worker, learner, scheduler, None, ref, base_key, held_out, clock, tok.pad_id, rewards,
+                           learner_sharding=(mesh, rules))
+            if r.rollouts_every:
+                c.rollout_log = RolloutLog(cfg.workdir, tok, every=r.rollouts_every, fraction=r.rollouts_fraction,
+                                           seed=cfg.seed, enabled=jax.process_index() == 0)
+            if r.max_staleness > 0:
+                producer = c.producer = AsyncProducer(
+                    worker, scheduler, num_groups=r.prompts_per_step, max_staleness=r.max_staleness,
+                    base_key=base_key, start=start, weights=c.weights(rl), mesh=mesh, rules=rules).start()
+            rl, rows = train_loop(c, rl, ckpt, writer, steps)
+    finally:
+        if producer is not None:
+            producer.close()
+        pool.shutdown(wait=False, cancel_futures=True)
+        ckpt.close()
+        writer.close()
+    return Result(graphdef, rl.train, rows, rl.last_eval)
+
+
+def train_loop(c: Components, rl: RLState, ckpt: Checkpointer, writer: MetricsWriter,
+               steps: int) -> tuple[RLState, list[dict]]:
+    """Steps `rl.step` … `steps − 1`: rollout, learn, publish, log, evaluate, checkpoint."""
+    cfg, r, rows = c.cfg, c.cfg.rl, []
+    if r.eval_every and rl.step == 0:
+        rl = run_eval(c, rl, writer, 0)
+    bar = tqdm(range(rl.step, steps), desc="rlvr", initial=rl.step, total=steps,
+               disable=not cfg.train.progress or jax.process_index() != 0)
+    wall0, busy0, monitor = time.perf_counter(), c.clock.total, AlertMonitor.from_config(cfg)
+    compiling(bar, "rlvr")
+    first = rl.step
+    for step in bar:
+        t0 = time.perf_counter()
+        rollouts, produced = rollout_step(c, rl)
+        t1 = time.perf_counter()
+        rl, metrics = learn_step(c, rl, rollouts)
+        if step == first:
+            compiled(bar, "rlvr")
+        check_nonfinite(metrics, cfg.train.max_nonfinite_steps, step, ckpt)
+        if c.rollout_log is not None:
+            c.rollout_log.write(step, rollouts)
+        rl = dataclasses.replace(rl, step=step + 1, scheduler_state=produced.scheduler_state)
+        publish_step(c, rl)
+        t2 = time.perf_counter()
+        wall, busy = time.perf_counter() - wall0, c.clock.total - busy0
+        metrics.update({"rl/wait_s": t1 - t0, "rl/update_s": t2 - t1, "rl/device_idle_frac": max(0.0, 1 - busy / wall),
+                        **{f"rl/{k}": v for k, v in produced.info.items()}, **produced.task_metrics})
+        if c.producer is not None:
+            metrics.update(c.producer.buffer.stats())
+        if step % cfg.train.log_every == 0 or step == steps - 1:
+            rows.append(writer.write(step, metrics))
+            if "rl/reward_mean" in metrics:
+                bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
+            monitor.check(step, rows[-1], writer, bar)
+        if r.eval_every and (rl.step % r.eval_every == 0 or rl.step == steps):
+            rl = run_eval(c, rl, writer, step)
+        if saved := ckpt.should_save(rl.step, steps):
+            writer.flush()          # rows up to the checkpoint reach a gs:// metrics.jsonl before it
+            save(c, ckpt, rl)
+        interrupt.stop_if_requested(rl.step, saved=saved, save=lambda: (writer.flush(), save(c, ckpt, rl)), ckpt=ckpt,
+                                    workdir=cfg.workdir)
+    return rl, rows
