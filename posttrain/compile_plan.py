@@ -34,7 +34,7 @@ from posttrain.sampling.rules import SamplingParams
 from posttrain.core.optim import lr_schedule, make_optimizer
 from posttrain.stages.dpo import dpo_stage_loss
 from posttrain.core.state import abstract_model, abstract_train_state
-from posttrain.core.loop import restore_target
+from posttrain.core.harness import restore_target
 from posttrain.core.step import lm_loss, make_train_step
 
 PROGRAMS = ("sft", "dpo", "rl_learner", "sampler")   # and "restore" (`restore_report`: not compiled), "publish"

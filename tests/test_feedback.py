@@ -15,15 +15,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_sft_reports_evals_truncation_and_compilation(tmp_path, monkeypatch, caplog):
     from posttrain.main import run
-    from posttrain.core import loop
+    from posttrain.core import harness
     descriptions = []
 
-    class Bar(loop.tqdm):
+    class Bar(harness.tqdm):
         def set_description(self, desc=None, refresh=True):
             descriptions.append((desc, self.n))
             super().set_description(desc, refresh)
 
-    monkeypatch.setattr(loop, "tqdm", Bar)
+    monkeypatch.setattr(harness, "tqdm", Bar)
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_records("sft", 64, 1, max_value=20)))
     cfg = runpy.run_path(str(ROOT / "configs/sft_tiny.py"))["get_config"]()

@@ -98,9 +98,11 @@ def test_sigterm_in_sft_saves_at_the_step_and_the_rerun_resumes(tmp_path, monkey
 
 
 def test_sigint_in_the_rl_loop_saves_at_the_step(monkeypatch):
-    """`rl.loop.train_loop` with its phases replaced by fakes: the flag → save → stop logic alone."""
-    from posttrain.stages import rlvr as rl_loop
+    """`stages.rlvr.train_loop` with its phases replaced by fakes: the flag → save → stop logic alone."""
     from posttrain.config import base_config
+    from posttrain.core.alerts import AlertMonitor
+    from posttrain.core.harness import Harness
+    from posttrain.stages import rlvr as rl_loop
     cfg = base_config()
     cfg.train.progress, cfg.workdir, cfg.rl.eval_every = False, "W", 0
 
@@ -125,9 +127,10 @@ def test_sigint_in_the_rl_loop_saves_at_the_step(monkeypatch):
     ckpt.should_save = lambda step, last: step % 4 == 0
     flushed = []
     writer = type("W", (), {"write": lambda self, step, m: {"step": step, **m},
-                            "flush": lambda self: flushed.append(True)})()
+                            "flush": lambda self: flushed.append(True), "close": lambda self: None})()
+    harness = Harness("rlvr", 10, ckpt, writer, workdir="W", progress=False, alerts=AlertMonitor.from_config(cfg))
     with pytest.raises(Interrupted) as info, interrupt.on_signal():
-        rl_loop.train_loop(c, rl_loop.RLState(None, 0), ckpt, writer, steps=10)
+        rl_loop.train_loop(c, rl_loop.RLState(None, 0), harness)
     assert info.value.step == 3 and info.value.exit_code == 130
     assert saved == [(3, {"drawn": 2})] and ckpt.waited == 1      # the step finished, then saved
     assert flushed                 # metrics rows reach the (maybe gs://) file before that checkpoint
@@ -135,7 +138,7 @@ def test_sigint_in_the_rl_loop_saves_at_the_step(monkeypatch):
     saved.clear()
     ckpt.should_save = lambda step, last: step % 3 == 0          # the loop's own save at that step: not twice
     with pytest.raises(Interrupted), interrupt.on_signal():
-        rl_loop.train_loop(c, rl_loop.RLState(None, 0), ckpt, writer, steps=10)
+        rl_loop.train_loop(c, rl_loop.RLState(None, 0), harness)
     assert saved == [(3, {"drawn": 2})]
 
 

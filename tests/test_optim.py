@@ -18,7 +18,7 @@ from posttrain.errors import UserError
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 from posttrain.core.checkpoint import Checkpointer
-from posttrain.core.loop import starting_state
+from posttrain.core.harness import starting_state
 from posttrain.core.optim import lr_schedule, make_optimizer
 from posttrain.core.state import create_train_state, shardings_for
 from posttrain.core.step import lm_loss, make_train_step

@@ -352,7 +352,7 @@ def test_bad_gate_fails_at_start_up(tmp_path):
 
 def test_pipeline_chain_sft_rejection_sampling_sft_rlvr(tmp_path, monkeypatch):
     """Which policy and data each stage of ("sft", "rejection_sampling", "sft", "rlvr") gets (stages faked)."""
-    from posttrain.core.loop import Result
+    from posttrain.core.harness import Result
     seen = []
 
     def fake(name):

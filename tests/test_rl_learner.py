@@ -19,7 +19,7 @@ from posttrain.rl.algo.learner import Learner, batch_rows, compute_advantages, l
 from posttrain.rl.tasks.scheduler import Group
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams, policy_logprobs
-from posttrain.core.loop import put_batch
+from posttrain.core.batch import put_batch
 from posttrain.core.optim import lr_schedule, make_optimizer
 from posttrain.core.state import create_train_state
 

@@ -143,7 +143,7 @@ def bench_checkpoint(iters: int = 3) -> list[dict]:
     import tempfile
 
     from posttrain.core.checkpoint import Checkpointer
-    from posttrain.core.loop import CHECKPOINT_ITEMS
+    from posttrain.core.harness import CHECKPOINT_ITEMS
 
     cfg = bench_configs()["dense"]
     cfg.model.num_layers, cfg.model.embed_dim, cfg.model.mlp_dim = 8, 512, 2048

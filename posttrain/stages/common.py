@@ -11,7 +11,7 @@ import jax
 from flax import nnx
 
 from posttrain import storage
-from posttrain.core.loop import put_batch
+from posttrain.core.batch import put_batch
 from posttrain.data.examples import sft_messages
 from posttrain.data.pipeline import preference_batches, read_jsonl
 from posttrain.data.tokenizer import Tokenizer, load_tokenizer

@@ -51,7 +51,7 @@ from posttrain.rl.verifiers.math import MathTask
 from posttrain.sampling.rules import SamplingParams
 from posttrain.core.checkpoint import Checkpointer
 from posttrain.core.init import checkpoint_dir, load_model_state
-from posttrain.core.loop import Result
+from posttrain.core.harness import Result
 from posttrain.core.metrics import MetricsWriter
 from posttrain.core.state import abstract_model
 

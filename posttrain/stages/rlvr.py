@@ -20,20 +20,18 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import time
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from tqdm import tqdm
 
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.core.alerts import AlertMonitor
 from posttrain.models.decoder import Decoder
 from posttrain.models.quant import quantize_params
-from posttrain.parallel import mesh_and_rules, use_sharding
+from posttrain.parallel import mesh_and_rules
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.checks import check_rl_config, check_sampling_config, ppo_steps, slot_config
 from posttrain.rl.algo.critic import ValueDecoder
@@ -49,11 +47,10 @@ from posttrain.rl.tasks.registry import curriculum_options, domain_weights, make
 from posttrain.sampling.prefix_cache import PrefixCache
 from posttrain.sampling.layout import publish_weights, sampler_rules
 from posttrain.sampling.rules import SamplingParams
-from posttrain.core import interrupt
 from posttrain.core import lineage
 from posttrain.core.checkpoint import Checkpointer
-from posttrain.core.loop import CHECKPOINT_ITEMS, Result, starting_state
-from posttrain.core.metrics import MetricsWriter, compiled, compiling
+from posttrain.core.harness import CHECKPOINT_ITEMS, Harness, Result, starting_state
+from posttrain.core.metrics import compiled
 from posttrain.core.optim import lr_schedule, make_optimizer
 from posttrain.config import with_stage_overrides
 from posttrain.core.init import init_model_from
@@ -163,7 +160,7 @@ def publish_step(c: Components, rl: RLState) -> None:
         c.producer.publish(rl.step, c.weights(rl))
 
 
-def run_eval(c: Components, rl: RLState, writer: MetricsWriter, step: int) -> RLState:
+def run_eval(c: Components, rl: RLState, writer, step: int) -> RLState:
     """Held-out evaluation with the current weights, written at `step`."""
     scorer = c.rewards.scorer
     last_eval = evaluate(c.worker, *c.weights(rl), c.held_out, jax.random.fold_in(c.base_key, 2**31 - 1),
@@ -200,15 +197,15 @@ def run(cfg) -> Result:
     # PPO with a critic: the policy carries the value head (a fresh head on an init_from decoder).
     make = (lambda: ValueDecoder(cfg.model, rngs=nnx.Rngs(cfg.seed))) if r.advantage == "gae" else decoder
     sampling = rollout_sampling(cfg, tok.stop_ids)
-    ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"), every=cfg.checkpoint.every,
-                        keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
-    start = ckpt.latest_step() or 0
-    writer = MetricsWriter(cfg.workdir, enabled=jax.process_index() == 0, resume_step=start)
+    harness = Harness.open("rlvr", cfg.workdir, steps, cfg.checkpoint, progress=cfg.train.progress,
+                           alerts=AlertMonitor.from_config(cfg))
+    start = harness.start
     clock, pool, producer = BusyClock(), concurrent.futures.ThreadPoolExecutor(r.verifier_workers), None
     try:
-        with use_sharding(mesh, rules), interrupt.on_signal():      # SIGINT/SIGTERM: save at the step, stop
+        with harness.running(mesh, rules):
             graphdef, state, shardings = create_train_state(make, tx, mesh, rules, cfg.lora, cfg.seed)
-            state, start_weights, data = starting_state(state, shardings, ckpt, start, init_model_from(cfg, decoder),
+            state, start_weights, data = starting_state(state, shardings, harness.ckpt, start,
+                                                        init_model_from(cfg, decoder),
                                                         need_start_weights=bool(r.kl_coef), optim_name=cfg.optim.name)
             start = int(state.step)      # older than the newest checkpoint if that one was unreadable
             # The KL reference: the starting weights (under LoRA the frozen base: no extra memory; else a
@@ -242,26 +239,21 @@ def run(cfg) -> Result:
                 producer = c.producer = AsyncProducer(
                     worker, scheduler, num_groups=r.prompts_per_step, max_staleness=r.max_staleness,
                     base_key=base_key, start=start, weights=c.weights(rl), mesh=mesh, rules=rules).start()
-            rl, rows = train_loop(c, rl, ckpt, writer, steps)
+            rl, rows = train_loop(c, rl, harness)
     finally:
         if producer is not None:
             producer.close()
         pool.shutdown(wait=False, cancel_futures=True)
-        ckpt.close()
-        writer.close()
     return Result(graphdef, rl.train, rows, rl.last_eval)
 
 
-def train_loop(c: Components, rl: RLState, ckpt: Checkpointer, writer: MetricsWriter,
-               steps: int) -> tuple[RLState, list[dict]]:
-    """Steps `rl.step` … `steps − 1`: rollout, learn, publish, log, evaluate, checkpoint."""
-    cfg, r, rows = c.cfg, c.cfg.rl, []
+def train_loop(c: Components, rl: RLState, run: Harness) -> tuple[RLState, list[dict]]:
+    """Steps `rl.step` … `run.steps − 1`: rollout, learn, publish, log, evaluate, checkpoint."""
+    cfg, r, rows, steps = c.cfg, c.cfg.rl, [], run.steps
     if r.eval_every and rl.step == 0:
-        rl = run_eval(c, rl, writer, 0)
-    bar = tqdm(range(rl.step, steps), desc="rlvr", initial=rl.step, total=steps,
-               disable=not cfg.train.progress or jax.process_index() != 0)
-    wall0, busy0, monitor = time.perf_counter(), c.clock.total, AlertMonitor.from_config(cfg)
-    compiling(bar, "rlvr")
+        rl = run_eval(c, rl, run.writer, 0)
+    bar = run.bar(rl.step)
+    wall0, busy0 = time.perf_counter(), c.clock.total
     first = rl.step
     for step in bar:
         t0 = time.perf_counter()
@@ -270,7 +262,7 @@ def train_loop(c: Components, rl: RLState, ckpt: Checkpointer, writer: MetricsWr
         rl, metrics = learn_step(c, rl, rollouts)
         if step == first:
             compiled(bar, "rlvr")
-        check_nonfinite(metrics, cfg.train.max_nonfinite_steps, step, ckpt)
+        check_nonfinite(metrics, cfg.train.max_nonfinite_steps, step, run.ckpt)
         if c.rollout_log is not None:
             c.rollout_log.write(step, rollouts)
         rl = dataclasses.replace(rl, step=step + 1, scheduler_state=produced.scheduler_state)
@@ -282,15 +274,11 @@ def train_loop(c: Components, rl: RLState, ckpt: Checkpointer, writer: MetricsWr
         if c.producer is not None:
             metrics.update(c.producer.buffer.stats())
         if step % cfg.train.log_every == 0 or step == steps - 1:
-            rows.append(writer.write(step, metrics))
+            rows.append(run.write(step, metrics))
             if "rl/reward_mean" in metrics:
                 bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
-            monitor.check(step, rows[-1], writer, bar)
+            run.alert(step, rows[-1], bar)
         if r.eval_every and (rl.step % r.eval_every == 0 or rl.step == steps):
-            rl = run_eval(c, rl, writer, step)
-        if saved := ckpt.should_save(rl.step, steps):
-            writer.flush()          # rows up to the checkpoint reach a gs:// metrics.jsonl before it
-            save(c, ckpt, rl)
-        interrupt.stop_if_requested(rl.step, saved=saved, save=lambda: (writer.flush(), save(c, ckpt, rl)), ckpt=ckpt,
-                                    workdir=cfg.workdir)
+            rl = run_eval(c, rl, run.writer, step)
+        run.end_step(rl.step, partial(save, c, run.ckpt, rl))
     return rl, rows

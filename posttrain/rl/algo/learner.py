@@ -30,7 +30,7 @@ from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.algo.losses import entropy_from_logits, kl_estimate, policy_loss, value_loss
 from posttrain.sampling.generate import bucket
 from posttrain.sampling.rules import SamplingParams, policy_logprobs
-from posttrain.core.loop import put_batch
+from posttrain.core.batch import put_batch
 from posttrain.core.state import model_params
 from posttrain.core.step import make_train_step, moe_penalty
 

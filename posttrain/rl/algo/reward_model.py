@@ -25,7 +25,7 @@ from posttrain.parallel.sharding import Rules
 from posttrain.sampling.generate import bucket
 from posttrain.core.checkpoint import Checkpointer
 from posttrain.core.init import checkpoint_dir, load_model_state
-from posttrain.core.loop import put_batch
+from posttrain.core.batch import put_batch
 from posttrain.models.reward import RewardModel
 from posttrain.core.state import abstract_model
 
