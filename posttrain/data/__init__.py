@@ -1,1 +1,3 @@
+"""Data: tokenizers, JSONL sources (local, gs://), grain pipelines, packing, synthetic tasks.
+"""
 

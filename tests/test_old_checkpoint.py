@@ -1,0 +1,40 @@
+"""A checkpoint written before the restructure into `core/` and `stages/` (issue 24) still resumes:
+`tests/data/pre_restructure_sft/checkpoints/2` is the step-2 checkpoint of a tiny 3-step SFT run
+written by that code (in a workdir named `run`: the data state records relative file paths), and
+resuming it logs at step 2 what that code's uninterrupted run logged there (`step2.json`)."""
+
+import json
+import runpy
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from posttrain.main import run
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data" / "pre_restructure_sft"
+# The command line that wrote it: configs/sft_tiny.py with these overrides.
+OVERRIDES = {"sft.eval_files": "", "sft.gate": "", "sft.steps": 0, "train.log_every": 1, "train.batch_size": 4,
+             "train.seq_len": 64, "train.progress": False, "data.synthetic_size": 40, "model.num_layers": 1,
+             "model.embed_dim": 32, "model.mlp_dim": 64, "model.moe.expert_mlp_dim": 32, "checkpoint.every": 2,
+             "checkpoint.async_save": False, "train.steps": 3}
+
+
+def test_a_checkpoint_of_the_old_layout_resumes_to_the_same_step(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = runpy.run_path(str(ROOT / "configs" / "sft_tiny.py"))["get_config"]()
+    for key, value in {**OVERRIDES, "workdir": "run"}.items():
+        *parents, leaf = key.split(".")
+        node = cfg
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    shutil.copytree(DATA / "checkpoints", tmp_path / "run" / "checkpoints")
+    run(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2]              # resumed at 2: only the third step ran
+    want = json.loads((DATA / "step2.json").read_text())
+    for key, value in want.items():
+        if key != "tokens_per_s":
+            np.testing.assert_allclose(rows[0][key], value, rtol=1e-6, err_msg=key)
