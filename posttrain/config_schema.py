@@ -169,7 +169,7 @@ def check_config(cfg) -> None:
         from posttrain.rl.checks import check_episode_cohorts, check_sampling_config
         check_sampling_config(cfg, stages)
         check_episode_cohorts(cfg, stages)
-        AlertMonitor.from_config(cfg)
+        AlertMonitor.from_config(cfg.alerts)
         for stage in registry.STAGES:    # each stage's own checks: a pipeline's last stage before its first trains
             if stage.name in stages and stage.check:
                 stage.checker()(cfg)

@@ -40,7 +40,7 @@ TRIGGERS = {
 
 
 def monitor(**kw):
-    return AlertMonitor.from_config(_cfg(**kw))
+    return AlertMonitor.from_config(_cfg(**kw).alerts)
 
 
 def _cfg(**kw):

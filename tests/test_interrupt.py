@@ -128,7 +128,7 @@ def test_sigint_in_the_rl_loop_saves_at_the_step(monkeypatch):
     flushed = []
     writer = type("W", (), {"write": lambda self, step, m: {"step": step, **m},
                             "flush": lambda self: flushed.append(True), "close": lambda self: None})()
-    harness = Harness("rlvr", 10, ckpt, writer, workdir="W", progress=False, alerts=AlertMonitor.from_config(cfg))
+    harness = Harness("rlvr", 10, ckpt, writer, workdir="W", progress=False, alerts=AlertMonitor.from_config(cfg.alerts))
     with pytest.raises(Interrupted) as info, interrupt.on_signal():
         rl_loop.train_loop(c, rl_loop.RLState(None, 0), harness)
     assert info.value.step == 3 and info.value.exit_code == 130

@@ -125,9 +125,8 @@ class AlertMonitor:
         self.slow_rows = 0
 
     @classmethod
-    def from_config(cls, cfg) -> "AlertMonitor":
-        """The monitor configured by `cfg.alerts`."""
-        a = cfg.alerts
+    def from_config(cls, a) -> "AlertMonitor":
+        """The monitor configured by the `alerts` section."""
         return cls({rule: float(a[rule]) for rule in RULES}, nonfinite=bool(a.nonfinite), mode=a.on)
 
     def update(self, step: int, metrics: dict[str, Any]) -> list[Alert]:

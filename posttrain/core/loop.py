@@ -78,7 +78,7 @@ def train(cfg, stage: TrainSpec) -> Result:
     schedule = lr_schedule(cfg.optim, steps)
     tx = make_optimizer(cfg.optim, steps)
     run = Harness.open(stage.name, cfg.workdir, steps, cfg.checkpoint, progress=cfg.train.progress,
-                       alerts=AlertMonitor.from_config(cfg), agree_every=cfg.train.log_every)
+                       alerts=AlertMonitor.from_config(cfg.alerts), agree_every=cfg.train.log_every)
     data = ScheduledBatches(parse_seq_len_schedule(cfg.train.seq_len_schedule, cfg.train.seq_len, steps),
                             stage.batches, stage.batches_for, stage.name)
     shards = mesh.shape["sequence"]      # > 1: rows in zig-zag order (causal balance of context parallelism)

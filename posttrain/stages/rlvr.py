@@ -198,7 +198,7 @@ def run(cfg) -> Result:
     make = (lambda: ValueDecoder(cfg.model, rngs=nnx.Rngs(cfg.seed))) if r.advantage == "gae" else decoder
     sampling = rollout_sampling(cfg, tok.stop_ids)
     harness = Harness.open("rlvr", cfg.workdir, steps, cfg.checkpoint, progress=cfg.train.progress,
-                           alerts=AlertMonitor.from_config(cfg))
+                           alerts=AlertMonitor.from_config(cfg.alerts))
     start = harness.start
     clock, pool, producer = BusyClock(), concurrent.futures.ThreadPoolExecutor(r.verifier_workers), None
     try:
@@ -227,7 +227,7 @@ def run(cfg) -> Result:
                                    continuous=slot_config(cfg.sampling),
                                    rules=sampler_rules(rules, cfg.sampling.layout))
             base_key = jax.random.key(cfg.seed)
-            rewards = RewardComposer.from_config(cfg, mesh, rules, pad_id=tok.pad_id)
+            rewards = RewardComposer.from_config(cfg.rl, mesh, rules, pad_id=tok.pad_id)
             if start and "reward_stats" in data:
                 rewards.stats.set_state(data["reward_stats"])
             c = Components(cfg, worker, learner, scheduler, None, ref, base_key, held_out, clock, tok.pad_id, rewards,

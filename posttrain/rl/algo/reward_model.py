@@ -150,13 +150,13 @@ class RewardComposer:
         self.verifier_weight, self.reward_model_weight = rl_cfg.verifier_weight, rl_cfg.reward_model_weight
 
     @classmethod
-    def from_config(cls, cfg, mesh: Mesh, rules: Rules, *, pad_id: int) -> "RewardComposer":
-        """From `cfg.rl`; `rl.reward_model` must be a run dir here (a pipeline resolves "@stage")."""
-        path = cfg.rl.reward_model
+    def from_config(cls, rl_cfg, mesh: Mesh, rules: Rules, *, pad_id: int) -> "RewardComposer":
+        """From the `rl` section; `rl.reward_model` must be a run dir here (a pipeline resolves "@stage")."""
+        path = rl_cfg.reward_model
         if path.startswith("@"):
             raise ValueError(f"rl.reward_model={path!r} names a pipeline stage: only a pipeline (stage='pipeline') "
                              "resolves it; give the reward_model run dir instead")
-        return cls(cfg.rl, RewardModelScorer.load(path, mesh, rules, pad_id=pad_id) if path else None)
+        return cls(rl_cfg, RewardModelScorer.load(path, mesh, rules, pad_id=pad_id) if path else None)
 
     def __call__(self, rows: Sequence[Sequence[int]], verifier: np.ndarray) -> tuple[np.ndarray, dict]:
         """Token rows (prompt + response) and their verifier rewards → (training rewards, metrics)."""
