@@ -30,7 +30,9 @@ from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.stages import rejection_sampling as rejection
 from posttrain.rl.envs.base import Task
-from posttrain.stages.rejection_sampling import Candidate, check_config, select
+from posttrain.stages import rejection_records as records
+from posttrain.stages.rejection_records import Candidate, select
+from posttrain.stages.rejection_sampling import check_config
 from posttrain.stages import pipeline
 from posttrain.stages import sft as stage_lib
 from posttrain.core.checkpoint import Checkpointer
@@ -149,7 +151,7 @@ def test_candidates_of_several_processes_are_gathered_in_prompt_order(monkeypatc
     def allgather_json(mine):        # process 1's share of the same chunk, computed as process 1 would
         worker.process = 1
         chunk = pairs[calls.pop(0):][:3]
-        theirs = [[rejection.candidate_fields(i, t, tok) for i, t in enumerate(g.trajectories)]
+        theirs = [[records.candidate_fields(i, t, tok) for i, t in enumerate(g.trajectories)]
                   for g in worker.rollout(None, None, chunk, None, num_samples=3, exact_share=False).groups]
         worker.process = 0
         return [json.loads(json.dumps(mine)), json.loads(json.dumps(theirs))]

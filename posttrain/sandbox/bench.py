@@ -10,7 +10,8 @@ import statistics
 import time
 from collections.abc import Mapping
 
-from posttrain.sandbox.core import Job, Sandbox, python_job
+from posttrain.sandbox.core import Sandbox
+from posttrain.sandbox.job import Job, python_job
 
 
 def median_ms(sandbox: Sandbox, job: Job, repeats: int) -> float:

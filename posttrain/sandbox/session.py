@@ -25,8 +25,9 @@ import json
 import time
 from collections.abc import Mapping
 
-from posttrain.sandbox.core import Job, Limits, Sandbox, Status
+from posttrain.sandbox.core import Sandbox
 from posttrain.sandbox.isolation import sandbox_python
+from posttrain.sandbox.job import Job, Limits, Status
 
 SESSION_TOOLS = ("sh", "python")
 DRIVER_SLACK_S = 10.0   # sandbox wall time beyond the command's limit: driver start-up and the state dump

@@ -32,13 +32,14 @@ prompts, candidates, passing, verifier errors, truncated, too long, duplicates, 
 a kept candidate; `yield` = prompts with a kept candidate / prompts, `pass_rate` = passing /
 candidates. Gate metrics (`rejection.gate`): `rejection/{yield,pass_rate,kept,prompts}` and
 `rejection/<domain>/{yield,pass_rate,kept}`.
+
+This module holds the stage's config check, prompt choice, sampling and `run`; the candidates'
+selection, records and report are in `rejection_records`.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import dataclasses
 import hashlib
 import itertools
 import json
@@ -53,46 +54,28 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from posttrain.data.examples import field_key
 from posttrain.data.sources import read_jsonl
 from posttrain.data.tokenizer import Tokenizer, load_tokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import allgather_json, mesh_and_rules, use_sharding
 from posttrain.rl.checks import slot_config
 from posttrain.rl.tasks.domains import Domain
-from posttrain.rl.envs.base import Task, Trajectory
+from posttrain.rl.envs.base import Task
 from posttrain.rl.rollout.worker import RolloutWorker
 from posttrain.rl.tasks.files import normalise_prompt
 from posttrain.rl.tasks.registry import domain_weights, make_domains, make_reward_fn
-from posttrain.rl.verifiers.code import CodeTask
-from posttrain.rl.verifiers.math import MathTask
-from posttrain.rl.verifiers.user import UserTask
 from posttrain.sampling.rules import SamplingParams
 from posttrain.core.checkpoint import Checkpointer
 from posttrain.stages.data_files import resolve_data_files
+from posttrain.stages.rejection_records import (
+    Candidate, candidate_fields, gate_metrics, log_report, open_for_writing, select, sft_record, write_jsonl,
+    yield_report,
+)
 from posttrain.core.init import checkpoint_dir, load_model_state
 from posttrain.core.loop import Result
 from posttrain.core.state import abstract_model, init_model_state
 
 REPORT = "rejection_report.json"
-COUNTS = ("prompts", "candidates", "passing", "verifier_errors", "truncated", "too_long", "duplicates", "kept",
-          "prompts_with_kept")
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One verified sample: its prompt's domain and task, its index among the prompt's samples,
-    the response text and its length in tokens (stop token excluded), the reward and its parts,
-    whether the sampler cut it off, and the verifier's error (None when it judged the response)."""
-    domain: str
-    task: Task
-    index: int
-    response: str
-    num_tokens: int
-    score: float
-    parts: dict
-    truncated: bool = False
-    error: str | None = None
 
 
 def check_config(cfg) -> None:
@@ -162,42 +145,6 @@ def next_sft_files(cfg) -> str:
     return mixed_path(cfg) if cfg.rejection.mix_original else output_path(cfg)
 
 
-def normalise_response(text: str) -> str:
-    """A response's text for duplicate detection: stripped, runs of whitespace as one space."""
-    return " ".join(text.split())
-
-
-def passes(c: Candidate, min_score: float) -> bool:
-    """Whether a candidate passes: judged (no verifier error), not cut off, score >= min_score."""
-    return c.error is None and not c.truncated and c.score >= min_score
-
-
-def select(candidates: list[Candidate], *, keep: int, min_score: float,
-           max_tokens: int) -> tuple[list[Candidate], collections.Counter]:
-    """The kept candidates of one prompt (module docstring: pass, length, dedup, best `keep`) and
-    the counts of each filter (`COUNTS`, all but prompts)."""
-    counts = collections.Counter(candidates=len(candidates), prompts_with_kept=0,
-                                 verifier_errors=sum(c.error is not None for c in candidates),
-                                 truncated=sum(c.truncated for c in candidates))
-    ranked = sorted((c for c in candidates if passes(c, min_score)), key=lambda c: (-c.score, c.num_tokens, c.index))
-    counts["passing"] = len(ranked)
-    kept, seen = [], set()
-    for c in ranked:
-        if max_tokens and c.num_tokens > max_tokens:
-            counts["too_long"] += 1
-            continue
-        text = normalise_response(c.response)
-        if text in seen:
-            counts["duplicates"] += 1
-            continue
-        seen.add(text)
-        if len(kept) < keep:
-            kept.append(c)
-    counts["kept"] = len(kept)
-    counts["prompts_with_kept"] = int(bool(kept))
-    return kept, counts
-
-
 def choose_prompts(domains: dict[str, Domain], weights: dict[str, float], n: int,
                    seed: int) -> list[tuple[str, Task]]:
     """`n` distinct training prompts (normalised text) as (domain, task): each domain's share by
@@ -223,21 +170,6 @@ def choose_prompts(domains: dict[str, Domain], weights: dict[str, float], n: int
     return [(d, t) for d in domains for t in pools[d][:counts[d]]]
 
 
-def candidate_fields(index: int, traj: Trajectory, tok: Tokenizer) -> dict:
-    """A verified single-turn trajectory as a Candidate's JSON fields (all but its domain and task)."""
-    tokens = traj.tokens[traj.prompt_len:]
-    if tokens and tokens[-1] in tok.stop_ids:
-        tokens = tokens[:-1]
-    reward = traj.reward
-    return dict(index=index, response=tok.decode(tokens), num_tokens=len(tokens), score=float(reward.score),
-                parts=dict(reward.parts), truncated=traj.info.get("truncated") is not None, error=reward.error)
-
-
-def candidate(domain: str, task: Task, index: int, traj: Trajectory, tok: Tokenizer) -> Candidate:
-    """A verified trajectory of a single-turn episode as a Candidate."""
-    return Candidate(domain, task, **candidate_fields(index, traj, tok))
-
-
 def sample_candidates(worker: RolloutWorker, params, rest, pairs: list[tuple[str, Task]], key, *, samples: int,
                       chunk: int, tok: Tokenizer, progress: bool = True) -> list[list[Candidate]]:
     """`samples` verified candidates for each (domain, task), `chunk` prompts per sampler call.
@@ -257,89 +189,6 @@ def sample_candidates(worker: RolloutWorker, params, rest, pairs: list[tuple[str
             out += [[Candidate(d, task, **fields) for fields in group] for (d, task), group in zip(part, groups)]
             bar.update(len(part))
     return out
-
-
-def verifier_name(target) -> str:
-    """The name of the verifier that scores a task's target (as `rl.train_files` records name it)."""
-    if isinstance(target, UserTask):
-        return target.verifier
-    return {MathTask: "math", CodeTask: "code"}.get(type(target), type(target).__name__)
-
-
-def sft_record(c: Candidate, policy: dict, cfg, fields: dict | None) -> dict:
-    """One kept candidate as an SFT record (field names as `data.fields` maps them) with provenance."""
-    prompt = [dict(m) for m in c.task.prompt]
-    if len(prompt) == 1 and prompt[0]["role"] == "user":
-        record = {field_key("prompt", fields): prompt[0]["content"], field_key("response", fields): c.response}
-    else:
-        record = {field_key("messages", fields): prompt + [{"role": "assistant", "content": c.response}]}
-    record["provenance"] = {
-        "stage": "rejection_sampling", **policy, "domain": c.domain, "task_id": c.task.id,
-        "difficulty": c.task.difficulty, "verifier": verifier_name(c.task.target), "score": c.score,
-        "parts": c.parts, "sample_index": c.index, "samples_per_prompt": cfg.rejection.samples_per_prompt,
-        "temperature": cfg.rejection.temperature, "response_tokens": c.num_tokens, "seed": cfg.seed}
-    return record
-
-
-def yield_report(per_prompt: list[tuple[Candidate | None, collections.Counter]],
-                 pairs: list[tuple[str, Task]]) -> dict:
-    """Counts (`COUNTS`) with yield and pass rate: in total, per domain, per domain and difficulty."""
-    def rates(c: collections.Counter) -> dict:
-        out = {k: int(c[k]) for k in COUNTS}
-        out["yield"] = c["prompts_with_kept"] / c["prompts"] if c["prompts"] else 0.0
-        out["pass_rate"] = c["passing"] / c["candidates"] if c["candidates"] else 0.0
-        return out
-    total, by_domain, by_difficulty = collections.Counter(), {}, {}
-    for (_, counts), (domain, task) in zip(per_prompt, pairs):
-        counts = counts + collections.Counter(prompts=1)
-        total.update(counts)
-        by_domain.setdefault(domain, collections.Counter()).update(counts)
-        label = task.difficulty if task.difficulty is not None else "none"
-        by_difficulty.setdefault(domain, {}).setdefault(label, collections.Counter()).update(counts)
-    return {"total": rates(total), "domains": {d: rates(c) for d, c in by_domain.items()},
-            "difficulty": {d: {lab: rates(c) for lab, c in sorted(labels.items())}
-                           for d, labels in by_difficulty.items()}}
-
-
-def open_for_writing(path: str):
-    """`fsspec.open(path, "w")` (local or URL) with the parent folders made."""
-    fs, p = fsspec.core.url_to_fs(path)
-    if "/" in p:
-        fs.makedirs(p.rsplit("/", 1)[0], exist_ok=True)
-    return fsspec.open(path, "w")
-
-
-def write_jsonl(path: str, records) -> int:
-    """Write records as JSONL to `path` (local or fsspec URL); how many."""
-    n = 0
-    with open_for_writing(path) as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-            n += 1
-    return n
-
-
-def gate_metrics(report: dict) -> dict:
-    """The flat numbers a `rejection.gate` reads."""
-    keys = ("yield", "pass_rate", "kept")
-    out = {f"rejection/{k}": report["total"][k] for k in (*keys, "prompts")}
-    for d, r in report["domains"].items():
-        out.update({f"rejection/{d}/{k}": r[k] for k in keys})
-    return out
-
-
-def log_report(report: dict) -> None:
-    """One console line per domain and per difficulty label, then the total."""
-    line = lambda name, r: (f"rejection_sampling {name}: {r['kept']} kept from {r['prompts']} prompts, yield "
-                            f"{r['yield']:.1%}, pass rate {r['pass_rate']:.1%} ({r['passing']} of {r['candidates']} "
-                            f"passed; {r['too_long']} too long, {r['duplicates']} duplicates, {r['truncated']} "
-                            f"truncated, {r['verifier_errors']} verifier errors)")
-    for d, r in report["domains"].items():
-        logging.info(line(d, r))
-        for label, rr in report["difficulty"][d].items():
-            if label != "none" or len(report["difficulty"][d]) > 1:
-                logging.info(line(f"{d} difficulty {label}", rr))
-    logging.info(line("total", report["total"]))
 
 
 def load_policy(cfg, make, mesh, rules) -> tuple:
