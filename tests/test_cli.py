@@ -114,26 +114,44 @@ def test_precedence_of_stage_keys_and_generic_keys():
     assert with_stage_overrides(cfg, "dpo").train.steps == 100
 
 
-def test_schema_enums_are_the_modules_tables():
-    from posttrain.config_schema import ENUMS
-    from posttrain.data.sources import ON_ERROR
+def test_module_enums_are_the_configs():
+    """Each enum key's values are defined once, in posttrain.config: the modules that implement
+    them hold that very object, and so does the field that checks the key."""
+    import dataclasses
+    from posttrain import config
+    from posttrain.config.fields import CHOICE, nested_sections
     from posttrain.core.alerts import MODES
+    from posttrain.core.optim import MOMENT_DTYPES, OPTIMIZERS
+    from posttrain.data.sources import ON_ERROR
     from posttrain.models.attention import ATTENTION_KERNELS, ROPE_SCALINGS
     from posttrain.models.decoder import REMAT_POLICIES
+    from posttrain.models.moe.dispatch import DISPATCHES
     from posttrain.models.quant import QUANT_MODES
     from posttrain.ops.context_parallel import CONTEXT_PARALLEL
-    from posttrain.rl.algo.advantages import ADVANTAGE_METHODS
+    from posttrain.rl.algo.advantages import ADVANTAGE_METHODS, GROUP_METHODS
     from posttrain.rl.algo.losses import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
     from posttrain.rl.tasks.registry import ENVS
     from posttrain.sampling.layout import SAMPLING_LAYOUTS
     from posttrain.stages.losses import DPO_LOSSES
-    from posttrain.core.optim import MOMENT_DTYPES, OPTIMIZERS
     modules = {"optim.name": OPTIMIZERS, "optim.moment_dtype": MOMENT_DTYPES,
                "model.attention": ATTENTION_KERNELS, "model.rope_scaling.type": ROPE_SCALINGS,
-               "model.context_parallel": CONTEXT_PARALLEL, "model.remat": ("none", *REMAT_POLICIES),
-               "data.on_error": ON_ERROR, "dpo.loss_type": DPO_LOSSES, "alerts.on": MODES,
-               "rl.advantage": ADVANTAGE_METHODS, "rl.aggregation": AGGREGATIONS, "rl.kl_estimator": KL_ESTIMATORS,
-               "rl.ratio_level": RATIO_LEVELS, "rl.env": ENVS, "sampling.quantize": QUANT_MODES,
-               "sampling.layout": SAMPLING_LAYOUTS}
+               "model.context_parallel": CONTEXT_PARALLEL, "model.moe.dispatch": DISPATCHES,
+               "model.remat": config.REMAT_MODES, "model.moe.router": config.MOE_ROUTERS,
+               "model.dtype": config.DTYPES, "model.param_dtype": config.DTYPES,
+               "data.on_error": ON_ERROR, "data.synthetic": config.SYNTHETIC_DATA, "dpo.loss_type": DPO_LOSSES,
+               "alerts.on": MODES, "rl.advantage": ADVANTAGE_METHODS, "rl.aggregation": AGGREGATIONS,
+               "rl.kl_estimator": KL_ESTIMATORS, "rl.ratio_level": RATIO_LEVELS, "rl.env": ENVS,
+               "sampling.quantize": QUANT_MODES, "sampling.layout": SAMPLING_LAYOUTS}
+    choices = {}
+    def walk(cls, prefix):
+        for f in dataclasses.fields(cls):
+            if f.name in nested_sections(cls):
+                walk(nested_sections(cls)[f.name], f"{prefix}{f.name}.")
+            elif CHOICE in f.metadata:
+                choices[prefix + f.name] = f.metadata[CHOICE]
+    walk(config.RunConfig, "")
+    assert choices.keys() == modules.keys()
     for key, values in modules.items():
-        assert tuple(ENUMS[key]) == tuple(values), key
+        assert choices[key] is values, key
+    assert ("none", *REMAT_POLICIES) == config.REMAT_MODES          # a policy for each mode but none
+    assert (*GROUP_METHODS, "gae") == config.ADVANTAGE_METHODS

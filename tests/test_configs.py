@@ -60,6 +60,29 @@ def test_config_passes_its_start_up_checks(spec, tmp_path, monkeypatch):
     check_config(cfg)
 
 
+def leaves(node, prefix=""):
+    """(dotted key, value) of every leaf of a ConfigDict (a free-form group like sharding.rules: one leaf)."""
+    for key in node.keys():
+        value = node[key]
+        if hasattr(value, "keys") and key != "rules":
+            yield from leaves(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key, value.to_dict() if hasattr(value, "to_dict") else value
+
+
+@pytest.mark.parametrize("spec", ["base"] + CONFIGS)
+def test_config_builds_its_typed_run_config(spec, monkeypatch):
+    """`RunConfig.from_config`: a field for every key (or it fails), each holding the key's value."""
+    import functools
+    from posttrain.config import RunConfig, base_config
+    monkeypatch.syspath_prepend(str(ROOT))
+    cfg = base_config() if spec == "base" else load(spec)
+    run = RunConfig.from_config(cfg)
+    for key, value in leaves(cfg):
+        typed = functools.reduce(getattr, key.split("."), run)
+        assert typed == (tuple(value) if isinstance(value, list) else value), key
+
+
 def readme_commands() -> list[list[str]]:
     """The README's `python -m posttrain.main ...` commands (continued lines joined) as argv."""
     text = (ROOT / "README.md").read_text().replace("\\\n", " ")

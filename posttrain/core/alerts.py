@@ -28,7 +28,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-MODES = ("off", "warn", "stop")
+from posttrain.config import ALERT_MODES as MODES
+
 WARMUP = 5            # earlier rows a running statistic needs before its rule may fire
 DECAY = 0.9           # exponential running mean / variance: weight of the past
 MIN_STD = 0.05        # floor on the reward's running std (a constant reward would make every change infinite)

@@ -18,8 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-OPTIMIZERS = ("adamw", "adafactor")
-MOMENT_DTYPES = ("", "float32", "bfloat16")   # "": the parameters' dtype
+from posttrain.config import MOMENT_DTYPES, OPTIMIZERS
 
 
 def lr_schedule(cfg, total_steps: int) -> optax.Schedule:

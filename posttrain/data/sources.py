@@ -15,11 +15,10 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import fsspec
 import numpy as np
 
+from posttrain.config import ON_ERROR
 from posttrain.errors import UserError
 
 log = logging.getLogger(__name__)
-
-ON_ERROR = ("raise", "skip")
 
 
 class DataError(ValueError):

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from posttrain.config import ATTENTION_KERNELS, ROPE_SCALINGS
 from posttrain.models.layers import RMSNorm, dtype_of, fan_in_init, param
 from posttrain.models.quant import weight_einsum
 from posttrain.ops.blockwise import blockwise_attention
@@ -19,9 +20,6 @@ from posttrain.ops.decode import (K_TIME_AXIS, V_TIME_AXIS, decode_attention,  #
                                  sequence_sharded_decode, write_cache_rows)
 from posttrain.ops.fused import KERNEL_PLATFORMS, check_platform, cudnn_attention, on_local_shards, splash_attention
 from posttrain.parallel.sharding import constrain, current
-
-ROPE_SCALINGS = ("", "linear", "dynamic", "yarn", "llama3")
-
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -161,9 +159,6 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     probs = jax.nn.softmax(logits, axis=-1) * mask.any(axis=-1, keepdims=True)
     out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(v.dtype), v)
     return out.reshape(b, s, h, d)
-
-
-ATTENTION_KERNELS = ("xla", "blockwise", "cudnn", "splash")
 
 
 @dataclasses.dataclass(frozen=True)

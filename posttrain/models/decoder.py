@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from posttrain.config import REMAT_MODES
 from posttrain.models.attention import Attention
 from posttrain.models.layers import MLP, RMSNorm, dtype_of, param
 from posttrain.models.moe import MoE, RouterBias
@@ -133,7 +134,7 @@ class Decoder(nnx.Module):
         self.remat = cfg.remat
         pdt = dtype_of(cfg.param_dtype)
         self.dtype = dtype_of(cfg.dtype)
-        if cfg.remat not in ("none", *REMAT_POLICIES):
+        if cfg.remat not in REMAT_MODES:
             raise ValueError(f"model.remat={cfg.remat!r}: expected none, full or dots")
         self.embed = param(rngs, jax.nn.initializers.normal(1.0), (cfg.vocab_size, cfg.embed_dim),
                            ("vocab", "embed"), pdt)

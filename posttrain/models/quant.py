@@ -30,9 +30,10 @@ import qwix
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from posttrain.config import QUANT_MODES
+
 
 QArray = qwix.QArray
-QUANT_MODES = ("none", "int8", "int4")
 INT4_GROUP = 128
 COMPUTE_DTYPE = jnp.bfloat16            # the "a16" of w8a16 / w4a16
 

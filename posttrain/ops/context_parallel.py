@@ -15,10 +15,10 @@ import math
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from posttrain.config import CONTEXT_PARALLEL
 from posttrain.ops.ring import all_gather_attention, ring_attention
 from posttrain.parallel.sharding import current, logical_spec
 
-CONTEXT_PARALLEL = ("all_gather", "ring", "auto")
 AUTO_GATHER_FRACTION = 1 / 16
 DEFAULT_DEVICE_BYTES = 16 * 2**30
 

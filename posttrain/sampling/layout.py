@@ -19,9 +19,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from posttrain.config import SAMPLING_LAYOUTS
 from posttrain.parallel.sharding import Rules, current, decode_rules, shardings_for, use_sharding
-
-SAMPLING_LAYOUTS = ("learner", "tensor")
 
 
 def check_layout(layout: str, key: str = "sampling.layout") -> str:

@@ -5,15 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from posttrain.config import DPO_LOSSES
 from posttrain.models.logprobs import token_logprobs  # noqa: F401 (re-exported: DPO and tests use it here)
 
 
 def sequence_logprobs(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
     """Sum of token log-probs where mask is set: [B, S, V], [B, S], [B, S] → [B]."""
     return (token_logprobs(logits, targets) * mask.astype(jnp.float32)).sum(axis=-1)
-
-
-DPO_LOSSES = ("sigmoid", "ipo")
 
 
 def dpo_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, ref_chosen: jax.Array,

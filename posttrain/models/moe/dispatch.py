@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from posttrain.config import DISPATCHES
 from posttrain.models.moe.experts import expert_ffn, expert_ranks, grouped_ffn, sort_by_expert
 from posttrain.models.quant import QArray, is_quantized, weight_einsum
 from posttrain.parallel.mesh import mesh_device_kind, mesh_platform
@@ -40,7 +41,6 @@ DENSE_EXPERTS_MAX_TOKEN_EXPERTS = 2048
 # step for v5e-256 with "RET_CHECK failure ... ragged_all_to_all_emitter.cc:325" (BENCHMARKS "Pod
 # plan"; a tiny step for v5e:2x2 does compile it), while every v5p slice compiles it
 NO_RAGGED_ALL_TO_ALL = ("TPU v5 lite",)
-DISPATCHES = ("auto", "ragged", "padded")
 
 
 def spec_axes(spec: P, dim: int) -> tuple[str, ...]:

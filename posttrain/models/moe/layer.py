@@ -16,6 +16,7 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
+from posttrain.config import MOE_ROUTERS
 from posttrain.models.layers import MLP, dtype_of, fan_in_init, param
 from posttrain.models.moe.dispatch import ExpertLayout, expert_layout, gather_weight, routed_experts
 from posttrain.models.moe.experts import expert_capacity
@@ -47,7 +48,7 @@ class RoutingSpec:
             raise ValueError(f"moe.num_experts={moe.num_experts}: an MoE layer needs at least 1 expert")
         if not 1 <= moe.top_k <= moe.num_experts:
             raise ValueError(f"moe.top_k={moe.top_k}: expected 1..num_experts ({moe.num_experts})")
-        if moe.router not in ("softmax", "sigmoid"):
+        if moe.router not in MOE_ROUTERS:
             raise ValueError(f"moe.router={moe.router!r}: expected 'softmax' or 'sigmoid'")
         return cls(int(moe.num_experts), int(moe.top_k), moe.router, bool(moe.norm_topk_prob),
                    float(moe.routed_scaling), float(moe.capacity_factor))

@@ -19,8 +19,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-GROUP_METHODS = ("grpo", "drgrpo", "rloo")
-ADVANTAGE_METHODS = (*GROUP_METHODS, "gae")
+from posttrain.config import ADVANTAGE_METHODS
+
+GROUP_METHODS = tuple(m for m in ADVANTAGE_METHODS if m != "gae")   # advantages from a group's rewards alone
 
 
 def group_advantages(rewards: jax.Array, group_size: int, *, method: str = "grpo",

@@ -20,9 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-RATIO_LEVELS = ("token", "sequence")
+from posttrain.config import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
 
 
 def kl_estimate(logp: jax.Array, ref_logp: jax.Array, estimator: str = "k3") -> jax.Array:

@@ -20,6 +20,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from posttrain.config import ENVS  # noqa: F401 (re-exported: rl.checks reads it here)
 from posttrain.data.sources import SkipLog
 from posttrain.rl.tasks import domains as domain_lib
 from posttrain.rl.tasks import repo_domain
@@ -59,7 +60,6 @@ DOMAINS: dict[str, DomainBuilder] = {
                                    domain_lib.humaneval_tasks(limit=cfg.rl.eval_size)),
     "repo_fix": _repo_fix,
 }
-ENVS = ("single", "tool")       # rl.env: one answer per sample, or multi-turn episodes with sandboxed tools
 VERIFIERS: dict[str, ScoreFn] = {}      # user verifiers added from Python (`register_verifier`)
 
 

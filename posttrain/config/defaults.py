@@ -1,15 +1,14 @@
-"""The run configuration: one ml-collections ConfigDict holding everything a run needs.
+"""The run configuration's keys and defaults: one ml-collections ConfigDict holding everything a run needs.
 
 Config files (`configs/*.py`) define `get_config()` starting from `base_config()` and change what
 they need. The dict is locked, so a misspelt key (in a file or a `--config.a.b=v` override) fails
-before anything is compiled, naming the key and the valid keys at that level.
+before anything is compiled, naming the key and the valid keys at that level. The typed sections
+(`RunConfig.from_config`) say what values each key may take.
 """
 
 from __future__ import annotations
 
 import ml_collections
-
-from posttrain.parallel.sharding import DEFAULT_RULES
 
 
 def model_config() -> ml_collections.ConfigDict:
@@ -65,8 +64,20 @@ def model_config() -> ml_collections.ConfigDict:
     ))
 
 
+def optim_config() -> ml_collections.ConfigDict:
+    """The optimizer's keys (`optim`)."""
+    return ml_collections.ConfigDict(dict(
+        name="adamw",              # adamw | adafactor (factored second moments, no first: ~(rows+cols) per matrix)
+        lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.01, grad_clip=1.0,
+        b1=0.9, b2=0.95, eps=1e-8,  # adamw only
+        moment_dtype="",           # adamw only: first-moment dtype, "" = the params' dtype, float32 | bfloat16
+        factored_min_dim=128,      # adafactor only: factor a matrix's second moment when its 2 largest dims are >= this
+    ))
+
+
 def base_config() -> ml_collections.ConfigDict:
     """Every key a run may set, with defaults; config files start from this."""
+    from posttrain.parallel.sharding import DEFAULT_RULES     # here: importing posttrain.config loads no jax
     cfg = ml_collections.ConfigDict()
     cfg.stage = "lm"               # which job main runs
     cfg.seed = 0
@@ -103,13 +114,7 @@ def base_config() -> ml_collections.ConfigDict:
             seed=0,                # problems come from the eval name space, disjoint from training's
         )),
     ))
-    cfg.optim = ml_collections.ConfigDict(dict(
-        name="adamw",              # adamw | adafactor (factored second moments, no first: ~(rows+cols) per matrix)
-        lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.01, grad_clip=1.0,
-        b1=0.9, b2=0.95, eps=1e-8,  # adamw only
-        moment_dtype="",           # adamw only: first-moment dtype, "" = the params' dtype, float32 | bfloat16
-        factored_min_dim=128,      # adafactor only: factor a matrix's second moment when its 2 largest dims are >= this
-    ))
+    cfg.optim = optim_config()
     cfg.data = ml_collections.ConfigDict(dict(
         task="arithmetic",         # stage lm: the built-in task
         tokenizer="byte",          # "byte" or a folder with tokenizer.json (local, gs://)

@@ -1,0 +1,93 @@
+"""The `model` section: the decoder's shape, attention, RoPE scaling and Mixture-of-Experts keys, and
+the values its enum keys take (the modules that implement them import these)."""
+
+from __future__ import annotations
+
+from posttrain.config.fields import Section, bounded, choice, section
+from posttrain.errors import UserError
+
+ATTENTION_KERNELS = ("xla", "blockwise", "cudnn", "splash")   # models.attention
+ROPE_SCALINGS = ("", "linear", "dynamic", "yarn", "llama3")    # models.attention.RopeScaling
+CONTEXT_PARALLEL = ("all_gather", "ring", "auto")              # ops.context_parallel
+REMAT_MODES = ("none", "full", "dots")                          # models.decoder.REMAT_POLICIES, and none
+DTYPES = ("float32", "bfloat16", "float16")                     # models.layers
+MOE_ROUTERS = ("softmax", "sigmoid")                            # models.moe.layer
+DISPATCHES = ("auto", "ragged", "padded")                       # models.moe.dispatch
+
+
+@section
+class RopeScalingConfig(Section):
+    """`model.rope_scaling`: Hugging Face's `rope_scaling` (see models.attention.RopeScaling)."""
+
+    KEY = "model.rope_scaling"
+    type: str = choice(ROPE_SCALINGS)
+    factor: float
+    original_max_position_embeddings: int
+    low_freq_factor: float
+    high_freq_factor: float
+    beta_fast: float
+    beta_slow: float
+    attention_factor: float
+    truncate: bool
+
+
+@section
+class MoEConfig(Section):
+    """`model.moe`: routed experts (none when num_experts is 0)."""
+
+    KEY = "model.moe"
+    num_experts: int = bounded(ge=0)
+    top_k: int = bounded(ge=1)
+    expert_mlp_dim: int
+    router: str = choice(MOE_ROUTERS)
+    norm_topk_prob: bool
+    routed_scaling: float
+    bias_update_rate: float
+    num_shared_experts: int
+    shared_mlp_dim: int
+    aux_loss_coef: float
+    z_loss_coef: float
+    capacity_factor: float = bounded(ge=0)
+    first_dense: int
+    every: int
+    dense_layers: tuple[int, ...]
+    dispatch: str = choice(DISPATCHES)
+
+    def check_rules(self) -> None:
+        """A token picks at most every expert."""
+        if self.num_experts and self.top_k > self.num_experts:
+            raise UserError(f"config.{self.key}.top_k={self.top_k}: expected <= {self.key}.num_experts="
+                            f"{self.num_experts}", key=f"{self.key}.top_k")
+
+
+@section
+class ModelConfig(Section):
+    """`model`: the decoder's hyper-parameters."""
+
+    KEY = "model"
+    vocab_size: int = bounded(ge=1)
+    embed_dim: int = bounded(ge=1)
+    num_layers: int = bounded(ge=1)
+    num_heads: int = bounded(ge=1)
+    num_kv_heads: int = bounded(ge=1)
+    head_dim: int = bounded(ge=1)
+    mlp_dim: int = bounded(ge=1)
+    rope_theta: float
+    rope_scaling: RopeScalingConfig
+    qk_norm: bool
+    attention_bias: bool
+    norm_eps: float
+    tie_embeddings: bool
+    param_dtype: str = choice(DTYPES)
+    dtype: str = choice(DTYPES)
+    remat: str = choice(REMAT_MODES)
+    attention: str = choice(ATTENTION_KERNELS)
+    attention_block: int
+    context_parallel: str = choice(CONTEXT_PARALLEL)
+    moe: MoEConfig
+
+    def check_rules(self) -> None:
+        """Grouped-query attention: each KV head serves a whole number of query heads."""
+        if self.num_heads % self.num_kv_heads:
+            raise UserError(f"config.{self.key}.num_kv_heads={self.num_kv_heads} must divide {self.key}.num_heads="
+                            f"{self.num_heads} (grouped-query attention)", key=f"{self.key}.num_kv_heads")

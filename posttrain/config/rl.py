@@ -1,0 +1,137 @@
+"""The RL sections: `rl` (with `rl.curriculum`), `sampling`, `rejection` and `alerts`, and the values
+their enum keys take."""
+
+from __future__ import annotations
+
+from posttrain.config.fields import Section, bounded, choice, section
+from posttrain.config.train import StageConfig
+
+ENVS = ("single", "tool")           # rl.tasks.registry: one answer per sample, or multi-turn episodes with tools
+ADVANTAGE_METHODS = ("grpo", "drgrpo", "rloo", "gae")      # rl.algo.advantages
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")   # rl.algo.losses
+KL_ESTIMATORS = ("k1", "k2", "k3")                        # rl.algo.losses
+RATIO_LEVELS = ("token", "sequence")                      # rl.algo.losses
+QUANT_MODES = ("none", "int8", "int4")                    # models.quant
+SAMPLING_LAYOUTS = ("learner", "tensor")                  # sampling.layout
+ALERT_MODES = ("off", "warn", "stop")                     # core.alerts.MODES
+
+
+@section
+class CurriculumConfig(Section):
+    """`rl.curriculum`: the task scheduler's pass-rate bands and retirement."""
+
+    KEY = "rl.curriculum"
+    band_weights: str
+    hard_below: float
+    easy_above: float
+    min_attempts: int
+    window: int
+    retire_above: float
+    retire_below: float
+    retire_after: int
+    pass_threshold: float
+
+
+@section
+class RLConfig(StageConfig):
+    """`rl`: the rlvr stage: tasks, episodes, sampling, the policy loss, the critic and rewards."""
+
+    KEY = "rl"
+    domains: str
+    verifiers: str
+    verifier_timeout_s: float
+    curriculum: CurriculumConfig
+    env: str = choice(ENVS)
+    max_turns: int = bounded(ge=1)
+    episode_cohorts: int = bounded(ge=1)
+    tool_timeout_s: float = bounded(gt=0)
+    invalid_tool_call_penalty: float = bounded(ge=0)
+    redundant_tool_call_penalty: float = bounded(ge=0)
+    rollouts_every: int
+    rollouts_fraction: float
+    instruction: str
+    arithmetic_size: int
+    eval_size: int
+    eval_every: int = bounded(ge=0)
+    eval_samples: int
+    prompts_per_step: int
+    group_size: int = bounded(ge=1)
+    max_new_tokens: int = bounded(ge=1)
+    temperature: float
+    top_k: int = bounded(ge=0)
+    top_p: float = bounded(gt=0, le=1)
+    advantage: str = choice(ADVANTAGE_METHODS)
+    clip_low: float
+    clip_high: float
+    ratio_level: str = choice(RATIO_LEVELS)
+    updates_per_batch: int
+    minibatches: int
+    aggregation: str = choice(AGGREGATIONS)
+    kl_coef: float = bounded(ge=0)
+    kl_estimator: str = choice(KL_ESTIMATORS)
+    entropy_coef: float = bounded(ge=0)
+    is_cap: float
+    max_staleness: int
+    filter_groups: bool
+    max_resample_rounds: int
+    format_penalty: float
+    overlong_buffer: int
+    verifier_workers: int = bounded(ge=1)
+    verifier_delay: float
+    critic: str
+    gamma: float
+    lam: float
+    value_coef: float
+    value_clip: float
+    reward_model: str
+    reward_model_weight: float
+    verifier_weight: float
+    reward_model_normalize: bool
+    kl_in_reward: bool
+
+
+@section
+class SamplingConfig(Section):
+    """`sampling`: the rlvr stage's sampler."""
+
+    KEY = "sampling"
+    quantize: str = choice(QUANT_MODES)
+    layout: str = choice(SAMPLING_LAYOUTS)
+    speculative_k: int
+    draft_layers: int
+    prefix_cache: int = bounded(ge=0)
+    continuous_batching: bool
+    num_slots: int = bounded(ge=1)
+    refill_batch: int = bounded(ge=1)
+
+
+@section
+class RejectionConfig(Section):
+    """`rejection`: the rejection_sampling stage (verified samples of the policy → SFT data)."""
+
+    KEY = "rejection"
+    prompts: int = bounded(ge=1)
+    samples_per_prompt: int = bounded(ge=1)
+    keep_per_prompt: int = bounded(ge=1)
+    min_score: float
+    max_tokens: int = bounded(ge=0)
+    temperature: float = bounded(ge=0)
+    output: str
+    mix_original: bool
+    gate: str
+
+
+@section
+class AlertsConfig(Section):
+    """`alerts`: run health rules (0: a rule is off)."""
+
+    KEY = "alerts"
+    on: str = choice(ALERT_MODES)
+    reward_drift: float
+    entropy_collapse: float
+    kl_blowup: float
+    response_len_explosion: float
+    clip_saturation: float
+    nonfinite: bool
+    verifier_error_rate: float
+    throughput_stall: float
