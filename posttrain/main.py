@@ -212,8 +212,8 @@ def usage() -> str:
     lines = ["usage: python -m posttrain.main --config configs/X.py [--config.section.key=value ...] [--verbose]",
              "", f"Runs config.stage, one of: {', '.join(sorted(registry.BY_NAME))} (pipeline: pipeline.stages in order).",
              "A run in the same workdir resumes from its newest checkpoint; Ctrl-C / SIGTERM saves one and stops.",
-             "", "Config keys (defaults in posttrain/config.py, allowed values in posttrain/config_schema.py; an",
-             "unknown --config.a.b lists every valid key at its level):",
+             "", "Config keys (defaults in posttrain/config/defaults.py, allowed values declared on the typed",
+             "sections in posttrain/config/; an unknown --config.a.b lists every valid key at its level):",
              f"  {' '.join(top)}"]
     for section in (k for k in cfg.keys() if hasattr(cfg[k], "keys")):
         keys = [f"{k}.*" if hasattr(cfg[section][k], "keys") else k for k in cfg[section].keys()]

@@ -11,6 +11,36 @@ from __future__ import annotations
 import ml_collections
 
 
+# The default logical-axis → mesh-axes rules (`sharding.rules`; parallel/sharding.py applies them).
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp", "expert"),
+    "length": ("sequence",),
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+    "experts": ("expert",),
+    "expert_mlp": ("tensor",),
+    "head_dim": (),
+    "layers": (),
+    # Activations have names of their own (as in MaxText), so that the weights' layout (e.g.
+    # ZeRO-3: embed over fsdp) and the activations' (e.g. embed whole, or over tensor) change
+    # independently. `batch` / `length` remain the layout of input batches.
+    "activation_batch": ("data", "fsdp", "expert"),
+    "activation_length": ("sequence",),
+    "activation_embed": (),
+    "activation_heads": ("tensor",),
+    "activation_kv_heads": ("tensor",),
+    "activation_mlp": ("tensor",),
+    "activation_vocab": ("tensor",),
+    # The vocab dim of the embedding table as the token lookup reads it: () gathers the table and
+    # looks tokens up locally (training); the `vocab` axes look each token up in its shard and sum
+    # (the decode layout, `decode_rules`: no table gather per token).
+    "vocab_lookup": (),
+}
+
+
 def model_config() -> ml_collections.ConfigDict:
     """Decoder hyper-parameters (defaults: a tiny dense model that runs anywhere)."""
     return ml_collections.ConfigDict(dict(
@@ -77,7 +107,6 @@ def optim_config() -> ml_collections.ConfigDict:
 
 def base_config() -> ml_collections.ConfigDict:
     """Every key a run may set, with defaults; config files start from this."""
-    from posttrain.parallel.sharding import DEFAULT_RULES     # here: importing posttrain.config loads no jax
     cfg = ml_collections.ConfigDict()
     cfg.stage = "lm"               # which job main runs
     cfg.seed = 0

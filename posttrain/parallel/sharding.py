@@ -17,33 +17,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-DEFAULT_RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp", "expert"),
-    "length": ("sequence",),
-    "embed": ("fsdp",),
-    "heads": ("tensor",),
-    "kv_heads": ("tensor",),
-    "mlp": ("tensor",),
-    "vocab": ("tensor",),
-    "experts": ("expert",),
-    "expert_mlp": ("tensor",),
-    "head_dim": (),
-    "layers": (),
-    # Activations have names of their own (as in MaxText), so that the weights' layout (e.g.
-    # ZeRO-3: embed over fsdp) and the activations' (e.g. embed whole, or over tensor) change
-    # independently. `batch` / `length` remain the layout of input batches.
-    "activation_batch": ("data", "fsdp", "expert"),
-    "activation_length": ("sequence",),
-    "activation_embed": (),
-    "activation_heads": ("tensor",),
-    "activation_kv_heads": ("tensor",),
-    "activation_mlp": ("tensor",),
-    "activation_vocab": ("tensor",),
-    # The vocab dim of the embedding table as the token lookup reads it: () gathers the table and
-    # looks tokens up locally (training); the `vocab` axes look each token up in its shard and sum
-    # (the decode layout, `decode_rules`: no table gather per token).
-    "vocab_lookup": (),
-}
+from posttrain.config.defaults import DEFAULT_RULES
 
 # Tensor-parallel dims (Megatron): attention heads, MLP and expert hidden, vocab; weights and activations.
 TENSOR_PARALLEL_NAMES = ("heads", "kv_heads", "mlp", "expert_mlp", "vocab", "vocab_lookup", "activation_heads",
