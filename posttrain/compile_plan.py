@@ -24,6 +24,10 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from posttrain.core.harness import restore_target
+from posttrain.core.optim import lr_schedule, make_optimizer
+from posttrain.core.state import abstract_model, abstract_train_state
+from posttrain.core.step import lm_loss, make_train_step
 from posttrain.models.decoder import Decoder
 from posttrain.models.flops import activated_matmul_params, train_flops_per_token
 from posttrain.parallel import aot, logical_spec, make_mesh, parse_rules, rules_key, shardings_for, use_sharding
@@ -31,11 +35,7 @@ from posttrain.rl.algo.learner import rl_loss
 from posttrain.sampling.generate import bucket, generate_program
 from posttrain.sampling.layout import sampler_rules
 from posttrain.sampling.rules import SamplingParams
-from posttrain.core.optim import lr_schedule, make_optimizer
 from posttrain.stages.dpo import dpo_stage_loss
-from posttrain.core.state import abstract_model, abstract_train_state
-from posttrain.core.harness import restore_target
-from posttrain.core.step import lm_loss, make_train_step
 
 PROGRAMS = ("sft", "dpo", "rl_learner", "sampler")   # and "restore" (`restore_report`: not compiled), "publish"
 LM_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")

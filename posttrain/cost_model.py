@@ -28,6 +28,7 @@ import math
 from flax import nnx
 from jax.sharding import Mesh
 
+from posttrain.core.state import abstract_model
 from posttrain.models.decoder import Decoder, layer_kinds
 from posttrain.models.flops import activated_matmul_params, train_flops_per_token
 from posttrain.models.lora import BATCH_AXES, FAN_IN_DIMS, target_paths
@@ -36,7 +37,6 @@ from posttrain.models.moe.experts import expert_capacity
 from posttrain.parallel import aot, logical_spec
 from posttrain.parallel.sharding import Rules
 from posttrain.sampling.generate import bucket
-from posttrain.core.state import abstract_model
 
 PROGRAMS = ("sft", "dpo", "rl_learner", "sampler")
 

@@ -27,8 +27,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from posttrain import storage
-from posttrain.stages import registry
 from posttrain.errors import UserError
+from posttrain.stages import registry
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().",
                                           lock_config=True)
@@ -57,8 +57,9 @@ def run(config) -> object:
     from posttrain.config_schema import check_values
     check_values(config)        # enums, ranges, cross-field rules: before the heavy imports
     import jax
-    from posttrain.parallel import maybe_initialize_distributed
+
     from posttrain.core.workdir import workdir_lock
+    from posttrain.parallel import maybe_initialize_distributed
     maybe_initialize_distributed(config)
     primary = jax.process_index() == 0
     # The lock comes first (before the heavy imports): a second run in a busy workdir fails at once.

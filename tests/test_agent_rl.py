@@ -14,27 +14,27 @@ import pytest
 from flax import nnx
 
 from posttrain.config import base_config
+from posttrain.core.optim import make_optimizer
+from posttrain.core.state import create_train_state
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import make_mesh, parse_rules, use_sharding
-from posttrain.stages import rlvr as loop
-from posttrain.rl.tasks import repo_domain
-from posttrain.rl.tasks.domains import Domain
+from posttrain.rl.algo.learner import learner_logprobs, rl_batch
 from posttrain.rl.envs import run_episode
 from posttrain.rl.envs.base import Step, Task
 from posttrain.rl.envs.chat import ChatEnv, continuation
 from posttrain.rl.envs.workspace import WorkspaceEnv
-from posttrain.rl.rollout.episodes import rollout_episodes
-from posttrain.rl.algo.learner import learner_logprobs, rl_batch
 from posttrain.rl.reward import RewardConfig, RewardFunction
+from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.worker import RolloutWorker
+from posttrain.rl.tasks import repo_domain
+from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.verifiers import MathTask
 from posttrain.rl.verifiers.math import MathVerifier
 from posttrain.sampling.rules import SamplingParams
 from posttrain.sandbox import Limits, Sandbox, Status
 from posttrain.sandbox.session import Session, _parse_report
-from posttrain.core.optim import make_optimizer
-from posttrain.core.state import create_train_state
+from posttrain.stages import rlvr as loop
 
 TOK = ByteTokenizer()
 LIMITS = Limits(cpu_s=2, wall_s=2.0, memory_bytes=512 << 20, processes=16, file_bytes=1 << 20,

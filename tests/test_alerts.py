@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from posttrain.config import base_config
-from posttrain.errors import UserError
-from posttrain.core.metrics import read_metrics
 from posttrain.core.alerts import RULES, AlertMonitor, AlertStop
+from posttrain.core.metrics import read_metrics
+from posttrain.errors import UserError
 
 
 def normal_stream(n=40, seed=0):

@@ -6,8 +6,8 @@ import time
 import numpy as np
 import pytest
 
-from posttrain.rl.rollout.buffer import BufferClosed, Rollout, RolloutBuffer
 from posttrain.rl.envs.base import Task, Trajectory
+from posttrain.rl.rollout.buffer import BufferClosed, Rollout, RolloutBuffer
 from posttrain.rl.tasks.scheduler import Group
 
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posttrain.errors import UserError
 from posttrain.core.checkpoint import Checkpointer, ShapeMismatch
+from posttrain.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,8 +64,8 @@ def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path):
 
 
 def test_resume_after_corrupt_newest_checkpoint_continues_from_the_previous(tmp_path, caplog):
-    from posttrain.main import run
     from posttrain.core.metrics import read_metrics
+    from posttrain.main import run
 
     def config(steps):
         cfg = runpy.run_path(str(ROOT / "configs/sft_tiny.py"))["get_config"]()

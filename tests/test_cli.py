@@ -100,8 +100,8 @@ def test_cli_bad_enum_fails_at_once_and_command_line_steps_win_over_the_file(tmp
 
 
 def test_precedence_of_stage_keys_and_generic_keys():
-    from posttrain.config_schema import apply_command_line_precedence, command_line_keys
     from posttrain.config import with_stage_overrides
+    from posttrain.config_schema import apply_command_line_precedence, command_line_keys
     cfg = load("rlvr_tiny.py")
     assert cfg.rl.steps == 60 and with_stage_overrides(cfg, "rl").train.steps == 60      # the file: stage key wins
     cfg.train.steps = 6
@@ -118,6 +118,7 @@ def test_module_enums_are_the_configs():
     """Each enum key's values are defined once, in posttrain.config: the modules that implement
     them hold that very object, and so does the field that checks the key."""
     import dataclasses
+
     from posttrain import config
     from posttrain.config.fields import CHOICE, nested_sections
     from posttrain.core.alerts import MODES

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.errors import UserError
 from posttrain.core.compile_cache import ENV, compilation_cache_dir
+from posttrain.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,6 +47,7 @@ def test_cache_folder_fills_when_on_and_off_sets_nothing(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(folder) and list(folder.rglob("*"))
     import jax
+
     from posttrain.core.compile_cache import enable_compilation_cache
     before = jax.config.jax_compilation_cache_dir
     assert enable_compilation_cache("off") is None and jax.config.jax_compilation_cache_dir == before

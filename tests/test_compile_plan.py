@@ -57,10 +57,11 @@ def compiled():
 @needs_libtpu
 def test_tpu_paths_are_compiled(compiled):
     from flax import nnx
+
+    from posttrain.core.state import abstract_model
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import mesh_platform, use_sharding
     from posttrain.sampling import engine
-    from posttrain.core.state import abstract_model
     cfg, mesh, rules, out = compiled
     with use_sharding(mesh, rules):
         assert mesh_platform() == "tpu"
@@ -95,7 +96,8 @@ def test_auto_dispatch_follows_the_meshs_device_kind(kind, platform, want):
     """'auto' takes the padded all-to-all on the CPU and on v5e (whose compiler fails on the ragged
     one at scale), from the mesh's devices, not the host's backend; an explicit kind is kept."""
     from jax._src.mesh import AbstractDevice
-    from jax.sharding import AbstractMesh, PartitionSpec as P
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
 
     from posttrain.models.moe.dispatch import expert_layout
     mesh = AbstractMesh((2, 2), ("data", "expert"), abstract_device=AbstractDevice(kind, 1, platform))
@@ -148,10 +150,11 @@ def test_analytic_cost_model_matches_the_compiled_program():
     """`cost_model.program_cost` (FLOPs and collective bytes from the shapes, mesh and rules) against
     the compiled pod-like step: the expert all-to-all within 1%, the weight gathers and the
     gradient reduction (reduce-scatter + all-reduce: XLA merges small reductions) within 10%."""
+    import jax
+
     from posttrain import compile_plan as cp
     from posttrain import cost_model
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
-    import jax
     cfg = pod_like_tiny_config()
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
     rules = parse_rules(cfg.sharding.rules.to_dict())
@@ -325,8 +328,8 @@ def test_pod_shapes_have_the_published_sizes(model, billions):
     import jax
     from flax import nnx
 
-    from posttrain.models.decoder import Decoder
     from posttrain.core.state import abstract_model
+    from posttrain.models.decoder import Decoder
     cfg = runpy.run_path("configs/pod/moe_shapes.py")["get_config"](f"{model}:sft_full")
     params = nnx.state(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
     assert sum(x.size for x in jax.tree.leaves(params)) / 1e9 == pytest.approx(billions, abs=0.1)
@@ -367,10 +370,10 @@ def test_scanned_decode_over_a_sequence_axis_compiles_for_tpu():
     from flax import nnx
 
     from posttrain import compile_plan as cp
+    from posttrain.core.state import abstract_model
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
     from posttrain.sampling import engine
-    from posttrain.core.state import abstract_model
     cfg = tiny_moe_config()
     cfg.mesh.data, cfg.mesh.expert, cfg.mesh.sequence = 1, 2, 2
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))

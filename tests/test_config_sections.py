@@ -8,7 +8,7 @@ import sys
 import ml_collections
 import pytest
 
-from posttrain.config import (ModelConfig, MoEConfig, OptimConfig, RunConfig, StageConfig, base_config)
+from posttrain.config import ModelConfig, MoEConfig, OptimConfig, RunConfig, StageConfig, base_config
 from posttrain.config.fields import nested_sections
 from posttrain.errors import UserError
 

@@ -74,6 +74,7 @@ def leaves(node, prefix=""):
 def test_config_builds_its_typed_run_config(spec, monkeypatch):
     """`RunConfig.from_config`: a field for every key (or it fails), each holding the key's value."""
     import functools
+
     from posttrain.config import RunConfig, base_config
     monkeypatch.syspath_prepend(str(ROOT))
     cfg = base_config() if spec == "base" else load(spec)

@@ -11,10 +11,10 @@ import pytest
 
 from posttrain.config import base_config
 from posttrain.rl.checks import check_rl_config
-from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.envs.base import Task
-from posttrain.rl.tasks.scheduler import TaskScheduler
+from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.tasks.registry import curriculum_options
+from posttrain.rl.tasks.scheduler import TaskScheduler
 
 
 def scheduler(n=4, **curriculum):

@@ -14,13 +14,13 @@ import pytest
 from flax import nnx
 
 from posttrain.config import base_config
-from posttrain.models.decoder import Decoder
-from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 from posttrain.core.checkpoint import Checkpointer, NonFiniteCheckpoint
 from posttrain.core.metrics import MetricsWriter, read_metrics
 from posttrain.core.optim import make_optimizer
 from posttrain.core.state import create_train_state
 from posttrain.core.step import Diverged, check_nonfinite, lm_loss, make_train_step
+from posttrain.models.decoder import Decoder
+from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,11 +12,17 @@ import pytest
 
 from posttrain.data.tokenizer import ByteTokenizer, load_tokenizer
 from posttrain.rl.envs import (
-    SingleTurnEnv, Task, ToolCallError, ToolEnv, parse_tool_call, run_episode, run_episodes,
+    SingleTurnEnv,
+    Task,
+    ToolCallError,
+    ToolEnv,
+    parse_tool_call,
+    run_episode,
+    run_episodes,
 )
 from posttrain.rl.reward import RewardConfig, RewardFunction, default_reward_function
-from posttrain.sandbox import Sandbox
 from posttrain.rl.verifiers import CodeTask, MathTask
+from posttrain.sandbox import Sandbox
 
 TOK = ByteTokenizer()
 PRODUCT = Task("mul", ({"role": "user", "content": "What is 123456789 * 987654321?"},), MathTask(str(123456789 * 987654321)))

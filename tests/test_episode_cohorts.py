@@ -20,13 +20,13 @@ from posttrain.config import base_config
 from posttrain.config_schema import check_values
 from posttrain.errors import UserError
 from posttrain.parallel import use_sharding
-from posttrain.rl.checks import check_episode_cohorts, check_rl_config
-from posttrain.rl.tasks.domains import Domain
-from posttrain.rl.envs.base import Task
-from posttrain.rl.rollout.episodes import rollout_episodes, turn_key
 from posttrain.rl.algo.learner import learner_logprobs, rl_batch
+from posttrain.rl.checks import check_episode_cohorts, check_rl_config
+from posttrain.rl.envs.base import Task
 from posttrain.rl.reward import RewardFunction
+from posttrain.rl.rollout.episodes import rollout_episodes, turn_key
 from posttrain.rl.rollout.worker import RolloutWorker
+from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.verifiers import MathTask
 from posttrain.rl.verifiers.math import MathVerifier
 from posttrain.sampling.continuous import SlotConfig

@@ -80,11 +80,11 @@ def test_init_from_missing_path_is_an_error_and_creates_nothing(tmp_path, capsys
 
 def test_init_from_a_differently_shaped_model_names_parameter_shapes_and_key(tmp_path):
     from posttrain.config import base_config
-    from posttrain.models.decoder import Decoder
-    from posttrain.parallel import DEFAULT_RULES, make_mesh
     from posttrain.core.checkpoint import Checkpointer
     from posttrain.core.init import load_model_state
     from posttrain.core.state import abstract_model
+    from posttrain.models.decoder import Decoder
+    from posttrain.parallel import DEFAULT_RULES, make_mesh
     small, big = base_config().model, base_config().model
     big.mlp_dim = small.mlp_dim * 2
     mesh = make_mesh(dict(data=1), devices=jax.devices()[:1])

@@ -12,18 +12,18 @@ import pytest
 from flax import nnx
 
 from posttrain.config import base_config
-from posttrain.errors import UserError
+from posttrain.core.checkpoint import Checkpointer
+from posttrain.core.init import load_model_state
+from posttrain.core.state import abstract_model, init_model_state
 from posttrain.data.tokenizer import load_tokenizer
+from posttrain.errors import UserError
 from posttrain.eval.gates import GateFailed, check_gate, parse_gate, regression_drop
 from posttrain.main import run as main_run
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
-from posttrain.stages import eval as evaluation
-from posttrain.rl.tasks import suites as suite_lib
 from posttrain.rl.rollout.worker import RolloutWorker, evaluate
-from posttrain.core.checkpoint import Checkpointer
-from posttrain.core.init import load_model_state
-from posttrain.core.state import abstract_model, init_model_state
+from posttrain.rl.tasks import suites as suite_lib
+from posttrain.stages import eval as evaluation
 
 PROMPTS = [f"What is {a} plus {b}?" for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 2), (4, 4), (6, 1)]]
 
@@ -323,8 +323,8 @@ def test_multi_turn_suite_reports_episode_metrics_and_gates_on_them(run_dir, tmp
     sampler scripted): solved = the final check passed, although the failing first call's penalty
     leaves the reward below 1; the episode metrics are reported and gated on. The episodes run in
     2 cohorts (rl.episode_cohorts): sampler calls of half the episodes, the same results."""
-    from posttrain.rl.tasks import repo_domain
     from posttrain.rl.rollout.worker import RolloutWorker
+    from posttrain.rl.tasks import repo_domain
     tok = load_tokenizer(base_config().data.tokenizer)
     scripted, calls = ScriptedSampler(tok), []
     monkeypatch.setattr(RolloutWorker, "sample", lambda worker, *a: calls.append(len(a[2])) or scripted(worker, *a))

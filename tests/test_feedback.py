@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_sft_reports_evals_truncation_and_compilation(tmp_path, monkeypatch, caplog):
-    from posttrain.main import run
     from posttrain.core import harness
+    from posttrain.main import run
     descriptions = []
 
     class Bar(harness.tqdm):

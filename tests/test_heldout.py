@@ -11,12 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.data.synthetic import (arithmetic_lm_batch, arithmetic_problem_count, arithmetic_split,
-                                      ensure_arithmetic_file)
+from posttrain.data.synthetic import (
+    arithmetic_lm_batch,
+    arithmetic_problem_count,
+    arithmetic_split,
+    ensure_arithmetic_file,
+)
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.rl.tasks.domains import gsm8k_tasks, humaneval_tasks, shared_data_dir
-from posttrain.stages.rlvr import make_domains
 from posttrain.stages.data_files import resolve_data_files
+from posttrain.stages.rlvr import make_domains
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBLEM = re.compile(r"What is (\d+[+-]\d+)\?")

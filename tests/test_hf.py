@@ -18,16 +18,15 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from posttrain.config import base_config  # noqa: E402
+from posttrain.core.checkpoint import Checkpointer  # noqa: E402
+from posttrain.core.hf_convert import hf_to_run, read_run_config, run_to_hf  # noqa: E402
+from posttrain.core.init import load_model_state  # noqa: E402
+from posttrain.core.state import abstract_model  # noqa: E402
 from posttrain.models import lora  # noqa: E402
 from posttrain.models.attention import RopeScaling, rope_frequencies  # noqa: E402
 from posttrain.models.decoder import Decoder  # noqa: E402
-from posttrain.models.hf import (hf_config_from_model, load_params, model_config_from_dict,  # noqa: E402
-                                 model_config_from_hf, save_hf)
-from posttrain.core.hf_convert import hf_to_run, read_run_config, run_to_hf  # noqa: E402
+from posttrain.models.hf import hf_config_from_model, load_params, model_config_from_dict, model_config_from_hf, save_hf  # noqa: E402
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding  # noqa: E402
-from posttrain.core.checkpoint import Checkpointer  # noqa: E402
-from posttrain.core.init import load_model_state  # noqa: E402
-from posttrain.core.state import abstract_model  # noqa: E402
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.data.synthetic import arithmetic_records
-from posttrain.main import run_cli
 from posttrain.core import interrupt
 from posttrain.core.interrupt import Interrupted
+from posttrain.data.synthetic import arithmetic_records
+from posttrain.main import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,14 +13,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from posttrain.config import base_config
+from posttrain.core.state import shardings_for
+from posttrain.core.step import lm_loss
 from posttrain.models.attention import AttentionKernel, attention_mask, dot_product_attention
 from posttrain.models.decoder import Decoder
 from posttrain.ops.context_parallel import choose, gathered_kv_bytes
 from posttrain.ops.fused import splash_attention
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 from posttrain.parallel.zigzag import unzigzag, zigzag_batch
-from posttrain.core.state import shardings_for
-from posttrain.core.step import lm_loss
 
 
 def model_config(**kw):
@@ -154,8 +154,7 @@ PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 3, 9, 1, 5], [2], [3, 3, 8, 1, 12]]
 def test_sampler_with_sequence_sharded_prefill_and_cache_matches_one_device():
     """Prefill with the length over `sequence` = 4 (ring), then decoding against a cache whose
     time axis is sharded over `sequence`: the same tokens and log-probs as one device."""
-    from posttrain.sampling import SamplingParams, generate
-    from posttrain.sampling import kv_cache
+    from posttrain.sampling import SamplingParams, generate, kv_cache
     cfg = model_config(attention="blockwise", attention_block=4, context_parallel="ring")
     graphdef, params, rest = nnx.split(Decoder(cfg, rngs=nnx.Rngs(2)), nnx.Param, ...)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8, num_samples=2)   # cache: 16 + 8 entries

@@ -132,8 +132,7 @@ def test_heat_map_and_jsonl(tmp_path):
 
 
 def test_stages_that_cannot_generate_refuse_the_eval():
-    from posttrain.stages import lm
-    from posttrain.stages import reward_model
+    from posttrain.stages import lm, reward_model
     cfg = base_config()
     cfg.eval.long_context.lengths = "256"
     for run in (reward_model.run, lm.run):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from posttrain.data.tokenizer import load_tokenizer
-from posttrain.eval.long_context_eval import evaluate, summarize
 from posttrain.eval.gates import GateFailed, check_gate
+from posttrain.eval.long_context_eval import evaluate, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 

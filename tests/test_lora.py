@@ -9,12 +9,12 @@ import pytest
 from flax import nnx
 
 from posttrain.config import base_config
-from posttrain.models import lora
-from posttrain.models.decoder import Decoder
-from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 from posttrain.core.optim import make_optimizer
 from posttrain.core.state import create_train_state, model_params
 from posttrain.core.step import lm_loss, make_train_step
+from posttrain.models import lora
+from posttrain.models.decoder import Decoder
+from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 
 
 def config():

@@ -337,6 +337,7 @@ def test_rl_across_processes_refuses_what_it_cannot_split(monkeypatch):
     """With several processes, RL keys whose work cannot be split by groups fail at start, naming
     the key; groups are shared out whole and evenly (training) or nearly so (evaluation)."""
     import jax
+
     from posttrain.rl.rollout import hosts
     cfg = runpy_config(RL_CONFIG)
     hosts.check_multihost_rl(cfg)                       # one process: anything goes
@@ -402,6 +403,7 @@ def test_episode_rates_combine_from_every_process_counts(monkeypatch):
     """Across processes the multi-turn rates are the ratios of the summed counts (not process 0's
     rates, nor a mean of rates), and a batch of episodes is already this process's share."""
     import jax
+
     from posttrain.rl.rollout import hosts
     from posttrain.rl.rollout import worker as rollout
     parts = [{"responses": 2, "episode_turns": 6, "episode_calls": 4, "episode_calls_ok": 4, "episodes_solved": 2,
@@ -478,13 +480,12 @@ def test_multi_turn_eval_two_processes_match_one_process(tmp_path, monkeypatch):
     and what the script implies, although the two processes' shares of the suite differ in turns,
     calls and successes; the episodes run in 2 cohorts. (~70-100 s at load 5: slow.)"""
     from flax import nnx
-    from posttrain.models.decoder import Decoder
-    from posttrain.parallel import mesh_and_rules, use_sharding
-    from posttrain.stages import eval as evaluation
-    from posttrain.rl.tasks import suites
-    from posttrain.rl.tasks import repo_domain
+
     from posttrain.core.checkpoint import Checkpointer
     from posttrain.core.state import init_model_state
+    from posttrain.models.decoder import Decoder
+    from posttrain.parallel import mesh_and_rules, use_sharding
+    from posttrain.rl.tasks import repo_domain, suites
     overrides = {"stage": "eval", "model.moe.num_experts": 0, "eval.checkpoint": str(tmp_path / "run"),
                  "eval.suites": "repo_fix", "eval.size": 6, "eval.samples": 2, "eval.pass_k": "1,2",
                  "rl.max_new_tokens": 64, "rl.invalid_tool_call_penalty": 0.1, "rl.verifier_workers": 2,

@@ -11,18 +11,18 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from test_sharding import batch, moe_config
 
 from posttrain.config import base_config
 from posttrain.config_schema import check_values
-from posttrain.errors import UserError
-from posttrain.models.decoder import Decoder
-from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 from posttrain.core.checkpoint import Checkpointer
 from posttrain.core.harness import starting_state
 from posttrain.core.optim import lr_schedule, make_optimizer
 from posttrain.core.state import create_train_state, shardings_for
 from posttrain.core.step import lm_loss, make_train_step
-from test_sharding import batch, moe_config
+from posttrain.errors import UserError
+from posttrain.models.decoder import Decoder
+from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 
 MESH = dict(data=1, fsdp=2, expert=2, tensor=2)
 

@@ -17,17 +17,17 @@ from posttrain.config_schema import check_values
 from posttrain.errors import UserError
 from posttrain.models.decoder import Decoder
 from posttrain.rl.checks import check_sampling_config
-from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.envs.base import Step, Task
 from posttrain.rl.envs.chat import continuation
-from posttrain.rl.rollout.episodes import rollout_episodes
-from posttrain.stages.rlvr import rollout_prefix_cache
 from posttrain.rl.reward import RewardFunction
+from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.worker import RolloutWorker
+from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.verifiers import MathTask
 from posttrain.rl.verifiers.math import MathVerifier
 from posttrain.sampling import SamplingParams, generate
 from posttrain.sampling.prefix_cache import PrefixCache
+from posttrain.stages.rlvr import rollout_prefix_cache
 from tests.test_agent_rl import TOK, CountingEnv
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, stop_ids=())

@@ -24,19 +24,19 @@ from flax import nnx
 
 from posttrain import main
 from posttrain.config import base_config
+from posttrain.core.checkpoint import Checkpointer
+from posttrain.core.state import init_model_state
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.errors import UserError
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
-from posttrain.stages import rejection_sampling as rejection
 from posttrain.rl.envs.base import Task
+from posttrain.stages import pipeline
 from posttrain.stages import rejection_records as records
+from posttrain.stages import rejection_sampling as rejection
+from posttrain.stages import sft as stage_lib
 from posttrain.stages.rejection_records import Candidate, select
 from posttrain.stages.rejection_sampling import check_config
-from posttrain.stages import pipeline
-from posttrain.stages import sft as stage_lib
-from posttrain.core.checkpoint import Checkpointer
-from posttrain.core.state import init_model_state
 
 VERIFIER = '''
 import threading
@@ -124,6 +124,7 @@ class ShareWorker:
 
     def groups(self, tasks, num_samples):
         from types import SimpleNamespace
+
         from posttrain.rl.envs.base import Trajectory
         from posttrain.rl.reward import Reward
         def traj(task, s):

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.core.metrics import MetricsWriter
 from posttrain.eval.gates import GATES_FILE, GateFailed, check_gate
 from posttrain.eval.report import reward_parts, sample_rollouts, write_report
 from posttrain.stages.eval import write_record
-from posttrain.core.metrics import MetricsWriter
 from tests.browser import find_chromium, render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,6 +103,7 @@ def test_report_of_a_run_on_an_object_store(run):
     """A gs:// (here memory://) workdir: evals, gates, rollouts and config are read through
     posttrain.storage and the page is written there (plain open/glob saw nothing, then failed)."""
     import fsspec
+
     from posttrain import storage
     fsspec.filesystem("memory").put(str(run), "/report_store", recursive=True)
     check_gate("rlvr", "rl/reward_mean>0.5", {"rl/reward_mean": 0.75}, workdir="memory:///report_store")   # appended there

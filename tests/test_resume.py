@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.models.decoder import Decoder
-from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 from posttrain.core.checkpoint import Checkpointer
 from posttrain.core.init import load_model_state
 from posttrain.core.state import init_model_state
+from posttrain.models.decoder import Decoder
+from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 from tests.cli_runs import SFT_EVERY, SFT_STEPS, sft_command
 
 ROOT = Path(__file__).resolve().parents[1]

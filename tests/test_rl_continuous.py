@@ -14,24 +14,24 @@ import pytest
 from flax import nnx
 
 from posttrain.config import base_config
+from posttrain.core.optim import make_optimizer
+from posttrain.core.state import create_train_state
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import make_mesh, parse_rules, use_sharding
-from posttrain.stages import rlvr as loop
+from posttrain.rl.algo.learner import learner_logprobs, rl_batch
 from posttrain.rl.checks import check_sampling_config
-from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.envs.base import Task
 from posttrain.rl.envs.chat import SingleTurnEnv
-from posttrain.rl.rollout.episodes import rollout_episodes
-from posttrain.rl.algo.learner import learner_logprobs, rl_batch
 from posttrain.rl.reward import RewardFunction
+from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.worker import RolloutWorker
+from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.verifiers import MathTask
 from posttrain.rl.verifiers.math import MathVerifier
 from posttrain.sampling import continuous
 from posttrain.sampling.continuous import SlotConfig
 from posttrain.sampling.rules import SamplingParams
-from posttrain.core.optim import make_optimizer
-from posttrain.core.state import create_train_state
+from posttrain.stages import rlvr as loop
 from tests.test_agent_rl import TOK, CountingEnv
 from tests.test_rl_loop import rows, tiny
 

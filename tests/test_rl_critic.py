@@ -218,8 +218,8 @@ def test_gae_allows_single_sample_groups():
 
 def test_pipeline_resolves_the_reward_model_stage_and_keeps_the_policy_chain(tmp_path, monkeypatch):
     from configs.rlhf_tiny import get_config
-    from posttrain.stages import pipeline
     from posttrain.core.harness import Result
+    from posttrain.stages import pipeline
 
     seen = {}
 

@@ -10,18 +10,18 @@ import pytest
 from flax import nnx
 
 from posttrain.config import base_config
-from posttrain.models.decoder import Decoder
-from posttrain.models.logprobs import token_logprobs
-from posttrain.parallel import make_mesh, parse_rules, use_sharding
-from posttrain.rl.rollout.buffer import Rollout
-from posttrain.rl.envs.base import Trajectory
-from posttrain.rl.algo.learner import Learner, batch_rows, compute_advantages, learner_logprobs, rl_batch
-from posttrain.rl.tasks.scheduler import Group
-from posttrain.sampling.generate import generate
-from posttrain.sampling.rules import SamplingParams, policy_logprobs
 from posttrain.core.batch import put_batch
 from posttrain.core.optim import lr_schedule, make_optimizer
 from posttrain.core.state import create_train_state
+from posttrain.models.decoder import Decoder
+from posttrain.models.logprobs import token_logprobs
+from posttrain.parallel import make_mesh, parse_rules, use_sharding
+from posttrain.rl.algo.learner import Learner, batch_rows, compute_advantages, learner_logprobs, rl_batch
+from posttrain.rl.envs.base import Trajectory
+from posttrain.rl.rollout.buffer import Rollout
+from posttrain.rl.tasks.scheduler import Group
+from posttrain.sampling.generate import generate
+from posttrain.sampling.rules import SamplingParams, policy_logprobs
 
 PROMPTS, G, PROMPT_LEN, NEW = 4, 4, 4, 6
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=NEW, num_samples=G)

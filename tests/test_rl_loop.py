@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from posttrain.config import base_config
-from posttrain.stages import rlvr as loop
-from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.envs import SingleTurnEnv
 from posttrain.rl.envs.base import Trajectory
+from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.tasks.scheduler import Group
+from posttrain.stages import rlvr as loop
 
 TIMING = ("rl/wait_s", "rl/update_s", "rl/gen_s", "rl/verify_s", "rl/device_idle_frac", "tokens_per_s")
 

@@ -5,12 +5,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from posttrain.models.logprobs import token_logprobs
 from posttrain.rl.algo.advantages import group_advantages, kl_penalized_advantages, kl_penalized_rewards
 from posttrain.rl.algo.losses import (
-    AGGREGATIONS, aggregate, clipped_surrogate, entropy_from_logits, importance_ratio, kl_estimate, policy_loss,
+    AGGREGATIONS,
+    aggregate,
+    clipped_surrogate,
+    entropy_from_logits,
+    importance_ratio,
+    kl_estimate,
+    policy_loss,
     truncated_is_weights,
 )
-from posttrain.models.logprobs import token_logprobs
 
 REWARDS = np.array([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.2, 0.9, 0.4, 0.0], np.float32)  # 3 groups of 4
 MASK = np.array([[1, 1, 1, 0, 0],  # ragged response lengths 3, 5, 1, and a padding row

@@ -13,15 +13,15 @@ import pytest
 
 from posttrain.config import base_config
 from posttrain.parallel import make_mesh, parse_rules
-from posttrain.stages import rlvr as loop
 from posttrain.rl.checks import INERT_UNLESS, check_rl_config
-from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.envs import Task
 from posttrain.rl.envs.base import Trajectory
 from posttrain.rl.rollout.producer import AsyncProducer
 from posttrain.rl.rollout.worker import RolloutBatch, RolloutWorker, collect_batch
+from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.tasks.scheduler import Group, TaskScheduler
 from posttrain.rl.verifiers import MathTask
+from posttrain.stages import rlvr as loop
 
 TRAJ = Trajectory("t", [1, 2, 3], [False, True, True], 1)
 LP = np.zeros(3, np.float32)

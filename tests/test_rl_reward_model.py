@@ -8,12 +8,12 @@ import pytest
 from flax import nnx
 
 from posttrain.config import base_config
+from posttrain.core.checkpoint import Checkpointer
 from posttrain.data.packing import build_row
+from posttrain.models.reward import RewardModel
 from posttrain.parallel import make_mesh, parse_rules
 from posttrain.rl.algo.reward_model import RewardModelScorer, RunningMeanStd, combine_rewards, reward_model_config
-from posttrain.models.reward import RewardModel
 from posttrain.stages import reward_model as reward_model_stage
-from posttrain.core.checkpoint import Checkpointer
 
 
 def tiny_reward_model_config(workdir, data_dir):

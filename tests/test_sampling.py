@@ -11,13 +11,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from posttrain.config import base_config
-from posttrain.models.decoder import Decoder
-from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
-from posttrain.sampling import ContinuousBatcher, SamplingParams, generate, sample_token, sampling_logprobs
-from posttrain.sampling import kv_cache
-from posttrain.sampling.generate import generate_program
-from posttrain.models.logprobs import token_logprobs
 from posttrain.core.state import shardings_for
+from posttrain.models.decoder import Decoder
+from posttrain.models.logprobs import token_logprobs
+from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
+from posttrain.sampling import ContinuousBatcher, SamplingParams, generate, kv_cache, sample_token, sampling_logprobs
+from posttrain.sampling.generate import generate_program
 
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 3, 9, 1, 5], [2], [3, 3, 8, 1, 12]]
 
@@ -101,8 +100,12 @@ def test_accelerator_layer_path_equals_cpu_path(sharded, mesh, monkeypatch):
     the layers unrolled, sliced once. Both must sample the same tokens with the same log-probs,
     in static and (dense) continuous batching (queued and grouped)."""
     from posttrain.sampling import engine
-    from posttrain.sampling.continuous import (SlotConfig, continuous_program, generate_continuous,
-                                               grouped_continuous_program)
+    from posttrain.sampling.continuous import (
+        SlotConfig,
+        continuous_program,
+        generate_continuous,
+        grouped_continuous_program,
+    )
     kind, graphdef, params, rest = sharded
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
     key = jax.random.key(11)

@@ -12,11 +12,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from posttrain.config import base_config
+from posttrain.core.state import abstract_model, init_model_state
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import DEFAULT_RULES, decode_rules, logical_spec, make_mesh, shardings_for, use_sharding
 from posttrain.sampling import ContinuousBatcher, SamplingParams, generate
 from posttrain.sampling.layout import check_layout, publish_weights, sampler_rules
-from posttrain.core.state import abstract_model, init_model_state
 from tests.test_sampling import PROMPTS, model_config
 
 RULES = {**DEFAULT_RULES, "embed": ("fsdp",)}

@@ -16,7 +16,15 @@ import time
 import pytest
 
 from posttrain.sandbox import (
-    ExecResult, Isolation, Job, Limits, Sandbox, Status, detect_isolation, python_job, shell_job,
+    ExecResult,
+    Isolation,
+    Job,
+    Limits,
+    Sandbox,
+    Status,
+    detect_isolation,
+    python_job,
+    shell_job,
 )
 
 SMALL = Limits(cpu_s=1, wall_s=3.0, memory_bytes=256 << 20, processes=16, file_bytes=1 << 20,

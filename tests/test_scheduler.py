@@ -13,14 +13,19 @@ import pytest
 
 from posttrain.data.sources import DataError
 from posttrain.data.tokenizer import ByteTokenizer
-from posttrain.rl.tasks.domains import (
-    Domain, arithmetic_domain, gsm8k_domain, gsm8k_tasks, humaneval_domain, shared_data_dir,
-)
 from posttrain.rl.envs import SingleTurnEnv, Task, run_episode
 from posttrain.rl.reward import default_reward_function
-from posttrain.sandbox import Sandbox
+from posttrain.rl.tasks.domains import (
+    Domain,
+    arithmetic_domain,
+    gsm8k_domain,
+    gsm8k_tasks,
+    humaneval_domain,
+    shared_data_dir,
+)
 from posttrain.rl.tasks.scheduler import Group, TaskScheduler, informative
 from posttrain.rl.verifiers import MathTask
+from posttrain.sandbox import Sandbox
 
 TOK = ByteTokenizer()
 

@@ -10,11 +10,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from posttrain.config import base_config
-from posttrain.models.decoder import Decoder
-from posttrain.parallel import DEFAULT_RULES, logical_spec, make_mesh, resolve_mesh_shape, use_sharding
 from posttrain.core.optim import make_optimizer
 from posttrain.core.state import create_train_state, shardings_for
 from posttrain.core.step import lm_loss, make_train_step
+from posttrain.models.decoder import Decoder
+from posttrain.parallel import DEFAULT_RULES, logical_spec, make_mesh, resolve_mesh_shape, use_sharding
 
 MESHES = [dict(data=8), dict(data=2, expert=2, tensor=2), dict(fsdp=2, expert=4), dict(tensor=2, expert=2, data=2)]
 

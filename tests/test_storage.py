@@ -193,9 +193,9 @@ def test_gs_rl_run_started_from_the_gs_init_from(gs_runs):
     import jax
     from flax import nnx
 
+    from posttrain.core.init import load_model_state
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import mesh_and_rules, use_sharding
-    from posttrain.core.init import load_model_state
     cfg = gs_runs["rl"][0]
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     mesh, rules = mesh_and_rules(cfg)
@@ -227,8 +227,8 @@ def test_hf_export_to_gs_equals_the_local_export(gs_runs, tmp_path):
 
 def test_plot_and_error_log_of_a_gs_workdir(gs_runs):
     """tools/plot_metrics.py and the error log on a gs:// workdir: written there, not locally."""
-    from posttrain.main import write_error_log
     from posttrain.core.plot import load_runs, plot
+    from posttrain.main import write_error_log
     wd = gs_runs["sft"][0].workdir
     assert [r["step"] for r in load_runs(wd)["."]] == list(range(SFT_STEPS))
     png = plot(wd, f"{wd}/metrics.png")

@@ -58,11 +58,11 @@ def test_train_step_updates_the_router_bias_of_a_sigmoid_router():
     import numpy as np
     from flax import nnx
 
-    from posttrain.models.decoder import Decoder
-    from posttrain.parallel import make_mesh, parse_rules, use_sharding
     from posttrain.core.optim import make_optimizer
     from posttrain.core.state import create_train_state
     from posttrain.core.step import lm_loss, make_train_step
+    from posttrain.models.decoder import Decoder
+    from posttrain.parallel import make_mesh, parse_rules, use_sharding
 
     cfg = base_config()
     m = cfg.model

@@ -14,13 +14,13 @@ import pytest
 from posttrain.config import base_config
 from posttrain.data.sources import DataError
 from posttrain.data.tokenizer import ByteTokenizer
-from posttrain.stages import rlvr as loop
 from posttrain.rl.checks import check_rl_config
 from posttrain.rl.envs.base import Task
 from posttrain.rl.tasks.registry import make_domains, make_reward_fn
 from posttrain.rl.verifiers.code import CodeTask
 from posttrain.rl.verifiers.math import MathTask
 from posttrain.rl.verifiers.user import UserTask, UserVerifier
+from posttrain.stages import rlvr as loop
 from tests.test_rl_loop import rows, tiny
 
 VERIFIER_MODULE = '''
@@ -207,9 +207,9 @@ def test_new_keys_that_cannot_take_effect_are_errors(tmp_path):
 
 
 def test_rollout_log_samples_by_seed_and_step_and_writes_strict_json(tmp_path):
-    from posttrain.rl.rollout.buffer import Rollout
     from posttrain.rl.envs.base import Trajectory
     from posttrain.rl.reward import Reward
+    from posttrain.rl.rollout.buffer import Rollout
     from posttrain.rl.rollout.log import RolloutLog
     from posttrain.rl.tasks.scheduler import Group
     tok = ByteTokenizer()

@@ -13,14 +13,26 @@ from pathlib import Path
 import pytest
 
 from posttrain.rl.reward import (
-    Reward, RewardConfig, RewardFunction, compose, default_reward_function, overlong_penalty,
+    Reward,
+    RewardConfig,
+    RewardFunction,
+    compose,
+    default_reward_function,
+    overlong_penalty,
 )
-from posttrain.sandbox import Limits, Sandbox, Status
 from posttrain.rl.verifiers import (
-    CodeTask, CodeVerifier, MathTask, MathVerifier, Verdict, answers_equal, extract_answer, extract_code,
+    CodeTask,
+    CodeVerifier,
+    MathTask,
+    MathVerifier,
+    Verdict,
+    answers_equal,
+    extract_answer,
+    extract_code,
 )
 from posttrain.rl.verifiers.math import parse_number
 from posttrain.rl.verifiers.symbolic import SymbolicCheckError
+from posttrain.sandbox import Limits, Sandbox, Status
 
 DATA = Path(os.environ.get("POSTTRAIN_DATA", Path(__file__).parents[2] / "shared" / "data"))
 

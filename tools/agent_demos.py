@@ -15,9 +15,9 @@ import time
 
 from posttrain import storage
 from posttrain.data.tokenizer import ByteTokenizer
-from posttrain.rl.tasks import repo_domain
 from posttrain.rl.envs.workspace import WORKSPACE_LIMITS, WorkspaceEnv
 from posttrain.rl.reward import RewardFunction
+from posttrain.rl.tasks import repo_domain
 from posttrain.sandbox import Sandbox
 
 

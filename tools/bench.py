@@ -17,12 +17,12 @@ import numpy as np
 from flax import nnx
 
 from posttrain.config import base_config
-from posttrain.models.decoder import Decoder
-from posttrain.models.flops import activated_matmul_params, train_flops_per_token
-from posttrain.parallel import make_mesh, parse_rules, use_sharding
 from posttrain.core.optim import make_optimizer
 from posttrain.core.state import create_train_state
 from posttrain.core.step import lm_loss, make_train_step
+from posttrain.models.decoder import Decoder
+from posttrain.models.flops import activated_matmul_params, train_flops_per_token
+from posttrain.parallel import make_mesh, parse_rules, use_sharding
 
 
 def timeit(fn, *, warmup: int = 2, iters: int = 10) -> float:
@@ -186,8 +186,8 @@ def bench_rl(steps: int = 12, delay: float = 0.05, workers: int = 16) -> list[di
     costs `delay` host seconds per response on `workers` threads."""
     import tempfile
 
-    from posttrain.stages import rlvr as loop
     from posttrain.core.metrics import read_metrics
+    from posttrain.stages import rlvr as loop
 
     rows = []
     for staleness in (0, 1):
@@ -212,8 +212,8 @@ def bench_rl_updates(steps: int = 8, epochs: tuple[int, ...] = (1, 2, 4)) -> lis
     (one minibatch each) on the same rollout sizes (on-policy)."""
     import tempfile
 
-    from posttrain.stages import rlvr as loop
     from posttrain.core.metrics import read_metrics
+    from posttrain.stages import rlvr as loop
 
     rows = []
     for n in epochs:
@@ -235,8 +235,8 @@ def bench_rl_quant(steps: int = 3) -> list[dict]:
     quantised sampler (sampling.quantize) and/or speculative decoding, tiny MoE policy, on-policy."""
     import tempfile
 
-    from posttrain.stages import rlvr as loop
     from posttrain.core.metrics import read_metrics
+    from posttrain.stages import rlvr as loop
 
     rows = []
     for quantize, speculative_k in (("none", 0), ("int8", 0), ("int4", 0), ("int8", 2)):

@@ -19,7 +19,8 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from posttrain import main as cli   # noqa: E402  (defines --config, checks --config.* overrides)
+from posttrain import main as cli  # noqa: E402  (defines --config, checks --config.* overrides)
+
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x1", "TPU slice: 'v5p:2x2x1', 'v5p-128', 'v5e-256', ...")
 _PROGRAMS = flags.DEFINE_string("programs", "sft,dpo,rl_learner,sampler",
                                 "Programs to compile; 'restore' adds the checkpoint restore target (not compiled).")

@@ -33,16 +33,16 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configs.agent_rl_tiny import get_config                    # noqa: E402
-from posttrain.data.tokenizer import load_tokenizer             # noqa: E402
-from posttrain.models.decoder import Decoder                    # noqa: E402
-from posttrain.parallel import make_mesh, parse_rules, use_sharding   # noqa: E402
+from configs.agent_rl_tiny import get_config  # noqa: E402
+from posttrain.core.init import load_model_state  # noqa: E402
+from posttrain.core.state import init_model_state  # noqa: E402
+from posttrain.data.tokenizer import load_tokenizer  # noqa: E402
+from posttrain.models.decoder import Decoder  # noqa: E402
+from posttrain.parallel import make_mesh, parse_rules, use_sharding  # noqa: E402
+from posttrain.rl.rollout.episodes import rollout_episodes  # noqa: E402
+from posttrain.rl.rollout.worker import RolloutWorker  # noqa: E402
+from posttrain.rl.tasks.registry import make_domains, make_reward_fn  # noqa: E402
 from posttrain.stages import rlvr as loop  # noqa: E402
-from posttrain.rl.rollout.episodes import rollout_episodes              # noqa: E402
-from posttrain.rl.rollout.worker import RolloutWorker                  # noqa: E402
-from posttrain.rl.tasks.registry import make_domains, make_reward_fn      # noqa: E402
-from posttrain.core.init import load_model_state               # noqa: E402
-from posttrain.core.state import init_model_state              # noqa: E402
 
 
 class WaitingEnv:

@@ -22,14 +22,14 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from posttrain import storage
+from posttrain.core.checkpoint import Checkpointer, abstract_with_shardings
+from posttrain.core.state import abstract_model, init_model_state, shardings_for
 from posttrain.data.examples import rl_prompt_example
 from posttrain.data.pipeline import read_jsonl
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.sampling import SamplingParams, generate
-from posttrain.core.checkpoint import Checkpointer, abstract_with_shardings
-from posttrain.core.state import abstract_model, init_model_state, shardings_for
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().")
 flags.DEFINE_string("prompts", None, "JSONL file of {\"prompt\": ...} records.", required=True)

@@ -30,10 +30,10 @@ def load_model(cfg, step: int | None):
     """The run's model at checkpoint `step` (newest when None), on the run's mesh."""
     from flax import nnx
 
-    from posttrain.models.decoder import Decoder
-    from posttrain.parallel import make_mesh, parse_rules, use_sharding
     from posttrain.core.init import load_model_state
     from posttrain.core.state import abstract_model
+    from posttrain.models.decoder import Decoder
+    from posttrain.parallel import make_mesh, parse_rules, use_sharding
     if cfg.lora.rank > 0:
         raise app.UsageError(f"{cfg.workdir}: a LoRA run; export it with tools/convert_hf.py (adapters merged) "
                              "and evaluate that")
@@ -50,9 +50,9 @@ def main(argv: list[str]) -> None:
     for noisy in ("absl", "jax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from posttrain import storage
+    from posttrain.core.hf_convert import read_run_config
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.eval.long_context_eval import evaluate, plot_heatmaps, summarize, write_rows
-    from posttrain.core.hf_convert import read_run_config
     from posttrain.parallel import use_sharding
     cfg = read_run_config(FLAGS.run)
     lc = cfg.eval.long_context

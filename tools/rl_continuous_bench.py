@@ -27,20 +27,19 @@ import time
 
 import jax
 import numpy as np
+from bench import tiny_rlvr_config  # tools/ is on the path: bench.py runs this module
 from flax import nnx
 
-from posttrain.data.tokenizer import load_tokenizer
-from posttrain.models.decoder import Decoder
-from posttrain.parallel import mesh_and_rules, use_sharding
-from posttrain.stages import rlvr as loop
-from posttrain.rl.rollout.worker import RolloutWorker
-from posttrain.rl.tasks.registry import make_domains, make_reward_fn
-from posttrain.sampling.continuous import SlotConfig
 from posttrain.core.checkpoint import Checkpointer
 from posttrain.core.metrics import read_metrics
 from posttrain.core.state import abstract_model, init_model_state
-
-from bench import tiny_rlvr_config     # tools/ is on the path: bench.py runs this module
+from posttrain.data.tokenizer import load_tokenizer
+from posttrain.models.decoder import Decoder
+from posttrain.parallel import mesh_and_rules, use_sharding
+from posttrain.rl.rollout.worker import RolloutWorker
+from posttrain.rl.tasks.registry import make_domains, make_reward_fn
+from posttrain.sampling.continuous import SlotConfig
+from posttrain.stages import rlvr as loop
 
 
 def bench_config(workdir: str, steps: int):

@@ -6,16 +6,54 @@ defined here once; the modules that implement them import them. Imports no jax.
 
 from posttrain.config.defaults import base_config, model_config, optim_config, with_stage_overrides
 from posttrain.config.fields import Section
-from posttrain.config.model import (ATTENTION_KERNELS, CONTEXT_PARALLEL, DISPATCHES, DTYPES, MOE_ROUTERS, REMAT_MODES,
-                                    ROPE_SCALINGS, ModelConfig, MoEConfig, RopeScalingConfig)
-from posttrain.config.rl import (ADVANTAGE_METHODS, AGGREGATIONS, ALERT_MODES, ENVS, KL_ESTIMATORS, QUANT_MODES,
-                                 RATIO_LEVELS, SAMPLING_LAYOUTS, AlertsConfig, CurriculumConfig, RejectionConfig,
-                                 RLConfig, SamplingConfig)
+from posttrain.config.model import (
+                                    ATTENTION_KERNELS,
+                                    CONTEXT_PARALLEL,
+                                    DISPATCHES,
+                                    DTYPES,
+                                    MOE_ROUTERS,
+                                    REMAT_MODES,
+                                    ROPE_SCALINGS,
+                                    ModelConfig,
+                                    MoEConfig,
+                                    RopeScalingConfig,
+)
+from posttrain.config.rl import (
+                                    ADVANTAGE_METHODS,
+                                    AGGREGATIONS,
+                                    ALERT_MODES,
+                                    ENVS,
+                                    KL_ESTIMATORS,
+                                    QUANT_MODES,
+                                    RATIO_LEVELS,
+                                    SAMPLING_LAYOUTS,
+                                    AlertsConfig,
+                                    CurriculumConfig,
+                                    RejectionConfig,
+                                    RLConfig,
+                                    SamplingConfig,
+)
 from posttrain.config.run import DistributedConfig, MeshConfig, RunConfig, ShardingConfig
-from posttrain.config.train import (DPO_LOSSES, MOMENT_DTYPES, ON_ERROR, OPTIMIZER_ONLY, OPTIMIZERS, SYNTHETIC_DATA,
-                                    CheckpointConfig, DataConfig, DPOConfig, EvalConfig, LongContextConfig, LoraConfig,
-                                    OptimConfig, PipelineConfig, RewardModelConfig, SFTConfig, StageConfig,
-                                    TrainConfig)
+from posttrain.config.train import (
+                                    DPO_LOSSES,
+                                    MOMENT_DTYPES,
+                                    ON_ERROR,
+                                    OPTIMIZER_ONLY,
+                                    OPTIMIZERS,
+                                    SYNTHETIC_DATA,
+                                    CheckpointConfig,
+                                    DataConfig,
+                                    DPOConfig,
+                                    EvalConfig,
+                                    LongContextConfig,
+                                    LoraConfig,
+                                    OptimConfig,
+                                    PipelineConfig,
+                                    RewardModelConfig,
+                                    SFTConfig,
+                                    StageConfig,
+                                    TrainConfig,
+)
 
 __all__ = [
     "base_config", "model_config", "optim_config", "with_stage_overrides",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ml_collections
 
-
 # The default logical-axis → mesh-axes rules (`sharding.rules`; parallel/sharding.py applies them).
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp", "expert"),

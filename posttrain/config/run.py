@@ -8,8 +8,18 @@ from collections.abc import Mapping
 from posttrain.config.fields import KINDS, Section, bounded, check_tree, section
 from posttrain.config.model import ModelConfig
 from posttrain.config.rl import AlertsConfig, RejectionConfig, RLConfig, SamplingConfig
-from posttrain.config.train import (CheckpointConfig, DataConfig, DPOConfig, EvalConfig, LoraConfig, OptimConfig,
-                                    PipelineConfig, RewardModelConfig, SFTConfig, TrainConfig)
+from posttrain.config.train import (
+    CheckpointConfig,
+    DataConfig,
+    DPOConfig,
+    EvalConfig,
+    LoraConfig,
+    OptimConfig,
+    PipelineConfig,
+    RewardModelConfig,
+    SFTConfig,
+    TrainConfig,
+)
 
 
 @section

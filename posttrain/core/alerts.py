@@ -126,7 +126,7 @@ class AlertMonitor:
         self.slow_rows = 0
 
     @classmethod
-    def from_config(cls, a) -> "AlertMonitor":
+    def from_config(cls, a) -> AlertMonitor:
         """The monitor configured by the `alerts` section."""
         return cls({rule: float(a[rule]) for rule in RULES}, nonfinite=bool(a.nonfinite), mode=a.on)
 

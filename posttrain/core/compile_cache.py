@@ -12,8 +12,8 @@ import os
 
 import jax
 
-from posttrain.errors import UserError
 from posttrain.core.workdir import user_cache_dir
+from posttrain.errors import UserError
 
 ENV = "POSTTRAIN_COMPILATION_CACHE"
 OFF = ("off", "none", "false", "0")

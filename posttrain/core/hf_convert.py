@@ -13,15 +13,14 @@ from jax.sharding import Mesh
 
 from posttrain import storage
 from posttrain.config import base_config
+from posttrain.core import init, lineage
+from posttrain.core.checkpoint import Checkpointer, abstract_with_shardings
+from posttrain.core.state import lora_scale, shardings_for
 from posttrain.models import lora
 from posttrain.models.decoder import Decoder
 from posttrain.models.hf.checkpoint import load_model_state, save_hf
 from posttrain.models.hf.config import model_config_from_hf, read_hf_config
 from posttrain.parallel.sharding import Rules, use_sharding
-from posttrain.core import init
-from posttrain.core import lineage
-from posttrain.core.checkpoint import Checkpointer, abstract_with_shardings
-from posttrain.core.state import lora_scale, shardings_for
 
 # What a model folder needs besides the weights: tokenizer, chat template, generation defaults.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

@@ -9,12 +9,12 @@ from collections.abc import Callable
 from flax import nnx
 from jax.sharding import Mesh
 
+from posttrain.core.checkpoint import Checkpointer, ShapeMismatch, abstract_with_shardings
+from posttrain.core.state import abstract_model, shardings_for
 from posttrain.data.sources import unreachable
 from posttrain.errors import UserError
 from posttrain.parallel import mesh_and_rules
 from posttrain.parallel.sharding import Rules
-from posttrain.core.checkpoint import Checkpointer, ShapeMismatch, abstract_with_shardings
-from posttrain.core.state import abstract_model, shardings_for
 
 
 def checkpoint_dir(path: str) -> str:
@@ -53,7 +53,7 @@ def load_model_state(path: str, make_model: Callable[[], nnx.Module], mesh: Mesh
     match its config.json (see `posttrain.models.hf.model_config_from_hf`).
     """
     if path.startswith("hf:"):
-        from posttrain.models import hf    # safetensors is only needed here
+        from posttrain.models import hf  # safetensors is only needed here
         return (*hf.load_model_state(path.removeprefix("hf:"), make_model, mesh, rules), 0)
     require_init_from(path)
     ckpt = Checkpointer(checkpoint_dir(path), every=0, keep=1, async_save=False, create=False)

@@ -35,7 +35,7 @@ def of_init(init_from: str, _depth: int = 0) -> dict:
     if not init_from:
         return empty()
     if init_from.startswith("hf:"):
-        from posttrain.models.hf.config import read_hf_config    # models below train: import on use
+        from posttrain.models.hf.config import read_hf_config  # models below train: import on use
         return {"hf_config": read_hf_config(init_from.removeprefix("hf:")), "trained_context": 0}
     return of_run(init_from, _depth)
 

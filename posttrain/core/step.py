@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from posttrain.core.state import TrainState, lora_scale
 from posttrain.errors import UserError
 from posttrain.models import lora
-from posttrain.core.state import TrainState, lora_scale
 
 
 def moe_penalty(aux: dict, moe_cfg) -> jax.Array:

@@ -11,7 +11,8 @@ go through the tokenizer's chat format, so every stage trains and samples the sa
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 

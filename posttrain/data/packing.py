@@ -10,7 +10,7 @@ aligned to the tokens (True where the token is a target), so row `loss_mask[i]` 
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 

@@ -21,7 +21,8 @@ rows at different steps: train for a step count.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import grain
 import numpy as np

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Iterator, NamedTuple, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import fsspec
 import numpy as np

@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import fsspec
 import numpy as np

@@ -100,7 +100,7 @@ def write_rows(rows: Sequence[dict], path: str) -> None:
 
 def plot_heatmaps(rows: Sequence[dict], out: str, title: str = "") -> str:
     """One length x depth accuracy heat map per kind (the newest step's rows) to PNG `out`."""
-    from posttrain.core.plot import plt, png_bytes      # matplotlib (Agg) only when plotting
+    from posttrain.core.plot import plt, png_bytes  # matplotlib (Agg) only when plotting
     last = max((r.get("step", -1) for r in rows), default=-1)
     rows = [r for r in rows if r.get("step", -1) == last]
     kinds = list(dict.fromkeys(r["kind"] for r in rows))

@@ -16,10 +16,10 @@ from posttrain.models.layers import RMSNorm, dtype_of, fan_in_init, param
 from posttrain.models.quant import weight_einsum
 from posttrain.ops.blockwise import blockwise_attention
 from posttrain.ops.context_parallel import check_mode, context_parallel_attention, sequence_axes
-from posttrain.ops.decode import (K_TIME_AXIS, V_TIME_AXIS, decode_attention,  # noqa: F401 (re-exported)
-                                 sequence_sharded_decode, write_cache_rows)
+from posttrain.ops.decode import K_TIME_AXIS, V_TIME_AXIS, decode_attention, sequence_sharded_decode, write_cache_rows  # noqa: F401 (re-exported)
 from posttrain.ops.fused import KERNEL_PLATFORMS, check_platform, cudnn_attention, on_local_shards, splash_attention
 from posttrain.parallel.sharding import constrain, current
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:

@@ -32,7 +32,6 @@ from jax.sharding import PartitionSpec as P
 
 from posttrain.config import QUANT_MODES
 
-
 QArray = qwix.QArray
 INT4_GROUP = 128
 COMPUTE_DTYPE = jnp.bfloat16            # the "a16" of w8a16 / w4a16

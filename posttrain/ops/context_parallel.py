@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from posttrain.config import CONTEXT_PARALLEL
 from posttrain.ops.ring import all_gather_attention, ring_attention

@@ -15,7 +15,8 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from posttrain.config.defaults import DEFAULT_RULES
 

@@ -12,10 +12,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from posttrain.sandbox import Sandbox
 from posttrain.rl.verifiers.base import Verdict, Verifier
 from posttrain.rl.verifiers.code import CodeTask, CodeVerifier
 from posttrain.rl.verifiers.math import MathTask, MathVerifier
+from posttrain.sandbox import Sandbox
 
 
 @dataclasses.dataclass(frozen=True)

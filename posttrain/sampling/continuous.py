@@ -25,8 +25,16 @@ import numpy as np
 from flax import nnx
 
 from posttrain.sampling import engine, kv_cache
-from posttrain.sampling.generate import (MIN_PROMPT_BUCKET, Samples, bucket, host_outputs, new_token_limits,
-                                         pad_prompts, prompt_rows, sharding_key)
+from posttrain.sampling.generate import (
+    MIN_PROMPT_BUCKET,
+    Samples,
+    bucket,
+    host_outputs,
+    new_token_limits,
+    pad_prompts,
+    prompt_rows,
+    sharding_key,
+)
 from posttrain.sampling.rules import SamplingParams
 
 

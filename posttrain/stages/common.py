@@ -19,7 +19,6 @@ from posttrain.parallel import is_primary
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams
 
-
 SIDES = ("chosen", "rejected")
 
 

@@ -127,6 +127,7 @@ def _long_context_file(cfg, folder: str, split: str, tok, write: bool) -> str:
     `eval.long_context`'s), prompts of 160 tokens (the longest facts of `eval.long_context.hops`
     <= 3 fit) up to what fits train.seq_len."""
     import fsspec
+
     from posttrain.eval.long_context import training_records
     n = cfg.data.synthetic_size if split == "train" else max(cfg.data.synthetic_size // 8, 1)
     hi, hops = cfg.train.seq_len - 24, cfg.eval.long_context.hops      # room for chat markers, answer

@@ -16,8 +16,15 @@ from posttrain.core.step import moe_penalty
 from posttrain.eval.long_context_eval import make_long_context_eval
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
-from posttrain.stages.common import (PREFERENCE_AXES, combine_evals, data_kw, make_evaluator, preference_data,
-                                     require_files, stage_tokenizer)
+from posttrain.stages.common import (
+    PREFERENCE_AXES,
+    combine_evals,
+    data_kw,
+    make_evaluator,
+    preference_data,
+    require_files,
+    stage_tokenizer,
+)
 from posttrain.stages.data_files import resolve_data_files
 from posttrain.stages.losses import dpo_loss, sequence_logprobs
 from posttrain.stages.reward_model import both_sides

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -34,26 +32,29 @@ from flax import nnx
 from tqdm import tqdm
 
 from posttrain import storage
-from posttrain.data.sources import SkipLog, read_jsonl
+from posttrain.core.checkpoint import Checkpointer
+from posttrain.core.harness import Result
+from posttrain.core.init import checkpoint_dir, load_model_state
+from posttrain.core.metrics import MetricsWriter
+from posttrain.core.state import abstract_model
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.eval.long_context_eval import make_long_context_eval, parse_grid
 from posttrain.eval.passk import mean_pass_at_k
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import allgather_json, mesh_and_rules, use_sharding
-from posttrain.rl.tasks.domains import Domain
-from posttrain.rl.envs import SingleTurnEnv
 from posttrain.rl.envs.base import Task
 from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.hosts import combine_info
 from posttrain.rl.rollout.worker import SUMMED_INFO, RolloutWorker
-from posttrain.rl.tasks.suites import BUILTIN, HEADLINE, MULTI_TURN, make_suites, multi_turn_suites, parse_suites, suite_version
-from posttrain.rl.verifiers.math import MathTask
+from posttrain.rl.tasks.suites import (
+    HEADLINE,
+    make_suites,
+    multi_turn_suites,
+    parse_suites,
+    suite_version,
+)
 from posttrain.sampling.rules import SamplingParams
-from posttrain.core.checkpoint import Checkpointer
-from posttrain.core.init import checkpoint_dir, load_model_state
-from posttrain.core.harness import Result
-from posttrain.core.metrics import MetricsWriter
-from posttrain.core.state import abstract_model
+
 
 def pass_ks(cfg) -> list[int]:
     """eval.pass_k as ints, each in 1..eval.samples."""

@@ -11,10 +11,10 @@ import functools
 import jax
 from flax import nnx
 
-from posttrain.data.synthetic import arithmetic_lm_batch
-from posttrain.models.decoder import Decoder
 from posttrain.core.loop import TrainSpec, train
 from posttrain.core.step import lm_loss
+from posttrain.data.synthetic import arithmetic_lm_batch
+from posttrain.models.decoder import Decoder
 
 
 class ArithmeticBatches:
@@ -42,7 +42,7 @@ class ArithmeticBatches:
     def set_state(self, state: dict) -> None:
         self.step = int(state["step"])
 
-    def continue_from(self, previous: "ArithmeticBatches") -> None:
+    def continue_from(self, previous: ArithmeticBatches) -> None:
         """Carry on from `previous` (another length): the data is a function of the step."""
         self.step = previous.step
 

@@ -54,26 +54,33 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from posttrain.core.checkpoint import Checkpointer
+from posttrain.core.init import checkpoint_dir, load_model_state
+from posttrain.core.loop import Result
+from posttrain.core.state import abstract_model, init_model_state
 from posttrain.data.sources import read_jsonl
 from posttrain.data.tokenizer import Tokenizer, load_tokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import allgather_json, mesh_and_rules, use_sharding
 from posttrain.rl.checks import slot_config
-from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.envs.base import Task
 from posttrain.rl.rollout.worker import RolloutWorker
+from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.tasks.files import normalise_prompt
 from posttrain.rl.tasks.registry import domain_weights, make_domains, make_reward_fn
 from posttrain.sampling.rules import SamplingParams
-from posttrain.core.checkpoint import Checkpointer
 from posttrain.stages.data_files import resolve_data_files
 from posttrain.stages.rejection_records import (
-    Candidate, candidate_fields, gate_metrics, log_report, open_for_writing, select, sft_record, write_jsonl,
+    Candidate,
+    candidate_fields,
+    gate_metrics,
+    log_report,
+    open_for_writing,
+    select,
+    sft_record,
+    write_jsonl,
     yield_report,
 )
-from posttrain.core.init import checkpoint_dir, load_model_state
-from posttrain.core.loop import Result
-from posttrain.core.state import abstract_model, init_model_state
 
 REPORT = "rejection_report.json"
 

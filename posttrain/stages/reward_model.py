@@ -14,8 +14,14 @@ from posttrain.core.loop import Result, TrainSpec, train
 from posttrain.core.step import moe_penalty
 from posttrain.models.decoder import Decoder
 from posttrain.models.reward import RewardModel
-from posttrain.stages.common import (PREFERENCE_AXES, data_kw, make_evaluator, preference_data, require_files,
-                                     stage_tokenizer)
+from posttrain.stages.common import (
+    PREFERENCE_AXES,
+    data_kw,
+    make_evaluator,
+    preference_data,
+    require_files,
+    stage_tokenizer,
+)
 from posttrain.stages.data_files import resolve_data_files
 from posttrain.stages.losses import bradley_terry_loss
 

@@ -27,35 +27,35 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posttrain.data.tokenizer import load_tokenizer
+from posttrain.config import with_stage_overrides
+from posttrain.core import lineage
 from posttrain.core.alerts import AlertMonitor
+from posttrain.core.checkpoint import Checkpointer
+from posttrain.core.harness import CHECKPOINT_ITEMS, Harness, Result, starting_state
+from posttrain.core.init import init_model_from
+from posttrain.core.metrics import compiled
+from posttrain.core.optim import lr_schedule, make_optimizer
+from posttrain.core.state import TrainState, create_train_state, model_params
+from posttrain.core.step import check_nonfinite
+from posttrain.data.tokenizer import load_tokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.models.quant import quantize_params
 from posttrain.parallel import mesh_and_rules
-from posttrain.rl.rollout.buffer import Rollout
-from posttrain.rl.checks import check_rl_config, check_sampling_config, ppo_steps, slot_config
 from posttrain.rl.algo.critic import ValueDecoder
+from posttrain.rl.algo.learner import Learner, advantage_targets, batch_rows, compute_advantages, rl_batch
+from posttrain.rl.algo.reward_model import RewardComposer
+from posttrain.rl.checks import check_rl_config, check_sampling_config, ppo_steps, slot_config
+from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.hosts import all_values, check_multihost_rl
-from posttrain.rl.algo.learner import Learner, advantage_targets, batch_rows, compute_advantages, rl_batch
-from posttrain.rl.rollout.producer import AsyncProducer
-from posttrain.rl.algo.reward_model import RewardComposer
-from posttrain.rl.rollout.worker import BusyClock, RolloutBatch, RolloutWorker, collect_batch, evaluate
 from posttrain.rl.rollout.log import RolloutLog
-from posttrain.rl.tasks.scheduler import TaskScheduler
+from posttrain.rl.rollout.producer import AsyncProducer
+from posttrain.rl.rollout.worker import BusyClock, RolloutBatch, RolloutWorker, collect_batch, evaluate
 from posttrain.rl.tasks.registry import curriculum_options, domain_weights, make_domains, make_reward_fn
-from posttrain.sampling.prefix_cache import PrefixCache
+from posttrain.rl.tasks.scheduler import TaskScheduler
 from posttrain.sampling.layout import publish_weights, sampler_rules
+from posttrain.sampling.prefix_cache import PrefixCache
 from posttrain.sampling.rules import SamplingParams
-from posttrain.core import lineage
-from posttrain.core.checkpoint import Checkpointer
-from posttrain.core.harness import CHECKPOINT_ITEMS, Harness, Result, starting_state
-from posttrain.core.metrics import compiled
-from posttrain.core.optim import lr_schedule, make_optimizer
-from posttrain.config import with_stage_overrides
-from posttrain.core.init import init_model_from
-from posttrain.core.state import TrainState, create_train_state, model_params
-from posttrain.core.step import check_nonfinite
 
 quantize_sampler_params = jax.jit(quantize_params, static_argnums=1)
 

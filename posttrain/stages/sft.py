@@ -13,8 +13,15 @@ from posttrain.core.step import lm_loss, token_cross_entropy
 from posttrain.data.pipeline import sft_batches
 from posttrain.eval.long_context_eval import make_long_context_eval
 from posttrain.models.decoder import Decoder
-from posttrain.stages.common import (combine_evals, data_kw, finite_batches, make_evaluator, make_sampler_log,
-                                     require_files, stage_tokenizer)
+from posttrain.stages.common import (
+    combine_evals,
+    data_kw,
+    finite_batches,
+    make_evaluator,
+    make_sampler_log,
+    require_files,
+    stage_tokenizer,
+)
 from posttrain.stages.data_files import resolve_data_files
 
 

@@ -23,7 +23,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from posttrain import storage
@@ -31,8 +32,7 @@ from posttrain.models.decoder import Decoder
 from posttrain.models.hf.config import architecture, hf_config_from_model, model_config_from_hf, read_hf_config
 from posttrain.models.hf.files import SafetensorsFolder, ShardWriter
 from posttrain.models.hf.layout import Entry, checkpoint_order, expected_shapes, hf_tensors, param_entries, read_entry
-from posttrain.parallel.sharding import Rules
-from posttrain.parallel.sharding import abstract_model, shardings_for
+from posttrain.parallel.sharding import Rules, abstract_model, shardings_for
 
 # Checkpoint tensors that carry no weights of ours: old Llama checkpoints store RoPE buffers.
 IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
@@ -108,7 +108,7 @@ def _check_checkpoint(folder: SafetensorsFolder, entries: dict, shapes: dict, ti
                          f"{extra[:5]}; the config.json and weights disagree, or the layout is not supported")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layer_setter(sharding: NamedSharding) -> Callable:
     """jit: stack[i] = layer, in place (the stack is donated), result in `sharding`."""
     return jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),

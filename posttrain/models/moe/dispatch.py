@@ -26,7 +26,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from posttrain.config import DISPATCHES
 from posttrain.models.moe.experts import expert_ffn, expert_ranks, grouped_ffn, sort_by_expert

@@ -14,14 +14,22 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from posttrain.config import MOE_ROUTERS
 from posttrain.models.layers import MLP, dtype_of, fan_in_init, param
 from posttrain.models.moe.dispatch import ExpertLayout, expert_layout, gather_weight, routed_experts
 from posttrain.models.moe.experts import expert_capacity
-from posttrain.models.moe.router import (RouterBias, Routing, expert_counts, load_balancing_loss, route,
-                                         router_z_loss, update_router_bias)
+from posttrain.models.moe.router import (
+    RouterBias,
+    Routing,
+    expert_counts,
+    load_balancing_loss,
+    route,
+    router_z_loss,
+    update_router_bias,
+)
 from posttrain.models.quant import is_quantized, quantized_spec, split_single_groups
 from posttrain.parallel.sharding import Rules, current, logical_spec
 

@@ -23,16 +23,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posttrain.parallel import local_rows
-from posttrain.rl.algo.advantages import (gae_advantages, group_advantages, kl_penalized_advantages, terminal_rewards,
-                                     whiten)
-from posttrain.rl.rollout.buffer import Rollout
-from posttrain.rl.algo.losses import entropy_from_logits, kl_estimate, policy_loss, value_loss
-from posttrain.sampling.generate import bucket
-from posttrain.sampling.rules import SamplingParams, policy_logprobs
 from posttrain.core.batch import put_batch
 from posttrain.core.state import model_params
 from posttrain.core.step import make_train_step, moe_penalty
+from posttrain.parallel import local_rows
+from posttrain.rl.algo.advantages import (
+    gae_advantages,
+    group_advantages,
+    kl_penalized_advantages,
+    terminal_rewards,
+    whiten,
+)
+from posttrain.rl.algo.losses import entropy_from_logits, kl_estimate, policy_loss, value_loss
+from posttrain.rl.rollout.buffer import Rollout
+from posttrain.sampling.generate import bucket
+from posttrain.sampling.rules import SamplingParams, policy_logprobs
 
 ROW_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 

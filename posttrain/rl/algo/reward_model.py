@@ -19,15 +19,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from posttrain.core.batch import put_batch
+from posttrain.core.checkpoint import Checkpointer
+from posttrain.core.init import checkpoint_dir, load_model_state
+from posttrain.core.state import abstract_model
 from posttrain.data.packing import build_row
+from posttrain.models.reward import RewardModel
 from posttrain.parallel import use_sharding
 from posttrain.parallel.sharding import Rules
 from posttrain.sampling.generate import bucket
-from posttrain.core.checkpoint import Checkpointer
-from posttrain.core.init import checkpoint_dir, load_model_state
-from posttrain.core.batch import put_batch
-from posttrain.models.reward import RewardModel
-from posttrain.core.state import abstract_model
 
 ROW_KEYS = ("inputs", "positions", "segment_ids")
 
@@ -65,7 +65,7 @@ class RewardModelScorer:
         self._forward = forward
 
     @classmethod
-    def load(cls, path: str, mesh: Mesh, rules: Rules, *, pad_id: int, **kw) -> "RewardModelScorer":
+    def load(cls, path: str, mesh: Mesh, rules: Rules, *, pad_id: int, **kw) -> RewardModelScorer:
         """The newest checkpoint of the `reward_model` run at `path`, placed on `mesh` by `rules`."""
         model_cfg = reward_model_config(path)
         make = lambda: RewardModel(model_cfg, rngs=nnx.Rngs(0))
@@ -150,7 +150,7 @@ class RewardComposer:
         self.verifier_weight, self.reward_model_weight = rl_cfg.verifier_weight, rl_cfg.reward_model_weight
 
     @classmethod
-    def from_config(cls, rl_cfg, mesh: Mesh, rules: Rules, *, pad_id: int) -> "RewardComposer":
+    def from_config(cls, rl_cfg, mesh: Mesh, rules: Rules, *, pad_id: int) -> RewardComposer:
         """From the `rl` section; `rl.reward_model` must be a run dir here (a pipeline resolves "@stage")."""
         path = rl_cfg.reward_model
         if path.startswith("@"):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+
 from posttrain.data.tokenizer import Tokenizer
 from posttrain.rl.envs.base import Step, Task
 from posttrain.rl.envs.tool import ToolCall, ToolCallEnv

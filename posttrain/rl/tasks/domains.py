@@ -20,8 +20,8 @@ A domain (what RL trains on) defaults to "train"; `arithmetic_tasks` and `humane
 from __future__ import annotations
 
 import dataclasses
-import logging
 import hashlib
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path

@@ -22,13 +22,13 @@ from collections.abc import Callable
 
 from posttrain.config import ENVS  # noqa: F401 (re-exported: rl.checks reads it here)
 from posttrain.data.sources import SkipLog
-from posttrain.rl.tasks import domains as domain_lib
-from posttrain.rl.tasks import repo_domain
-from posttrain.rl.tasks import files as task_files
 from posttrain.rl.envs import SingleTurnEnv
-from posttrain.rl.envs.workspace import WORKSPACE_LIMITS, WorkspaceEnv
 from posttrain.rl.envs.base import Task
+from posttrain.rl.envs.workspace import WORKSPACE_LIMITS, WorkspaceEnv
 from posttrain.rl.reward import RewardConfig, RewardFunction
+from posttrain.rl.tasks import domains as domain_lib
+from posttrain.rl.tasks import files as task_files
+from posttrain.rl.tasks import repo_domain
 from posttrain.rl.tasks.scheduler import BANDS
 from posttrain.rl.verifiers.code import CodeTask, CodeVerifier
 from posttrain.rl.verifiers.math import MathTask, MathVerifier

@@ -18,9 +18,9 @@ import concurrent.futures
 import hashlib
 import random
 
-from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.envs.base import Task
 from posttrain.rl.envs.workspace import RepoTask
+from posttrain.rl.tasks.domains import Domain
 
 MODULES = ("config", "limits", "params", "settings", "consts", "defaults", "values", "options")
 CONSTANTS = ("SIZE", "LIMIT", "COUNT", "RATE", "DEPTH", "WIDTH", "SCALE", "OFFSET")

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.envs.base import Task, Trajectory
+from posttrain.rl.tasks.domains import Domain
 
 BANDS = ("new", "hard", "medium", "easy")        # the bands a draw may pick
 RETIRED = "retired"

@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.sandbox import ExecResult, Job, Limits, Sandbox, Status, sandbox_python
 from posttrain.rl.verifiers.base import Verdict
+from posttrain.sandbox import ExecResult, Job, Limits, Sandbox, Status, sandbox_python
 
 HARNESS_SOURCE = (Path(__file__).parent / "code_harness.py").read_text()
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
