@@ -26,7 +26,15 @@ def get_config():
     cfg.stage = "sft"
     cfg.workdir = "runs/long_context_tiny"
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 64, 2, 4, 2, 16, 128
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
+        264,
+        64,
+        2,
+        4,
+        2,
+        16,
+        128,
+    )
     m.rope_theta = 10_000.0
     cfg.data.synthetic, cfg.data.synthetic_size = "long_context", 2000
     cfg.sft.train_files = "synthetic:"

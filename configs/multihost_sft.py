@@ -17,8 +17,8 @@ from configs.sft_tiny import get_config as sft_config
 def get_config():
     cfg = sft_config()
     cfg.workdir = "runs/multihost_sft"
-    cfg.mesh.data = -1                    # the batch over every device of every host
-    cfg.train.batch_size = 32             # global rows: a multiple of the processes and the batch axes
-    cfg.data.packing = False              # the same records per global batch for any process count
-    cfg.distributed.heartbeat_timeout_s = 60   # a lost host stops the others within a minute
+    cfg.mesh.data = -1  # the batch over every device of every host
+    cfg.train.batch_size = 32  # global rows: a multiple of the processes and the batch axes
+    cfg.data.packing = False  # the same records per global batch for any process count
+    cfg.distributed.heartbeat_timeout_s = 60  # a lost host stops the others within a minute
     return cfg

@@ -35,7 +35,7 @@ def get_config():
     cfg.rl.steps, cfg.rl.lr, cfg.rl.updates_per_batch = 100, 1e-4, 2
     cfg.rl.prompts_per_step, cfg.rl.group_size, cfg.rl.max_new_tokens = 16, 8, 40
     cfg.rl.eval_every, cfg.rl.eval_size, cfg.rl.eval_samples = 25, 128, 4
-    cfg.rl.rollouts_every, cfg.rl.rollouts_fraction = 25, 1 / 16     # 8 of each 128 rollouts kept for the report
+    cfg.rl.rollouts_every, cfg.rl.rollouts_fraction = 25, 1 / 16  # 8 of each 128 rollouts kept for the report
     cfg.checkpoint.every = 100
     # The release check: the final policy on the 128 held-out problems (the same ones the RL stage
     # evaluates). Measured (BENCHMARKS.md, quickstart): 40.6% greedy after SFT (this gate stops

@@ -13,7 +13,15 @@ def get_config():
     cfg.stage = "sft"
     cfg.workdir = "runs/sft_tiny"
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 64, 2, 4, 2, 16, 128
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
+        264,
+        64,
+        2,
+        4,
+        2,
+        16,
+        128,
+    )
     m.moe.num_experts, m.moe.top_k, m.moe.expert_mlp_dim = 4, 2, 64
     cfg.data.synthetic = "arithmetic"
     cfg.sft.train_files = "synthetic:"

@@ -37,7 +37,7 @@ from posttrain.sampling.layout import sampler_rules
 from posttrain.sampling.rules import SamplingParams
 from posttrain.stages.dpo import dpo_stage_loss
 
-PROGRAMS = ("sft", "dpo", "rl_learner", "sampler")   # and "restore" (`restore_report`: not compiled), "publish"
+PROGRAMS = ("sft", "dpo", "rl_learner", "sampler")  # and "restore" (`restore_report`: not compiled), "publish"
 LM_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 
 
@@ -48,12 +48,13 @@ class Program:
     parts: named argument subtrees whose per-device bytes the report lists; model_flops: the
     model's own FLOP count for one call (all devices together), for MFU.
     """
+
     name: str
     fn: Callable
     args: tuple
     parts: dict[str, Any]
     model_flops: float
-    rules: Any = None           # the logical-axis rules it runs under, when not the run's (the sampler's layout)
+    rules: Any = None  # the logical-axis rules it runs under, when not the run's (the sampler's layout)
 
 
 def abstract(shape: tuple[int, ...], dtype, names: tuple, mesh: Mesh, rules) -> jax.ShapeDtypeStruct:
@@ -69,24 +70,33 @@ def lm_batch(rows: int, length: int, mesh: Mesh, rules, prefix: str = "") -> dic
 def abstract_weights(make: Callable[[], nnx.Module], mesh: Mesh, rules) -> tuple[nnx.State, nnx.State]:
     """(params, rest) of the model as sharded ShapeDtypeStructs: a reference policy or sampler weights."""
     _, params, rest = nnx.split(abstract_model(make), nnx.Param, ...)
-    place = lambda tree: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                      tree, shardings_for(tree, mesh, rules))
+    place = lambda tree: jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings_for(tree, mesh, rules)
+    )
     return place(params), place(rest)
 
 
-def train_program(name: str, cfg, mesh: Mesh, rules, loss_fn, batch: dict, extra: tuple,
-                  tokens: int) -> Program:
+def train_program(name: str, cfg, mesh: Mesh, rules, loss_fn, batch: dict, extra: tuple, tokens: int) -> Program:
     """A train step (`make_train_step`, donated state, as `train.loop` jits it) over abstract state."""
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     graphdef, state, shardings = abstract_train_state(make, tx, mesh, rules, cfg.lora)
     loss = loss_fn(graphdef)
-    step = jax.jit(make_train_step(graphdef, tx, loss, lr_schedule(cfg.optim, cfg.train.steps), cfg.lora),
-                   out_shardings=(shardings, None), donate_argnums=0)
-    parts = {"params": state.params, "optimizer": state.opt_state, "frozen base": state.frozen,
-             "model variables": state.rest, "reference": extra, "batch": batch}
+    step = jax.jit(
+        make_train_step(graphdef, tx, loss, lr_schedule(cfg.optim, cfg.train.steps), cfg.lora),
+        out_shardings=(shardings, None),
+        donate_argnums=0,
+    )
+    parts = {
+        "params": state.params,
+        "optimizer": state.opt_state,
+        "frozen base": state.frozen,
+        "model variables": state.rest,
+        "reference": extra,
+        "batch": batch,
+    }
     flops = train_flops_per_token(cfg.model, batch[next(iter(batch))].shape[1]) * tokens
-    if cfg.lora.rank > 0:       # frozen weights get no weight gradient: forward + input gradient only
+    if cfg.lora.rank > 0:  # frozen weights get no weight gradient: forward + input gradient only
         flops *= 4 / 6
     return Program(name, step, (state, batch, *extra), parts, flops)
 
@@ -94,8 +104,16 @@ def train_program(name: str, cfg, mesh: Mesh, rules, loss_fn, batch: dict, extra
 def sft_program(cfg, mesh: Mesh, rules) -> Program:
     """The SFT step on [train.batch_size, train.seq_len] packed rows."""
     b, s = cfg.train.batch_size, cfg.train.seq_len
-    return train_program("sft", cfg, mesh, rules, lambda g: functools.partial(lm_loss, moe_cfg=cfg.model.moe),
-                         lm_batch(b, s, mesh, rules), (), b * s)
+    return train_program(
+        "sft",
+        cfg,
+        mesh,
+        rules,
+        lambda g: functools.partial(lm_loss, moe_cfg=cfg.model.moe),
+        lm_batch(b, s, mesh, rules),
+        (),
+        b * s,
+    )
 
 
 def dpo_program(cfg, mesh: Mesh, rules) -> Program:
@@ -137,21 +155,40 @@ def sampler_program(cfg, mesh: Mesh, rules, prompt_len: int) -> Program:
     (quantised, speculative, continuous, prefix-cached) are different programs: refused, not
     costed as this one."""
     r, s = cfg.rl, cfg.sampling
-    for key, static in (("quantize", "none"), ("speculative_k", 0), ("continuous_batching", False), ("prefix_cache", 0)):
+    for key, static in (
+        ("quantize", "none"),
+        ("speculative_k", 0),
+        ("continuous_batching", False),
+        ("prefix_cache", 0),
+    ):
         if s[key] != static:
-            raise ValueError(f"sampling.{key}={s[key]!r}: the compile plan's sampler is the static bf16 "
-                             f"`generate_program`; set sampling.{key}={static!r} to plan it")
+            raise ValueError(
+                f"sampling.{key}={s[key]!r}: the compile plan's sampler is the static bf16 "
+                f"`generate_program`; set sampling.{key}={static!r} to plan it"
+            )
     rules = sampler_rules(rules, cfg.sampling.layout)
     params, rest = abstract_weights(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh, rules)
     graphdef = nnx.graphdef(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))))
     b, p = bucket(r.prompts_per_step), bucket(prompt_len, 8)
-    sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                              max_new_tokens=r.max_new_tokens, stop_ids=(0,), num_samples=r.group_size)
+    sampling = SamplingParams(
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        stop_ids=(0,),
+        num_samples=r.group_size,
+    )
     replicated = lambda shape, dtype: abstract(shape, dtype, (None,) * len(shape), mesh, rules)
     key = jax.eval_shape(lambda: jax.random.key(0))
-    args = (params, rest, replicated((b, p), jnp.int32), replicated((b,), jnp.int32),
-            replicated((b,), jnp.int32), replicated((), jnp.int32),
-            jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec())))
+    args = (
+        params,
+        rest,
+        replicated((b, p), jnp.int32),
+        replicated((b,), jnp.int32),
+        replicated((b,), jnp.int32),
+        replicated((), jnp.int32),
+        jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec())),
+    )
     fn = jax.jit(lambda *a: generate_program(graphdef, *a, sampling=sampling, pad_id=0, rules=rules_key(rules)))
     n = activated_matmul_params(cfg.model)
     flops = 2 * n * (b * p + b * r.group_size * r.max_new_tokens)
@@ -163,18 +200,22 @@ def publish_program(cfg, mesh: Mesh, rules) -> Program:
     """The RL publish's reshard of the learner's weights into the sampler's layout
     (`sampling.layout.publish_weights`: a new copy; with sampling.layout = 'learner' a plain copy)."""
     params, _ = abstract_weights(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh, rules)
-    target, _ = abstract_weights(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh,
-                                 sampler_rules(rules, cfg.sampling.layout))
+    target, _ = abstract_weights(
+        lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh, sampler_rules(rules, cfg.sampling.layout)
+    )
     fn = jax.jit(lambda p: p, out_shardings=jax.tree.map(lambda x: x.sharding, target))
     return Program("publish", fn, (params,), {"params": params}, 0.0)
 
 
 def build_programs(cfg, mesh: Mesh, rules, names: tuple[str, ...], prompt_len: int) -> list[Program]:
     """The named programs of `PROGRAMS` for `cfg` on `mesh`."""
-    builders = {"sft": lambda: sft_program(cfg, mesh, rules), "dpo": lambda: dpo_program(cfg, mesh, rules),
-                "rl_learner": lambda: rl_learner_program(cfg, mesh, rules, prompt_len),
-                "sampler": lambda: sampler_program(cfg, mesh, rules, prompt_len),
-                "publish": lambda: publish_program(cfg, mesh, rules)}
+    builders = {
+        "sft": lambda: sft_program(cfg, mesh, rules),
+        "dpo": lambda: dpo_program(cfg, mesh, rules),
+        "rl_learner": lambda: rl_learner_program(cfg, mesh, rules, prompt_len),
+        "sampler": lambda: sampler_program(cfg, mesh, rules, prompt_len),
+        "publish": lambda: publish_program(cfg, mesh, rules),
+    }
     unknown = [n for n in names if n not in builders]
     if unknown:
         raise ValueError(f"programs {unknown}: expected some of {tuple(builders)}")
@@ -197,19 +238,29 @@ def program_report(program: Program, compiled, chip: aot.Chip, num_devices: int)
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     hlo = compiled.as_text()
     collectives, unknown_trips = aot.collective_bytes(hlo)
-    total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-             + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
+    total = (
+        mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        - mem.alias_size_in_bytes
+        + mem.temp_size_in_bytes
+        + mem.generated_code_size_in_bytes
+    )
     report = {
         "program": program.name,
-        "arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
-        "aliased": mem.alias_size_in_bytes, "temporaries": mem.temp_size_in_bytes,
-        "code": mem.generated_code_size_in_bytes, "total": total,
+        "arguments": mem.argument_size_in_bytes,
+        "outputs": mem.output_size_in_bytes,
+        "aliased": mem.alias_size_in_bytes,
+        "temporaries": mem.temp_size_in_bytes,
+        "code": mem.generated_code_size_in_bytes,
+        "total": total,
         "parts": {k: aot.shard_bytes(v) for k, v in program.parts.items() if jax.tree.leaves(v)},
-        "hbm": chip.hbm_bytes, "fits": total <= chip.hbm_bytes,
+        "hbm": chip.hbm_bytes,
+        "fits": total <= chip.hbm_bytes,
         "xla_flops": float(cost.get("flops", 0.0)) if cost else 0.0,
         "model_flops_per_device": program.model_flops / num_devices,
-        "collectives": collectives, "loop_trip_unknown": unknown_trips,
-        "loop_iteration_collectives": aot.loop_iteration_bytes(hlo),   # the decode loop's: per token
+        "collectives": collectives,
+        "loop_trip_unknown": unknown_trips,
+        "loop_iteration_collectives": aot.loop_iteration_bytes(hlo),  # the decode loop's: per token
     }
     report.update(estimate_step(report, chip))
     return report
@@ -224,8 +275,12 @@ def estimate_step(report: dict, chip: aot.Chip) -> dict:
     comm = sum(v * (2 if k == "all-reduce" else 1) for k, v in report["collectives"].items())
     compute_s, comm_s = flops / chip.peak_flops, comm / chip.ici_bytes_per_s
     step_s = compute_s + comm_s
-    return {"compute_s": compute_s, "comm_s": comm_s, "step_s": step_s,
-            "mfu": report["model_flops_per_device"] / (step_s * chip.peak_flops) if step_s else 0.0}
+    return {
+        "compute_s": compute_s,
+        "comm_s": comm_s,
+        "step_s": step_s,
+        "mfu": report["model_flops_per_device"] / (step_s * chip.peak_flops) if step_s else 0.0,
+    }
 
 
 def argument_report(program: Program, chip: aot.Chip, num_devices: int) -> dict:
@@ -233,8 +288,14 @@ def argument_report(program: Program, chip: aot.Chip, num_devices: int) -> dict:
     the abstract arguments) and the model's FLOPs; compute-bound time at peak."""
     parts = {k: aot.shard_bytes(v) for k, v in program.parts.items() if jax.tree.leaves(v)}
     flops = program.model_flops / num_devices
-    return {"program": program.name, "parts": parts, "arguments": sum(parts.values()),
-            "model_flops_per_device": flops, "hbm": chip.hbm_bytes, "compute_s": flops / chip.peak_flops}
+    return {
+        "program": program.name,
+        "parts": parts,
+        "arguments": sum(parts.values()),
+        "model_flops_per_device": flops,
+        "hbm": chip.hbm_bytes,
+        "compute_s": flops / chip.peak_flops,
+    }
 
 
 def restore_plan(cfg, mesh: Mesh, rules) -> tuple[dict, Any]:
@@ -271,13 +332,27 @@ def restore_report(target: dict, restore_args: Any, mesh: Mesh, chip: aot.Chip) 
             replicated += aot.shard_bytes(x)
     parts = {k: aot.shard_bytes(v) for k, v in target.items()}
     total = sum(parts.values())
-    return {"program": "restore", "parts": parts, "arguments": total, "total": total, "arrays": len(leaves),
-            "replicated": replicated, "problems": problems, "hbm": chip.hbm_bytes,
-            "fits": total <= chip.hbm_bytes and not problems}
+    return {
+        "program": "restore",
+        "parts": parts,
+        "arguments": total,
+        "total": total,
+        "arrays": len(leaves),
+        "replicated": replicated,
+        "problems": problems,
+        "hbm": chip.hbm_bytes,
+        "fits": total <= chip.hbm_bytes and not problems,
+    }
 
 
-def plan(cfg, topology: str, names: tuple[str, ...] = PROGRAMS, prompt_len: int = 256,
-         log: Callable[[str], None] = print, compile: bool = True) -> list[dict]:
+def plan(
+    cfg,
+    topology: str,
+    names: tuple[str, ...] = PROGRAMS,
+    prompt_len: int = 256,
+    log: Callable[[str], None] = print,
+    compile: bool = True,
+) -> list[dict]:
     """Compile `names` for `cfg` on `topology` (e.g. 'v5p:2x2x1', 'v5p-128'); one report each.
     `compile=False`: only `argument_report` (seconds instead of minutes for a large model).
     "restore" in `names` adds the checkpoint restore's report (`restore_report`, nothing compiled)."""
@@ -287,15 +362,25 @@ def plan(cfg, topology: str, names: tuple[str, ...] = PROGRAMS, prompt_len: int 
     reports = []
     if "restore" in names:
         target, restore_args = restore_plan(cfg, mesh, rules)
-        reports.append({**restore_report(target, restore_args, mesh, aot.CHIPS[gen]),
-                        "topology": topology, "mesh": dict(mesh.shape)})
+        reports.append(
+            {
+                **restore_report(target, restore_args, mesh, aot.CHIPS[gen]),
+                "topology": topology,
+                "mesh": dict(mesh.shape),
+            }
+        )
         names = tuple(n for n in names if n != "restore")
     with use_sharding(mesh, rules):
         programs = build_programs(cfg, mesh, rules, names, prompt_len)
     for program in programs:
         if not compile:
-            reports.append({**argument_report(program, aot.CHIPS[gen], len(devices)),
-                            "topology": topology, "mesh": dict(mesh.shape)})
+            reports.append(
+                {
+                    **argument_report(program, aot.CHIPS[gen], len(devices)),
+                    "topology": topology,
+                    "mesh": dict(mesh.shape),
+                }
+            )
             continue
         compiled, seconds = compile_program(program, mesh, rules)
         report = program_report(program, compiled, aot.CHIPS[gen], len(devices))

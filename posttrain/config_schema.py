@@ -23,8 +23,11 @@ from posttrain.stages import registry
 
 STAGE_SECTIONS = {s.name: s.section for s in registry.STAGES if s.own_steps}
 # generic key → the per-stage keys that replace it when non-zero (posttrain.config.with_stage_overrides)
-OVERRIDDEN_BY_STAGE = {"train.steps": [f"{s}.steps" for s in STAGE_SECTIONS.values()],
-                       "optim.lr": [f"{s}.lr" for s in STAGE_SECTIONS.values()]}
+OVERRIDDEN_BY_STAGE = {
+    "train.steps": [f"{s}.steps" for s in STAGE_SECTIONS.values()],
+    "optim.lr": [f"{s}.lr" for s in STAGE_SECTIONS.values()],
+}
+
 
 def get(cfg, key: str):
     """The value at a dotted key."""
@@ -58,16 +61,18 @@ def check_config(cfg) -> None:
     from posttrain.core.alerts import AlertMonitor
     from posttrain.eval.gates import validate_gates
     from posttrain.stages.data_files import check_stage_files
+
     check_values(cfg)
     stages = stages_of(cfg)
-    check_stage_files(cfg, stages)      # named files exist, "synthetic:" can be generated: every stage, up front
+    check_stage_files(cfg, stages)  # named files exist, "synthetic:" can be generated: every stage, up front
     try:
         validate_gates(cfg, stages)
         from posttrain.rl.checks import check_episode_cohorts, check_sampling_config
+
         check_sampling_config(cfg, stages)
         check_episode_cohorts(cfg, stages)
         AlertMonitor.from_config(cfg.alerts)
-        for stage in registry.STAGES:    # each stage's own checks: a pipeline's last stage before its first trains
+        for stage in registry.STAGES:  # each stage's own checks: a pipeline's last stage before its first trains
             if stage.name in stages and stage.check:
                 stage.checker()(cfg)
     except ValueError as e:
@@ -76,7 +81,7 @@ def check_config(cfg) -> None:
 
 def command_line_keys(argv: list[str]) -> set[str]:
     """The keys `--config.a.b=v` / `--config.a.b v` set in `argv`."""
-    return {a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.")}
+    return {a[len("--config.") :].split("=", 1)[0] for a in argv if a.startswith("--config.")}
 
 
 def apply_command_line_precedence(cfg, cli_keys: set[str]) -> list[str]:
@@ -90,8 +95,10 @@ def apply_command_line_precedence(cfg, cli_keys: set[str]) -> list[str]:
         for key in specifics:
             if get(cfg, key) and key not in cli_keys:
                 section, leaf = key.split(".")
-                notes.append(f"{generic}={get(cfg, generic)!r} from the command line replaces {key}={get(cfg, key)!r} "
-                             "from the config file")
+                notes.append(
+                    f"{generic}={get(cfg, generic)!r} from the command line replaces {key}={get(cfg, key)!r} "
+                    "from the config file"
+                )
                 cfg[section][leaf] = type(get(cfg, key))(0)
     for note in notes:
         logging.info("config: %s", note)

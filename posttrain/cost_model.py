@@ -55,6 +55,7 @@ class WeightBytes:
     stacked_dense / experts: the parts of `gathered` that are the layer stack's non-expert
       weights and the experts (the rest: embedding, head, final norm).
     """
+
     gathered: float
     reduce_scattered: float
     all_reduced: float
@@ -105,7 +106,7 @@ def weight_bytes(cfg, mesh: Mesh, rules: Rules) -> WeightBytes:
         names = tuple(var.get_metadata().get("out_sharding") or (None,) * len(var.shape))
         spec = logical_spec(names, mesh, rules, var.shape)
         gather_axes, keep = _spec_ways(spec, mesh, names, batch_axes)
-        nbytes = math.prod(var.shape) * var.dtype.itemsize / keep         # this chip's part, gathered
+        nbytes = math.prod(var.shape) * var.dtype.itemsize / keep  # this chip's part, gathered
         if gather_axes:
             gathered += nbytes
             if "experts" in names:
@@ -117,13 +118,14 @@ def weight_bytes(cfg, mesh: Mesh, rules: Rules) -> WeightBytes:
                 reduce_scattered += nbytes
             else:
                 all_reduced += nbytes
-        if key in adapted:      # A [*batch, fan_in, r], B [*batch, r, fan_out]; batch dims: layers, experts
+        if key in adapted:  # A [*batch, fan_in, r], B [*batch, r, fan_out]; batch dims: layers, experts
             nb = sum(1 for n in names if n in BATCH_AXES)
             nin = FAN_IN_DIMS.get(key.rsplit("/", 1)[-1], 1)
-            fans = math.prod(var.shape[nb:nb + nin]) + math.prod(var.shape[nb + nin:])
+            fans = math.prod(var.shape[nb : nb + nin]) + math.prod(var.shape[nb + nin :])
             experts = keep_experts(spec, names, mesh)
             all_reduced += math.prod(var.shape[:nb]) / experts * cfg.lora.rank * fans * var.dtype.itemsize
     return WeightBytes(gathered, reduce_scattered, all_reduced, stacked_dense, experts)
+
 
 def activated_by_weight(m) -> dict[str, float]:
     """Weights one token multiplies through, by weight name (q, k, v, o, gate, up, down, w_gate,
@@ -131,9 +133,14 @@ def activated_by_weight(m) -> dict[str, float]:
     kinds = layer_kinds(m)
     n_moe, n_dense = kinds.count("moe"), kinds.count("dense")
     d, moe = m.embed_dim, m.moe
-    out = {"q": len(kinds) * d * m.num_heads * m.head_dim, "o": len(kinds) * d * m.num_heads * m.head_dim,
-           "k": len(kinds) * d * m.num_kv_heads * m.head_dim, "v": len(kinds) * d * m.num_kv_heads * m.head_dim,
-           "router": n_moe * d * moe.num_experts, "head": d * m.vocab_size}
+    out = {
+        "q": len(kinds) * d * m.num_heads * m.head_dim,
+        "o": len(kinds) * d * m.num_heads * m.head_dim,
+        "k": len(kinds) * d * m.num_kv_heads * m.head_dim,
+        "v": len(kinds) * d * m.num_kv_heads * m.head_dim,
+        "router": n_moe * d * moe.num_experts,
+        "head": d * m.vocab_size,
+    }
     for w in ("gate", "up", "down"):
         out[w] = n_dense * d * m.mlp_dim + n_moe * d * moe.shared_mlp_dim * moe.num_shared_experts
         out["w_" + w] = n_moe * d * moe.expert_mlp_dim * moe.top_k
@@ -160,8 +167,8 @@ def sampler_flops(m, prompts: int, prompt_len: int, samples: int, new_tokens: in
     2·N_activated per token plus attention over the context each token sees (4·L·H·Dh per
     context position; causal in the prefill)."""
     n, attn = activated_matmul_params(m), 4 * m.num_layers * m.num_heads * m.head_dim
-    prefill = prompts * (2 * n * prompt_len + attn * prompt_len ** 2 / 2)
-    decode = prompts * samples * (2 * n * new_tokens + attn * (new_tokens * prompt_len + new_tokens ** 2 / 2))
+    prefill = prompts * (2 * n * prompt_len + attn * prompt_len**2 / 2)
+    decode = prompts * samples * (2 * n * new_tokens + attn * (new_tokens * prompt_len + new_tokens**2 / 2))
     return prefill + decode
 
 
@@ -188,8 +195,9 @@ def exchange_bytes(cfg, mesh: Mesh, rules: Rules, tokens: int) -> tuple[float, f
 def tokens_per_chip(rows: int, length: int, mesh: Mesh, rules: Rules) -> int:
     """Tokens of a [rows, length] batch on one chip, laid out as `put_batch` lays it out."""
     spec = logical_spec(("batch", "length"), mesh, rules, (rows, length))
-    ways = math.prod(mesh.shape[a] for entry in spec if entry is not None
-                     for a in ((entry,) if isinstance(entry, str) else entry))
+    ways = math.prod(
+        mesh.shape[a] for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)
+    )
     return rows * length // ways
 
 
@@ -206,8 +214,12 @@ def program_work(cfg, program: str, prompt_len: int) -> dict:
         rows = r.prompts_per_step * r.group_size // r.minibatches
         return dict(rows=rows, length=bucket(prompt_len + r.max_new_tokens - 1, 8), ref_rows=rows if r.kl_coef else 0)
     if program == "sampler":
-        return dict(prompts=bucket(r.prompts_per_step), prompt_len=bucket(prompt_len, 8), samples=r.group_size,
-                    new_tokens=r.max_new_tokens)
+        return dict(
+            prompts=bucket(r.prompts_per_step),
+            prompt_len=bucket(prompt_len, 8),
+            samples=r.group_size,
+            new_tokens=r.max_new_tokens,
+        )
     raise ValueError(f"program {program!r}: expected one of {PROGRAMS}")
 
 
@@ -215,36 +227,47 @@ def program_cost(cfg, mesh: Mesh, rules: Rules, program: str, prompt_len: int, c
     """Per-chip FLOPs (model and executed), collective bytes by kind and the roofline step
     estimate (`compile_plan.estimate_step`) of one call of `program`, from the shapes alone."""
     from posttrain.compile_plan import estimate_step
-    unmodelled = {a: mesh.shape[a] for a in mesh.axis_names if a not in ("data", "fsdp", "expert") and mesh.shape[a] > 1}
+
+    unmodelled = {
+        a: mesh.shape[a] for a in mesh.axis_names if a not in ("data", "fsdp", "expert") and mesh.shape[a] > 1
+    }
     if unmodelled:
-        raise ValueError(f"mesh {dict(mesh.shape)}: the analytic cost model covers data · fsdp · expert "
-                         f"meshes; {unmodelled} (tensor / sequence parallelism) is not modelled")
+        raise ValueError(
+            f"mesh {dict(mesh.shape)}: the analytic cost model covers data · fsdp · expert "
+            f"meshes; {unmodelled} (tensor / sequence parallelism) is not modelled"
+        )
     if program == "sampler" and cfg.sampling.layout != "learner":
-        raise ValueError(f"sampling.layout={cfg.sampling.layout!r}: the analytic cost model covers the sampler in "
-                         "the learner layout (weights gathered at every decode step); the decode layout's "
-                         "tensor-parallel activations are not modelled (compile it: tools/pod_plan.py --compile)")
+        raise ValueError(
+            f"sampling.layout={cfg.sampling.layout!r}: the analytic cost model covers the sampler in "
+            "the learner layout (weights gathered at every decode step); the decode layout's "
+            "tensor-parallel activations are not modelled (compile it: tools/pod_plan.py --compile)"
+        )
     w, work, m = weight_bytes(cfg, mesh, rules), program_work(cfg, program, prompt_len), cfg.model
     coll = dict.fromkeys(aot.COLLECTIVES, 0.0)
     if program == "sampler":
         b, p, g, n = work["prompts"], work["prompt_len"], work["samples"], work["new_tokens"]
         model = executed = sampler_flops(m, b, p, g, n)
-        coll["all-gather"] = (1 + n) * w.gathered          # the prefill, then every decode step
+        coll["all-gather"] = (1 + n) * w.gathered  # the prefill, then every decode step
         for tokens, times in ((tokens_per_chip(b, p, mesh, rules), 1), (tokens_per_chip(b * g, 1, mesh, rules), n)):
             coll["all-to-all"] += times * sum(exchange_bytes(cfg, mesh, rules, tokens))
     else:
         rows, length, ref_rows = work["rows"], work["length"], work["ref_rows"]
         model, executed = train_flops(cfg, rows, length)
-        if ref_rows:        # the reference's forward: a third of a step's FLOPs on its tokens
+        if ref_rows:  # the reference's forward: a third of a step's FLOPs on its tokens
             ref = train_flops_per_token(m, length) * ref_rows * length / 3
             model, executed = model + ref, executed + ref
-        forward = 2 if m.remat != "none" else 1       # under remat the backward gathers and exchanges again
+        forward = 2 if m.remat != "none" else 1  # under remat the backward gathers and exchanges again
         rows_b, ids_b = exchange_bytes(cfg, mesh, rules, tokens_per_chip(rows, length, mesh, rules))
         coll["all-gather"] = w.gathered_per_pass(True, forward == 2) + (w.gathered if ref_rows else 0.0)
         coll["reduce-scatter"], coll["all-reduce"] = w.reduce_scattered, w.all_reduced
         coll["all-to-all"] = forward * (rows_b + ids_b) + rows_b
         if ref_rows:
             coll["all-to-all"] += sum(exchange_bytes(cfg, mesh, rules, tokens_per_chip(ref_rows, length, mesh, rules)))
-    report = {"program": program, "model_flops_per_device": model / mesh.size,
-              "executed_flops_per_device": executed / mesh.size, "collectives": coll}
+    report = {
+        "program": program,
+        "model_flops_per_device": model / mesh.size,
+        "executed_flops_per_device": executed / mesh.size,
+        "collectives": coll,
+    }
     report.update(estimate_step({**report, "xla_flops": executed / mesh.size}, chip))
     return report

@@ -30,10 +30,10 @@ from posttrain import storage
 from posttrain.errors import UserError
 from posttrain.stages import registry
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().",
-                                          lock_config=True)
-_VERBOSE = flags.DEFINE_bool("verbose", False, "Print the full traceback of an error (it always goes to "
-                             "{workdir}/error.log).")
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().", lock_config=True)
+_VERBOSE = flags.DEFINE_bool(
+    "verbose", False, "Print the full traceback of an error (it always goes to {workdir}/error.log)."
+)
 
 
 def check_overrides(argv: list[str], config) -> None:
@@ -41,13 +41,15 @@ def check_overrides(argv: list[str], config) -> None:
     for arg in argv:
         if not arg.startswith("--config."):
             continue
-        path = arg[len("--config."):].split("=", 1)[0].split(".")
+        path = arg[len("--config.") :].split("=", 1)[0].split(".")
         node, seen = config, "config"
         for key in path:
             keys = sorted(node.keys()) if hasattr(node, "keys") else []
             if key not in keys:
-                raise SystemExit(f"error: unknown config key '{seen}.{key}' in {arg!r}; "
-                                 f"valid keys of {seen}: {', '.join(keys) or '(none: not a group)'}")
+                raise SystemExit(
+                    f"error: unknown config key '{seen}.{key}' in {arg!r}; "
+                    f"valid keys of {seen}: {', '.join(keys) or '(none: not a group)'}"
+                )
             node, seen = node[key], f"{seen}.{key}"
 
 
@@ -55,18 +57,20 @@ def run(config) -> object:
     """Run `config.stage` with `config`, holding the workdir's lock; the entry point for tools and
     tests too."""
     from posttrain.config_schema import check_values
-    check_values(config)        # enums, ranges, cross-field rules: before the heavy imports
+
+    check_values(config)  # enums, ranges, cross-field rules: before the heavy imports
     import jax
 
     from posttrain.core.workdir import workdir_lock
     from posttrain.parallel import maybe_initialize_distributed
+
     maybe_initialize_distributed(config)
     primary = jax.process_index() == 0
     # The lock comes first (before the heavy imports): a second run in a busy workdir fails at once.
     with workdir_lock(config.workdir) if primary else contextlib.nullcontext():
         try:
             return _run_locked(config)
-        except Exception as e:       # logged while the workdir is still ours
+        except Exception as e:  # logged while the workdir is still ours
             e.error_log = write_error_log(config.workdir, e)
             raise
 
@@ -78,13 +82,16 @@ def _run_locked(config) -> object:
     from posttrain.eval.gates import GateFailed, check_gate, gate_record_dir
     from posttrain.parallel import is_primary
     from posttrain.stages.pipeline import gate_metrics
+
     if config.stage not in registry.BY_NAME:
-        raise UserError(f"config.stage={config.stage!r}; valid stages: {', '.join(sorted(registry.BY_NAME))}",
-                        key="stage")
+        raise UserError(
+            f"config.stage={config.stage!r}; valid stages: {', '.join(sorted(registry.BY_NAME))}", key="stage"
+        )
     stage = registry.BY_NAME[config.stage]
-    check_config(config)      # every enum, range and cross-field rule, gates, rl.*, alerts: before anything trains
+    check_config(config)  # every enum, range and cross-field rule, gates, rl.*, alerts: before anything trains
     if config.init_from:
         from posttrain.core.init import require_init_from
+
         require_init_from(config.init_from)
     enable_compilation_cache(config.compilation_cache)
     if is_primary():
@@ -92,9 +99,15 @@ def _run_locked(config) -> object:
         storage.write_text(storage.join(config.workdir, "config.json"), config.to_json_best_effort(indent=2))
     try:
         result = stage.runner()(config)
-        if stage.gated:       # a stage run alone must pass its gate too (exit status 1)
-            logging.info(check_gate(stage.name, config[stage.section].gate, gate_metrics(result),
-                                    workdir=gate_record_dir(config.workdir)))
+        if stage.gated:  # a stage run alone must pass its gate too (exit status 1)
+            logging.info(
+                check_gate(
+                    stage.name,
+                    config[stage.section].gate,
+                    gate_metrics(result),
+                    workdir=gate_record_dir(config.workdir),
+                )
+            )
         return result
     except GateFailed as e:
         raise SystemExit(f"error: stopped by a failed gate:\n{e}") from None
@@ -105,14 +118,20 @@ def _run_locked(config) -> object:
 def config_keys_naming(config, text: str, path: str | None = None) -> list[str]:
     """Config keys whose (string) value is `path` or appears in `text`: which key an error is about."""
     found = []
+
     def walk(node, prefix):
         for k in node.keys():
             v = node[k]
             if hasattr(v, "keys"):
                 walk(v, f"{prefix}{k}.")
-            elif isinstance(v, str) and len(v) > 2 and ("/" in v or "." in v) and (
-                    v == path or (path and fnmatch.fnmatch(path, v)) or v in text):
+            elif (
+                isinstance(v, str)
+                and len(v) > 2
+                and ("/" in v or "." in v)
+                and (v == path or (path and fnmatch.fnmatch(path, v)) or v in text)
+            ):
                 found.append(f"{prefix}{k}")
+
     walk(config, "")
     return found
 
@@ -132,14 +151,16 @@ def error_line(config, error: BaseException) -> str:
 def write_error_log(workdir: str | None, error: BaseException) -> str:
     """Append the traceback to `{workdir}/error.log` (a workdir that exists, local or URL), else to a
     temp file; its path."""
-    text = f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(sys.argv)}\n" + "".join(traceback.format_exception(error))
+    text = f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(sys.argv)}\n" + "".join(
+        traceback.format_exception(error)
+    )
     if workdir:
         try:
             if storage.isdir(workdir):
                 path = storage.join(workdir, "error.log")
                 storage.append_text(path, text)
                 return path
-        except Exception:        # an unreachable remote workdir: the traceback still goes somewhere
+        except Exception:  # an unreachable remote workdir: the traceback still goes somewhere
             pass
     path = os.path.join(tempfile.gettempdir(), f"posttrain-error-{os.getpid()}.log")
     storage.append_text(path, text)
@@ -149,8 +170,11 @@ def write_error_log(workdir: str | None, error: BaseException) -> str:
 def resume_command() -> str:
     """The command line of this run, to repeat it (the module form when started as `-m posttrain.main`)."""
     argv = sys.argv[1:]
-    program = ["python", "-m", "posttrain.main"] if sys.argv[0].endswith(os.path.join("posttrain", "main.py")) \
+    program = (
+        ["python", "-m", "posttrain.main"]
+        if sys.argv[0].endswith(os.path.join("posttrain", "main.py"))
         else [sys.argv[0]]
+    )
     return shlex.join(program + argv)
 
 
@@ -160,20 +184,26 @@ def run_cli(config, *, verbose: bool = False) -> int:
 
     With `verbose` the exception propagates (full traceback)."""
     from posttrain.core.interrupt import Interrupted
+
     try:
         run(config)
         return 0
-    except Interrupted as e:         # SIGINT/SIGTERM: the loop saved a checkpoint and stopped
-        print(f"{e}; to resume, run the same command again (it resumes from {config.workdir}): "
-              f"{resume_command()}", file=sys.stderr)
+    except Interrupted as e:  # SIGINT/SIGTERM: the loop saved a checkpoint and stopped
+        print(
+            f"{e}; to resume, run the same command again (it resumes from {config.workdir}): {resume_command()}",
+            file=sys.stderr,
+        )
         return e.exit_code
-    except KeyboardInterrupt:        # a second signal, or one outside a training loop
+    except KeyboardInterrupt:  # a second signal, or one outside a training loop
         if verbose:
             raise
-        print(f"error: aborted; the checkpoints already in {config.workdir} are kept: run the same command again "
-              "to resume", file=sys.stderr)
+        print(
+            f"error: aborted; the checkpoints already in {config.workdir} are kept: run the same command again "
+            "to resume",
+            file=sys.stderr,
+        )
         return 130
-    except Exception as e:           # the boundary: everything below raises, the user reads one line
+    except Exception as e:  # the boundary: everything below raises, the user reads one line
         if verbose:
             raise
         log = getattr(e, "error_log", None) or write_error_log(None, e)
@@ -185,44 +215,61 @@ def run_cli(config, *, verbose: bool = False) -> int:
 def main(argv: list[str]) -> None:
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    for noisy in ("absl", "jax"):     # orbax's per-item and jax's backend INFO lines drown ours
+    for noisy in ("absl", "jax"):  # orbax's per-item and jax's backend INFO lines drown ours
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if _CONFIG.value is None:
         configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
         names = sorted(f for f in os.listdir(configs) if f.endswith(".py")) if os.path.isdir(configs) else []
-        raise SystemExit("error: no config given: pass --config path/to/config.py, e.g. --config "
-                         f"configs/quickstart.py{' (configs/: ' + ', '.join(names) + ')' if names else ''}")
+        raise SystemExit(
+            "error: no config given: pass --config path/to/config.py, e.g. --config "
+            f"configs/quickstart.py{' (configs/: ' + ', '.join(names) + ')' if names else ''}"
+        )
     from posttrain.config_schema import apply_command_line_precedence, command_line_keys
+
     apply_command_line_precedence(_CONFIG.value, command_line_keys(sys.argv[1:]))
     sys.exit(run_cli(_CONFIG.value, verbose=_VERBOSE.value))
 
 
 ENVIRONMENT = {
     "POSTTRAIN_DATA": "folder of the ready-made data sets (gsm8k/, humaneval/: rl.domains, eval.suites); "
-                      "default: shared/data beside the repository",
+    "default: shared/data beside the repository",
     "POSTTRAIN_COMPILATION_CACHE": "JAX's persistent compilation cache folder for compilation_cache=auto "
-                                   "(default ~/.cache/posttrain/jax; off: none)",
+    "(default ~/.cache/posttrain/jax; off: none)",
 }
 
 
 def usage() -> str:
     """`--help`: how to call, the stages, every config section with its keys, the environment."""
     from posttrain.config import base_config
+
     cfg = base_config()
     top = [k for k in cfg.keys() if not hasattr(cfg[k], "keys")]
-    lines = ["usage: python -m posttrain.main --config configs/X.py [--config.section.key=value ...] [--verbose]",
-             "", f"Runs config.stage, one of: {', '.join(sorted(registry.BY_NAME))} (pipeline: pipeline.stages in order).",
-             "A run in the same workdir resumes from its newest checkpoint; Ctrl-C / SIGTERM saves one and stops.",
-             "", "Config keys (defaults in posttrain/config/defaults.py, allowed values declared on the typed",
-             "sections in posttrain/config/; an unknown --config.a.b lists every valid key at its level):",
-             f"  {' '.join(top)}"]
+    lines = [
+        "usage: python -m posttrain.main --config configs/X.py [--config.section.key=value ...] [--verbose]",
+        "",
+        f"Runs config.stage, one of: {', '.join(sorted(registry.BY_NAME))} (pipeline: pipeline.stages in order).",
+        "A run in the same workdir resumes from its newest checkpoint; Ctrl-C / SIGTERM saves one and stops.",
+        "",
+        "Config keys (defaults in posttrain/config/defaults.py, allowed values declared on the typed",
+        "sections in posttrain/config/; an unknown --config.a.b lists every valid key at its level):",
+        f"  {' '.join(top)}",
+    ]
     for section in (k for k in cfg.keys() if hasattr(cfg[k], "keys")):
         keys = [f"{k}.*" if hasattr(cfg[section][k], "keys") else k for k in cfg[section].keys()]
-        lines.append(f"  {section}.{{{', '.join(keys)}}}" if len(keys) < 12 else
-                     f"  {section}.{{{', '.join(keys[:11])}, ... {len(keys) - 11} more}}")
-    lines += ["", "Environment:", *(f"  ${k}: {v}" for k, v in ENVIRONMENT.items()),
-              "", "Exit status: 0 done, 1 error, 2 bad input (a config key or path), 130 / 143 stopped by "
-              "SIGINT / SIGTERM after saving a checkpoint.", ""]
+        lines.append(
+            f"  {section}.{{{', '.join(keys)}}}"
+            if len(keys) < 12
+            else f"  {section}.{{{', '.join(keys[:11])}, ... {len(keys) - 11} more}}"
+        )
+    lines += [
+        "",
+        "Environment:",
+        *(f"  ${k}: {v}" for k, v in ENVIRONMENT.items()),
+        "",
+        "Exit status: 0 done, 1 error, 2 bad input (a config key or path), 130 / 143 stopped by "
+        "SIGINT / SIGTERM after saving a checkpoint.",
+        "",
+    ]
     return "\n".join(lines)
 
 

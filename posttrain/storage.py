@@ -129,7 +129,7 @@ def replace(src: str, dst: str) -> None:
         os.replace(local(src), local(dst))
         return
     fs, p = _fs(src)
-    fs.cp_file(p, _fs(dst)[1])      # not fs.mv: gcsfs tries a move API first that not every store has
+    fs.cp_file(p, _fs(dst)[1])  # not fs.mv: gcsfs tries a move API first that not every store has
     fs.rm_file(p)
 
 

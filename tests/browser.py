@@ -57,12 +57,26 @@ class DevTools:
         # The child's ends move to fds >= 10 first, so that placing them at 3 and 4 overwrites neither.
         cmd_r, out_w = (_high_fd(fd) for fd in (cmd_r, out_w))
         self._profile = tempfile.mkdtemp(prefix="chromium-profile-")
-        args = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                "--hide-scrollbars", "--remote-debugging-pipe", f"--user-data-dir={self._profile}", "about:blank"]
+        args = [
+            binary,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            "--hide-scrollbars",
+            "--remote-debugging-pipe",
+            f"--user-data-dir={self._profile}",
+            "about:blank",
+        ]
         # The protocol wants fds 3 and 4 exactly: bash (dash cannot name fds >= 10) puts the pipe ends
         # there, then becomes Chromium.
-        self.proc = subprocess.Popen(["bash", "-c", f'exec "$@" 3<&{cmd_r} 4>&{out_w}', "bash", *args],
-                                     pass_fds=(cmd_r, out_w), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            ["bash", "-c", f'exec "$@" 3<&{cmd_r} 4>&{out_w}', "bash", *args],
+            pass_fds=(cmd_r, out_w),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         os.close(cmd_r)
         os.close(out_w)
 
@@ -145,8 +159,11 @@ def render(path: str, binary: str, *, width: int = 1300, screenshot: str | None 
         session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Page", "Runtime", "Log"):
             browser.send(f"{domain}.enable", session=session)
-        browser.send("Emulation.setDeviceMetricsOverride",
-                     {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": False}, session)
+        browser.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+            session,
+        )
         browser.send("Page.navigate", {"url": "file://" + os.path.abspath(path)}, session)
         browser.wait_for("Page.loadEventFired")
         probe = browser.send("Runtime.evaluate", {"expression": PROBE, "returnByValue": True}, session)

@@ -7,17 +7,28 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SFT_STEPS, SFT_EVERY = 30, 10       # steps of the tiny SFT run, and its checkpoint interval
+SFT_STEPS, SFT_EVERY = 30, 10  # steps of the tiny SFT run, and its checkpoint interval
 
 
 def sft_command(workdir: Path) -> list[str]:
     """The tiny SFT run (sft_tiny, MoE with 4 experts) logging every step into `workdir`."""
-    return [sys.executable, "-m", "posttrain.main", "--config", str(ROOT / "configs/sft_tiny.py"),
-            f"--config.workdir={workdir}",
-            "--config.sft.eval_files=", "--config.sft.gate=", f"--config.train.steps={SFT_STEPS}",
-            "--config.train.log_every=1", "--config.train.batch_size=8", "--config.train.seq_len=64",
-            f"--config.checkpoint.every={SFT_EVERY}", "--config.train.progress=False",
-            "--config.data.synthetic_size=300"]
+    return [
+        sys.executable,
+        "-m",
+        "posttrain.main",
+        "--config",
+        str(ROOT / "configs/sft_tiny.py"),
+        f"--config.workdir={workdir}",
+        "--config.sft.eval_files=",
+        "--config.sft.gate=",
+        f"--config.train.steps={SFT_STEPS}",
+        "--config.train.log_every=1",
+        "--config.train.batch_size=8",
+        "--config.train.seq_len=64",
+        f"--config.checkpoint.every={SFT_EVERY}",
+        "--config.train.progress=False",
+        "--config.data.synthetic_size=300",
+    ]
 
 
 def run_sft(workdir: Path) -> Path:

@@ -23,7 +23,7 @@ import jax  # noqa: E402
 from posttrain.core.compile_cache import enable_compilation_cache  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-enable_compilation_cache("auto")          # this process too, before its first compile
+enable_compilation_cache("auto")  # this process too, before its first compile
 
 import pytest  # noqa: E402
 
@@ -33,12 +33,16 @@ def sft_cli_run(tmp_path_factory):
     """The workdir of one uninterrupted tiny SFT run through the command line (tests/cli_runs.py):
     test_cli reads its metrics, test_resume resumes against it. Treat it as read-only."""
     from tests.cli_runs import run_sft
+
     return run_sft(tmp_path_factory.mktemp("sft_cli_run") / "full")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--runslow", action="store_true",
-                     help="also run the slow end-to-end tests (e.g. the quickstart's learning goal, ~5 min)")
+    parser.addoption(
+        "--runslow",
+        action="store_true",
+        help="also run the slow end-to-end tests (e.g. the quickstart's learning goal, ~5 min)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -27,8 +27,12 @@ import sys
 import time
 from collections.abc import Iterator
 
-ENV = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
-       "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
+ENV = (
+    "STORAGE_EMULATOR_HOST",
+    "TENSORSTORE_GCS_HTTP_URL",
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
+)
 
 
 def _free_port() -> int:
@@ -41,6 +45,7 @@ def _use_plain_gcsfs() -> None:
     """gs:// and gcs:// → gcsfs.core.GCSFileSystem (no storage-control lookups), fresh instances."""
     import fsspec
     from gcsfs.core import GCSFileSystem
+
     for protocol in ("gs", "gcs"):
         fsspec.register_implementation(protocol, GCSFileSystem, clobber=True)
     GCSFileSystem.clear_instance_cache()
@@ -53,9 +58,23 @@ def gcs_emulator(bucket: str, log_path: str) -> Iterator[str]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, __file__, "start", "--host", "127.0.0.1",
-                                 "--port", str(port), "--in-memory", "--default-bucket", bucket],
-                                stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(log_path))
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--in-memory",
+                "--default-bucket",
+                bucket,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=os.path.dirname(log_path),
+        )
     saved = {k: os.environ.get(k) for k in ENV}
     try:
         deadline = time.monotonic() + 60
@@ -67,8 +86,14 @@ def gcs_emulator(bucket: str, log_path: str) -> Iterator[str]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the GCS emulator did not start (exit {proc.poll()}); see {log_path}")
                 time.sleep(0.1)
-        os.environ.update({"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
-                           "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"})
+        os.environ.update(
+            {
+                "STORAGE_EMULATOR_HOST": url,
+                "TENSORSTORE_GCS_HTTP_URL": url,
+                "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test",
+                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            }
+        )
         _use_plain_gcsfs()
         yield url
     finally:
@@ -80,25 +105,28 @@ def gcs_emulator(bucket: str, log_path: str) -> Iterator[str]:
             else:
                 os.environ[k] = v
         import gcsfs.core
+
         gcsfs.core.GCSFileSystem.clear_instance_cache()
 
 
 def _serve(argv: list[str]) -> None:
     """The emulator's command line, with the generation headers on media downloads."""
     from gcp_storage_emulator.handlers import objects
+
     plain = objects.download
 
     def download(request, response, storage, *args, **kwargs):
         plain(request, response, storage, *args, **kwargs)
         try:
             obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
-        except Exception:        # not found: the plain handler answered 404
+        except Exception:  # not found: the plain handler answered 404
             return
         response["x-goog-generation"] = obj["generation"]
         response["x-goog-metageneration"] = obj["metageneration"]
 
-    objects.download = download          # before the server module binds its routes
+    objects.download = download  # before the server module binds its routes
     from gcp_storage_emulator.__main__ import main
+
     main(argv)
 
 

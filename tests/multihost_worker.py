@@ -57,18 +57,27 @@ if int(num_processes) > 1:
 
 if os.environ.get("POSTTRAIN_TEST_HOOK"):
     import importlib
+
     module, function = os.environ["POSTTRAIN_TEST_HOOK"].split(":")
     getattr(importlib.import_module(module), function)()
 result = main.run(cfg)
 rows = getattr(result, "rows", result if isinstance(result, list) else [])
-record = {"rows": [{k: v for k, v in r.items() if isinstance(v, (int, float))} for r in rows],
-          "read_lines": sorted(set(read_lines)), "reads": len(read_lines),
-          "process_index": jax.process_index(), "process_count": jax.process_count()}
+record = {
+    "rows": [{k: v for k, v in r.items() if isinstance(v, (int, float))} for r in rows],
+    "read_lines": sorted(set(read_lines)),
+    "reads": len(read_lines),
+    "process_index": jax.process_index(),
+    "process_count": jax.process_count(),
+}
 state = getattr(result, "state", None)
 if state is not None:
     from jax.experimental import multihost_utils
-    params = multihost_utils.process_allgather(state.params, tiled=True) if jax.process_count() > 1 \
+
+    params = (
+        multihost_utils.process_allgather(state.params, tiled=True)
+        if jax.process_count() > 1
         else jax.device_get(state.params)
+    )
     if jax.process_index() == 0:
         flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(params)}
         np.savez(os.path.join(out, "params.npz"), **flat)

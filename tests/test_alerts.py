@@ -18,12 +18,21 @@ def normal_stream(n=40, seed=0):
     lengths, clip fractions and throughput (the first row includes compilation)."""
     rng = np.random.default_rng(seed)
     for t in range(n):
-        yield t, {"loss": 1.0 - 0.01 * t, "rl/reward_mean": 0.2 + 0.01 * t + 0.03 * rng.standard_normal(),
-                  "rl/entropy": 1.2 - 0.005 * t, "rl/kl": 0.01 + 0.001 * t,
-                  "rl/response_len_mean": 20.0 + rng.standard_normal(),
-                  "rl/clip_frac_low": 0.02, "rl/clip_frac_high": 0.03,
-                  "rl/verifier_errors": 0, "rl/responses": 64,
-                  "tokens_per_s": (50.0 if t == 0 else 1000.0 + 30 * rng.standard_normal())}
+        yield (
+            t,
+            {
+                "loss": 1.0 - 0.01 * t,
+                "rl/reward_mean": 0.2 + 0.01 * t + 0.03 * rng.standard_normal(),
+                "rl/entropy": 1.2 - 0.005 * t,
+                "rl/kl": 0.01 + 0.001 * t,
+                "rl/response_len_mean": 20.0 + rng.standard_normal(),
+                "rl/clip_frac_low": 0.02,
+                "rl/clip_frac_high": 0.03,
+                "rl/verifier_errors": 0,
+                "rl/responses": 64,
+                "tokens_per_s": (50.0 if t == 0 else 1000.0 + 30 * rng.standard_normal()),
+            },
+        )
 
 
 # rule -> how step 25 of a normal stream is changed to trigger it
@@ -62,7 +71,7 @@ def test_normal_stream_is_silent():
 def test_rule_fires_on_its_trigger_only(rule):
     m = monitor()
     fired = []
-    last = 26 if rule == "throughput_stall" else 25     # a stall must last two rows
+    last = 26 if rule == "throughput_stall" else 25  # a stall must last two rows
     for t, row in normal_stream():
         fired += m.update(t, TRIGGERS[rule](row) if 25 <= t <= last else row)
     assert [(a.rule, a.step) for a in fired] == [(rule, last)], fired
@@ -71,7 +80,11 @@ def test_rule_fires_on_its_trigger_only(rule):
 
 def test_one_slow_interval_is_not_a_stall():
     m = monitor()
-    assert not [a for t, row in normal_stream() for a in m.update(t, TRIGGERS["throughput_stall"](row) if t in (25, 27) else row)]
+    assert not [
+        a
+        for t, row in normal_stream()
+        for a in m.update(t, TRIGGERS["throughput_stall"](row) if t in (25, 27) else row)
+    ]
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
@@ -101,6 +114,7 @@ def test_bad_settings_are_errors_at_start_up(tmp_path):
     with pytest.raises(ValueError, match="alerts.kl_blowup=-1.0"):
         monitor(kl_blowup=-1.0)
     from posttrain.main import run
+
     cfg = sft_config(tmp_path / "run", on="loud")
     with pytest.raises(UserError, match="alerts.on='loud'"):
         run(cfg)
@@ -125,8 +139,9 @@ class FakeWriter:
 def test_check_reports_on_writer_and_bar_and_stop_raises():
     m, bar, writer = monitor(), FakeBar(), FakeWriter()
     m.check(3, {"rl/kl": 2.0}, writer, bar)
-    assert writer.events == [(3, "alert", {"rule": "kl_blowup", "value": 2.0, "threshold": 1.0,
-                                           "message": "2 > alerts.kl_blowup=1"})]
+    assert writer.events == [
+        (3, "alert", {"rule": "kl_blowup", "value": 2.0, "threshold": 1.0, "message": "2 > alerts.kl_blowup=1"})
+    ]
     assert bar.postfix == "reward=0.1, alert=kl_blowup"
     with pytest.raises(AlertStop, match="kl_blowup"):
         monitor(on="stop").check(3, {"rl/kl": 2.0})
@@ -137,7 +152,15 @@ def sft_config(workdir, **alerts):
     cfg = base_config()
     cfg.stage, cfg.workdir = "sft", str(workdir)
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 32, 1, 2, 1, 16, 64
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
+        264,
+        32,
+        1,
+        2,
+        1,
+        16,
+        64,
+    )
     cfg.data.synthetic, cfg.data.synthetic_size = "arithmetic", 64
     cfg.sft.train_files = "synthetic:"
     cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len, cfg.train.log_every = 4, 8, 64, 1
@@ -149,12 +172,13 @@ def sft_config(workdir, **alerts):
 def test_sft_run_with_a_diverging_learning_rate_stops_naming_the_rule(tmp_path):
     """optim.lr = 1e30: the first update makes the weights overflow, the next row's loss is not finite."""
     from posttrain.main import run
+
     cfg = sft_config(tmp_path, on="stop")
     cfg.optim.lr, cfg.optim.warmup_steps = 1e30, 0
     with pytest.raises(SystemExit, match="nonfinite"):
         run(cfg)
-    rows = read_metrics(str(tmp_path))              # strict JSON: non-finite values come back as NaN
-    assert [r["step"] for r in rows] == [0, 1, 1]          # stopped at the first non-finite row
+    rows = read_metrics(str(tmp_path))  # strict JSON: non-finite values come back as NaN
+    assert [r["step"] for r in rows] == [0, 1, 1]  # stopped at the first non-finite row
     assert rows[2]["event"] == "alert" and rows[2]["rule"] == "nonfinite"
     bad = [k for k, v in rows[1].items() if isinstance(v, float) and not math.isfinite(v)]
     assert bad and rows[2]["message"] == f"non-finite metrics: {', '.join(sorted(bad))}"
@@ -166,17 +190,26 @@ def test_rlvr_run_stops_on_an_alert_naming_the_rule(tmp_path):
     cfg = base_config()
     cfg.stage, cfg.workdir = "rlvr", str(tmp_path)
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 32, 1, 2, 1, 16, 64
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
+        264,
+        32,
+        1,
+        2,
+        1,
+        16,
+        64,
+    )
     cfg.train.steps, cfg.train.log_every, cfg.train.progress = 3, 1, False
     cfg.checkpoint.every = 0
     r = cfg.rl
     r.prompts_per_step, r.group_size, r.max_new_tokens, r.eval_every = 2, 4, 8, 0
     r.arithmetic_size, r.verifier_workers = 20, 2
-    cfg.alerts.on, cfg.alerts.entropy_collapse = "stop", 100.0      # a random policy's entropy is ~5.6 nats
+    cfg.alerts.on, cfg.alerts.entropy_collapse = "stop", 100.0  # a random policy's entropy is ~5.6 nats
     from posttrain.main import run
+
     with pytest.raises(SystemExit, match="entropy_collapse"):
         run(cfg)
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 0]         # stopped after the first logged step
+    assert [r["step"] for r in rows] == [0, 0]  # stopped after the first logged step
     assert rows[1]["event"] == "alert" and rows[1]["rule"] == "entropy_collapse"
     assert rows[1]["value"] == pytest.approx(rows[0]["rl/entropy"]) and math.isfinite(rows[1]["value"])

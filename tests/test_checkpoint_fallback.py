@@ -25,7 +25,7 @@ def truncate_largest_file(step_dir: Path, item: str = "params") -> Path:
 
 
 def tree(value: float) -> dict:
-    noise = np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32)   # incompressible
+    noise = np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32)  # incompressible
     return {"params": {"w": jnp.asarray(noise) + value, "b": jnp.full((256,), value)}}
 
 
@@ -38,14 +38,14 @@ def test_restore_newest_skips_a_truncated_checkpoint_and_names_it(tmp_path, capl
     for step in (1, 2):
         ckpt.save(step, tree(float(step)), data={"step": step})
     ckpt.close()
-    assert "/d/" in str(truncate_largest_file(tmp_path / "2"))      # an array data file
+    assert "/d/" in str(truncate_largest_file(tmp_path / "2"))  # an array data file
     ckpt = Checkpointer(str(tmp_path), every=1, keep=3, async_save=False)
     with caplog.at_level(logging.WARNING):
         step, trees, data, _ = ckpt.restore_newest(abstract())
     assert step == 1 and data == {"step": 1} and float(trees["params"]["b"][0]) == 1.0
     assert f"checkpoint {tmp_path}/2 cannot be read" in caplog.text
-    assert (tmp_path / "2.unreadable").is_dir() and not (tmp_path / "2").exists()     # set aside, kept
-    ckpt.save(2, tree(2.0))                                                           # the step saves again
+    assert (tmp_path / "2.unreadable").is_dir() and not (tmp_path / "2").exists()  # set aside, kept
+    ckpt.save(2, tree(2.0))  # the step saves again
     ckpt.wait()
     truncate_largest_file(tmp_path / "1")
     truncate_largest_file(tmp_path / "2")
@@ -57,7 +57,9 @@ def test_restore_newest_skips_a_truncated_checkpoint_and_names_it(tmp_path, capl
 def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path):
     ckpt = Checkpointer(str(tmp_path), every=1, keep=3, async_save=False)
     ckpt.save(1, tree(1.0))
-    other = {"params": {"w": jax.ShapeDtypeStruct((256, 32), jnp.float32), "b": jax.ShapeDtypeStruct((256,), jnp.float32)}}
+    other = {
+        "params": {"w": jax.ShapeDtypeStruct((256, 32), jnp.float32), "b": jax.ShapeDtypeStruct((256,), jnp.float32)}
+    }
     with pytest.raises(ShapeMismatch, match=r"params/w has shape \(256, 256\), the model expects \(256, 32\)"):
         ckpt.restore_newest(other)
     ckpt.close()
@@ -83,6 +85,6 @@ def test_resume_after_corrupt_newest_checkpoint_continues_from_the_previous(tmp_
     assert f"checkpoint {tmp_path}/W/checkpoints/6 cannot be read" in caplog.text
     assert "restored checkpoint 4 " in caplog.text
     rows = read_metrics(str(tmp_path / "W"))
-    assert [r["step"] for r in rows] == list(range(6))       # steps 4, 5 retrained once, no duplicates
+    assert [r["step"] for r in rows] == list(range(6))  # steps 4, 5 retrained once, no duplicates
     np.testing.assert_allclose([rows[4]["loss"], rows[5]["loss"]], [first[4], first[5]], rtol=1e-5)
     assert sorted(p.name for p in (tmp_path / "W" / "checkpoints").iterdir()) == ["2", "4", "6", "6.unreadable"]

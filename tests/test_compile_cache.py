@@ -31,7 +31,7 @@ def test_setting_resolution(tmp_path, monkeypatch):
     assert compilation_cache_dir("auto") == str(tmp_path / "xdg" / "posttrain" / "jax")
     monkeypatch.setenv(ENV, str(tmp_path / "env"))
     assert compilation_cache_dir("auto") == str(tmp_path / "env")
-    assert compilation_cache_dir(str(tmp_path / "explicit")) == str(tmp_path / "explicit")   # the key wins
+    assert compilation_cache_dir(str(tmp_path / "explicit")) == str(tmp_path / "explicit")  # the key wins
     assert compilation_cache_dir("gs://bucket/jax-cache") == "gs://bucket/jax-cache"
     monkeypatch.setenv(ENV, "off")
     assert compilation_cache_dir("auto") is None and compilation_cache_dir("off") is None
@@ -41,13 +41,19 @@ def test_setting_resolution(tmp_path, monkeypatch):
 
 def test_cache_folder_fills_when_on_and_off_sets_nothing(tmp_path):
     folder = tmp_path / "cache"
-    out = subprocess.run([sys.executable, "-c", COMPILE, str(folder)], capture_output=True, text=True, cwd=ROOT,
-                         timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT),
-                                           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})   # a tiny program too
+    out = subprocess.run(
+        [sys.executable, "-c", COMPILE, str(folder)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"},
+    )  # a tiny program too
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(folder) and list(folder.rglob("*"))
     import jax
 
     from posttrain.core.compile_cache import enable_compilation_cache
+
     before = jax.config.jax_compilation_cache_dir
     assert enable_compilation_cache("off") is None and jax.config.jax_compilation_cache_dir == before

@@ -8,16 +8,18 @@ import pytest
 
 from posttrain.parallel import aot
 
-needs_libtpu = pytest.mark.skipif(not aot.libtpu_available(),
-                                  reason="libtpu not installed (pip install -e '.[tpu]'): no TPU compiler")
+needs_libtpu = pytest.mark.skipif(
+    not aot.libtpu_available(), reason="libtpu not installed (pip install -e '.[tpu]'): no TPU compiler"
+)
 
 TOPOLOGY = "v5p:2x2x1"
 
 
 def tiny_moe_config():
     import runpy
+
     cfg = runpy.run_path("configs/sft_tiny.py")["get_config"]()
-    cfg.mesh.data, cfg.mesh.expert = 2, 2               # 4 chips: batch over both, experts over 2
+    cfg.mesh.data, cfg.mesh.expert = 2, 2  # 4 chips: batch over both, experts over 2
     # TPU memory holds arrays in (8, 128) tiles: trailing dims of 16 or 64 would pad 2-32x, so the
     # widths are the smallest that tile exactly (memory_analysis reports the padded bytes)
     m = cfg.model
@@ -42,6 +44,7 @@ def compiled():
     """One compile per program, shared by the asserts."""
     from posttrain import compile_plan as cp
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
+
     cfg = tiny_moe_config()
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
     rules = parse_rules(cfg.sharding.rules.to_dict())
@@ -62,6 +65,7 @@ def test_tpu_paths_are_compiled(compiled):
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import mesh_platform, use_sharding
     from posttrain.sampling import engine
+
     cfg, mesh, rules, out = compiled
     with use_sharding(mesh, rules):
         assert mesh_platform() == "tpu"
@@ -90,8 +94,15 @@ def test_argument_memory_is_the_hand_count(compiled):
     assert sft["xla_flops"] > 0 and sft["collectives"]["all-reduce"] > 0
 
 
-@pytest.mark.parametrize("kind, platform, want", [("cpu", "cpu", "padded"), ("TPU v5", "tpu", "ragged"),
-                                                   ("TPU v5 lite", "tpu", "padded"), ("NVIDIA H100", "gpu", "ragged")])
+@pytest.mark.parametrize(
+    "kind, platform, want",
+    [
+        ("cpu", "cpu", "padded"),
+        ("TPU v5", "tpu", "ragged"),
+        ("TPU v5 lite", "tpu", "padded"),
+        ("NVIDIA H100", "gpu", "ragged"),
+    ],
+)
 def test_auto_dispatch_follows_the_meshs_device_kind(kind, platform, want):
     """'auto' takes the padded all-to-all on the CPU and on v5e (whose compiler fails on the ragged
     one at scale), from the mesh's devices, not the host's backend; an explicit kind is kept."""
@@ -100,6 +111,7 @@ def test_auto_dispatch_follows_the_meshs_device_kind(kind, platform, want):
     from jax.sharding import PartitionSpec as P
 
     from posttrain.models.moe.dispatch import expert_layout
+
     mesh = AbstractMesh((2, 2), ("data", "expert"), abstract_device=AbstractDevice(kind, 1, platform))
     layout = lambda dispatch: expert_layout(mesh, P(("data", "expert")), P(), P("expert"), P("expert"), dispatch)
     assert layout("auto").dispatch == want
@@ -114,6 +126,7 @@ def test_v5e_compiles_the_expert_parallel_step_with_the_padded_all_to_all():
     the padded all-to-all; `model.moe.dispatch='ragged'` would choose the ragged one."""
     from posttrain import compile_plan as cp
     from posttrain.parallel import make_mesh, mesh_device_kind, parse_rules, use_sharding
+
     cfg = tiny_moe_config()
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices("v5e:2x2"))
     rules = parse_rules(cfg.sharding.rules.to_dict())
@@ -124,11 +137,12 @@ def test_v5e_compiles_the_expert_parallel_step_with_the_padded_all_to_all():
     hlo = compiled.as_text()
     assert "ragged-dot" in hlo, "experts not on ragged_dot"
     assert not re.search(r"ragged-all-to-all\(", hlo)
-    assert len(re.findall(r" all-to-all(?:-start)?\(", hlo)) >= 4        # rows and ids there, rows back, transposed
+    assert len(re.findall(r" all-to-all(?:-start)?\(", hlo)) >= 4  # rows and ids there, rows back, transposed
     report = cp.program_report(program, compiled, aot.CHIPS["v5e"], mesh.size)
     assert report["fits"] and report["collectives"]["all-to-all"] > 0
     # the analytic model counts the padded exchange's buffers (rows both ways, ids) exactly
     from posttrain import cost_model
+
     analytic = cost_model.program_cost(cfg, mesh, rules, "sft", 8, aot.CHIPS["v5e"])
     assert analytic["collectives"]["all-to-all"] == pytest.approx(report["collectives"]["all-to-all"], rel=0.01)
 
@@ -155,6 +169,7 @@ def test_analytic_cost_model_matches_the_compiled_program():
     from posttrain import compile_plan as cp
     from posttrain import cost_model
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
+
     cfg = pod_like_tiny_config()
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
     rules = parse_rules(cfg.sharding.rules.to_dict())
@@ -167,7 +182,9 @@ def test_analytic_cost_model_matches_the_compiled_program():
     want = analytic["collectives"]
     assert analytic["model_flops_per_device"] == program.model_flops / mesh.size
     assert want["all-to-all"] == pytest.approx(got["all-to-all"], rel=0.01)
-    assert want["reduce-scatter"] + want["all-reduce"] == pytest.approx(got["reduce-scatter"] + got["all-reduce"], rel=0.1)
+    assert want["reduce-scatter"] + want["all-reduce"] == pytest.approx(
+        got["reduce-scatter"] + got["all-reduce"], rel=0.1
+    )
     assert want["all-gather"] == pytest.approx(got["all-gather"], rel=0.1)
     assert 0 < analytic["mfu"] < 1 and analytic["step_s"] > analytic["compute_s"] > 0
 
@@ -182,6 +199,7 @@ def test_analytic_cost_model_matches_the_cpu_compiled_program():
     from posttrain import compile_plan as cp
     from posttrain import cost_model
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
+
     cfg = pod_like_tiny_config()
     mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
     rules = parse_rules(cfg.sharding.rules.to_dict())
@@ -190,12 +208,15 @@ def test_analytic_cost_model_matches_the_cpu_compiled_program():
         got, _ = aot.collective_bytes(cp.compile_program(program, mesh, rules)[0].as_text())
     want = cost_model.program_cost(cfg, mesh, rules, "sft", 8, aot.CHIPS["v5p"])["collectives"]
     assert want["all-to-all"] == pytest.approx(got["all-to-all"], rel=0.01)
-    assert want["reduce-scatter"] + want["all-reduce"] == pytest.approx(got["reduce-scatter"] + got["all-reduce"], rel=0.1)
+    assert want["reduce-scatter"] + want["all-reduce"] == pytest.approx(
+        got["reduce-scatter"] + got["all-reduce"], rel=0.1
+    )
     assert 0.6 * want["all-gather"] <= got["all-gather"] <= want["all-gather"]
     cfg.mesh.tensor, cfg.mesh.fsdp = 2, 1
     with pytest.raises(ValueError, match="tensor"):
-        cost_model.program_cost(cfg, make_mesh(cfg.mesh.to_dict(), jax.devices()[:4]), rules, "sft", 8,
-                                aot.CHIPS["v5p"])
+        cost_model.program_cost(
+            cfg, make_mesh(cfg.mesh.to_dict(), jax.devices()[:4]), rules, "sft", 8, aot.CHIPS["v5p"]
+        )
 
 
 def test_analytic_flops_are_the_programs_model_flops():
@@ -207,6 +228,7 @@ def test_analytic_flops_are_the_programs_model_flops():
     from posttrain import compile_plan as cp
     from posttrain import cost_model
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
+
     cfg = pod_like_tiny_config()
     mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
     rules = parse_rules(cfg.sharding.rules.to_dict())
@@ -222,7 +244,8 @@ def test_analytic_flops_are_the_programs_model_flops():
     assert lora["model_flops_per_device"] == pytest.approx(cost["sft"]["model_flops_per_device"] * 4 / 6)
     assert lora["model_flops_per_device"] < lora["executed_flops_per_device"] < cost["sft"]["model_flops_per_device"]
     assert lora["collectives"]["reduce-scatter"] + lora["collectives"]["all-reduce"] < (
-        cost["sft"]["collectives"]["reduce-scatter"] + cost["sft"]["collectives"]["all-reduce"])
+        cost["sft"]["collectives"]["reduce-scatter"] + cost["sft"]["collectives"]["all-reduce"]
+    )
 
 
 def test_collective_bytes_follow_loops_and_kinds():
@@ -254,10 +277,17 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 """
     counts, unknown = aot.collective_bytes(hlo)
     # a ragged all-to-all sends at most its input (32 bytes); its output buffer is only a bound
-    assert counts == {"all-gather": 3 * 128, "reduce-scatter": 3 * 128, "all-to-all": 32,
-                      "all-reduce": 32, "collective-permute": 0}
+    assert counts == {
+        "all-gather": 3 * 128,
+        "reduce-scatter": 3 * 128,
+        "all-to-all": 32,
+        "all-reduce": 32,
+        "collective-permute": 0,
+    }
     assert not unknown
-    counts, unknown = aot.collective_bytes(hlo.replace("%n = s32[] constant(3)", "%n = s32[] get-tuple-element(%p), index=0"))
+    counts, unknown = aot.collective_bytes(
+        hlo.replace("%n = s32[] constant(3)", "%n = s32[] get-tuple-element(%p), index=0")
+    )
     assert unknown and counts["all-gather"] == 128
 
 
@@ -302,11 +332,18 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 }
 """
     step = aot.loop_iteration_bytes(hlo)
-    assert step == {"all-gather": 3 * 128, "reduce-scatter": 0, "all-to-all": 0, "all-reduce": 32,
-                    "collective-permute": 0}
+    assert step == {
+        "all-gather": 3 * 128,
+        "reduce-scatter": 0,
+        "all-to-all": 0,
+        "all-reduce": 32,
+        "collective-permute": 0,
+    }
     counts, unknown = aot.collective_bytes(hlo)
     assert unknown and counts["all-gather"] == 256 + 3 * 128
-    assert aot.loop_iteration_bytes(hlo.replace("condition=%decode_cond", "condition=%cond")) == {}    # every loop counted
+    assert (
+        aot.loop_iteration_bytes(hlo.replace("condition=%decode_cond", "condition=%cond")) == {}
+    )  # every loop counted
 
 
 def test_topology_names():
@@ -317,9 +354,16 @@ def test_topology_names():
         aot.parse_topology("v5p:2x2")
 
 
-@pytest.mark.parametrize("model, billions", [("qwen3_30b_a3b", 30.5), ("qwen3_235b_a22b", 235.1),
-                                             ("deepseek_v3", 674.8), ("kimi_k2", 1028.3),
-                                             ("llama3_8b", 8.03)])
+@pytest.mark.parametrize(
+    "model, billions",
+    [
+        ("qwen3_30b_a3b", 30.5),
+        ("qwen3_235b_a22b", 235.1),
+        ("deepseek_v3", 674.8),
+        ("kimi_k2", 1028.3),
+        ("llama3_8b", 8.03),
+    ],
+)
 def test_pod_shapes_have_the_published_sizes(model, billions):
     """The pod configs' parameter counts (abstract, nothing allocated): Qwen3 exactly as published,
     DeepSeek-V3 / Kimi-K2 within 1% of 671B / 1.03T with the GQA stand-in for MLA."""
@@ -330,6 +374,7 @@ def test_pod_shapes_have_the_published_sizes(model, billions):
 
     from posttrain.core.state import abstract_model
     from posttrain.models.decoder import Decoder
+
     cfg = runpy.run_path("configs/pod/moe_shapes.py")["get_config"](f"{model}:sft_full")
     params = nnx.state(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
     assert sum(x.size for x in jax.tree.leaves(params)) / 1e9 == pytest.approx(billions, abs=0.1)
@@ -344,6 +389,7 @@ def test_long_context_attention_compiles_for_tpu(attention, sequence):
     kernel) on one sequence shard, ring attention (collective-permutes) over two."""
     from posttrain import compile_plan as cp
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
+
     cfg = tiny_moe_config()
     cfg.model.moe.num_experts = 0
     cfg.model.attention, cfg.model.context_parallel = attention, "ring"
@@ -374,6 +420,7 @@ def test_scanned_decode_over_a_sequence_axis_compiles_for_tpu():
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
     from posttrain.sampling import engine
+
     cfg = tiny_moe_config()
     cfg.mesh.data, cfg.mesh.expert, cfg.mesh.sequence = 1, 2, 2
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
@@ -383,9 +430,9 @@ def test_scanned_decode_over_a_sequence_axis_compiles_for_tpu():
         (program,) = cp.build_programs(cfg, mesh, rules, ("sampler",), prompt_len=8)
     compiled, _ = cp.compile_program(program, mesh, rules)
     report = cp.program_report(program, compiled, aot.CHIPS["v5p"], mesh.size)
-    step = report["loop_iteration_collectives"]          # one decode step
+    step = report["loop_iteration_collectives"]  # one decode step
     m = cfg.model
-    row_keys = m.num_kv_heads * m.head_dim * (8 + cfg.rl.max_new_tokens) // 2 * 4   # one row's key half, one layer
+    row_keys = m.num_kv_heads * m.head_dim * (8 + cfg.rl.max_new_tokens) // 2 * 4  # one row's key half, one layer
     assert report["fits"] and step["all-reduce"] > 0 and step["all-gather"] < row_keys
 
 
@@ -396,7 +443,8 @@ def test_decode_layout_moves_no_weights_per_token_on_tpu():
     the decode layout (`sampling.layout = "tensor"`) it gathers nothing of the kind."""
     from posttrain import compile_plan as cp
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
-    step, params, devices = {}, {}, aot.tpu_devices(TOPOLOGY)   # one device set: meshes over new device objects clash
+
+    step, params, devices = {}, {}, aot.tpu_devices(TOPOLOGY)  # one device set: meshes over new device objects clash
     for layout in ("learner", "tensor"):
         cfg = tiny_moe_config()
         cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert = 1, 2, 2
@@ -420,13 +468,14 @@ def test_restore_target_is_the_train_steps_input_layout(compiled):
     import jax
 
     from posttrain import compile_plan as cp
+
     cfg, mesh, rules, out = compiled
     target, restore_args = cp.restore_plan(cfg, mesh, rules)
     state_shardings = out["sft"][0].input_shardings[0][0]
     for item, tree in target.items():
         want = jax.tree.leaves(getattr(state_shardings, item))
         got = jax.tree.leaves(tree)
-        assert len(got) == len(want) and (got or item == "rest"), item     # rest: router biases, if any
+        assert len(got) == len(want) and (got or item == "rest"), item  # rest: router biases, if any
         for x, s in zip(got, want):
             assert x.sharding.is_equivalent_to(s, len(x.shape)), (item, x.sharding, s)
         assert all(a.sharding == x.sharding for a, x in zip(jax.tree.leaves(restore_args[item]), got))
@@ -449,6 +498,7 @@ def test_analytic_sampler_cost_refuses_the_decode_layout():
 
     from posttrain import cost_model
     from posttrain.parallel import make_mesh, parse_rules
+
     cfg = pod_like_tiny_config()
     mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
     rules = parse_rules(cfg.sharding.rules.to_dict())
@@ -457,8 +507,10 @@ def test_analytic_sampler_cost_refuses_the_decode_layout():
     cfg.sampling.layout = "tensor"
     with pytest.raises(ValueError, match="sampling.layout='tensor'.*not modelled"):
         cost_model.program_cost(cfg, mesh, rules, "sampler", 8, aot.CHIPS["v5p"])
-    assert cost_model.program_cost(cfg, mesh, rules, "sft", 8, aot.CHIPS["v5p"])["collectives"] == \
-        cost_model.program_cost(pod_like_tiny_config(), mesh, rules, "sft", 8, aot.CHIPS["v5p"])["collectives"]
+    assert (
+        cost_model.program_cost(cfg, mesh, rules, "sft", 8, aot.CHIPS["v5p"])["collectives"]
+        == cost_model.program_cost(pod_like_tiny_config(), mesh, rules, "sft", 8, aot.CHIPS["v5p"])["collectives"]
+    )
 
 
 @needs_libtpu
@@ -469,19 +521,36 @@ def test_pod_plan_rows_for_programs_the_analytic_model_does_not_cover(monkeypatc
     has its own row instead of a KeyError."""
     import importlib.util
     import sys
+
     spec = importlib.util.spec_from_file_location("pod_plan", "tools/pod_plan.py")
     pod_plan = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pod_plan)
-    monkeypatch.setattr(sys, "argv", ["pod_plan", "--models", "qwen3_30b_a3b", "--modes", "rl", "--topologies",
-                                      "v5p-128", "--programs", "publish,sampler,restore", "--sampling_layout", "tensor"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "pod_plan",
+            "--models",
+            "qwen3_30b_a3b",
+            "--modes",
+            "rl",
+            "--topologies",
+            "v5p-128",
+            "--programs",
+            "publish,sampler,restore",
+            "--sampling_layout",
+            "tensor",
+        ],
+    )
     pod_plan.main()
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| qwen3_30b_a3b")]
     assert [r.split(" | ")[2] for r in rows] == ["restore", "publish", "sampler"]
     assert "shards evenly" in rows[0] and all("not modelled" in r for r in rows[1:])
 
 
-@pytest.mark.parametrize("key, value", [("continuous_batching", True), ("prefix_cache", 64), ("speculative_k", 2),
-                                        ("quantize", "int8")])
+@pytest.mark.parametrize(
+    "key, value", [("continuous_batching", True), ("prefix_cache", 64), ("speculative_k", 2), ("quantize", "int8")]
+)
 def test_compile_plan_sampler_refuses_the_samplers_it_does_not_compile(key, value):
     """The compile plan's sampler is the static `generate_program`: a config whose rollouts run
     another sampler program (continuous batching, prefix cache, speculative, quantised) is
@@ -490,6 +559,7 @@ def test_compile_plan_sampler_refuses_the_samplers_it_does_not_compile(key, valu
 
     from posttrain import compile_plan as cp
     from posttrain.parallel import make_mesh, parse_rules
+
     cfg = tiny_moe_config()
     mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
     cfg.sampling[key] = value
@@ -507,6 +577,7 @@ def test_adafactor_state_is_factored_and_restores_into_its_shards():
 
     from posttrain import compile_plan as cp
     from posttrain.parallel import make_mesh, parse_rules
+
     cfg = tiny_moe_config()
     cfg.optim.name = "adafactor"
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
@@ -514,6 +585,6 @@ def test_adafactor_state_is_factored_and_restores_into_its_shards():
     report = cp.restore_report(target, restore_args, mesh, aot.CHIPS["v5p"])
     assert report["fits"] and not report["problems"]
     assert 0 < report["parts"]["opt_state"] < 0.1 * report["parts"]["params"]
-    v_row = target["opt_state"][1][0].v_row["stacks"][0]["blocks"][0]["mlp"]["w_gate"]   # [L, E, D, F] minus F
+    v_row = target["opt_state"][1][0].v_row["stacks"][0]["blocks"][0]["mlp"]["w_gate"]  # [L, E, D, F] minus F
     assert len(v_row.shape) == 3 and v_row.sharding.spec == P(None, "expert")
     assert jax.tree.leaves(target["opt_state"])

@@ -38,17 +38,20 @@ def test_sections_are_frozen_and_check_themselves_when_built():
         ModelConfig.from_config(cfg.model)
     with pytest.raises(UserError, match=r"config\.sft\.lr=-1\.0: expected >= 0"):
         dataclasses.replace(run.sft, lr=-1.0)
-    optim = dataclasses.replace(run.optim, name="adafactor", factored_min_dim=64)     # adafactor's own key
+    optim = dataclasses.replace(run.optim, name="adafactor", factored_min_dim=64)  # adafactor's own key
     with pytest.raises(UserError, match=r"config\.optim\.b1=0\.5 applies to optim\.name='adamw' only"):
         dataclasses.replace(optim, b1=0.5)
     assert OptimConfig.from_config(base_config().optim) == run.optim
 
 
-@pytest.mark.parametrize("changes, key", [
-    ({"train.steps": 0, "rl.advantage": "foo"}, "rl.advantage"),              # every enum before any range
-    ({"model.num_kv_heads": 3, "rl.top_p": 0.0}, "rl.top_p"),                 # every range before any rule
-    ({"seed": -1, "distributed.process_id": -2}, "seed"),                      # then in base_config's order
-])
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"train.steps": 0, "rl.advantage": "foo"}, "rl.advantage"),  # every enum before any range
+        ({"model.num_kv_heads": 3, "rl.top_p": 0.0}, "rl.top_p"),  # every range before any rule
+        ({"seed": -1, "distributed.process_id": -2}, "seed"),  # then in base_config's order
+    ],
+)
 def test_the_first_error_is_an_enum_then_a_range_then_a_rule(changes, key):
     cfg = base_config()
     for dotted, value in changes.items():
@@ -64,12 +67,15 @@ def test_the_first_error_is_an_enum_then_a_range_then_a_rule(changes, key):
 
 def test_stage_sections_are_the_registry_stages_with_their_own_steps():
     from posttrain.stages import registry
+
     sections = {name for name, cls in nested_sections(RunConfig).items() if issubclass(cls, StageConfig)}
     assert sections == {s.section for s in registry.STAGES if s.own_steps}
 
 
 def test_checking_a_config_loads_no_jax():
-    code = ("import sys; from posttrain.config import RunConfig, optim_config; import posttrain.config_schema; "
-            "from posttrain.config import OptimConfig; OptimConfig.from_config(optim_config()); "
-            "assert not {'jax', 'flax'} & set(sys.modules), sorted(sys.modules)")
+    code = (
+        "import sys; from posttrain.config import RunConfig, optim_config; import posttrain.config_schema; "
+        "from posttrain.config import OptimConfig; OptimConfig.from_config(optim_config()); "
+        "assert not {'jax', 'flax'} & set(sys.modules), sorted(sys.modules)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -39,6 +39,7 @@ def make_documented_files(cfg, doc: str) -> None:
     how to make (e.g. `tools/agent_demos.py --out PATH`; for a glob, the documented paths it
     matches): the start-up checks require them."""
     import fnmatch
+
     for stage in DATA_STAGES:
         for name, _ in SPLITS:
             value = cfg[stage][name]
@@ -53,7 +54,7 @@ def make_documented_files(cfg, doc: str) -> None:
 def test_config_passes_its_start_up_checks(spec, tmp_path, monkeypatch):
     """Data files included: "synthetic:" must be generable from data.synthetic, a named local
     file must exist (or be one the docstring says how to make)."""
-    monkeypatch.syspath_prepend(str(ROOT))      # configs import configs.sft_tiny
+    monkeypatch.syspath_prepend(str(ROOT))  # configs import configs.sft_tiny
     monkeypatch.chdir(tmp_path)
     cfg = load(spec)
     make_documented_files(cfg, runpy.run_path(str(ROOT / "configs" / spec.partition(":")[0])).get("__doc__") or "")
@@ -76,6 +77,7 @@ def test_config_builds_its_typed_run_config(spec, monkeypatch):
     import functools
 
     from posttrain.config import RunConfig, base_config
+
     monkeypatch.syspath_prepend(str(ROOT))
     cfg = base_config() if spec == "base" else load(spec)
     run = RunConfig.from_config(cfg)
@@ -92,7 +94,7 @@ def readme_commands() -> list[list[str]]:
         m = re.search(r"python -m posttrain\.main (--config[^`#]*)", line)
         if m:
             command = m.group(1).replace("$i", "0").strip()
-            if command.count('"') % 2:          # the end of a quoted remote command (gcloud ... --command="...")
+            if command.count('"') % 2:  # the end of a quoted remote command (gcloud ... --command="...")
                 command = command.removesuffix('"')
             out.append(shlex.split(command))
     return out
@@ -122,22 +124,25 @@ def test_readme_commands_pass_the_start_up_checks(tmp_path, monkeypatch):
     assert len(commands) >= 10, commands
     checked = 0
     for argv in commands:
-        spec = next(a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
-                    if a.startswith("--config") and not a.startswith("--config."))
+        spec = next(
+            a.split("=", 1)[1] if "=" in a else argv[i + 1]
+            for i, a in enumerate(argv)
+            if a.startswith("--config") and not a.startswith("--config.")
+        )
         spec = spec.removeprefix("configs/")
-        if spec.startswith("hf.py:"):      # needs a Hugging Face folder; its keys are checked on the base config
+        if spec.startswith("hf.py:"):  # needs a Hugging Face folder; its keys are checked on the base config
             spec = "hf.py"
         cfg = load(spec)
         make_documented_files(cfg, runpy.run_path(str(ROOT / "configs" / spec.partition(":")[0])).get("__doc__") or "")
         overrides = [a for a in argv if a.startswith("--config.")]
-        for arg in overrides:           # "a.jsonl", "x.jsonl,y.jsonl", "arithmetic,mine=my.jsonl"
+        for arg in overrides:  # "a.jsonl", "x.jsonl,y.jsonl", "arithmetic,mine=my.jsonl"
             for value in (p.rpartition("=")[2] for p in arg.partition("=")[2].split(",")):
                 if value.endswith(".jsonl") and "://" not in value and "*" not in value:
                     Path(value).parent.mkdir(parents=True, exist_ok=True)
                     Path(value).touch()
         check_overrides(overrides, cfg)
         for arg in overrides:
-            key, _, text = arg[len("--config."):].partition("=")
+            key, _, text = arg[len("--config.") :].partition("=")
             set_override(cfg, key, text)
         apply_command_line_precedence(cfg, command_line_keys(overrides))
         check_config(cfg)
@@ -149,8 +154,11 @@ def test_notebook_config_passes_the_start_up_checks(tmp_path, monkeypatch):
     """The quickstart notebook's parameters and config cells, run as written, give a config the
     start-up checks accept (the notebook's end-to-end run is tests/test_notebook.py)."""
     import json
+
     monkeypatch.chdir(tmp_path)
-    cells = [c for c in json.loads((ROOT / "notebooks/quickstart.ipynb").read_text())["cells"] if c["cell_type"] == "code"]
+    cells = [
+        c for c in json.loads((ROOT / "notebooks/quickstart.ipynb").read_text())["cells"] if c["cell_type"] == "code"
+    ]
     (params,) = [c for c in cells if "parameters" in c["metadata"].get("tags", [])]
     (config,) = [c for c in cells if "base_config()" in "".join(c["source"])]
     scope: dict = {}

@@ -38,15 +38,15 @@ def draws(sched, n=4000):
 def test_band_weights_shift_sampling_as_configured():
     uniform = scheduler()
     settle(uniform)
-    assert all(900 < c < 1100 for c in draws(uniform).values())                 # no weights: uniform
+    assert all(900 < c < 1100 for c in draws(uniform).values())  # no weights: uniform
     weighted = scheduler(band_weights="medium:3,hard:1")
     settle(weighted)
     got = draws(weighted)
     assert set(got) == {"t0", "t1"} and got["t1"] / 4000 == pytest.approx(0.75, abs=0.03)
-    edges = scheduler(band_weights="easy:1", easy_above=0.4)                     # t1's 0.5 is "easy" now
+    edges = scheduler(band_weights="easy:1", easy_above=0.4)  # t1's 0.5 is "easy" now
     settle(edges)
     assert set(draws(edges)) == {"t1", "t2"}
-    fresh = scheduler(band_weights="new:1", min_attempts=8)                      # 4 samples: all still new
+    fresh = scheduler(band_weights="new:1", min_attempts=8)  # 4 samples: all still new
     settle(fresh)
     assert set(draws(fresh)) == {"t0", "t1", "t2", "t3"}
 
@@ -56,14 +56,14 @@ def test_solved_and_hopeless_tasks_retire_and_windows_forget_early_failures():
     settle(sched)
     m = sched.metrics()
     assert (m["tasks/a/band_retired"], m["tasks/a/band_medium"], m["tasks/a/band_new"]) == (2, 1, 1)
-    assert set(draws(sched)) == {"t1", "t3"}                                     # t0, t2 never again
-    sched.record("a", "t1", [1, 1, 1, 1])                                       # 6 of 8: stays
+    assert set(draws(sched)) == {"t1", "t3"}  # t0, t2 never again
+    sched.record("a", "t1", [1, 1, 1, 1])  # 6 of 8: stays
     sched.record("a", "t3", [1] * 4)
     assert set(draws(sched)) == {"t1"}
-    sched.record("a", "t1", [1] * 8)                                            # 14 of 16: still < 1.0
+    sched.record("a", "t1", [1] * 8)  # 14 of 16: still < 1.0
     assert sched.pass_rate("a", "t1") < 1.0 and set(draws(sched, 50)) == {"t1"}
 
-    windowed = scheduler(retire_above=1.0, retire_after=4, window=4)            # the last 4 samples all pass
+    windowed = scheduler(retire_above=1.0, retire_after=4, window=4)  # the last 4 samples all pass
     windowed.record("a", "t1", [0, 0, 0, 0])
     windowed.record("a", "t1", [1, 1, 1, 1])
     assert windowed.metrics()["tasks/a/band_retired"] == 1
@@ -75,9 +75,9 @@ def test_solved_and_hopeless_tasks_retire_and_windows_forget_early_failures():
 
 def test_per_band_pass_rates_and_state_round_trip():
     sched = scheduler(band_weights="new:1,medium:1", window=2)
-    sched.record("a", "t1", [1, 0, 0, 0])              # drawn while new: 1 of 4 → hard (window: 0 of 2)
-    sched.record("a", "t1", [1, 1])                    # drawn while hard: window 2 of 2 → easy
-    sched.record("a", "t2", [1, 0])                    # new → medium
+    sched.record("a", "t1", [1, 0, 0, 0])  # drawn while new: 1 of 4 → hard (window: 0 of 2)
+    sched.record("a", "t1", [1, 1])  # drawn while hard: window 2 of 2 → easy
+    sched.record("a", "t2", [1, 0])  # new → medium
     m = sched.metrics()
     assert (m["tasks/a/band_new/samples"], m["tasks/a/band_new/pass_rate"]) == (6, pytest.approx(2 / 6))
     assert (m["tasks/a/band_hard/samples"], m["tasks/a/band_hard/pass_rate"]) == (2, 1.0)
@@ -88,12 +88,14 @@ def test_per_band_pass_rates_and_state_round_trip():
 
 
 def test_curriculum_keys_that_cannot_take_effect_or_are_wrong_raise():
-    for key, value, message in [("hard_below", 0.1, "needs|without rl.curriculum.band_weights"),
-                                ("window", 4, "without rl.curriculum.band_weights or retirement"),
-                                ("retire_after", 4, "only retirement uses it"),
-                                ("band_weights", "medium:1,solved:2", "unknown \\['solved'\\]"),
-                                ("band_weights", "medium:x", "'medium:x' is not band\\[:weight\\]"),
-                                ("easy_above", 1.5, "easy_above \\(1.5\\) <= 1")]:
+    for key, value, message in [
+        ("hard_below", 0.1, "needs|without rl.curriculum.band_weights"),
+        ("window", 4, "without rl.curriculum.band_weights or retirement"),
+        ("retire_after", 4, "only retirement uses it"),
+        ("band_weights", "medium:1,solved:2", "unknown \\['solved'\\]"),
+        ("band_weights", "medium:x", "'medium:x' is not band\\[:weight\\]"),
+        ("easy_above", 1.5, "easy_above \\(1.5\\) <= 1"),
+    ]:
         cfg = base_config()
         cfg.rl.curriculum[key] = value
         with pytest.raises(ValueError, match=message):

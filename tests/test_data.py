@@ -18,12 +18,18 @@ from posttrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared/data"
 BYTE = ByteTokenizer()
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
-          " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
-          "{{ '<|im_start|>assistant\n' }}{% endif %}")
-CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "content": "4, naïvely"}, {"role": "user", "content": "and 3+3?"},
-        {"role": "assistant", "content": "6"}]
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4, naïvely"},
+    {"role": "user", "content": "and 3+3?"},
+    {"role": "assistant", "content": "6"},
+]
 
 
 def write_jsonl(lines, name="data.jsonl") -> str:
@@ -48,6 +54,7 @@ def trainable_runs(ids, mask) -> list[list[int]]:
 
 # --- tokenizers -------------------------------------------------------------------------------
 
+
 def test_byte_tokenizer_round_trip_and_chat_mask():
     text = "héllo, wörld ✓\n"
     assert BYTE.decode(BYTE.encode(text)) == text
@@ -58,7 +65,7 @@ def test_byte_tokenizer_round_trip_and_chat_mask():
     eos = BYTE.eos_id
     assert trainable_runs(ids, mask) == [BYTE.encode("4, naïvely") + [eos], BYTE.encode("6") + [eos]]
     prompt, prompt_mask = BYTE.encode_chat(CHAT[:2], add_generation_prompt=True)
-    assert ids[:len(prompt)] == prompt and not any(prompt_mask)
+    assert ids[: len(prompt)] == prompt and not any(prompt_mask)
     with pytest.raises(ValueError, match="role='robot'"):
         BYTE.encode_chat([{"role": "robot", "content": "x"}])
 
@@ -66,11 +73,16 @@ def test_byte_tokenizer_round_trip_and_chat_mask():
 def make_hf_folder(root: str, config: dict | None) -> str:
     """A tiny byte-level BPE trained here, saved with a tokenizer_config.json under `root`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, show_progress=False, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        show_progress=False,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(["Be brief. What is 2+2? It is 4, naïvely. And 3+3 is 6."] * 20, trainer)
     with fsspec.open(f"{root}/tokenizer.json", "w") as f:
         f.write(tok.to_str())
@@ -82,9 +94,14 @@ def make_hf_folder(root: str, config: dict | None) -> str:
 
 @pytest.fixture(scope="module")
 def hf_tok() -> HFTokenizer:
-    root = make_hf_folder(f"memory://{uuid.uuid4().hex}/tok", {
-        "eos_token": {"content": "<|im_end|>", "special": True}, "pad_token": "<|endoftext|>",
-        "chat_template": CHATML})
+    root = make_hf_folder(
+        f"memory://{uuid.uuid4().hex}/tok",
+        {
+            "eos_token": {"content": "<|im_end|>", "special": True},
+            "pad_token": "<|endoftext|>",
+            "chat_template": CHATML,
+        },
+    )
     return load_tokenizer(root)
 
 
@@ -98,20 +115,26 @@ def test_hf_tokenizer_applies_chat_template(hf_tok):
     eos = hf_tok.eos_id
     assert trainable_runs(ids, mask) == [hf_tok.encode("4, naïvely") + [eos], hf_tok.encode("6") + [eos]]
     prompt, _ = hf_tok.encode_chat(CHAT[:2], add_generation_prompt=True)
-    assert prompt == ids[:len(prompt)]
-    assert prompt[-len(hf_tok.encode("<|im_start|>assistant\n")):] == hf_tok.encode("<|im_start|>assistant\n")
+    assert prompt == ids[: len(prompt)]
+    assert prompt[-len(hf_tok.encode("<|im_start|>assistant\n")) :] == hf_tok.encode("<|im_start|>assistant\n")
 
 
 def test_hf_template_errors_and_plain_fallback(tmp_path):
-    strict = CHATML.replace("{% for", "{% if messages[0]['role'] != 'user' %}"
-                            "{{ raise_exception('Conversations must start with a user turn') }}{% endif %}{% for", 1)
+    strict = CHATML.replace(
+        "{% for",
+        "{% if messages[0]['role'] != 'user' %}"
+        "{{ raise_exception('Conversations must start with a user turn') }}{% endif %}{% for",
+        1,
+    )
     tok = load_tokenizer(make_hf_folder(str(tmp_path / "strict"), {"eos_token": "<|im_end|>", "chat_template": strict}))
     with pytest.raises(RecordError, match="'messages': chat template: Conversations must start"):
         sft_example({"messages": CHAT}, tok)
-    tagged = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
-              "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
-              "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\n' }}"
-              "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    tagged = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+        "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+        "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
     tok = load_tokenizer(make_hf_folder(str(tmp_path / "tagged"), {"eos_token": "<|im_end|>", "chat_template": tagged}))
     ids, mask = tok.encode_chat(CHAT)
     assert ids == tok.encode("".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in CHAT))
@@ -124,13 +147,14 @@ def test_hf_template_errors_and_plain_fallback(tmp_path):
 
 # --- examples and packing -----------------------------------------------------------------------
 
+
 def check_rows(rows, seq_len):
     """Invariants of packed rows: segment layout, positions, targets within segments."""
     for row in rows:
         assert all(v.shape == (seq_len,) and v.dtype == np.int32 for v in row.values())
         seg = row["segment_ids"]
         used = seg > 0
-        assert (np.diff(used.astype(int)) <= 0).all()                  # padding only at the end
+        assert (np.diff(used.astype(int)) <= 0).all()  # padding only at the end
         ids = seg[used]
         assert (np.diff(ids) >= 0).all() and set(ids) == set(range(1, ids.max() + 1))  # contiguous, distinct
         for s in set(ids):
@@ -142,8 +166,12 @@ def check_rows(rows, seq_len):
 
 
 def test_packing_segments_and_response_mask():
-    chats = [CHAT, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"}],
-             CHAT[1:3], [{"role": "user", "content": "x" * 20}, {"role": "assistant", "content": "y"}]]
+    chats = [
+        CHAT,
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"}],
+        CHAT[1:3],
+        [{"role": "user", "content": "x" * 20}, {"role": "assistant", "content": "y"}],
+    ]
     examples = [sft_example({"messages": c}, BYTE) for c in chats]
     seq_len = 64
     rows = list(pack_examples(examples, seq_len))
@@ -158,7 +186,7 @@ def test_packing_segments_and_response_mask():
             want = [t for m in chat if m["role"] == "assistant" for t in BYTE.encode(m["content"]) + [BYTE.eos_id]]
             assert row["targets"][idx][row["loss_mask"][idx] == 1].tolist() == want
             found += 1
-    assert found == len(chats) and len(rows) < len(chats)    # several per row
+    assert found == len(chats) and len(rows) < len(chats)  # several per row
     row = pad_example(examples[1], seq_len)
     check_rows([row], seq_len)
     assert row["loss_mask"].sum() == len("hello!") + 1
@@ -191,7 +219,7 @@ def test_preference_and_rl_examples():
 # --- JSONL sources and pipelines ----------------------------------------------------------------
 
 GOOD = {"prompt": "1+1=", "response": "2"}
-BAD_LINES = {                          # line → the reason the error must give
+BAD_LINES = {  # line → the reason the error must give
     "{not json": "not valid JSON",
     json.dumps({"prompt": "1+1="}): "missing field 'response'",
     json.dumps({"prompt": "1+1=", "response": 2}): "'response': expected a string or a list of messages, got int",
@@ -201,7 +229,7 @@ BAD_LINES = {                          # line → the reason the error must give
 
 @pytest.mark.parametrize("line", list(BAD_LINES))
 def test_bad_record_names_file_and_line(line):
-    path = write_jsonl([GOOD, "", line])         # the bad record is on line 3 (line 2 is empty)
+    path = write_jsonl([GOOD, "", line])  # the bad record is on line 3 (line 2 is empty)
     it = sft_batches(path, BYTE, batch_size=2, seq_len=64, seed=0, epochs=1, shuffle=False)
     with pytest.raises(DataError, match=f"^{re.escape(path)}:3: .*{re.escape(BAD_LINES[line])}"):
         list(it)
@@ -251,8 +279,10 @@ def test_shuffle_is_seeded_and_differs_per_epoch():
 
 def test_process_shards_are_disjoint_and_equal():
     path = write_jsonl([{"id": i, "prompt": f"q{i}"} for i in range(21)])
-    shards = [record_ids(rl_prompt_batches(path, BYTE, batch_size=4, seed=3, epochs=1, process_index=p,
-                                           process_count=2)) for p in range(2)]
+    shards = [
+        record_ids(rl_prompt_batches(path, BYTE, batch_size=4, seed=3, epochs=1, process_index=p, process_count=2))
+        for p in range(2)
+    ]
     assert len(shards[0]) == len(shards[1]) == 10 and not set(shards[0]) & set(shards[1])
     with pytest.raises(ValueError, match="multiple of process_count=2"):
         rl_prompt_batches(path, BYTE, batch_size=3, seed=0, process_index=0, process_count=2)
@@ -260,19 +290,37 @@ def test_process_shards_are_disjoint_and_equal():
 
 def sft_records(n=40):
     rng = np.random.default_rng(0)
-    return [{"messages": [{"role": "user", "content": "q" * int(rng.integers(1, 30))},
-                          {"role": "assistant", "content": f"answer {i}"}]} for i in range(n)]
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": "q" * int(rng.integers(1, 30))},
+                {"role": "assistant", "content": f"answer {i}"},
+            ]
+        }
+        for i in range(n)
+    ]
 
 
-@pytest.mark.parametrize("make", [
-    lambda p: sft_batches(p, BYTE, batch_size=3, seq_len=96, seed=7, on_error="skip"),
-    lambda p: sft_batches(p, BYTE, batch_size=3, seq_len=96, seed=7, packing=False, on_error="skip"),
-    lambda p: preference_batches(p, BYTE, batch_size=2, max_len=96, seed=7, on_error="skip",
-                                 fields={"prompt": "messages", "chosen": "c", "rejected": "r"}),
-], ids=["packed", "padded", "preference"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: sft_batches(p, BYTE, batch_size=3, seq_len=96, seed=7, on_error="skip"),
+        lambda p: sft_batches(p, BYTE, batch_size=3, seq_len=96, seed=7, packing=False, on_error="skip"),
+        lambda p: preference_batches(
+            p,
+            BYTE,
+            batch_size=2,
+            max_len=96,
+            seed=7,
+            on_error="skip",
+            fields={"prompt": "messages", "chosen": "c", "rejected": "r"},
+        ),
+    ],
+    ids=["packed", "padded", "preference"],
+)
 def test_get_state_set_state_resumes_exactly(make):
     records = [dict(r, c="yes", r="no") for r in sft_records()]
-    path = write_jsonl(records[:10] + ["oops"] + records[10:])          # a skipped record in the stream
+    path = write_jsonl(records[:10] + ["oops"] + records[10:])  # a skipped record in the stream
     it = make(path)
     for _ in range(5):
         next(it)
@@ -295,7 +343,7 @@ def test_preference_batches_mask_only_the_response():
     for side, text in (("chosen", "4"), ("rejected", "22")):
         mask = batch[f"{side}_loss_mask"][0] == 1
         assert batch[f"{side}_targets"][0][mask].tolist() == BYTE.encode(text) + [BYTE.eos_id]
-        assert (batch[f"{side}_segment_ids"][1] == 0).all()       # end of data: a padding row
+        assert (batch[f"{side}_segment_ids"][1] == 0).all()  # end of data: a padding row
 
 
 def test_gsm8k_as_rl_prompts():

@@ -13,8 +13,7 @@ from posttrain.models.decoder import Decoder, layer_kinds, scan_segments
 
 def tiny_cfg(**kw):
     cfg = model_config()
-    cfg.update(dict(vocab_size=32, embed_dim=16, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
-                    mlp_dim=24))
+    cfg.update(dict(vocab_size=32, embed_dim=16, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=24))
     cfg.update(kw)
     return cfg
 
@@ -26,7 +25,7 @@ def rms(x, w, eps):
 def rope_complex(x, pos, theta):
     """RoPE as complex rotation of pairs (x_i, x_{i+d/2}) — independent of apply_rope's formula."""
     d = x.shape[-1]
-    z = x[..., : d // 2] + 1j * x[..., d // 2:]
+    z = x[..., : d // 2] + 1j * x[..., d // 2 :]
     freq = theta ** (-np.arange(0, d, 2) / d)
     z = z * np.exp(1j * pos[:, :, None, None] * freq)
     return np.concatenate([z.real, z.imag], -1)
@@ -59,7 +58,7 @@ def rope_ref(x, pos, theta):
     d = x.shape[-1]
     freq = theta ** (-jnp.arange(0, d, 2) / d)
     ang = pos[:, :, None, None] * freq
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return jnp.concatenate([x1 * jnp.cos(ang) - x2 * jnp.sin(ang), x1 * jnp.sin(ang) + x2 * jnp.cos(ang)], -1)
 
 
@@ -80,8 +79,11 @@ def test_rope_matches_complex_rotation():
     x = np.random.default_rng(0).normal(size=(2, 5, 3, 8)).astype(np.float32)
     pos = np.array([[0, 1, 2, 3, 4], [7, 0, 1, 2, 9]])
     inv = 1.0 / (10_000.0 ** (np.arange(0, 8, 2) / 8))
-    np.testing.assert_allclose(apply_rope(jnp.asarray(x), jnp.asarray(pos), jnp.asarray(inv, jnp.float32)),
-                               rope_complex(x.astype(np.float64), pos, 10_000.0), atol=1e-5)
+    np.testing.assert_allclose(
+        apply_rope(jnp.asarray(x), jnp.asarray(pos), jnp.asarray(inv, jnp.float32)),
+        rope_complex(x.astype(np.float64), pos, 10_000.0),
+        atol=1e-5,
+    )
 
 
 def test_attention_mask_is_causal_within_segments():
@@ -106,13 +108,14 @@ def test_decoder_matches_reference_logits_and_grads(kw):
         return nnx.merge(graphdef, params, rest)(tokens, pos, seg)[0]
 
     def ref(params):
-        return ref_forward(nnx.to_pure_dict(params),
-                           tokens, pos, seg, cfg)
+        return ref_forward(nnx.to_pure_dict(params), tokens, pos, seg, cfg)
 
     np.testing.assert_allclose(ours(params), ref(params), atol=2e-5, rtol=2e-5)
     g_ours = jax.grad(lambda p: (ours(p) * cot).sum())(params)
     g_ref = jax.grad(lambda p: (ref(p) * cot).sum())(params)
-    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(g_ours), jax.tree_util.tree_leaves_with_path(g_ref)):
+    for (path, a), (_, b) in zip(
+        jax.tree_util.tree_leaves_with_path(g_ours), jax.tree_util.tree_leaves_with_path(g_ref)
+    ):
         np.testing.assert_allclose(a, b, atol=5e-5, rtol=5e-5, err_msg=jax.tree_util.keystr(path))
 
 

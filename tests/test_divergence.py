@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def strict_loads(line: str):
     def reject(token):
         raise ValueError(f"non-standard JSON token {token}")
+
     return json.loads(line, parse_constant=reject)
 
 
@@ -39,18 +40,25 @@ def scaled_loss(model, batch, moe_cfg):
 
 def test_nonfinite_batch_is_skipped_and_training_continues():
     cfg = base_config()
-    cfg.model.num_layers, cfg.model.vocab_size = 1, 64                     # the smallest compile
-    mesh = make_mesh(dict(data=1), devices=jax.devices()[:1])      # one device: the fastest compile
+    cfg.model.num_layers, cfg.model.vocab_size = 1, 64  # the smallest compile
+    mesh = make_mesh(dict(data=1), devices=jax.devices()[:1])  # one device: the fastest compile
     tx = make_optimizer(cfg.optim, 10)
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (8, 17))
-    batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
-             "loss_mask": jnp.ones((8, 16), jnp.int32), "positions": jnp.broadcast_to(jnp.arange(16), (8, 16)),
-             "segment_ids": jnp.ones((8, 16), jnp.int32)}
+    batch = {
+        "inputs": jnp.asarray(tokens[:, :-1]),
+        "targets": jnp.asarray(tokens[:, 1:]),
+        "loss_mask": jnp.ones((8, 16), jnp.int32),
+        "positions": jnp.broadcast_to(jnp.arange(16), (8, 16)),
+        "segment_ids": jnp.ones((8, 16), jnp.int32),
+    }
     with use_sharding(mesh, DEFAULT_RULES):
-        graphdef, state, shardings = create_train_state(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), tx, mesh,
-                                                        DEFAULT_RULES)
-        step = jax.jit(make_train_step(graphdef, tx, functools.partial(scaled_loss, moe_cfg=cfg.model.moe)),
-                       out_shardings=(shardings, None))
+        graphdef, state, shardings = create_train_state(
+            lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), tx, mesh, DEFAULT_RULES
+        )
+        step = jax.jit(
+            make_train_step(graphdef, tx, functools.partial(scaled_loss, moe_cfg=cfg.model.moe)),
+            out_shardings=(shardings, None),
+        )
         good, bad = {**batch, "scale": jnp.float32(1.0)}, {**batch, "scale": jnp.float32(np.nan)}
         state, m = step(state, good)
         before = jax.device_get((state.params, state.opt_state, state.rest))
@@ -58,11 +66,11 @@ def test_nonfinite_batch_is_skipped_and_training_continues():
         assert not np.isfinite(m["loss"]) and int(m["nonfinite_skipped"]) == 1 and int(m["nonfinite_longest_run"]) == 1
         after = jax.device_get((state.params, state.opt_state, state.rest))
         for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
-            np.testing.assert_array_equal(a, b)          # params, Adam moments and router biases untouched
+            np.testing.assert_array_equal(a, b)  # params, Adam moments and router biases untouched
         assert int(state.step) == 2
         state, m = step(state, bad)
         assert int(m["nonfinite_longest_run"]) == 2
-        state, m = step(state, good)                     # training continues from the last good weights
+        state, m = step(state, good)  # training continues from the last good weights
         assert np.isfinite(m["loss"]) and int(m["nonfinite_skipped"]) == 2 and int(state.nonfinite["run"]) == 0
         assert int(m["nonfinite_longest_run"]) == 2
         changed = jax.device_get(state.params)
@@ -75,9 +83,10 @@ def test_nonfinite_batch_is_skipped_and_training_continues():
 
 def test_metrics_jsonl_is_strict_json(tmp_path):
     writer = MetricsWriter(str(tmp_path))
-    row = writer.write(0, {"loss": np.float32(np.nan), "grad_norm": np.inf, "moe/load": np.array([0.5, -np.inf]),
-                           "tokens": 3})
-    assert np.isnan(row["loss"])                  # the caller still sees the float
+    row = writer.write(
+        0, {"loss": np.float32(np.nan), "grad_norm": np.inf, "moe/load": np.array([0.5, -np.inf]), "tokens": 3}
+    )
+    assert np.isnan(row["loss"])  # the caller still sees the float
     writer.write(1, {"loss": 1.5})
     writer.close()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
@@ -98,13 +107,28 @@ def test_checkpointer_refuses_nonfinite_weights(tmp_path):
 
 def test_diverging_run_stops_with_clear_error_and_finite_checkpoints(tmp_path):
     """The issue's command: lr=1e6 without warmup or clipping, checkpoints every 6 steps."""
-    cmd = [sys.executable, "-m", "posttrain.main", "--config", str(ROOT / "configs/sft_tiny.py"),
-           f"--config.workdir={tmp_path}/W",
-           "--config.sft.eval_files=", "--config.sft.gate=", "--config.data.synthetic_size=100",
-           "--config.train.steps=40", "--config.train.log_every=1", "--config.train.batch_size=8",
-           "--config.train.seq_len=64", "--config.train.progress=False", "--config.optim.lr=1e6",
-           "--config.optim.warmup_steps=0", "--config.optim.grad_clip=0", "--config.checkpoint.every=6",
-           "--config.model.num_layers=1", "--config.model.moe.num_experts=0"]      # a cheaper compile
+    cmd = [
+        sys.executable,
+        "-m",
+        "posttrain.main",
+        "--config",
+        str(ROOT / "configs/sft_tiny.py"),
+        f"--config.workdir={tmp_path}/W",
+        "--config.sft.eval_files=",
+        "--config.sft.gate=",
+        "--config.data.synthetic_size=100",
+        "--config.train.steps=40",
+        "--config.train.log_every=1",
+        "--config.train.batch_size=8",
+        "--config.train.seq_len=64",
+        "--config.train.progress=False",
+        "--config.optim.lr=1e6",
+        "--config.optim.warmup_steps=0",
+        "--config.optim.grad_clip=0",
+        "--config.checkpoint.every=6",
+        "--config.model.num_layers=1",
+        "--config.model.moe.num_experts=0",
+    ]  # a cheaper compile
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 2, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
@@ -112,10 +136,11 @@ def test_diverging_run_stops_with_clear_error_and_finite_checkpoints(tmp_path):
     assert last.startswith("error: training diverged: 11 updates in a row") and "train.max_nonfinite_steps=10" in last
     rows = [strict_loads(l) for l in (tmp_path / "W" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] < 39 and rows[-1]["nonfinite_longest_run"] == 11
-    assert rows[-1]["grad_norm"] is None or rows[-1]["loss"] is None        # NaN/inf written as null
+    assert rows[-1]["grad_norm"] is None or rows[-1]["loss"] is None  # NaN/inf written as null
     steps = sorted(int(p.name) for p in (tmp_path / "W" / "checkpoints").iterdir() if p.name.isdigit())
     assert steps, "no checkpoint was written"
     from posttrain.core.checkpoint import first_nonfinite
+
     ckpt = Checkpointer(str(tmp_path / "W" / "checkpoints"), every=0, keep=1, create=False)
     restored = ckpt.manager.restore(steps[-1])
     assert first_nonfinite({k: restored[k] for k in ("params", "opt_state")}) is None

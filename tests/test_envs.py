@@ -25,7 +25,9 @@ from posttrain.rl.verifiers import CodeTask, MathTask
 from posttrain.sandbox import Sandbox
 
 TOK = ByteTokenizer()
-PRODUCT = Task("mul", ({"role": "user", "content": "What is 123456789 * 987654321?"},), MathTask(str(123456789 * 987654321)))
+PRODUCT = Task(
+    "mul", ({"role": "user", "content": "What is 123456789 * 987654321?"},), MathTask(str(123456789 * 987654321))
+)
 TOOL_CALL = "Let me compute it.\n<tool>python\nprint(123456789 * 987654321)\n</tool>"
 
 
@@ -52,6 +54,7 @@ def scripted(*turns, tok=TOK):
     def policy(context: list[int]) -> list[int]:
         t = next(it)
         return turn(t(tok.decode(context)) if callable(t) else t, tok)
+
     return policy
 
 
@@ -82,10 +85,13 @@ def test_tool_episode_end_to_end(sandbox, reward_fn):
     assert runs(traj.tokens, traj.loss_mask) == [turn(TOOL_CALL), turn(final)]
     assert traj.num_generated == len(turn(TOOL_CALL)) + len(turn(final))
     # Every other token is prompt or environment output, exactly as the chat template lays it out.
-    messages = [{"role": "system", "content": env.system_prompt}, *PRODUCT.prompt,
-                {"role": "assistant", "content": TOOL_CALL},
-                {"role": "tool", "content": f"<output>\n{PRODUCT.target.answer}\n</output>"},
-                {"role": "assistant", "content": final}]
+    messages = [
+        {"role": "system", "content": env.system_prompt},
+        *PRODUCT.prompt,
+        {"role": "assistant", "content": TOOL_CALL},
+        {"role": "tool", "content": f"<output>\n{PRODUCT.target.answer}\n</output>"},
+        {"role": "assistant", "content": final},
+    ]
     ids, trainable = TOK.encode_chat(messages)
     assert traj.tokens == ids and traj.loss_mask == trainable
     assert traj.prompt_len == len(TOK.encode_chat(messages[:2], add_generation_prompt=True)[0])
@@ -100,8 +106,12 @@ def test_wrong_final_answer_gets_zero(sandbox, reward_fn):
 def test_step_api_and_observation_tokens(sandbox, reward_fn):
     env = ToolEnv(TOK, reward_fn, sandbox, max_turns=2, max_turn_tokens=128)
     prompt = env.reset(PRODUCT)
-    assert prompt == TOK.encode_chat([{"role": "system", "content": env.system_prompt}, *PRODUCT.prompt],
-                                     add_generation_prompt=True)[0]
+    assert (
+        prompt
+        == TOK.encode_chat(
+            [{"role": "system", "content": env.system_prompt}, *PRODUCT.prompt], add_generation_prompt=True
+        )[0]
+    )
     obs, reward, done, info = env.step(turn("<tool>python\nprint('hi')\n</tool>"))
     assert not done and reward is None and info["tool_calls"] == 1
     assert TOK.decode(obs) == "<output>\nhi\n</output>" and obs[-1] == TOK.ROLES["assistant"]
@@ -126,8 +136,9 @@ def test_per_turn_token_budget(sandbox, reward_fn):
     assert traj.num_generated == 32 and traj.turns == 1 and traj.info["truncated"] == "turn_tokens"
     assert traj.reward.score == 0.0
     # A correct answer cut by the budget earns nothing either.
-    cut = run_episode(ToolEnv(TOK, reward_fn, sandbox, max_turn_tokens=8), PRODUCT,
-                      scripted(f"\\boxed{{{PRODUCT.target.answer}}}"))
+    cut = run_episode(
+        ToolEnv(TOK, reward_fn, sandbox, max_turn_tokens=8), PRODUCT, scripted(f"\\boxed{{{PRODUCT.target.answer}}}")
+    )
     assert cut.num_generated == 8 and cut.reward.score == 0.0
     with pytest.raises(ValueError, match="stop token at position 1"):
         env.reset(PRODUCT)
@@ -136,10 +147,15 @@ def test_per_turn_token_budget(sandbox, reward_fn):
 
 def test_invalid_and_failing_tool_calls_are_penalised(sandbox, reward_fn):
     env = ToolEnv(TOK, reward_fn, sandbox, max_turns=4, max_turn_tokens=256)
-    traj = run_episode(env, PRODUCT, scripted(
-        "<tool>python\nprint(1)",                               # unclosed
-        "<tool>python\nraise ValueError('boom')\n</tool>",     # runs, fails
-        lambda ctx: f"\\boxed{{{PRODUCT.target.answer}}}" if "ValueError: boom" in ctx else "no traceback"))
+    traj = run_episode(
+        env,
+        PRODUCT,
+        scripted(
+            "<tool>python\nprint(1)",  # unclosed
+            "<tool>python\nraise ValueError('boom')\n</tool>",  # runs, fails
+            lambda ctx: f"\\boxed{{{PRODUCT.target.answer}}}" if "ValueError: boom" in ctx else "no traceback",
+        ),
+    )
     assert traj.info["tool_calls"] == 2 and traj.info["invalid_tool_calls"] == 2
     assert traj.reward.parts == {"correct": 1.0, "format": 0.0, "length": 0.0, "tool_calls": pytest.approx(-0.2)}
     text = TOK.decode(traj.tokens)
@@ -150,9 +166,12 @@ def test_parse_tool_call():
     assert parse_tool_call("The answer is 4.") is None
     call = parse_tool_call("Check:\n<tool>python\nx = 1\nprint(x)\n</tool>\n")
     assert call.name == "python" and call.code == "x = 1\nprint(x)\n"
-    for text, why in [("<tool>python print(1)</tool>", "malformed"), ("<tool>python\n1\n</tool> done", "text after"),
-                      ("<tool>python\n1\n</tool><tool>python\n2\n</tool>", "2 tool calls"),
-                      ("<tool>bash\nls\n</tool>", "unknown tool 'bash'")]:
+    for text, why in [
+        ("<tool>python print(1)</tool>", "malformed"),
+        ("<tool>python\n1\n</tool> done", "text after"),
+        ("<tool>python\n1\n</tool><tool>python\n2\n</tool>", "2 tool calls"),
+        ("<tool>bash\nls\n</tool>", "unknown tool 'bash'"),
+    ]:
         with pytest.raises(ToolCallError, match=why):
             parse_tool_call(text)
 
@@ -161,10 +180,17 @@ def test_single_turn_math_and_code(sandbox, reward_fn):
     math_env = SingleTurnEnv(TOK, reward_fn, max_turn_tokens=64)
     task = Task("add", ({"role": "user", "content": "What is 2+3?"},), MathTask("5"))
     good = run_episode(math_env, task, scripted("2+3=5. The answer is \\boxed{5}."))
-    assert good.reward.score == 1.0 and good.turns == 1 and good.num_generated == len(turn("2+3=5. The answer is \\boxed{5}."))
+    assert (
+        good.reward.score == 1.0
+        and good.turns == 1
+        and good.num_generated == len(turn("2+3=5. The answer is \\boxed{5}."))
+    )
     assert run_episode(math_env, task, scripted("\\boxed{6}")).reward.score == 0.0
-    code = Task("sq", ({"role": "user", "content": "Write square(x)."},),
-                CodeTask(test="assert square(3) == 9 and square(-2) == 4", functions=("square",)))
+    code = Task(
+        "sq",
+        ({"role": "user", "content": "Write square(x)."},),
+        CodeTask(test="assert square(3) == 9 and square(-2) == 4", functions=("square",)),
+    )
     code_env = SingleTurnEnv(TOK, reward_fn, max_turn_tokens=128)
     assert run_episode(code_env, code, scripted("```python\ndef square(x):\n    return x * x\n```")).reward.score == 1.0
     assert run_episode(code_env, code, scripted("```python\ndef square(x):\n    return 2 * x\n```")).reward.score == 0.0
@@ -180,8 +206,10 @@ def test_run_episodes_batches_turns(sandbox, reward_fn):
     def sample(contexts: list[list[int]]) -> list[list[int]]:
         batch_sizes.append(len(contexts))
         texts = [TOK.decode(c) for c in contexts]
-        return [turn(f"\\boxed{{{last_output(t)}}}" if "<output>\n" in t else TOOL_CALL if "123" in t else "\\boxed{2}")
-                for t in texts]
+        return [
+            turn(f"\\boxed{{{last_output(t)}}}" if "<output>\n" in t else TOOL_CALL if "123" in t else "\\boxed{2}")
+            for t in texts
+        ]
 
     trajs = run_episodes(envs, tasks, sample)
     assert batch_sizes == [2, 1] and [t.task_id for t in trajs] == ["mul", "two"]
@@ -193,17 +221,31 @@ def test_run_episodes_batches_turns(sandbox, reward_fn):
 def test_chat_template_tokenizer(sandbox, reward_fn):
     """A ChatML template writes a newline after the end-of-turn token; the observation carries it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(["<tool>python\nprint(6 * 7)\n</tool> The answer is 42."] * 10, trainers.BpeTrainer(
-        vocab_size=300, show_progress=False, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(
+        ["<tool>python\nprint(6 * 7)\n</tool> The answer is 42."] * 10,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            show_progress=False,
+            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     root = f"memory://{uuid.uuid4().hex}/tok"
-    chatml = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
-              "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-    for name, content in [("tokenizer.json", bpe.to_str()), ("tokenizer_config.json", json.dumps(
-            {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": chatml}))]:
+    chatml = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    for name, content in [
+        ("tokenizer.json", bpe.to_str()),
+        (
+            "tokenizer_config.json",
+            json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": chatml}),
+        ),
+    ]:
         with fsspec.open(f"{root}/{name}", "w") as f:
             f.write(content)
     tok = load_tokenizer(root)

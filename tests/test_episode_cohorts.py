@@ -36,8 +36,7 @@ from tests.test_agent_rl import TOK, CountingEnv, runs
 from tests.test_rl_continuous import assert_same_rollouts, tiny_policy
 
 # tests/test_agent_rl.py's episodes and sampling (so the sampler's programs are shared with it)
-SAMPLING = SamplingParams(temperature=0.7, top_k=12, top_p=0.9, max_new_tokens=6, stop_ids=(TOK.eos_id,),
-                          num_samples=4)
+SAMPLING = SamplingParams(temperature=0.7, top_k=12, top_p=0.9, max_new_tokens=6, stop_ids=(TOK.eos_id,), num_samples=4)
 REWARD = RewardFunction({MathTask: MathVerifier()})
 TASKS = [Task(f"t{i}", ({"role": "user", "content": f"say {i}"},), MathTask(str(i))) for i in range(2)]
 
@@ -67,6 +66,7 @@ class SlowEnv(CountingEnv):
 class RecordingWorker(RolloutWorker):
     """A rollout worker that records each sampler call as (start, end, number of contexts), and
     its contexts."""
+
     calls: list = dataclasses.field(default_factory=list)
     contexts: list = dataclasses.field(default_factory=list)
 
@@ -89,9 +89,17 @@ def episodes(policy, cohorts: int, key, *, delay=0.0, jitter=0.0, workers=2, slo
         with lock:
             envs.append(SlowEnv(TOK, REWARD, max_turn_tokens=6, log=steps, delay=delay, jitter=jitter))
             return envs[-1]
+
     with use_sharding(mesh, rules), concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        worker = RecordingWorker(graphdef, {"count": Domain("count", TASKS, make_env)}, SAMPLING, TOK.pad_id, pool,
-                                 continuous=slots, prefix_cache=prefix_cache)
+        worker = RecordingWorker(
+            graphdef,
+            {"count": Domain("count", TASKS, make_env)},
+            SAMPLING,
+            TOK.pad_id,
+            pool,
+            continuous=slots,
+            prefix_cache=prefix_cache,
+        )
         batch = rollout_episodes(worker, params, rest, [("count", t) for t in TASKS], key, cohorts=cohorts)
     return batch, envs, worker, steps
 
@@ -102,13 +110,14 @@ def test_cohort_episodes_mask_model_tokens_and_their_behaviour_logprobs_equal_th
     assert len(trajs) == 8 and {t.turns for t in trajs} >= {1, 3}, "episodes should end at different turns"
     # groups stay whole although their samples are spread over the cohorts (episodes 0, 2, .. and 1, 3, ..)
     for j, g in enumerate(batch.groups):
-        assert g.task.id == f"t{j}" and all(f"say {j}" in TOK.decode(t.tokens[:t.prompt_len]) for t in g.trajectories)
-    assert max(n for _, _, n in worker.calls) == 4        # a sampler call serves one cohort of 4 episodes
+        assert g.task.id == f"t{j}" and all(f"say {j}" in TOK.decode(t.tokens[: t.prompt_len]) for t in g.trajectories)
+    assert max(n for _, _, n in worker.calls) == 4  # a sampler call serves one cohort of 4 episodes
     for env, traj in zip(envs, trajs):
-        assert runs(traj.tokens, traj.loss_mask) == env.actions        # exactly the sampled turns are masked in
+        assert runs(traj.tokens, traj.loss_mask) == env.actions  # exactly the sampled turns are masked in
     assert batch.info["turns_per_episode"] == np.mean([t.turns for t in trajs])
     assert batch.info["episodes_s"] > 0 and batch.info["env_frac"] == pytest.approx(
-        batch.info["env_s"] / (batch.info["env_s"] + batch.info["model_s"]))
+        batch.info["env_s"] / (batch.info["env_s"] + batch.info["model_s"])
+    )
     graphdef, params, rest, mesh, rules = policy
     with use_sharding(mesh, rules):
         learner_batch = rl_batch(batch.rollouts(0), pad_id=TOK.pad_id)
@@ -132,16 +141,17 @@ def test_cohort_episodes_are_keyed_by_seed_cohort_and_turn_not_by_timing(policy)
     # cohort 0's first call is keyed fold_in(key, 0) like the lockstep round 0, row 0 = episode 0 in both
     _, envs1, _, _ = episodes(policy, 1, key)
     assert envs1[0].actions[0] == envs2[0].actions[0]
-    assert [e.actions for e in envs1] != [e.actions for e in envs2]      # other keys: other episodes
-    assert jax.random.key_data(turn_key(key, 0, 3, 1)).tolist() == \
-        jax.random.key_data(jax.random.fold_in(key, 3)).tolist()          # C = 1: the rounds' keys
+    assert [e.actions for e in envs1] != [e.actions for e in envs2]  # other keys: other episodes
+    assert (
+        jax.random.key_data(turn_key(key, 0, 3, 1)).tolist() == jax.random.key_data(jax.random.fold_in(key, 3)).tolist()
+    )  # C = 1: the rounds' keys
     # continuous batching: each cohort's call through the slots, the same episodes; so with the prefix cache
     cont, _, _, _ = episodes(policy, 2, key, slots=SlotConfig(num_slots=3, refill_batch=2))
     assert_same_rollouts(first, cont)
     cache = PrefixCache(4096)
     cached, _, _, _ = episodes(policy, 2, key, prefix_cache=cache)
     assert_same_rollouts(first, cached)
-    assert cache.stats.hits > 0                       # later turns of a cohort hit its earlier turns' KV
+    assert cache.stats.hits > 0  # later turns of a cohort hit its earlier turns' KV
 
 
 def overlaps(calls, steps) -> bool:
@@ -167,6 +177,7 @@ def test_two_processes_step_only_their_share_and_sample_the_same_contexts(policy
     the environments of its own task only, both make the same sampler calls on the same contexts,
     and their groups together are the one-process episodes."""
     from posttrain.rl.rollout import episodes as episodes_module
+
     key = jax.random.key(3)
     whole, _, one, _ = episodes(policy, 2, key)
     local, barrier, slots = threading.local(), threading.Barrier(2, timeout=120), [None, None]
@@ -177,17 +188,21 @@ def test_two_processes_step_only_their_share_and_sample_the_same_contexts(policy
         out = list(slots)
         barrier.wait()
         return out
+
     monkeypatch.setattr(episodes_module, "allgather_json", allgather)
-    monkeypatch.setattr(episodes_module, "group_share", lambda n, exact: slice(local.p * n // 2, (local.p + 1) * n // 2))
+    monkeypatch.setattr(
+        episodes_module, "group_share", lambda n, exact: slice(local.p * n // 2, (local.p + 1) * n // 2)
+    )
     results, errors = [None, None], []
 
     def process(p):
         local.p = p
         try:
             results[p] = episodes(policy, 2, key)
-        except BaseException as e:      # noqa: BLE001  (re-raised below)
+        except BaseException as e:  # noqa: BLE001  (re-raised below)
             errors.append(e)
             barrier.abort()
+
     threads = [threading.Thread(target=process, args=(p,)) for p in range(2)]
     for t in threads:
         t.start()
@@ -209,13 +224,13 @@ def test_episode_cohorts_key_is_checked_at_start_up():
         check_values(cfg)
     cfg.rl.episode_cohorts = 2
     with pytest.raises(ValueError, match=r"rl.episode_cohorts=2 cannot take effect: only multi-turn"):
-        check_rl_config(cfg)                                     # rl.env = "single"
+        check_rl_config(cfg)  # rl.env = "single"
     cfg.rl.env, cfg.rl.domains = "tool", "repo_fix"
     check_rl_config(cfg)
     with pytest.raises(ValueError, match=r"rl.episode_cohorts=2 cannot take effect: .* this run \(sft\) has none"):
         check_episode_cohorts(cfg, ("sft",))
     with pytest.raises(ValueError, match=r"rl.episode_cohorts=2 cannot take effect"):
-        check_episode_cohorts(cfg, ("eval",))                    # eval.suites = "arithmetic": single-turn
+        check_episode_cohorts(cfg, ("eval",))  # eval.suites = "arithmetic": single-turn
     cfg.eval.suites = "repo_fix"
     check_episode_cohorts(cfg, ("eval",))
     check_episode_cohorts(cfg, ("sft", "rlvr"))

@@ -32,7 +32,15 @@ def config(tmp, run_dir, suites, **eval_kw):
     cfg = base_config()
     cfg.stage, cfg.workdir = "eval", str(tmp)
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 32, 1, 2, 1, 16, 64
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
+        264,
+        32,
+        1,
+        2,
+        1,
+        16,
+        64,
+    )
     cfg.train.progress = False
     cfg.rl.max_new_tokens, cfg.rl.verifier_workers = 16, 2
     cfg.eval.checkpoint, cfg.eval.suites, cfg.eval.samples, cfg.eval.pass_k = str(run_dir), suites, 4, "1,2,4"
@@ -73,9 +81,14 @@ def direct(cfg, name, step=2):
     mesh, rules = mesh_and_rules(cfg)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     graphdef = nnx.split(abstract_model(make), nnx.Param, ...)[0]
-    sampling = evaluation.SamplingParams(temperature=1.0, max_new_tokens=cfg.rl.max_new_tokens,
-                                         stop_ids=tuple(tok.stop_ids), num_samples=cfg.eval.samples)
+    sampling = evaluation.SamplingParams(
+        temperature=1.0,
+        max_new_tokens=cfg.rl.max_new_tokens,
+        stop_ids=tuple(tok.stop_ids),
+        num_samples=cfg.eval.samples,
+    )
     import concurrent.futures
+
     with concurrent.futures.ThreadPoolExecutor(2) as pool, use_sharding(mesh, rules):
         params, rest, _ = load_model_state(cfg.eval.checkpoint, make, mesh, rules, step=step)
         worker = RolloutWorker(graphdef, suites, sampling, tok.pad_id, pool)
@@ -84,7 +97,7 @@ def direct(cfg, name, step=2):
         sampled = worker.rollout(params, rest, pairs, jax.random.fold_in(key, 1), num_samples=cfg.eval.samples)
     n = cfg.eval.samples
     counts = [sum(r >= 1.0 for r in g.rewards) for g in sampled.groups]
-    for k in (1, 2, 4):     # 1 − C(n−c, k) / C(n, k), averaged over problems
+    for k in (1, 2, 4):  # 1 − C(n−c, k) / C(n, k), averaged over problems
         metrics[f"hand/pass@{k}"] = float(np.mean([1 - math.comb(n - c, k) / math.comb(n, k) for c in counts]))
     return metrics
 
@@ -112,7 +125,7 @@ def test_eval_equals_direct_computation_on_a_fixed_checkpoint(run_dir, tmp_path)
         assert result.eval[f"{name}/accuracy"] == rec["accuracy"] and result.eval[f"{name}/version"] == rec["version"]
     assert records(tmp_path, "mine")[0]["response_len"] > 0
     assert result.eval["arithmetic_accuracy"] == result.eval["arithmetic/accuracy"]
-    assert "regression_drop" not in result.eval          # one checkpoint, no baseline
+    assert "regression_drop" not in result.eval  # one checkpoint, no baseline
 
 
 def test_every_checkpoint_is_evaluated_and_compared_with_the_previous(run_dir, tmp_path):
@@ -138,7 +151,8 @@ class FakeWorker:
     def rollout(self, params, rest, pairs, key, *, num_samples, greedy=False, exact_share=True):
         from posttrain.rl.rollout.worker import RolloutBatch
         from posttrain.rl.tasks.scheduler import Group
-        assert not exact_share          # across processes a suite's problems are shared out nearly evenly
+
+        assert not exact_share  # across processes a suite's problems are shared out nearly evenly
         rewards = [[g] for g in self.greedy] if greedy else self.sampled
         assert len(pairs) == len(rewards) and all(len(r) == num_samples for r in rewards)
         groups = [Group(d, t, r, []) for (d, t), r in zip(pairs, rewards)]
@@ -149,8 +163,17 @@ def test_suite_metrics_aggregate_rewards():
     """Accuracy counts reward >= 1 (partial credit is not correct); pass@k is 1 − C(n−c,k)/C(n,k) per problem."""
     greedy, sampled = [1.0, 0.0, 0.5], [[1.0, 0.0, 0.0, 1.0], [0.0] * 4, [1.0, 1.0, 1.0, 0.9]]
     from posttrain.rl.envs.base import Task
-    m = evaluation.evaluate_suite(FakeWorker(greedy, sampled), None, None, "s", [Task(x, (), None) for x in "abc"],
-                                  jax.random.key(0), 4, [1, 2, 3])
+
+    m = evaluation.evaluate_suite(
+        FakeWorker(greedy, sampled),
+        None,
+        None,
+        "s",
+        [Task(x, (), None) for x in "abc"],
+        jax.random.key(0),
+        4,
+        [1, 2, 3],
+    )
     assert m["accuracy"] == pytest.approx(1 / 3) and m["mean_accuracy"] == pytest.approx(5 / 12)
     for k in (1, 2, 3):
         want = np.mean([1 - math.comb(4 - c, k) / math.comb(4, k) for c in (2, 0, 3)])
@@ -207,9 +230,23 @@ def test_three_condition_gate_passes_and_fails_reporting_every_condition():
 
 
 def test_regression_drop_against_the_baseline():
-    base = {"a/accuracy": 0.8, "a/version": "v1", "b/accuracy": 0.5, "b/version": "v1", "c/accuracy": 0.9, "c/version": "x"}
-    cur = {"a/accuracy": 0.79, "a/version": "v1", "b/accuracy": 0.45, "b/version": "v1", "c/accuracy": 0.1, "c/version": "y"}
-    assert regression_drop(cur, base) == pytest.approx(0.05)          # c changed version: not compared
+    base = {
+        "a/accuracy": 0.8,
+        "a/version": "v1",
+        "b/accuracy": 0.5,
+        "b/version": "v1",
+        "c/accuracy": 0.9,
+        "c/version": "x",
+    }
+    cur = {
+        "a/accuracy": 0.79,
+        "a/version": "v1",
+        "b/accuracy": 0.45,
+        "b/version": "v1",
+        "c/accuracy": 0.1,
+        "c/version": "y",
+    }
+    assert regression_drop(cur, base) == pytest.approx(0.05)  # c changed version: not compared
     check_gate("eval", "regression_drop<=0.06", cur, baseline=base)
     with pytest.raises(GateFailed, match=r"FAIL  regression_drop = 0.05 \(needs <= 0.02\)"):
         check_gate("eval", "regression_drop<=0.02", cur, baseline=base)
@@ -228,14 +265,14 @@ def test_bad_gate_syntax_fails_at_start_up_naming_the_key(spec, tmp_path):
     cfg.dpo.gate = spec
     with pytest.raises(UserError, match="config.dpo.gate="):
         main_run(cfg)
-    assert not os.path.exists(os.path.join(cfg.workdir, "config.json"))          # nothing ran
+    assert not os.path.exists(os.path.join(cfg.workdir, "config.json"))  # nothing ran
 
 
 def test_pipeline_checks_the_eval_gate_metrics_before_training(tmp_path):
     cfg = base_config()
     cfg.stage, cfg.workdir = "pipeline", str(tmp_path / "run")
     cfg.pipeline.stages = ("sft", "eval")
-    cfg.eval.gate = "arithmetic/accuracy>=0.5, unit_test_pass>=0.6"      # no humaneval suite
+    cfg.eval.gate = "arithmetic/accuracy>=0.5, unit_test_pass>=0.6"  # no humaneval suite
     with pytest.raises(UserError, match=r"config.eval.gate=.*does not report \['unit_test_pass'\]"):
         main_run(cfg)
     assert not os.path.exists(os.path.join(cfg.workdir, "config.json"))
@@ -250,7 +287,7 @@ def test_standalone_stage_below_its_gate_exits_non_zero(run_dir, tmp_path):
     assert "FAIL  mine/response_len" in str(e.value) and "PASS  mine/accuracy" in str(e.value)
     cfg.eval.gate = f"mine/accuracy>={expected}, mine/pass@4>=0, mine/response_len>0"
     assert main_run(cfg).eval["mine/accuracy"] == expected
-    gates = [json.loads(l) for l in (tmp_path / "gates.jsonl").read_text().splitlines()]    # for tools/report.py
+    gates = [json.loads(l) for l in (tmp_path / "gates.jsonl").read_text().splitlines()]  # for tools/report.py
     assert [g["passed"] for g in gates] == [False, True]
     assert [c["passed"] for c in gates[0]["conditions"]] == [True, True, False]
 
@@ -258,6 +295,7 @@ def test_standalone_stage_below_its_gate_exits_non_zero(run_dir, tmp_path):
 def test_pipeline_eval_stages_compare_with_the_previous_eval(run_dir, tmp_path):
     """Two eval stages of the same checkpoint: the first has no baseline (n/a), the second a drop of 0."""
     from posttrain.stages import pipeline
+
     cfg = config(tmp_path, "", f"mine={run_dir / 'mine.jsonl'}")
     cfg.stage, cfg.init_from, cfg.pipeline.stages = "pipeline", str(run_dir), ("eval", "eval")
     cfg.eval.gate = "regression_drop<=0.0, mine/response_len>0"
@@ -267,7 +305,7 @@ def test_pipeline_eval_stages_compare_with_the_previous_eval(run_dir, tmp_path):
     cfg.eval.gate = "regression_drop<-0.5"
     with pytest.raises(GateFailed, match=r"FAIL  regression_drop = 0 \(needs < -0.5\)"):
         pipeline.run(cfg)
-    gates = [json.loads(l) for l in (tmp_path / "gates.jsonl").read_text().splitlines()]    # every gate checked
+    gates = [json.loads(l) for l in (tmp_path / "gates.jsonl").read_text().splitlines()]  # every gate checked
     assert [(g["stage"], g["passed"]) for g in gates] == [("eval", True)] * 3 + [("eval", False)]
     assert gates[2]["conditions"][0]["note"].startswith("n/a") and gates[3]["conditions"][0]["value"] == 0.0
 
@@ -286,6 +324,7 @@ def test_long_context_grid_runs_beside_the_suites_and_gates_on_it(run_dir, tmp_p
 
 # --- multi-turn suites (repo_fix: tool episodes) ---
 
+
 class ScriptedSampler:
     """Stands in for the sampler in the episode loop: reads each episode's context and writes the
     next turn of a script (cat the test and a missing file: a failing call; then the fix, right
@@ -296,6 +335,7 @@ class ScriptedSampler:
 
     def turn(self, context: str) -> str:
         import re
+
         module = re.search(r"Fix (\w+)\.py\.", context).group(1)
         shown = re.search(r"assert (\w+) == (\d+)", context.split("<output>", 1)[-1])
         if context.count("<output>") == 0:
@@ -315,6 +355,7 @@ class ScriptedSampler:
             @staticmethod
             def completion(j):
                 return turns[j]
+
         return Samples()
 
 
@@ -325,6 +366,7 @@ def test_multi_turn_suite_reports_episode_metrics_and_gates_on_them(run_dir, tmp
     2 cohorts (rl.episode_cohorts): sampler calls of half the episodes, the same results."""
     from posttrain.rl.rollout.worker import RolloutWorker
     from posttrain.rl.tasks import repo_domain
+
     tok = load_tokenizer(base_config().data.tokenizer)
     scripted, calls = ScriptedSampler(tok), []
     monkeypatch.setattr(RolloutWorker, "sample", lambda worker, *a: calls.append(len(a[2])) or scripted(worker, *a))
@@ -332,18 +374,18 @@ def test_multi_turn_suite_reports_episode_metrics_and_gates_on_them(run_dir, tmp
     cfg.rl.max_new_tokens, cfg.rl.invalid_tool_call_penalty, cfg.rl.episode_cohorts = 64, 0.1, 2
     cfg.eval.gate = "tool_success_rate>=0.5, repo_fix/turns_per_episode<=3, repo_fix/tool_call_ok_rate>=0.5"
     want = np.mean([repo_domain.task_fields(t)[3] % 3 == 0 for t in suite_lib.make_suites(cfg, tok)["repo_fix"].tasks])
-    assert want == 0.5            # the seed's 4 held-out tasks: 2 multiples of 3
+    assert want == 0.5  # the seed's 4 held-out tasks: 2 multiples of 3
     result = main_run(cfg)
-    assert max(calls) == 4 and calls[:2] == [2, 2]     # greedy: 4 episodes in 2 cohorts; sampled: 8 in 2
+    assert max(calls) == 4 and calls[:2] == [2, 2]  # greedy: 4 episodes in 2 cohorts; sampled: 8 in 2
     (rec,) = records(tmp_path, "repo_fix")
     assert rec["problems"] == 4 and rec["accuracy"] == rec["tool_success_rate"] == want
     assert rec["mean_accuracy"] == rec["tool_success_rate_sampled"] == rec["pass@2"] == want
     assert rec["turns_per_episode"] == 3 and rec["calls_per_turn"] == pytest.approx(2 / 3)
-    assert rec["tool_call_ok_rate"] == 0.5           # cat of a missing file exits 1: invalid, penalised
+    assert rec["tool_call_ok_rate"] == 0.5  # cat of a missing file exits 1: invalid, penalised
     assert result.eval["tool_success_rate"] == result.eval["repo_fix/tool_success_rate"] == want
     with pytest.raises(GateFailed, match=r"FAIL  tool_success_rate = 0.5 \(needs >= 0.99\)"):
         check_gate("eval", "tool_success_rate>=0.99", result.eval)
-    cfg.eval.gate = "arithmetic/tool_success_rate>=0"      # episode metrics only for multi-turn suites
+    cfg.eval.gate = "arithmetic/tool_success_rate>=0"  # episode metrics only for multi-turn suites
     cfg.eval.suites, cfg.eval.size = "repo_fix,arithmetic", 4
     with pytest.raises(UserError, match=r"does not report \['arithmetic/tool_success_rate'\]"):
         main_run(cfg)

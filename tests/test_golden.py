@@ -20,16 +20,36 @@ ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "data" / "golden_metrics.json"
 # Wall-clock figures and the ones derived from them vary run to run; everything else is a result.
 TIMING_SUFFIXES = ("_s", "_per_s", "device_idle_frac")
-SMALL = {"train.steps": 5, "train.log_every": 1, "train.batch_size": 8, "train.seq_len": 64,
-         "train.progress": False, "checkpoint.every": 0, "data.synthetic_size": 200}
+SMALL = {
+    "train.steps": 5,
+    "train.log_every": 1,
+    "train.batch_size": 8,
+    "train.seq_len": 64,
+    "train.progress": False,
+    "checkpoint.every": 0,
+    "data.synthetic_size": 200,
+}
 RUNS = {
     "sft_tiny": ("sft_tiny.py", {"sft.steps": 0, "train.eval_every": 5, "sft.gate": ""}),
     "dpo_tiny": ("dpo_tiny.py", {"dpo.steps": 0, "train.eval_every": 5, "dpo.gate": ""}),
-    "rlvr_tiny_sync": ("rlvr_tiny.py", {"rl.steps": 0, "rl.gate": "", "rl.prompts_per_step": 4,
-                                        "rl.group_size": 4, "rl.max_new_tokens": 16, "rl.eval_every": 5,
-                                        "rl.eval_size": 8, "rl.eval_samples": 2, "rl.arithmetic_size": 100,
-                                        # a random policy solves nothing: shaping, KL and entropy give the update work
-                                        "rl.overlong_buffer": 14, "rl.kl_coef": 0.05, "rl.entropy_coef": 0.01}),
+    "rlvr_tiny_sync": (
+        "rlvr_tiny.py",
+        {
+            "rl.steps": 0,
+            "rl.gate": "",
+            "rl.prompts_per_step": 4,
+            "rl.group_size": 4,
+            "rl.max_new_tokens": 16,
+            "rl.eval_every": 5,
+            "rl.eval_size": 8,
+            "rl.eval_samples": 2,
+            "rl.arithmetic_size": 100,
+            # a random policy solves nothing: shaping, KL and entropy give the update work
+            "rl.overlong_buffer": 14,
+            "rl.kl_coef": 0.05,
+            "rl.entropy_coef": 0.01,
+        },
+    ),
 }
 RUNS["rlvr_tiny_async"] = ("rlvr_tiny.py", {**RUNS["rlvr_tiny_sync"][1], "rl.max_staleness": 1})
 
@@ -54,7 +74,7 @@ def logged(workdir: Path) -> list[dict]:
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_stage_logs_its_golden_metrics(name, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT))      # configs import configs.sft_tiny
+    monkeypatch.syspath_prepend(str(ROOT))  # configs import configs.sft_tiny
     monkeypatch.chdir(tmp_path)
     run(config(name, tmp_path / name))
     rows = logged(tmp_path / name)
@@ -69,6 +89,8 @@ def test_stage_logs_its_golden_metrics(name, tmp_path, monkeypatch):
     for got, want in zip(rows, expected):
         for key, value in want.items():
             if isinstance(value, float):
-                np.testing.assert_allclose(got[key], value, rtol=1e-6, atol=1e-7, err_msg=f"{name} step {want['step']} {key}")
+                np.testing.assert_allclose(
+                    got[key], value, rtol=1e-6, atol=1e-7, err_msg=f"{name} step {want['step']} {key}"
+                )
             else:
                 assert got[key] == value, f"{name} step {want['step']} {key}"

@@ -42,14 +42,18 @@ def test_arithmetic_eval_problems_are_in_no_training_data(tmp_path):
     cfg = quickstart_config(tmp_path)
     domains, held_out = make_domains(cfg, ByteTokenizer(), None)
     evals = [PROBLEM.match(t.prompt[0]["content"]).group(1) for _, t in held_out]
-    assert len(evals) == len(set(evals)) == cfg.rl.eval_size                 # distinct problems
+    assert len(evals) == len(set(evals)) == cfg.rl.eval_size  # distinct problems
     assert {arithmetic_split(q) for q in evals} == {"test"}
     train = {PROBLEM.match(t.prompt[0]["content"]).group(1) for t in domains["arithmetic"].tasks}
     resolve_data_files(cfg, "sft", "sft")
     resolve_data_files(cfg, "dpo", "preference")
     sft, preference = set(problems(Path(cfg.sft.train_files))), set(problems(Path(cfg.dpo.train_files)))
-    lm = {q for step in range(20) for row in arithmetic_lm_batch(0, step, 8, 128)["inputs"]
-          for q in re.findall(r"(?:^|;)(\d+[+-]\d+)=", bytes(row.astype("uint8")).decode())}
+    lm = {
+        q
+        for step in range(20)
+        for row in arithmetic_lm_batch(0, step, 8, 128)["inputs"]
+        for q in re.findall(r"(?:^|;)(\d+[+-]\d+)=", bytes(row.astype("uint8")).decode())
+    }
     for name, data in (("rl", train), ("sft", sft), ("preference", preference), ("lm", lm)):
         assert not data & set(evals), name
     assert {arithmetic_split(q) for q in set(problems(Path(cfg.sft.eval_files)))} == {"test"}
@@ -59,7 +63,9 @@ def test_arithmetic_eval_problems_are_in_no_training_data(tmp_path):
 def test_stale_generated_file_with_held_out_problems_is_refused(tmp_path):
     path = tmp_path / "old.jsonl"
     test_problem = next(f"{a}+{b}" for a in range(50) for b in range(50) if arithmetic_split(f"{a}+{b}") == "test")
-    path.write_text(json.dumps({"prompt": "What is 1+1?"}) + "\n" + json.dumps({"prompt": f"What is {test_problem}?"}) + "\n")
+    path.write_text(
+        json.dumps({"prompt": "What is 1+1?"}) + "\n" + json.dumps({"prompt": f"What is {test_problem}?"}) + "\n"
+    )
     with pytest.raises(ValueError, match=f"old.jsonl:2: problem '{re.escape(test_problem)}' belongs to .*'test'"):
         ensure_arithmetic_file(str(path), "sft", 10, seed=0, split="train")
 

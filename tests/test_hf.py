@@ -28,24 +28,60 @@ from posttrain.models.decoder import Decoder  # noqa: E402
 from posttrain.models.hf import hf_config_from_model, load_params, model_config_from_dict, model_config_from_hf, save_hf  # noqa: E402
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding  # noqa: E402
 
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2)
+SMALL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+)
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=8.0, rope_theta=500.0)
-LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-              original_max_position_embeddings=16, rope_theta=500.0)
+LLAMA3 = dict(
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=16,
+    rope_theta=500.0,
+)
 # id → (config class, its arguments, save_pretrained arguments)
 CASES = {
     "llama-llama3-untied": ("LlamaConfig", dict(rope_parameters=LLAMA3), {}),
     "qwen2-bias-tied": ("Qwen2Config", dict(tie_word_embeddings=True), dict(max_shard_size="20KB")),
     "qwen3-qknorm-yarn": ("Qwen3Config", dict(head_dim=16, rope_parameters=YARN), {}),
-    "qwen3moe-step2-mlponly": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                                      decoder_sparse_step=2, mlp_only_layers=[1, 2], head_dim=8,
-                                                      norm_topk_prob=False), dict(max_shard_size="30KB")),
-    "qwen3moe-normtopk-fused": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                                       head_dim=8, norm_topk_prob=True, num_hidden_layers=2),
-                                dict(save_original_format=False)),
-    "mixtral-gqa": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, num_key_value_heads=1,
-                                          num_hidden_layers=2), dict(max_shard_size="30KB")),
+    "qwen3moe-step2-mlponly": (
+        "Qwen3MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            decoder_sparse_step=2,
+            mlp_only_layers=[1, 2],
+            head_dim=8,
+            norm_topk_prob=False,
+        ),
+        dict(max_shard_size="30KB"),
+    ),
+    "qwen3moe-normtopk-fused": (
+        "Qwen3MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            head_dim=8,
+            norm_topk_prob=True,
+            num_hidden_layers=2,
+        ),
+        dict(save_original_format=False),
+    ),
+    "mixtral-gqa": (
+        "MixtralConfig",
+        dict(num_local_experts=4, num_experts_per_tok=2, num_key_value_heads=1, num_hidden_layers=2),
+        dict(max_shard_size="30KB"),
+    ),
 }
 
 
@@ -77,8 +113,10 @@ def forward(cfg, params, rest, tokens, mesh):
 
 @pytest.fixture(scope="module")
 def meshes():
-    return {"1 device": make_mesh(dict(data=1), jax.devices()[:1]),
-            "data=2,expert=2,tensor=2": make_mesh(dict(data=2, expert=2, tensor=2))}
+    return {
+        "1 device": make_mesh(dict(data=1), jax.devices()[:1]),
+        "data=2,expert=2,tensor=2": make_mesh(dict(data=2, expert=2, tensor=2)),
+    }
 
 
 @pytest.mark.parametrize("kind", list(CASES))
@@ -88,7 +126,7 @@ def test_logits_match_transformers_and_round_trip(kind, meshes, tmp_path):
     model.save_pretrained(src, **CASES[kind][2])
     tokens = np.random.default_rng(0).integers(0, 64, (4, 24))
     ref = hf_logits(model, tokens)
-    assert ref.std() > 0.3                           # logits far from zero: the comparison means something
+    assert ref.std() > 0.3  # logits far from zero: the comparison means something
     cfg = model_config_from_hf(src)
     make = lambda: Decoder(cfg, rngs=nnx.Rngs(0))
     for name, mesh in meshes.items():
@@ -104,15 +142,26 @@ def test_logits_match_transformers_and_round_trip(kind, meshes, tmp_path):
     np.testing.assert_array_equal(hf_logits(transformers.AutoModelForCausalLM.from_pretrained(out), tokens), ref)
 
 
-@pytest.mark.parametrize("rope", [dict(rope_type="linear", factor=2.0), dict(rope_type="dynamic", factor=3.0),
-                                  YARN, dict(YARN, attention_factor=1.3), dict(YARN, mscale=2.0, mscale_all_dim=1.0),
-                                  dict(YARN, truncate=False), LLAMA3], ids=lambda r: r["rope_type"])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        dict(rope_type="linear", factor=2.0),
+        dict(rope_type="dynamic", factor=3.0),
+        YARN,
+        dict(YARN, attention_factor=1.3),
+        dict(YARN, mscale=2.0, mscale_all_dim=1.0),
+        dict(YARN, truncate=False),
+        LLAMA3,
+    ],
+    ids=lambda r: r["rope_type"],
+)
 def test_rope_frequencies_match_transformers(rope):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     hf = transformers.LlamaConfig(**{**SMALL, "head_dim": 16, "rope_parameters": {"rope_theta": 500.0, **rope}})
     cfg = model_config_from_dict(hf.to_dict())
     scaling = RopeScaling.from_config(cfg.rope_scaling)
-    seq_len = 100                                     # past max_position_embeddings: dynamic scaling grows
+    seq_len = 100  # past max_position_embeddings: dynamic scaling grows
     want, want_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, None, seq_len=seq_len)
     got = rope_frequencies(cfg.head_dim, cfg.rope_theta, scaling, jnp.asarray(seq_len))
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
@@ -133,15 +182,21 @@ def test_config_round_trips_through_config_json(kind):
         assert {"attention_dropout", "hidden_act", "max_position_embeddings"} <= again.keys()
 
 
-@pytest.mark.parametrize("change, key", [
-    (dict(architectures=["GPT2LMHeadModel"]), "architectures"),
-    (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(attention_bias=True), "attention_bias"),
-    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope_type='longrope'"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4, "beta_fast": 8, "foo": 1}), "foo"),
-    (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
-    (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
-])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        (dict(architectures=["GPT2LMHeadModel"]), "architectures"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope_type='longrope'"),
+        (
+            dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4, "beta_fast": 8, "foo": 1}),
+            "foo",
+        ),
+        (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+        (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    ],
+)
 def test_unsupported_config_is_an_error_naming_the_key(change, key):
     hf = {**transformers.LlamaConfig(**SMALL).to_dict(), **change}
     with pytest.raises(ValueError, match=key.replace("[", r"\[")):
@@ -178,8 +233,10 @@ def test_convert_runs_both_ways_with_lora_merged(tmp_path):
     mesh = make_mesh(dict(fsdp=-1))
     hf_to_run(src, run, mesh, DEFAULT_RULES, progress=False)
     run_to_hf(read_run_config(run), str(tmp_path / "back"), mesh, DEFAULT_RULES, progress=False)
-    np.testing.assert_array_equal(hf_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back"),
-                                            tokens), hf_logits(model, tokens))
+    np.testing.assert_array_equal(
+        hf_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back"), tokens),
+        hf_logits(model, tokens),
+    )
 
     cfg = base_config()
     cfg.model.update(model_config_from_hf(src))
@@ -189,8 +246,10 @@ def test_convert_runs_both_ways_with_lora_merged(tmp_path):
     one = make_mesh(dict(data=1), jax.devices()[:1])
     base, rest, _ = load_model_state(cfg.init_from, make, one, DEFAULT_RULES)
     rng = np.random.default_rng(2)
-    adapters = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.3, x.dtype),
-                            lora.init_adapters(base, cfg.lora.targets, 2, jax.random.key(0)))
+    adapters = jax.tree.map(
+        lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.3, x.dtype),
+        lora.init_adapters(base, cfg.lora.targets, 2, jax.random.key(0)),
+    )
     ckpt = Checkpointer(os.path.join(lora_run, "checkpoints"), every=0, keep=1, async_save=False)
     ckpt.save(5, {"params": adapters})
     ckpt.close()
@@ -199,7 +258,7 @@ def test_convert_runs_both_ways_with_lora_merged(tmp_path):
     ours = forward(cfg.model, merged, rest, tokens, one)
     theirs = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged"), tokens)
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
-    assert np.abs(theirs - hf_logits(model, tokens)).max() > 1e-2      # the adapters did change the model
+    assert np.abs(theirs - hf_logits(model, tokens)).max() > 1e-2  # the adapters did change the model
 
 
 def test_advertised_context():
@@ -207,10 +266,10 @@ def test_advertised_context():
     cfg = model_config_from_dict(hf)
     with pytest.raises(ValueError, match="max_position_embeddings is unknown"):
         hf_config_from_model(cfg, None)
-    assert hf_config_from_model(cfg, hf, context=32)["max_position_embeddings"] == 64      # never shrinks
-    assert hf_config_from_model(cfg, hf, context=300)["max_position_embeddings"] == 300    # trained longer
+    assert hf_config_from_model(cfg, hf, context=32)["max_position_embeddings"] == 64  # never shrinks
+    assert hf_config_from_model(cfg, hf, context=300)["max_position_embeddings"] == 300  # trained longer
     cfg.rope_scaling.update(type="dynamic", factor=2.0, original_max_position_embeddings=48)
-    assert hf_config_from_model(cfg, hf, context=300)["max_position_embeddings"] == 48     # dynamic: math
+    assert hf_config_from_model(cfg, hf, context=300)["max_position_embeddings"] == 48  # dynamic: math
 
 
 def long_sft_file(path, n: int = 16) -> str:
@@ -219,7 +278,7 @@ def long_sft_file(path, n: int = 16) -> str:
     with open(path, "w") as f:
         for i in range(n):
             text = " ".join(str(x) for x in rng.integers(0, 1000, 60 if i % 2 else 6))
-            f.write(json.dumps({"prompt": text[:len(text) // 2], "response": text[len(text) // 2:]}) + "\n")
+            f.write(json.dumps({"prompt": text[: len(text) // 2], "response": text[len(text) // 2 :]}) + "\n")
     return str(path)
 
 
@@ -227,9 +286,17 @@ def test_export_keeps_source_config_and_advertises_trained_context(tmp_path):
     """--from_hf then --to_hf (no --hf_base) keeps every source key; a run trained longer (SFT
     from that run) exports its trained context with the source's other settings."""
     from posttrain.main import run as run_main
+
     src, run, out = str(tmp_path / "src"), str(tmp_path / "run"), str(tmp_path / "out")
-    hf_model("llama-llama3-untied", vocab_size=264, num_hidden_layers=2, max_position_embeddings=96,
-             bos_token_id=5, eos_token_id=6, pad_token_id=7).save_pretrained(src)
+    hf_model(
+        "llama-llama3-untied",
+        vocab_size=264,
+        num_hidden_layers=2,
+        max_position_embeddings=96,
+        bos_token_id=5,
+        eos_token_id=6,
+        pad_token_id=7,
+    ).save_pretrained(src)
     source = json.loads(open(os.path.join(src, "config.json")).read())
     mesh = make_mesh(dict(fsdp=-1))
     hf_to_run(src, run, mesh, DEFAULT_RULES, progress=False)
@@ -244,10 +311,10 @@ def test_export_keeps_source_config_and_advertises_trained_context(tmp_path):
     cfg.stage, cfg.workdir, cfg.init_from, cfg.data.tokenizer = "sft", str(tmp_path / "long"), run, "byte"
     cfg.sft.train_files, cfg.sft.eval_files = long_sft_file(tmp_path / "long.jsonl"), ""
     cfg.data.truncate, cfg.train.progress, cfg.checkpoint.async_save = True, False, False
-    cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len = 2, 2, 128    # (staged runs: test_seq_len_schedule)
+    cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len = 2, 2, 128  # (staged runs: test_seq_len_schedule)
     run_main(cfg)
     run_to_hf(read_run_config(cfg.workdir), str(tmp_path / "long_hf"), mesh, DEFAULT_RULES, progress=False)
     exported = json.loads(open(tmp_path / "long_hf" / "config.json").read())
-    assert exported["max_position_embeddings"] == 128                 # truncated rows of 128 were trained
+    assert exported["max_position_embeddings"] == 128  # truncated rows of 128 were trained
     assert exported["rope_parameters"] == source["rope_parameters"]
     assert (exported["bos_token_id"], exported["eos_token_id"], exported["pad_token_id"]) == (5, 6, 7)

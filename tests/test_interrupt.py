@@ -33,9 +33,9 @@ def test_first_signal_sets_the_flag_second_aborts_and_handlers_come_back():
         with interrupt.on_signal() as stop:
             assert signal.getsignal(signal.SIGTERM) == stop.handle
             interrupt.stop_if_requested(1, saved=False, save=lambda: ckpt.saved.append(1), ckpt=ckpt, workdir="W")
-            assert ckpt.saved == []                          # no signal: nothing happens
+            assert ckpt.saved == []  # no signal: nothing happens
             os.kill(os.getpid(), signal.SIGTERM)
-            assert stop.signum == signal.SIGTERM             # the step goes on
+            assert stop.signum == signal.SIGTERM  # the step goes on
             interrupt.stop_if_requested(2, saved=False, save=lambda: ckpt.saved.append(2), ckpt=ckpt, workdir="W")
     assert ckpt.saved == [2] and ckpt.waited == 1
     assert info.value.step == 2 and info.value.exit_code == 143 and "SIGTERM" in str(info.value)
@@ -44,16 +44,16 @@ def test_first_signal_sets_the_flag_second_aborts_and_handlers_come_back():
     with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
         with interrupt.on_signal():
             os.kill(os.getpid(), signal.SIGINT)
-            os.kill(os.getpid(), signal.SIGINT)              # aborts here
+            os.kill(os.getpid(), signal.SIGINT)  # aborts here
             raise AssertionError("not reached")
     assert {s: signal.getsignal(s) for s in interrupt.SIGNALS} == before
 
-    with pytest.raises(Interrupted) as info:                 # a signal after the last step's check
+    with pytest.raises(Interrupted) as info:  # a signal after the last step's check
         with interrupt.on_signal():
             os.kill(os.getpid(), signal.SIGINT)
     assert info.value.step is None and info.value.exit_code == 130
     interrupt.stop_if_requested(3, saved=False, save=lambda: ckpt.saved.append(3), ckpt=ckpt, workdir="W")
-    assert ckpt.saved == [2]                                 # outside a block nothing is requested
+    assert ckpt.saved == [2]  # outside a block nothing is requested
 
 
 def sft_config(tmp_path: Path, steps: int):
@@ -64,15 +64,16 @@ def sft_config(tmp_path: Path, steps: int):
     cfg.workdir, cfg.sft.train_files, cfg.sft.eval_files, cfg.sft.gate = str(tmp_path / "W"), str(data), "", ""
     cfg.data.synthetic, cfg.train.progress, cfg.train.log_every = "", False, 1
     cfg.model.num_layers, cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len = 1, steps, 8, 64
-    cfg.checkpoint.every, cfg.checkpoint.async_save = 0, True        # the only checkpoint is the interrupt's
+    cfg.checkpoint.every, cfg.checkpoint.async_save = 0, True  # the only checkpoint is the interrupt's
     return cfg
 
 
 def test_sigterm_in_sft_saves_at_the_step_and_the_rerun_resumes(tmp_path, monkeypatch, capsys):
     from posttrain.core import loop
+
     put_batch, calls = loop.put_batch, []
 
-    def put_batch_and_signal(*args, **kwargs):       # SIGTERM while step 2 is being prepared
+    def put_batch_and_signal(*args, **kwargs):  # SIGTERM while step 2 is being prepared
         calls.append(1)
         if len(calls) == 3:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -103,6 +104,7 @@ def test_sigint_in_the_rl_loop_saves_at_the_step(monkeypatch):
     from posttrain.core.alerts import AlertMonitor
     from posttrain.core.harness import Harness
     from posttrain.stages import rlvr as rl_loop
+
     cfg = base_config()
     cfg.train.progress, cfg.workdir, cfg.rl.eval_every = False, "W", 0
 
@@ -126,17 +128,26 @@ def test_sigint_in_the_rl_loop_saves_at_the_step(monkeypatch):
     ckpt = FakeCheckpointer()
     ckpt.should_save = lambda step, last: step % 4 == 0
     flushed = []
-    writer = type("W", (), {"write": lambda self, step, m: {"step": step, **m},
-                            "flush": lambda self: flushed.append(True), "close": lambda self: None})()
-    harness = Harness("rlvr", 10, ckpt, writer, workdir="W", progress=False, alerts=AlertMonitor.from_config(cfg.alerts))
+    writer = type(
+        "W",
+        (),
+        {
+            "write": lambda self, step, m: {"step": step, **m},
+            "flush": lambda self: flushed.append(True),
+            "close": lambda self: None,
+        },
+    )()
+    harness = Harness(
+        "rlvr", 10, ckpt, writer, workdir="W", progress=False, alerts=AlertMonitor.from_config(cfg.alerts)
+    )
     with pytest.raises(Interrupted) as info, interrupt.on_signal():
         rl_loop.train_loop(c, rl_loop.RLState(None, 0), harness)
     assert info.value.step == 3 and info.value.exit_code == 130
-    assert saved == [(3, {"drawn": 2})] and ckpt.waited == 1      # the step finished, then saved
-    assert flushed                 # metrics rows reach the (maybe gs://) file before that checkpoint
+    assert saved == [(3, {"drawn": 2})] and ckpt.waited == 1  # the step finished, then saved
+    assert flushed  # metrics rows reach the (maybe gs://) file before that checkpoint
 
     saved.clear()
-    ckpt.should_save = lambda step, last: step % 3 == 0          # the loop's own save at that step: not twice
+    ckpt.should_save = lambda step, last: step % 3 == 0  # the loop's own save at that step: not twice
     with pytest.raises(Interrupted), interrupt.on_signal():
         rl_loop.train_loop(c, rl_loop.RLState(None, 0), harness)
     assert saved == [(3, {"drawn": 2})]
@@ -146,11 +157,15 @@ def test_hosts_agree_to_stop_at_the_same_step(monkeypatch):
     """Multi-host: a host without a signal stops too when another got one, at the agreed steps only."""
     import jax
     from jax.experimental import multihost_utils
+
     gathered = []
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    monkeypatch.setattr(multihost_utils, "process_allgather",
-                        lambda x: gathered.append(int(x)) or __import__("numpy").asarray([int(x), signal.SIGTERM]))
-    assert interrupt.agreed(None, step=3, every=2) is None and gathered == []       # not an agreed step
+    monkeypatch.setattr(
+        multihost_utils,
+        "process_allgather",
+        lambda x: gathered.append(int(x)) or __import__("numpy").asarray([int(x), signal.SIGTERM]),
+    )
+    assert interrupt.agreed(None, step=3, every=2) is None and gathered == []  # not an agreed step
     assert interrupt.agreed(None, step=4, every=2) == signal.SIGTERM and gathered == [0]
     monkeypatch.setattr(jax, "process_count", lambda: 1)
     assert interrupt.agreed(None, step=4, every=1) is None and gathered == [0]

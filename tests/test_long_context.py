@@ -25,8 +25,15 @@ from posttrain.parallel.zigzag import unzigzag, zigzag_batch
 
 def model_config(**kw):
     cfg = base_config().model
-    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = \
-        64, 16, 2, 4, 2, 8, 32
+    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = (
+        64,
+        16,
+        2,
+        4,
+        2,
+        8,
+        32,
+    )
     cfg.update(kw)
     return cfg
 
@@ -42,8 +49,13 @@ def packed_batch(b=2, s=32, seed=0):
     for r in range(b):
         for i in range(1, s):
             pos[r, i] = 0 if seg[r, i] != seg[r, i - 1] else pos[r, i - 1] + 1
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": pos, "segment_ids": seg,
-            "loss_mask": (seg != 0).astype(np.int32) * (rng.random((b, s)) < 0.9)}
+    return {
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "positions": pos,
+        "segment_ids": seg,
+        "loss_mask": (seg != 0).astype(np.int32) * (rng.random((b, s)) < 0.9),
+    }
 
 
 def loss_logits_grads(graphdef, params, rest, batch):
@@ -52,6 +64,7 @@ def loss_logits_grads(graphdef, params, rest, batch):
         logits, _ = model(batch["inputs"], batch["positions"], batch["segment_ids"])
         loss, _ = lm_loss(model, batch, None)
         return loss, logits
+
     (loss, logits), grads = jax.value_and_grad(f, has_aux=True)(params)
     return loss, logits, grads
 
@@ -67,20 +80,22 @@ def reference():
 LAYOUTS = [(dict(data=2, sequence=4), "ring"), (dict(data=2, sequence=4), "all_gather")]
 
 
-@pytest.mark.parametrize("sizes,mode", LAYOUTS, ids=lambda x: x if isinstance(x, str) else
-                         ",".join(f"{k}={v}" for k, v in x.items()))
+@pytest.mark.parametrize(
+    "sizes,mode", LAYOUTS, ids=lambda x: x if isinstance(x, str) else ",".join(f"{k}={v}" for k, v in x.items())
+)
 def test_context_parallel_model_matches_single_device(reference, sizes, mode):
     params, rest, batch, (loss, logits, grads) = reference
     n = sizes["sequence"]
     mesh = make_mesh(sizes)
     # Layers rematerialised under the ring (its custom_vjp inside jax.checkpoint), as long contexts run.
-    cfg = model_config(attention="blockwise", attention_block=3, context_parallel=mode,
-                       remat="full" if mode == "ring" else "none")
+    cfg = model_config(
+        attention="blockwise", attention_block=3, context_parallel=mode, remat="full" if mode == "ring" else "none"
+    )
     with use_sharding(mesh, DEFAULT_RULES):
         graphdef = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)[0]
         sh_params = jax.device_put(params, shardings_for(params, mesh, DEFAULT_RULES))
         sh_rest = jax.device_put(rest, shardings_for(rest, mesh, DEFAULT_RULES))
-        zz = jax.tree.map(jnp.asarray, zigzag_batch(packed_batch(), n))       # built once, on the host
+        zz = jax.tree.map(jnp.asarray, zigzag_batch(packed_batch(), n))  # built once, on the host
         compiled = jax.jit(functools.partial(loss_logits_grads, graphdef)).lower(sh_params, sh_rest, zz).compile()
         s_loss, s_logits, s_grads = compiled(sh_params, sh_rest, zz)
     assert ("collective-permute" in compiled.as_text()) == (mode == "ring")
@@ -114,15 +129,18 @@ def test_attention_switches_fail_clearly():
 def test_attention_block_sets_the_tiles():
     """model.attention_block=8 over 32 tokens: 4 key/value tiles per query tile; 512: one."""
     batch = packed_batch()
+
     def jaxpr(block):
         model = Decoder(model_config(attention="blockwise", attention_block=block), rngs=nnx.Rngs(0))
-        return str(jax.make_jaxpr(lambda t, p, s: model(t, p, s)[0])(
-            batch["inputs"], batch["positions"], batch["segment_ids"]))
+        return str(
+            jax.make_jaxpr(lambda t, p, s: model(t, p, s)[0])(batch["inputs"], batch["positions"], batch["segment_ids"])
+        )
+
     assert "length=4" in jaxpr(8) and "length=4" not in jaxpr(512)
 
 
 def test_auto_context_parallel_rule():
-    kv = gathered_kv_bytes((1, 4096, 8, 128), n=8, itemsize=2)        # one layer's gathered K/V + grads
+    kv = gathered_kv_bytes((1, 4096, 8, 128), n=8, itemsize=2)  # one layer's gathered K/V + grads
     assert kv == 2 * 8 * 4096 * 8 * 128 * (2 + 4)
     assert choose("auto", kv, 16 * 2**30) == "all_gather"
     assert choose("auto", 64 * kv, 16 * 2**30) == "ring"
@@ -141,6 +159,7 @@ def test_splash_kernel_matches_reference_in_interpret_mode():
     # On a mesh the Mosaic kernel runs per device inside shard_map (the compiler cannot partition
     # it): rows over data, whole GQA groups over tensor.
     from posttrain.ops.fused import on_local_shards
+
     q2, k2, v2, seg2 = (jnp.concatenate([x, x[:, ::-1]]) for x in (q, k, v, seg))
     kernel = functools.partial(splash_attention, block_size=128, interpret=True)
     with use_sharding(make_mesh(dict(data=2, tensor=2, fsdp=2)), DEFAULT_RULES):
@@ -155,9 +174,10 @@ def test_sampler_with_sequence_sharded_prefill_and_cache_matches_one_device():
     """Prefill with the length over `sequence` = 4 (ring), then decoding against a cache whose
     time axis is sharded over `sequence`: the same tokens and log-probs as one device."""
     from posttrain.sampling import SamplingParams, generate, kv_cache
+
     cfg = model_config(attention="blockwise", attention_block=4, context_parallel="ring")
     graphdef, params, rest = nnx.split(Decoder(cfg, rngs=nnx.Rngs(2)), nnx.Param, ...)
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, num_samples=2)   # cache: 16 + 8 entries
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, num_samples=2)  # cache: 16 + 8 entries
     key = jax.random.key(5)
     with use_sharding(make_mesh(dict(data=1), devices=jax.devices()[:1]), DEFAULT_RULES):
         single = generate(graphdef, params, rest, PROMPTS, sampling, key)
@@ -166,8 +186,11 @@ def test_sampler_with_sequence_sharded_prefill_and_cache_matches_one_device():
         sh_params = jax.device_put(params, shardings_for(params, mesh, DEFAULT_RULES))
         sharded = generate(graphdef, sh_params, rest, PROMPTS, sampling, key)
         cache = kv_cache.shard(tuple((jnp.zeros((8, 2, 8, 24)), jnp.zeros((8, 2, 24, 8))) for _ in range(2)))
-        step = jax.jit(lambda params, tokens, positions, cache: nnx.merge(graphdef, params, rest).decode(
-            tokens, positions, cache)[1])
+        step = jax.jit(
+            lambda params, tokens, positions, cache: nnx.merge(graphdef, params, rest).decode(tokens, positions, cache)[
+                1
+            ]
+        )
         hlo = step.lower(sh_params, jnp.zeros((8, 1), jnp.int32), jnp.arange(8), cache).compile().as_text()
     np.testing.assert_array_equal(sharded.tokens, single.tokens)
     np.testing.assert_allclose(sharded.logprobs, single.logprobs, atol=1e-5)

@@ -23,6 +23,7 @@ def solve_multihop(prompt: str) -> str:
     def value(name):
         base, prev, sign, step = facts[name]
         return int(base) if base else value(prev) + (int(step) if sign == "plus" else -int(step))
+
     return str(value(asked))
 
 
@@ -30,10 +31,10 @@ def solve_multihop(prompt: str) -> str:
 @pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
 def test_problems_have_the_asked_length_depth_and_answer(length, depth):
     p = needle(length, depth, index=3)
-    assert p == needle(length, depth, index=3)                       # deterministic
+    assert p == needle(length, depth, index=3)  # deterministic
     assert p.prompt != needle(length, depth, index=4).prompt
     n = len(p.prompt.encode())
-    assert length - 60 < n <= length                                  # within one filler sentence
+    assert length - 60 < n <= length  # within one filler sentence
     fact = re.search(r"The magic number of \w+ is (\d+)\.", p.prompt)
     assert fact.group(1) == p.answer and p.prompt.count("magic number") == 2
     context = p.prompt.rsplit("\n", 1)[0]
@@ -57,7 +58,7 @@ def test_eval_names_never_occur_in_training_data():
     train_text += " ".join(r["prompt"] for r in training_records(50, 160, 400, seed=7))
     found = set(re.findall(r"[A-Z][a-z]+", train_text))
     assert len(found) > 100 and not eval_names & found
-    for i in range(50):                                               # and the eval problems' own names
+    for i in range(50):  # and the eval problems' own names
         for p in (needle(300, 0.5, index=i), multihop(300, 0.5, index=i)):
             asked = re.search(r"of (\w+)\?", p.prompt).group(1)
             assert asked not in train_text
@@ -91,15 +92,23 @@ def test_grid_accuracy_accounting(monkeypatch):
             else:
                 answers.append(solve_multihop(t) if len(t) < 200 else "x")
         return _Samples([tok.encode(a) for a in answers])
+
     monkeypatch.setattr(long_context_eval, "generate", fake_generate)
     monkeypatch.setattr(long_context_eval.nnx, "split", lambda model, *a: (None, None, None))
     rows = long_context_eval.evaluate(object(), tok, lc_config(), step=7)
     assert len(rows) == 2 * 2 * 2 and all(r["n"] == 3 and r["step"] == 7 for r in rows)
     assert all(r["prompt_tokens"] <= r["length"] for r in rows) and max(calls) <= 256
     acc = {(r["kind"], r["length"], r["depth"]): r["accuracy"] for r in rows}
-    assert acc == {("needle", 192, 0.0): 0.0, ("needle", 192, 1.0): 1.0, ("needle", 256, 0.0): 0.0,
-                   ("needle", 256, 1.0): 1.0, ("multihop", 192, 0.0): 1.0, ("multihop", 192, 1.0): 1.0,
-                   ("multihop", 256, 0.0): 0.0, ("multihop", 256, 1.0): 0.0}
+    assert acc == {
+        ("needle", 192, 0.0): 0.0,
+        ("needle", 192, 1.0): 1.0,
+        ("needle", 256, 0.0): 0.0,
+        ("needle", 256, 1.0): 1.0,
+        ("multihop", 192, 0.0): 1.0,
+        ("multihop", 192, 1.0): 1.0,
+        ("multihop", 256, 0.0): 0.0,
+        ("multihop", 256, 1.0): 0.0,
+    }
     s = long_context_eval.summarize(rows)
     assert s["long_ctx_needle"] == 0.5 and s["long_ctx_multihop"] == 0.5 and s["long_ctx_multihop/len192"] == 1.0
 
@@ -112,8 +121,15 @@ class _Samples:
         return self.completions[i]
 
 
-@pytest.mark.parametrize("key, value, why", [("lengths", "0,12", "positive"), ("depths", "0,1.5", r"\[0, 1\]"),
-                                             ("kinds", "needle,haystack", "subset"), ("lengths", "a", "integers")])
+@pytest.mark.parametrize(
+    "key, value, why",
+    [
+        ("lengths", "0,12", "positive"),
+        ("depths", "0,1.5", r"\[0, 1\]"),
+        ("kinds", "needle,haystack", "subset"),
+        ("lengths", "a", "integers"),
+    ],
+)
 def test_bad_grid_names_the_key(key, value, why):
     lc = lc_config()
     lc[key] = value
@@ -122,17 +138,21 @@ def test_bad_grid_names_the_key(key, value, why):
 
 
 def test_heat_map_and_jsonl(tmp_path):
-    rows = [{"kind": k, "length": n, "depth": d, "accuracy": a, "n": 1, "correct": int(a), "prompt_tokens": n, "step": 3}
-            for k in ("needle", "multihop") for n in (128, 256) for d, a in ((0.0, 0.0), (1.0, 1.0))]
+    rows = [
+        {"kind": k, "length": n, "depth": d, "accuracy": a, "n": 1, "correct": int(a), "prompt_tokens": n, "step": 3}
+        for k in ("needle", "multihop")
+        for n in (128, 256)
+        for d, a in ((0.0, 0.0), (1.0, 1.0))
+    ]
     long_context_eval.write_rows(rows, str(tmp_path / "lc.jsonl"))
     assert [json.loads(line) for line in open(tmp_path / "lc.jsonl")] == rows
     out = long_context_eval.plot_heatmaps(rows, str(tmp_path / "lc.png"), "t")
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-
 def test_stages_that_cannot_generate_refuse_the_eval():
     from posttrain.stages import lm, reward_model
+
     cfg = base_config()
     cfg.eval.long_context.lengths = "256"
     for run in (reward_model.run, lm.run):

@@ -31,9 +31,10 @@ def tiny_config(tmp_path):
 
 def test_long_context_tiny_end_to_end(tmp_path):
     from posttrain.main import run
+
     cfg = tiny_config(tmp_path)
     result = run(cfg)
-    [data] = (tmp_path / "run" / "synthetic").glob("long_context_train_*.jsonl")     # generated there
+    [data] = (tmp_path / "run" / "synthetic").glob("long_context_train_*.jsonl")  # generated there
     records = [json.loads(line) for line in open(data)]
     assert len(records) == 24 and all(r["response"].lstrip("-").isdigit() for r in records)
     assert [r["seq_len"] for r in result.rows if "seq_len" in r] == [192, 192, 256, 256]
@@ -64,13 +65,27 @@ def test_long_context_tiny_end_to_end(tmp_path):
 def test_long_context_eval_cli(tmp_path):
     """The command line on a finished tiny run: JSONL and heat map written, means printed."""
     from posttrain.main import run
+
     cfg = tiny_config(tmp_path)
     cfg.eval.long_context.lengths = ""
     run(cfg)
-    out = subprocess.run([sys.executable, "tools/long_context_eval.py", f"--run={cfg.workdir}", "--step=2",
-                          "--lengths=200", "--depths=0.5", "--samples=2", f"--out={tmp_path / 'lc'}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "tools/long_context_eval.py",
+            f"--run={cfg.workdir}",
+            "--step=2",
+            "--lengths=200",
+            "--depths=0.5",
+            "--samples=2",
+            f"--out={tmp_path / 'lc'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads(out.stdout[out.stdout.index("{"):])
+    summary = json.loads(out.stdout[out.stdout.index("{") :])
     assert summary["step"] == 2 and 0 <= summary["long_ctx_needle"] <= 1
     assert (tmp_path / "lc" / "long_context.png").exists() and (tmp_path / "lc" / "long_context.jsonl").exists()

@@ -16,10 +16,15 @@ def test_token_logprobs_against_numpy():
     targets = rng.integers(0, 5, (2, 3))
     p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     expected = np.log(np.take_along_axis(p, targets[..., None], -1)[..., 0])
-    np.testing.assert_allclose(token_logprobs(jnp.asarray(logits, jnp.float32), jnp.asarray(targets)), expected, atol=1e-5)
+    np.testing.assert_allclose(
+        token_logprobs(jnp.asarray(logits, jnp.float32), jnp.asarray(targets)), expected, atol=1e-5
+    )
     mask = np.array([[1, 0, 1], [0, 0, 1]])
-    np.testing.assert_allclose(sequence_logprobs(jnp.asarray(logits, jnp.float32), jnp.asarray(targets), jnp.asarray(mask)),
-                               (expected * mask).sum(-1), atol=1e-5)
+    np.testing.assert_allclose(
+        sequence_logprobs(jnp.asarray(logits, jnp.float32), jnp.asarray(targets), jnp.asarray(mask)),
+        (expected * mask).sum(-1),
+        atol=1e-5,
+    )
 
 
 def test_dpo_sigmoid_matches_hand_computation():
@@ -42,7 +47,7 @@ def test_dpo_at_start_is_log2_with_zero_margin():
 
 
 def test_dpo_label_smoothing_and_ipo():
-    pc, pr, rc, rr = map(jnp.asarray, ([-1.0], [-2.0], [-1.5], [-1.5]))   # h = 0.5 - (-0.5) = 1.0
+    pc, pr, rc, rr = map(jnp.asarray, ([-1.0], [-2.0], [-1.5], [-1.5]))  # h = 0.5 - (-0.5) = 1.0
     beta, eps = 0.2, 0.1
     loss, _ = dpo_loss(pc, pr, rc, rr, beta=beta, label_smoothing=eps)
     ls = lambda x: -math.log1p(math.exp(-x))

@@ -90,15 +90,18 @@ def reference_loss(p, x, ct, routing, bias):
         probs = scores / scores.sum(-1, keepdims=True)
     w = w * routed_scaling
     combine = jnp.zeros((t.shape[0], E)).at[jnp.arange(t.shape[0])[:, None], idx].set(w)
-    y = sum(combine[:, e:e + 1] * swiglu(t, p["w_gate"][e], p["w_up"][e], p["w_down"][e])
-            for e in range(E))
+    y = sum(combine[:, e : e + 1] * swiglu(t, p["w_gate"][e], p["w_up"][e], p["w_down"][e]) for e in range(E))
     if "shared" in p:
         y = y + swiglu(t, p["shared"]["gate"], p["shared"]["up"], p["shared"]["down"])
-    mask = jax.nn.one_hot(idx, E)                                   # [T, k, E]
+    mask = jax.nn.one_hot(idx, E)  # [T, k, E]
     aux_loss = E * jnp.sum(mask.mean(0) * probs.mean(0)[None])
     z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
-    aux = {"aux_loss": aux_loss, "z_loss": z_loss, "load": mask.sum((0, 1)) / mask[..., 0].size,
-           "dropped": jnp.float32(0)}
+    aux = {
+        "aux_loss": aux_loss,
+        "z_loss": z_loss,
+        "load": mask.sum((0, 1)) / mask[..., 0].size,
+        "dropped": jnp.float32(0),
+    }
     y = y.reshape(x.shape)
     return jnp.sum(y * ct) + aux_loss + z_loss, (y, aux)
 
@@ -108,8 +111,7 @@ def routing_of(cfg):
     return cfg.moe.router, cfg.moe.norm_topk_prob, cfg.moe.routed_scaling
 
 
-REFERENCE_GRAD = jax.jit(jax.value_and_grad(reference_loss, argnums=(0, 1), has_aux=True),
-                         static_argnums=3)
+REFERENCE_GRAD = jax.jit(jax.value_and_grad(reference_loss, argnums=(0, 1), has_aux=True), static_argnums=3)
 
 
 @functools.cache
@@ -124,8 +126,7 @@ def real_tokens(a):
 
 
 def assert_tree_close(a, b, rtol=1e-5, atol=1e-5):
-    jax.tree.map(lambda u, v: np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol,
-                                                         atol=atol), a, b)
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol), a, b)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -137,7 +138,8 @@ def test_dropless_matches_dense_reference(case):
     bias = rest["router_bias"][...] if "router_bias" in rest else None
     pure = nnx.to_pure_dict(params)
     (ref_loss, (ref_y, ref_aux)), (ref_g_params, ref_g_x) = REFERENCE_GRAD(
-        pure, real_tokens(X), real_tokens(CT), routing_of(make_cfg(**CASES[case])), bias)
+        pure, real_tokens(X), real_tokens(CT), routing_of(make_cfg(**CASES[case])), bias
+    )
     assert_tree_close(real_tokens(y), ref_y)
     assert_tree_close(aux, ref_aux)
     assert_tree_close(loss, ref_loss)
@@ -146,8 +148,7 @@ def test_dropless_matches_dense_reference(case):
     assert_tree_close(nnx.to_pure_dict(g_params), ref_g_params)
 
 
-FORWARD = jax.jit(lambda graphdef, x, *states, mask=None: nnx.merge(graphdef, *states)(x, mask),
-                  static_argnums=0)
+FORWARD = jax.jit(lambda graphdef, x, *states, mask=None: nnx.merge(graphdef, *states)(x, mask), static_argnums=0)
 
 
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])
@@ -159,10 +160,10 @@ def test_aux_losses_match_numpy_formulas(router):
     if router == "softmax":
         probs = np.exp(logits - logits.max(-1, keepdims=True))
     else:
-        probs = 1 / (1 + np.exp(-logits))                            # zero bias: choice = scores
+        probs = 1 / (1 + np.exp(-logits))  # zero bias: choice = scores
     probs = probs / probs.sum(-1, keepdims=True)
-    top = np.argsort(-probs, axis=-1)[:, :K]                        # [T, k]
-    mask = (top[..., None] == np.arange(E)).astype(np.float64)      # [T, k, E]
+    top = np.argsort(-probs, axis=-1)[:, :K]  # [T, k]
+    mask = (top[..., None] == np.arange(E)).astype(np.float64)  # [T, k, E]
     # HF: mean over tokens per slot, summed over slots (not divided by k), times E.
     aux_loss = E * np.sum(mask.mean(0) * probs.mean(0)[None])
     z_loss = np.mean((logits.max(-1) + np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))) ** 2)
@@ -218,7 +219,7 @@ def test_padding_takes_no_capacity():
     y, dense_y = np.asarray(y).reshape(-1, D), np.asarray(dense_y).reshape(-1, D)
     np.testing.assert_allclose(y[kept], dense_y[kept], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(y[~kept], 0.0)
-    np.testing.assert_allclose(aux["dropped"], (20 + 20) / 96, rtol=1e-6)      # 36 real A tokens each
+    np.testing.assert_allclose(aux["dropped"], (20 + 20) / 96, rtol=1e-6)  # 36 real A tokens each
     np.testing.assert_allclose(aux["load"], np.array([36, 36, 12, 12, 0, 0, 0, 0]) / 96, rtol=1e-6)
 
 
@@ -226,11 +227,13 @@ def test_router_bias_update_counts_real_tokens_only():
     model = MoE(make_cfg(router="sigmoid", bias_update_rate=0.01), rngs=nnx.Rngs(0))
     nnx.jit(lambda m, x, mask: m(x, mask, update_bias=True))(model, X, MASK)
     logits = real_tokens(X)[0] @ np.asarray(model.router[...])
-    top = np.argsort(-logits, axis=-1)[:, :K]                      # zero bias: the top sigmoid scores
+    top = np.argsort(-logits, axis=-1)[:, :K]  # zero bias: the top sigmoid scores
     load = np.bincount(top.reshape(-1), minlength=E) / top.size
-    padded_load = np.bincount(np.argsort(-(np.asarray(X).reshape(-1, D) @ np.asarray(model.router[...])),
-                                         axis=-1)[:, :K].reshape(-1), minlength=E) / (B * S * K)
-    assert (np.sign(1 / E - load) != np.sign(1 / E - padded_load)).any()    # padding would mislead
+    padded_load = np.bincount(
+        np.argsort(-(np.asarray(X).reshape(-1, D) @ np.asarray(model.router[...])), axis=-1)[:, :K].reshape(-1),
+        minlength=E,
+    ) / (B * S * K)
+    assert (np.sign(1 / E - load) != np.sign(1 / E - padded_load)).any()  # padding would mislead
     np.testing.assert_allclose(model.router_bias[...], 0.01 * np.sign(1 / E - load), atol=1e-7)
 
 
@@ -276,14 +279,20 @@ LAYOUTS = [  # (mesh, rules, case, expected expert-parallel all-to-all)
     # the same device grid as data2-expert2-tensor2 (make_mesh fixes the axis order): another router
     (dict(tensor=2, expert=2, data=2), DEFAULT_RULES, "sigmoid_norm_scaled", True),
     # tokens replicated over fsdp and expert: embed gathered invariant, experts summed, no a2a
-    (dict(data=2, fsdp=2, expert=2), {**DEFAULT_RULES, "batch": ("data",), "activation_batch": ("data",)},
-     "softmax_norm_shared", False),
+    (
+        dict(data=2, fsdp=2, expert=2),
+        {**DEFAULT_RULES, "batch": ("data",), "activation_batch": ("data",)},
+        "softmax_norm_shared",
+        False,
+    ),
 ]
 
 
-@pytest.mark.parametrize("sizes,rules,case,a2a", LAYOUTS,
-                         ids=["data8", "data2-expert2-tensor2", "fsdp2-expert4", "tensor2-expert2-data2",
-                              "batch-on-data-only"])
+@pytest.mark.parametrize(
+    "sizes,rules,case,a2a",
+    LAYOUTS,
+    ids=["data8", "data2-expert2-tensor2", "fsdp2-expert4", "tensor2-expert2-data2", "batch-on-data-only"],
+)
 def test_sharded_matches_unsharded(sizes, rules, case, a2a):
     mesh, out, params, jaxpr = run_sharded(case, sizes, rules)
     assert_tree_close(out, unsharded(case))
@@ -296,23 +305,27 @@ def test_sharded_matches_unsharded(sizes, rules, case, a2a):
             assert w.sharding.spec[0] == "expert"
 
 
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                               recv_sizes, *, axis_name, axis_index_groups=None):
+def emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, axis_index_groups=None
+):
     """`jax.lax.ragged_all_to_all` semantics (one slice per peer) from all-gathers, for XLA:CPU."""
     del recv_sizes, axis_index_groups
     me = jax.lax.axis_index(axis_name)
-    operands = jax.lax.all_gather(operand, axis_name)                          # [peers, N, D]
-    start, size, land = (jax.lax.all_gather(a, axis_name)[:, me]              # [peers] → me
-                         for a in (input_offsets, send_sizes, output_offsets))
+    operands = jax.lax.all_gather(operand, axis_name)  # [peers, N, D]
+    start, size, land = (
+        jax.lax.all_gather(a, axis_name)[:, me]  # [peers] → me
+        for a in (input_offsets, send_sizes, output_offsets)
+    )
     row = jnp.arange(output.shape[0])
-    inside = (row >= land[:, None]) & (row < (land + size)[:, None])          # [peers, M]
+    inside = (row >= land[:, None]) & (row < (land + size)[:, None])  # [peers, M]
     source = jnp.argmax(inside, axis=0)
     got = operands[source, jnp.clip(start[source] + row - land[source], 0, operand.shape[0] - 1)]
     return jnp.where(inside.any(0)[:, None], got, output)
 
 
-@pytest.mark.parametrize("sizes,case", [(dict(data=2, expert=2, tensor=2), "softmax_raw"),
-                                        (dict(fsdp=2, expert=4), "sigmoid_raw_shared")])
+@pytest.mark.parametrize(
+    "sizes,case", [(dict(data=2, expert=2, tensor=2), "softmax_raw"), (dict(fsdp=2, expert=4), "sigmoid_raw_shared")]
+)
 def test_ragged_dispatch_matches_unsharded(monkeypatch, sizes, case):
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
     _, out, _, _ = run_sharded(case, sizes, dispatch="ragged")
@@ -324,7 +337,7 @@ def test_ragged_dispatch_traces_with_real_collective():
     graphdef, params, rest = build("softmax_raw", dispatch="ragged")
     with use_sharding(mesh, DEFAULT_RULES):
         jaxpr = str(jax.make_jaxpr(layer_grad_fn(), static_argnums=0)(graphdef, params, rest, X, CT))
-    assert jaxpr.count("ragged_all_to_all") >= 4                   # 2 forward + 2 transposed
+    assert jaxpr.count("ragged_all_to_all") >= 4  # 2 forward + 2 transposed
 
 
 def test_sharded_capacity_applies_per_device_group():
@@ -332,7 +345,7 @@ def test_sharded_capacity_applies_per_device_group():
     # the dropped fraction of the mesh weighs each row by its real tokens.
     _, ((_, (y, aux)), _), _, _ = run_sharded("softmax_raw", dict(fsdp=2, expert=4), capacity_factor=1.0)
     graphdef, params, rest = build("softmax_raw", capacity_factor=1.0)
-    rows = [FORWARD(graphdef, X[i:i + 1], params, rest, mask=MASK[i:i + 1]) for i in range(B)]
+    rows = [FORWARD(graphdef, X[i : i + 1], params, rest, mask=MASK[i : i + 1]) for i in range(B)]
     np.testing.assert_allclose(y, np.concatenate([r[0] for r in rows]), rtol=1e-5, atol=1e-6)
     dropped = np.average([r[1]["dropped"] for r in rows], weights=ROW_LENGTHS)
     assert dropped > 0
@@ -342,27 +355,33 @@ def test_sharded_capacity_applies_per_device_group():
 @pytest.mark.parametrize("form", ["tiled", "dense"])
 def test_cpu_grouped_matmuls_equal_ragged_dot_with_grads(form):
     from posttrain.models.moe.experts import dense_grouped_matmul, tiled_grouped_matmul
+
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.normal(size=(50, 8)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(4, 8, 6)), jnp.float32)
-    sizes = jnp.asarray([7, 0, 30, 9], jnp.int32)             # 46 rows used, an empty group, 4 padding rows
+    sizes = jnp.asarray([7, 0, 30, 9], jnp.int32)  # 46 rows used, an empty group, 4 padding rows
     ref = lambda x, w: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
-    tiled = {"tiled": lambda x, w: tiled_grouped_matmul(x, w, sizes, tile=4),
-             "dense": lambda x, w: dense_grouped_matmul(x, w, sizes)}[form]
+    tiled = {
+        "tiled": lambda x, w: tiled_grouped_matmul(x, w, sizes, tile=4),
+        "dense": lambda x, w: dense_grouped_matmul(x, w, sizes),
+    }[form]
     np.testing.assert_allclose(tiled(x, w), ref(x, w), rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(tiled(x, w)[46:]).max()) == 0.0
     cot = jnp.asarray(rng.normal(size=(50, 6)), jnp.float32)
-    for a, b in zip(jax.grad(lambda x, w: (tiled(x, w) * cot).sum(), (0, 1))(x, w),
-                    jax.grad(lambda x, w: (ref(x, w) * cot).sum(), (0, 1))(x, w)):
+    for a, b in zip(
+        jax.grad(lambda x, w: (tiled(x, w) * cot).sum(), (0, 1))(x, w),
+        jax.grad(lambda x, w: (ref(x, w) * cot).sum(), (0, 1))(x, w),
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("tokens", [16, 300])          # fallback: every expert (16) or sorted rows (300)
-@pytest.mark.parametrize("skewed", [False, True])     # skewed: expert 0 over capacity → the fallback
+@pytest.mark.parametrize("tokens", [16, 300])  # fallback: every expert (16) or sorted rows (300)
+@pytest.mark.parametrize("skewed", [False, True])  # skewed: expert 0 over capacity → the fallback
 def test_cpu_expert_paths_match_naive_with_grads(tokens, skewed):
     """The sampler's CPU expert paths (padded, or its fallbacks) equal a naive loop; gradients too,
     although the sampler does not differentiate them (training takes the fallbacks directly)."""
     from posttrain.models.moe.dispatch import ExpertLayout, routed_experts, spare_capacity
+
     keys = jax.random.split(jax.random.key(3), 5)
     x = jax.random.normal(keys[0], (tokens, D))
     w_gate, w_up = (jax.random.normal(k, (E, D, F)) * 0.3 for k in keys[1:3])
@@ -374,12 +393,20 @@ def test_cpu_expert_paths_match_naive_with_grads(tokens, skewed):
     assert (load.max() > spare_capacity(tokens * K, E)) == skewed
 
     def routed(x, *w):
-        return routed_experts(x, jnp.asarray(experts, jnp.int32), weights, *w, num_experts=E,
-                              capacity=None, layout=ExpertLayout(), inference=True)[0]
+        return routed_experts(
+            x,
+            jnp.asarray(experts, jnp.int32),
+            weights,
+            *w,
+            num_experts=E,
+            capacity=None,
+            layout=ExpertLayout(),
+            inference=True,
+        )[0]
 
     def naive(x, w_gate, w_up, w_down):
         combine = jnp.zeros((tokens, E)).at[t[:, None], experts].add(weights)
-        return sum(combine[:, e:e + 1] * swiglu(x, w_gate[e], w_up[e], w_down[e]) for e in range(E))
+        return sum(combine[:, e : e + 1] * swiglu(x, w_gate[e], w_up[e], w_down[e]) for e in range(E))
 
     args = (x, w_gate, w_up, w_down)
     np.testing.assert_allclose(jax.jit(routed)(*args), naive(*args), rtol=1e-5, atol=1e-5)

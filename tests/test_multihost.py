@@ -39,9 +39,25 @@ def start(out: str, config: str, overrides: dict, *, processes: int, devices: in
     """Start `processes` workers (each with `devices` CPU devices) writing into `out`."""
     os.makedirs(out, exist_ok=True)
     port, env = free_port(), {**os.environ, "PYTHONPATH": ROOT}
-    return [subprocess.Popen([sys.executable, WORKER, out, config, str(devices), str(i), str(processes), str(port),
-                              json.dumps(overrides)], env=env, stdout=open(os.path.join(out, f"log{i}.txt"), "w"),
-                             stderr=subprocess.STDOUT) for i in range(processes)]
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                WORKER,
+                out,
+                config,
+                str(devices),
+                str(i),
+                str(processes),
+                str(port),
+                json.dumps(overrides),
+            ],
+            env=env,
+            stdout=open(os.path.join(out, f"log{i}.txt"), "w"),
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(processes)
+    ]
 
 
 def finish(out: str, procs: list[subprocess.Popen], timeout: float = 900) -> list[dict]:
@@ -50,7 +66,9 @@ def finish(out: str, procs: list[subprocess.Popen], timeout: float = 900) -> lis
         if p.wait(timeout=timeout) != 0:
             for q in procs:
                 q.kill()
-            raise AssertionError(f"process {i} exited with {p.returncode}:\n" + open(os.path.join(out, f"log{i}.txt")).read()[-4000:])
+            raise AssertionError(
+                f"process {i} exited with {p.returncode}:\n" + open(os.path.join(out, f"log{i}.txt")).read()[-4000:]
+            )
     return [json.load(open(os.path.join(out, f"process{i}.json"))) for i in range(len(procs))]
 
 
@@ -90,11 +108,25 @@ def sft_setup(tmp_path_factory):
     ensure_arithmetic_file(str(root / "eval.jsonl"), "sft", 16, seed=2, split="test", max_value=20)
 
     def overrides(workdir, evaluate=False):
-        return {"workdir": workdir, "sft.train_files": data, "sft.gate": "", "sft.sample_tokens": 8,
-                "sft.eval_files": str(root / "eval.jsonl") if evaluate else "",
-                "data.synthetic": "", "model.moe.num_experts": 0, "train.steps": STEPS, "train.batch_size": 8,
-                "train.seq_len": 64, "train.log_every": 1, "train.progress": False, "data.packing": False,
-                "checkpoint.every": 2, "checkpoint.keep": 5, "checkpoint.async_save": True}
+        return {
+            "workdir": workdir,
+            "sft.train_files": data,
+            "sft.gate": "",
+            "sft.sample_tokens": 8,
+            "sft.eval_files": str(root / "eval.jsonl") if evaluate else "",
+            "data.synthetic": "",
+            "model.moe.num_experts": 0,
+            "train.steps": STEPS,
+            "train.batch_size": 8,
+            "train.seq_len": 64,
+            "train.log_every": 1,
+            "train.progress": False,
+            "data.packing": False,
+            "checkpoint.every": 2,
+            "checkpoint.keep": 5,
+            "checkpoint.async_save": True,
+        }
+
     return root, overrides
 
 
@@ -102,8 +134,13 @@ def sft_setup(tmp_path_factory):
 def sft_runs(sft_setup):
     """The same tiny SFT job as 1 process × 8 devices and as 2 processes × 4 devices."""
     root, overrides = sft_setup
-    one, two = launch_together(SFT_CONFIG, [(str(root / "one"), overrides(str(root / "one" / "wd"), True), 1, 8),
-                                            (str(root / "two"), overrides(str(root / "two" / "wd"), True), 2, 4)])
+    one, two = launch_together(
+        SFT_CONFIG,
+        [
+            (str(root / "one"), overrides(str(root / "one" / "wd"), True), 1, 8),
+            (str(root / "two"), overrides(str(root / "two" / "wd"), True), 2, 4),
+        ],
+    )
     return root, overrides, one, two
 
 
@@ -121,19 +158,19 @@ def test_sft_two_processes_match_one_process(sft_runs):
         np.testing.assert_allclose([got[s] for s in ref], [ref[s] for s in ref], rtol=1e-5)
     evals = [[r["eval/loss"] for r in rec["rows"] if "eval/loss" in r] for rec in (one, *two)]
     assert len(evals[0]) == 1 and evals[1] == evals[2]
-    np.testing.assert_allclose(evals[1], evals[0], rtol=1e-5)      # each process evaluated its share
+    np.testing.assert_allclose(evals[1], evals[0], rtol=1e-5)  # each process evaluated its share
     samples = [open(root / run / "wd" / "samples.jsonl").read() for run in ("one", "two")]
-    assert samples[0] and samples[1] == samples[0]            # sampled on every process, written by one
+    assert samples[0] and samples[1] == samples[0]  # sampled on every process, written by one
     a, b = ({x for x in r["read_lines"] if x.startswith("train.jsonl")} for r in two)
     assert a and b and not a & b, f"records read by both processes: {sorted(a & b)[:5]}"
-    assert len(a | b) < 256            # neither read the whole file
+    assert len(a | b) < 256  # neither read the whole file
     p1, p2 = params(str(root / "one")), params(str(root / "two"))
     assert p1.keys() == p2.keys()
     for k in p1:
         np.testing.assert_allclose(p2[k], p1[k], rtol=1e-4, atol=1e-6, err_msg=k)
     wd = root / "two" / "wd"
     assert sorted(os.listdir(wd / "checkpoints")) == ["2", "4"]
-    assert len(open(wd / "metrics.jsonl").readlines()) == STEPS + 1      # one writer, not two (+ the eval row)
+    assert len(open(wd / "metrics.jsonl").readlines()) == STEPS + 1  # one writer, not two (+ the eval row)
 
 
 def test_two_process_checkpoint_resumes_on_one_process_other_mesh(sft_runs):
@@ -145,8 +182,13 @@ def test_two_process_checkpoint_resumes_on_one_process_other_mesh(sft_runs):
     shutil.copytree(root / "two" / "wd", wd)
     shutil.rmtree(wd / "checkpoints" / "4")
     os.remove(wd / "metrics.jsonl")
-    (resumed,) = launch(str(root / "resumed"), SFT_CONFIG, {**overrides(str(wd)), "mesh.data": 2, "mesh.fsdp": 4},
-                        processes=1, devices=8)
+    (resumed,) = launch(
+        str(root / "resumed"),
+        SFT_CONFIG,
+        {**overrides(str(wd)), "mesh.data": 2, "mesh.fsdp": 4},
+        processes=1,
+        devices=8,
+    )
     got, ref = losses(resumed), losses(two[0])
     assert sorted(got) == [2, 3]
     np.testing.assert_allclose([got[s] for s in got], [ref[s] for s in got], rtol=1e-5)
@@ -164,8 +206,13 @@ def test_two_process_checkpoint_resumes_on_two_processes_other_mesh(sft_runs):
     shutil.copytree(root / "two" / "wd", wd)
     shutil.rmtree(wd / "checkpoints" / "4")
     os.remove(wd / "metrics.jsonl")
-    resumed = launch(str(root / "resumed2"), SFT_CONFIG,
-                     {**overrides(str(wd)), "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}, processes=2, devices=4)
+    resumed = launch(
+        str(root / "resumed2"),
+        SFT_CONFIG,
+        {**overrides(str(wd)), "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+        processes=2,
+        devices=4,
+    )
     got, ref = losses(resumed[0]), losses(two[0])
     assert sorted(got) == [2, 3]
     np.testing.assert_allclose([got[s] for s in got], [ref[s] for s in got], rtol=1e-5)
@@ -182,8 +229,9 @@ def test_data_state_reshards_to_another_process_count(tmp_path):
     position: the next global batch holds the records the 2 processes would have read next."""
     path = str(tmp_path / "d.jsonl")
     ensure_arithmetic_file(path, "sft", 64, seed=1, split="train", max_value=20)
-    make = lambda p, n: sft_batches(path, BYTE, batch_size=8, seq_len=64, seed=3, packing=False,
-                                    process_index=p, process_count=n)
+    make = lambda p, n: sft_batches(
+        path, BYTE, batch_size=8, seq_len=64, seed=3, packing=False, process_index=p, process_count=n
+    )
     rows = lambda batch: sorted(map(tuple, batch["inputs"].tolist()))
     two = [make(p, 2) for p in range(2)]
     for it in two:
@@ -194,14 +242,14 @@ def test_data_state_reshards_to_another_process_count(tmp_path):
     one = make(0, 1)
     one.set_state(state_for_process(states, 0, 1))
     assert [rows(next(one)) for _ in range(2)] == expected
-    back = [make(p, 2) for p in range(2)]              # 1 → 2 processes, from the 1-process state
+    back = [make(p, 2) for p in range(2)]  # 1 → 2 processes, from the 1-process state
     single = make(0, 1)
     for _ in range(3):
         next(single)
     for p, it in enumerate(back):
         it.set_state(state_for_process([single.get_state()], p, 2))
     assert rows({"inputs": np.concatenate([next(it)["inputs"] for it in back])}) == rows(next(single))
-    assert state_for_process(states, 1, 2) is states[1]       # same count: each its own state
+    assert state_for_process(states, 1, 2) is states[1]  # same count: each its own state
 
 
 def test_distributed_settings_from_config_and_environment():
@@ -223,7 +271,7 @@ def test_distributed_settings_from_config_and_environment():
         distributed_settings(base_config(), {**env, "JAX_PROCESS_ID": "x"})
     assert distributed_settings(base_config(), {"JAX_COORDINATOR_ADDRESS": "h:1"}).num_processes is None
     tpu = distributed_settings(base_config(), {"TPU_WORKER_HOSTNAMES": "a,b"})
-    assert tpu.coordinator is None and tpu.num_processes is None        # jax detects the pod
+    assert tpu.coordinator is None and tpu.num_processes is None  # jax detects the pod
     assert distributed_settings(base_config(), {"TPU_WORKER_HOSTNAMES": "a"}) is None
     cfg = base_config()
     with cfg.unlocked():
@@ -238,11 +286,23 @@ RL_CONFIG = os.path.join(ROOT, "configs", "rlvr_tiny.py")
 
 def rl_overrides(workdir: str) -> dict:
     """The 2-step RLVR job of `rl_runs` (rlvr_tiny, dense) writing into `workdir`."""
-    return {"workdir": workdir, "model.moe.num_experts": 0, "rl.steps": 2, "rl.prompts_per_step": 4,
-            "rl.group_size": 4, "rl.max_new_tokens": 8, "rl.eval_every": 2, "rl.eval_size": 6,
-            "rl.eval_samples": 2, "rl.entropy_coef": 0.01, "rl.gate": "", "rl.verifier_workers": 2,
-            "rl.overlong_buffer": 7,       # samples that stop early score higher: groups with signal
-            "train.progress": False, "checkpoint.every": 2}
+    return {
+        "workdir": workdir,
+        "model.moe.num_experts": 0,
+        "rl.steps": 2,
+        "rl.prompts_per_step": 4,
+        "rl.group_size": 4,
+        "rl.max_new_tokens": 8,
+        "rl.eval_every": 2,
+        "rl.eval_size": 6,
+        "rl.eval_samples": 2,
+        "rl.entropy_coef": 0.01,
+        "rl.gate": "",
+        "rl.verifier_workers": 2,
+        "rl.overlong_buffer": 7,  # samples that stop early score higher: groups with signal
+        "train.progress": False,
+        "checkpoint.every": 2,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -250,8 +310,13 @@ def rl_runs(tmp_path_factory):
     """A 2-step RLVR job (with a final held-out evaluation) as 1 × 8 and as 2 × 4 devices."""
     root = tmp_path_factory.mktemp("multihost_rl")
 
-    one, two = launch_together(RL_CONFIG, [(str(root / "one"), rl_overrides(str(root / "one" / "wd")), 1, 8),
-                                           (str(root / "two"), rl_overrides(str(root / "two" / "wd")), 2, 4)])
+    one, two = launch_together(
+        RL_CONFIG,
+        [
+            (str(root / "one"), rl_overrides(str(root / "one" / "wd")), 1, 8),
+            (str(root / "two"), rl_overrides(str(root / "two" / "wd")), 2, 4),
+        ],
+    )
     return root, one, two
 
 
@@ -259,16 +324,24 @@ def test_rlvr_two_processes_match_one_process(rl_runs):
     """RLVR with 2 processes (each verifying its own groups) logs the losses, rewards and held-out
     accuracies of the 1-process run and ends at the same weights."""
     root, (one,), two = rl_runs
-    keys = ("loss", "rl/reward_mean", "rl/reward_std", "rl/responses", "rl/new_tokens", "eval/accuracy",
-            "eval/mean_accuracy", "eval/response_len")
+    keys = (
+        "loss",
+        "rl/reward_mean",
+        "rl/reward_std",
+        "rl/responses",
+        "rl/new_tokens",
+        "eval/accuracy",
+        "eval/mean_accuracy",
+        "eval/response_len",
+    )
     by_step = lambda rec: {(r["step"], k): r[k] for r in rec["rows"] for k in keys if k in r}
     ref = by_step(one)
     assert {k for _, k in ref} >= {"loss", "rl/reward_mean", "rl/responses"} and len(ref) > 4
     got = by_step(two[0])
     assert got.keys() == ref.keys()
     np.testing.assert_allclose([got[k] for k in ref], [ref[k] for k in ref], rtol=1e-5, atol=1e-7)
-    assert got[(0, "rl/responses")] == 16       # both processes' groups counted
-    assert ref[(0, "rl/reward_std")] > 0        # some group has non-zero advantages
+    assert got[(0, "rl/responses")] == 16  # both processes' groups counted
+    assert ref[(0, "rl/reward_std")] > 0  # some group has non-zero advantages
     p1, p2 = params(str(root / "one")), params(str(root / "two"))
     for k in p1:
         np.testing.assert_allclose(p2[k], p1[k], rtol=1e-4, atol=1e-6, err_msg=k)
@@ -282,8 +355,12 @@ def test_rlvr_two_processes_with_continuous_batching_match_one_static_process(rl
     tokens and final weights. (Measured ~4 min at load 20: slow.)"""
     root, (one,), _ = rl_runs
     out = str(root / "two_continuous")
-    cfg = {**rl_overrides(out + "/wd"), "sampling.continuous_batching": True, "sampling.num_slots": 4,
-           "sampling.refill_batch": 2}
+    cfg = {
+        **rl_overrides(out + "/wd"),
+        "sampling.continuous_batching": True,
+        "sampling.num_slots": 4,
+        "sampling.refill_batch": 2,
+    }
     two = launch(out, RL_CONFIG, cfg, processes=2, devices=4)
     keys = ("loss", "rl/reward_mean", "rl/reward_std", "rl/responses", "rl/new_tokens")
     by_step = lambda rec: {(r["step"], k): r[k] for r in rec["rows"] for k in keys if k in r}
@@ -339,20 +416,28 @@ def test_rl_across_processes_refuses_what_it_cannot_split(monkeypatch):
     import jax
 
     from posttrain.rl.rollout import hosts
+
     cfg = runpy_config(RL_CONFIG)
-    hosts.check_multihost_rl(cfg)                       # one process: anything goes
+    hosts.check_multihost_rl(cfg)  # one process: anything goes
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     hosts.check_multihost_rl(cfg)
-    for key, value in (("filter_groups", True), ("max_staleness", 1), ("rollouts_every", 5), ("prompts_per_step", 7),
-                       ("reward_model", "runs/rm"), ("advantage", "gae")):
+    for key, value in (
+        ("filter_groups", True),
+        ("max_staleness", 1),
+        ("rollouts_every", 5),
+        ("prompts_per_step", 7),
+        ("reward_model", "runs/rm"),
+        ("advantage", "gae"),
+    ):
         bad = cfg.copy_and_resolve_references()
         bad.rl[key] = value
         with pytest.raises(UserError, match=f"rl.{key}"):
             hosts.check_multihost_rl(bad)
     # a pipeline is refused before its first stage trains (the config schema's start-up checks)
     from posttrain.config_schema import check_config
-    pipe = runpy_config(os.path.join(ROOT, "configs", "quickstart.py"))     # (sft, rlvr, eval)
+
+    pipe = runpy_config(os.path.join(ROOT, "configs", "quickstart.py"))  # (sft, rlvr, eval)
     pipe.rl.rollouts_every, pipe.rl.rollouts_fraction = 0, 1.0
     check_config(pipe)
     pipe.rl.max_staleness = 1
@@ -375,25 +460,56 @@ def test_multi_turn_rlvr_two_processes_match_one_process(tmp_path, monkeypatch):
     scripted by their first sampled token, so a group's rewards differ) with 2 processes × 4
     devices logs the 1-process run's losses, rewards and episode metrics and ends at its weights.
     (~4 min at load 5: slow.)"""
-    overrides = {"model.moe.num_experts": 0, "rl.env": "tool", "rl.domains": "repo_fix", "rl.steps": 2,
-                 "rl.prompts_per_step": 2, "rl.group_size": 4, "rl.max_new_tokens": 64, "rl.eval_every": 2,
-                 "rl.eval_size": 4, "rl.eval_samples": 2, "rl.gate": "", "rl.verifier_workers": 2,
-                 "rl.invalid_tool_call_penalty": 0.1, "rl.episode_cohorts": 2, "train.progress": False,
-                 "checkpoint.every": 2}
+    overrides = {
+        "model.moe.num_experts": 0,
+        "rl.env": "tool",
+        "rl.domains": "repo_fix",
+        "rl.steps": 2,
+        "rl.prompts_per_step": 2,
+        "rl.group_size": 4,
+        "rl.max_new_tokens": 64,
+        "rl.eval_every": 2,
+        "rl.eval_size": 4,
+        "rl.eval_samples": 2,
+        "rl.gate": "",
+        "rl.verifier_workers": 2,
+        "rl.invalid_tool_call_penalty": 0.1,
+        "rl.episode_cohorts": 2,
+        "train.progress": False,
+        "checkpoint.every": 2,
+    }
     monkeypatch.setenv("POSTTRAIN_TEST_HOOK", "tests.test_multihost:scripted_turns_by_sample")
-    runs = [(str(tmp_path / n), {**overrides, "workdir": str(tmp_path / n / "wd")}, p, d)
-            for n, p, d in (("one", 1, 8), ("two", 2, 4))]
+    runs = [
+        (str(tmp_path / n), {**overrides, "workdir": str(tmp_path / n / "wd")}, p, d)
+        for n, p, d in (("one", 1, 8), ("two", 2, 4))
+    ]
     launch_together(RL_CONFIG, runs)
-    keys = ("loss", "rl/reward_mean", "rl/reward_std", "rl/responses", "rl/new_tokens", "rl/tool_success_rate",
-            "rl/turns_per_episode", "rl/calls_per_turn", "rl/tool_call_ok_rate", "eval/accuracy",
-            "eval/tool_success_rate", "eval/tool_success_rate_sampled", "eval/turns_per_episode")
-    logged = lambda n: {(r["step"], k): r[k] for r in map(json.loads, open(tmp_path / n / "wd" / "metrics.jsonl"))
-                        for k in keys if k in r}
+    keys = (
+        "loss",
+        "rl/reward_mean",
+        "rl/reward_std",
+        "rl/responses",
+        "rl/new_tokens",
+        "rl/tool_success_rate",
+        "rl/turns_per_episode",
+        "rl/calls_per_turn",
+        "rl/tool_call_ok_rate",
+        "eval/accuracy",
+        "eval/tool_success_rate",
+        "eval/tool_success_rate_sampled",
+        "eval/turns_per_episode",
+    )
+    logged = lambda n: {
+        (r["step"], k): r[k]
+        for r in map(json.loads, open(tmp_path / n / "wd" / "metrics.jsonl"))
+        for k in keys
+        if k in r
+    }
     ref, got = logged("one"), logged("two")
     assert got.keys() == ref.keys() and {k for _, k in ref} == set(keys)
     np.testing.assert_allclose([got[k] for k in ref], [ref[k] for k in ref], rtol=1e-5, atol=1e-7)
     assert ref[(0, "rl/reward_std")] > 0 and ref[(0, "rl/responses")] == 8
-    assert 3 < ref[(0, "rl/turns_per_episode")] < 4       # some episodes start with the failing call, some not
+    assert 3 < ref[(0, "rl/turns_per_episode")] < 4  # some episodes start with the failing call, some not
     p1, p2 = params(str(tmp_path / "one")), params(str(tmp_path / "two"))
     for k in p1:
         np.testing.assert_allclose(p2[k], p1[k], rtol=1e-4, atol=1e-6, err_msg=k)
@@ -406,10 +522,29 @@ def test_episode_rates_combine_from_every_process_counts(monkeypatch):
 
     from posttrain.rl.rollout import hosts
     from posttrain.rl.rollout import worker as rollout
-    parts = [{"responses": 2, "episode_turns": 6, "episode_calls": 4, "episode_calls_ok": 4, "episodes_solved": 2,
-              "episode_calls_invalid": 0, "turns_per_episode": 3.0, "response_len_mean": 10.0},
-             {"responses": 4, "episode_turns": 16, "episode_calls": 12, "episode_calls_ok": 8, "episodes_solved": 0,
-              "episode_calls_invalid": 4, "turns_per_episode": 4.0, "response_len_mean": 40.0}]
+
+    parts = [
+        {
+            "responses": 2,
+            "episode_turns": 6,
+            "episode_calls": 4,
+            "episode_calls_ok": 4,
+            "episodes_solved": 2,
+            "episode_calls_invalid": 0,
+            "turns_per_episode": 3.0,
+            "response_len_mean": 10.0,
+        },
+        {
+            "responses": 4,
+            "episode_turns": 16,
+            "episode_calls": 12,
+            "episode_calls_ok": 8,
+            "episodes_solved": 0,
+            "episode_calls_invalid": 4,
+            "turns_per_episode": 4.0,
+            "response_len_mean": 40.0,
+        },
+    ]
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(hosts, "allgather_json", lambda info: parts)
     out = hosts.combine_info(parts[0], rollout.SUMMED_INFO)
@@ -422,6 +557,7 @@ def test_episode_rates_combine_from_every_process_counts(monkeypatch):
 
 def runpy_config(path: str):
     import runpy
+
     return runpy.run_path(path)["get_config"]()
 
 
@@ -446,6 +582,7 @@ class TaskScript:
         """The next turn; `failing` (default: by the module name) whether the episode starts with
         the failing call (later turns read it from the context)."""
         import re
+
         module = re.search(r"Fix (\w+)\.py\.", context).group(1)
         shown = re.search(r"assert (\w+) == (\d+)", context.split("<output>", 1)[-1]) if "<output>" in context else None
         name, value = (shown.group(1), int(shown.group(2))) if shown else ("", 0)
@@ -460,16 +597,20 @@ def scripted_turns(by_sample: bool = False):
     `by_sample`: an episode starts with the failing call when its first real token is even (so the
     samples of one task differ, and so do their rewards)."""
     from posttrain.rl.rollout.worker import RolloutWorker
+
     script, real = TaskScript(), RolloutWorker.sample
 
     def sample(worker, params, rest, contexts, sampling, key):
         samples = real(worker, params, rest, contexts, sampling, key)
         firsts = [samples.completion(j)[:1] or [0] for j in range(len(contexts))]
         failing = [first[0] % 2 == 0 if by_sample else None for first in firsts]
-        turns = [script.tok.encode(script.turn(script.tok.decode(c), f)) + [script.tok.stop_ids[0]]
-                 for c, f in zip(contexts, failing)]
+        turns = [
+            script.tok.encode(script.turn(script.tok.decode(c), f)) + [script.tok.stop_ids[0]]
+            for c, f in zip(contexts, failing)
+        ]
         logprobs = np.zeros((len(turns), max(map(len, turns))), np.float32)
         return type("Scripted", (), {"sampling_logprobs": logprobs, "completion": staticmethod(lambda j: turns[j])})()
+
     RolloutWorker.sample = sample
 
 
@@ -486,10 +627,21 @@ def test_multi_turn_eval_two_processes_match_one_process(tmp_path, monkeypatch):
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import mesh_and_rules, use_sharding
     from posttrain.rl.tasks import repo_domain, suites
-    overrides = {"stage": "eval", "model.moe.num_experts": 0, "eval.checkpoint": str(tmp_path / "run"),
-                 "eval.suites": "repo_fix", "eval.size": 6, "eval.samples": 2, "eval.pass_k": "1,2",
-                 "rl.max_new_tokens": 64, "rl.invalid_tool_call_penalty": 0.1, "rl.verifier_workers": 2,
-                 "rl.episode_cohorts": 2, "train.progress": False}
+
+    overrides = {
+        "stage": "eval",
+        "model.moe.num_experts": 0,
+        "eval.checkpoint": str(tmp_path / "run"),
+        "eval.suites": "repo_fix",
+        "eval.size": 6,
+        "eval.samples": 2,
+        "eval.pass_k": "1,2",
+        "rl.max_new_tokens": 64,
+        "rl.invalid_tool_call_penalty": 0.1,
+        "rl.verifier_workers": 2,
+        "rl.episode_cohorts": 2,
+        "train.progress": False,
+    }
     cfg = runpy_config(RL_CONFIG)
     for key, value in overrides.items():
         *parents, leaf = key.split(".")
@@ -500,8 +652,10 @@ def test_multi_turn_eval_two_processes_match_one_process(tmp_path, monkeypatch):
     mesh, rules = mesh_and_rules(cfg)
     ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"), every=1, keep=1, async_save=False)
     with use_sharding(mesh, rules):
-        ckpt.save(1, dict(zip(("params", "rest"), init_model_state(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)),
-                                                                     mesh, rules))))
+        ckpt.save(
+            1,
+            dict(zip(("params", "rest"), init_model_state(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh, rules))),
+        )
     ckpt.close()
     tasks = suites.make_suites(cfg, load_tokenizer("byte"))["repo_fix"].tasks
     fields = [repo_domain.task_fields(t) for t in tasks]
@@ -509,14 +663,28 @@ def test_multi_turn_eval_two_processes_match_one_process(tmp_path, monkeypatch):
     solved = [r % 3 == 0 for *_, r in fields]
     assert np.mean(turns[:3]) != np.mean(turns[3:]), f"the processes' shares should differ in turns: {turns}"
     monkeypatch.setenv("POSTTRAIN_TEST_HOOK", "tests.test_multihost:scripted_turns")
-    runs = [(str(tmp_path / n), {**overrides, "workdir": str(tmp_path / n / "wd")}, p, d)
-            for n, p, d in (("one", 1, 8), ("two", 2, 4))]
+    runs = [
+        (str(tmp_path / n), {**overrides, "workdir": str(tmp_path / n / "wd")}, p, d)
+        for n, p, d in (("one", 1, 8), ("two", 2, 4))
+    ]
     launch_together(RL_CONFIG, runs)
-    (one,), (two,) = ([json.loads(line) for line in open(tmp_path / n / "wd" / "eval" / "repo_fix.jsonl")]
-                      for n in ("one", "two"))
-    keys = ("accuracy", "mean_accuracy", "pass@1", "pass@2", "response_len", "greedy_response_len",
-            "verifier_errors", "tool_success_rate", "tool_success_rate_sampled", "turns_per_episode",
-            "calls_per_turn", "tool_call_ok_rate")
+    (one,), (two,) = (
+        [json.loads(line) for line in open(tmp_path / n / "wd" / "eval" / "repo_fix.jsonl")] for n in ("one", "two")
+    )
+    keys = (
+        "accuracy",
+        "mean_accuracy",
+        "pass@1",
+        "pass@2",
+        "response_len",
+        "greedy_response_len",
+        "verifier_errors",
+        "tool_success_rate",
+        "tool_success_rate_sampled",
+        "turns_per_episode",
+        "calls_per_turn",
+        "tool_call_ok_rate",
+    )
     assert {k: two[k] for k in keys} == pytest.approx({k: one[k] for k in keys})
     assert one["problems"] == 6 and one["accuracy"] == pytest.approx(np.mean(solved))
     assert one["turns_per_episode"] == pytest.approx(np.mean(turns))

@@ -35,11 +35,15 @@ def executed(tmp_path_factory):
     params.source = SMALL.format(workdir=str(tmp / "run"))
     # The kernel sees the machine's one CPU device (as a user would), not the tests' 8 simulated ones;
     # it imports posttrain from this checkout (CI: also installed).
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp)}})
     try:
         client.execute(env=env)
-    finally:                                  # what ran, for a failure's post-mortem
+    finally:  # what ran, for a failure's post-mortem
         nbformat.write(nb, tmp / "executed.ipynb")
     return nb, tmp / "run"
 
@@ -52,15 +56,15 @@ def test_quickstart_notebook_runs_end_to_end(executed):
     nb, run = executed
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(not any(o.output_type == "error" for o in c.outputs) for c in code)
-    assert "posttrain from" in text_of(code[0])                      # the install cell: already installed, skipped
+    assert "posttrain from" in text_of(code[0])  # the install cell: already installed, skipped
     assert [json.loads(l)["passed"] for l in (run / "gates.jsonl").read_text().splitlines()] == [True]
     (rec,) = [json.loads(l) for l in (run / "2_eval/eval/arithmetic.jsonl").read_text().splitlines()]
-    assert rec["problems"] == 8 and rec["step"] == 2                 # the RL stage's final checkpoint
+    assert rec["problems"] == 8 and rec["step"] == 2  # the RL stage's final checkpoint
     rl_rows = [json.loads(l) for l in (run / "1_rlvr/metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rl_rows) == 1 and any("rl/reward_mean" in r for r in rl_rows)
-    assert os.listdir(run / "1_rlvr/rollouts") == ["0000000.jsonl"]                 # rl.rollouts_every=25
+    assert os.listdir(run / "1_rlvr/rollouts") == ["0000000.jsonl"]  # rl.rollouts_every=25
     images = [o for c in code for o in c.outputs if "image/png" in o.get("data", {})]
-    assert len(images) == 2                                           # the notebook's curves and metrics.png
+    assert len(images) == 2  # the notebook's curves and metrics.png
     sampled = [c for c in code if "policy after" in text_of(c)]
     assert len(sampled) == 1 and "policy after 2 GRPO updates" in text_of(sampled[0])
     assert sum(line[:1] in ("✓", "✗") for line in text_of(sampled[0]).splitlines()) == 8
@@ -80,11 +84,20 @@ def test_report_of_the_notebook_run_renders_in_headless_chromium(executed, tmp_p
     assert page["problems"] == [] and page["external"] == []
     images = page["images"]
     assert len(images) >= 10, [i["alt"] for i in images]
-    assert all(i["natural_width"] >= 300 and i["natural_height"] >= 200 and i["width"] >= 300 and i["height"] >= 150
-               for i in images)
+    assert all(
+        i["natural_width"] >= 300 and i["natural_height"] >= 200 and i["width"] >= 300 and i["height"] >= 150
+        for i in images
+    )
     alts = {i["alt"] for i in images}
-    assert {"loss", "reward", "entropy (nats/token)", "response length (tokens)", "seconds per step, by phase",
-            "device-idle fraction", "held-out accuracy"} <= alts
+    assert {
+        "loss",
+        "reward",
+        "entropy (nats/token)",
+        "response length (tokens)",
+        "seconds per step, by phase",
+        "device-idle fraction",
+        "held-out accuracy",
+    } <= alts
     for text in ("arithmetic_accuracy", "PASS", "arithmetic/train", "during training: 1_rlvr"):
         assert text in page["text"], text
     assert (tmp_path / "report.png").stat().st_size > 20_000

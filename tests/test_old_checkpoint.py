@@ -15,10 +15,23 @@ from posttrain.main import run
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "pre_restructure_sft"
 # The command line that wrote it: configs/sft_tiny.py with these overrides.
-OVERRIDES = {"sft.eval_files": "", "sft.gate": "", "sft.steps": 0, "train.log_every": 1, "train.batch_size": 4,
-             "train.seq_len": 64, "train.progress": False, "data.synthetic_size": 40, "model.num_layers": 1,
-             "model.embed_dim": 32, "model.mlp_dim": 64, "model.moe.expert_mlp_dim": 32, "checkpoint.every": 2,
-             "checkpoint.async_save": False, "train.steps": 3}
+OVERRIDES = {
+    "sft.eval_files": "",
+    "sft.gate": "",
+    "sft.steps": 0,
+    "train.log_every": 1,
+    "train.batch_size": 4,
+    "train.seq_len": 64,
+    "train.progress": False,
+    "data.synthetic_size": 40,
+    "model.num_layers": 1,
+    "model.embed_dim": 32,
+    "model.mlp_dim": 64,
+    "model.moe.expert_mlp_dim": 32,
+    "checkpoint.every": 2,
+    "checkpoint.async_save": False,
+    "train.steps": 3,
+}
 
 
 def test_a_checkpoint_of_the_old_layout_resumes_to_the_same_step(tmp_path, monkeypatch):
@@ -33,7 +46,7 @@ def test_a_checkpoint_of_the_old_layout_resumes_to_the_same_step(tmp_path, monke
     shutil.copytree(DATA / "checkpoints", tmp_path / "run" / "checkpoints")
     run(cfg)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [2]              # resumed at 2: only the third step ran
+    assert [r["step"] for r in rows] == [2]  # resumed at 2: only the third step ran
     want = json.loads((DATA / "step2.json").read_text())
     for key, value in want.items():
         if key != "tokens_per_s":

@@ -29,7 +29,7 @@ MESH = dict(data=1, fsdp=2, expert=2, tensor=2)
 
 def optim_config(**kw):
     cfg = moe_config()
-    cfg.optim.warmup_steps = 0          # the first step moves: lr(0) = optim.lr
+    cfg.optim.warmup_steps = 0  # the first step moves: lr(0) = optim.lr
     cfg.optim.weight_decay = 0.1
     cfg.optim.update(kw)
     return cfg
@@ -65,8 +65,10 @@ def test_adafactor_equals_plain_optax_with_decoupled_decay(params_and_grads):
     schedule = lr_schedule(cfg, 10)
     got, state = jax.jit(functools.partial(two_steps, make_optimizer(cfg, 10)))(params, grads)
 
-    ref_tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                         optax.adafactor(schedule, min_dim_size_to_factor=8, multiply_by_parameter_scale=False))
+    ref_tx = optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adafactor(schedule, min_dim_size_to_factor=8, multiply_by_parameter_scale=False),
+    )
 
     @jax.jit
     def reference(p, grads):
@@ -75,13 +77,14 @@ def test_adafactor_equals_plain_optax_with_decoupled_decay(params_and_grads):
             u, s = ref_tx.update(g, s, p)
             p = jax.tree.map(lambda x, d: x + d - (schedule(t) * cfg.weight_decay * x if x.ndim >= 2 else 0), p, u)
         return p
+
     p = reference(unbox(params), [unbox(g) for g in grads])
     for (path, a), r in zip(jax.tree_util.tree_leaves_with_path(unbox(got)), jax.tree.leaves(p)):
         np.testing.assert_allclose(a, r, rtol=1e-6, atol=1e-7, err_msg=jax.tree_util.keystr(path))
     factored = state[1][0]
-    w = factored.v_row["stacks"][1]["blocks"][0]["mlp"]["w_gate"]    # [layers, experts, embed, expert_mlp]
+    w = factored.v_row["stacks"][1]["blocks"][0]["mlp"]["w_gate"]  # [layers, experts, embed, expert_mlp]
     assert w.shape == (1, 8, 16) and factored.v["stacks"][1]["blocks"][0]["mlp"]["w_gate"].shape == (1,)
-    assert optax.tree.size(factored) < 0.5 * optax.tree.size(params)   # vs AdamW's 2x
+    assert optax.tree.size(factored) < 0.5 * optax.tree.size(params)  # vs AdamW's 2x
 
 
 def test_adafactor_sharded_equals_unsharded(params_and_grads):
@@ -92,15 +95,16 @@ def test_adafactor_sharded_equals_unsharded(params_and_grads):
     with use_sharding(mesh, DEFAULT_RULES):
         put = lambda t: jax.device_put(t, shardings_for(t, mesh, DEFAULT_RULES))
         state_sh = shardings_for(jax.eval_shape(tx.init, params), mesh, DEFAULT_RULES)
-        got, state = jax.jit(functools.partial(two_steps, tx), out_shardings=(shardings_for(params, mesh, DEFAULT_RULES),
-                                                                              state_sh))(put(params), [put(g) for g in grads])
+        got, state = jax.jit(
+            functools.partial(two_steps, tx), out_shardings=(shardings_for(params, mesh, DEFAULT_RULES), state_sh)
+        )(put(params), [put(g) for g in grads])
     for (path, a), r in zip(jax.tree_util.tree_leaves_with_path(unbox(got)), jax.tree.leaves(unbox(want))):
         np.testing.assert_allclose(a, r, rtol=1e-6, atol=1e-7, err_msg=jax.tree_util.keystr(path))
     f = state[1][0]
     gate = lambda tree: tree["stacks"][1]["blocks"][0]["mlp"]["w_gate"].get_value()
-    assert gate(f.v_row).sharding.spec == P(None, "expert", "fsdp")      # expert_mlp reduced
-    assert gate(f.v_col).sharding.spec == P(None, "expert", "tensor")    # embed reduced
-    assert f.v_row["embed"].get_value().sharding.spec == P("fsdp")       # [vocab, embed]: vocab reduced
+    assert gate(f.v_row).sharding.spec == P(None, "expert", "fsdp")  # expert_mlp reduced
+    assert gate(f.v_col).sharding.spec == P(None, "expert", "tensor")  # embed reduced
+    assert f.v_row["embed"].get_value().sharding.spec == P("fsdp")  # [vocab, embed]: vocab reduced
 
 
 def test_bfloat16_first_moment_is_stored_and_matches_optax(params_and_grads):
@@ -112,23 +116,35 @@ def test_bfloat16_first_moment_is_stored_and_matches_optax(params_and_grads):
     assert {x.dtype for x in jax.tree.leaves(adam.nu)} == {jnp.dtype(jnp.float32)}
     default = make_optimizer(optim_config().optim, 10).init(params)[1][0]
     assert {x.dtype for x in jax.tree.leaves(default.mu)} == {jnp.dtype(jnp.float32)}
-    ref_tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(
-        lr_schedule(cfg, 10), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-        mask=lambda t: jax.tree.map(lambda x: x.ndim >= 2, t), mu_dtype=jnp.bfloat16))
+    ref_tx = optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(
+            lr_schedule(cfg, 10),
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=lambda t: jax.tree.map(lambda x: x.ndim >= 2, t),
+            mu_dtype=jnp.bfloat16,
+        ),
+    )
     want, _ = jax.jit(functools.partial(two_steps, ref_tx))(unbox(params), [unbox(g) for g in grads])
     for a, r in zip(jax.tree.leaves(unbox(got)), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, r, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("changes, key", [
-    (dict(name="sgd"), "optim.name"),
-    (dict(moment_dtype="float8"), "optim.moment_dtype"),
-    (dict(name="adafactor", moment_dtype="bfloat16"), "optim.moment_dtype"),
-    (dict(name="adafactor", b1=0.8), "optim.b1"),
-    (dict(name="adafactor", eps=1e-6), "optim.eps"),
-    (dict(factored_min_dim=32), "optim.factored_min_dim"),
-    (dict(name="adafactor", factored_min_dim=0), "optim.factored_min_dim"),
-])
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        (dict(name="sgd"), "optim.name"),
+        (dict(moment_dtype="float8"), "optim.moment_dtype"),
+        (dict(name="adafactor", moment_dtype="bfloat16"), "optim.moment_dtype"),
+        (dict(name="adafactor", b1=0.8), "optim.b1"),
+        (dict(name="adafactor", eps=1e-6), "optim.eps"),
+        (dict(factored_min_dim=32), "optim.factored_min_dim"),
+        (dict(name="adafactor", factored_min_dim=0), "optim.factored_min_dim"),
+    ],
+)
 def test_bad_optimizer_keys_are_refused_by_name(changes, key):
     cfg = base_config()
     cfg.optim.update(changes)
@@ -153,8 +169,10 @@ def adafactor_run():
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))
     with use_sharding(mesh, DEFAULT_RULES):
         graphdef, state, shardings = create_train_state(make, tx, mesh, DEFAULT_RULES)
-        step = jax.jit(make_train_step(graphdef, tx, functools.partial(lm_loss, moe_cfg=cfg.model.moe)),
-                       out_shardings=(shardings, None))
+        step = jax.jit(
+            make_train_step(graphdef, tx, functools.partial(lm_loss, moe_cfg=cfg.model.moe)),
+            out_shardings=(shardings, None),
+        )
     return mesh, state, shardings, step, batch(cfg)
 
 
@@ -177,7 +195,9 @@ def test_adafactor_train_step_learns_and_resumes_exactly(adafactor_run, tmp_path
         assert int(resumed.step) == 2
         for _ in range(2):
             resumed, _ = step(resumed, b)
-    for (path, a), r in zip(jax.tree_util.tree_leaves_with_path(resumed.opt_state), jax.tree.leaves(states[-1].opt_state)):
+    for (path, a), r in zip(
+        jax.tree_util.tree_leaves_with_path(resumed.opt_state), jax.tree.leaves(states[-1].opt_state)
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(r), err_msg=jax.tree_util.keystr(path))
     for a, r in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(states[-1].params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(r))

@@ -33,7 +33,7 @@ from tests.test_agent_rl import TOK, CountingEnv
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, stop_ids=())
 SAMPLED = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=8, num_samples=2, stop_ids=())
 RNG = np.random.default_rng(0)
-SYSTEM = RNG.integers(1, 64, 20).tolist()             # a shared system prompt: one full block and a bit
+SYSTEM = RNG.integers(1, 64, 20).tolist()  # a shared system prompt: one full block and a bit
 USERS = [RNG.integers(1, 64, n).tolist() for n in (3, 9, 14, 6)]
 TOOL = [RNG.integers(1, 64, 5).tolist() for _ in range(2)]
 FRESH = RNG.integers(1, 64, 10).tolist()
@@ -42,8 +42,15 @@ FRESH = RNG.integers(1, 64, 10).tolist()
 @pytest.fixture(scope="module")
 def policy():
     cfg = base_config().model
-    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = \
-        64, 16, 2, 4, 2, 8, 32
+    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = (
+        64,
+        16,
+        2,
+        4,
+        2,
+        8,
+        32,
+    )
     return nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
 
 
@@ -71,7 +78,7 @@ def test_turn_two_is_served_from_turn_ones_kv_with_identical_outputs(policy, fir
     prompts, plain1 = first_turn
     same(generate(*policy, prompts, GREEDY, jax.random.key(0), prefix_cache=cache), plain1)
     assert (cache.stats.hits, cache.stats.inserted) == (0, 3)
-    assert len(cache.entries) == 2         # prompt 0's single block (system prompt) is a prefix of prompt 1's entry
+    assert len(cache.entries) == 2  # prompt 0's single block (system prompt) is a prefix of prompt 1's entry
     second = turn_two(plain1, prompts)
     plain2 = generate(*policy, second, GREEDY, jax.random.key(1))
     cached2 = generate(*policy, second, GREEDY, jax.random.key(1), prefix_cache=cache)
@@ -81,8 +88,8 @@ def test_turn_two_is_served_from_turn_ones_kv_with_identical_outputs(policy, fir
     expected = [min(h, (len(s) - 1) // 16 * 16) for h, s in zip(held, second)] + [16, 0]
     assert cache.stats.hits == 3 and cache.stats.hit_tokens == sum(expected) > 32
     assert cache.stats.prompt_tokens == sum(map(len, prompts + second))
-    entries = [e.tokens.tolist() for e in cache.entries.values()]     # turn 2 superseded turn 1's entries
-    assert not any(a != b and b[:len(a)] == a for a in entries for b in entries)
+    entries = [e.tokens.tolist() for e in cache.entries.values()]  # turn 2 superseded turn 1's entries
+    assert not any(a != b and b[: len(a)] == a for a in entries for b in entries)
 
 
 def test_sampled_outputs_with_the_cache_equal_plain_sampling(policy, first_turn):
@@ -101,14 +108,14 @@ def test_new_weights_empty_the_cache(policy, first_turn):
     prompts, plain1 = first_turn
     generate(graphdef, params, rest, prompts, GREEDY, jax.random.key(0), prefix_cache=cache)
     cache.bind(params, rest)
-    assert len(cache.entries) == 2 and cache.stats.invalidations == 0        # same weights: kept
+    assert len(cache.entries) == 2 and cache.stats.invalidations == 0  # same weights: kept
     rng = np.random.default_rng(5)
     updated = jax.tree.map(lambda a: a + (0.3 * rng.normal(size=a.shape)).astype(a.dtype), params)  # next version
     second = turn_two(plain1, prompts)
     cached = generate(graphdef, updated, rest, second, GREEDY, jax.random.key(1), prefix_cache=cache)
     same(cached, generate(graphdef, updated, rest, second, GREEDY, jax.random.key(1)))
     assert cache.stats.invalidations == 1 and cache.stats.hits == 0
-    assert all(len(e.tokens) for e in cache.entries.values())                 # refilled with the new weights' KV
+    assert all(len(e.tokens) for e in cache.entries.values())  # refilled with the new weights' KV
 
 
 def fake_kv(tokens, layers=1):
@@ -125,17 +132,17 @@ def test_lookup_finds_the_longest_block_aligned_prefix_and_evicts_lru_under_the_
     assert cache.tokens == 48
     entry, n = cache.lookup(np.array(a + [1, 2]))
     assert n == 16 and np.array_equal(entry.kv[0][0][0, 0], np.array(a, np.float32))
-    assert cache.lookup(np.array(a))[1] == 0                       # one token must stay to prefill
-    assert cache.lookup(np.array(a[:8] + b))[1] == 0                # a block matches only after its whole prefix
-    cache.insert(np.array(d), fake_kv(d))                            # over the bound: b is least recently used
+    assert cache.lookup(np.array(a))[1] == 0  # one token must stay to prefill
+    assert cache.lookup(np.array(a[:8] + b))[1] == 0  # a block matches only after its whole prefix
+    cache.insert(np.array(d), fake_kv(d))  # over the bound: b is least recently used
     assert [cache.lookup(np.array(s + [0]))[1] for s in (a, b, c, d)] == [16, 0, 16, 16]
     assert cache.stats.evicted == 1 and cache.tokens == 48
-    longer = a + list(range(500, 520))                               # a's next turn: supersedes a's entry
+    longer = a + list(range(500, 520))  # a's next turn: supersedes a's entry
     cache.insert(np.array(longer), fake_kv(longer))
     entry, n = cache.lookup(np.array(longer + [0]))
     assert n == 32 and len(entry.tokens) == 32 and cache.tokens <= 48
     assert np.array_equal(entry.kv[0][1][0, :, 1], 2 * np.array(longer[:32], np.float32))
-    cache.insert(np.arange(64), fake_kv(range(64)))                 # longer than the bound: not kept
+    cache.insert(np.arange(64), fake_kv(range(64)))  # longer than the bound: not kept
     assert cache.lookup(np.arange(65))[1] == 0
 
 
@@ -155,7 +162,10 @@ class ThreeTurnEnv(CountingEnv):
 
 def test_a_hash_collision_is_a_miss(monkeypatch):
     from posttrain.sampling import prefix_cache
-    monkeypatch.setattr(prefix_cache, "block_keys", lambda tokens, block: [bytes([i]) for i in range(len(tokens) // block)])
+
+    monkeypatch.setattr(
+        prefix_cache, "block_keys", lambda tokens, block: [bytes([i]) for i in range(len(tokens) // block)]
+    )
     cache = PrefixCache(64, block=16)
     cache.insert(np.arange(16), fake_kv(range(16)))
     assert cache.lookup(np.arange(17))[1] == 16 and cache.lookup(np.arange(1, 18))[1] == 0
@@ -182,7 +192,15 @@ def test_sampling_prefix_cache_key_reaches_episodes_and_bad_values_raise():
     assert cache.max_tokens == 512
 
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 32, 1, 2, 1, 16, 64
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
+        264,
+        32,
+        1,
+        2,
+        1,
+        16,
+        64,
+    )
     graphdef, params, rest = nnx.split(Decoder(m, rngs=nnx.Rngs(0)), nnx.Param, ...)
     sampling = SamplingParams(temperature=0.7, top_k=12, max_new_tokens=6, stop_ids=(TOK.eos_id,), num_samples=2)
     reward_fn = RewardFunction({MathTask: MathVerifier()})
@@ -191,19 +209,27 @@ def test_sampling_prefix_cache_key_reaches_episodes_and_bad_values_raise():
     batches = []
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         for prefix_cache in (None, cache):
-            worker = RolloutWorker(graphdef, {"count": Domain("count", tasks, make_env)}, sampling, TOK.pad_id, pool,
-                                   episodes=rollout_episodes, prefix_cache=prefix_cache)
+            worker = RolloutWorker(
+                graphdef,
+                {"count": Domain("count", tasks, make_env)},
+                sampling,
+                TOK.pad_id,
+                pool,
+                episodes=rollout_episodes,
+                prefix_cache=prefix_cache,
+            )
             batches.append(worker.rollout(params, rest, [("count", tasks[0])], jax.random.key(3)))
     plain, cached = ([t.tokens for t in b.groups[0].trajectories] for b in batches)
     assert cached == plain and [t.turns for t in batches[0].groups[0].trajectories] == [3, 3]
     for p, c in zip(batches[0].behav[0], batches[1].behav[0]):
         np.testing.assert_allclose(c, p, atol=1e-5)
-    assert cache.stats.hits > 0 and cache.stats.hit_tokens >= 32    # later turns hit earlier turns' KV
+    assert cache.stats.hits > 0 and cache.stats.hit_tokens >= 32  # later turns hit earlier turns' KV
 
 
-@pytest.mark.slow      # ~1 min loaded: three more compiles on 8 simulated devices
+@pytest.mark.slow  # ~1 min loaded: three more compiles on 8 simulated devices
 def test_cached_sampling_on_a_sharded_mesh_equals_the_unsharded_result(policy, first_turn):
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
+
     prompts, plain1 = first_turn
     second = turn_two(plain1, prompts)
     plain2 = generate(*policy, second, GREEDY, jax.random.key(1))

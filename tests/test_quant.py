@@ -44,29 +44,39 @@ def test_weight_einsum_is_the_dequantised_matmul(mode):
     deq = np.asarray(q.qvalue, np.float64) * np.repeat(np.asarray(q.scale, np.float64), 256 // q.scale.shape[0], 0)
     y = np.asarray(weight_einsum("bsd,dhk->bshk", jnp.asarray(x), q, jnp.float32))
     ref = np.einsum("bsd,dhk->bshk", bf16(x), bf16(deq) if mode == "int4" else deq)
-    np.testing.assert_allclose(y, ref, rtol=2e-2, atol=2e-2)      # bf16 rounding of the result (XLA:CPU)
+    np.testing.assert_allclose(y, ref, rtol=2e-2, atol=2e-2)  # bf16 rounding of the result (XLA:CPU)
     exact = np.einsum("bsd,dhk->bshk", x.astype(np.float64), w.astype(np.float64))
     rel = np.linalg.norm(y - exact) / np.linalg.norm(exact)
     assert rel < (0.01 if mode == "int8" else 0.12), rel
-    w2 = w.reshape(256, 32)                       # the MLP's form, with a leading "..."
+    w2 = w.reshape(256, 32)  # the MLP's form, with a leading "..."
     q2 = quantize_weight(jnp.asarray(w2), mode, (-2,))
-    np.testing.assert_allclose(weight_einsum("...d,df->...f", jnp.asarray(x), q2, jnp.float32),
-                               y.reshape(3, 5, 32), rtol=2e-2, atol=2e-2)
-    experts = (rng.normal(size=(4, 256, 8)) / 16).astype(np.float32)     # MoE experts: batched over e
+    np.testing.assert_allclose(
+        weight_einsum("...d,df->...f", jnp.asarray(x), q2, jnp.float32), y.reshape(3, 5, 32), rtol=2e-2, atol=2e-2
+    )
+    experts = (rng.normal(size=(4, 256, 8)) / 16).astype(np.float32)  # MoE experts: batched over e
     qe = quantize_weight(jnp.asarray(experts), mode, (-2,))
-    rows = x.reshape(3, 5, 256)[:, :4].transpose(1, 0, 2)                      # [e, r, d]
+    rows = x.reshape(3, 5, 256)[:, :4].transpose(1, 0, 2)  # [e, r, d]
     ye = np.asarray(weight_einsum("erd,edf->erf", jnp.asarray(rows), qe, jnp.float32))
     exact_e = np.einsum("erd,edf->erf", rows.astype(np.float64), experts.astype(np.float64))
     assert np.linalg.norm(ye - exact_e) / np.linalg.norm(exact_e) < (0.01 if mode == "int8" else 0.12)
     # a float weight takes the model's old path, unchanged
-    np.testing.assert_array_equal(weight_einsum("bsd,dhk->bshk", jnp.asarray(x), jnp.asarray(w), jnp.float32),
-                                  jnp.einsum("bsd,dhk->bshk", jnp.asarray(x), jnp.asarray(w)))
+    np.testing.assert_array_equal(
+        weight_einsum("bsd,dhk->bshk", jnp.asarray(x), jnp.asarray(w), jnp.float32),
+        jnp.einsum("bsd,dhk->bshk", jnp.asarray(x), jnp.asarray(w)),
+    )
 
 
 def model_config(kind):
     cfg = base_config().model
-    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = \
-        64, 64, 2, 4, 2, 16, 128
+    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = (
+        64,
+        64,
+        2,
+        4,
+        2,
+        16,
+        128,
+    )
     cfg.qk_norm, cfg.tie_embeddings = True, False
     if kind == "moe":
         cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_mlp_dim, cfg.moe.first_dense = 8, 2, 64, 1
@@ -74,11 +84,19 @@ def model_config(kind):
     return cfg
 
 
-PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 3, 9, 1, 5], [2], [3, 3, 8, 1, 12], [9, 9], [1, 2, 3, 4, 5, 6],
-           [40, 41], [63, 0, 17]]
+PROMPTS = [
+    [5, 9, 3],
+    [7, 1, 4, 4, 2, 8, 6, 3, 9, 1, 5],
+    [2],
+    [3, 3, 8, 1, 12],
+    [9, 9],
+    [1, 2, 3, 4, 5, 6],
+    [40, 41],
+    [63, 0, 17],
+]
 
 
-@pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=pytest.mark.slow)])   # MoE: ~3 min loaded
+@pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=pytest.mark.slow)])  # MoE: ~3 min loaded
 def test_quantised_sampler_stays_close_to_the_float_policy(kind):
     graphdef, params, rest = nnx.split(Decoder(model_config(kind), rngs=nnx.Rngs(0)), nnx.Param, ...)
 
@@ -94,21 +112,21 @@ def test_quantised_sampler_stays_close_to_the_float_policy(kind):
         out = generate(graphdef, qparams, rest, PROMPTS, greedy, jax.random.key(0))
         rows = np.zeros((len(PROMPTS), 32), np.int32)
         for i, p in enumerate(PROMPTS):
-            rows[i, :len(p) + out.lengths[i]] = p + out.completion(i)
+            rows[i, : len(p) + out.lengths[i]] = p + out.completion(i)
         logits = forward(params, rows)
         lp = np.asarray(token_logprobs(logits[:, :-1], jnp.asarray(rows[:, 1:])))
         best = np.asarray(jnp.argmax(logits, -1))
         gaps, same = [], []
         for i, p in enumerate(PROMPTS):
             span = slice(len(p) - 1, len(p) - 1 + out.lengths[i])
-            gaps.append(np.abs(lp[i, span] - out.logprobs[i, :out.lengths[i]]))
-            same.append(best[i, span] == rows[i, len(p):len(p) + out.lengths[i]])
+            gaps.append(np.abs(lp[i, span] - out.logprobs[i, : out.lengths[i]]))
+            same.append(best[i, span] == rows[i, len(p) : len(p) + out.lengths[i]])
         gaps, same = np.concatenate(gaps), np.concatenate(same)
         measured[mode] = (gaps.max(), gaps.mean(), same.mean())
     print(kind, {m: tuple(round(float(v), 4) for v in r) for m, r in measured.items()})
     for mode, (max_gap, mean_gap, agree) in BOUNDS[kind].items():
         assert measured[mode][0] < max_gap and measured[mode][1] < mean_gap and measured[mode][2] >= agree, mode
-        assert measured[mode][0] > 1e-4          # the quantised weights were used
+        assert measured[mode][0] > 1e-4  # the quantised weights were used
 
 
 def test_sampling_quantize_key_is_checked_and_used():
@@ -122,6 +140,7 @@ def test_sampling_quantize_key_is_checked_and_used():
         check_sampling_config(cfg, ("sft",))
     # the rlvr loop's sampler weights follow the key; the learner's stay float
     from posttrain.stages.rlvr import Components
+
     params = nnx.split(Decoder(model_config("dense"), rngs=nnx.Rngs(0)), nnx.Param, ...)[1]
     rl = types.SimpleNamespace(train=types.SimpleNamespace(params=params, frozen=None, rest="rest"))
     for mode, kind in (("none", jax.Array), ("int8", QArray), ("int4", QArray)):

@@ -19,11 +19,12 @@ from posttrain.parallel import DEFAULT_RULES, logical_spec, make_mesh, shardings
 from posttrain.sampling import SamplingParams, generate
 
 D, F, E, B, S = 16, 32, 8, 8, 8
-GROUP = 8          # int4 groups of 8 (not 128): several scale groups along the sharded dims
+GROUP = 8  # int4 groups of 8 (not 128): several scale groups along the sharded dims
 X = jax.random.normal(jax.random.key(1), (B, S, D))
 MASK = jnp.asarray(np.arange(S)[None, :] < np.array([8, 5, 0, 8, 3, 8, 1, 6])[:, None])
-LAYER = jax.jit(lambda graphdef, params, rest, x, mask: nnx.merge(graphdef, params, rest)(x, mask, inference=True),
-                static_argnums=0)
+LAYER = jax.jit(
+    lambda graphdef, params, rest, x, mask: nnx.merge(graphdef, params, rest)(x, mask, inference=True), static_argnums=0
+)
 
 
 def moe_layer():
@@ -42,14 +43,14 @@ def on_mesh(tree, mesh):
 
 def test_quantized_spec_keeps_scales_with_their_values():
     w = jnp.ones((E, D, F))
-    q8, q4 = quantize_weight(w, "int8", (-2,)), quantize_weight(w, "int4", (-2,))     # scales [E,1,F] / [E,1,F]
+    q8, q4 = quantize_weight(w, "int8", (-2,)), quantize_weight(w, "int4", (-2,))  # scales [E,1,F] / [E,1,F]
     spec, sizes = P("expert", "fsdp", "tensor"), {"expert": 2, "fsdp": 2, "tensor": 2}
     assert quantized_spec(q8, spec, sizes) == QArray(spec, P("expert", None, "tensor"), qtype=jnp.int8)
-    assert quantized_spec(q4, spec, sizes).scale == P("expert", None, "tensor")      # one group of 16
-    grouped = QArray(jnp.ones((E, 384, F), jnp.int8), jnp.ones((E, 3, F)))            # 3 groups of 128
+    assert quantized_spec(q4, spec, sizes).scale == P("expert", None, "tensor")  # one group of 16
+    grouped = QArray(jnp.ones((E, 384, F), jnp.int8), jnp.ones((E, 3, F)))  # 3 groups of 128
     assert quantized_spec(grouped, P(None, "fsdp"), {"fsdp": 3}).scale == P(None, "fsdp", None)
     assert quantized_spec(grouped, P(None, "fsdp"), {"fsdp": 2}, whole=(1,)).scale == P(None, None, None)
-    split = split_single_groups(grouped, P(None, "tensor"), {"tensor": 3})            # one group per shard
+    split = split_single_groups(grouped, P(None, "tensor"), {"tensor": 3})  # one group per shard
     assert split.scale.shape == (E, 6, F)
     np.testing.assert_array_equal(quant.dequantize(split, jnp.float32), quant.dequantize(grouped, jnp.float32))
     assert split_single_groups(grouped, P(None, "fsdp"), {"fsdp": 3}, whole=(1,)).scale.shape == (E, 3, F)
@@ -57,10 +58,14 @@ def test_quantized_spec_keeps_scales_with_their_values():
         quantized_spec(grouped, P(None, "tensor"), {"tensor": 2}, "moe.w_down")
 
 
-@pytest.mark.parametrize("mode,group", [("int8", None), ("int4", GROUP), ("int4", 2 * GROUP)],
-                         ids=["int8", "int4-groups-of-8", "int4-groups-of-16"])
-@pytest.mark.parametrize("sizes", [dict(fsdp=2, expert=4), dict(data=2, expert=2, tensor=2)],
-                         ids=["fsdp2-expert4", "data2-expert2-tensor2"])
+@pytest.mark.parametrize(
+    "mode,group",
+    [("int8", None), ("int4", GROUP), ("int4", 2 * GROUP)],
+    ids=["int8", "int4-groups-of-8", "int4-groups-of-16"],
+)
+@pytest.mark.parametrize(
+    "sizes", [dict(fsdp=2, expert=4), dict(data=2, expert=2, tensor=2)], ids=["fsdp2-expert4", "data2-expert2-tensor2"]
+)
 def test_sharded_quantised_experts_match_one_device(monkeypatch, mode, group, sizes):
     """Expert parallelism + ZeRO-3 gathers of the embed dim (values; scales whole) + expert
     hidden dim over tensor (partial sums of the down projection, its group scales sharded): the
@@ -73,13 +78,12 @@ def test_sharded_quantised_experts_match_one_device(monkeypatch, mode, group, si
     want = LAYER(graphdef, qparams, rest, X, MASK)
     mesh = make_mesh(sizes)
     with use_sharding(mesh, DEFAULT_RULES):
-        sharded = jax.jit(lambda p: quantize_params(p, mode))(on_mesh(params, mesh))   # as the RL loop does
+        sharded = jax.jit(lambda p: quantize_params(p, mode))(on_mesh(params, mesh))  # as the RL loop does
         x = jax.device_put(X, NamedSharding(mesh, logical_spec(("batch", "length", None), mesh, DEFAULT_RULES)))
         got = LAYER(graphdef, sharded, on_mesh(rest, mesh), x, MASK)
     w = sharded["w_gate"].get_value()
     assert w.qvalue.sharding.shard_shape(w.shape)[0] == E // mesh.shape["expert"]
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5),
-                 got, want)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5), got, want)
     # the quantisation is in effect: the float layer differs
     full = LAYER(graphdef, params, rest, X, MASK)[0]
     assert np.abs(np.asarray(full) - np.asarray(want[0])).max() > 1e-4
@@ -87,14 +91,21 @@ def test_sharded_quantised_experts_match_one_device(monkeypatch, mode, group, si
 
 def sampler_config():
     cfg = base_config().model
-    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = \
-        64, 16, 2, 4, 2, 8, 32
+    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = (
+        64,
+        16,
+        2,
+        4,
+        2,
+        8,
+        32,
+    )
     cfg.qk_norm, cfg.tie_embeddings = True, False
     cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_mlp_dim, cfg.moe.first_dense = 8, 2, 16, 1
     return cfg
 
 
-@pytest.mark.slow      # two sampler compiles per mode on 8 devices (~2 min loaded)
+@pytest.mark.slow  # two sampler compiles per mode on 8 devices (~2 min loaded)
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_sharded_quantised_sampler_matches_one_device(monkeypatch, mode):
     """generate() with quantised weights, experts sharded on data2-expert2-tensor2, against one
@@ -102,7 +113,10 @@ def test_sharded_quantised_sampler_matches_one_device(monkeypatch, mode):
     shard)."""
     monkeypatch.setattr(quant, "INT4_GROUP", GROUP)
     graphdef, params, rest = nnx.split(Decoder(sampler_config(), rngs=nnx.Rngs(0)), nnx.Param, ...)
-    prompts, sampling = [[5, 9, 3], [7, 1, 4, 4, 2, 8], [2], [3, 3, 8, 1]], SamplingParams(temperature=1.0, max_new_tokens=8)
+    prompts, sampling = (
+        [[5, 9, 3], [7, 1, 4, 4, 2, 8], [2], [3, 3, 8, 1]],
+        SamplingParams(temperature=1.0, max_new_tokens=8),
+    )
     want = generate(graphdef, quantize_params(params, mode), rest, prompts, sampling, jax.random.key(3))
     mesh = make_mesh(dict(data=2, expert=2, tensor=2))
     with use_sharding(mesh, DEFAULT_RULES):

@@ -23,8 +23,9 @@ def test_quickstart_rl_raises_heldout_accuracy(tmp_path):
     cfg.workdir = str(tmp_path / "run")
     cfg.train.progress = False
     pipeline.run(cfg)
-    evals = [json.loads(l) for l in (tmp_path / "run/1_rlvr/metrics.jsonl").read_text().splitlines()
-             if "eval/accuracy" in l]
+    evals = [
+        json.loads(l) for l in (tmp_path / "run/1_rlvr/metrics.jsonl").read_text().splitlines() if "eval/accuracy" in l
+    ]
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
     # The eval stage re-measures the final policy on the same held-out problems, and its gate held.
     (rec,) = [json.loads(l) for l in (tmp_path / "run/2_eval/eval/arithmetic.jsonl").read_text().splitlines()]

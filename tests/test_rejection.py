@@ -58,10 +58,18 @@ def tiny(workdir, train_files, verifier, **rejection_kw):
     cfg = base_config()
     cfg.stage, cfg.workdir = "rejection_sampling", str(workdir)
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 32, 1, 2, 1, 16, 64
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
+        264,
+        32,
+        1,
+        2,
+        1,
+        16,
+        64,
+    )
     cfg.train.progress, cfg.train.steps, cfg.train.log_every, cfg.checkpoint.every = False, 2, 1, 0
     r = cfg.rl
-    r.train_files, r.verifiers = train_files, verifier      # no rl.eval_files: none needed (rl.eval_every is 10)
+    r.train_files, r.verifiers = train_files, verifier  # no rl.eval_files: none needed (rl.eval_every is 10)
     r.prompts_per_step, r.max_new_tokens, r.verifier_workers = 4, 10, 2
     cfg.rejection.update(dict(prompts=6, samples_per_prompt=6, keep_per_prompt=2, min_score=0.5))
     cfg.rejection.update(rejection_kw)
@@ -76,7 +84,15 @@ def policy(tmp_path_factory):
     root = tmp_path_factory.mktemp("policy")
     cfg = base_config()
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 32, 1, 2, 1, 16, 64
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
+        264,
+        32,
+        1,
+        2,
+        1,
+        16,
+        64,
+    )
     d, tok = m.embed_dim, ByteTokenizer()
     u = np.random.default_rng(0).standard_normal(d)
     u /= np.linalg.norm(u)
@@ -87,8 +103,10 @@ def policy(tmp_path_factory):
     with use_sharding(mesh, rules):
         params, rest = init_model_state(lambda: Decoder(m, rngs=nnx.Rngs(0)), mesh, rules)
         flat = dict(nnx.to_flat_state(params))
-        for name, value in ((("embed",), flat[("embed",)][...] + 100 * math.sqrt(d) * u),
-                            (("head",), np.outer(u, logits) / math.sqrt(d))):
+        for name, value in (
+            (("embed",), flat[("embed",)][...] + 100 * math.sqrt(d) * u),
+            (("head",), np.outer(u, logits) / math.sqrt(d)),
+        ):
             flat[name][...] = jax.device_put(np.asarray(value, np.float32), flat[name][...].sharding)
         ckpt = Checkpointer(str(root / "checkpoints"), every=1, keep=1, async_save=False)
         ckpt.save(7, {"params": params, "rest": rest})
@@ -102,8 +120,15 @@ def user_tasks(tmp_path, monkeypatch):
     name = f"rsverifier_{tmp_path.name.replace('-', '_')}"
     (tmp_path / f"{name}.py").write_text(textwrap.dedent(VERIFIER))
     monkeypatch.syspath_prepend(str(tmp_path))
-    records = [{"prompt": f"Say something, {i}.", "verifier": "by_length", "domain": "alpha" if i < 4 else "beta",
-                "difficulty": "easy" if i % 2 else "hard"} for i in range(8)]
+    records = [
+        {
+            "prompt": f"Say something, {i}.",
+            "verifier": "by_length",
+            "domain": "alpha" if i < 4 else "beta",
+            "difficulty": "easy" if i % 2 else "hard",
+        }
+        for i in range(8)
+    ]
     path = tmp_path / "tasks.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     yield str(path), f"{name}:by_length", name
@@ -111,8 +136,17 @@ def user_tasks(tmp_path, monkeypatch):
 
 
 def cand(index, response, s, *, tokens=None, truncated=False, error=None):
-    return Candidate("d", Task("t", ({"role": "user", "content": "p"},), None), index, response,
-                     len(response) if tokens is None else tokens, s, {"correct": s}, truncated, error)
+    return Candidate(
+        "d",
+        Task("t", ({"role": "user", "content": "p"},), None),
+        index,
+        response,
+        len(response) if tokens is None else tokens,
+        s,
+        {"correct": s},
+        truncated,
+        error,
+    )
 
 
 class ShareWorker:
@@ -127,16 +161,27 @@ class ShareWorker:
 
         from posttrain.rl.envs.base import Trajectory
         from posttrain.rl.reward import Reward
+
         def traj(task, s):
             answer = list(self.tok.encode(f"{task.id}/{s}")) + [self.tok.stop_ids[0]] * (s % 2)
-            return Trajectory(task.id, [1, 2] + answer, [False, False] + [True] * len(answer), 2,
-                              Reward(s / num_samples, {"correct": s / num_samples}), info={})
+            return Trajectory(
+                task.id,
+                [1, 2] + answer,
+                [False, False] + [True] * len(answer),
+                2,
+                Reward(s / num_samples, {"correct": s / num_samples}),
+                info={},
+            )
+
         return [SimpleNamespace(trajectories=[traj(t, s) for s in range(num_samples)]) for _, t in tasks]
 
     def rollout(self, params, rest, tasks, key, *, num_samples, exact_share):
         from posttrain.rl.rollout.hosts import group_share
+
         self.monkeypatch.setattr(jax, "process_index", lambda: self.process)
-        return type("Batch", (), {"groups": self.groups(tasks, num_samples)[group_share(len(tasks), exact=exact_share)]})
+        return type(
+            "Batch", (), {"groups": self.groups(tasks, num_samples)[group_share(len(tasks), exact=exact_share)]}
+        )
 
 
 def test_candidates_of_several_processes_are_gathered_in_prompt_order(monkeypatch):
@@ -149,13 +194,16 @@ def test_candidates_of_several_processes_are_gathered_in_prompt_order(monkeypatc
     one = rejection.sample_candidates(worker, None, None, pairs, jax.random.key(0), **kw)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
 
-    def allgather_json(mine):        # process 1's share of the same chunk, computed as process 1 would
+    def allgather_json(mine):  # process 1's share of the same chunk, computed as process 1 would
         worker.process = 1
-        chunk = pairs[calls.pop(0):][:3]
-        theirs = [[records.candidate_fields(i, t, tok) for i, t in enumerate(g.trajectories)]
-                  for g in worker.rollout(None, None, chunk, None, num_samples=3, exact_share=False).groups]
+        chunk = pairs[calls.pop(0) :][:3]
+        theirs = [
+            [records.candidate_fields(i, t, tok) for i, t in enumerate(g.trajectories)]
+            for g in worker.rollout(None, None, chunk, None, num_samples=3, exact_share=False).groups
+        ]
         worker.process = 0
         return [json.loads(json.dumps(mine)), json.loads(json.dumps(theirs))]
+
     calls = [0, 3, 6]
     monkeypatch.setattr(rejection, "allgather_json", allgather_json)
     two = rejection.sample_candidates(worker, None, None, pairs, jax.random.key(0), **kw)
@@ -164,19 +212,30 @@ def test_candidates_of_several_processes_are_gathered_in_prompt_order(monkeypatc
 
 
 def test_select_keeps_the_best_distinct_passing_responses_within_the_length_limit():
-    cs = [cand(0, "long answer here", 1.0), cand(1, "ok", 1.0), cand(2, " ok  ", 1.0, tokens=5),
-          cand(3, "meh", 0.5), cand(4, "no", 0.2), cand(5, "cut", 1.0, truncated=True),
-          cand(6, "err", 1.0, error="timeout"), cand(7, "b  c", 1.0), cand(8, "b c", 1.0)]
+    cs = [
+        cand(0, "long answer here", 1.0),
+        cand(1, "ok", 1.0),
+        cand(2, " ok  ", 1.0, tokens=5),
+        cand(3, "meh", 0.5),
+        cand(4, "no", 0.2),
+        cand(5, "cut", 1.0, truncated=True),
+        cand(6, "err", 1.0, error="timeout"),
+        cand(7, "b  c", 1.0),
+        cand(8, "b c", 1.0),
+    ]
     kept, counts = select(cs, keep=3, min_score=0.5, max_tokens=10)
     # ranked: score, then length, then index; "ok" beats " ok  " (longer, same text); "b c" beats "b  c"
     assert [c.index for c in kept] == [1, 8, 3]
-    assert dict(counts) == dict(candidates=9, passing=6, verifier_errors=1, truncated=1, too_long=1, duplicates=2,
-                                kept=3, prompts_with_kept=1)
+    assert dict(counts) == dict(
+        candidates=9, passing=6, verifier_errors=1, truncated=1, too_long=1, duplicates=2, kept=3, prompts_with_kept=1
+    )
     assert [c.index for c in select(cs, keep=1, min_score=0.5, max_tokens=10)[0]] == [1]
-    assert [c.index for c in select(cs, keep=3, min_score=1.0, max_tokens=0)[0]] == [1, 8, 0]    # no length filter
+    assert [c.index for c in select(cs, keep=3, min_score=1.0, max_tokens=0)[0]] == [1, 8, 0]  # no length filter
     assert [c.index for c in select(cs, keep=3, min_score=0.1, max_tokens=2)[0]] == [1, 4]
-    assert select(cs, keep=3, min_score=2.0, max_tokens=0) == ([], collections.Counter(
-        candidates=9, passing=0, verifier_errors=1, truncated=1, kept=0, prompts_with_kept=0))
+    assert select(cs, keep=3, min_score=2.0, max_tokens=0) == (
+        [],
+        collections.Counter(candidates=9, passing=0, verifier_errors=1, truncated=1, kept=0, prompts_with_kept=0),
+    )
 
 
 def check_records(records, calls, cfg, policy):
@@ -192,7 +251,9 @@ def check_records(records, calls, cfg, policy):
         assert p["policy_checkpoint"] == policy and p["policy_step"] == 7 and p["verifier"] == "by_length"
         assert p["score"] == score(rec["response"]) >= r.min_score and 0 <= p["sample_index"] < r.samples_per_prompt
         assert rec["response"] in seen[rec["prompt"]]
-        assert (not r.max_tokens or len(rec["response"]) <= r.max_tokens) and p["response_tokens"] == len(rec["response"])
+        assert (not r.max_tokens or len(rec["response"]) <= r.max_tokens) and p["response_tokens"] == len(
+            rec["response"]
+        )
     assert len(by_prompt) <= r.prompts
     for prompt, responses in seen.items():
         best = {}
@@ -201,10 +262,10 @@ def check_records(records, calls, cfg, policy):
                 key = " ".join(text.split())
                 best[key] = min(best.get(key, (9, 99)), (-score(text), len(text)))
         kept = by_prompt.get(prompt, [])
-        assert len({" ".join(k["response"].split()) for k in kept}) == len(kept)      # no duplicates
+        assert len({" ".join(k["response"].split()) for k in kept}) == len(kept)  # no duplicates
         assert len(kept) == min(r.keep_per_prompt, len(best))
         ranks = sorted(best.values())
-        assert sorted((-k["provenance"]["score"], len(k["response"])) for k in kept) == ranks[:len(kept)]
+        assert sorted((-k["provenance"]["score"], len(k["response"])) for k in kept) == ranks[: len(kept)]
 
 
 class SFTReadProducedData(Exception):
@@ -218,11 +279,13 @@ def sft_spy(monkeypatch, read: list):
     def spy(files, *args, **kw):
         read.append((files, next(real(files, *args, **kw))["inputs"]))
         raise SFTReadProducedData
+
     monkeypatch.setattr(stage_lib, "sft_batches", spy)
 
 
 def test_pipeline_stage_writes_the_best_distinct_passing_candidates_and_feeds_the_next_sft(
-        policy, user_tasks, tmp_path, monkeypatch):
+    policy, user_tasks, tmp_path, monkeypatch
+):
     """sft.train_files is mixed with the kept records (rejection.mix_original) and the sft stage
     after rejection_sampling reads the mixed file; kept records are exactly the best distinct
     passing ones within rejection.max_tokens, with provenance; the report's counts match."""
@@ -239,7 +302,7 @@ def test_pipeline_stage_writes_the_best_distinct_passing_candidates_and_feeds_th
     out = tmp_path / "pipe" / "0_rejection_sampling"
     kept_lines = (out / "sft.jsonl").read_text().splitlines()
     assert (out / "sft.mixed.jsonl").read_text().splitlines() == original.read_text().splitlines() + kept_lines
-    assert [f for f, _ in read] == [str(out / "sft.mixed.jsonl")]     # not sft.train_files
+    assert [f for f, _ in read] == [str(out / "sft.mixed.jsonl")]  # not sft.train_files
     tok = ByteTokenizer()
     assert any(b"Say something" in bytes(t - tok.OFFSET for t in row if t >= tok.OFFSET) for row in read[0][1])
 
@@ -248,7 +311,7 @@ def test_pipeline_stage_writes_the_best_distinct_passing_candidates_and_feeds_th
     check_records(records, calls, cfg, policy)
     report = json.loads((out / "rejection_report.json").read_text())
     total = report["total"]
-    assert total["prompts"] == 8 and total["candidates"] == 48 and total["kept"] == len(records)   # 8 × 6
+    assert total["prompts"] == 8 and total["candidates"] == 48 and total["kept"] == len(records)  # 8 × 6
     assert total["truncated"] == 48 - len(calls) and total["verifier_errors"] == 0
     assert total["passing"] == sum(score(resp) >= 0.5 for _, resp in calls)
     assert total["too_long"] == sum(score(resp) >= 0.5 and len(resp) > 3 for _, resp in calls) > 0
@@ -259,8 +322,9 @@ def test_pipeline_stage_writes_the_best_distinct_passing_candidates_and_feeds_th
         assert r["kept"] == sum(rec["provenance"]["domain"] == d for rec in records)
         assert sum(x["prompts"] for x in report["difficulty"][d].values()) == 4
         for label, x in report["difficulty"][d].items():
-            assert x["kept"] == sum(rec["provenance"]["domain"] == d and rec["provenance"]["difficulty"] == label
-                                    for rec in records)
+            assert x["kept"] == sum(
+                rec["provenance"]["domain"] == d and rec["provenance"]["difficulty"] == label for rec in records
+            )
     # the sft stage starts from the policy that sampled (rejection_sampling has no checkpoint); by
     # default it trains on the kept records alone
     sft_cfg = pipeline.stage_config(cfg, "sft", "w", policy, sft_files="x.jsonl")
@@ -273,7 +337,7 @@ def test_stage_alone_other_settings(policy, user_tasks, tmp_path, monkeypatch):
     """Fewer prompts, more kept per prompt, no length filter, an output URL; a low temperature
     (sampled through continuous batching, sampling.continuous_batching)."""
     files, verifier, module = user_tasks
-    out = f"memory://{tmp_path.name}/o/mine.jsonl"         # any fsspec URL (gs://, ...)
+    out = f"memory://{tmp_path.name}/o/mine.jsonl"  # any fsspec URL (gs://, ...)
     cfg = tiny(tmp_path / "rs", files, verifier, keep_per_prompt=3, prompts=4, output=out)
     cfg.init_from = policy
     result = main.run(cfg)
@@ -292,30 +356,34 @@ def test_stage_alone_other_settings(policy, user_tasks, tmp_path, monkeypatch):
     cfg.rejection.temperature = 0.05
     cfg.sampling.continuous_batching, cfg.sampling.num_slots = True, 8
     from posttrain.rl.rollout import worker as rollout
+
     slots, real = [], rollout.generate_continuous
     monkeypatch.setattr(rollout, "generate_continuous", lambda *a, **kw: slots.append(kw["slots"]) or real(*a, **kw))
     main.run(cfg)
     assert [r["response"] for r in read()] == [""] * 4 and slots and slots[0].num_slots == 8
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("prompts", 0, "rejection.prompts=0: expected an integer >= 1"),
-    ("samples_per_prompt", -1, "rejection.samples_per_prompt=-1"),
-    ("keep_per_prompt", 9, "rejection.keep_per_prompt=9: at most rejection.samples_per_prompt=6"),
-    ("min_score", float("nan"), "rejection.min_score=nan"),
-    ("max_tokens", -2, "rejection.max_tokens=-2"),
-    ("max_tokens", 10, "rejection.max_tokens=10 cannot take effect"),
-    ("temperature", -0.5, "rejection.temperature=-0.5"),
-    ("temperature", 0.0, "rejection.temperature=0 (greedy)"),
-    ("output", "out.txt", "rejection.output='out.txt': expected a .jsonl path"),
-    ("mix_original", True, "rejection.mix_original=True mixes in sft.train_files"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("prompts", 0, "rejection.prompts=0: expected an integer >= 1"),
+        ("samples_per_prompt", -1, "rejection.samples_per_prompt=-1"),
+        ("keep_per_prompt", 9, "rejection.keep_per_prompt=9: at most rejection.samples_per_prompt=6"),
+        ("min_score", float("nan"), "rejection.min_score=nan"),
+        ("max_tokens", -2, "rejection.max_tokens=-2"),
+        ("max_tokens", 10, "rejection.max_tokens=10 cannot take effect"),
+        ("temperature", -0.5, "rejection.temperature=-0.5"),
+        ("temperature", 0.0, "rejection.temperature=0 (greedy)"),
+        ("output", "out.txt", "rejection.output='out.txt': expected a .jsonl path"),
+        ("mix_original", True, "rejection.mix_original=True mixes in sft.train_files"),
+    ],
+)
 def test_bad_values_fail_at_start_up_naming_the_key(key, value, message, tmp_path):
     cfg = tiny(tmp_path / "bad", "", "")
     cfg.rejection[key] = value
     with pytest.raises(ValueError, match="^" + re.escape(message)):
         check_config(cfg)
-    with pytest.raises(Exception, match="rejection"):    # main checks before anything compiles
+    with pytest.raises(Exception, match="rejection"):  # main checks before anything compiles
         main.run(cfg)
     cfg.stage, cfg.pipeline.stages = "pipeline", ("sft", "rejection_sampling", "sft")
     with pytest.raises(Exception, match="rejection"):
@@ -329,7 +397,7 @@ def test_tool_episodes_are_refused_at_start_up(tmp_path):
     cfg.rl.env = "tool"
     with pytest.raises(ValueError, match=r"^rl.env='tool': stage rejection_sampling samples one answer"):
         check_config(cfg)
-    with pytest.raises(UserError, match="rl.env='tool'") as e:    # main names the key before anything compiles
+    with pytest.raises(UserError, match="rl.env='tool'") as e:  # main names the key before anything compiles
         main.run(cfg)
     assert e.value.key == "rl.env" and not (tmp_path / "tool" / "sft.jsonl").exists()
 
@@ -341,7 +409,9 @@ def test_mix_original_reads_generated_sft_data(tmp_path):
     check_config(cfg)
     sub = rejection.original_sft_files(cfg, ByteTokenizer())
     assert sub.sft.train_files.startswith(str(tmp_path / "mix" / "synthetic" / "arithmetic_sft_train_n6"))
-    assert cfg.sft.train_files == "synthetic:" and len(list((tmp_path / "mix" / "synthetic").iterdir())) == 1   # no eval split
+    assert (
+        cfg.sft.train_files == "synthetic:" and len(list((tmp_path / "mix" / "synthetic").iterdir())) == 1
+    )  # no eval split
     records = list(rejection.original_sft_records(sub))
     assert len(records) == 6 and all(r.get("messages") or r.get("prompt") for r in records)
 
@@ -356,13 +426,16 @@ def test_bad_gate_fails_at_start_up(tmp_path):
 def test_pipeline_chain_sft_rejection_sampling_sft_rlvr(tmp_path, monkeypatch):
     """Which policy and data each stage of ("sft", "rejection_sampling", "sft", "rlvr") gets (stages faked)."""
     from posttrain.core.harness import Result
+
     seen = []
 
     def fake(name):
         def run(cfg):
             seen.append((name, cfg.init_from, cfg.sft.train_files))
             return Result(None, None, [], {})
+
         return run
+
     monkeypatch.setattr(pipeline, "run_stage", lambda name, cfg, baseline=None: fake(name)(cfg))
     monkeypatch.setattr(pipeline, "plot", lambda *a: "")
     cfg = tiny(tmp_path, "", "")
@@ -370,9 +443,12 @@ def test_pipeline_chain_sft_rejection_sampling_sft_rlvr(tmp_path, monkeypatch):
     cfg.sft.train_files = "orig.jsonl"
     pipeline.run(cfg)
     w = str(tmp_path)
-    assert seen == [("sft", "base", "orig.jsonl"), ("rejection_sampling", f"{w}/0_sft", "orig.jsonl"),
-                    ("sft", f"{w}/0_sft", f"{w}/1_rejection_sampling/sft.jsonl"),
-                    ("rlvr", f"{w}/2_sft", "orig.jsonl")]
+    assert seen == [
+        ("sft", "base", "orig.jsonl"),
+        ("rejection_sampling", f"{w}/0_sft", "orig.jsonl"),
+        ("sft", f"{w}/0_sft", f"{w}/1_rejection_sampling/sft.jsonl"),
+        ("rlvr", f"{w}/2_sft", "orig.jsonl"),
+    ]
     seen.clear()
     cfg.rejection.mix_original, cfg.rejection.output = True, "gs://bucket/rs/data.jsonl"
     pipeline.run(cfg)

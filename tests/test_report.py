@@ -23,10 +23,23 @@ HOSTILE = "<script>console.error('escaped?')</script>\x1b[31m & \"q\""
 
 
 def rollout(step, sample, reward, response="\\boxed{7}"):
-    return {"step": step, "policy_version": step, "domain": "arithmetic", "task_id": f"arithmetic/train/0:{sample}",
-            "difficulty": None, "sample": sample, "prompt": "What is 3+4=", "response": response, "reward": reward,
-            "parts": {"correct": reward, "format": 0.0, "length": 0.0, "tool_calls": 0.0}, "verifier_parts": {},
-            "error": None, "truncated": None, "turns": 1, "num_tokens": 9}
+    return {
+        "step": step,
+        "policy_version": step,
+        "domain": "arithmetic",
+        "task_id": f"arithmetic/train/0:{sample}",
+        "difficulty": None,
+        "sample": sample,
+        "prompt": "What is 3+4=",
+        "response": response,
+        "reward": reward,
+        "parts": {"correct": reward, "format": 0.0, "length": 0.0, "tool_calls": 0.0},
+        "verifier_parts": {},
+        "error": None,
+        "truncated": None,
+        "turns": 1,
+        "num_tokens": 9,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +48,36 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("report_run")
     sft = MetricsWriter(str(root / "0_sft"))
     for step in range(0, 30, 10):
-        sft.write(step, {"loss": 2.0 / (step + 1), "ce": 1.9 / (step + 1), "lr": 1e-3, "tokens_per_s": 900.0 + step,
-                         "moe/load": [0.5, 0.5]})
+        sft.write(
+            step,
+            {
+                "loss": 2.0 / (step + 1),
+                "ce": 1.9 / (step + 1),
+                "lr": 1e-3,
+                "tokens_per_s": 900.0 + step,
+                "moe/load": [0.5, 0.5],
+            },
+        )
     sft.write(29, {"eval/loss": 0.5})
     sft.close()
     rl = MetricsWriter(str(root / "1_rlvr"))
     for step in range(4):
-        rl.write(step, {"loss": 0.1, "rl/reward_mean": 0.2 * step, "rl/kl": 0.01 * step, "rl/entropy": 1.0 - 0.1 * step,
-                        "rl/response_len_mean": 20.0 + step, "rl/gen_s": 1.0, "rl/verify_s": 0.1, "rl/update_s": 2.0,
-                        "rl/wait_s": 0.5, "rl/new_tokens": 500, "rl/device_idle_frac": 0.2})
+        rl.write(
+            step,
+            {
+                "loss": 0.1,
+                "rl/reward_mean": 0.2 * step,
+                "rl/kl": 0.01 * step,
+                "rl/entropy": 1.0 - 0.1 * step,
+                "rl/response_len_mean": 20.0 + step,
+                "rl/gen_s": 1.0,
+                "rl/verify_s": 0.1,
+                "rl/update_s": 2.0,
+                "rl/wait_s": 0.5,
+                "rl/new_tokens": 500,
+                "rl/device_idle_frac": 0.2,
+            },
+        )
     rl.event(2, "alert", rule="entropy_collapse", value=0.8, threshold=0.9, message="rl/entropy 0.8 < 0.9")
     rl.close()
     os.makedirs(root / "1_rlvr" / "rollouts")
@@ -52,18 +86,38 @@ def run(tmp_path_factory):
             for s in range(10):
                 f.write(json.dumps(rollout(step, s, float(s % 2), HOSTILE if s == 1 else "\\boxed{7}")) + "\n")
     for step, acc in ((100, 0.5), (200, 0.625)):
-        write_record(str(root / "2_eval"), {"suite": "arithmetic", "version": "abc123", "checkpoint": "x", "step": step,
-                                            "problems": 8, "samples": 4, "accuracy": acc, "mean_accuracy": 0.4,
-                                            "pass@1": 0.4, "pass@4": 0.9, "response_len": 12.0, "greedy_response_len": 11.0,
-                                            "verifier_errors": 0, "seconds": 3.5, "time": 0.0})
+        write_record(
+            str(root / "2_eval"),
+            {
+                "suite": "arithmetic",
+                "version": "abc123",
+                "checkpoint": "x",
+                "step": step,
+                "problems": 8,
+                "samples": 4,
+                "accuracy": acc,
+                "mean_accuracy": 0.4,
+                "pass@1": 0.4,
+                "pass@4": 0.9,
+                "response_len": 12.0,
+                "greedy_response_len": 11.0,
+                "verifier_errors": 0,
+                "seconds": 3.5,
+                "time": 0.0,
+            },
+        )
     ev = MetricsWriter(str(root / "2_eval"), resume_step=2**62)
     ev.write(100, {"eval/arithmetic/accuracy": 0.5})
     ev.write(200, {"eval/arithmetic/accuracy": 0.625})
     ev.close()
     check_gate("sft", "eval/loss<1", {"eval/loss": 0.5}, workdir=str(root))
     with pytest.raises(GateFailed):
-        check_gate("eval", "arithmetic_accuracy>=0.7, arithmetic/pass@4>=0.8", {"arithmetic_accuracy": 0.625,
-                                                                                 "arithmetic/pass@4": 0.9}, workdir=str(root))
+        check_gate(
+            "eval",
+            "arithmetic_accuracy>=0.7, arithmetic/pass@4>=0.8",
+            {"arithmetic_accuracy": 0.625, "arithmetic/pass@4": 0.9},
+            workdir=str(root),
+        )
     return root
 
 
@@ -71,28 +125,46 @@ def test_gate_outcomes_are_recorded_with_every_condition(run):
     sft, ev = [json.loads(l) for l in (run / GATES_FILE).read_text().splitlines()]
     assert sft["stage"] == "sft" and sft["passed"] and sft["conditions"][0]["value"] == 0.5
     assert ev["stage"] == "eval" and not ev["passed"]
-    assert [(c["metric"], c["passed"]) for c in ev["conditions"]] == [("arithmetic_accuracy", False),
-                                                                     ("arithmetic/pass@4", True)]
+    assert [(c["metric"], c["passed"]) for c in ev["conditions"]] == [
+        ("arithmetic_accuracy", False),
+        ("arithmetic/pass@4", True),
+    ]
 
 
 def test_report_holds_every_section(run):
-    out = subprocess.run([sys.executable, str(ROOT / "tools/report.py"), str(run), "--out", str(run / "r.html")],
-                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools/report.py"), str(run), "--out", str(run / "r.html")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     page = (run / "r.html").read_text()
     titles = re.findall(r'<img alt="([^"]+)"', page)
     # SFT: loss, held-out loss (one point: no curve), throughput, lr; RL: its panels plus reward parts.
     assert titles[:3] == ["loss", "throughput (tokens/s)", "learning rate"]
-    for t in ("reward", "KL to the reference", "entropy (nats/token)", "response length (tokens)",
-              "seconds per step, by phase", "device-idle fraction", "reward parts (kept rollouts, mean)"):
+    for t in (
+        "reward",
+        "KL to the reference",
+        "entropy (nats/token)",
+        "response length (tokens)",
+        "seconds per step, by phase",
+        "device-idle fraction",
+        "reward parts (kept rollouts, mean)",
+    ):
         assert t in titles[3:], t
-    assert "held-out accuracy" in titles          # the eval stage's two checkpoints
+    assert "held-out accuracy" in titles  # the eval stage's two checkpoints
     assert page.count('src="data:image/png;base64,') == len(titles)
-    assert not re.search(r'(src|href)="(https?:)?//', page)          # self-contained
-    for cell in ("abc123", "0.625", "pass@4", "<td>200</td>"):           # eval table across checkpoints
+    assert not re.search(r'(src|href)="(https?:)?//', page)  # self-contained
+    for cell in ("abc123", "0.625", "pass@4", "<td>200</td>"):  # eval table across checkpoints
         assert cell in page
     assert page.index("<th>pass@1</th>") < page.index("<th>pass@4</th>")
-    assert "<tr class=fail><td>eval</td><td>FAILED</td><td>arithmetic_accuracy</td><td>&gt;= 0.7</td><td>0.625</td>" in page
+    assert (
+        "<tr class=fail><td>eval</td><td>FAILED</td><td>arithmetic_accuracy</td><td>&gt;= 0.7</td><td>0.625</td>"
+        in page
+    )
     assert "<tr class=pass><td>sft</td><td>passed</td><td>eval/loss</td>" in page
     assert "entropy_collapse" in page and "rl/entropy 0.8 &lt; 0.9" in page
     assert "&lt;script&gt;console.error(&#x27;escaped?&#x27;)&lt;/script&gt;\\x1b[31m &amp; &quot;q&quot;" in page
@@ -105,15 +177,18 @@ def test_report_of_a_run_on_an_object_store(run):
     import fsspec
 
     from posttrain import storage
+
     fsspec.filesystem("memory").put(str(run), "/report_store", recursive=True)
-    check_gate("rlvr", "rl/reward_mean>0.5", {"rl/reward_mean": 0.75}, workdir="memory:///report_store")   # appended there
+    check_gate(
+        "rlvr", "rl/reward_mean>0.5", {"rl/reward_mean": 0.75}, workdir="memory:///report_store"
+    )  # appended there
     out = write_report("memory:///report_store")
     assert out == "memory:///report_store/report.html" and not os.path.exists("memory:")
     page = storage.read_text(out)
-    assert "memory:///report_store" in page and "abc123" in page and "<td>200</td>" in page     # eval table
-    assert "<tr class=fail><td>eval</td><td>FAILED</td><td>arithmetic_accuracy</td>" in page    # gates
+    assert "memory:///report_store" in page and "abc123" in page and "<td>200</td>" in page  # eval table
+    assert "<tr class=fail><td>eval</td><td>FAILED</td><td>arithmetic_accuracy</td>" in page  # gates
     assert "<tr class=pass><td>rlvr</td><td>passed</td><td>rl/reward_mean</td><td>&gt; 0.5</td><td>0.75</td>" in page
-    assert "&lt;script&gt;console.error(&#x27;escaped?&#x27;)" in page                          # rollouts
+    assert "&lt;script&gt;console.error(&#x27;escaped?&#x27;)" in page  # rollouts
 
 
 def test_rollout_sample_spreads_over_steps_and_parts_average_per_step():

@@ -50,9 +50,13 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sft_cli_run):
         # kill past step kill_at, once a checkpoint has committed (saves are async: orbax renames a
         # step's temporary folder to its number when it is complete)
         committed = (workdir / "checkpoints").is_dir() and any(
-            p.name.isdigit() for p in (workdir / "checkpoints").iterdir())
-        if committed and path.exists() and any(
-                json.loads(l)["step"] >= kill_at for l in path.read_text().splitlines() if l.strip()):
+            p.name.isdigit() for p in (workdir / "checkpoints").iterdir()
+        )
+        if (
+            committed
+            and path.exists()
+            and any(json.loads(l)["step"] >= kill_at for l in path.read_text().splitlines() if l.strip())
+        ):
             break
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         time.sleep(0.05)
@@ -74,12 +78,15 @@ def test_sigterm_saves_at_the_current_step_then_resume_equals_uninterrupted(tmp_
     full = sft_cli_run
     workdir = tmp_path / "stopped"
     signal_at = random.randint(EVERY + 1, STEPS - 4)
-    proc = subprocess.Popen(sft_command(workdir), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        sft_command(workdir), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.time() + 600
     while time.time() < deadline:
         path = workdir / "metrics.jsonl"
-        if path.exists() and any(json.loads(l)["step"] >= signal_at for l in path.read_text().splitlines() if l.strip()):
+        if path.exists() and any(
+            json.loads(l)["step"] >= signal_at for l in path.read_text().splitlines() if l.strip()
+        ):
             break
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         time.sleep(0.05)
@@ -87,7 +94,7 @@ def test_sigterm_saves_at_the_current_step_then_resume_equals_uninterrupted(tmp_
     err = proc.communicate(timeout=600)[1]
     assert proc.returncode == 143, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
-    done = max(r["step"] for r in metrics(workdir)) + 1            # the step running at the signal finished
+    done = max(r["step"] for r in metrics(workdir)) + 1  # the step running at the signal finished
     assert done < STEPS, "run finished before the signal"
     assert f"checkpoint saved at step {done}" in err.strip().splitlines()[-1], err[-3000:]
     assert "run the same command again" in err.strip().splitlines()[-1]
@@ -100,6 +107,7 @@ def test_sigterm_saves_at_the_current_step_then_resume_equals_uninterrupted(tmp_
 
 def test_checkpoint_restores_onto_another_mesh(tmp_path):
     from posttrain.config import base_config
+
     cfg = base_config().model
     cfg.moe.num_experts = 4
     make = lambda: Decoder(cfg, rngs=nnx.Rngs(3))
@@ -113,18 +121,34 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path):
     loaded, _, step = load_model_state(str(tmp_path), make, mesh, DEFAULT_RULES)
     assert step == 1
     w = loaded["stacks"][0]["blocks"][0]["mlp"]["w_gate"]
-    assert w.sharding.mesh.shape == mesh.shape and w.sharding.spec == jax.sharding.PartitionSpec(None, "expert", "fsdp", "tensor")
+    assert w.sharding.mesh.shape == mesh.shape and w.sharding.spec == jax.sharding.PartitionSpec(
+        None, "expert", "fsdp", "tensor"
+    )
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def rl_command(workdir: Path) -> list[str]:
     """An overlapped (max_staleness=1) RLVR run on the tiny config, small enough for a test."""
-    return [sys.executable, "-m", "posttrain.main", "--config", str(ROOT / "configs/rlvr_tiny.py"),
-            f"--config.workdir={workdir}", "--config.init_from=", "--config.rl.steps=12", "--config.checkpoint.every=4",
-            "--config.rl.max_staleness=1", "--config.rl.prompts_per_step=2", "--config.rl.group_size=4",
-            "--config.rl.max_new_tokens=12", "--config.rl.eval_every=0", "--config.rl.eval_size=128",
-            "--config.rl.gate=", "--config.train.progress=False"]
+    return [
+        sys.executable,
+        "-m",
+        "posttrain.main",
+        "--config",
+        str(ROOT / "configs/rlvr_tiny.py"),
+        f"--config.workdir={workdir}",
+        "--config.init_from=",
+        "--config.rl.steps=12",
+        "--config.checkpoint.every=4",
+        "--config.rl.max_staleness=1",
+        "--config.rl.prompts_per_step=2",
+        "--config.rl.group_size=4",
+        "--config.rl.max_new_tokens=12",
+        "--config.rl.eval_every=0",
+        "--config.rl.eval_size=128",
+        "--config.rl.gate=",
+        "--config.train.progress=False",
+    ]
 
 
 @pytest.mark.slow
@@ -137,9 +161,13 @@ def test_sigkill_an_overlapped_rl_run_then_resume_finishes(tmp_path):
     while time.time() < deadline:
         path = workdir / "metrics.jsonl"
         committed = (workdir / "checkpoints").is_dir() and any(
-            p.name.isdigit() for p in (workdir / "checkpoints").iterdir())
-        if committed and path.exists() and any(
-                json.loads(l)["step"] >= 6 for l in path.read_text().splitlines() if l.strip()):
+            p.name.isdigit() for p in (workdir / "checkpoints").iterdir()
+        )
+        if (
+            committed
+            and path.exists()
+            and any(json.loads(l)["step"] >= 6 for l in path.read_text().splitlines() if l.strip())
+        ):
             break
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         time.sleep(0.05)

@@ -37,8 +37,9 @@ from tests.test_rl_loop import rows, tiny
 
 SLOTS = SlotConfig(num_slots=4, refill_batch=2)
 # Every byte below 48 ends a response: most stop within a few tokens, a few run to the limit.
-SKEWED = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=24,
-                        stop_ids=(TOK.eos_id, *range(48)), num_samples=4)
+SKEWED = SamplingParams(
+    temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=24, stop_ids=(TOK.eos_id, *range(48)), num_samples=4
+)
 REWARD = RewardFunction({MathTask: MathVerifier()})
 
 
@@ -46,7 +47,15 @@ def tiny_policy():
     """(graphdef, params, rest, mesh, rules) of the tiny dense policy of tests/test_agent_rl.py, made
     as it makes it (so its episodes' static sampler programs are shared with that test's)."""
     m = base_config().model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 32, 1, 2, 1, 16, 64
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
+        264,
+        32,
+        1,
+        2,
+        1,
+        16,
+        64,
+    )
     mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
     with use_sharding(mesh, rules):
         tx = make_optimizer(base_config().optim, 10)
@@ -66,8 +75,9 @@ def tasks(n: int) -> list[Task]:
 def rollout(policy, domain, sampling, slots, key, *, episodes=None):
     graphdef, params, rest, mesh, rules = policy
     with use_sharding(mesh, rules), concurrent.futures.ThreadPoolExecutor(2) as pool:
-        worker = RolloutWorker(graphdef, {domain.name: domain}, sampling, TOK.pad_id, pool, episodes=episodes,
-                               continuous=slots)
+        worker = RolloutWorker(
+            graphdef, {domain.name: domain}, sampling, TOK.pad_id, pool, episodes=episodes, continuous=slots
+        )
         return worker.rollout(params, rest, [(domain.name, t) for t in domain.tasks], key)
 
 
@@ -86,19 +96,22 @@ def test_continuous_rollouts_equal_static_ones_group_by_group(policy, monkeypatc
     key = jax.random.key(7)
     static = rollout(policy, domain, SKEWED, None, key)
     calls = []
-    monkeypatch.setattr("posttrain.rl.rollout.worker.generate_continuous",
-                        lambda *a, **kw: calls.append(kw["slots"]) or continuous.generate_continuous(*a, **kw))
+    monkeypatch.setattr(
+        "posttrain.rl.rollout.worker.generate_continuous",
+        lambda *a, **kw: calls.append(kw["slots"]) or continuous.generate_continuous(*a, **kw),
+    )
     cont = rollout(policy, domain, SKEWED, SLOTS, key)
-    assert calls == [SLOTS]                         # the switch routes the rollouts through the slots
+    assert calls == [SLOTS]  # the switch routes the rollouts through the slots
     lengths = np.array([t.num_generated for g in static.groups for t in g.trajectories])
-    assert np.median(lengths) <= 4 and lengths.max() >= 3 * np.median(lengths), lengths   # skewed
+    assert np.median(lengths) <= 4 and lengths.max() >= 3 * np.median(lengths), lengths  # skewed
     assert_same_rollouts(static, cont)
     assert cont.info["new_tokens"] == static.info["new_tokens"] == lengths.sum()
 
 
 def test_continuous_episodes_equal_static_ones_and_align_with_the_learner(policy):
-    sampling = SamplingParams(temperature=0.7, top_k=12, top_p=0.9, max_new_tokens=6, stop_ids=(TOK.eos_id,),
-                              num_samples=4)
+    sampling = SamplingParams(
+        temperature=0.7, top_k=12, top_p=0.9, max_new_tokens=6, stop_ids=(TOK.eos_id,), num_samples=4
+    )
     # tests/test_agent_rl.py's episodes (the static sampler's programs are shared with it)
     say = [Task(f"t{i}", ({"role": "user", "content": f"say {i}"},), MathTask(str(i))) for i in range(2)]
     domain = Domain("count", say, lambda: CountingEnv(TOK, REWARD, max_turn_tokens=6))
@@ -120,25 +133,38 @@ def test_continuous_episodes_equal_static_ones_and_align_with_the_learner(policy
 def test_rl_loop_trains_with_continuous_batching(tmp_path, monkeypatch):
     calls = []
     real = continuous.generate_continuous
-    monkeypatch.setattr("posttrain.rl.rollout.worker.generate_continuous", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(
+        "posttrain.rl.rollout.worker.generate_continuous", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
     cfg = tiny(tmp_path, steps=2)
     cfg.sampling.continuous_batching, cfg.sampling.num_slots, cfg.sampling.refill_batch = True, 4, 2
     loop.run(cfg)
     out = rows(tmp_path)
     assert [r["step"] for r in out] == [0, 1] and all(np.isfinite(r["loss"]) for r in out)
     assert len(calls) == 2
-    assert out[0]["rl/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)     # sampler and learner agree
+    assert out[0]["rl/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)  # sampler and learner agree
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["rl/responses"] == 8
 
 
-@pytest.mark.parametrize("keys, stages, match", [
-    (dict(continuous_batching=True, speculative_k=2), ("rlvr",), "sampling.continuous_batching with sampling.speculative_k=2"),
-    (dict(continuous_batching=True, num_slots=2, refill_batch=4), ("rlvr",), "sampling.refill_batch=4: expected 1..sampling.num_slots"),
-    (dict(num_slots=8), ("rlvr",), "sampling.num_slots=8 cannot take effect without sampling.continuous_batching"),
-    (dict(refill_batch=2), ("rlvr",), "sampling.refill_batch=2 cannot take effect"),
-    (dict(continuous_batching=True), ("sft",), "sampling.continuous_batching=True: .* no rlvr stage"),
-    (dict(quantize="int8"), ("rejection_sampling",), "rejection_sampling stage takes only continuous_batching"),
-])
+@pytest.mark.parametrize(
+    "keys, stages, match",
+    [
+        (
+            dict(continuous_batching=True, speculative_k=2),
+            ("rlvr",),
+            "sampling.continuous_batching with sampling.speculative_k=2",
+        ),
+        (
+            dict(continuous_batching=True, num_slots=2, refill_batch=4),
+            ("rlvr",),
+            "sampling.refill_batch=4: expected 1..sampling.num_slots",
+        ),
+        (dict(num_slots=8), ("rlvr",), "sampling.num_slots=8 cannot take effect without sampling.continuous_batching"),
+        (dict(refill_batch=2), ("rlvr",), "sampling.refill_batch=2 cannot take effect"),
+        (dict(continuous_batching=True), ("sft",), "sampling.continuous_batching=True: .* no rlvr stage"),
+        (dict(quantize="int8"), ("rejection_sampling",), "rejection_sampling stage takes only continuous_batching"),
+    ],
+)
 def test_continuous_batching_keys_take_effect_or_raise(keys, stages, match):
     cfg = base_config()
     cfg.sampling.update(keys)

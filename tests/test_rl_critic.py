@@ -14,11 +14,11 @@ def _random_batch(seed, b=6, t=11):
     rng = np.random.default_rng(seed)
     rewards, values = rng.normal(size=(b, t)), rng.normal(size=(b, t))
     mask = np.zeros((b, t), bool)
-    mask[0, 3:9] = True                 # a prompt, then a response, then padding
-    mask[1, 2:] = True                  # a response up to the end of the row
-    mask[2, [4, 5, 8, 9, 10]] = True    # two turns with environment tokens between (not steps)
-    mask[3, 7] = True                   # one generated token
-    mask[5, :] = True                   # row 4 stays empty (a padding row)
+    mask[0, 3:9] = True  # a prompt, then a response, then padding
+    mask[1, 2:] = True  # a response up to the end of the row
+    mask[2, [4, 5, 8, 9, 10]] = True  # two turns with environment tokens between (not steps)
+    mask[3, 7] = True  # one generated token
+    mask[5, :] = True  # row 4 stays empty (a padding row)
     return rewards, values, mask
 
 
@@ -39,8 +39,9 @@ def gae_reference(rewards, values, mask, gamma, lam):
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.95), (0.9, 0.0), (0.99, 0.7)])
 def test_gae_matches_numpy_reference(gamma, lam):
     rewards, values, mask = _random_batch(0)
-    adv, ret = gae_advantages(jnp.asarray(rewards, jnp.float32), jnp.asarray(values, jnp.float32),
-                              jnp.asarray(mask), gamma=gamma, lam=lam)
+    adv, ret = gae_advantages(
+        jnp.asarray(rewards, jnp.float32), jnp.asarray(values, jnp.float32), jnp.asarray(mask), gamma=gamma, lam=lam
+    )
     ref_adv, ref_ret = gae_reference(rewards, values, mask, gamma, lam)
     np.testing.assert_allclose(adv, ref_adv, atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(ret, ref_ret, atol=2e-5, rtol=1e-5)
@@ -51,7 +52,7 @@ def test_gae_special_cases_and_terminal_rewards():
     scores = np.array([1.0, -2.0, 0.5, 3.0, 7.0, -1.0])
     r = np.asarray(terminal_rewards(jnp.asarray(scores, jnp.float32), jnp.asarray(mask)))
     assert r[0, 8] == 1.0 and r[1, 10] == -2.0 and r[2, 10] == 0.5 and r[3, 7] == 3.0 and r[5, 10] == -1.0
-    assert np.count_nonzero(r) == 5                          # nothing on the empty row 4
+    assert np.count_nonzero(r) == 5  # nothing on the empty row 4
     # γ = λ = 1 with a terminal reward: every token's return is the outcome, its advantage R − V_t.
     adv, ret = gae_advantages(jnp.asarray(r), jnp.asarray(values, jnp.float32), jnp.asarray(mask), gamma=1.0, lam=1.0)
     np.testing.assert_allclose(ret, np.where(mask, scores[:, None], 0), atol=1e-5)
@@ -77,7 +78,11 @@ def value_loss_reference(v, old, ret, mask, clip):
         per = np.maximum(unclipped, clipped)
         grad = np.where(clipped > unclipped, 2 * (vc - ret) * inside, 2 * (v - ret))
     n = mask.sum()
-    return 0.5 * (per * mask).sum() / n, 0.5 * grad * mask / n, ((clipped > unclipped) & mask).sum() / n if clip else 0.0
+    return (
+        0.5 * (per * mask).sum() / n,
+        0.5 * grad * mask / n,
+        ((clipped > unclipped) & mask).sum() / n if clip else 0.0,
+    )
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.2])
@@ -85,9 +90,10 @@ def test_clipped_value_loss_and_gradient_match_numpy(clip):
     rng = np.random.default_rng(3)
     _, _, mask = _random_batch(3)
     v, old, ret = (rng.normal(size=mask.shape) for _ in range(3))
-    old = v + rng.normal(scale=0.3, size=v.shape)      # some tokens inside the clip range, some outside
-    f = lambda x: value_loss(x, jnp.asarray(old, jnp.float32), jnp.asarray(ret, jnp.float32), jnp.asarray(mask),
-                             clip=clip)
+    old = v + rng.normal(scale=0.3, size=v.shape)  # some tokens inside the clip range, some outside
+    f = lambda x: value_loss(
+        x, jnp.asarray(old, jnp.float32), jnp.asarray(ret, jnp.float32), jnp.asarray(mask), clip=clip
+    )
     (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(v, jnp.float32))
     ref_loss, ref_grad, ref_frac = value_loss_reference(v, old, ret, mask, clip)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
@@ -118,9 +124,10 @@ def test_value_decoder_is_the_decoder_plus_a_value_per_position():
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(2, 7)))
     forward = nnx.jit(lambda a, b, t: (a.logits_and_values(t), b(t)[0], a.hidden_states(t)[0]))
     (logits, values, _), plain_logits, hidden = forward(critic, plain, tokens)
-    np.testing.assert_allclose(logits, plain_logits, rtol=1e-5, atol=1e-5)   # the head changes nothing else
-    np.testing.assert_allclose(values, np.asarray(hidden, np.float64) @ np.asarray(critic.value_head[...], np.float64),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logits, plain_logits, rtol=1e-5, atol=1e-5)  # the head changes nothing else
+    np.testing.assert_allclose(
+        values, np.asarray(hidden, np.float64) @ np.asarray(critic.value_head[...], np.float64), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_critic_settings_that_cannot_take_effect_are_refused():
@@ -138,6 +145,7 @@ def test_critic_settings_that_cannot_take_effect_are_refused():
 
 def _rl_cfg(**kw):
     from posttrain.config import base_config
+
     r = base_config().rl
     r.update(kw)
     return r
@@ -149,9 +157,13 @@ def test_advantage_targets_gae_with_kl_paid_as_reward():
     rewards, values, mask = _random_batch(4)
     rng = np.random.default_rng(4)
     scores, logp, ref = rng.normal(size=6), -rng.random(mask.shape), -rng.random(mask.shape)
-    batch = {"rewards": scores.astype(np.float32), "loss_mask": mask.astype(np.int32),
-             "old_values": values.astype(np.float32), "rollout_logp": logp.astype(np.float32),
-             "ref_logp": ref.astype(np.float32)}
+    batch = {
+        "rewards": scores.astype(np.float32),
+        "loss_mask": mask.astype(np.int32),
+        "old_values": values.astype(np.float32),
+        "rollout_logp": logp.astype(np.float32),
+        "ref_logp": ref.astype(np.float32),
+    }
     r = _rl_cfg(advantage="gae", gamma=0.9, lam=0.8, kl_coef=0.1, kl_in_reward=True, kl_estimator="k1")
     out = advantage_targets(batch, r)
     token_rewards = np.where(mask, -0.1 * (logp - ref), 0.0)
@@ -161,9 +173,10 @@ def test_advantage_targets_gae_with_kl_paid_as_reward():
     adv, ret = gae_reference(token_rewards, values, mask, 0.9, 0.8)
     sel = adv[mask]
     np.testing.assert_allclose(out["returns"], ret, atol=1e-5)
-    np.testing.assert_allclose(out["advantages"], np.where(mask, (adv - sel.mean()) / np.sqrt(sel.var() + 1e-8), 0),
-                               atol=1e-4)
-    without = advantage_targets(batch, _rl_cfg(advantage="gae", gamma=0.9, lam=0.8))   # the switch matters
+    np.testing.assert_allclose(
+        out["advantages"], np.where(mask, (adv - sel.mean()) / np.sqrt(sel.var() + 1e-8), 0), atol=1e-4
+    )
+    without = advantage_targets(batch, _rl_cfg(advantage="gae", gamma=0.9, lam=0.8))  # the switch matters
     assert not np.allclose(without["returns"], out["returns"])
 
 
@@ -174,10 +187,15 @@ def test_advantage_targets_group_advantages_with_kl_reward_to_go():
     mask = mask[:4]
     rng = np.random.default_rng(5)
     logp, ref = -rng.random(mask.shape), -rng.random(mask.shape)
-    batch = {"rewards": np.array([1.0, 0.0, 0.5, 0.5], np.float32), "loss_mask": mask.astype(np.int32),
-             "rollout_logp": logp.astype(np.float32), "ref_logp": ref.astype(np.float32)}
-    out = advantage_targets(batch, _rl_cfg(advantage="drgrpo", group_size=2, kl_coef=0.2, kl_in_reward=True,
-                                           kl_estimator="k1"))
+    batch = {
+        "rewards": np.array([1.0, 0.0, 0.5, 0.5], np.float32),
+        "loss_mask": mask.astype(np.int32),
+        "rollout_logp": logp.astype(np.float32),
+        "ref_logp": ref.astype(np.float32),
+    }
+    out = advantage_targets(
+        batch, _rl_cfg(advantage="drgrpo", group_size=2, kl_coef=0.2, kl_in_reward=True, kl_estimator="k1")
+    )
     kl = np.where(mask, logp - ref, 0.0)
     to_go = np.cumsum(kl[:, ::-1], axis=1)[:, ::-1]
     expected = (np.array([0.5, -0.5, 0.0, 0.0])[:, None] - 0.2 * to_go) * mask
@@ -186,17 +204,20 @@ def test_advantage_targets_group_advantages_with_kl_reward_to_go():
     np.testing.assert_allclose(plain["advantages"], [0.5, -0.5, 0.0, 0.0])
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(gamma=0.9), r"rl.gamma=0.9 cannot take effect"),
-    (dict(value_clip=0.1), r"rl.value_clip=0.1 cannot take effect"),
-    (dict(kl_in_reward=True), r"rl.kl_in_reward=True cannot take effect"),
-    (dict(reward_model_weight=2.0), r"rl.reward_model_weight=2.0 cannot take effect"),
-    (dict(verifier_weight=0.0), r"rl.verifier_weight=0"),
-    (dict(reward_model="runs/rm", filter_groups=True), r"rl.filter_groups with rl.reward_model"),
-    (dict(advantage="gae", critic="separate"), r"rl.critic='separate'"),
-    (dict(advantage="gae", lam=1.5), r"rl.lam=1.5"),
-    (dict(advantage="ppo"), r"rl.advantage='ppo'"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(gamma=0.9), r"rl.gamma=0.9 cannot take effect"),
+        (dict(value_clip=0.1), r"rl.value_clip=0.1 cannot take effect"),
+        (dict(kl_in_reward=True), r"rl.kl_in_reward=True cannot take effect"),
+        (dict(reward_model_weight=2.0), r"rl.reward_model_weight=2.0 cannot take effect"),
+        (dict(verifier_weight=0.0), r"rl.verifier_weight=0"),
+        (dict(reward_model="runs/rm", filter_groups=True), r"rl.filter_groups with rl.reward_model"),
+        (dict(advantage="gae", critic="separate"), r"rl.critic='separate'"),
+        (dict(advantage="gae", lam=1.5), r"rl.lam=1.5"),
+        (dict(advantage="ppo"), r"rl.advantage='ppo'"),
+    ],
+)
 def test_rl_checks_refuse_critic_and_reward_settings_that_cannot_take_effect(kw, match):
     from posttrain.config import base_config
     from posttrain.rl.checks import check_rl_config
@@ -227,7 +248,9 @@ def test_pipeline_resolves_the_reward_model_stage_and_keeps_the_policy_chain(tmp
         def run(cfg):
             seen[name] = (cfg.init_from, cfg.rl.reward_model)
             return Result(None, None, [], {})
+
         return run
+
     monkeypatch.setattr(pipeline, "run_stage", lambda name, cfg, baseline=None: fake(name)(cfg))
     monkeypatch.setattr(pipeline, "plot", lambda *a: "")
     cfg = get_config()
@@ -235,7 +258,7 @@ def test_pipeline_resolves_the_reward_model_stage_and_keeps_the_policy_chain(tmp
     cfg.sft.gate = cfg.reward_model.gate = ""
     pipeline.run(cfg)
     assert seen["reward_model"][0] == str(tmp_path / "0_sft")
-    assert seen["rlvr"] == (str(tmp_path / "0_sft"), str(tmp_path / "1_reward_model"))   # policy from SFT
+    assert seen["rlvr"] == (str(tmp_path / "0_sft"), str(tmp_path / "1_reward_model"))  # policy from SFT
     cfg.pipeline.stages = ("sft", "rlvr")
     with pytest.raises(ValueError, match=r"rl.reward_model='@reward_model': no stage 'reward_model'"):
         pipeline.run(cfg)
@@ -258,11 +281,17 @@ def test_rl_loss_with_gae_adds_the_weighted_value_loss_and_trains_the_head():
     tokens = rng.integers(3, 256, size=(4, 8))
     mask = np.zeros((4, 8), np.int32)
     mask[:, 3:] = 1
-    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1), "loss_mask": mask,
-             "positions": np.broadcast_to(np.arange(8), (4, 8)), "segment_ids": np.ones((4, 8), np.int32),
-             "behav_logp": np.zeros((4, 8), np.float32), "advantages": rng.normal(size=(4, 8)).astype(np.float32),
-             "returns": rng.normal(size=(4, 8)).astype(np.float32),
-             "old_values": rng.normal(scale=2.0, size=(4, 8)).astype(np.float32)}
+    batch = {
+        "inputs": tokens,
+        "targets": np.roll(tokens, -1, axis=1),
+        "loss_mask": mask,
+        "positions": np.broadcast_to(np.arange(8), (4, 8)),
+        "segment_ids": np.ones((4, 8), np.int32),
+        "behav_logp": np.zeros((4, 8), np.float32),
+        "advantages": rng.normal(size=(4, 8)).astype(np.float32),
+        "returns": rng.normal(size=(4, 8)).astype(np.float32),
+        "old_values": rng.normal(scale=2.0, size=(4, 8)).astype(np.float32),
+    }
     batch = jax.tree.map(jnp.asarray, batch)
     sampling = SamplingParams(temperature=1.0)
 
@@ -270,12 +299,17 @@ def test_rl_loss_with_gae_adds_the_weighted_value_loss_and_trains_the_head():
         r = base_config().rl
         r.advantage, r.is_cap = "gae", 1e6
         r.update(kw)
-        f = lambda p: rl_loss(nnx.merge(graphdef, p, rest), batch, graphdef=graphdef, rl_cfg=r, moe_cfg=m.moe,
-                              sampling=sampling)
+        f = lambda p: rl_loss(
+            nnx.merge(graphdef, p, rest), batch, graphdef=graphdef, rl_cfg=r, moe_cfg=m.moe, sampling=sampling
+        )
         (loss, metrics), grads = jax.value_and_grad(f, has_aux=True)(p)
         return loss, metrics, grads["value_head"][...]
 
-    variants = {"off": dict(value_coef=0.0), "on": dict(value_coef=0.5), "unclipped": dict(value_coef=0.5, value_clip=0.0)}
+    variants = {
+        "off": dict(value_coef=0.0),
+        "on": dict(value_coef=0.5),
+        "unclipped": dict(value_coef=0.5, value_clip=0.0),
+    }
     out = jax.device_get(jax.jit(lambda p: {k: loss_and_head_grad(p, **kw) for k, kw in variants.items()})(params))
     (loss0, _, head0), (loss1, metrics1, head1), (_, _, head_unclipped) = out["off"], out["on"], out["unclipped"]
     assert np.abs(head0).max() == 0 and np.abs(head1).max() > 0

@@ -29,7 +29,15 @@ SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=NEW, num_samples=G)
 
 def model_cfg():
     m = base_config().model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 64, 32, 1, 2, 1, 16, 64
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
+        64,
+        32,
+        1,
+        2,
+        1,
+        16,
+        64,
+    )
     return m
 
 
@@ -54,8 +62,18 @@ def rl_cfg(**kw):
 
 def make_learner(setup, sampling=SAMPLING, **kw):
     mesh, rules, graphdef, state, shardings, optim, tx = setup
-    return Learner(graphdef, tx, lr_schedule(optim, 100), shardings, rl_cfg=rl_cfg(**kw), moe_cfg=model_cfg().moe,
-                   lora_cfg=None, sampling=sampling, donate=False, seed=0)
+    return Learner(
+        graphdef,
+        tx,
+        lr_schedule(optim, 100),
+        shardings,
+        rl_cfg=rl_cfg(**kw),
+        moe_cfg=model_cfg().moe,
+        lora_cfg=None,
+        sampling=sampling,
+        donate=False,
+        seed=0,
+    )
 
 
 def rollouts(num_groups, seed=0):
@@ -63,12 +81,17 @@ def rollouts(num_groups, seed=0):
     rng = np.random.default_rng(seed)
     out = []
     for j in range(num_groups):
-        lengths = [NEW] + rng.integers(2, NEW + 1, G - 1).tolist()        # generated tokens per sample
-        trajs = [Trajectory(f"t{j}", rng.integers(3, 64, PROMPT_LEN + m).tolist(),
-                            [False] * PROMPT_LEN + [True] * m, PROMPT_LEN) for m in lengths]
+        lengths = [NEW] + rng.integers(2, NEW + 1, G - 1).tolist()  # generated tokens per sample
+        trajs = [
+            Trajectory(
+                f"t{j}", rng.integers(3, 64, PROMPT_LEN + m).tolist(), [False] * PROMPT_LEN + [True] * m, PROMPT_LEN
+            )
+            for m in lengths
+        ]
         rewards = [1.0, 0.0] + rng.integers(0, 2, G - 2).astype(float).tolist()
-        out.append(Rollout(Group("arithmetic", None, rewards, trajs), 0,
-                           [np.zeros(len(t.tokens), np.float32) for t in trajs]))
+        out.append(
+            Rollout(Group("arithmetic", None, rewards, trajs), 0, [np.zeros(len(t.tokens), np.float32) for t in trajs])
+        )
     return out
 
 
@@ -103,7 +126,7 @@ def test_sequence_ratios_train_differently_from_token_ratios_once_the_ratio_move
     for level in ("token", "sequence"):
         learner = make_learner(setup, updates_per_batch=2, ratio_level=level, clip_low=0.9, clip_high=5.0)
         state, m = update(setup, learner, learner_batch(setup, learner, PROMPTS), PROMPTS * G)
-        assert m["rl/optimizer_steps"] == 2 and int(state.step) == 2     # one minibatch: a step per epoch
+        assert m["rl/optimizer_steps"] == 2 and int(state.step) == 2  # one minibatch: a step per epoch
         params[level] = jax.tree.leaves(state.params)
     diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(params["token"], params["sequence"]))
     assert diff > 1e-6, "GSPO and token-level ratios gave the same update"
@@ -116,7 +139,7 @@ def test_batches_with_fewer_groups_are_padded_to_a_bucket_and_reuse_the_compiled
     full = learner_batch(setup, learner, PROMPTS)
     update(setup, learner, full, PROMPTS * G)
     padded = learner_batch(setup, learner, 3, seed=1)
-    assert padded["loss_mask"][3 * G:].sum() == 0 and np.all(padded["advantages"][3 * G:] == 0)
+    assert padded["loss_mask"][3 * G :].sum() == 0 and np.all(padded["advantages"][3 * G :] == 0)
     _, m = update(setup, learner, padded, 3 * G)
     assert learner.step_fn._cache_size() == 1
     assert np.isfinite(m["loss"])
@@ -132,8 +155,10 @@ def test_learner_logprobs_equal_the_samplers_behaviour_logprobs(setup):
     for i in range(len(samples.tokens)):
         toks = prompts[i // 2].tolist() + samples.completion(i)
         rows.append(Trajectory("t", toks, [False] * PROMPT_LEN + [True] * samples.lengths[i], PROMPT_LEN))
-    behav = [np.r_[np.zeros(PROMPT_LEN), samples.sampling_logprobs[i, :samples.lengths[i]]].astype(np.float32)
-             for i in range(len(rows))]
+    behav = [
+        np.r_[np.zeros(PROMPT_LEN), samples.sampling_logprobs[i, : samples.lengths[i]]].astype(np.float32)
+        for i in range(len(rows))
+    ]
     batch = rl_batch([Rollout(Group("a", None, [0.0] * len(rows), rows), 0, behav)], pad_id=0)
     model = nnx.merge(graphdef, state.params, state.rest)
     logp, _, _ = learner_logprobs(model, batch, sampling, update_bias=False)
@@ -149,7 +174,7 @@ def test_learner_logprobs_equal_the_samplers_behaviour_logprobs(setup):
 
 def test_truncated_policy_logprobs_keep_the_target_and_have_finite_gradients():
     logits = jax.random.normal(jax.random.key(0), (2, 3, 16))
-    targets = jax.numpy.argsort(logits, axis=-1)[..., 0]          # the least likely token: outside top-k
+    targets = jax.numpy.argsort(logits, axis=-1)[..., 0]  # the least likely token: outside top-k
     params = SamplingParams(temperature=0.5, top_k=4)
     lp, grad = jax.value_and_grad(lambda x: policy_logprobs(x, targets, params).sum())(logits)
     assert np.all(np.isfinite(np.asarray(lp))) and np.all(np.isfinite(np.asarray(grad)))
@@ -157,13 +182,21 @@ def test_truncated_policy_logprobs_keep_the_target_and_have_finite_gradients():
         policy_logprobs(logits, targets, dataclasses.replace(params, temperature=0.0))
 
 
-LOSS_SWITCHES = {"aggregation": "seq-mean-token-mean", "entropy_coef": 0.1, "is_cap": 1.01, "kl_coef": 0.1,
-                 "temperature": 0.7, "top_k": 8, "top_p": 0.8}
+LOSS_SWITCHES = {
+    "aggregation": "seq-mean-token-mean",
+    "entropy_coef": 0.1,
+    "is_cap": 1.01,
+    "kl_coef": 0.1,
+    "temperature": 0.7,
+    "top_k": 8,
+    "top_p": 0.8,
+}
 
 
 def test_every_loss_switch_changes_the_gradient(setup):
     """Each rl.* key the learner's loss reads changes the gradient on the same batch (one compile)."""
     from posttrain.rl.algo.learner import rl_loss
+
     mesh, rules, graphdef, state, *_ = setup
     learner = make_learner(setup)
     batch = learner_batch(setup, learner, PROMPTS)
@@ -179,8 +212,15 @@ def test_every_loss_switch_changes_the_gradient(setup):
             elif name is not None and name != "base":
                 r[name] = value
             extra = ref if name == "kl_coef" else ()
-            loss = lambda p: rl_loss(nnx.merge(graphdef, p, rest), batch, *extra, graphdef=graphdef, rl_cfg=r,
-                                     moe_cfg=model_cfg().moe, sampling=sampling)[0]
+            loss = lambda p: rl_loss(
+                nnx.merge(graphdef, p, rest),
+                batch,
+                *extra,
+                graphdef=graphdef,
+                rl_cfg=r,
+                moe_cfg=model_cfg().moe,
+                sampling=sampling,
+            )[0]
             out[name] = jax.grad(loss)(params)
         return out
 

@@ -25,7 +25,15 @@ def tiny(workdir, **rl):
     cfg = base_config()
     cfg.stage, cfg.workdir = "rlvr", str(workdir)
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 32, 1, 2, 1, 16, 64
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
+        264,
+        32,
+        1,
+        2,
+        1,
+        16,
+        64,
+    )
     m.moe.num_experts, m.moe.expert_mlp_dim = 2, 32
     cfg.mesh.data = 2
     cfg.mesh.expert = 2
@@ -52,7 +60,7 @@ def test_on_policy_runs_repeat_exactly_and_async_respects_staleness(tmp_path):
         for k in x:
             if k not in TIMING:
                 np.testing.assert_allclose(y[k], x[k], rtol=1e-6, err_msg=k)
-    assert ra[0]["rl/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)       # sampler and learner agree
+    assert ra[0]["rl/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)  # sampler and learner agree
     assert a.eval == b.eval
 
     overlapped = tiny(tmp_path / "c", max_staleness=1, steps=6)
@@ -81,6 +89,7 @@ def run_with_deadline(cfg, seconds):
             loop.run(cfg)
         except BaseException as e:  # noqa: BLE001
             out["error"] = e
+
     t0 = time.perf_counter()
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
@@ -99,6 +108,7 @@ def test_a_verifier_exception_ends_an_overlapped_run_with_that_exception(tmp_pat
     def crash(self, action):
         raised.append(time.perf_counter())
         raise VerifierCrashed("the verifier crashed")
+
     monkeypatch.setattr(SingleTurnEnv, "step", crash)
     _, error = run_with_deadline(tiny(tmp_path, max_staleness=1), 300)
     assert isinstance(error, VerifierCrashed), error
@@ -114,10 +124,12 @@ def test_rl_batch_aligns_targets_masks_and_behaviour_logprobs():
     b2 = np.array([0, 0, 0, -2.0], np.float32)
     ro = Rollout(Group("arithmetic", None, [1.0, 0.0], [t1, t2]), 0, [b1, b2])
     batch = loop.rl_batch([ro], pad_id=0)
-    batch["advantages"] = loop.compute_advantages(batch, ml_collections.ConfigDict(dict(group_size=2, advantage="drgrpo")))
+    batch["advantages"] = loop.compute_advantages(
+        batch, ml_collections.ConfigDict(dict(group_size=2, advantage="drgrpo"))
+    )
     np.testing.assert_array_equal(batch["inputs"][0, :4], [5, 6, 7, 8])
     np.testing.assert_array_equal(batch["targets"][0, :4], [6, 7, 8, 9])
-    np.testing.assert_array_equal(batch["loss_mask"][0, :5], [0, 0, 1, 1, 0])   # targets 8 and 9 are the model's
+    np.testing.assert_array_equal(batch["loss_mask"][0, :5], [0, 0, 1, 1, 0])  # targets 8 and 9 are the model's
     np.testing.assert_allclose(batch["behav_logp"][0, 2:4], [-0.5, -1.5])
     np.testing.assert_array_equal(batch["loss_mask"][1, :4], [0, 0, 1, 0])
     np.testing.assert_array_equal(batch["segment_ids"][1, :4], [1, 1, 1, 0])
@@ -128,12 +140,12 @@ def test_rl_batch_aligns_targets_masks_and_behaviour_logprobs():
 def test_resume_continues_exactly(tmp_path):
     """Lose the last checkpoint, run again: the step, scheduler position, RNG stream and policy
     version carry on from the one before, so the metrics equal the uninterrupted run's."""
-    cfg = tiny(tmp_path, steps=4, kl_coef=0.05)      # the KL reference must come back too
+    cfg = tiny(tmp_path, steps=4, kl_coef=0.05)  # the KL reference must come back too
     cfg.checkpoint.every = 2
     loop.run(cfg)
     before = rows(tmp_path)
     shutil.rmtree(tmp_path / "checkpoints" / "4")
-    loop.run(cfg)                                   # resumes from step 2
+    loop.run(cfg)  # resumes from step 2
     after = rows(tmp_path)
     assert [r["step"] for r in after] == [0, 1, 2, 3]
     for x, y in zip(before, after):
@@ -149,5 +161,5 @@ def test_dynamic_sampling_without_an_informative_group_skips_the_update(tmp_path
     rs = rows(tmp_path)
     assert [r["rl/skipped_updates"] for r in rs] == [1, 2]
     assert [r["rl/kept_groups"] for r in rs] == [0, 0]
-    assert rs[-1]["tasks/arithmetic/groups"] == 2 * 2 * 2        # steps × max_resample_rounds × prompts
+    assert rs[-1]["tasks/arithmetic/groups"] == 2 * 2 * 2  # steps × max_resample_rounds × prompts
     assert rs[-1]["tasks/arithmetic/dropped_groups"] == 8

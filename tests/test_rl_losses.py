@@ -19,10 +19,15 @@ from posttrain.rl.algo.losses import (
 )
 
 REWARDS = np.array([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.2, 0.9, 0.4, 0.0], np.float32)  # 3 groups of 4
-MASK = np.array([[1, 1, 1, 0, 0],  # ragged response lengths 3, 5, 1, and a padding row
-                 [1, 1, 1, 1, 1],
-                 [0, 1, 0, 0, 0],
-                 [0, 0, 0, 0, 0]], bool)
+MASK = np.array(
+    [
+        [1, 1, 1, 0, 0],  # ragged response lengths 3, 5, 1, and a padding row
+        [1, 1, 1, 1, 1],
+        [0, 1, 0, 0, 0],
+        [0, 0, 0, 0, 0],
+    ],
+    bool,
+)
 
 
 def _close(actual, expected, atol=1e-5):
@@ -33,8 +38,10 @@ def test_group_advantages_grpo_drgrpo_rloo():
     r = REWARDS.astype(np.float64).reshape(3, 4)
     centred = r - r.mean(1, keepdims=True)
     _close(group_advantages(jnp.asarray(REWARDS), 4, method="drgrpo"), centred.reshape(-1))
-    _close(group_advantages(jnp.asarray(REWARDS), 4, method="grpo", eps=1e-6),
-           (centred / (r.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1))
+    _close(
+        group_advantages(jnp.asarray(REWARDS), 4, method="grpo", eps=1e-6),
+        (centred / (r.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1),
+    )
     loo = np.array([[g[i] - np.delete(g, i).mean() for i in range(4)] for g in r])  # RLOO by its definition
     _close(group_advantages(jnp.asarray(REWARDS), 4, method="rloo"), loo.reshape(-1))
 
@@ -57,7 +64,7 @@ def test_kl_estimators():
     logp = np.array([[-1.0, -2.0, -0.5]], np.float32)
     ref = np.array([[-1.5, -1.0, -0.5]], np.float32)
     log_r = ref.astype(np.float64) - logp
-    expected = {"k1": -log_r, "k2": 0.5 * log_r ** 2, "k3": np.exp(log_r) - 1 - log_r}
+    expected = {"k1": -log_r, "k2": 0.5 * log_r**2, "k3": np.exp(log_r) - 1 - log_r}
     for name, value in expected.items():
         _close(kl_estimate(jnp.asarray(logp), jnp.asarray(ref), name), value)
     assert (np.asarray(kl_estimate(jnp.asarray(logp), jnp.asarray(ref), "k3")) >= 0).all()
@@ -68,8 +75,10 @@ def test_kl_estimators():
 def test_kl_reward_penalties():
     kl = np.arange(20, dtype=np.float32).reshape(4, 5) / 10
     rewards, adv, beta = np.array([1.0, 0.0, 0.5, 2.0]), np.array([0.3, -0.3, 1.0, 0.0]), 0.1
-    _close(kl_penalized_rewards(jnp.asarray(rewards), jnp.asarray(kl), jnp.asarray(MASK), kl_coef=beta),
-           rewards - beta * (kl * MASK).sum(1))
+    _close(
+        kl_penalized_rewards(jnp.asarray(rewards), jnp.asarray(kl), jnp.asarray(MASK), kl_coef=beta),
+        rewards - beta * (kl * MASK).sum(1),
+    )
     expected = np.zeros((4, 5))
     for i in range(4):
         for t in range(5):
@@ -95,8 +104,10 @@ def test_aggregation_modes_on_ragged_masks():
     }
     for mode in AGGREGATIONS:
         _close(aggregate(jnp.asarray(v, jnp.float32), jnp.asarray(m), mode), expected[mode])
-    _close(aggregate(jnp.asarray(v, jnp.float32), jnp.asarray(m), "seq-mean-token-sum", max_len_norm=5.0),
-           expected["seq-mean-token-sum"] / 5)
+    _close(
+        aggregate(jnp.asarray(v, jnp.float32), jnp.asarray(m), "seq-mean-token-sum", max_len_norm=5.0),
+        expected["seq-mean-token-sum"] / 5,
+    )
     with pytest.raises(ValueError, match="max_len_norm"):
         aggregate(jnp.asarray(v), jnp.asarray(m), "token-mean", max_len_norm=5.0)
 
@@ -111,8 +122,9 @@ def test_clipped_surrogate_and_clip_fractions():
     # clipped low: (0.7, A<0); clipped high: (1.3, A>0) and (1.5, A>0). Not clipped: (0.7, A>0), (1.5, A<0), ...
     mask = np.ones_like(ratio, bool)
     logp = np.log(ratio)
-    _, m = policy_loss(jnp.asarray(logp), jnp.zeros_like(logp), jnp.asarray(adv), jnp.asarray(mask),
-                       clip_low=lo, clip_high=hi)
+    _, m = policy_loss(
+        jnp.asarray(logp), jnp.zeros_like(logp), jnp.asarray(adv), jnp.asarray(mask), clip_low=lo, clip_high=hi
+    )
     assert float(m["rl/clip_frac_low"]) == pytest.approx(1 / 10)
     assert float(m["rl/clip_frac_high"]) == pytest.approx(2 / 10)
     _close(m["rl/ratio_min"], 0.7)
@@ -131,7 +143,8 @@ def test_gspo_sequence_ratio():
     _close(np.asarray(ratio)[~mask], 1.0)
     # gradient of a sequence's ratio is s_i · ∇logp_t per token (GSPO-token form)
     grad = jax.grad(lambda lp: importance_ratio(lp, jnp.asarray(old), jnp.asarray(mask), "sequence")[1, 2])(
-        jnp.asarray(logp))
+        jnp.asarray(logp)
+    )
     expected = np.zeros_like(logp)
     expected[1, 2] = np.exp((logp[1] - old[1]).mean())
     _close(grad, expected)
@@ -147,8 +160,16 @@ def test_on_policy_gradient_is_policy_gradient(aggregation, ratio_level):
     old = token_logprobs(logits, targets)
 
     def loss(lg):
-        out, _ = policy_loss(token_logprobs(lg, targets), old, jnp.asarray(adv), jnp.asarray(MASK),
-                             clip_low=0.2, clip_high=0.28, ratio_level=ratio_level, aggregation=aggregation)
+        out, _ = policy_loss(
+            token_logprobs(lg, targets),
+            old,
+            jnp.asarray(adv),
+            jnp.asarray(MASK),
+            clip_low=0.2,
+            clip_high=0.28,
+            ratio_level=ratio_level,
+            aggregation=aggregation,
+        )
         return out
 
     # −Σ_t c_t A ∇logp_t with ∇_logits logp_t = onehot(target) − softmax, c_t the aggregation's token weight
@@ -156,13 +177,23 @@ def test_on_policy_gradient_is_policy_gradient(aggregation, ratio_level):
     p = np.exp(lg) / np.exp(lg).sum(-1, keepdims=True)
     dlogp = np.eye(6)[np.asarray(targets)] - p
     lengths, seqs = MASK.sum(1), MASK.any(1).sum()
-    weight = {"token-mean": MASK / MASK.sum(),
-              "seq-mean-token-mean": MASK / np.maximum(lengths, 1)[:, None] / seqs,
-              "seq-mean-token-sum": MASK / seqs}[aggregation]
+    weight = {
+        "token-mean": MASK / MASK.sum(),
+        "seq-mean-token-mean": MASK / np.maximum(lengths, 1)[:, None] / seqs,
+        "seq-mean-token-sum": MASK / seqs,
+    }[aggregation]
     expected = -(weight * adv[:, None])[..., None] * dlogp
     _close(jax.grad(loss)(logits), expected)
-    _, metrics = policy_loss(old, old, jnp.asarray(adv), jnp.asarray(MASK), clip_low=0.2, clip_high=0.28,
-                             ratio_level=ratio_level, aggregation=aggregation)
+    _, metrics = policy_loss(
+        old,
+        old,
+        jnp.asarray(adv),
+        jnp.asarray(MASK),
+        clip_low=0.2,
+        clip_high=0.28,
+        ratio_level=ratio_level,
+        aggregation=aggregation,
+    )
     assert float(metrics["rl/ratio_min"]) == float(metrics["rl/ratio_max"]) == 1.0
 
 
@@ -179,10 +210,19 @@ def test_policy_loss_with_is_weights_kl_and_entropy():
     logp, old, behav, ref, ent = (rng.normal(size=(4, 5)).astype(np.float32) * 0.3 - 1 for _ in range(5))
     adv = np.array([1.0, -1.0, 0.5, 2.0], np.float32)
     lo, hi, cap, beta, alpha = 0.2, 0.3, 1.5, 0.05, 0.01
-    loss, m = policy_loss(*map(jnp.asarray, (logp, old, adv, MASK)), clip_low=lo, clip_high=hi,
-                          aggregation="seq-mean-token-mean", ref_logp=jnp.asarray(ref), kl_coef=beta,
-                          kl_estimator="k3", behav_logp=jnp.asarray(behav), is_cap=cap,
-                          entropy=jnp.asarray(ent), entropy_coef=alpha)
+    loss, m = policy_loss(
+        *map(jnp.asarray, (logp, old, adv, MASK)),
+        clip_low=lo,
+        clip_high=hi,
+        aggregation="seq-mean-token-mean",
+        ref_logp=jnp.asarray(ref),
+        kl_coef=beta,
+        kl_estimator="k3",
+        behav_logp=jnp.asarray(behav),
+        is_cap=cap,
+        entropy=jnp.asarray(ent),
+        entropy_coef=alpha,
+    )
     r = np.exp(logp.astype(np.float64) - old)
     w_raw = np.exp(old.astype(np.float64) - behav)
     w = np.minimum(w_raw, cap)

@@ -45,8 +45,9 @@ class FakeWorker:
             raise VerifierCrashed(f"verifier crashed on batch {self.verified}")
         self.verified += 1
         rewards = [1.0, 0.0] if self.informative else [0.0, 0.0]
-        return RolloutBatch([Group(d, t, rewards, [TRAJ, TRAJ]) for d, t in tasks], [[LP, LP]] * len(tasks),
-                            {"verifier_errors": 0})
+        return RolloutBatch(
+            [Group(d, t, rewards, [TRAJ, TRAJ]) for d, t in tasks], [[LP, LP]] * len(tasks), {"verifier_errors": 0}
+        )
 
     def rollout(self, params, rest, tasks, key, **kw):
         return self.verify(self.generate(params, rest, tasks, key))
@@ -59,14 +60,24 @@ def scheduler():
 
 def producer(worker, sched, max_staleness=1):
     mesh = make_mesh(dict(data=1), devices=jax.devices()[:1])
-    return AsyncProducer(worker, sched, num_groups=2, max_staleness=max_staleness, base_key=jax.random.key(0),
-                         start=0, weights=(None, None), mesh=mesh, rules=parse_rules({}), poll_s=0.05).start()
+    return AsyncProducer(
+        worker,
+        sched,
+        num_groups=2,
+        max_staleness=max_staleness,
+        base_key=jax.random.key(0),
+        start=0,
+        weights=(None, None),
+        mesh=mesh,
+        rules=parse_rules({}),
+        poll_s=0.05,
+    ).start()
 
 
 def test_a_verifier_exception_reaches_the_learner_with_its_traceback():
     p = producer(FakeWorker(fail_at=2), scheduler())
     try:
-        for step in (0, 1):               # batch 2 waits for version 1: the crash cannot come earlier
+        for step in (0, 1):  # batch 2 waits for version 1: the crash cannot come earlier
             rollouts, _ = p.take(step)
             assert len(rollouts) == 2
         p.publish(1, (None, None))
@@ -85,7 +96,7 @@ def test_the_checkpointed_scheduler_state_is_that_of_the_last_trained_batch():
     p = producer(FakeWorker(), sched, max_staleness=2)
     try:
         deadline = time.time() + 10
-        while sched.batches_drawn < 3 and time.time() < deadline:       # the producer ran ahead
+        while sched.batches_drawn < 3 and time.time() < deadline:  # the producer ran ahead
             time.sleep(0.01)
         assert sched.batches_drawn == 3
         for step in range(2):
@@ -101,13 +112,22 @@ def test_the_checkpointed_scheduler_state_is_that_of_the_last_trained_batch():
 
 def test_dynamic_sampling_records_each_group_once_and_an_empty_batch_skips_the_update():
     sched = scheduler()
-    batch = collect_batch(FakeWorker(informative=False), sched, None, None, jax.random.key(0), num_groups=2,
-                          filter_groups=True, max_rounds=3)
+    batch = collect_batch(
+        FakeWorker(informative=False),
+        sched,
+        None,
+        None,
+        jax.random.key(0),
+        num_groups=2,
+        filter_groups=True,
+        max_rounds=3,
+    )
     assert batch.groups == [] and batch.info["kept_groups"] == 0
-    assert sched.metrics()["tasks/a/groups"] == 6 and sched.metrics()["tasks/a/samples"] == 12   # 3 rounds × 2
+    assert sched.metrics()["tasks/a/groups"] == 6 and sched.metrics()["tasks/a/samples"] == 12  # 3 rounds × 2
     assert batch.scheduler_state["counters"]["a"]["groups"] == 6
-    kept = collect_batch(FakeWorker(), scheduler(), None, None, jax.random.key(0), num_groups=2,
-                         filter_groups=False, max_rounds=1)
+    kept = collect_batch(
+        FakeWorker(), scheduler(), None, None, jax.random.key(0), num_groups=2, filter_groups=False, max_rounds=1
+    )
     assert kept.task_metrics["tasks/a/groups"] == 2
 
     c = SimpleNamespace(cfg=base_config())
@@ -127,11 +147,20 @@ def test_rewards_with_an_error_are_counted_as_verifier_errors_and_behaviour_logp
         def trajectory(self):
             return TRAJ
 
-    samples = SimpleNamespace(completion=lambda i: [2, 3], logprobs=np.full((4, 2), -9.0, np.float32),
-                              sampling_logprobs=np.arange(8, dtype=np.float32).reshape(4, 2) / -10,
-                              lengths=np.full(4, 2), stop_reason=np.zeros(4, np.int32))
-    pending = SimpleNamespace(envs=[[Env(None), Env("timeout")], [Env("SympifyError"), Env(None)]],
-                              samples=samples, tasks=[("a", SimpleNamespace(id="a0"))] * 2, gen_s=0.0, done=None)
+    samples = SimpleNamespace(
+        completion=lambda i: [2, 3],
+        logprobs=np.full((4, 2), -9.0, np.float32),
+        sampling_logprobs=np.arange(8, dtype=np.float32).reshape(4, 2) / -10,
+        lengths=np.full(4, 2),
+        stop_reason=np.zeros(4, np.int32),
+    )
+    pending = SimpleNamespace(
+        envs=[[Env(None), Env("timeout")], [Env("SympifyError"), Env(None)]],
+        samples=samples,
+        tasks=[("a", SimpleNamespace(id="a0"))] * 2,
+        gen_s=0.0,
+        done=None,
+    )
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         worker = RolloutWorker(None, {}, None, 0, pool)
         batch = worker.verify(pending)
@@ -144,13 +173,33 @@ def test_rewards_with_an_error_are_counted_as_verifier_errors_and_behaviour_logp
 def test_an_rl_key_that_cannot_take_effect_is_an_error(key):
     cfg = base_config()
     cfg.rl.eval_every = 0
-    values = {"clip_low": 0.1, "clip_high": 0.5, "ratio_level": "sequence", "kl_estimator": "k1",
-              "max_resample_rounds": 5, "eval_samples": 8, "eval_size": 16, "arithmetic_size": 10,
-              "instruction": "Answer with a number.", "critic": "separate", "gamma": 0.9, "lam": 0.5,
-              "value_coef": 1.0, "value_clip": 0.1, "kl_in_reward": True, "reward_model_weight": 2.0,
-              "reward_model_normalize": False, "eval_files": "held_out.jsonl", "verifier_timeout_s": 5.0,
-              "rollouts_fraction": 0.5, "max_turns": 3, "tool_timeout_s": 2.0, "invalid_tool_call_penalty": 0.1,
-              "redundant_tool_call_penalty": 0.1, "episode_cohorts": 2}
+    values = {
+        "clip_low": 0.1,
+        "clip_high": 0.5,
+        "ratio_level": "sequence",
+        "kl_estimator": "k1",
+        "max_resample_rounds": 5,
+        "eval_samples": 8,
+        "eval_size": 16,
+        "arithmetic_size": 10,
+        "instruction": "Answer with a number.",
+        "critic": "separate",
+        "gamma": 0.9,
+        "lam": 0.5,
+        "value_coef": 1.0,
+        "value_clip": 0.1,
+        "kl_in_reward": True,
+        "reward_model_weight": 2.0,
+        "reward_model_normalize": False,
+        "eval_files": "held_out.jsonl",
+        "verifier_timeout_s": 5.0,
+        "rollouts_fraction": 0.5,
+        "max_turns": 3,
+        "tool_timeout_s": 2.0,
+        "invalid_tool_call_penalty": 0.1,
+        "redundant_tool_call_penalty": 0.1,
+        "episode_cohorts": 2,
+    }
     check_rl_config(cfg)
     cfg.rl[key] = values[key]
     if key in ("arithmetic_size", "instruction"):

@@ -20,7 +20,15 @@ def tiny_reward_model_config(workdir, data_dir):
     cfg = base_config()
     cfg.stage, cfg.workdir = "reward_model", str(workdir)
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 32, 1, 2, 1, 16, 64
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
+        264,
+        32,
+        1,
+        2,
+        1,
+        16,
+        64,
+    )
     m.moe.num_experts, m.moe.expert_mlp_dim = 2, 32
     cfg.mesh.data, cfg.mesh.expert, cfg.mesh.tensor = 2, 2, 2
     cfg.data.synthetic, cfg.data.synthetic_size = "arithmetic", 64
@@ -43,7 +51,7 @@ def test_scorer_equals_the_reward_models_own_forward(rm_run):
     mesh, rules = make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules.to_dict())
     scorer = RewardModelScorer.load(cfg.workdir, mesh, rules, pad_id=0)
     rng = np.random.default_rng(0)
-    rows = [rng.integers(1, 263, size=n).tolist() for n in (5, 40, 17, 64, 1, 23)]   # 6 rows → bucket of 8
+    rows = [rng.integers(1, 263, size=n).tolist() for n in (5, 40, 17, 64, 1, 23)]  # 6 rows → bucket of 8
     got = scorer.score(rows)
     assert got.shape == (6,) and got.dtype == np.float32
 
@@ -55,8 +63,8 @@ def test_scorer_equals_the_reward_models_own_forward(rm_run):
     batch = {k: np.stack([b[k] for b in built]) for k in ("inputs", "positions", "segment_ids")}
     want, _ = nnx.jit(lambda m, b: m.reward(b["inputs"], b["positions"], b["segment_ids"]))(host, batch)
     np.testing.assert_allclose(got, np.asarray(want), rtol=1e-4, atol=1e-5)
-    assert np.unique(got).size == len(rows)           # the head reads each row's own last token
-    short = [rows[0], rows[2]]                        # another length bucket (32)
+    assert np.unique(got).size == len(rows)  # the head reads each row's own last token
+    short = [rows[0], rows[2]]  # another length bucket (32)
     np.testing.assert_allclose(scorer.score(short), got[[0, 2]], rtol=1e-5, atol=1e-6)
 
 
@@ -76,7 +84,7 @@ def test_running_mean_std_matches_numpy_and_round_trips():
     stats = RunningMeanStd()
     for i, b in enumerate(batches):
         stats.update(b)
-        seen = np.concatenate(batches[:i + 1])
+        seen = np.concatenate(batches[: i + 1])
         np.testing.assert_allclose([stats.mean, stats.std], [seen.mean(), seen.std()], rtol=1e-12)
     x = rng.normal(size=5)
     np.testing.assert_allclose(stats.normalize(x), (x - seen.mean()) / (seen.std() + 1e-6), rtol=1e-6)
@@ -103,12 +111,21 @@ def test_rlvr_with_the_learned_reward_and_a_critic_resumes_exactly(rm_run, tmp_p
 
     from posttrain.stages import rlvr as loop
 
-    cfg = tiny(tmp_path, steps=3, advantage="gae", reward_model=rm_run.workdir, verifier_weight=0.5,
-               reward_model_weight=2.0, kl_coef=0.05, kl_in_reward=True, updates_per_batch=2)
+    cfg = tiny(
+        tmp_path,
+        steps=3,
+        advantage="gae",
+        reward_model=rm_run.workdir,
+        verifier_weight=0.5,
+        reward_model_weight=2.0,
+        kl_coef=0.05,
+        kl_in_reward=True,
+        updates_per_batch=2,
+    )
     cfg.checkpoint.every = 2
     loop.run(cfg)
     before = rows(tmp_path)
-    first = before[0]    # the first batch's normalised RM scores have mean 0
+    first = before[0]  # the first batch's normalised RM scores have mean 0
     assert first["rl/reward_mean"] == pytest.approx(0.5 * first["rl/verifier_reward_mean"], abs=1e-5)
     assert first["rl/rm_running_std"] == pytest.approx(first["rl/rm_score_std"], rel=1e-5)
     for r in before:
@@ -117,8 +134,16 @@ def test_rlvr_with_the_learned_reward_and_a_critic_resumes_exactly(rm_run, tmp_p
     loop.run(cfg)
     after = rows(tmp_path)
     assert [r["step"] for r in after] == [0, 1, 2]
-    for k in ("loss", "rl/value_loss", "rl/value_mean", "rl/rm_score_mean", "rl/rm_running_mean", "rl/reward_mean",
-              "rl/adv_max", "rl/kl"):
+    for k in (
+        "loss",
+        "rl/value_loss",
+        "rl/value_mean",
+        "rl/rm_score_mean",
+        "rl/rm_running_mean",
+        "rl/reward_mean",
+        "rl/adv_max",
+        "rl/kl",
+    ):
         np.testing.assert_allclose(after[2][k], before[2][k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
@@ -135,8 +160,9 @@ def test_reward_composer_weights_and_normalisation_switch():
 
     rows, verifier = [[1, 2], [3], [4, 5, 6]], np.asarray([1.0, 0.0, 1.0], np.float32)
     raw = np.asarray([3.0, 3.0, 15.0], np.float32)
-    cfg = lambda normalize: SimpleNamespace(reward_model_normalize=normalize, verifier_weight=0.5,
-                                            reward_model_weight=2.0)
+    cfg = lambda normalize: SimpleNamespace(
+        reward_model_normalize=normalize, verifier_weight=0.5, reward_model_weight=2.0
+    )
     plain, _ = RewardComposer(cfg(False), FakeScorer())(rows, verifier)
     np.testing.assert_allclose(plain, 0.5 * verifier + 2.0 * raw, rtol=1e-6)
     composer = RewardComposer(cfg(True), FakeScorer())

@@ -47,11 +47,11 @@ def test_rlhf_pipeline_raises_the_learned_reward_and_resumes(tmp_path):
     assert [r["step"] for r in rows] == list(range(20))
     score = np.array([r["rl/rm_score_mean"] for r in rows])
     print("rm score per step:", np.round(score, 3))
-    assert score[-5:].mean() > score[:5].mean() + 0.1       # seen: 0.04 → 0.32
-    start, end = (r["eval/rm_score"] for r in rl_rows(tmp_path / "run", "eval/rm_score"))   # held-out prompts
+    assert score[-5:].mean() > score[:5].mean() + 0.1  # seen: 0.04 → 0.32
+    start, end = (r["eval/rm_score"] for r in rl_rows(tmp_path / "run", "eval/rm_score"))  # held-out prompts
     print("held-out rm score:", start, end)
     assert end > start
-    for r in rows:   # the critic trains, the KL is paid as reward, the reward is the learned one only
+    for r in rows:  # the critic trains, the KL is paid as reward, the reward is the learned one only
         assert np.isfinite(r["rl/value_loss"]) and r["rl/value_loss"] > 0
         assert r["rl/rm_running_std"] > 0
     # Resume: lose the last checkpoint of the rlvr stage; the rerun (sft and reward model are

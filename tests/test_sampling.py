@@ -23,8 +23,15 @@ PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 3, 9, 1, 5], [2], [3, 3, 8, 1, 12]]
 
 def model_config(kind):
     cfg = base_config().model
-    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = \
-        64, 16, 2, 4, 2, 8, 32
+    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = (
+        64,
+        16,
+        2,
+        4,
+        2,
+        8,
+        32,
+    )
     cfg.qk_norm = True
     if kind == "moe":
         cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_mlp_dim, cfg.moe.first_dense = 8, 2, 16, 1
@@ -48,10 +55,12 @@ def sharded(request, mesh):
 
 def full_forward(graphdef):
     """Logits of whole right-padded rows [B, T] with lengths [B]: the learner's forward."""
+
     @jax.jit
     def fn(params, rest, tokens, lengths):
         segment_ids = (jnp.arange(tokens.shape[1])[None] < lengths[:, None]).astype(jnp.int32)
         return nnx.merge(graphdef, params, rest)(tokens, None, segment_ids)[0]
+
     return fn
 
 
@@ -60,10 +69,10 @@ def learner_logprobs(forward, params, rest, prompts, samples, width=32):
     rows = [list(p) + samples.completion(i) for i, p in enumerate(prompts)]
     tokens = np.zeros((len(rows), width), np.int32)
     for i, r in enumerate(rows):
-        tokens[i, :len(r)] = r
+        tokens[i, : len(r)] = r
     logits = forward(params, rest, tokens, np.array([len(r) for r in rows]))
     lps = np.asarray(token_logprobs(logits[:, :-1], jnp.asarray(tokens[:, 1:])))
-    return [lps[i, len(p) - 1:len(r) - 1] for i, (p, r) in enumerate(zip(prompts, rows))], logits
+    return [lps[i, len(p) - 1 : len(r) - 1] for i, (p, r) in enumerate(zip(prompts, rows))], logits
 
 
 def test_greedy_with_cache_equals_recomputation_and_learner_logprobs(sharded, mesh):
@@ -75,23 +84,29 @@ def test_greedy_with_cache_equals_recomputation_and_learner_logprobs(sharded, me
         for _ in range(max_new):
             tokens = np.zeros((len(seqs), 32), np.int32)
             for i, s in enumerate(seqs):
-                tokens[i, :len(s)] = s
+                tokens[i, : len(s)] = s
             logits = np.asarray(forward(params, rest, tokens, np.array([len(s) for s in seqs])))
             for i, s in enumerate(seqs):
                 s.append(int(logits[i, len(s) - 1].argmax()))
-        reference = [s[len(p):] for s, p in zip(seqs, PROMPTS)]
-        stop = reference[0][3]          # makes row 0 stop at step 4 (others wherever it occurs)
-        samples = generate(graphdef, params, rest, PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=max_new,
-                                                                          stop_ids=(stop,)), jax.random.key(0))
+        reference = [s[len(p) :] for s, p in zip(seqs, PROMPTS)]
+        stop = reference[0][3]  # makes row 0 stop at step 4 (others wherever it occurs)
+        samples = generate(
+            graphdef,
+            params,
+            rest,
+            PROMPTS,
+            SamplingParams(temperature=0.0, max_new_tokens=max_new, stop_ids=(stop,)),
+            jax.random.key(0),
+        )
         learner, _ = learner_logprobs(forward, params, rest, PROMPTS, samples)
     for i, ref in enumerate(reference):
-        expected = ref[:ref.index(stop) + 1] if stop in ref else ref
+        expected = ref[: ref.index(stop) + 1] if stop in ref else ref
         assert samples.completion(i) == expected, (kind, i)
         assert samples.stop_reason_name(i) == ("stop" if stop in ref else "length")
-        np.testing.assert_allclose(samples.logprobs[i, :len(expected)], learner[i], atol=1e-5, err_msg=kind)
-        assert not samples.logprobs[i, len(expected):].any()
+        np.testing.assert_allclose(samples.logprobs[i, : len(expected)], learner[i], atol=1e-5, err_msg=kind)
+        assert not samples.logprobs[i, len(expected) :].any()
     generated = np.arange(max_new)[None] < samples.lengths[:, None]
-    np.testing.assert_array_equal(samples.sampling_logprobs[generated], 0.0)       # greedy: probability 1
+    np.testing.assert_array_equal(samples.sampling_logprobs[generated], 0.0)  # greedy: probability 1
 
 
 def test_accelerator_layer_path_equals_cpu_path(sharded, mesh, monkeypatch):
@@ -106,6 +121,7 @@ def test_accelerator_layer_path_equals_cpu_path(sharded, mesh, monkeypatch):
         generate_continuous,
         grouped_continuous_program,
     )
+
     kind, graphdef, params, rest = sharded
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
     key = jax.random.key(11)
@@ -153,15 +169,17 @@ def test_sampled_logprobs_match_learner_for_any_padding_side(mesh):
     assert cache[0][0].shape == (8, 2, 8, 24) and cache[0][1].shape == (8, 2, 24, 8)
     np.testing.assert_array_equal(from_array.tokens, samples.tokens)
     np.testing.assert_allclose(from_array.logprobs, samples.logprobs, atol=1e-6)
-    assert len(set(samples.lengths.tolist())) > 1                   # stop tokens ended some rows early
+    assert len(set(samples.lengths.tolist())) > 1  # stop tokens ended some rows early
     for i, p in enumerate(PROMPTS):
         n = samples.lengths[i]
         np.testing.assert_allclose(samples.logprobs[i, :n], learner[i], atol=1e-5)
         # The behaviour log-prob: under temperature, top-k and top-p of the learner's logits.
-        expected = sampling_logprobs(logits[i, len(p) - 1:len(p) - 1 + n], sampling)
-        np.testing.assert_allclose(samples.sampling_logprobs[i, :n],
-                                   np.take_along_axis(np.asarray(expected), samples.tokens[i, :n, None], 1)[:, 0],
-                                   atol=1e-5)
+        expected = sampling_logprobs(logits[i, len(p) - 1 : len(p) - 1 + n], sampling)
+        np.testing.assert_allclose(
+            samples.sampling_logprobs[i, :n],
+            np.take_along_axis(np.asarray(expected), samples.tokens[i, :n, None], 1)[:, 0],
+            atol=1e-5,
+        )
 
 
 def reference_distribution(logits, temperature, top_k, top_p):
@@ -171,7 +189,7 @@ def reference_distribution(logits, temperature, top_k, top_p):
     p /= p.sum()
     order = np.argsort(-p)
     keep = np.zeros_like(p, bool)
-    keep[order[:top_k or len(p)]] = True
+    keep[order[: top_k or len(p)]] = True
     p = np.where(keep, p, 0) / p[keep].sum()
     mass_before = np.cumsum(p[order]) - p[order]
     keep[order[mass_before >= top_p]] = False
@@ -224,13 +242,19 @@ def test_groups_share_prefill_and_equal_repeated_prompts(dense, mesh):
     key = jax.random.key(5)
     with use_sharding(mesh, DEFAULT_RULES):
         grouped = generate(graphdef, params, rest, prompts, GROUP_SAMPLING, key)
-        repeated = generate(graphdef, params, rest, [p for p in prompts for _ in range(4)],
-                            dataclasses.replace(GROUP_SAMPLING, num_samples=1), key)
+        repeated = generate(
+            graphdef,
+            params,
+            rest,
+            [p for p in prompts for _ in range(4)],
+            dataclasses.replace(GROUP_SAMPLING, num_samples=1),
+            key,
+        )
     np.testing.assert_array_equal(grouped.prompt_index, np.repeat(np.arange(3), 4))
     np.testing.assert_array_equal(grouped.tokens, repeated.tokens)
     np.testing.assert_array_equal(grouped.lengths, repeated.lengths)
     np.testing.assert_allclose(grouped.logprobs, repeated.logprobs, atol=1e-5)
-    assert len({tuple(grouped.completion(i)) for i in range(4)}) > 1   # a group's samples differ
+    assert len({tuple(grouped.completion(i)) for i in range(4)}) > 1  # a group's samples differ
 
 
 def test_continuous_batching_returns_each_request_once_as_static_batching(dense, mesh):
@@ -240,7 +264,7 @@ def test_continuous_batching_returns_each_request_once_as_static_batching(dense,
     sampling = dataclasses.replace(GROUP_SAMPLING, num_samples=1)
     key = jax.random.key(5)
     batcher = ContinuousBatcher(graphdef, sampling, num_slots=4, prefill_batch=2)
-    limits = [12, 12, 3] * 4                                     # per-request caps too
+    limits = [12, 12, 3] * 4  # per-request caps too
     with use_sharding(mesh, DEFAULT_RULES):
         static = generate(graphdef, params, rest, prompts, sampling, key, max_new_tokens=limits)
         ids = [batcher.submit(p, limits[i]) for i, p in enumerate(prompts[:9])]

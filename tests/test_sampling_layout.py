@@ -20,13 +20,13 @@ from posttrain.sampling.layout import check_layout, publish_weights, sampler_rul
 from tests.test_sampling import PROMPTS, model_config
 
 RULES = {**DEFAULT_RULES, "embed": ("fsdp",)}
-SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=8, stop_ids=tuple(range(1, 9)))   # some stop early
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=8, stop_ids=tuple(range(1, 9)))  # some stop early
 TP = ("tensor", "fsdp")
 
 
 @pytest.fixture(scope="module")
 def mesh():
-    return make_mesh(dict(fsdp=2, expert=2, tensor=2))       # ZeRO-3 over fsdp, experts over 2, tensor 2
+    return make_mesh(dict(fsdp=2, expert=2, tensor=2))  # ZeRO-3 over fsdp, experts over 2, tensor 2
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +50,14 @@ def test_decode_rules_move_zero3_axes_to_tensor_parallelism():
 
 def test_sampling_layout_key_is_checked():
     from posttrain.rl.checks import check_sampling_config
+
     cfg = base_config()
     cfg.sampling.layout = "zero3"
     with pytest.raises(ValueError, match="sampling.layout='zero3'"):
         check_sampling_config(cfg, ("rlvr",))
     cfg.sampling.layout = "tensor"
     check_sampling_config(cfg, ("rlvr",))
-    with pytest.raises(ValueError, match="sampling.layout='tensor'.*no rlvr stage"):     # nothing else samples with it
+    with pytest.raises(ValueError, match="sampling.layout='tensor'.*no rlvr stage"):  # nothing else samples with it
         check_sampling_config(cfg, ("sft",))
 
 
@@ -65,12 +66,12 @@ def test_published_params_have_the_decode_shardings(model, mesh):
     want = shardings_for(learner, mesh, decode_rules(RULES))
     for (path, x), s in zip(jax.tree_util.tree_leaves_with_path(published), jax.tree.leaves(want)):
         assert x.sharding.spec == s.spec, jax.tree_util.keystr(path)
-    layer = published["stacks"][1]["blocks"][0]                     # the MoE layers' stack
-    assert layer["attn"]["q"][...].sharding.spec == P(None, None, TP)               # [L, D, H, Dh]: heads
-    assert layer["attn"]["o"][...].sharding.spec == P(None, TP)                     # [L, H, Dh, D]
+    layer = published["stacks"][1]["blocks"][0]  # the MoE layers' stack
+    assert layer["attn"]["q"][...].sharding.spec == P(None, None, TP)  # [L, D, H, Dh]: heads
+    assert layer["attn"]["o"][...].sharding.spec == P(None, TP)  # [L, H, Dh, D]
     assert layer["mlp"]["w_gate"][...].sharding.spec == P(None, "expert", None, TP)  # [L, E, D, F]
-    assert published["embed"][...].sharding.spec == P(TP)                           # [V, D]: vocab
-    assert learner["embed"][...].sharding.spec == P("tensor", "fsdp")              # the learner's: unchanged
+    assert published["embed"][...].sharding.spec == P(TP)  # [V, D]: vocab
+    assert learner["embed"][...].sharding.spec == P("tensor", "fsdp")  # the learner's: unchanged
     np.testing.assert_array_equal(np.asarray(published["embed"][...]), np.asarray(learner["embed"][...]))
     with pytest.raises(ValueError, match="logical axis names"):
         publish_weights(jax.tree.leaves(learner), mesh, RULES, "tensor")
@@ -80,6 +81,7 @@ def test_loop_publishes_the_decode_layout(model, mesh):
     """`rl.loop.Components.weights` (what rollouts, evals and the async producer sample with)
     reshards into the layout `sampling.layout` names."""
     from posttrain.stages.rlvr import Components, RLState
+
     _, learner, _, rest = model
     cfg = base_config()
     state = types.SimpleNamespace(params=learner, frozen=None, rest=rest)
@@ -95,6 +97,7 @@ def test_publish_program_reshards_into_the_decode_layout(model, mesh):
     """`compile_plan`'s "publish" program (what pod plans compile to cost the reshard) lands the
     learner's weights in the shardings `publish_weights` gives."""
     from posttrain import compile_plan as cp
+
     _, learner, published, _ = model
     cfg = base_config()
     cfg.model, cfg.sampling.layout = model_config("moe"), "tensor"
@@ -111,12 +114,14 @@ def test_sampler_programs_are_keyed_on_the_rules_in_force(mesh, monkeypatch):
     import importlib
 
     from posttrain.sampling import engine
-    gen = importlib.import_module("posttrain.sampling.generate")      # the module (the package exports the function)
+
+    gen = importlib.import_module("posttrain.sampling.generate")  # the module (the package exports the function)
     seen = []
 
     def program(graphdef, params, rest, tokens, *args, sampling, pad_id, rules):
         seen.append(rules)
         return engine.Outputs.empty(tokens.shape[0] * sampling.num_samples, sampling.max_new_tokens, pad_id)
+
     monkeypatch.setattr(gen, "generate_program", program)
     for rules in (RULES, decode_rules(RULES)):
         with use_sharding(mesh, rules):
@@ -165,6 +170,7 @@ def test_decode_layout_shards_the_cache_by_rows_and_kv_heads(mesh):
     """The KV cache [B, K, Dh, T] under the decode rules: rows over the batch axes left (expert),
     KV heads over the tensor axes that divide them."""
     from posttrain.sampling.kv_cache import K_NAMES
+
     spec = logical_spec(K_NAMES, mesh, decode_rules(RULES), (8, 2, 8, 16))
     assert spec == P("expert", "tensor")
     assert logical_spec(K_NAMES, mesh, decode_rules(RULES), (8, 4, 8, 16)) == P("expert", TP)
@@ -176,6 +182,7 @@ def test_rl_run_in_the_decode_layout_equals_the_learner_layout(tmp_path):
     each publish gives the same metrics as sampling from the learner's arrays."""
     from posttrain.stages import rlvr as loop
     from tests.test_rl_loop import TIMING, rows, tiny
+
     runs = {}
     for layout in ("learner", "tensor"):
         cfg = tiny(tmp_path / layout)
@@ -202,22 +209,29 @@ def test_rollout_worker_in_the_decode_layout_continuous_and_prefix_cache(model, 
     from posttrain.sampling.continuous import SlotConfig
     from posttrain.sampling.layout import sampling_sharding
     from posttrain.sampling.prefix_cache import PrefixCache
+
     graphdef, _, published, rest = model
     _, learner_layout, _, _ = samples
     traced = []
     for module, name in (("continuous", "grouped_continuous_program"), ("prefix_cache", "cached_program")):
         mod = importlib.import_module(f"posttrain.sampling.{module}")
         program = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _p=program, _n=name, **kw: (traced.append((_n, kw["rules"])),
-                                                                                 _p(*a, **kw))[1])
+        monkeypatch.setattr(
+            mod, name, lambda *a, _p=program, _n=name, **kw: (traced.append((_n, kw["rules"])), _p(*a, **kw))[1]
+        )
     cache = PrefixCache(4096, block=4)
-    workers = [RolloutWorker(graphdef, {}, SAMPLING, 0, None, rules=decode_rules(RULES), continuous=SlotConfig(2, 1)),
-               RolloutWorker(graphdef, {}, SAMPLING, 0, None, rules=decode_rules(RULES), prefix_cache=cache)]
-    with use_sharding(mesh, RULES), sampling_sharding(workers[0].rules):     # as RolloutWorker.generate runs them
+    workers = [
+        RolloutWorker(graphdef, {}, SAMPLING, 0, None, rules=decode_rules(RULES), continuous=SlotConfig(2, 1)),
+        RolloutWorker(graphdef, {}, SAMPLING, 0, None, rules=decode_rules(RULES), prefix_cache=cache),
+    ]
+    with use_sharding(mesh, RULES), sampling_sharding(workers[0].rules):  # as RolloutWorker.generate runs them
         outs = [w.sample(published, rest, PROMPTS, SAMPLING, jax.random.key(7)) for w in workers + workers[1:]]
-    assert traced == [("grouped_continuous_program", rules_key(decode_rules(RULES)))] + \
-        [("cached_program", rules_key(decode_rules(RULES)))] * 2
-    assert cache.stats.hits == 2        # the second call hits the two prompts longer than a block
+    assert (
+        traced
+        == [("grouped_continuous_program", rules_key(decode_rules(RULES)))]
+        + [("cached_program", rules_key(decode_rules(RULES)))] * 2
+    )
+    assert cache.stats.hits == 2  # the second call hits the two prompts longer than a block
     for out in outs:
         np.testing.assert_array_equal(out.tokens, learner_layout.tokens)
         np.testing.assert_array_equal(out.lengths, learner_layout.lengths)
@@ -228,6 +242,7 @@ def test_int8_weights_in_the_decode_layout_sample_as_in_the_learner_layout(mesh)
     """sampling.quantize='int8' with sampling.layout='tensor' (dense model): the loop's weights
     (`Components.weights`: reshard, then quantise) sample as the quantised learner-layout weights."""
     from posttrain.stages.rlvr import Components, RLState
+
     make = lambda: Decoder(model_config("dense"), rngs=nnx.Rngs(3))
     learner, rest = init_model_state(make, mesh, RULES)
     graphdef, state = nnx.graphdef(abstract_model(make)), types.SimpleNamespace(params=learner, frozen=None, rest=rest)

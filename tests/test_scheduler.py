@@ -63,15 +63,15 @@ def test_pass_rates_bands_and_metrics():
     sched = TaskScheduler(domains(a=4, b=2), seed=0, band_edges=(0.25, 0.75), min_attempts=4)
     sched.record("a", "a0", [1.0, 1.0, 1.0, 1.0])
     sched.record("a", "a1", [0.0, 0.0, 0.0, 0.0])
-    sched.record("a", "a2", [1.0, 0.0, 0.9, 0.2])      # 0.9 passes (threshold 0.5)
-    sched.record("a", "a3", [1.0, 0.0])                 # too few samples: still new
+    sched.record("a", "a2", [1.0, 0.0, 0.9, 0.2])  # 0.9 passes (threshold 0.5)
+    sched.record("a", "a3", [1.0, 0.0])  # too few samples: still new
     assert sched.pass_rate("a", "a0") == 1.0 and sched.pass_rate("a", "a2") == 0.5
     assert sched.pass_rate("b", "b0") is None
     m = sched.metrics()
     assert m["tasks/a/samples"] == 14 and m["tasks/a/passes"] == 7 and m["tasks/a/pass_rate"] == 0.5
     assert m["tasks/a/groups"] == 4 and m["tasks/b/samples"] == 0
     assert [m[f"tasks/a/band_{b}"] for b in ("new", "hard", "medium", "easy")] == [1, 1, 1, 1]
-    sched.record("a", "a3", [1.0, 1.0])                 # now 3 of 4: rate 0.75 is medium
+    sched.record("a", "a3", [1.0, 1.0])  # now 3 of 4: rate 0.75 is medium
     assert sched.metrics()["tasks/a/band_medium"] == 2
     with pytest.raises(KeyError, match="no task 'zz'"):
         sched.record("a", "zz", [1.0])
@@ -93,8 +93,12 @@ def test_curriculum_band_weights():
 def test_filter_groups_drops_all_equal_rewards():
     sched = TaskScheduler(domains(a=3))
     tasks = sched.domains["a"].tasks
-    groups = [Group("a", tasks[0], [1.0, 1.0, 1.0]), Group("a", tasks[1], [1.0, 0.0, 1.0]),
-              Group("a", tasks[2], [0.0, 0.0]), Group("a", tasks[0], [0.5])]
+    groups = [
+        Group("a", tasks[0], [1.0, 1.0, 1.0]),
+        Group("a", tasks[1], [1.0, 0.0, 1.0]),
+        Group("a", tasks[2], [0.0, 0.0]),
+        Group("a", tasks[0], [0.5]),
+    ]
     kept, dropped = sched.filter_groups(groups)
     assert kept == [groups[1]] and dropped == [groups[0], groups[2], groups[3]]
     assert sched.metrics()["tasks/a/dropped_groups"] == 3
@@ -103,7 +107,7 @@ def test_filter_groups_drops_all_equal_rewards():
 
 def test_dynamic_sampling_fills_the_batch_and_caps_resampling():
     sched = TaskScheduler(domains(a=10), seed=5)
-    solved = {f"a{i}" for i in range(5)}      # always right: all-equal groups, no signal
+    solved = {f"a{i}" for i in range(5)}  # always right: all-equal groups, no signal
     rounds = []
 
     def sample_groups(batch):
@@ -123,8 +127,12 @@ def test_dynamic_sampling_fills_the_batch_and_caps_resampling():
 
 def test_state_round_trip_reproduces_the_sequence():
     def make():
-        return TaskScheduler(domains(a=30, b=10), {"a": 2.0, "b": 1.0}, seed=11,
-                             band_weights={"new": 1.0, "medium": 2.0, "easy": 0.2, "hard": 0.5})
+        return TaskScheduler(
+            domains(a=30, b=10),
+            {"a": 2.0, "b": 1.0},
+            seed=11,
+            band_weights={"new": 1.0, "medium": 2.0, "easy": 0.2, "hard": 0.5},
+        )
 
     def play(sched, steps, rng):
         out = []
@@ -150,6 +158,7 @@ def test_state_round_trip_reproduces_the_sequence():
 
 # --- domains ----------------------------------------------------------------------------------
 
+
 def require_shared_data() -> str:
     path = shared_data_dir()
     if not Path(path, "gsm8k", "test.jsonl").exists() or not Path(path, "humaneval", "HumanEval.jsonl.gz").exists():
@@ -166,7 +175,7 @@ def test_gsm8k_and_humaneval_domains_load_and_verify():
         humaneval = humaneval_domain(make_env, data_dir=data)
         arithmetic = arithmetic_domain(make_env, n=50, seed=0)
         assert len(gsm8k.tasks) == 1319 and len(humaneval.tasks) == 124 and len(arithmetic.tasks) == 50
-        assert gsm8k.tasks[0].id == "gsm8k/test:1" and humaneval.tasks[0].id == "HumanEval/0"   # a train problem
+        assert gsm8k.tasks[0].id == "gsm8k/test:1" and humaneval.tasks[0].id == "HumanEval/0"  # a train problem
         with open(Path(data, "gsm8k", "test.jsonl")) as f:
             reference = json.loads(f.readline())["answer"]
         solved = run_episode(gsm8k.make_env(), gsm8k.tasks[0], lambda ctx: TOK.encode(reference) + [TOK.eos_id])
@@ -186,8 +195,11 @@ def test_arithmetic_answers_and_bad_records(tmp_path):
         a, op, b = re.match(r"What is (\d+)([+-])(\d+)\?", t.prompt[0]["content"]).groups()
         assert int(t.target.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
     (tmp_path / "gsm8k").mkdir()
-    lines = [{"question": "1+1?", "answer": "2\n#### 2"}, {"question": "no answer", "answer": "2"},
-             {"answer": "#### 3"}]
+    lines = [
+        {"question": "1+1?", "answer": "2\n#### 2"},
+        {"question": "no answer", "answer": "2"},
+        {"answer": "#### 3"},
+    ]
     (tmp_path / "gsm8k" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     with pytest.raises(DataError, match="train.jsonl:2: .*####"):
         gsm8k_tasks(str(tmp_path))

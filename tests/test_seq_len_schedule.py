@@ -22,16 +22,19 @@ def test_parse_schedule():
     assert parse_seq_len_schedule("", 64, 10).lengths == (64,)
 
 
-@pytest.mark.parametrize("text, why", [
-    ("256:20,512", "the last length 512 must equal train.seq_len=1024"),
-    ("256:20", "should be length (the last"),
-    ("256,1024", "should be length:steps"),
-    ("256:20:3,1024", "should be length:steps"),
-    ("256:x,1024", "not integers"),
-    ("256:0,1024", "must be positive"),
-    ("2048:5,1024", "decrease"),
-    ("256:100,1024", "train.steps=100"),
-])
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ("256:20,512", "the last length 512 must equal train.seq_len=1024"),
+        ("256:20", "should be length (the last"),
+        ("256,1024", "should be length:steps"),
+        ("256:20:3,1024", "should be length:steps"),
+        ("256:x,1024", "not integers"),
+        ("256:0,1024", "must be positive"),
+        ("2048:5,1024", "decrease"),
+        ("256:100,1024", "train.steps=100"),
+    ],
+)
 def test_invalid_schedule_names_the_key(text, why):
     with pytest.raises(ValueError, match=r"train\.seq_len_schedule=.*" + re.escape(why)):
         parse_seq_len_schedule(text, 1024, 100)
@@ -61,10 +64,10 @@ def test_batches_continue_across_the_boundary_and_resume_anywhere(tmp_path):
         states[step] = full.get_state()
         batches.append(full.at(step))
     assert [b["inputs"].shape[1] for b in batches] == [48] * 4 + [128] * 8
-    assert full.batches.deferred > 0                  # long conversations waited for the long stage
+    assert full.batches.deferred > 0  # long conversations waited for the long stage
     real = lambda b: (b["segment_ids"] > 0).sum(axis=1)
-    assert max(real(b).max() for b in batches[4:]) > 48   # …and were trained there
-    for at in (2, 4, 5):                              # mid-stage, at the boundary, after it
+    assert max(real(b).max() for b in batches[4:]) > 48  # …and were trained there
+    for at in (2, 4, 5):  # mid-stage, at the boundary, after it
         resumed = staged(files, tok, schedule)
         resumed.set_state(json.loads(json.dumps(states[at])))
         for step in range(at, 12):
@@ -95,6 +98,7 @@ def test_staged_run_resumes_at_the_boundary(tmp_path):
     step once. (Resuming anywhere else is the data test above plus the plain resume path.)"""
     from posttrain.core import lineage
     from posttrain.stages.sft import run as sft
+
     files = write_records(tmp_path / "d.jsonl")
     full = sft(sft_config(tmp_path / "full", files))
     assert full.train_step_compiles == 2
@@ -114,6 +118,7 @@ def test_staged_run_resumes_at_the_boundary(tmp_path):
 
 def test_pipeline_refuses_a_schedule_some_stage_cannot_follow(tmp_path):
     from posttrain.stages import pipeline
+
     cfg = sft_config(tmp_path, "unused.jsonl")
     cfg.pipeline.stages = ("sft", "dpo")
     with pytest.raises(ValueError, match=r"train\.seq_len_schedule='48:3,128'.*\['dpo'\]"):

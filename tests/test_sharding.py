@@ -31,9 +31,13 @@ def moe_config():
 def batch(cfg, b=8, s=8):
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.model.vocab_size, (b, s + 1))
-    return {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
-            "loss_mask": jnp.asarray(rng.random((b, s)) < 0.8, jnp.int32),
-            "positions": jnp.broadcast_to(jnp.arange(s), (b, s)), "segment_ids": jnp.ones((b, s), jnp.int32)}
+    return {
+        "inputs": jnp.asarray(tokens[:, :-1]),
+        "targets": jnp.asarray(tokens[:, 1:]),
+        "loss_mask": jnp.asarray(rng.random((b, s)) < 0.8, jnp.int32),
+        "positions": jnp.broadcast_to(jnp.arange(s), (b, s)),
+        "segment_ids": jnp.ones((b, s), jnp.int32),
+    }
 
 
 def loss_and_grads(graphdef, params, rest, batch, *, moe_cfg):
@@ -42,6 +46,7 @@ def loss_and_grads(graphdef, params, rest, batch, *, moe_cfg):
         logits, _ = model(batch["inputs"], batch["positions"], batch["segment_ids"])
         loss, metrics = lm_loss(model, batch, moe_cfg)
         return loss, (logits, metrics)
+
     (loss, (logits, metrics)), grads = jax.value_and_grad(f, has_aux=True)(params)
     return loss, logits, metrics, grads
 
@@ -62,9 +67,14 @@ ACTIVATIONS_ON_TENSOR = {**DEFAULT_RULES, "activation_embed": ("tensor",)}
 LAYOUTS = [(sizes, DEFAULT_RULES) for sizes in MESHES] + [(dict(fsdp=4, tensor=2), ACTIVATIONS_ON_TENSOR)]
 
 
-@pytest.mark.parametrize("sizes, rules", LAYOUTS, ids=[",".join(f"{k}={v}" for k, v in s.items())
-                                                         + ("" if r is DEFAULT_RULES else ",activations-on-tensor")
-                                                         for s, r in LAYOUTS])
+@pytest.mark.parametrize(
+    "sizes, rules",
+    LAYOUTS,
+    ids=[
+        ",".join(f"{k}={v}" for k, v in s.items()) + ("" if r is DEFAULT_RULES else ",activations-on-tensor")
+        for s, r in LAYOUTS
+    ],
+)
 def test_sharded_matches_single_device(reference, sizes, rules):
     cfg, graphdef, params, rest, b, (loss, logits, metrics, grads) = reference
     mesh = make_mesh({**dict(data=1), **sizes})
@@ -77,7 +87,9 @@ def test_sharded_matches_single_device(reference, sizes, rules):
     np.testing.assert_allclose(s_logits, logits, rtol=1e-5, atol=1e-5)
     for k in ("moe/aux_loss", "moe/z_loss", "moe/load"):
         np.testing.assert_allclose(s_metrics[k], metrics[k], rtol=1e-5, atol=1e-6, err_msg=k)
-    for (path, a), (_, r) in zip(jax.tree_util.tree_leaves_with_path(s_grads), jax.tree_util.tree_leaves_with_path(grads)):
+    for (path, a), (_, r) in zip(
+        jax.tree_util.tree_leaves_with_path(s_grads), jax.tree_util.tree_leaves_with_path(grads)
+    ):
         np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
@@ -88,10 +100,12 @@ def test_params_and_optimizer_state_sharded_by_rules():
     with use_sharding(mesh, DEFAULT_RULES):
         graphdef, state, _ = create_train_state(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), tx, mesh, DEFAULT_RULES)
     dense, moe = state.params["stacks"][0]["blocks"][0], state.params["stacks"][1]["blocks"][0]
-    assert dense["attn"]["q"].sharding.spec == P(None, "fsdp", "tensor")          # layers, embed, heads, head_dim
+    assert dense["attn"]["q"].sharding.spec == P(None, "fsdp", "tensor")  # layers, embed, heads, head_dim
     assert dense["attn"]["k"].sharding.spec == P(None, "fsdp", "tensor")
-    assert dense["mlp"]["down"].sharding.spec == P(None, "tensor", "fsdp")        # layers, mlp, embed
-    assert moe["mlp"]["w_gate"].sharding.spec == P(None, "expert", "fsdp", "tensor")  # layers, experts, embed, expert_mlp
+    assert dense["mlp"]["down"].sharding.spec == P(None, "tensor", "fsdp")  # layers, mlp, embed
+    assert moe["mlp"]["w_gate"].sharding.spec == P(
+        None, "expert", "fsdp", "tensor"
+    )  # layers, experts, embed, expert_mlp
     assert moe["mlp"]["w_down"].sharding.spec == P(None, "expert", "tensor", "fsdp")
     assert state.params["embed"].sharding.spec == P("tensor", "fsdp")
     # Adam moments live where their parameters live.
@@ -111,16 +125,22 @@ def test_train_step_sharded_matches_single_device():
         mesh = make_mesh(sizes, devices=devices)
         tx = make_optimizer(cfg.optim, 10)
         with use_sharding(mesh, DEFAULT_RULES):
-            graphdef, state, shardings = create_train_state(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), tx, mesh,
-                                                            DEFAULT_RULES)
-            step = jax.jit(make_train_step(graphdef, tx, functools.partial(lm_loss, moe_cfg=cfg.model.moe)), out_shardings=(shardings, None),
-                           donate_argnums=0)
+            graphdef, state, shardings = create_train_state(
+                lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), tx, mesh, DEFAULT_RULES
+            )
+            step = jax.jit(
+                make_train_step(graphdef, tx, functools.partial(lm_loss, moe_cfg=cfg.model.moe)),
+                out_shardings=(shardings, None),
+                donate_argnums=0,
+            )
             for _ in range(2):
                 state, metrics = step(state, b)
         results.append((jax.device_get(metrics["loss"]), jax.device_get(state.params)))
     np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-5)
     for a, r in zip(jax.tree.leaves(results[0][1]), jax.tree.leaves(results[1][1])):
-        np.testing.assert_allclose(a, r, rtol=1e-3, atol=2e-4)  # Adam normalises near-zero gradients, amplifying float noise
+        np.testing.assert_allclose(
+            a, r, rtol=1e-3, atol=2e-4
+        )  # Adam normalises near-zero gradients, amplifying float noise
 
 
 def test_logical_spec_rules():

@@ -21,15 +21,22 @@ PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 3, 9, 1, 5], [2], [3, 3, 8, 1, 12]]
 
 def model_config(kind, vocab=64):
     cfg = base_config().model
-    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = \
-        vocab, 16, 3, 4, 2, 8, 32
+    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = (
+        vocab,
+        16,
+        3,
+        4,
+        2,
+        8,
+        32,
+    )
     cfg.qk_norm = True
     if kind == "moe":
         cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_mlp_dim, cfg.moe.first_dense = 8, 2, 16, 1
     return cfg
 
 
-@pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=pytest.mark.slow)])   # MoE: ~3 min loaded
+@pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=pytest.mark.slow)])  # MoE: ~3 min loaded
 def test_greedy_speculative_equals_plain_decoding(kind):
     graphdef, params, rest = nnx.split(Decoder(model_config(kind), rngs=nnx.Rngs(0)), nnx.Param, ...)
     plain = SamplingParams(temperature=0.0, max_new_tokens=10, stop_ids=(7,))
@@ -55,7 +62,7 @@ def tiny_policy():
     seqs = np.array(list(itertools.product(range(VOCAB), repeat=NEW)), np.int32)
     rows = np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], axis=1)
     logits = nnx.merge(graphdef, params, rest)(jnp.asarray(rows))[0]
-    lp = np.asarray(token_logprobs(logits[:, :-1], jnp.asarray(rows[:, 1:])))[:, len(prompt) - 1:]
+    lp = np.asarray(token_logprobs(logits[:, :-1], jnp.asarray(rows[:, 1:])))[:, len(prompt) - 1 :]
     exact = np.exp(lp.sum(1).astype(np.float64))
     return graphdef, params, rest, prompt, seqs, exact, lp
 
@@ -74,8 +81,7 @@ def chi_square_pvalue(tokens, seqs, exact):
 
 def speculative_samples(tiny_policy, monkeypatch=None):
     graphdef, params, rest, prompt, *_ = tiny_policy
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=NEW, num_samples=DRAWS, speculative_k=2,
-                              draft_layers=1)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=NEW, num_samples=DRAWS, speculative_k=2, draft_layers=1)
     return generate(graphdef, params, rest, [prompt], sampling, jax.random.key(7))
 
 
@@ -86,7 +92,7 @@ def test_speculative_samples_follow_the_policy_distribution(tiny_policy):
     p = chi_square_pvalue(out.tokens, seqs, exact)
     print("chi-square p", p, "acceptance", out.acceptance_rate)
     assert p > 1e-3
-    assert 0.2 < out.acceptance_rate < 1.0          # the draft differs from the policy, yet helps
+    assert 0.2 < out.acceptance_rate < 1.0  # the draft differs from the policy, yet helps
     # the returned log-probs are the policy's own
     index = {tuple(s): i for i, s in enumerate(seqs.tolist())}
     ref = lp[[index[tuple(t)] for t in out.tokens.tolist()]]
@@ -101,6 +107,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_check(tiny_policy, monkeypatch):
     def always(key, drafts, q, p, greedy):
         a, t = right(key, drafts, q, p, greedy)
         return jnp.full_like(a, drafts.shape[1]), t
+
     monkeypatch.setattr(speculative, "accept", always)
     speculative.speculative_program.clear_cache()
     try:
@@ -115,6 +122,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_check(tiny_policy, monkeypatch):
 def test_sampling_speculative_keys_reach_the_rollouts_or_raise():
     from posttrain.rl.checks import check_sampling_config
     from posttrain.stages.rlvr import rollout_sampling
+
     cfg = base_config()
     assert rollout_sampling(cfg, (1,)).speculative_k == 0
     cfg.sampling.speculative_k, cfg.sampling.draft_layers = 4, 2

@@ -57,12 +57,12 @@ def test_append_log_uploads_on_flush_interval_and_close(gcs):
     log = storage.AppendLog(path, flush_secs=3600)
     log.rewrite("a\n")
     assert storage.read_text(path) == "a\n"
-    log.append("b\n")                          # within flush_secs: kept in memory
+    log.append("b\n")  # within flush_secs: kept in memory
     assert storage.read_text(path) == "a\n" and log.text() == "a\nb\n"
     log.close()
     assert storage.read_text(path) == "a\nb\n"
     again = storage.AppendLog(path, flush_secs=0)
-    again.append("c\n")                        # flush_secs=0: every write uploads
+    again.append("c\n")  # flush_secs=0: every write uploads
     assert storage.read_text(path) == "a\nb\nc\n"
 
 
@@ -74,10 +74,19 @@ SFT_STEPS, RL_STEPS = 4, 3
 
 def tiny_config(stage: str, workdir: str):
     from posttrain.config import base_config
+
     cfg = base_config()
     cfg.stage, cfg.workdir = stage, workdir
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 32, 1, 2, 1, 16, 64
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
+        264,
+        32,
+        1,
+        2,
+        1,
+        16,
+        64,
+    )
     cfg.train.batch_size, cfg.train.seq_len, cfg.train.log_every, cfg.train.progress = 8, 64, 1, False
     cfg.checkpoint.every, cfg.optim.warmup_steps = 2, 0
     cfg.compilation_cache = "off"
@@ -87,6 +96,7 @@ def tiny_config(stage: str, workdir: str):
 def write_data(root: str) -> dict:
     """SFT conversations in two files (read through a glob) and RL math tasks, on the store."""
     from posttrain.data.synthetic import arithmetic_records
+
     sft = arithmetic_records("sft", 64, seed=1)
     for i in range(2):
         storage.write_text(f"{root}/data/sft-{i}.jsonl", "".join(json.dumps(r) + "\n" for r in sft[i::2]))
@@ -99,6 +109,7 @@ def write_data(root: str) -> dict:
 def run_twice(cfg, steps: int, first: int):
     """Run `cfg` to step `first` (a checkpoint), then again to `steps` (resumes); the results."""
     from posttrain.main import run
+
     cfg.train.steps = first
     a = run(cfg)
     cfg.train.steps = steps
@@ -120,6 +131,7 @@ def gs_runs(gcs, tmp_path_factory):
     from functools import partialmethod
 
     from posttrain.core.metrics import MetricsWriter
+
     mp.setattr(storage.AppendLog, "__init__", partialmethod(storage.AppendLog.__init__, flush_secs=3600))
     pending_at_close, close = [], MetricsWriter.close
     mp.setattr(MetricsWriter, "close", lambda self: (pending_at_close.append(self._log.pending), close(self)))
@@ -131,7 +143,7 @@ def gs_runs(gcs, tmp_path_factory):
         data = write_data(f"{gcs}/in")
         sft = tiny_config("sft", f"{gcs}/runs/sft")
         sft.sft.train_files, sft.sft.gate = data["sft"], ""
-        sft.seed = 1                # its weights differ from a fresh (seed 0) policy: init_from is visible
+        sft.seed = 1  # its weights differ from a fresh (seed 0) policy: init_from is visible
         sft_results = run_twice(sft, SFT_STEPS, 2)
         rl = tiny_config("rlvr", f"{gcs}/runs/rl")
         rl.init_from = sft.workdir
@@ -139,8 +151,13 @@ def gs_runs(gcs, tmp_path_factory):
         r.train_files, r.prompts_per_step, r.group_size, r.max_new_tokens = data["tasks"], 2, 4, 12
         r.eval_every, r.rollouts_every, r.verifier_workers = 0, 1, 2
         rl_results = run_twice(rl, RL_STEPS, 2)
-        yield {"sft": (sft, sft_results), "rl": (rl, rl_results), "pending_at_close": pending_at_close,
-               "local": local_files(str(cwd), str(tmp), str(cache)), "cache": str(cache)}
+        yield {
+            "sft": (sft, sft_results),
+            "rl": (rl, rl_results),
+            "pending_at_close": pending_at_close,
+            "local": local_files(str(cwd), str(tmp), str(cache)),
+            "cache": str(cache),
+        }
     finally:
         mp.undo()
 
@@ -164,12 +181,13 @@ def test_gs_metrics_reach_the_store_before_each_checkpoint(gs_runs):
 def test_gs_run_resumes_and_writes_its_workdir(gs_runs, name, steps):
     from posttrain.core.checkpoint import Checkpointer
     from posttrain.core.metrics import read_metrics
+
     cfg, (first, second) = gs_runs[name]
     wd = cfg.workdir
     assert [r["step"] for r in first.rows] == [0, 1]
-    assert [r["step"] for r in second.rows] == list(range(2, steps))      # resumed at the step-2 checkpoint
+    assert [r["step"] for r in second.rows] == list(range(2, steps))  # resumed at the step-2 checkpoint
     rows = [r for r in read_metrics(wd) if "event" not in r]
-    assert [r["step"] for r in rows] == list(range(steps))                 # one uninterrupted file
+    assert [r["step"] for r in rows] == list(range(steps))  # one uninterrupted file
     np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in first.rows + second.rows], rtol=1e-6)
     assert json.loads(storage.read_text(f"{wd}/config.json"))["train"]["steps"] == steps
     events = storage.glob(f"{wd}/tensorboard/events.out.tfevents.*")
@@ -196,6 +214,7 @@ def test_gs_rl_run_started_from_the_gs_init_from(gs_runs):
     from posttrain.core.init import load_model_state
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import mesh_and_rules, use_sharding
+
     cfg = gs_runs["rl"][0]
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     mesh, rules = mesh_and_rules(cfg)
@@ -203,8 +222,10 @@ def test_gs_rl_run_started_from_the_gs_init_from(gs_runs):
         sft, _, sft_step = load_model_state(gs_runs["sft"][0].workdir, make, mesh, rules)
         rl, _, _ = load_model_state(cfg.workdir, make, mesh, rules, step=2)
     assert sft_step == SFT_STEPS
-    moved = max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(rl), jax.tree.leaves(sft)))
-    assert moved <= 3 * 2 * cfg.optim.lr, moved      # a fresh seed-0 policy is ~0.1-1 away
+    moved = max(
+        float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(rl), jax.tree.leaves(sft))
+    )
+    assert moved <= 3 * 2 * cfg.optim.lr, moved  # a fresh seed-0 policy is ~0.1-1 away
 
 
 def test_hf_export_to_gs_equals_the_local_export(gs_runs, tmp_path):
@@ -213,10 +234,12 @@ def test_hf_export_to_gs_equals_the_local_export(gs_runs, tmp_path):
     pytest.importorskip("safetensors")
     from posttrain.core.hf_convert import read_run_config, run_to_hf
     from posttrain.parallel import DEFAULT_RULES, make_mesh
+
     cfg = read_run_config(gs_runs["sft"][0].workdir)
     mesh, out = make_mesh(dict(fsdp=-1)), f"gs://{BUCKET}/hf/sft"
     assert run_to_hf(cfg, out, mesh, DEFAULT_RULES, progress=False) == run_to_hf(
-        cfg, str(tmp_path), mesh, DEFAULT_RULES, progress=False)
+        cfg, str(tmp_path), mesh, DEFAULT_RULES, progress=False
+    )
     names = sorted(os.listdir(tmp_path))
     assert "model.safetensors" in names and "config.json" in names
     assert [p.rsplit("/", 1)[1] for p in storage.glob(f"{out}/*")] == names
@@ -229,6 +252,7 @@ def test_plot_and_error_log_of_a_gs_workdir(gs_runs):
     """tools/plot_metrics.py and the error log on a gs:// workdir: written there, not locally."""
     from posttrain.core.plot import load_runs, plot
     from posttrain.main import write_error_log
+
     wd = gs_runs["sft"][0].workdir
     assert [r["step"] for r in load_runs(wd)["."]] == list(range(SFT_STEPS))
     png = plot(wd, f"{wd}/metrics.png")

@@ -17,16 +17,17 @@ def test_loss_falls_on_arithmetic_text(tmp_path, experts):
     cfg.train.progress = False
     rows = lm.run(cfg)
     first, last = rows[0]["ce"], rows[-1]["ce"]
-    assert first > 4.0            # ~log(256) at init
+    assert first > 4.0  # ~log(256) at init
     assert last < 0.5 * first, [r["ce"] for r in rows]
     if experts:
         load = rows[-1]["moe/load"]
-        assert abs(sum(load) - 1) < 1e-5 and min(load) > 0.05   # balanced enough that no expert starves
+        assert abs(sum(load) - 1) < 1e-5 and min(load) > 0.05  # balanced enough that no expert starves
 
 
 def test_context_parallel_training_equals_one_shard(tmp_path):
     """The training loop with mesh.sequence = 2 (rows zig-zagged, blockwise ring attention) logs the
     losses of the same run with the sequence unsharded."""
+
     def losses(sequence, attention):
         cfg = base_config()
         cfg.workdir = str(tmp_path / f"{sequence}_{attention}")
@@ -35,6 +36,7 @@ def test_context_parallel_training_equals_one_shard(tmp_path):
         cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len, cfg.train.log_every = 3, 8, 32, 1
         cfg.train.progress = False
         return [r["ce"] for r in lm.run(cfg)]
+
     ref = losses(1, "xla")
     assert losses(2, "blockwise") == pytest.approx(ref, rel=1e-4, abs=1e-5)
 
@@ -71,8 +73,11 @@ def test_train_step_updates_the_router_bias_of_a_sigmoid_router():
     tx = make_optimizer(cfg.optim, 10)
     rng = np.random.default_rng(0)
     batch = {k: jnp.asarray(rng.integers(0, m.vocab_size, (2, 8)), jnp.int32) for k in ("inputs", "targets")}
-    batch.update(loss_mask=jnp.ones((2, 8), jnp.int32), segment_ids=jnp.ones((2, 8), jnp.int32),
-                 positions=jnp.broadcast_to(jnp.arange(8), (2, 8)))
+    batch.update(
+        loss_mask=jnp.ones((2, 8), jnp.int32),
+        segment_ids=jnp.ones((2, 8), jnp.int32),
+        positions=jnp.broadcast_to(jnp.arange(8), (2, 8)),
+    )
     with use_sharding(mesh, rules):
         graphdef, state, _ = create_train_state(lambda: Decoder(m, rngs=nnx.Rngs(0)), tx, mesh, rules)
         step = jax.jit(make_train_step(graphdef, tx, functools.partial(lm_loss, moe_cfg=m.moe)))

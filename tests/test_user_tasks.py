@@ -61,21 +61,39 @@ def user_module(tmp_path, monkeypatch):
 
 
 def user_records(n, **extra):
-    return [{"prompt": f"Say a word with the letter {c}.", "keyword": c, "verifier": "score",
-             "difficulty": "easy" if i % 2 else "hard", **extra} for i, c in enumerate("abcdefghij"[:n])]
+    return [
+        {
+            "prompt": f"Say a word with the letter {c}.",
+            "keyword": c,
+            "verifier": "score",
+            "difficulty": "easy" if i % 2 else "hard",
+            **extra,
+        }
+        for i, c in enumerate("abcdefghij"[:n])
+    ]
 
 
 def test_user_task_file_with_user_verifier_trains_end_to_end(tmp_path, user_module, caplog):
-    train = write_jsonl(tmp_path / "train.jsonl", user_records(6) + [
-        "{not json",                                                    # bad: skipped, counted
-        {"prompt": "no way to verify this"},                            # bad: skipped, counted
-    ])
-    cfg = tiny(tmp_path / "run", train_files=train, verifiers=f"{user_module}:score", verifier_timeout_s=0.5,
-               max_new_tokens=96,    # an untrained policy ends a turn (byte 2) rarely: room for it to
-               rollouts_every=2, rollouts_fraction=0.5)
+    train = write_jsonl(
+        tmp_path / "train.jsonl",
+        user_records(6)
+        + [
+            "{not json",  # bad: skipped, counted
+            {"prompt": "no way to verify this"},  # bad: skipped, counted
+        ],
+    )
+    cfg = tiny(
+        tmp_path / "run",
+        train_files=train,
+        verifiers=f"{user_module}:score",
+        verifier_timeout_s=0.5,
+        max_new_tokens=96,  # an untrained policy ends a turn (byte 2) rarely: room for it to
+        rollouts_every=2,
+        rollouts_fraction=0.5,
+    )
     cfg.data.on_error, cfg.rl.arithmetic_size = "skip", base_config().rl.arithmetic_size
-    cfg.rl.curriculum.retire_above, cfg.rl.curriculum.retire_after = 0.0, 4   # every task retires after one group
-    cfg.model.moe.num_experts, cfg.mesh.data, cfg.mesh.expert, cfg.mesh.tensor = 0, -1, 1, 1   # dense: compiles faster
+    cfg.rl.curriculum.retire_above, cfg.rl.curriculum.retire_after = 0.0, 4  # every task retires after one group
+    cfg.model.moe.num_experts, cfg.mesh.data, cfg.mesh.expert, cfg.mesh.tensor = 0, -1, 1, 1  # dense: compiles faster
     t0 = time.perf_counter()
     loop.run(cfg)
     all_rows = rows(tmp_path / "run")
@@ -90,8 +108,8 @@ def test_user_task_file_with_user_verifier_trains_end_to_end(tmp_path, user_modu
     prompt, _, record = calls[0]
     assert prompt.startswith("Say a word with the letter") and record["verifier"] == "score"
     assert sum(r["rl/verifier_errors"] for r in rs) == sum(n % 4 in (1, 2) for n in range(1, len(calls) + 1))
-    assert time.perf_counter() - t0 < 120                             # hung calls did not block the run
-    samples = 3 * 2 * 4                                                 # steps × prompts × group size
+    assert time.perf_counter() - t0 < 120  # hung calls did not block the run
+    samples = 3 * 2 * 4  # steps × prompts × group size
     assert rs[-1]["tasks/user/samples"] == samples
     assert rs[-1]["tasks/user/difficulty/easy/samples"] + rs[-1]["tasks/user/difficulty/hard/samples"] == samples
     # The curriculum from the config reaches the loop's scheduler: each task drawn retired after its group.
@@ -102,8 +120,23 @@ def test_user_task_file_with_user_verifier_trains_end_to_end(tmp_path, user_modu
     assert [f.name for f in files] == ["0000000.jsonl", "0000002.jsonl"]
     kept = [json.loads(line, parse_constant=pytest.fail) for f in files for line in f.read_text().splitlines()]
     assert len(kept) == 2 * 4
-    assert set(kept[0]) == {"step", "policy_version", "domain", "task_id", "difficulty", "sample", "prompt", "response",
-                            "reward", "parts", "verifier_parts", "error", "truncated", "turns", "num_tokens"}
+    assert set(kept[0]) == {
+        "step",
+        "policy_version",
+        "domain",
+        "task_id",
+        "difficulty",
+        "sample",
+        "prompt",
+        "response",
+        "reward",
+        "parts",
+        "verifier_parts",
+        "error",
+        "truncated",
+        "turns",
+        "num_tokens",
+    }
     assert [k["step"] for k in kept] == [0] * 4 + [2] * 4 and [k["policy_version"] for k in kept] == [0] * 4 + [2] * 4
     assert all("Say a word with the letter" in k["prompt"] and k["domain"] == "user" for k in kept)
     assert all(k["reward"] == pytest.approx(sum(k["parts"].values())) for k in kept)
@@ -113,6 +146,7 @@ def test_user_task_file_with_user_verifier_trains_end_to_end(tmp_path, user_modu
 
 def test_user_verifier_contract_raising_hanging_and_bad_values_are_errors(user_module):
     import importlib
+
     mod = importlib.import_module(user_module)
     returns = iter([0.5, (1.0, {"x": 2}), 1.5, float("nan"), "yes", (0.2, {"x": "y"})])
     v = UserVerifier({"score": mod.score, "fixed": lambda p, r, rec: next(returns)}, timeout_s=0.2)
@@ -131,18 +165,25 @@ def test_user_verifier_contract_raising_hanging_and_bad_values_are_errors(user_m
 def test_records_of_each_kind_domains_and_bad_records(tmp_path, user_module):
     cfg = base_config()
     r = cfg.rl
-    r.train_files = write_jsonl(tmp_path / "t.jsonl", [
-        {"prompt": "What is 2+2?", "answer": 4, "domain": "math", "id": "m1", "difficulty": 1},
-        {"prompt": [{"role": "user", "content": "Write add."}], "tests": ["assert add(1, 2) == 3"],
-         "entry_point": "add", "domain": "code"},
-        {"prompt": "Shout.", "verifier": "shout"},
-    ])
+    r.train_files = write_jsonl(
+        tmp_path / "t.jsonl",
+        [
+            {"prompt": "What is 2+2?", "answer": 4, "domain": "math", "id": "m1", "difficulty": 1},
+            {
+                "prompt": [{"role": "user", "content": "Write add."}],
+                "tests": ["assert add(1, 2) == 3"],
+                "entry_point": "add",
+                "domain": "code",
+            },
+            {"prompt": "Shout.", "verifier": "shout"},
+        ],
+    )
     r.verifiers, r.eval_every = f"{user_module}:shout", 0
     domains, held_out = make_domains(cfg, ByteTokenizer(), make_reward_fn(cfg))
     assert sorted(domains) == ["code", "math", "user"] and held_out == []
-    math, = domains["math"].tasks
+    (math,) = domains["math"].tasks
     assert (math.id, math.target, math.difficulty) == ("m1", MathTask("4"), "1")
-    code, = domains["code"].tasks
+    (code,) = domains["code"].tasks
     assert code.target == CodeTask(test="assert add(1, 2) == 3", entry_point="add") and code.id.endswith("t.jsonl:2")
     assert isinstance(domains["user"].tasks[0].target, UserTask)
 
@@ -156,12 +197,13 @@ def test_records_of_each_kind_domains_and_bad_records(tmp_path, user_module):
         r.train_files = write_jsonl(tmp_path / "bad.jsonl", [bad])
         with pytest.raises(DataError, match=message):
             make_domains(cfg, ByteTokenizer(), None)
-    r.train_files = write_jsonl(tmp_path / "dup.jsonl", [{"prompt": "a", "answer": 1, "id": "x"},
-                                                        {"prompt": "b", "answer": 2, "id": "x"}])
+    r.train_files = write_jsonl(
+        tmp_path / "dup.jsonl", [{"prompt": "a", "answer": 1, "id": "x"}, {"prompt": "b", "answer": 2, "id": "x"}]
+    )
     with pytest.raises(DataError, match="dup.jsonl:2: task id 'x' of domain 'user' is also at .*dup.jsonl:1"):
         make_domains(cfg, ByteTokenizer(), None)
     r.train_files = write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "a", "answer": 1}])
-    r.verifiers = f"{user_module}:score"                               # named but used by no record
+    r.verifiers = f"{user_module}:score"  # named but used by no record
     with pytest.raises(ValueError, match=r"rl.verifiers: \['score'\] verify no record"):
         make_domains(cfg, ByteTokenizer(), None)
 
@@ -169,11 +211,15 @@ def test_records_of_each_kind_domains_and_bad_records(tmp_path, user_module):
 def test_eval_files_must_not_overlap_training_prompts(tmp_path):
     cfg = base_config()
     r = cfg.rl
-    r.train_files = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"What is {i}+1?", "answer": i + 1}
-                                                           for i in range(4)])
-    r.eval_files = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "what is 2+1?  ", "answer": 3},
-                                                         {"prompt": "What is 9+1?", "answer": 10}])
-    with pytest.raises(DataError, match=r"eval.jsonl:1: evaluation prompt is also a training prompt \(.*train.jsonl:3\)"):
+    r.train_files = write_jsonl(
+        tmp_path / "train.jsonl", [{"prompt": f"What is {i}+1?", "answer": i + 1} for i in range(4)]
+    )
+    r.eval_files = write_jsonl(
+        tmp_path / "eval.jsonl", [{"prompt": "what is 2+1?  ", "answer": 3}, {"prompt": "What is 9+1?", "answer": 10}]
+    )
+    with pytest.raises(
+        DataError, match=r"eval.jsonl:1: evaluation prompt is also a training prompt \(.*train.jsonl:3\)"
+    ):
         make_domains(cfg, ByteTokenizer(), None)
     cfg.data.on_error = "skip"
     domains, held_out = make_domains(cfg, ByteTokenizer(), None)
@@ -212,11 +258,25 @@ def test_rollout_log_samples_by_seed_and_step_and_writes_strict_json(tmp_path):
     from posttrain.rl.rollout.buffer import Rollout
     from posttrain.rl.rollout.log import RolloutLog
     from posttrain.rl.tasks.scheduler import Group
+
     tok = ByteTokenizer()
-    trajs = [Trajectory("t", [104, 105, 33 + i], [False, False, True], 2,
-                        reward=Reward(float("nan") if i == 0 else 1.0, {"correct": float("nan") if i == 0 else 1.0},
-                                      verifier_parts={"x": float("inf")})) for i in range(10)]
-    ro = Rollout(Group("d", Task("t", (), None, difficulty="easy"), [float("nan")] + [1.0] * 9, trajs), 7, [[0.0] * 3] * 10)
+    trajs = [
+        Trajectory(
+            "t",
+            [104, 105, 33 + i],
+            [False, False, True],
+            2,
+            reward=Reward(
+                float("nan") if i == 0 else 1.0,
+                {"correct": float("nan") if i == 0 else 1.0},
+                verifier_parts={"x": float("inf")},
+            ),
+        )
+        for i in range(10)
+    ]
+    ro = Rollout(
+        Group("d", Task("t", (), None, difficulty="easy"), [float("nan")] + [1.0] * 9, trajs), 7, [[0.0] * 3] * 10
+    )
     log = RolloutLog(str(tmp_path), tok, every=3, fraction=0.3, seed=0)
     assert log.write(1, [ro]) is None and log.write(0, [ro]) is not None
     kept = [json.loads(line) for line in (tmp_path / "rollouts" / "0000000.jsonl").read_text().splitlines()]
@@ -232,23 +292,30 @@ def test_record_kinds_are_scored_by_their_verifiers(tmp_path, user_module):
     the user's function with its named parts."""
     cfg = base_config()
     r = cfg.rl
-    r.train_files = write_jsonl(tmp_path / "t.jsonl", [
-        {"prompt": "What is 2+2?", "answer": 4},
-        {"prompt": "Write add(a, b).", "tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"],
-         "entry_point": "add", "domain": "code"},
-        {"prompt": "Shout.", "verifier": "score", "keyword": "a"},
-    ])
+    r.train_files = write_jsonl(
+        tmp_path / "t.jsonl",
+        [
+            {"prompt": "What is 2+2?", "answer": 4},
+            {
+                "prompt": "Write add(a, b).",
+                "tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"],
+                "entry_point": "add",
+                "domain": "code",
+            },
+            {"prompt": "Shout.", "verifier": "score", "keyword": "a"},
+        ],
+    )
     r.verifiers, r.eval_every = f"{user_module}:score", 0
     reward_fn = make_reward_fn(cfg)
     domains, _ = make_domains(cfg, ByteTokenizer(), reward_fn)
     math, user = domains["user"].tasks
-    code, = domains["code"].tasks
+    (code,) = domains["code"].tasks
     assert reward_fn.verify(math.target, "so \\boxed{4}").score == 1.0
     assert reward_fn.verify(math.target, "so \\boxed{5}").score == 0.0
     good = reward_fn.verify(code.target, "```python\ndef add(a, b):\n    return a + b\n```")
     bad = reward_fn.verify(code.target, "```python\ndef add(a, b):\n    return a - b\n```")
     assert (good.score, good.error, bad.score) == (1.0, None, 0.0)
-    reward_fn.verify(user.target, "x")                                  # call 1 raises, call 2 hangs (timeout 30 s):
-    sys.modules[user_module].calls.append(None)                        # skip the hang
+    reward_fn.verify(user.target, "x")  # call 1 raises, call 2 hangs (timeout 30 s):
+    sys.modules[user_module].calls.append(None)  # skip the hang
     scored = reward_fn.verify(user.target, "banana")
     assert (scored.score, scored.verifier_parts, scored.error) == (1.0, {"length": 6.0}, None)

@@ -61,6 +61,7 @@ def strict(verifier) -> CodeVerifier:
 
 # --- math -----------------------------------------------------------------------------------
 
+
 def test_gsm8k_reference_solutions_verify_and_altered_answers_fail():
     rows = load_jsonl("gsm8k/test.jsonl")
     assert len(rows) == 1319
@@ -76,14 +77,17 @@ def test_gsm8k_reference_solutions_verify_and_altered_answers_fail():
         assert wrong == []
 
 
-@pytest.mark.parametrize("response,text,source", [
-    ("so the total is \\boxed{\\frac{3}{4}} apples", "\\frac{3}{4}", "boxed"),
-    ("\\boxed{\\{1, 2\\}} and later \\fbox{7}", "7", "boxed"),
-    ("work...\n#### 1,234\n", "1,234", "hash"),
-    ("The answer is $18. Hope that helps", "$18", "answer_is"),
-    ("**Final Answer:** 42 because 6*7", "42", "answer_is"),
-    ("we get 3 then 4.5 and finally -12.", "-12", "last_number"),
-])
+@pytest.mark.parametrize(
+    "response,text,source",
+    [
+        ("so the total is \\boxed{\\frac{3}{4}} apples", "\\frac{3}{4}", "boxed"),
+        ("\\boxed{\\{1, 2\\}} and later \\fbox{7}", "7", "boxed"),
+        ("work...\n#### 1,234\n", "1,234", "hash"),
+        ("The answer is $18. Hope that helps", "$18", "answer_is"),
+        ("**Final Answer:** 42 because 6*7", "42", "answer_is"),
+        ("we get 3 then 4.5 and finally -12.", "-12", "last_number"),
+    ],
+)
 def test_extract_answer(response, text, source):
     found = extract_answer(response)
     assert (found.text, found.source) == (text, source)
@@ -97,19 +101,48 @@ def test_last_number_fallback_is_configurable():
     assert loose.correct == 1.0 and not loose.format_ok
 
 
-@pytest.mark.parametrize("pred,ref,equal", [
-    ("1,000", "1000", True), ("$18.00", "18", True), ("\\$5", "5", True), ("50%", "50", True),
-    ("50\\%", "0.5", True), ("3/4", "0.75", True), ("\\frac{3}{4}", "0.75", True), ("-\\frac{1}{2}", "-0.5", True),
-    ("12 apples", "12", True), ("x = 7", "7", True), ("0.1 + 0.2", "0.3", True), ("1450000", "1450001", False),
-    ("2.5", "2.6", False), ("3/4", "4/3", False), ("1e3", "1000", True), ("7", "-7", False),
-    ("(x+1)^2", "x^2+2x+1", True), ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}", True), ("\\{1,2\\}", "\\{2,1\\}", True),
-    ("[0,1)", "[0,1]", False), ("x^2", "x^3", False),
-    # tolerance from the reference's own precision (issue 16)
-    ("1234566.0", "1234567", False), ("1234567.0", "1234567", True), ("1e-9", "0", False), ("0.0", "0", True),
-    ("3.14159", "3.14", True), ("3.146", "3.14", False), ("3.1", "3.14", False), ("1540", "1.5e3", True),
-    ("1560", "1.5e3", False), ("0.333", "1/3", False), ("12.54%", "12.5%", True), ("0.1254", "12.5%", True),
-    ("0.126", "12.5%", False), ("3", "3.0", True), ("1,234,567.0", "1234567", True),
-])
+@pytest.mark.parametrize(
+    "pred,ref,equal",
+    [
+        ("1,000", "1000", True),
+        ("$18.00", "18", True),
+        ("\\$5", "5", True),
+        ("50%", "50", True),
+        ("50\\%", "0.5", True),
+        ("3/4", "0.75", True),
+        ("\\frac{3}{4}", "0.75", True),
+        ("-\\frac{1}{2}", "-0.5", True),
+        ("12 apples", "12", True),
+        ("x = 7", "7", True),
+        ("0.1 + 0.2", "0.3", True),
+        ("1450000", "1450001", False),
+        ("2.5", "2.6", False),
+        ("3/4", "4/3", False),
+        ("1e3", "1000", True),
+        ("7", "-7", False),
+        ("(x+1)^2", "x^2+2x+1", True),
+        ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}", True),
+        ("\\{1,2\\}", "\\{2,1\\}", True),
+        ("[0,1)", "[0,1]", False),
+        ("x^2", "x^3", False),
+        # tolerance from the reference's own precision (issue 16)
+        ("1234566.0", "1234567", False),
+        ("1234567.0", "1234567", True),
+        ("1e-9", "0", False),
+        ("0.0", "0", True),
+        ("3.14159", "3.14", True),
+        ("3.146", "3.14", False),
+        ("3.1", "3.14", False),
+        ("1540", "1.5e3", True),
+        ("1560", "1.5e3", False),
+        ("0.333", "1/3", False),
+        ("12.54%", "12.5%", True),
+        ("0.1254", "12.5%", True),
+        ("0.126", "12.5%", False),
+        ("3", "3.0", True),
+        ("1,234,567.0", "1234567", True),
+    ],
+)
 def test_answers_equal(pred, ref, equal):
     assert answers_equal(pred, ref) is equal
 
@@ -126,7 +159,7 @@ def test_symbolic_guard_refuses_towers_quickly_off_the_main_thread():
 def math_verifier() -> MathVerifier:
     """One verifier (one symbolic worker process) for the timeout and error tests."""
     v = MathVerifier(symbolic_timeout=3.0)
-    assert v.verify(MathTask("x^2+2x+1"), "\\boxed{(x+1)^2}").correct == 1.0   # starts the worker
+    assert v.verify(MathTask("x^2+2x+1"), "\\boxed{(x+1)^2}").correct == 1.0  # starts the worker
     yield v
     v._checker.close()
 
@@ -141,15 +174,17 @@ def test_symbolic_timeout_holds_off_the_main_thread_and_is_an_error(math_verifie
     assert time.monotonic() - t < 3.0 + 3.0
     assert reward.score == 0.0 and "timed out after 3 s" in reward.error
     assert math_verifier.errors == before + 1
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:   # a fresh worker serves the next check
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a fresh worker serves the next check
         assert pool.submit(rf.verify, MathTask("\\{1,2\\}"), "\\boxed{\\{2,1\\}}").result() == Reward(
-            1.0, {"correct": 1.0, "format": 0.0, "length": 0.0, "tool_calls": 0.0})
+            1.0, {"correct": 1.0, "format": 0.0, "length": 0.0, "tool_calls": 0.0}
+        )
 
 
 def test_symbolic_worker_ignores_ctrl_c(math_verifier):
     """Ctrl-C goes to the terminal's whole process group; the run finishes its step (with this
     worker's checks) before stopping, so the worker must not die of it."""
     import signal
+
     checker = math_verifier._checker
     assert checker.equal("1", "1")
     pid = checker._proc.pid
@@ -160,9 +195,11 @@ def test_symbolic_worker_ignores_ctrl_c(math_verifier):
 
 def test_verifier_exceptions_set_error_not_a_silent_zero(math_verifier, monkeypatch):
     with pytest.raises(SymbolicCheckError, match="math-verify failed .*AttributeError"):
-        math_verifier._checker.equal(None, "1")                    # an exception inside math-verify
+        math_verifier._checker.equal(None, "1")  # an exception inside math-verify
+
     def broken(text):
         raise ZeroDivisionError("injected")
+
     monkeypatch.setattr("posttrain.rl.verifiers.math.parse_number", broken)
     before = math_verifier.errors
     verdict = math_verifier.verify(MathTask("18"), "The answer is 17.")
@@ -180,7 +217,7 @@ def test_gsm8k_record_without_answer_is_named():
 # --- code -----------------------------------------------------------------------------------
 
 # Wraps the entry point so that its return value is altered (bool flipped, number + 1, ...).
-ALTER = '''
+ALTER = """
 
 def _posttrain_alter(value):
     if isinstance(value, bool):
@@ -197,7 +234,7 @@ _posttrain_original = {entry}
 
 def {entry}(*args, **kwargs):
     return _posttrain_alter(_posttrain_original(*args, **kwargs))
-'''
+"""
 
 
 def test_humaneval_canonical_solutions_pass_and_altered_ones_fail(verifier):
@@ -214,11 +251,13 @@ def test_humaneval_canonical_solutions_pass_and_altered_ones_fail(verifier):
     assert all(res.detail.startswith("FAIL AssertionError") for res in results[164:])
 
 
-ADD = CodeTask(prompt='def add(a, b):\n    """Return a + b."""\n',
-               test="def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n",
-               entry_point="add")
+ADD = CodeTask(
+    prompt='def add(a, b):\n    """Return a + b."""\n',
+    test="def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n",
+    entry_point="add",
+)
 
-STEAL_TOKEN = r'''    return 0
+STEAL_TOKEN = r"""    return 0
 import os, re
 ppid = os.getppid()
 try:
@@ -236,7 +275,7 @@ try:
             open(f"/proc/{ppid}/fd/1", "w").write(found.group(1).decode() + " PASS\n")
 except OSError as e:
     print("denied", e)
-'''
+"""
 
 HOSTILE = {
     "sys.exit before checks": "    return 0\nimport sys\nsys.exit(0)\n",
@@ -245,23 +284,28 @@ HOSTILE = {
     "atexit fake success": "    return 0\nimport atexit\natexit.register(lambda: print('PASS'))\n",
     "redefines AssertionError and print": (
         "    return 0\nimport builtins\nclass Never(BaseException): pass\n"
-        "builtins.AssertionError = Never\nbuiltins.print = lambda *a, **k: None\n"),
+        "builtins.AssertionError = Never\nbuiltins.print = lambda *a, **k: None\n"
+    ),
     "always-equal object": (
         "    class Anything:\n        def __eq__(self, other): return True\n"
-        "        def __ne__(self, other): return False\n    return Anything()\n"),
+        "        def __ne__(self, other): return False\n    return Anything()\n"
+    ),
     "always-equal int subclass": "    class I(int):\n        def __eq__(self, other): return True\n    return I(0)\n",
     "returns unittest.mock.ANY (equal to everything)": "    from unittest import mock\n    return mock.ANY\n",
     "monkeypatches the harness": (
         "    return 0\nimport sys\nm = sys.modules['__main__']\nfor name in dir(m):\n"
-        "    if callable(getattr(m, name)):\n        setattr(m, name, lambda *a, **k: None)\n"),
+        "    if callable(getattr(m, name)):\n        setattr(m, name, lambda *a, **k: None)\n"
+    ),
     "overwrites files in its directory": (
         "    return 0\nimport glob\nfor f in glob.glob('*') + glob.glob('.*'):\n"
-        "    try:\n        open(f, 'w').write('def check(candidate): pass')\n    except OSError:\n        pass\n"),
+        "    try:\n        open(f, 'w').write('def check(candidate): pass')\n    except OSError:\n        pass\n"
+    ),
     "kills the harness": "    return 0\nimport os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n",
     "steals the token from harness memory": STEAL_TOKEN,
     "ptrace attach": (
         "    return 0\nimport ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-        "print('ptrace', libc.ptrace(16, os.getppid(), 0, 0), ctypes.get_errno())\n"),
+        "print('ptrace', libc.ptrace(16, os.getppid(), 0, 0), ctypes.get_errno())\n"
+    ),
     "infinite loop": "    return a + b\nwhile True:\n    pass\n",
     "sleeps forever": "    return a + b\nimport time\ntime.sleep(60)\n",
     "fork bomb": "    return a + b\nimport os\nwhile True:\n    try: os.fork()\n    except OSError: pass\n",
@@ -269,7 +313,8 @@ HOSTILE = {
     "returns a generator": "    yield a + b\n",
     "returns a pickle that runs code": (
         "    class Evil:\n        def __reduce__(self):\n            import os\n"
-        "            return (os.system, ('echo PWNED >&2',))\n    return Evil()\n"),
+        "            return (os.system, ('echo PWNED >&2',))\n    return Evil()\n"
+    ),
 }
 
 
@@ -295,11 +340,17 @@ def test_solution_cannot_read_the_token_from_harness_memory(strict):
 
 
 def test_unit_test_style_tasks_and_expected_exceptions(verifier):
-    task = CodeTask(test=("assert square(3) == 9\nassert halve(3) == 1.5\ntry:\n    square(-1)\n"
-                          "    raise AssertionError('no error')\nexcept ValueError:\n    pass\n"),
-                    functions=("square", "halve"))
-    good = ("def square(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x * x\n"
-            "def halve(x):\n    return x / 2\n")
+    task = CodeTask(
+        test=(
+            "assert square(3) == 9\nassert halve(3) == 1.5\ntry:\n    square(-1)\n"
+            "    raise AssertionError('no error')\nexcept ValueError:\n    pass\n"
+        ),
+        functions=("square", "halve"),
+    )
+    good = (
+        "def square(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x * x\n"
+        "def halve(x):\n    return x / 2\n"
+    )
     no_raise = "def square(x):\n    return x * x\ndef halve(x):\n    return x / 2\n"
     missing = "def square(x):\n    return x * x\n"
     results = verifier.check_many([task] * 3, [good, no_raise, missing])
@@ -326,6 +377,7 @@ def test_code_task_bad_input_is_named():
 
 # --- reward composition ---------------------------------------------------------------------
 
+
 def test_overlong_penalty_matches_dapo():
     # L_max = 100, L_cache = 20: 0 up to 80, linear to -1 at 100, -1 beyond.
     expected = {0: 0.0, 80: 0.0, 85: -0.25, 90: -0.5, 100: -1.0, 101: -1.0, 10_000: -1.0}
@@ -334,9 +386,16 @@ def test_overlong_penalty_matches_dapo():
 
 
 def test_compose_reports_every_part_and_sums_them():
-    config = RewardConfig(correct_weight=2.0, format_penalty=0.25, max_tokens=100, overlong_buffer=20,
-                          overlong_penalty=0.5, invalid_tool_call_penalty=0.1, max_tool_calls=3,
-                          excess_tool_call_penalty=0.2)
+    config = RewardConfig(
+        correct_weight=2.0,
+        format_penalty=0.25,
+        max_tokens=100,
+        overlong_buffer=20,
+        overlong_penalty=0.5,
+        invalid_tool_call_penalty=0.1,
+        max_tool_calls=3,
+        excess_tool_call_penalty=0.2,
+    )
     reward = compose(Verdict(1.0, False), config, num_tokens=90, tool_calls=5, invalid_tool_calls=2)
     assert reward.parts == pytest.approx({"correct": 2.0, "format": -0.25, "length": -0.25, "tool_calls": -0.6})
     assert reward.score == pytest.approx(sum(reward.parts.values()))
@@ -380,6 +439,7 @@ def test_symbolic_worker_exits_quietly_when_its_parent_goes():
     import multiprocessing
 
     from posttrain.rl.verifiers.symbolic import _serve
+
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     worker = ctx.Process(target=_serve, args=(child,), daemon=True)

@@ -18,10 +18,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def sft_command(workdir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "posttrain.main", "--config", str(ROOT / "configs/sft_tiny.py"),
-            f"--config.workdir={workdir}",
-            "--config.sft.eval_files=", "--config.sft.gate=", "--config.data.synthetic_size=100",
-            "--config.train.progress=False", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "posttrain.main",
+        "--config",
+        str(ROOT / "configs/sft_tiny.py"),
+        f"--config.workdir={workdir}",
+        "--config.sft.eval_files=",
+        "--config.sft.gate=",
+        "--config.data.synthetic_size=100",
+        "--config.train.progress=False",
+        *extra,
+    ]
 
 
 def wait_for_holder(path: Path, proc: subprocess.Popen, timeout: float = 120) -> dict:
@@ -36,14 +45,20 @@ def wait_for_holder(path: Path, proc: subprocess.Popen, timeout: float = 120) ->
 
 def test_second_run_in_locked_workdir_fails_fast_naming_the_first(tmp_path, caplog):
     workdir = tmp_path / "W"
-    first = subprocess.Popen(sft_command(workdir, "--config.train.steps=100000"), cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        sft_command(workdir, "--config.train.steps=100000"),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         holder = wait_for_holder(workdir / LOCK_NAME, first)
         assert holder["pid"] == first.pid
         t0 = time.time()
-        second = subprocess.run(sft_command(workdir, "--config.train.steps=3"), cwd=ROOT, capture_output=True,
-                                text=True, timeout=120)
+        second = subprocess.run(
+            sft_command(workdir, "--config.train.steps=3"), cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
         elapsed = time.time() - t0
         err = second.stderr.strip().splitlines()
         assert second.returncode == 2, second.stderr[-3000:]
@@ -52,7 +67,7 @@ def test_second_run_in_locked_workdir_fails_fast_naming_the_first(tmp_path, capl
         assert f"started {holder['started']}" in err[-1]
         print(f"second run refused after {elapsed:.1f} s")
         assert first.poll() is None, "the first run must be unaffected"
-        assert not (workdir / "error.log").exists()           # the refused run writes nothing there
+        assert not (workdir / "error.log").exists()  # the refused run writes nothing there
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
@@ -60,7 +75,7 @@ def test_second_run_in_locked_workdir_fails_fast_naming_the_first(tmp_path, capl
     with caplog.at_level(logging.WARNING), workdir_lock(str(workdir)):
         assert json.loads((workdir / LOCK_NAME).read_text())["pid"] == os.getpid()
     assert f"stale lock left by pid {first.pid}" in caplog.text
-    assert (workdir / LOCK_NAME).read_text() == ""     # released cleanly: nothing to report next time
+    assert (workdir / LOCK_NAME).read_text() == ""  # released cleanly: nothing to report next time
 
 
 HOLD = """
@@ -75,8 +90,13 @@ with workdir_lock(sys.argv[1]):
 @pytest.fixture
 def held_elsewhere(tmp_path):
     """A workdir `tmp_path/P` whose lock another (live) process holds."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "P")], cwd=ROOT, stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path / "P")],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.stdout.readline().strip() == "locked"
     yield tmp_path / "P"
     proc.kill()
@@ -87,13 +107,18 @@ def test_lock_conflicts_with_ancestors_and_stage_subfolders(held_elsewhere, tmp_
     with pytest.raises(WorkdirBusy, match=r"in use by pid \d+"):
         with workdir_lock(str(held_elsewhere)):
             pass
-    with pytest.raises(WorkdirBusy, match="P/.posttrain.lock"):       # a stage folder of a busy pipeline
+    with pytest.raises(WorkdirBusy, match="P/.posttrain.lock"):  # a stage folder of a busy pipeline
         with workdir_lock(str(held_elsewhere / "0_sft")):
             pass
     (tmp_path / "Q" / "0_sft").mkdir(parents=True)
-    with workdir_lock(str(tmp_path / "Q" / "0_sft")):       # a pipeline over a busy stage folder
-        proc = subprocess.run([sys.executable, "-c", HOLD.replace("time.sleep(600)", "pass"), str(tmp_path / "Q")],
-                              cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    with workdir_lock(str(tmp_path / "Q" / "0_sft")):  # a pipeline over a busy stage folder
+        proc = subprocess.run(
+            [sys.executable, "-c", HOLD.replace("time.sleep(600)", "pass"), str(tmp_path / "Q")],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         assert proc.returncode != 0 and "Q/0_sft/.posttrain.lock" in proc.stderr
 
 

@@ -33,8 +33,12 @@ def kernels(block: int) -> dict:
     blockwise = lambda q, k, v, p, s: blockwise_attention(q, k, v, p, p, s, s, block_size=block)
     cp = lambda mode: lambda q, k, v, p, s: context_parallel_attention(q, k, v, p, s, mode=mode, block_size=block)
     n = min(8, jax.device_count())
-    return {"xla reference": (reference_attention, 1), "blockwise": (blockwise, 1),
-            f"ring (sequence={n})": (cp("ring"), n), f"all_gather (sequence={n})": (cp("all_gather"), n)}
+    return {
+        "xla reference": (reference_attention, 1),
+        "blockwise": (blockwise, 1),
+        f"ring (sequence={n})": (cp("ring"), n),
+        f"all_gather (sequence={n})": (cp("all_gather"), n),
+    }
 
 
 def _grad_program(attend, length: int, n: int):
@@ -93,11 +97,12 @@ def memory_budget_rows(budget_mib: int, block: int) -> list[dict]:
     ks = kernels(block)
     reference, blockwise = ks["xla reference"][0], ks["blockwise"][0]
     budget = budget_mib * 2**20
-    rows = [{"kernel": "xla reference", "sequence": 1, "longest length": longest_fitting(reference, 1, budget)},
-            {"kernel": "blockwise", "sequence": 1, "longest length": longest_fitting(blockwise, 1, budget)}]
+    rows = [
+        {"kernel": "xla reference", "sequence": 1, "longest length": longest_fitting(reference, 1, budget)},
+        {"kernel": "blockwise", "sequence": 1, "longest length": longest_fitting(blockwise, 1, budget)},
+    ]
     for mode in ("ring", "all_gather"):
-        attend = lambda q, k, v, p, s, mode=mode: context_parallel_attention(q, k, v, p, s, mode=mode,
-                                                                             block_size=block)
+        attend = lambda q, k, v, p, s, mode=mode: context_parallel_attention(q, k, v, p, s, mode=mode, block_size=block)
         for n in (2, 4, 8):
             if n <= jax.device_count():
                 rows.append({"kernel": mode, "sequence": n, "longest length": longest_fitting(attend, n, budget)})

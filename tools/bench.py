@@ -42,7 +42,7 @@ def matmul_peak(n: int = 1024, dtype=jnp.float32) -> float:
     a = jnp.ones((n, n), dtype)
     f = jax.jit(lambda a, b: a @ b)
     sec = timeit(lambda: f(a, a).block_until_ready(), iters=20)
-    return 2 * n ** 3 / sec
+    return 2 * n**3 / sec
 
 
 def bench_configs():
@@ -65,24 +65,41 @@ def bench_train(batch: int, seq: int, iters: int) -> list[dict]:
         rules = parse_rules({})
         tx = make_optimizer(cfg.optim, 1000)
         with use_sharding(mesh, rules):
-            graphdef, state, shardings = create_train_state(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), tx, mesh, rules)
-            step = jax.jit(make_train_step(graphdef, tx, functools.partial(lm_loss, moe_cfg=cfg.model.moe)), out_shardings=(shardings, None),
-                           donate_argnums=0)
+            graphdef, state, shardings = create_train_state(
+                lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), tx, mesh, rules
+            )
+            step = jax.jit(
+                make_train_step(graphdef, tx, functools.partial(lm_loss, moe_cfg=cfg.model.moe)),
+                out_shardings=(shardings, None),
+                donate_argnums=0,
+            )
             rng = np.random.default_rng(0)
             tokens = jnp.asarray(rng.integers(0, cfg.model.vocab_size, (batch, seq + 1)))
-            b = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": jnp.ones((batch, seq), jnp.int32),
-                 "positions": jnp.broadcast_to(jnp.arange(seq), (batch, seq)),
-                 "segment_ids": jnp.ones((batch, seq), jnp.int32)}
+            b = {
+                "inputs": tokens[:, :-1],
+                "targets": tokens[:, 1:],
+                "loss_mask": jnp.ones((batch, seq), jnp.int32),
+                "positions": jnp.broadcast_to(jnp.arange(seq), (batch, seq)),
+                "segment_ids": jnp.ones((batch, seq), jnp.int32),
+            }
             box = [state]
 
             def run():
                 box[0], metrics = step(box[0], b)
                 metrics["loss"].block_until_ready()
+
             sec = timeit(run, iters=iters)
         tps = batch * seq / sec
         flops = train_flops_per_token(cfg.model, seq) * tps
-        rows.append({"name": f"train {name}", "activated params (M)": activated_matmul_params(cfg.model) / 1e6,
-                     "step ms": sec * 1e3, "tokens/s": tps, "MFU": flops / peak})
+        rows.append(
+            {
+                "name": f"train {name}",
+                "activated params (M)": activated_matmul_params(cfg.model) / 1e6,
+                "step ms": sec * 1e3,
+                "tokens/s": tps,
+                "MFU": flops / peak,
+            }
+        )
     rows.append({"name": "moe / dense tokens/s", "ratio": rows[2]["tokens/s"] / rows[1]["tokens/s"]})
     return rows
 
@@ -94,8 +111,11 @@ def _train_step(cfg, batch_size: int, seq_len: int):
     tx = make_optimizer(cfg.optim, 1000)
     with use_sharding(mesh, rules):
         graphdef, state, shardings = create_train_state(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), tx, mesh, rules)
-        step = jax.jit(make_train_step(graphdef, tx, functools.partial(lm_loss, moe_cfg=cfg.model.moe)),
-                       out_shardings=(shardings, None), donate_argnums=0)
+        step = jax.jit(
+            make_train_step(graphdef, tx, functools.partial(lm_loss, moe_cfg=cfg.model.moe)),
+            out_shardings=(shardings, None),
+            donate_argnums=0,
+        )
     return step, state
 
 
@@ -117,7 +137,7 @@ def bench_sft_packing(batch: int, seq: int, iters: int) -> list[dict]:
         it = sft_batches(path, ByteTokenizer(), batch_size=batch, seq_len=seq, seed=0, packing=packing)
         modes[packing] = [jax.device_put(next(it)) for _ in range(iters + 2)]
     times = {False: [], True: []}
-    for i in range(iters + 2):             # interleaved, so machine noise hits both modes alike
+    for i in range(iters + 2):  # interleaved, so machine noise hits both modes alike
         for packing, batches in modes.items():
             t = time.perf_counter()
             state, m = step(state, batches[i])
@@ -130,11 +150,24 @@ def bench_sft_packing(batch: int, seq: int, iters: int) -> list[dict]:
         useful = np.mean([int(b["loss_mask"].sum()) for b in batches])
         real = np.mean([int((b["segment_ids"] > 0).sum()) for b in batches])
         flops = train_flops_per_token(cfg.model, seq) * batch * seq / sec
-        rows.append({"name": f"sft packing={packing}", "step ms": sec * 1e3, "non-pad fraction": real / (batch * seq),
-                     "tokens/s (incl. pad)": batch * seq / sec, "useful tokens/s": useful / sec,
-                     "MFU": flops / peak, "MFU on real tokens": flops / peak * real / (batch * seq)})
-    rows.append({"name": "packed / unpacked useful tokens/s", "ratio": rows[1]["useful tokens/s"] / rows[0]["useful tokens/s"],
-                 "padding ratio": rows[1]["non-pad fraction"] / rows[0]["non-pad fraction"]})
+        rows.append(
+            {
+                "name": f"sft packing={packing}",
+                "step ms": sec * 1e3,
+                "non-pad fraction": real / (batch * seq),
+                "tokens/s (incl. pad)": batch * seq / sec,
+                "useful tokens/s": useful / sec,
+                "MFU": flops / peak,
+                "MFU on real tokens": flops / peak * real / (batch * seq),
+            }
+        )
+    rows.append(
+        {
+            "name": "packed / unpacked useful tokens/s",
+            "ratio": rows[1]["useful tokens/s"] / rows[0]["useful tokens/s"],
+            "padding ratio": rows[1]["non-pad fraction"] / rows[0]["non-pad fraction"],
+        }
+    )
     return rows
 
 
@@ -161,8 +194,14 @@ def bench_checkpoint(iters: int = 3) -> list[dict]:
             ckpt.wait()
             total.append(time.perf_counter() - t)
         ckpt.close()
-        rows.append({"name": f"checkpoint async={async_save}", "state MiB": mbytes,
-                     "blocked ms": 1e3 * float(np.median(blocked)), "until on disk ms": 1e3 * float(np.median(total))})
+        rows.append(
+            {
+                "name": f"checkpoint async={async_save}",
+                "state MiB": mbytes,
+                "blocked ms": 1e3 * float(np.median(blocked)),
+                "until on disk ms": 1e3 * float(np.median(total)),
+            }
+        )
     return rows
 
 
@@ -173,7 +212,15 @@ def tiny_rlvr_config(workdir: str, steps: int):
     cfg = base_config()
     cfg.stage, cfg.workdir = "rlvr", workdir
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 264, 64, 2, 4, 2, 16, 128
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
+        264,
+        64,
+        2,
+        4,
+        2,
+        16,
+        128,
+    )
     m.moe.num_experts, m.moe.expert_mlp_dim = 4, 64
     cfg.mesh.data = 1
     cfg.train.steps, cfg.train.log_every, cfg.train.progress, cfg.checkpoint.every = steps, 1, False, 0
@@ -197,12 +244,17 @@ def bench_rl(steps: int = 12, delay: float = 0.05, workers: int = 16) -> list[di
         r.max_staleness, r.verifier_delay, r.verifier_workers = staleness, delay, workers
         with jax.default_device(jax.devices()[0]):
             loop.run(cfg)
-        m = [r for r in read_metrics(cfg.workdir) if "rl/update_s" in r][2:]     # skip compilation
+        m = [r for r in read_metrics(cfg.workdir) if "rl/update_s" in r][2:]  # skip compilation
         per_step = [r["rl/wait_s"] + r["rl/update_s"] for r in m]
-        rows.append({"name": f"rlvr max_staleness={staleness}", "steps/s": 1 / float(np.mean(per_step)),
-                     "verify s/step": float(np.mean([r.get("rl/verify_s", 0) for r in m])),
-                     "learner wait s/step": float(np.mean([r["rl/wait_s"] for r in m])),
-                     "device idle": m[-1]["rl/device_idle_frac"]})
+        rows.append(
+            {
+                "name": f"rlvr max_staleness={staleness}",
+                "steps/s": 1 / float(np.mean(per_step)),
+                "verify s/step": float(np.mean([r.get("rl/verify_s", 0) for r in m])),
+                "learner wait s/step": float(np.mean([r["rl/wait_s"] for r in m])),
+                "device idle": m[-1]["rl/device_idle_frac"],
+            }
+        )
     rows.append({"name": "overlapped / on-policy steps/s", "ratio": rows[1]["steps/s"] / rows[0]["steps/s"]})
     return rows
 
@@ -222,11 +274,15 @@ def bench_rl_updates(steps: int = 8, epochs: tuple[int, ...] = (1, 2, 4)) -> lis
         r.prompts_per_step, r.group_size, r.max_new_tokens, r.updates_per_batch = 4, 8, 32, n
         with jax.default_device(jax.devices()[0]):
             loop.run(cfg)
-        m = [r for r in read_metrics(cfg.workdir) if "rl/update_s" in r][2:]     # skip compilation
-        rows.append({"name": f"rlvr updates_per_batch={n}",
-                     "s/step": float(np.mean([r["rl/wait_s"] + r["rl/update_s"] for r in m])),
-                     "update s/step": float(np.mean([r["rl/update_s"] for r in m])),
-                     "clip_frac": float(np.mean([r["rl/clip_frac_low"] + r["rl/clip_frac_high"] for r in m]))})
+        m = [r for r in read_metrics(cfg.workdir) if "rl/update_s" in r][2:]  # skip compilation
+        rows.append(
+            {
+                "name": f"rlvr updates_per_batch={n}",
+                "s/step": float(np.mean([r["rl/wait_s"] + r["rl/update_s"] for r in m])),
+                "update s/step": float(np.mean([r["rl/update_s"] for r in m])),
+                "clip_frac": float(np.mean([r["rl/clip_frac_low"] + r["rl/clip_frac_high"] for r in m])),
+            }
+        )
     return rows
 
 
@@ -247,10 +303,15 @@ def bench_rl_quant(steps: int = 3) -> list[dict]:
         with jax.default_device(jax.devices()[0]):
             loop.run(cfg)
         m = [r for r in read_metrics(cfg.workdir) if "rl/update_s" in r]
-        rows.append({"name": f"rlvr sampler quantize={quantize} speculative_k={speculative_k}",
-                     "IS weight mean": float(np.mean([r["rl/is_weight_mean"] for r in m])),
-                     "min": min(r["rl/is_weight_min"] for r in m), "max": max(r["rl/is_weight_max"] for r in m),
-                     "truncated frac": float(np.mean([r["rl/is_truncated_frac"] for r in m]))})
+        rows.append(
+            {
+                "name": f"rlvr sampler quantize={quantize} speculative_k={speculative_k}",
+                "IS weight mean": float(np.mean([r["rl/is_weight_mean"] for r in m])),
+                "min": min(r["rl/is_weight_min"] for r in m),
+                "max": max(r["rl/is_weight_max"] for r in m),
+                "truncated frac": float(np.mean([r["rl/is_truncated_frac"] for r in m])),
+            }
+        )
     return rows
 
 
@@ -262,10 +323,27 @@ def print_rows(title: str, rows: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--section", default="train", choices=["train", "sft", "checkpoint", "sandbox", "sampler",
-                                                          "sampler-quant", "speculative", "rl-quant", "rl",
-                                                          "rl-updates", "rl-continuous", "attention", "prefix-cache", "episodes",
-                                                          "all"])
+    p.add_argument(
+        "--section",
+        default="train",
+        choices=[
+            "train",
+            "sft",
+            "checkpoint",
+            "sandbox",
+            "sampler",
+            "sampler-quant",
+            "speculative",
+            "rl-quant",
+            "rl",
+            "rl-updates",
+            "rl-continuous",
+            "attention",
+            "prefix-cache",
+            "episodes",
+            "all",
+        ],
+    )
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--iters", type=int, default=10)
@@ -278,12 +356,15 @@ def main() -> None:
         print_rows("checkpoint save", bench_checkpoint())
     if args.section in ("sampler", "all"):
         from posttrain.sampling.bench import sampler_bench
+
         print_rows("sampler", sampler_bench(iters=args.iters // 2 or 1))
     if args.section in ("sampler-quant", "all"):
         from posttrain.sampling.bench import quant_bench
+
         print_rows("quantised sampler weights", quant_bench(rounds=args.iters // 2 or 1))
     if args.section in ("speculative", "all"):
         from posttrain.sampling.bench import speculative_bench
+
         print_rows("speculative decoding", speculative_bench(rounds=args.iters // 2 or 1))
     if args.section in ("rl-quant", "all"):
         print_rows("rlvr with a quantised / speculative sampler", bench_rl_quant())
@@ -291,20 +372,25 @@ def main() -> None:
         print_rows("rlvr overlap", bench_rl())
     if args.section in ("rl-continuous", "all"):
         from rl_continuous_bench import rl_continuous_bench
+
         print_rows("rlvr rollouts: continuous vs static batching, skewed lengths", rl_continuous_bench())
     if args.section in ("rl-updates", "all"):
         print_rows("rlvr PPO epochs", bench_rl_updates())
-    if args.section in ("attention", "all"):     # context parallel rows need several devices (see the module)
+    if args.section in ("attention", "all"):  # context parallel rows need several devices (see the module)
         from attention_bench import attention_bench
+
         print_rows("attention", attention_bench(length=args.seq * 8, iters=args.iters // 2 or 1))
     if args.section in ("prefix-cache", "all"):
         from prefix_cache_bench import prefix_cache_bench
+
         print_rows("prefix cache, multi-turn", prefix_cache_bench(rounds=args.iters // 2 or 1))
     if args.section in ("episodes", "all"):
         from episodes_bench import episodes_bench
+
         print_rows("multi-turn episodes: 2 cohorts vs lockstep rounds (repo_fix, random policy)", episodes_bench())
     if args.section in ("sandbox", "all"):
         from posttrain.rl.verifiers.bench import sandbox_bench
+
         print_rows("sandbox", sandbox_bench())
 
 

@@ -22,9 +22,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def timed_run(config: str, workdir: Path, cache: str, steps: int) -> tuple[float, float]:
     """(seconds to the first metrics row, seconds for the whole run) of one `posttrain.main` run."""
-    cmd = [sys.executable, "-m", "posttrain.main", "--config", config, f"--config.workdir={workdir}",
-           f"--config.compilation_cache={cache}", f"--config.train.steps={steps}", "--config.train.log_every=1",
-           "--config.train.progress=False"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "posttrain.main",
+        "--config",
+        config,
+        f"--config.workdir={workdir}",
+        f"--config.compilation_cache={cache}",
+        f"--config.train.steps={steps}",
+        "--config.train.log_every=1",
+        "--config.train.progress=False",
+    ]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     first, metrics = None, workdir / "metrics.jsonl"

@@ -54,10 +54,12 @@ def _best_seconds(fns: dict, iters: int) -> dict:
 
 def _prompts(batch: int, prompt_len: int):
     import numpy as np
+
     return np.random.default_rng(0).integers(3, SHAPE["vocab"], (batch, prompt_len)).astype(np.int32)
 
 
 # ---------------------------------------------------------------------------------------- ours
+
 
 def run_posttrain(args) -> list[dict]:
     import jax
@@ -78,20 +80,22 @@ def run_posttrain(args) -> list[dict]:
     for kind in args.kinds:
         cfg = qwen3_tiny_configs()[kind]
         graphdef, params, rest = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
-        if args.quantize != "none":      # the RL sampler's weights under sampling.quantize (w8a16 / w4a16)
+        if args.quantize != "none":  # the RL sampler's weights under sampling.quantize (w8a16 / w4a16)
             params = jax.jit(quantize_params, static_argnums=1)(params, args.quantize)
 
         def call(graphdef=graphdef, params=params, rest=rest):
             with use_sharding(mesh, rules):
                 out = generate(graphdef, params, rest, prompts, sampling, key)
-            assert (out.lengths == args.new_tokens).all(), out.lengths   # no early stop
+            assert (out.lengths == args.new_tokens).all(), out.lengths  # no early stop
             return out
+
         fns[kind] = call
     best = _best_seconds(fns, args.iters)
     return [_row("posttrain", kind, best[kind], args) for kind in args.kinds]
 
 
 # ---------------------------------------------------------------------------------------- Tunix
+
 
 class _IdTokenizer:
     """Token ids in, token ids out: a prompt is its ids joined by spaces. No BOS; pad 0 (never in a
@@ -120,10 +124,19 @@ def tunix_model(kind: str, seed: int = 0):
 
     moe = kind != "dense"
     cfg = qwen3.ModelConfig(
-        num_layers=SHAPE["layers"], vocab_size=SHAPE["vocab"], embed_dim=SHAPE["embed"], hidden_dim=SHAPE["mlp"],
-        num_heads=SHAPE["heads"], head_dim=SHAPE["head_dim"], num_kv_heads=SHAPE["kv_heads"], rope_theta=10_000,
-        norm_eps=1e-6, use_tied_embedding=False, num_experts=SHAPE["experts"] if moe else None,
-        num_experts_per_tok=SHAPE["top_k"] if moe else None)
+        num_layers=SHAPE["layers"],
+        vocab_size=SHAPE["vocab"],
+        embed_dim=SHAPE["embed"],
+        hidden_dim=SHAPE["mlp"],
+        num_heads=SHAPE["heads"],
+        head_dim=SHAPE["head_dim"],
+        num_kv_heads=SHAPE["kv_heads"],
+        rope_theta=10_000,
+        norm_eps=1e-6,
+        use_tied_embedding=False,
+        num_experts=SHAPE["experts"] if moe else None,
+        num_experts_per_tok=SHAPE["top_k"] if moe else None,
+    )
     model = qwen3.Qwen3(cfg, rngs=nnx.Rngs(seed))
     state = nnx.state(model, nnx.Param)
     leaves, treedef = jax.tree.flatten(state)
@@ -138,26 +151,39 @@ def run_tunix(args) -> list[dict]:
 
     from tunix.generate import sampler as sampler_lib
 
-    warnings.filterwarnings("ignore")          # "donated buffers were not usable" on CPU, etc.
+    warnings.filterwarnings("ignore")  # "donated buffers were not usable" on CPU, etc.
     prompts = [" ".join(map(str, p)) for p in _prompts(args.batch, args.prompt_len)]
-    cache = sampler_lib.CacheConfig(cache_size=args.prompt_len + args.new_tokens, num_layers=SHAPE["layers"],
-                                    num_kv_heads=SHAPE["kv_heads"], head_dim=SHAPE["head_dim"])
+    cache = sampler_lib.CacheConfig(
+        cache_size=args.prompt_len + args.new_tokens,
+        num_layers=SHAPE["layers"],
+        num_kv_heads=SHAPE["kv_heads"],
+        head_dim=SHAPE["head_dim"],
+    )
     sampling = dict(temperature=0.0) if args.greedy else dict(temperature=1.0, top_p=1.0, top_k=None)
     fns = {}
     for kind in args.kinds:
         sampler = sampler_lib.Sampler(tunix_model(kind), _IdTokenizer(), cache)
 
         def call(sampler=sampler):
-            out = sampler(prompts, max_generation_steps=args.new_tokens, max_prompt_length=args.prompt_len,
-                          echo=False, eos_tokens=[SHAPE["vocab"]], seed=0, **sampling)
+            out = sampler(
+                prompts,
+                max_generation_steps=args.new_tokens,
+                max_prompt_length=args.prompt_len,
+                echo=False,
+                eos_tokens=[SHAPE["vocab"]],
+                seed=0,
+                **sampling,
+            )
             assert all(len(t) == args.new_tokens for t in out.tokens), [len(t) for t in out.tokens]
             return out
+
         fns[kind] = call
     best = _best_seconds(fns, args.iters)
     return [_row("tunix", kind, best[kind], args) for kind in args.kinds]
 
 
 # ---------------------------------------------------------------------------------------- driver
+
 
 def _row(impl: str, kind: str, seconds: float, args) -> dict:
     new = args.batch * args.new_tokens
@@ -166,6 +192,7 @@ def _row(impl: str, kind: str, seconds: float, args) -> dict:
 
 def _versions(impl: str) -> dict:
     from importlib import metadata
+
     names = ["jax", "jaxlib", "flax"] + (["google-tunix"] if impl == "tunix" else [])
     return {n: metadata.version(n) for n in names}
 
@@ -173,13 +200,24 @@ def _versions(impl: str) -> dict:
 def drive(args) -> None:
     """Run the two implementations as subprocesses, alternating, with one environment."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                      env.get("PYTHONPATH", "")]))
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")])
+    )
     pythons = dict(posttrain=args.posttrain_python, tunix=args.tunix_python)
-    passthrough = ["--batch", str(args.batch), "--prompt-len", str(args.prompt_len), "--new-tokens",
-                   str(args.new_tokens), "--iters", str(args.iters), "--kinds", *args.kinds,
-                   "--quantize", args.quantize] + (
-                       ["--greedy"] if args.greedy else [])
+    passthrough = [
+        "--batch",
+        str(args.batch),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--iters",
+        str(args.iters),
+        "--kinds",
+        *args.kinds,
+        "--quantize",
+        args.quantize,
+    ] + (["--greedy"] if args.greedy else [])
     best, versions, per_round = {}, {}, []
     for r in range(args.rounds):
         this_round = {}
@@ -195,32 +233,43 @@ def drive(args) -> None:
                 if "versions" in row:
                     versions[impl] = row["versions"]
                     continue
-                print(f"round {r} {impl:9s} {row['kind']:8s} {row['ms']:8.1f} ms "
-                      f"{row['new_tokens_per_s']:9.0f} new tokens/s", flush=True)
+                print(
+                    f"round {r} {impl:9s} {row['kind']:8s} {row['ms']:8.1f} ms "
+                    f"{row['new_tokens_per_s']:9.0f} new tokens/s",
+                    flush=True,
+                )
                 k = (impl, row["kind"])
                 this_round[k] = row["new_tokens_per_s"]
                 if k not in best or row["ms"] < best[k]["ms"]:
                     best[k] = row
         per_round.append(this_round)
     print(f"\nXLA_FLAGS={env.get('XLA_FLAGS')!r}  versions={json.dumps(versions)}")
-    print(f"batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-          f"{'greedy' if args.greedy else 'temperature 1'}, posttrain weights {args.quantize}; "
-          f"best of {args.rounds} rounds x {args.iters} iters")
+    print(
+        f"batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+        f"{'greedy' if args.greedy else 'temperature 1'}, posttrain weights {args.quantize}; "
+        f"best of {args.rounds} rounds x {args.iters} iters"
+    )
     print(f"{'config':8s} {'posttrain tok/s':>16s} {'tunix tok/s':>12s} {'ours/tunix':>11s}")
     for kind in args.kinds:
         p, t = best[("posttrain", kind)], best[("tunix", kind)]
-        print(f"{kind:8s} {p['new_tokens_per_s']:16.0f} {t['new_tokens_per_s']:12.0f} "
-              f"{p['new_tokens_per_s'] / t['new_tokens_per_s']:10.2f}x")
+        print(
+            f"{kind:8s} {p['new_tokens_per_s']:16.0f} {t['new_tokens_per_s']:12.0f} "
+            f"{p['new_tokens_per_s'] / t['new_tokens_per_s']:10.2f}x"
+        )
     # The machine's speed drifts between rounds; the ratio within a round (the two libraries back
     # to back) is steadier than the ratio of bests.
     for kind in args.kinds:
         ratios = sorted(r[("posttrain", kind)] / r[("tunix", kind)] for r in per_round)
-        print(f"{kind:8s} per-round ours/tunix: median {ratios[len(ratios) // 2]:.2f}x, "
-              f"range {ratios[0]:.2f}-{ratios[-1]:.2f}x over {len(ratios)} rounds")
+        print(
+            f"{kind:8s} per-round ours/tunix: median {ratios[len(ratios) // 2]:.2f}x, "
+            f"range {ratios[0]:.2f}-{ratios[-1]:.2f}x over {len(ratios)} rounds"
+        )
     if "dense" in args.kinds and "moe-8x2" in args.kinds:
         for impl in ("posttrain", "tunix"):
-            print(f"{impl}: moe-8x2 / dense = "
-                  f"{best[(impl, 'moe-8x2')]['new_tokens_per_s'] / best[(impl, 'dense')]['new_tokens_per_s']:.2f}")
+            print(
+                f"{impl}: moe-8x2 / dense = "
+                f"{best[(impl, 'moe-8x2')]['new_tokens_per_s'] / best[(impl, 'dense')]['new_tokens_per_s']:.2f}"
+            )
     print(json.dumps({f"{i}/{k}": round(v["new_tokens_per_s"], 1) for (i, k), v in best.items()}))
 
 
@@ -234,8 +283,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5, help="timed calls per config after the warm-up")
     ap.add_argument("--rounds", type=int, default=2, help="--impl both: alternations posttrain, tunix")
     ap.add_argument("--greedy", action="store_true", help="argmax for both (default: temperature 1)")
-    ap.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
-                    help="posttrain's sampler weights as sampling.quantize sets them (Tunix: unchanged)")
+    ap.add_argument(
+        "--quantize",
+        choices=("none", "int8", "int4"),
+        default="none",
+        help="posttrain's sampler weights as sampling.quantize sets them (Tunix: unchanged)",
+    )
     ap.add_argument("--posttrain-python", default="/tmp/venv/bin/python")
     ap.add_argument("--tunix-python", default="/tmp/tunix-venv/bin/python")
     args = ap.parse_args()
@@ -245,6 +298,7 @@ def main() -> None:
         return
     rows = (run_posttrain if args.impl == "posttrain" else run_tunix)(args)
     import jax
+
     print(json.dumps(dict(versions=_versions(args.impl), devices=[str(d) for d in jax.devices()])))
     for row in rows:
         print(json.dumps(row), flush=True)

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")      # this host runs nothing; libtpu only compiles
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this host runs nothing; libtpu only compiles
 
 from absl import flags
 
@@ -22,8 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from posttrain import main as cli  # noqa: E402  (defines --config, checks --config.* overrides)
 
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x1", "TPU slice: 'v5p:2x2x1', 'v5p-128', 'v5e-256', ...")
-_PROGRAMS = flags.DEFINE_string("programs", "sft,dpo,rl_learner,sampler",
-                                "Programs to compile; 'restore' adds the checkpoint restore target (not compiled).")
+_PROGRAMS = flags.DEFINE_string(
+    "programs",
+    "sft,dpo,rl_learner,sampler",
+    "Programs to compile; 'restore' adds the checkpoint restore target (not compiled).",
+)
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 256, "Sampler prompt bucket (RL rows: prompt + rl.max_new_tokens).")
 _JSON = flags.DEFINE_string("json", "", "Also write the reports to this JSON file.")
 
@@ -32,22 +35,27 @@ GB = 1e9
 
 def table(reports: list[dict]) -> str:
     """A markdown table: per-device GB by category, fit, FLOPs, collective GB, estimated time, MFU."""
-    head = ("| program | params | opt | ref/frozen | args | temps | total | fits | TFLOP/dev | "
-            "AG/RS/A2A/AR/CP GB | est. s | MFU |")
+    head = (
+        "| program | params | opt | ref/frozen | args | temps | total | fits | TFLOP/dev | "
+        "AG/RS/A2A/AR/CP GB | est. s | MFU |"
+    )
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in reports:
         if r["program"] == "restore":
             continue
         p = r["parts"]
         c = r["collectives"]
-        coll = "/".join(f"{c[k] / GB:.1f}" for k in ("all-gather", "reduce-scatter", "all-to-all",
-                                                      "all-reduce", "collective-permute"))
+        coll = "/".join(
+            f"{c[k] / GB:.1f}"
+            for k in ("all-gather", "reduce-scatter", "all-to-all", "all-reduce", "collective-permute")
+        )
         rows.append(
             f"| {r['program']} | {p.get('params', 0) / GB:.2f} | {p.get('optimizer', 0) / GB:.2f} | "
             f"{(p.get('reference', 0) + p.get('frozen base', 0)) / GB:.2f} | {r['arguments'] / GB:.2f} | "
             f"{r['temporaries'] / GB:.2f} | {r['total'] / GB:.2f} | {'yes' if r['fits'] else 'NO'} | "
             f"{max(r['xla_flops'], r['model_flops_per_device']) / 1e12:.2f} | {coll}"
-            f"{' (per iteration)' if r['loop_trip_unknown'] else ''} | {r['step_s']:.3g} | {r['mfu']:.0%} |")
+            f"{' (per iteration)' if r['loop_trip_unknown'] else ''} | {r['step_s']:.3g} | {r['mfu']:.0%} |"
+        )
     return "\n".join(rows)
 
 
@@ -55,19 +63,27 @@ def restore_line(r: dict) -> str:
     """The checkpoint restore's per-chip bytes by item, and its problems (none when it fits)."""
     parts = ", ".join(f"{k} {v / GB:.2f}" for k, v in r["parts"].items())
     verdict = "fits" if r["fits"] else "DOES NOT FIT" if not r["problems"] else "; ".join(r["problems"][:5])
-    return (f"restore: {r['arrays']} arrays, {r['total'] / GB:.2f} GB/chip ({parts}; replicated "
-            f"{r['replicated'] / GB:.3f}): {verdict}")
+    return (
+        f"restore: {r['arrays']} arrays, {r['total'] / GB:.2f} GB/chip ({parts}; replicated "
+        f"{r['replicated'] / GB:.3f}): {verdict}"
+    )
 
 
 def main(argv: list[str]) -> None:
     del argv
     from posttrain.compile_plan import plan
     from posttrain.parallel import aot
+
     if not aot.libtpu_available():
         raise SystemExit("error: libtpu is not installed; pip install -e '.[tpu]'")
     cfg = cli._CONFIG.value
-    reports = plan(cfg, _TOPOLOGY.value, tuple(n.strip() for n in _PROGRAMS.value.split(",") if n.strip()),
-                   _PROMPT_LEN.value, log=lambda s: print(s, file=sys.stderr, flush=True))
+    reports = plan(
+        cfg,
+        _TOPOLOGY.value,
+        tuple(n.strip() for n in _PROGRAMS.value.split(",") if n.strip()),
+        _PROMPT_LEN.value,
+        log=lambda s: print(s, file=sys.stderr, flush=True),
+    )
     print(f"## {cli._CONFIG.value.model.num_layers}-layer model on {_TOPOLOGY.value}, mesh {reports[0]['mesh']}")
     print(table(reports))
     for r in reports:

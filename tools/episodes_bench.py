@@ -65,8 +65,16 @@ class WaitingEnv:
 KEYS = ("episodes_s", "model_s", "env_s", "turns_per_episode", "new_tokens")
 
 
-def episodes_bench(*, init_from: str = "", episodes: int = 16, group_size: int = 4, rounds: int = 3,
-                   cohorts: tuple[int, ...] = (1, 2), greedy: bool = False, tool_wait: float = 0.0) -> list[dict]:
+def episodes_bench(
+    *,
+    init_from: str = "",
+    episodes: int = 16,
+    group_size: int = 4,
+    rounds: int = 3,
+    cohorts: tuple[int, ...] = (1, 2),
+    greedy: bool = False,
+    tool_wait: float = 0.0,
+) -> list[dict]:
     """Rows for BENCHMARKS.md: per cohort count the median episode-batch numbers, and the
     per-round speed-up of each C > 1 over C = 1."""
     cfg = get_config()
@@ -79,18 +87,22 @@ def episodes_bench(*, init_from: str = "", episodes: int = 16, group_size: int =
     mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     with use_sharding(mesh, rules):
-        params, rest = (load_model_state(init_from, make, mesh, rules)[:2] if init_from
-                        else init_model_state(make, mesh, rules))
+        params, rest = (
+            load_model_state(init_from, make, mesh, rules)[:2] if init_from else init_model_state(make, mesh, rules)
+        )
     graphdef = nnx.split(make(), nnx.Param, ...)[0]
     sampling = loop.rollout_sampling(cfg, tok.stop_ids)
     n = episodes // group_size
-    batches = [[("repo_fix", t) for t in domain.tasks[r * n:(r + 1) * n]] for r in range(rounds)]
+    batches = [[("repo_fix", t) for t in domain.tasks[r * n : (r + 1) * n]] for r in range(rounds)]
     info: dict[int, list[dict]] = {c: [] for c in cohorts}
     with use_sharding(mesh, rules), concurrent.futures.ThreadPoolExecutor(cfg.rl.verifier_workers) as pool:
         worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool)
-        run = lambda tasks, r, c: rollout_episodes(worker, params, rest, tasks, jax.random.key(r),
-                                                   num_samples=group_size, greedy=greedy, cohorts=c).info
-        for r, tasks in enumerate(batches):              # warm-up: every prompt bucket and batch size compiled
+        run = lambda tasks, r, c: (
+            rollout_episodes(
+                worker, params, rest, tasks, jax.random.key(r), num_samples=group_size, greedy=greedy, cohorts=c
+            ).info
+        )
+        for r, tasks in enumerate(batches):  # warm-up: every prompt bucket and batch size compiled
             for c in cohorts:
                 run(tasks, r, c)
         for r, tasks in enumerate(batches):
@@ -98,18 +110,30 @@ def episodes_bench(*, init_from: str = "", episodes: int = 16, group_size: int =
                 info[c].append(run(tasks, r, c))
                 if greedy and info[c][-1]["new_tokens"] != info[cohorts[0]][-1]["new_tokens"]:
                     raise RuntimeError(f"round {r}: greedy episodes of C={c} differ from C={cohorts[0]}'s")
-            print(f"round {r}: " + "; ".join(f"C={c} " + " ".join(f"{k} {info[c][-1][k]:.2f}" for k in KEYS)
-                                            for c in cohorts), flush=True)
+            print(
+                f"round {r}: "
+                + "; ".join(f"C={c} " + " ".join(f"{k} {info[c][-1][k]:.2f}" for k in KEYS) for c in cohorts),
+                flush=True,
+            )
     rows = []
     for c in cohorts:
         med = {k: float(np.median([i[k] for i in info[c]])) for k in KEYS}
         overlap = [(i["model_s"] + i["env_s"]) / i["episodes_s"] for i in info[c]]
-        row = {"name": f"{episodes} episodes{', greedy' if greedy else ''}{f', tool wait {tool_wait}s' if tool_wait else ''}"
-                       f", C={c}", **med, "overlap (median)": float(np.median(overlap))}
+        row = {
+            "name": f"{episodes} episodes{', greedy' if greedy else ''}{f', tool wait {tool_wait}s' if tool_wait else ''}"
+            f", C={c}",
+            **med,
+            "overlap (median)": float(np.median(overlap)),
+        }
         if c != cohorts[0]:
             ratios = np.array([a["episodes_s"] / b["episodes_s"] for a, b in zip(info[cohorts[0]], info[c])])
-            row.update({f"x vs C={cohorts[0]} per round (median)": float(np.median(ratios)),
-                        "min": float(ratios.min()), "max": float(ratios.max())})
+            row.update(
+                {
+                    f"x vs C={cohorts[0]} per round (median)": float(np.median(ratios)),
+                    "min": float(ratios.min()),
+                    "max": float(ratios.max()),
+                }
+            )
         rows.append(row)
     return rows
 
@@ -122,11 +146,19 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cohorts", default="1,2", help="cohort counts, the first the baseline")
     p.add_argument("--greedy", action="store_true", help="greedy episodes: the same for every cohort count")
-    p.add_argument("--tool_wait", type=float, default=0.0, help="seconds every environment step waits (I/O-bound tools)")
+    p.add_argument(
+        "--tool_wait", type=float, default=0.0, help="seconds every environment step waits (I/O-bound tools)"
+    )
     args = p.parse_args()
-    for r in episodes_bench(init_from=args.init_from, episodes=args.episodes, group_size=args.group_size,
-                            rounds=args.rounds, cohorts=tuple(int(c) for c in args.cohorts.split(",")),
-                            greedy=args.greedy, tool_wait=args.tool_wait):
+    for r in episodes_bench(
+        init_from=args.init_from,
+        episodes=args.episodes,
+        group_size=args.group_size,
+        rounds=args.rounds,
+        cohorts=tuple(int(c) for c in args.cohorts.split(",")),
+        greedy=args.greedy,
+        tool_wait=args.tool_wait,
+    ):
         print("| " + " | ".join(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in r.items()) + " |")
 
 

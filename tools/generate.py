@@ -32,7 +32,7 @@ from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.sampling import SamplingParams, generate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().")
-flags.DEFINE_string("prompts", None, "JSONL file of {\"prompt\": ...} records.", required=True)
+flags.DEFINE_string("prompts", None, 'JSONL file of {"prompt": ...} records.', required=True)
 flags.DEFINE_string("out", None, "Where to write the samples (JSONL; local or gs://).", required=True)
 flags.DEFINE_string("tokenizer", "byte", "'byte' or a folder with tokenizer.json.")
 flags.DEFINE_integer("step", -1, "Checkpoint step to load (-1: the newest).")
@@ -48,8 +48,10 @@ FLAGS = flags.FLAGS
 def load_model(cfg, mesh, rules):
     """(graphdef, params, rest) from the workdir's checkpoint, or initialised from the config."""
     if cfg.lora.rank > 0:
-        raise SystemExit(f"config.lora.rank={cfg.lora.rank}: LoRA checkpoints hold only adapters; "
-                         "sample from a merged (full-weight) run")
+        raise SystemExit(
+            f"config.lora.rank={cfg.lora.rank}: LoRA checkpoints hold only adapters; "
+            "sample from a merged (full-weight) run"
+        )
     make_model = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     graphdef = nnx.graphdef(abstract_model(make_model))
     ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"), every=0, keep=1, async_save=False)
@@ -71,25 +73,52 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     cfg = _CONFIG.value
     tok = load_tokenizer(FLAGS.tokenizer)
-    sampling = SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
-                              max_new_tokens=FLAGS.max_new_tokens, stop_ids=tok.stop_ids,
-                              num_samples=FLAGS.num_samples)
+    sampling = SamplingParams(
+        temperature=FLAGS.temperature,
+        top_k=FLAGS.top_k,
+        top_p=FLAGS.top_p,
+        max_new_tokens=FLAGS.max_new_tokens,
+        stop_ids=tok.stop_ids,
+        num_samples=FLAGS.num_samples,
+    )
     records = [(f"{r.path}:{r.line}", rl_prompt_example(r.data, tok)) for r in read_jsonl(FLAGS.prompts)]
     mesh, rules = mesh_and_rules(cfg)
     key = jax.random.key(cfg.seed)
     with use_sharding(mesh, rules):
         graphdef, params, rest = load_model(cfg, mesh, rules)
-    with use_sharding(mesh, rules), storage.open_file(FLAGS.out, "w") as out, tqdm(total=len(records), desc="generate") as bar:
+    with (
+        use_sharding(mesh, rules),
+        storage.open_file(FLAGS.out, "w") as out,
+        tqdm(total=len(records), desc="generate") as bar,
+    ):
         for start in range(0, len(records), FLAGS.batch_size):
-            batch = records[start:start + FLAGS.batch_size]
-            samples = generate(graphdef, params, rest, [ex["prompt"] for _, ex in batch], sampling,
-                               jax.random.fold_in(key, start), pad_id=tok.pad_id)
+            batch = records[start : start + FLAGS.batch_size]
+            samples = generate(
+                graphdef,
+                params,
+                rest,
+                [ex["prompt"] for _, ex in batch],
+                sampling,
+                jax.random.fold_in(key, start),
+                pad_id=tok.pad_id,
+            )
             for i, p in enumerate(samples.prompt_index):
                 ids = samples.completion(i)
-                out.write(json.dumps({"where": batch[p][0], "prompt": batch[p][1]["record"]["prompt"],
-                                      "sample": i % sampling.num_samples, "completion": tok.decode(ids),
-                                      "tokens": ids, "logprobs": samples.logprobs[i, :len(ids)].tolist(),
-                                      "length": len(ids), "stop_reason": samples.stop_reason_name(i)}) + "\n")
+                out.write(
+                    json.dumps(
+                        {
+                            "where": batch[p][0],
+                            "prompt": batch[p][1]["record"]["prompt"],
+                            "sample": i % sampling.num_samples,
+                            "completion": tok.decode(ids),
+                            "tokens": ids,
+                            "logprobs": samples.logprobs[i, : len(ids)].tolist(),
+                            "length": len(ids),
+                            "stop_reason": samples.stop_reason_name(i),
+                        }
+                    )
+                    + "\n"
+                )
             bar.update(len(batch))
 
 

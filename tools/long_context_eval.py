@@ -20,8 +20,15 @@ from absl import app, flags
 flags.DEFINE_string("run", None, "posttrain run folder (workdir) to evaluate.", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
 flags.DEFINE_string("out", "", "Output folder (default: the run folder).")
-for _name, _kind in (("lengths", "string"), ("depths", "string"), ("kinds", "string"), ("samples", "integer"),
-                     ("hops", "integer"), ("max_new_tokens", "integer"), ("seed", "integer")):
+for _name, _kind in (
+    ("lengths", "string"),
+    ("depths", "string"),
+    ("kinds", "string"),
+    ("samples", "integer"),
+    ("hops", "integer"),
+    ("max_new_tokens", "integer"),
+    ("seed", "integer"),
+):
     getattr(flags, f"DEFINE_{_kind}")(_name, None, f"Overrides eval.long_context.{_name}.")
 FLAGS = flags.FLAGS
 
@@ -34,9 +41,11 @@ def load_model(cfg, step: int | None):
     from posttrain.core.state import abstract_model
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
+
     if cfg.lora.rank > 0:
-        raise app.UsageError(f"{cfg.workdir}: a LoRA run; export it with tools/convert_hf.py (adapters merged) "
-                             "and evaluate that")
+        raise app.UsageError(
+            f"{cfg.workdir}: a LoRA run; export it with tools/convert_hf.py (adapters merged) and evaluate that"
+        )
     mesh, rules = make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules.to_dict())
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     with use_sharding(mesh, rules):
@@ -54,6 +63,7 @@ def main(argv: list[str]) -> None:
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.eval.long_context_eval import evaluate, plot_heatmaps, summarize, write_rows
     from posttrain.parallel import use_sharding
+
     cfg = read_run_config(FLAGS.run)
     lc = cfg.eval.long_context
     for name in ("lengths", "depths", "kinds", "samples", "hops", "max_new_tokens", "seed"):

@@ -47,32 +47,41 @@ def row(model: str, mode: str, r: dict) -> str:
     p = r["parts"]
     mesh = "·".join(f"{k[0]}{v}" for k, v in r["mesh"].items() if v > 1)
     held = p.get("reference", 0) + p.get("frozen base", 0)
-    if r["program"] == "restore":                   # restore_report: the checkpoint's arrays, nothing compiled
+    if r["program"] == "restore":  # restore_report: the checkpoint's arrays, nothing compiled
         problems = f"{len(r['problems'])} sharding problems" if r["problems"] else "shards evenly"
-        return (f"| {model} | {mode} | restore | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
-                f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | – | {r['total'] / GB:.1f} | "
-                f"{'yes' if r['fits'] else '**no**'} | – | – ({r['arrays']} arrays, {problems}) | – | – |")
+        return (
+            f"| {model} | {mode} | restore | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
+            f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | – | {r['total'] / GB:.1f} | "
+            f"{'yes' if r['fits'] else '**no**'} | – | – ({r['arrays']} arrays, {problems}) | – | – |"
+        )
     if "total" in r:
         c = r["collectives"]
         coll = f"{sum(c.values()) / GB:.1f} ({', '.join(f'{k} {v / GB:.1f}' for k, v in c.items() if v)})"
-        if r.get("loop_iteration_collectives"):        # the sampler's decode loop, per token
-            coll += "; per decode step " + ", ".join(f"{k} {v / 1e6:.1f} MB"
-                                                     for k, v in r["loop_iteration_collectives"].items() if v)
-        return (f"| {model} | {mode} | {r['program']} | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
-                f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | {r['temporaries'] / GB:.1f} | "
-                f"{r['total'] / GB:.1f} | {'yes' if r['fits'] else '**no**'} | "
-                f"{max(r['xla_flops'], r['model_flops_per_device']) / 1e12:.0f} | {coll} | "
-                f"{r['step_s']:.2f} | {r['mfu']:.0%} |")
+        if r.get("loop_iteration_collectives"):  # the sampler's decode loop, per token
+            coll += "; per decode step " + ", ".join(
+                f"{k} {v / 1e6:.1f} MB" for k, v in r["loop_iteration_collectives"].items() if v
+            )
+        return (
+            f"| {model} | {mode} | {r['program']} | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
+            f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | {r['temporaries'] / GB:.1f} | "
+            f"{r['total'] / GB:.1f} | {'yes' if r['fits'] else '**no**'} | "
+            f"{max(r['xla_flops'], r['model_flops_per_device']) / 1e12:.0f} | {coll} | "
+            f"{r['step_s']:.2f} | {r['mfu']:.0%} |"
+        )
     a = r["analytic"]
     if a is None:
-        return (f"| {model} | {mode} | {r['program']} | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
-                f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | (not compiled) | ≥ {r['arguments'] / GB:.1f} | "
-                f"{'no' if r['arguments'] > r['hbm'] else '?'} | – | – (not modelled: compile it) | – | – |")
-    coll = ", ".join(f"{k} {v / GB:.1f}" for k, v in a["collectives"].items() if v)
-    return (f"| {model} | {mode} | {r['program']} | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
+        return (
+            f"| {model} | {mode} | {r['program']} | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
             f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | (not compiled) | ≥ {r['arguments'] / GB:.1f} | "
-            f"{'no' if r['arguments'] > r['hbm'] else '?'} | {a['executed_flops_per_device'] / 1e12:.0f} (analytic) | "
-            f"{sum(a['collectives'].values()) / GB:.1f} ({coll}) | {a['step_s']:.2f} | {mfu(a['mfu'])} |")
+            f"{'no' if r['arguments'] > r['hbm'] else '?'} | – | – (not modelled: compile it) | – | – |"
+        )
+    coll = ", ".join(f"{k} {v / GB:.1f}" for k, v in a["collectives"].items() if v)
+    return (
+        f"| {model} | {mode} | {r['program']} | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
+        f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | (not compiled) | ≥ {r['arguments'] / GB:.1f} | "
+        f"{'no' if r['arguments'] > r['hbm'] else '?'} | {a['executed_flops_per_device'] / 1e12:.0f} (analytic) | "
+        f"{sum(a['collectives'].values()) / GB:.1f} ({coll}) | {a['step_s']:.2f} | {mfu(a['mfu'])} |"
+    )
 
 
 def grid_cell(r: dict) -> str:
@@ -80,8 +89,10 @@ def grid_cell(r: dict) -> str:
     a = r["analytic"]
     if a is None:
         return "not modelled"
-    return (f"{a['executed_flops_per_device'] / 1e12:.0f} · {sum(a['collectives'].values()) / GB:.0f} · "
-            f"{a['step_s']:.2f} · {mfu(a['mfu'])}{' ✗' if r['arguments'] > r['hbm'] else ''}")
+    return (
+        f"{a['executed_flops_per_device'] / 1e12:.0f} · {sum(a['collectives'].values()) / GB:.0f} · "
+        f"{a['step_s']:.2f} · {mfu(a['mfu'])}{' ✗' if r['arguments'] > r['hbm'] else ''}"
+    )
 
 
 def mfu(x: float) -> str:
@@ -89,9 +100,11 @@ def mfu(x: float) -> str:
     return f"{x:.1%}" if x < 0.1 else f"{x:.0%}"
 
 
-HEADER = ("| model | mode | program | slice | mesh | params GB | opt GB | ref+frozen GB | temps GB | "
-          "total GB/chip | fits | TFLOP/chip | collective GB/chip | est. s | MFU |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| model | mode | program | slice | mesh | params GB | opt GB | ref+frozen GB | temps GB | "
+    "total GB/chip | fits | TFLOP/chip | collective GB/chip | est. s | MFU |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def main() -> None:
@@ -104,8 +117,12 @@ def main() -> None:
     ap.add_argument("--programs", default="", help="override the mode's programs (e.g. rl_learner)")
     ap.add_argument("--sampling_layout", default="learner", help="sampling.layout of the sampler: learner | tensor")
     ap.add_argument("--seq_len", type=int, default=0, help="tokens per row (0: the shapes' train.seq_len, 4096)")
-    ap.add_argument("--optim", default="adamw", help="optim.name: adamw | adafactor (the optimizer state's bytes follow)")
-    ap.add_argument("--moment_dtype", default="", help="optim.moment_dtype of adamw: '' (the params') | float32 | bfloat16")
+    ap.add_argument(
+        "--optim", default="adamw", help="optim.name: adamw | adafactor (the optimizer state's bytes follow)"
+    )
+    ap.add_argument(
+        "--moment_dtype", default="", help="optim.moment_dtype of adamw: '' (the params') | float32 | bfloat16"
+    )
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--json", default="")
     ap.add_argument("--grid", action="store_true", help="analytic numbers, one column per slice")
@@ -114,6 +131,7 @@ def main() -> None:
     from posttrain.compile_plan import plan
     from posttrain.config_schema import check_values
     from posttrain.parallel import aot, make_mesh, parse_rules
+
     out, grid = [], {}
     topologies = args.topologies.split(",")
     print(HEADER, flush=True)
@@ -124,16 +142,31 @@ def main() -> None:
                 programs = tuple(args.programs.split(","))
             for topology in args.topologies.split(","):
                 chips = len(aot.tpu_devices(topology))
-                cfg = configure(model, mode, chips, args.rows_per_chip,
-                                dict(name=args.optim, moment_dtype=args.moment_dtype), args.seq_len)
+                cfg = configure(
+                    model,
+                    mode,
+                    chips,
+                    args.rows_per_chip,
+                    dict(name=args.optim, moment_dtype=args.moment_dtype),
+                    args.seq_len,
+                )
                 check_values(cfg)
                 cfg.sampling.layout = args.sampling_layout
                 try:
-                    reports = plan(cfg, topology, programs, args.prompt_len, compile=args.compile,
-                                   log=lambda s: print(s, file=sys.stderr, flush=True))
-                except Exception as e:     # a mesh that cannot be built here is a row too
-                    print(f"| {model} | {mode} | – | {topology} | – | error: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:120]} |", flush=True)
+                    reports = plan(
+                        cfg,
+                        topology,
+                        programs,
+                        args.prompt_len,
+                        compile=args.compile,
+                        log=lambda s: print(s, file=sys.stderr, flush=True),
+                    )
+                except Exception as e:  # a mesh that cannot be built here is a row too
+                    print(
+                        f"| {model} | {mode} | – | {topology} | – | error: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:120]} |",
+                        flush=True,
+                    )
                     continue
                 mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(topology))
                 rules = parse_rules(cfg.sharding.rules.to_dict())
@@ -145,7 +178,7 @@ def main() -> None:
                         continue
                     try:
                         r["analytic"] = cost_model.program_cost(cfg, mesh, rules, r["program"], args.prompt_len, chip)
-                    except ValueError as e:     # not modelled (e.g. the sampler in the decode layout)
+                    except ValueError as e:  # not modelled (e.g. the sampler in the decode layout)
                         r["analytic"], r["analytic_error"] = None, str(e)
                     print(row(model, mode, r), flush=True)
                     out.append({"model": model, "mode": mode, **r})

@@ -25,8 +25,9 @@ from posttrain.sampling.prefix_cache import PrefixCache
 from posttrain.sampling.rules import SamplingParams
 
 
-def run_workload(policy, first: list[list[int]], tools: list[list[list[int]]], sampling: SamplingParams,
-                 cache: PrefixCache | None) -> tuple[float, list[list[int]]]:
+def run_workload(
+    policy, first: list[list[int]], tools: list[list[list[int]]], sampling: SamplingParams, cache: PrefixCache | None
+) -> tuple[float, list[list[int]]]:
     """All turns of the episodes (first prompts `first`, tools[t][e] the tool output after turn t):
     (seconds, final contexts)."""
     contexts, t0 = [list(p) for p in first], time.perf_counter()
@@ -36,8 +37,13 @@ def run_workload(policy, first: list[list[int]], tools: list[list[list[int]]], s
     return time.perf_counter() - t0, contexts
 
 
-def prefix_cache_bench(*, episodes: int = 8, turns: int = 4, rounds: int = 5,
-                       workloads: tuple[tuple[int, int, int], ...] = ((64, 32, 24), (448, 8, 24))) -> list[dict]:
+def prefix_cache_bench(
+    *,
+    episodes: int = 8,
+    turns: int = 4,
+    rounds: int = 5,
+    workloads: tuple[tuple[int, int, int], ...] = ((64, 32, 24), (448, 8, 24)),
+) -> list[dict]:
     """Rows per workload (system prompt tokens, new tokens per turn, tool output tokens): plain vs
     cached seconds per round, hit rate, per-round speed-up (median, min, max), seconds saved."""
     mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
@@ -51,7 +57,7 @@ def prefix_cache_bench(*, episodes: int = 8, turns: int = 4, rounds: int = 5,
         sampling = SamplingParams(temperature=1.0, max_new_tokens=new)
         times, stats = {"plain": [], "cached": []}, []
         with use_sharding(mesh, rules):
-            for r in range(rounds + 1):                       # round 0: compilation, not counted
+            for r in range(rounds + 1):  # round 0: compilation, not counted
                 plain_s, plain_ctx = run_workload(policy, first, tools, sampling, None)
                 cache = PrefixCache(1 << 20)
                 cached_s, cached_ctx = run_workload(policy, first, tools, sampling, cache)
@@ -63,10 +69,18 @@ def prefix_cache_bench(*, episodes: int = 8, turns: int = 4, rounds: int = 5,
                     stats.append(cache.stats)
         ratios = np.array(times["plain"]) / np.array(times["cached"])
         name = f"{episodes} episodes x {turns} turns, system {system_len}, new {new}, tool {tool_len}"
-        rows.append({"name": name, "plain s": float(np.median(times["plain"])),
-                     "cached s": float(np.median(times["cached"])), "hit rate": stats[-1].hit_rate,
-                     "prompt tokens": stats[-1].prompt_tokens, "from cache": stats[-1].hit_tokens,
-                     "x per round (median)": float(np.median(ratios)), "min": float(ratios.min()),
-                     "max": float(ratios.max()),
-                     "s saved (median)": float(np.median(np.array(times["plain"]) - np.array(times["cached"])))})
+        rows.append(
+            {
+                "name": name,
+                "plain s": float(np.median(times["plain"])),
+                "cached s": float(np.median(times["cached"])),
+                "hit rate": stats[-1].hit_rate,
+                "prompt tokens": stats[-1].prompt_tokens,
+                "from cache": stats[-1].hit_tokens,
+                "x per round (median)": float(np.median(ratios)),
+                "min": float(ratios.min()),
+                "max": float(ratios.max()),
+                "s saved (median)": float(np.median(np.array(times["plain"]) - np.array(times["cached"]))),
+            }
+        )
     return rows

@@ -48,7 +48,7 @@ def bench_config(workdir: str, steps: int):
     cfg = tiny_rlvr_config(workdir, steps)
     r = cfg.rl
     r.prompts_per_step, r.group_size, r.max_new_tokens, r.arithmetic_size = 8, 8, 64, 200
-    cfg.optim.lr = 1e-7                  # the length distribution stays what the weights set
+    cfg.optim.lr = 1e-7  # the length distribution stays what the weights set
     return cfg
 
 
@@ -64,8 +64,10 @@ def skewed_policy(cfg, p_stop: float):
     with use_sharding(mesh, rules):
         params, rest = init_model_state(lambda: Decoder(m, rngs=nnx.Rngs(0)), mesh, rules)
         flat = dict(nnx.to_flat_state(params))
-        for name, value in ((("embed",), flat[("embed",)][...] + 100 * math.sqrt(m.embed_dim) * u),
-                            (("head",), np.outer(u, logits) / math.sqrt(m.embed_dim))):
+        for name, value in (
+            (("embed",), flat[("embed",)][...] + 100 * math.sqrt(m.embed_dim) * u),
+            (("head",), np.outer(u, logits) / math.sqrt(m.embed_dim)),
+        ):
             flat[name][...] = jax.device_put(np.asarray(value, np.float32), flat[name][...].sharding)
     return params, rest
 
@@ -74,16 +76,18 @@ def rollout_rounds(cfg, params, rest, slot_configs: dict, rounds: int) -> list[d
     """Rollout throughput per round, static and each continuous setting back to back."""
     tok = load_tokenizer(cfg.data.tokenizer)
     domains, _ = make_domains(cfg, tok, make_reward_fn(cfg))
-    (name, domain), = domains.items()
+    ((name, domain),) = domains.items()
     sampling = loop.rollout_sampling(cfg, tok.stop_ids)
     graphdef = nnx.split(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))), nnx.Param, ...)[0]
     mesh, rules = mesh_and_rules(cfg)
     n, times, tokens = cfg.rl.prompts_per_step, {}, {}
     with concurrent.futures.ThreadPoolExecutor(4) as pool, use_sharding(mesh, rules):
-        workers = {label: RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, continuous=slots)
-                   for label, slots in {"static": None, **slot_configs}.items()}
-        batches = [[(name, t) for t in domain.tasks[r * n:(r + 1) * n]] for r in range(rounds)]
-        for r, tasks in enumerate(batches):                  # warm-up: compile every prompt bucket
+        workers = {
+            label: RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, continuous=slots)
+            for label, slots in {"static": None, **slot_configs}.items()
+        }
+        batches = [[(name, t) for t in domain.tasks[r * n : (r + 1) * n]] for r in range(rounds)]
+        for r, tasks in enumerate(batches):  # warm-up: compile every prompt bucket
             for worker in workers.values():
                 worker.rollout(params, rest, tasks, jax.random.key(r))
         for r, tasks in enumerate(batches):
@@ -93,16 +97,25 @@ def rollout_rounds(cfg, params, rest, slot_configs: dict, rounds: int) -> list[d
                 times.setdefault(label, []).append(time.perf_counter() - t0)
                 tokens.setdefault(label, []).append(batch.info["new_tokens"])
             lengths = [len(t.tokens) - t.prompt_len for g in batch.groups for t in g.trajectories]
-            print(f"round {r}: response lengths median {np.median(lengths):.0f}, max {max(lengths)}; "
-                  + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
+            print(
+                f"round {r}: response lengths median {np.median(lengths):.0f}, max {max(lengths)}; "
+                + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
+                flush=True,
+            )
     rows = []
     for label, ts in times.items():
         if tokens[label] != tokens["static"]:
             raise RuntimeError(f"{label}: {tokens[label]} new tokens per round, static {tokens['static']}")
         ratios = np.array(times["static"]) / np.array(ts)
-        rows.append({"name": f"rollouts {label}", "new tokens/s (best)": max(np.array(tokens[label]) / ts),
-                     "x vs static per round (median)": float(np.median(ratios)), "min": float(ratios.min()),
-                     "max": float(ratios.max())})
+        rows.append(
+            {
+                "name": f"rollouts {label}",
+                "new tokens/s (best)": max(np.array(tokens[label]) / ts),
+                "x vs static per round (median)": float(np.median(ratios)),
+                "min": float(ratios.min()),
+                "max": float(ratios.max()),
+            }
+        )
     return rows
 
 
@@ -117,8 +130,12 @@ def loop_steps(cfg, init_from: str, slots: SlotConfig | None) -> list[float]:
     return [r["rl/wait_s"] + r["rl/update_s"] for r in read_metrics(cfg.workdir) if "rl/update_s" in r]
 
 
-def rl_continuous_bench(*, rounds: int = 5, p_stop: float = 0.1,
-                        slot_configs: tuple[SlotConfig, ...] = (SlotConfig(16, 4), SlotConfig(32, 8))) -> list[dict]:
+def rl_continuous_bench(
+    *,
+    rounds: int = 5,
+    p_stop: float = 0.1,
+    slot_configs: tuple[SlotConfig, ...] = (SlotConfig(16, 4), SlotConfig(32, 8)),
+) -> list[dict]:
     """Rows for BENCHMARKS.md: rollout throughput and RLVR steps/s, continuous vs static."""
     cfg = bench_config(tempfile.mkdtemp(), rounds + 2)
     params, rest = skewed_policy(cfg, p_stop)
@@ -132,8 +149,14 @@ def rl_continuous_bench(*, rounds: int = 5, p_stop: float = 0.1,
     for label, slots in labelled.items():
         steps = np.array(loop_steps(cfg.copy_and_resolve_references(), init_from, slots)[2:])
         ratios = static / steps
-        rows.append({"name": f"rlvr steps/s {label}", "steps/s": 1 / float(np.median(steps)),
-                     "static steps/s": 1 / float(np.median(static)),
-                     "x vs static per step (median)": float(np.median(ratios)), "min": float(ratios.min()),
-                     "max": float(ratios.max())})
+        rows.append(
+            {
+                "name": f"rlvr steps/s {label}",
+                "steps/s": 1 / float(np.median(steps)),
+                "static steps/s": 1 / float(np.median(static)),
+                "x vs static per step (median)": float(np.median(ratios)),
+                "min": float(ratios.min()),
+                "max": float(ratios.max()),
+            }
+        )
     return rows

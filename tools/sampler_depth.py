@@ -38,8 +38,9 @@ def main() -> None:
     from posttrain.parallel import aot, make_mesh, parse_rules, use_sharding
     from posttrain.sampling import engine
     from posttrain.sampling.generate import generate_program
+
     configure = runpy.run_path(os.path.join(ROOT, "tools", "pod_plan.py"))["configure"]
-    devices = aot.tpu_devices(args.topology)          # one set: meshes over new device objects clash
+    devices = aot.tpu_devices(args.topology)  # one set: meshes over new device objects clash
     gen, _ = aot.parse_topology(args.topology)
     for spec in args.specs:
         path, _, layers = spec.partition(":")
@@ -48,15 +49,18 @@ def main() -> None:
         cfg = configure(args.model, "rl", len(devices), 1)
         cfg.model.num_layers = int(layers)
         engine.decode_layers = (lambda m: m.layers()) if path == "unrolled" else (lambda m: None)
-        generate_program.clear_cache()                 # its trace depends on the layer path
+        generate_program.clear_cache()  # its trace depends on the layer path
         mesh, rules = make_mesh(cfg.mesh.to_dict(), devices), parse_rules(cfg.sharding.rules.to_dict())
         with use_sharding(mesh, rules):
             (program,) = cp.build_programs(cfg, mesh, rules, ("sampler",), args.prompt_len)
         start = cpu_seconds()
         compiled, wall = cp.compile_program(program, mesh, rules)
         report = cp.program_report(program, compiled, aot.CHIPS[gen], mesh.size)
-        print(f"| {path} | {layers} | {cpu_seconds() - start:.0f} | {wall:.0f} | {len(compiled.as_text()) / 1e6:.1f} | "
-              f"{report['total'] / 1e9:.2f} |", flush=True)
+        print(
+            f"| {path} | {layers} | {cpu_seconds() - start:.0f} | {wall:.0f} | {len(compiled.as_text()) / 1e6:.1f} | "
+            f"{report['total'] / 1e9:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

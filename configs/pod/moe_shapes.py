@@ -32,10 +32,26 @@ def get_config(spec: str = "qwen3_30b_a3b:sft_full"):
     name, _, mode = spec.partition(":")
     mode = mode or "sft_full"
     if name not in MODELS or mode not in MODES:
-        raise ValueError(f"config spec {spec!r}: expected MODEL:MODE with MODEL in {sorted(MODELS)} "
-                         f"and MODE in {MODES}")
-    (vocab, dim, layers, heads, kv, head_dim, mlp, first_dense, experts, top_k, expert_mlp, shared,
-     router, scaling, expert_ways) = MODELS[name]
+        raise ValueError(
+            f"config spec {spec!r}: expected MODEL:MODE with MODEL in {sorted(MODELS)} and MODE in {MODES}"
+        )
+    (
+        vocab,
+        dim,
+        layers,
+        heads,
+        kv,
+        head_dim,
+        mlp,
+        first_dense,
+        experts,
+        top_k,
+        expert_mlp,
+        shared,
+        router,
+        scaling,
+        expert_ways,
+    ) = MODELS[name]
     cfg = base_config()
     cfg.stage = "rlvr" if mode == "rl" else "sft"
     cfg.workdir = f"gs://BUCKET/runs/{name}-{mode}"
@@ -48,7 +64,7 @@ def get_config(spec: str = "qwen3_30b_a3b:sft_full"):
     m.param_dtype, m.dtype, m.remat = "bfloat16", "bfloat16", "full"
     moe = m.moe
     moe.num_experts = experts
-    if experts:     # a dense model (llama3_8b) keeps the moe defaults: they take no effect, top_k=0 is invalid
+    if experts:  # a dense model (llama3_8b) keeps the moe defaults: they take no effect, top_k=0 is invalid
         moe.top_k, moe.expert_mlp_dim, moe.first_dense = top_k, expert_mlp, first_dense
         moe.num_shared_experts, moe.shared_mlp_dim = shared, expert_mlp
         moe.router, moe.routed_scaling, moe.norm_topk_prob = router, scaling, True

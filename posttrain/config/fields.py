@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 from posttrain.errors import UserError
 
 CHOICE, BOUNDS = "choice", "bounds"
-KINDS = (CHOICE, BOUNDS)        # the order a field's declarations are checked in
-COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}   # bounded's order
+KINDS = (CHOICE, BOUNDS)  # the order a field's declarations are checked in
+COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}  # bounded's order
 
 
 def choice(values: tuple) -> Any:
@@ -40,8 +40,9 @@ def check_value(key: str, value, field: dataclasses.Field, kind: str) -> None:
     if kind == BOUNDS and BOUNDS in field.metadata:
         bounds = [(op, b) for op, b in zip(COMPARE, field.metadata[BOUNDS]) if b is not None]
         if not all(COMPARE[op](value, b) for op, b in bounds):
-            raise UserError(f"config.{key}={value!r}: expected {' and '.join(f'{op} {b}' for op, b in bounds)}",
-                            key=key)
+            raise UserError(
+                f"config.{key}={value!r}: expected {' and '.join(f'{op} {b}' for op, b in bounds)}", key=key
+            )
 
 
 def join(key: str, name: str) -> str:
@@ -63,7 +64,7 @@ class Section:
 
     def __post_init__(self):
         own = [f for f in value_fields(type(self)) if f.name not in nested_sections(type(self))]
-        for kind in KINDS:          # nested sections checked themselves when they were built
+        for kind in KINDS:  # nested sections checked themselves when they were built
             for f in own:
                 check_value(join(self.key, f.name), getattr(self, f.name), f, kind)
         self.check_rules()
@@ -81,7 +82,7 @@ class Section:
                 value = nested_sections(cls)[f.name].from_config(value, join(key, f.name))
             elif isinstance(value, list):
                 value = tuple(value)
-            elif hasattr(value, "to_dict"):      # a free-form group (sharding.rules): a read-only dict
+            elif hasattr(value, "to_dict"):  # a free-form group (sharding.rules): a read-only dict
                 value = types.MappingProxyType(value.to_dict())
             values[f.name] = value
         return cls(key=key, **values)
@@ -97,8 +98,11 @@ def value_fields(cls) -> tuple[dataclasses.Field, ...]:
 def nested_sections(cls) -> dict[str, type[Section]]:
     """Field name → section class, for the fields of `cls` that are sections themselves."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in value_fields(cls)
-            if isinstance(hints[f.name], type) and issubclass(hints[f.name], Section)}
+    return {
+        f.name: hints[f.name]
+        for f in value_fields(cls)
+        if isinstance(hints[f.name], type) and issubclass(hints[f.name], Section)
+    }
 
 
 def node_values(cls, node, key: str) -> list[tuple[dataclasses.Field, Any]]:
@@ -107,8 +111,10 @@ def node_values(cls, node, key: str) -> list[tuple[dataclasses.Field, Any]]:
     fields = value_fields(cls)
     names, keys = {f.name for f in fields}, set(node.keys())
     if names != keys:
-        raise TypeError(f"config.{key or '<top>'} and {cls.__name__} disagree: keys without a field: "
-                        f"{sorted(keys - names)}, fields without a key: {sorted(names - keys)}")
+        raise TypeError(
+            f"config.{key or '<top>'} and {cls.__name__} disagree: keys without a field: "
+            f"{sorted(keys - names)}, fields without a key: {sorted(names - keys)}"
+        )
     return [(f, node[f.name]) for f in fields]
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 from posttrain.config.fields import Section, bounded, choice, section
 from posttrain.errors import UserError
 
-ATTENTION_KERNELS = ("xla", "blockwise", "cudnn", "splash")   # models.attention
-ROPE_SCALINGS = ("", "linear", "dynamic", "yarn", "llama3")    # models.attention.RopeScaling
-CONTEXT_PARALLEL = ("all_gather", "ring", "auto")              # ops.context_parallel
-REMAT_MODES = ("none", "full", "dots")                          # models.decoder.REMAT_POLICIES, and none
-DTYPES = ("float32", "bfloat16", "float16")                     # models.layers
-MOE_ROUTERS = ("softmax", "sigmoid")                            # models.moe.layer
-DISPATCHES = ("auto", "ragged", "padded")                       # models.moe.dispatch
+ATTENTION_KERNELS = ("xla", "blockwise", "cudnn", "splash")  # models.attention
+ROPE_SCALINGS = ("", "linear", "dynamic", "yarn", "llama3")  # models.attention.RopeScaling
+CONTEXT_PARALLEL = ("all_gather", "ring", "auto")  # ops.context_parallel
+REMAT_MODES = ("none", "full", "dots")  # models.decoder.REMAT_POLICIES, and none
+DTYPES = ("float32", "bfloat16", "float16")  # models.layers
+MOE_ROUTERS = ("softmax", "sigmoid")  # models.moe.layer
+DISPATCHES = ("auto", "ragged", "padded")  # models.moe.dispatch
 
 
 @section
@@ -56,8 +56,10 @@ class MoEConfig(Section):
     def check_rules(self) -> None:
         """A token picks at most every expert."""
         if self.num_experts and self.top_k > self.num_experts:
-            raise UserError(f"config.{self.key}.top_k={self.top_k}: expected <= {self.key}.num_experts="
-                            f"{self.num_experts}", key=f"{self.key}.top_k")
+            raise UserError(
+                f"config.{self.key}.top_k={self.top_k}: expected <= {self.key}.num_experts={self.num_experts}",
+                key=f"{self.key}.top_k",
+            )
 
 
 @section
@@ -89,5 +91,8 @@ class ModelConfig(Section):
     def check_rules(self) -> None:
         """Grouped-query attention: each KV head serves a whole number of query heads."""
         if self.num_heads % self.num_kv_heads:
-            raise UserError(f"config.{self.key}.num_kv_heads={self.num_kv_heads} must divide {self.key}.num_heads="
-                            f"{self.num_heads} (grouped-query attention)", key=f"{self.key}.num_kv_heads")
+            raise UserError(
+                f"config.{self.key}.num_kv_heads={self.num_kv_heads} must divide {self.key}.num_heads="
+                f"{self.num_heads} (grouped-query attention)",
+                key=f"{self.key}.num_kv_heads",
+            )

@@ -6,14 +6,14 @@ from __future__ import annotations
 from posttrain.config.fields import Section, bounded, choice, section
 from posttrain.config.train import StageConfig
 
-ENVS = ("single", "tool")           # rl.tasks.registry: one answer per sample, or multi-turn episodes with tools
-ADVANTAGE_METHODS = ("grpo", "drgrpo", "rloo", "gae")      # rl.algo.advantages
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")   # rl.algo.losses
-KL_ESTIMATORS = ("k1", "k2", "k3")                        # rl.algo.losses
-RATIO_LEVELS = ("token", "sequence")                      # rl.algo.losses
-QUANT_MODES = ("none", "int8", "int4")                    # models.quant
-SAMPLING_LAYOUTS = ("learner", "tensor")                  # sampling.layout
-ALERT_MODES = ("off", "warn", "stop")                     # core.alerts.MODES
+ENVS = ("single", "tool")  # rl.tasks.registry: one answer per sample, or multi-turn episodes with tools
+ADVANTAGE_METHODS = ("grpo", "drgrpo", "rloo", "gae")  # rl.algo.advantages
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")  # rl.algo.losses
+KL_ESTIMATORS = ("k1", "k2", "k3")  # rl.algo.losses
+RATIO_LEVELS = ("token", "sequence")  # rl.algo.losses
+QUANT_MODES = ("none", "int8", "int4")  # models.quant
+SAMPLING_LAYOUTS = ("learner", "tensor")  # sampling.layout
+ALERT_MODES = ("off", "warn", "stop")  # core.alerts.MODES
 
 
 @section

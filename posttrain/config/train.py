@@ -6,14 +6,14 @@ from __future__ import annotations
 from posttrain.config.fields import Section, bounded, choice, section
 from posttrain.errors import UserError
 
-OPTIMIZERS = ("adamw", "adafactor")              # core.optim
-MOMENT_DTYPES = ("", "float32", "bfloat16")      # core.optim; "": the parameters' dtype
+OPTIMIZERS = ("adamw", "adafactor")  # core.optim
+MOMENT_DTYPES = ("", "float32", "bfloat16")  # core.optim; "": the parameters' dtype
 # Keys one optimizer reads and the other does not (core.optim.make_optimizer): a value other than
 # the default is refused under the other optimizer rather than ignored.
 OPTIMIZER_ONLY = {"adamw": ("b1", "b2", "eps", "moment_dtype"), "adafactor": ("factored_min_dim",)}
-ON_ERROR = ("raise", "skip")                     # data.sources
-SYNTHETIC_DATA = ("", "arithmetic", "long_context")   # stages.data_files
-DPO_LOSSES = ("sigmoid", "ipo")                  # stages.losses
+ON_ERROR = ("raise", "skip")  # data.sources
+SYNTHETIC_DATA = ("", "arithmetic", "long_context")  # stages.data_files
+DPO_LOSSES = ("sigmoid", "ipo")  # stages.losses
 
 
 @section
@@ -51,14 +51,17 @@ class OptimConfig(Section):
     def check_rules(self) -> None:
         """A key only the other optimizer reads keeps its default."""
         from posttrain.config.defaults import optim_config
+
         default = optim_config()
         for owner, keys in OPTIMIZER_ONLY.items():
             for key in keys if self.name != owner else ():
                 value = getattr(self, key)
                 if value != default[key]:
-                    raise UserError(f"config.{self.key}.{key}={value!r} applies to {self.key}.name={owner!r} only; "
-                                    f"{self.key}.name={self.name!r} does not read it (leave it {default[key]!r})",
-                                    key=f"{self.key}.{key}")
+                    raise UserError(
+                        f"config.{self.key}.{key}={value!r} applies to {self.key}.name={owner!r} only; "
+                        f"{self.key}.name={self.name!r} does not read it (leave it {default[key]!r})",
+                        key=f"{self.key}.{key}",
+                    )
 
 
 @section

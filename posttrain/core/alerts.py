@@ -30,10 +30,10 @@ from typing import Any
 
 from posttrain.config import ALERT_MODES as MODES
 
-WARMUP = 5            # earlier rows a running statistic needs before its rule may fire
-DECAY = 0.9           # exponential running mean / variance: weight of the past
-MIN_STD = 0.05        # floor on the reward's running std (a constant reward would make every change infinite)
-STALL_ROWS = 2        # consecutive slow rows before throughput_stall fires
+WARMUP = 5  # earlier rows a running statistic needs before its rule may fire
+DECAY = 0.9  # exponential running mean / variance: weight of the past
+MIN_STD = 0.05  # floor on the reward's running std (a constant reward would make every change infinite)
+STALL_ROWS = 2  # consecutive slow rows before throughput_stall fires
 
 
 class AlertStop(RuntimeError):
@@ -43,6 +43,7 @@ class AlertStop(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Alert:
     """One firing of rule `rule` at `step`: the observed `value` against `threshold`."""
+
     rule: str
     step: int
     value: float
@@ -116,8 +117,10 @@ class AlertMonitor:
             raise ValueError(f"alerts: unknown rules {sorted(unknown)}; valid: {sorted(RULES)}")
         negative = {k: v for k, v in thresholds.items() if v < 0}
         if negative:
-            raise ValueError("alerts: thresholds must be >= 0 (0 turns a rule off), got "
-                             + ", ".join(f"alerts.{k}={v}" for k, v in negative.items()))
+            raise ValueError(
+                "alerts: thresholds must be >= 0 (0 turns a rule off), got "
+                + ", ".join(f"alerts.{k}={v}" for k, v in negative.items())
+            )
         if mode not in MODES:
             raise ValueError(f"alerts.on={mode!r}: expected one of {', '.join(MODES)}")
         self.thresholds, self.nonfinite, self.mode = dict(thresholds), nonfinite, mode
@@ -146,7 +149,7 @@ class AlertMonitor:
             self.seen[rule] += 1
             threshold, run = self.thresholds.get(rule, 0.0), self.running[rule]
             if kind == "stall" and self.seen[rule] == 1:
-                continue          # the first interval includes compilation
+                continue  # the first interval includes compilation
             fired = self._fires(kind, x, threshold, run)
             if kind == "stall":
                 # One slow interval is usually an evaluation or a checkpoint inside it: a stall must
@@ -178,7 +181,7 @@ class AlertMonitor:
         ratio = x / run.mean if run.mean > 0 else math.inf
         if kind == "growth":
             return ratio if ratio > threshold else None
-        return ratio if ratio < threshold else None           # stall
+        return ratio if ratio < threshold else None  # stall
 
     def check(self, step: int, metrics: dict[str, Any], writer=None, bar=None) -> list[Alert]:
         """`update`, then report: a warning log line, an event row per alert in `writer`, the rule
@@ -191,8 +194,10 @@ class AlertMonitor:
         if alerts and bar is not None:
             bar.set_postfix_str(f"{bar.postfix + ', ' if bar.postfix else ''}alert={'+'.join(a.rule for a in alerts)}")
         if alerts and self.mode == "stop":
-            raise AlertStop(f"run stopped at step {step} by alerts.on='stop': "
-                            + "; ".join(f"{a.rule}: {a.message}" for a in alerts))
+            raise AlertStop(
+                f"run stopped at step {step} by alerts.on='stop': "
+                + "; ".join(f"{a.rule}: {a.message}" for a in alerts)
+            )
         return alerts
 
 

@@ -19,11 +19,14 @@ def put_batch(batch: dict, axes: dict[str, tuple[str, ...]] | None = None) -> di
 
     def put(k, v):
         v = np.asarray(v)
-        names = (axes or {}).get(k, ("batch", "length")[:v.ndim])
+        names = (axes or {}).get(k, ("batch", "length")[: v.ndim])
         shape = (v.shape[0] * processes, *v.shape[1:]) if v.ndim else v.shape
         sharding = named_sharding(names, shape)
         if processes > 1 and v.ndim and sharding.is_fully_replicated:
-            raise ValueError(f"batch[{k!r}]: {shape[0]} rows over {processes} processes, but the batch axes "
-                             f"{sharding.mesh.shape} do not split them; make the batch size a multiple of them")
+            raise ValueError(
+                f"batch[{k!r}]: {shape[0]} rows over {processes} processes, but the batch axes "
+                f"{sharding.mesh.shape} do not split them; make the batch size a multiple of them"
+            )
         return jax.make_array_from_process_local_data(sharding, v, shape)
+
     return {k: put(k, v) for k, v in batch.items()}

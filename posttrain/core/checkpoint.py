@@ -42,9 +42,12 @@ def _leaves_finite(leaves: list[jax.Array]) -> jax.Array:
 
 def first_nonfinite(trees: dict[str, Any]) -> str | None:
     """The path ("params/…/w") of the first floating-point leaf holding NaN/inf, or None."""
-    named = [(f"{name}/{jax.tree_util.keystr(path, simple=True, separator='/')}", x)
-             for name, tree in trees.items() for path, x in jax.tree_util.tree_leaves_with_path(tree)
-             if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    named = [
+        (f"{name}/{jax.tree_util.keystr(path, simple=True, separator='/')}", x)
+        for name, tree in trees.items()
+        for path, x in jax.tree_util.tree_leaves_with_path(tree)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
     if not named:
         return None
     ok = np.asarray(_leaves_finite([x for _, x in named]))
@@ -72,8 +75,10 @@ class Checkpointer:
         self.directory = directory
         self.manager = ocp.CheckpointManager(
             directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                                 create=create, read_only=not create))
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, enable_async_checkpointing=async_save, create=create, read_only=not create
+            ),
+        )
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""
@@ -86,8 +91,7 @@ class Checkpointer:
     def should_save(self, step: int, last_step: int) -> bool:
         return self.every > 0 and (step % self.every == 0 or step == last_step)
 
-    def save(self, step: int, trees: dict[str, Any], *, data: dict | None = None,
-             meta: dict | None = None) -> None:
+    def save(self, step: int, trees: dict[str, Any], *, data: dict | None = None, meta: dict | None = None) -> None:
         """Start saving named pytrees of arrays (e.g. params, opt_state) with JSON `data` (the data
         iterator's state) and `meta` (config, seed) at `step`.
 
@@ -98,8 +102,10 @@ class Checkpointer:
         bad = first_nonfinite(trees)
         if bad is not None:
             self.wait()
-            raise NonFiniteCheckpoint(f"refusing to save checkpoint {step} in {self.directory}: {bad} holds NaN/inf; "
-                                      f"the newest saved checkpoint ({self.latest_step()}) is kept as it is")
+            raise NonFiniteCheckpoint(
+                f"refusing to save checkpoint {step} in {self.directory}: {bad} holds NaN/inf; "
+                f"the newest saved checkpoint ({self.latest_step()}) is kept as it is"
+            )
         items = {k: ocp.args.StandardSave(v) for k, v in trees.items() if jax.tree.leaves(v)}
         items.update(data=ocp.args.JsonSave(data or {}), meta=ocp.args.JsonSave(meta or {}))
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -109,8 +115,9 @@ class Checkpointer:
         the data and meta JSON of checkpoint `step`. Items not asked for are not read; empty
         trees (nothing was saved for them) come back as given."""
         items = {k: ocp.args.StandardRestore(v) for k, v in abstract.items() if jax.tree.leaves(v)}
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            **items, data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+        out = self.manager.restore(
+            step, args=ocp.args.Composite(**items, data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
+        )
         logging.info("restored checkpoint %d from %s", step, self.manager.directory)
         return {k: out[k] if k in items else v for k, v in abstract.items()}, out["data"], out["meta"]
 
@@ -122,24 +129,31 @@ class Checkpointer:
             if not jax.tree.leaves(target) or not folder.exists():
                 continue
             saved = ocp.StandardCheckpointHandler().metadata(folder)
-            saved = {_names(p): x for p, x in jax.tree_util.tree_leaves_with_path(
-                getattr(saved, "tree", saved), is_leaf=lambda x: _shape_of(x) is not None)}
+            saved = {
+                _names(p): x
+                for p, x in jax.tree_util.tree_leaves_with_path(
+                    getattr(saved, "tree", saved), is_leaf=lambda x: _shape_of(x) is not None
+                )
+            }
             for path, x in jax.tree_util.tree_leaves_with_path(target):
                 old = saved.get(_names(path))
                 if old is not None and _shape_of(old) != _shape_of(x):
                     names = _names(path)
                     where = "/".join((name, *(names[:-1] if names[-1] == "value" else names)))
-                    raise ShapeMismatch(f"checkpoint {self.directory}/{step}: {where} has shape {_shape_of(old)}, "
-                                        f"the model expects {_shape_of(x)}", path=f"{self.directory}/{step}")
+                    raise ShapeMismatch(
+                        f"checkpoint {self.directory}/{step}: {where} has shape {_shape_of(old)}, "
+                        f"the model expects {_shape_of(x)}",
+                        path=f"{self.directory}/{step}",
+                    )
 
-    def restore_newest(self, abstract: dict[str, Any], *, at_most: int | None = None
-                       ) -> tuple[int, dict[str, Any], dict, dict] | None:
+    def restore_newest(
+        self, abstract: dict[str, Any], *, at_most: int | None = None
+    ) -> tuple[int, dict[str, Any], dict, dict] | None:
         """(step, trees, data, meta) of the newest readable checkpoint (at or below `at_most`), or
         None if there is none. An unreadable one is skipped with a warning naming it; if none can
         be read the error lists each with its reason."""
         self.manager.reload()
-        steps = sorted((s for s in self.manager.all_steps() if at_most is None or s <= at_most),
-                       reverse=True)
+        steps = sorted((s for s in self.manager.all_steps() if at_most is None or s <= at_most), reverse=True)
         failed = []
         for step in steps:
             try:
@@ -149,15 +163,22 @@ class Checkpointer:
                 return (step, *out)
             except ShapeMismatch:
                 raise
-            except Exception as e:     # orbax / tensorstore / JSON: whatever a damaged folder raises
+            except Exception as e:  # orbax / tensorstore / JSON: whatever a damaged folder raises
                 reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
                 failed.append(f"{step} ({reason})")
-                logging.warning("checkpoint %s/%d cannot be read (%s); %s", self.directory, step, reason,
-                                "trying the previous one" if step != steps[-1] else "no older checkpoint")
+                logging.warning(
+                    "checkpoint %s/%d cannot be read (%s); %s",
+                    self.directory,
+                    step,
+                    reason,
+                    "trying the previous one" if step != steps[-1] else "no older checkpoint",
+                )
         if failed:
-            raise UserError(f"no readable checkpoint in {self.directory}: {'; '.join(failed)}. Move the damaged "
-                            "step folders (or the whole checkpoints folder, to start over) out of the way",
-                            path=self.directory)
+            raise UserError(
+                f"no readable checkpoint in {self.directory}: {'; '.join(failed)}. Move the damaged "
+                "step folders (or the whole checkpoints folder, to start over) out of the way",
+                path=self.directory,
+            )
         return None
 
     def _set_aside(self, steps: list[int]) -> None:
@@ -173,6 +194,7 @@ class Checkpointer:
         if steps:
             if jax.process_count() > 1:
                 from jax.experimental import multihost_utils
+
                 multihost_utils.sync_global_devices("posttrain_checkpoint_set_aside")
             self.manager.reload()
 

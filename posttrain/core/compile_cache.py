@@ -22,8 +22,7 @@ OFF = ("off", "none", "false", "0")
 def compilation_cache_dir(setting: str) -> str | None:
     """The cache folder `setting` (see the module doc) resolves to, or None when off."""
     if not isinstance(setting, str) or not setting.strip():
-        raise UserError(f"compilation_cache={setting!r}: expected 'auto', 'off' or a folder",
-                        key="compilation_cache")
+        raise UserError(f"compilation_cache={setting!r}: expected 'auto', 'off' or a folder", key="compilation_cache")
     if setting == "auto":
         setting = os.environ.get(ENV, "").strip() or os.path.join(user_cache_dir(), "jax")
     if setting.lower() in OFF:

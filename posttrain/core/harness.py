@@ -35,10 +35,10 @@ class Result:
     state: TrainState
     rows: list[dict]
     eval: dict
-    train_step_compiles: int = 0      # programs the train step compiled: one per sequence-length stage run
+    train_step_compiles: int = 0  # programs the train step compiled: one per sequence-length stage run
 
 
-CHECKPOINT_ITEMS = ("params", "rest", "opt_state")   # the step is the checkpoint's own number
+CHECKPOINT_ITEMS = ("params", "rest", "opt_state")  # the step is the checkpoint's own number
 
 
 def restore_target(state_shapes: TrainState, shardings: TrainState) -> dict[str, Any]:
@@ -55,17 +55,27 @@ def check_optimizer_matches(ckpt: Checkpointer, step: int, optim_name: str) -> N
     without the `optim` meta key predate the choice and hold AdamW's state."""
     try:
         saved = ckpt.restore(step, {})[2].get("optim", "adamw")
-    except Exception:      # an unreadable newest checkpoint: restore_newest reports it and falls back
+    except Exception:  # an unreadable newest checkpoint: restore_newest reports it and falls back
         return
     if saved != optim_name:
-        raise UserError(f"config.optim.name={optim_name!r}: checkpoint {ckpt.directory}/{step} holds the state of "
-                        f"optim.name={saved!r}; resume with that optimizer, or start a new workdir (init_from "
-                        "the checkpoint's weights) to switch", key="optim.name")
+        raise UserError(
+            f"config.optim.name={optim_name!r}: checkpoint {ckpt.directory}/{step} holds the state of "
+            f"optim.name={saved!r}; resume with that optimizer, or start a new workdir (init_from "
+            "the checkpoint's weights) to switch",
+            key="optim.name",
+        )
 
 
-def starting_state(state: TrainState, shardings: TrainState, ckpt: Checkpointer, start: int,
-                   init_model=None, *, need_start_weights: bool = False,
-                   optim_name: str = "adamw") -> tuple[TrainState, tuple, dict]:
+def starting_state(
+    state: TrainState,
+    shardings: TrainState,
+    ckpt: Checkpointer,
+    start: int,
+    init_model=None,
+    *,
+    need_start_weights: bool = False,
+    optim_name: str = "adamw",
+) -> tuple[TrainState, tuple, dict]:
     """Where a run begins: the initial weights (`init_model`, e.g. init_from), then, when `start`
     > 0, the newest readable checkpoint at or before `start` (written with the same `optim_name`).
     Returns (state, start weights (params, rest), data JSON); `state.step` is the step the run
@@ -80,7 +90,7 @@ def starting_state(state: TrainState, shardings: TrainState, ckpt: Checkpointer,
         state = state.replace(rest=rest, **({"frozen": weights} if lora_on else {"params": weights}))
     start_weights = (state.frozen if lora_on else state.params, state.rest)
     data = {}
-    if start:      # the newest readable checkpoint: an unreadable newer one is skipped, with a warning
+    if start:  # the newest readable checkpoint: an unreadable newer one is skipped, with a warning
         check_optimizer_matches(ckpt, start, optim_name)
         found = ckpt.restore_newest(restore_target(jax.eval_shape(lambda: state), shardings), at_most=start)
         if found is not None:
@@ -103,8 +113,19 @@ class Harness:
     """A training run's fixed parts: its checkpointer, metrics writer (process 0 writes), progress
     bar and alert monitor; `start` is the newest checkpoint's step (0 for a fresh run)."""
 
-    def __init__(self, name: str, steps: int, ckpt: Checkpointer, writer: MetricsWriter, *, workdir: str,
-                 progress: bool, alerts: AlertMonitor, agree_every: int = 1, start: int = 0):
+    def __init__(
+        self,
+        name: str,
+        steps: int,
+        ckpt: Checkpointer,
+        writer: MetricsWriter,
+        *,
+        workdir: str,
+        progress: bool,
+        alerts: AlertMonitor,
+        agree_every: int = 1,
+        start: int = 0,
+    ):
         self.name, self.steps, self.ckpt, self.writer, self.workdir = name, steps, ckpt, writer, workdir
         self.progress, self.monitor, self.agree_every, self.start = progress, alerts, agree_every, start
         self._closed = False
@@ -113,8 +134,12 @@ class Harness:
     def open(cls, name: str, workdir: str, steps: int, checkpoint_cfg, **kw) -> Harness:
         """The harness of a run in `workdir`: its checkpoints (`checkpoint_cfg`: every, keep,
         async_save) and a metrics writer that drops rows past the newest checkpoint."""
-        ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=checkpoint_cfg.every,
-                            keep=checkpoint_cfg.keep, async_save=checkpoint_cfg.async_save)
+        ckpt = Checkpointer(
+            os.path.join(workdir, "checkpoints"),
+            every=checkpoint_cfg.every,
+            keep=checkpoint_cfg.keep,
+            async_save=checkpoint_cfg.async_save,
+        )
         start = ckpt.latest_step() or 0
         writer = MetricsWriter(workdir, enabled=jax.process_index() == 0, resume_step=start)
         return cls(name, steps, ckpt, writer, workdir=workdir, start=start, **kw)
@@ -132,8 +157,13 @@ class Harness:
     def bar(self, start: int) -> tqdm:
         """The progress bar over steps `start` … `steps − 1` (process 0, `train.progress`), saying
         that the first step compiles."""
-        bar = tqdm(range(start, self.steps), desc=self.name, initial=start, total=self.steps,
-                   disable=not self.progress or jax.process_index() != 0)
+        bar = tqdm(
+            range(start, self.steps),
+            desc=self.name,
+            initial=start,
+            total=self.steps,
+            disable=not self.progress or jax.process_index() != 0,
+        )
         compiling(bar, self.name)
         return bar
 
@@ -148,13 +178,22 @@ class Harness:
     def end_step(self, done: int, save: Callable[[], None]) -> None:
         """After `done` steps: checkpoint with `save()` when due (the metrics flushed first, so a
         gs:// metrics.jsonl has every row up to the checkpoint), then stop if a signal asked to."""
+
         def flushed_save():
             self.writer.flush()
             save()
+
         if saved := self.ckpt.should_save(done, self.steps):
             flushed_save()
-        interrupt.stop_if_requested(done, saved=saved, save=flushed_save, ckpt=self.ckpt, workdir=self.workdir,
-                                    writer=self.writer, agree_every=self.agree_every)
+        interrupt.stop_if_requested(
+            done,
+            saved=saved,
+            save=flushed_save,
+            ckpt=self.ckpt,
+            workdir=self.workdir,
+            writer=self.writer,
+            agree_every=self.agree_every,
+        )
 
     def close(self) -> None:
         """Wait for pending checkpoints and close the writer (once)."""

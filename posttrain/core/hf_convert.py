@@ -23,12 +23,22 @@ from posttrain.models.hf.config import model_config_from_hf, read_hf_config
 from posttrain.parallel.sharding import Rules, use_sharding
 
 # What a model folder needs besides the weights: tokenizer, chat template, generation defaults.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
 
 
-def hf_to_run(hf_dir: str, workdir: str, mesh: Mesh, rules: Rules, *, param_dtype: str = "float32",
-              progress: bool = True) -> ml_collections.ConfigDict:
+def hf_to_run(
+    hf_dir: str, workdir: str, mesh: Mesh, rules: Rules, *, param_dtype: str = "float32", progress: bool = True
+) -> ml_collections.ConfigDict:
     """Write HF folder `hf_dir` as step 0 of `{workdir}/checkpoints` (restorable on any mesh, so
     `init_from=workdir` works; workdir may be gs://) and the run config, which it returns, as
     `{workdir}/config.json`."""
@@ -51,8 +61,10 @@ def hf_to_run(hf_dir: str, workdir: str, mesh: Mesh, rules: Rules, *, param_dtyp
 def _merged_lora(cfg: ml_collections.ConfigDict, make, mesh: Mesh, rules: Rules) -> nnx.State:
     """Base weights of `cfg.init_from` with the newest LoRA adapters of `cfg.workdir` merged in."""
     if not cfg.init_from:
-        raise ValueError(f"lora.rank={cfg.lora.rank} but init_from is empty: a LoRA run's checkpoints hold only "
-                         "adapters; set init_from to the base model the run started from")
+        raise ValueError(
+            f"lora.rank={cfg.lora.rank} but init_from is empty: a LoRA run's checkpoints hold only "
+            "adapters; set init_from to the base model the run started from"
+        )
     base, _, _ = init.load_model_state(cfg.init_from, make, mesh, rules)
     abstract = jax.eval_shape(lambda p: lora.init_adapters(p, cfg.lora.targets, cfg.lora.rank, jax.random.key(0)), base)
     ckpt = Checkpointer(init.checkpoint_dir(cfg.workdir), every=0, keep=1, async_save=False)
@@ -66,8 +78,16 @@ def _merged_lora(cfg: ml_collections.ConfigDict, make, mesh: Mesh, rules: Rules)
     return jax.jit(lambda b, a: lora.merge(b, a, scale))(base, trees["params"])
 
 
-def run_to_hf(cfg: ml_collections.ConfigDict, out: str, mesh: Mesh, rules: Rules, *, hf_base: str = "",
-              dtype: str = "", progress: bool = True) -> dict:
+def run_to_hf(
+    cfg: ml_collections.ConfigDict,
+    out: str,
+    mesh: Mesh,
+    rules: Rules,
+    *,
+    hf_base: str = "",
+    dtype: str = "",
+    progress: bool = True,
+) -> dict:
     """Write the newest checkpoint of run `cfg` (`cfg.workdir`; under LoRA its adapters merged into
     the base weights of `cfg.init_from`) as HF folder `out`, and return the config.json written.
 
@@ -78,7 +98,7 @@ def run_to_hf(cfg: ml_collections.ConfigDict, out: str, mesh: Mesh, rules: Rules
     """
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     source = lineage.of_run(cfg.workdir)
-    if source == lineage.empty():        # e.g. adapters saved without meta: the run's init_from
+    if source == lineage.empty():  # e.g. adapters saved without meta: the run's init_from
         source = lineage.of_init(cfg.init_from)
     base = read_hf_config(hf_base) if hf_base else source["hf_config"]
     context = source["trained_context"]
@@ -90,8 +110,7 @@ def run_to_hf(cfg: ml_collections.ConfigDict, out: str, mesh: Mesh, rules: Rules
             params = _merged_lora(cfg, make, mesh, rules)
         else:
             params, _, _ = init.load_model_state(cfg.workdir, make, mesh, rules)
-        hf = save_hf(out, params, cfg.model, base_config=base, context=context, dtype=dtype or None,
-                     progress=progress)
+        hf = save_hf(out, params, cfg.model, base_config=base, context=context, dtype=dtype or None, progress=progress)
     if jax.process_index() == 0 and storage.isdir(cfg.data.tokenizer):
         for name in TOKENIZER_FILES:
             if storage.isfile(storage.join(cfg.data.tokenizer, name)):

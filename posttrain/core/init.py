@@ -27,10 +27,11 @@ def _exists(path: str) -> bool:
     if "://" not in path:
         return os.path.isdir(path)
     import fsspec
+
     try:
         fs, root = fsspec.core.url_to_fs(path)
         return fs.isdir(root)
-    except Exception as e:     # credentials, network: say which path and why, in one line
+    except Exception as e:  # credentials, network: say which path and why, in one line
         error = unreachable(path, e, "cannot be read")
         raise UserError(f"init_from={error}", key="init_from", path=path) from e
 
@@ -40,12 +41,16 @@ def require_init_from(path: str) -> None:
     cheap, so runs check it before anything compiles. Never creates the folder."""
     folder = path.removeprefix("hf:")
     if not _exists(folder):
-        raise UserError(f"init_from={path!r}: no such folder; give a run's workdir, its checkpoints folder or "
-                        "hf:/path/to/hf_model", key="init_from", path=path)
+        raise UserError(
+            f"init_from={path!r}: no such folder; give a run's workdir, its checkpoints folder or hf:/path/to/hf_model",
+            key="init_from",
+            path=path,
+        )
 
 
-def load_model_state(path: str, make_model: Callable[[], nnx.Module], mesh: Mesh,
-                     rules: Rules, *, step: int | None = None) -> tuple[nnx.State, nnx.State, int]:
+def load_model_state(
+    path: str, make_model: Callable[[], nnx.Module], mesh: Mesh, rules: Rules, *, step: int | None = None
+) -> tuple[nnx.State, nnx.State, int]:
     """(params, rest, step) of the newest checkpoint under `path` (or the one at `step`), for a
     model built by `make_model`, placed on `mesh` by `rules` (any mesh: restore reshards).
 
@@ -54,6 +59,7 @@ def load_model_state(path: str, make_model: Callable[[], nnx.Module], mesh: Mesh
     """
     if path.startswith("hf:"):
         from posttrain.models import hf  # safetensors is only needed here
+
         return (*hf.load_model_state(path.removeprefix("hf:"), make_model, mesh, rules), 0)
     require_init_from(path)
     ckpt = Checkpointer(checkpoint_dir(path), every=0, keep=1, async_save=False, create=False)
@@ -63,22 +69,33 @@ def load_model_state(path: str, make_model: Callable[[], nnx.Module], mesh: Mesh
     if step is None:
         raise FileNotFoundError(f"init_from={path!r}: no checkpoint found under {checkpoint_dir(path)}")
     _, params, rest = nnx.split(abstract_model(make_model), nnx.Param, ...)
-    target = {k: abstract_with_shardings(v, shardings_for(v, mesh, rules))
-              for k, v in (("params", params), ("rest", rest))}
+    target = {
+        k: abstract_with_shardings(v, shardings_for(v, mesh, rules)) for k, v in (("params", params), ("rest", rest))
+    }
     try:
         found = ckpt.restore_newest(target, at_most=step)
     except ShapeMismatch as e:
-        raise UserError(f"init_from={path!r} is a different model: {e}; init_from needs a checkpoint of the "
-                        "same model.* shapes (or hf:/folder for a Hugging Face model)", key="init_from",
-                        path=path) from None
+        raise UserError(
+            f"init_from={path!r} is a different model: {e}; init_from needs a checkpoint of the "
+            "same model.* shapes (or hf:/folder for a Hugging Face model)",
+            key="init_from",
+            path=path,
+        ) from None
     finally:
         ckpt.close()
     if found is None:
-        raise UserError(f"init_from={path!r}: no checkpoint under {checkpoint_dir(path)}; give a run's workdir or "
-                        "its checkpoints folder", key="init_from", path=path)
+        raise UserError(
+            f"init_from={path!r}: no checkpoint under {checkpoint_dir(path)}; give a run's workdir or "
+            "its checkpoints folder",
+            key="init_from",
+            path=path,
+        )
     if found[0] != step:
-        raise UserError(f"init_from={path!r}: the checkpoint at step {step} cannot be read (see the warning above)",
-                        key="init_from", path=path)
+        raise UserError(
+            f"init_from={path!r}: the checkpoint at step {step} cannot be read (see the warning above)",
+            key="init_from",
+            path=path,
+        )
     step, trees, _, _ = found
     return trees["params"], trees["rest"], step
 
@@ -89,14 +106,18 @@ def overlay(target: nnx.State, source: nnx.State) -> nnx.State:
     Lets a reward model (decoder + value head) start from a plain decoder checkpoint.
     """
     flat = dict(nnx.to_flat_state(source))
+
     def pick(path, v):
         if path in flat:
             new = flat[path]
             if new.shape != v.shape:
-                raise UserError(f"init_from: {'/'.join(map(str, path))} has shape {new.shape}, the model expects "
-                                f"{v.shape}", key="init_from")
+                raise UserError(
+                    f"init_from: {'/'.join(map(str, path))} has shape {new.shape}, the model expects {v.shape}",
+                    key="init_from",
+                )
             return new
         return v
+
     return nnx.from_flat_state([(p, pick(p, v)) for p, v in nnx.to_flat_state(target)])
 
 
@@ -111,4 +132,5 @@ def init_model_from(cfg, make_source):
         src_params, src_rest, step = load_model_state(cfg.init_from, make_source, mesh, rules)
         logging.info("init_from %s (step %d)", cfg.init_from, step)
         return overlay(params, src_params), overlay(rest, src_rest)
+
     return init

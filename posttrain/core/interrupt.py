@@ -46,11 +46,13 @@ class StopRequest:
         self.signum: int | None = None
 
     def handle(self, signum: int, frame) -> None:
-        if self.signum is not None:       # the second signal: stop now, without a checkpoint
+        if self.signum is not None:  # the second signal: stop now, without a checkpoint
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: aborted")
         self.signum = signum
-        sys.stderr.write(f"\n{signal.Signals(signum).name} received: finishing the current step and saving a "
-                         "checkpoint (send it again to abort at once)\n")
+        sys.stderr.write(
+            f"\n{signal.Signals(signum).name} received: finishing the current step and saving a "
+            "checkpoint (send it again to abort at once)\n"
+        )
         sys.stderr.flush()
 
 
@@ -78,7 +80,7 @@ def on_signal() -> Iterator[StopRequest]:
         _ACTIVE = None
         for s, handler in previous.items():
             signal.signal(s, handler)
-    if request.signum is not None:      # came after the last step's check: the stage is done, stop here
+    if request.signum is not None:  # came after the last step's check: the stage is done, stop here
         raise Interrupted(request.signum, None, None)
 
 
@@ -93,17 +95,20 @@ def agreed(signum: int | None, step: int, every: int) -> int | None:
     a collective; so every `every` steps (the same steps on each host) they all-gather their flags
     and all stop if any got one."""
     import jax
+
     if jax.process_count() == 1:
         return signum
     if step % max(every, 1):
         return None
     from jax.experimental import multihost_utils
+
     flags = np.asarray(multihost_utils.process_allgather(np.int32(signum or 0)))
     return int(flags.max()) or None
 
 
-def stop_if_requested(step: int, *, saved: bool, save: Callable[[], None], ckpt, workdir: str,
-                      writer=None, agree_every: int = 1) -> None:
+def stop_if_requested(
+    step: int, *, saved: bool, save: Callable[[], None], ckpt, workdir: str, writer=None, agree_every: int = 1
+) -> None:
     """At the end of a step (`step` updates done): if a signal asked to stop, save a checkpoint at
     `step` (unless the loop just `saved` one), wait until it is on disk, close `writer` (metrics),
     raise `Interrupted`. Multi-host runs agree on it every `agree_every` steps (see `agreed`)."""

@@ -36,6 +36,7 @@ def of_init(init_from: str, _depth: int = 0) -> dict:
         return empty()
     if init_from.startswith("hf:"):
         from posttrain.models.hf.config import read_hf_config  # models below train: import on use
+
         return {"hf_config": read_hf_config(init_from.removeprefix("hf:")), "trained_context": 0}
     return of_run(init_from, _depth)
 
@@ -47,6 +48,7 @@ def of_run(path: str, _depth: int = 0) -> dict:
     config a `convert_hf.py --from_hf` run stored, else the lineage of the run's own `init_from`.
     """
     from posttrain.core.init import checkpoint_dir
+
     fs, _ = fsspec.core.url_to_fs(path)
     if not fs.exists(path):
         return empty()
@@ -73,4 +75,3 @@ def _run_init_from(path: str) -> str:
         return ""
     with fsspec.open(file) as f:
         return json.load(f).get("init_from", "")
-

@@ -41,17 +41,18 @@ class TrainSpec:
     step (e.g. a frozen reference policy's params for DPO). batches yields host batches and may
     have get_state/set_state (saved in checkpoints) and a `skipped` count.
     """
+
     name: str
     make_model: Callable[[], nnx.Module]
     loss_fn: Callable[..., tuple[jax.Array, dict]]
     batches: Iterator[dict]
     # batches at another sequence length (train.seq_len_schedule); the iterators offer continue_from
     batches_for: Callable[[int], Iterator[dict]] | None = None
-    batch_axes: dict[str, tuple[str, ...]] | None = None   # per-key logical axes; default (batch, length)
+    batch_axes: dict[str, tuple[str, ...]] | None = None  # per-key logical axes; default (batch, length)
     extra: tuple = ()
-    eval_fn: Callable[[nnx.Module, int], dict] | None = None   # (model, step) → metrics
-    sample_fn: Callable[[nnx.Module, int], None] | None = None   # logs generations at eval time
-    init_model: Callable[[Any, Any], tuple[Any, Any]] | None = None   # (params, rest) → starting (params, rest)
+    eval_fn: Callable[[nnx.Module, int], dict] | None = None  # (model, step) → metrics
+    sample_fn: Callable[[nnx.Module, int], None] | None = None  # logs generations at eval time
+    init_model: Callable[[Any, Any], tuple[Any, Any]] | None = None  # (params, rest) → starting (params, rest)
 
 
 def run_eval(stage: TrainSpec, graphdef: nnx.GraphDef, state: TrainState, lora_cfg=None) -> dict:
@@ -77,28 +78,45 @@ def train(cfg, stage: TrainSpec) -> Result:
     steps = cfg.train.steps
     schedule = lr_schedule(cfg.optim, steps)
     tx = make_optimizer(cfg.optim, steps)
-    run = Harness.open(stage.name, cfg.workdir, steps, cfg.checkpoint, progress=cfg.train.progress,
-                       alerts=AlertMonitor.from_config(cfg.alerts), agree_every=cfg.train.log_every)
-    data = ScheduledBatches(parse_seq_len_schedule(cfg.train.seq_len_schedule, cfg.train.seq_len, steps),
-                            stage.batches, stage.batches_for, stage.name)
-    shards = mesh.shape["sequence"]      # > 1: rows in zig-zag order (causal balance of context parallelism)
+    run = Harness.open(
+        stage.name,
+        cfg.workdir,
+        steps,
+        cfg.checkpoint,
+        progress=cfg.train.progress,
+        alerts=AlertMonitor.from_config(cfg.alerts),
+        agree_every=cfg.train.log_every,
+    )
+    data = ScheduledBatches(
+        parse_seq_len_schedule(cfg.train.seq_len_schedule, cfg.train.seq_len, steps),
+        stage.batches,
+        stage.batches_for,
+        stage.name,
+    )
+    shards = mesh.shape["sequence"]  # > 1: rows in zig-zag order (causal balance of context parallelism)
     for length in parse_seq_len_schedule(cfg.train.seq_len_schedule, cfg.train.seq_len, steps).lengths:
         if shards > 1 and length % (2 * shards):
-            raise ValueError(f"train.seq_len={length} (or a train.seq_len_schedule stage): context parallelism over "
-                             f"mesh.sequence={shards} needs lengths divisible by 2 × {shards}")
+            raise ValueError(
+                f"train.seq_len={length} (or a train.seq_len_schedule stage): context parallelism over "
+                f"mesh.sequence={shards} needs lengths divisible by 2 × {shards}"
+            )
     rows, evals = [], {}
     with run.running(mesh, rules):
         graphdef, state, shardings = create_train_state(stage.make_model, tx, mesh, rules, cfg.lora, cfg.seed)
-        state, _, data_state = starting_state(state, shardings, run.ckpt, run.start, stage.init_model,
-                                              optim_name=cfg.optim.name)
-        start = int(state.step)       # older than the newest checkpoint if that one was unreadable
+        state, _, data_state = starting_state(
+            state, shardings, run.ckpt, run.start, stage.init_model, optim_name=cfg.optim.name
+        )
+        start = int(state.step)  # older than the newest checkpoint if that one was unreadable
         if start:
             states = data_state["processes"] if "processes" in data_state else [data_state]
             data.set_state(state_for_process(states, jax.process_index(), jax.process_count()) if states[0] else {})
         source = start_lineage(run.ckpt, start, cfg.init_from)
         trained = jnp.asarray(source.get("trained_context") or 0, jnp.int32)
-        step_fn = jax.jit(make_train_step(graphdef, tx, stage.loss_fn, schedule, cfg.lora),
-                          out_shardings=(shardings, None), donate_argnums=0)
+        step_fn = jax.jit(
+            make_train_step(graphdef, tx, stage.loss_fn, schedule, cfg.lora),
+            out_shardings=(shardings, None),
+            donate_argnums=0,
+        )
         bar = run.bar(start)
         t0, last = time.perf_counter(), start - 1
         counts = DataCounts(stage.name)
@@ -111,29 +129,44 @@ def train(cfg, stage: TrainSpec) -> Result:
             if step % cfg.train.log_every == 0 or step == steps - 1:
                 metrics = jax.device_get(metrics)
                 now = time.perf_counter()
-                if "tokens" in metrics:   # first interval includes compilation
+                if "tokens" in metrics:  # first interval includes compilation
                     metrics["tokens_per_s"] = float(metrics["tokens"]) * (step - last) / max(now - t0, 1e-9)
-                metrics.update(counts.read(step, data.batches))      # data/skipped, data/truncated
+                metrics.update(counts.read(step, data.batches))  # data/skipped, data/truncated
                 if data.staged:
                     metrics.update({"seq_len": data.length, "data/deferred": getattr(data.batches, "deferred", 0)})
                 rows.append(run.write(step, metrics))
                 check_nonfinite(metrics, cfg.train.max_nonfinite_steps, step, run.ckpt)
-                bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}", **({"tok/s": f"{metrics['tokens_per_s']:.0f}"}
-                                                                  if "tokens_per_s" in metrics else {}))
+                bar.set_postfix(
+                    loss=f"{rows[-1]['loss']:.4f}",
+                    **({"tok/s": f"{metrics['tokens_per_s']:.0f}"} if "tokens_per_s" in metrics else {}),
+                )
                 run.alert(step, rows[-1], bar)
                 t0, last = now, step
             done = step + 1
-            if stage.eval_fn is not None and (done == steps or cfg.train.eval_every and done % cfg.train.eval_every == 0):
+            if stage.eval_fn is not None and (
+                done == steps or cfg.train.eval_every and done % cfg.train.eval_every == 0
+            ):
                 evals = run_eval(stage, graphdef, state, cfg.lora)
                 rows.append(run.write(step, evals))
                 logging.info("%s step %d: %s", stage.name, done, summary(evals))
-                if stage.sample_fn is not None:      # every process: sampling runs on the global mesh
+                if stage.sample_fn is not None:  # every process: sampling runs on the global mesh
                     stage.sample_fn(nnx.merge(graphdef, model_params(state, cfg.lora), state.rest), step)
-            run.end_step(done, lambda: run.ckpt.save(
-                done, {k: getattr(state, k) for k in CHECKPOINT_ITEMS}, data={"processes": allgather_json(data.get_state())},
-                meta={"seed": cfg.seed, "stage": stage.name, "config": cfg.to_dict(), "optim": cfg.optim.name,
-                      lineage.KEY: lineage.merge(source, int(trained))}))
-        if stage.eval_fn is not None and not evals:      # resumed after the last step: gates still need it
+            run.end_step(
+                done,
+                lambda: run.ckpt.save(
+                    done,
+                    {k: getattr(state, k) for k in CHECKPOINT_ITEMS},
+                    data={"processes": allgather_json(data.get_state())},
+                    meta={
+                        "seed": cfg.seed,
+                        "stage": stage.name,
+                        "config": cfg.to_dict(),
+                        "optim": cfg.optim.name,
+                        lineage.KEY: lineage.merge(source, int(trained)),
+                    },
+                ),
+            )
+        if stage.eval_fn is not None and not evals:  # resumed after the last step: gates still need it
             evals = run_eval(stage, graphdef, state, cfg.lora)
             logging.info("%s step %d: %s", stage.name, int(state.step), summary(evals))
     logging.info("%s: finished %d steps in %s", stage.name, steps, cfg.workdir)

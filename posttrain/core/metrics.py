@@ -59,13 +59,14 @@ class MetricsWriter:
         rows at or past its own step too (a resume that fell back to an older checkpoint)."""
         self.enabled = enabled
         self.path = storage.join(workdir, "metrics.jsonl")
-        self._first = True      # the first write also drops rows at or past its step (see write)
+        self._first = True  # the first write also drops rows at or past its step (see write)
         self._tb = None
         if enabled:
             storage.makedirs(workdir)
             self._log = storage.AppendLog(self.path)
             self._keep_before(resume_step)
             from tensorboardX import SummaryWriter
+
             tb = storage.join(workdir, "tensorboard")
             if storage.is_url(tb):
                 _register_tensorboard_store(tb)
@@ -100,8 +101,11 @@ class MetricsWriter:
     def event(self, step: int, kind: str, **fields: Any) -> dict[str, Any]:
         """Record a non-scalar event (e.g. a health alert) as a row `{"step", "event": kind, ...}`
         in metrics.jsonl and as TensorBoard text under `events/{kind}`."""
-        row = {"step": int(step), "event": kind, **{k: to_python(v) if not isinstance(v, str) else v
-                                                     for k, v in fields.items()}}
+        row = {
+            "step": int(step),
+            "event": kind,
+            **{k: to_python(v) if not isinstance(v, str) else v for k, v in fields.items()},
+        }
         if not self.enabled:
             return row
         self._log.append(dumps(row) + "\n")
@@ -124,8 +128,11 @@ class MetricsWriter:
 
 def summary(row: dict[str, Any]) -> str:
     """A row's scalars as one console line: `eval/loss=0.8123 eval/accuracy=0.6`."""
-    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
-                    if k != "step" and isinstance(v, (int, float)))
+    return " ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in row.items()
+        if k != "step" and isinstance(v, (int, float))
+    )
 
 
 def compiling(bar, name: str) -> None:
@@ -150,8 +157,12 @@ class DataCounts:
         counts = {f"data/{k}": int(getattr(batches, k)) for k in ("skipped", "truncated") if hasattr(batches, k)}
         if counts.get("data/truncated", 0) > self.truncated:
             self.truncated = counts["data/truncated"]
-            logging.info("%s step %d: %d examples so far were longer than train.seq_len and cut to it "
-                         "(data.truncate=True)", self.stage, step, self.truncated)
+            logging.info(
+                "%s step %d: %d examples so far were longer than train.seq_len and cut to it (data.truncate=True)",
+                self.stage,
+                step,
+                self.truncated,
+            )
         return counts
 
 
@@ -186,11 +197,12 @@ class _StoreWriterFactory:
         return _StoreRecordWriter(path)
 
     def directory_check(self, path: str) -> None:
-        pass        # object stores have no folders
+        pass  # object stores have no folders
 
 
 def _register_tensorboard_store(url: str) -> None:
     """Make tensorboardX write event files under `url`'s protocol through fsspec (gcsfs for gs://,
     replacing tensorboardX's own google-cloud-storage writer: one set of credentials for all)."""
     from tensorboardX.record_writer import register_writer_factory
+
     register_writer_factory(url.split("://", 1)[0], _StoreWriterFactory())

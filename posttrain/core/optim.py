@@ -25,8 +25,12 @@ def lr_schedule(cfg, total_steps: int) -> optax.Schedule:
     """Linear warmup from 0 to `lr`, then cosine decay to `lr * min_lr_ratio` at `total_steps`."""
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
-        decay_steps=max(total_steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+        init_value=0.0,
+        peak_value=cfg.lr,
+        warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1),
+        end_value=cfg.lr * cfg.min_lr_ratio,
+    )
 
 
 def make_optimizer(cfg, total_steps: int) -> optax.GradientTransformation:
@@ -45,16 +49,32 @@ def make_optimizer(cfg, total_steps: int) -> optax.GradientTransformation:
     schedule = lr_schedule(cfg, total_steps)
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     if name == "adamw":
-        tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                         mask=decay_mask, mu_dtype=jnp.dtype(moment_dtype) if moment_dtype else None)
+        tx = optax.adamw(
+            schedule,
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=decay_mask,
+            mu_dtype=jnp.dtype(moment_dtype) if moment_dtype else None,
+        )
     else:
         if moment_dtype:
-            raise ValueError(f"optim.moment_dtype={moment_dtype!r}: adafactor keeps no first moment; "
-                             "leave it '' or use optim.name='adamw'")
+            raise ValueError(
+                f"optim.moment_dtype={moment_dtype!r}: adafactor keeps no first moment; "
+                "leave it '' or use optim.name='adamw'"
+            )
         min_dim, decay = cfg.get("factored_min_dim", 128), cfg.weight_decay
-        tx = with_factored_names(optax.adafactor(     # optax's second-moment decay (1 - t^-0.8) and eps
-            schedule, min_dim_size_to_factor=min_dim, multiply_by_parameter_scale=False,
-            weight_decay_rate=lambda count: decay * schedule(count), weight_decay_mask=decay_mask), min_dim)
+        tx = with_factored_names(
+            optax.adafactor(  # optax's second-moment decay (1 - t^-0.8) and eps
+                schedule,
+                min_dim_size_to_factor=min_dim,
+                multiply_by_parameter_scale=False,
+                weight_decay_rate=lambda count: decay * schedule(count),
+                weight_decay_mask=decay_mask,
+            ),
+            min_dim,
+        )
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(), tx)
 
 
@@ -82,29 +102,37 @@ def _unbox(tree):
 def _named_factored(state, params, min_dim: int):
     """Adafactor's state with each FactoredState statistic boxed in its parameter's Variable type
     carrying the logical names of the dims it keeps ((None,) for the (1,) placeholders)."""
+
     def names_of(p) -> tuple:
         return tuple(p.get_metadata().get("out_sharding") or (None,) * p.ndim)
 
     def box(kind):
         def one(p, stat):
-            if not _is_variable(p):     # a plain-array parameter: its statistics stay plain (replicated)
+            if not _is_variable(p):  # a plain-array parameter: its statistics stay plain (replicated)
                 return stat
             names, dims = names_of(p), factored_dims(p.shape, min_dim)
-            keep = {"v": None if dims else range(p.ndim), "v_row": dims and np.delete(range(p.ndim), dims[1]),
-                    "v_col": dims and np.delete(range(p.ndim), dims[0])}[kind]
+            keep = {
+                "v": None if dims else range(p.ndim),
+                "v_row": dims and np.delete(range(p.ndim), dims[1]),
+                "v_col": dims and np.delete(range(p.ndim), dims[0]),
+            }[kind]
             kept = (None,) if keep is None else tuple(names[i] for i in keep)
             want = (1,) if keep is None else tuple(p.shape[i] for i in keep)
-            if tuple(stat.shape) != want:   # optax changed its factoring rule: names would be wrong
-                raise ValueError(f"adafactor {kind} of a {tuple(p.shape)} parameter has shape "
-                                 f"{tuple(stat.shape)}, expected {want}")
+            if tuple(stat.shape) != want:  # optax changed its factoring rule: names would be wrong
+                raise ValueError(
+                    f"adafactor {kind} of a {tuple(p.shape)} parameter has shape {tuple(stat.shape)}, expected {want}"
+                )
             return p.replace(stat, out_sharding=kept)
+
         return one
 
     def fix(s):
         if not isinstance(s, optax.FactoredState):
             return s
-        return s._replace(**{k: jax.tree.map(box(k), params, getattr(s, k), is_leaf=_is_variable)
-                             for k in ("v_row", "v_col", "v")})
+        return s._replace(
+            **{k: jax.tree.map(box(k), params, getattr(s, k), is_leaf=_is_variable) for k in ("v_row", "v_col", "v")}
+        )
+
     return jax.tree.map(fix, state, is_leaf=lambda x: isinstance(x, optax.FactoredState))
 
 
@@ -115,6 +143,7 @@ def with_factored_names(tx: optax.GradientTransformation, min_dim: int) -> optax
     names onto statistics of another shape. So the inner transform sees unboxed arrays, and its
     state comes back boxed with the right names (`_named_factored`); updates get the grads' boxes.
     """
+
     def init(params):
         return _named_factored(tx.init(_unbox(params)), params, min_dim)
 
@@ -122,4 +151,5 @@ def with_factored_names(tx: optax.GradientTransformation, min_dim: int) -> optax
         raw, state = tx.update(_unbox(updates), _unbox(state), _unbox(params))
         boxed = jax.tree.map(lambda g, u: g.replace(u) if _is_variable(g) else u, updates, raw, is_leaf=_is_variable)
         return boxed, _named_factored(state, updates, min_dim)
+
     return optax.GradientTransformation(init, update)

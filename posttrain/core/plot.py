@@ -18,9 +18,23 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from posttrain import storage  # noqa: E402
 
-PREFERRED = ("eval/accuracy", "rl/reward_mean", "loss", "ce", "eval/loss", "eval/mean_accuracy", "eval/pass@4",
-             "eval/reward_accuracy", "dpo/margin", "rm/accuracy", "rl/entropy", "rl/kl", "grad_norm", "lr",
-             "tokens_per_s")
+PREFERRED = (
+    "eval/accuracy",
+    "rl/reward_mean",
+    "loss",
+    "ce",
+    "eval/loss",
+    "eval/mean_accuracy",
+    "eval/pass@4",
+    "eval/reward_accuracy",
+    "dpo/margin",
+    "rm/accuracy",
+    "rl/entropy",
+    "rl/kl",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+)
 
 
 def load_runs(workdir: str) -> dict[str, list[dict]]:
@@ -31,7 +45,7 @@ def load_runs(workdir: str) -> dict[str, list[dict]]:
         raise SystemExit(f"error: no metrics.jsonl in {workdir} or its stage folders")
     runs, root = {}, storage.join(workdir, "")
     for p in paths:
-        name = p[len(root):].rsplit("metrics.jsonl", 1)[0].strip("/") if p.startswith(root) else p
+        name = p[len(root) :].rsplit("metrics.jsonl", 1)[0].strip("/") if p.startswith(root) else p
         runs[name or "."] = [json.loads(l) for l in storage.read_text(p).splitlines() if l.strip()]
     return runs
 
@@ -40,7 +54,7 @@ def series(rows: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
     """Scalar metric name → (steps, values)."""
     out: dict[str, tuple[list[int], list[float]]] = {}
     for r in rows:
-        if "event" in r:          # alerts and other events are not curves
+        if "event" in r:  # alerts and other events are not curves
             continue
         for k, v in r.items():
             if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
@@ -62,8 +76,10 @@ def png_bytes(fig, dpi: int = 100) -> bytes:
 def plot(workdir: str, out: str, max_panels: int = 12) -> str:
     """Write the PNG and return its path."""
     runs = {name: series(rows) for name, rows in load_runs(workdir).items()}
-    names = sorted({k for s in runs.values() for k in s},
-                   key=lambda k: (PREFERRED.index(k) if k in PREFERRED else len(PREFERRED), k))[:max_panels]
+    names = sorted(
+        {k for s in runs.values() for k in s},
+        key=lambda k: (PREFERRED.index(k) if k in PREFERRED else len(PREFERRED), k),
+    )[:max_panels]
     cols = min(3, len(names)) or 1
     rows = math.ceil(len(names) / cols) or 1
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
@@ -76,7 +92,7 @@ def plot(workdir: str, out: str, max_panels: int = 12) -> str:
         ax.grid(alpha=0.3)
         if len(runs) > 1:
             ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(names):]:
+    for ax in list(axes.flat)[len(names) :]:
         ax.axis("off")
     fig.suptitle(workdir if storage.is_url(workdir) else os.path.abspath(workdir), fontsize=9)
     storage.write_bytes(out, png_bytes(fig))

@@ -38,7 +38,7 @@ def lm_loss(model: nnx.Module, batch: dict, moe_cfg, *, update_bias: bool = True
     loss = ce + moe_penalty(aux, moe_cfg)
     if aux:
         metrics.update({k: v for k, v in aux.items() if k != "moe/load"})
-        metrics["moe/load"] = aux["moe/load"].mean(axis=0)     # [num_experts], averaged over layers
+        metrics["moe/load"] = aux["moe/load"].mean(axis=0)  # [num_experts], averaged over layers
     metrics["loss"] = loss
     return loss, metrics
 
@@ -63,14 +63,22 @@ def check_nonfinite(metrics: dict, max_steps: int, step: int, ckpt=None) -> None
     if longest > max_steps:
         if ckpt is not None:
             ckpt.wait()
-        raise Diverged(f"training diverged: {longest} updates in a row (by step {step}) had a non-finite loss or "
-                       f"gradient norm and were skipped, more than train.max_nonfinite_steps={max_steps}; the "
-                       "checkpoints hold the last finite weights. Lower optim.lr, set optim.grad_clip / "
-                       "optim.warmup_steps, or check the data", key="train.max_nonfinite_steps")
+        raise Diverged(
+            f"training diverged: {longest} updates in a row (by step {step}) had a non-finite loss or "
+            f"gradient norm and were skipped, more than train.max_nonfinite_steps={max_steps}; the "
+            "checkpoints hold the last finite weights. Lower optim.lr, set optim.grad_clip / "
+            "optim.warmup_steps, or check the data",
+            key="train.max_nonfinite_steps",
+        )
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn,
-                    schedule: optax.Schedule | None = None, lora_cfg=None):
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    loss_fn,
+    schedule: optax.Schedule | None = None,
+    lora_cfg=None,
+):
     """A pure `(state, batch, *extra) -> (state, metrics)` for `jax.jit`.
 
     loss_fn(model, batch, *extra) -> (loss, metrics). Non-trainable model variables the forward
@@ -82,6 +90,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
     and counted in `state.nonfinite`, reported as the metrics `nonfinite_skipped` and
     `nonfinite_longest_run`. A select inside the step, so no host sync.
     """
+
     def wrapped(params, frozen, rest, batch, *extra):
         weights = params if frozen is None else lora.merge(frozen, params, lora_scale(lora_cfg))
         # copies: `rest` is not differentiated, so its Variables would be the caller's, created
@@ -100,14 +109,18 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
-        params, opt_state, rest = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                               (params, opt_state, rest), (state.params, state.opt_state, state.rest))
+        params, opt_state, rest = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (params, opt_state, rest),
+            (state.params, state.opt_state, state.rest),
+        )
         nonfinite = state.nonfinite
         if nonfinite is not None:
             nonfinite = nonfinite_counts(nonfinite, finite)
             metrics["nonfinite_skipped"] = nonfinite["skipped"]
             metrics["nonfinite_longest_run"] = nonfinite["longest"]
-        return state.replace(step=state.step + 1, params=params, rest=rest, opt_state=opt_state,
-                             nonfinite=nonfinite), metrics
+        return state.replace(
+            step=state.step + 1, params=params, rest=rest, opt_state=opt_state, nonfinite=nonfinite
+        ), metrics
 
     return train_step

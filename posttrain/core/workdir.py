@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from posttrain.errors import UserError
 
 LOCK_NAME = ".posttrain.lock"
-_HELD: dict[str, tuple[int, int]] = {}     # lock file → (fd, depth) held by this process
+_HELD: dict[str, tuple[int, int]] = {}  # lock file → (fd, depth) held by this process
 
 
 class WorkdirBusy(UserError):
@@ -53,8 +53,12 @@ def lock_file(workdir: str) -> str:
 
 
 def _holder() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)[:300]}
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": " ".join(sys.argv)[:300],
+    }
 
 
 def _read_holder(fd: int) -> dict:
@@ -69,14 +73,20 @@ def _read_holder(fd: int) -> dict:
 def _describe(holder: dict) -> str:
     if not holder:
         return "another process (no holder recorded)"
-    return (f"pid {holder.get('pid')} on host {holder.get('host')} (started {holder.get('started')}, "
-            f"command: {holder.get('command', '?')})")
+    return (
+        f"pid {holder.get('pid')} on host {holder.get('host')} (started {holder.get('started')}, "
+        f"command: {holder.get('command', '?')})"
+    )
 
 
 def _busy(workdir: str, path: str, fd: int) -> WorkdirBusy:
     holder = _read_holder(fd)
-    return WorkdirBusy(f"workdir {workdir} is in use by {_describe(holder)} [lock {path}]; wait for that "
-                       "run to finish or stop it, or pass another --config.workdir", key="workdir", path=workdir)
+    return WorkdirBusy(
+        f"workdir {workdir} is in use by {_describe(holder)} [lock {path}]; wait for that "
+        "run to finish or stop it, or pass another --config.workdir",
+        key="workdir",
+        path=workdir,
+    )
 
 
 def _check_free(workdir: str, path: str) -> None:
@@ -85,7 +95,7 @@ def _check_free(workdir: str, path: str) -> None:
         return
     try:
         fd = os.open(path, os.O_RDONLY)
-    except OSError:           # not ours to read (another user's folder): nothing we can check
+    except OSError:  # not ours to read (another user's folder): nothing we can check
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -119,8 +129,9 @@ def _acquire(workdir: str, path: str) -> int:
         raise error from None
     previous = _read_holder(fd)
     if previous:
-        logging.warning("workdir %s: taking over a stale lock left by %s, which is no longer running",
-                        workdir, _describe(previous))
+        logging.warning(
+            "workdir %s: taking over a stale lock left by %s, which is no longer running", workdir, _describe(previous)
+        )
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(_holder()).encode(), 0)
     os.fsync(fd)
@@ -138,8 +149,11 @@ def workdir_lock(workdir: str) -> Iterator[str]:
     path = lock_file(workdir)
     remote = "://" in workdir and not workdir.startswith("file://")
     if remote and path not in _HELD:
-        logging.warning("workdir %s is remote: it is locked on this machine only (%s); make sure no run "
-                        "on another machine uses it", workdir, path)
+        logging.warning(
+            "workdir %s is remote: it is locked on this machine only (%s); make sure no run on another machine uses it",
+            workdir,
+            path,
+        )
     for other in [] if remote else _related_locks(path):
         _check_free(workdir, other)
     if path in _HELD:
@@ -154,6 +168,6 @@ def workdir_lock(workdir: str) -> Iterator[str]:
         if depth > 1:
             _HELD[path] = (fd, depth - 1)
         else:
-            os.ftruncate(fd, 0)      # released cleanly: nothing stale to report next time
+            os.ftruncate(fd, 0)  # released cleanly: nothing stale to report next time
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)

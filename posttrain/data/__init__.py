@@ -1,3 +1,1 @@
-"""Data: tokenizers, JSONL sources (local, gs://), grain pipelines, packing, synthetic tasks.
-"""
-
+"""Data: tokenizers, JSONL sources (local, gs://), grain pipelines, packing, synthetic tasks."""

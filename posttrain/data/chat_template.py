@@ -20,13 +20,16 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # For tokenizers that ship no template: contents back to back, eos after each assistant turn.
-PLAIN_TEMPLATE = ("{% if bos_token is defined %}{{ bos_token }}{% endif %}"
-                  "{% for m in messages %}{{ m['content'] }}"
-                  "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}")
+PLAIN_TEMPLATE = (
+    "{% if bos_token is defined %}{{ bos_token }}{% endif %}"
+    "{% for m in messages %}{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+)
 
 
 class _GenerationTag(Extension):
     """`{% generation %}…{% endgeneration %}` (transformers' assistant-mask markup) → its body."""
+
     tags = {"generation"}
 
     def parse(self, parser):
@@ -49,27 +52,30 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
     """A chat template compiled in transformers' sandboxed environment (same filters, globals)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
 
 
-def render(template: jinja2.Template, messages: list[dict], *, add_generation_prompt: bool,
-           special_tokens: dict[str, str]) -> str:
+def render(
+    template: jinja2.Template, messages: list[dict], *, add_generation_prompt: bool, special_tokens: dict[str, str]
+) -> str:
     """The conversation as text; a template's `raise_exception` becomes a `ValueError`."""
     try:
-        return template.render(messages=messages, tools=None, documents=None,
-                               add_generation_prompt=add_generation_prompt, **special_tokens)
+        return template.render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **special_tokens
+        )
     except jinja2.exceptions.TemplateError as e:
         raise ValueError(f"chat template: {e}") from None
 
 
-def render_with_spans(template: jinja2.Template, messages: list[dict], *, add_generation_prompt: bool,
-                      special_tokens: dict[str, str]) -> tuple[str, list[tuple[int, int]]]:
+def render_with_spans(
+    template: jinja2.Template, messages: list[dict], *, add_generation_prompt: bool, special_tokens: dict[str, str]
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the `[start, end)` character span of each assistant turn."""
+
     def text(msgs, gen):
         return render(template, msgs, add_generation_prompt=gen, special_tokens=special_tokens)
 
@@ -78,10 +84,12 @@ def render_with_spans(template: jinja2.Template, messages: list[dict], *, add_ge
     for i, m in enumerate(messages):
         if m.get("role") != "assistant":
             continue
-        before, upto = text(messages[:i], True), text(messages[:i + 1], False)
+        before, upto = text(messages[:i], True), text(messages[: i + 1], False)
         if not (upto.startswith(before) and full.startswith(upto)):
-            raise ValueError(f"chat template renders messages[{i}] (assistant) differently inside the "
-                             "full conversation, so its tokens cannot be located; split the "
-                             "conversation so that it ends at each assistant turn")
+            raise ValueError(
+                f"chat template renders messages[{i}] (assistant) differently inside the "
+                "full conversation, so its tokens cannot be located; split the "
+                "conversation so that it ends at each assistant turn"
+            )
         spans.append((len(before), len(upto.rstrip())))
     return full, spans

@@ -71,7 +71,7 @@ def as_messages(value: Any, field: str, role: str) -> list[dict]:
 def _encode_chat(tok: Tokenizer, messages: list[dict], field: str, **kw) -> tuple[list[int], list[bool]]:
     try:
         return tok.encode_chat(messages, **kw)
-    except ValueError as e:          # unknown role, template's raise_exception, …
+    except ValueError as e:  # unknown role, template's raise_exception, …
         raise RecordError(f"field {field!r}: {e}") from None
 
 
@@ -81,8 +81,10 @@ def sft_messages(record: dict, fields: Fields = None) -> tuple[list[dict], str]:
     if key in record:
         return check_messages(record[key], key), key
     if field_key("prompt", fields) not in record:
-        raise RecordError(f"missing field {key!r} (or {field_key('prompt', fields)!r} and "
-                          f"{field_key('response', fields)!r}); the record has {sorted(record)}")
+        raise RecordError(
+            f"missing field {key!r} (or {field_key('prompt', fields)!r} and "
+            f"{field_key('response', fields)!r}); the record has {sorted(record)}"
+        )
     prompt = as_messages(get_field(record, "prompt", fields), field_key("prompt", fields), "user")
     response = field_key("response", fields)
     return prompt + as_messages(get_field(record, "response", fields), response, "assistant"), response
@@ -101,19 +103,22 @@ def sft_example(record: dict, tok: Tokenizer, *, fields: Fields = None) -> dict:
     return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(trainable, bool)}
 
 
-def _response(tok: Tokenizer, prompt: list[dict], prompt_ids: list[int], value: Any,
-              field: str) -> tuple[np.ndarray, np.ndarray]:
+def _response(
+    tok: Tokenizer, prompt: list[dict], prompt_ids: list[int], value: Any, field: str
+) -> tuple[np.ndarray, np.ndarray]:
     """Response tokens after the prompt (up to the last trainable one) and their trainable flags."""
     ids, trainable = _encode_chat(tok, prompt + as_messages(value, field, "assistant"), field)
     p = len(prompt_ids)
     if ids[:p] != prompt_ids:
-        raise RecordError(f"field {field!r}: the chat template renders the prompt differently when a "
-                          "response follows, so the response tokens cannot be separated")
+        raise RecordError(
+            f"field {field!r}: the chat template renders the prompt differently when a "
+            "response follows, so the response tokens cannot be separated"
+        )
     trainable = np.asarray(trainable[p:], bool)
     if not trainable.any():
         raise RecordError(f"field {field!r}: no assistant turn")
     end = int(np.flatnonzero(trainable)[-1]) + 1
-    return np.asarray(ids[p:p + end], np.int32), trainable[:end]
+    return np.asarray(ids[p : p + end], np.int32), trainable[:end]
 
 
 def preference_example(record: dict, tok: Tokenizer, *, fields: Fields = None) -> dict:
@@ -128,8 +133,9 @@ def preference_example(record: dict, tok: Tokenizer, *, fields: Fields = None) -
     prompt_ids, _ = _encode_chat(tok, prompt, prompt_key, add_generation_prompt=True)
     out = {"prompt": np.asarray(prompt_ids, np.int32)}
     for name in ("chosen", "rejected"):
-        out[name], out[f"{name}_mask"] = _response(tok, prompt, prompt_ids, get_field(record, name, fields),
-                                                   field_key(name, fields))
+        out[name], out[f"{name}_mask"] = _response(
+            tok, prompt, prompt_ids, get_field(record, name, fields), field_key(name, fields)
+        )
     return out
 
 
@@ -155,7 +161,9 @@ def rl_prompt_example(record: dict, tok: Tokenizer, *, fields: Fields = None) ->
     prompt_key = field_key("prompt", fields)
     prompt = as_messages(get_field(record, "prompt", fields), prompt_key, "user")
     ids, _ = _encode_chat(tok, prompt, prompt_key, add_generation_prompt=True)
-    return {"prompt": np.asarray(ids, np.int32),
-            "answer": _optional_text(record, "answer", fields),
-            "tests": _optional_text(record, "tests", fields, joinable=True),
-            "record": record}
+    return {
+        "prompt": np.asarray(ids, np.int32),
+        "answer": _optional_text(record, "answer", fields),
+        "tests": _optional_text(record, "tests", fields, joinable=True),
+        "record": record,
+    }

@@ -39,8 +39,8 @@ def build_row(examples: Sequence[dict], seq_len: int, *, pad_id: int = 0) -> dic
             raise ValueError(f"examples of {offset + n} tokens in all do not fit seq_len={seq_len}")
         end = offset + n
         row["inputs"][offset:end] = tokens
-        row["targets"][offset:end - 1] = tokens[1:]
-        row["loss_mask"][offset:end - 1] = mask[1:]
+        row["targets"][offset : end - 1] = tokens[1:]
+        row["loss_mask"][offset : end - 1] = mask[1:]
         row["positions"][offset:end] = np.arange(n)
         row["segment_ids"][offset:end] = segment
         offset = end
@@ -121,12 +121,14 @@ def example_to_json(example: dict) -> dict:
 
 def example_from_json(example: dict) -> dict:
     """Inverse of `example_to_json` for token examples: ids int32, masks bool."""
-    return {k: np.asarray(v, bool if "mask" in k else np.int32) if isinstance(v, list) else v
-            for k, v in example.items()}
+    return {
+        k: np.asarray(v, bool if "mask" in k else np.int32) if isinstance(v, list) else v for k, v in example.items()
+    }
 
 
-def pack_examples(examples: Iterable[dict], seq_len: int, *, truncate: bool = False,
-                  open_rows: int = 8, pad_id: int = 0) -> Iterator[dict]:
+def pack_examples(
+    examples: Iterable[dict], seq_len: int, *, truncate: bool = False, open_rows: int = 8, pad_id: int = 0
+) -> Iterator[dict]:
     """Pack examples into rows of `seq_len` (see `Packer`); a longer example is an error unless
     `truncate`, which keeps its first `seq_len` tokens."""
     packer = Packer(seq_len, open_rows=open_rows)

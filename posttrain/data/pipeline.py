@@ -36,12 +36,13 @@ from posttrain.errors import UserError
 __all__ = ["BatchIterator", "DataError", "preference_batches", "read_jsonl", "rl_prompt_batches", "sft_batches"]
 
 STATE_VERSION = 1
-LENGTH_KEYS = ("seq_len", "final_seq_len", "max_len")   # what stages of a seq_len schedule may change
+LENGTH_KEYS = ("seq_len", "final_seq_len", "max_len")  # what stages of a seq_len schedule may change
 
 
 class Loaded(NamedTuple):
     """A record after the map step: its example, or why it is bad."""
-    where: str                    # "path:line"
+
+    where: str  # "path:line"
     example: dict | None
     error: str | None = None
     truncated: bool = False
@@ -70,13 +71,15 @@ class Batcher:
 
     def take(self) -> Any:
         """The next batch (the last one may be partial; `collate` decides how to fill it)."""
-        rows, self._rows = self._rows[:self.num_rows], self._rows[self.num_rows:]
+        rows, self._rows = self._rows[: self.num_rows], self._rows[self.num_rows :]
         return self.collate(rows)
 
     def get_state(self) -> dict:
         """Waiting rows and open packed rows, JSON-serialisable."""
-        return {"rows": [[example_to_json(e) for e in row] for row in self._rows],
-                "packer": self.packer.get_state() if self.packer else None}
+        return {
+            "rows": [[example_to_json(e) for e in row] for row in self._rows],
+            "packer": self.packer.get_state() if self.packer else None,
+        }
 
     def set_state(self, state: dict) -> None:
         """Restore what `get_state` saved."""
@@ -99,10 +102,21 @@ class BatchIterator:
     process's records.
     """
 
-    def __init__(self, dataset: grain.MapDataset, batcher: Batcher, *, on_error: str,
-                 fingerprint: dict, epoch_len: int, read_threads: int = 1):
-        self._it = iter(dataset.to_iter_dataset(
-            grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=64 * max(read_threads, 1))))
+    def __init__(
+        self,
+        dataset: grain.MapDataset,
+        batcher: Batcher,
+        *,
+        on_error: str,
+        fingerprint: dict,
+        epoch_len: int,
+        read_threads: int = 1,
+    ):
+        self._it = iter(
+            dataset.to_iter_dataset(
+                grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=64 * max(read_threads, 1))
+            )
+        )
         self._batcher = batcher
         self._skips = SkipLog(on_error)
         self._fingerprint = fingerprint
@@ -141,10 +155,12 @@ class BatchIterator:
                 else:
                     self._skips.bad(item.where, item.error)
                 bad_in_a_row += 1
-                if bad_in_a_row >= self._epoch_len:      # repeating forever would never yield
-                    raise DataError(f"{item.where}: the last {bad_in_a_row} records (an epoch's worth) "
-                                    f"were all bad or deferred to a longer stage, e.g. "
-                                    f"{item.error or 'longer than ' + str(self._fingerprint.get('seq_len'))}")
+                if bad_in_a_row >= self._epoch_len:  # repeating forever would never yield
+                    raise DataError(
+                        f"{item.where}: the last {bad_in_a_row} records (an epoch's worth) "
+                        f"were all bad or deferred to a longer stage, e.g. "
+                        f"{item.error or 'longer than ' + str(self._fingerprint.get('seq_len'))}"
+                    )
                 continue
             bad_in_a_row = 0
             self.truncated += item.truncated
@@ -153,9 +169,16 @@ class BatchIterator:
 
     def get_state(self) -> dict:
         """JSON-serialisable position: grain's read index, carried-over rows, counters, config."""
-        return {"version": STATE_VERSION, "grain": self._it.get_state(), "batcher": self._batcher.get_state(),
-                "consumed": self._consumed, "skipped": self.skipped, "truncated": self.truncated,
-                "deferred": self.deferred, "fingerprint": self._fingerprint}
+        return {
+            "version": STATE_VERSION,
+            "grain": self._it.get_state(),
+            "batcher": self._batcher.get_state(),
+            "consumed": self._consumed,
+            "skipped": self.skipped,
+            "truncated": self.truncated,
+            "deferred": self.deferred,
+            "fingerprint": self._fingerprint,
+        }
 
     def set_state(self, state: dict) -> None:
         """Resume from `get_state()`; refused if the data, seed or batch layout differ."""
@@ -164,15 +187,17 @@ class BatchIterator:
         saved = state["fingerprint"]
         for key in sorted(set(saved) | set(self._fingerprint)):
             if saved.get(key) != self._fingerprint.get(key):
-                raise ValueError(f"data iterator state was saved with {key}={saved.get(key)!r} but this "
-                                 f"iterator has {self._fingerprint.get(key)!r}: the batches would differ")
+                raise ValueError(
+                    f"data iterator state was saved with {key}={saved.get(key)!r} but this "
+                    f"iterator has {self._fingerprint.get(key)!r}: the batches would differ"
+                )
         self._it.set_state(state["grain"])
         self._batcher.set_state(state["batcher"])
         self._consumed = state["consumed"]
         self._skips.skipped = state["skipped"]
         self.truncated = state["truncated"]
         self.deferred = state.get("deferred", 0)
-        for example in state.get("readd", ()):      # dealt from other processes' rows (data/reshard.py)
+        for example in state.get("readd", ()):  # dealt from other processes' rows (data/reshard.py)
             self._batcher.add(example_from_json(example))
 
     def continue_from(self, previous: BatchIterator) -> None:
@@ -195,6 +220,7 @@ class BatchIterator:
 def _process_shard(process_index: int | None, process_count: int | None) -> tuple[int, int]:
     if process_index is None or process_count is None:
         import jax
+
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
     if not 0 <= process_index < process_count:
@@ -208,16 +234,23 @@ def _local_rows(batch_size: int, process_count: int) -> int:
     return batch_size // process_count
 
 
-def _records(source: JsonlSource, *, seed: int, shuffle: bool, epochs: int | None,
-             process_index: int, process_count: int) -> grain.MapDataset:
+def _records(
+    source: JsonlSource, *, seed: int, shuffle: bool, epochs: int | None, process_index: int, process_count: int
+) -> grain.MapDataset:
     """Shuffled (per epoch), process-sliced, repeated raw lines."""
     usable = len(source) - len(source) % process_count
     if len(source) == 0:
-        raise UserError(f"{', '.join(source.paths)}: no records (empty, or only blank lines); give JSONL with one "
-                        "JSON object per line", path=source.paths[0])
+        raise UserError(
+            f"{', '.join(source.paths)}: no records (empty, or only blank lines); give JSONL with one "
+            "JSON object per line",
+            path=source.paths[0],
+        )
     if usable == 0:
-        raise UserError(f"{', '.join(source.paths)}: {len(source)} records, fewer than the {process_count} "
-                        "processes that each need one", path=source.paths[0])
+        raise UserError(
+            f"{', '.join(source.paths)}: {len(source)} records, fewer than the {process_count} "
+            "processes that each need one",
+            path=source.paths[0],
+        )
     ds = grain.MapDataset.source(source)
     if shuffle:
         # Hash the seed: grain reshuffles epoch e with seed + e, which would make (seed, epoch 1)
@@ -226,49 +259,104 @@ def _records(source: JsonlSource, *, seed: int, shuffle: bool, epochs: int | Non
     return ds[process_index:usable:process_count].repeat(epochs)
 
 
-Fit = Callable[[dict], tuple[dict | None, str | None, bool]]   # example → (example, error, truncated)
+Fit = Callable[[dict], tuple[dict | None, str | None, bool]]  # example → (example, error, truncated)
 
 
 def _load(make: Callable[[dict], dict], fit: Fit) -> Callable[[RawLine], Loaded]:
     """The map step: parse the line, build the example, check (or cut) its length."""
+
     def load(raw: RawLine) -> Loaded:
         try:
             example = make(parse_line(raw))
         except ValueError as e:
             return Loaded(raw.where, None, str(e))
         return Loaded(raw.where, *fit(example))
+
     return load
 
 
-def _iterator(paths: str | Sequence[str], make: Callable[[dict], dict], fit: Fit, batcher: Batcher, *,
-              on_error: str, read_threads: int, config: dict) -> BatchIterator:
+def _iterator(
+    paths: str | Sequence[str],
+    make: Callable[[dict], dict],
+    fit: Fit,
+    batcher: Batcher,
+    *,
+    on_error: str,
+    read_threads: int,
+    config: dict,
+) -> BatchIterator:
     """Source → grain dataset → `BatchIterator`. `config` holds everything that determines the
     batches (seed, shuffle, epochs, process slice, shapes, …); it is saved in the state."""
-    SkipLog(on_error)          # validate on_error before reading anything
+    SkipLog(on_error)  # validate on_error before reading anything
     source = JsonlSource(paths)
-    ds = _records(source, seed=config["seed"], shuffle=config["shuffle"], epochs=config["epochs"],
-                  process_index=config["process_index"], process_count=config["process_count"])
+    ds = _records(
+        source,
+        seed=config["seed"],
+        shuffle=config["shuffle"],
+        epochs=config["epochs"],
+        process_index=config["process_index"],
+        process_count=config["process_count"],
+    )
     fingerprint = {"files": source.paths, "records": source.file_lengths, **config}
-    return BatchIterator(ds.map(_load(make, fit)), batcher, on_error=on_error, fingerprint=fingerprint,
-                         epoch_len=len(source) // config["process_count"], read_threads=read_threads)
+    return BatchIterator(
+        ds.map(_load(make, fit)),
+        batcher,
+        on_error=on_error,
+        fingerprint=fingerprint,
+        epoch_len=len(source) // config["process_count"],
+        read_threads=read_threads,
+    )
 
 
-def _config(kind: str, tok: Tokenizer, *, seed: int, shuffle: bool, epochs: int | None,
-            process_index: int | None, process_count: int | None, batch_size: int,
-            fields: Mapping[str, str] | None, **shape) -> dict:
+def _config(
+    kind: str,
+    tok: Tokenizer,
+    *,
+    seed: int,
+    shuffle: bool,
+    epochs: int | None,
+    process_index: int | None,
+    process_count: int | None,
+    batch_size: int,
+    fields: Mapping[str, str] | None,
+    **shape,
+) -> dict:
     """The settings that fix a pipeline's batches, with the process slice resolved."""
     process_index, process_count = _process_shard(process_index, process_count)
     _local_rows(batch_size, process_count)
-    return {"kind": kind, "vocab_size": tok.vocab_size, "seed": seed, "shuffle": shuffle, "epochs": epochs,
-            "process_index": process_index, "process_count": process_count, "batch_size": batch_size,
-            "fields": dict(fields or {}), **shape}
+    return {
+        "kind": kind,
+        "vocab_size": tok.vocab_size,
+        "seed": seed,
+        "shuffle": shuffle,
+        "epochs": epochs,
+        "process_index": process_index,
+        "process_count": process_count,
+        "batch_size": batch_size,
+        "fields": dict(fields or {}),
+        **shape,
+    }
 
 
-def sft_batches(paths: str | Sequence[str], tok: Tokenizer, *, batch_size: int, seq_len: int, seed: int,
-                packing: bool = True, on_error: str = "raise", epochs: int | None = None,
-                truncate: bool = False, fields: Mapping[str, str] | None = None, shuffle: bool = True,
-                open_rows: int = 8, process_index: int | None = None, process_count: int | None = None,
-                read_threads: int = 1, final_seq_len: int | None = None) -> BatchIterator:
+def sft_batches(
+    paths: str | Sequence[str],
+    tok: Tokenizer,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    packing: bool = True,
+    on_error: str = "raise",
+    epochs: int | None = None,
+    truncate: bool = False,
+    fields: Mapping[str, str] | None = None,
+    shuffle: bool = True,
+    open_rows: int = 8,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    read_threads: int = 1,
+    final_seq_len: int | None = None,
+) -> BatchIterator:
     """SFT batches in the train step's format (`inputs, targets, loss_mask, positions,
     segment_ids`, each `[batch_size // process_count, seq_len]` int32).
 
@@ -283,10 +371,22 @@ def sft_batches(paths: str | Sequence[str], tok: Tokenizer, *, batch_size: int, 
     stage (`continue_from`).
     """
     final = max(final_seq_len or seq_len, seq_len)
-    config = _config("sft", tok, seed=seed, shuffle=shuffle, epochs=epochs, process_index=process_index,
-                     process_count=process_count, batch_size=batch_size, fields=fields, seq_len=seq_len,
-                     packing=packing, open_rows=open_rows, truncate=truncate,
-                     **({"final_seq_len": final} if final != seq_len else {}))
+    config = _config(
+        "sft",
+        tok,
+        seed=seed,
+        shuffle=shuffle,
+        epochs=epochs,
+        process_index=process_index,
+        process_count=process_count,
+        batch_size=batch_size,
+        fields=fields,
+        seq_len=seq_len,
+        packing=packing,
+        open_rows=open_rows,
+        truncate=truncate,
+        **({"final_seq_len": final} if final != seq_len else {}),
+    )
     rows = batch_size // config["process_count"]
 
     def fit(example: dict) -> tuple[dict | None, str | None, bool]:
@@ -296,7 +396,7 @@ def sft_batches(paths: str | Sequence[str], tok: Tokenizer, *, batch_size: int, 
             return None, f"too long: {n} tokens > seq_len={final} (truncate=True would cut it)", False
         example = fit_length(example, final, truncate=True) if cut else example
         if len(example["tokens"]) > seq_len:
-            return None, None, cut          # deferred to a later, longer stage
+            return None, None, cut  # deferred to a later, longer stage
         return example, None, cut
 
     empty = build_row([], seq_len, pad_id=tok.pad_id)
@@ -305,8 +405,15 @@ def sft_batches(paths: str | Sequence[str], tok: Tokenizer, *, batch_size: int, 
         return stack_rows([build_row(r, seq_len, pad_id=tok.pad_id) for r in batch_rows], rows, empty)
 
     batcher = Batcher(rows, collate, Packer(seq_len, open_rows=open_rows) if packing else None)
-    return _iterator(paths, lambda r: sft_example(r, tok, fields=fields), fit, batcher,
-                     on_error=on_error, read_threads=read_threads, config=config)
+    return _iterator(
+        paths,
+        lambda r: sft_example(r, tok, fields=fields),
+        fit,
+        batcher,
+        on_error=on_error,
+        read_threads=read_threads,
+        config=config,
+    )
 
 
 def preference_row(example: dict | None, max_len: int, pad_id: int = 0) -> dict[str, np.ndarray]:
@@ -317,24 +424,48 @@ def preference_row(example: dict | None, max_len: int, pad_id: int = 0) -> dict[
         examples = []
         if example is not None:
             p = len(example["prompt"])
-            examples = [{"tokens": np.concatenate([example["prompt"], example[side]]),
-                         "loss_mask": np.concatenate([np.zeros(p, bool), example[f"{side}_mask"]])}]
+            examples = [
+                {
+                    "tokens": np.concatenate([example["prompt"], example[side]]),
+                    "loss_mask": np.concatenate([np.zeros(p, bool), example[f"{side}_mask"]]),
+                }
+            ]
         row.update({f"{side}_{k}": v for k, v in build_row(examples, max_len, pad_id=pad_id).items()})
     return row
 
 
-def preference_batches(paths: str | Sequence[str], tok: Tokenizer, *, batch_size: int, max_len: int,
-                       seed: int, on_error: str = "raise", epochs: int | None = None,
-                       fields: Mapping[str, str] | None = None, shuffle: bool = True,
-                       process_index: int | None = None, process_count: int | None = None,
-                       read_threads: int = 1) -> BatchIterator:
+def preference_batches(
+    paths: str | Sequence[str],
+    tok: Tokenizer,
+    *,
+    batch_size: int,
+    max_len: int,
+    seed: int,
+    on_error: str = "raise",
+    epochs: int | None = None,
+    fields: Mapping[str, str] | None = None,
+    shuffle: bool = True,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    read_threads: int = 1,
+) -> BatchIterator:
     """Preference batches, one pair per row: `chosen_{inputs,targets,loss_mask,positions,
     segment_ids}` and `rejected_*`, each `[batch_size // process_count, max_len]` int32.
 
     A pair whose prompt + longer response exceeds `max_len` is a bad record ("too long").
     """
-    config = _config("preference", tok, seed=seed, shuffle=shuffle, epochs=epochs, process_index=process_index,
-                     process_count=process_count, batch_size=batch_size, fields=fields, max_len=max_len)
+    config = _config(
+        "preference",
+        tok,
+        seed=seed,
+        shuffle=shuffle,
+        epochs=epochs,
+        process_index=process_index,
+        process_count=process_count,
+        batch_size=batch_size,
+        fields=fields,
+        max_len=max_len,
+    )
     rows = batch_size // config["process_count"]
 
     def fit(example: dict) -> tuple[dict | None, str | None, bool]:
@@ -348,21 +479,47 @@ def preference_batches(paths: str | Sequence[str], tok: Tokenizer, *, batch_size
     def collate(batch_rows: list[list[dict]]) -> dict[str, np.ndarray]:
         return stack_rows([preference_row(r[0], max_len, tok.pad_id) for r in batch_rows], rows, empty)
 
-    return _iterator(paths, lambda r: preference_example(r, tok, fields=fields), fit, Batcher(rows, collate),
-                     on_error=on_error, read_threads=read_threads, config=config)
+    return _iterator(
+        paths,
+        lambda r: preference_example(r, tok, fields=fields),
+        fit,
+        Batcher(rows, collate),
+        on_error=on_error,
+        read_threads=read_threads,
+        config=config,
+    )
 
 
-def rl_prompt_batches(paths: str | Sequence[str], tok: Tokenizer, *, batch_size: int, seed: int,
-                      on_error: str = "raise", epochs: int | None = None,
-                      fields: Mapping[str, str] | None = None, max_prompt_len: int | None = None,
-                      shuffle: bool = True, process_index: int | None = None,
-                      process_count: int | None = None, read_threads: int = 1) -> BatchIterator:
+def rl_prompt_batches(
+    paths: str | Sequence[str],
+    tok: Tokenizer,
+    *,
+    batch_size: int,
+    seed: int,
+    on_error: str = "raise",
+    epochs: int | None = None,
+    fields: Mapping[str, str] | None = None,
+    max_prompt_len: int | None = None,
+    shuffle: bool = True,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    read_threads: int = 1,
+) -> BatchIterator:
     """RL prompt batches: lists of `rl_prompt_example` dicts, `batch_size // process_count` each
     (the last batch of finite data may be shorter). A prompt over `max_prompt_len` tokens is a
     bad record ("too long")."""
-    config = _config("rl_prompts", tok, seed=seed, shuffle=shuffle, epochs=epochs, process_index=process_index,
-                     process_count=process_count, batch_size=batch_size, fields=fields,
-                     max_prompt_len=max_prompt_len)
+    config = _config(
+        "rl_prompts",
+        tok,
+        seed=seed,
+        shuffle=shuffle,
+        epochs=epochs,
+        process_index=process_index,
+        process_count=process_count,
+        batch_size=batch_size,
+        fields=fields,
+        max_prompt_len=max_prompt_len,
+    )
 
     def fit(example: dict) -> tuple[dict | None, str | None, bool]:
         n = len(example["prompt"])
@@ -373,6 +530,12 @@ def rl_prompt_batches(paths: str | Sequence[str], tok: Tokenizer, *, batch_size:
     def collate(batch_rows: list[list[dict]]) -> list[dict]:
         return [r[0] for r in batch_rows]
 
-    return _iterator(paths, lambda r: rl_prompt_example(r, tok, fields=fields), fit,
-                     Batcher(batch_size // config["process_count"], collate),
-                     on_error=on_error, read_threads=read_threads, config=config)
+    return _iterator(
+        paths,
+        lambda r: rl_prompt_example(r, tok, fields=fields),
+        fit,
+        Batcher(batch_size // config["process_count"], collate),
+        on_error=on_error,
+        read_threads=read_threads,
+        config=config,
+    )

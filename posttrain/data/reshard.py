@@ -41,7 +41,7 @@ def global_position(states: list[dict]) -> tuple[int, int]:
     count = states[0]["fingerprint"]["process_count"]
     if len(states) != count:
         raise ValueError(f"data iterator states: {len(states)} saved for process_count={count}")
-    epoch_len = sum(states[0]["fingerprint"]["records"]) // count      # records per process per epoch
+    epoch_len = sum(states[0]["fingerprint"]["records"]) // count  # records per process per epoch
     epoch, k = divmod(min(s["grain"]["next_index"] for s in states), epoch_len)
     return epoch, k * count
 
@@ -51,7 +51,7 @@ def state_for_process(states: list[dict], process_index: int, process_count: int
     module docstring for the rule when `process_count` differs from theirs)."""
     if len(states) == process_count:
         return states[process_index]
-    if "fingerprint" not in states[0]:       # a global state (e.g. synthetic batches: the step)
+    if "fingerprint" not in states[0]:  # a global state (e.g. synthetic batches: the step)
         return states[0]
     epoch, offset = global_position(states)
     fingerprint = {**states[0]["fingerprint"], "process_index": process_index, "process_count": process_count}
@@ -60,9 +60,14 @@ def state_for_process(states: list[dict], process_index: int, process_count: int
     unread = [e for s in states for e in unread_examples(s)]
     first = states[0]
     packer = first["batcher"].get("packer")
-    state = {**first, "fingerprint": fingerprint, "grain": {**first["grain"], "next_index": next_index},
-             "consumed": next_index, "readd": unread[process_index::process_count],
-             "batcher": {"rows": [], "packer": {"rows": []} if packer is not None else None}}
+    state = {
+        **first,
+        "fingerprint": fingerprint,
+        "grain": {**first["grain"], "next_index": next_index},
+        "consumed": next_index,
+        "readd": unread[process_index::process_count],
+        "batcher": {"rows": [], "packer": {"rows": []} if packer is not None else None},
+    }
     for key in COUNTERS:
         state[key] = sum(s.get(key, 0) for s in states) if process_index == 0 else 0
     return state

@@ -21,6 +21,7 @@ KEY = "train.seq_len_schedule"
 @dataclasses.dataclass(frozen=True)
 class SeqLenSchedule:
     """Stage i trains at lengths[i] from step starts[i] (starts[0] = 0) until the next start."""
+
     lengths: tuple[int, ...]
     starts: tuple[int, ...]
 
@@ -46,13 +47,16 @@ def parse_seq_len_schedule(text: str, seq_len: int, steps: int) -> SeqLenSchedul
 
     def bad(why: str) -> ValueError:
         return ValueError(f"{KEY}={text!r}: {why}; expected 'length:steps,...,length', e.g. '256:20,1024'")
+
     lengths, starts, at = [], [], 0
     entries = [e.strip() for e in text.split(",")]
     for i, entry in enumerate(entries):
         last = i == len(entries) - 1
         parts = entry.split(":")
         if len(parts) != (1 if last else 2):
-            raise bad(f"entry {entry!r} should be {'length (the last runs to train.steps)' if last else 'length:steps'}")
+            raise bad(
+                f"entry {entry!r} should be {'length (the last runs to train.steps)' if last else 'length:steps'}"
+            )
         try:
             numbers = [int(p) for p in parts]
         except ValueError:
@@ -65,8 +69,10 @@ def parse_seq_len_schedule(text: str, seq_len: int, steps: int) -> SeqLenSchedul
     if any(b < a for a, b in zip(lengths, lengths[1:])):
         raise bad(f"lengths {lengths} decrease; stages may only extend the context")
     if lengths[-1] != seq_len:
-        raise bad(f"the last length {lengths[-1]} must equal train.seq_len={seq_len} (the length the run ends at "
-                  "and evaluates with)")
+        raise bad(
+            f"the last length {lengths[-1]} must equal train.seq_len={seq_len} (the length the run ends at "
+            "and evaluates with)"
+        )
     if starts[-1] >= steps:
         raise bad(f"the stages before the last take {starts[-1]} steps but train.steps={steps}")
     return SeqLenSchedule(tuple(lengths), tuple(starts))
@@ -81,13 +87,16 @@ class ScheduledBatches:
     after a boundary, reads exactly the batches of the uninterrupted run.
     """
 
-    def __init__(self, schedule: SeqLenSchedule, single: Iterator, make: Callable[[int], Iterator] | None,
-                 stage_name: str):
+    def __init__(
+        self, schedule: SeqLenSchedule, single: Iterator, make: Callable[[int], Iterator] | None, stage_name: str
+    ):
         self.schedule, self._make = schedule, make
         self.staged = len(schedule.lengths) > 1
         if self.staged and make is None:
-            raise ValueError(f"{KEY}: stage {stage_name!r} cannot change its sequence length during a run "
-                             "(supported by stages lm and sft)")
+            raise ValueError(
+                f"{KEY}: stage {stage_name!r} cannot change its sequence length during a run "
+                "(supported by stages lm and sft)"
+            )
         self.stage = 0
         self.batches = make(schedule.lengths[0]) if self.staged else single
 
@@ -95,8 +104,13 @@ class ScheduledBatches:
         """The batch for step `step` (steps come in order), switching stage first when it starts."""
         i = self.schedule.stage_at(step)
         if i != self.stage:
-            logging.info("step %d: sequence length %d → %d (%s)", step, self.schedule.lengths[self.stage],
-                         self.schedule.lengths[i], KEY)
+            logging.info(
+                "step %d: sequence length %d → %d (%s)",
+                step,
+                self.schedule.lengths[self.stage],
+                self.schedule.lengths[i],
+                KEY,
+            )
             new = self._make(self.schedule.lengths[i])
             new.continue_from(self.batches)
             self.batches, self.stage = new, i

@@ -28,8 +28,9 @@ class DataError(ValueError):
 
 class RawLine(NamedTuple):
     """One non-empty line of a JSONL file, unparsed."""
+
     path: str
-    line: int          # 1-based line number in the file
+    line: int  # 1-based line number in the file
     text: bytes
 
     @property
@@ -39,6 +40,7 @@ class RawLine(NamedTuple):
 
 class Record(NamedTuple):
     """One parsed JSONL record with its provenance."""
+
     data: dict
     path: str
     line: int
@@ -113,7 +115,7 @@ def read_file(path: str) -> bytes:
             return f.read()
     except FileNotFoundError:
         raise UserError(f"{path}: no such file", path=path) from None
-    except Exception as e:      # gcsfs/aiohttp/auth errors: hundreds of lines that never name the path
+    except Exception as e:  # gcsfs/aiohttp/auth errors: hundreds of lines that never name the path
         if "://" not in path or path.startswith(("file://", "memory://")):
             raise
         raise unreachable(path, e, "cannot read") from e
@@ -122,8 +124,11 @@ def read_file(path: str) -> bytes:
 def unreachable(path: str, error: Exception, what: str) -> UserError:
     """A one-line UserError for a remote path that failed (credentials, network), naming it."""
     reason = (str(error).strip().splitlines() or [""])[0][:200]
-    return UserError(f"{path}: {what} ({type(error).__name__}: {reason}); check the path, your credentials "
-                     "(e.g. gcloud auth application-default login) and the network", path=path)
+    return UserError(
+        f"{path}: {what} ({type(error).__name__}: {reason}); check the path, your credentials "
+        "(e.g. gcloud auth application-default login) and the network",
+        path=path,
+    )
 
 
 class JsonlSource:
@@ -154,7 +159,7 @@ class JsonlSource:
         f = int(np.searchsorted(self._cum, index, side="right")) - 1
         i = index - int(self._cum[f])
         starts, ends, lines = self._spans[f]
-        return RawLine(self.paths[f], int(lines[i]), self._blobs[f][starts[i]:ends[i]])
+        return RawLine(self.paths[f], int(lines[i]), self._blobs[f][starts[i] : ends[i]])
 
     def __repr__(self) -> str:
         return f"JsonlSource({len(self.paths)} files, {len(self)} records)"
@@ -164,15 +169,16 @@ def parse_line(raw: RawLine) -> dict[str, Any]:
     """A line's JSON object; `ValueError` saying what is wrong (not JSON, not an object)."""
     try:
         data = json.loads(raw.text)
-    except ValueError as e:      # JSONDecodeError and UnicodeDecodeError
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
         raise ValueError(f"not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}")
     return data
 
 
-def read_jsonl(paths: str | Sequence[str], *, on_error: str = "raise",
-               skips: SkipLog | None = None) -> Iterator[Record]:
+def read_jsonl(
+    paths: str | Sequence[str], *, on_error: str = "raise", skips: SkipLog | None = None
+) -> Iterator[Record]:
     """Stream the records of JSONL files in order, each with its `(path, line)`.
 
     For evaluation sets and tools; training goes through the shuffled pipelines. A line that is

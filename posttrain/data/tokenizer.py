@@ -23,18 +23,20 @@ log = logging.getLogger(__name__)
 
 class Tokenizer(Protocol):
     """What the data pipelines, sampler and verifiers need from a tokenizer."""
+
     vocab_size: int
     pad_id: int
     eos_id: int
     bos_id: int | None
-    stop_ids: tuple[int, ...]       # tokens that end generation (eos and any end-of-turn ids)
+    stop_ids: tuple[int, ...]  # tokens that end generation (eos and any end-of-turn ids)
 
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def encode_chat(self, messages: list[dict], *,
-                    add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]: ...
+    def encode_chat(
+        self, messages: list[dict], *, add_generation_prompt: bool = False
+    ) -> tuple[list[int], list[bool]]: ...
 
 
 class ByteTokenizer:
@@ -44,6 +46,7 @@ class ByteTokenizer:
     byte `b` → `b + 7`; vocab_size 263. A chat is `<bos>` then, per message, its role marker, its
     content and `<eos>` (the end-of-turn token, so generation stops at the end of a reply).
     """
+
     SPECIALS = ("<pad>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
     ROLES = {"system": 3, "user": 4, "assistant": 5, "tool": 6}
     OFFSET = len(SPECIALS)
@@ -60,8 +63,7 @@ class ByteTokenizer:
         data = bytes(int(i) - self.OFFSET for i in ids if self.OFFSET <= int(i) < self.vocab_size)
         return data.decode(errors="replace")
 
-    def encode_chat(self, messages: list[dict], *,
-                    add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
         """A conversation → (ids, trainable): trainable on assistant content and its `<eos>`."""
         ids, trainable = [self.bos_id], [False]
         for i, m in enumerate(messages):
@@ -93,25 +95,38 @@ class HFTokenizer:
     Without a `pad_token` in the config, padding uses the eos id (padding is masked anyway).
     """
 
-    def __init__(self, tokenizer, config: dict | None = None, *, chat_template_source: str | None = None,
-                 stop_ids: Sequence[int] = (), name: str = "tokenizer"):
+    def __init__(
+        self,
+        tokenizer,
+        config: dict | None = None,
+        *,
+        chat_template_source: str | None = None,
+        stop_ids: Sequence[int] = (),
+        name: str = "tokenizer",
+    ):
         """`tokenizer`: a `tokenizers.Tokenizer`; `config`: tokenizer_config.json's contents."""
         self._tok = tokenizer
         self.name = name
         config = config or {}
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self._specials = {k: t for k in ("bos_token", "eos_token", "pad_token", "unk_token")
-                          if (t := _token_text(config.get(k))) is not None}
+        self._specials = {
+            k: t
+            for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if (t := _token_text(config.get(k))) is not None
+        }
         self.eos_id = self._special_id("eos_token", ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>"))
         self.bos_id = self._special_id("bos_token", ()) if "bos_token" in self._specials else None
         self.pad_id = self._special_id("pad_token", ()) if "pad_token" in self._specials else self.eos_id
         self.stop_ids = tuple(sorted({self.eos_id, *stop_ids}))
         source = chat_template_source or config.get("chat_template")
-        if isinstance(source, list):          # [{"name": ..., "template": ...}, ...]
+        if isinstance(source, list):  # [{"name": ..., "template": ...}, ...]
             source = {t["name"]: t["template"] for t in source}.get("default")
         if not source:
-            log.warning("%s has no chat template: chats render as plain text "
-                        "(contents back to back, eos after assistant turns)", name)
+            log.warning(
+                "%s has no chat template: chats render as plain text "
+                "(contents back to back, eos after assistant turns)",
+                name,
+            )
             source = chat_template.PLAIN_TEMPLATE
         self._template = chat_template.compile_template(source)
 
@@ -119,15 +134,17 @@ class HFTokenizer:
         """The id of special token `key` from the config, else of the first fallback in the vocab."""
         if key in self._specials:
             if (i := self._tok.token_to_id(self._specials[key])) is None:
-                raise ValueError(f"{self.name}: tokenizer_config.json {key}={self._specials[key]!r} "
-                                 "is not in the vocabulary")
+                raise ValueError(
+                    f"{self.name}: tokenizer_config.json {key}={self._specials[key]!r} is not in the vocabulary"
+                )
             return i
         for text in fallbacks:
             if (i := self._tok.token_to_id(text)) is not None:
                 self._specials[key] = text
                 return i
-        raise ValueError(f"{self.name}: no {key} in tokenizer_config.json and none of {list(fallbacks)} "
-                         "in the vocabulary")
+        raise ValueError(
+            f"{self.name}: no {key} in tokenizer_config.json and none of {list(fallbacks)} in the vocabulary"
+        )
 
     @classmethod
     def from_dir(cls, path: str) -> HFTokenizer:
@@ -148,8 +165,13 @@ class HFTokenizer:
             raise FileNotFoundError(f"{path}: no tokenizer.json")
         config = json.loads(read("tokenizer_config.json") or "{}")
         gen = json.loads(read("generation_config.json") or "{}").get("eos_token_id", [])
-        return cls(_Tokenizer.from_str(spec), config, chat_template_source=read("chat_template.jinja"),
-                   stop_ids=[gen] if isinstance(gen, int) else gen, name=path)
+        return cls(
+            _Tokenizer.from_str(spec),
+            config,
+            chat_template_source=read("chat_template.jinja"),
+            stop_ids=[gen] if isinstance(gen, int) else gen,
+            name=path,
+        )
 
     def encode(self, text: str) -> list[int]:
         """Text → ids, without added special tokens."""
@@ -159,16 +181,15 @@ class HFTokenizer:
         """Ids → text, special tokens dropped."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def encode_chat(self, messages: list[dict], *,
-                    add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
         """A conversation through the chat template → (ids, trainable).
 
         A token is trainable when its characters overlap an assistant turn's span (content and
         end-of-turn token, not the role header the generation prompt writes).
         """
         text, spans = chat_template.render_with_spans(
-            self._template, messages, add_generation_prompt=add_generation_prompt,
-            special_tokens=self._specials)
+            self._template, messages, add_generation_prompt=add_generation_prompt, special_tokens=self._specials
+        )
         enc = self._tok.encode(text, add_special_tokens=False)
         offsets = np.fromiter(itertools.chain.from_iterable(enc.offsets), np.int64).reshape(-1, 2)
         starts, ends = offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1)

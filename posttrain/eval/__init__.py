@@ -1,3 +1,1 @@
-"""Evaluation helpers: gates, pass@k, long-context problems and their evaluation, the HTML report.
-"""
-
+"""Evaluation helpers: gates, pass@k, long-context problems and their evaluation, the HTML report."""

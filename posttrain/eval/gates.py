@@ -30,7 +30,7 @@ from posttrain.stages import registry
 OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 _CONDITION = re.compile(r"^\s*([\w/@.\-]+)\s*(<=|>=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
 REGRESSION_DROP = "regression_drop"
-GATES_FILE = "gates.jsonl"        # every gate checked, appended under the run's workdir (for tools/report.py)
+GATES_FILE = "gates.jsonl"  # every gate checked, appended under the run's workdir (for tools/report.py)
 
 
 class GateFailed(RuntimeError):
@@ -40,6 +40,7 @@ class GateFailed(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Condition:
     """`metric op threshold`."""
+
     metric: str
     op: str
     threshold: float
@@ -51,6 +52,7 @@ class Condition:
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     """One condition checked: the metric's value (None when missing), whether it held, a note."""
+
     condition: Condition
     value: float | None
     passed: bool
@@ -58,7 +60,7 @@ class Outcome:
 
 
 def parse_gate(spec: str, key: str) -> list[Condition]:
-    """"a>=0.6, b<=0.02" → conditions; a ValueError naming `key` on any malformed part."""
+    """ "a>=0.6, b<=0.02" → conditions; a ValueError naming `key` on any malformed part."""
     conditions = []
     for part in spec.split(","):
         if not part.strip():
@@ -67,9 +69,11 @@ def parse_gate(spec: str, key: str) -> list[Condition]:
             continue
         m = _CONDITION.match(part)
         if not m:
-            raise ValueError(f"{key}={spec!r}: cannot read {part.strip()!r}; expected 'metric op number' with op "
-                             f"one of {' '.join(OPS)}, conditions separated by commas, e.g. 'eval/loss<1.5, "
-                             "regression_drop<=0.02'")
+            raise ValueError(
+                f"{key}={spec!r}: cannot read {part.strip()!r}; expected 'metric op number' with op "
+                f"one of {' '.join(OPS)}, conditions separated by commas, e.g. 'eval/loss<1.5, "
+                "regression_drop<=0.02'"
+            )
         conditions.append(Condition(m.group(1), m.group(2), float(m.group(3))))
     return conditions
 
@@ -89,10 +93,14 @@ def validate_gates(cfg, stages) -> None:
 def regression_drop(current: dict, baseline: dict) -> float | None:
     """max over suites in both with the same version of (baseline − current) greedy accuracy; None
     when no suite is shared."""
-    drops = [baseline[k] - current[k] for k in current
-             if k.endswith("/accuracy") and k in baseline
-             and current.get(k.removesuffix("accuracy") + "version") is not None
-             and current.get(k.removesuffix("accuracy") + "version") == baseline.get(k.removesuffix("accuracy") + "version")]
+    drops = [
+        baseline[k] - current[k]
+        for k in current
+        if k.endswith("/accuracy")
+        and k in baseline
+        and current.get(k.removesuffix("accuracy") + "version") is not None
+        and current.get(k.removesuffix("accuracy") + "version") == baseline.get(k.removesuffix("accuracy") + "version")
+    ]
     return max(drops) if drops else None
 
 
@@ -123,27 +131,44 @@ def gate_report(stage: str, outcomes: list[Outcome]) -> str:
     lines = [f"{stage} gate: {'passed' if all(o.passed for o in outcomes) else 'FAILED'}"]
     for o in outcomes:
         value = "—" if o.value is None else f"{o.value:.4g}"
-        lines.append(f"  {'PASS' if o.passed else 'FAIL'}  {o.condition.metric} = {value} "
-                     f"(needs {o.condition.op} {o.condition.threshold:g}){'  ' + o.note if o.note else ''}")
+        lines.append(
+            f"  {'PASS' if o.passed else 'FAIL'}  {o.condition.metric} = {value} "
+            f"(needs {o.condition.op} {o.condition.threshold:g}){'  ' + o.note if o.note else ''}"
+        )
     return "\n".join(lines)
 
 
 def gate_record(stage: str, outcomes: list[Outcome]) -> dict:
     """One checked gate as a JSON object: the stage, whether it passed, and every condition."""
-    return {"stage": stage, "passed": all(o.passed for o in outcomes), "time": time.time(),
-            "conditions": [{"metric": o.condition.metric, "op": o.condition.op, "threshold": o.condition.threshold,
-                            "value": o.value, "passed": o.passed, "note": o.note} for o in outcomes]}
+    return {
+        "stage": stage,
+        "passed": all(o.passed for o in outcomes),
+        "time": time.time(),
+        "conditions": [
+            {
+                "metric": o.condition.metric,
+                "op": o.condition.op,
+                "threshold": o.condition.threshold,
+                "value": o.value,
+                "passed": o.passed,
+                "note": o.note,
+            }
+            for o in outcomes
+        ],
+    }
 
 
 def gate_record_dir(workdir: str) -> str | None:
     """Where a run records its gate outcomes: its workdir (local or URL), on process 0 only."""
     import jax
+
     return workdir if jax.process_index() == 0 else None
 
 
 def write_gate_record(workdir: str, record: dict) -> None:
     """Append `record` to `{workdir}/gates.jsonl` (what a report shows as gate outcomes)."""
     from posttrain import storage
+
     storage.makedirs(workdir)
     storage.append_text(storage.join(workdir, GATES_FILE), json.dumps(record) + "\n")
 

@@ -22,20 +22,41 @@ import numpy as np
 KINDS = ("needle", "multihop")
 SPLITS = ("train", "eval")
 # A name is a first syllable from its split's set and one or two more from the shared ones.
-FIRST_SYLLABLES = {"train": ("ba", "de", "fi", "go", "ku", "la", "mo", "ni", "pu", "ri"),
-                   "eval": ("ve", "zu", "xo", "qa", "jy", "wi", "ho", "ty", "sy", "ce")}
+FIRST_SYLLABLES = {
+    "train": ("ba", "de", "fi", "go", "ku", "la", "mo", "ni", "pu", "ri"),
+    "eval": ("ve", "zu", "xo", "qa", "jy", "wi", "ho", "ty", "sy", "ce"),
+}
 SYLLABLES = ("ko", "ra", "mith", "len", "dor", "vik", "sa", "tur", "nel", "bas", "quo", "rin")
-SUBJECTS = ("The river", "A small bird", "The old clock", "Every lantern", "The quiet market", "A tall tower",
-            "The morning train", "Each window", "The green field", "A wooden boat")
+SUBJECTS = (
+    "The river",
+    "A small bird",
+    "The old clock",
+    "Every lantern",
+    "The quiet market",
+    "A tall tower",
+    "The morning train",
+    "Each window",
+    "The green field",
+    "A wooden boat",
+)
 VERBS = ("passes", "watches", "follows", "remembers", "ignores", "crosses", "carries", "reaches")
-OBJECTS = ("the distant hills", "a grey cloud", "the sleeping town", "an empty road", "the northern sea",
-           "a bright lantern", "the long bridge", "a narrow street")
+OBJECTS = (
+    "the distant hills",
+    "a grey cloud",
+    "the sleeping town",
+    "an empty road",
+    "the northern sea",
+    "a bright lantern",
+    "the long bridge",
+    "a narrow street",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """One generated problem: `prompt` (context then question), its exact `answer`, and where its
     facts sit (`depth` asked for; `fact_depths`, the achieved fractions of the context)."""
+
     kind: str
     prompt: str
     answer: str
@@ -48,8 +69,9 @@ def _rng(kind: str, split: str, seed: int, index: int, length: int, depth: float
     """A generator for one problem; split and kind are part of the seed namespace."""
     if kind not in KINDS or split not in SPLITS:
         raise ValueError(f"kind={kind!r}, split={split!r}: expected kind in {KINDS} and split in {SPLITS}")
-    return np.random.default_rng([KINDS.index(kind), SPLITS.index(split), seed, index, length,
-                                  int(round(depth * 1000))])
+    return np.random.default_rng(
+        [KINDS.index(kind), SPLITS.index(split), seed, index, length, int(round(depth * 1000))]
+    )
 
 
 def names(rng: np.random.Generator, split: str, n: int) -> list[str]:
@@ -68,8 +90,14 @@ def filler_sentence(rng: np.random.Generator) -> str:
     return f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}."
 
 
-def place(facts: list[str], depths: list[float], question: str, length: int, rng: np.random.Generator,
-          count: Callable[[str], int]) -> tuple[str, tuple[float, ...]]:
+def place(
+    facts: list[str],
+    depths: list[float],
+    question: str,
+    length: int,
+    rng: np.random.Generator,
+    count: Callable[[str], int],
+) -> tuple[str, tuple[float, ...]]:
     """Filler sentences with `facts` inserted at the fractions `depths` of the context, then the
     question; the context grows until the prompt would pass `length` tokens by `count` (summed
     per sentence: exact for byte tokens, close for BPE). Returns (prompt, achieved depths)."""
@@ -93,8 +121,15 @@ def place(facts: list[str], depths: list[float], question: str, length: int, rng
     return " ".join(pieces) + "\n" + question, achieved
 
 
-def needle(length: int, depth: float, *, index: int = 0, seed: int = 0, split: str = "eval",
-           count: Callable[[str], int] = lambda s: len(s.encode())) -> Problem:
+def needle(
+    length: int,
+    depth: float,
+    *,
+    index: int = 0,
+    seed: int = 0,
+    split: str = "eval",
+    count: Callable[[str], int] = lambda s: len(s.encode()),
+) -> Problem:
     """One fact ("The magic number of X is N.") at fraction `depth` (0 = start, 1 = end) of a
     context of about `length` tokens, asked for at the end."""
     rng = _rng("needle", split, seed, index, length, depth)
@@ -106,8 +141,16 @@ def needle(length: int, depth: float, *, index: int = 0, seed: int = 0, split: s
     return Problem("needle", prompt, str(number), length, depth, achieved)
 
 
-def multihop(length: int, depth: float, *, hops: int = 3, index: int = 0, seed: int = 0, split: str = "eval",
-             count: Callable[[str], int] = lambda s: len(s.encode())) -> Problem:
+def multihop(
+    length: int,
+    depth: float,
+    *,
+    hops: int = 3,
+    index: int = 0,
+    seed: int = 0,
+    split: str = "eval",
+    count: Callable[[str], int] = lambda s: len(s.encode()),
+) -> Problem:
     """A chain of `hops` facts — a base code, then each code the previous one plus or minus a
     small number — spread evenly from fraction `depth` to the end of the context; the question
     asks for the last code, so every fact must be found and combined."""
@@ -147,19 +190,35 @@ def is_correct(completion: str, answer: str) -> bool:
     return m is not None and m.group(0) == answer
 
 
-def training_records(n: int, min_length: int, max_length: int, *, seed: int = 0, kinds: tuple[str, ...] = KINDS,
-                     hops: int = 2, count: Callable[[str], int] = lambda s: len(s.encode())) -> list[dict]:
+def training_records(
+    n: int,
+    min_length: int,
+    max_length: int,
+    *,
+    seed: int = 0,
+    kinds: tuple[str, ...] = KINDS,
+    hops: int = 2,
+    count: Callable[[str], int] = lambda s: len(s.encode()),
+) -> list[dict]:
     """`n` SFT records ({"prompt", "response"}) of the `train` split — names disjoint from every
     evaluation problem — with prompt lengths spread over [min_length, max_length] tokens and
     depths over [0, 1], kinds alternating: data that teaches retrieval at every length. Lengths
     are log-uniform, so short problems (an early, short stage of a staged run) are common."""
     if not 0 < min_length <= max_length:
         raise ValueError(f"training_records: need 0 < min_length={min_length} <= max_length={max_length}")
-    rng = np.random.default_rng([len(SPLITS), seed])        # a namespace of its own
+    rng = np.random.default_rng([len(SPLITS), seed])  # a namespace of its own
     out = []
     for i in range(n):
         length = int(round(np.exp(rng.uniform(np.log(min_length), np.log(max_length)))))
-        p = generate_problem(kinds[i % len(kinds)], length, float(rng.random()), index=i, seed=seed, split="train",
-                             hops=hops, count=count)
+        p = generate_problem(
+            kinds[i % len(kinds)],
+            length,
+            float(rng.random()),
+            index=i,
+            seed=seed,
+            split="train",
+            hops=hops,
+            count=count,
+        )
         out.append({"prompt": p.prompt, "response": p.answer})
     return out

@@ -31,8 +31,10 @@ def parse_grid(lc) -> dict:
         lengths = [int(x) for x in lc.lengths.split(",") if x.strip()]
         depths = [float(x) for x in lc.depths.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"{KEY}.lengths={lc.lengths!r} / depths={lc.depths!r}: expected comma-separated "
-                         "integers / fractions, e.g. '256,1024' and '0,0.5,1'") from None
+        raise ValueError(
+            f"{KEY}.lengths={lc.lengths!r} / depths={lc.depths!r}: expected comma-separated "
+            "integers / fractions, e.g. '256,1024' and '0,0.5,1'"
+        ) from None
     kinds = [k.strip() for k in lc.kinds.split(",") if k.strip()]
     if not lengths or min(lengths) <= 0:
         raise ValueError(f"{KEY}.lengths={lc.lengths!r}: expected positive token counts, e.g. '256,1024'")
@@ -41,8 +43,9 @@ def parse_grid(lc) -> dict:
     if not kinds or any(k not in KINDS for k in kinds):
         raise ValueError(f"{KEY}.kinds={lc.kinds!r}: expected a comma-separated subset of {list(KINDS)}")
     if lc.samples < 1 or lc.hops < 1 or lc.max_new_tokens < 1:
-        raise ValueError(f"{KEY}.samples={lc.samples}, hops={lc.hops}, max_new_tokens={lc.max_new_tokens}: "
-                         "each must be >= 1")
+        raise ValueError(
+            f"{KEY}.samples={lc.samples}, hops={lc.hops}, max_new_tokens={lc.max_new_tokens}: each must be >= 1"
+        )
     return {"lengths": lengths, "depths": depths, "kinds": kinds}
 
 
@@ -64,19 +67,31 @@ def evaluate(model: nnx.Module, tok: Tokenizer, lc, *, step: int | None = None) 
     for kind in grid["kinds"]:
         for length in grid["lengths"]:
             cells = [(d, i) for d in grid["depths"] for i in range(lc.samples)]
-            problems = [generate_problem(kind, length - overhead, d, index=i, seed=lc.seed, split="eval",
-                                         hops=lc.hops, count=count) for d, i in cells]
+            problems = [
+                generate_problem(
+                    kind, length - overhead, d, index=i, seed=lc.seed, split="eval", hops=lc.hops, count=count
+                )
+                for d, i in cells
+            ]
             prompts = [chat_prompt(tok, p.prompt) for p in problems]
             out = generate(graphdef, params, rest, prompts, sampling, jax.random.key(0), pad_id=tok.pad_id)
             texts = [tok.decode(out.completion(j)) for j in range(len(problems))]
             ok = [is_correct(t, p.answer) for t, p in zip(texts, problems)]
             for d in grid["depths"]:
                 idx = [j for j, (dd, _) in enumerate(cells) if dd == d]
-                rows.append({"kind": kind, "length": length, "depth": d, "correct": int(sum(ok[j] for j in idx)),
-                             "n": len(idx), "accuracy": float(np.mean([ok[j] for j in idx])),
-                             "prompt_tokens": float(np.mean([len(prompts[j]) for j in idx])),
-                             "example": {"answer": problems[idx[0]].answer, "completion": texts[idx[0]]},
-                             **({"step": int(step)} if step is not None else {})})
+                rows.append(
+                    {
+                        "kind": kind,
+                        "length": length,
+                        "depth": d,
+                        "correct": int(sum(ok[j] for j in idx)),
+                        "n": len(idx),
+                        "accuracy": float(np.mean([ok[j] for j in idx])),
+                        "prompt_tokens": float(np.mean([len(prompts[j]) for j in idx])),
+                        "example": {"answer": problems[idx[0]].answer, "completion": texts[idx[0]]},
+                        **({"step": int(step)} if step is not None else {}),
+                    }
+                )
     return rows
 
 
@@ -101,6 +116,7 @@ def write_rows(rows: Sequence[dict], path: str) -> None:
 def plot_heatmaps(rows: Sequence[dict], out: str, title: str = "") -> str:
     """One length x depth accuracy heat map per kind (the newest step's rows) to PNG `out`."""
     from posttrain.core.plot import plt, png_bytes  # matplotlib (Agg) only when plotting
+
     last = max((r.get("step", -1) for r in rows), default=-1)
     rows = [r for r in rows if r.get("step", -1) == last]
     kinds = list(dict.fromkeys(r["kind"] for r in rows))
@@ -132,7 +148,7 @@ def make_long_context_eval(cfg, tok: Tokenizer):
     lc = cfg.eval.long_context
     if not lc.lengths:
         return None
-    parse_grid(lc)                       # fail at start-up, not at the first evaluation
+    parse_grid(lc)  # fail at start-up, not at the first evaluation
     jsonl, png = storage.join(cfg.workdir, "long_context.jsonl"), storage.join(cfg.workdir, "long_context.png")
 
     def fn(model: nnx.Module, step: int | None = None) -> dict:
@@ -141,4 +157,5 @@ def make_long_context_eval(cfg, tok: Tokenizer):
             write_rows(rows, jsonl)
             plot_heatmaps(rows, png, cfg.workdir)
         return summarize(rows)
+
     return fn

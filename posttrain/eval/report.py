@@ -31,12 +31,25 @@ PANELS = (
     ("loss", ("loss", "ce", "rl/loss", "rl/pg_loss", "rl/value_loss")),
     ("held-out loss", ("eval/loss",)),
     ("reward", ("rl/reward_mean", "rl/reward_std", "rl/verifier_reward_mean", "rl/rm_score_mean", "rl/return_mean")),
-    ("held-out accuracy", ("eval/accuracy", "eval/mean_accuracy", "eval/pass@*", "eval/*/accuracy",
-                           "eval/*/mean_accuracy", "eval/*/pass@*", "eval/reward_accuracy", "rm/accuracy")),
+    (
+        "held-out accuracy",
+        (
+            "eval/accuracy",
+            "eval/mean_accuracy",
+            "eval/pass@*",
+            "eval/*/accuracy",
+            "eval/*/mean_accuracy",
+            "eval/*/pass@*",
+            "eval/reward_accuracy",
+            "rm/accuracy",
+        ),
+    ),
     ("KL to the reference", ("rl/kl", "dpo/kl*")),
     ("entropy (nats/token)", ("rl/entropy",)),
-    ("response length (tokens)", ("rl/response_len_mean", "rl/response_len_max", "eval/response_len",
-                                  "eval/*/response_len")),
+    (
+        "response length (tokens)",
+        ("rl/response_len_mean", "rl/response_len_max", "eval/response_len", "eval/*/response_len"),
+    ),
     ("truncated / clipped fraction", ("rl/truncated_frac", "rl/clip_frac_low", "rl/clip_frac_high")),
     ("seconds per step, by phase", ("rl/gen_s", "rl/verify_s", "rl/update_s", "rl/wait_s", "step_s")),
     ("throughput (tokens/s)", ("tokens_per_s", "rl/tokens_per_s")),
@@ -45,18 +58,31 @@ PANELS = (
     ("gradient norm", ("grad_norm",)),
     ("learning rate", ("lr",)),
 )
-ROLLOUT_SAMPLE = 12        # rollouts shown, spread over the logged steps
-EVAL_COLUMNS = ("stage", "suite", "step", "problems", "samples", "accuracy", "mean_accuracy", "pass@*",
-                "response_len", "verifier_errors", "seconds", "version")
+ROLLOUT_SAMPLE = 12  # rollouts shown, spread over the logged steps
+EVAL_COLUMNS = (
+    "stage",
+    "suite",
+    "step",
+    "problems",
+    "samples",
+    "accuracy",
+    "mean_accuracy",
+    "pass@*",
+    "response_len",
+    "verifier_errors",
+    "seconds",
+    "version",
+)
 
 
 @dataclasses.dataclass
 class Stage:
     """What one (stage) folder of a run holds."""
-    name: str                       # "." for the run folder itself, else the stage folder's name
-    rows: list[dict]                # metrics.jsonl
-    evals: list[dict]               # eval/<suite>.jsonl records (an eval stage)
-    rollouts: list[dict]            # rollouts/*.jsonl records
+
+    name: str  # "." for the run folder itself, else the stage folder's name
+    rows: list[dict]  # metrics.jsonl
+    evals: list[dict]  # eval/<suite>.jsonl records (an eval stage)
+    rollouts: list[dict]  # rollouts/*.jsonl records
 
 
 def _jsonl(path: str) -> list[dict]:
@@ -95,7 +121,10 @@ def reward_parts(rollouts: list[dict]) -> dict[str, tuple[list[int], list[float]
     """Mean of each reward part over the kept rollouts of each step: `reward part/<name>` → (steps, means)."""
     by_step: dict[int, dict[str, list[float]]] = {}
     for r in rollouts:
-        for k, v in {**r.get("parts", {}), **{f"verifier/{k}": v for k, v in r.get("verifier_parts", {}).items()}}.items():
+        for k, v in {
+            **r.get("parts", {}),
+            **{f"verifier/{k}": v for k, v in r.get("verifier_parts", {}).items()},
+        }.items():
             if isinstance(v, (int, float)):
                 by_step.setdefault(r["step"], {}).setdefault(k, []).append(v)
     out: dict[str, tuple[list[int], list[float]]] = {}
@@ -138,8 +167,10 @@ def curves_section(stages: list[Stage]) -> str:
     """The panels of every stage, a heading per stage when there are several."""
     parts = []
     for s in stages:
-        imgs = "".join(f'<img alt="{_text(t)}" title="{_text(t)}" width=400 height=232 src="data:image/png;base64,{png}">'
-                       for t, png in panels(s))
+        imgs = "".join(
+            f'<img alt="{_text(t)}" title="{_text(t)}" width=400 height=232 src="data:image/png;base64,{png}">'
+            for t, png in panels(s)
+        )
         if imgs:
             parts.append((f"<h3>{_text(s.name)}</h3>" if len(stages) > 1 else "") + f"<div class=grid>{imgs}</div>")
     return "".join(parts) or "<p class=none>No curves (no metric has two points).</p>"
@@ -148,8 +179,9 @@ def curves_section(stages: list[Stage]) -> str:
 def _text(x) -> str:
     """HTML-escaped text with control characters shown as escapes (sampled text can hold any byte)."""
     s = x if isinstance(x, str) else json.dumps(x) if isinstance(x, (dict, list)) else _num(x)
-    s = "".join(c if c in "\n\t" or c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}"
-                for c in s)
+    s = "".join(
+        c if c in "\n\t" or c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}" for c in s
+    )
     return html.escape(s)
 
 
@@ -164,8 +196,10 @@ def _num(x) -> str:
 def table(header: list[str], rows: list[list], classes: list[str] | None = None) -> str:
     """An HTML table of already-chosen cells (escaped here)."""
     head = "".join(f"<th>{_text(h)}</th>" for h in header)
-    body = "".join(f"<tr{f' class={c}' if c else ''}>" + "".join(f"<td>{_text(v)}</td>" for v in r) + "</tr>"
-                   for r, c in zip(rows, classes or [""] * len(rows)))
+    body = "".join(
+        f"<tr{f' class={c}' if c else ''}>" + "".join(f"<td>{_text(v)}</td>" for v in r) + "</tr>"
+        for r, c in zip(rows, classes or [""] * len(rows))
+    )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -174,16 +208,22 @@ def eval_section(stages: list[Stage]) -> str:
     recs = [{"stage": s.name, **r} for s in stages for r in s.evals]
     parts = []
     if recs:
-        cols = [c for pat in EVAL_COLUMNS for c in sorted({k for r in recs for k in r}, key=_pass_k_order)
-                if fnmatch.fnmatchcase(c, pat)]
+        cols = [
+            c
+            for pat in EVAL_COLUMNS
+            for c in sorted({k for r in recs for k in r}, key=_pass_k_order)
+            if fnmatch.fnmatchcase(c, pat)
+        ]
         cols = list(dict.fromkeys(cols))
         parts.append(table(cols, [[r.get(c) for c in cols] for r in recs]))
-    for s in (s for s in stages if not s.evals):          # an eval stage's rows repeat its records
+    for s in (s for s in stages if not s.evals):  # an eval stage's rows repeat its records
         rows = [r for r in s.rows if "event" not in r and any(k.startswith("eval/") for k in r)]
         if rows:
             cols = sorted({k for r in rows for k in r if k.startswith("eval/") and not isinstance(r[k], (list, dict))})
-            parts.append(f"<h3>during training: {_text(s.name)}</h3>" +
-                         table(["step", *cols], [[r["step"], *(r.get(c) for c in cols)] for r in rows]))
+            parts.append(
+                f"<h3>during training: {_text(s.name)}</h3>"
+                + table(["step", *cols], [[r["step"], *(r.get(c) for c in cols)] for r in rows])
+            )
     return "".join(parts) or "<p class=none>No evaluations in this run.</p>"
 
 
@@ -201,20 +241,36 @@ def gates_section(workdir: str) -> str:
     rows, classes = [], []
     for g in records:
         for c in g["conditions"]:
-            rows.append([g["stage"], "passed" if g["passed"] else "FAILED", c["metric"], f"{c['op']} {c['threshold']:g}",
-                         c["value"], "PASS" if c["passed"] else "FAIL", c.get("note", "")])
+            rows.append(
+                [
+                    g["stage"],
+                    "passed" if g["passed"] else "FAILED",
+                    c["metric"],
+                    f"{c['op']} {c['threshold']:g}",
+                    c["value"],
+                    "PASS" if c["passed"] else "FAIL",
+                    c.get("note", ""),
+                ]
+            )
             classes.append("pass" if c["passed"] else "fail")
     return table(["stage", "gate", "metric", "needs", "value", "condition", "note"], rows, classes)
 
 
 def events_section(stages: list[Stage]) -> str:
     """Alerts and other event rows of metrics.jsonl, in order."""
-    rows = [[s.name, r["step"], r["event"], r.get("rule", ""), r.get("value"), r.get("threshold"), r.get("message", "")]
-            for s in stages for r in s.rows if "event" in r]
+    rows = [
+        [s.name, r["step"], r["event"], r.get("rule", ""), r.get("value"), r.get("threshold"), r.get("message", "")]
+        for s in stages
+        for r in s.rows
+        if "event" in r
+    ]
     if not rows:
         return "<p class=none>No alerts or other events in metrics.jsonl.</p>"
-    return table(["stage", "step", "event", "rule", "value", "threshold", "message"], rows,
-                 ["fail" if r[2] == "alert" else "" for r in rows])
+    return table(
+        ["stage", "step", "event", "rule", "value", "threshold", "message"],
+        rows,
+        ["fail" if r[2] == "alert" else "" for r in rows],
+    )
 
 
 def sample_rollouts(rollouts: list[dict], n: int = ROLLOUT_SAMPLE) -> list[dict]:
@@ -237,12 +293,16 @@ def rollouts_section(stages: list[Stage]) -> str:
         if not s.rollouts:
             continue
         for r in sample_rollouts(s.rollouts):
-            meta = (f"{_text(s.name)} · step {r['step']} · {_text(r.get('domain', ''))} · {_text(r.get('task_id', ''))}"
-                    f" · reward <b>{_text(r.get('reward'))}</b>")
+            meta = (
+                f"{_text(s.name)} · step {r['step']} · {_text(r.get('domain', ''))} · {_text(r.get('task_id', ''))}"
+                f" · reward <b>{_text(r.get('reward'))}</b>"
+            )
             details = {k: r.get(k) for k in ("parts", "verifier_parts", "error", "truncated", "num_tokens") if r.get(k)}
-            parts.append(f"<div class=rollout><div class=meta>{meta}</div><pre class=prompt>{_text(r.get('prompt', ''))}"
-                         f"</pre><pre class=response>{_text(r.get('response', ''))}</pre>"
-                         f"<div class=meta>{_text(details)}</div></div>")
+            parts.append(
+                f"<div class=rollout><div class=meta>{meta}</div><pre class=prompt>{_text(r.get('prompt', ''))}"
+                f"</pre><pre class=response>{_text(r.get('response', ''))}</pre>"
+                f"<div class=meta>{_text(details)}</div></div>"
+            )
     if not parts:
         return "<p class=none>No rollouts kept (set rl.rollouts_every to keep some).</p>"
     return "".join(parts)
@@ -265,15 +325,20 @@ def render(workdir: str) -> str:
     stage_names = ", ".join(s.name for s in stages if s.name != ".") or "one stage"
     if storage.isfile(config):
         c = json.loads(storage.read_text(config))
-        stage_names = f"{c.get('stage')}: {', '.join(c.get('pipeline', {}).get('stages', []))}" \
-            if c.get("stage") == "pipeline" else str(c.get("stage"))
-    return (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>posttrain report: {_text(workdir)}</title>"
-            f"<style>{CSS}</style></head><body><h1>posttrain run report</h1>"
-            f"<p title=\"{_text(workdir if storage.is_url(workdir) else os.path.abspath(storage.local(workdir)))}\">{_text(workdir)} · {_text(stage_names)} · written {time.strftime('%Y-%m-%d %H:%M %Z')}</p>"
-            f"<h2>Curves</h2>{curves_section(stages)}"
-            f"<h2>Evaluations</h2>{eval_section(stages)}<h2>Gates</h2>{gates_section(workdir)}"
-            f"<h2>Alerts and events</h2>{events_section(stages)}<h2>Sample rollouts</h2>{rollouts_section(stages)}"
-            "</body></html>")
+        stage_names = (
+            f"{c.get('stage')}: {', '.join(c.get('pipeline', {}).get('stages', []))}"
+            if c.get("stage") == "pipeline"
+            else str(c.get("stage"))
+        )
+    return (
+        f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>posttrain report: {_text(workdir)}</title>"
+        f"<style>{CSS}</style></head><body><h1>posttrain run report</h1>"
+        f'<p title="{_text(workdir if storage.is_url(workdir) else os.path.abspath(storage.local(workdir)))}">{_text(workdir)} · {_text(stage_names)} · written {time.strftime("%Y-%m-%d %H:%M %Z")}</p>'
+        f"<h2>Curves</h2>{curves_section(stages)}"
+        f"<h2>Evaluations</h2>{eval_section(stages)}<h2>Gates</h2>{gates_section(workdir)}"
+        f"<h2>Alerts and events</h2>{events_section(stages)}<h2>Sample rollouts</h2>{rollouts_section(stages)}"
+        "</body></html>"
+    )
 
 
 def write_report(workdir: str, out: str | None = None) -> str:

@@ -1,3 +1,1 @@
-"""The decoder (dense or MoE), attention, LoRA, quantisation, the reward model's head, Hugging Face interop.
-"""
-
+"""The decoder (dense or MoE), attention, LoRA, quantisation, the reward model's head, Hugging Face interop."""

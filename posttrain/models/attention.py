@@ -31,6 +31,7 @@ class RopeScaling:
     and beta_slow rotations, q and k scaled by `attention_factor`; 0 means 0.1 ln(factor) + 1) |
     llama3 (low/high-frequency wavelength bands).
     """
+
     type: str = ""
     factor: float = 1.0
     original_max_position_embeddings: int = 0
@@ -50,9 +51,11 @@ class RopeScaling:
         if scaling.type and scaling.factor <= 0:
             raise ValueError(f"model.rope_scaling.factor={scaling.factor}: must be positive")
         if scaling.type in ("dynamic", "yarn", "llama3") and scaling.original_max_position_embeddings <= 0:
-            raise ValueError(f"model.rope_scaling.original_max_position_embeddings="
-                             f"{scaling.original_max_position_embeddings}: rope_scaling.type={scaling.type!r} "
-                             "needs the pre-training context length")
+            raise ValueError(
+                f"model.rope_scaling.original_max_position_embeddings="
+                f"{scaling.original_max_position_embeddings}: rope_scaling.type={scaling.type!r} "
+                "needs the pre-training context length"
+            )
         return scaling
 
     def attention_scale(self) -> float:
@@ -64,14 +67,15 @@ class RopeScaling:
         return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,
-                     seq_len: jax.Array | None = None) -> jax.Array:
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None = None, seq_len: jax.Array | None = None
+) -> jax.Array:
     """Inverse frequencies theta^(-2i/d), i < d/2 (float32), stretched by `scaling`.
 
     seq_len (the longest position of the call + 1) is used by dynamic scaling only.
     """
     exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
+    inv_freq = 1.0 / (theta**exponents)
     kind = scaling.type if scaling is not None else ""
     if kind == "linear":
         return inv_freq / scaling.factor
@@ -79,7 +83,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
         original = scaling.original_max_position_embeddings
         length = jnp.maximum(jnp.asarray(seq_len, jnp.float32), original)
         base = theta * ((scaling.factor * length / original) - (scaling.factor - 1)) ** (head_dim / (head_dim - 2))
-        return 1.0 / (base ** exponents)
+        return 1.0 / (base**exponents)
     if kind == "yarn":
         return _yarn_frequencies(inv_freq, head_dim, theta, scaling)
     if kind == "llama3":
@@ -90,16 +94,18 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
 def _yarn_frequencies(inv_freq: jax.Array, head_dim: int, theta: float, s: RopeScaling) -> jax.Array:
     """YaRN (Peng et al. 2023): interpolate the low frequencies by `factor`, keep the high ones, with
     a linear ramp between the dimensions that make beta_fast and beta_slow rotations."""
-    def dim_of(rotations):      # the dimension whose wavelength fits `rotations` times in the context
+
+    def dim_of(rotations):  # the dimension whose wavelength fits `rotations` times in the context
         wavelengths = s.original_max_position_embeddings / (rotations * 2 * math.pi)
         return head_dim * math.log(wavelengths) / (2 * math.log(theta))
+
     low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
     if s.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, head_dim - 1)
     high = high + 0.001 if low == high else high
     ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
-    keep = 1 - ramp                               # 1: extrapolate (keep), 0: interpolate
+    keep = 1 - ramp  # 1: extrapolate (keep), 0: interpolate
     return (inv_freq / s.factor) * (1 - keep) + inv_freq * keep
 
 
@@ -120,7 +126,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
     x: [batch, length, heads, head_dim]; positions: [batch, length] (int).
     """
-    angles = positions[..., None].astype(jnp.float32) * inv_freq           # [B, S, Dh/2]
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, S, Dh/2]
     cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
     sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
     xf = x.astype(jnp.float32)
@@ -154,7 +160,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     kv = k.shape[2]
     q = q.reshape(b, s, kv, h // kv, d)
     logits = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(d)
-    mask = mask[:, :, None]                                                # [B, 1, 1, S, T]
+    mask = mask[:, :, None]  # [B, 1, 1, S, T]
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1) * mask.any(axis=-1, keepdims=True)
     out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(v.dtype), v)
@@ -170,6 +176,7 @@ class AttentionKernel:
     says) | cudnn (GPU) | splash (TPU): the platform's fused kernel, on unpermuted rows with the
     `sequence` axis unsharded. `block` is `model.attention_block` (blockwise and splash tiles).
     """
+
     kind: str = "xla"
     block: int = 512
     context_parallel: str = "auto"
@@ -190,22 +197,26 @@ class AttentionKernel:
             check_platform(kernel.kind, ctx[0].devices.flat[0].platform if ctx else jax.default_backend())
         return kernel
 
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-                 segment_ids: jax.Array) -> jax.Array:
+    def __call__(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array
+    ) -> jax.Array:
         """Causal self-attention within segments: q [B, S, H, Dh], k, v [B, S, K, Dh] → [B, S, H, Dh]."""
         axes, n = sequence_axes()
         if self.kind == "xla":
             return dot_product_attention(q, k, v, attention_mask(segment_ids, positions))
         if self.kind != "blockwise" and n > 1:
-            raise ValueError(f"model.attention={self.kind!r} runs on an unsharded length; the mesh shards "
-                             f"it over {axes} ({n} devices): use model.attention='blockwise'")
+            raise ValueError(
+                f"model.attention={self.kind!r} runs on an unsharded length; the mesh shards "
+                f"it over {axes} ({n} devices): use model.attention='blockwise'"
+            )
         if self.kind == "cudnn":
             return cudnn_attention(q, k, v, segment_ids)
         if self.kind == "splash":
             return on_local_shards(functools.partial(splash_attention, block_size=self.block), q, k, v, segment_ids)
         if n > 1:
-            return context_parallel_attention(q, k, v, positions, segment_ids, mode=self.context_parallel,
-                                              block_size=self.block)
+            return context_parallel_attention(
+                q, k, v, positions, segment_ids, mode=self.context_parallel, block_size=self.block
+            )
         return blockwise_attention(q, k, v, positions, positions, segment_ids, segment_ids, block_size=self.block)
 
 
@@ -218,8 +229,9 @@ class Attention(nnx.Module):
         self.dtype = dtype_of(cfg.dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         if cfg.num_heads % cfg.num_kv_heads:
-            raise ValueError(f"model.num_heads={cfg.num_heads} must be a multiple of "
-                             f"model.num_kv_heads={cfg.num_kv_heads}")
+            raise ValueError(
+                f"model.num_heads={cfg.num_heads} must be a multiple of model.num_kv_heads={cfg.num_kv_heads}"
+            )
         if cfg.head_dim % 2:
             raise ValueError(f"model.head_dim={cfg.head_dim} must be even for RoPE")
         self.kernel = AttentionKernel.from_config(cfg)
@@ -230,15 +242,14 @@ class Attention(nnx.Module):
         self.q = param(rngs, init, (d, h, hd), ("embed", "heads", "head_dim"), pdt)
         self.k = param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pdt)
         self.v = param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pdt)
-        if cfg.attention_bias:     # Qwen2: biases on the q, k and v projections (not on o)
+        if cfg.attention_bias:  # Qwen2: biases on the q, k and v projections (not on o)
             zeros = jax.nn.initializers.zeros
             self.q_bias = param(rngs, zeros, (h, hd), ("heads", "head_dim"), pdt)
             self.k_bias = param(rngs, zeros, (kv, hd), ("kv_heads", "head_dim"), pdt)
             self.v_bias = param(rngs, zeros, (kv, hd), ("kv_heads", "head_dim"), pdt)
         else:
             self.q_bias = self.k_bias = self.v_bias = None
-        self.o = param(rngs, fan_in_init(in_axis=(0, 1), out_axis=2), (h, hd, d),
-                       ("heads", "head_dim", "embed"), pdt)
+        self.o = param(rngs, fan_in_init(in_axis=(0, 1), out_axis=2), (h, hd, d), ("heads", "head_dim", "embed"), pdt)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=pdt, names=("head_dim",))
             self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=pdt, names=("head_dim",))
@@ -275,8 +286,9 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         return self.prefill(x, positions, segment_ids)[0]
 
-    def prefill(self, x: jax.Array, positions: jax.Array,
-                segment_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def prefill(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Attention over the whole sequence that also returns its keys and values, laid out for
         the KV cache.
 
@@ -286,8 +298,9 @@ class Attention(nnx.Module):
         out = self.output(self.kernel(q, k, v, positions, segment_ids))
         return out, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
 
-    def decode(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array,
-               v_cache: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def decode(
+        self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """One new token per row against this layer's KV cache, whose index is the position.
 
         x: [B, 1, D]; positions: [B] (int), the new token's position and cache index;
@@ -297,9 +310,10 @@ class Attention(nnx.Module):
         """
         q, k, v = self.project_qkv(x, positions[:, None])
         axes, n = sequence_axes()
-        if n > 1 and k_cache.shape[K_TIME_AXIS] % n == 0:       # the cache's time axis is sharded
-            out, k_cache, v_cache = sequence_sharded_decode(q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache,
-                                                            positions, axes, n)
+        if n > 1 and k_cache.shape[K_TIME_AXIS] % n == 0:  # the cache's time axis is sharded
+            out, k_cache, v_cache = sequence_sharded_decode(
+                q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, positions, axes, n
+            )
             return self.output(out[:, None]), k_cache, v_cache
         k_cache = write_cache_rows(k_cache, k[:, 0], positions, K_TIME_AXIS)
         v_cache = write_cache_rows(v_cache, v[:, 0], positions, V_TIME_AXIS)

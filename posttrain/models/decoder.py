@@ -15,7 +15,7 @@ from posttrain.models.moe import MoE, RouterBias
 from posttrain.models.quant import weight_einsum
 from posttrain.parallel.sharding import constrain
 
-ACTIVATION_NAMES = ("activation_batch", "activation_length", "activation_embed")   # the residual stream [B, S, D]
+ACTIVATION_NAMES = ("activation_batch", "activation_length", "activation_embed")  # the residual stream [B, S, D]
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -32,12 +32,15 @@ def layer_kinds(cfg) -> tuple[str, ...]:
     m = cfg.moe
     bad = [i for i in m.dense_layers if not 0 <= i < cfg.num_layers]
     if bad:
-        raise ValueError(f"model.moe.dense_layers={tuple(m.dense_layers)}: {bad} outside "
-                         f"0..{cfg.num_layers - 1}")
+        raise ValueError(f"model.moe.dense_layers={tuple(m.dense_layers)}: {bad} outside 0..{cfg.num_layers - 1}")
     if m.every < 1:
         raise ValueError(f"model.moe.every={m.every} must be >= 1")
-    return tuple("moe" if (m.num_experts > 0 and i >= m.first_dense and (i + 1) % m.every == 0
-                           and i not in m.dense_layers) else "dense" for i in range(cfg.num_layers))
+    return tuple(
+        "moe"
+        if (m.num_experts > 0 and i >= m.first_dense and (i + 1) % m.every == 0 and i not in m.dense_layers)
+        else "dense"
+        for i in range(cfg.num_layers)
+    )
 
 
 def scan_segments(kinds: Sequence[str], max_period: int = 4) -> list[tuple[tuple[str, ...], int]]:
@@ -52,8 +55,8 @@ def scan_segments(kinds: Sequence[str], max_period: int = 4) -> list[tuple[tuple
     while i < len(kinds):
         best = None
         for p in range(1, min(max_period, len(kinds) - i) + 1):
-            unit, r = tuple(kinds[i:i + p]), 1
-            while tuple(kinds[i + r * p:i + (r + 1) * p]) == unit:
+            unit, r = tuple(kinds[i : i + p]), 1
+            while tuple(kinds[i + r * p : i + (r + 1) * p]) == unit:
                 r += 1
             if (p == 1 or r > 1) and (best is None or p * r > len(best[0]) * best[1]):
                 best = (unit, r)
@@ -124,6 +127,7 @@ def _stacked_unit(cfg, kinds: tuple[str, ...], repeats: int, rngs: nnx.Rngs) -> 
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs):
         return Unit(cfg, kinds, rngs=rngs)
+
     return make(rngs)
 
 
@@ -136,14 +140,22 @@ class Decoder(nnx.Module):
         self.dtype = dtype_of(cfg.dtype)
         if cfg.remat not in REMAT_MODES:
             raise ValueError(f"model.remat={cfg.remat!r}: expected none, full or dots")
-        self.embed = param(rngs, jax.nn.initializers.normal(1.0), (cfg.vocab_size, cfg.embed_dim),
-                           ("vocab", "embed"), pdt)
-        self.stacks = nnx.List([_stacked_unit(cfg, kinds, r, rngs)
-                                for kinds, r in scan_segments(layer_kinds(cfg))])
+        self.embed = param(
+            rngs, jax.nn.initializers.normal(1.0), (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"), pdt
+        )
+        self.stacks = nnx.List([_stacked_unit(cfg, kinds, r, rngs) for kinds, r in scan_segments(layer_kinds(cfg))])
         self.final_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=pdt)
-        self.head = None if cfg.tie_embeddings else param(
-            rngs, jax.nn.initializers.normal(cfg.embed_dim ** -0.5), (cfg.embed_dim, cfg.vocab_size),
-            ("embed", "vocab"), pdt)
+        self.head = (
+            None
+            if cfg.tie_embeddings
+            else param(
+                rngs,
+                jax.nn.initializers.normal(cfg.embed_dim**-0.5),
+                (cfg.embed_dim, cfg.vocab_size),
+                ("embed", "vocab"),
+                pdt,
+            )
+        )
 
     def hidden_states(self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False):
         """tokens [B, S] int → (final-normed hidden [B, S, D], aux).
@@ -172,8 +184,7 @@ class Decoder(nnx.Module):
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
         return constrain(x, ACTIVATION_NAMES)
 
-    def prefill(self, tokens, positions, segment_ids, layers: Sequence[Block] | None = None, *,
-                stacked: bool = False):
+    def prefill(self, tokens, positions, segment_ids, layers: Sequence[Block] | None = None, *, stacked: bool = False):
         """The forward pass of a sampler's prompt: tokens [B, S] → (final-normed hidden [B, S, D], kv).
 
         kv holds one (k, v) pair per layer, in layer order, laid out like the KV cache
@@ -200,9 +211,12 @@ class Decoder(nnx.Module):
                     kvs.append(block_kv)
                 return x, kvs
 
-            x, stack_kv = jax.lax.scan(body, x, state)          # per block: [repeats, ...]
-            kv += [tuple(block_kv) for block_kv in stack_kv] if stacked else [
-                jax.tree.map(lambda a: a[r], block_kv) for r in range(_repeats(state)) for block_kv in stack_kv]
+            x, stack_kv = jax.lax.scan(body, x, state)  # per block: [repeats, ...]
+            kv += (
+                [tuple(block_kv) for block_kv in stack_kv]
+                if stacked
+                else [jax.tree.map(lambda a: a[r], block_kv) for r in range(_repeats(state)) for block_kv in stack_kv]
+            )
         return self.final_norm(x), tuple(kv)
 
     def layers(self) -> list[Block]:
@@ -255,10 +269,12 @@ class Decoder(nnx.Module):
                     out.append((k, v))
                 return x, tuple(out)
 
-            stack_cache = tuple(cache[i:i + width])
+            stack_cache = tuple(cache[i : i + width])
             if len(stack_cache) != width or _repeats(state) != stack_cache[0][0].shape[0]:
-                raise ValueError(f"stacked KV cache of {len(cache)} (k, v) pairs does not match the model's "
-                                 f"stacks (use prefill(stacked=True))")
+                raise ValueError(
+                    f"stacked KV cache of {len(cache)} (k, v) pairs does not match the model's "
+                    f"stacks (use prefill(stacked=True))"
+                )
             x, stack_cache = jax.lax.scan(body, x, (state, stack_cache))
             new_cache += list(stack_cache)
             i += width
@@ -282,8 +298,7 @@ class Decoder(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[B, S, D] → float32 logits [B, S, V]."""
         w = self.embed[...].T if self.head is None else self.head[...]
-        out = weight_einsum("bsd,dv->bsv", hidden.astype(self.dtype), w, self.dtype,
-                            preferred_element_type=jnp.float32)
+        out = weight_einsum("bsd,dv->bsv", hidden.astype(self.dtype), w, self.dtype, preferred_element_type=jnp.float32)
         return constrain(out, ("activation_batch", "activation_length", "activation_vocab"))
 
     def __call__(self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False):
@@ -302,5 +317,9 @@ def _reduce_moe_aux(auxs: list[dict]) -> dict:
     if not auxs:
         return {}
     cat = lambda k: jnp.concatenate([a[k] for a in auxs])  # each [repeats, ...]
-    return {"moe/aux_loss": cat("aux_loss").mean(), "moe/z_loss": cat("z_loss").mean(),
-            "moe/dropped": cat("dropped").mean(), "moe/load": cat("load")}
+    return {
+        "moe/aux_loss": cat("aux_loss").mean(),
+        "moe/z_loss": cat("z_loss").mean(),
+        "moe/dropped": cat("dropped").mean(),
+        "moe/load": cat("load"),
+    }

@@ -12,8 +12,7 @@ def activated_matmul_params(cfg) -> int:
     m = cfg.moe
     per_kind = {
         "dense": 3 * d * cfg.mlp_dim,
-        "moe": 3 * d * m.expert_mlp_dim * m.top_k + 3 * d * m.shared_mlp_dim * m.num_shared_experts
-               + d * m.num_experts,
+        "moe": 3 * d * m.expert_mlp_dim * m.top_k + 3 * d * m.shared_mlp_dim * m.num_shared_experts + d * m.num_experts,
     }
     return sum(attn + per_kind[k] for k in layer_kinds(cfg)) + d * cfg.vocab_size
 

@@ -20,11 +20,11 @@ def dtype_of(name: str) -> jnp.dtype:
         raise ValueError(f"dtype {name!r}: expected float32, bfloat16 or float16") from None
 
 
-def fan_in_init(in_axis: int | Sequence[int] = -2, out_axis: int | Sequence[int] = -1,
-                batch_axis: Sequence[int] = ()):
+def fan_in_init(in_axis: int | Sequence[int] = -2, out_axis: int | Sequence[int] = -1, batch_axis: Sequence[int] = ()):
     """Truncated-normal init with variance 1/fan_in (LeCun), for stacked/batched kernels too."""
-    return jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=in_axis,
-                                                out_axis=out_axis, batch_axis=batch_axis)
+    return jax.nn.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis, batch_axis=batch_axis
+    )
 
 
 def param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Sequence[str | None], dtype) -> nnx.Param:
@@ -63,7 +63,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(self.dtype)
-        mm = lambda a, w: weight_einsum("...d,df->...f", a, w, self.dtype)   # a float or quantised weight
+        mm = lambda a, w: weight_einsum("...d,df->...f", a, w, self.dtype)  # a float or quantised weight
         h = jax.nn.silu(mm(x, self.gate[...])) * mm(x, self.up[...])
         h = constrain(h, ("activation_batch", "activation_length", "activation_mlp"))
         return mm(h, self.down[...])

@@ -36,7 +36,7 @@ def _split_dims(name: str, var: nnx.Variable) -> tuple[int, int, int]:
         nb += 1
     nin = FAN_IN_DIMS.get(name, 1)
     shape = var.shape
-    return nb, math.prod(shape[nb:nb + nin]), math.prod(shape[nb + nin:])
+    return nb, math.prod(shape[nb : nb + nin]), math.prod(shape[nb + nin :])
 
 
 def target_paths(params: nnx.State, targets) -> list[str]:
@@ -65,14 +65,16 @@ def init_adapters(params: nnx.State, targets, rank: int, key: jax.Array) -> dict
         a = jax.random.normal(jax.random.fold_in(key, i), (*batch, fan_in, rank), jnp.float32) / math.sqrt(fan_in)
         adapters[k] = {
             "a": nnx.LoRAParam(a.astype(var.dtype), out_sharding=(*names, None, None), eager_sharding=False),
-            "b": nnx.LoRAParam(jnp.zeros((*batch, rank, fan_out), var.dtype), out_sharding=(*names, None, None),
-                               eager_sharding=False),
+            "b": nnx.LoRAParam(
+                jnp.zeros((*batch, rank, fan_out), var.dtype), out_sharding=(*names, None, None), eager_sharding=False
+            ),
         }
     return adapters
 
 
 def merge(params: nnx.State, adapters: dict, scale: float) -> nnx.State:
     """Base params with every adapted weight replaced by W + scale · A @ B (differentiable)."""
+
     def one(path, var):
         ad = adapters.get(_key(path))
         if ad is None:
@@ -80,4 +82,5 @@ def merge(params: nnx.State, adapters: dict, scale: float) -> nnx.State:
         a, b = ad["a"][...], ad["b"][...]
         delta = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32)).reshape(var.shape)
         return var.replace(var[...] + (scale * delta).astype(var.dtype))
+
     return nnx.from_flat_state([(p, one(p, v)) for p, v in nnx.to_flat_state(params)])

@@ -34,11 +34,22 @@ from posttrain.config import QUANT_MODES
 
 QArray = qwix.QArray
 INT4_GROUP = 128
-COMPUTE_DTYPE = jnp.bfloat16            # the "a16" of w8a16 / w4a16
+COMPUTE_DTYPE = jnp.bfloat16  # the "a16" of w8a16 / w4a16
 
 # parameter name → its contracting axes (counted from the end: stacked layers add leading axes)
-CONTRACTING_AXES = {"q": (-3,), "k": (-3,), "v": (-3,), "o": (-3, -2), "gate": (-2,), "up": (-2,),
-                    "down": (-2,), "w_gate": (-2,), "w_up": (-2,), "w_down": (-2,), "head": (-2,)}
+CONTRACTING_AXES = {
+    "q": (-3,),
+    "k": (-3,),
+    "v": (-3,),
+    "o": (-3, -2),
+    "gate": (-2,),
+    "up": (-2,),
+    "down": (-2,),
+    "w_gate": (-2,),
+    "w_up": (-2,),
+    "w_down": (-2,),
+    "head": (-2,),
+}
 QTYPES = {"int8": jnp.int8, "int4": jnp.int4}
 
 
@@ -57,8 +68,12 @@ def quantize_weight(w: jax.Array, mode: str, contracting: tuple[int, ...]) -> QA
     if mode == "int8":
         return qwix.quantize(w, jnp.int8, channelwise_axes=channels)
     last = contracting[-1]
-    return qwix.quantize(w, jnp.int4, channelwise_axes=channels + list(contracting[:-1]),
-                         tiled_axes={last: math.gcd(w.shape[last], INT4_GROUP)})
+    return qwix.quantize(
+        w,
+        jnp.int4,
+        channelwise_axes=channels + list(contracting[:-1]),
+        tiled_axes={last: math.gcd(w.shape[last], INT4_GROUP)},
+    )
 
 
 def quantize_params(params: nnx.State, mode: str) -> nnx.State:
@@ -68,10 +83,11 @@ def quantize_params(params: nnx.State, mode: str) -> nnx.State:
         return params
 
     def one(path, v):
-        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]   # ... 'attn', 'q', then .value
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]  # ... 'attn', 'q', then .value
         if names and names[-1] in CONTRACTING_AXES and jnp.issubdtype(v.dtype, jnp.floating):
             return quantize_weight(v, mode, CONTRACTING_AXES[names[-1]])
         return v
+
     return jax.tree.map_with_path(one, params)
 
 
@@ -122,8 +138,9 @@ def weight_einsum(spec: str, x: jax.Array, w, dtype, *, preferred_element_type=N
     return y.astype(out_dtype)
 
 
-def quantized_spec(w: QArray, spec: P, axis_sizes: dict[str, int], name: str = "weight",
-                   whole: tuple[int, ...] = ()) -> QArray:
+def quantized_spec(
+    w: QArray, spec: P, axis_sizes: dict[str, int], name: str = "weight", whole: tuple[int, ...] = ()
+) -> QArray:
     """PartitionSpecs (in a QArray's shape) for a quantised weight whose float form is laid out as
     `spec`: the int values as the weight, the scales along with them, so that every shard holds the
     scales of its own values. Replicated: scales of a dim with one scale (per-channel weights'
@@ -140,8 +157,10 @@ def quantized_spec(w: QArray, spec: P, axis_sizes: dict[str, int], name: str = "
             continue
         shards = math.prod(axis_sizes[a] for a in axes)
         if k % shards:
-            raise ValueError(f"sampling.quantize: {name} {w.qvalue.shape} has {k} scale groups along dim {i}, "
-                             f"which do not split over its {shards} shards ({entry}); use int8 or another mesh")
+            raise ValueError(
+                f"sampling.quantize: {name} {w.qvalue.shape} has {k} scale groups along dim {i}, "
+                f"which do not split over its {shards} shards ({entry}); use int8 or another mesh"
+            )
         scale_entries.append(entry)
     return dataclasses.replace(w, qvalue=spec, scale=P(*scale_entries))
 
@@ -160,7 +179,9 @@ def split_single_groups(w: QArray, spec: P, axis_sizes: dict[str, int], whole: t
         axes = (entry,) if isinstance(entry, str) else tuple(entry)
         if k == math.prod(axis_sizes[a] for a in axes):
             if (n // k) % 2:
-                raise ValueError(f"sampling.quantize: weight {w.qvalue.shape}: groups of {n // k} along dim {i}, "
-                                 "one per shard, cannot be halved; use int8 or another mesh")
+                raise ValueError(
+                    f"sampling.quantize: weight {w.qvalue.shape}: groups of {n // k} along dim {i}, "
+                    "one per shard, cannot be halved; use int8 or another mesh"
+                )
             scale = jnp.repeat(scale, 2, axis=i)
     return dataclasses.replace(w, scale=scale)

@@ -15,8 +15,13 @@ class RewardModel(Decoder):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         super().__init__(cfg, rngs=rngs)
-        self.value_head = param(rngs, jax.nn.initializers.normal(cfg.embed_dim ** -0.5), (cfg.embed_dim,),
-                                ("embed",), dtype_of(cfg.param_dtype))
+        self.value_head = param(
+            rngs,
+            jax.nn.initializers.normal(cfg.embed_dim**-0.5),
+            (cfg.embed_dim,),
+            ("embed",),
+            dtype_of(cfg.param_dtype),
+        )
 
     def reward(self, tokens, positions, segment_ids) -> tuple[jax.Array, dict]:
         """[B, S] right-padded rows (segment id 0 = padding) → rewards [B] (float32), MoE aux."""

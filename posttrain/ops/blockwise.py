@@ -74,20 +74,23 @@ def flash_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, causal: bool, block:
     t, kv = k.shape[1], k.shape[2]
     bq, bk = _block_sizes(s, t, block)
     scale = 1.0 / math.sqrt(d)
-    qb = _blocks(q.reshape(b, s, kv, h // kv, d), bq)                     # [nq, B, bq, K, G, Dh]
-    kb, vb = _blocks(k, bk), _blocks(v, bk)                                # [nk, B, bk, K, Dh]
+    qb = _blocks(q.reshape(b, s, kv, h // kv, d), bq)  # [nq, B, bq, K, G, Dh]
+    kb, vb = _blocks(k, bk), _blocks(v, bk)  # [nk, B, bk, K, Dh]
     qpb, qsb = _blocks(q_pos, bq), _blocks(q_seg, bq)
-    kpb, ksb = _blocks(kv_pos, bk), _blocks(kv_seg, bk)                    # padding: segment 0
+    kpb, ksb = _blocks(kv_pos, bk), _blocks(kv_seg, bk)  # padding: segment 0
 
     def q_block(xs):
         qi, qpi, qsi = xs
         g = qi.shape[3]
-        init = (jnp.zeros((b, kv, g, bq, d), jnp.float32), jnp.full((b, kv, g, bq), NEG, jnp.float32),
-                jnp.zeros((b, kv, g, bq), jnp.float32))
+        init = (
+            jnp.zeros((b, kv, g, bq, d), jnp.float32),
+            jnp.full((b, kv, g, bq), NEG, jnp.float32),
+            jnp.zeros((b, kv, g, bq), jnp.float32),
+        )
 
         def kv_block(carry, ys):
             kj, vj, kpj, ksj = ys
-            mask = visible(qpi, kpj, qsi, ksj, causal)[:, None, None]      # [B, 1, 1, bq, bk]
+            mask = visible(qpi, kpj, qsi, ksj, causal)[:, None, None]  # [B, 1, 1, bq, bk]
 
             def update(carry):
                 acc, m, l = carry
@@ -95,8 +98,9 @@ def flash_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, causal: bool, block:
                 m_new = jnp.maximum(m, jnp.where(mask, logits, NEG).max(-1))
                 p = jnp.where(mask, jnp.exp(logits - m_new[..., None]), 0.0)
                 corr = jnp.exp(m - m_new)
-                acc = acc * corr[..., None] + jnp.einsum("bkgqt,btkd->bkgqd", p.astype(vj.dtype), vj,
-                                                         preferred_element_type=jnp.float32)
+                acc = acc * corr[..., None] + jnp.einsum(
+                    "bkgqt,btkd->bkgqd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32
+                )
                 return acc, m_new, l * corr + p.sum(-1)
 
             return jax.lax.cond(mask.any(), update, lambda c: c, carry), None
@@ -127,7 +131,7 @@ def flash_backward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, lse, delta, dout, *, c
     scale = 1.0 / math.sqrt(d)
     qb = _blocks(q.reshape(b, s, kv, g, d), bq)
     dob = _blocks(dout.reshape(b, s, kv, g, d), bq)
-    stat = lambda x: _blocks(x.reshape(b, s, kv, g), bq).transpose(0, 1, 3, 4, 2)   # [nq, B, K, G, bq]
+    stat = lambda x: _blocks(x.reshape(b, s, kv, g), bq).transpose(0, 1, 3, 4, 2)  # [nq, B, K, G, bq]
     lseb, deltab = stat(lse), stat(delta)
     qpb, qsb = _blocks(q_pos, bq), _blocks(q_seg, bq)
     kb, vb = _blocks(k, bk), _blocks(v, bk)
@@ -180,17 +184,25 @@ def _attention_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block):
 def _attention_bwd(causal, block, res, dout):
     q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = res
     delta = jnp.einsum("bshd,bshd->bsh", dout.astype(jnp.float32), out.astype(jnp.float32))
-    dq, dk, dv = flash_backward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, lse, delta, dout,
-                                causal=causal, block=block)
+    dq, dk, dv = flash_backward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, lse, delta, dout, causal=causal, block=block)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
-                        kv_positions: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array, *,
-                        causal: bool = True, block_size: int = 512) -> jax.Array:
+def blockwise_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    q_segment_ids: jax.Array,
+    kv_segment_ids: jax.Array,
+    *,
+    causal: bool = True,
+    block_size: int = 512,
+) -> jax.Array:
     """Memory-linear softmax attention with GQA: q [B, S, H, Dh], k, v [B, T, K, Dh] → [B, S, H, Dh].
 
     Masking by positions and segment ids (see the module docstring); lengths need not be a

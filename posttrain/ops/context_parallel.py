@@ -72,20 +72,31 @@ def _specs(mesh, rules, k_shape) -> tuple[P, P]:
     return P(*spec), P(*spec[:2])
 
 
-def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-                               segment_ids: jax.Array, *, mode: str, causal: bool = True,
-                               block_size: int = 512) -> jax.Array:
+def context_parallel_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    mode: str,
+    causal: bool = True,
+    block_size: int = 512,
+) -> jax.Array:
     """Self-attention over a sequence-sharded length (global arrays under `use_sharding`):
     q [B, L, H, Dh], k, v [B, L, K, Dh], positions and segment ids [B, L] → [B, L, H, Dh]."""
     mesh, rules = current()
     axes, n = sequence_axes()
     if q.shape[1] % n:
-        raise ValueError(f"context parallelism over {axes} ({n} devices) needs a length divisible by {n}, "
-                         f"got {q.shape[1]}")
+        raise ValueError(
+            f"context parallelism over {axes} ({n} devices) needs a length divisible by {n}, got {q.shape[1]}"
+        )
     spec, tok = _specs(mesh, rules, k.shape)
     if spec[1] is None:
-        raise ValueError(f"context parallelism: the `length` rule {rules.get('length')} does not shard "
-                         f"length {q.shape[1]} over {axes}")
+        raise ValueError(
+            f"context parallelism: the `length` rule {rules.get('length')} does not shard "
+            f"length {q.shape[1]} over {axes}"
+        )
     local = NamedSharding(mesh, spec).shard_shape(k.shape)
     strategy = choose(mode, gathered_kv_bytes(local, n, k.dtype.itemsize), device_memory_bytes(mesh))
     axis = axes if len(axes) > 1 else axes[0]
@@ -93,5 +104,6 @@ def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, positio
         fn = lambda *a: ring_attention(*a, axis_name=axis, axis_size=n, causal=causal, block_size=block_size)
     else:
         fn = lambda *a: all_gather_attention(*a, axis_name=axis, causal=causal, block_size=block_size)
-    return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec, tok, tok, tok, tok), out_specs=spec,
-                         check_vma=False)(q, k, v, positions, positions, segment_ids, segment_ids)
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=(spec, spec, spec, tok, tok, tok, tok), out_specs=spec, check_vma=False
+    )(q, k, v, positions, positions, segment_ids, segment_ids)

@@ -25,8 +25,10 @@ def check_platform(kind: str, platform: str) -> None:
     """Raise naming `model.attention` when the fused kernel `kind` does not exist on `platform`."""
     want = KERNEL_PLATFORMS[kind]
     if platform != want:
-        raise ValueError(f"model.attention={kind!r} needs a {want.upper()} (jax ships that kernel only there), "
-                         f"but the devices are {platform!r}; use 'blockwise' (any platform) or 'xla'")
+        raise ValueError(
+            f"model.attention={kind!r} needs a {want.upper()} (jax ships that kernel only there), "
+            f"but the devices are {platform!r}; use 'blockwise' (any platform) or 'xla'"
+        )
 
 
 def _real_rows(segment_ids: jax.Array) -> jax.Array:
@@ -46,29 +48,41 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
 def _splash_kernel(groups: int, length: int, block: int, interpret: bool):
     """A causal multi-query splash kernel for `groups` query heads sharing one kv head."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
     mask = splash.MultiHeadMask([splash.CausalMask((length, length)) for _ in range(groups)])
     b = min(block, length)
-    sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
-                              block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+    sizes = splash.BlockSizes(
+        block_q=b,
+        block_kv=b,
+        block_kv_compute=b,
+        block_q_dkv=b,
+        block_kv_dkv=b,
+        block_kv_dkv_compute=b,
+        block_q_dq=b,
+        block_kv_dq=b,
+    )
     return splash.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                     block_size: int = 512, interpret: bool = False) -> jax.Array:
+def splash_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, block_size: int = 512, interpret: bool = False
+) -> jax.Array:
     """Pallas splash attention (TPU), causal within segments: q [B, S, H, Dh], k, v [B, S, K, Dh].
 
     GQA runs as one multi-query kernel per kv head (vmapped over batch and kv heads). `interpret`
     runs the Pallas kernel in interpret mode (tests on a CPU).
     """
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
     b, s, h, d = q.shape
     kv = k.shape[2]
     if s % min(block_size, s):
-        raise ValueError(f"model.attention='splash': length {s} must be a multiple of "
-                         f"model.attention_block={block_size}")
+        raise ValueError(
+            f"model.attention='splash': length {s} must be a multiple of model.attention_block={block_size}"
+        )
     kernel = _splash_kernel(h // kv, s, block_size, interpret)
     qg = (q / math.sqrt(d)).astype(q.dtype).reshape(b, s, kv, h // kv, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, S, Dh]
-    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)                                        # [B, K, S, Dh]
+    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, Dh]
 
     def one(qg, kt, vt, seg):
         return kernel(qg, kt, vt, segment_ids=splash.SegmentIds(q=seg, kv=seg))
@@ -86,8 +100,10 @@ def on_local_shards(kernel, q: jax.Array, k: jax.Array, v: jax.Array, segment_id
     if ctx is None or ctx[0].size == 1:
         return kernel(q, k, v, segment_ids)
     mesh, rules = ctx
-    batch, _, heads, _ = (tuple(logical_spec(("batch", "length", "kv_heads", "head_dim"), mesh, rules,
-                                             k.shape)) + (None,) * 4)[:4]
+    batch, _, heads, _ = (
+        tuple(logical_spec(("batch", "length", "kv_heads", "head_dim"), mesh, rules, k.shape)) + (None,) * 4
+    )[:4]
     spec = P(batch, None, heads, None)
-    return jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec, P(batch, None)), out_specs=spec,
-                         check_vma=False)(q, k, v, segment_ids)
+    return jax.shard_map(
+        kernel, mesh=mesh, in_specs=(spec, spec, spec, P(batch, None)), out_specs=spec, check_vma=False
+    )(q, k, v, segment_ids)

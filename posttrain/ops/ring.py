@@ -45,7 +45,7 @@ def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, axis, n, causal, block)
 
     def step(carry, _):
         kv, out, lse = carry
-        next_kv = jax.lax.ppermute(kv, axis, perm)          # in flight while this block is computed
+        next_kv = jax.lax.ppermute(kv, axis, perm)  # in flight while this block is computed
         out, lse = _merge(out, lse, *attend(kv))
         return (next_kv, out, lse), None
 
@@ -81,7 +81,7 @@ def _ring_bwd(axis, n, causal, block, res, dout):
 
     def step(carry, _, *, last=False):
         kv, dkv, dq = carry
-        next_kv = kv if last else jax.lax.ppermute(kv, axis, perm)   # in flight during the compute
+        next_kv = kv if last else jax.lax.ppermute(kv, axis, perm)  # in flight during the compute
         dq_b, dk_b, dv_b = grads(kv)
         dkv = jax.lax.ppermute((dkv[0] + dk_b, dkv[1] + dv_b), axis, perm)
         return (next_kv, dkv, dq + dq_b), None
@@ -89,30 +89,61 @@ def _ring_bwd(axis, n, causal, block, res, dout):
     zeros = jnp.zeros(k.shape, jnp.float32)
     carry = ((k, v, kv_pos, kv_seg), (zeros, zeros), jnp.zeros(q.shape, jnp.float32))
     carry, _ = jax.lax.scan(step, carry, None, length=n - 1)
-    (_, (dk, dv), dq), _ = step(carry, None, last=True)              # n hops: dk, dv are home
+    (_, (dk, dv), dq), _ = step(carry, None, last=True)  # n hops: dk, dv are home
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, kv_positions: jax.Array,
-                   q_segment_ids: jax.Array, kv_segment_ids: jax.Array, *, axis_name, axis_size: int,
-                   causal: bool = True, block_size: int = 512) -> jax.Array:
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    q_segment_ids: jax.Array,
+    kv_segment_ids: jax.Array,
+    *,
+    axis_name,
+    axis_size: int,
+    causal: bool = True,
+    block_size: int = 512,
+) -> jax.Array:
     """Ring attention on this device's shard (call inside `shard_map` over `axis_name`).
 
     q [B, s, H, Dh]; k, v [B, s, K, Dh]; positions, segment ids [B, s]: the local tokens.
     Returns the local queries' attention over all `axis_size` devices' keys [B, s, H, Dh].
     """
-    return _ring(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                 axis_name, axis_size, causal, block_size)
+    return _ring(
+        q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, axis_name, axis_size, causal, block_size
+    )
 
 
-def all_gather_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
-                         kv_positions: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array, *,
-                         axis_name, causal: bool = True, block_size: int = 512) -> jax.Array:
+def all_gather_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    q_segment_ids: jax.Array,
+    kv_segment_ids: jax.Array,
+    *,
+    axis_name,
+    causal: bool = True,
+    block_size: int = 512,
+) -> jax.Array:
     """All-gather context parallelism on this device's shard (inside `shard_map`): keys, values,
     their positions and segment ids gathered over `axis_name`, then local blockwise attention."""
     gather = lambda x: jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
-    return blockwise_attention(q, gather(k), gather(v), q_positions, gather(kv_positions), q_segment_ids,
-                               gather(kv_segment_ids), causal=causal, block_size=block_size)
+    return blockwise_attention(
+        q,
+        gather(k),
+        gather(v),
+        q_positions,
+        gather(kv_positions),
+        q_segment_ids,
+        gather(kv_segment_ids),
+        causal=causal,
+        block_size=block_size,
+    )

@@ -29,8 +29,25 @@ from posttrain.parallel.sharding import (
 )
 
 __all__ = [
-    "DEFAULT_RULES", "MESH_AXES", "allgather_json", "constrain", "current", "decode_rules", "is_primary", "local_rows",
-    "logical_spec", "make_mesh", "maybe_initialize_distributed", "mesh_and_rules", "mesh_device_kind", "mesh_platform",
-    "named_sharding", "parse_rules", "resolve_mesh_shape", "rules_key", "shardings_for", "sync_processes",
+    "DEFAULT_RULES",
+    "MESH_AXES",
+    "allgather_json",
+    "constrain",
+    "current",
+    "decode_rules",
+    "is_primary",
+    "local_rows",
+    "logical_spec",
+    "make_mesh",
+    "maybe_initialize_distributed",
+    "mesh_and_rules",
+    "mesh_device_kind",
+    "mesh_platform",
+    "named_sharding",
+    "parse_rules",
+    "resolve_mesh_shape",
+    "rules_key",
+    "shardings_for",
+    "sync_processes",
     "use_sharding",
 ]

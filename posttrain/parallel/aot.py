@@ -21,11 +21,12 @@ import jax
 @dataclasses.dataclass(frozen=True)
 class Chip:
     """Published per-chip facts of a TPU generation (bf16 peak, HBM, ICI bandwidth per chip)."""
+
     hbm_bytes: float
-    peak_flops: float        # bf16 FLOP/s
-    ici_bytes_per_s: float   # all ICI links of one chip together, one direction
-    cores_per_chip: int      # TensorCores the slice name counts (v4/v5p: 2, megacore)
-    dims: int                # torus dimensions
+    peak_flops: float  # bf16 FLOP/s
+    ici_bytes_per_s: float  # all ICI links of one chip together, one direction
+    cores_per_chip: int  # TensorCores the slice name counts (v4/v5p: 2, megacore)
+    dims: int  # torus dimensions
 
 
 CHIPS = {
@@ -43,30 +44,31 @@ def parse_topology(name: str) -> tuple[str, str]:
     'v5p-128' (Cloud TPU naming: TensorCores for v4/v5p, i.e. 64 chips; chips for v5e/v6e)."""
     m = re.fullmatch(r"(v4|v5e|v5p|v6e)(?::(\d+(?:x\d+)+)|-(\d+))", name.strip())
     if not m:
-        raise ValueError(f"topology {name!r}: expected e.g. 'v5p:2x2x1' or 'v5p-128' "
-                         f"(generations {sorted(CHIPS)})")
+        raise ValueError(f"topology {name!r}: expected e.g. 'v5p:2x2x1' or 'v5p-128' (generations {sorted(CHIPS)})")
     gen, shape, cores = m.groups()
     chip = CHIPS[gen]
     if shape:
         if len(shape.split("x")) != chip.dims:
-            raise ValueError(f"topology {name!r}: {gen} slices are {chip.dims}-D (e.g. "
-                             f"{'2x2x1' if chip.dims == 3 else '2x2'})")
+            raise ValueError(
+                f"topology {name!r}: {gen} slices are {chip.dims}-D (e.g. {'2x2x1' if chip.dims == 3 else '2x2'})"
+            )
         return gen, f"{gen}:{shape}"
     chips = int(cores) // chip.cores_per_chip
     if chips < 1 or chips & (chips - 1):
         raise ValueError(f"topology {name!r}: expected a power-of-two slice size")
     dims = [1] * chip.dims
     i = 0
-    while math.prod(dims) < chips:     # grow the torus evenly: 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, ...
+    while math.prod(dims) < chips:  # grow the torus evenly: 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, ...
         dims[i % chip.dims] *= 2
         i += 1
-    dims = sorted(dims, reverse=1 in dims)          # 2x2x1, 2x2x2, 2x2x4, 2x4x4, ... as Cloud TPU names them
+    dims = sorted(dims, reverse=1 in dims)  # 2x2x1, 2x2x2, 2x2x4, 2x4x4, ... as Cloud TPU names them
     return gen, f"{gen}:{'x'.join(map(str, dims))}"
 
 
 def tpu_devices(topology: str) -> list:
     """Abstract TPU devices of a slice (see `parse_topology`); needs libtpu, not a TPU."""
     from jax.experimental import topologies
+
     _, name = parse_topology(topology)
     # libtpu takes a machine-wide lock meant for real chips; compiling only, several processes
     # (a test run beside a compile plan) may load it
@@ -90,8 +92,24 @@ def shard_bytes(tree: Any) -> int:
 
 # --- collectives in optimized HLO -------------------------------------------------------------
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
 _SHAPE = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -99,8 +117,9 @@ _CALLEE = re.compile(r"\b(?:body|calls|to_apply|branch_computations)=\{?(%?[\w.\
 
 
 def _bytes_of(text: str) -> int:
-    return sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
-               for dt, dims in _SHAPE.findall(text))
+    return sum(
+        _DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in _SHAPE.findall(text)
+    )
 
 
 def _collective_kind(opcode: str) -> str | None:
@@ -161,7 +180,7 @@ def _count_collectives(hlo_text: str) -> tuple[dict[str, int], dict[str, int]]:
     """(`collective_bytes`'s counts, `loop_iteration_bytes`'s); see those."""
     comps, entry = _parse_hlo(hlo_text)
     types = {n: t for instrs in comps.values() for n, t, _, _ in instrs}
-    uncounted: dict[str, set[str]] = {}       # body of a data-dependent loop → the computations it calls
+    uncounted: dict[str, set[str]] = {}  # body of a data-dependent loop → the computations it calls
     memo: dict[str, dict[str, int]] = {}
 
     def total(comp: str) -> dict[str, int]:
@@ -171,17 +190,21 @@ def _count_collectives(hlo_text: str) -> tuple[dict[str, int], dict[str, int]]:
         for _, result, opcode, rest in comps.get(comp, []):
             kind = _collective_kind(opcode)
             operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
-            if opcode == "ragged-all-to-all":        # the rows it sends (its output is a bound)
+            if opcode == "ragged-all-to-all":  # the rows it sends (its output is a bound)
                 out["all-to-all"] += _bytes_of(types.get(operands[0], ""))
             elif kind == "reduce-scatter":
                 out[kind] += sum(_bytes_of(types.get(o, "")) for o in operands)
             elif kind:
                 out[kind] += _bytes_of(result)
             if opcode.endswith("-done") or opcode == "async-update":
-                continue                      # the -start already counted the called computation
+                continue  # the -start already counted the called computation
             trips = 1
-            callees = [c for group in _CALLEE.findall(rest) for c in re.findall(r"%?([\w.\-]+)", group)
-                       if c in comps and c != comp]
+            callees = [
+                c
+                for group in _CALLEE.findall(rest)
+                for c in re.findall(r"%?([\w.\-]+)", group)
+                if c in comps and c != comp
+            ]
             if opcode == "while":
                 cond = re.search(r"condition=%?([\w.\-]+)", rest)
                 n = _trip_count(comps.get(cond.group(1), [])) if cond else None

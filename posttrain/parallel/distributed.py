@@ -31,12 +31,13 @@ import numpy as np
 
 from posttrain.errors import UserError
 
-_CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")   # clusters jax.distributed detects
+_CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")  # clusters jax.distributed detects
 
 
 @dataclasses.dataclass(frozen=True)
 class DistributedSettings:
     """How this process joins the others; `coordinator=None` lets jax detect the cluster."""
+
     coordinator: str | None
     num_processes: int | None
     process_id: int | None
@@ -57,21 +58,28 @@ def distributed_settings(cfg=None, environ: Mapping[str, str] | None = None) -> 
     out of range."""
     env = os.environ if environ is None else environ
     d = cfg.distributed if cfg is not None and "distributed" in cfg else None
-    timeouts = dict(heartbeat_timeout_s=int(d.heartbeat_timeout_s) if d is not None else 30,
-                    initialization_timeout_s=int(d.initialization_timeout_s) if d is not None else 300)
+    timeouts = dict(
+        heartbeat_timeout_s=int(d.heartbeat_timeout_s) if d is not None else 30,
+        initialization_timeout_s=int(d.initialization_timeout_s) if d is not None else 300,
+    )
     for key, value in timeouts.items():
         if value < 1:
-            raise UserError(f"distributed.{key}={value}: expected a positive number of seconds", key=f"distributed.{key}")
+            raise UserError(
+                f"distributed.{key}={value}: expected a positive number of seconds", key=f"distributed.{key}"
+            )
     if d is not None and not d.coordinator and (d.num_processes or d.process_id >= 0):
-        raise UserError(f"distributed.num_processes={d.num_processes}, distributed.process_id={d.process_id} "
-                        "need distributed.coordinator (host:port of process 0)", key="distributed.coordinator")
+        raise UserError(
+            f"distributed.num_processes={d.num_processes}, distributed.process_id={d.process_id} "
+            "need distributed.coordinator (host:port of process 0)",
+            key="distributed.coordinator",
+        )
     if d is not None and d.coordinator:
         where, key = "config.distributed", "distributed.process_id"
         coordinator, num, pid = d.coordinator, d.num_processes, d.process_id
     elif env.get("JAX_COORDINATOR_ADDRESS"):
         where, key = "$JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID", None
         coordinator = env["JAX_COORDINATOR_ADDRESS"]
-        if not env.get("JAX_NUM_PROCESSES") and not env.get("JAX_PROCESS_ID"):   # a cluster jax detects gives them
+        if not env.get("JAX_NUM_PROCESSES") and not env.get("JAX_PROCESS_ID"):  # a cluster jax detects gives them
             return DistributedSettings(coordinator, None, None, **timeouts)
         num = _int_setting(env.get("JAX_NUM_PROCESSES", ""), "JAX_NUM_PROCESSES")
         pid = _int_setting(env.get("JAX_PROCESS_ID", ""), "JAX_PROCESS_ID")
@@ -81,11 +89,16 @@ def distributed_settings(cfg=None, environ: Mapping[str, str] | None = None) -> 
             return DistributedSettings(None, None, None, **timeouts)
         return None
     if ":" not in coordinator:
-        raise UserError(f"{where}: coordinator {coordinator!r}: expected host:port of process 0",
-                        key=key and "distributed.coordinator")
+        raise UserError(
+            f"{where}: coordinator {coordinator!r}: expected host:port of process 0",
+            key=key and "distributed.coordinator",
+        )
     if num < 1 or not 0 <= pid < num:
-        raise UserError(f"{where}: process_id={pid} and num_processes={num}: expected num_processes >= 1 and "
-                        f"0 <= process_id < num_processes", key=key)
+        raise UserError(
+            f"{where}: process_id={pid} and num_processes={num}: expected num_processes >= 1 and "
+            f"0 <= process_id < num_processes",
+            key=key,
+        )
     return DistributedSettings(coordinator, num, pid, **timeouts)
 
 
@@ -101,12 +114,21 @@ def maybe_initialize_distributed(cfg=None) -> bool:
     settings = distributed_settings(cfg)
     if settings is None:
         return False
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")   # CPU hosts; other backends ignore it
-    jax.distributed.initialize(settings.coordinator, settings.num_processes, settings.process_id,
-                               initialization_timeout=settings.initialization_timeout_s,
-                               heartbeat_timeout_seconds=settings.heartbeat_timeout_s)
-    logging.info("jax.distributed: process %d of %d, %d local devices of %d", jax.process_index(),
-                 jax.process_count(), jax.local_device_count(), jax.device_count())
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts; other backends ignore it
+    jax.distributed.initialize(
+        settings.coordinator,
+        settings.num_processes,
+        settings.process_id,
+        initialization_timeout=settings.initialization_timeout_s,
+        heartbeat_timeout_seconds=settings.heartbeat_timeout_s,
+    )
+    logging.info(
+        "jax.distributed: process %d of %d, %d local devices of %d",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
     return True
 
 
@@ -119,6 +141,7 @@ def sync_processes(name: str) -> None:
     """Wait until every process reaches the barrier `name` (no-op for one process)."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
+
         multihost_utils.sync_global_devices(name)
 
 
@@ -128,10 +151,11 @@ def allgather_json(value) -> list:
     if jax.process_count() == 1:
         return [value]
     from jax.experimental import multihost_utils
+
     data = np.frombuffer(json.dumps(value).encode(), np.uint8)
     sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int64))).reshape(-1)
     padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[:data.size] = data
+    padded[: data.size] = data
     rows = np.asarray(multihost_utils.process_allgather(padded))
     return [json.loads(rows[i, :n].tobytes()) for i, n in enumerate(sizes)]
 
@@ -142,4 +166,5 @@ def local_rows(x: jax.Array) -> np.ndarray:
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(jax.device_get(x))
     from jax.experimental import multihost_utils
+
     return np.asarray(multihost_utils.global_array_to_host_local_array(x, x.sharding.mesh, x.sharding.spec))

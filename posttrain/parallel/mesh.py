@@ -32,12 +32,14 @@ def resolve_mesh_shape(sizes: dict[str, int], num_devices: int) -> tuple[int, ..
         if num_devices % fixed:
             raise ValueError(
                 f"config.mesh: {dict(zip(MESH_AXES, shape))} — the fixed axes use {fixed} devices, "
-                f"which does not divide the {num_devices} available")
+                f"which does not divide the {num_devices} available"
+            )
         shape[shape.index(-1)] = num_devices // fixed
     elif fixed != num_devices:
         raise ValueError(
             f"config.mesh: {dict(zip(MESH_AXES, shape))} needs {fixed} devices but {num_devices} are "
-            f"available; set one axis to -1 to use the rest")
+            f"available; set one axis to -1 to use the rest"
+        )
     return tuple(shape)
 
 
@@ -47,8 +49,7 @@ def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
     shape = resolve_mesh_shape(dict(sizes), len(devices))
     if devices == jax.devices():
         return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
-                axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def mesh_and_rules(cfg) -> tuple[Mesh, Rules]:
@@ -62,7 +63,7 @@ def mesh_device(mesh: Mesh | None = None):
     `mesh`, else the mesh made current by `use_sharding` / `jax.set_mesh`; None when there is none."""
     if mesh is None:
         ctx = current()
-        mesh = ctx[0] if ctx is not None else jax.sharding.get_abstract_mesh()   # works under jit
+        mesh = ctx[0] if ctx is not None else jax.sharding.get_abstract_mesh()  # works under jit
     if mesh.empty:
         return None
     if isinstance(mesh, Mesh):

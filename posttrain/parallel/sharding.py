@@ -21,8 +21,18 @@ from jax.sharding import PartitionSpec as P
 from posttrain.config.defaults import DEFAULT_RULES
 
 # Tensor-parallel dims (Megatron): attention heads, MLP and expert hidden, vocab; weights and activations.
-TENSOR_PARALLEL_NAMES = ("heads", "kv_heads", "mlp", "expert_mlp", "vocab", "vocab_lookup", "activation_heads",
-                         "activation_kv_heads", "activation_mlp", "activation_vocab")
+TENSOR_PARALLEL_NAMES = (
+    "heads",
+    "kv_heads",
+    "mlp",
+    "expert_mlp",
+    "vocab",
+    "vocab_lookup",
+    "activation_heads",
+    "activation_kv_heads",
+    "activation_mlp",
+    "activation_vocab",
+)
 
 Rules = Mapping[str, tuple[str, ...]]
 
@@ -52,7 +62,7 @@ def decode_rules(rules: Rules) -> dict[str, tuple[str, ...]]:
     out["embed"] = ()
     for name in TENSOR_PARALLEL_NAMES:
         out[name] = tuple(rules[name]) + tuple(a for a in zero3 if a not in rules[name])
-    out["vocab_lookup"] = out["vocab"]          # look tokens up in the table's own shards
+    out["vocab_lookup"] = out["vocab"]  # look tokens up in the table's own shards
     tensor = {a for name in TENSOR_PARALLEL_NAMES for a in out[name]}
     for name in ("batch", "activation_batch"):
         out[name] = tuple(a for a in rules[name] if a not in tensor)
@@ -65,8 +75,7 @@ def rules_key(rules: Rules) -> tuple:
     return tuple(sorted((k, tuple(v)) for k, v in rules.items()))
 
 
-def logical_spec(names: Sequence[str | None], mesh: Mesh, rules: Rules,
-                 shape: Sequence[int] | None = None) -> P:
+def logical_spec(names: Sequence[str | None], mesh: Mesh, rules: Rules, shape: Sequence[int] | None = None) -> P:
     """PartitionSpec for a dimension list of logical names.
 
     Mesh axes of size 1 are dropped; a mesh axis is used at most once per array (first dimension
@@ -95,18 +104,19 @@ def logical_spec(names: Sequence[str | None], mesh: Mesh, rules: Rules,
 def shardings_for(tree: Any, mesh: Mesh, rules: Rules) -> Any:
     """NamedShardings for a pytree of nnx Variables (from their logical `out_sharding` names) and
     plain arrays (replicated): params, optimizer state and whole train states alike."""
+
     def one(x):
         if isinstance(x, nnx.Variable):
             names = x.get_metadata().get("out_sharding") or (None,) * len(x.shape)
             return x.replace(NamedSharding(mesh, logical_spec(names, mesh, rules, x.shape)))
         return NamedSharding(mesh, P())
+
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 # The mesh and rules in force while a jitted function is traced; model code reads them to place
 # sharding constraints on activations and to build `shard_map`s.
-_CONTEXT: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
-    "posttrain_sharding", default=None)
+_CONTEXT: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("posttrain_sharding", default=None)
 
 
 @contextlib.contextmanager

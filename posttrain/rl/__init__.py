@@ -3,4 +3,3 @@ learned rewards), `rollout/` (workers, producer, buffer, episodes, hosts), `task
 eval suites), `envs/`, `verifiers/`, and `reward.py` (a sample's reward from its verdict). The stages that run it
 are in `posttrain/stages/`.
 """
-

@@ -14,28 +14,48 @@ def ppo_steps(r) -> int:
 
 # key -> (when it takes effect, what to set). Checked only when the key differs from its default.
 INERT_UNLESS = {
-    "clip_low": (lambda r: ppo_steps(r) > 1, "the ratio π/π_old is 1 with one optimizer step per batch: set "
-                 "rl.updates_per_batch > 1 or rl.minibatches > 1"),
-    "clip_high": (lambda r: ppo_steps(r) > 1, "the ratio π/π_old is 1 with one optimizer step per batch: set "
-                  "rl.updates_per_batch > 1 or rl.minibatches > 1"),
-    "ratio_level": (lambda r: ppo_steps(r) > 1, "sequence-level ratios equal token-level ones while π = π_old: "
-                    "set rl.updates_per_batch > 1 or rl.minibatches > 1"),
+    "clip_low": (
+        lambda r: ppo_steps(r) > 1,
+        "the ratio π/π_old is 1 with one optimizer step per batch: set rl.updates_per_batch > 1 or rl.minibatches > 1",
+    ),
+    "clip_high": (
+        lambda r: ppo_steps(r) > 1,
+        "the ratio π/π_old is 1 with one optimizer step per batch: set rl.updates_per_batch > 1 or rl.minibatches > 1",
+    ),
+    "ratio_level": (
+        lambda r: ppo_steps(r) > 1,
+        "sequence-level ratios equal token-level ones while π = π_old: "
+        "set rl.updates_per_batch > 1 or rl.minibatches > 1",
+    ),
     "kl_estimator": (lambda r: r.kl_coef > 0, "no KL term without rl.kl_coef > 0"),
     "max_resample_rounds": (lambda r: r.filter_groups, "resampling needs rl.filter_groups=True"),
     "eval_samples": (lambda r: r.eval_every > 0, "no evaluation without rl.eval_every > 0"),
     "eval_size": (lambda r: r.eval_every > 0, "no evaluation without rl.eval_every > 0"),
-    "instruction": (lambda r: "arithmetic" in domain_spec(r), "only the arithmetic domain's prompts "
-                    "take rl.instruction, and rl.domains has no arithmetic"),
+    "instruction": (
+        lambda r: "arithmetic" in domain_spec(r),
+        "only the arithmetic domain's prompts take rl.instruction, and rl.domains has no arithmetic",
+    ),
     "arithmetic_size": (lambda r: "arithmetic" in domain_spec(r), "rl.domains has no arithmetic"),
     "rollouts_fraction": (lambda r: r.rollouts_every > 0, "no rollouts are written without rl.rollouts_every > 0"),
     "eval_files": (lambda r: r.eval_every > 0, "no evaluation without rl.eval_every > 0"),
-    "verifier_timeout_s": (lambda r: bool(r.verifiers or VERIFIERS), "only user verifiers (rl.verifiers) have "
-                           "this timeout; the math and code verifiers have their own"),
-    **{k: (lambda r: r.advantage == "gae", "only the critic (rl.advantage='gae') uses it")
-       for k in ("critic", "gamma", "lam", "value_coef", "value_clip")},
-    **{k: (lambda r: r.env == "tool", "only multi-turn episodes (rl.env='tool') make tool calls")
-       for k in ("max_turns", "episode_cohorts", "tool_timeout_s", "invalid_tool_call_penalty",
-                 "redundant_tool_call_penalty")},
+    "verifier_timeout_s": (
+        lambda r: bool(r.verifiers or VERIFIERS),
+        "only user verifiers (rl.verifiers) have this timeout; the math and code verifiers have their own",
+    ),
+    **{
+        k: (lambda r: r.advantage == "gae", "only the critic (rl.advantage='gae') uses it")
+        for k in ("critic", "gamma", "lam", "value_coef", "value_clip")
+    },
+    **{
+        k: (lambda r: r.env == "tool", "only multi-turn episodes (rl.env='tool') make tool calls")
+        for k in (
+            "max_turns",
+            "episode_cohorts",
+            "tool_timeout_s",
+            "invalid_tool_call_penalty",
+            "redundant_tool_call_penalty",
+        )
+    },
     "kl_in_reward": (lambda r: r.kl_coef > 0, "no KL to pay without rl.kl_coef > 0"),
     "reward_model_weight": (lambda r: bool(r.reward_model), "no learned reward without rl.reward_model"),
     "reward_model_normalize": (lambda r: bool(r.reward_model), "no learned reward without rl.reward_model"),
@@ -45,21 +65,33 @@ INERT_UNLESS = {
 def check_curriculum(c, defaults) -> None:
     """`rl.curriculum.*`: values in range, and none set that the rest leaves without effect."""
     if not 0 <= c.hard_below <= c.easy_above <= 1 or not 0 <= c.pass_threshold <= 1:
-        raise ValueError(f"rl.curriculum: expected 0 <= hard_below ({c.hard_below}) <= easy_above ({c.easy_above}) "
-                         f"<= 1 and pass_threshold ({c.pass_threshold}) in [0, 1]")
+        raise ValueError(
+            f"rl.curriculum: expected 0 <= hard_below ({c.hard_below}) <= easy_above ({c.easy_above}) "
+            f"<= 1 and pass_threshold ({c.pass_threshold}) in [0, 1]"
+        )
     if c.min_attempts < 1 or c.window < 0 or c.retire_after < 1:
-        raise ValueError(f"rl.curriculum: expected min_attempts >= 1 ({c.min_attempts}), window >= 0 ({c.window}), "
-                         f"retire_after >= 1 ({c.retire_after})")
+        raise ValueError(
+            f"rl.curriculum: expected min_attempts >= 1 ({c.min_attempts}), window >= 0 ({c.window}), "
+            f"retire_after >= 1 ({c.retire_after})"
+        )
     weighted, retiring = bool(c.band_weights.strip()), c.retire_above >= 0 or c.retire_below >= 0
-    inert = {"hard_below": weighted, "easy_above": weighted, "min_attempts": weighted or retiring,
-             "window": weighted or retiring, "retire_after": retiring}
+    inert = {
+        "hard_below": weighted,
+        "easy_above": weighted,
+        "min_attempts": weighted or retiring,
+        "window": weighted or retiring,
+        "retire_after": retiring,
+    }
     for key, active in inert.items():
         if c[key] != defaults[key] and not active:
-            why = ("only retirement uses it: set rl.curriculum.retire_above or retire_below >= 0" if key == "retire_after"
-                   else "it places tasks in bands, and bands steer nothing without rl.curriculum.band_weights"
-                   + ("" if key in ("hard_below", "easy_above") else " or retirement (retire_above / retire_below >= 0)"))
+            why = (
+                "only retirement uses it: set rl.curriculum.retire_above or retire_below >= 0"
+                if key == "retire_after"
+                else "it places tasks in bands, and bands steer nothing without rl.curriculum.band_weights"
+                + ("" if key in ("hard_below", "easy_above") else " or retirement (retire_above / retire_below >= 0)")
+            )
             raise ValueError(f"rl.curriculum.{key}={c[key]!r} cannot take effect: {why}")
-    curriculum_options(c)       # band_weights parse
+    curriculum_options(c)  # band_weights parse
 
 
 def check_env(r) -> None:
@@ -67,8 +99,10 @@ def check_env(r) -> None:
     if r.env not in ENVS:
         raise ValueError(f"rl.env={r.env!r}: expected one of {ENVS}")
     if r.max_turns < 1 or not r.tool_timeout_s > 0:
-        raise ValueError(f"rl.max_turns={r.max_turns}, rl.tool_timeout_s={r.tool_timeout_s}: expected max_turns >= 1 "
-                         "and tool_timeout_s > 0")
+        raise ValueError(
+            f"rl.max_turns={r.max_turns}, rl.tool_timeout_s={r.tool_timeout_s}: expected max_turns >= 1 "
+            "and tool_timeout_s > 0"
+        )
     if r.episode_cohorts < 1:
         raise ValueError(f"rl.episode_cohorts={r.episode_cohorts}: expected >= 1 (1: all episodes in lockstep rounds)")
     for key in ("invalid_tool_call_penalty", "redundant_tool_call_penalty"):
@@ -82,27 +116,35 @@ def check_episode_cohorts(cfg, stage_names) -> None:
     if cfg.rl.episode_cohorts == 1 or "rlvr" in stage_names:
         return
     from posttrain.rl.tasks.suites import multi_turn_suites
+
     if "eval" not in stage_names or not multi_turn_suites(cfg.eval.suites):
-        raise ValueError(f"rl.episode_cohorts={cfg.rl.episode_cohorts} cannot take effect: only multi-turn episodes "
-                         "(stage rlvr with rl.env='tool', or stage eval with a multi-turn suite such as repo_fix) "
-                         f"run in cohorts, and this run ({', '.join(stage_names)}) has none")
+        raise ValueError(
+            f"rl.episode_cohorts={cfg.rl.episode_cohorts} cannot take effect: only multi-turn episodes "
+            "(stage rlvr with rl.env='tool', or stage eval with a multi-turn suite such as repo_fix) "
+            f"run in cohorts, and this run ({', '.join(stage_names)}) has none"
+        )
 
 
 def check_rl_config(cfg) -> None:
     """Raise ValueError naming the `rl.*` key whose value is invalid or cannot take effect."""
     from posttrain.config import base_config
+
     r, defaults = cfg.rl, base_config().rl
     if not r.temperature > 0:
-        raise ValueError(f"rl.temperature={r.temperature}: RL samples groups from the policy; expected > 0 "
-                         "(0 is greedy: every sample of a group would be the same)")
+        raise ValueError(
+            f"rl.temperature={r.temperature}: RL samples groups from the policy; expected > 0 "
+            "(0 is greedy: every sample of a group would be the same)"
+        )
     if r.advantage not in ADVANTAGE_METHODS:
         raise ValueError(f"rl.advantage={r.advantage!r}: expected one of {ADVANTAGE_METHODS}")
     if r.advantage == "gae":
         check_critic(r, cfg.lora)
         if not (0 <= r.gamma <= 1 and 0 <= r.lam <= 1) or r.value_coef < 0 or r.value_clip < 0:
-            raise ValueError(f"rl.gamma={r.gamma}, rl.lam={r.lam}, rl.value_coef={r.value_coef}, "
-                             f"rl.value_clip={r.value_clip}: expected gamma, lam in [0, 1] and value_coef, "
-                             "value_clip >= 0")
+            raise ValueError(
+                f"rl.gamma={r.gamma}, rl.lam={r.lam}, rl.value_coef={r.value_coef}, "
+                f"rl.value_clip={r.value_clip}: expected gamma, lam in [0, 1] and value_coef, "
+                "value_clip >= 0"
+            )
     elif r.group_size < 2:
         raise ValueError(f"rl.group_size={r.group_size}: a group-relative baseline needs at least 2 samples")
     for key in ("updates_per_batch", "minibatches", "prompts_per_step"):
@@ -110,30 +152,43 @@ def check_rl_config(cfg) -> None:
             raise ValueError(f"rl.{key}={r[key]}: expected >= 1")
     rows = r.prompts_per_step * r.group_size
     if rows % r.minibatches:
-        raise ValueError(f"rl.minibatches={r.minibatches} must divide the sequences per batch, rl.prompts_per_step × "
-                         f"rl.group_size = {rows}")
+        raise ValueError(
+            f"rl.minibatches={r.minibatches} must divide the sequences per batch, rl.prompts_per_step × "
+            f"rl.group_size = {rows}"
+        )
     if not 0 <= r.clip_low < 1 or r.clip_high < 0:
-        raise ValueError(f"rl.clip_low={r.clip_low}, rl.clip_high={r.clip_high}: expected 0 <= clip_low < 1 and "
-                         "clip_high >= 0")
+        raise ValueError(
+            f"rl.clip_low={r.clip_low}, rl.clip_high={r.clip_high}: expected 0 <= clip_low < 1 and clip_high >= 0"
+        )
     if r.rollouts_every < 0 or not 0 < r.rollouts_fraction <= 1:
-        raise ValueError(f"rl.rollouts_every={r.rollouts_every}, rl.rollouts_fraction={r.rollouts_fraction}: expected "
-                         "rollouts_every >= 0 and 0 < rollouts_fraction <= 1")
+        raise ValueError(
+            f"rl.rollouts_every={r.rollouts_every}, rl.rollouts_fraction={r.rollouts_fraction}: expected "
+            "rollouts_every >= 0 and 0 < rollouts_fraction <= 1"
+        )
     if r.max_staleness < 0:
         raise ValueError(f"rl.max_staleness={r.max_staleness}: expected >= 0")
     if r.filter_groups and r.max_staleness > 0:
-        raise ValueError("rl.filter_groups needs rl.max_staleness=0 (dynamic sampling decides on verified rewards "
-                         "before the next generation)")
+        raise ValueError(
+            "rl.filter_groups needs rl.max_staleness=0 (dynamic sampling decides on verified rewards "
+            "before the next generation)"
+        )
     if not r.reward_model and not r.verifier_weight:
         raise ValueError("rl.verifier_weight=0 without rl.reward_model: there is no reward left")
     if r.reward_model and r.filter_groups:
-        raise ValueError(f"rl.filter_groups with rl.reward_model={r.reward_model!r}: dynamic sampling filters on "
-                         "verifier rewards before the learned reward is scored; set rl.filter_groups=False")
+        raise ValueError(
+            f"rl.filter_groups with rl.reward_model={r.reward_model!r}: dynamic sampling filters on "
+            "verifier rewards before the learned reward is scored; set rl.filter_groups=False"
+        )
     if "," in cfg.train.seq_len_schedule:
-        raise ValueError(f"train.seq_len_schedule={cfg.train.seq_len_schedule!r}: the RL stage samples at one "
-                         "length (rl.max_new_tokens); staged context applies to sft and lm only")
+        raise ValueError(
+            f"train.seq_len_schedule={cfg.train.seq_len_schedule!r}: the RL stage samples at one "
+            "length (rl.max_new_tokens); staged context applies to sft and lm only"
+        )
     if cfg.eval.long_context.lengths:
-        raise ValueError(f"eval.long_context.lengths={cfg.eval.long_context.lengths!r}: the RL stage does not run "
-                         "the long-context evals; evaluate its checkpoint with tools/long_context_eval.py")
+        raise ValueError(
+            f"eval.long_context.lengths={cfg.eval.long_context.lengths!r}: the RL stage does not run "
+            "the long-context evals; evaluate its checkpoint with tools/long_context_eval.py"
+        )
     check_env(r)
     check_curriculum(r.curriculum, defaults.curriculum)
     for key, (active, why) in INERT_UNLESS.items():
@@ -147,6 +202,7 @@ CONTINUOUS_KEYS = ("continuous_batching", "num_slots", "refill_batch")
 def slot_config(sampling_cfg):
     """`sampling.continuous_batching`'s slots (`sampling.continuous.SlotConfig`), or None: static batches."""
     from posttrain.sampling.continuous import SlotConfig
+
     s = sampling_cfg
     return SlotConfig(s.num_slots, s.refill_batch) if s.continuous_batching else None
 
@@ -157,46 +213,62 @@ def check_sampling_config(cfg, stage_names) -> None:
     from posttrain.config import base_config
     from posttrain.models.quant import check_mode
     from posttrain.sampling.layout import check_layout
+
     s, defaults = cfg.sampling, base_config().sampling
     check_mode(s.quantize)
     check_layout(s.layout)
     if s.speculative_k < 0 or not 1 <= s.draft_layers <= cfg.model.num_layers:
-        raise ValueError(f"sampling.speculative_k={s.speculative_k}, sampling.draft_layers={s.draft_layers}: "
-                         f"expected speculative_k >= 0 and draft_layers in 1..model.num_layers "
-                         f"({cfg.model.num_layers})")
+        raise ValueError(
+            f"sampling.speculative_k={s.speculative_k}, sampling.draft_layers={s.draft_layers}: "
+            f"expected speculative_k >= 0 and draft_layers in 1..model.num_layers "
+            f"({cfg.model.num_layers})"
+        )
     if s.prefix_cache and s.speculative_k:
-        raise ValueError(f"sampling.prefix_cache={s.prefix_cache}: not supported with sampling.speculative_k="
-                         f"{s.speculative_k} (set one of them to 0)")
+        raise ValueError(
+            f"sampling.prefix_cache={s.prefix_cache}: not supported with sampling.speculative_k="
+            f"{s.speculative_k} (set one of them to 0)"
+        )
     if s.prefix_cache and cfg.distributed.num_processes > 1:
-        raise ValueError(f"sampling.prefix_cache={s.prefix_cache}: runs in a single process for now "
-                         f"(distributed.num_processes={cfg.distributed.num_processes})")
+        raise ValueError(
+            f"sampling.prefix_cache={s.prefix_cache}: runs in a single process for now "
+            f"(distributed.num_processes={cfg.distributed.num_processes})"
+        )
     if s.prefix_cache and s.continuous_batching:
-        raise ValueError(f"sampling.prefix_cache={s.prefix_cache}: not supported with sampling.continuous_batching "
-                         "(the continuous engine prefills every prompt whole); turn one of them off")
+        raise ValueError(
+            f"sampling.prefix_cache={s.prefix_cache}: not supported with sampling.continuous_batching "
+            "(the continuous engine prefills every prompt whole); turn one of them off"
+        )
     if s.draft_layers != defaults.draft_layers and not s.speculative_k:
         raise ValueError(f"sampling.draft_layers={s.draft_layers}: no draft without sampling.speculative_k > 0")
     if s.continuous_batching and s.speculative_k:
-        raise ValueError(f"sampling.continuous_batching with sampling.speculative_k={s.speculative_k}: speculative "
-                         "decoding runs in static batches only; turn one of them off")
+        raise ValueError(
+            f"sampling.continuous_batching with sampling.speculative_k={s.speculative_k}: speculative "
+            "decoding runs in static batches only; turn one of them off"
+        )
     if not 1 <= s.refill_batch <= s.num_slots:
         raise ValueError(f"sampling.refill_batch={s.refill_batch}: expected 1..sampling.num_slots ({s.num_slots})")
     for key in ("num_slots", "refill_batch"):
         if s[key] != defaults[key] and not s.continuous_batching:
             raise ValueError(f"sampling.{key}={s[key]!r} cannot take effect without sampling.continuous_batching")
-    if "rejection_sampling" in stage_names and "rlvr" not in stage_names:   # it samples with the continuous keys only
+    if "rejection_sampling" in stage_names and "rlvr" not in stage_names:  # it samples with the continuous keys only
         changed = [k for k in defaults if s[k] != defaults[k] and k not in CONTINUOUS_KEYS]
         if changed:
-            raise ValueError(f"sampling.{changed[0]}={s[changed[0]]!r}: of the sampling.* keys, the rejection_sampling "
-                             f"stage takes only {', '.join(CONTINUOUS_KEYS)}")
+            raise ValueError(
+                f"sampling.{changed[0]}={s[changed[0]]!r}: of the sampling.* keys, the rejection_sampling "
+                f"stage takes only {', '.join(CONTINUOUS_KEYS)}"
+            )
     elif "rlvr" not in stage_names:
         changed = [k for k in defaults if s[k] != defaults[k]]
         if changed:
-            raise ValueError(f"sampling.{changed[0]}={s[changed[0]]!r}: the sampling.* keys configure the rlvr "
-                             f"stage's sampler, and this run ({', '.join(stage_names)}) has no rlvr stage")
+            raise ValueError(
+                f"sampling.{changed[0]}={s[changed[0]]!r}: the sampling.* keys configure the rlvr "
+                f"stage's sampler, and this run ({', '.join(stage_names)}) has no rlvr stage"
+            )
 
 
 def check_rlvr_stage(cfg) -> None:
     """The rlvr stage's start-up checks: the `rl.*` rules, then what RL cannot split over processes."""
     from posttrain.rl.rollout.hosts import check_multihost_rl
+
     check_rl_config(cfg)
     check_multihost_rl(cfg)

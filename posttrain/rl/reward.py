@@ -47,10 +47,16 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and not 0 <= self.overlong_buffer < self.max_tokens:
-            raise ValueError(f"RewardConfig.overlong_buffer must be in [0, max_tokens={self.max_tokens}), "
-                             f"got {self.overlong_buffer}")
-        for name in ("format_penalty", "overlong_penalty", "invalid_tool_call_penalty", "excess_tool_call_penalty",
-                     "redundant_tool_call_penalty"):
+            raise ValueError(
+                f"RewardConfig.overlong_buffer must be in [0, max_tokens={self.max_tokens}), got {self.overlong_buffer}"
+            )
+        for name in (
+            "format_penalty",
+            "overlong_penalty",
+            "invalid_tool_call_penalty",
+            "excess_tool_call_penalty",
+            "redundant_tool_call_penalty",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"RewardConfig.{name} is a penalty size and must be >= 0, got {getattr(self, name)}")
 
@@ -64,8 +70,15 @@ def overlong_penalty(num_tokens: int, max_tokens: int, buffer: int) -> float:
     return 0.0 if num_tokens <= start else (start - num_tokens) / buffer
 
 
-def compose(verdict: Verdict, config: RewardConfig, *, num_tokens: int | None = None, tool_calls: int = 0,
-            invalid_tool_calls: int = 0, redundant_tool_calls: int = 0) -> Reward:
+def compose(
+    verdict: Verdict,
+    config: RewardConfig,
+    *,
+    num_tokens: int | None = None,
+    tool_calls: int = 0,
+    invalid_tool_calls: int = 0,
+    redundant_tool_calls: int = 0,
+) -> Reward:
     """Combine a verifier's verdict with the shaping terms of `config` into a Reward."""
     if config.max_tokens is not None and num_tokens is None:
         raise ValueError("RewardConfig.max_tokens is set, so num_tokens (response length in tokens) is required")
@@ -73,8 +86,11 @@ def compose(verdict: Verdict, config: RewardConfig, *, num_tokens: int | None = 
     if config.max_tokens is not None:
         length = config.overlong_penalty * overlong_penalty(num_tokens, config.max_tokens, config.overlong_buffer)
     excess = max(0, tool_calls - config.max_tool_calls) if config.max_tool_calls is not None else 0
-    tools = (config.invalid_tool_call_penalty * invalid_tool_calls + config.excess_tool_call_penalty * excess
-             + config.redundant_tool_call_penalty * redundant_tool_calls)
+    tools = (
+        config.invalid_tool_call_penalty * invalid_tool_calls
+        + config.excess_tool_call_penalty * excess
+        + config.redundant_tool_call_penalty * redundant_tool_calls
+    )
     parts = {
         "correct": config.correct_weight * verdict.correct,
         "format": 0.0 if verdict.format_ok or not config.format_penalty else -config.format_penalty,
@@ -96,24 +112,49 @@ class RewardFunction:
         try:
             return self.verifiers[type(task)]
         except KeyError:
-            raise TypeError(f"no verifier for task type {type(task).__name__}; "
-                            f"known: {[t.__name__ for t in self.verifiers]}") from None
+            raise TypeError(
+                f"no verifier for task type {type(task).__name__}; known: {[t.__name__ for t in self.verifiers]}"
+            ) from None
 
-    def verify(self, task: Any, response: str, *, num_tokens: int | None = None, tool_calls: int = 0,
-               invalid_tool_calls: int = 0, redundant_tool_calls: int = 0) -> Reward:
+    def verify(
+        self,
+        task: Any,
+        response: str,
+        *,
+        num_tokens: int | None = None,
+        tool_calls: int = 0,
+        invalid_tool_calls: int = 0,
+        redundant_tool_calls: int = 0,
+    ) -> Reward:
         """Reward of one response."""
         verdict = self._verifier(task).verify(task, response)
-        return compose(verdict, self.config, num_tokens=num_tokens, tool_calls=tool_calls,
-                       invalid_tool_calls=invalid_tool_calls, redundant_tool_calls=redundant_tool_calls)
+        return compose(
+            verdict,
+            self.config,
+            num_tokens=num_tokens,
+            tool_calls=tool_calls,
+            invalid_tool_calls=invalid_tool_calls,
+            redundant_tool_calls=redundant_tool_calls,
+        )
 
-    def verify_many(self, tasks: Sequence[Any], responses: Sequence[str], *,
-                    num_tokens: Sequence[int] | None = None, tool_calls: Sequence[int] | None = None,
-                    invalid_tool_calls: Sequence[int] | None = None) -> list[Reward]:
+    def verify_many(
+        self,
+        tasks: Sequence[Any],
+        responses: Sequence[str],
+        *,
+        num_tokens: Sequence[int] | None = None,
+        tool_calls: Sequence[int] | None = None,
+        invalid_tool_calls: Sequence[int] | None = None,
+    ) -> list[Reward]:
         """Rewards of many responses; each domain's verifier gets its responses in one call
         (so code runs concurrently on the sandbox pool). Results in input order."""
         n = len(tasks)
-        for name, seq in (("responses", responses), ("num_tokens", num_tokens), ("tool_calls", tool_calls),
-                          ("invalid_tool_calls", invalid_tool_calls)):
+        for name, seq in (
+            ("responses", responses),
+            ("num_tokens", num_tokens),
+            ("tool_calls", tool_calls),
+            ("invalid_tool_calls", invalid_tool_calls),
+        ):
             if seq is not None and len(seq) != n:
                 raise ValueError(f"{n} tasks but {len(seq)} {name}")
         verdicts: list[Verdict | None] = [None] * n
@@ -124,10 +165,16 @@ class RewardFunction:
             found = self._verifier(tasks[idx[0]]).verify_many([tasks[i] for i in idx], [responses[i] for i in idx])
             for i, verdict in zip(idx, found):
                 verdicts[i] = verdict
-        return [compose(v, self.config, num_tokens=None if num_tokens is None else num_tokens[i],
-                        tool_calls=0 if tool_calls is None else tool_calls[i],
-                        invalid_tool_calls=0 if invalid_tool_calls is None else invalid_tool_calls[i])
-                for i, v in enumerate(verdicts)]
+        return [
+            compose(
+                v,
+                self.config,
+                num_tokens=None if num_tokens is None else num_tokens[i],
+                tool_calls=0 if tool_calls is None else tool_calls[i],
+                invalid_tool_calls=0 if invalid_tool_calls is None else invalid_tool_calls[i],
+            )
+            for i, v in enumerate(verdicts)
+        ]
 
 
 def default_reward_function(config: RewardConfig = RewardConfig(), sandbox: Sandbox | None = None) -> RewardFunction:

@@ -6,5 +6,13 @@ from posttrain.sampling.engine import STOP_REASONS
 from posttrain.sampling.generate import Samples, generate
 from posttrain.sampling.rules import SamplingParams, policy_logprobs, sample_token, sampling_logprobs
 
-__all__ = ["STOP_REASONS", "ContinuousBatcher", "SamplingParams", "Samples", "generate", "policy_logprobs", "sample_token",
-           "sampling_logprobs"]
+__all__ = [
+    "STOP_REASONS",
+    "ContinuousBatcher",
+    "SamplingParams",
+    "Samples",
+    "generate",
+    "policy_logprobs",
+    "sample_token",
+    "sampling_logprobs",
+]

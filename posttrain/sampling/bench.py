@@ -43,8 +43,16 @@ def qwen3_tiny_configs() -> dict:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "prompt_len"))
-def recompute_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, prompts: jax.Array,
-                      key: jax.Array, *, sampling: SamplingParams, prompt_len: int) -> jax.Array:
+def recompute_program(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    rest: nnx.State,
+    prompts: jax.Array,
+    key: jax.Array,
+    *,
+    sampling: SamplingParams,
+    prompt_len: int,
+) -> jax.Array:
     """Generation without a cache: prompts [B, P + M] (prompt in the first P) → tokens [B, P + M],
     each new token from a full forward pass over the whole buffer, in one `fori_loop`."""
     model = nnx.merge(graphdef, params, rest)
@@ -62,8 +70,9 @@ def recompute_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
-def feed_forward_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, x: jax.Array, *,
-                         steps: int) -> jax.Array:
+def feed_forward_program(
+    graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, x: jax.Array, *, steps: int
+) -> jax.Array:
     """The feed-forward half of `steps` decode steps alone: x [B, 1, D] through every layer's MLP or
     MoE block (norm and residual included), the layers hoisted as the sampler hoists them."""
     layers = nnx.merge(graphdef, params, rest).layers()
@@ -72,6 +81,7 @@ def feed_forward_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.St
         for block in layers:
             x = block.feed_forward(x, inference=True)[0]
         return x
+
     return jax.lax.fori_loop(0, steps, step, x)
 
 
@@ -94,12 +104,20 @@ def skewed_limits(num: int, short: tuple[int, int], long: int, long_fraction: fl
     """New-token limits: most uniform in `short` (inclusive), a `long_fraction` at `long`."""
     rng = np.random.default_rng(seed)
     limits = rng.integers(short[0], short[1] + 1, num)
-    limits[rng.permutation(num)[:max(1, round(num * long_fraction))]] = long
+    limits[rng.permutation(num)[: max(1, round(num * long_fraction))]] = long
     return limits.tolist()
 
 
-def sampler_bench(*, batch: int = 16, prompt_len: int = 32, max_new: int = 64, group: int = 8,
-                  requests: int = 64, iters: int = 3, kinds: tuple[str, ...] = ("dense", "moe-8x2")) -> list[dict]:
+def sampler_bench(
+    *,
+    batch: int = 16,
+    prompt_len: int = 32,
+    max_new: int = 64,
+    group: int = 8,
+    requests: int = 64,
+    iters: int = 3,
+    kinds: tuple[str, ...] = ("dense", "moe-8x2"),
+) -> list[dict]:
     """Rows of sampler timings on one device for the tiny Qwen3-style configs (see module doc)."""
     mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
     rng = np.random.default_rng(0)
@@ -110,66 +128,116 @@ def sampler_bench(*, batch: int = 16, prompt_len: int = 32, max_new: int = 64, g
         sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new)
         key = jax.random.key(0)
         with use_sharding(mesh, rules):
+
             def cached():
                 return generate(graphdef, params, rest, prompts[:batch], sampling, key)
 
             buffer = np.pad(prompts[:batch], ((0, 0), (0, max_new)))
-            naive = recompute_program.lower(graphdef, params, rest, buffer, key, sampling=sampling,
-                                            prompt_len=prompt_len).compile()
+            naive = recompute_program.lower(
+                graphdef, params, rest, buffer, key, sampling=sampling, prompt_len=prompt_len
+            ).compile()
             x = jax.random.normal(key, (batch, 1, qwen3_tiny_configs()[kind].embed_dim))
-            t = _best_seconds({"cache": cached, "ffn": lambda: jax.block_until_ready(
-                feed_forward_program(graphdef, params, rest, x, steps=max_new))}, iters)
+            t = _best_seconds(
+                {
+                    "cache": cached,
+                    "ffn": lambda: jax.block_until_ready(
+                        feed_forward_program(graphdef, params, rest, x, steps=max_new)
+                    ),
+                },
+                iters,
+            )
             t_cache, decode_s[kind], ffn_s[kind] = t["cache"], t["cache"], t["ffn"]
-            t0 = time.perf_counter()                      # once: it is slow, and already compiled
+            t0 = time.perf_counter()  # once: it is slow, and already compiled
             jax.block_until_ready(naive(params, rest, buffer, key))
             t_naive = time.perf_counter() - t0
             new_tokens = batch * max_new
-            rows += [{"name": f"decode {kind} kv-cache", "new tokens/s": new_tokens / t_cache, "ms": t_cache * 1e3},
-                     {"name": f"decode {kind} recompute", "new tokens/s": new_tokens / t_naive, "ms": t_naive * 1e3},
-                     {"name": f"decode {kind} cache speed-up", "x": t_naive / t_cache},
-                     {"name": f"decode {kind} feed-forward blocks alone", "ms": ffn_s[kind] * 1e3,
-                      "share of decode": ffn_s[kind] / t_cache}]
+            rows += [
+                {"name": f"decode {kind} kv-cache", "new tokens/s": new_tokens / t_cache, "ms": t_cache * 1e3},
+                {"name": f"decode {kind} recompute", "new tokens/s": new_tokens / t_naive, "ms": t_naive * 1e3},
+                {"name": f"decode {kind} cache speed-up", "x": t_naive / t_cache},
+                {
+                    "name": f"decode {kind} feed-forward blocks alone",
+                    "ms": ffn_s[kind] * 1e3,
+                    "share of decode": ffn_s[kind] / t_cache,
+                },
+            ]
 
             for new in (1, max_new):
                 grouped = dataclasses.replace(sampling, max_new_tokens=new, num_samples=group)
                 single = dataclasses.replace(grouped, num_samples=1)
-                heads = prompts[:batch // group]
-                t = _best_seconds({"shared": lambda: generate(graphdef, params, rest, heads, grouped, key),
-                                   "each": lambda: generate(graphdef, params, rest, np.repeat(heads, group, 0),
-                                                            single, key)}, iters)
-                rows.append({"name": f"group G={group} {kind} {new} new", "shared prefill ms": t["shared"] * 1e3,
-                             "prefill per sample ms": t["each"] * 1e3, "x": t["each"] / t["shared"]})
+                heads = prompts[: batch // group]
+                t = _best_seconds(
+                    {
+                        "shared": lambda: generate(graphdef, params, rest, heads, grouped, key),
+                        "each": lambda: generate(graphdef, params, rest, np.repeat(heads, group, 0), single, key),
+                    },
+                    iters,
+                )
+                rows.append(
+                    {
+                        "name": f"group G={group} {kind} {new} new",
+                        "shared prefill ms": t["shared"] * 1e3,
+                        "prefill per sample ms": t["each"] * 1e3,
+                        "x": t["each"] / t["shared"],
+                    }
+                )
 
             limits = skewed_limits(requests, (2, 12), max_new, 1 / 8)
             useful = sum(limits)
 
             def static():
                 for i in range(0, requests, batch):
-                    generate(graphdef, params, rest, prompts[i:i + batch], sampling, key,
-                             max_new_tokens=limits[i:i + batch])
+                    generate(
+                        graphdef,
+                        params,
+                        rest,
+                        prompts[i : i + batch],
+                        sampling,
+                        key,
+                        max_new_tokens=limits[i : i + batch],
+                    )
 
             fns = {"static": static}
-            for chunk in (4, 8):                          # requests prefilled together on a refill
+            for chunk in (4, 8):  # requests prefilled together on a refill
                 batcher = ContinuousBatcher(graphdef, sampling, num_slots=batch, prefill_batch=chunk)
 
                 def continuous(batcher=batcher):
                     for p, limit in zip(prompts, limits):
                         batcher.submit(p, limit)
                     return batcher.run(params, rest, key)
+
                 fns[f"continuous, refill by {chunk}"] = continuous
             t = _best_seconds(fns, iters)
-            rows += [{"name": f"skewed {kind} {name}", "useful tokens/s": useful / t[name], "ms": t[name] * 1e3,
-                      "x vs static": t["static"] / t[name]} for name in fns]
+            rows += [
+                {
+                    "name": f"skewed {kind} {name}",
+                    "useful tokens/s": useful / t[name],
+                    "ms": t[name] * 1e3,
+                    "x vs static": t["static"] / t[name],
+                }
+                for name in fns
+            ]
     if {"dense", "moe-8x2"} <= set(kinds):
         dense, moe = decode_s["dense"], decode_s["moe-8x2"]
-        rows.append({"name": "decode moe-8x2 / dense new tokens/s", "x": dense / moe,
-                     # MoE decode if all but its feed-forward blocks cost what dense decode costs
-                     "bound from feed-forward alone": dense / (dense - ffn_s["dense"] + ffn_s["moe-8x2"])})
+        rows.append(
+            {
+                "name": "decode moe-8x2 / dense new tokens/s",
+                "x": dense / moe,
+                # MoE decode if all but its feed-forward blocks cost what dense decode costs
+                "bound from feed-forward alone": dense / (dense - ffn_s["dense"] + ffn_s["moe-8x2"]),
+            }
+        )
     return rows
 
 
-def quant_bench(*, batch: int = 16, prompt_len: int = 32, max_new: int = 64, rounds: int = 5,
-                kinds: tuple[str, ...] = ("dense", "moe-8x2")) -> list[dict]:
+def quant_bench(
+    *,
+    batch: int = 16,
+    prompt_len: int = 32,
+    max_new: int = 64,
+    rounds: int = 5,
+    kinds: tuple[str, ...] = ("dense", "moe-8x2"),
+) -> list[dict]:
     """New tokens/s of the sampler with float32, int8 (w8a16) and int4 (w4a16) weights, the tiny
     Qwen3-style configs, temperature 1, one device. Each round times the modes back to back, so a
     round's ratios see the same machine load; rows give each mode's best and the per-round ratio
@@ -187,16 +255,31 @@ def quant_bench(*, batch: int = 16, prompt_len: int = 32, max_new: int = 64, rou
             weights = {mode: quantize(params, mode) for mode in ("none", "int8", "int4")}
             weights["int8 values as bf16"] = jax.tree.map(
                 lambda v: dataclasses.replace(v, qvalue=v.qvalue.astype(jnp.bfloat16)) if isinstance(v, QArray) else v,
-                weights["int8"], is_leaf=lambda v: isinstance(v, QArray))
-            wall, cpu = _interleaved({mode: functools.partial(generate, graphdef, w, rest, prompts, sampling, key)
-                                      for mode, w in weights.items()}, rounds, cpu_too=True)
+                weights["int8"],
+                is_leaf=lambda v: isinstance(v, QArray),
+            )
+            wall, cpu = _interleaved(
+                {
+                    mode: functools.partial(generate, graphdef, w, rest, prompts, sampling, key)
+                    for mode, w in weights.items()
+                },
+                rounds,
+                cpu_too=True,
+            )
         for mode in weights:
             ratios, cpu_ratios = (np.array(t["none"]) / np.array(t[mode]) for t in (wall, cpu))
-            rows.append({"name": f"quantised sampler {kind} {mode}", "new tokens/s": batch * max_new / min(wall[mode]),
-                         "x vs f32 per round (median)": float(np.median(ratios)),
-                         "min": float(ratios.min()), "max": float(ratios.max()),
-                         "CPU-time x (median)": float(np.median(cpu_ratios)),
-                         "cpu min": float(cpu_ratios.min()), "cpu max": float(cpu_ratios.max())})
+            rows.append(
+                {
+                    "name": f"quantised sampler {kind} {mode}",
+                    "new tokens/s": batch * max_new / min(wall[mode]),
+                    "x vs f32 per round (median)": float(np.median(ratios)),
+                    "min": float(ratios.min()),
+                    "max": float(ratios.max()),
+                    "CPU-time x (median)": float(np.median(cpu_ratios)),
+                    "cpu min": float(cpu_ratios.min()),
+                    "cpu max": float(cpu_ratios.max()),
+                }
+            )
     return rows
 
 
@@ -216,9 +299,15 @@ def _interleaved(calls: dict, rounds: int, cpu_too: bool = False) -> dict | tupl
     return (times, cpu) if cpu_too else times
 
 
-def speculative_bench(*, batch: int = 16, prompt_len: int = 32, max_new: int = 64, rounds: int = 5,
-                      variants: tuple[tuple[int, int], ...] = ((2, 1), (4, 1), (2, 2), (4, 4)),
-                      kinds: tuple[str, ...] = ("dense", "moe-8x2")) -> list[dict]:
+def speculative_bench(
+    *,
+    batch: int = 16,
+    prompt_len: int = 32,
+    max_new: int = 64,
+    rounds: int = 5,
+    variants: tuple[tuple[int, int], ...] = ((2, 1), (4, 1), (2, 2), (4, 4)),
+    kinds: tuple[str, ...] = ("dense", "moe-8x2"),
+) -> list[dict]:
     """Speculative decoding (k drafted tokens, draft = the first n of the 4 layers) vs plain
     decoding, temperature 1, the tiny Qwen3-style configs (random weights), one device: new
     tokens/s, acceptance rate and the per-round speed-up (median and range). n = 4 drafts with the
@@ -228,16 +317,27 @@ def speculative_bench(*, batch: int = 16, prompt_len: int = 32, max_new: int = 6
     plain, key, rows = SamplingParams(temperature=1.0, max_new_tokens=max_new), jax.random.key(0), []
     for kind in kinds:
         graphdef, params, rest = nnx.split(Decoder(qwen3_tiny_configs()[kind], rngs=nnx.Rngs(0)), nnx.Param, ...)
-        modes = {"plain": plain, **{f"k={k} draft={n}": dataclasses.replace(plain, speculative_k=k, draft_layers=n)
-                                    for k, n in variants}}
+        modes = {
+            "plain": plain,
+            **{f"k={k} draft={n}": dataclasses.replace(plain, speculative_k=k, draft_layers=n) for k, n in variants},
+        }
         with use_sharding(mesh, rules):
-            calls = {name: functools.partial(generate, graphdef, params, rest, prompts, sp, key)
-                     for name, sp in modes.items()}
+            calls = {
+                name: functools.partial(generate, graphdef, params, rest, prompts, sp, key)
+                for name, sp in modes.items()
+            }
             times = _interleaved(calls, rounds)
             accepted = {name: calls[name]().acceptance_rate for name in modes}
         for name, ts in times.items():
             ratios = np.array(times["plain"]) / np.array(ts)
-            rows.append({"name": f"speculative {kind} {name}", "new tokens/s": batch * max_new / min(ts),
-                         "acceptance": accepted[name], "x vs plain per round (median)": float(np.median(ratios)),
-                         "min": float(ratios.min()), "max": float(ratios.max())})
+            rows.append(
+                {
+                    "name": f"speculative {kind} {name}",
+                    "new tokens/s": batch * max_new / min(ts),
+                    "acceptance": accepted[name],
+                    "x vs plain per round (median)": float(np.median(ratios)),
+                    "min": float(ratios.min()),
+                    "max": float(ratios.max()),
+                }
+            )
     return rows

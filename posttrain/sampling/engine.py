@@ -26,31 +26,38 @@ STOP_REASONS = ("stop", "length")  # stop token sampled | new-token limit reache
 @flax.struct.dataclass
 class Slots:
     """Decode slots (S rows). `logits` are each slot's next-token logits."""
-    cache: tuple           # see kv_cache: (k [S, K, Dh, T], v [S, K, T, Dh]) per layer
-    logits: jax.Array      # [S, V] float32
+
+    cache: tuple  # see kv_cache: (k [S, K, Dh, T], v [S, K, T, Dh]) per layer
+    logits: jax.Array  # [S, V] float32
     prompt_len: jax.Array  # [S] int32
-    step: jax.Array        # [S] int32: tokens generated so far
-    limit: jax.Array       # [S] int32: max new tokens of the sample (<= max_new_tokens)
-    done: jax.Array        # [S] bool: finished or empty
-    keys: jax.Array        # [S, M] PRNG keys: the key of each of the sample's tokens (`token_keys`)
-    row: jax.Array         # [S] int32: output row of the sample
+    step: jax.Array  # [S] int32: tokens generated so far
+    limit: jax.Array  # [S] int32: max new tokens of the sample (<= max_new_tokens)
+    done: jax.Array  # [S] bool: finished or empty
+    keys: jax.Array  # [S, M] PRNG keys: the key of each of the sample's tokens (`token_keys`)
+    row: jax.Array  # [S] int32: output row of the sample
 
 
 @flax.struct.dataclass
 class Outputs:
     """Per-sample results, R rows of up to M = max_new_tokens tokens."""
-    tokens: jax.Array             # [R, M] int32, pad after the end
-    logprobs: jax.Array           # [R, M] float32: policy log-probs (before temperature/filters), 0 after the end
+
+    tokens: jax.Array  # [R, M] int32, pad after the end
+    logprobs: jax.Array  # [R, M] float32: policy log-probs (before temperature/filters), 0 after the end
     sampling_logprobs: jax.Array  # [R, M] float32: under the distribution sampled from
-    lengths: jax.Array            # [R] int32
-    stop_reason: jax.Array        # [R] int32: index into STOP_REASONS
+    lengths: jax.Array  # [R] int32
+    stop_reason: jax.Array  # [R] int32: index into STOP_REASONS
 
     @classmethod
     def empty(cls, rows: int, max_new: int, pad_id: int) -> Outputs:
         """Buffers for `rows` samples before any token: pad tokens, zero log-probs and lengths."""
         zeros = jnp.zeros((rows, max_new), jnp.float32)
-        return cls(jnp.full((rows, max_new), pad_id, jnp.int32), zeros, zeros,
-                   jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32))
+        return cls(
+            jnp.full((rows, max_new), pad_id, jnp.int32),
+            zeros,
+            zeros,
+            jnp.zeros((rows,), jnp.int32),
+            jnp.zeros((rows,), jnp.int32),
+        )
 
 
 def token_keys(key: jax.Array, sample_ids: jax.Array, max_new: int) -> jax.Array:
@@ -75,8 +82,9 @@ def decode_layers(model: nnx.Module) -> list | None:
     return model.layers() if mesh_platform() == "cpu" else None
 
 
-def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array,
-            layers: list | None = None) -> tuple[jax.Array, tuple]:
+def prefill(
+    model: nnx.Module, tokens: jax.Array, lengths: jax.Array, layers: list | None = None
+) -> tuple[jax.Array, tuple]:
     """Right-padded prompts tokens [B, P] with lengths [B] (>= 1) → (next-token logits [B, V], kv).
 
     Positions are 0..P-1 and padding has segment id 0, exactly as the learner lays out a row.
@@ -86,12 +94,18 @@ def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array,
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
     hidden, kv = model.prefill(tokens, positions, segment_ids, layers, stacked=layers is None)
-    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)     # [B, 1, D]
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
     return model.logits(last)[:, 0], kv
 
 
-def extend(model: nnx.Module, layers: list, tokens: jax.Array, positions: jax.Array, cache: tuple,
-           num_layers: int | None = None) -> tuple[jax.Array, tuple]:
+def extend(
+    model: nnx.Module,
+    layers: list,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: tuple,
+    num_layers: int | None = None,
+) -> tuple[jax.Array, tuple]:
     """Several new tokens per row through the first `num_layers` (default: all) layers against the
     KV cache (`decode_layers`' unstacked layout): tokens, positions [B, S] → (hidden [B, S, D] after
     the final norm, cache). Each token's key and value are written at its position (one scatter per
@@ -109,25 +123,26 @@ def extend(model: nnx.Module, layers: list, tokens: jax.Array, positions: jax.Ar
     return model.final_norm(x), kv_cache.shard(tuple(new_cache))
 
 
-def sample_step(slots: Slots, out: Outputs, sampling: SamplingParams,
-                pad_id: int) -> tuple[Slots, Outputs, jax.Array]:
+def sample_step(slots: Slots, out: Outputs, sampling: SamplingParams, pad_id: int) -> tuple[Slots, Outputs, jax.Array]:
     """Sample every live slot's next token from its logits and record it; returns the tokens [S]
     to decode next (pad for done slots). A token draws from its key in `slots.keys`.
     """
-    index = jnp.minimum(slots.step, slots.keys.shape[1] - 1)[:, None]              # done slots: any key
+    index = jnp.minimum(slots.step, slots.keys.shape[1] - 1)[:, None]  # done slots: any key
     keys = jnp.take_along_axis(slots.keys, index, axis=1)[:, 0]
     tokens, logprobs, sampling_lps = jax.vmap(sample_token, in_axes=(0, 0, None))(keys, slots.logits, sampling)
     live = ~slots.done
-    rows = jnp.where(live, slots.row, out.tokens.shape[0])          # out of range: dropped
+    rows = jnp.where(live, slots.row, out.tokens.shape[0])  # out of range: dropped
     step = slots.step + live
     stopped = live & jnp.isin(tokens, jnp.asarray(sampling.stop_ids, jnp.int32))
     finished = stopped | (live & (step >= slots.limit))
     end_rows = jnp.where(finished, slots.row, out.tokens.shape[0])
-    out = Outputs(tokens=out.tokens.at[rows, slots.step].set(tokens.astype(jnp.int32), mode="drop"),
-                  logprobs=out.logprobs.at[rows, slots.step].set(logprobs, mode="drop"),
-                  sampling_logprobs=out.sampling_logprobs.at[rows, slots.step].set(sampling_lps, mode="drop"),
-                  lengths=out.lengths.at[end_rows].set(step, mode="drop"),
-                  stop_reason=out.stop_reason.at[end_rows].set(jnp.where(stopped, 0, 1), mode="drop"))
+    out = Outputs(
+        tokens=out.tokens.at[rows, slots.step].set(tokens.astype(jnp.int32), mode="drop"),
+        logprobs=out.logprobs.at[rows, slots.step].set(logprobs, mode="drop"),
+        sampling_logprobs=out.sampling_logprobs.at[rows, slots.step].set(sampling_lps, mode="drop"),
+        lengths=out.lengths.at[end_rows].set(step, mode="drop"),
+        stop_reason=out.stop_reason.at[end_rows].set(jnp.where(stopped, 0, 1), mode="drop"),
+    )
     slots = slots.replace(step=step, done=slots.done | finished)
     return slots, out, jnp.where(live, tokens, pad_id).astype(jnp.int32)
 
@@ -144,9 +159,19 @@ def decode_step(model: nnx.Module, slots: Slots, tokens: jax.Array, layers: list
     return slots.replace(cache=kv_cache.shard(cache), logits=logits)
 
 
-def decode_loop(model: nnx.Module, slots: Slots, out: Outputs, sampling: SamplingParams, pad_id: int, *,
-                layers: list | None = None, refill=None, pending=None, queue=(),
-                return_slots: bool = False) -> Outputs | tuple[Outputs, Slots]:
+def decode_loop(
+    model: nnx.Module,
+    slots: Slots,
+    out: Outputs,
+    sampling: SamplingParams,
+    pad_id: int,
+    *,
+    layers: list | None = None,
+    refill=None,
+    pending=None,
+    queue=(),
+    return_slots: bool = False,
+) -> Outputs | tuple[Outputs, Slots]:
     """Sample and decode until every slot is done and nothing is pending, in one `lax.while_loop`.
 
     `layers`: `decode_layers(model)`, computed once outside the loop. Continuous batching passes
@@ -154,6 +179,7 @@ def decode_loop(model: nnx.Module, slots: Slots, out: Outputs, sampling: Samplin
     and `pending(queue) -> bool`, whether requests still wait; `queue` is their state.
     `return_slots`: also return the final slots (the prefix cache keeps their KV).
     """
+
     def cond(carry):
         slots, _, queue = carry
         live = jnp.any(~slots.done)

@@ -34,13 +34,14 @@ class Samples:
     `rules.policy_logprobs`), lengths [N], stop_reason [N]
     (index into `STOP_REASONS`), prompt_index [N] (the prompt, or request, of each sample).
     """
+
     tokens: np.ndarray
     logprobs: np.ndarray
     sampling_logprobs: np.ndarray
     lengths: np.ndarray
     stop_reason: np.ndarray
     prompt_index: np.ndarray
-    speculative: dict | None = None     # speculative decoding: rounds, drafted and accepted tokens
+    speculative: dict | None = None  # speculative decoding: rounds, drafted and accepted tokens
 
     @property
     def acceptance_rate(self) -> float:
@@ -50,7 +51,7 @@ class Samples:
 
     def completion(self, i: int) -> list[int]:
         """Sample i's token ids."""
-        return self.tokens[i, :self.lengths[i]].tolist()
+        return self.tokens[i, : self.lengths[i]].tolist()
 
     def stop_reason_name(self, i: int) -> str:
         """'stop' (a stop token) or 'length' (max_new_tokens) for sample i."""
@@ -62,8 +63,9 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (max(n, minimum) - 1).bit_length()
 
 
-def prompt_rows(prompts: Sequence[Sequence[int]] | np.ndarray,
-                prompt_mask: np.ndarray | None = None) -> list[np.ndarray]:
+def prompt_rows(
+    prompts: Sequence[Sequence[int]] | np.ndarray, prompt_mask: np.ndarray | None = None
+) -> list[np.ndarray]:
     """Prompts as a list of token-id arrays.
 
     prompts: lists of ids, or an [N, L] array whose real tokens `prompt_mask` [N, L] marks (left- or
@@ -90,12 +92,13 @@ def pad_prompts(rows: list[np.ndarray], num_rows: int, length: int, pad_id: int)
     tokens = np.full((num_rows, length), pad_id, np.int32)
     lengths = np.ones((num_rows,), np.int32)
     for i, r in enumerate(rows):
-        tokens[i, :len(r)], lengths[i] = r, len(r)
+        tokens[i, : len(r)], lengths[i] = r, len(r)
     return tokens, lengths
 
 
-def new_token_limits(limits: Sequence[int] | None, num_rows: int, num_prompts: int,
-                     sampling: SamplingParams) -> np.ndarray:
+def new_token_limits(
+    limits: Sequence[int] | None, num_rows: int, num_prompts: int, sampling: SamplingParams
+) -> np.ndarray:
     """Per-prompt caps on new tokens [num_rows] (default and maximum: sampling.max_new_tokens)."""
     out = np.full((num_rows,), sampling.max_new_tokens, np.int32)
     if limits is not None:
@@ -103,16 +106,29 @@ def new_token_limits(limits: Sequence[int] | None, num_rows: int, num_prompts: i
         if len(limits) != num_prompts:
             raise ValueError(f"max_new_tokens: {len(limits)} limits for {num_prompts} prompts")
         if not np.all((limits >= 1) & (limits <= sampling.max_new_tokens)):
-            raise ValueError(f"max_new_tokens={limits.tolist()}: each must be in 1..sampling.max_new_tokens "
-                             f"({sampling.max_new_tokens})")
+            raise ValueError(
+                f"max_new_tokens={limits.tolist()}: each must be in 1..sampling.max_new_tokens "
+                f"({sampling.max_new_tokens})"
+            )
         out[:num_prompts] = limits
     return out
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id", "rules"))
-def generate_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, tokens: jax.Array,
-                     lengths: jax.Array, limits: jax.Array, num_prompts: jax.Array, key: jax.Array, *,
-                     sampling: SamplingParams, pad_id: int, rules: tuple | None = None) -> engine.Outputs:
+def generate_program(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    rest: nnx.State,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    limits: jax.Array,
+    num_prompts: jax.Array,
+    key: jax.Array,
+    *,
+    sampling: SamplingParams,
+    pad_id: int,
+    rules: tuple | None = None,
+) -> engine.Outputs:
     """The compiled sampler: tokens [B, P], lengths and new-token limits [B] (rows >= num_prompts
     are padding) → Outputs of B * num_samples rows, sample i*G+g being prompt i's g-th (its RNG
     id too). `rules`: `sharding_key()`, the rules it is traced under (part of the compile key)."""
@@ -122,10 +138,16 @@ def generate_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
     logits, kv = engine.prefill(model, tokens, lengths, layers)
     cache = kv_cache.repeat_rows(kv_cache.allocate(kv, tokens.shape[1] + sampling.max_new_tokens), g)
     ids = jnp.arange(b * g, dtype=jnp.int32)
-    slots = engine.Slots(cache=cache, logits=jnp.repeat(logits, g, axis=0), prompt_len=jnp.repeat(lengths, g),
-                         step=jnp.zeros((b * g,), jnp.int32), limit=jnp.repeat(limits, g),
-                         done=ids >= num_prompts * g, keys=engine.token_keys(key, ids, sampling.max_new_tokens),
-                         row=ids)
+    slots = engine.Slots(
+        cache=cache,
+        logits=jnp.repeat(logits, g, axis=0),
+        prompt_len=jnp.repeat(lengths, g),
+        step=jnp.zeros((b * g,), jnp.int32),
+        limit=jnp.repeat(limits, g),
+        done=ids >= num_prompts * g,
+        keys=engine.token_keys(key, ids, sampling.max_new_tokens),
+        row=ids,
+    )
     out = engine.Outputs.empty(b * g, sampling.max_new_tokens, pad_id)
     return engine.decode_loop(model, slots, out, sampling, pad_id, layers=layers)
 
@@ -144,13 +166,23 @@ def host_outputs(out):
     if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(out)):
         return jax.device_get(out)
     from jax.experimental import multihost_utils
+
     return multihost_utils.process_allgather(out, tiled=True)
 
 
-def generate(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
-             prompts: Sequence[Sequence[int]] | np.ndarray, sampling: SamplingParams, key: jax.Array, *,
-             pad_id: int = 0, prompt_mask: np.ndarray | None = None,
-             max_new_tokens: Sequence[int] | None = None, prefix_cache=None) -> Samples:
+def generate(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    rest: nnx.State,
+    prompts: Sequence[Sequence[int]] | np.ndarray,
+    sampling: SamplingParams,
+    key: jax.Array,
+    *,
+    pad_id: int = 0,
+    prompt_mask: np.ndarray | None = None,
+    max_new_tokens: Sequence[int] | None = None,
+    prefix_cache=None,
+) -> Samples:
     """Sample `sampling.num_samples` completions for each prompt with the learner's weights.
 
     prompts: see `prompt_rows`; max_new_tokens: optional per-prompt limits (<= the sampling
@@ -165,16 +197,45 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
     limits = new_token_limits(max_new_tokens, len(tokens), n, sampling)
     stats = None
     if prefix_cache is not None:
-        out = prefix_cache.sample(graphdef, params, rest, rows, len(tokens), tokens.shape[1], limits, key,
-                                  sampling=sampling, pad_id=pad_id)
+        out = prefix_cache.sample(
+            graphdef, params, rest, rows, len(tokens), tokens.shape[1], limits, key, sampling=sampling, pad_id=pad_id
+        )
     elif sampling.speculative_k:
-        out, stats = speculative_program(graphdef, params, rest, tokens, lengths, limits, np.int32(n), key,
-                                         sampling=sampling, pad_id=pad_id, rules=sharding_key())
+        out, stats = speculative_program(
+            graphdef,
+            params,
+            rest,
+            tokens,
+            lengths,
+            limits,
+            np.int32(n),
+            key,
+            sampling=sampling,
+            pad_id=pad_id,
+            rules=sharding_key(),
+        )
         stats = dict(zip(("rounds", "drafted", "accepted"), np.asarray(stats).tolist()))
     else:
-        out = generate_program(graphdef, params, rest, tokens, lengths, limits, np.int32(n), key,
-                               sampling=sampling, pad_id=pad_id, rules=sharding_key())
+        out = generate_program(
+            graphdef,
+            params,
+            rest,
+            tokens,
+            lengths,
+            limits,
+            np.int32(n),
+            key,
+            sampling=sampling,
+            pad_id=pad_id,
+            rules=sharding_key(),
+        )
     out = host_outputs(out)
-    return Samples(tokens=out.tokens[:n * g], logprobs=out.logprobs[:n * g],
-                   sampling_logprobs=out.sampling_logprobs[:n * g], lengths=out.lengths[:n * g],
-                   stop_reason=out.stop_reason[:n * g], prompt_index=np.repeat(np.arange(n), g), speculative=stats)
+    return Samples(
+        tokens=out.tokens[: n * g],
+        logprobs=out.logprobs[: n * g],
+        sampling_logprobs=out.sampling_logprobs[: n * g],
+        lengths=out.lengths[: n * g],
+        stop_reason=out.stop_reason[: n * g],
+        prompt_index=np.repeat(np.arange(n), g),
+        speculative=stats,
+    )

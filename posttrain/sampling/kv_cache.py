@@ -33,8 +33,10 @@ def _lead(a: jax.Array) -> int:
 
 def _per_layer(fn, *caches):
     """fn(array, time_axis, *others) on the k and v of every layer → a cache."""
-    return tuple(tuple(fn(a, axis + _lead(a), *rest) for a, axis, *rest in zip(kv, TIME_AXES, *others))
-                 for kv, *others in zip(*caches))
+    return tuple(
+        tuple(fn(a, axis + _lead(a), *rest) for a, axis, *rest in zip(kv, TIME_AXES, *others))
+        for kv, *others in zip(*caches)
+    )
 
 
 def shard(cache):
@@ -50,19 +52,23 @@ def capacity(cache) -> int:
 
 def allocate(prompt_kv, size: int):
     """A cache of `size` entries per row holding a prefill's keys and values at 0..S-1."""
+
     def one(a, axis):
         if a.shape[axis] > size:
             raise ValueError(f"prompt of {a.shape[axis]} tokens does not fit a cache of {size}")
         return jnp.pad(a, [(0, size - a.shape[axis]) if d == axis else (0, 0) for d in range(a.ndim)])
+
     return shard(_per_layer(one, prompt_kv))
 
 
 def empty_like(prompt_kv, batch: int, size: int):
     """A zero cache with `batch` rows of `size` entries, shaped like a prefill's kv."""
+
     def one(a, axis):
         shape = list(a.shape)
         shape[_lead(a)], shape[axis] = batch, size
         return jnp.zeros(shape, a.dtype)
+
     return shard(_per_layer(one, prompt_kv))
 
 
@@ -76,8 +82,10 @@ def insert_rows(cache, prompt_kv, rows: jax.Array):
 
     Rows equal to the cache's batch size (out of range) are skipped.
     """
+
     def one(c, axis, kv):
         lead = _lead(c)
         index = (slice(None),) * lead + (rows,) + (slice(None),) * (axis - lead - 1) + (slice(0, kv.shape[axis]),)
         return c.at[index].set(kv.astype(c.dtype), mode="drop")
+
     return shard(_per_layer(one, cache, prompt_kv))

@@ -43,8 +43,10 @@ def publish_weights(params: nnx.State, mesh: Mesh, rules: Rules, layout: str) ->
         return params
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     if not all(isinstance(x, nnx.Variable) for x in leaves):
-        raise ValueError("publish_weights: params must be nnx Variables carrying their logical axis names "
-                         "(nnx.split's or a train state's params), not plain arrays, whose layout is unknown")
+        raise ValueError(
+            "publish_weights: params must be nnx Variables carrying their logical axis names "
+            "(nnx.split's or a train state's params), not plain arrays, whose layout is unknown"
+        )
     return jax.device_put(params, shardings_for(params, mesh, sampler_rules(rules, layout)))
 
 

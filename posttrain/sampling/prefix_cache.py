@@ -61,7 +61,7 @@ def block_keys(tokens: np.ndarray, block: int) -> list[bytes]:
     keys, key = [], b""
     ids = np.asarray(tokens, np.int32)
     for i in range(len(ids) // block):
-        key = hashlib.blake2b(key + ids[i * block:(i + 1) * block].tobytes(), digest_size=16).digest()
+        key = hashlib.blake2b(key + ids[i * block : (i + 1) * block].tobytes(), digest_size=16).digest()
         keys.append(key)
     return keys
 
@@ -69,6 +69,7 @@ def block_keys(tokens: np.ndarray, block: int) -> list[bytes]:
 @dataclasses.dataclass
 class Entry:
     """One cached sequence: ids [L] and per layer (k [K, Dh, L], v [K, L, Dh]); `keys` its block keys."""
+
     tokens: np.ndarray
     kv: tuple
     keys: list[bytes]
@@ -83,6 +84,7 @@ class Entry:
 class CacheStats:
     """Counters since creation: prompts looked up, their tokens, tokens served from the cache,
     prompts with a hit, entries inserted and evicted, and times emptied for new weights."""
+
     lookups: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
@@ -105,11 +107,11 @@ class PrefixCache:
             raise ValueError(f"prefix cache: max_tokens={max_tokens} and block={block} must be >= 1")
         self.max_tokens, self.block = max_tokens, block
         self.entries: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()  # LRU first
-        self.index: dict[bytes, dict[bytes, None]] = {}     # block key → entries holding that prefix
+        self.index: dict[bytes, dict[bytes, None]] = {}  # block key → entries holding that prefix
         self.stats = CacheStats()
-        self.tokens = 0                 # tokens held: each entry's length (shared blocks counted per entry)
+        self.tokens = 0  # tokens held: each entry's length (shared blocks counted per entry)
         self._weights: list | None = None
-        self._lock = threading.Lock()       # sampler calls from several threads (RL producer, evaluation)
+        self._lock = threading.Lock()  # sampler calls from several threads (RL producer, evaluation)
 
     @property
     def nbytes(self) -> int:
@@ -126,8 +128,11 @@ class PrefixCache:
         """Use the cache with these weights: empty it unless they are the very arrays it was filled
         with (held by weak reference: a freed or replaced array means new weights)."""
         leaves = jax.tree.leaves((params, rest))
-        same = self._weights is not None and len(self._weights) == len(leaves) and all(
-            ref() is leaf for ref, leaf in zip(self._weights, leaves))
+        same = (
+            self._weights is not None
+            and len(self._weights) == len(leaves)
+            and all(ref() is leaf for ref, leaf in zip(self._weights, leaves))
+        )
         if not same:
             if self.entries:
                 self.stats.invalidations += 1
@@ -139,13 +144,13 @@ class PrefixCache:
         least one token uncached, and that prefix's length (0: a miss). Counts the lookup."""
         tokens = np.asarray(tokens, np.int32)
         found, n = None, 0
-        for i, key in enumerate(block_keys(tokens[:len(tokens) - 1], self.block)):
+        for i, key in enumerate(block_keys(tokens[: len(tokens) - 1], self.block)):
             holders = self.index.get(key)
             if not holders:
                 break
             found, n = next(reversed(holders)), (i + 1) * self.block
         entry = self.entries.get(found) if found is not None else None
-        if entry is not None and not np.array_equal(entry.tokens[:n], tokens[:n]):    # a hash collision
+        if entry is not None and not np.array_equal(entry.tokens[:n], tokens[:n]):  # a hash collision
             entry, n = None, 0
         if entry is not None:
             self.entries.move_to_end(found)
@@ -163,12 +168,12 @@ class PrefixCache:
         if n == 0 or n > self.max_tokens:
             return
         keys = block_keys(tokens[:n], self.block)
-        if keys[-1] in self.index:                  # already held (by an entry this is a prefix of)
+        if keys[-1] in self.index:  # already held (by an entry this is a prefix of)
             for name in self.index[keys[-1]]:
                 self.entries.move_to_end(name)
             return
         for key in keys[:-1]:
-            if key in self.entries:                 # an earlier turn of this sequence: superseded
+            if key in self.entries:  # an earlier turn of this sequence: superseded
                 self._remove(key)
         kv = tuple((np.array(k[..., :n]), np.array(v[..., :n, :])) for k, v in kv)
         self.entries[keys[-1]] = Entry(np.array(tokens[:n], np.int32), kv, keys)
@@ -189,9 +194,20 @@ class PrefixCache:
             if not holders:
                 del self.index[key]
 
-    def sample(self, graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, rows: list[np.ndarray],
-               num_rows: int, prompt_bucket: int, limits: np.ndarray, key: jax.Array, *,
-               sampling: SamplingParams, pad_id: int) -> engine.Outputs:
+    def sample(
+        self,
+        graphdef: nnx.GraphDef,
+        params: nnx.State,
+        rest: nnx.State,
+        rows: list[np.ndarray],
+        num_rows: int,
+        prompt_bucket: int,
+        limits: np.ndarray,
+        key: jax.Array,
+        *,
+        sampling: SamplingParams,
+        pad_id: int,
+    ) -> engine.Outputs:
         """`generate`'s device outputs for prompts `rows` (padded to `num_rows` rows of at most
         `prompt_bucket` tokens), prefilling only what the cache lacks; every sample's prompt and
         completion are cached for later requests. Returns host outputs."""
@@ -203,21 +219,33 @@ class PrefixCache:
             self.bind(params, rest)
             bound, hits = self._weights, [self.lookup(r) for r in rows]
             starts = np.zeros((num_rows,), np.int32)
-            starts[:len(rows)] = [n for _, n in hits]
-            prefix = _gather_prefix([e for e, _ in hits], starts, num_rows, bucket(int(starts.max()))) \
-                if starts.any() else None
+            starts[: len(rows)] = [n for _, n in hits]
+            prefix = (
+                _gather_prefix([e for e, _ in hits], starts, num_rows, bucket(int(starts.max())))
+                if starts.any()
+                else None
+            )
         capacity = prompt_bucket + sampling.max_new_tokens
-        common = dict(limits=limits, num_prompts=np.int32(len(rows)), key=key, capacity=capacity,
-                      sampling=sampling, pad_id=pad_id, rules=sharding_key())
+        common = dict(
+            limits=limits,
+            num_prompts=np.int32(len(rows)),
+            key=key,
+            capacity=capacity,
+            sampling=sampling,
+            pad_id=pad_id,
+            rules=sharding_key(),
+        )
         if prefix is None:
             tokens, lengths = pad_prompts(rows, num_rows, prompt_bucket, pad_id)
         else:
             suffixes = [r[n:] for r, n in zip(rows, starts)]
-            tokens, lengths = pad_prompts(suffixes, num_rows, bucket(max(map(len, suffixes)), MIN_PROMPT_BUCKET), pad_id)
+            tokens, lengths = pad_prompts(
+                suffixes, num_rows, bucket(max(map(len, suffixes)), MIN_PROMPT_BUCKET), pad_id
+            )
         out, cache = cached_program(graphdef, params, rest, prefix, tokens, starts, lengths, **common)
         out, cache = host_outputs(out), jax.device_get(cache)
         with self._lock:
-            if self._weights is bound:          # else another thread bound new weights meanwhile: KV is stale
+            if self._weights is bound:  # else another thread bound new weights meanwhile: KV is stale
                 self._insert_samples(rows, out, cache, sampling.num_samples)
         return out
 
@@ -226,7 +254,7 @@ class PrefixCache:
         cache (a finished slot writes padding there), so a sample of m tokens caches prompt + m − 1."""
         for r in range(len(rows) * g):
             prompt, m = rows[r // g], int(out.lengths[r])
-            ids = np.concatenate([prompt, out.tokens[r, :max(m - 1, 0)]])
+            ids = np.concatenate([prompt, out.tokens[r, : max(m - 1, 0)]])
             if len(ids) >= self.block:
                 self.insert(ids, tuple((k[r], v[r]) for k, v in cache))
 
@@ -256,10 +284,23 @@ def _gather_prefix(entries: list[Entry | None], starts: np.ndarray, num_rows: in
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "sampling", "pad_id", "rules"))
-def cached_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, prefix: tuple | None,
-                   tokens: jax.Array, starts: jax.Array, lengths: jax.Array, limits: jax.Array,
-                   num_prompts: jax.Array, key: jax.Array, *, capacity: int, sampling: SamplingParams,
-                   pad_id: int, rules: tuple | None = None) -> tuple[engine.Outputs, tuple]:
+def cached_program(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    rest: nnx.State,
+    prefix: tuple | None,
+    tokens: jax.Array,
+    starts: jax.Array,
+    lengths: jax.Array,
+    limits: jax.Array,
+    num_prompts: jax.Array,
+    key: jax.Array,
+    *,
+    capacity: int,
+    sampling: SamplingParams,
+    pad_id: int,
+    rules: tuple | None = None,
+) -> tuple[engine.Outputs, tuple]:
     """`generate_program` on top of cached KV: prefix (per layer k [B, K, Dh, H], v [B, K, H, Dh];
     None: no row hit, a plain prefill) holds row b's first starts[b] entries; tokens [B, S] are the
     uncached suffixes (lengths [B] >= 1) at positions starts[b]... → (Outputs, the final cache
@@ -276,10 +317,16 @@ def cached_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, p
         hidden, cache = engine.extend(model, layers, tokens, positions, kv_cache.allocate(prefix, capacity))
         logits = model.logits(jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1))[:, 0]
     ids = jnp.arange(b * g, dtype=jnp.int32)
-    slots = engine.Slots(cache=kv_cache.repeat_rows(cache, g), logits=jnp.repeat(logits, g, axis=0),
-                         prompt_len=jnp.repeat(starts + lengths, g), step=jnp.zeros((b * g,), jnp.int32),
-                         limit=jnp.repeat(limits, g), done=ids >= num_prompts * g,
-                         keys=engine.token_keys(key, ids, sampling.max_new_tokens), row=ids)
+    slots = engine.Slots(
+        cache=kv_cache.repeat_rows(cache, g),
+        logits=jnp.repeat(logits, g, axis=0),
+        prompt_len=jnp.repeat(starts + lengths, g),
+        step=jnp.zeros((b * g,), jnp.int32),
+        limit=jnp.repeat(limits, g),
+        done=ids >= num_prompts * g,
+        keys=engine.token_keys(key, ids, sampling.max_new_tokens),
+        row=ids,
+    )
     out = engine.Outputs.empty(b * g, sampling.max_new_tokens, pad_id)
     out, slots = engine.decode_loop(model, slots, out, sampling, pad_id, layers=layers, return_slots=True)
     return out, slots.cache

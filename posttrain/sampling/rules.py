@@ -20,14 +20,15 @@ class SamplingParams:
     `speculative_k` > 0 decodes speculatively (`sampling.speculative`): the same distribution,
     k tokens drafted per round by the policy's first `draft_layers` layers.
     """
+
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     max_new_tokens: int = 64
     stop_ids: tuple[int, ...] = ()
     num_samples: int = 1
-    speculative_k: int = 0     # > 0: speculative decoding, k draft tokens per round (`sampling.speculative`)
-    draft_layers: int = 1      # the draft: the policy's first n layers + its final norm and head
+    speculative_k: int = 0  # > 0: speculative decoding, k draft tokens per round (`sampling.speculative`)
+    draft_layers: int = 1  # the draft: the policy's first n layers + its final norm and head
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -41,8 +42,10 @@ class SamplingParams:
         if self.num_samples < 1:
             raise ValueError(f"SamplingParams.num_samples={self.num_samples}: expected >= 1")
         if self.speculative_k < 0 or self.draft_layers < 1:
-            raise ValueError(f"SamplingParams.speculative_k={self.speculative_k}, draft_layers={self.draft_layers}: "
-                             "expected speculative_k >= 0 (0 = off) and draft_layers >= 1")
+            raise ValueError(
+                f"SamplingParams.speculative_k={self.speculative_k}, draft_layers={self.draft_layers}: "
+                "expected speculative_k >= 0 (0 = off) and draft_layers >= 1"
+            )
         object.__setattr__(self, "stop_ids", tuple(sorted({int(i) for i in self.stop_ids})))
 
     @property
@@ -90,8 +93,10 @@ def policy_logprobs(logits: jax.Array, targets: jax.Array, params: SamplingParam
     has no log-probs to learn from and is refused.
     """
     if params.greedy:
-        raise ValueError("policy_logprobs: temperature 0 (greedy) puts all mass on one token; a policy "
-                         "gradient needs a sampled distribution (temperature > 0)")
+        raise ValueError(
+            "policy_logprobs: temperature 0 (greedy) puts all mass on one token; a policy "
+            "gradient needs a sampled distribution (temperature > 0)"
+        )
     logits = logits.astype(jnp.float32)
     scaled = logits / params.temperature
     if params.top_k or params.top_p < 1:
@@ -101,8 +106,7 @@ def policy_logprobs(logits: jax.Array, targets: jax.Array, params: SamplingParam
     return token_logprobs(scaled, targets)
 
 
-def sample_token(key: jax.Array, logits: jax.Array,
-                 params: SamplingParams) -> tuple[jax.Array, jax.Array, jax.Array]:
+def sample_token(key: jax.Array, logits: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Draw one token from logits [V] → (token, policy log-prob, sampling log-prob), scalars.
 
     The policy log-prob is log softmax(logits)[token] before temperature and filters: the untempered

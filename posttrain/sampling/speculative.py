@@ -36,8 +36,7 @@ def draw(key: jax.Array, logp: jax.Array, greedy: bool) -> jax.Array:
     return jax.vmap(jax.random.categorical)(jax.random.split(key, logp.shape[0]), logp).astype(jnp.int32)
 
 
-def accept(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array,
-           greedy: bool) -> tuple[jax.Array, jax.Array]:
+def accept(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array, greedy: bool) -> tuple[jax.Array, jax.Array]:
     """The acceptance rule: drafts [B, k] with the draft's and the policy's sampling log-probs
     q [B, k, V], p [B, k + 1, V] → (accepted count a [B], the token after them [B]: drawn from
     norm(max(0, p_a − q_a)) after a rejection, from p_k when all are accepted)."""
@@ -46,19 +45,28 @@ def accept(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array,
     p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     u = jax.random.uniform(u_key, (b, k))
-    ok = (p_d == 0) if greedy else (jnp.log(u) < p_d - q_d)        # greedy: the policy's argmax
+    ok = (p_d == 0) if greedy else (jnp.log(u) < p_d - q_d)  # greedy: the policy's argmax
     a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)
-    p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]                      # [B, V]
-    q_pad = jnp.concatenate([q, jnp.full_like(q[:, :1], -jnp.inf)], axis=1)          # q_k: no mass
+    p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]  # [B, V]
+    q_pad = jnp.concatenate([q, jnp.full_like(q[:, :1], -jnp.inf)], axis=1)  # q_k: no mass
     q_a = jnp.take_along_axis(q_pad, a[:, None, None], axis=1)[:, 0]
     residual = jnp.maximum(jnp.exp(p_a) - jnp.exp(q_a), 0.0)
     residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, jnp.exp(p_a))
     return a, draw(t_key, jnp.log(residual), greedy)
 
 
-def emit(out: engine.Outputs, rows: jax.Array, step: jax.Array, limit: jax.Array, live: jax.Array,
-         tokens: jax.Array, count: jax.Array, logits: jax.Array, sampled: jax.Array,
-         stop_ids: tuple) -> tuple[engine.Outputs, jax.Array, jax.Array]:
+def emit(
+    out: engine.Outputs,
+    rows: jax.Array,
+    step: jax.Array,
+    limit: jax.Array,
+    live: jax.Array,
+    tokens: jax.Array,
+    count: jax.Array,
+    logits: jax.Array,
+    sampled: jax.Array,
+    stop_ids: tuple,
+) -> tuple[engine.Outputs, jax.Array, jax.Array]:
     """Record the first `count` [B] of tokens [B, S] (logits [B, S, V] and sampling log-probs
     [B, S, V] they were drawn from) at each live row's next output places, up to its limit and its
     first stop token; returns (out, new step, finished)."""
@@ -66,7 +74,7 @@ def emit(out: engine.Outputs, rows: jax.Array, step: jax.Array, limit: jax.Array
     idx = jnp.arange(s)[None]
     valid = live[:, None] & (idx < count[:, None]) & (step[:, None] + idx < limit[:, None])
     is_stop = jnp.isin(tokens, jnp.asarray(stop_ids, jnp.int32)) & valid
-    valid &= jnp.cumsum(is_stop, axis=1) - is_stop == 0                   # nothing after a stop
+    valid &= jnp.cumsum(is_stop, axis=1) - is_stop == 0  # nothing after a stop
     n = jnp.sum(valid, axis=1)
     stopped, new_step = jnp.any(is_stop & valid, axis=1), step + n
     finished = live & (stopped | (new_step >= limit))
@@ -75,19 +83,31 @@ def emit(out: engine.Outputs, rows: jax.Array, step: jax.Array, limit: jax.Array
     policy = token_logprobs(logits, tokens)
     sampling = jnp.take_along_axis(sampled, tokens[..., None], axis=-1)[..., 0]
     end = jnp.where(finished, rows, out.tokens.shape[0])
-    out = engine.Outputs(tokens=out.tokens.at[r, cols].set(tokens, mode="drop"),
-                         logprobs=out.logprobs.at[r, cols].set(policy, mode="drop"),
-                         sampling_logprobs=out.sampling_logprobs.at[r, cols].set(sampling, mode="drop"),
-                         lengths=out.lengths.at[end].set(new_step, mode="drop"),
-                         stop_reason=out.stop_reason.at[end].set(jnp.where(stopped, 0, 1), mode="drop"))
+    out = engine.Outputs(
+        tokens=out.tokens.at[r, cols].set(tokens, mode="drop"),
+        logprobs=out.logprobs.at[r, cols].set(policy, mode="drop"),
+        sampling_logprobs=out.sampling_logprobs.at[r, cols].set(sampling, mode="drop"),
+        lengths=out.lengths.at[end].set(new_step, mode="drop"),
+        stop_reason=out.stop_reason.at[end].set(jnp.where(stopped, 0, 1), mode="drop"),
+    )
     return out, new_step, finished
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id", "rules"))
-def speculative_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, tokens: jax.Array,
-                        lengths: jax.Array, limits: jax.Array, num_prompts: jax.Array, key: jax.Array, *,
-                        sampling: SamplingParams, pad_id: int,
-                        rules: tuple | None = None) -> tuple[engine.Outputs, jax.Array]:
+def speculative_program(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    rest: nnx.State,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    limits: jax.Array,
+    num_prompts: jax.Array,
+    key: jax.Array,
+    *,
+    sampling: SamplingParams,
+    pad_id: int,
+    rules: tuple | None = None,
+) -> tuple[engine.Outputs, jax.Array]:
     """`generate_program` by speculative rounds (see the module doc): → (Outputs, [rounds, drafted,
     accepted] summed over rows). `rules`: the compile key of the rules in force (`generate.sharding_key`)."""
     model = nnx.merge(graphdef, params, rest)
@@ -100,12 +120,22 @@ def speculative_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.Sta
     live, limit = rows < num_prompts * g, jnp.repeat(limits, g)
     if not 1 <= n <= len(layers):
         raise ValueError(f"draft_layers={n}: expected 1..the model's {len(layers)} layers")
-    first_keys = engine.token_keys(key, rows, 1)[:, 0]              # generate's keys for the first token
+    first_keys = engine.token_keys(key, rows, 1)[:, 0]  # generate's keys for the first token
     first = jax.vmap(sample_token, in_axes=(0, 0, None))(first_keys, logits, sampling)[0].astype(jnp.int32)
-    round_key = jax.random.fold_in(key, 2**31 - 1)     # apart from the sample ids
+    round_key = jax.random.fold_in(key, 2**31 - 1)  # apart from the sample ids
     out = engine.Outputs.empty(b * g, sampling.max_new_tokens, pad_id)
-    out, step, finished = emit(out, rows, jnp.zeros_like(rows), limit, live, first[:, None], jnp.ones_like(rows),
-                               logits[:, None], sampling_logprobs(logits, sampling)[:, None], sampling.stop_ids)
+    out, step, finished = emit(
+        out,
+        rows,
+        jnp.zeros_like(rows),
+        limit,
+        live,
+        first[:, None],
+        jnp.ones_like(rows),
+        logits[:, None],
+        sampling_logprobs(logits, sampling)[:, None],
+        sampling.stop_ids,
+    )
 
     def body(carry):
         cache, last, length, step, done, out, stats, r = carry
@@ -126,10 +156,26 @@ def speculative_program(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.Sta
         live = ~done
         out, step, finished = emit(out, rows, step, limit, live, emitted, a + 1, p_logits, p, sampling.stop_ids)
         stats = stats + jnp.stack([jnp.sum(live), k * jnp.sum(live), jnp.sum(jnp.where(live, a, 0))])
-        return (cache, jnp.where(live, t, last), jnp.where(live, length + a + 1, length), step, done | finished,
-                out, stats, r + 1)
+        return (
+            cache,
+            jnp.where(live, t, last),
+            jnp.where(live, length + a + 1, length),
+            step,
+            done | finished,
+            out,
+            stats,
+            r + 1,
+        )
 
-    carry = (cache, first, jnp.repeat(lengths, g), step, ~live | finished, out, jnp.zeros((3,), jnp.int32),
-             jnp.int32(0))
+    carry = (
+        cache,
+        first,
+        jnp.repeat(lengths, g),
+        step,
+        ~live | finished,
+        out,
+        jnp.zeros((3,), jnp.int32),
+        jnp.int32(0),
+    )
     carry = jax.lax.while_loop(lambda c: jnp.any(~c[4]), body, carry)
     return carry[5], carry[6]

@@ -10,5 +10,16 @@ from posttrain.sandbox.core import Sandbox, detect_isolation
 from posttrain.sandbox.isolation import SANDBOX_PATH, Isolation, sandbox_python
 from posttrain.sandbox.job import ExecResult, Job, Limits, Status, python_job, shell_job
 
-__all__ = ["SANDBOX_PATH", "ExecResult", "Isolation", "Job", "Limits", "Sandbox", "Status", "detect_isolation",
-           "python_job", "sandbox_python", "shell_job"]
+__all__ = [
+    "SANDBOX_PATH",
+    "ExecResult",
+    "Isolation",
+    "Job",
+    "Limits",
+    "Sandbox",
+    "Status",
+    "detect_isolation",
+    "python_job",
+    "sandbox_python",
+    "shell_job",
+]

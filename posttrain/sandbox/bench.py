@@ -28,10 +28,12 @@ def median_ms(sandbox: Sandbox, job: Job, repeats: int) -> float:
 def overhead_rows(sandbox: Sandbox, extra: Mapping[str, Job] | None = None, repeats: int = 20) -> list[dict]:
     """Rows for tools/bench.py: per-execution overhead of an empty program, of `python -I`,
     and of any `extra` named jobs; then which protections are active and which are missing."""
-    jobs = {"empty program (/bin/true)": Job(argv=("/bin/true",)), "python -I (pass)": python_job("pass"),
-            **(extra or {})}
-    out = [{"what": f"overhead: {what}", "ms_per_exec": median_ms(sandbox, job, repeats)}
-           for what, job in jobs.items()]
+    jobs = {
+        "empty program (/bin/true)": Job(argv=("/bin/true",)),
+        "python -I (pass)": python_job("pass"),
+        **(extra or {}),
+    }
+    out = [{"what": f"overhead: {what}", "ms_per_exec": median_ms(sandbox, job, repeats)} for what, job in jobs.items()]
     missing = "; ".join(sandbox.isolation.missing()) or "none"
     out.append({"what": "isolation", "active": str(sandbox.isolation), "missing": missing})
     return out

@@ -62,21 +62,33 @@ def detect_isolation(python: str = sys.executable) -> Isolation:
     def works(iso: Isolation) -> bool:
         try:
             job = Job(argv=("/bin/true",))
-            return _execute(job, Limits(cpu_s=5, wall_s=10.0), iso, python, tempfile.gettempdir(), 1,
-                            visible_paths()).passed
+            return _execute(
+                job, Limits(cpu_s=5, wall_s=10.0), iso, python, tempfile.gettempdir(), 1, visible_paths()
+            ).passed
         except _InfraError:
             return False
 
-    full = Isolation(drop_uid=root, user_ns=not root, net_ns=True, pid_ns=True, mount_ns=True, ipc_ns=True,
-                     private_root=True, memory_cgroup=cgroup.memory_cgroup_parent() is not None)
+    full = Isolation(
+        drop_uid=root,
+        user_ns=not root,
+        net_ns=True,
+        pid_ns=True,
+        mount_ns=True,
+        ipc_ns=True,
+        private_root=True,
+        memory_cgroup=cgroup.memory_cgroup_parent() is not None,
+    )
     none = dict(net_ns=False, pid_ns=False, mount_ns=False, ipc_ns=False, private_root=False, memory_cgroup=False)
     if works(full):
         return full
     base = dataclasses.replace(full, **none)
     if not root and not works(base):
         return dataclasses.replace(base, user_ns=False)  # no user namespace: no other either
-    usable = {name: getattr(full, name) and works(dataclasses.replace(base, **{name: True}))
-              for name in none if name != "private_root"}
+    usable = {
+        name: getattr(full, name) and works(dataclasses.replace(base, **{name: True}))
+        for name in none
+        if name != "private_root"
+    }
     if usable["mount_ns"]:
         usable["private_root"] = works(dataclasses.replace(base, mount_ns=True, private_root=True))
     iso = dataclasses.replace(full, **usable)
@@ -91,9 +103,17 @@ class Sandbox:
     names host paths a program may read besides the system directories (with a private root).
     """
 
-    def __init__(self, limits: Limits = Limits(), *, isolation: Isolation | None = None,
-                 max_workers: int | None = None, retries: int = 2, workdir_root: str | None = None,
-                 python: str = sys.executable, visible: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        limits: Limits = Limits(),
+        *,
+        isolation: Isolation | None = None,
+        max_workers: int | None = None,
+        retries: int = 2,
+        workdir_root: str | None = None,
+        python: str = sys.executable,
+        visible: Sequence[str] = (),
+    ) -> None:
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         self.limits = limits
@@ -103,8 +123,10 @@ class Sandbox:
         self.workdir_root = os.path.abspath(workdir_root or tempfile.gettempdir())
         self.visible = visible_paths(tuple(visible))
         if any(os.path.commonpath([self.workdir_root, p]) == p for p in self.visible):
-            raise ValueError(f"Sandbox workdir_root {self.workdir_root!r} lies inside a visible path; "
-                             "the programs would see each other's working directories")
+            raise ValueError(
+                f"Sandbox workdir_root {self.workdir_root!r} lies inside a visible path; "
+                "the programs would see each other's working directories"
+            )
         self.max_workers = max_workers or os.cpu_count() or 1
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -115,8 +137,15 @@ class Sandbox:
         """Run one job in the calling thread, retrying infrastructure failures."""
         for attempt in range(1, self.retries + 2):
             try:
-                return _execute(job, job.limits or self.limits, self.isolation, self.python,
-                                self.workdir_root, attempt, self.visible)
+                return _execute(
+                    job,
+                    job.limits or self.limits,
+                    self.isolation,
+                    self.python,
+                    self.workdir_root,
+                    attempt,
+                    self.visible,
+                )
             except _InfraError as e:
                 last = str(e)
                 time.sleep(0.05 * attempt)

@@ -61,8 +61,9 @@ class _UidPool:
 _UIDS = _UidPool()
 
 
-def _execute(job: Job, limits: Limits, iso: Isolation, python: str, workdir_root: str, attempt: int,
-             visible: Sequence[str]) -> ExecResult:
+def _execute(
+    job: Job, limits: Limits, iso: Isolation, python: str, workdir_root: str, attempt: int, visible: Sequence[str]
+) -> ExecResult:
     """One execution of `job`; raises _InfraError when the sandbox machinery fails."""
     argv = list(job.argv)
     if not argv:
@@ -82,8 +83,14 @@ def _execute(job: Job, limits: Limits, iso: Isolation, python: str, workdir_root
         except OSError as e:
             raise _InfraError(f"cannot create the run's memory cgroup: {e}") from e
         spec = {
-            "argv": argv, "workdir": workdir, "status_fd": status_w, "ns": iso.namespaces(),
-            "drop_uid": iso.drop_uid, "uid": uid, "gid": uid, "infra_exit": INFRA_EXIT,
+            "argv": argv,
+            "workdir": workdir,
+            "status_fd": status_w,
+            "ns": iso.namespaces(),
+            "drop_uid": iso.drop_uid,
+            "uid": uid,
+            "gid": uid,
+            "infra_exit": INFRA_EXIT,
             "limits": dataclasses.asdict(limits),
             "root": list(visible) if iso.private_root else None,
             "env": {"PATH": SANDBOX_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"},
@@ -120,9 +127,14 @@ def _start_launcher(python: str, spec: dict, has_stdin: bool, memory: str | None
         try:
             proc = subprocess.Popen(
                 [python, "-I", "-S", "-c", LAUNCHER_SOURCE, json.dumps({**spec, "go_fd": go_r if memory else None})],
-                stdin=subprocess.PIPE if has_stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, pass_fds=(spec["status_fd"], *((go_r,) if memory else ())),
-                start_new_session=True, env={}, cwd="/")
+                stdin=subprocess.PIPE if has_stdin else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(spec["status_fd"], *((go_r,) if memory else ())),
+                start_new_session=True,
+                env={},
+                cwd="/",
+            )
         except OSError as e:
             raise _InfraError(f"cannot start launcher: {e}") from e
         if memory:
@@ -164,8 +176,9 @@ class _Collected:
     killed: str | None  # "timeout" or "output" when the host killed the process group
 
 
-def _collect(proc: subprocess.Popen, status_r: int, stdin: bytes | None, deadline: float,
-             max_output: int) -> _Collected:
+def _collect(
+    proc: subprocess.Popen, status_r: int, stdin: bytes | None, deadline: float, max_output: int
+) -> _Collected:
     """Pump stdin/stdout/stderr/status until all close or a deadline/output limit is hit."""
     out = _Collected(bytearray(), bytearray(), [], None)
     status_buf = bytearray()
@@ -190,7 +203,7 @@ def _collect(proc: subprocess.Popen, status_r: int, stdin: bytes | None, deadlin
                 fd = key.fd
                 if fd not in sinks:
                     try:
-                        pending = pending[os.write(fd, pending[:_READ_CHUNK]):]
+                        pending = pending[os.write(fd, pending[:_READ_CHUNK]) :]
                     except BlockingIOError:
                         continue
                     except BrokenPipeError:
@@ -249,12 +262,16 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 _SIGNAL_LIMITS = {signal.SIGXCPU: "cpu", signal.SIGXFSZ: "file_size"}
-_STDERR_LIMITS = {b"MemoryError": "memory", b"File too large": "file_size",
-                  b"Resource temporarily unavailable": "processes"}
+_STDERR_LIMITS = {
+    b"MemoryError": "memory",
+    b"File too large": "file_size",
+    b"Resource temporarily unavailable": "processes",
+}
 
 
-def _classify(out: _Collected, launcher_rc: int, limits: Limits, wall: float, attempt: int,
-              oom_kills: int = 0) -> ExecResult:
+def _classify(
+    out: _Collected, launcher_rc: int, limits: Limits, wall: float, attempt: int, oom_kills: int = 0
+) -> ExecResult:
     """Turn the collected streams and status lines into an ExecResult (or an _InfraError).
     A run in which the kernel killed a process for the run's memory budget exceeded it."""
     errors = [s["error"] for s in out.status if "error" in s]
@@ -265,8 +282,10 @@ def _classify(out: _Collected, launcher_rc: int, limits: Limits, wall: float, at
     if out.killed == "output":
         return ExecResult(Status.LIMIT_EXCEEDED, None, limit="output", **common)
     if errors or not exits:
-        raise _InfraError(f"sandbox setup failed (launcher rc={launcher_rc}): {'; '.join(errors) or 'no status'}"
-                          f"; stderr: {bytes(out.stderr[-500:])!r}")
+        raise _InfraError(
+            f"sandbox setup failed (launcher rc={launcher_rc}): {'; '.join(errors) or 'no status'}"
+            f"; stderr: {bytes(out.stderr[-500:])!r}"
+        )
     code, cpu = exits[-1]["exit"], exits[-1]["cpu_s"]
     common["cpu_s"] = cpu
     if oom_kills:

@@ -38,8 +38,13 @@ class Isolation:
 
     def namespaces(self) -> dict[str, bool]:
         """Namespace switches as the launcher spec expects them."""
-        return {"user": self.user_ns, "net": self.net_ns, "pid": self.pid_ns, "mount": self.mount_ns,
-                "ipc": self.ipc_ns}
+        return {
+            "user": self.user_ns,
+            "net": self.net_ns,
+            "pid": self.pid_ns,
+            "mount": self.mount_ns,
+            "ipc": self.ipc_ns,
+        }
 
     @property
     def process_limit(self) -> bool:
@@ -57,14 +62,20 @@ class Isolation:
         if not self.mount_ns:
             gaps.append("filesystem: no mount namespace, the program can write wherever its uid may")
         if not self.private_root:
-            gaps.append("visibility: no private root, the program can read (and connect to Unix sockets in) "
-                        "whatever its uid may on the host filesystem")
+            gaps.append(
+                "visibility: no private root, the program can read (and connect to Unix sockets in) "
+                "whatever its uid may on the host filesystem"
+            )
         if not self.ipc_ns:
-            gaps.append("ipc: no IPC namespace, System V IPC objects and POSIX message queues outlive the run "
-                        "and can pass data between runs")
+            gaps.append(
+                "ipc: no IPC namespace, System V IPC objects and POSIX message queues outlive the run "
+                "and can pass data between runs"
+            )
         if not self.memory_cgroup:
-            gaps.append("memory: no memory cgroup, memory_bytes bounds each process, so a run may hold up to "
-                        "processes x memory_bytes")
+            gaps.append(
+                "memory: no memory cgroup, memory_bytes bounds each process, so a run may hold up to "
+                "processes x memory_bytes"
+            )
         if not self.process_limit:
             gaps.append("processes: RLIMIT_NPROC counts the host user's processes, fork bombs are not bounded")
         if not (self.drop_uid or self.user_ns):
@@ -94,8 +105,10 @@ def sandbox_python() -> str:
         return sys.executable
     found = shutil.which("python3", path=SANDBOX_PATH)
     if found is None or not _others_can_run(found):
-        raise RuntimeError(f"no Python interpreter an unprivileged uid can run: {sys.executable} is private "
-                           f"and python3 on {SANDBOX_PATH} is {found!r}")
+        raise RuntimeError(
+            f"no Python interpreter an unprivileged uid can run: {sys.executable} is private "
+            f"and python3 on {SANDBOX_PATH} is {found!r}"
+        )
     return found
 
 

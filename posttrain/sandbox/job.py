@@ -76,8 +76,15 @@ class ExecResult:
         return self.status is Status.PASS
 
 
-def python_job(source: str, *, args: Sequence[str] = (), files: Mapping[str, str | bytes] | None = None,
-               stdin: bytes | None = None, limits: Limits | None = None, python: str | None = None) -> Job:
+def python_job(
+    source: str,
+    *,
+    args: Sequence[str] = (),
+    files: Mapping[str, str | bytes] | None = None,
+    stdin: bytes | None = None,
+    limits: Limits | None = None,
+    python: str | None = None,
+) -> Job:
     """A job that runs `source` as main.py with `python -I` (isolated mode: no user site,
     no PYTHON* variables); python defaults to `sandbox_python()`."""
     all_files = dict(files or {})
@@ -86,7 +93,12 @@ def python_job(source: str, *, args: Sequence[str] = (), files: Mapping[str, str
     return Job(argv=argv, files=all_files, stdin=stdin, limits=limits)
 
 
-def shell_job(command: str, *, files: Mapping[str, str | bytes] | None = None, stdin: bytes | None = None,
-              limits: Limits | None = None) -> Job:
+def shell_job(
+    command: str,
+    *,
+    files: Mapping[str, str | bytes] | None = None,
+    stdin: bytes | None = None,
+    limits: Limits | None = None,
+) -> Job:
     """A job that runs `command` with /bin/sh -c."""
     return Job(argv=("/bin/sh", "-c", command), files=dict(files or {}), stdin=stdin, limits=limits)

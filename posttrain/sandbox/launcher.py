@@ -24,8 +24,14 @@ CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x
 CLONE_NEWIPC = 0x8000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
-KEEP = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
-        "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}
+KEEP = {
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": MS_NOATIME,
+    "nodiratime": MS_NODIRATIME,
+    "relatime": MS_RELATIME,
+}
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, MNT_DETACH = 1, 38, 2
 DEVICES = ("null", "zero", "full", "random", "urandom")
 INNER_ID = 1000  # uid/gid inside a user namespace
@@ -54,9 +60,13 @@ def mount(src, target, fstype, flags, data=None):
 
 def enter_namespaces(ns):
     """Unshare the namespaces switched on in `ns`; map our uid/gid inside a user namespace."""
-    flags = ((CLONE_NEWUSER if ns["user"] else 0) | (CLONE_NEWNET if ns["net"] else 0)
-             | (CLONE_NEWPID if ns["pid"] else 0) | (CLONE_NEWNS if ns["mount"] else 0)
-             | (CLONE_NEWIPC if ns["ipc"] else 0))
+    flags = (
+        (CLONE_NEWUSER if ns["user"] else 0)
+        | (CLONE_NEWNET if ns["net"] else 0)
+        | (CLONE_NEWPID if ns["pid"] else 0)
+        | (CLONE_NEWNS if ns["mount"] else 0)
+        | (CLONE_NEWIPC if ns["ipc"] else 0)
+    )
     uid, gid = os.getuid(), os.getgid()
     if flags:
         check(libc.unshare(flags), "unshare")
@@ -149,12 +159,14 @@ def exec_program(spec, init_pid, uid, gid):
     """In init's child: apply the limits, drop to the sandbox uid, exec the program."""
     lim = spec["limits"]
     status_fd = spec["status_fd"]
-    for res, value in ((resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1)),
-                       (resource.RLIMIT_AS, (lim["memory_bytes"],) * 2),
-                       (resource.RLIMIT_NPROC, (lim["processes"],) * 2),
-                       (resource.RLIMIT_FSIZE, (lim["file_bytes"],) * 2),
-                       (resource.RLIMIT_NOFILE, (lim["open_files"],) * 2),
-                       (resource.RLIMIT_CORE, (0, 0))):
+    for res, value in (
+        (resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1)),
+        (resource.RLIMIT_AS, (lim["memory_bytes"],) * 2),
+        (resource.RLIMIT_NPROC, (lim["processes"],) * 2),
+        (resource.RLIMIT_FSIZE, (lim["file_bytes"],) * 2),
+        (resource.RLIMIT_NOFILE, (lim["open_files"],) * 2),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ):
         resource.setrlimit(res, value)
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl")  # setuid binaries stay unprivileged
     if spec["drop_uid"]:

@@ -30,10 +30,10 @@ from posttrain.sandbox.isolation import sandbox_python
 from posttrain.sandbox.job import Job, Limits, Status
 
 SESSION_TOOLS = ("sh", "python")
-DRIVER_SLACK_S = 10.0   # sandbox wall time beyond the command's limit: driver start-up and the state dump
+DRIVER_SLACK_S = 10.0  # sandbox wall time beyond the command's limit: driver start-up and the state dump
 
 # Runs inside the sandbox as `python -I -S -c DRIVER`; the request comes on stdin. Stdlib only.
-DRIVER = r'''
+DRIVER = r"""
 import base64, json, os, select, signal, subprocess, sys, time
 req = json.loads(sys.stdin.read())
 for path, mode in req["modes"].items():
@@ -76,7 +76,7 @@ for root, dirs, names in os.walk("."):
             files.append([path, base64.b64encode(f.read()).decode(), os.stat(path).st_mode & 0o7777])
 sys.stdout.write(json.dumps({"exit": None if timed_out else code, "output": base64.b64encode(bytes(out)).decode(),
                              "dropped": dropped, "files": files, "skipped": skipped}))
-'''
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +89,13 @@ class Snapshot:
     def of(cls, files: Mapping[str, str | bytes], modes: Mapping[str, int] | None = None) -> Snapshot:
         """A snapshot of `files` (relative path -> content), mode 0o644 unless `modes` says."""
         modes = modes or {}
-        return cls(tuple(sorted((p, c.encode() if isinstance(c, str) else bytes(c), modes.get(p, 0o644))
-                                for p, c in files.items())))
+        return cls(
+            tuple(
+                sorted(
+                    (p, c.encode() if isinstance(c, str) else bytes(c), modes.get(p, 0o644)) for p, c in files.items()
+                )
+            )
+        )
 
     def as_dict(self) -> dict[str, bytes]:
         """The files as {path: content}."""
@@ -153,18 +158,29 @@ class Session:
     and max_bytes: per session; max_output_bytes: how much of a command's output is kept.
     """
 
-    def __init__(self, sandbox: Sandbox, files: Mapping[str, str | bytes] | Snapshot = Snapshot(()), *,
-                 limits: Limits | None = None, max_calls: int = 32, max_bytes: int = 1 << 20,
-                 max_output_bytes: int = 16 << 10) -> None:
+    def __init__(
+        self,
+        sandbox: Sandbox,
+        files: Mapping[str, str | bytes] | Snapshot = Snapshot(()),
+        *,
+        limits: Limits | None = None,
+        max_calls: int = 32,
+        max_bytes: int = 1 << 20,
+        max_output_bytes: int = 16 << 10,
+    ) -> None:
         if max_calls < 1 or max_bytes < 1 or max_output_bytes < 1:
-            raise ValueError(f"Session: max_calls ({max_calls}), max_bytes ({max_bytes}) and max_output_bytes "
-                             f"({max_output_bytes}) must be positive")
+            raise ValueError(
+                f"Session: max_calls ({max_calls}), max_bytes ({max_bytes}) and max_output_bytes "
+                f"({max_output_bytes}) must be positive"
+            )
         self.sandbox, self.limits = sandbox, limits or sandbox.limits
         self.max_calls, self.max_bytes, self.max_output_bytes = max_calls, max_bytes, max_output_bytes
         self.calls = 0
         self._state = files if isinstance(files, Snapshot) else Snapshot.of(files)
         if self._state.num_bytes > max_bytes:
-            raise ValueError(f"Session: the initial files hold {self._state.num_bytes} bytes, over max_bytes={max_bytes}")
+            raise ValueError(
+                f"Session: the initial files hold {self._state.num_bytes} bytes, over max_bytes={max_bytes}"
+            )
 
     def snapshot(self) -> Snapshot:
         """The working directory now (immutable: later calls do not change it)."""
@@ -184,31 +200,60 @@ class Session:
         self.calls += 1
         lim = self.limits
         state_bytes = 4 * max(lim.disk_bytes, self.max_bytes) // 3 + 4 * self.max_output_bytes // 3 + (64 << 10)
-        job_limits = dataclasses.replace(lim, wall_s=lim.wall_s + DRIVER_SLACK_S,
-                                         output_bytes=max(lim.output_bytes, state_bytes))
-        request = {"tool": tool, "code": code, "timeout": lim.wall_s, "max_output": self.max_output_bytes,
-                   "modes": {p: m for p, _, m in self._state.files}}
+        job_limits = dataclasses.replace(
+            lim, wall_s=lim.wall_s + DRIVER_SLACK_S, output_bytes=max(lim.output_bytes, state_bytes)
+        )
+        request = {
+            "tool": tool,
+            "code": code,
+            "timeout": lim.wall_s,
+            "max_output": self.max_output_bytes,
+            "modes": {p: m for p, _, m in self._state.files},
+        }
         t0 = time.perf_counter()
-        res = self.sandbox.run(Job((sandbox_python(), "-I", "-S", "-c", DRIVER), files=self._state.as_dict(),
-                                   stdin=json.dumps(request).encode(), limits=job_limits))
+        res = self.sandbox.run(
+            Job(
+                (sandbox_python(), "-I", "-S", "-c", DRIVER),
+                files=self._state.as_dict(),
+                stdin=json.dumps(request).encode(),
+                limits=job_limits,
+            )
+        )
         wall = time.perf_counter() - t0
-        if res.status is not Status.PASS:      # the driver did not finish: the call's effects are lost
+        if res.status is not Status.PASS:  # the driver did not finish: the call's effects are lost
             why = res.error or (res.stderr.decode(errors="replace")[-300:] or res.status.value)
             status = res.status if res.status in (Status.ERROR, Status.TIMEOUT, Status.LIMIT_EXCEEDED) else Status.CRASH
-            return CallResult(f"call failed ({res.status.value}{', ' + res.limit if res.limit else ''}): {why}".encode(),
-                              status, limit=res.limit, wall_s=wall)
+            return CallResult(
+                f"call failed ({res.status.value}{', ' + res.limit if res.limit else ''}): {why}".encode(),
+                status,
+                limit=res.limit,
+                wall_s=wall,
+            )
         parsed = _parse_report(res.stdout)
-        if parsed is None:     # the command wrote into the driver's own stdout: treat like a crash
-            return CallResult(b"call failed: the session report was unreadable (did the command write to its "
-                              b"parent's output?)", Status.CRASH, wall_s=wall)
+        if parsed is None:  # the command wrote into the driver's own stdout: treat like a crash
+            return CallResult(
+                b"call failed: the session report was unreadable (did the command write to its parent's output?)",
+                Status.CRASH,
+                wall_s=wall,
+            )
         rep, new, output = parsed
         if new.num_bytes > self.max_bytes:
-            note = f"\n[session limit: the working directory would hold {new.num_bytes} bytes > {self.max_bytes}; " \
-                   "this call's changes were undone]"
-            return CallResult(output + note.encode(), Status.LIMIT_EXCEEDED, rep["exit"], "bytes", rep["dropped"],
-                              tuple(rep["skipped"]), wall)
+            note = (
+                f"\n[session limit: the working directory would hold {new.num_bytes} bytes > {self.max_bytes}; "
+                "this call's changes were undone]"
+            )
+            return CallResult(
+                output + note.encode(),
+                Status.LIMIT_EXCEEDED,
+                rep["exit"],
+                "bytes",
+                rep["dropped"],
+                tuple(rep["skipped"]),
+                wall,
+            )
         self._state = new
         code = rep["exit"]
         status = Status.TIMEOUT if code is None else Status.PASS if code == 0 else Status.FAIL
-        return CallResult(output, status, code, "wall" if code is None else None, rep["dropped"],
-                          tuple(rep["skipped"]), wall)
+        return CallResult(
+            output, status, code, "wall" if code is None else None, rep["dropped"], tuple(rep["skipped"]), wall
+        )

@@ -22,8 +22,11 @@ from posttrain.sampling.rules import SamplingParams
 SIDES = ("chosen", "rejected")
 
 
-PREFERENCE_AXES = {f"{s}_{k}": ("batch", "length") for s in SIDES
-                   for k in ("inputs", "targets", "loss_mask", "positions", "segment_ids")}
+PREFERENCE_AXES = {
+    f"{s}_{k}": ("batch", "length")
+    for s in SIDES
+    for k in ("inputs", "targets", "loss_mask", "positions", "segment_ids")
+}
 
 
 def make_evaluator(metric_fn, make_batches):
@@ -42,6 +45,7 @@ def make_evaluator(metric_fn, make_batches):
                 sums[k] = sums.get(k, 0.0) + float(v) * w
             weight += w
         return {k: v / max(weight, 1e-9) for k, v in sums.items()}
+
     return eval_fn
 
 
@@ -56,6 +60,7 @@ def combine_evals(*fns):
 
 def finite_batches(make):
     """An iterator over one epoch in file order that stops at the padding rows of the last batch."""
+
     def batches():
         it = make()
         seen = -1
@@ -68,6 +73,7 @@ def finite_batches(make):
                 return
             seen = it.epoch
             yield batch
+
     return batches
 
 
@@ -80,8 +86,10 @@ def data_kw(cfg) -> dict:
 def stage_tokenizer(cfg) -> Tokenizer:
     tok = load_tokenizer(cfg.data.tokenizer)
     if tok.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r} has {tok.vocab_size} tokens but "
-                         f"model.vocab_size={cfg.model.vocab_size}")
+        raise ValueError(
+            f"data.tokenizer={cfg.data.tokenizer!r} has {tok.vocab_size} tokens but "
+            f"model.vocab_size={cfg.model.vocab_size}"
+        )
     return tok
 
 
@@ -92,8 +100,16 @@ def require_files(files: str, key: str) -> str:
 
 
 def preference_data(cfg, files: str, *, eval: bool, tok: Tokenizer, kw: dict):
-    make = lambda: preference_batches(files, tok, batch_size=cfg.train.batch_size, max_len=cfg.train.seq_len,
-                                      seed=0 if eval else cfg.seed, shuffle=not eval, epochs=1 if eval else None, **kw)
+    make = lambda: preference_batches(
+        files,
+        tok,
+        batch_size=cfg.train.batch_size,
+        max_len=cfg.train.seq_len,
+        seed=0 if eval else cfg.seed,
+        shuffle=not eval,
+        epochs=1 if eval else None,
+        **kw,
+    )
     return finite_batches(make) if eval else make()
 
 
@@ -115,8 +131,9 @@ def make_sampler_log(cfg, tok: Tokenizer, files: str, n: int = 3):
 
     def sample_fn(model: nnx.Module, step: int) -> None:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        out = generate(graphdef, params, rest, [ids for _, ids in prompts], sampling, jax.random.key(0),
-                       pad_id=tok.pad_id)
+        out = generate(
+            graphdef, params, rest, [ids for _, ids in prompts], sampling, jax.random.key(0), pad_id=tok.pad_id
+        )
         lines = []
         for i, (text, _) in enumerate(prompts):
             completion = tok.decode(out.completion(i))
@@ -124,4 +141,5 @@ def make_sampler_log(cfg, tok: Tokenizer, files: str, n: int = 3):
             logging.info("sample %d: %r → %r", i, text[-80:], completion[:160])
         if is_primary():
             storage.append_text(storage.join(cfg.workdir, "samples.jsonl"), "".join(lines))
+
     return sample_fn

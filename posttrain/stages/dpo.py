@@ -32,21 +32,33 @@ from posttrain.stages.reward_model import both_sides
 
 def pair_logprobs(model: Decoder, batch: dict, *, update_bias: bool) -> tuple[jax.Array, jax.Array, dict]:
     """Summed response log-probs [B] of chosen and rejected responses, and the MoE aux."""
-    logits, aux = model(both_sides(batch, "inputs"), both_sides(batch, "positions"),
-                        both_sides(batch, "segment_ids"), update_bias=update_bias)
+    logits, aux = model(
+        both_sides(batch, "inputs"),
+        both_sides(batch, "positions"),
+        both_sides(batch, "segment_ids"),
+        update_bias=update_bias,
+    )
     logp = sequence_logprobs(logits, both_sides(batch, "targets"), both_sides(batch, "loss_mask"))
     chosen, rejected = jnp.split(logp, 2)
     return chosen, rejected, aux
 
 
-def dpo_stage_loss(model: Decoder, batch: dict, ref_params, ref_rest, *, graphdef, dpo_cfg,
-                   moe_cfg) -> tuple[jax.Array, dict]:
+def dpo_stage_loss(
+    model: Decoder, batch: dict, ref_params, ref_rest, *, graphdef, dpo_cfg, moe_cfg
+) -> tuple[jax.Array, dict]:
     """DPO against the frozen reference (the starting weights), computed in the same step."""
     ref = nnx.merge(graphdef, jax.lax.stop_gradient(ref_params), ref_rest)
     ref_chosen, ref_rejected, _ = pair_logprobs(ref, batch, update_bias=False)
     chosen, rejected, aux = pair_logprobs(model, batch, update_bias=True)
-    loss, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=dpo_cfg.beta,
-                             loss_type=dpo_cfg.loss_type, label_smoothing=dpo_cfg.label_smoothing)
+    loss, metrics = dpo_loss(
+        chosen,
+        rejected,
+        ref_chosen,
+        ref_rejected,
+        beta=dpo_cfg.beta,
+        loss_type=dpo_cfg.loss_type,
+        label_smoothing=dpo_cfg.label_smoothing,
+    )
     loss = loss + moe_penalty(aux, moe_cfg)
     return loss, {**metrics, "loss": loss}
 
@@ -67,14 +79,26 @@ def run(cfg) -> Result:
     loss = functools.partial(dpo_stage_loss, graphdef=graphdef, dpo_cfg=cfg.dpo, moe_cfg=cfg.model.moe)
     eval_fn = None
     if cfg.dpo.eval_files:
+
         def metric(model, batch):
             _, m = loss(model, batch, ref_params, ref_rest)
-            return {k.removeprefix("dpo/"): v for k, v in m.items() if k.startswith("dpo/")}, batch["chosen_inputs"].shape[0]
+            return {k.removeprefix("dpo/"): v for k, v in m.items() if k.startswith("dpo/")}, batch[
+                "chosen_inputs"
+            ].shape[0]
+
         eval_fn = make_evaluator(metric, preference_data(cfg, cfg.dpo.eval_files, eval=True, tok=tok, kw=kw))
     eval_fn = combine_evals(eval_fn, make_long_context_eval(cfg, tok))
     batches = preference_data(cfg, require_files(cfg.dpo.train_files, "dpo.train_files"), eval=False, tok=tok, kw=kw)
     # The policy starts as a copy of the reference (the step donates the policy's buffers).
     start = lambda params, rest: jax.tree.map(jnp.copy, (ref_params, ref_rest))
-    stage = TrainSpec("dpo", make, loss, batches, batch_axes=PREFERENCE_AXES, extra=(ref_params, ref_rest),
-                  eval_fn=eval_fn, init_model=start)
+    stage = TrainSpec(
+        "dpo",
+        make,
+        loss,
+        batches,
+        batch_axes=PREFERENCE_AXES,
+        extra=(ref_params, ref_rest),
+        eval_fn=eval_fn,
+        init_model=start,
+    )
     return train(cfg, stage)

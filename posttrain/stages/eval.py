@@ -79,8 +79,18 @@ def solved(groups, *, episodes: bool) -> list[list[bool]]:
     return [row for part in allgather_json(mine) for row in part]
 
 
-def evaluate_suite(worker: RolloutWorker, params, rest, name: str, tasks: list[Task], key, samples: int,
-                   ks: list[int], *, episodes: bool = False) -> dict:
+def evaluate_suite(
+    worker: RolloutWorker,
+    params,
+    rest,
+    name: str,
+    tasks: list[Task],
+    key,
+    samples: int,
+    ks: list[int],
+    *,
+    episodes: bool = False,
+) -> dict:
     """Greedy accuracy, mean sampled accuracy, pass@k, response length, verifier errors, seconds;
     with `episodes` (the worker runs multi-turn tool episodes) also the `EPISODE_METRICS`.
 
@@ -93,21 +103,31 @@ def evaluate_suite(worker: RolloutWorker, params, rest, name: str, tasks: list[T
     correct = solved(sampled.groups, episodes=episodes)
     greedy_ok = [row[0] for row in solved(greedy.groups, episodes=episodes)]
     greedy, sampled = (dataclasses.replace(b, info=combine_info(b.info, SUMMED_INFO)) for b in (greedy, sampled))
-    out = {"accuracy": float(np.mean(greedy_ok)),
-           "mean_accuracy": float(np.mean(correct)),
-           **{f"pass@{k}": mean_pass_at_k(correct, k) for k in ks},
-           "response_len": sampled.info["response_len_mean"],
-           "greedy_response_len": greedy.info["response_len_mean"],
-           "verifier_errors": greedy.info["verifier_errors"] + sampled.info["verifier_errors"]}
+    out = {
+        "accuracy": float(np.mean(greedy_ok)),
+        "mean_accuracy": float(np.mean(correct)),
+        **{f"pass@{k}": mean_pass_at_k(correct, k) for k in ks},
+        "response_len": sampled.info["response_len_mean"],
+        "greedy_response_len": greedy.info["response_len_mean"],
+        "verifier_errors": greedy.info["verifier_errors"] + sampled.info["verifier_errors"],
+    }
     if episodes:
-        out.update(tool_success_rate=out["accuracy"], tool_success_rate_sampled=out["mean_accuracy"],
-                   **{k: greedy.info[k] for k in ("turns_per_episode", "calls_per_turn", "tool_call_ok_rate")})
+        out.update(
+            tool_success_rate=out["accuracy"],
+            tool_success_rate_sampled=out["mean_accuracy"],
+            **{k: greedy.info[k] for k in ("turns_per_episode", "calls_per_turn", "tool_call_ok_rate")},
+        )
     return {**out, "seconds": time.perf_counter() - t0}
 
 
 SUITE_METRICS = ("accuracy", "mean_accuracy", "response_len", "greedy_response_len", "verifier_errors", "seconds")
-EPISODE_METRICS = ("tool_success_rate", "tool_success_rate_sampled", "turns_per_episode", "calls_per_turn",
-                   "tool_call_ok_rate")
+EPISODE_METRICS = (
+    "tool_success_rate",
+    "tool_success_rate_sampled",
+    "turns_per_episode",
+    "calls_per_turn",
+    "tool_call_ok_rate",
+)
 
 
 def check_eval_config(cfg) -> None:
@@ -116,33 +136,40 @@ def check_eval_config(cfg) -> None:
     check_gate_metrics(cfg, [n for n, _ in parse_suites(cfg.eval.suites)], pass_ks(cfg))
     if multi_turn_suites(cfg.eval.suites):
         from posttrain.rl.checks import check_env
+
         check_env(cfg.rl)
 
 
 def check_gate_metrics(cfg, suites, ks: list[int]) -> None:
     """Every metric `eval.gate` names is one this evaluation reports (suites: their names)."""
     from posttrain.eval.gates import REGRESSION_DROP, parse_gate
+
     known = {REGRESSION_DROP, *(HEADLINE[n] for n in suites if n in HEADLINE)}
     multi = multi_turn_suites(cfg.eval.suites)
     for n in suites:
-        known |= {f"{n}/{m}" for m in (*SUITE_METRICS, *(f"pass@{k}" for k in ks),
-                                       *(EPISODE_METRICS if n in multi else ()))}
+        known |= {
+            f"{n}/{m}" for m in (*SUITE_METRICS, *(f"pass@{k}" for k in ks), *(EPISODE_METRICS if n in multi else ()))
+        }
     if cfg.eval.long_context.lengths:
         grid = parse_grid(cfg.eval.long_context)
         known |= {f"long_ctx_{kind}" for kind in grid["kinds"]}
         known |= {f"long_ctx_{kind}/len{n}" for kind in grid["kinds"] for n in grid["lengths"]}
     unknown = [c.metric for c in parse_gate(cfg.eval.gate, "config.eval.gate") if c.metric not in known]
     if unknown:
-        raise ValueError(f"config.eval.gate={cfg.eval.gate!r}: stage eval does not report {unknown}; "
-                         f"it reports {', '.join(sorted(known))}")
+        raise ValueError(
+            f"config.eval.gate={cfg.eval.gate!r}: stage eval does not report {unknown}; "
+            f"it reports {', '.join(sorted(known))}"
+        )
 
 
 def checkpoint_steps(cfg, path: str) -> list[int]:
     """The steps of `path` that `eval.steps` selects (latest | all | "10,20")."""
     if path.startswith("hf:"):
         if str(cfg.eval.steps).strip() != "latest":
-            raise ValueError(f"eval.steps={cfg.eval.steps!r} cannot take effect: eval.checkpoint={path!r} is a "
-                             "Hugging Face folder (one set of weights, step 0)")
+            raise ValueError(
+                f"eval.steps={cfg.eval.steps!r} cannot take effect: eval.checkpoint={path!r} is a "
+                "Hugging Face folder (one set of weights, step 0)"
+            )
         return [0]
     ckpt = Checkpointer(checkpoint_dir(path), every=0, keep=1, async_save=False)
     available = ckpt.all_steps()
@@ -189,24 +216,33 @@ def run(cfg, baseline: dict | None = None) -> Result:
     `Result.eval` holds the last checkpoint's gate metrics, with `regression_drop` against the
     previous checkpoint evaluated here, else against `baseline` (a pipeline's previous eval)."""
     from posttrain.eval.gates import regression_drop
+
     path = cfg.eval.checkpoint or cfg.init_from
     if not path:
         raise ValueError("eval.checkpoint is empty and there is no init_from: give a run dir or checkpoints dir")
     if cfg.lora.rank:
-        raise ValueError("stage eval with lora.rank > 0: evaluating adapter checkpoints is not supported; "
-                         "evaluate the merged model (lora.rank=0)")
+        raise ValueError(
+            "stage eval with lora.rank > 0: evaluating adapter checkpoints is not supported; "
+            "evaluate the merged model (lora.rank=0)"
+        )
     ks, tok = pass_ks(cfg), load_tokenizer(cfg.data.tokenizer)
     suites = make_suites(cfg, tok)
     check_gate_metrics(cfg, suites, ks)
     versions = {n: suite_version(d.tasks) for n, d in suites.items()}
     steps = checkpoint_steps(cfg, path)
-    long_context = make_long_context_eval(cfg, tok)      # None unless eval.long_context.lengths
+    long_context = make_long_context_eval(cfg, tok)  # None unless eval.long_context.lengths
     mesh, rules = mesh_and_rules(cfg)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     graphdef = nnx.split(abstract_model(make), nnx.Param, ...)[0]
     r = cfg.rl
-    sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                              stop_ids=tuple(tok.stop_ids), num_samples=cfg.eval.samples)
+    sampling = SamplingParams(
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        stop_ids=tuple(tok.stop_ids),
+        num_samples=cfg.eval.samples,
+    )
     previous, metrics = baseline, {}
     bar = tqdm(total=len(steps) * len(suites), desc="eval", disable=not cfg.train.progress or jax.process_index() != 0)
     # Curves too: one row per checkpoint in metrics.jsonl, appended (earlier rows, e.g. of training, are kept).
@@ -219,20 +255,45 @@ def run(cfg, baseline: dict | None = None) -> Result:
             params, rest, _ = load_model_state(path, make, mesh, rules, step=None if path.startswith("hf:") else step)
             results = {}
             for name, suite in suites.items():
-                results[name] = evaluate_suite(episode_worker if name in multi else worker, params, rest, name,
-                                               list(suite.tasks), jax.random.key(cfg.seed), cfg.eval.samples, ks,
-                                               episodes=name in multi)
-                write_record(cfg.workdir, {"suite": name, "version": versions[name], "checkpoint": path, "step": step,
-                                           "problems": len(suite.tasks), "samples": cfg.eval.samples,
-                                           **results[name], "time": time.time()})
-                logging.info("eval %s step %d %s: %s", path, step, name,
-                             {k: round(v, 4) for k, v in results[name].items()})
+                results[name] = evaluate_suite(
+                    episode_worker if name in multi else worker,
+                    params,
+                    rest,
+                    name,
+                    list(suite.tasks),
+                    jax.random.key(cfg.seed),
+                    cfg.eval.samples,
+                    ks,
+                    episodes=name in multi,
+                )
+                write_record(
+                    cfg.workdir,
+                    {
+                        "suite": name,
+                        "version": versions[name],
+                        "checkpoint": path,
+                        "step": step,
+                        "problems": len(suite.tasks),
+                        "samples": cfg.eval.samples,
+                        **results[name],
+                        "time": time.time(),
+                    },
+                )
+                logging.info(
+                    "eval %s step %d %s: %s", path, step, name, {k: round(v, 4) for k, v in results[name].items()}
+                )
                 bar.update(1)
             metrics = gate_view(results, versions)
             if long_context is not None:
                 metrics.update(long_context(nnx.merge(graphdef, params, rest), step))
-            writer.write(step, {f"eval/{k}": v for k, v in metrics.items()
-                                if ("/" in k or k.startswith("long_ctx")) and not k.endswith("/version")})
+            writer.write(
+                step,
+                {
+                    f"eval/{k}": v
+                    for k, v in metrics.items()
+                    if ("/" in k or k.startswith("long_ctx")) and not k.endswith("/version")
+                },
+            )
             if previous is not None and (drop := regression_drop(metrics, previous)) is not None:
                 metrics["regression_drop"] = drop
             previous = metrics

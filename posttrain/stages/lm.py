@@ -34,7 +34,7 @@ class ArithmeticBatches:
         if self.batch_size % n:
             raise ValueError(f"train.batch_size={self.batch_size}: must be a multiple of the {n} processes")
         rows = self.batch_size // n
-        return {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()}
+        return {k: v[i * rows : (i + 1) * rows] for k, v in batch.items()}
 
     def get_state(self) -> dict:
         return {"step": self.step}
@@ -56,7 +56,11 @@ def run(cfg) -> list[dict]:
     if cfg.model.vocab_size < 256:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: byte tokens need >= 256")
     batches_for = lambda seq_len: ArithmeticBatches(cfg.seed, cfg.train.batch_size, seq_len)
-    stage = TrainSpec(name="lm", make_model=lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed)),
-                  loss_fn=functools.partial(lm_loss, moe_cfg=cfg.model.moe),
-                  batches=batches_for(cfg.train.seq_len), batches_for=batches_for)
+    stage = TrainSpec(
+        name="lm",
+        make_model=lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed)),
+        loss_fn=functools.partial(lm_loss, moe_cfg=cfg.model.moe),
+        batches=batches_for(cfg.train.seq_len),
+        batches_for=batches_for,
+    )
     return train(cfg, stage).rows

@@ -14,9 +14,16 @@ def sequence_logprobs(logits: jax.Array, targets: jax.Array, mask: jax.Array) ->
     return (token_logprobs(logits, targets) * mask.astype(jnp.float32)).sum(axis=-1)
 
 
-def dpo_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, ref_chosen: jax.Array,
-             ref_rejected: jax.Array, *, beta: float, loss_type: str = "sigmoid",
-             label_smoothing: float = 0.0) -> tuple[jax.Array, dict]:
+def dpo_loss(
+    policy_chosen: jax.Array,
+    policy_rejected: jax.Array,
+    ref_chosen: jax.Array,
+    ref_rejected: jax.Array,
+    *,
+    beta: float,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[jax.Array, dict]:
     """Direct Preference Optimization (Rafailov et al. 2023) on sequence log-probs [B].
 
     h = (log π(y_w) − log π_ref(y_w)) − (log π(y_l) − log π_ref(y_l)).
@@ -36,10 +43,13 @@ def dpo_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, ref_chosen: j
     metrics = {
         "dpo/loss": losses.mean(),
         "dpo/reward_accuracy": (chosen_reward > rejected_reward).astype(jnp.float32).mean(),
-        "dpo/chosen_reward": chosen_reward.mean(), "dpo/rejected_reward": rejected_reward.mean(),
+        "dpo/chosen_reward": chosen_reward.mean(),
+        "dpo/rejected_reward": rejected_reward.mean(),
         "dpo/margin": (chosen_reward - rejected_reward).mean(),
-        "dpo/policy_chosen_logp": policy_chosen.mean(), "dpo/policy_rejected_logp": policy_rejected.mean(),
-        "dpo/ref_chosen_logp": ref_chosen.mean(), "dpo/ref_rejected_logp": ref_rejected.mean(),
+        "dpo/policy_chosen_logp": policy_chosen.mean(),
+        "dpo/policy_rejected_logp": policy_rejected.mean(),
+        "dpo/ref_chosen_logp": ref_chosen.mean(),
+        "dpo/ref_rejected_logp": ref_rejected.mean(),
     }
     return losses.mean(), metrics
 
@@ -48,5 +58,10 @@ def bradley_terry_loss(chosen: jax.Array, rejected: jax.Array) -> tuple[jax.Arra
     """Reward-model loss −log σ(r_chosen − r_rejected) on scalar rewards [B], with accuracy and margin."""
     margin = chosen - rejected
     loss = -jax.nn.log_sigmoid(margin).mean()
-    return loss, {"rm/loss": loss, "rm/accuracy": (margin > 0).astype(jnp.float32).mean(),
-                  "rm/margin": margin.mean(), "rm/chosen": chosen.mean(), "rm/rejected": rejected.mean()}
+    return loss, {
+        "rm/loss": loss,
+        "rm/accuracy": (margin > 0).astype(jnp.float32).mean(),
+        "rm/margin": margin.mean(),
+        "rm/chosen": chosen.mean(),
+        "rm/rejected": rejected.mean(),
+    }

@@ -36,8 +36,7 @@ def gate_metrics(result) -> dict:
     return {**(result.rows[-1] if result.rows else {}), **result.eval}
 
 
-def stage_config(cfg, name: str, workdir: str, init_from: str, done: dict[str, str] | None = None,
-                 sft_files: str = ""):
+def stage_config(cfg, name: str, workdir: str, init_from: str, done: dict[str, str] | None = None, sft_files: str = ""):
     """The config one pipeline stage runs with. `done` maps the stages run before it to their
     workdirs: `rl.reward_model = "@<stage>"` becomes that stage's workdir (RLHF: the reward
     model trained earlier in the same pipeline). `sft_files` (what the last rejection_sampling
@@ -49,8 +48,10 @@ def stage_config(cfg, name: str, workdir: str, init_from: str, done: dict[str, s
     ref = sub.rl.reward_model
     if name == "rlvr" and ref.startswith("@"):
         if ref[1:] not in (done or {}):
-            raise ValueError(f"rl.reward_model={ref!r}: no stage {ref[1:]!r} runs before rlvr in pipeline.stages="
-                             f"{tuple(cfg.pipeline.stages)}")
+            raise ValueError(
+                f"rl.reward_model={ref!r}: no stage {ref[1:]!r} runs before rlvr in pipeline.stages="
+                f"{tuple(cfg.pipeline.stages)}"
+            )
         sub.rl.reward_model = done[ref[1:]]
     return sub
 
@@ -61,12 +62,13 @@ def run(cfg) -> dict:
     if unknown:
         raise ValueError(f"pipeline.stages: unknown {unknown}; valid: {sorted(registry.PIPELINE_STAGES)}")
     validate_gates(cfg, cfg.pipeline.stages)
-    unstaged = [s for s in cfg.pipeline.stages
-                if not registry.BY_NAME[s].staged_context and registry.BY_NAME[s].trains]
-    if "," in cfg.train.seq_len_schedule and unstaged:     # fail before the first stage, not after it
-        raise ValueError(f"train.seq_len_schedule={cfg.train.seq_len_schedule!r} applies to every stage, but "
-                         f"{unstaged} cannot change sequence length (supported: "
-                         f"{', '.join(s.name for s in registry.STAGES if s.staged_context)})")
+    unstaged = [s for s in cfg.pipeline.stages if not registry.BY_NAME[s].staged_context and registry.BY_NAME[s].trains]
+    if "," in cfg.train.seq_len_schedule and unstaged:  # fail before the first stage, not after it
+        raise ValueError(
+            f"train.seq_len_schedule={cfg.train.seq_len_schedule!r} applies to every stage, but "
+            f"{unstaged} cannot change sequence length (supported: "
+            f"{', '.join(s.name for s in registry.STAGES if s.staged_context)})"
+        )
     init_from, results, done, last_eval, sft_files = cfg.init_from, {}, {}, None, ""
     for i, name in enumerate(cfg.pipeline.stages):
         workdir = storage.join(cfg.workdir, f"{i}_{name}")
@@ -74,13 +76,20 @@ def run(cfg) -> dict:
         result = run_stage(name, sub, baseline=last_eval)
         metrics = gate_metrics(result)
         results[name], done[name] = metrics, workdir
-        logging.info(check_gate(name, cfg[registry.section(name)].gate, metrics,
-                                baseline=last_eval if name == "eval" else None,
-                                workdir=gate_record_dir(cfg.workdir)))
-        if name == "eval":          # an eval stage has no checkpoint: the next stage starts from the last trained one
+        logging.info(
+            check_gate(
+                name,
+                cfg[registry.section(name)].gate,
+                metrics,
+                baseline=last_eval if name == "eval" else None,
+                workdir=gate_record_dir(cfg.workdir),
+            )
+        )
+        if name == "eval":  # an eval stage has no checkpoint: the next stage starts from the last trained one
             last_eval = metrics
-        elif name == "rejection_sampling":      # the sft stages after it train on its records
+        elif name == "rejection_sampling":  # the sft stages after it train on its records
             from posttrain.stages.rejection_sampling import next_sft_files
+
             sft_files = next_sft_files(sub)
         if registry.BY_NAME[name].trains and not registry.BY_NAME[name].scores:
             init_from = workdir

@@ -28,8 +28,8 @@ class Stage:
     scores: bool = False
     staged_context: bool = False
     in_pipeline: bool = True
-    own_steps: bool = False     # `<section>.steps` / `<section>.lr` replace train.steps / optim.lr when non-zero
-    check: str = ""             # "module:function": its start-up checks of the config, run before any stage trains
+    own_steps: bool = False  # `<section>.steps` / `<section>.lr` replace train.steps / optim.lr when non-zero
+    check: str = ""  # "module:function": its start-up checks of the config, run before any stage trains
 
     def runner(self) -> Callable:
         """The stage's run(cfg[, ...]) function, imported now."""
@@ -52,8 +52,13 @@ STAGES = (
     Stage("dpo", "dpo", "posttrain.stages.dpo:run", own_steps=True),
     Stage("eval", "eval", "posttrain.stages.eval:run", trains=False, check="posttrain.stages.eval:check_eval_config"),
     Stage("rlvr", "rl", "posttrain.stages.rlvr:run", own_steps=True, check="posttrain.rl.checks:check_rlvr_stage"),
-    Stage("rejection_sampling", "rejection", "posttrain.stages.rejection_sampling:run", trains=False,
-          check="posttrain.stages.rejection_sampling:check_config"),
+    Stage(
+        "rejection_sampling",
+        "rejection",
+        "posttrain.stages.rejection_sampling:run",
+        trains=False,
+        check="posttrain.stages.rejection_sampling:check_config",
+    ),
     Stage("pipeline", "pipeline", "posttrain.stages.pipeline:run", gated=False, in_pipeline=False),
 )
 BY_NAME = {s.name: s for s in STAGES}

@@ -20,8 +20,17 @@ from posttrain.rl.verifiers.code import CodeTask
 from posttrain.rl.verifiers.math import MathTask
 from posttrain.rl.verifiers.user import UserTask
 
-COUNTS = ("prompts", "candidates", "passing", "verifier_errors", "truncated", "too_long", "duplicates", "kept",
-          "prompts_with_kept")
+COUNTS = (
+    "prompts",
+    "candidates",
+    "passing",
+    "verifier_errors",
+    "truncated",
+    "too_long",
+    "duplicates",
+    "kept",
+    "prompts_with_kept",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +38,7 @@ class Candidate:
     """One verified sample: its prompt's domain and task, its index among the prompt's samples,
     the response text and its length in tokens (stop token excluded), the reward and its parts,
     whether the sampler cut it off, and the verifier's error (None when it judged the response)."""
+
     domain: str
     task: Task
     index: int
@@ -50,13 +60,17 @@ def passes(c: Candidate, min_score: float) -> bool:
     return c.error is None and not c.truncated and c.score >= min_score
 
 
-def select(candidates: list[Candidate], *, keep: int, min_score: float,
-           max_tokens: int) -> tuple[list[Candidate], collections.Counter]:
+def select(
+    candidates: list[Candidate], *, keep: int, min_score: float, max_tokens: int
+) -> tuple[list[Candidate], collections.Counter]:
     """The kept candidates of one prompt (module docstring: pass, length, dedup, best `keep`) and
     the counts of each filter (`COUNTS`, all but prompts)."""
-    counts = collections.Counter(candidates=len(candidates), prompts_with_kept=0,
-                                 verifier_errors=sum(c.error is not None for c in candidates),
-                                 truncated=sum(c.truncated for c in candidates))
+    counts = collections.Counter(
+        candidates=len(candidates),
+        prompts_with_kept=0,
+        verifier_errors=sum(c.error is not None for c in candidates),
+        truncated=sum(c.truncated for c in candidates),
+    )
     ranked = sorted((c for c in candidates if passes(c, min_score)), key=lambda c: (-c.score, c.num_tokens, c.index))
     counts["passing"] = len(ranked)
     kept, seen = [], set()
@@ -78,12 +92,19 @@ def select(candidates: list[Candidate], *, keep: int, min_score: float,
 
 def candidate_fields(index: int, traj: Trajectory, tok: Tokenizer) -> dict:
     """A verified single-turn trajectory as a Candidate's JSON fields (all but its domain and task)."""
-    tokens = traj.tokens[traj.prompt_len:]
+    tokens = traj.tokens[traj.prompt_len :]
     if tokens and tokens[-1] in tok.stop_ids:
         tokens = tokens[:-1]
     reward = traj.reward
-    return dict(index=index, response=tok.decode(tokens), num_tokens=len(tokens), score=float(reward.score),
-                parts=dict(reward.parts), truncated=traj.info.get("truncated") is not None, error=reward.error)
+    return dict(
+        index=index,
+        response=tok.decode(tokens),
+        num_tokens=len(tokens),
+        score=float(reward.score),
+        parts=dict(reward.parts),
+        truncated=traj.info.get("truncated") is not None,
+        error=reward.error,
+    )
 
 
 def candidate(domain: str, task: Task, index: int, traj: Trajectory, tok: Tokenizer) -> Candidate:
@@ -106,21 +127,32 @@ def sft_record(c: Candidate, policy: dict, cfg, fields: dict | None) -> dict:
     else:
         record = {field_key("messages", fields): prompt + [{"role": "assistant", "content": c.response}]}
     record["provenance"] = {
-        "stage": "rejection_sampling", **policy, "domain": c.domain, "task_id": c.task.id,
-        "difficulty": c.task.difficulty, "verifier": verifier_name(c.task.target), "score": c.score,
-        "parts": c.parts, "sample_index": c.index, "samples_per_prompt": cfg.rejection.samples_per_prompt,
-        "temperature": cfg.rejection.temperature, "response_tokens": c.num_tokens, "seed": cfg.seed}
+        "stage": "rejection_sampling",
+        **policy,
+        "domain": c.domain,
+        "task_id": c.task.id,
+        "difficulty": c.task.difficulty,
+        "verifier": verifier_name(c.task.target),
+        "score": c.score,
+        "parts": c.parts,
+        "sample_index": c.index,
+        "samples_per_prompt": cfg.rejection.samples_per_prompt,
+        "temperature": cfg.rejection.temperature,
+        "response_tokens": c.num_tokens,
+        "seed": cfg.seed,
+    }
     return record
 
 
-def yield_report(per_prompt: list[tuple[Candidate | None, collections.Counter]],
-                 pairs: list[tuple[str, Task]]) -> dict:
+def yield_report(per_prompt: list[tuple[Candidate | None, collections.Counter]], pairs: list[tuple[str, Task]]) -> dict:
     """Counts (`COUNTS`) with yield and pass rate: in total, per domain, per domain and difficulty."""
+
     def rates(c: collections.Counter) -> dict:
         out = {k: int(c[k]) for k in COUNTS}
         out["yield"] = c["prompts_with_kept"] / c["prompts"] if c["prompts"] else 0.0
         out["pass_rate"] = c["passing"] / c["candidates"] if c["candidates"] else 0.0
         return out
+
     total, by_domain, by_difficulty = collections.Counter(), {}, {}
     for (_, counts), (domain, task) in zip(per_prompt, pairs):
         counts = counts + collections.Counter(prompts=1)
@@ -128,9 +160,11 @@ def yield_report(per_prompt: list[tuple[Candidate | None, collections.Counter]],
         by_domain.setdefault(domain, collections.Counter()).update(counts)
         label = task.difficulty if task.difficulty is not None else "none"
         by_difficulty.setdefault(domain, {}).setdefault(label, collections.Counter()).update(counts)
-    return {"total": rates(total), "domains": {d: rates(c) for d, c in by_domain.items()},
-            "difficulty": {d: {lab: rates(c) for lab, c in sorted(labels.items())}
-                           for d, labels in by_difficulty.items()}}
+    return {
+        "total": rates(total),
+        "domains": {d: rates(c) for d, c in by_domain.items()},
+        "difficulty": {d: {lab: rates(c) for lab, c in sorted(labels.items())} for d, labels in by_difficulty.items()},
+    }
 
 
 def open_for_writing(path: str):
@@ -162,10 +196,12 @@ def gate_metrics(report: dict) -> dict:
 
 def log_report(report: dict) -> None:
     """One console line per domain and per difficulty label, then the total."""
-    line = lambda name, r: (f"rejection_sampling {name}: {r['kept']} kept from {r['prompts']} prompts, yield "
-                            f"{r['yield']:.1%}, pass rate {r['pass_rate']:.1%} ({r['passing']} of {r['candidates']} "
-                            f"passed; {r['too_long']} too long, {r['duplicates']} duplicates, {r['truncated']} "
-                            f"truncated, {r['verifier_errors']} verifier errors)")
+    line = lambda name, r: (
+        f"rejection_sampling {name}: {r['kept']} kept from {r['prompts']} prompts, yield "
+        f"{r['yield']:.1%}, pass rate {r['pass_rate']:.1%} ({r['passing']} of {r['candidates']} "
+        f"passed; {r['too_long']} too long, {r['duplicates']} duplicates, {r['truncated']} "
+        f"truncated, {r['verifier_errors']} verifier errors)"
+    )
     for d, r in report["domains"].items():
         logging.info(line(d, r))
         for label, rr in report["difficulty"][d].items():

@@ -92,35 +92,48 @@ def check_config(cfg) -> None:
         if not isinstance(r[key], int) or r[key] < 1:
             raise ValueError(f"rejection.{key}={r[key]!r}: expected an integer >= 1")
     if r.keep_per_prompt > r.samples_per_prompt:
-        raise ValueError(f"rejection.keep_per_prompt={r.keep_per_prompt}: at most rejection.samples_per_prompt="
-                         f"{r.samples_per_prompt} candidates exist per prompt")
+        raise ValueError(
+            f"rejection.keep_per_prompt={r.keep_per_prompt}: at most rejection.samples_per_prompt="
+            f"{r.samples_per_prompt} candidates exist per prompt"
+        )
     if not math.isfinite(r.min_score):
-        raise ValueError(f"rejection.min_score={r.min_score!r}: expected a finite number (rewards are in [0, 1] "
-                         "plus shaping)")
+        raise ValueError(
+            f"rejection.min_score={r.min_score!r}: expected a finite number (rewards are in [0, 1] plus shaping)"
+        )
     if not isinstance(r.max_tokens, int) or r.max_tokens < 0:
         raise ValueError(f"rejection.max_tokens={r.max_tokens!r}: expected an integer >= 0 (0: no length filter)")
     if r.max_tokens >= cfg.rl.max_new_tokens:
-        raise ValueError(f"rejection.max_tokens={r.max_tokens} cannot take effect: no passing response is longer "
-                         f"than rl.max_new_tokens={cfg.rl.max_new_tokens} − 1 (the sampler's budget); lower it or "
-                         "use 0 (off)")
+        raise ValueError(
+            f"rejection.max_tokens={r.max_tokens} cannot take effect: no passing response is longer "
+            f"than rl.max_new_tokens={cfg.rl.max_new_tokens} − 1 (the sampler's budget); lower it or "
+            "use 0 (off)"
+        )
     if not math.isfinite(r.temperature) or r.temperature < 0:
         raise ValueError(f"rejection.temperature={r.temperature!r}: expected a number >= 0 (0: greedy)")
     if r.temperature == 0 and r.samples_per_prompt > 1:
-        raise ValueError(f"rejection.temperature=0 (greedy) makes all rejection.samples_per_prompt="
-                         f"{r.samples_per_prompt} samples of a prompt the same: use samples_per_prompt=1 or a "
-                         "temperature > 0")
+        raise ValueError(
+            f"rejection.temperature=0 (greedy) makes all rejection.samples_per_prompt="
+            f"{r.samples_per_prompt} samples of a prompt the same: use samples_per_prompt=1 or a "
+            "temperature > 0"
+        )
     if r.output and not r.output.endswith(".jsonl"):
-        raise ValueError(f"rejection.output={r.output!r}: expected a .jsonl path (local or gs://), or '' for "
-                         "{workdir}/sft.jsonl")
+        raise ValueError(
+            f"rejection.output={r.output!r}: expected a .jsonl path (local or gs://), or '' for {{workdir}}/sft.jsonl"
+        )
     if r.mix_original and not cfg.sft.train_files:
-        raise ValueError("rejection.mix_original=True mixes in sft.train_files, which is empty: set it, or "
-                         "mix_original=False")
+        raise ValueError(
+            "rejection.mix_original=True mixes in sft.train_files, which is empty: set it, or mix_original=False"
+        )
     if cfg.rl.env != "single":
-        raise ValueError(f"rl.env={cfg.rl.env!r}: stage rejection_sampling samples one answer per prompt "
-                         "(single-turn); multi-turn tool episodes are not supported there: use rl.env='single'")
+        raise ValueError(
+            f"rl.env={cfg.rl.env!r}: stage rejection_sampling samples one answer per prompt "
+            "(single-turn); multi-turn tool episodes are not supported there: use rl.env='single'"
+        )
     if cfg.lora.rank:
-        raise ValueError("stage rejection_sampling with lora.rank > 0: sampling adapter checkpoints is not "
-                         "supported; sample with the merged model (lora.rank=0)")
+        raise ValueError(
+            "stage rejection_sampling with lora.rank > 0: sampling adapter checkpoints is not "
+            "supported; sample with the merged model (lora.rank=0)"
+        )
 
 
 def original_sft_files(cfg, tok) -> ml_collections.ConfigDict:
@@ -152,8 +165,7 @@ def next_sft_files(cfg) -> str:
     return mixed_path(cfg) if cfg.rejection.mix_original else output_path(cfg)
 
 
-def choose_prompts(domains: dict[str, Domain], weights: dict[str, float], n: int,
-                   seed: int) -> list[tuple[str, Task]]:
+def choose_prompts(domains: dict[str, Domain], weights: dict[str, float], n: int, seed: int) -> list[tuple[str, Task]]:
     """`n` distinct training prompts (normalised text) as (domain, task): each domain's share by
     weight (largest remainder), capped at its distinct prompts, each domain's in a seeded order."""
     pools = {}
@@ -170,15 +182,26 @@ def choose_prompts(domains: dict[str, Domain], weights: dict[str, float], n: int
     while sum(counts.values()) < n:
         open_ = [d for d in domains if counts[d] < len(pools[d])]
         if not open_:
-            logging.warning("rejection.prompts=%d: the training domains have only %d distinct prompts", n,
-                            sum(counts.values()))
+            logging.warning(
+                "rejection.prompts=%d: the training domains have only %d distinct prompts", n, sum(counts.values())
+            )
             break
         counts[max(open_, key=lambda d: quota[d] - counts[d])] += 1
-    return [(d, t) for d in domains for t in pools[d][:counts[d]]]
+    return [(d, t) for d in domains for t in pools[d][: counts[d]]]
 
 
-def sample_candidates(worker: RolloutWorker, params, rest, pairs: list[tuple[str, Task]], key, *, samples: int,
-                      chunk: int, tok: Tokenizer, progress: bool = True) -> list[list[Candidate]]:
+def sample_candidates(
+    worker: RolloutWorker,
+    params,
+    rest,
+    pairs: list[tuple[str, Task]],
+    key,
+    *,
+    samples: int,
+    chunk: int,
+    tok: Tokenizer,
+    progress: bool = True,
+) -> list[list[Candidate]]:
     """`samples` verified candidates for each (domain, task), `chunk` prompts per sampler call.
 
     With several processes each verifies a contiguous share of a chunk's groups (`hosts.group_share`);
@@ -186,9 +209,10 @@ def sample_candidates(worker: RolloutWorker, params, rest, pairs: list[tuple[str
     out = []
     with tqdm(total=len(pairs), desc="rejection_sampling", disable=not progress) as bar:
         for start in range(0, len(pairs), chunk):
-            part = pairs[start:start + chunk]
-            batch = worker.rollout(params, rest, part, jax.random.fold_in(key, start), num_samples=samples,
-                                   exact_share=False)
+            part = pairs[start : start + chunk]
+            batch = worker.rollout(
+                params, rest, part, jax.random.fold_in(key, start), num_samples=samples, exact_share=False
+            )
             mine = [[candidate_fields(i, t, tok) for i, t in enumerate(g.trajectories)] for g in batch.groups]
             groups = [g for share in allgather_json(mine) for g in share]
             if len(groups) != len(part):
@@ -234,7 +258,9 @@ def finished_report(cfg) -> dict | None:
     with fs.open(path, "r") as f:
         report = json.load(f)
     files = [output_path(cfg)] + ([mixed_path(cfg)] if cfg.rejection.mix_original else [])
-    same = (report.get("fingerprint") == fingerprint(cfg) and report["policy"]["policy_step"] == policy_step(cfg.init_from))
+    same = report.get("fingerprint") == fingerprint(cfg) and report["policy"]["policy_step"] == policy_step(
+        cfg.init_from
+    )
     return report if same and all(fsspec.core.url_to_fs(f)[0].exists(f) for f in files) else None
 
 
@@ -245,38 +271,54 @@ def run(cfg) -> Result:
     check_config(cfg)
     r = cfg.rejection
     if (done := finished_report(cfg)) is not None:
-        logging.info("rejection_sampling: %s holds the records of this config and policy already; not sampling "
-                     "again", cfg.workdir)
+        logging.info(
+            "rejection_sampling: %s holds the records of this config and policy already; not sampling again",
+            cfg.workdir,
+        )
         log_report(done)
         return Result(None, None, [], gate_metrics(done))
     tok = load_tokenizer(cfg.data.tokenizer)
     sub = cfg.copy_and_resolve_references()
-    sub.rl.eval_every = 0              # held-out tasks are not needed here (and never sampled)
+    sub.rl.eval_every = 0  # held-out tasks are not needed here (and never sampled)
     domains, _ = make_domains(sub, tok, make_reward_fn(cfg))
     pairs = choose_prompts(domains, domain_weights(cfg.rl, domains), r.prompts, cfg.seed)
     mesh, rules = mesh_and_rules(cfg)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     graphdef = nnx.split(abstract_model(make), nnx.Param, ...)[0]
     rl = cfg.rl
-    sampling = SamplingParams(temperature=r.temperature, top_k=rl.top_k, top_p=rl.top_p,
-                              max_new_tokens=rl.max_new_tokens, stop_ids=tuple(tok.stop_ids),
-                              num_samples=r.samples_per_prompt)
+    sampling = SamplingParams(
+        temperature=r.temperature,
+        top_k=rl.top_k,
+        top_p=rl.top_p,
+        max_new_tokens=rl.max_new_tokens,
+        stop_ids=tuple(tok.stop_ids),
+        num_samples=r.samples_per_prompt,
+    )
     with concurrent.futures.ThreadPoolExecutor(rl.verifier_workers) as pool, use_sharding(mesh, rules):
         params, rest, policy = load_policy(cfg, make, mesh, rules)
         worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, continuous=slot_config(cfg.sampling))
-        candidates = sample_candidates(worker, params, rest, pairs, jax.random.key(cfg.seed),
-                                       samples=r.samples_per_prompt, chunk=rl.prompts_per_step, tok=tok,
-                                       progress=cfg.train.progress and jax.process_index() == 0)
-    selected = [select(cs, keep=r.keep_per_prompt, min_score=r.min_score, max_tokens=r.max_tokens)
-                for cs in candidates]
+        candidates = sample_candidates(
+            worker,
+            params,
+            rest,
+            pairs,
+            jax.random.key(cfg.seed),
+            samples=r.samples_per_prompt,
+            chunk=rl.prompts_per_step,
+            tok=tok,
+            progress=cfg.train.progress and jax.process_index() == 0,
+        )
+    selected = [select(cs, keep=r.keep_per_prompt, min_score=r.min_score, max_tokens=r.max_tokens) for cs in candidates]
     report = yield_report(selected, pairs)
     kept = [c for cs, _ in selected for c in cs]
     if not kept:
-        raise ValueError(f"rejection_sampling kept no candidate of {len(pairs)} prompts × {r.samples_per_prompt} "
-                         f"samples (pass rate {report['total']['pass_rate']:.1%}, rejection.min_score={r.min_score}): "
-                         "there is no SFT data to write; sample more (rejection.prompts, samples_per_prompt) or "
-                         "start from a stronger policy (init_from)")
-    original = original_sft_files(cfg, tok) if r.mix_original else None     # every process: a barrier
+        raise ValueError(
+            f"rejection_sampling kept no candidate of {len(pairs)} prompts × {r.samples_per_prompt} "
+            f"samples (pass rate {report['total']['pass_rate']:.1%}, rejection.min_score={r.min_score}): "
+            "there is no SFT data to write; sample more (rejection.prompts, samples_per_prompt) or "
+            "start from a stronger policy (init_from)"
+        )
+    original = original_sft_files(cfg, tok) if r.mix_original else None  # every process: a barrier
     fields = dict(kv.split("=", 1) for kv in cfg.data.fields.split(",") if kv) if cfg.data.fields else None
     records = [sft_record(c, policy, cfg, fields) for c in kept]
     if jax.process_index() == 0:
@@ -284,10 +326,21 @@ def run(cfg) -> Result:
         if r.mix_original:
             write_jsonl(mixed_path(cfg), itertools.chain(original_sft_records(original), records))
         with open_for_writing(os.path.join(cfg.workdir, REPORT)) as f:
-            json.dump({**report, "policy": policy, "output": output_path(cfg), "next_sft_files": next_sft_files(cfg),
-                       "rejection": r.to_dict(), "fingerprint": fingerprint(cfg)}, f, indent=2)
-    if jax.process_count() > 1:        # the next stage reads the files on every process
+            json.dump(
+                {
+                    **report,
+                    "policy": policy,
+                    "output": output_path(cfg),
+                    "next_sft_files": next_sft_files(cfg),
+                    "rejection": r.to_dict(),
+                    "fingerprint": fingerprint(cfg),
+                },
+                f,
+                indent=2,
+            )
+    if jax.process_count() > 1:  # the next stage reads the files on every process
         from jax.experimental import multihost_utils
+
         multihost_utils.sync_global_devices("rejection_sampling: SFT records written")
     log_report(report)
     return Result(graphdef, None, [], gate_metrics(report))

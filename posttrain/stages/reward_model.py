@@ -33,8 +33,9 @@ def both_sides(batch: dict, key: str) -> jax.Array:
 
 def reward_model_loss(model: RewardModel, batch: dict, moe_cfg) -> tuple[jax.Array, dict]:
     """Bradley–Terry loss on a batch of preference pairs."""
-    rewards, aux = model.reward(both_sides(batch, "inputs"), both_sides(batch, "positions"),
-                                both_sides(batch, "segment_ids"))
+    rewards, aux = model.reward(
+        both_sides(batch, "inputs"), both_sides(batch, "positions"), both_sides(batch, "segment_ids")
+    )
     chosen, rejected = jnp.split(rewards, 2)
     loss, metrics = bradley_terry_loss(chosen, rejected)
     loss = loss + moe_penalty(aux, moe_cfg)
@@ -45,20 +46,37 @@ def run(cfg) -> Result:
     """Reward model: decoder + scalar head trained with the Bradley–Terry loss on preference pairs."""
     cfg = with_stage_overrides(cfg, "reward_model")
     if cfg.eval.long_context.lengths:
-        raise ValueError(f"eval.long_context.lengths={cfg.eval.long_context.lengths!r}: a reward model does not "
-                         "generate; evaluate long context in the sft or dpo stage")
+        raise ValueError(
+            f"eval.long_context.lengths={cfg.eval.long_context.lengths!r}: a reward model does not "
+            "generate; evaluate long context in the sft or dpo stage"
+        )
     resolve_data_files(cfg, "reward_model", "preference")
     tok, kw = stage_tokenizer(cfg), data_kw(cfg)
     make = lambda: RewardModel(cfg.model, rngs=nnx.Rngs(cfg.seed))
     loss = functools.partial(reward_model_loss, moe_cfg=cfg.model.moe)
     eval_fn = None
     if cfg.reward_model.eval_files:
+
         def metric(model, batch):
             _, m = loss(model, batch)
-            return {k.removeprefix("rm/"): v for k, v in m.items() if k.startswith("rm/")}, batch["chosen_inputs"].shape[0]
+            return {k.removeprefix("rm/"): v for k, v in m.items() if k.startswith("rm/")}, batch[
+                "chosen_inputs"
+            ].shape[0]
+
         eval_fn = make_evaluator(metric, preference_data(cfg, cfg.reward_model.eval_files, eval=True, tok=tok, kw=kw))
-    batches = preference_data(cfg, require_files(cfg.reward_model.train_files, "reward_model.train_files"), eval=False,
-                          tok=tok, kw=kw)
+    batches = preference_data(
+        cfg, require_files(cfg.reward_model.train_files, "reward_model.train_files"), eval=False, tok=tok, kw=kw
+    )
     decoder = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
-    return train(cfg, TrainSpec("reward_model", make, loss, batches, batch_axes=PREFERENCE_AXES, eval_fn=eval_fn,
-                            init_model=init_model_from(cfg, decoder)))
+    return train(
+        cfg,
+        TrainSpec(
+            "reward_model",
+            make,
+            loss,
+            batches,
+            batch_axes=PREFERENCE_AXES,
+            eval_fn=eval_fn,
+            init_model=init_model_from(cfg, decoder),
+        ),
+    )

@@ -67,6 +67,7 @@ class RLState:
     """Where an RLVR run stands between steps (host side). `step` is the number of batches trained
     and the policy version; `scheduler_state` is the scheduler as of the last trained batch (what
     a checkpoint saves: no draws of batches not yet trained on)."""
+
     train: TrainState
     step: int
     scheduler_state: dict | None = None
@@ -77,6 +78,7 @@ class RLState:
 @dataclasses.dataclass
 class Components:
     """The fixed parts of a run that the step functions use."""
+
     cfg: object
     worker: RolloutWorker
     learner: Learner
@@ -89,7 +91,7 @@ class Components:
     pad_id: int
     rewards: RewardComposer
     rollout_log: RolloutLog | None = None
-    learner_sharding: tuple | None = None      # (mesh, rules) of the learner's params
+    learner_sharding: tuple | None = None  # (mesh, rules) of the learner's params
 
     def weights(self, rl: RLState) -> tuple:
         """(params, rest) the policy samples with: the learner's, resharded into the decode layout
@@ -108,9 +110,16 @@ def rollout_sampling(cfg, stop_ids) -> SamplingParams:
     """The rollouts' sampling params: rl.temperature/top_k/top_p/max_new_tokens/group_size and the
     sampler's sampling.speculative_k / draft_layers."""
     r = cfg.rl
-    return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                          stop_ids=tuple(stop_ids), num_samples=r.group_size,
-                          speculative_k=cfg.sampling.speculative_k, draft_layers=cfg.sampling.draft_layers)
+    return SamplingParams(
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        stop_ids=tuple(stop_ids),
+        num_samples=r.group_size,
+        speculative_k=cfg.sampling.speculative_k,
+        draft_layers=cfg.sampling.draft_layers,
+    )
 
 
 def rollout_prefix_cache(cfg) -> PrefixCache | None:
@@ -125,9 +134,15 @@ def rollout_step(c: Components, rl: RLState) -> tuple[list[Rollout], RolloutBatc
     if c.producer is not None:
         return c.producer.take(rl.step)
     r = c.cfg.rl
-    batch = collect_batch(c.worker, c.scheduler, *c.weights(rl), jax.random.fold_in(c.base_key, rl.step),
-                          num_groups=r.prompts_per_step, filter_groups=r.filter_groups,
-                          max_rounds=r.max_resample_rounds)
+    batch = collect_batch(
+        c.worker,
+        c.scheduler,
+        *c.weights(rl),
+        jax.random.fold_in(c.base_key, rl.step),
+        num_groups=r.prompts_per_step,
+        filter_groups=r.filter_groups,
+        max_rounds=r.max_resample_rounds,
+    )
     return batch.rollouts(rl.step), batch
 
 
@@ -148,9 +163,15 @@ def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLS
         batch.update(advantage_targets(batch, r))
         rewards = batch.pop("rewards")[:num_real]
         state, metrics = c.learner.update(rl.train, batch, c.ref, rl.step, num_real)
-    rewards = all_values(rewards)         # every process's rows
-    metrics.update({"rl/reward_mean": float(rewards.mean()), "rl/reward_std": float(rewards.std()),
-                    "rl/skipped_updates": rl.skipped_updates, **reward_metrics})
+    rewards = all_values(rewards)  # every process's rows
+    metrics.update(
+        {
+            "rl/reward_mean": float(rewards.mean()),
+            "rl/reward_std": float(rewards.std()),
+            "rl/skipped_updates": rl.skipped_updates,
+            **reward_metrics,
+        }
+    )
     return dataclasses.replace(rl, train=state), metrics
 
 
@@ -163,8 +184,14 @@ def publish_step(c: Components, rl: RLState) -> None:
 def run_eval(c: Components, rl: RLState, writer, step: int) -> RLState:
     """Held-out evaluation with the current weights, written at `step`."""
     scorer = c.rewards.scorer
-    last_eval = evaluate(c.worker, *c.weights(rl), c.held_out, jax.random.fold_in(c.base_key, 2**31 - 1),
-                         c.cfg.rl.eval_samples, score_fn=scorer.score if scorer is not None else None)
+    last_eval = evaluate(
+        c.worker,
+        *c.weights(rl),
+        c.held_out,
+        jax.random.fold_in(c.base_key, 2**31 - 1),
+        c.cfg.rl.eval_samples,
+        score_fn=scorer.score if scorer is not None else None,
+    )
     writer.write(step, last_eval)
     logging.info("rlvr step %d: %s", step, {k: round(v, 4) for k, v in last_eval.items()})
     return dataclasses.replace(rl, last_eval=last_eval)
@@ -172,11 +199,22 @@ def run_eval(c: Components, rl: RLState, writer, step: int) -> RLState:
 
 def save(c: Components, ckpt: Checkpointer, rl: RLState) -> None:
     """Checkpoint after `rl.step` batches: weights, optimizer, the scheduler as of the last trained batch."""
-    ckpt.save(rl.step, {k: getattr(rl.train, k) for k in CHECKPOINT_ITEMS},
-              data={"scheduler": rl.scheduler_state, "skipped_updates": rl.skipped_updates,
-                    "optimizer_steps": int(rl.train.step), "reward_stats": c.rewards.stats.get_state()},
-              meta={"seed": c.cfg.seed, "stage": "rlvr", "optim": c.cfg.optim.name,
-                    lineage.KEY: lineage.of_init(c.cfg.init_from)})
+    ckpt.save(
+        rl.step,
+        {k: getattr(rl.train, k) for k in CHECKPOINT_ITEMS},
+        data={
+            "scheduler": rl.scheduler_state,
+            "skipped_updates": rl.skipped_updates,
+            "optimizer_steps": int(rl.train.step),
+            "reward_stats": c.rewards.stats.get_state(),
+        },
+        meta={
+            "seed": c.cfg.seed,
+            "stage": "rlvr",
+            "optim": c.cfg.optim.name,
+            lineage.KEY: lineage.of_init(c.cfg.init_from),
+        },
+    )
 
 
 def run(cfg) -> Result:
@@ -197,17 +235,29 @@ def run(cfg) -> Result:
     # PPO with a critic: the policy carries the value head (a fresh head on an init_from decoder).
     make = (lambda: ValueDecoder(cfg.model, rngs=nnx.Rngs(cfg.seed))) if r.advantage == "gae" else decoder
     sampling = rollout_sampling(cfg, tok.stop_ids)
-    harness = Harness.open("rlvr", cfg.workdir, steps, cfg.checkpoint, progress=cfg.train.progress,
-                           alerts=AlertMonitor.from_config(cfg.alerts))
+    harness = Harness.open(
+        "rlvr",
+        cfg.workdir,
+        steps,
+        cfg.checkpoint,
+        progress=cfg.train.progress,
+        alerts=AlertMonitor.from_config(cfg.alerts),
+    )
     start = harness.start
     clock, pool, producer = BusyClock(), concurrent.futures.ThreadPoolExecutor(r.verifier_workers), None
     try:
         with harness.running(mesh, rules):
             graphdef, state, shardings = create_train_state(make, tx, mesh, rules, cfg.lora, cfg.seed)
-            state, start_weights, data = starting_state(state, shardings, harness.ckpt, start,
-                                                        init_model_from(cfg, decoder),
-                                                        need_start_weights=bool(r.kl_coef), optim_name=cfg.optim.name)
-            start = int(state.step)      # older than the newest checkpoint if that one was unreadable
+            state, start_weights, data = starting_state(
+                state,
+                shardings,
+                harness.ckpt,
+                start,
+                init_model_from(cfg, decoder),
+                need_start_weights=bool(r.kl_coef),
+                optim_name=cfg.optim.name,
+            )
+            start = int(state.step)  # older than the newest checkpoint if that one was unreadable
             # The KL reference: the starting weights (under LoRA the frozen base: no extra memory; else a
             # copy, since the policy's buffers are donated to each update).
             ref = ()
@@ -216,29 +266,76 @@ def run(cfg) -> Result:
             rl = RLState(state, start)
             if start:
                 scheduler.set_state(data["scheduler"])
-                rl = RLState(state.replace(step=jnp.asarray(data.get("optimizer_steps", start), jnp.int32)), start,
-                             data["scheduler"], int(data.get("skipped_updates", 0)))
-            learner = Learner(graphdef, tx, lr_schedule(cfg.optim, steps * ppo_steps(r)), shardings, rl_cfg=r,
-                              moe_cfg=cfg.model.moe, lora_cfg=cfg.lora, sampling=sampling,
-                              donate=r.max_staleness == 0, seed=cfg.seed)
-            worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, r.verifier_delay, clock,
-                                   episodes=partial(rollout_episodes, cohorts=r.episode_cohorts) if r.env == "tool" else None,
-                                   prefix_cache=rollout_prefix_cache(cfg),
-                                   continuous=slot_config(cfg.sampling),
-                                   rules=sampler_rules(rules, cfg.sampling.layout))
+                rl = RLState(
+                    state.replace(step=jnp.asarray(data.get("optimizer_steps", start), jnp.int32)),
+                    start,
+                    data["scheduler"],
+                    int(data.get("skipped_updates", 0)),
+                )
+            learner = Learner(
+                graphdef,
+                tx,
+                lr_schedule(cfg.optim, steps * ppo_steps(r)),
+                shardings,
+                rl_cfg=r,
+                moe_cfg=cfg.model.moe,
+                lora_cfg=cfg.lora,
+                sampling=sampling,
+                donate=r.max_staleness == 0,
+                seed=cfg.seed,
+            )
+            worker = RolloutWorker(
+                graphdef,
+                domains,
+                sampling,
+                tok.pad_id,
+                pool,
+                r.verifier_delay,
+                clock,
+                episodes=partial(rollout_episodes, cohorts=r.episode_cohorts) if r.env == "tool" else None,
+                prefix_cache=rollout_prefix_cache(cfg),
+                continuous=slot_config(cfg.sampling),
+                rules=sampler_rules(rules, cfg.sampling.layout),
+            )
             base_key = jax.random.key(cfg.seed)
             rewards = RewardComposer.from_config(cfg.rl, mesh, rules, pad_id=tok.pad_id)
             if start and "reward_stats" in data:
                 rewards.stats.set_state(data["reward_stats"])
-            c = Components(cfg, worker, learner, scheduler, None, ref, base_key, held_out, clock, tok.pad_id, rewards,
-                           learner_sharding=(mesh, rules))
+            c = Components(
+                cfg,
+                worker,
+                learner,
+                scheduler,
+                None,
+                ref,
+                base_key,
+                held_out,
+                clock,
+                tok.pad_id,
+                rewards,
+                learner_sharding=(mesh, rules),
+            )
             if r.rollouts_every:
-                c.rollout_log = RolloutLog(cfg.workdir, tok, every=r.rollouts_every, fraction=r.rollouts_fraction,
-                                           seed=cfg.seed, enabled=jax.process_index() == 0)
+                c.rollout_log = RolloutLog(
+                    cfg.workdir,
+                    tok,
+                    every=r.rollouts_every,
+                    fraction=r.rollouts_fraction,
+                    seed=cfg.seed,
+                    enabled=jax.process_index() == 0,
+                )
             if r.max_staleness > 0:
                 producer = c.producer = AsyncProducer(
-                    worker, scheduler, num_groups=r.prompts_per_step, max_staleness=r.max_staleness,
-                    base_key=base_key, start=start, weights=c.weights(rl), mesh=mesh, rules=rules).start()
+                    worker,
+                    scheduler,
+                    num_groups=r.prompts_per_step,
+                    max_staleness=r.max_staleness,
+                    base_key=base_key,
+                    start=start,
+                    weights=c.weights(rl),
+                    mesh=mesh,
+                    rules=rules,
+                ).start()
             rl, rows = train_loop(c, rl, harness)
     finally:
         if producer is not None:
@@ -269,8 +366,15 @@ def train_loop(c: Components, rl: RLState, run: Harness) -> tuple[RLState, list[
         publish_step(c, rl)
         t2 = time.perf_counter()
         wall, busy = time.perf_counter() - wall0, c.clock.total - busy0
-        metrics.update({"rl/wait_s": t1 - t0, "rl/update_s": t2 - t1, "rl/device_idle_frac": max(0.0, 1 - busy / wall),
-                        **{f"rl/{k}": v for k, v in produced.info.items()}, **produced.task_metrics})
+        metrics.update(
+            {
+                "rl/wait_s": t1 - t0,
+                "rl/update_s": t2 - t1,
+                "rl/device_idle_frac": max(0.0, 1 - busy / wall),
+                **{f"rl/{k}": v for k, v in produced.info.items()},
+                **produced.task_metrics,
+            }
+        )
         if c.producer is not None:
             metrics.update(c.producer.buffer.stats())
         if step % cfg.train.log_every == 0 or step == steps - 1:

@@ -34,19 +34,51 @@ def run(cfg) -> Result:
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     train_files = require_files(cfg.sft.train_files, "sft.train_files")
     batches_for = lambda seq_len: sft_batches(
-        train_files, tok, batch_size=cfg.train.batch_size, seq_len=seq_len, seed=cfg.seed, packing=cfg.data.packing,
-        truncate=cfg.data.truncate, final_seq_len=cfg.train.seq_len, **kw)
+        train_files,
+        tok,
+        batch_size=cfg.train.batch_size,
+        seq_len=seq_len,
+        seed=cfg.seed,
+        packing=cfg.data.packing,
+        truncate=cfg.data.truncate,
+        final_seq_len=cfg.train.seq_len,
+        **kw,
+    )
     eval_fn = None
     if cfg.sft.eval_files:
+
         def metric(model, batch):
             logits, _ = model(batch["inputs"], batch["positions"], batch["segment_ids"])
             ce, n = token_cross_entropy(logits, batch["targets"], batch["loss_mask"])
             return {"loss": ce}, n
-        eval_fn = make_evaluator(metric, finite_batches(lambda: sft_batches(
-            cfg.sft.eval_files, tok, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=0,
-            packing=cfg.data.packing, truncate=cfg.data.truncate, shuffle=False, epochs=1, **kw)))
+
+        eval_fn = make_evaluator(
+            metric,
+            finite_batches(
+                lambda: sft_batches(
+                    cfg.sft.eval_files,
+                    tok,
+                    batch_size=cfg.train.batch_size,
+                    seq_len=cfg.train.seq_len,
+                    seed=0,
+                    packing=cfg.data.packing,
+                    truncate=cfg.data.truncate,
+                    shuffle=False,
+                    epochs=1,
+                    **kw,
+                )
+            ),
+        )
     eval_fn = combine_evals(eval_fn, make_long_context_eval(cfg, tok))
     sample_fn = make_sampler_log(cfg, tok, cfg.sft.eval_files) if cfg.sft.eval_files and cfg.sft.sample_tokens else None
-    stage = TrainSpec("sft", make, functools.partial(lm_loss, moe_cfg=cfg.model.moe), batches_for(cfg.train.seq_len),
-                  batches_for=batches_for, eval_fn=eval_fn, sample_fn=sample_fn, init_model=init_model_from(cfg, make))
+    stage = TrainSpec(
+        "sft",
+        make,
+        functools.partial(lm_loss, moe_cfg=cfg.model.moe),
+        batches_for(cfg.train.seq_len),
+        batches_for=batches_for,
+        eval_fn=eval_fn,
+        sample_fn=sample_fn,
+        init_model=init_model_from(cfg, make),
+    )
     return train(cfg, stage)

@@ -10,12 +10,21 @@
 
 from posttrain.models.hf.checkpoint import check_model_matches, load_model_state, load_params, save_hf
 from posttrain.models.hf.config import (
-                                        ARCHITECTURES,
-                                        hf_config_from_model,
-                                        model_config_from_dict,
-                                        model_config_from_hf,
-                                        read_hf_config,
+    ARCHITECTURES,
+    hf_config_from_model,
+    model_config_from_dict,
+    model_config_from_hf,
+    read_hf_config,
 )
 
-__all__ = ["ARCHITECTURES", "check_model_matches", "hf_config_from_model", "load_model_state", "load_params",
-           "model_config_from_dict", "model_config_from_hf", "read_hf_config", "save_hf"]
+__all__ = [
+    "ARCHITECTURES",
+    "check_model_matches",
+    "hf_config_from_model",
+    "load_model_state",
+    "load_params",
+    "model_config_from_dict",
+    "model_config_from_hf",
+    "read_hf_config",
+    "save_hf",
+]

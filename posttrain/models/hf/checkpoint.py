@@ -37,9 +37,15 @@ from posttrain.parallel.sharding import Rules, abstract_model, shardings_for
 # Checkpoint tensors that carry no weights of ours: old Llama checkpoints store RoPE buffers.
 IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 # Module settings that change what the weights compute, and the config keys that set them.
-MATH_SETTINGS = {"num_heads": "model.num_heads", "num_kv_heads": "model.num_kv_heads", "head_dim": "model.head_dim",
-                 "rope_theta": "model.rope_theta", "rope_scaling": "model.rope_scaling", "eps": "model.norm_eps",
-                 "spec": "model.moe (top_k, router, norm_topk_prob, routed_scaling)"}
+MATH_SETTINGS = {
+    "num_heads": "model.num_heads",
+    "num_kv_heads": "model.num_kv_heads",
+    "head_dim": "model.head_dim",
+    "rope_theta": "model.rope_theta",
+    "rope_scaling": "model.rope_scaling",
+    "eps": "model.norm_eps",
+    "spec": "model.moe (top_k, router, norm_topk_prob, routed_scaling)",
+}
 DEFAULT_SHARD_BYTES = 4 << 30
 
 
@@ -59,7 +65,7 @@ def model_settings(model: nnx.Module) -> dict[str, tuple[str, object]]:
         if isinstance(node, nnx.Module):
             for name in MATH_SETTINGS.keys() & vars(node).keys():
                 value = getattr(node, name)
-                if name == "spec":      # capacity is how we run the layer, not what it computes
+                if name == "spec":  # capacity is how we run the layer, not what it computes
                     value = dataclasses.replace(value, capacity_factor=0.0)
                 out[_key((*path, name))] = (MATH_SETTINGS[name], value)
     for path, v in _flat(nnx.state(model, nnx.Param)).items():
@@ -82,10 +88,13 @@ def check_model_matches(model: nnx.Module, path: str) -> ml_collections.ConfigDi
             diffs.setdefault(key, f"{key}: model has {a[1]}, the checkpoint needs {b[1]}")
     if diffs:
         lines = sorted(diffs.values(), key=lambda line: (line.startswith("parameter"), line))
-        raise ValueError(f"init_from='hf:{path}': the model config does not match {path}/config.json:\n  "
-                         + "\n  ".join(lines[:12]) + (f"\n  ... and {len(lines) - 12} more" if len(lines) > 12 else "")
-                         + "\nBuild the model config with posttrain.models.hf.model_config_from_hf(path) "
-                           "(e.g. --config configs/hf.py:PATH) and keep only dtype/remat/attention/dispatch changes.")
+        raise ValueError(
+            f"init_from='hf:{path}': the model config does not match {path}/config.json:\n  "
+            + "\n  ".join(lines[:12])
+            + (f"\n  ... and {len(lines) - 12} more" if len(lines) > 12 else "")
+            + "\nBuild the model config with posttrain.models.hf.model_config_from_hf(path) "
+            "(e.g. --config configs/hf.py:PATH) and keep only dtype/remat/attention/dispatch changes."
+        )
     return hf_cfg
 
 
@@ -98,21 +107,28 @@ def _check_checkpoint(folder: SafetensorsFolder, entries: dict, shapes: dict, ti
             for name, want in expected_shapes(entry, layer_shape).items():
                 got = folder.shape(name)
                 if got != want:
-                    raise ValueError(f"{folder.path}: tensor {name!r} has shape {got}, expected {want} "
-                                     f"(for {_key(path)})")
+                    raise ValueError(
+                        f"{folder.path}: tensor {name!r} has shape {got}, expected {want} (for {_key(path)})"
+                    )
                 used.add(name)
-    extra = sorted(n for n in folder.weight_map.keys() - used
-                   if not IGNORED.match(n) and not (tied and n == "lm_head.weight"))
+    extra = sorted(
+        n for n in folder.weight_map.keys() - used if not IGNORED.match(n) and not (tied and n == "lm_head.weight")
+    )
     if extra:
-        raise ValueError(f"{folder.path}: {len(extra)} tensors have no place in the model config, e.g. "
-                         f"{extra[:5]}; the config.json and weights disagree, or the layout is not supported")
+        raise ValueError(
+            f"{folder.path}: {len(extra)} tensors have no place in the model config, e.g. "
+            f"{extra[:5]}; the config.json and weights disagree, or the layout is not supported"
+        )
 
 
 @functools.cache
 def _layer_setter(sharding: NamedSharding) -> Callable:
     """jit: stack[i] = layer, in place (the stack is donated), result in `sharding`."""
-    return jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
-                   out_shardings=sharding, donate_argnums=0)
+    return jax.jit(
+        lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
+        out_shardings=sharding,
+        donate_argnums=0,
+    )
 
 
 def _layer_sharding(sharding: NamedSharding, ndim: int) -> NamedSharding:
@@ -121,49 +137,80 @@ def _layer_sharding(sharding: NamedSharding, ndim: int) -> NamedSharding:
     return NamedSharding(sharding.mesh, P(*spec[1:]))
 
 
-def _load_array(folder: SafetensorsFolder, entries: tuple[Entry, ...], stacked: bool, shape: tuple[int, ...],
-                dtype, sharding: NamedSharding, bar: tqdm) -> jax.Array:
+def _load_array(
+    folder: SafetensorsFolder,
+    entries: tuple[Entry, ...],
+    stacked: bool,
+    shape: tuple[int, ...],
+    dtype,
+    sharding: NamedSharding,
+    bar: tqdm,
+) -> jax.Array:
     """One parameter on the mesh: each device's callback reads its own slice from disk."""
+
     def piece(entry, shape, sharding):
         array = jax.make_array_from_callback(
-            shape, sharding, lambda index: read_entry(folder.read, entry, shape, index, dtype))
+            shape, sharding, lambda index: read_entry(folder.read, entry, shape, index, dtype)
+        )
         folder.release()
         bar.update()
         return array
+
     if not stacked:
         return piece(entries[0], shape, sharding)
     out = jnp.zeros(shape, dtype, device=sharding)
     for r, entry in enumerate(entries):
         out = _layer_setter(sharding)(out, piece(entry, shape[1:], _layer_sharding(sharding, len(shape))), r)
-        out.block_until_ready()       # one layer in flight at a time bounds host memory
+        out.block_until_ready()  # one layer in flight at a time bounds host memory
     return out
 
 
-def load_params(path: str, abstract_params: nnx.State, cfg: ml_collections.ConfigDict, mesh: Mesh,
-                rules: Rules, *, progress: bool = True) -> nnx.State:
+def load_params(
+    path: str,
+    abstract_params: nnx.State,
+    cfg: ml_collections.ConfigDict,
+    mesh: Mesh,
+    rules: Rules,
+    *,
+    progress: bool = True,
+) -> nnx.State:
     """The weights of HF folder `path` as `abstract_params` (shapes and dtypes of a model built
     from `cfg`), sharded on `mesh` by `rules`, read tensor by tensor."""
     arch = architecture(read_hf_config(path), os.path.join(path, "config.json"))
     flat = _flat(abstract_params)
     shardings = {p: v.get_value() for p, v in _flat(shardings_for(abstract_params, mesh, rules)).items()}
     with SafetensorsFolder(path) as folder:
-        entries = param_entries(cfg, arch, lambda layer: f"model.layers.{layer}.mlp.experts.gate_up_proj"
-                                in folder.weight_map)
+        entries = param_entries(
+            cfg, arch, lambda layer: f"model.layers.{layer}.mlp.experts.gate_up_proj" in folder.weight_map
+        )
         if entries.keys() != flat.keys():
-            raise ValueError(f"{path}: model parameters {sorted(map(_key, flat.keys() ^ entries.keys()))} "
-                             "do not match the checkpoint layout of the model config")
+            raise ValueError(
+                f"{path}: model parameters {sorted(map(_key, flat.keys() ^ entries.keys()))} "
+                "do not match the checkpoint layout of the model config"
+            )
         _check_checkpoint(folder, entries, {p: v.shape for p, v in flat.items()}, cfg.tie_embeddings)
-        bar = tqdm(total=sum(map(len, entries.values())), desc=f"load {os.path.basename(path.rstrip('/'))}",
-                   unit="array", disable=not progress or jax.process_index() != 0)
-        out = [(p, v.replace(_load_array(folder, entries[p], p[0] == "stacks", tuple(v.shape), v.dtype,
-                                         shardings[p], bar)))
-               for p, v in flat.items()]
+        bar = tqdm(
+            total=sum(map(len, entries.values())),
+            desc=f"load {os.path.basename(path.rstrip('/'))}",
+            unit="array",
+            disable=not progress or jax.process_index() != 0,
+        )
+        out = [
+            (
+                p,
+                v.replace(
+                    _load_array(folder, entries[p], p[0] == "stacks", tuple(v.shape), v.dtype, shardings[p], bar)
+                ),
+            )
+            for p, v in flat.items()
+        ]
         bar.close()
     return nnx.from_flat_state(out)
 
 
-def load_model_state(path: str, make_model: Callable[[], nnx.Module], mesh: Mesh, rules: Rules, *,
-                     progress: bool = True) -> tuple[nnx.State, nnx.State]:
+def load_model_state(
+    path: str, make_model: Callable[[], nnx.Module], mesh: Mesh, rules: Rules, *, progress: bool = True
+) -> tuple[nnx.State, nnx.State]:
     """(params, rest) of HF folder `path` for the model `make_model` builds (its config must match
     path's config.json up to dtypes and runtime settings), placed on `mesh` by `rules`."""
     model = abstract_model(make_model)
@@ -181,9 +228,17 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def save_hf(path: str, params: nnx.State, cfg: ml_collections.ConfigDict, *, base_config: dict | None = None,
-            context: int = 0, dtype: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-            progress: bool = True) -> dict:
+def save_hf(
+    path: str,
+    params: nnx.State,
+    cfg: ml_collections.ConfigDict,
+    *,
+    base_config: dict | None = None,
+    context: int = 0,
+    dtype: str | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: bool = True,
+) -> dict:
     """Write `params` (full weights: merge LoRA adapters first) of a model built from `cfg` as a
     Hugging Face folder: config.json (`base_config`, e.g. the source model's, updated with every
     math key; `max_position_embeddings` from `context`, the longest trained context, see
@@ -196,17 +251,21 @@ def save_hf(path: str, params: nnx.State, cfg: ml_collections.ConfigDict, *, bas
     flat = _flat(params)
     entries = param_entries(cfg, hf["architectures"][0])
     if entries.keys() != flat.keys():
-        raise ValueError(f"save_hf: parameters {sorted(map(_key, flat.keys() ^ entries.keys()))} do not match "
-                         "the checkpoint layout of the model config")
-    units = sorted(((p, r, e) for p, es in entries.items() for r, e in enumerate(es)),
-                   key=lambda u: checkpoint_order(u[2]))
+        raise ValueError(
+            f"save_hf: parameters {sorted(map(_key, flat.keys() ^ entries.keys()))} do not match "
+            "the checkpoint layout of the model config"
+        )
+    units = sorted(
+        ((p, r, e) for p, es in entries.items() for r, e in enumerate(es)), key=lambda u: checkpoint_order(u[2])
+    )
     out_dtype = np.dtype(jnp.dtype(dtype)) if dtype else np.dtype(next(iter(flat.values())).dtype)
     writer = jax.process_index() == 0
     if writer:
         storage.makedirs(path)
     shards = ShardWriter(path, max_shard_bytes)
-    for p, r, entry in tqdm(units, desc=f"save {os.path.basename(path.rstrip('/'))}", unit="array",
-                            disable=not progress or not writer):
+    for p, r, entry in tqdm(
+        units, desc=f"save {os.path.basename(path.rstrip('/'))}", unit="array", disable=not progress or not writer
+    ):
         value = flat[p][...]
         host = _to_host(value[r] if p[0] == "stacks" else value)
         if writer:
@@ -220,4 +279,3 @@ def save_hf(path: str, params: nnx.State, cfg: ml_collections.ConfigDict, *, bas
         storage.write_text(storage.join(path, "config.json"), json.dumps(hf, indent=2, sort_keys=True))
         logging.info("saved %s: %d files, %.1f MB", path, len(shards.files), shards.total_bytes / 2**20)
     return hf
-

@@ -26,13 +26,21 @@ ARCHITECTURES = {
 }
 QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
-DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0}     # transformers' class defaults
-ROPE_KEYS = {                                                # what each RoPE type may carry
+DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0}  # transformers' class defaults
+ROPE_KEYS = {  # what each RoPE type may carry
     "default": set(),
     "linear": {"factor"},
     "dynamic": {"factor"},
-    "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
-             "mscale", "mscale_all_dim", "truncate"},
+    "yarn": {
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "attention_factor",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    },
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
 }
 ROPE_COMMON_KEYS = {"type", "rope_type", "rope_theta", "partial_rotary_factor"}
@@ -59,8 +67,10 @@ def architecture(hf: dict, where: str = "config.json") -> str:
     """The supported architecture `hf` declares (`architectures`, else `model_type`), or an error."""
     archs = hf.get("architectures") or [a for a, t in ARCHITECTURES.items() if t == hf.get("model_type")]
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise ValueError(f"{where}: architectures={hf.get('architectures')} model_type={hf.get('model_type')!r} "
-                         f"is not supported; supported: {', '.join(ARCHITECTURES)}")
+        raise ValueError(
+            f"{where}: architectures={hf.get('architectures')} model_type={hf.get('model_type')!r} "
+            f"is not supported; supported: {', '.join(ARCHITECTURES)}"
+        )
     return archs[0]
 
 
@@ -114,14 +124,16 @@ def model_config_from_dict(hf: dict, where: str = "config.json") -> ml_collectio
         moe.top_k = get("num_experts_per_tok")
         moe.router, moe.routed_scaling, moe.num_shared_experts, moe.first_dense = "softmax", 1.0, 0, 0
         moe.aux_loss_coef = float(get("router_aux_loss_coef", 0.001))
-        moe.z_loss_coef = 0.0          # the reference implementations have no router z-loss
+        moe.z_loss_coef = 0.0  # the reference implementations have no router z-loss
     return cfg
 
 
 def _check_supported(hf: dict, arch: str, get, where: str) -> None:
     """Raise on config values the decoder cannot reproduce exactly."""
+
     def bad(key, why):
         raise ValueError(f"{where}: {key}={hf.get(key)!r} is not supported for {arch} ({why})")
+
     if get("hidden_act", "silu") != "silu":
         bad("hidden_act", "the MLPs are SwiGLU with silu")
     if arch != "Qwen2ForCausalLM" and get("attention_bias", False):
@@ -129,8 +141,10 @@ def _check_supported(hf: dict, arch: str, get, where: str) -> None:
     if get("mlp_bias", False):
         bad("mlp_bias", "MLP biases are not implemented")
     if get("use_sliding_window", False) or (arch == "MixtralForCausalLM" and hf.get("sliding_window") is not None):
-        bad("use_sliding_window" if "use_sliding_window" in hf else "sliding_window",
-            "sliding-window attention is not implemented")
+        bad(
+            "use_sliding_window" if "use_sliding_window" in hf else "sliding_window",
+            "sliding-window attention is not implemented",
+        )
     if any(t != "full_attention" for t in get("layer_types", ())):
         bad("layer_types", "only full attention is implemented")
     if get("attention_dropout", 0.0):
@@ -158,8 +172,10 @@ def _rope_from_hf(hf: dict, arch: str, get, where: str) -> tuple[float, dict]:
     if unknown:
         raise ValueError(f"{where}: {key} keys {sorted(unknown)} are not supported for rope_type={kind!r}")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{where}: {key}.partial_rotary_factor={params['partial_rotary_factor']} is not "
-                         "supported (RoPE covers the whole head)")
+        raise ValueError(
+            f"{where}: {key}.partial_rotary_factor={params['partial_rotary_factor']} is not "
+            "supported (RoPE covers the whole head)"
+        )
     if kind == "default":
         return theta, {"type": ""}
     max_pos = lambda: int(get("max_position_embeddings"))
@@ -173,13 +189,19 @@ def _rope_from_hf(hf: dict, arch: str, get, where: str) -> tuple[float, dict]:
     if kind == "dynamic":
         out["original_max_position_embeddings"] = max_pos()
     elif kind == "llama3":
-        out.update(original_max_position_embeddings=original, low_freq_factor=float(params["low_freq_factor"]),
-                   high_freq_factor=float(params["high_freq_factor"]))
+        out.update(
+            original_max_position_embeddings=original,
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+        )
     elif kind == "yarn":
-        out.update(original_max_position_embeddings=original,
-                   beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
-                   attention_factor=_yarn_attention_factor(params, float(factor)),
-                   truncate=bool(params.get("truncate", True)))
+        out.update(
+            original_max_position_embeddings=original,
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            attention_factor=_yarn_attention_factor(params, float(factor)),
+            truncate=bool(params.get("truncate", True)),
+        )
     return theta, out
 
 
@@ -191,6 +213,7 @@ def _yarn_attention_factor(params: dict, factor: float) -> float:
 
     def mscale(scale, m=1.0):
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
     if params.get("mscale") and params.get("mscale_all_dim"):
         return mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
     return mscale(factor)
@@ -205,8 +228,9 @@ def infer_architecture(cfg: ml_collections.ConfigDict) -> str:
     return "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
 
 
-def hf_config_from_model(cfg: ml_collections.ConfigDict, base: dict | None = None,
-                         arch: str | None = None, *, context: int = 0) -> dict:
+def hf_config_from_model(
+    cfg: ml_collections.ConfigDict, base: dict | None = None, arch: str | None = None, *, context: int = 0
+) -> dict:
     """config.json contents for model config `cfg`: `base` (e.g. the source model's config.json,
     keeping its token ids and other keys) with every key the import reads set from `cfg`, so the
     file never leans on a transformers class default. The architecture is `arch`, else base's,
@@ -218,18 +242,33 @@ def hf_config_from_model(cfg: ml_collections.ConfigDict, base: dict | None = Non
     arch = arch or (architecture(base) if base else infer_architecture(cfg))
     _check_representable(cfg, arch)
     out = dict(base or {})
-    out.update(architectures=[arch], model_type=ARCHITECTURES[arch], vocab_size=cfg.vocab_size,
-               hidden_size=cfg.embed_dim, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-               num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim,
-               rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu",
-               attention_dropout=0.0, **EXPLICIT_DEFAULTS.get(arch, {}))
+    out.update(
+        architectures=[arch],
+        model_type=ARCHITECTURES[arch],
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.embed_dim,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.mlp_dim,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        hidden_act="silu",
+        attention_dropout=0.0,
+        **EXPLICIT_DEFAULTS.get(arch, {}),
+    )
     out["max_position_embeddings"] = advertised_context(cfg, base, context)
     out.update(_rope_to_hf(cfg, "rope_parameters" in out))
     if arch == "Qwen3MoeForCausalLM":
         out.pop("num_local_experts", None)
-        out.update(num_experts=cfg.moe.num_experts, moe_intermediate_size=cfg.moe.expert_mlp_dim,
-                   norm_topk_prob=cfg.moe.norm_topk_prob, decoder_sparse_step=cfg.moe.every,
-                   mlp_only_layers=list(cfg.moe.dense_layers))
+        out.update(
+            num_experts=cfg.moe.num_experts,
+            moe_intermediate_size=cfg.moe.expert_mlp_dim,
+            norm_topk_prob=cfg.moe.norm_topk_prob,
+            decoder_sparse_step=cfg.moe.every,
+            mlp_only_layers=list(cfg.moe.dense_layers),
+        )
     elif arch == "MixtralForCausalLM":
         out.update(num_local_experts=cfg.moe.num_experts)
     if arch in MOE:
@@ -246,8 +285,10 @@ def advertised_context(cfg: ml_collections.ConfigDict, base: dict | None, contex
         return int(s.original_max_position_embeddings)
     longest = max(int((base or {}).get("max_position_embeddings") or 0), int(context))
     if longest <= 0:
-        raise ValueError("max_position_embeddings is unknown: no source config.json and no trained context; "
-                         "pass context= (the longest sequence length the model was trained at)")
+        raise ValueError(
+            "max_position_embeddings is unknown: no source config.json and no trained context; "
+            "pass context= (the longest sequence length the model was trained at)"
+        )
     return longest
 
 
@@ -265,12 +306,16 @@ def _check_representable(cfg: ml_collections.ConfigDict, arch: str) -> None:
         wrong.append(f"model.moe.num_experts={moe.num_experts}")
     if moe.num_experts > 0:
         if moe.router != "softmax" or moe.routed_scaling != 1.0 or moe.num_shared_experts or moe.first_dense:
-            wrong.append("model.moe.{router, routed_scaling, num_shared_experts, first_dense} "
-                         f"= {moe.router}, {moe.routed_scaling}, {moe.num_shared_experts}, {moe.first_dense}")
-        if arch == "MixtralForCausalLM" and (not moe.norm_topk_prob or moe.every != 1 or moe.dense_layers
-                                             or moe.expert_mlp_dim != cfg.mlp_dim):
-            wrong.append("model.moe.{norm_topk_prob, every, dense_layers, expert_mlp_dim} (Mixtral: True, 1, "
-                         "(), model.mlp_dim)")
+            wrong.append(
+                "model.moe.{router, routed_scaling, num_shared_experts, first_dense} "
+                f"= {moe.router}, {moe.routed_scaling}, {moe.num_shared_experts}, {moe.first_dense}"
+            )
+        if arch == "MixtralForCausalLM" and (
+            not moe.norm_topk_prob or moe.every != 1 or moe.dense_layers or moe.expert_mlp_dim != cfg.mlp_dim
+        ):
+            wrong.append(
+                "model.moe.{norm_topk_prob, every, dense_layers, expert_mlp_dim} (Mixtral: True, 1, (), model.mlp_dim)"
+            )
     if wrong:
         raise ValueError(f"{arch} cannot represent {'; '.join(wrong)}")
 
@@ -284,11 +329,17 @@ def _rope_to_hf(cfg: ml_collections.ConfigDict, nested: bool) -> dict:
     if s.type:
         scaling["factor"] = s.factor
     if s.type == "llama3":
-        scaling.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
-                       original_max_position_embeddings=s.original_max_position_embeddings)
+        scaling.update(
+            low_freq_factor=s.low_freq_factor,
+            high_freq_factor=s.high_freq_factor,
+            original_max_position_embeddings=s.original_max_position_embeddings,
+        )
     elif s.type == "yarn":
-        scaling.update(original_max_position_embeddings=s.original_max_position_embeddings, beta_fast=s.beta_fast,
-                       beta_slow=s.beta_slow)
+        scaling.update(
+            original_max_position_embeddings=s.original_max_position_embeddings,
+            beta_fast=s.beta_fast,
+            beta_slow=s.beta_slow,
+        )
         if s.attention_factor:
             scaling["attention_factor"] = s.attention_factor
         if not s.truncate:

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-importlib.import_module("ml_dtypes")    # registers bfloat16 with numpy, which safetensors' numpy reader needs
+importlib.import_module("ml_dtypes")  # registers bfloat16 with numpy, which safetensors' numpy reader needs
 try:
     from safetensors import safe_open
     from safetensors.numpy import save, save_file
@@ -34,8 +34,10 @@ class SafetensorsFolder:
 
     def __init__(self, path: str):
         if "://" in path:
-            raise ValueError(f"{path}: Hugging Face folders are read from local disk; copy it first "
-                             "(e.g. `gsutil -m cp -r`), or convert it once with tools/convert_hf.py")
+            raise ValueError(
+                f"{path}: Hugging Face folders are read from local disk; copy it first "
+                "(e.g. `gsutil -m cp -r`), or convert it once with tools/convert_hf.py"
+            )
         self.path = path
         index, single = os.path.join(path, INDEX), os.path.join(path, SINGLE)
         if os.path.isfile(index):
@@ -129,5 +131,7 @@ class ShardWriter:
             final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             storage.replace(self._temp_name(i), storage.join(self.path, final))
             weight_map.update({name: final for name in names})
-        storage.write_text(storage.join(self.path, INDEX),
-                           json.dumps({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, indent=2))
+        storage.write_text(
+            storage.join(self.path, INDEX),
+            json.dumps({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, indent=2),
+        )

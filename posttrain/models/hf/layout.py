@@ -32,6 +32,7 @@ class Entry:
     with `rows` = (start, stop, total), rows start:stop of the fused [E, total, cols] tensor
     `names[0]` that current transformers writes.
     """
+
     names: tuple[str, ...]
     split: int = 0
     transpose: bool = True
@@ -47,13 +48,16 @@ def _linear(name: str, split: int) -> Entry:
     return Entry((name,), split)
 
 
-def param_entries(cfg: ml_collections.ConfigDict, arch: str,
-                  fused: Callable[[int], bool] = lambda layer: False) -> dict[Path, tuple[Entry, ...]]:
+def param_entries(
+    cfg: ml_collections.ConfigDict, arch: str, fused: Callable[[int], bool] = lambda layer: False
+) -> dict[Path, tuple[Entry, ...]]:
     """Our flat parameter path → its Entries: one per scan repeat for stacked parameters
     (path[0] == "stacks"), else one. `fused(layer)` says whether that MoE layer's experts are stored
     fused (`mlp.experts.gate_up_proj`) rather than per expert."""
-    out = {("embed",): (Entry(("model.embed_tokens.weight",), 1, transpose=False),),
-           ("final_norm", "scale"): (_vector("model.norm.weight"),)}
+    out = {
+        ("embed",): (Entry(("model.embed_tokens.weight",), 1, transpose=False),),
+        ("final_norm", "scale"): (_vector("model.norm.weight"),),
+    }
     if not cfg.tie_embeddings:
         out[("head",)] = (_linear("lm_head.weight", 1),)
     start = 0
@@ -70,12 +74,14 @@ def param_entries(cfg: ml_collections.ConfigDict, arch: str,
 def _block_entries(cfg, arch: str, layer: int, kind: str, fused: bool) -> dict[tuple, Entry]:
     """The Entries of one decoder layer, keyed by the path inside a Block."""
     p = f"model.layers.{layer}."
-    out = {("attn_norm", "scale"): _vector(p + "input_layernorm.weight"),
-           ("mlp_norm", "scale"): _vector(p + "post_attention_layernorm.weight"),
-           ("attn", "q"): _linear(p + "self_attn.q_proj.weight", 1),
-           ("attn", "k"): _linear(p + "self_attn.k_proj.weight", 1),
-           ("attn", "v"): _linear(p + "self_attn.v_proj.weight", 1),
-           ("attn", "o"): _linear(p + "self_attn.o_proj.weight", 2)}
+    out = {
+        ("attn_norm", "scale"): _vector(p + "input_layernorm.weight"),
+        ("mlp_norm", "scale"): _vector(p + "post_attention_layernorm.weight"),
+        ("attn", "q"): _linear(p + "self_attn.q_proj.weight", 1),
+        ("attn", "k"): _linear(p + "self_attn.k_proj.weight", 1),
+        ("attn", "v"): _linear(p + "self_attn.v_proj.weight", 1),
+        ("attn", "o"): _linear(p + "self_attn.o_proj.weight", 2),
+    }
     if cfg.attention_bias:
         out.update({("attn", f"{n}_bias"): _vector(p + f"self_attn.{n}_proj.bias") for n in "qkv"})
     if cfg.qk_norm:
@@ -93,16 +99,24 @@ def _moe_entries(cfg, arch: str, p: str, fused: bool) -> dict[tuple, Entry]:
     num, hidden = cfg.moe.num_experts, cfg.moe.expert_mlp_dim
     if fused:
         gate_up, down = p + "mlp.experts.gate_up_proj", p + "mlp.experts.down_proj"
-        return {("mlp", "router"): _linear(p + "mlp.gate.weight", 1),
-                ("mlp", "w_gate"): Entry((gate_up,), 1, experts=True, rows=(0, hidden, 2 * hidden)),
-                ("mlp", "w_up"): Entry((gate_up,), 1, experts=True, rows=(hidden, 2 * hidden, 2 * hidden)),
-                ("mlp", "w_down"): Entry((down,), 1, experts=True, rows=(0, cfg.embed_dim, cfg.embed_dim))}
-    module, names = (("block_sparse_moe", ("w1", "w3", "w2")) if arch == "MixtralForCausalLM"
-                     else ("mlp", ("gate_proj", "up_proj", "down_proj")))
+        return {
+            ("mlp", "router"): _linear(p + "mlp.gate.weight", 1),
+            ("mlp", "w_gate"): Entry((gate_up,), 1, experts=True, rows=(0, hidden, 2 * hidden)),
+            ("mlp", "w_up"): Entry((gate_up,), 1, experts=True, rows=(hidden, 2 * hidden, 2 * hidden)),
+            ("mlp", "w_down"): Entry((down,), 1, experts=True, rows=(0, cfg.embed_dim, cfg.embed_dim)),
+        }
+    module, names = (
+        ("block_sparse_moe", ("w1", "w3", "w2"))
+        if arch == "MixtralForCausalLM"
+        else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    )
     experts = lambda n: Entry(tuple(p + f"{module}.experts.{e}.{n}.weight" for e in range(num)), 1, experts=True)
-    return {("mlp", "router"): _linear(p + f"{module}.gate.weight", 1),
-            ("mlp", "w_gate"): experts(names[0]), ("mlp", "w_up"): experts(names[1]),
-            ("mlp", "w_down"): experts(names[2])}
+    return {
+        ("mlp", "router"): _linear(p + f"{module}.gate.weight", 1),
+        ("mlp", "w_gate"): experts(names[0]),
+        ("mlp", "w_up"): experts(names[1]),
+        ("mlp", "w_down"): experts(names[2]),
+    }
 
 
 def checkpoint_order(entry: Entry) -> tuple:
@@ -127,7 +141,7 @@ def expected_shapes(entry: Entry, shape: tuple[int, ...]) -> dict[str, tuple[int
 
 
 def _matrix_shape(entry: Entry, shape: tuple[int, ...]) -> tuple[int, int]:
-    a, b = math.prod(shape[:entry.split]), math.prod(shape[entry.split:])
+    a, b = math.prod(shape[: entry.split]), math.prod(shape[entry.split :])
     return (b, a) if entry.transpose else (a, b)
 
 
@@ -143,11 +157,12 @@ def _hull(flat: np.ndarray) -> tuple[slice, np.ndarray | None]:
     return slice(lo, hi), (None if hi - lo == flat.size else flat - lo)
 
 
-def _read_matrix(read: Callable[[slice, slice], np.ndarray], entry: Entry, shape: tuple[int, ...],
-                 index: tuple[slice, ...]) -> np.ndarray:
+def _read_matrix(
+    read: Callable[[slice, slice], np.ndarray], entry: Entry, shape: tuple[int, ...], index: tuple[slice, ...]
+) -> np.ndarray:
     """Our `index` slice of a matrix entry, reading only the rows and columns that cover it."""
-    a = _flat_indices(shape[:entry.split], index[:entry.split])
-    b = _flat_indices(shape[entry.split:], index[entry.split:])
+    a = _flat_indices(shape[: entry.split], index[: entry.split])
+    b = _flat_indices(shape[entry.split :], index[entry.split :])
     rows, cols = (b, a) if entry.transpose else (a, b)
     (row_range, row_pick), (col_range, col_pick) = _hull(rows), _hull(cols)
     block = read(row_range, col_range)
@@ -160,8 +175,9 @@ def _read_matrix(read: Callable[[slice, slice], np.ndarray], entry: Entry, shape
     return block.reshape([len(range(*s.indices(n))) for s, n in zip(index, shape)])
 
 
-def read_entry(read: Callable[[str, tuple], np.ndarray], entry: Entry, shape: tuple[int, ...],
-               index: tuple[slice, ...], dtype) -> np.ndarray:
+def read_entry(
+    read: Callable[[str, tuple], np.ndarray], entry: Entry, shape: tuple[int, ...], index: tuple[slice, ...], dtype
+) -> np.ndarray:
     """The `index` slice (a tuple of slices, as `jax.make_array_from_callback` passes) of our array
     of `shape` as `dtype`, read through `read(name, checkpoint index)` one expert at a time."""
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
@@ -187,9 +203,11 @@ def read_entry(read: Callable[[str, tuple], np.ndarray], entry: Entry, shape: tu
 
 def hf_tensors(entry: Entry, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
     """The checkpoint tensors (per-expert layout) of one of our arrays (one layer's slice)."""
+
     def matrix(a):
-        m = a.reshape(math.prod(a.shape[:entry.split]), -1)
+        m = a.reshape(math.prod(a.shape[: entry.split]), -1)
         return np.ascontiguousarray(m.T if entry.transpose else m)
+
     if entry.experts:
         for e, name in enumerate(entry.names):
             yield name, matrix(array[e])

@@ -63,6 +63,7 @@ class ExpertLayout:
     mlp_axes: axes sharding the expert hidden dimension; the down-projection partials are summed.
     dispatch: 'padded' | 'ragged' all-to-all flavour.
     """
+
     token_axes: tuple[str, ...] = ()
     expert_axes: tuple[str, ...] = ()
     expert_sizes: tuple[int, ...] = ()
@@ -97,8 +98,7 @@ def auto_dispatch(mesh: Mesh) -> str:
     return "ragged"
 
 
-def expert_layout(mesh: Mesh, token_spec: P, router_spec: P, gate_spec: P, down_spec: P,
-                  dispatch: str) -> ExpertLayout:
+def expert_layout(mesh: Mesh, token_spec: P, router_spec: P, gate_spec: P, down_spec: P, dispatch: str) -> ExpertLayout:
     """ExpertLayout from the PartitionSpecs of the tokens [B, S, D], router kernel [D, E], gate/up
     weights [E, D, F] and down weights [E, F, D]; dispatch 'auto' resolves by `auto_dispatch`,
     'ragged' and 'padded' (`model.moe.dispatch`) force a flavour."""
@@ -109,15 +109,24 @@ def expert_layout(mesh: Mesh, token_spec: P, router_spec: P, gate_spec: P, down_
     token_axes = spec_axes(token_spec, 0) + spec_axes(token_spec, 1)
     expert_axes, mlp_axes = spec_axes(gate_spec, 0), spec_axes(gate_spec, 2)
     if (spec_axes(down_spec, 0), spec_axes(down_spec, 1)) != (expert_axes, mlp_axes):
-        raise ValueError(f"expert weights sharded inconsistently: w_gate {gate_spec} vs w_down "
-                         f"{down_spec}; the experts and expert_mlp dims must use the same mesh axes")
+        raise ValueError(
+            f"expert weights sharded inconsistently: w_gate {gate_spec} vs w_down "
+            f"{down_spec}; the experts and expert_mlp dims must use the same mesh axes"
+        )
     if set(mlp_axes) & set(token_axes):
-        raise ValueError(f"sharding rules put tokens ({token_spec}) and the expert_mlp dim "
-                         f"({gate_spec}) on the same mesh axes {sorted(set(mlp_axes) & set(token_axes))}")
-    return ExpertLayout(token_axes=token_axes, expert_axes=expert_axes,
-                        expert_sizes=tuple(mesh.shape[a] for a in expert_axes),
-                        embed_axes=spec_axes(gate_spec, 1), router_axes=spec_axes(router_spec, 0),
-                        mlp_axes=mlp_axes, dispatch=dispatch)
+        raise ValueError(
+            f"sharding rules put tokens ({token_spec}) and the expert_mlp dim "
+            f"({gate_spec}) on the same mesh axes {sorted(set(mlp_axes) & set(token_axes))}"
+        )
+    return ExpertLayout(
+        token_axes=token_axes,
+        expert_axes=expert_axes,
+        expert_sizes=tuple(mesh.shape[a] for a in expert_axes),
+        embed_axes=spec_axes(gate_spec, 1),
+        router_axes=spec_axes(router_spec, 0),
+        mlp_axes=mlp_axes,
+        dispatch=dispatch,
+    )
 
 
 def gather_weight(w: jax.Array | QArray, axes: tuple[str, ...], axis: int, layout: ExpertLayout) -> jax.Array:
@@ -127,7 +136,7 @@ def gather_weight(w: jax.Array | QArray, axes: tuple[str, ...], axis: int, layou
     pass reduce-scatters its gradient; over one they are replicated on it is typed invariant, so
     the outputs computed from it stay invariant there.
     """
-    if is_quantized(w):        # the values; the scales come whole along `axis` (`quantized_spec`)
+    if is_quantized(w):  # the values; the scales come whole along `axis` (`quantized_spec`)
         return dataclasses.replace(w, qvalue=gather_weight(w.qvalue, axes, axis, layout))
     for a in reversed(axes):
         to = "varying" if a in layout.token_axes else "invarying"
@@ -155,9 +164,19 @@ def peer_first_experts(layout: ExpertLayout, experts_per_device: int) -> jax.Arr
     return block * experts_per_device
 
 
-def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                   w_up: jax.Array, w_down: jax.Array, *, num_experts: int, capacity: int | None,
-                   layout: ExpertLayout, inference: bool = False) -> tuple[jax.Array, jax.Array]:
+def routed_experts(
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    num_experts: int,
+    capacity: int | None,
+    layout: ExpertLayout,
+    inference: bool = False,
+) -> tuple[jax.Array, jax.Array]:
     """Weighted sum of each token's expert outputs, for this device's tokens.
 
     x: [T, D] compute dtype; experts, weights: [T, k] from the router; w_*: this device's experts
@@ -167,8 +186,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate:
     """
     num_tokens, top_k = experts.shape
     args = (x, experts, weights, w_gate, w_up, w_down)
-    if not (mesh_platform() == "cpu" and w_gate.shape[0] == num_experts and layout.num_peers == 1
-            and capacity is None):
+    if not (mesh_platform() == "cpu" and w_gate.shape[0] == num_experts and layout.num_peers == 1 and capacity is None):
         return exchanged_experts(*args, num_experts=num_experts, capacity=capacity, layout=layout)
     # The CPU, every expert on this device, dropless: every expert on every token for few tokens,
     # else sorted rows. When not differentiated, padded batched matmuls first, whenever no expert
@@ -186,9 +204,18 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate:
     return jax.lax.cond(jnp.max(load) <= room, lambda: padded_experts(*args, capacity=room), fallback), kept
 
 
-def exchanged_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                      w_up: jax.Array, w_down: jax.Array, *, num_experts: int, capacity: int | None,
-                      layout: ExpertLayout) -> tuple[jax.Array, jax.Array]:
+def exchanged_experts(
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    num_experts: int,
+    capacity: int | None,
+    layout: ExpertLayout,
+) -> tuple[jax.Array, jax.Array]:
     """`routed_experts` by sorting the assignments by expert and exchanging them with the peers
     that hold their experts (see the module docstring); the general path."""
     num_tokens, top_k = experts.shape
@@ -197,14 +224,15 @@ def exchanged_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_ga
     first = peer_first_experts(layout, local)
     bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes)])
     send_start, send_size = bounds[first], bounds[first + local] - bounds[first]
-    tokens = order // top_k                                           # token of each sorted row
+    tokens = order // top_k  # token of each sorted row
     bound = num_tokens * top_k if capacity is None else min(num_tokens * top_k, capacity * local)
     ffn = dict(w_gate=w_gate, w_up=w_up, w_down=w_down)
     if layout.dispatch == "ragged" and layout.num_peers > 1:
         out = ragged_exchange(x[tokens], group_sizes, first, send_start, send_size, bound, layout, ffn)
     else:
-        out = padded_exchange(x, tokens, experts.reshape(-1)[order], group_sizes, first, send_start,
-                              send_size, bound, layout, ffn)
+        out = padded_exchange(
+            x, tokens, experts.reshape(-1)[order], group_sizes, first, send_start, send_size, bound, layout, ffn
+        )
     out = jnp.zeros_like(out).at[order].add(out, unique_indices=True)
     y = jnp.einsum("tk,tkd->td", weights, out.reshape(num_tokens, top_k, -1).astype(jnp.float32))
     return y, jnp.sum(group_sizes)
@@ -224,8 +252,16 @@ def batched_swiglu(rows: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.A
     return jax.nn.silu(mm(rows, w_gate)) * mm(rows, w_up)
 
 
-def padded_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                   w_up: jax.Array, w_down: jax.Array, *, capacity: int) -> jax.Array:
+def padded_experts(
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    capacity: int,
+) -> jax.Array:
     """Each expert on its first `capacity` assignments (in token order), as batched matmuls over an
     [E, capacity, D] buffer: no per-group slices of the weights, no tiles. Assignments beyond an
     expert's capacity contribute nothing: callers use it when none is (`routed_experts`).
@@ -236,17 +272,17 @@ def padded_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate:
     num_experts, dim = w_gate.shape[0], x.shape[1]
     flat = experts.reshape(-1)
     rank = expert_ranks(flat, *sort_by_expert(flat, num_experts))
-    slot = jnp.where(rank < capacity, flat * capacity + rank, num_experts * capacity)   # out of range: dropped
-    rows = jnp.zeros((num_experts * capacity, dim), x.dtype).at[slot].set(jnp.repeat(x, top_k, axis=0),
-                                                                          mode="drop")
+    slot = jnp.where(rank < capacity, flat * capacity + rank, num_experts * capacity)  # out of range: dropped
+    rows = jnp.zeros((num_experts * capacity, dim), x.dtype).at[slot].set(jnp.repeat(x, top_k, axis=0), mode="drop")
     h = batched_swiglu(rows.reshape(num_experts, capacity, dim), w_gate, w_up).astype(x.dtype)
     out = weight_einsum("erf,efd->erd", h, w_down, x.dtype, preferred_element_type=jnp.float32)
     out = out.reshape(-1, dim).at[slot].get(mode="fill", fill_value=0)
     return jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), out.reshape(num_tokens, top_k, dim))
 
 
-def dense_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                  w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def dense_experts(
+    x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+) -> jax.Array:
     """Σ_e combine[t, e] · FFN_e(x_t) with every expert on every token (one-hot combine weights).
 
     x [T, D]; experts, weights [T, k]; w_* [E, D, F] / [E, F, D]. Returns y [T, D] float32.
@@ -254,19 +290,31 @@ def dense_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: 
     over experts are one matmul.
     """
     num_tokens, num_experts = x.shape[0], w_gate.shape[0]
-    combine = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
-        jnp.arange(num_tokens)[:, None], experts].add(weights.astype(jnp.float32))
+    combine = (
+        jnp.zeros((num_tokens, num_experts), jnp.float32)
+        .at[jnp.arange(num_tokens)[:, None], experts]
+        .add(weights.astype(jnp.float32))
+    )
     h = batched_swiglu(jnp.broadcast_to(x, (num_experts,) + x.shape), w_gate, w_up)
-    if is_quantized(w_down):   # bfloat16 inputs: round h before the combine weights, as the other paths do
+    if is_quantized(w_down):  # bfloat16 inputs: round h before the combine weights, as the other paths do
         out = weight_einsum("etf,efd->etd", h.astype(x.dtype), w_down, x.dtype, preferred_element_type=jnp.float32)
         return jnp.einsum("te,etd->td", combine, out)
     h = h * combine.T[:, :, None]
     return weight_einsum("etf,efd->td", h.astype(x.dtype), w_down, x.dtype, preferred_element_type=jnp.float32)
 
 
-def padded_exchange(x: jax.Array, tokens: jax.Array, sorted_ids: jax.Array, group_sizes: jax.Array,
-                    first: jax.Array, send_start: jax.Array, send_size: jax.Array, bound: int,
-                    layout: ExpertLayout, ffn: dict[str, jax.Array]) -> jax.Array:
+def padded_exchange(
+    x: jax.Array,
+    tokens: jax.Array,
+    sorted_ids: jax.Array,
+    group_sizes: jax.Array,
+    first: jax.Array,
+    send_start: jax.Array,
+    send_size: jax.Array,
+    bound: int,
+    layout: ExpertLayout,
+    ffn: dict[str, jax.Array],
+) -> jax.Array:
     """Expert outputs [A, D] of the assignments sorted by expert, exchanged as fixed-size
     [num_peers, bound] buffers; zero for assignments that no peer of this device computes
     (dropped, or held by a device that has other tokens).
@@ -275,9 +323,9 @@ def padded_exchange(x: jax.Array, tokens: jax.Array, sorted_ids: jax.Array, grou
     """
     slot = jnp.arange(bound, dtype=jnp.int32)
     valid = slot < send_size[:, None]
-    src = jnp.where(valid, send_start[:, None] + slot, tokens.shape[0])   # [peers, bound]
+    src = jnp.where(valid, send_start[:, None] + slot, tokens.shape[0])  # [peers, bound]
     token = tokens.at[src].get(mode="fill", fill_value=x.shape[0])
-    send = x.at[token].get(mode="fill", fill_value=0)                       # [peers, bound, D]
+    send = x.at[token].get(mode="fill", fill_value=0)  # [peers, bound, D]
     local = ffn["w_gate"].shape[0]
     if layout.num_peers == 1:
         sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first[0], local)
@@ -287,14 +335,20 @@ def padded_exchange(x: jax.Array, tokens: jax.Array, sorted_ids: jax.Array, grou
         recv = jax.lax.all_to_all(send, layout.a2a_axes, 0, 0, tiled=True)
         recv_ids = jax.lax.all_to_all(ids, layout.a2a_axes, 0, 0, tiled=True)
         out = grouped_ffn(recv.reshape(-1, x.shape[1]), recv_ids.reshape(-1), **ffn)
-        back = jax.lax.all_to_all(out.astype(x.dtype).reshape(send.shape), layout.a2a_axes, 0, 0,
-                                  tiled=True)
+        back = jax.lax.all_to_all(out.astype(x.dtype).reshape(send.shape), layout.a2a_axes, 0, 0, tiled=True)
     return jnp.zeros_like(x, shape=(tokens.shape[0], x.shape[1])).at[src].add(back, mode="drop")
 
 
-def ragged_exchange(rows: jax.Array, group_sizes: jax.Array, first: jax.Array,
-                    send_start: jax.Array, send_size: jax.Array, bound: int,
-                    layout: ExpertLayout, ffn: dict[str, jax.Array]) -> jax.Array:
+def ragged_exchange(
+    rows: jax.Array,
+    group_sizes: jax.Array,
+    first: jax.Array,
+    send_start: jax.Array,
+    send_size: jax.Array,
+    bound: int,
+    layout: ExpertLayout,
+    ffn: dict[str, jax.Array],
+) -> jax.Array:
     """Like `padded_exchange`, but only real rows travel (`jax.lax.ragged_all_to_all`).
 
     rows: [A, D] assignments sorted by expert; returns their expert outputs [A, D]. Received rows
@@ -303,19 +357,19 @@ def ragged_exchange(rows: jax.Array, group_sizes: jax.Array, first: jax.Array,
     """
     axes, peers, local = layout.a2a_axes, layout.num_peers, ffn["w_gate"].shape[0]
     me = jax.lax.axis_index(axes)
-    counts = jax.lax.all_gather(group_sizes, axes)                    # [peers (source), E]
+    counts = jax.lax.all_gather(group_sizes, axes)  # [peers (source), E]
     bounds = jnp.concatenate([jnp.zeros((peers, 1), jnp.int32), jnp.cumsum(counts, axis=1)], axis=1)
-    sizes = bounds[:, first + local] - bounds[:, first]              # [source, dest]
+    sizes = bounds[:, first + local] - bounds[:, first]  # [source, dest]
     recv_size = sizes[:, me]
     recv_start = jnp.cumsum(recv_size) - recv_size
-    land = (jnp.cumsum(sizes, axis=0) - sizes)[me]                   # my rows' offset at each dest
+    land = (jnp.cumsum(sizes, axis=0) - sizes)[me]  # my rows' offset at each dest
     buffer = jnp.zeros_like(rows, shape=(peers * bound, rows.shape[1]))
-    recv = jax.lax.ragged_all_to_all(rows, buffer, send_start, send_size, land, recv_size,
-                                     axis_name=axes)
+    recv = jax.lax.ragged_all_to_all(rows, buffer, send_start, send_size, land, recv_size, axis_name=axes)
     per_expert = jax.lax.dynamic_slice_in_dim(counts, first[me], local, axis=1).reshape(-1)
     segment = jnp.searchsorted(jnp.cumsum(per_expert), jnp.arange(peers * bound), side="right")
     ids = jnp.where(segment < peers * local, segment % local, local)
     out = grouped_ffn(recv, ids, **ffn).astype(rows.dtype)
-    reply_land = bounds[:, first[me]]                                 # where each source sent from
-    return jax.lax.ragged_all_to_all(out, jnp.zeros_like(rows), recv_start, recv_size, reply_land,
-                                     send_size, axis_name=axes)
+    reply_land = bounds[:, first[me]]  # where each source sent from
+    return jax.lax.ragged_all_to_all(
+        out, jnp.zeros_like(rows), recv_start, recv_size, reply_land, send_size, axis_name=axes
+    )

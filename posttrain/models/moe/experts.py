@@ -22,8 +22,7 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, factor: float
     return max(1, math.ceil(factor * num_tokens * top_k / num_experts))
 
 
-def sort_by_expert(expert_ids: jax.Array, num_experts: int,
-                   capacity: int | None = None) -> tuple[jax.Array, jax.Array]:
+def sort_by_expert(expert_ids: jax.Array, num_experts: int, capacity: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Order assignments by expert, keeping token order within an expert.
 
     expert_ids: [A] expert of each (token, slot) assignment, token-major. Returns `order` [A], the
@@ -51,8 +50,7 @@ def expert_ranks(expert_ids: jax.Array, order: jax.Array, counts: jax.Array) -> 
 TILE_ROWS = 128
 
 
-def tiled_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
-                         tile: int = TILE_ROWS) -> jax.Array:
+def tiled_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: int = TILE_ROWS) -> jax.Array:
     """`ragged_dot` as a scan over row tiles that each lie inside one group (float32 out).
 
     x: [M, K] rows sorted by group; w: [G, K, N]; group_sizes: [G] (rows past their sum → 0).
@@ -76,7 +74,8 @@ def tiled_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
         start, group = meta
         rows = jax.lax.dynamic_slice_in_dim(padded, start, tile)
         return None, jnp.dot(rows, w[group], preferred_element_type=jnp.float32)
-    _, tiles = jax.lax.scan(one_tile, None, (tile_start, tile_group))       # [T, tile, N]
+
+    _, tiles = jax.lax.scan(one_tile, None, (tile_start, tile_group))  # [T, tile, N]
     r = jnp.arange(m)
     row_group = jnp.minimum(jnp.searchsorted(group_end, r, side="right"), g - 1)
     local = r - group_start[row_group]
@@ -95,7 +94,7 @@ def dense_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> 
     return jnp.where((r < group_end[-1])[:, None], out, 0.0)
 
 
-DENSE_MAX_ROW_GROUPS = 4096       # rows × groups up to which the dense form is used on the CPU
+DENSE_MAX_ROW_GROUPS = 4096  # rows × groups up to which the dense form is used on the CPU
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -124,13 +123,15 @@ def weight_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, dtype) -> jax
     if not is_channelwise(w, (1,)):
         return grouped_matmul(x, dequantize(w, COMPUTE_DTYPE), group_sizes)
     y = grouped_matmul(x, w.qvalue.astype(COMPUTE_DTYPE), group_sizes)
-    row_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(x.shape[0]), side="right"),
-                            w.shape[0] - 1)
+    row_group = jnp.minimum(
+        jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(x.shape[0]), side="right"), w.shape[0] - 1
+    )
     return y * w.scale[:, 0, :].astype(jnp.float32)[row_group]
 
 
-def expert_ffn(rows: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-               w_down: jax.Array) -> jax.Array:
+def expert_ffn(
+    rows: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+) -> jax.Array:
     """SwiGLU of each expert on its rows: down(silu(x @ gate) * (x @ up)), as grouped matmuls.
 
     rows: [M, D] in compute dtype, sorted by expert; group_sizes: [G] rows per expert (rows past
@@ -145,8 +146,9 @@ def expert_ffn(rows: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up:
     return jnp.where(valid[:, None], out, 0.0)
 
 
-def grouped_ffn(rows: jax.Array, expert_ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                w_down: jax.Array) -> jax.Array:
+def grouped_ffn(
+    rows: jax.Array, expert_ids: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+) -> jax.Array:
     """`expert_ffn` on rows in any order: sort by expert, compute, restore the order.
 
     rows: [M, D]; expert_ids: [M] in [0, G], where G (= w_gate.shape[0]) marks a padding row whose

@@ -42,6 +42,7 @@ DOWN_NAMES = ("experts", "expert_mlp", "embed")
 @dataclasses.dataclass(frozen=True)
 class RoutingSpec:
     """The static routing hyper-parameters of `model.moe` that the per-device code needs."""
+
     num_experts: int
     top_k: int
     router: str
@@ -58,12 +59,25 @@ class RoutingSpec:
             raise ValueError(f"moe.top_k={moe.top_k}: expected 1..num_experts ({moe.num_experts})")
         if moe.router not in MOE_ROUTERS:
             raise ValueError(f"moe.router={moe.router!r}: expected 'softmax' or 'sigmoid'")
-        return cls(int(moe.num_experts), int(moe.top_k), moe.router, bool(moe.norm_topk_prob),
-                   float(moe.routed_scaling), float(moe.capacity_factor))
+        return cls(
+            int(moe.num_experts),
+            int(moe.top_k),
+            moe.router,
+            bool(moe.norm_topk_prob),
+            float(moe.routed_scaling),
+            float(moe.capacity_factor),
+        )
 
 
-def moe_block(x: jax.Array, params: dict[str, jax.Array], *, spec: RoutingSpec, layout: ExpertLayout,
-              mask: jax.Array | None = None, inference: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+def moe_block(
+    x: jax.Array,
+    params: dict[str, jax.Array],
+    *,
+    spec: RoutingSpec,
+    layout: ExpertLayout,
+    mask: jax.Array | None = None,
+    inference: bool = False,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Routed experts on one device's tokens x [T, D] (compute dtype).
 
     params: router [D(/shards), E], w_gate/w_up [E_local, D(/shards), F_local],
@@ -76,73 +90,113 @@ def moe_block(x: jax.Array, params: dict[str, jax.Array], *, spec: RoutingSpec, 
     mask = jnp.ones((num_tokens,), jnp.float32) if mask is None else mask.astype(jnp.float32)
     router = gather_weight(params["router"], layout.router_axes, 0, layout)
     logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
-    routing = route(logits, top_k=spec.top_k, router=spec.router, norm_topk_prob=spec.norm_topk_prob,
-                    routed_scaling=spec.routed_scaling, bias=params.get("bias"))
+    routing = route(
+        logits,
+        top_k=spec.top_k,
+        router=spec.router,
+        norm_topk_prob=spec.norm_topk_prob,
+        routed_scaling=spec.routed_scaling,
+        bias=params.get("bias"),
+    )
     capacity = expert_capacity(num_tokens, spec.top_k, spec.num_experts, spec.capacity_factor)
     experts = routing.experts
-    if capacity is not None:   # padding goes to no expert (id E): it takes no capacity rank
+    if capacity is not None:  # padding goes to no expert (id E): it takes no capacity rank
         experts = jnp.where(mask[:, None] > 0, experts, spec.num_experts)
     y, kept = routed_experts(
-        x, experts, routing.weights,
+        x,
+        experts,
+        routing.weights,
         gather_weight(params["w_gate"], layout.embed_axes, 1, layout),
         gather_weight(params["w_up"], layout.embed_axes, 1, layout),
         gather_weight(params["w_down"], layout.embed_axes, 2, layout),
-        num_experts=spec.num_experts, capacity=capacity, layout=layout, inference=inference)
+        num_experts=spec.num_experts,
+        capacity=capacity,
+        layout=layout,
+        inference=inference,
+    )
     if layout.psum_axes:
         y = jax.lax.psum(y, layout.psum_axes)
     return y, routing_stats(routing, logits, mask, kept if capacity is not None else None, spec, layout)
 
 
-def routing_stats(routing: Routing, logits: jax.Array, mask: jax.Array, kept: jax.Array | None,
-                  spec: RoutingSpec, layout: ExpertLayout) -> dict[str, jax.Array]:
+def routing_stats(
+    routing: Routing,
+    logits: jax.Array,
+    mask: jax.Array,
+    kept: jax.Array | None,
+    spec: RoutingSpec,
+    layout: ExpertLayout,
+) -> dict[str, jax.Array]:
     """Load, load-balancing and z losses, and the dropped fraction over the real tokens (mask [T])
     of all devices: sums over `layout.token_axes` divided by the global real-token count, so
     devices holding more padding weigh less. kept: kept real assignments (None: dropless)."""
+
     def token_sum(v):
         return jax.lax.psum(v, layout.token_axes) if layout.token_axes else v
+
     real = token_sum(jnp.sum(mask))
     tokens, assignments = jnp.maximum(real, 1.0), jnp.maximum(real * spec.top_k, 1.0)
     load = token_sum(expert_counts(routing.experts, spec.num_experts, mask)) / assignments
     mean_probs = token_sum(jnp.sum(routing.probs * mask[:, None], axis=0)) / tokens
-    dropped = (jnp.float32(0.0) if kept is None
-               else (real * spec.top_k - token_sum(kept.astype(jnp.float32))) / assignments)
-    return {"aux_loss": load_balancing_loss(mean_probs, load, spec.top_k),
-            "z_loss": token_sum(jnp.sum(router_z_loss(logits) * mask)) / tokens,
-            "load": load,
-            "dropped": dropped}
+    dropped = (
+        jnp.float32(0.0) if kept is None else (real * spec.top_k - token_sum(kept.astype(jnp.float32))) / assignments
+    )
+    return {
+        "aux_loss": load_balancing_loss(mean_probs, load, spec.top_k),
+        "z_loss": token_sum(jnp.sum(router_z_loss(logits) * mask)) / tokens,
+        "load": load,
+        "dropped": dropped,
+    }
 
 
-def sharded_moe_block(x: jax.Array, mask: jax.Array, params: dict[str, jax.Array], *, spec: RoutingSpec,
-                      mesh: Mesh, rules: Rules, dispatch: str,
-                      inference: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+def sharded_moe_block(
+    x: jax.Array,
+    mask: jax.Array,
+    params: dict[str, jax.Array],
+    *,
+    spec: RoutingSpec,
+    mesh: Mesh,
+    rules: Rules,
+    dispatch: str,
+    inference: bool = False,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`moe_block` in a `jax.shard_map` over the whole mesh; x: [B, S, D], mask [B, S] → y [B, S, D]
     float32.
 
     Tokens are split as the `batch` and `length` rules say, weights as their logical names say;
     the specs come from `logical_spec`, so rule changes carry through.
     """
+
     def spec_of(names, shape):
         return logical_spec(names, mesh, rules, shape)
+
     token_spec = spec_of(TOKEN_NAMES, x.shape)
-    param_specs = {"router": spec_of(ROUTER_NAMES, params["router"].shape),
-                   "w_gate": spec_of(GATE_UP_NAMES, params["w_gate"].shape),
-                   "w_up": spec_of(GATE_UP_NAMES, params["w_up"].shape),
-                   "w_down": spec_of(DOWN_NAMES, params["w_down"].shape)}
+    param_specs = {
+        "router": spec_of(ROUTER_NAMES, params["router"].shape),
+        "w_gate": spec_of(GATE_UP_NAMES, params["w_gate"].shape),
+        "w_up": spec_of(GATE_UP_NAMES, params["w_up"].shape),
+        "w_down": spec_of(DOWN_NAMES, params["w_down"].shape),
+    }
     if "bias" in params:
         param_specs["bias"] = P()
-    layout = expert_layout(mesh, token_spec, param_specs["router"], param_specs["w_gate"],
-                           param_specs["w_down"], dispatch)
-    for name, embed_dim in (("w_gate", 1), ("w_up", 1), ("w_down", 2)):   # the sampler's quantised experts
-        if is_quantized(params[name]):       # scales go with their values, whole along the gathered embed dim
-            params = {**params, name: split_single_groups(params[name], param_specs[name], dict(mesh.shape),
-                                                          whole=(embed_dim,))}
-            param_specs[name] = quantized_spec(params[name], param_specs[name], dict(mesh.shape), f"moe.{name}",
-                                               whole=(embed_dim,))
+    layout = expert_layout(
+        mesh, token_spec, param_specs["router"], param_specs["w_gate"], param_specs["w_down"], dispatch
+    )
+    for name, embed_dim in (("w_gate", 1), ("w_up", 1), ("w_down", 2)):  # the sampler's quantised experts
+        if is_quantized(params[name]):  # scales go with their values, whole along the gathered embed dim
+            params = {
+                **params,
+                name: split_single_groups(params[name], param_specs[name], dict(mesh.shape), whole=(embed_dim,)),
+            }
+            param_specs[name] = quantized_spec(
+                params[name], param_specs[name], dict(mesh.shape), f"moe.{name}", whole=(embed_dim,)
+            )
 
     def body(x, mask, params):
         b, s, d = x.shape
-        y, aux = moe_block(x.reshape(b * s, d), params, spec=spec, layout=layout, mask=mask.reshape(b * s),
-                           inference=inference)
+        y, aux = moe_block(
+            x.reshape(b * s, d), params, spec=spec, layout=layout, mask=mask.reshape(b * s), inference=inference
+        )
         return y.reshape(b, s, d), aux
 
     aux_specs = {"aux_loss": P(), "z_loss": P(), "load": P(), "dropped": P()}
@@ -150,8 +204,13 @@ def sharded_moe_block(x: jax.Array, mask: jax.Array, params: dict[str, jax.Array
     # gradients of replicated weights need; `gather_weight` picks the type per mesh axis so that
     # outputs are invariant exactly where out_specs replicate them.
     mask_spec = P(*token_spec[:2])
-    return jax.shard_map(body, mesh=mesh, in_specs=(token_spec, mask_spec, param_specs),
-                         out_specs=(token_spec, aux_specs), check_vma=True)(x, mask, params)
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(token_spec, mask_spec, param_specs),
+        out_specs=(token_spec, aux_specs),
+        check_vma=True,
+    )(x, mask, params)
 
 
 class MoE(nnx.Module):
@@ -186,33 +245,50 @@ class MoE(nnx.Module):
         self.w_gate = param(rngs, expert_init, (experts, dim, hidden), GATE_UP_NAMES, param_dtype)
         self.w_up = param(rngs, expert_init, (experts, dim, hidden), GATE_UP_NAMES, param_dtype)
         self.w_down = param(rngs, expert_init, (experts, hidden, dim), DOWN_NAMES, param_dtype)
-        self.router_bias = (RouterBias(jnp.zeros((experts,), jnp.float32), out_sharding=(None,),
-                                       eager_sharding=False)
-                            if moe.router == "sigmoid" else None)
-        self.shared = (MLP(dim, moe.num_shared_experts * moe.shared_mlp_dim, param_dtype=param_dtype,
-                           dtype=self.dtype, rngs=rngs) if moe.num_shared_experts > 0 else None)
+        self.router_bias = (
+            RouterBias(jnp.zeros((experts,), jnp.float32), out_sharding=(None,), eager_sharding=False)
+            if moe.router == "sigmoid"
+            else None
+        )
+        self.shared = (
+            MLP(dim, moe.num_shared_experts * moe.shared_mlp_dim, param_dtype=param_dtype, dtype=self.dtype, rngs=rngs)
+            if moe.num_shared_experts > 0
+            else None
+        )
 
-    def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, update_bias: bool = False,
-                 inference: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(
+        self, x: jax.Array, mask: jax.Array | None = None, *, update_bias: bool = False, inference: bool = False
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Routed + shared experts on x [B, S, D] (mask [B, S]: 1 real token, 0 padding; None: all
         real); with `update_bias` (sigmoid router, rate > 0) also steps `router_bias` towards
         balanced load of the real tokens, in place. `inference`: the call will not be
         differentiated (the sampler), which lets the CPU pick its expert path at run time."""
         x = x.astype(self.dtype)
         mask = jnp.ones(x.shape[:2], jnp.float32) if mask is None else mask.astype(jnp.float32)
-        params = {"router": self.router[...], "w_gate": self.w_gate[...], "w_up": self.w_up[...],
-                  "w_down": self.w_down[...]}
+        params = {
+            "router": self.router[...],
+            "w_gate": self.w_gate[...],
+            "w_up": self.w_up[...],
+            "w_down": self.w_down[...],
+        }
         if self.router_bias is not None:
             params["bias"] = self.router_bias[...]
         ctx = current()
         if ctx is not None and ctx[0].size > 1:
             mesh, rules = ctx
-            y, aux = sharded_moe_block(x, mask, params, spec=self.spec, mesh=mesh, rules=rules,
-                                       dispatch=self.dispatch, inference=inference)
+            y, aux = sharded_moe_block(
+                x, mask, params, spec=self.spec, mesh=mesh, rules=rules, dispatch=self.dispatch, inference=inference
+            )
         else:
             b, s, d = x.shape
-            y, aux = moe_block(x.reshape(b * s, d), params, spec=self.spec, layout=ExpertLayout(),
-                               mask=mask.reshape(b * s), inference=inference)
+            y, aux = moe_block(
+                x.reshape(b * s, d),
+                params,
+                spec=self.spec,
+                layout=ExpertLayout(),
+                mask=mask.reshape(b * s),
+                inference=inference,
+            )
             y = y.reshape(b, s, d)
         y = y.astype(self.dtype)
         if self.shared is not None:

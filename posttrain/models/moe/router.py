@@ -25,13 +25,21 @@ class RouterBias(nnx.Variable):
 class Routing(NamedTuple):
     """What the router decided for T tokens: weights [T, k] f32, experts [T, k] int32, and the
     per-token router distribution probs [T, E] f32 that the load-balancing loss averages."""
+
     weights: jax.Array
     experts: jax.Array
     probs: jax.Array
 
 
-def route(logits: jax.Array, *, top_k: int, router: str, norm_topk_prob: bool,
-          routed_scaling: float = 1.0, bias: jax.Array | None = None) -> Routing:
+def route(
+    logits: jax.Array,
+    *,
+    top_k: int,
+    router: str,
+    norm_topk_prob: bool,
+    routed_scaling: float = 1.0,
+    bias: jax.Array | None = None,
+) -> Routing:
     """Choose `top_k` experts per token from router logits [T, E] (float32).
 
     softmax (Mixtral, Qwen3-MoE): probs = softmax over all experts; the k largest are the weights,

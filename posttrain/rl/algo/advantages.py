@@ -21,11 +21,10 @@ import jax.numpy as jnp
 
 from posttrain.config import ADVANTAGE_METHODS
 
-GROUP_METHODS = tuple(m for m in ADVANTAGE_METHODS if m != "gae")   # advantages from a group's rewards alone
+GROUP_METHODS = tuple(m for m in ADVANTAGE_METHODS if m != "gae")  # advantages from a group's rewards alone
 
 
-def group_advantages(rewards: jax.Array, group_size: int, *, method: str = "grpo",
-                     eps: float = 1e-6) -> jax.Array:
+def group_advantages(rewards: jax.Array, group_size: int, *, method: str = "grpo", eps: float = 1e-6) -> jax.Array:
     """Group-relative advantages: rewards [num_groups * group_size] → [same], float32.
 
     Each group's samples are contiguous. A group whose rewards are all equal carries no signal
@@ -56,8 +55,7 @@ def kl_penalized_rewards(rewards: jax.Array, kl: jax.Array, mask: jax.Array, *, 
     return rewards.astype(jnp.float32) - kl_coef * (kl * mask.astype(jnp.float32)).sum(axis=-1)
 
 
-def kl_penalized_advantages(advantages: jax.Array, kl: jax.Array, mask: jax.Array, *,
-                            kl_coef: float) -> jax.Array:
+def kl_penalized_advantages(advantages: jax.Array, kl: jax.Array, mask: jax.Array, *, kl_coef: float) -> jax.Array:
     """Per-token-form KL reward penalty: A_t = A − β · Σ_{s ≥ t} kl_s.
 
     Each response token pays −β·kl_t as reward; with no discount its return from token t on is the
@@ -82,8 +80,9 @@ def terminal_rewards(scores: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(t == last, scores.astype(jnp.float32)[:, None], 0.0)
 
 
-def gae_advantages(rewards: jax.Array, values: jax.Array, mask: jax.Array, *, gamma: float,
-                   lam: float) -> tuple[jax.Array, jax.Array]:
+def gae_advantages(
+    rewards: jax.Array, values: jax.Array, mask: jax.Array, *, gamma: float, lam: float
+) -> tuple[jax.Array, jax.Array]:
     """Generalised advantage estimates and returns per generated token (Schulman et al. 2016).
 
     rewards, values, mask [B, T]: r_t and V(s_t) on the tokens the policy generated (mask set).

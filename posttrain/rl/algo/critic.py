@@ -29,11 +29,17 @@ class ValueDecoder(Decoder):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         super().__init__(cfg, rngs=rngs)
-        self.value_head = param(rngs, jax.nn.initializers.normal(cfg.embed_dim ** -0.5), (cfg.embed_dim,),
-                                ("embed",), dtype_of(cfg.param_dtype))
+        self.value_head = param(
+            rngs,
+            jax.nn.initializers.normal(cfg.embed_dim**-0.5),
+            (cfg.embed_dim,),
+            ("embed",),
+            dtype_of(cfg.param_dtype),
+        )
 
-    def logits_and_values(self, tokens, positions=None, segment_ids=None, *,
-                          update_bias: bool = False) -> tuple[jax.Array, jax.Array, dict]:
+    def logits_and_values(
+        self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False
+    ) -> tuple[jax.Array, jax.Array, dict]:
         """tokens [B, S] → (logits [B, S, V] float32, values [B, S] float32, MoE aux)."""
         hidden, aux = self.hidden_states(tokens, positions, segment_ids, update_bias=update_bias)
         return self.logits(hidden), scalar_head(hidden, self.value_head[...]), aux
@@ -42,9 +48,14 @@ class ValueDecoder(Decoder):
 def check_critic(rl_cfg, lora_cfg) -> None:
     """Refuse critic settings that cannot take effect (named keys, what is expected)."""
     if rl_cfg.critic not in CRITICS:
-        extra = (" (a separate value model is not implemented: its own train state, optimizer and "
-                 "checkpoint items)" if rl_cfg.critic == "separate" else "")
+        extra = (
+            " (a separate value model is not implemented: its own train state, optimizer and checkpoint items)"
+            if rl_cfg.critic == "separate"
+            else ""
+        )
         raise ValueError(f"rl.critic={rl_cfg.critic!r}: expected one of {CRITICS}{extra}")
     if lora_cfg.rank > 0:
-        raise ValueError(f"rl.advantage='gae' with lora.rank={lora_cfg.rank}: the shared critic's value head "
-                         "is not a LoRA target and would never train; use full fine-tuning (lora.rank=0)")
+        raise ValueError(
+            f"rl.advantage='gae' with lora.rank={lora_cfg.rank}: the shared critic's value head "
+            "is not a LoRA target and would never train; use full fine-tuning (lora.rank=0)"
+        )

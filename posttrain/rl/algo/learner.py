@@ -42,8 +42,7 @@ from posttrain.sampling.rules import SamplingParams, policy_logprobs
 ROW_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 
 
-def rl_batch(rollouts: list[Rollout], *, pad_id: int, num_rows: int | None = None,
-             longest: int | None = None) -> dict:
+def rl_batch(rollouts: list[Rollout], *, pad_id: int, num_rows: int | None = None, longest: int | None = None) -> dict:
     """Rollouts → one learner batch of [N, S] rows (S bucketed to a multiple of 8): inputs,
     targets, loss_mask (generated target tokens), positions, segment_ids, behav_logp (the
     sampler's log-prob of each target) and rewards [N].
@@ -63,7 +62,7 @@ def rl_batch(rollouts: list[Rollout], *, pad_id: int, num_rows: int | None = Non
     out["inputs"][:] = out["targets"][:] = pad_id
     out["behav_logp"] = np.zeros((n, s), np.float32)
     out["rewards"] = np.zeros((n,), np.float32)
-    out["rewards"][:len(trajs)] = [x for ro in rollouts for x in ro.group.rewards]
+    out["rewards"][: len(trajs)] = [x for ro in rollouts for x in ro.group.rewards]
     for i, (t, b) in enumerate(zip(trajs, behav)):
         toks, mask, m = np.asarray(t.tokens), np.asarray(t.loss_mask, np.int32), len(t.tokens) - 1
         out["inputs"][i, :m], out["targets"][i, :m], out["loss_mask"][i, :m] = toks[:-1], toks[1:], mask[1:]
@@ -117,15 +116,17 @@ def batch_rows(num_groups: int, rl_cfg, row_multiple: int = 1) -> int:
     return -(-rows // row_multiple) * row_multiple
 
 
-def learner_logprobs(model: nnx.Module, batch: dict, sampling: SamplingParams, *,
-                     update_bias: bool) -> tuple[jax.Array, jax.Array, dict]:
+def learner_logprobs(
+    model: nnx.Module, batch: dict, sampling: SamplingParams, *, update_bias: bool
+) -> tuple[jax.Array, jax.Array, dict]:
     """(log-probs of the targets under the sampled distribution [B, S], logits/T [B, S, V], MoE aux)."""
     logp, scaled, _, aux = learner_outputs(model, batch, sampling, update_bias=update_bias, values=False)
     return logp, scaled, aux
 
 
-def learner_outputs(model: nnx.Module, batch: dict, sampling: SamplingParams, *, update_bias: bool,
-                    values: bool) -> tuple[jax.Array, jax.Array, jax.Array | None, dict]:
+def learner_outputs(
+    model: nnx.Module, batch: dict, sampling: SamplingParams, *, update_bias: bool, values: bool
+) -> tuple[jax.Array, jax.Array, jax.Array | None, dict]:
     """`learner_logprobs` plus, with `values` (a `critic.ValueDecoder`), the critic's values [B, S]
     from the same forward pass (else None)."""
     args = (batch["inputs"], batch["positions"], batch["segment_ids"])
@@ -133,8 +134,12 @@ def learner_outputs(model: nnx.Module, batch: dict, sampling: SamplingParams, *,
         logits, v, aux = model.logits_and_values(*args, update_bias=update_bias)
     else:
         (logits, aux), v = model(*args, update_bias=update_bias), None
-    return (policy_logprobs(logits, batch["targets"], sampling), logits.astype(jnp.float32) / sampling.temperature,
-            v, aux)
+    return (
+        policy_logprobs(logits, batch["targets"], sampling),
+        logits.astype(jnp.float32) / sampling.temperature,
+        v,
+        aux,
+    )
 
 
 def rl_loss(model, batch, *ref, graphdef, rl_cfg, moe_cfg, sampling: SamplingParams):
@@ -157,13 +162,31 @@ def rl_loss(model, batch, *ref, graphdef, rl_cfg, moe_cfg, sampling: SamplingPar
     if not rl_cfg.entropy_coef:
         entropy = jax.lax.stop_gradient(entropy)
     loss, metrics = policy_loss(
-        logp, old_logp, batch["advantages"], batch["loss_mask"], clip_low=rl_cfg.clip_low, clip_high=rl_cfg.clip_high,
-        ratio_level=rl_cfg.ratio_level, aggregation=rl_cfg.aggregation, ref_logp=ref_logp,
-        kl_coef=0.0 if rl_cfg.kl_in_reward else rl_cfg.kl_coef, kl_estimator=rl_cfg.kl_estimator,
-        behav_logp=batch["behav_logp"], is_cap=rl_cfg.is_cap, entropy=entropy, entropy_coef=rl_cfg.entropy_coef)
+        logp,
+        old_logp,
+        batch["advantages"],
+        batch["loss_mask"],
+        clip_low=rl_cfg.clip_low,
+        clip_high=rl_cfg.clip_high,
+        ratio_level=rl_cfg.ratio_level,
+        aggregation=rl_cfg.aggregation,
+        ref_logp=ref_logp,
+        kl_coef=0.0 if rl_cfg.kl_in_reward else rl_cfg.kl_coef,
+        kl_estimator=rl_cfg.kl_estimator,
+        behav_logp=batch["behav_logp"],
+        is_cap=rl_cfg.is_cap,
+        entropy=entropy,
+        entropy_coef=rl_cfg.entropy_coef,
+    )
     if gae:
-        v_loss, v_metrics = value_loss(values, batch["old_values"], batch["returns"], batch["loss_mask"],
-                                       clip=rl_cfg.value_clip, aggregation=rl_cfg.aggregation)
+        v_loss, v_metrics = value_loss(
+            values,
+            batch["old_values"],
+            batch["returns"],
+            batch["loss_mask"],
+            clip=rl_cfg.value_clip,
+            aggregation=rl_cfg.aggregation,
+        )
         loss = loss + rl_cfg.value_coef * v_loss
         metrics.update(v_metrics)
     loss = loss + moe_penalty(aux, moe_cfg)
@@ -178,24 +201,41 @@ class Learner:
     the padding), so every minibatch holds real rows.
     """
 
-    def __init__(self, graphdef, tx, schedule, shardings, *, rl_cfg, moe_cfg, lora_cfg, sampling: SamplingParams,
-                 donate: bool, seed: int):
+    def __init__(
+        self,
+        graphdef,
+        tx,
+        schedule,
+        shardings,
+        *,
+        rl_cfg,
+        moe_cfg,
+        lora_cfg,
+        sampling: SamplingParams,
+        donate: bool,
+        seed: int,
+    ):
         self.rl_cfg, self.seed = rl_cfg, seed
         self.lora_cfg = lora_cfg
         loss = functools.partial(rl_loss, graphdef=graphdef, rl_cfg=rl_cfg, moe_cfg=moe_cfg, sampling=sampling)
         # Donation is only safe when no producer thread may still read the old weights.
-        self.step_fn = jax.jit(make_train_step(graphdef, tx, loss, schedule, lora_cfg),
-                               out_shardings=(shardings, None), donate_argnums=0 if donate else ())
+        self.step_fn = jax.jit(
+            make_train_step(graphdef, tx, loss, schedule, lora_cfg),
+            out_shardings=(shardings, None),
+            donate_argnums=0 if donate else (),
+        )
 
         def rollout_pass(params, rest, batch, *ref):
             """Log-probs (and values) of the rollout under the weights before the update, and the
             reference's log-probs when `ref` is given."""
-            logp, _, values, _ = learner_outputs(nnx.merge(graphdef, params, rest), batch, sampling,
-                                                 update_bias=False, values=rl_cfg.advantage == "gae")
+            logp, _, values, _ = learner_outputs(
+                nnx.merge(graphdef, params, rest), batch, sampling, update_bias=False, values=rl_cfg.advantage == "gae"
+            )
             out = {"rollout_logp": logp, **({"old_values": values} if values is not None else {})}
             if ref:
                 out["ref_logp"] = learner_logprobs(nnx.merge(graphdef, *ref), batch, sampling, update_bias=False)[0]
             return out
+
         self.rollout_pass_fn = jax.jit(rollout_pass)
         self.old_logprobs_fn = jax.jit(lambda params, rest, batch: rollout_pass(params, rest, batch)["rollout_logp"])
 
@@ -216,9 +256,10 @@ class Learner:
         if needed <= batch.keys():
             return batch
         rows = {k: batch[k] for k in ROW_KEYS}
-        out = self.rollout_pass_fn(model_params(state, self.lora_cfg), state.rest, put_batch(rows),
-                                   *(ref if kl_reward else ()))
-        out = {k: local_rows(v) for k, v in out.items()}       # this process's rows of the global batch
+        out = self.rollout_pass_fn(
+            model_params(state, self.lora_cfg), state.rest, put_batch(rows), *(ref if kl_reward else ())
+        )
+        out = {k: local_rows(v) for k, v in out.items()}  # this process's rows of the global batch
         if self.steps_per_batch > 1:
             out["old_logp"] = out["rollout_logp"]
         if not kl_reward:
@@ -237,7 +278,7 @@ class Learner:
         for _ in range(r.updates_per_batch):
             order = np.concatenate([rng.permutation(num_real_rows), np.arange(num_real_rows, n)])
             for j in range(r.minibatches):
-                rows = np.sort(order[j::r.minibatches])
+                rows = np.sort(order[j :: r.minibatches])
                 state, m = self.step_fn(state, put_batch({k: v[rows] for k, v in batch.items()}), *ref)
                 all_metrics.append(m)
         return state, combine_metrics(jax.device_get(all_metrics))

@@ -35,7 +35,7 @@ def kl_estimate(logp: jax.Array, ref_logp: jax.Array, estimator: str = "k3") -> 
     if estimator == "k1":
         return -log_r
     if estimator == "k2":
-        return 0.5 * log_r ** 2
+        return 0.5 * log_r**2
     return jnp.expm1(log_r) - log_r
 
 
@@ -65,8 +65,7 @@ def importance_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array, leve
     return jnp.exp(log_ratio)
 
 
-def clipped_surrogate(ratio: jax.Array, advantages: jax.Array, *, clip_low: float,
-                      clip_high: float) -> jax.Array:
+def clipped_surrogate(ratio: jax.Array, advantages: jax.Array, *, clip_low: float, clip_high: float) -> jax.Array:
     """PPO clipped objective as a per-token loss: −min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A).
 
     ratio [B, T]; advantages [B, T] (or broadcastable) → [B, T]. clip_high > clip_low is DAPO's
@@ -99,8 +98,7 @@ def aggregate(values: jax.Array, mask: jax.Array, mode: str, max_len_norm: float
     if mode not in AGGREGATIONS:
         raise ValueError(f"aggregation={mode!r}: expected one of {AGGREGATIONS}")
     if max_len_norm is not None and mode != "seq-mean-token-sum":
-        raise ValueError(f"max_len_norm={max_len_norm} applies to aggregation='seq-mean-token-sum' only, "
-                         f"not {mode!r}")
+        raise ValueError(f"max_len_norm={max_len_norm} applies to aggregation='seq-mean-token-sum' only, not {mode!r}")
     mask = mask.astype(bool)
     m = mask.astype(jnp.float32)
     total = jnp.where(mask, values, 0.0)
@@ -115,11 +113,25 @@ def aggregate(values: jax.Array, mask: jax.Array, mode: str, max_len_norm: float
     return per_seq.sum() / jnp.maximum((tokens > 0).sum(), 1)
 
 
-def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array, *,
-                clip_low: float, clip_high: float, ratio_level: str = "token", aggregation: str = "token-mean",
-                max_len_norm: float | None = None, ref_logp: jax.Array | None = None, kl_coef: float = 0.0,
-                kl_estimator: str = "k3", behav_logp: jax.Array | None = None, is_cap: float | None = None,
-                entropy: jax.Array | None = None, entropy_coef: float = 0.0) -> tuple[jax.Array, dict]:
+def policy_loss(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    clip_low: float,
+    clip_high: float,
+    ratio_level: str = "token",
+    aggregation: str = "token-mean",
+    max_len_norm: float | None = None,
+    ref_logp: jax.Array | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    behav_logp: jax.Array | None = None,
+    is_cap: float | None = None,
+    entropy: jax.Array | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[jax.Array, dict]:
     """The learner's loss: clipped surrogate (× truncated IS weight) + β·KL − α·entropy.
 
     logp, old_logp, mask [B, T]; advantages [B] (one per sequence) or [B, T] (per token, e.g.
@@ -174,8 +186,15 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
     return loss, metrics
 
 
-def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mask: jax.Array, *,
-               clip: float, aggregation: str = "token-mean") -> tuple[jax.Array, dict]:
+def value_loss(
+    values: jax.Array,
+    old_values: jax.Array,
+    returns: jax.Array,
+    mask: jax.Array,
+    *,
+    clip: float,
+    aggregation: str = "token-mean",
+) -> tuple[jax.Array, dict]:
     """The critic's loss: PPO's clipped value loss ½·max((V − R)², (V_clip − R)²).
 
     values [B, T] (the critic now), old_values [B, T] (the critic when the rollout's returns were
@@ -203,8 +222,13 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mas
     var_ret = _masked_mean((returns - ret_mean) ** 2, mask)
     err = returns - sg_v
     var_err = _masked_mean((err - _masked_mean(err, mask)) ** 2, mask)
-    return loss, {"rl/value_loss": loss, "rl/value_clip_frac": clipped_frac, "rl/value_mean": _masked_mean(sg_v, mask),
-                  "rl/return_mean": ret_mean, "rl/value_explained_var": 1.0 - var_err / jnp.maximum(var_ret, 1e-8)}
+    return loss, {
+        "rl/value_loss": loss,
+        "rl/value_clip_frac": clipped_frac,
+        "rl/value_mean": _masked_mean(sg_v, mask),
+        "rl/return_mean": ret_mean,
+        "rl/value_explained_var": 1.0 - var_err / jnp.maximum(var_ret, 1e-8),
+    }
 
 
 def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -215,5 +239,8 @@ def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
 def _masked_stats(name: str, x: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
     """`{name}_mean`, `_min`, `_max` of x [B, T] over the masked tokens (no gradient)."""
     x = jax.lax.stop_gradient(x)
-    return {f"{name}_mean": _masked_mean(x, mask), f"{name}_min": jnp.where(mask, x, jnp.inf).min(),
-            f"{name}_max": jnp.where(mask, x, -jnp.inf).max()}
+    return {
+        f"{name}_mean": _masked_mean(x, mask),
+        f"{name}_min": jnp.where(mask, x, jnp.inf).min(),
+        f"{name}_max": jnp.where(mask, x, -jnp.inf).max(),
+    }

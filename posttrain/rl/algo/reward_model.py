@@ -42,19 +42,33 @@ def reward_model_config(path: str) -> ml_collections.ConfigDict:
     _, _, meta = ckpt.restore(step, {})
     ckpt.close()
     if meta.get("stage") != "reward_model" or "config" not in meta:
-        raise ValueError(f"rl.reward_model={path!r}: checkpoint {step} is from stage {meta.get('stage')!r}, "
-                         "expected a run of the 'reward_model' stage")
+        raise ValueError(
+            f"rl.reward_model={path!r}: checkpoint {step} is from stage {meta.get('stage')!r}, "
+            "expected a run of the 'reward_model' stage"
+        )
     if meta["config"].get("lora", {}).get("rank", 0) > 0:
-        raise ValueError(f"rl.reward_model={path!r}: trained with LoRA (only adapters are checkpointed); "
-                         "train the reward model with lora.rank=0")
+        raise ValueError(
+            f"rl.reward_model={path!r}: trained with LoRA (only adapters are checkpointed); "
+            "train the reward model with lora.rank=0"
+        )
     return ml_collections.ConfigDict(meta["config"]["model"])
 
 
 class RewardModelScorer:
     """Scores token rows with a reward model's weights: `score(rows) -> [N] float32`."""
 
-    def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, mesh: Mesh, rules: Rules, *,
-                 pad_id: int, min_rows: int = 8, min_len: int = 16):
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        params: nnx.State,
+        rest: nnx.State,
+        mesh: Mesh,
+        rules: Rules,
+        *,
+        pad_id: int,
+        min_rows: int = 8,
+        min_len: int = 16,
+    ):
         self.params, self.rest, self.mesh, self.rules = params, rest, mesh, rules
         self.pad_id, self.min_rows, self.min_len = pad_id, min_rows, min_len
 
@@ -62,6 +76,7 @@ class RewardModelScorer:
         def forward(params, rest, inputs, positions, segment_ids):
             rewards, _ = nnx.merge(graphdef, params, rest).reward(inputs, positions, segment_ids)
             return rewards
+
         self._forward = forward
 
     @classmethod
@@ -79,13 +94,14 @@ class RewardModelScorer:
         if not rows:
             return np.zeros(0, np.float32)
         n, length = bucket(len(rows), self.min_rows), bucket(max(len(r) for r in rows), self.min_len)
-        built = [build_row([{"tokens": r, "loss_mask": np.zeros(len(r), bool)}], length, pad_id=self.pad_id)
-                 for r in rows]
+        built = [
+            build_row([{"tokens": r, "loss_mask": np.zeros(len(r), bool)}], length, pad_id=self.pad_id) for r in rows
+        ]
         empty = build_row([], length, pad_id=self.pad_id)
         batch = {k: np.stack([b[k] for b in built] + [empty[k]] * (n - len(rows))) for k in ROW_KEYS}
         with use_sharding(self.mesh, self.rules):
             out = self._forward(self.params, self.rest, **put_batch(batch))
-        return np.asarray(jax.device_get(out), np.float32)[:len(rows)]
+        return np.asarray(jax.device_get(out), np.float32)[: len(rows)]
 
 
 class RunningMeanStd:
@@ -106,7 +122,7 @@ class RunningMeanStd:
             total = self.count + n
             delta = mean - self.mean
             self.mean += delta * n / total
-            self.m2 += m2 + delta ** 2 * self.count * n / total
+            self.m2 += m2 + delta**2 * self.count * n / total
             self.count = total
 
     @property
@@ -129,8 +145,9 @@ class RunningMeanStd:
             self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
 
 
-def combine_rewards(verifier: np.ndarray, learned: np.ndarray | None, *, verifier_weight: float,
-                    reward_model_weight: float) -> np.ndarray:
+def combine_rewards(
+    verifier: np.ndarray, learned: np.ndarray | None, *, verifier_weight: float, reward_model_weight: float
+) -> np.ndarray:
     """The training reward: w_v · verifier reward + w_rm · (normalised) learned reward, float32."""
     out = verifier_weight * np.asarray(verifier, np.float32)
     if learned is not None:
@@ -154,8 +171,10 @@ class RewardComposer:
         """From the `rl` section; `rl.reward_model` must be a run dir here (a pipeline resolves "@stage")."""
         path = rl_cfg.reward_model
         if path.startswith("@"):
-            raise ValueError(f"rl.reward_model={path!r} names a pipeline stage: only a pipeline (stage='pipeline') "
-                             "resolves it; give the reward_model run dir instead")
+            raise ValueError(
+                f"rl.reward_model={path!r} names a pipeline stage: only a pipeline (stage='pipeline') "
+                "resolves it; give the reward_model run dir instead"
+            )
         return cls(rl_cfg, RewardModelScorer.load(path, mesh, rules, pad_id=pad_id) if path else None)
 
     def __call__(self, rows: Sequence[Sequence[int]], verifier: np.ndarray) -> tuple[np.ndarray, dict]:
@@ -168,8 +187,13 @@ class RewardComposer:
         if self.normalize:
             self.stats.update(raw)
             learned = self.stats.normalize(raw)
-        rewards = combine_rewards(verifier, learned, verifier_weight=self.verifier_weight,
-                                  reward_model_weight=self.reward_model_weight)
-        return rewards, {"rl/rm_score_mean": float(raw.mean()), "rl/rm_score_std": float(raw.std()),
-                         "rl/verifier_reward_mean": float(verifier.mean()),
-                         "rl/rm_running_mean": self.stats.mean, "rl/rm_running_std": self.stats.std}
+        rewards = combine_rewards(
+            verifier, learned, verifier_weight=self.verifier_weight, reward_model_weight=self.reward_model_weight
+        )
+        return rewards, {
+            "rl/rm_score_mean": float(raw.mean()),
+            "rl/rm_score_std": float(raw.std()),
+            "rl/verifier_reward_mean": float(verifier.mean()),
+            "rl/rm_running_mean": self.stats.mean,
+            "rl/rm_running_std": self.stats.std,
+        }

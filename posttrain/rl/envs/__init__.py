@@ -14,6 +14,24 @@ from posttrain.rl.envs.tool import (
     run_python,
 )
 
-__all__ = ["BatchPolicy", "ChatEnv", "Env", "Policy", "SingleTurnEnv", "Step", "TOOL_LIMITS", "TOOL_SYSTEM_PROMPT",
-           "Task", "ToolCall", "ToolCallEnv", "ToolCallError", "ToolEnv", "Trajectory", "continuation", "parse_tool_call",
-           "run_episode", "run_episodes", "run_python"]
+__all__ = [
+    "BatchPolicy",
+    "ChatEnv",
+    "Env",
+    "Policy",
+    "SingleTurnEnv",
+    "Step",
+    "TOOL_LIMITS",
+    "TOOL_SYSTEM_PROMPT",
+    "Task",
+    "ToolCall",
+    "ToolCallEnv",
+    "ToolCallError",
+    "ToolEnv",
+    "Trajectory",
+    "continuation",
+    "parse_tool_call",
+    "run_episode",
+    "run_episodes",
+    "run_python",
+]

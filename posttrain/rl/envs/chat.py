@@ -32,13 +32,15 @@ def continuation(tok: Tokenizer, messages: list[dict], new: list[dict]) -> list[
     """
     before, _ = tok.encode_chat(messages)
     after, _ = tok.encode_chat(messages + new, add_generation_prompt=True)
-    if after[:len(before)] != before:
-        raise ValueError("the chat template renders the conversation differently when "
-                         f"{[m['role'] for m in new]} messages follow, so turns cannot be appended as tokens")
+    if after[: len(before)] != before:
+        raise ValueError(
+            "the chat template renders the conversation differently when "
+            f"{[m['role'] for m in new]} messages follow, so turns cannot be appended as tokens"
+        )
     stops = [i for i, t in enumerate(before) if t in tok.stop_ids]
     if not stops:
         raise ValueError(f"the chat template ends an assistant turn with none of the stop tokens {tok.stop_ids}")
-    return before[stops[-1] + 1:] + after[len(before):]
+    return before[stops[-1] + 1 :] + after[len(before) :]
 
 
 class ChatEnv:
@@ -52,8 +54,9 @@ class ChatEnv:
 
     max_turns = 1
 
-    def __init__(self, tok: Tokenizer, reward_fn: RewardFunction, *, max_turn_tokens: int,
-                 system_prompt: str | None = None) -> None:
+    def __init__(
+        self, tok: Tokenizer, reward_fn: RewardFunction, *, max_turn_tokens: int, system_prompt: str | None = None
+    ) -> None:
         if max_turn_tokens <= 0:
             raise ValueError(f"max_turn_tokens must be positive, got {max_turn_tokens}")
         self.tok = tok
@@ -72,8 +75,13 @@ class ChatEnv:
         self._messages = system + list(task.prompt)
         ids, _ = self.tok.encode_chat(self._messages, add_generation_prompt=True)
         self._task, self._done = task, False
-        self._traj = Trajectory(task.id, list(ids), [False] * len(ids), len(ids),
-                                info={"tool_calls": 0, "invalid_tool_calls": 0, "truncated": None})
+        self._traj = Trajectory(
+            task.id,
+            list(ids),
+            [False] * len(ids),
+            len(ids),
+            info={"tool_calls": 0, "invalid_tool_calls": 0, "truncated": None},
+        )
         return list(ids)
 
     @property
@@ -85,8 +93,10 @@ class ChatEnv:
     def _check_target(self, task: Task) -> None:
         """Raise TypeError unless this env can score `task` (its reward function has a verifier for it)."""
         if type(task.target) not in self.reward_fn.verifiers:
-            raise TypeError(f"task {task.id!r}: the reward function has no verifier for "
-                            f"{type(task.target).__name__}; known: {[t.__name__ for t in self.reward_fn.verifiers]}")
+            raise TypeError(
+                f"task {task.id!r}: the reward function has no verifier for "
+                f"{type(task.target).__name__}; known: {[t.__name__ for t in self.reward_fn.verifiers]}"
+            )
 
     def trajectory(self) -> Trajectory:
         """The current episode's trajectory (complete once `step` returned done)."""
@@ -98,13 +108,16 @@ class ChatEnv:
         """Record the model's turn (cut to the token budget); returns its text and, when the
         turn did not end with a stop token, why (`"turn_tokens"` or `"no_stop"`)."""
         if self._traj is None or self._done:
-            raise RuntimeError(f"{type(self).__name__}.step() needs reset() first (episode "
-                               f"{'over' if self._done else 'not started'})")
-        kept = [int(t) for t in action[:self.max_turn_tokens]]
+            raise RuntimeError(
+                f"{type(self).__name__}.step() needs reset() first (episode {'over' if self._done else 'not started'})"
+            )
+        kept = [int(t) for t in action[: self.max_turn_tokens]]
         stops = [i for i, t in enumerate(kept) if t in self.tok.stop_ids]
         if stops and stops[0] != len(kept) - 1:
-            raise ValueError(f"action has a stop token at position {stops[0]} of {len(kept)}: a turn "
-                             "must end at its first stop token")
+            raise ValueError(
+                f"action has a stop token at position {stops[0]} of {len(kept)}: a turn "
+                "must end at its first stop token"
+            )
         self._traj.extend(kept, generated=True)
         self._traj.turns += 1
         text = self.tok.decode(kept)
@@ -117,9 +130,12 @@ class ChatEnv:
         """End the episode: score `answer` (or take the env's own `verdict`; correctness 0 when
         truncated) with the episode's tool-call counts, and store the reward in the trajectory."""
         traj, info = self._traj, self._traj.info
-        kw: dict[str, Any] = {"num_tokens": traj.num_generated, "tool_calls": info["tool_calls"],
-                              "invalid_tool_calls": info["invalid_tool_calls"],
-                              "redundant_tool_calls": info.get("redundant_tool_calls", 0)}
+        kw: dict[str, Any] = {
+            "num_tokens": traj.num_generated,
+            "tool_calls": info["tool_calls"],
+            "invalid_tool_calls": info["invalid_tool_calls"],
+            "redundant_tool_calls": info.get("redundant_tool_calls", 0),
+        }
         if truncated is not None:
             verdict = Verdict(0.0, False, f"truncated: {truncated}")
         if verdict is None:
@@ -138,4 +154,3 @@ class SingleTurnEnv(ChatEnv):
         """Record the model's answer and score it; the episode is done."""
         text, truncated = self._take(action)
         return self._finish(text, truncated=truncated)
-

@@ -12,8 +12,9 @@ from posttrain.rl.envs.base import Env, Policy, Task, Trajectory
 BatchPolicy = Callable[[list[list[int]]], list[list[int]]]  # contexts -> one turn of tokens each
 
 
-def run_episodes(envs: Sequence[Env], tasks: Sequence[Task], sample: BatchPolicy, *,
-                 max_workers: int | None = None) -> list[Trajectory]:
+def run_episodes(
+    envs: Sequence[Env], tasks: Sequence[Task], sample: BatchPolicy, *, max_workers: int | None = None
+) -> list[Trajectory]:
     """Run one episode per (env, task) in lockstep: each round, one `sample` call continues
     every unfinished episode (so the sampler batches them), then their environments step on a
     thread pool of `max_workers` (tool runs and code verification wait on sandboxes, not the
@@ -40,8 +41,10 @@ def run_episodes(envs: Sequence[Env], tasks: Sequence[Task], sample: BatchPolicy
             active = [i for i, s in zip(active, steps) if not s.done]
             for i in active:
                 if envs[i].trajectory().turns >= envs[i].max_turns:
-                    raise RuntimeError(f"{type(envs[i]).__name__} did not end task {tasks[i].id!r} "
-                                       f"after its max_turns={envs[i].max_turns}")
+                    raise RuntimeError(
+                        f"{type(envs[i]).__name__} did not end task {tasks[i].id!r} "
+                        f"after its max_turns={envs[i].max_turns}"
+                    )
     return [env.trajectory() for env in envs]
 
 

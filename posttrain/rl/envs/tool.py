@@ -29,13 +29,21 @@ from posttrain.rl.reward import RewardFunction
 from posttrain.sandbox import Limits, Sandbox, Status, python_job
 
 TOOLS = ("python",)
-TOOL_LIMITS = Limits(cpu_s=2, wall_s=5.0, memory_bytes=512 << 20, processes=16, file_bytes=4 << 20,
-                     output_bytes=16 << 10, disk_bytes=16 << 20)
+TOOL_LIMITS = Limits(
+    cpu_s=2,
+    wall_s=5.0,
+    memory_bytes=512 << 20,
+    processes=16,
+    file_bytes=4 << 20,
+    output_bytes=16 << 10,
+    disk_bytes=16 << 20,
+)
 TOOL_SYSTEM_PROMPT = (
     "You can run Python code before answering. To run code, end your turn with one tool call:\n"
     "<tool>python\nprint(2 + 2)\n</tool>\n"
     "The code runs as a fresh program without network access; you will see what it printed as "
-    "<output>...</output>. When you know the answer, reply without a tool call.")
+    "<output>...</output>. When you know the answer, reply without a tool call."
+)
 _CALL = re.compile(r"<tool>([A-Za-z_][\w-]*)\n(.*?)</tool>", re.DOTALL)
 
 
@@ -61,7 +69,7 @@ def parse_tool_call(text: str, tools: tuple[str, ...] = TOOLS) -> ToolCall | Non
         raise ToolCallError("malformed tool call: expected <tool>NAME, a newline, the code, then </tool>")
     if len(calls) > 1 or text.count("<tool>") > 1:
         raise ToolCallError(f"{text.count('<tool>')} tool calls in one turn: make one call per turn")
-    if text[calls[0].end():].strip():
+    if text[calls[0].end() :].strip():
         raise ToolCallError("text after </tool>: a tool call must end the turn")
     if calls[0].group(1) not in tools:
         raise ToolCallError(f"unknown tool {calls[0].group(1)!r}; available: {', '.join(tools)}")
@@ -93,8 +101,17 @@ class ToolCallEnv(ChatEnv):
 
     tools: tuple[str, ...] = TOOLS
 
-    def __init__(self, tok: Tokenizer, reward_fn: RewardFunction, *, max_turns: int, max_turn_tokens: int,
-                 max_output_chars: int, system_prompt: str | None, observation_role: str = "tool") -> None:
+    def __init__(
+        self,
+        tok: Tokenizer,
+        reward_fn: RewardFunction,
+        *,
+        max_turns: int,
+        max_turn_tokens: int,
+        max_output_chars: int,
+        system_prompt: str | None,
+        observation_role: str = "tool",
+    ) -> None:
         super().__init__(tok, reward_fn, max_turn_tokens=max_turn_tokens, system_prompt=system_prompt)
         if max_turns < 1:
             raise ValueError(f"{type(self).__name__}: max_turns must be >= 1, got {max_turns}")
@@ -140,12 +157,28 @@ class ToolEnv(ToolCallEnv):
     for `ToolCallEnv`.
     """
 
-    def __init__(self, tok: Tokenizer, reward_fn: RewardFunction, sandbox: Sandbox, *, max_turns: int = 4,
-                 max_turn_tokens: int = 512, tool_limits: Limits = TOOL_LIMITS, max_output_chars: int = 2000,
-                 system_prompt: str | None = TOOL_SYSTEM_PROMPT, observation_role: str = "tool") -> None:
-        super().__init__(tok, reward_fn, max_turns=max_turns, max_turn_tokens=max_turn_tokens,
-                         max_output_chars=max_output_chars, system_prompt=system_prompt,
-                         observation_role=observation_role)
+    def __init__(
+        self,
+        tok: Tokenizer,
+        reward_fn: RewardFunction,
+        sandbox: Sandbox,
+        *,
+        max_turns: int = 4,
+        max_turn_tokens: int = 512,
+        tool_limits: Limits = TOOL_LIMITS,
+        max_output_chars: int = 2000,
+        system_prompt: str | None = TOOL_SYSTEM_PROMPT,
+        observation_role: str = "tool",
+    ) -> None:
+        super().__init__(
+            tok,
+            reward_fn,
+            max_turns=max_turns,
+            max_turn_tokens=max_turn_tokens,
+            max_output_chars=max_output_chars,
+            system_prompt=system_prompt,
+            observation_role=observation_role,
+        )
         self.sandbox = sandbox
         self.tool_limits = tool_limits
 

@@ -38,10 +38,19 @@ from posttrain.sandbox import Job, Limits, Sandbox, Status
 from posttrain.sandbox.isolation import sandbox_python
 from posttrain.sandbox.session import SESSION_TOOLS, Session, Snapshot
 
-WORKSPACE_LIMITS = Limits(cpu_s=2, wall_s=5.0, memory_bytes=512 << 20, processes=16, file_bytes=1 << 20,
-                          output_bytes=16 << 10, disk_bytes=1 << 20)
-WORKSPACE_SYSTEM_PROMPT = ("Run shell commands in the repository with one call per turn:\n<tool>sh\nls\n</tool>\n"
-                           "Reply without a call when you are done.")
+WORKSPACE_LIMITS = Limits(
+    cpu_s=2,
+    wall_s=5.0,
+    memory_bytes=512 << 20,
+    processes=16,
+    file_bytes=1 << 20,
+    output_bytes=16 << 10,
+    disk_bytes=1 << 20,
+)
+WORKSPACE_SYSTEM_PROMPT = (
+    "Run shell commands in the repository with one call per turn:\n<tool>sh\nls\n</tool>\n"
+    "Reply without a call when you are done."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,16 +86,32 @@ class WorkspaceEnv(ToolCallEnv):
 
     tools = SESSION_TOOLS
 
-    def __init__(self, tok: Tokenizer, reward_fn: RewardFunction, sandbox: Sandbox, *, max_turns: int = 4,
-                 max_turn_tokens: int = 128, limits: Limits = WORKSPACE_LIMITS, max_output_chars: int = 1000,
-                 max_workspace_bytes: int = 256 << 10, system_prompt: str | None = WORKSPACE_SYSTEM_PROMPT,
-                 observation_role: str = "tool") -> None:
-        super().__init__(tok, reward_fn, max_turns=max_turns, max_turn_tokens=max_turn_tokens,
-                         max_output_chars=max_output_chars, system_prompt=system_prompt,
-                         observation_role=observation_role)
+    def __init__(
+        self,
+        tok: Tokenizer,
+        reward_fn: RewardFunction,
+        sandbox: Sandbox,
+        *,
+        max_turns: int = 4,
+        max_turn_tokens: int = 128,
+        limits: Limits = WORKSPACE_LIMITS,
+        max_output_chars: int = 1000,
+        max_workspace_bytes: int = 256 << 10,
+        system_prompt: str | None = WORKSPACE_SYSTEM_PROMPT,
+        observation_role: str = "tool",
+    ) -> None:
+        super().__init__(
+            tok,
+            reward_fn,
+            max_turns=max_turns,
+            max_turn_tokens=max_turn_tokens,
+            max_output_chars=max_output_chars,
+            system_prompt=system_prompt,
+            observation_role=observation_role,
+        )
         self.sandbox, self.limits, self.max_workspace_bytes = sandbox, limits, max_workspace_bytes
         self.session: Session | None = None
-        self.snapshots: list[Snapshot] = []   # after each call of the episode
+        self.snapshots: list[Snapshot] = []  # after each call of the episode
         self._seen: set[str] = set()
 
     def _check_target(self, task: Task) -> None:
@@ -104,8 +129,14 @@ class WorkspaceEnv(ToolCallEnv):
         return ids
 
     def _session(self, state: Snapshot) -> Session:
-        return Session(self.sandbox, state, limits=self.limits, max_calls=self.max_turns,
-                       max_bytes=self.max_workspace_bytes, max_output_bytes=4 * self.max_output_chars)
+        return Session(
+            self.sandbox,
+            state,
+            limits=self.limits,
+            max_calls=self.max_turns,
+            max_bytes=self.max_workspace_bytes,
+            max_output_bytes=4 * self.max_output_chars,
+        )
 
     def _call(self, call: ToolCall, info: dict) -> str:
         """Run one call in the session; count it (ok / invalid / redundant); returns what the model sees."""
@@ -117,13 +148,16 @@ class WorkspaceEnv(ToolCallEnv):
         info["env_s"] += time.perf_counter() - t0
         self.snapshots.append(self.session.snapshot())
         info["tool_ok"] += res.ok
-        info["invalid_tool_calls"] += res.status not in (Status.PASS, Status.ERROR)   # ERROR: the sandbox's fault
+        info["invalid_tool_calls"] += res.status not in (Status.PASS, Status.ERROR)  # ERROR: the sandbox's fault
         out = res.output.decode(errors="replace")
         if len(out) > self.max_output_chars:
-            out = out[:self.max_output_chars] + f"\n[... {len(out) - self.max_output_chars} more characters]"
+            out = out[: self.max_output_chars] + f"\n[... {len(out) - self.max_output_chars} more characters]"
         if res.status is not Status.PASS:
-            status = res.status.value + (f", exit {res.exit_code}" if res.exit_code else "") + \
-                (f", {res.limit} limit" if res.limit else "")
+            status = (
+                res.status.value
+                + (f", exit {res.exit_code}" if res.exit_code else "")
+                + (f", {res.limit} limit" if res.limit else "")
+            )
             out += ("\n" if out and not out.endswith("\n") else "") + f"[status: {status}]"
         return out
 

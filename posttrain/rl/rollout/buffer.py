@@ -39,12 +39,16 @@ class Rollout:
 
     def __post_init__(self) -> None:
         if len(self.behav_logprobs) != len(self.group.trajectories):
-            raise ValueError(f"Rollout of task {self.group.task.id!r}: {len(self.behav_logprobs)} behav_logprobs "
-                             f"for {len(self.group.trajectories)} trajectories")
+            raise ValueError(
+                f"Rollout of task {self.group.task.id!r}: {len(self.behav_logprobs)} behav_logprobs "
+                f"for {len(self.group.trajectories)} trajectories"
+            )
         for j, (lp, traj) in enumerate(zip(self.behav_logprobs, self.group.trajectories)):
             if len(lp) != len(traj.tokens):
-                raise ValueError(f"Rollout of task {self.group.task.id!r}: behav_logprobs[{j}] has {len(lp)} "
-                                 f"entries for {len(traj.tokens)} tokens")
+                raise ValueError(
+                    f"Rollout of task {self.group.task.id!r}: behav_logprobs[{j}] has {len(lp)} "
+                    f"entries for {len(traj.tokens)} tokens"
+                )
 
 
 class RolloutBuffer:
@@ -96,8 +100,7 @@ class RolloutBuffer:
                 if len(self._queue) >= num_groups or self._closed:
                     break
                 if _remaining(deadline) == 0:
-                    raise TimeoutError(f"RolloutBuffer.get: {len(self._queue)} of {num_groups} groups "
-                                       f"after {timeout}s")
+                    raise TimeoutError(f"RolloutBuffer.get: {len(self._queue)} of {num_groups} groups after {timeout}s")
                 self._not_empty.wait(_remaining(deadline))
             out = [self._queue.popleft() for _ in range(min(num_groups, len(self._queue)))]
             self._handed_out += len(out)
@@ -129,11 +132,13 @@ class RolloutBuffer:
         `rl/buffer_dropped_stale` and `rl/buffer_handed_out`; `rl/buffer_size` now."""
         with self._lock:
             last = self._last_staleness
-            return {"rl/staleness_mean": float(np.mean(last)) if last else 0.0,
-                    "rl/staleness_max": float(max(last, default=0)),
-                    "rl/buffer_dropped_stale": float(self._dropped),
-                    "rl/buffer_handed_out": float(self._handed_out),
-                    "rl/buffer_size": float(len(self._queue))}
+            return {
+                "rl/staleness_mean": float(np.mean(last)) if last else 0.0,
+                "rl/staleness_max": float(max(last, default=0)),
+                "rl/buffer_dropped_stale": float(self._dropped),
+                "rl/buffer_handed_out": float(self._handed_out),
+                "rl/buffer_size": float(len(self._queue)),
+            }
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -66,26 +66,37 @@ from posttrain.sampling.generate import Samples
 @dataclasses.dataclass
 class Cohort:
     """A fixed set of a batch's episodes that share sampler calls, turn by turn."""
+
     index: int
-    active: list[int]             # unfinished episodes, in episode order
-    turn: int = 0                 # sampler calls made so far
-    samples: Samples | None = None                      # the last call's samples, while its steps run
-    actions: list[list[int]] | None = None              # their completions (the actions stepped)
-    steps: dict[int, concurrent.futures.Future] | None = None   # this process's environment steps of that call
+    active: list[int]  # unfinished episodes, in episode order
+    turn: int = 0  # sampler calls made so far
+    samples: Samples | None = None  # the last call's samples, while its steps run
+    actions: list[list[int]] | None = None  # their completions (the actions stepped)
+    steps: dict[int, concurrent.futures.Future] | None = None  # this process's environment steps of that call
 
 
 @dataclasses.dataclass
 class Episodes:
     """The episodes of one batch: the token context of every episode (on every process), and the
     environments and behaviour log-probs of this process's share."""
+
     contexts: list[list[int]]
     envs: dict[int, object]
     behav: dict[int, list[float]]
     times: dict[str, float]
 
 
-def rollout_episodes(worker: RolloutWorker, params, rest, tasks: list[tuple[str, object]], key, *,
-                     num_samples: int | None = None, greedy: bool = False, cohorts: int = 1) -> RolloutBatch:
+def rollout_episodes(
+    worker: RolloutWorker,
+    params,
+    rest,
+    tasks: list[tuple[str, object]],
+    key,
+    *,
+    num_samples: int | None = None,
+    greedy: bool = False,
+    cohorts: int = 1,
+) -> RolloutBatch:
     """Run `num_samples` episodes of each (domain, task) to the end with the given weights, in
     `cohorts` pipelined cohorts (module docstring), and return this process's share of them as
     verified groups (rewards from the environments' final checks)."""
@@ -105,9 +116,18 @@ def rollout_episodes(worker: RolloutWorker, params, rest, tasks: list[tuple[str,
             if cohort.steps is not None:
                 _finish_steps(cohort, batch)
             if cohort.active:
-                _start_turn(worker, params, rest, cohort, batch, sampling, turn_key(key, cohort.index, cohort.turn, cohorts))
-    return _as_batch(tasks[share], g, [envs[i] for i in sorted(envs)], [batch.behav[i] for i in sorted(envs)],
-                     batch.times["model_s"], batch.times["env_s"], time.perf_counter() - t_start)
+                _start_turn(
+                    worker, params, rest, cohort, batch, sampling, turn_key(key, cohort.index, cohort.turn, cohorts)
+                )
+    return _as_batch(
+        tasks[share],
+        g,
+        [envs[i] for i in sorted(envs)],
+        [batch.behav[i] for i in sorted(envs)],
+        batch.times["model_s"],
+        batch.times["env_s"],
+        time.perf_counter() - t_start,
+    )
 
 
 def turn_key(key: jax.Array, cohort: int, turn: int, cohorts: int) -> jax.Array:
@@ -126,6 +146,7 @@ def _start_turn(worker: RolloutWorker, params, rest, cohort: Cohort, batch: Epis
     def step(i: int, action: list[int]):
         t = time.perf_counter()
         return batch.envs[i].step(action), t, time.perf_counter()
+
     cohort.samples, cohort.turn = samples, cohort.turn + 1
     cohort.actions = [samples.completion(j) for j in range(len(cohort.active))]
     cohort.steps = {i: worker.pool.submit(step, i, a) for i, a in zip(cohort.active, cohort.actions) if i in batch.envs}
@@ -144,34 +165,50 @@ def _finish_steps(cohort: Cohort, batch: Episodes) -> None:
         obs, _ = stepped[i]
         batch.contexts[i] = batch.contexts[i] + cohort.actions[j] + obs
         if i in batch.envs:
-            batch.behav[i] += cohort.samples.sampling_logprobs[j, :len(cohort.actions[j])].tolist() + [0.0] * len(obs)
+            batch.behav[i] += cohort.samples.sampling_logprobs[j, : len(cohort.actions[j])].tolist() + [0.0] * len(obs)
             if not len(batch.behav[i]) == len(batch.contexts[i]) == len(batch.envs[i].trajectory().tokens):
-                raise RuntimeError(f"episode {i}: {len(batch.behav[i])} log-probs for "
-                                   f"{len(batch.envs[i].trajectory().tokens)} tokens (the environment must keep a "
-                                   "turn's tokens as sampled)")
+                raise RuntimeError(
+                    f"episode {i}: {len(batch.behav[i])} log-probs for "
+                    f"{len(batch.envs[i].trajectory().tokens)} tokens (the environment must keep a "
+                    "turn's tokens as sampled)"
+                )
     cohort.active = [i for i in cohort.active if not stepped[i][1]]
     cohort.samples, cohort.actions, cohort.steps = None, None, None
 
 
-def _as_batch(tasks, g: int, envs: list, behav: list[list[float]], model_s: float, env_s: float,
-              episodes_s: float) -> RolloutBatch:
+def _as_batch(
+    tasks, g: int, envs: list, behav: list[list[float]], model_s: float, env_s: float, episodes_s: float
+) -> RolloutBatch:
     """The finished episodes as groups of `g`, with the episode metrics."""
     trajs = [env.trajectory() for env in envs]
-    groups = [Group(d, task, [t.reward.score for t in trajs[j * g:(j + 1) * g]], trajs[j * g:(j + 1) * g])
-              for j, (d, task) in enumerate(tasks)]
+    groups = [
+        Group(d, task, [t.reward.score for t in trajs[j * g : (j + 1) * g]], trajs[j * g : (j + 1) * g])
+        for j, (d, task) in enumerate(tasks)
+    ]
     lengths = np.array([t.num_generated for t in trajs])
     turns = sum(t.turns for t in trajs)
     calls = sum(t.info.get("tool_calls", 0) for t in trajs)
-    info = {"gen_s": model_s, "verify_s": env_s, "model_s": model_s, "env_s": env_s,
-            "env_frac": env_s / max(model_s + env_s, 1e-9), "episodes_s": episodes_s,
-            "response_len_mean": float(lengths.mean()), "response_len_max": int(lengths.max()),
-            "truncated_frac": float(np.mean([t.info.get("truncated") is not None for t in trajs])),
-            "new_tokens": int(lengths.sum()), "responses": len(trajs),
-            "verifier_errors": sum(t.reward.error is not None for t in trajs),
-            # counts, summed over processes and sampling rounds; the rates below are their ratios (hosts.RATIOS)
-            "episodes_solved": sum(t.reward.parts["correct"] >= 1.0 for t in trajs), "episode_turns": turns,
-            "episode_calls": calls, "episode_calls_ok": sum(t.info.get("tool_ok", 0) for t in trajs),
-            "episode_calls_invalid": sum(t.info.get("invalid_tool_calls", 0) for t in trajs)}
+    info = {
+        "gen_s": model_s,
+        "verify_s": env_s,
+        "model_s": model_s,
+        "env_s": env_s,
+        "env_frac": env_s / max(model_s + env_s, 1e-9),
+        "episodes_s": episodes_s,
+        "response_len_mean": float(lengths.mean()),
+        "response_len_max": int(lengths.max()),
+        "truncated_frac": float(np.mean([t.info.get("truncated") is not None for t in trajs])),
+        "new_tokens": int(lengths.sum()),
+        "responses": len(trajs),
+        "verifier_errors": sum(t.reward.error is not None for t in trajs),
+        # counts, summed over processes and sampling rounds; the rates below are their ratios (hosts.RATIOS)
+        "episodes_solved": sum(t.reward.parts["correct"] >= 1.0 for t in trajs),
+        "episode_turns": turns,
+        "episode_calls": calls,
+        "episode_calls_ok": sum(t.info.get("tool_ok", 0) for t in trajs),
+        "episode_calls_invalid": sum(t.info.get("invalid_tool_calls", 0) for t in trajs),
+    }
     info.update(ratios(info))
-    return RolloutBatch(groups, [[np.asarray(b, np.float32) for b in behav[j * g:(j + 1) * g]]
-                                 for j in range(len(tasks))], info)
+    return RolloutBatch(
+        groups, [[np.asarray(b, np.float32) for b in behav[j * g : (j + 1) * g]] for j in range(len(tasks))], info
+    )

@@ -39,7 +39,9 @@ def group_share(num_groups: int, *, exact: bool) -> slice:
     n, i = jax.process_count(), jax.process_index()
     if exact and num_groups % n:
         raise ValueError(f"{num_groups} groups cannot be split evenly over {n} processes")
-    bounds = np.linspace(0, num_groups, n + 1).round().astype(int) if not exact else np.arange(n + 1) * (num_groups // n)
+    bounds = (
+        np.linspace(0, num_groups, n + 1).round().astype(int) if not exact else np.arange(n + 1) * (num_groups // n)
+    )
     return slice(int(bounds[i]), int(bounds[i + 1]))
 
 
@@ -48,16 +50,26 @@ def check_multihost_rl(cfg) -> None:
     n, r = jax.process_count(), cfg.rl
     if n == 1:
         return
-    refused = {"rl.filter_groups": bool(r.filter_groups), "rl.max_staleness": r.max_staleness > 0,
-               "rl.reward_model": bool(r.reward_model), "rl.advantage": r.advantage == "gae",
-               "rl.rollouts_every": r.rollouts_every > 0}
+    refused = {
+        "rl.filter_groups": bool(r.filter_groups),
+        "rl.max_staleness": r.max_staleness > 0,
+        "rl.reward_model": bool(r.reward_model),
+        "rl.advantage": r.advantage == "gae",
+        "rl.rollouts_every": r.rollouts_every > 0,
+    }
     for key, bad in refused.items():
         if bad:
-            raise UserError(f"{key}={r[key.split('.')[1]]!r} is not supported with {n} processes (see posttrain/rl/"
-                            "hosts.py); run it in one process or change the key", key=key)
+            raise UserError(
+                f"{key}={r[key.split('.')[1]]!r} is not supported with {n} processes (see posttrain/rl/"
+                "hosts.py); run it in one process or change the key",
+                key=key,
+            )
     if r.prompts_per_step % n:
-        raise UserError(f"rl.prompts_per_step={r.prompts_per_step}: with {n} processes each holds whole groups; "
-                        f"use a multiple of {n}", key="rl.prompts_per_step")
+        raise UserError(
+            f"rl.prompts_per_step={r.prompts_per_step}: with {n} processes each holds whole groups; "
+            f"use a multiple of {n}",
+            key="rl.prompts_per_step",
+        )
 
 
 def all_group_rewards(groups: list) -> list[tuple[str, str, list[float]]]:
@@ -81,15 +93,22 @@ def all_values(values: np.ndarray) -> np.ndarray:
 
 # rate -> (numerator, denominator): rates of counts (e.g. of multi-turn episodes) recomputed from the
 # counts once these are summed over sampling rounds and processes
-RATIOS = {"tool_success_rate": ("episodes_solved", "responses"), "turns_per_episode": ("episode_turns", "responses"),
-          "calls_per_turn": ("episode_calls", "episode_turns"), "tool_call_ok_rate": ("episode_calls_ok", "episode_calls"),
-          "invalid_call_rate": ("episode_calls_invalid", "episode_calls")}
+RATIOS = {
+    "tool_success_rate": ("episodes_solved", "responses"),
+    "turns_per_episode": ("episode_turns", "responses"),
+    "calls_per_turn": ("episode_calls", "episode_turns"),
+    "tool_call_ok_rate": ("episode_calls_ok", "episode_calls"),
+    "invalid_call_rate": ("episode_calls_invalid", "episode_calls"),
+}
 
 
 def ratios(info: dict[str, Any]) -> dict[str, float]:
     """The `RATIOS` whose counts `info` holds (0 where the denominator is 0)."""
-    return {k: info[num] / info[den] if info[den] else 0.0 for k, (num, den) in RATIOS.items()
-            if num in info and den in info}
+    return {
+        k: info[num] / info[den] if info[den] else 0.0
+        for k, (num, den) in RATIOS.items()
+        if num in info and den in info
+    }
 
 
 def combine_info(info: dict[str, Any], summed: tuple[str, ...]) -> dict[str, Any]:

@@ -50,17 +50,27 @@ class RolloutLog:
         for i in picked:
             ro, g, traj = samples[i]
             reward = traj.reward
-            out.append(_finite({
-                "step": step, "policy_version": ro.version, "domain": ro.group.domain, "task_id": traj.task_id,
-                "difficulty": getattr(ro.group.task, "difficulty", None), "sample": g,
-                "prompt": self.tok.decode(traj.tokens[:traj.prompt_len]),
-                "response": self.tok.decode(traj.tokens[traj.prompt_len:]),
-                "reward": float(ro.group.rewards[g]),
-                "parts": dict(reward.parts) if reward else {},
-                "verifier_parts": dict(reward.verifier_parts) if reward else {},
-                "error": reward.error if reward else None,
-                "truncated": traj.info.get("truncated"), "turns": traj.turns, "num_tokens": traj.num_generated,
-            }))
+            out.append(
+                _finite(
+                    {
+                        "step": step,
+                        "policy_version": ro.version,
+                        "domain": ro.group.domain,
+                        "task_id": traj.task_id,
+                        "difficulty": getattr(ro.group.task, "difficulty", None),
+                        "sample": g,
+                        "prompt": self.tok.decode(traj.tokens[: traj.prompt_len]),
+                        "response": self.tok.decode(traj.tokens[traj.prompt_len :]),
+                        "reward": float(ro.group.rewards[g]),
+                        "parts": dict(reward.parts) if reward else {},
+                        "verifier_parts": dict(reward.verifier_parts) if reward else {},
+                        "error": reward.error if reward else None,
+                        "truncated": traj.info.get("truncated"),
+                        "turns": traj.turns,
+                        "num_tokens": traj.num_generated,
+                    }
+                )
+            )
         return out
 
     def write(self, step: int, rollouts: Sequence[Rollout]) -> str | None:
@@ -69,8 +79,10 @@ class RolloutLog:
             return None
         storage.makedirs(self.dir)
         path = storage.join(self.dir, f"{step:07d}.jsonl")
-        text = "".join(json.dumps(rec, allow_nan=False, ensure_ascii=False) + "\n" for rec in self.records(step, rollouts))
-        if storage.is_url(path):          # an object appears whole when its upload completes
+        text = "".join(
+            json.dumps(rec, allow_nan=False, ensure_ascii=False) + "\n" for rec in self.records(step, rollouts)
+        )
+        if storage.is_url(path):  # an object appears whole when its upload completes
             storage.write_text(path, text)
         else:
             storage.write_text(path + ".tmp", text)

@@ -32,17 +32,29 @@ class AsyncProducer:
     run continues the sequence.
     """
 
-    def __init__(self, worker: RolloutWorker, scheduler: TaskScheduler, *, num_groups: int, max_staleness: int,
-                 base_key: jax.Array, start: int, weights: tuple, mesh, rules, poll_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        worker: RolloutWorker,
+        scheduler: TaskScheduler,
+        *,
+        num_groups: int,
+        max_staleness: int,
+        base_key: jax.Array,
+        start: int,
+        weights: tuple,
+        mesh,
+        rules,
+        poll_s: float = 0.2,
+    ) -> None:
         if max_staleness < 1:
             raise ValueError(f"AsyncProducer needs max_staleness >= 1 (0 is the synchronous loop), got {max_staleness}")
         self.worker, self.scheduler = worker, scheduler
         self.num_groups, self.max_staleness, self.base_key = num_groups, max_staleness, base_key
         self.mesh, self.rules, self.poll_s = mesh, rules, poll_s
         self.buffer = RolloutBuffer(num_groups * (max_staleness + 1), max_staleness)
-        self._cv = threading.Condition()          # guards everything below and the scheduler
+        self._cv = threading.Condition()  # guards everything below and the scheduler
         self._version, self._weights, self._produced = start, weights, start
-        self._batches: collections.deque[RolloutBatch] = collections.deque()   # verified, metadata only
+        self._batches: collections.deque[RolloutBatch] = collections.deque()  # verified, metadata only
         self._error: BaseException | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, daemon=True, name="rollouts")
@@ -71,7 +83,9 @@ class AsyncProducer:
                 continue
             self._raise_if_failed()
             if len(rollouts) < self.num_groups:
-                raise RuntimeError(f"rollout producer stopped: {len(rollouts)} of {self.num_groups} groups for step {step}")
+                raise RuntimeError(
+                    f"rollout producer stopped: {len(rollouts)} of {self.num_groups} groups for step {step}"
+                )
             with self._cv:
                 return rollouts, self._batches.popleft()
 
@@ -109,7 +123,9 @@ class AsyncProducer:
                 while True:
                     with self._cv:
                         # Batch p is trained at step p: sample it no earlier than version p − max_staleness.
-                        self._cv.wait_for(lambda: self._stopping or self._version >= self._produced - self.max_staleness)
+                        self._cv.wait_for(
+                            lambda: self._stopping or self._version >= self._produced - self.max_staleness
+                        )
                         if self._stopping:
                             break
                         version, (params, rest), p = self._version, self._weights, self._produced

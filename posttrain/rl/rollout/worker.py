@@ -31,8 +31,18 @@ from posttrain.sampling.generate import Samples, generate
 from posttrain.sampling.layout import sampling_sharding
 from posttrain.sampling.rules import SamplingParams
 
-SUMMED_INFO = ("gen_s", "verify_s", "new_tokens", "verifier_errors", "responses",   # added over sampling rounds
-               "episodes_solved", "episode_turns", "episode_calls", "episode_calls_ok", "episode_calls_invalid")
+SUMMED_INFO = (
+    "gen_s",
+    "verify_s",
+    "new_tokens",
+    "verifier_errors",
+    "responses",  # added over sampling rounds
+    "episodes_solved",
+    "episode_turns",
+    "episode_calls",
+    "episode_calls_ok",
+    "episode_calls_invalid",
+)
 
 
 class BusyClock:
@@ -60,11 +70,12 @@ class BusyClock:
 @dataclasses.dataclass
 class Pending:
     """A generated batch waiting for verification."""
+
     tasks: list
     envs: list
     samples: Samples | None
     gen_s: float
-    done: RolloutBatch | None = None     # multi-turn episodes run to the end in `generate`
+    done: RolloutBatch | None = None  # multi-turn episodes run to the end in `generate`
 
 
 @dataclasses.dataclass
@@ -72,6 +83,7 @@ class RolloutBatch:
     """The verified groups of one learner batch: behav[j][g] is the behaviour log-prob of every
     token of group j's sample g (0 on the prompt); `info` holds host numbers for metrics;
     `scheduler_state` is the scheduler as of this batch (all its draws and records, no later ones)."""
+
     groups: list[Group]
     behav: list[list[np.ndarray]]
     info: dict[str, Any]
@@ -92,32 +104,49 @@ class RolloutWorker:
     sampling: SamplingParams
     pad_id: int
     pool: concurrent.futures.ThreadPoolExecutor
-    verifier_delay: float = 0.0       # extra host seconds per response (benchmarks of overlap)
+    verifier_delay: float = 0.0  # extra host seconds per response (benchmarks of overlap)
     clock: BusyClock | None = None
     episodes: Callable | None = None  # multi-turn rollouts (`episodes.rollout_episodes`, rl.env = "tool")
-    rules: dict | None = None         # the sampler's logical-axis rules (`sampling.layout`); None: those in force
-    prefix_cache: Any = None          # `sampling.prefix_cache.PrefixCache` (sampling.prefix_cache > 0)
-    continuous: SlotConfig | None = None   # continuous batching (sampling.continuous_batching); None: static
+    rules: dict | None = None  # the sampler's logical-axis rules (`sampling.layout`); None: those in force
+    prefix_cache: Any = None  # `sampling.prefix_cache.PrefixCache` (sampling.prefix_cache > 0)
+    continuous: SlotConfig | None = None  # continuous batching (sampling.continuous_batching); None: static
 
     def sample(self, params, rest, prompts: list, sampling: SamplingParams, key) -> Samples:
         """The sampler call of every rollout: `sampling.num_samples` samples per prompt, sample
         i*G+g drawing from fold_in(key, i*G+g), in a static batch or continuously refilled slots."""
         with (self.clock or BusyClock()).busy():
             if self.continuous is None:
-                return generate(self.graphdef, params, rest, prompts, sampling, key, pad_id=self.pad_id,
-                                prefix_cache=self.prefix_cache)
-            return generate_continuous(self.graphdef, params, rest, prompts, sampling, key, slots=self.continuous,
-                                       pad_id=self.pad_id)
+                return generate(
+                    self.graphdef,
+                    params,
+                    rest,
+                    prompts,
+                    sampling,
+                    key,
+                    pad_id=self.pad_id,
+                    prefix_cache=self.prefix_cache,
+                )
+            return generate_continuous(
+                self.graphdef, params, rest, prompts, sampling, key, slots=self.continuous, pad_id=self.pad_id
+            )
 
-    def generate(self, params, rest, tasks: list[tuple[str, object]], key, *, num_samples: int | None = None,
-                 greedy: bool = False) -> Pending:
+    def generate(
+        self,
+        params,
+        rest,
+        tasks: list[tuple[str, object]],
+        key,
+        *,
+        num_samples: int | None = None,
+        greedy: bool = False,
+    ) -> Pending:
         """Generate one group per (domain, task) on the device, traced under the sampler's rules;
         verification comes later."""
         with sampling_sharding(self.rules):
             return self._generate(params, rest, tasks, key, num_samples=num_samples, greedy=greedy)
 
     def _generate(self, params, rest, tasks, key, *, num_samples, greedy) -> Pending:
-        if self.episodes is not None:    # episodes interleave sampling and tool calls: run them to the end here
+        if self.episodes is not None:  # episodes interleave sampling and tool calls: run them to the end here
             t0 = time.perf_counter()
             done = self.episodes(self, params, rest, tasks, key, num_samples=num_samples, greedy=greedy)
             return Pending(tasks, [], None, time.perf_counter() - t0, done)
@@ -140,6 +169,7 @@ class RolloutWorker:
             if self.verifier_delay:
                 time.sleep(self.verifier_delay)
             return flat[i].step(samples.completion(i)).reward
+
         t0 = time.perf_counter()
         rewards = list(self.pool.map(verify, range(len(flat))))
         groups, behav = [], []
@@ -148,11 +178,16 @@ class RolloutWorker:
             trajs = [flat[i].trajectory() for i in idx]
             groups.append(Group(d, task, [rewards[i].score for i in idx], trajs))
             behav.append([_token_aligned(samples.sampling_logprobs[i], t) for i, t in zip(idx, trajs)])
-        info = {"gen_s": pending.gen_s, "verify_s": time.perf_counter() - t0,
-                "response_len_mean": float(samples.lengths.mean()), "response_len_max": int(samples.lengths.max()),
-                "truncated_frac": float(np.mean(samples.stop_reason == 1)),
-                "new_tokens": int(samples.lengths.sum()), "responses": len(flat),
-                "verifier_errors": sum(getattr(r, "error", None) is not None for r in rewards)}
+        info = {
+            "gen_s": pending.gen_s,
+            "verify_s": time.perf_counter() - t0,
+            "response_len_mean": float(samples.lengths.mean()),
+            "response_len_max": int(samples.lengths.max()),
+            "truncated_frac": float(np.mean(samples.stop_reason == 1)),
+            "new_tokens": int(samples.lengths.sum()),
+            "responses": len(flat),
+            "verifier_errors": sum(getattr(r, "error", None) is not None for r in rewards),
+        }
         return RolloutBatch(groups, behav, info)
 
     def rollout(self, params, rest, tasks, key, *, exact_share: bool = True, **kw) -> RolloutBatch:
@@ -170,19 +205,30 @@ def local_share(pending: Pending, *, exact: bool) -> Pending:
     g = len(pending.envs[0]) if pending.envs else 0
     rows = slice(share.start * g, share.stop * g)
     per_row = {f.name: getattr(pending.samples, f.name) for f in dataclasses.fields(Samples)}
-    samples = dataclasses.replace(pending.samples, **{k: v[rows] for k, v in per_row.items() if isinstance(v, np.ndarray)})
+    samples = dataclasses.replace(
+        pending.samples, **{k: v[rows] for k, v in per_row.items() if isinstance(v, np.ndarray)}
+    )
     return Pending(pending.tasks[share], pending.envs[share], samples, pending.gen_s)
 
 
 def _token_aligned(logprobs: np.ndarray, traj) -> np.ndarray:
     """A sample's log-probs placed at its generated tokens in the trajectory (0 on the prompt)."""
     lp = np.zeros(len(traj.tokens), np.float32)
-    lp[traj.prompt_len:] = logprobs[:len(traj.tokens) - traj.prompt_len]
+    lp[traj.prompt_len :] = logprobs[: len(traj.tokens) - traj.prompt_len]
     return lp
 
 
-def collect_batch(worker: RolloutWorker, scheduler: TaskScheduler, params, rest, key, *, num_groups: int,
-                  filter_groups: bool, max_rounds: int) -> RolloutBatch:
+def collect_batch(
+    worker: RolloutWorker,
+    scheduler: TaskScheduler,
+    params,
+    rest,
+    key,
+    *,
+    num_groups: int,
+    filter_groups: bool,
+    max_rounds: int,
+) -> RolloutBatch:
     """One synchronous batch of `num_groups` groups; with `filter_groups`, dynamic sampling (DAPO):
     groups whose rewards are all equal carry no signal and are re-drawn, up to `max_rounds`
     rounds, so the batch may be short or empty. Every group is recorded in the scheduler once."""
@@ -195,10 +241,10 @@ def collect_batch(worker: RolloutWorker, scheduler: TaskScheduler, params, rest,
         return parts[-1].groups
 
     if filter_groups:
-        kept = scheduler.dynamic_sample(sample_groups, num_groups, max_rounds=max_rounds)   # records each group
+        kept = scheduler.dynamic_sample(sample_groups, num_groups, max_rounds=max_rounds)  # records each group
     else:
         kept = sample_groups(scheduler.next_batch(num_groups))
-        for domain, task_id, rewards in all_group_rewards(kept):      # every process's groups
+        for domain, task_id, rewards in all_group_rewards(kept):  # every process's groups
             scheduler.record(domain, task_id, rewards)
     behav_of = {id(g): b for part in parts for g, b in zip(part.groups, part.behav)}
     info: dict[str, Any] = {}
@@ -219,13 +265,20 @@ def evaluate(worker: RolloutWorker, params, rest, held_out, key, k: int, score_f
     correct = [[r >= 1.0 for r in rewards] for rewards in all_rewards(sampled.groups)]
     greedy_ok = [rewards[0] >= 1.0 for rewards in all_rewards(greedy.groups)]
     greedy_info, sampled_info = combine_info(greedy.info, SUMMED_INFO), combine_info(sampled.info, SUMMED_INFO)
-    out = {"eval/accuracy": float(np.mean(greedy_ok)),
-           "eval/mean_accuracy": float(np.mean(correct)), f"eval/pass@{k}": mean_pass_at_k(correct, k),
-           "eval/response_len": sampled_info["response_len_mean"]}
-    if "tool_success_rate" in greedy.info:     # multi-turn episodes: solved by the final check, penalties aside
-        out.update({"eval/tool_success_rate": greedy_info["tool_success_rate"],
-                    "eval/tool_success_rate_sampled": sampled_info["tool_success_rate"],
-                    "eval/turns_per_episode": greedy_info["turns_per_episode"]})
+    out = {
+        "eval/accuracy": float(np.mean(greedy_ok)),
+        "eval/mean_accuracy": float(np.mean(correct)),
+        f"eval/pass@{k}": mean_pass_at_k(correct, k),
+        "eval/response_len": sampled_info["response_len_mean"],
+    }
+    if "tool_success_rate" in greedy.info:  # multi-turn episodes: solved by the final check, penalties aside
+        out.update(
+            {
+                "eval/tool_success_rate": greedy_info["tool_success_rate"],
+                "eval/tool_success_rate_sampled": sampled_info["tool_success_rate"],
+                "eval/turns_per_episode": greedy_info["turns_per_episode"],
+            }
+        )
     if score_fn is not None:
         out["eval/rm_score"] = float(np.mean(score_fn([t.tokens for g in sampled.groups for t in g.trajectories])))
     return out

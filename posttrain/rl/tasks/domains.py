@@ -37,8 +37,10 @@ from posttrain.rl.verifiers.math import MathTask
 
 MATH_INSTRUCTION = "\n\nGive the final answer as \\boxed{ANSWER}."
 HUMANEVAL_TEST_PERCENT = 20
-CODE_INSTRUCTION = ("Complete the following Python function. Reply with the whole function in a ```python "
-                    "code block.\n\n```python\n{prompt}```")
+CODE_INSTRUCTION = (
+    "Complete the following Python function. Reply with the whole function in a ```python "
+    "code block.\n\n```python\n{prompt}```"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +91,15 @@ def _check_split(split: str) -> None:
         raise ValueError(f"split={split!r}: expected one of {SPLITS}")
 
 
-def gsm8k_tasks(data_dir: str | None = None, split: str = "train", *, limit: int | None = None,
-                instruction: str = MATH_INSTRUCTION, on_error: str = "raise",
-                fields: Mapping[str, str] | None = None) -> list[Task]:
+def gsm8k_tasks(
+    data_dir: str | None = None,
+    split: str = "train",
+    *,
+    limit: int | None = None,
+    instruction: str = MATH_INSTRUCTION,
+    on_error: str = "raise",
+    fields: Mapping[str, str] | None = None,
+) -> list[Task]:
     """GSM8K problems (`question`, `answer` ending in `#### x`) as math tasks, ids `gsm8k/{split}:{line}`.
 
     The train split leaves out (and logs the count of) questions that are also in the test file."""
@@ -118,8 +126,7 @@ def gsm8k_tasks(data_dir: str | None = None, split: str = "train", *, limit: int
 def _gsm8k_question(record: dict, fields: Mapping[str, str] | None) -> str:
     question = get_field(record, "question", fields)
     if not isinstance(question, str):
-        raise RecordError(f"field {field_key('question', fields)!r}: expected a string, "
-                          f"got {type(question).__name__}")
+        raise RecordError(f"field {field_key('question', fields)!r}: expected a string, got {type(question).__name__}")
     return question
 
 
@@ -142,8 +149,14 @@ def humaneval_split(task_id: str) -> str:
     return "test" if bucket < HUMANEVAL_TEST_PERCENT else "train"
 
 
-def humaneval_tasks(data_dir: str | None = None, *, split: str = "test", limit: int | None = None,
-                    instruction: str = CODE_INSTRUCTION, on_error: str = "raise") -> list[Task]:
+def humaneval_tasks(
+    data_dir: str | None = None,
+    *,
+    split: str = "test",
+    limit: int | None = None,
+    instruction: str = CODE_INSTRUCTION,
+    on_error: str = "raise",
+) -> list[Task]:
     """HumanEval problems of `split` (`humaneval_split`) as code tasks, ids = task_id; the user
     message is `instruction` (a str.format template) with the problem's code as {prompt}."""
     _check_split(split)
@@ -159,15 +172,21 @@ def humaneval_tasks(data_dir: str | None = None, *, split: str = "test", limit: 
     return _tasks(path, make, limit=limit, on_error=on_error)
 
 
-def arithmetic_tasks(n: int, seed: int, *, split: str = "test", instruction: str = MATH_INSTRUCTION,
-                     max_value: int = 99) -> list[Task]:
+def arithmetic_tasks(
+    n: int, seed: int, *, split: str = "test", instruction: str = MATH_INSTRUCTION, max_value: int = 99
+) -> list[Task]:
     """`n` built-in arithmetic problems of `split` (`arithmetic_records("rl", ...)`), ids
     `arithmetic/{split}/{seed}:{i}`. Test problems are distinct (each held-out problem counts once);
     training problems are independent draws."""
     records = arithmetic_records("rl", n, seed, max_value=max_value, split=split, distinct=split == "test")
-    return [Task(f"arithmetic/{split}/{seed}:{i}", ({"role": "user", "content": r["prompt"] + instruction},),
-                 MathTask(r["answer"]))
-            for i, r in enumerate(records)]
+    return [
+        Task(
+            f"arithmetic/{split}/{seed}:{i}",
+            ({"role": "user", "content": r["prompt"] + instruction},),
+            MathTask(r["answer"]),
+        )
+        for i, r in enumerate(records)
+    ]
 
 
 def gsm8k_domain(make_env: Callable[[], Env], **kw) -> Domain:
@@ -180,7 +199,6 @@ def humaneval_domain(make_env: Callable[[], Env], split: str = "train", **kw) ->
     return Domain("humaneval", humaneval_tasks(split=split, **kw), make_env)
 
 
-def arithmetic_domain(make_env: Callable[[], Env], n: int = 1000, seed: int = 0, split: str = "train",
-                      **kw) -> Domain:
+def arithmetic_domain(make_env: Callable[[], Env], n: int = 1000, seed: int = 0, split: str = "train", **kw) -> Domain:
     """Domain "arithmetic": `arithmetic_tasks(n, seed, split=split, **kw)` run on `make_env()` environments."""
     return Domain("arithmetic", arithmetic_tasks(n, seed, split=split, **kw), make_env)

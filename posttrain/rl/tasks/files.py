@@ -56,8 +56,10 @@ def _verifier_name(record: dict) -> str:
         return "math"
     if "tests" in record:
         return "code"
-    raise RecordError(f"cannot tell how to verify this record (fields {sorted(record)}): expected 'answer' "
-                      "(math), 'tests' and 'entry_point' (code), or 'verifier' naming a verifier")
+    raise RecordError(
+        f"cannot tell how to verify this record (fields {sorted(record)}): expected 'answer' "
+        "(math), 'tests' and 'entry_point' (code), or 'verifier' naming a verifier"
+    )
 
 
 def record_task(record: dict, where: str, verifiers: Collection[str]) -> tuple[str, Task]:
@@ -76,8 +78,10 @@ def record_task(record: dict, where: str, verifiers: Collection[str]) -> tuple[s
     elif name in verifiers:
         target = UserTask(name, "\n\n".join(m["content"] for m in prompt), record)
     else:
-        raise RecordError(f"field 'verifier': no verifier {name!r}; known: {sorted({*BUILTIN_VERIFIERS, *verifiers})} "
-                          "(add yours with rl.verifiers='package.module:function')")
+        raise RecordError(
+            f"field 'verifier': no verifier {name!r}; known: {sorted({*BUILTIN_VERIFIERS, *verifiers})} "
+            "(add yours with rl.verifiers='package.module:function')"
+        )
     fields = {}
     for key, default in (("domain", DEFAULT_DOMAIN), ("id", where), ("difficulty", None)):
         value = record.get(key, default)
@@ -112,8 +116,7 @@ def read_task_files(paths: str, verifiers: Collection[str], skips: SkipLog) -> d
     return out
 
 
-def drop_overlap(eval_tasks: dict[str, list[tuple[str, Task]]], train_prompts: dict[str, str],
-                 skips: SkipLog) -> int:
+def drop_overlap(eval_tasks: dict[str, list[tuple[str, Task]]], train_prompts: dict[str, str], skips: SkipLog) -> int:
     """Remove (in place) evaluation tasks whose prompt is also a training prompt (`train_prompts`:
     normalised prompt → where); each is an error or a counted skip. Returns how many were dropped."""
     dropped = 0
@@ -124,8 +127,9 @@ def drop_overlap(eval_tasks: dict[str, list[tuple[str, Task]]], train_prompts: d
             if also is None:
                 kept.append((where, task))
                 continue
-            skips.bad(where, f"evaluation prompt is also a training prompt ({also}): held-out tasks must not "
-                             "be trained on")
+            skips.bad(
+                where, f"evaluation prompt is also a training prompt ({also}): held-out tasks must not be trained on"
+            )
             dropped += 1
         tasks[:] = kept
     if dropped:

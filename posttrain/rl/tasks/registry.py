@@ -40,27 +40,37 @@ DomainBuilder = Callable[[object, Callable], tuple[domain_lib.Domain, list[Task]
 
 def _arithmetic(cfg, env):
     r, kw = cfg.rl, dict(instruction=cfg.rl.instruction, max_value=cfg.data.synthetic_max_value)
-    return (domain_lib.arithmetic_domain(env, n=r.arithmetic_size, seed=cfg.seed + 1, **kw),
-            domain_lib.arithmetic_tasks(r.eval_size, seed=cfg.seed + 10_000, **kw))
+    return (
+        domain_lib.arithmetic_domain(env, n=r.arithmetic_size, seed=cfg.seed + 1, **kw),
+        domain_lib.arithmetic_tasks(r.eval_size, seed=cfg.seed + 10_000, **kw),
+    )
 
 
 def _repo_fix(cfg, env):
     if cfg.rl.env != "tool":
-        raise ValueError(f"rl.domains: repo_fix is an agent domain (tool calls in a sandboxed repository); it needs "
-                         f"rl.env='tool', got rl.env={cfg.rl.env!r}")
-    return (repo_domain.repo_fix_domain(env, seed=cfg.seed + 1),
-            repo_domain.repo_tasks("test", cfg.rl.eval_size, seed=cfg.seed + 10_000))
+        raise ValueError(
+            f"rl.domains: repo_fix is an agent domain (tool calls in a sandboxed repository); it needs "
+            f"rl.env='tool', got rl.env={cfg.rl.env!r}"
+        )
+    return (
+        repo_domain.repo_fix_domain(env, seed=cfg.seed + 1),
+        repo_domain.repo_tasks("test", cfg.rl.eval_size, seed=cfg.seed + 10_000),
+    )
 
 
 DOMAINS: dict[str, DomainBuilder] = {
     "arithmetic": _arithmetic,
-    "gsm8k": lambda cfg, env: (domain_lib.gsm8k_domain(env, split="train"),
-                               domain_lib.gsm8k_tasks(split="test", limit=cfg.rl.eval_size)),
-    "humaneval": lambda cfg, env: (domain_lib.humaneval_domain(env),
-                                   domain_lib.humaneval_tasks(limit=cfg.rl.eval_size)),
+    "gsm8k": lambda cfg, env: (
+        domain_lib.gsm8k_domain(env, split="train"),
+        domain_lib.gsm8k_tasks(split="test", limit=cfg.rl.eval_size),
+    ),
+    "humaneval": lambda cfg, env: (
+        domain_lib.humaneval_domain(env),
+        domain_lib.humaneval_tasks(limit=cfg.rl.eval_size),
+    ),
     "repo_fix": _repo_fix,
 }
-VERIFIERS: dict[str, ScoreFn] = {}      # user verifiers added from Python (`register_verifier`)
+VERIFIERS: dict[str, ScoreFn] = {}  # user verifiers added from Python (`register_verifier`)
 
 
 def register_domain(name: str, builder: DomainBuilder) -> None:
@@ -79,7 +89,7 @@ def register_verifier(name: str, fn: ScoreFn) -> None:
 
 
 def parse_weights(spec: str) -> dict[str, float]:
-    """"arithmetic:2,gsm8k" → {"arithmetic": 2.0, "gsm8k": 1.0}."""
+    """ "arithmetic:2,gsm8k" → {"arithmetic": 2.0, "gsm8k": 1.0}."""
     out = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, w = part.partition(":")
@@ -113,15 +123,25 @@ def curriculum_options(c) -> dict:
             try:
                 weights[band.strip()] = float(w) if w else 1.0
             except ValueError:
-                raise ValueError(f"rl.curriculum.band_weights={c.band_weights!r}: {part!r} is not band[:weight]") from None
+                raise ValueError(
+                    f"rl.curriculum.band_weights={c.band_weights!r}: {part!r} is not band[:weight]"
+                ) from None
         unknown = sorted(set(weights) - set(BANDS))
         if unknown or sum(weights.values()) <= 0 or min(weights.values()) < 0:
-            raise ValueError(f"rl.curriculum.band_weights={c.band_weights!r}: expected non-negative weights, some "
-                             f"positive, of the bands {BANDS}" + (f"; unknown {unknown}" if unknown else ""))
-    return dict(band_weights=weights, band_edges=(c.hard_below, c.easy_above), min_attempts=c.min_attempts,
-                pass_threshold=c.pass_threshold, window=c.window, retire_after=c.retire_after,
-                retire_above=c.retire_above if c.retire_above >= 0 else None,
-                retire_below=c.retire_below if c.retire_below >= 0 else None)
+            raise ValueError(
+                f"rl.curriculum.band_weights={c.band_weights!r}: expected non-negative weights, some "
+                f"positive, of the bands {BANDS}" + (f"; unknown {unknown}" if unknown else "")
+            )
+    return dict(
+        band_weights=weights,
+        band_edges=(c.hard_below, c.easy_above),
+        min_attempts=c.min_attempts,
+        pass_threshold=c.pass_threshold,
+        window=c.window,
+        retire_after=c.retire_after,
+        retire_above=c.retire_above if c.retire_above >= 0 else None,
+        retire_below=c.retire_below if c.retire_below >= 0 else None,
+    )
 
 
 def user_verifiers(r) -> dict[str, ScoreFn]:
@@ -134,8 +154,10 @@ def user_verifiers(r) -> dict[str, ScoreFn]:
             name, target = spec.rpartition(":")[2].rpartition(".")[2], spec
         name = name.strip()
         if name in task_files.BUILTIN_VERIFIERS or name in out:
-            raise ValueError(f"rl.verifiers: the name {name!r} is taken (built-ins {task_files.BUILTIN_VERIFIERS}, "
-                             f"registered {sorted(VERIFIERS)}); give yours another: 'myname={target.strip()}'")
+            raise ValueError(
+                f"rl.verifiers: the name {name!r} is taken (built-ins {task_files.BUILTIN_VERIFIERS}, "
+                f"registered {sorted(VERIFIERS)}); give yours another: 'myname={target.strip()}'"
+            )
         out[name] = load_callable(target.strip())
     return out
 
@@ -152,22 +174,27 @@ def make_domains(cfg, tok, reward_fn) -> tuple[dict[str, domain_lib.Domain], lis
             domains[name], tasks = DOMAINS[name](cfg, env)
             held_out += [(name, t) for t in tasks]
         elif name not in file_domains:
-            raise ValueError(f"rl.domains: unknown {name!r}; valid: {sorted(DOMAINS)} and the domains of "
-                             f"rl.train_files {sorted(file_domains)}")
+            raise ValueError(
+                f"rl.domains: unknown {name!r}; valid: {sorted(DOMAINS)} and the domains of "
+                f"rl.train_files {sorted(file_domains)}"
+            )
     for name, tasks in file_domains.items():
         if name in DOMAINS and name in spec:
-            raise ValueError(f"rl.train_files: domain {name!r} is also a built-in domain named in rl.domains; "
-                             "rename it in the records' 'domain' field")
+            raise ValueError(
+                f"rl.train_files: domain {name!r} is also a built-in domain named in rl.domains; "
+                "rename it in the records' 'domain' field"
+            )
         domains[name] = domain_lib.Domain(name, [t for _, t in tasks], env)
     # Held-out tasks of a domain not trained on run in any domain's environment (they are all the same).
     fallback = next(iter(domains), None)
     for name, tasks in eval_tasks.items():
-        held_out += [(name if name in domains else fallback, t) for _, t in tasks[:r.eval_size]]
+        held_out += [(name if name in domains else fallback, t) for _, t in tasks[: r.eval_size]]
     if not domains:
         raise ValueError("no training tasks: rl.domains names none and rl.train_files has none")
     if r.eval_every and not held_out:
-        raise ValueError(f"rl.eval_every={r.eval_every} but there are no held-out tasks: set rl.eval_files "
-                         "(or rl.eval_every=0)")
+        raise ValueError(
+            f"rl.eval_every={r.eval_every} but there are no held-out tasks: set rl.eval_files (or rl.eval_every=0)"
+        )
     return domains, held_out
 
 
@@ -179,8 +206,9 @@ def make_env_factory(cfg, tok, reward_fn) -> Callable:
     if r.env == "single":
         return lambda: SingleTurnEnv(tok, reward_fn, max_turn_tokens=r.max_new_tokens)
     sandbox, limits = Sandbox(WORKSPACE_LIMITS), dataclasses.replace(WORKSPACE_LIMITS, wall_s=r.tool_timeout_s)
-    return lambda: WorkspaceEnv(tok, reward_fn, sandbox, max_turns=r.max_turns, max_turn_tokens=r.max_new_tokens,
-                                limits=limits)
+    return lambda: WorkspaceEnv(
+        tok, reward_fn, sandbox, max_turns=r.max_turns, max_turn_tokens=r.max_new_tokens, limits=limits
+    )
 
 
 def _user_tasks(cfg) -> tuple[dict[str, list[tuple[str, Task]]], dict[str, list[tuple[str, Task]]]]:
@@ -193,15 +221,19 @@ def _user_tasks(cfg) -> tuple[dict[str, list[tuple[str, Task]]], dict[str, list[
     if evals:
         prompts = {task_files.normalise_prompt(t): where for tasks in train.values() for where, t in tasks}
         task_files.drop_overlap(evals, prompts, skips)
-    used = {t.target.verifier for d in (train, evals) for ts in d.values() for _, t in ts
-            if isinstance(t.target, UserTask)}
+    used = {
+        t.target.verifier for d in (train, evals) for ts in d.values() for _, t in ts if isinstance(t.target, UserTask)
+    }
     unused = sorted(set(names) - set(VERIFIERS) - used)
     if unused:
-        raise ValueError(f"rl.verifiers: {unused} verify no record of rl.train_files / rl.eval_files (a record "
-                         "names its verifier in its 'verifier' field)")
+        raise ValueError(
+            f"rl.verifiers: {unused} verify no record of rl.train_files / rl.eval_files (a record "
+            "names its verifier in its 'verifier' field)"
+        )
     if skips.skipped:
-        logging.warning("rl.train_files / rl.eval_files: skipped %d bad task records (data.on_error='skip')",
-                        skips.skipped)
+        logging.warning(
+            "rl.train_files / rl.eval_files: skipped %d bad task records (data.on_error='skip')", skips.skipped
+        )
     for what, found in (("rl.train_files", train), ("rl.eval_files", evals)):
         if r[what.split(".")[1]] and not any(found.values()):
             raise ValueError(f"{what}={r[what.split('.')[1]]!r}: no usable task record")
@@ -233,9 +265,13 @@ def make_reward_fn(cfg) -> RewardFunction:
     r = cfg.rl
     # The overlong ramp is over a sample's model tokens: one turn, or all turns of an episode.
     budget = r.max_new_tokens * (r.max_turns if r.env == "tool" else 1)
-    config = RewardConfig(format_penalty=r.format_penalty, max_tokens=budget if r.overlong_buffer else None,
-                          overlong_buffer=r.overlong_buffer, invalid_tool_call_penalty=r.invalid_tool_call_penalty,
-                          redundant_tool_call_penalty=r.redundant_tool_call_penalty)
+    config = RewardConfig(
+        format_penalty=r.format_penalty,
+        max_tokens=budget if r.overlong_buffer else None,
+        overlong_buffer=r.overlong_buffer,
+        invalid_tool_call_penalty=r.invalid_tool_call_penalty,
+        redundant_tool_call_penalty=r.redundant_tool_call_penalty,
+    )
     verifiers = {MathTask: MathVerifier(), CodeTask: _LazyVerifier(CodeVerifier)}
     functions = user_verifiers(r)
     if functions:

@@ -30,7 +30,7 @@ TRAIN_SIZE = 2000
 
 
 def repo_split(module: str, constant: str, right: int) -> str:
-    """"train" or "test" (TEST_PERCENT %): a hash of the fix the task needs."""
+    """ "train" or "test" (TEST_PERCENT %): a hash of the fix the task needs."""
     h = int(hashlib.sha256(f"{module}:{constant}={right}".encode()).hexdigest(), 16)
     return "test" if h % 100 < TEST_PERCENT else "train"
 
@@ -38,12 +38,17 @@ def repo_split(module: str, constant: str, right: int) -> str:
 def repo_task(module: str, constant: str, wrong: int, right: int) -> Task:
     """The task whose `{module}.py` sets `constant = wrong` and whose test wants `right`."""
     if module not in MODULES or constant not in CONSTANTS or wrong == right:
-        raise ValueError(f"repo_task: expected a module of {MODULES}, a constant of {CONSTANTS} and "
-                         f"wrong != right, got {module!r}, {constant!r}, {wrong}, {right}")
+        raise ValueError(
+            f"repo_task: expected a module of {MODULES}, a constant of {CONSTANTS} and "
+            f"wrong != right, got {module!r}, {constant!r}, {wrong}, {right}"
+        )
     test = f"test_{module}.py"
     test_src = f"from {module} import {constant}\nassert {constant} == {right}, {constant}\n"
-    target = RepoTask(files=((f"{module}.py", f"{constant} = {wrong}\n"), (test, test_src)),
-                      tests=((test, test_src),), command=("python", "-E", "-s", test))
+    target = RepoTask(
+        files=((f"{module}.py", f"{constant} = {wrong}\n"), (test, test_src)),
+        tests=((test, test_src),),
+        command=("python", "-E", "-s", test),
+    )
     prompt = ({"role": "user", "content": f"{test} fails. Fix {module}.py."},)
     return Task(f"repo_fix/{module}/{constant}/{wrong}/{right}", prompt, target)
 
@@ -78,8 +83,9 @@ def demonstration(task: Task, *, extract: bool = False) -> list[str]:
     return [f"<tool>sh\ncat test_{m}.py\n</tool>", f"<tool>sh\n{fix}\n</tool>", "Done."]
 
 
-def demonstration_records(tasks: list[Task], make_env, *, workers: int = 2, extract_frac: float = 0.0,
-                          seed: int = 0) -> list[dict]:
+def demonstration_records(
+    tasks: list[Task], make_env, *, workers: int = 2, extract_frac: float = 0.0, seed: int = 0
+) -> list[dict]:
     """SFT records `{"messages": [...]}` of scripted episodes (`demonstration`) run for real in
     `make_env()`'s sandboxed workspace, so their tool outputs are what the policy will see;
     a fraction `extract_frac` (drawn with `seed`) fix with `sed` instead of by hand (the record's
@@ -94,8 +100,11 @@ def demonstration_records(tasks: list[Task], make_env, *, workers: int = 2, extr
     def one(task, ext):
         env, turns = make_env(), iter(demonstration(task, extract=ext))
         traj = run_episode(env, task, lambda _: env.tok.encode(next(turns)) + [env.tok.stop_ids[0]])
-        return ({"messages": env.messages, "task_id": task.id, "fix": "extract" if ext else "copy"}
-                if traj.reward.parts["correct"] >= 1.0 else None)
+        return (
+            {"messages": env.messages, "task_id": task.id, "fix": "extract" if ext else "copy"}
+            if traj.reward.parts["correct"] >= 1.0
+            else None
+        )
 
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         return [r for r in pool.map(one, tasks, extract) if r is not None]
@@ -113,11 +122,19 @@ def copy_drills(n: int, seed: int) -> list[dict]:
         while mod in MODULES:
             mod = word()
         value = rng.randint(0, 10 ** rng.randint(1, 4) - 1)
-        out.append({"messages": [
-            {"role": "user", "content": f"test_{mod}.py fails. Fix {mod}.py."},
-            {"role": "assistant", "content": f"<tool>sh\ncat test_{mod}.py\n</tool>"},
-            {"role": "tool", "content": f"<output>\nfrom {mod} import {name}\nassert {name} == {value}, {name}\n</output>"},
-            {"role": "assistant", "content": f"<tool>sh\necho '{name} = {value}' > {mod}.py\n</tool>"}]})
+        out.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"test_{mod}.py fails. Fix {mod}.py."},
+                    {"role": "assistant", "content": f"<tool>sh\ncat test_{mod}.py\n</tool>"},
+                    {
+                        "role": "tool",
+                        "content": f"<output>\nfrom {mod} import {name}\nassert {name} == {value}, {name}\n</output>",
+                    },
+                    {"role": "assistant", "content": f"<tool>sh\necho '{name} = {value}' > {mod}.py\n</tool>"},
+                ]
+            }
+        )
     return out
 
 

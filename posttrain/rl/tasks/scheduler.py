@@ -33,7 +33,7 @@ import numpy as np
 from posttrain.rl.envs.base import Task, Trajectory
 from posttrain.rl.tasks.domains import Domain
 
-BANDS = ("new", "hard", "medium", "easy")        # the bands a draw may pick
+BANDS = ("new", "hard", "medium", "easy")  # the bands a draw may pick
 RETIRED = "retired"
 STATE_VERSION = 1
 _COUNTERS = ("samples", "passes", "groups", "dropped_groups", "exhausted_draws")
@@ -66,11 +66,21 @@ class TaskScheduler:
     rates that retire a task (None: never) once it has retire_after samples.
     """
 
-    def __init__(self, domains: Mapping[str, Domain], weights: Mapping[str, float] | None = None, *,
-                 seed: int = 0, band_weights: Mapping[str, float] | None = None,
-                 band_edges: tuple[float, float] = (0.2, 0.8), min_attempts: int = 1,
-                 pass_threshold: float = 0.5, window: int = 0, retire_above: float | None = None,
-                 retire_below: float | None = None, retire_after: int = 1) -> None:
+    def __init__(
+        self,
+        domains: Mapping[str, Domain],
+        weights: Mapping[str, float] | None = None,
+        *,
+        seed: int = 0,
+        band_weights: Mapping[str, float] | None = None,
+        band_edges: tuple[float, float] = (0.2, 0.8),
+        min_attempts: int = 1,
+        pass_threshold: float = 0.5,
+        window: int = 0,
+        retire_above: float | None = None,
+        retire_below: float | None = None,
+        retire_after: int = 1,
+    ) -> None:
         if not domains:
             raise ValueError("TaskScheduler needs at least one domain")
         if not isinstance(seed, int) or seed < 0:
@@ -83,8 +93,12 @@ class TaskScheduler:
             raise ValueError(f"window must be >= 0 and retire_after >= 1, got {window}, {retire_after}")
         if retire_above is not None and retire_below is not None and retire_below > retire_above:
             raise ValueError(f"retire_below={retire_below} > retire_above={retire_above}: every task would retire")
-        self.window, self.retire_above, self.retire_below, self.retire_after = (window, retire_above, retire_below,
-                                                                              retire_after)
+        self.window, self.retire_above, self.retire_below, self.retire_after = (
+            window,
+            retire_above,
+            retire_below,
+            retire_after,
+        )
         self.domains = dict(domains)
         self.names = list(self.domains)
         self.seed = seed
@@ -157,8 +171,9 @@ class TaskScheduler:
             return "new"
         rate = float(np.mean(recent)) if recent else passes / attempts
         if attempts >= self.retire_after and (
-                (self.retire_above is not None and rate >= self.retire_above)
-                or (self.retire_below is not None and rate < self.retire_below)):
+            (self.retire_above is not None and rate >= self.retire_above)
+            or (self.retire_below is not None and rate < self.retire_below)
+        ):
             return RETIRED
         return "hard" if rate < self.band_edges[0] else "easy" if rate > self.band_edges[1] else "medium"
 
@@ -175,9 +190,9 @@ class TaskScheduler:
         stats[0] += len(rewards)
         stats[1] += passes
         if self.window:
-            self._recent[domain][i] = (self._recent[domain].get(i, []) + outcomes)[-self.window:]
+            self._recent[domain][i] = (self._recent[domain].get(i, []) + outcomes)[-self.window :]
         self._move(domain, i, old, self._band_of(domain, i))
-        if old in self._band_counts[domain]:      # a retired task drawn only when its domain is exhausted
+        if old in self._band_counts[domain]:  # a retired task drawn only when its domain is exhausted
             self._band_counts[domain][old][0] += len(rewards)
             self._band_counts[domain][old][1] += passes
         counters = self._counters[domain]
@@ -202,8 +217,9 @@ class TaskScheduler:
                 self._counters[self._domain(g.domain)]["dropped_groups"] += 1
         return kept, dropped
 
-    def dynamic_sample(self, sample_groups: Callable[[list[tuple[str, Task]]], list[Group]], num_groups: int,
-                       *, max_rounds: int = 4) -> list[Group]:
+    def dynamic_sample(
+        self, sample_groups: Callable[[list[tuple[str, Task]]], list[Group]], num_groups: int, *, max_rounds: int = 4
+    ) -> list[Group]:
         """Up to `num_groups` informative groups: draw tasks, let `sample_groups` sample and
         score a group for each, record every group, keep the informative ones, and draw again
         for the shortfall, at most `max_rounds` rounds (DAPO's cap on generation batches)."""
@@ -258,14 +274,25 @@ class TaskScheduler:
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serialisable state: draws so far, mixture weights, per-task pass counts, metric counters."""
-        stats = {name: {self.domains[name].tasks[i].id: list(s) for i, s in sorted(self._stats[name].items())}
-                 for name in self.names}
-        return {"version": STATE_VERSION, "seed": self.seed, "domains": list(self.names), "batches": self._batches,
-                "short_batches": self._short_batches, "weights": dict(self.weights), "stats": stats,
-                "counters": {name: dict(c) for name, c in self._counters.items()},
-                "band_counts": {name: {b: list(c) for b, c in bc.items()} for name, bc in self._band_counts.items()},
-                "recent": {name: {self.domains[name].tasks[i].id: list(r) for i, r in sorted(self._recent[name].items())}
-                           for name in self.names}}
+        stats = {
+            name: {self.domains[name].tasks[i].id: list(s) for i, s in sorted(self._stats[name].items())}
+            for name in self.names
+        }
+        return {
+            "version": STATE_VERSION,
+            "seed": self.seed,
+            "domains": list(self.names),
+            "batches": self._batches,
+            "short_batches": self._short_batches,
+            "weights": dict(self.weights),
+            "stats": stats,
+            "counters": {name: dict(c) for name, c in self._counters.items()},
+            "band_counts": {name: {b: list(c) for b, c in bc.items()} for name, bc in self._band_counts.items()},
+            "recent": {
+                name: {self.domains[name].tasks[i].id: list(r) for i, r in sorted(self._recent[name].items())}
+                for name in self.names
+            },
+        }
 
     def set_state(self, state: Mapping[str, Any]) -> None:
         """Restore `get_state()`; refused when the seed or the domains differ."""
@@ -273,8 +300,10 @@ class TaskScheduler:
             raise ValueError(f"scheduler state version {state.get('version')!r}, expected {STATE_VERSION}")
         for key, mine in (("seed", self.seed), ("domains", self.names)):
             if state[key] != mine:
-                raise ValueError(f"scheduler state was saved with {key}={state[key]!r} but this scheduler has "
-                                 f"{mine!r}: the task sequence would differ")
+                raise ValueError(
+                    f"scheduler state was saved with {key}={state[key]!r} but this scheduler has "
+                    f"{mine!r}: the task sequence would differ"
+                )
         self._reset_tracking()
         self.set_weights(state["weights"])
         self._batches, self._short_batches = int(state["batches"]), int(state["short_batches"])
@@ -283,7 +312,7 @@ class TaskScheduler:
             for b, counts in state.get("band_counts", {}).get(name, {}).items():
                 self._band_counts[name][b] = [int(c) for c in counts]
             for task_id, recent in (state.get("recent", {}).get(name, {}) if self.window else {}).items():
-                self._recent[name][self._task(name, task_id)] = [int(o) for o in recent][-self.window:]
+                self._recent[name][self._task(name, task_id)] = [int(o) for o in recent][-self.window :]
             for task_id, (attempts, passes) in state["stats"][name].items():
                 i = self._task(name, task_id)
                 self._stats[name][i] = [int(attempts), int(passes)]

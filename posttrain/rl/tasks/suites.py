@@ -18,10 +18,14 @@ from posttrain.rl.tasks.registry import make_domains, make_reward_fn
 from posttrain.rl.verifiers.math import MathTask
 
 BUILTIN = ("arithmetic", "gsm8k", "humaneval", "repo_fix")
-MULTI_TURN = ("repo_fix",)      # built-in suites of multi-turn tool episodes (rl.env = "tool")
+MULTI_TURN = ("repo_fix",)  # built-in suites of multi-turn tool episodes (rl.env = "tool")
 # A suite's greedy accuracy also under a headline name, for gates ("unit_test_pass>=0.6").
-HEADLINE = {"humaneval": "unit_test_pass", "gsm8k": "gsm8k_accuracy", "arithmetic": "arithmetic_accuracy",
-            "repo_fix": "tool_success_rate"}
+HEADLINE = {
+    "humaneval": "unit_test_pass",
+    "gsm8k": "gsm8k_accuracy",
+    "arithmetic": "arithmetic_accuracy",
+    "repo_fix": "tool_success_rate",
+}
 # Hook for further built-in single-turn suites: name -> (cfg, tokenizer, reward_fn) -> Domain (multi-turn
 # ones are the MULTI_TURN domains of rl.tasks). The long-context grid (eval.long_context.*, metrics long_ctx_needle / long_ctx_multihop)
 # runs beside the suites, through posttrain/eval/long_context_eval.py.
@@ -38,15 +42,19 @@ def suite_version(tasks) -> str:
 
 
 def parse_suites(spec: str) -> list[tuple[str, str]]:
-    """"arithmetic, mine=/data/x.jsonl" → [("arithmetic", ""), ("mine", "/data/x.jsonl")]."""
+    """ "arithmetic, mine=/data/x.jsonl" → [("arithmetic", ""), ("mine", "/data/x.jsonl")]."""
     out = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, path = (s.strip() for s in part.partition("="))
         if not path and name not in BUILTIN and name not in EXTRA_SUITES:
-            raise ValueError(f"eval.suites: unknown suite {name!r}; built-in: {', '.join(BUILTIN + tuple(EXTRA_SUITES))}"
-                             ", or name=path.jsonl for a file of {\"prompt\", \"answer\"} records")
+            raise ValueError(
+                f"eval.suites: unknown suite {name!r}; built-in: {', '.join(BUILTIN + tuple(EXTRA_SUITES))}"
+                ', or name=path.jsonl for a file of {"prompt", "answer"} records'
+            )
         if not name or "/" in name:
-            raise ValueError(f"eval.suites: bad suite name {name!r} in {part!r} (a name without '/', e.g. mine=x.jsonl)")
+            raise ValueError(
+                f"eval.suites: bad suite name {name!r} in {part!r} (a name without '/', e.g. mine=x.jsonl)"
+            )
         out.append((name, path))
     if not out:
         raise ValueError("eval.suites is empty: name at least one suite")
@@ -89,11 +97,15 @@ def make_suites(cfg, tok) -> dict[str, Domain]:
     named = parse_suites(cfg.eval.suites)
     builtin = [n for n, p in named if not p and n in BUILTIN]
     if not builtin and cfg.eval.size != 128:
-        raise ValueError(f"eval.size={cfg.eval.size} cannot take effect: it sizes the built-in suites "
-                         f"({', '.join(BUILTIN)}) and eval.suites={cfg.eval.suites!r} has none")
+        raise ValueError(
+            f"eval.size={cfg.eval.size} cannot take effect: it sizes the built-in suites "
+            f"({', '.join(BUILTIN)}) and eval.suites={cfg.eval.suites!r} has none"
+        )
     multi = multi_turn_suites(cfg.eval.suites)
-    suites = {**_builtin_suites(cfg, tok, [n for n in builtin if n not in multi], "single"),
-              **_builtin_suites(cfg, tok, multi, "tool")}
+    suites = {
+        **_builtin_suites(cfg, tok, [n for n in builtin if n not in multi], "single"),
+        **_builtin_suites(cfg, tok, multi, "tool"),
+    }
     sub = cfg.copy_and_resolve_references()
     sub.rl.env = "single"
     reward_fn = make_reward_fn(sub)
@@ -104,5 +116,3 @@ def make_suites(cfg, tok) -> dict[str, Domain]:
         elif n in EXTRA_SUITES:
             suites[n] = EXTRA_SUITES[n](cfg, tok, reward_fn)
     return {n: suites[n] for n, _ in named}
-
-

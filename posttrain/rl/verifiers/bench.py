@@ -16,8 +16,13 @@ from posttrain.sandbox.bench import overhead_rows
 DEFAULT_DATA = Path(__file__).resolve().parents[4] / "shared" / "data"
 
 
-def sandbox_bench(data_dir: str | os.PathLike | None = None, *, workers: int | None = None,
-                  limit: int | None = None, repeats: int = 20) -> list[dict]:
+def sandbox_bench(
+    data_dir: str | os.PathLike | None = None,
+    *,
+    workers: int | None = None,
+    limit: int | None = None,
+    repeats: int = 20,
+) -> list[dict]:
     """Rows for tools/bench.py: per-execution overhead of an empty program, of `python -I`
     and of the code harness on a trivial task; then HumanEval canonical solutions (the first
     `limit`, all 164 by default) one at a time and on a pool of `workers` (default: CPUs).
@@ -44,6 +49,13 @@ def sandbox_bench(data_dir: str | os.PathLike | None = None, *, workers: int | N
             t = time.perf_counter()
             results = verifier.check_many(tasks, solutions)
             sec = time.perf_counter() - t
-            out.append({"what": f"humaneval canonical, {name}", "execs": len(tasks),
-                        "passed": sum(r.passed for r in results), "s": sec, "execs_per_s": len(tasks) / sec})
+            out.append(
+                {
+                    "what": f"humaneval canonical, {name}",
+                    "execs": len(tasks),
+                    "passed": sum(r.passed for r in results),
+                    "s": sec,
+                    "execs_per_s": len(tasks) / sec,
+                }
+            )
     return out

@@ -77,8 +77,7 @@ def extract_code(response: str) -> tuple[str, bool]:
 class CodeVerifier:
     """Runs completions against CodeTasks in a Sandbox (concurrently for many)."""
 
-    def __init__(self, sandbox: Sandbox | None = None, limits: Limits | None = None,
-                 python: str | None = None) -> None:
+    def __init__(self, sandbox: Sandbox | None = None, limits: Limits | None = None, python: str | None = None) -> None:
         self.sandbox = sandbox or Sandbox()
         self.limits = limits or Limits(cpu_s=5, wall_s=10.0)
         self.python = python or sandbox_python()
@@ -86,10 +85,17 @@ class CodeVerifier:
     def job(self, task: CodeTask, completion: str) -> tuple[Job, str]:
         """The sandbox job for one completion and the token its harness prints on success."""
         token = secrets.token_hex(16)
-        payload = {"token": token, "program": task.prompt + completion, "setup": task.prompt,
-                   "test": task.test, "entry_point": task.entry_point, "functions": list(task.tested())}
-        job = Job(argv=(self.python, "-I", "-c", HARNESS_SOURCE), stdin=json.dumps(payload).encode(),
-                  limits=self.limits)
+        payload = {
+            "token": token,
+            "program": task.prompt + completion,
+            "setup": task.prompt,
+            "test": task.test,
+            "entry_point": task.entry_point,
+            "functions": list(task.tested()),
+        }
+        job = Job(
+            argv=(self.python, "-I", "-c", HARNESS_SOURCE), stdin=json.dumps(payload).encode(), limits=self.limits
+        )
         return job, token
 
     def check_many(self, tasks: Sequence[CodeTask], completions: Sequence[str]) -> list[CodeResult]:
@@ -108,8 +114,10 @@ class CodeVerifier:
         """Verdicts for model responses: code extracted from each, then run."""
         extracted = [extract_code(r) for r in responses]
         results = self.check_many(tasks, [code for code, _ in extracted])
-        return [Verdict(float(r.passed), ok, r.detail, error=r.detail if r.status is Status.ERROR else None)
-                for r, (_, ok) in zip(results, extracted)]
+        return [
+            Verdict(float(r.passed), ok, r.detail, error=r.detail if r.status is Status.ERROR else None)
+            for r, (_, ok) in zip(results, extracted)
+        ]
 
     def verify(self, task: CodeTask, response: str) -> Verdict:
         """Verdict for one model response."""
@@ -119,7 +127,7 @@ class CodeVerifier:
 def _judge(result: ExecResult, token: str) -> CodeResult:
     """Pass only if the harness exited cleanly and printed exactly "<token> PASS"."""
     lines = result.stdout.decode(errors="replace").splitlines()
-    verdicts = [line[len(token) + 1:] for line in lines if line.startswith(token + " ")]
+    verdicts = [line[len(token) + 1 :] for line in lines if line.startswith(token + " ")]
     if result.status is Status.PASS and verdicts == ["PASS"]:
         return CodeResult(True, result.status, "passed")
     if result.status is not Status.PASS:

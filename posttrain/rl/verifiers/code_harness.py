@@ -26,10 +26,27 @@ import sys
 PR_SET_DUMPABLE = 4
 MAX_MESSAGE = 64 << 20
 _HEADER = struct.Struct(">Q")
-_PLAIN = {"builtins": {"complex", "set", "frozenset", "bytearray", "range", "slice", "int", "float", "str",
-                       "bytes", "bool", "list", "tuple", "dict"},
-          "collections": {"OrderedDict", "Counter", "deque", "defaultdict"},
-          "fractions": {"Fraction"}, "decimal": {"Decimal"}}
+_PLAIN = {
+    "builtins": {
+        "complex",
+        "set",
+        "frozenset",
+        "bytearray",
+        "range",
+        "slice",
+        "int",
+        "float",
+        "str",
+        "bytes",
+        "bool",
+        "list",
+        "tuple",
+        "dict",
+    },
+    "collections": {"OrderedDict", "Counter", "deque", "defaultdict"},
+    "fractions": {"Fraction"},
+    "decimal": {"Decimal"},
+}
 
 
 def send(sock, obj):

@@ -65,7 +65,7 @@ def _boxed(response: str) -> str | None:
     start, macro = max((response.rfind(m), m) for m in ("\\boxed", "\\fbox"))
     if start < 0:
         return None
-    rest = response[start + len(macro):].lstrip()
+    rest = response[start + len(macro) :].lstrip()
     if not rest.startswith("{"):
         match = re.match(r"[^\s$]+", rest)
         return match.group(0) if match else None
@@ -158,7 +158,7 @@ def _symbolic_safe(text: str) -> bool:
         return False
     for op in re.finditer(r"\^|\*\*", text):
         exponent = _operand(text, op.end())
-        after = text[op.end():].lstrip()[len(exponent):].lstrip()
+        after = text[op.end() :].lstrip()[len(exponent) :].lstrip()
         if re.search(r"\^|\*\*|!|\d{6,}", exponent) or after.startswith(("^", "**")):
             return False  # towers like 2^{10^{10}} or 2**2**2**2**2**2
     return not re.search(r"(?<![\d\sA-Za-z])!|\d{4,}\s*!", text)
@@ -198,8 +198,7 @@ def symbolic_equal(pred: str, ref: str, checker: SymbolicChecker | None = None) 
     return (checker or default_checker()).equal(pred, ref)
 
 
-def answers_equal(pred: str, ref: str, *, symbolic: bool = True,
-                  checker: SymbolicChecker | None = None) -> bool:
+def answers_equal(pred: str, ref: str, *, symbolic: bool = True, checker: SymbolicChecker | None = None) -> bool:
     """True when the predicted answer equals the reference: same text, same number (exactly
     when the reference is an integer or fraction, to the reference's own precision when it is
     a decimal -- `reference_tolerance`; either reading of a percent), or (symbolic=True) equivalent expressions (`symbolic_equal` on `checker`,
@@ -241,15 +240,16 @@ class MathVerifier:
         format_ok = found.source in self.format_sources
         try:
             ok = answers_equal(found.text, task.answer, symbolic=self.symbolic, checker=self._checker)
-        except Exception as e:   # a failed or timed-out check is no verdict: reported, counted, logged
+        except Exception as e:  # a failed or timed-out check is no verdict: reported, counted, logged
             error = str(e) if isinstance(e, SymbolicCheckError) else f"{type(e).__name__}: {e}"
             with self._errors_lock:
                 self.errors += 1
                 count = self.errors
             logger.warning("math verifier error %d: %s", count, error)
             return Verdict(0.0, format_ok, f"{found.source}: {found.text[:80]!r} not checked", error=error)
-        return Verdict(float(ok), format_ok,
-                       f"{found.source}: {found.text[:80]!r} {'==' if ok else '!='} {task.answer[:80]!r}")
+        return Verdict(
+            float(ok), format_ok, f"{found.source}: {found.text[:80]!r} {'==' if ok else '!='} {task.answer[:80]!r}"
+        )
 
     def verify_many(self, tasks: Sequence[MathTask], responses: Sequence[str]) -> list[Verdict]:
         """Verdicts for many responses (sequential: each is microseconds to milliseconds)."""

@@ -14,7 +14,7 @@ import multiprocessing
 import threading
 from multiprocessing.connection import Connection
 
-STARTUP_TIMEOUT_S = 120.0   # spawning the worker and importing sympy, on a loaded machine
+STARTUP_TIMEOUT_S = 120.0  # spawning the worker and importing sympy, on a loaded machine
 
 
 class SymbolicCheckError(RuntimeError):
@@ -25,28 +25,31 @@ def _serve(conn: Connection) -> None:
     """Worker process: answer (pred, ref) requests with ("ok", bool) or ("error", message)."""
     import logging
     import signal
+
     # Ctrl-C reaches the terminal's whole process group: the parent decides (finish the step, save,
     # stop: train/interrupt.py) and closes this worker; dying here would fail the step's checks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     from math_verify import parse, verify
-    logging.getLogger("math_verify").setLevel(logging.ERROR)   # "timeout is disabled": ours is outside
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": ours is outside
     # sympy imports much of itself on first use: pay that before the first timed check
     verify(parse("$(x+1)^2$", parsing_timeout=None), parse("$x^2+2x+1$", parsing_timeout=None), timeout_seconds=None)
     conn.send("ready")
     while True:
         try:
             request = conn.recv()
-        except EOFError:     # the parent closed its end (it exited): nothing left to answer
+        except EOFError:  # the parent closed its end (it exited): nothing left to answer
             return
         if request is None:
             return
         try:
-            gold, guess = (parse(s if s.strip().startswith("$") else f"${s}$", parsing_timeout=None,
-                                 raise_on_error=True) for s in (request[1], request[0]))
-            conn.send(("ok", bool(gold and guess and verify(gold, guess, timeout_seconds=None,
-                                                              raise_on_error=True))))
-        except Exception as e:   # reported to the caller, who raises it
+            gold, guess = (
+                parse(s if s.strip().startswith("$") else f"${s}$", parsing_timeout=None, raise_on_error=True)
+                for s in (request[1], request[0])
+            )
+            conn.send(("ok", bool(gold and guess and verify(gold, guess, timeout_seconds=None, raise_on_error=True))))
+        except Exception as e:  # reported to the caller, who raises it
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
@@ -72,12 +75,15 @@ class SymbolicChecker:
                 self._conn.send((pred, ref))
                 if not self._conn.poll(self.timeout):
                     self._stop()
-                    raise SymbolicCheckError(f"symbolic check timed out after {self.timeout:g} s: "
-                                             f"{str(pred)[:80]!r} vs {str(ref)[:80]!r}")
+                    raise SymbolicCheckError(
+                        f"symbolic check timed out after {self.timeout:g} s: {str(pred)[:80]!r} vs {str(ref)[:80]!r}"
+                    )
                 status, value = self._conn.recv()
             except (EOFError, OSError):
                 self._stop()
-                raise SymbolicCheckError(f"symbolic check worker died on {str(pred)[:80]!r} vs {str(ref)[:80]!r}") from None
+                raise SymbolicCheckError(
+                    f"symbolic check worker died on {str(pred)[:80]!r} vs {str(ref)[:80]!r}"
+                ) from None
         if status == "error":
             raise SymbolicCheckError(f"math-verify failed on {str(pred)[:80]!r} vs {str(ref)[:80]!r}: {value}")
         return value
@@ -88,7 +94,7 @@ class SymbolicChecker:
             self._stop()
 
     def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")   # no fork: the parent runs JAX threads
+        ctx = multiprocessing.get_context("spawn")  # no fork: the parent runs JAX threads
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child,), daemon=True, name="symbolic-check")
         self._proc.start()

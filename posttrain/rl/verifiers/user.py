@@ -73,7 +73,8 @@ def check_result(value: Any) -> tuple[float, dict[str, float]]:
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"returned {value!r}, outside [0, 1]")
     if not isinstance(parts, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in parts.items()):
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in parts.items()
+    ):
         raise ValueError(f"returned parts {parts!r}; expected a dict of str -> number")
     return float(value), {k: float(v) for k, v in parts.items()}
 
@@ -87,7 +88,7 @@ class UserVerifier:
             raise ValueError(f"verifier timeout must be > 0 seconds, got {timeout_s}")
         self.functions = dict(functions)
         self.timeout_s = timeout_s
-        self.abandoned = 0          # calls that timed out and whose threads still run
+        self.abandoned = 0  # calls that timed out and whose threads still run
         self._lock = threading.Lock()
 
     def verify(self, task: UserTask, response: str) -> Verdict:
