@@ -11,15 +11,7 @@ import fsspec
 import pytest
 
 from posttrain.data.tokenizer import ByteTokenizer, load_tokenizer
-from posttrain.rl.envs import (
-    SingleTurnEnv,
-    Task,
-    ToolCallError,
-    ToolEnv,
-    parse_tool_call,
-    run_episode,
-    run_episodes,
-)
+from posttrain.rl.envs import SingleTurnEnv, Task, ToolCallError, ToolEnv, parse_tool_call, run_episode, run_episodes
 from posttrain.rl.reward import RewardConfig, RewardFunction, default_reward_function
 from posttrain.rl.verifiers import CodeTask, MathTask
 from posttrain.sandbox import Sandbox

@@ -12,14 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.rl.reward import (
-    Reward,
-    RewardConfig,
-    RewardFunction,
-    compose,
-    default_reward_function,
-    overlong_penalty,
-)
+from posttrain.rl.reward import Reward, RewardConfig, RewardFunction, compose, default_reward_function, overlong_penalty
 from posttrain.rl.verifiers import (
     CodeTask,
     CodeVerifier,

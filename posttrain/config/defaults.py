@@ -167,7 +167,7 @@ def base_config() -> ml_collections.ConfigDict:
                     max_new_tokens=8,
                     seed=0,  # problems come from the eval name space, disjoint from training's
                 )
-            ),
+            )
         )
     )
     cfg.optim = optim_config()

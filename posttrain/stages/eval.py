@@ -46,13 +46,7 @@ from posttrain.rl.envs.base import Task
 from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.hosts import combine_info
 from posttrain.rl.rollout.worker import SUMMED_INFO, RolloutWorker
-from posttrain.rl.tasks.suites import (
-    HEADLINE,
-    make_suites,
-    multi_turn_suites,
-    parse_suites,
-    suite_version,
-)
+from posttrain.rl.tasks.suites import HEADLINE, make_suites, multi_turn_suites, parse_suites, suite_version
 from posttrain.sampling.rules import SamplingParams
 
 
