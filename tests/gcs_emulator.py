@@ -82,9 +82,9 @@ def gcs_emulator(bucket: str, log_path: str) -> Iterator[str]:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
                 break
-            except OSError:
+            except OSError as e:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the GCS emulator did not start (exit {proc.poll()}); see {log_path}")
+                    raise RuntimeError(f"the GCS emulator did not start (exit {proc.poll()}); see {log_path}") from e
                 time.sleep(0.1)
         os.environ.update(
             {

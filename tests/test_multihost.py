@@ -396,7 +396,7 @@ def test_lost_process_stops_the_other_and_rerun_resumes(sft_setup):
         procs[0].wait(timeout=60)
     except subprocess.TimeoutExpired:
         procs[0].kill()
-        raise AssertionError("process 0 still running 60 s after process 1 died")
+        raise AssertionError("process 0 still running 60 s after process 1 died") from None
     log = open(os.path.join(out, "log0.txt")).read()
     assert procs[0].returncode != 0 and time.time() - killed_at < 60
     assert "stopped sending heartbeats" in log and "\n1\n" in log, log[-3000:]

@@ -9,7 +9,8 @@ steps. Each round runs the same tasks with C = 1 (lockstep rounds) and C = 2 coh
 after a warm-up pass over every round (compilation of each prompt-length bucket and batch size).
 Sampled (T = 1, as RL samples) the two draw different keys (module docstring of rl/episodes.py),
 so their episodes differ in detail but not in distribution; `--greedy` (as held-out evaluation)
-makes them the same episodes (checked: same turns and tokens), so the times compare like for like. Rows per C: episodes_s (wall time of the batch), model_s and env_s
+makes them the same episodes (checked: same turns and tokens), so the times compare like for like.
+Rows per C: episodes_s (wall time of the batch), model_s and env_s
 (sums of sampler and environment time), the overlap (model_s + env_s) / episodes_s (1: none), turns
 per episode; and the per-round ratio episodes_s(C=1) / episodes_s(C=2), median (range).
 
@@ -120,8 +121,8 @@ def episodes_bench(
         med = {k: float(np.median([i[k] for i in info[c]])) for k in KEYS}
         overlap = [(i["model_s"] + i["env_s"]) / i["episodes_s"] for i in info[c]]
         row = {
-            "name": f"{episodes} episodes{', greedy' if greedy else ''}{f', tool wait {tool_wait}s' if tool_wait else ''}"
-            f", C={c}",
+            "name": f"{episodes} episodes{', greedy' if greedy else ''}"
+            f"{f', tool wait {tool_wait}s' if tool_wait else ''}, C={c}",
             **med,
             "overlap (median)": float(np.median(overlap)),
         }

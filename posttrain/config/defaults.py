@@ -74,7 +74,8 @@ def model_config() -> ml_collections.ConfigDict:
             remat="none",  # none | full | dots (save matmul outputs)
             attention="xla",  # xla (reference) | blockwise (memory-linear) | cudnn (GPU) | splash (TPU)
             attention_block=512,  # blockwise / splash tile length (queries and keys)
-            context_parallel="auto",  # mesh.sequence > 1 with blockwise: all_gather | ring | auto (ops.context_parallel)
+            # mesh.sequence > 1 with blockwise: all_gather | ring | auto (ops.context_parallel)
+            context_parallel="auto",
             moe=ml_collections.ConfigDict(
                 dict(
                     num_experts=0,  # 0: every layer is a dense MLP
@@ -127,7 +128,8 @@ def base_config() -> ml_collections.ConfigDict:
     cfg.init_from = ""  # another run's checkpoint (workdir or checkpoint dir), or "hf:/hf/folder"
     cfg.distributed = ml_collections.ConfigDict(
         dict(  # several processes (parallel/distributed.py)
-            coordinator="",  # "host:port" of process 0; "" = $JAX_COORDINATOR_ADDRESS, a TPU pod / SLURM, or one process
+            # "host:port" of process 0; "" = $JAX_COORDINATOR_ADDRESS, a TPU pod / SLURM, or one process
+            coordinator="",
             num_processes=0,  # with coordinator: how many processes in all
             process_id=-1,  # with coordinator: this process (0 .. num_processes-1)
             heartbeat_timeout_s=30,  # a process silent this long is declared dead: the others stop, naming it
@@ -204,7 +206,8 @@ def base_config() -> ml_collections.ConfigDict:
             verifier_timeout_s=30.0,  # wall-clock limit of one user verifier call (then Reward.error, counted)
             curriculum=ml_collections.ConfigDict(
                 dict(  # task scheduler (rl/scheduler.py): bands by observed pass rate
-                    band_weights="",  # e.g. "new:1,hard:0.5,medium:4,easy:0.2": draw a band by weight, then a task in it
+                    # e.g. "new:1,hard:0.5,medium:4,easy:0.2": draw a band by weight, then a task in it
+                    band_weights="",
                     hard_below=0.2,  # pass rate < this: band "hard"
                     easy_above=0.8,  # pass rate > this: band "easy" (else "medium")
                     min_attempts=1,  # samples before a task leaves band "new"
@@ -310,8 +313,10 @@ def base_config() -> ml_collections.ConfigDict:
     cfg.sampling = ml_collections.ConfigDict(
         dict(  # the rlvr stage's sampler (rollouts and held-out evals)
             quantize="none",  # none | int8 (w8a16) | int4 (w4a16): weights quantised from the learner's at each publish
-            layout="learner",  # learner (serve the learner's ZeRO-3 arrays) | tensor (a decode-layout copy made at each publish)
-            speculative_k=0,  # > 0: speculative decoding, k tokens drafted per round (same distribution, policy log-probs)
+            # learner (serve the learner's ZeRO-3 arrays) | tensor (a decode-layout copy made at each publish)
+            layout="learner",
+            # > 0: speculative decoding, k tokens drafted per round (same distribution, policy log-probs)
+            speculative_k=0,
             draft_layers=1,  # the draft: the policy's first n layers + its final norm and head
             prefix_cache=0,  # > 0: keep prompt-prefix KV across sampler calls (multi-turn turns), bound in tokens
             continuous_batching=False,  # rollouts through continuously refilled decode slots (same samples as static)

@@ -203,7 +203,11 @@ class AlertMonitor:
 
 def _message(rule: str, kind: str, x: float, value: float, threshold: float, run: Running) -> str:
     if kind == "drift":
-        return f"{x:.4g} is {value:.2f} std from its running mean {run.mean:.4g} (std {run.std:.3g}) > alerts.{rule}={threshold:g}"
+        return (
+            f"{x:.4g} is {value:.2f} std from its running mean {run.mean:.4g} (std {run.std:.3g}) "
+            f"> alerts.{rule}={threshold:g}"
+        )
     if kind in ("growth", "stall"):
-        return f"{x:.4g} is {value:.3g}× its running mean {run.mean:.4g} ({'>' if kind == 'growth' else '<'} alerts.{rule}={threshold:g})"
+        sign = ">" if kind == "growth" else "<"
+        return f"{x:.4g} is {value:.3g}× its running mean {run.mean:.4g} ({sign} alerts.{rule}={threshold:g})"
     return f"{x:.4g} {'>' if kind == 'above' else '<'} alerts.{rule}={threshold:g}"

@@ -94,7 +94,8 @@ def run_to_hf(
     config.json starts from `hf_base`'s (default: the source model's config.json recorded in the
     run's lineage, see `posttrain.core.lineage`) so token ids and other keys carry over, and
     advertises the longest context the weights were trained at; tokenizer files are copied from
-    `cfg.data.tokenizer` when it is a folder. `out` may be a URL (gs://). `dtype` (e.g. "bfloat16") defaults to `cfg.model.param_dtype`.
+    `cfg.data.tokenizer` when it is a folder. `out` may be a URL (gs://). `dtype` (e.g. "bfloat16")
+    defaults to `cfg.model.param_dtype`.
     """
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     source = lineage.of_run(cfg.workdir)

@@ -4,8 +4,8 @@ Every line is strict JSON (RFC 8259): a non-finite value (NaN, ±inf, e.g. the l
 step) is written as `null`; `read_metrics` gives it back as NaN. TensorBoard gets the float itself.
 
 A `gs://` (any URL) workdir: metrics.jsonl is an `AppendLog` (uploaded whole by the first write
-10 s or more after the previous upload and on close, see `posttrain.storage`) and the TensorBoard event file is buffered and uploaded
-whole on each TensorBoard flush, through fsspec.
+10 s or more after the previous upload and on close, see `posttrain.storage`) and the TensorBoard
+event file is buffered and uploaded whole on each TensorBoard flush, through fsspec.
 """
 
 from __future__ import annotations

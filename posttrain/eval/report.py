@@ -330,10 +330,12 @@ def render(workdir: str) -> str:
             if c.get("stage") == "pipeline"
             else str(c.get("stage"))
         )
+    where = workdir if storage.is_url(workdir) else os.path.abspath(storage.local(workdir))
     return (
         f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>posttrain report: {_text(workdir)}</title>"
         f"<style>{CSS}</style></head><body><h1>posttrain run report</h1>"
-        f'<p title="{_text(workdir if storage.is_url(workdir) else os.path.abspath(storage.local(workdir)))}">{_text(workdir)} · {_text(stage_names)} · written {time.strftime("%Y-%m-%d %H:%M %Z")}</p>'
+        f'<p title="{_text(where)}">{_text(workdir)} · {_text(stage_names)} · '
+        f"written {time.strftime('%Y-%m-%d %H:%M %Z')}</p>"
         f"<h2>Curves</h2>{curves_section(stages)}"
         f"<h2>Evaluations</h2>{eval_section(stages)}<h2>Gates</h2>{gates_section(workdir)}"
         f"<h2>Alerts and events</h2>{events_section(stages)}<h2>Sample rollouts</h2>{rollouts_section(stages)}"

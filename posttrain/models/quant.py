@@ -149,7 +149,7 @@ def quantized_spec(
     split evenly over its mesh axes, else a ValueError naming `name`. axis_sizes: axis → size.
     """
     scale_entries = []
-    for i, (n, k) in enumerate(zip(w.qvalue.shape, w.scale.shape)):
+    for i, k in enumerate(w.scale.shape):
         entry = spec[i] if i < len(spec) else None
         axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
         if k == 1 or i in whole:

@@ -160,8 +160,9 @@ def collective_bytes(hlo_text: str) -> tuple[dict[str, int], bool]:
 
     Each collective counts its full-size buffer: the result of an all-gather, all-to-all,
     all-reduce or collective-permute, the operand of a reduce-scatter; a ragged all-to-all counts
-    the rows it may send (its input: every local assignment; the receive buffer is a bound). Loop bodies count once per trip
-    of every enclosing counted loop (a scan over layers runs its body once per layer). Returns
+    the rows it may send (its input: every local assignment; the receive buffer is a bound). Loop
+    bodies count once per trip of every enclosing counted loop (a scan over layers runs its body
+    once per layer). Returns
     the counts and whether some loop was not counted (a data-dependent decode loop: its body is
     counted once, i.e. per iteration).
     """

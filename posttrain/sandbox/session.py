@@ -191,8 +191,9 @@ class Session:
         self._state = snap
 
     def run(self, tool: str, code: str) -> CallResult:
-        """Run `code` with `tool` ("sh": /bin/sh -c, "python": python -E -s -c, so the directory is importable) in the working
-        directory; the files it leaves become the session's state (unless a limit was hit)."""
+        """Run `code` with `tool` ("sh": /bin/sh -c, "python": python -E -s -c, so the directory is
+        importable) in the working directory; the files it leaves become the session's state (unless
+        a limit was hit)."""
         if tool not in SESSION_TOOLS:
             raise ValueError(f"Session.run: unknown tool {tool!r}; expected one of {SESSION_TOOLS}")
         if self.calls >= self.max_calls:

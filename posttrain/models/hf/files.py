@@ -17,7 +17,7 @@ try:
 except ImportError as e:
     raise ImportError("Hugging Face interop needs safetensors: pip install -e '.[hf]'") from e
 
-from posttrain import storage
+from posttrain import storage  # noqa: E402 (after the safetensors check, whose error says how to install it)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

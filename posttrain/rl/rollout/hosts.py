@@ -120,7 +120,7 @@ def combine_info(info: dict[str, Any], summed: tuple[str, ...]) -> dict[str, Any
     parts = allgather_json(info)
     weights = np.asarray([p.get("responses", 1) for p in parts], np.float64)
     out = dict(parts[0])
-    for k, v in parts[0].items():
+    for k in parts[0]:
         vals = [p[k] for p in parts]
         if k in summed:
             out[k] = sum(vals)

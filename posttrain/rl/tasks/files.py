@@ -120,7 +120,7 @@ def drop_overlap(eval_tasks: dict[str, list[tuple[str, Task]]], train_prompts: d
     """Remove (in place) evaluation tasks whose prompt is also a training prompt (`train_prompts`:
     normalised prompt → where); each is an error or a counted skip. Returns how many were dropped."""
     dropped = 0
-    for domain, tasks in eval_tasks.items():
+    for tasks in eval_tasks.values():
         kept = []
         for where, task in tasks:
             also = train_prompts.get(normalise_prompt(task))

@@ -27,8 +27,8 @@ HEADLINE = {
     "repo_fix": "tool_success_rate",
 }
 # Hook for further built-in single-turn suites: name -> (cfg, tokenizer, reward_fn) -> Domain (multi-turn
-# ones are the MULTI_TURN domains of rl.tasks). The long-context grid (eval.long_context.*, metrics long_ctx_needle / long_ctx_multihop)
-# runs beside the suites, through posttrain/eval/long_context_eval.py.
+# ones are the MULTI_TURN domains of rl.tasks). The long-context grid (eval.long_context.*, metrics
+# long_ctx_needle / long_ctx_multihop) runs beside the suites, through posttrain/eval/long_context_eval.py.
 EXTRA_SUITES: dict[str, Callable] = {}
 
 

@@ -201,8 +201,8 @@ def symbolic_equal(pred: str, ref: str, checker: SymbolicChecker | None = None) 
 def answers_equal(pred: str, ref: str, *, symbolic: bool = True, checker: SymbolicChecker | None = None) -> bool:
     """True when the predicted answer equals the reference: same text, same number (exactly
     when the reference is an integer or fraction, to the reference's own precision when it is
-    a decimal -- `reference_tolerance`; either reading of a percent), or (symbolic=True) equivalent expressions (`symbolic_equal` on `checker`,
-    which may raise SymbolicCheckError)."""
+    a decimal -- `reference_tolerance`; either reading of a percent), or (symbolic=True) equivalent
+    expressions (`symbolic_equal` on `checker`, which may raise SymbolicCheckError)."""
     if _clean(pred)[0].replace(" ", "") == _clean(ref)[0].replace(" ", ""):
         return True
     p, r = parse_number(pred), parse_number(ref)
