@@ -5,7 +5,7 @@ Resumed with the same process count, process i takes state i and reads exactly t
 uninterrupted run. Resumed with another count, each process recomputes its slice from the
 *global* read position:
 
-- Process p of n reads records p, p + n, p + 2n, ... of each shuffled epoch (`pipeline._records`),
+- Process p of n reads records p, p + n, p + 2n, ... of each shuffled epoch (`iterator.process_records`),
   so old process p's read index j is global record `j·n + p`. The global position is the
   smallest next record over the old processes: `min_p(next_index_p) · n_old` (they differ only
   when some process skipped bad records; the records a process had read past the minimum are read
