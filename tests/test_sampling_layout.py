@@ -19,6 +19,17 @@ from posttrain.sampling import ContinuousBatcher, SamplingParams, generate
 from posttrain.sampling.layout import check_layout, publish_weights, sampler_rules
 from tests.test_sampling import PROMPTS, model_config
 
+
+def bare_components(cfg, mesh):
+    """The RL loop's Components with only the config and the learner's layout (what `weights` reads)."""
+    import dataclasses
+
+    from posttrain.stages.rlvr import Components
+
+    required = {f.name: None for f in dataclasses.fields(Components) if f.default is dataclasses.MISSING}
+    return Components(**{**required, "cfg": cfg, "learner_sharding": (mesh, RULES)})
+
+
 RULES = {**DEFAULT_RULES, "embed": ("fsdp",)}
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=8, stop_ids=tuple(range(1, 9)))  # some stop early
 TP = ("tensor", "fsdp")
@@ -78,16 +89,16 @@ def test_published_params_have_the_decode_shardings(model, mesh):
 
 
 def test_loop_publishes_the_decode_layout(model, mesh):
-    """`rl.loop.Components.weights` (what rollouts, evals and the async producer sample with)
+    """`stages.rlvr.Components.weights` (what rollouts, evals and the async producer sample with)
     reshards into the layout `sampling.layout` names."""
-    from posttrain.stages.rlvr import Components, RLState
+    from posttrain.stages.rlvr import RLState
 
     _, learner, _, rest = model
     cfg = base_config()
     state = types.SimpleNamespace(params=learner, frozen=None, rest=rest)
     for layout in ("learner", "tensor"):
         cfg.sampling.layout = layout
-        c = Components(cfg, *([None] * 10), learner_sharding=(mesh, RULES))
+        c = bare_components(cfg, mesh)
         params, _ = c.weights(RLState(state, 0))
         spec = params["embed"][...].sharding.spec
         assert spec == (P("tensor", "fsdp") if layout == "learner" else P(TP)), layout
@@ -241,7 +252,7 @@ def test_rollout_worker_in_the_decode_layout_continuous_and_prefix_cache(model, 
 def test_int8_weights_in_the_decode_layout_sample_as_in_the_learner_layout(mesh):
     """sampling.quantize='int8' with sampling.layout='tensor' (dense model): the loop's weights
     (`Components.weights`: reshard, then quantise) sample as the quantised learner-layout weights."""
-    from posttrain.stages.rlvr import Components, RLState
+    from posttrain.stages.rlvr import RLState
 
     make = lambda: Decoder(model_config("dense"), rngs=nnx.Rngs(3))
     learner, rest = init_model_state(make, mesh, RULES)
@@ -250,7 +261,7 @@ def test_int8_weights_in_the_decode_layout_sample_as_in_the_learner_layout(mesh)
     cfg.sampling.quantize = "int8"
     for layout in ("learner", "tensor"):
         cfg.sampling.layout = layout
-        params, _ = Components(cfg, *([None] * 10), learner_sharding=(mesh, RULES)).weights(RLState(state, 0))
+        params, _ = bare_components(cfg, mesh).weights(RLState(state, 0))
         assert params["embed"][...].sharding.spec == (P("tensor", "fsdp") if layout == "learner" else P(TP))
         with use_sharding(mesh, sampler_rules(RULES, layout)):
             outs[layout] = generate(graphdef, params, rest, PROMPTS, SAMPLING, jax.random.key(7))

@@ -75,7 +75,7 @@ class RLState:
     last_eval: dict = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Components:
     """The fixed parts of a run that the step functions use."""
 
@@ -302,17 +302,17 @@ def run(cfg) -> Result:
             if start and "reward_stats" in data:
                 rewards.stats.set_state(data["reward_stats"])
             c = Components(
-                cfg,
-                worker,
-                learner,
-                scheduler,
-                None,
-                ref,
-                base_key,
-                held_out,
-                clock,
-                tok.pad_id,
-                rewards,
+                cfg=cfg,
+                worker=worker,
+                learner=learner,
+                scheduler=scheduler,
+                producer=None,
+                ref=ref,
+                base_key=base_key,
+                held_out=held_out,
+                clock=clock,
+                pad_id=tok.pad_id,
+                rewards=rewards,
                 learner_sharding=(mesh, rules),
             )
             if r.rollouts_every:
