@@ -314,7 +314,7 @@ def test_tool_keys_reach_the_environment_and_the_reward(tmp_path, sandbox):
     from posttrain.rl.tasks.registry import make_env_factory, make_reward_fn
 
     cfg = tool_cfg(tmp_path, max_turns=3, tool_timeout_s=1.5, redundant_tool_call_penalty=0.2, overlong_buffer=8)
-    reward_fn = make_reward_fn(cfg)
+    reward_fn = make_reward_fn(cfg.rl)
     env = make_env_factory(cfg, TOK, reward_fn)()
     assert (env.max_turns, env.limits.wall_s, env.max_turn_tokens) == (3, 1.5, 16)
     c = reward_fn.config

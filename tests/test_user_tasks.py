@@ -179,7 +179,7 @@ def test_records_of_each_kind_domains_and_bad_records(tmp_path, user_module):
         ],
     )
     r.verifiers, r.eval_every = f"{user_module}:shout", 0
-    domains, held_out = make_domains(cfg, ByteTokenizer(), make_reward_fn(cfg))
+    domains, held_out = make_domains(cfg, ByteTokenizer(), make_reward_fn(cfg.rl))
     assert sorted(domains) == ["code", "math", "user"] and held_out == []
     (math,) = domains["math"].tasks
     assert (math.id, math.target, math.difficulty) == ("m1", MathTask("4"), "1")
@@ -249,7 +249,7 @@ def test_new_keys_that_cannot_take_effect_are_errors(tmp_path):
     cfg = base_config()
     cfg.rl.verifiers = "no_such_module_here:score"
     with pytest.raises(ValueError, match="cannot import 'no_such_module_here'"):
-        make_reward_fn(cfg)
+        make_reward_fn(cfg.rl)
 
 
 def test_rollout_log_samples_by_seed_and_step_and_writes_strict_json(tmp_path):
@@ -306,7 +306,7 @@ def test_record_kinds_are_scored_by_their_verifiers(tmp_path, user_module):
         ],
     )
     r.verifiers, r.eval_every = f"{user_module}:score", 0
-    reward_fn = make_reward_fn(cfg)
+    reward_fn = make_reward_fn(cfg.rl)
     domains, _ = make_domains(cfg, ByteTokenizer(), reward_fn)
     math, user = domains["user"].tasks
     (code,) = domains["code"].tasks

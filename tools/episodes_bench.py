@@ -80,7 +80,7 @@ def episodes_bench(
     per-round speed-up of each C > 1 over C = 1."""
     cfg = get_config()
     tok = load_tokenizer(cfg.data.tokenizer)
-    domains, _ = make_domains(cfg, tok, make_reward_fn(cfg))
+    domains, _ = make_domains(cfg, tok, make_reward_fn(cfg.rl))
     domain = domains["repo_fix"]
     if tool_wait:
         plain = domain.make_env

@@ -75,7 +75,7 @@ def skewed_policy(cfg, p_stop: float):
 def rollout_rounds(cfg, params, rest, slot_configs: dict, rounds: int) -> list[dict]:
     """Rollout throughput per round, static and each continuous setting back to back."""
     tok = load_tokenizer(cfg.data.tokenizer)
-    domains, _ = make_domains(cfg, tok, make_reward_fn(cfg))
+    domains, _ = make_domains(cfg, tok, make_reward_fn(cfg.rl))
     ((name, domain),) = domains.items()
     sampling = loop.rollout_sampling(cfg, tok.stop_ids)
     graphdef = nnx.split(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))), nnx.Param, ...)[0]

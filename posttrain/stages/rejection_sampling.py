@@ -280,7 +280,7 @@ def run(cfg) -> Result:
     tok = load_tokenizer(cfg.data.tokenizer)
     sub = cfg.copy_and_resolve_references()
     sub.rl.eval_every = 0  # held-out tasks are not needed here (and never sampled)
-    domains, _ = make_domains(sub, tok, make_reward_fn(cfg))
+    domains, _ = make_domains(sub, tok, make_reward_fn(cfg.rl))
     pairs = choose_prompts(domains, domain_weights(cfg.rl, domains), r.prompts, cfg.seed)
     mesh, rules = mesh_and_rules(cfg)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))

@@ -226,7 +226,7 @@ def run(cfg) -> Result:
     check_sampling_config(cfg, ("rlvr",))
     r = cfg.rl
     tok = load_tokenizer(cfg.data.tokenizer)
-    domains, held_out = make_domains(cfg, tok, make_reward_fn(cfg))
+    domains, held_out = make_domains(cfg, tok, make_reward_fn(cfg.rl))
     scheduler = TaskScheduler(domains, domain_weights(r, domains), seed=cfg.seed, **curriculum_options(r.curriculum))
     mesh, rules = mesh_and_rules(cfg)
     steps = cfg.train.steps

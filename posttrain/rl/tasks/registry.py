@@ -259,10 +259,9 @@ class _LazyVerifier:
         return self._get().verify_many(tasks, responses)
 
 
-def make_reward_fn(cfg) -> RewardFunction:
-    """Math, code (sandboxed, built when first needed) and user verifiers with the configured
-    format and overlong shaping."""
-    r = cfg.rl
+def make_reward_fn(r) -> RewardFunction:
+    """Math, code (sandboxed, built when first needed) and user verifiers with the shaping the
+    `rl` section `r` configures (format, overlong, tool-call penalties)."""
     # The overlong ramp is over a sample's model tokens: one turn, or all turns of an episode.
     budget = r.max_new_tokens * (r.max_turns if r.env == "tool" else 1)
     config = RewardConfig(

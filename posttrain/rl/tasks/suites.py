@@ -86,7 +86,7 @@ def _builtin_suites(cfg, tok, names: list[str], env: str) -> dict[str, Domain]:
         return {}
     sub = cfg.copy_and_resolve_references()
     sub.rl.domains, sub.rl.eval_size, sub.rl.env = ",".join(names), cfg.eval.size, env
-    domains, held_out = make_domains(sub, tok, make_reward_fn(sub))
+    domains, held_out = make_domains(sub, tok, make_reward_fn(sub.rl))
     return {n: Domain(n, [t for d, t in held_out if d == n], domains[n].make_env) for n in names}
 
 
@@ -108,7 +108,7 @@ def make_suites(cfg, tok) -> dict[str, Domain]:
     }
     sub = cfg.copy_and_resolve_references()
     sub.rl.env = "single"
-    reward_fn = make_reward_fn(sub)
+    reward_fn = make_reward_fn(sub.rl)
     env = lambda: SingleTurnEnv(tok, reward_fn, max_turn_tokens=cfg.rl.max_new_tokens)
     for n, path in named:
         if path:
