@@ -31,6 +31,8 @@ from posttrain.parallel import use_sharding
 
 @dataclasses.dataclass
 class Result:
+    """What a stage's run returns: the final train state, the logged rows, the final evaluation."""
+
     graphdef: nnx.GraphDef
     state: TrainState
     rows: list[dict]
