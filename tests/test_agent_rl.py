@@ -315,7 +315,7 @@ def test_tool_keys_reach_the_environment_and_the_reward(tmp_path, sandbox):
 
     cfg = tool_cfg(tmp_path, max_turns=3, tool_timeout_s=1.5, redundant_tool_call_penalty=0.2, overlong_buffer=8)
     reward_fn = make_reward_fn(cfg.rl)
-    env = make_env_factory(cfg, TOK, reward_fn)()
+    env = make_env_factory(cfg.rl, TOK, reward_fn)()
     assert (env.max_turns, env.limits.wall_s, env.max_turn_tokens) == (3, 1.5, 16)
     c = reward_fn.config
     assert (c.invalid_tool_call_penalty, c.redundant_tool_call_penalty, c.max_tokens) == (0.1, 0.2, 3 * 16)

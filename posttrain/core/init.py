@@ -13,7 +13,6 @@ from posttrain.core.checkpoint import Checkpointer, ShapeMismatch, abstract_with
 from posttrain.core.state import abstract_model, shardings_for
 from posttrain.data.sources import unreachable
 from posttrain.errors import UserError
-from posttrain.parallel import mesh_and_rules
 from posttrain.parallel.sharding import Rules
 
 
@@ -121,16 +120,16 @@ def overlay(target: nnx.State, source: nnx.State) -> nnx.State:
     return nnx.from_flat_state([(p, pick(p, v)) for p, v in nnx.to_flat_state(target)])
 
 
-def init_model_from(cfg, make_source):
-    """`TrainSpec.init_model`: overlay the variables of `cfg.init_from`'s newest checkpoint (a model
-    built by `make_source`) on the freshly initialised ones."""
-    if not cfg.init_from:
+def init_model_from(init_from: str, make_source, mesh: Mesh, rules: Rules):
+    """`TrainSpec.init_model`: overlay the variables of `init_from`'s newest checkpoint (a model
+    built by `make_source`, read into the run's `mesh` and `rules`) on the freshly initialised
+    ones; None when `init_from` is empty."""
+    if not init_from:
         return None
 
     def init(params, rest):
-        mesh, rules = mesh_and_rules(cfg)
-        src_params, src_rest, step = load_model_state(cfg.init_from, make_source, mesh, rules)
-        logging.info("init_from %s (step %d)", cfg.init_from, step)
+        src_params, src_rest, step = load_model_state(init_from, make_source, mesh, rules)
+        logging.info("init_from %s (step %d)", init_from, step)
         return overlay(params, src_params), overlay(rest, src_rest)
 
     return init

@@ -141,21 +141,20 @@ def plot_heatmaps(rows: Sequence[dict], out: str, title: str = "") -> str:
     return out
 
 
-def make_long_context_eval(cfg, tok: Tokenizer):
-    """eval hook for a stage: `fn(model, step)` → `long_ctx_*` metrics; each call appends its rows
-    to `{workdir}/long_context.jsonl` and redraws `{workdir}/long_context.png`. None when
-    `eval.long_context.lengths` is empty."""
-    lc = cfg.eval.long_context
+def make_long_context_eval(lc, workdir: str, tok: Tokenizer):
+    """eval hook for a stage: `fn(model, step)` → `long_ctx_*` metrics over the grid of `lc` (the
+    `eval.long_context` section); each call appends its rows to `{workdir}/long_context.jsonl` and
+    redraws `{workdir}/long_context.png`. None when `lc.lengths` is empty."""
     if not lc.lengths:
         return None
     parse_grid(lc)  # fail at start-up, not at the first evaluation
-    jsonl, png = storage.join(cfg.workdir, "long_context.jsonl"), storage.join(cfg.workdir, "long_context.png")
+    jsonl, png = storage.join(workdir, "long_context.jsonl"), storage.join(workdir, "long_context.png")
 
     def fn(model: nnx.Module, step: int | None = None) -> dict:
         rows = evaluate(model, tok, lc, step=step)
         if jax.process_index() == 0:
             write_rows(rows, jsonl)
-            plot_heatmaps(rows, png, cfg.workdir)
+            plot_heatmaps(rows, png, workdir)
         return summarize(rows)
 
     return fn

@@ -87,7 +87,7 @@ def run(cfg) -> Result:
             ].shape[0]
 
         eval_fn = make_evaluator(metric, preference_data(cfg, cfg.dpo.eval_files, eval=True, tok=tok, kw=kw))
-    eval_fn = combine_evals(eval_fn, make_long_context_eval(cfg, tok))
+    eval_fn = combine_evals(eval_fn, make_long_context_eval(cfg.eval.long_context, cfg.workdir, tok))
     batches = preference_data(cfg, require_files(cfg.dpo.train_files, "dpo.train_files"), eval=False, tok=tok, kw=kw)
     # The policy starts as a copy of the reference (the step donates the policy's buffers).
     start = lambda params, rest: jax.tree.map(jnp.copy, (ref_params, ref_rest))

@@ -224,7 +224,8 @@ def run(cfg, baseline: dict | None = None) -> Result:
     check_gate_metrics(cfg, suites, ks)
     versions = {n: suite_version(d.tasks) for n, d in suites.items()}
     steps = checkpoint_steps(cfg, path)
-    long_context = make_long_context_eval(cfg, tok)  # None unless eval.long_context.lengths
+    # None unless eval.long_context.lengths
+    long_context = make_long_context_eval(cfg.eval.long_context, cfg.workdir, tok)
     mesh, rules = mesh_and_rules(cfg)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     graphdef = nnx.split(abstract_model(make), nnx.Param, ...)[0]

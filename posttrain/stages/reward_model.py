@@ -14,6 +14,7 @@ from posttrain.core.loop import Result, TrainSpec, train
 from posttrain.core.step import moe_penalty
 from posttrain.models.decoder import Decoder
 from posttrain.models.reward import RewardModel
+from posttrain.parallel import mesh_and_rules
 from posttrain.stages.common import (
     PREFERENCE_AXES,
     data_kw,
@@ -77,6 +78,6 @@ def run(cfg) -> Result:
             batches,
             batch_axes=PREFERENCE_AXES,
             eval_fn=eval_fn,
-            init_model=init_model_from(cfg, decoder),
+            init_model=init_model_from(cfg.init_from, decoder, *mesh_and_rules(cfg)),
         ),
     )

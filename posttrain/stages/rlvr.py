@@ -253,7 +253,7 @@ def run(cfg) -> Result:
                 shardings,
                 harness.ckpt,
                 start,
-                init_model_from(cfg, decoder),
+                init_model_from(cfg.init_from, decoder, mesh, rules),
                 need_start_weights=bool(r.kl_coef),
                 optim_name=cfg.optim.name,
             )

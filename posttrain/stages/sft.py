@@ -13,6 +13,7 @@ from posttrain.core.step import lm_loss, token_cross_entropy
 from posttrain.data.pipeline import sft_batches
 from posttrain.eval.long_context_eval import make_long_context_eval
 from posttrain.models.decoder import Decoder
+from posttrain.parallel import mesh_and_rules
 from posttrain.stages.common import (
     combine_evals,
     data_kw,
@@ -69,7 +70,7 @@ def run(cfg) -> Result:
                 )
             ),
         )
-    eval_fn = combine_evals(eval_fn, make_long_context_eval(cfg, tok))
+    eval_fn = combine_evals(eval_fn, make_long_context_eval(cfg.eval.long_context, cfg.workdir, tok))
     sample_fn = make_sampler_log(cfg, tok, cfg.sft.eval_files) if cfg.sft.eval_files and cfg.sft.sample_tokens else None
     stage = TrainSpec(
         "sft",
@@ -79,6 +80,6 @@ def run(cfg) -> Result:
         batches_for=batches_for,
         eval_fn=eval_fn,
         sample_fn=sample_fn,
-        init_model=init_model_from(cfg, make),
+        init_model=init_model_from(cfg.init_from, make, *mesh_and_rules(cfg)),
     )
     return train(cfg, stage)

@@ -166,7 +166,7 @@ def make_domains(cfg, tok, reward_fn) -> tuple[dict[str, domain_lib.Domain], lis
     """Training domains and held-out (domain, task) pairs for evaluation: the registry's domains
     named in `rl.domains`, then those of `rl.train_files` / `rl.eval_files`."""
     r = cfg.rl
-    env = make_env_factory(cfg, tok, reward_fn)
+    env = make_env_factory(cfg.rl, tok, reward_fn)
     spec, domains, held_out = domain_spec(r), {}, []
     file_domains, eval_tasks = _user_tasks(cfg)
     for name in spec:
@@ -198,11 +198,11 @@ def make_domains(cfg, tok, reward_fn) -> tuple[dict[str, domain_lib.Domain], lis
     return domains, held_out
 
 
-def make_env_factory(cfg, tok, reward_fn) -> Callable:
-    """The environment of one episode, per `rl.env`: `single` (one answer) or `tool` (up to
-    `rl.max_turns` model turns of `rl.max_new_tokens` each, with shell/Python calls in a
-    persistent sandboxed working directory; `envs/workspace.py`). One sandbox serves all episodes."""
-    r = cfg.rl
+def make_env_factory(r, tok, reward_fn) -> Callable:
+    """The environment of one episode, per the `rl` section's `env`: `single` (one answer) or
+    `tool` (up to `rl.max_turns` model turns of `rl.max_new_tokens` each, with shell/Python calls
+    in a persistent sandboxed working directory; `envs/workspace.py`). One sandbox serves all
+    episodes."""
     if r.env == "single":
         return lambda: SingleTurnEnv(tok, reward_fn, max_turn_tokens=r.max_new_tokens)
     sandbox, limits = Sandbox(WORKSPACE_LIMITS), dataclasses.replace(WORKSPACE_LIMITS, wall_s=r.tool_timeout_s)
