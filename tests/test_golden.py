@@ -57,12 +57,7 @@ RUNS["rlvr_tiny_async"] = ("rlvr_tiny.py", {**RUNS["rlvr_tiny_sync"][1], "rl.max
 def config(name: str, workdir: Path):
     path, overrides = RUNS[name]
     cfg = runpy.run_path(str(ROOT / "configs" / path))["get_config"]()
-    for key, value in {**SMALL, **overrides, "workdir": str(workdir)}.items():
-        *parents, leaf = key.split(".")
-        node = cfg
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+    cfg.update_from_flattened_dict({**SMALL, **overrides, "workdir": str(workdir)})
     return cfg
 
 

@@ -37,12 +37,7 @@ OVERRIDES = {
 def test_a_checkpoint_of_the_old_layout_resumes_to_the_same_step(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = runpy.run_path(str(ROOT / "configs" / "sft_tiny.py"))["get_config"]()
-    for key, value in {**OVERRIDES, "workdir": "run"}.items():
-        *parents, leaf = key.split(".")
-        node = cfg
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+    cfg.update_from_flattened_dict({**OVERRIDES, "workdir": "run"})
     shutil.copytree(DATA / "checkpoints", tmp_path / "run" / "checkpoints")
     run(cfg)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

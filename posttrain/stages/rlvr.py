@@ -44,10 +44,10 @@ from posttrain.parallel import mesh_and_rules
 from posttrain.rl.algo.critic import ValueDecoder
 from posttrain.rl.algo.learner import Learner, advantage_targets, batch_rows, compute_advantages, rl_batch
 from posttrain.rl.algo.reward_model import RewardComposer
-from posttrain.rl.checks import check_rl_config, check_sampling_config, ppo_steps, slot_config
+from posttrain.rl.checks import check_rlvr_stage, check_sampling_config, ppo_steps, slot_config
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.rollout.episodes import rollout_episodes
-from posttrain.rl.rollout.hosts import all_values, check_multihost_rl
+from posttrain.rl.rollout.hosts import all_values
 from posttrain.rl.rollout.log import RolloutLog
 from posttrain.rl.rollout.producer import AsyncProducer
 from posttrain.rl.rollout.worker import BusyClock, RolloutBatch, RolloutWorker, collect_batch, evaluate
@@ -221,8 +221,7 @@ def run(cfg) -> Result:
     """Train with RLVR for `train.steps` (or `rl.steps`) rollout batches; `Result.eval` is the
     final evaluation."""
     cfg = with_stage_overrides(cfg, "rl")
-    check_rl_config(cfg)
-    check_multihost_rl(cfg)
+    check_rlvr_stage(cfg)
     check_sampling_config(cfg, ("rlvr",))
     r = cfg.rl
     tok = load_tokenizer(cfg.data.tokenizer)
