@@ -107,7 +107,7 @@ def test_last_number_fallback_is_configurable():
         ("-\\frac{1}{2}", "-0.5", True),
         ("12 apples", "12", True),
         ("x = 7", "7", True),
-        ("0.1 + 0.2", "0.3", True),
+        ("0.1 + 0.2", "0.3", False),  # issue 25: a sum left to add is not the value
         ("1450000", "1450001", False),
         ("2.5", "2.6", False),
         ("3/4", "4/3", False),
@@ -158,12 +158,14 @@ def math_verifier() -> MathVerifier:
 
 
 def test_symbolic_timeout_holds_off_the_main_thread_and_is_an_error(math_verifier):
-    # sympy expands both degree-2000 polynomials for minutes; the guard lets it through.
+    # sympy expands both degree-2000 polynomials for minutes; the guard lets it through. (The
+    # reference is an expression: against a number such as "0" the answer is refused at once as not
+    # being a number, issue 25.)
     rf = RewardFunction({MathTask: math_verifier})
     before = math_verifier.errors
     t = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        reward = pool.submit(rf.verify, MathTask("0"), "\\boxed{(x+1)^{2000}-(x+2)^{2000}}").result()
+        reward = pool.submit(rf.verify, MathTask("2x+1"), "\\boxed{(x+1)^{2000}-(x+2)^{2000}}").result()
     assert time.monotonic() - t < 3.0 + 3.0
     assert reward.score == 0.0 and "timed out after 3 s" in reward.error
     assert math_verifier.errors == before + 1
@@ -427,18 +429,54 @@ def test_default_reward_function_knows_both_domains():
 
 
 def test_symbolic_worker_exits_quietly_when_its_parent_goes():
-    """The worker answers until its parent's end of the pipe closes, then exits cleanly (no EOFError
-    traceback printed at the end of every run that used it)."""
-    import multiprocessing
+    """The worker answers until its parent's end of stdin closes, then exits cleanly (no traceback
+    printed at the end of every run that used it); its protocol is line JSON."""
+    import subprocess
+    import sys
 
-    from posttrain.rl.verifiers.symbolic import _serve
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "posttrain.rl.verifiers.symbolic_worker"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert json.loads(worker.stdout.readline()) == {"ready": True}
+    worker.stdin.write(json.dumps({"pred": "(x+1)^2", "ref": "x^2+2x+1"}) + "\n")
+    worker.stdin.flush()
+    assert json.loads(worker.stdout.readline()) == {"ok": True}
+    worker.stdin.close()
+    assert worker.wait(timeout=60) == 0
+    assert worker.stderr.read() == ""
 
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    worker = ctx.Process(target=_serve, args=(child,), daemon=True)
-    worker.start()
-    child.close()
-    assert parent.recv() == "ready"
-    parent.close()
-    worker.join(timeout=60)
-    assert worker.exitcode == 0
+
+def test_math_answer_forms_table():
+    """The accept/refuse table of the math verifier's rules (module docstring of verifiers/math.py)."""
+    rows = json.loads((Path(__file__).parent / "data" / "math_answer_forms.json").read_text())
+    assert len(rows) >= 60
+    wrong = [(pred, ref, why) for pred, ref, accept, why in rows if answers_equal(pred, ref) is not accept]
+    assert wrong == []
+
+
+def test_verifier_works_from_a_plain_script(tmp_path):
+    """Issue 25: the symbolic worker used multiprocessing "spawn", which re-ran the caller's
+    `__main__`: a script scoring answers at its top level printed twice and its worker never
+    started (120 s, then a reject). Now the script runs once and gets the right verdict."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "score.py"
+    script.write_text(
+        "from posttrain.rl.verifiers import MathTask, MathVerifier\n"
+        "print('side effect', flush=True)\n"
+        "v = MathVerifier()\n"
+        "print(v.verify(MathTask('x^2+2x+1'), '\\\\boxed{(x+1)^2}').correct)\n"
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    t = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90
+    )
+    assert (out.returncode, out.stdout) == (0, "side effect\n1.0\n"), out.stderr
+    assert time.monotonic() - t < 60

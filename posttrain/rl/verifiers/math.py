@@ -1,34 +1,60 @@
-"""Math verifier: extract the final answer from a response and compare it to the reference.
+"""Math verifier: extract the final answer from a response and compare its value to the reference.
 
-Extraction tries, in order: the last `\\boxed{...}` (or `\\fbox`), the last `#### x` line,
-the last "the answer is x" / "final answer: x", and (optionally) the last number in the text.
-Comparison is numeric first (commas, currency and percent signs, units, fractions, LaTeX
-`\\frac`, decimals within a tolerance), then symbolic through `math-verify` (sympy) for
-expressions, sets and intervals. Symbolic checks run in a worker process with a real timeout
-on any thread (`symbolic.SymbolicChecker`); inputs that would surely hang (towers like
-`2^{10^{10}}`) are refused by a cheap guard first. A check that fails or times out is reported
-in `Verdict.error` (and counted, logged), never passed off as a wrong answer.
+Extraction (after dropping `<think>...</think>` blocks: reasoning is not an answer) tries, in
+order: the last `\\boxed{...}` (or `\\fbox`), the last `#### x` line, the last "the answer is x" /
+"final answer: x", and (optionally) the last number in the text.
+
+Rules: a value, not a text (issue 25). A policy is paid for the final answer it commits to, never for
+restating the question or hedging:
+- Several different answers of the chosen kind (`\\boxed{84}\\boxed{85}`, two "the answer is"
+  with different values, "the answer is 84, 85", "84 or 85") score 0; an empty `\\boxed{}` is an
+  answer (an empty one) and scores 0 without falling back to the text.
+- Digits must be ASCII: fullwidth or other unicode digits (`８５`) are refused.
+- When the reference is a plain number (integer, decimal, fraction, percent: arithmetic, GSM8K,
+  numeric MATH answers) the answer must be a number: `85`, `-0`, `+5`, `1,000`, `1e3`,
+  `1.5\\times10^{3}` (mantissa in [1, 10)), `85.0`, `$85`, `85 apples`, `85\\text{ cm}`, `90^\\circ`,
+  `x = 85`, a fraction in lowest terms (`3/4`, `\\frac{3}{4}`, `\\dfrac{-3}{4}`), a percent (either
+  reading: `50%` matches 50 and 0.5). Anything with an operation left to perform is refused
+  without a symbolic check: `37+48`, `6*7`, `(37+48)`, `85=85`, `x=37+48`, `2^{10}`, `10^3`,
+  `\\sqrt{4}`, `6/4` against 3/2 (not in lowest terms), `\\frac{4}{2}`, `0.1+0.2`.
+  Decimals match to the reference's own precision (`reference_tolerance`).
+- When the reference is a constant in closed form (`\\sqrt{8}`, `2\\pi`, `\\frac{\\sqrt{3}}{2}`),
+  the answer must be a closed form with no free operation (`answer_form.free_operation`: no sum or
+  product of two numbers, no like terms, no root or power that evaluates to a rational, fractions in
+  lowest terms, no equation, no symbol or construct outside the grammar such as `\\log`); then
+  the symbolic check decides equality (`2\\sqrt{2}` and `\\sqrt{8}` are both right).
+- Other references (expressions in variables, sets, intervals, text) keep the symbolic check
+  through `math-verify` (sympy): `(x+1)^2` equals `x^2+2x+1`.
+The accept/refuse table is tests/data/math_answer_forms.json. Symbolic checks run in a worker
+process with a real timeout on any thread (`symbolic.SymbolicChecker`); inputs that would surely
+hang (towers like `2^{10^{10}}`) are refused by a cheap guard first. A check that fails or times
+out is reported in `Verdict.error` (and counted, logged), never passed off as a wrong answer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 import threading
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
+from posttrain.rl.verifiers.answer_form import free_operation, is_constant
 from posttrain.rl.verifiers.base import Verdict
 from posttrain.rl.verifiers.symbolic import SymbolicChecker, SymbolicCheckError
 
 SOURCES = ("boxed", "hash", "answer_is", "last_number")
 _NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:[eE][-+]?\d+)?"
-_NUMBER_RE = re.compile(rf"^{_NUMBER}$")
-_FRAC_RE = re.compile(rf"^([-+]?)\\[dt]?frac\{{({_NUMBER})\}}\{{({_NUMBER})\}}$")
-_SLASH_RE = re.compile(rf"^({_NUMBER})/({_NUMBER})$")
-_WITH_UNITS_RE = re.compile(rf"^({_NUMBER}(?:/{_NUMBER})?)\s*[A-Za-z][A-Za-z .]*$")
+_NUMBER_RE = re.compile(rf"^{_NUMBER}$", re.ASCII)
+_FRAC_RE = re.compile(rf"^([-+]?)\\[dt]?frac\{{({_NUMBER})\}}\{{({_NUMBER})\}}$", re.ASCII)
+_SLASH_RE = re.compile(rf"^({_NUMBER})/({_NUMBER})$", re.ASCII)
+_SCI_RE = re.compile(r"^([-+]?\d(?:\.\d+)?)\s*(?:\\times|\\cdot|\*)\s*10\s*\^\s*\{?([-+]?\d+)\}?$", re.ASCII)
+_WITH_UNITS_RE = re.compile(rf"^({_NUMBER}(?:/{_NUMBER})?)\s*[A-Za-z][A-Za-z .]*$", re.ASCII)
+_THINK_RE = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL | re.IGNORECASE)
+_HEDGE_RE = re.compile(r"^\s*\S+?\s*(?:,\s+|\s+or\s+|\s+and\s+)(?:or\s+)?[-+$\\]*\d")
 _FIND_NUMBERS = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+(?:\.\d+)?)?|-?\.\d+")
 _HASH_RE = re.compile(r"####\s*([^\n]+)")
 _ANSWER_IS_RE = re.compile(r"(?:final answer|the answer)(?:\s+is|\s*:)\s*:?\s*([^\n]+)", re.IGNORECASE)
@@ -60,21 +86,33 @@ class Extracted:
     source: str
 
 
+def _all_boxed(response: str) -> list[str]:
+    """Contents of every \\boxed{...} / \\fbox{...} (balanced braces), in order."""
+    out = []
+    for m in re.finditer(r"\\(?:boxed|fbox)", response):
+        rest = response[m.end() :].lstrip()
+        if not rest.startswith("{"):
+            match = re.match(r"[^\s$]+", rest)
+            out += [match.group(0)] if match else []
+            continue
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"{": 1, "}": -1}.get(ch, 0)
+            if depth == 0:
+                out.append(rest[1:i])
+                break
+    return out
+
+
 def _boxed(response: str) -> str | None:
-    """Content of the last \\boxed{...} / \\fbox{...} (balanced braces), or None."""
-    start, macro = max((response.rfind(m), m) for m in ("\\boxed", "\\fbox"))
-    if start < 0:
-        return None
-    rest = response[start + len(macro) :].lstrip()
-    if not rest.startswith("{"):
-        match = re.match(r"[^\s$]+", rest)
-        return match.group(0) if match else None
-    depth = 0
-    for i, ch in enumerate(rest):
-        depth += {"{": 1, "}": -1}.get(ch, 0)
-        if depth == 0:
-            return rest[1:i]
-    return None
+    """Content of the last \\boxed{...} / \\fbox{...}, or None."""
+    found = _all_boxed(response)
+    return found[-1] if found else None
+
+
+def strip_think(response: str) -> str:
+    """The response without its `<think>...</think>` blocks (an unclosed one runs to the end)."""
+    return _THINK_RE.sub(" ", response)
 
 
 def _clip_sentence(text: str) -> str:
@@ -84,9 +122,11 @@ def _clip_sentence(text: str) -> str:
 
 
 def extract_answer(response: str, *, last_number_fallback: bool = True) -> Extracted | None:
-    """Final answer of a response, trying boxed, ####, "the answer is", then the last number."""
+    """Final answer of a response (think blocks dropped), trying boxed, ####, "the answer is",
+    then the last number. An empty box is an empty answer (no fallback to the text)."""
+    response = strip_think(response)
     boxed = _boxed(response)
-    if boxed is not None and boxed.strip():
+    if boxed is not None:
         return Extracted(boxed.strip(), "boxed")
     if found := _HASH_RE.findall(response):
         return Extracted(found[-1].strip(), "hash")
@@ -99,11 +139,45 @@ def extract_answer(response: str, *, last_number_fallback: bool = True) -> Extra
     return None
 
 
+def candidates(response: str, source: str) -> list[str]:
+    """Every answer of kind `source` the response states (think blocks dropped): all boxes, all
+    #### lines, all "the answer is" clauses (whole, before clipping)."""
+    response = strip_think(response)
+    if source == "boxed":
+        return [b.strip() for b in _all_boxed(response)]
+    if source == "hash":
+        return [h.strip() for h in _HASH_RE.findall(response)]
+    if source == "answer_is":
+        return _ANSWER_IS_RE.findall(response)
+    return []
+
+
+def hedged(response: str, found: Extracted) -> str | None:
+    """Why the response commits to no single answer (several different boxes, "the answer is
+    84, 85"), or None."""
+    stated = candidates(response, found.source)
+    if found.source == "answer_is":
+        if any(_HEDGE_RE.match(c) for c in stated):
+            return "several answers in one statement"
+        stated = [_clip_sentence(c) for c in stated]
+    if len(stated) > 1 and any(not _same_answer(c, stated[-1]) for c in stated[:-1]):
+        return f"several different final answers: {', '.join(dict.fromkeys(stated))[:80]!r}"
+    return None
+
+
+def _same_answer(a: str, b: str) -> bool:
+    if _clean(a)[0].replace(" ", "") == _clean(b)[0].replace(" ", ""):
+        return True
+    pa, pb = parse_number(a), parse_number(b)
+    return pa is not None and pb is not None and bool(set(pa) & set(pb))
+
+
 def _clean(text: str) -> tuple[str, bool]:
     """Strip math delimiters, currency, spacing macros and units; report a percent sign."""
     text = text.strip().strip("$").strip()
     text = re.sub(r"^\\\(|\\\)$|^\\\[|\\\]$", "", text).strip()
     text = _UNIT_WRAP_RE.sub(lambda m: m.group(1), text)
+    text = re.sub(r"\^\s*\{?\\circ\}?|°", "", text)  # degrees: a unit
     for junk in ("\\$", "$", "\\!", "\\,", "\\;", "{,}", "\\left", "\\right", "\\displaystyle"):
         text = text.replace(junk, "")
     text = re.sub(r"^[A-Za-z]\w*\s*=\s*", "", text.strip())  # "x = 5" -> "5"
@@ -123,9 +197,11 @@ def _to_fraction(text: str) -> Fraction | None:
         return None
 
 
-def parse_number(text: str) -> list[Fraction] | None:
-    """Numeric value(s) of an answer: "1,234.5", "$18", "3/4", "\\frac{3}{4}", "12 apples";
-    a percent gives both readings ("50%" -> [50, 1/2]). None when not a plain number."""
+def parse_number(text: str, *, strict: bool = False) -> list[Fraction] | None:
+    """Numeric value(s) of an answer: "1,234.5", "$18", "3/4", "\\frac{3}{4}", "12 apples",
+    "1.5\\times10^{3}"; a percent gives both readings ("50%" -> [50, 1/2]). None when not a plain
+    number. `strict` (for a prediction): a fraction must be of integers in lowest terms with a
+    denominator above 1 ("6/4", "4/2" are divisions left to perform: None)."""
     text, percent = _clean(text)
     value = None
     if _NUMBER_RE.match(text):
@@ -134,12 +210,25 @@ def parse_number(text: str) -> list[Fraction] | None:
         groups = m.groups()
         sign, num, den = groups if len(groups) == 3 else ("", *groups)
         n, d = _to_fraction(num), _to_fraction(den)
+        if strict and not (n is not None and d and n.denominator == d.denominator == 1 and _lowest(n, d)):
+            return None
         value = None if n is None or not d else (-1 if sign == "-" else 1) * n / d
+    elif m := _SCI_RE.match(text):
+        value = Fraction(m.group(1)) * Fraction(10) ** int(m.group(2))
     elif m := _WITH_UNITS_RE.match(text):
-        return parse_number(m.group(1) + ("%" if percent else ""))
+        return parse_number(m.group(1) + ("%" if percent else ""), strict=strict)
     if value is None:
         return None
     return [value, value / 100] if percent else [value]
+
+
+def _lowest(n: Fraction, d: Fraction) -> bool:
+    """n/d (integers) is in lowest terms with a denominator above 1."""
+    return d > 1 and math.gcd(int(n), int(d)) == 1
+
+
+def _non_ascii_digit(text: str) -> bool:
+    return any(ch.isdigit() and not ch.isascii() for ch in text)
 
 
 def reference_tolerance(ref: str) -> Fraction:
@@ -199,16 +288,26 @@ def symbolic_equal(pred: str, ref: str, checker: SymbolicChecker | None = None) 
 
 
 def answers_equal(pred: str, ref: str, *, symbolic: bool = True, checker: SymbolicChecker | None = None) -> bool:
-    """True when the predicted answer equals the reference: same text, same number (exactly
-    when the reference is an integer or fraction, to the reference's own precision when it is
-    a decimal -- `reference_tolerance`; either reading of a percent), or (symbolic=True) equivalent
-    expressions (`symbolic_equal` on `checker`, which may raise SymbolicCheckError)."""
+    """True when the predicted answer has the reference's value, under the rules of the module
+    docstring: same text; against a plain-number reference, a number (exactly when the reference
+    is an integer or fraction, to the reference's own precision when it is a decimal --
+    `reference_tolerance`; either reading of a percent) and nothing left to compute; against a
+    closed-form constant, a closed form with no free operation that (symbolic=True) is equivalent;
+    otherwise (symbolic=True) equivalent expressions (`symbolic_equal` on `checker`, which may
+    raise SymbolicCheckError)."""
+    if _non_ascii_digit(pred):
+        return False
     if _clean(pred)[0].replace(" ", "") == _clean(ref)[0].replace(" ", ""):
         return True
-    p, r = parse_number(pred), parse_number(ref)
-    if p is not None and r is not None:
+    r = parse_number(ref)
+    if r is not None:
+        p = parse_number(pred, strict=True)
+        if p is None:
+            return False  # "37+48", "6*7", "2^{10}", "85=85": a computation, not a value
         tol = reference_tolerance(ref)  # readings of a percent reference scale with their value
         return any(abs(a - b) <= tol * (b / r[0] if r[0] else 1) for a in p for b in r)
+    if is_constant(_clean(ref)[0]) and free_operation(_clean(pred)[0]) is not None:
+        return False
     return symbolic and symbolic_equal(pred, ref, checker)
 
 
@@ -238,6 +337,10 @@ class MathVerifier:
         if found is None:
             return Verdict(0.0, False, "no answer found")
         format_ok = found.source in self.format_sources
+        if not found.text:
+            return Verdict(0.0, format_ok, f"{found.source}: empty answer")
+        if why := hedged(response, found):
+            return Verdict(0.0, format_ok, f"{found.source}: {why}")
         try:
             ok = answers_equal(found.text, task.answer, symbolic=self.symbolic, checker=self._checker)
         except Exception as e:  # a failed or timed-out check is no verdict: reported, counted, logged

@@ -6,51 +6,30 @@ checks on other threads, and sympy can compute for minutes on inputs like
 process that the calling thread waits on for `timeout` seconds, then kills (and restarts on the
 next call). A timeout or an exception inside math-verify is raised to the caller as
 `SymbolicCheckError`, never turned into a verdict.
+
+The worker (`symbolic_worker.py`) is a plain subprocess of this interpreter speaking line JSON on
+its stdin/stdout, not a multiprocessing "spawn" child: spawn re-imports the caller's `__main__`,
+so a script that scores answers at its top level ran twice (and its worker failed to start).
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import json
+import os
+import select
+import subprocess
+import sys
 import threading
-from multiprocessing.connection import Connection
+import time
+from pathlib import Path
 
-STARTUP_TIMEOUT_S = 120.0  # spawning the worker and importing sympy, on a loaded machine
+STARTUP_TIMEOUT_S = 120.0  # starting the worker and importing sympy, on a loaded machine
+_ROOT = str(Path(__file__).resolve().parents[3])  # the folder holding this `posttrain` package
+_BOOT = f"import sys; sys.path.insert(0, {_ROOT!r}); from posttrain.rl.verifiers.symbolic_worker import main; main()"
 
 
 class SymbolicCheckError(RuntimeError):
     """A symbolic check that failed (an exception in math-verify) or ran out of time."""
-
-
-def _serve(conn: Connection) -> None:
-    """Worker process: answer (pred, ref) requests with ("ok", bool) or ("error", message)."""
-    import logging
-    import signal
-
-    # Ctrl-C reaches the terminal's whole process group: the parent decides (finish the step, save,
-    # stop: train/interrupt.py) and closes this worker; dying here would fail the step's checks.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    from math_verify import parse, verify
-
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": ours is outside
-    # sympy imports much of itself on first use: pay that before the first timed check
-    verify(parse("$(x+1)^2$", parsing_timeout=None), parse("$x^2+2x+1$", parsing_timeout=None), timeout_seconds=None)
-    conn.send("ready")
-    while True:
-        try:
-            request = conn.recv()
-        except EOFError:  # the parent closed its end (it exited): nothing left to answer
-            return
-        if request is None:
-            return
-        try:
-            gold, guess = (
-                parse(s if s.strip().startswith("$") else f"${s}$", parsing_timeout=None, raise_on_error=True)
-                for s in (request[1], request[0])
-            )
-            conn.send(("ok", bool(gold and guess and verify(gold, guess, timeout_seconds=None, raise_on_error=True))))
-        except Exception as e:  # reported to the caller, who raises it
-            conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
 class SymbolicChecker:
@@ -62,54 +41,75 @@ class SymbolicChecker:
             raise ValueError(f"symbolic check timeout={timeout}: expected > 0 seconds")
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._proc: multiprocessing.process.BaseProcess | None = None
-        self._conn: Connection | None = None
+        self._proc: subprocess.Popen | None = None
+        self._buffer = b""
 
     def equal(self, pred: str, ref: str) -> bool:
         """Whether math-verify finds `pred` and `ref` equivalent; SymbolicCheckError on an
         exception inside math-verify, a timeout or a dead worker."""
         with self._lock:
-            if self._proc is None or not self._proc.is_alive():
+            if self._proc is None or self._proc.poll() is not None:
                 self._start()
             try:
-                self._conn.send((pred, ref))
-                if not self._conn.poll(self.timeout):
-                    self._stop()
-                    raise SymbolicCheckError(
-                        f"symbolic check timed out after {self.timeout:g} s: {str(pred)[:80]!r} vs {str(ref)[:80]!r}"
-                    )
-                status, value = self._conn.recv()
-            except (EOFError, OSError):
+                self._proc.stdin.write((json.dumps({"pred": pred, "ref": ref}) + "\n").encode())
+                self._proc.stdin.flush()
+                reply = self._read_line(self.timeout)
+            except (EOFError, OSError, ValueError):
                 self._stop()
                 raise SymbolicCheckError(
                     f"symbolic check worker died on {str(pred)[:80]!r} vs {str(ref)[:80]!r}"
                 ) from None
-        if status == "error":
-            raise SymbolicCheckError(f"math-verify failed on {str(pred)[:80]!r} vs {str(ref)[:80]!r}: {value}")
-        return value
+            if reply is None:
+                self._stop()
+                raise SymbolicCheckError(
+                    f"symbolic check timed out after {self.timeout:g} s: {str(pred)[:80]!r} vs {str(ref)[:80]!r}"
+                )
+        if "error" in reply:
+            raise SymbolicCheckError(f"math-verify failed on {str(pred)[:80]!r} vs {str(ref)[:80]!r}: {reply['error']}")
+        return bool(reply["ok"])
 
     def close(self) -> None:
         """Stop the worker process (a later `equal` starts a new one)."""
         with self._lock:
             self._stop()
 
+    def _read_line(self, timeout: float) -> dict | None:
+        """The worker's next reply, None after `timeout` seconds; EOFError when it has exited."""
+        deadline = time.monotonic() + timeout
+        fd = self._proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise EOFError("symbolic check worker exited")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
     def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")  # no fork: the parent runs JAX threads
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child,), daemon=True, name="symbolic-check")
-        self._proc.start()
-        child.close()
+        self._buffer = b""
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _BOOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0
+        )
         try:
-            ready = self._conn.poll(STARTUP_TIMEOUT_S) and self._conn.recv() == "ready"
-        except (EOFError, OSError):
-            ready = False
-        if not ready:
+            reply = self._read_line(STARTUP_TIMEOUT_S)
+            why = None if reply == {"ready": True} else f"did not start within {STARTUP_TIMEOUT_S:g} s"
+        except (EOFError, OSError, ValueError):
+            try:
+                why = f"exited with status {self._proc.wait(10)} while starting (its error is on stderr)"
+            except subprocess.TimeoutExpired:
+                why = "closed its output while starting"
+        if why is not None:
             self._stop()
-            raise SymbolicCheckError(f"symbolic check worker did not start within {STARTUP_TIMEOUT_S:g} s")
+            raise SymbolicCheckError(f"symbolic check worker {why}")
 
     def _stop(self) -> None:
         if self._proc is not None:
             self._proc.kill()
-            self._proc.join()
-            self._conn.close()
-        self._proc = self._conn = None
+            self._proc.wait()
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                pipe.close()
+        self._proc = None
+        self._buffer = b""
