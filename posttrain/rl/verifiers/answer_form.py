@@ -233,12 +233,28 @@ def _content(node: tuple) -> int:
 
 
 def _key(node: tuple) -> str:
-    """A term without its sign and rational coefficient: like terms have equal keys."""
+    """A term without its sign and rational coefficient, radicals simplified: like terms
+    (`\\sqrt{50}` and `\\sqrt{2}`) have equal keys."""
     if node[0] == "neg":
         return _key(node[1])
-    if node[0] == "prod":
-        return repr([f for f in node[1] if f[0] != "num"])
-    return repr([node])
+    factors = node[1] if node[0] == "prod" else [node]
+    return repr([_simplest(f) for f in factors if f[0] != "num"])
+
+
+def _simplest(node: tuple) -> tuple:
+    """\\sqrt[n]{k} with its n-th power factors taken out (\\sqrt{50} -> \\sqrt{2}); others as they are."""
+    if node[0] != "root" or node[2][0] != "num" or node[2][1].denominator != 1 or not 0 < node[2][1] < 10**12:
+        return node
+    n, k, p = node[1], int(node[2][1]), 2
+    while p**n <= k and p < 10**4:
+        while k % p**n == 0:
+            k //= p**n
+        p += 1
+    return ("root", n, ("num", Fraction(k), str(k)))
+
+
+def _has_root(node: tuple) -> bool:
+    return node[0] == "root" or any(_has_root(c) for c in _children(node))
 
 
 def _value(node: tuple) -> Fraction | None:
@@ -262,6 +278,8 @@ def _value(node: tuple) -> Fraction | None:
         values = [_value(t) for t in node[1]]
         if sum(v is not None for v in values) >= 2:
             raise _Free("a sum of numbers left to add")
+        if 0 in values:
+            raise _Free("a sum with 0")
         keys = [_key(t) for t, v in zip(node[1], values) if v is None]
         if len(keys) != len(set(keys)):
             raise _Free("like terms left to collect")
@@ -302,7 +320,7 @@ def _value(node: tuple) -> Fraction | None:
             if e.denominator == 1 or abs(e.numerator) > 64 or _root_of(b**e.numerator, e.denominator) is not None:
                 raise _Free("a power left to evaluate")
             return None
-        if base[0] == "root" and e is not None and e.denominator == 1 and abs(e) >= base[1]:
+        if _has_root(base) and e is not None and e.denominator == 1:
             raise _Free("a power of a root left to evaluate")
         return None
     if kind == "root":

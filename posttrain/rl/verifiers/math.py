@@ -53,8 +53,9 @@ _FRAC_RE = re.compile(rf"^([-+]?)\\[dt]?frac\{{({_NUMBER})\}}\{{({_NUMBER})\}}$"
 _SLASH_RE = re.compile(rf"^({_NUMBER})/({_NUMBER})$", re.ASCII)
 _SCI_RE = re.compile(r"^([-+]?\d(?:\.\d+)?)\s*(?:\\times|\\cdot|\*)\s*10\s*\^\s*\{?([-+]?\d+)\}?$", re.ASCII)
 _WITH_UNITS_RE = re.compile(rf"^({_NUMBER}(?:/{_NUMBER})?)\s*[A-Za-z][A-Za-z .]*$", re.ASCII)
+_LIST_TAIL_RE = re.compile(r"\d\s*(?:[,;]|\bor\b|\band\b)?\s*$")
 _THINK_RE = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL | re.IGNORECASE)
-_HEDGE_RE = re.compile(r"^\s*\S+?\s*(?:,\s+|\s+or\s+|\s+and\s+)(?:or\s+)?[-+$\\]*\d")
+_HEDGE_RE = re.compile(r"^\s*\S+?\s*(?:,\s+|\s+or\s+|\s+and\s+)(?:or\s+)?[-+$]*(?:\d|\\(?:[dt]?frac|sqrt|pi)\b)")
 _FIND_NUMBERS = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+(?:\.\d+)?)?|-?\.\d+")
 _HASH_RE = re.compile(r"####\s*([^\n]+)")
 _ANSWER_IS_RE = re.compile(r"(?:final answer|the answer)(?:\s+is|\s*:)\s*:?\s*([^\n]+)", re.IGNORECASE)
@@ -155,6 +156,10 @@ def candidates(response: str, source: str) -> list[str]:
 def hedged(response: str, found: Extracted) -> str | None:
     """Why the response commits to no single answer (several different boxes, "the answer is
     84, 85"), or None."""
+    if found.source == "last_number":
+        text = strip_think(response)
+        head = text[: text.rfind(found.text)]
+        return "a list of numbers" if _LIST_TAIL_RE.search(head) else None
     stated = candidates(response, found.source)
     if found.source == "answer_is":
         if any(_HEDGE_RE.match(c) for c in stated):
