@@ -300,19 +300,35 @@ def answers_equal(pred: str, ref: str, *, symbolic: bool = True, checker: Symbol
     closed-form constant, a closed form with no free operation that (symbolic=True) is equivalent;
     otherwise (symbolic=True) equivalent expressions (`symbolic_equal` on `checker`, which may
     raise SymbolicCheckError)."""
+    return refusal(pred, ref) is None and (_same_text(pred, ref) or _value_equal(pred, ref, symbolic, checker))
+
+
+def refusal(pred: str, ref: str) -> str | None:
+    """Why `pred` cannot be the reference's value whatever it computes to (unicode digits; not a
+    number against a number; not a closed form against a constant), or None."""
     if _non_ascii_digit(pred):
-        return False
-    if _clean(pred)[0].replace(" ", "") == _clean(ref)[0].replace(" ", ""):
-        return True
+        return "non-ASCII digits"
+    if _same_text(pred, ref):
+        return None
+    if parse_number(ref) is not None:
+        if parse_number(pred, strict=True) is None:  # "37+48", "6*7", "2^{10}", "85=85", "6/4"
+            return f"not a number ({free_operation(_clean(pred)[0]) or 'not in lowest terms'})"
+    elif is_constant(_clean(ref)[0]) and (why := free_operation(_clean(pred)[0])) is not None:
+        return f"not a closed form ({why})"
+    return None
+
+
+def _same_text(pred: str, ref: str) -> bool:
+    return _clean(pred)[0].replace(" ", "") == _clean(ref)[0].replace(" ", "")
+
+
+def _value_equal(pred: str, ref: str, symbolic: bool, checker: SymbolicChecker | None) -> bool:
+    """Equality of an answer that `refusal` let through: numeric against a number, else symbolic."""
     r = parse_number(ref)
     if r is not None:
         p = parse_number(pred, strict=True)
-        if p is None:
-            return False  # "37+48", "6*7", "2^{10}", "85=85": a computation, not a value
         tol = reference_tolerance(ref)  # readings of a percent reference scale with their value
         return any(abs(a - b) <= tol * (b / r[0] if r[0] else 1) for a in p for b in r)
-    if is_constant(_clean(ref)[0]) and free_operation(_clean(pred)[0]) is not None:
-        return False
     return symbolic and symbolic_equal(pred, ref, checker)
 
 
@@ -342,11 +358,11 @@ class MathVerifier:
         if found is None:
             return Verdict(0.0, False, "no answer found")
         format_ok = found.source in self.format_sources
-        if not found.text:
-            return Verdict(0.0, format_ok, f"{found.source}: empty answer")
-        if why := hedged(response, found):
-            return Verdict(0.0, format_ok, f"{found.source}: {why}")
+        if not found.text:  # an empty box is no answer in the expected format
+            return Verdict(0.0, False, f"{found.source}: empty answer")
         try:
+            if why := hedged(response, found) or refusal(found.text, task.answer):
+                return Verdict(0.0, format_ok, f"{found.source}: {found.text[:80]!r} refused: {why}")
             ok = answers_equal(found.text, task.answer, symbolic=self.symbolic, checker=self._checker)
         except Exception as e:  # a failed or timed-out check is no verdict: reported, counted, logged
             error = str(e) if isinstance(e, SymbolicCheckError) else f"{type(e).__name__}: {e}"
