@@ -120,3 +120,22 @@ def test_cli_runs_a_user_verifier(tmp_path):
     )
     assert out.returncode == 1, out.stderr
     assert "HOLES" in out.stdout and "WON  tautology answer=answer" in out.stdout
+
+
+def test_hostile_sizes_are_refused_quickly_not_errors(math_verifier):
+    """Answers built to make the checker compute for ever score 0 at once (no verifier error)."""
+    import time
+
+    hostile = [
+        "\\boxed{1e999999999}",
+        "\\boxed{1.5\\times10^{999999999}}",
+        "\\boxed{" + "(" * 5000 + "85" + ")" * 5000 + "}",
+        "\\boxed{2^{2^{2^{2^{99}}}}}",
+        "\\boxed{\\sqrt[99999999]{2}}",
+        "\\boxed{" + "9" * 5000 + "}",
+    ]
+    t = time.monotonic()
+    for ref in ("85", "2\\sqrt{2}"):
+        verdicts = math_verifier.verify_many([MathTask(ref)] * len(hostile), hostile)
+        assert [(v.correct, v.error) for v in verdicts] == [(0.0, None)] * len(hostile)
+    assert time.monotonic() - t < 2

@@ -18,6 +18,7 @@ _TOKEN = re.compile(r"\s*(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+|\\[A-Za-z]+|[A-Za
 _FRACS = ("\\frac", "\\dfrac", "\\tfrac")
 _TIMES = ("*", "\\times", "\\cdot")
 _OPEN = {"(": ")", "{": "}", "[": "]"}
+MAX_CHARS = 1000
 
 
 class _Free(Exception):
@@ -135,7 +136,7 @@ class _Parser:
                 self.take()
                 index_tok = self.take()
                 self.take("]")
-                if not index_tok.isdigit():
+                if not index_tok.isdigit() or not 2 <= int(index_tok) <= 64:
                     raise _Unparsed(f"root index {index_tok!r}")
                 index = int(index_tok)
             return ("root", index, self.group())
@@ -147,10 +148,13 @@ class _Parser:
 
 
 def parse(text: str) -> tuple | None:
-    """The expression tree of `text`, or None when it is outside the grammar."""
+    """The expression tree of `text`, or None when it is outside the grammar (or too long, too
+    deeply nested, or has a number with a huge exponent: no final answer looks like that)."""
+    if len(text) > MAX_CHARS or re.search(r"[eE][-+]?\d{4,}", text):
+        return None
     try:
         return _Parser(text).parse()
-    except (_Unparsed, ValueError, ZeroDivisionError):
+    except (_Unparsed, ValueError, ZeroDivisionError, RecursionError):
         return None
 
 

@@ -61,6 +61,7 @@ _HASH_RE = re.compile(r"####\s*([^\n]+)")
 _ANSWER_IS_RE = re.compile(r"(?:final answer|the answer)(?:\s+is|\s*:)\s*:?\s*([^\n]+)", re.IGNORECASE)
 _UNIT_WRAP_RE = re.compile(r"\\(?:text|mbox|mathrm|textbf)\{([^{}]*)\}")
 _SYMBOLIC_MAX_CHARS = 256
+_MAX_EXPONENT = 400  # decimal exponents beyond this are no answer (and would be slow to build)
 logger = logging.getLogger(__name__)
 
 
@@ -196,6 +197,9 @@ def _to_fraction(text: str) -> Fraction | None:
     text = text.replace(",", "")
     if not text or text in "+-." or not re.search(r"\d", text):
         return None
+    exponent = re.search(r"[eE]([-+]?\d+)$", text)
+    if exponent and abs(int(exponent.group(1))) > _MAX_EXPONENT:
+        return None  # 1e999999999 would take Fraction minutes and gigabytes
     try:
         return Fraction(text)
     except (ValueError, ZeroDivisionError):
@@ -218,7 +222,7 @@ def parse_number(text: str, *, strict: bool = False) -> list[Fraction] | None:
         if strict and not (n is not None and d and n.denominator == d.denominator == 1 and _lowest(n, d)):
             return None
         value = None if n is None or not d else (-1 if sign == "-" else 1) * n / d
-    elif m := _SCI_RE.match(text):
+    elif (m := _SCI_RE.match(text)) and abs(int(m.group(2))) <= _MAX_EXPONENT:
         value = Fraction(m.group(1)) * Fraction(10) ** int(m.group(2))
     elif m := _WITH_UNITS_RE.match(text):
         return parse_number(m.group(1) + ("%" if percent else ""), strict=strict)
