@@ -75,7 +75,7 @@ def naive_score(prompt: str, response: str, record: dict) -> float:
 def test_helper_reports_the_holes_of_a_user_verifier_given_as_a_spec():
     """`rl.verifiers="mod:fn"` user verifiers go through the same helper (here by its spec)."""
     cases = [dataclasses_replace_task(c) for c in ANSWER_CASES["arithmetic"]]
-    report = redteam(f"{__name__}:naive_score", cases, kind="answer")
+    report = redteam(f"naive={__name__}:naive_score", cases, kind="answer")  # rl.verifiers' form
     assert report.honest_failed() == []
     won = set(report.won())
     assert {"restate the question (boxed)", "restate, operands commuted", "restate in parentheses"} <= won

@@ -82,8 +82,8 @@ class RedTeamReport:
 def as_verifier(verifier: Any, timeout_s: float = 30.0) -> Any:
     """A verifier object from what a user has: an object with `verify`/`verify_many`, a function
     `score(prompt, response, record)` or its "package.module:function" spec."""
-    if isinstance(verifier, str):
-        verifier = load_callable(verifier)
+    if isinstance(verifier, str):  # as in rl.verifiers: "[name=]package.module:function"
+        verifier = load_callable(verifier.split("=", 1)[-1].strip())
     if hasattr(verifier, "verify_many") or hasattr(verifier, "verify"):
         return verifier
     if callable(verifier):
