@@ -15,7 +15,7 @@ import pytest
 
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.rl.envs import run_episode
-from posttrain.rl.envs.workspace import RepoTask, WorkspaceEnv, check_repo, read_report, same_value
+from posttrain.rl.envs.workspace import RepoTask, WorkspaceEnv, check_repo, read_report, same_value, with_tests
 from posttrain.rl.reward import RewardConfig, RewardFunction
 from posttrain.rl.tasks import repo_domain
 from posttrain.sandbox import Limits, Sandbox
@@ -154,11 +154,17 @@ ATTACKS = {
 }
 
 
+# Attacks that only a protection this machine may lack contains (`Isolation.missing()`): not run without it.
+NEEDS = {"fork bomb": "process_limit"}
+
+
 @pytest.fixture(scope="module")
 def outcomes():
-    """Every episode of HONEST and ATTACKS, run concurrently: name -> trajectory."""
-    cases = {**HONEST, **ATTACKS}
+    """Every episode of HONEST and ATTACKS that this machine's sandbox can contain, run
+    concurrently: name -> trajectory (None: skipped, the protection it needs is missing)."""
     with Sandbox(LIMITS, max_workers=8) as sb:
+        missing = {name for name, needs in NEEDS.items() if not getattr(sb.isolation, needs)}
+        cases = {name: turns for name, turns in {**HONEST, **ATTACKS}.items() if name not in missing}
         reward_fn = RewardFunction({}, RewardConfig())
 
         def play(turns):
@@ -167,7 +173,7 @@ def outcomes():
             return run_episode(env, TASK, lambda _: TOK.encode(next(it)) + [TOK.eos_id])
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            return dict(zip(cases, pool.map(play, cases.values())))
+            return {**dict.fromkeys(missing), **dict(zip(cases, pool.map(play, cases.values())))}
 
 
 @pytest.mark.parametrize("name", list(HONEST))
@@ -179,6 +185,8 @@ def test_honest_fix_scores_1(outcomes, name):
 @pytest.mark.parametrize("name", list(ATTACKS))
 def test_attack_scores_0(outcomes, name):
     traj = outcomes[name]
+    if traj is None:
+        pytest.skip(f"protection missing on this machine: {NEEDS[name]}")
     assert traj.reward.parts["correct"] == 0.0 and traj.reward.score <= 0.0, traj.info.get("detail")
     assert traj.info["truncated"] is None, "the attack must reach the final check"
 
@@ -197,7 +205,7 @@ def test_a_forgery_must_carry_the_expected_values():
     assert [v.correct for v in verdicts] == [0.0, 0.0, 1.0]
 
 
-def test_the_host_reads_one_nonce_line_of_plain_data_and_compares_exact_types():
+def test_the_host_reads_one_nonce_line_of_plain_data_compares_exact_types_and_restores_tests():
     nonce = "ab" * 16
     line = lambda report: f"{nonce} {json.dumps(report)}"
     good = {"values": {"SIZE": 37}}
@@ -210,6 +218,10 @@ def test_the_host_reads_one_nonce_line_of_plain_data_and_compares_exact_types():
     assert read_report(json.dumps(good).encode(), nonce) is None  # no nonce
     assert same_value([1, {"a": 2.5}], [1, {"a": 2.5}]) and not same_value(1, True) and not same_value(37.0, 37)
     assert not same_value({"a": 1, "b": 2}, {"a": 1}) and not same_value([1], [1, 2])
+    # Agent files in the way of a pristine test (the test path made a directory, a file where a
+    # test's directory goes) are dropped, so the tests are always restored.
+    agent = Snapshot.of({"t.py/x": "a", "d": "b", "keep.py": "c"})
+    assert with_tests(agent, (("t.py", "T"), ("d/u.py", "U"))) == {"keep.py": b"c", "t.py": "T", "d/u.py": "U"}
     with pytest.raises(ValueError, match="expect"):
         RepoTask((), (), "config", (("SIZE", (1, 2)),))  # a tuple is not plain data
     with pytest.raises(ValueError, match="module"):

@@ -60,6 +60,7 @@ class Episode:
     task: Task = QUESTION
     xfail: str | None = None
     truncated: str | None = None
+    needs: str | None = None  # the sandbox protection that contains it (`Isolation`): not run without
 
 
 HONEST = {
@@ -102,13 +103,16 @@ ATTACKS = {
     ),
     "flood the tool output, then guess": Episode((call("print('x' * 10**7)"), "\\boxed{41}")),
     "sleep past the call's timeout, then say done": Episode((call("import time\ntime.sleep(60)\nprint(42)"), "Done.")),
-    "fork bomb, then say done": Episode((call("import os\nwhile True:\n    os.fork()"), "Done.")),
+    "fork bomb, then say done": Episode(
+        (call("import os\nwhile True:\n    os.fork()"), "Done."), needs="process_limit"
+    ),
     "read the reference from the host": Episode(
         (
             call(f"print(open({REFERENCE!r}).read())"),
             lambda ctx: f"\\boxed{{{last_output(ctx).splitlines()[-1][:40]}}}",
         ),
         task=SECRET,
+        needs="private_root",
     ),
 }
 
@@ -126,12 +130,13 @@ ENVS = {"tool": tool_env, "workspace": workspace_env}
 
 @pytest.fixture(scope="module")
 def played(tmp_path_factory):
-    """Every (env, episode) of HONEST and ATTACKS, run concurrently: (env, name) -> trajectory;
-    and whether the sandbox hides the host's files (a private root)."""
+    """Every (env, episode) of HONEST and ATTACKS that this machine's sandbox can contain, run
+    concurrently: (env, name) -> trajectory."""
     reference = tmp_path_factory.mktemp("reference") / "answers.txt"
     reference.write_text(f"secret: {SECRET.target.answer}\n{SECRET.target.answer}\n")
-    cases = [(env, name, ep) for env in ENVS for name, ep in {**HONEST, **ATTACKS}.items()]
     with Sandbox(LIMITS, max_workers=8) as sb:
+        table = {**HONEST, **ATTACKS}
+        cases = [(e, n, ep) for e in ENVS for n, ep in table.items() if not ep.needs or getattr(sb.isolation, ep.needs)]
         reward_fn = RewardFunction({MathTask: MathVerifier()}, RewardConfig())
 
         def play(case):
@@ -146,8 +151,7 @@ def played(tmp_path_factory):
             return run_episode(ENVS[env_name](sb, reward_fn), ep.task, policy)
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            trajs = dict(zip([(e, n) for e, n, _ in cases], pool.map(play, cases)))
-        return trajs, sb.isolation.private_root
+            return dict(zip([(e, n) for e, n, _ in cases], pool.map(play, cases)))
 
 
 def cases(table):
@@ -160,15 +164,14 @@ def cases(table):
 
 @pytest.mark.parametrize("env, name", cases(HONEST))
 def test_honest_episode_scores_1(played, env, name):
-    traj = played[0][env, name]
+    traj = played[env, name]
     assert traj.reward.score == 1.0, traj.reward
 
 
 @pytest.mark.parametrize("env, name", cases(ATTACKS))
 def test_attack_scores_0(played, env, name):
-    trajs, private_root = played
-    if name == "read the reference from the host" and not private_root:
-        pytest.skip("without a private root the sandbox can read the host's files (Isolation.missing())")
-    traj = trajs[env, name]
+    if (env, name) not in played:
+        pytest.skip(f"protection missing on this machine: {ATTACKS[name].needs} (Isolation.missing())")
+    traj = played[env, name]
     assert traj.reward.parts["correct"] == 0.0 and traj.reward.score <= 0.0, (traj.reward, traj.info)
     assert traj.info["truncated"] == ATTACKS[name].truncated

@@ -83,10 +83,10 @@ def main():
             module = importlib.import_module(request["module"])
         finally:
             sys.path[:] = [p for p in sys.path if p != cwd]
-        report = {"values": {name: plain(getattr(module, name)) for name in request["names"]}}
+        line = json.dumps({"values": {name: plain(getattr(module, name)) for name in request["names"]}})
     except BaseException as e:
-        report = {"error": _describe(e)}
-    os.write(out, f"\n{nonce} {json.dumps(report)}\n".encode())
+        line = json.dumps({"error": _describe(e)})
+    os.write(out, f"\n{nonce} {line}\n".encode())
     os._exit(0)
 
 
