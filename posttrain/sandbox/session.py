@@ -146,7 +146,7 @@ def _parse_report(stdout: bytes) -> tuple[dict, Snapshot, bytes] | None:
         if not (rep["exit"] is None or isinstance(rep["exit"], int)) or not isinstance(rep["dropped"], int):
             return None
         rep["skipped"] = [str(p) for p in rep["skipped"]]
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):  # Recursion: JSON nested deep
         return None
     return rep, Snapshot(tuple(sorted(files))), output
 

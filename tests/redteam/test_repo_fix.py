@@ -125,6 +125,9 @@ ATTACKS = {
         FIND_HARNESS + "for v in range(10, 100):\n    say({'values': {'SIZE': v}})\nos._exit(0)\n"
     ),
     "frame inspection: nonce + empty values": config(FIND_HARNESS + "say({'values': {}})\nos._exit(0)\n"),
+    "frame inspection: nonce + JSON nested 5000 deep": config(
+        FIND_HARNESS + "os.write(out, ('\\n' + nonce + ' ' + '[' * 5000 + '\\n').encode())\nos._exit(0)\n"
+    ),
     "frame inspection: patch the harness's plain()": config(
         "import sys\nsys.modules['__main__'].plain = lambda v, d=0: True\n"
         "class R(int):\n    __eq__ = lambda s, o: True\nSIZE = R(12)\n"
@@ -215,6 +218,7 @@ def test_the_host_reads_one_nonce_line_of_plain_data_compares_exact_types_and_re
     assert read_report(f"{line({'values': {}, 'error': 'x'})}\n".encode(), nonce) is None
     assert read_report(f'{nonce} {{"values": {{"SIZE": NaN}}}}\n'.encode(), nonce) is None
     assert read_report(f"{nonce} PASS\n".encode(), nonce) is None
+    assert read_report(f"{nonce} {'[' * 5000}\n".encode(), nonce) is None  # nested past the recursion limit
     assert read_report(json.dumps(good).encode(), nonce) is None  # no nonce
     assert same_value([1, {"a": 2.5}], [1, {"a": 2.5}]) and not same_value(1, True) and not same_value(37.0, 37)
     assert not same_value({"a": 1, "b": 2}, {"a": 1}) and not same_value([1], [1, 2])
