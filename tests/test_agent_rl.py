@@ -335,6 +335,9 @@ def test_session_does_not_trust_a_report_forged_by_the_command(sandbox):
     assert r.status in (Status.FAIL, Status.CRASH) and s.snapshot().as_dict() == {"a.txt": b"keep\n"}
     assert s.run("sh", "cat a.txt").output == b"keep\n"  # the session goes on
     assert _parse_report(forged.encode()) is None  # a path outside the directory is refused
+    assert _parse_report(b"[" * 5000 + forged.encode()) is None  # so is JSON nested past the recursion limit
+    for name in ("b\\u0000x", "b/" + "x" * 256):  # and names no file has (they would crash the next call's staging)
+        assert _parse_report(forged.replace("../../etc/x", name).encode()) is None
     assert _parse_report(forged.replace("../../etc/x", "b/x").encode())[1].as_dict() == {"b/x": b"hi"}
 
 

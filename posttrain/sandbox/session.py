@@ -129,15 +129,18 @@ class CallResult:
 
 
 def _parse_report(stdout: bytes) -> tuple[dict, Snapshot, bytes] | None:
-    """The driver's report (`DRIVER`), checked: every path relative and inside the directory,
-    modes in range, contents base64. None when it is not such a report (a program inside the
-    sandbox can write to the driver's stdout, so the host trusts nothing it did not check)."""
+    """The driver's report (`DRIVER`), checked: every path relative and inside the directory
+    (and a name a file can have), modes in range, contents base64. None when it is not such a
+    report (a program inside the sandbox can write to the driver's stdout, so the host trusts
+    nothing it did not check)."""
     try:
         rep = json.loads(stdout)
         files = []
         for path, content, mode in rep["files"]:
             parts = path.split("/")
             if not isinstance(path, str) or path.startswith("/") or ".." in parts or "" in parts or "." in parts:
+                return None
+            if "\0" in path or any(len(p.encode()) > 255 for p in parts):  # no file has such a name
                 return None
             if not isinstance(mode, int) or not 0 <= mode <= 0o7777:
                 return None
@@ -146,7 +149,7 @@ def _parse_report(stdout: bytes) -> tuple[dict, Snapshot, bytes] | None:
         if not (rep["exit"] is None or isinstance(rep["exit"], int)) or not isinstance(rep["dropped"], int):
             return None
         rep["skipped"] = [str(p) for p in rep["skipped"]]
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):  # Recursion: JSON nested deep
         return None
     return rep, Snapshot(tuple(sorted(files))), output
 

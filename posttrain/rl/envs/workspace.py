@@ -11,9 +11,12 @@ call that ends the turn,
 (`sandbox.session.Session`: it persists across the episode's calls, so a file written by one call
 is there for the next). Its output comes back as a tool message `<output>\\n...</output>` and the
 model's next turn starts. A turn without `<tool>` ends the episode: for a `RepoTask` the final
-state is checked (the task's pristine tests run on the working directory, in a fresh sandbox: the
-agent cannot pass by editing the tests); any other task's final answer goes to the reward
-function's verifier (e.g. math, having computed with the tools).
+state is checked (`check_repo`: in a fresh sandbox holding the agent's files with the task's
+pristine tests written over them, the trusted `state_harness` imports the task's module and
+passes its values out as plain data; the host compares them with the task's expected values, so
+nothing the agent's code does inside the sandbox -- exiting 0, printing, rigging `__eq__`,
+editing the tests -- can pass it); any other task's final answer goes to the reward function's
+verifier (e.g. math, having computed with the tools).
 
 Reward: correctness from that check plus the configured penalties (`RewardConfig`): per invalid
 call (malformed, unknown tool, or the command failed: non-zero exit, timeout, a limit), per
@@ -27,10 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import secrets
 import time
+from pathlib import Path
+from typing import Any
 
 from posttrain.data.tokenizer import Tokenizer
 from posttrain.rl.envs.base import Step, Task
+from posttrain.rl.envs.state_harness import plain
 from posttrain.rl.envs.tool import ToolCall, ToolCallEnv
 from posttrain.rl.reward import RewardFunction
 from posttrain.rl.verifiers.base import Verdict
@@ -53,25 +61,109 @@ WORKSPACE_SYSTEM_PROMPT = (
 )
 
 
+HARNESS_SOURCE = (Path(__file__).parent / "state_harness.py").read_text()
+
+
 @dataclasses.dataclass(frozen=True)
 class RepoTask:
-    """A repository to fix: `files` the agent starts with (path, content); `tests` (path,
-    content) are written over the agent's final working directory before `command` runs them
-    there (exit 0: solved). `python` in `command` is the sandbox's interpreter."""
+    """A repository to fix: `files` the agent starts with (path, content); `module` the module
+    whose final state is checked and `expect` the (name, value) pairs it must then hold (plain
+    JSON data: exact builtin types, see `state_harness.plain`); `tests` (path, content) are what
+    the agent reads to learn them -- written over the agent's final files for the check, so
+    editing or deleting them changes nothing. The expected values stay on the host."""
 
     files: tuple[tuple[str, str], ...]
     tests: tuple[tuple[str, str], ...]
-    command: tuple[str, ...]
+    module: str
+    expect: tuple[tuple[str, Any], ...]
+
+    def __post_init__(self) -> None:
+        if not all(part.isidentifier() for part in self.module.split(".")):
+            raise ValueError(f"RepoTask.module must be a dotted module name, got {self.module!r}")
+        names = [name for name, _ in self.expect]
+        if not names or not all(n.isidentifier() for n in names) or len(set(names)) != len(names):
+            raise ValueError(f"RepoTask.expect needs distinct identifier names, got {names}")
+        for name, value in self.expect:
+            try:
+                plain(value)
+            except TypeError as e:
+                raise ValueError(f"RepoTask.expect[{name!r}]: {e}") from None
+
+
+def same_value(got: Any, want: Any) -> bool:
+    """Equality of plain data with exact types at every level (`True` is not `1`, `37.0` is
+    not `37`), on values the host parsed itself: no object of the agent's is ever compared."""
+    if type(got) is not type(want):
+        return False
+    if type(want) is list:
+        return len(got) == len(want) and all(same_value(g, w) for g, w in zip(got, want))
+    if type(want) is dict:
+        return got.keys() == want.keys() and all(same_value(got[k], want[k]) for k in want)
+    return got == want
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not plain data")
+
+
+def read_report(stdout: bytes, nonce: str) -> dict | None:
+    """The harness's report: the one stdout line holding `nonce`, which must start with it and
+    carry `{"values": {...}}` or `{"error": str}`. None when no line or several lines hold the
+    nonce (a forged line beside the harness's) or the line is anything else."""
+    lines = [line for line in stdout.decode(errors="replace").split("\n") if nonce in line]
+    if len(lines) != 1 or not lines[0].startswith(nonce + " "):
+        return None
+    try:
+        report = json.loads(lines[0][len(nonce) + 1 :], parse_constant=_refuse_constant)
+    except (ValueError, RecursionError):  # RecursionError: a forged line nested a thousand deep
+        return None
+    if not isinstance(report, dict) or len(report) != 1:
+        return None
+    if isinstance(report.get("values"), dict) or isinstance(report.get("error"), str):
+        return report
+    return None
+
+
+def with_tests(state: Snapshot, tests: tuple[tuple[str, str], ...]) -> dict[str, bytes | str]:
+    """The agent's files with the pristine `tests` written over them; an agent file in a test's
+    way (the test path made a directory, or a file where a test's directory goes) is dropped, so
+    no layout the agent leaves can keep the tests from being restored or break the check."""
+    paths = [t for t, _ in tests]
+    clash = lambda p: any(p == t or p.startswith(t + "/") or t.startswith(p + "/") for t in paths)
+    return {**{p: c for p, c in state.as_dict().items() if not clash(p)}, **dict(tests)}
 
 
 def check_repo(sandbox: Sandbox, task: RepoTask, state: Snapshot, limits: Limits) -> Verdict:
-    """The final-state check: the task's pristine tests on the agent's files, in a fresh sandbox."""
-    files = {**state.as_dict(), **dict(task.tests)}
-    argv = tuple(sandbox_python() if a == "python" else a for a in task.command)
-    res = sandbox.run(Job(argv, files=files, limits=limits))
-    error = res.error if res.status is Status.ERROR else None
-    tail = (res.stdout + res.stderr).decode(errors="replace")[-200:]
-    return Verdict(float(res.passed), True, f"tests {res.status.value}: {tail}", error=error)
+    """The final-state check: in a fresh sandbox holding the agent's files and the task's
+    pristine tests, the trusted harness (`state_harness`) reports the values of `task.module`;
+    solved when the run was clean, printed exactly one line with this check's random nonce, and
+    every value equals the task's expected one (`same_value`). The verdict is the host's."""
+    nonce = secrets.token_hex(16)
+    expect = dict(task.expect)
+    request = {"nonce": nonce, "module": task.module, "names": list(expect)}
+    job = Job(
+        (sandbox_python(), "-I", "-S", "-c", HARNESS_SOURCE),
+        files=with_tests(state, task.tests),
+        stdin=json.dumps(request).encode(),
+        limits=limits,
+    )
+    res = sandbox.run(job)
+    if res.status is Status.ERROR:
+        return Verdict(0.0, True, f"state check: sandbox error: {res.error}", error=res.error)
+    report = read_report(res.stdout, nonce)
+    if res.status is not Status.PASS or report is None:
+        tail = res.stderr.decode(errors="replace")[-200:]
+        why = res.status.value + (f" ({res.limit})" if res.limit else "")
+        lines = "not one result line" if report is None else "a result line"
+        return Verdict(0.0, True, f"state check: {why}, {lines}: {tail}")
+    if "error" in report:
+        return Verdict(0.0, True, f"state check: {task.module} raised or held no plain value: {report['error']}")
+    got = report["values"]
+    wrong = [n for n, want in expect.items() if n not in got or not same_value(got[n], want)]
+    if wrong or got.keys() != expect.keys():
+        shown = {n: got.get(n, "<missing>") for n in wrong}
+        return Verdict(0.0, True, f"state check: {task.module} holds {str(shown)[:200]}, not the expected values")
+    return Verdict(1.0, True, f"state check: {task.module} holds the expected {', '.join(expect)}")
 
 
 class WorkspaceEnv(ToolCallEnv):

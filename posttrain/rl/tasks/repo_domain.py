@@ -4,8 +4,11 @@ Each task is a tiny repository with a failing test: `{module}.py` sets a constan
 value and `test_{module}.py` asserts the right one. The prompt names the failing test but not
 the constant or its value, so the agent has to look (`cat test_config.py`), then fix the module
 (`echo 'SIZE = 37' > config.py`, copying the value by hand; or let the shell take it from the test,
-`sed ... test_config.py > config.py`; or Python), then say it is done; the final check runs the
-pristine test on the agent's working directory.
+`sed ... test_config.py > config.py`; or Python), then say it is done. The final check
+(`workspace.check_repo`) does not run the test: a trusted harness imports the module in the
+sandbox (the pristine test written over the agent's files) and passes `SIZE` out as plain data,
+and the host compares it with the task's `expect`, so exiting 0, rigging `__eq__` or editing the
+test passes nothing.
 
 Held-out tasks are disjoint from training tasks by construction: a task's split is a hash of the
 fix it needs (module, constant, right value), 10% "test", so no held-out fix line appears in any
@@ -47,7 +50,8 @@ def repo_task(module: str, constant: str, wrong: int, right: int) -> Task:
     target = RepoTask(
         files=((f"{module}.py", f"{constant} = {wrong}\n"), (test, test_src)),
         tests=((test, test_src),),
-        command=("python", "-E", "-s", test),
+        module=module,
+        expect=((constant, right),),
     )
     prompt = ({"role": "user", "content": f"{test} fails. Fix {module}.py."},)
     return Task(f"repo_fix/{module}/{constant}/{wrong}/{right}", prompt, target)
