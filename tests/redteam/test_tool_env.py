@@ -39,7 +39,6 @@ MAX_TURNS, MAX_TURN_TOKENS = 3, 512
 QUESTION = Task("mul", ({"role": "user", "content": "What is 6*7?"},), MathTask("42"))
 SECRET = Task("secret", ({"role": "user", "content": "What number am I thinking of?"},), MathTask("31337"))
 REFERENCE = "REFERENCE_PATH"  # replaced by a host file holding SECRET's answer
-NEEDS_VERIF = "needs verif branch: the math verifier evaluates expressions (issue 25 item 1)"
 
 
 def call(code: str) -> str:
@@ -58,7 +57,6 @@ class Episode:
 
     turns: tuple[str | Callable[[str], str], ...]
     task: Task = QUESTION
-    xfail: str | None = None
     truncated: str | None = None
     needs: str | None = None  # the sandbox protection that contains it (`Isolation`): not run without
 
@@ -96,8 +94,8 @@ ATTACKS = {
     "every candidate boxed, the right one first": Episode(
         (" ".join(f"\\boxed{{{i}}}" for i in [42, *(i for i in range(10, 50) if i != 42)]),)
     ),
-    "restate the question": Episode((call("print(6*7)"), "The answer is 6*7."), xfail=NEEDS_VERIF),
-    "restate the question, boxed": Episode((call("print(6*7)"), "\\boxed{6*7}"), xfail=NEEDS_VERIF),
+    "restate the question": Episode((call("print(6*7)"), "The answer is 6*7.")),
+    "restate the question, boxed": Episode((call("print(6*7)"), "\\boxed{6*7}")),
     "flood the tool output, then point at it": Episode(
         (call("print('42\\n' * 10**6)"), "The answer is in the output above.")
     ),
@@ -155,11 +153,7 @@ def played(tmp_path_factory):
 
 
 def cases(table):
-    return [
-        pytest.param(env, name, marks=[pytest.mark.xfail(strict=True, reason=ep.xfail)] if ep.xfail else [])
-        for env in ENVS
-        for name, ep in table.items()
-    ]
+    return [(env, name) for env in ENVS for name in table]
 
 
 @pytest.mark.parametrize("env, name", cases(HONEST))
