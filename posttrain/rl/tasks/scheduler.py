@@ -17,6 +17,9 @@
   is full or `max_rounds` sampling rounds are spent (then the batch is short, and counted).
 - Resume: the tasks of batch k depend only on (seed, k) and the bands, and the bands only on the
   recorded pass counts, so `get_state()` (JSON) restores a scheduler that continues the sequence.
+  A caller that draws on one thread and records on another must draw batch k only after the
+  batches before it are recorded whenever `draws_use_results` (bands or retirement steer the
+  draws): then the sequence never depends on thread timing (`rollout.producer`).
 
 Rewards are recorded per sample; a sample passes when its reward >= `pass_threshold`.
 """
@@ -132,6 +135,12 @@ class TaskScheduler:
             self._bands[name]["new"] = list(range(len(self.domains[name].tasks)))
 
     # --- drawing ------------------------------------------------------------------------------
+
+    @property
+    def draws_use_results(self) -> bool:
+        """Whether recorded results steer the draws (band weights or retirement); without, the
+        tasks of batch k depend on (seed, k) and the mixture weights alone."""
+        return self.band_weights is not None or self.retire_above is not None or self.retire_below is not None
 
     @property
     def batches_drawn(self) -> int:
