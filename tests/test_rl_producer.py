@@ -210,7 +210,7 @@ def test_rewards_with_an_error_are_counted_as_verifier_errors_and_behaviour_logp
             self.error = error
 
         def step(self, action):
-            return SimpleNamespace(reward=SimpleNamespace(score=0.0, error=self.error))
+            return SimpleNamespace(reward=SimpleNamespace(score=0.0, correct=0.0, error=self.error))
 
         def trajectory(self):
             return TRAJ

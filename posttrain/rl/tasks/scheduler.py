@@ -44,13 +44,21 @@ _COUNTERS = ("samples", "passes", "groups", "dropped_groups", "exhausted_draws")
 
 @dataclasses.dataclass
 class Group:
-    """The samples of one task: its domain, the task, one reward per sample, and (for the
-    learner) the trajectories they came from."""
+    """The samples of one task: its domain, the task, one reward per sample, (for the learner)
+    the trajectories they came from, and (for accuracy) each sample's verdict correctness
+    (`Reward.correct`: 1 = solved, whatever the shaping took off the reward)."""
 
     domain: str
     task: Task
     rewards: Sequence[float]
     trajectories: Sequence[Trajectory] = ()
+    correct: Sequence[float] = ()
+
+    def __post_init__(self) -> None:
+        if self.correct and len(self.correct) != len(self.rewards):
+            raise ValueError(
+                f"group of task {self.task.id!r}: {len(self.correct)} correct for {len(self.rewards)} rewards"
+            )
 
 
 def informative(rewards: Sequence[float], tol: float = 1e-6) -> bool:
