@@ -96,7 +96,7 @@ def direct(cfg, name, step=2):
         metrics = evaluate(worker, params, rest, pairs, key, cfg.eval.samples)
         sampled = worker.rollout(params, rest, pairs, jax.random.fold_in(key, 1), num_samples=cfg.eval.samples)
     n = cfg.eval.samples
-    counts = [sum(r >= 1.0 for r in g.rewards) for g in sampled.groups]
+    counts = [sum(c >= 1.0 for c in g.correct) for g in sampled.groups]
     for k in (1, 2, 4):  # 1 − C(n−c, k) / C(n, k), averaged over problems
         metrics[f"hand/pass@{k}"] = float(np.mean([1 - math.comb(n - c, k) / math.comb(n, k) for c in counts]))
     return metrics
@@ -143,7 +143,8 @@ def test_every_checkpoint_is_evaluated_and_compared_with_the_previous(run_dir, t
 
 
 class FakeWorker:
-    """Rollouts with given rewards: greedy[i] for problem i, sampled[i] its samples' rewards."""
+    """Rollouts with given correctness: greedy[i] for problem i, sampled[i] its samples'; each
+    sample's shaped reward is its correctness minus 0.25 (a penalty that must not count)."""
 
     def __init__(self, greedy, sampled):
         self.greedy, self.sampled = greedy, sampled
@@ -155,12 +156,14 @@ class FakeWorker:
         assert not exact_share  # across processes a suite's problems are shared out nearly evenly
         rewards = [[g] for g in self.greedy] if greedy else self.sampled
         assert len(pairs) == len(rewards) and all(len(r) == num_samples for r in rewards)
-        groups = [Group(d, t, r, []) for (d, t), r in zip(pairs, rewards)]
+        groups = [Group(d, t, [x - 0.25 for x in r], [], r) for (d, t), r in zip(pairs, rewards)]
         return RolloutBatch(groups, [], {"response_len_mean": 7.0 if greedy else 9.5, "verifier_errors": 1})
 
 
 def test_suite_metrics_aggregate_rewards():
-    """Accuracy counts reward >= 1 (partial credit is not correct); pass@k is 1 − C(n−c,k)/C(n,k) per problem."""
+    """Accuracy counts verdict correctness 1 (partial credit is not correct; a shaping penalty does
+    not make a right answer wrong); pass@k is 1 − C(n−c,k)/C(n,k) per problem; the shaped score
+    is reported beside."""
     greedy, sampled = [1.0, 0.0, 0.5], [[1.0, 0.0, 0.0, 1.0], [0.0] * 4, [1.0, 1.0, 1.0, 0.9]]
     from posttrain.rl.envs.base import Task
 
@@ -179,6 +182,7 @@ def test_suite_metrics_aggregate_rewards():
         want = np.mean([1 - math.comb(4 - c, k) / math.comb(4, k) for c in (2, 0, 3)])
         assert m[f"pass@{k}"] == pytest.approx(want, abs=1e-12)
     assert m["response_len"] == 9.5 and m["greedy_response_len"] == 7.0 and m["verifier_errors"] == 2
+    assert m["score_mean"] == pytest.approx(np.mean(sampled) - 0.25)
 
 
 def test_suite_version_changes_when_a_record_changes(tmp_path):

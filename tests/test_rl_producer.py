@@ -3,6 +3,8 @@ scheduler snapshots, dynamic sampling's bookkeeping, the verifier-error metric, 
 checks of the rl.* keys."""
 
 import concurrent.futures
+import json
+import random
 import time
 import traceback
 from types import SimpleNamespace
@@ -58,15 +60,15 @@ def scheduler():
     return TaskScheduler({"a": Domain("a", tasks, make_env=lambda: None)}, seed=0)
 
 
-def producer(worker, sched, max_staleness=1):
+def producer(worker, sched, max_staleness=1, *, start=0, num_groups=2):
     mesh = make_mesh(dict(data=1), devices=jax.devices()[:1])
     return AsyncProducer(
         worker,
         sched,
-        num_groups=2,
+        num_groups=num_groups,
         max_staleness=max_staleness,
         base_key=jax.random.key(0),
-        start=0,
+        start=start,
         weights=(None, None),
         mesh=mesh,
         rules=parse_rules({}),
@@ -110,6 +112,72 @@ def test_the_checkpointed_scheduler_state_is_that_of_the_last_trained_batch():
         p.close(timeout=10)
 
 
+class JitteryWorker(FakeWorker):
+    """Results that steer a curriculum (task a<i> is solved when i % 3 == 0), after random delays
+    in generation and verification: only thread timing differs between runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.jitter = random.Random()
+
+    def generate(self, params, rest, tasks, key, **kw):
+        time.sleep(self.jitter.uniform(0, 0.004))
+        return tasks
+
+    def verify(self, tasks):
+        time.sleep(self.jitter.uniform(0, 0.02))
+        rewards = lambda t: [float(int(t.id[1:]) % 3 == 0)] * 2
+        return RolloutBatch(
+            [Group(d, t, rewards(t), [TRAJ, TRAJ]) for d, t in tasks], [[LP, LP]] * len(tasks), {"verifier_errors": 0}
+        )
+
+
+def curriculum():
+    tasks = [Task(f"a{i}", ({"role": "user", "content": str(i)},), MathTask(str(i))) for i in range(12)]
+    return TaskScheduler(
+        {"a": Domain("a", tasks, make_env=lambda: None)},
+        seed=3,
+        band_weights={"new": 4.0, "hard": 1.0, "easy": 1.0},
+        retire_above=0.9,
+        retire_after=4,
+    )
+
+
+def produced_ids(sched, start, steps, max_staleness=2):
+    """Task ids of batches start..steps−1 from the overlapped producer, and each batch's scheduler state."""
+    p = producer(JitteryWorker(), sched, max_staleness=max_staleness, start=start, num_groups=3)
+    out, states = [], []
+    try:
+        for step in range(start, steps):
+            rollouts, batch = p.take(step)
+            out.append([ro.group.task.id for ro in rollouts])
+            states.append(batch.scheduler_state)
+            p.publish(step + 1, (None, None))
+    finally:
+        p.close(timeout=10)
+    return out, states
+
+
+def test_the_task_sequence_does_not_depend_on_thread_timing_and_a_resume_continues_it():
+    """Issue 25 item 9: with a curriculum (bands, retirement) the producer's draws are those of the
+    synchronous loop, whatever the delays in generation and verification, and a producer resumed
+    from batch 3's checkpointed scheduler state draws what the uninterrupted run drew."""
+    assert curriculum().draws_use_results and not scheduler().draws_use_results  # a plain mixture keeps the overlap
+    sched, sync = curriculum(), []
+    for _ in range(10):
+        batch = collect_batch(
+            JitteryWorker(), sched, None, None, jax.random.key(0), num_groups=3, filter_groups=False, max_rounds=1
+        )
+        sync.append([g.task.id for g in batch.groups])
+    assert sched.metrics()["tasks/a/band_retired"] > 0  # the results steered the draws
+    first, states = produced_ids(curriculum(), 0, 10)
+    second, _ = produced_ids(curriculum(), 0, 10)
+    assert first == second == sync
+    resumed = curriculum()
+    resumed.set_state(json.loads(json.dumps(states[3])))  # what the checkpoint after step 3 holds
+    assert produced_ids(resumed, 4, 10)[0] == sync[4:]
+
+
 def test_dynamic_sampling_records_each_group_once_and_an_empty_batch_skips_the_update():
     sched = scheduler()
     batch = collect_batch(
@@ -142,7 +210,7 @@ def test_rewards_with_an_error_are_counted_as_verifier_errors_and_behaviour_logp
             self.error = error
 
         def step(self, action):
-            return SimpleNamespace(reward=SimpleNamespace(score=0.0, error=self.error))
+            return SimpleNamespace(reward=SimpleNamespace(score=0.0, correct=0.0, error=self.error))
 
         def trajectory(self):
             return TRAJ

@@ -208,23 +208,32 @@ def test_records_of_each_kind_domains_and_bad_records(tmp_path, user_module):
         make_domains(cfg, ByteTokenizer(), None)
 
 
-def test_eval_files_must_not_overlap_training_prompts(tmp_path):
+def test_eval_files_equivalent_to_training_prompts_are_dropped_and_counted(tmp_path, caplog):
+    """Held out by meaning (issue 25 item 4): an evaluation record whose prompt is a training prompt
+    in another spelling (case, spaces, unicode, commuted operands) is dropped and counted, whatever
+    data.on_error says; the rest stay, in order."""
     cfg = base_config()
     r = cfg.rl
     r.train_files = write_jsonl(
         tmp_path / "train.jsonl", [{"prompt": f"What is {i}+1?", "answer": i + 1} for i in range(4)]
     )
-    r.eval_files = write_jsonl(
-        tmp_path / "eval.jsonl", [{"prompt": "what is 2+1?  ", "answer": 3}, {"prompt": "What is 9+1?", "answer": 10}]
-    )
-    with pytest.raises(
-        DataError, match=r"eval.jsonl:1: evaluation prompt is also a training prompt \(.*train.jsonl:3\)"
-    ):
+    evals = [
+        {"prompt": "what is 2+1?  ", "answer": 3},  # case and spaces
+        {"prompt": "What is 1 + 3 ?", "answer": 4},  # commuted, spaced
+        {"prompt": "WHAT IS ０＋１?", "answer": 1},  # full-width
+        {"prompt": "What is 9+1?", "answer": 10},
+        {"prompt": "What is 1-2?", "answer": -1},  # 2-1 is not 1-2
+    ]
+    r.eval_files = write_jsonl(tmp_path / "eval.jsonl", evals)
+    with caplog.at_level("WARNING"):
+        domains, held_out = make_domains(cfg, ByteTokenizer(), None)
+    assert [t.prompt[0]["content"] for _, t in held_out] == ["What is 9+1?", "What is 1-2?"]
+    assert [d for d, _ in held_out] == ["user", "user"] and len(domains["user"].tasks) == 4
+    assert "dropped 3 held-out tasks" in caplog.text and "eval.jsonl:1 (= " in caplog.text
+    assert "train.jsonl:3" in caplog.text
+    r.eval_files = write_jsonl(tmp_path / "eval2.jsonl", evals[:3])
+    with pytest.raises(ValueError, match=r"eval2.jsonl': no usable task record \(3 were training prompts"):
         make_domains(cfg, ByteTokenizer(), None)
-    cfg.data.on_error = "skip"
-    domains, held_out = make_domains(cfg, ByteTokenizer(), None)
-    assert [t.prompt[0]["content"] for _, t in held_out] == ["What is 9+1?"]
-    assert [d for d, _ in held_out] == ["user"] and len(domains["user"].tasks) == 4
     r.eval_files = ""
     with pytest.raises(ValueError, match="no held-out tasks: set rl.eval_files"):
         make_domains(cfg, ByteTokenizer(), None)

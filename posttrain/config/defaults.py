@@ -267,6 +267,9 @@ def base_config() -> ml_collections.ConfigDict:
             reward_model_weight=1.0,  # reward = verifier_weight · verifier + reward_model_weight · RM score
             verifier_weight=1.0,
             reward_model_normalize=True,  # RM scores by running mean/std (checkpointed)
+            # an unfinished response's training reward (no end of turn: cut by max_new_tokens or max_turns),
+            # learned or verified: "min" (the batch's lowest), "none" (as scored) or a number
+            truncated_reward="min",
             kl_in_reward=False,  # pay rl.kl_coef · KL per token as reward instead of a loss term
             steps=0,
             lr=0.0,

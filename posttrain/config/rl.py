@@ -3,8 +3,11 @@ their enum keys take."""
 
 from __future__ import annotations
 
+import math
+
 from posttrain.config.fields import Section, bounded, choice, section
 from posttrain.config.train import StageConfig
+from posttrain.errors import UserError
 
 ENVS = ("single", "tool")  # rl.tasks.registry: one answer per sample, or multi-turn episodes with tools
 ADVANTAGE_METHODS = ("grpo", "drgrpo", "rloo", "gae")  # rl.algo.advantages
@@ -88,6 +91,28 @@ class RLConfig(StageConfig):
     verifier_weight: float
     reward_model_normalize: bool
     kl_in_reward: bool
+    truncated_reward: str  # what an unfinished response is paid (rl.algo.reward_model): min | none | a number
+
+    def check_rules(self) -> None:
+        """rl.truncated_reward is "min", "none" or a finite number."""
+        parse_truncated_reward(self.truncated_reward)
+
+
+def parse_truncated_reward(value: str) -> str | float:
+    """`rl.truncated_reward` → "min", "none" or a finite float; a UserError naming the key otherwise."""
+    if value in ("min", "none"):
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number):
+        raise UserError(
+            f"config.rl.truncated_reward={value!r}: expected 'min' (the lowest reward of the batch), "
+            "'none' (as the reward sources score it) or a finite number such as '-1'",
+            key="rl.truncated_reward",
+        )
+    return number
 
 
 @section

@@ -1,7 +1,10 @@
 """Reward composition: correctness from a verifier plus format, length and tool-call shaping.
 
 score = correct_weight * correct + format + length + tool_calls, every term reported in
-`Reward.parts` so that metrics can show what the policy is being paid for. The length term
+`Reward.parts` so that metrics can show what the policy is being paid for. The score is what the
+learner is paid; whether the answer is right is `Reward.correct`, the verifier's unweighted
+correctness, which accuracy, pass@k and the gates count (a right answer in the overlong ramp, or
+with a redundant tool call, is still right). The length term
 is DAPO's soft overlong punishment: 0 up to max_tokens - overlong_buffer, then a linear ramp
 down to -1 at max_tokens, and -1 past it (times overlong_penalty).
 """
@@ -23,12 +26,19 @@ class Reward:
     """Total reward of one response and its parts (they sum to score); `error` says why the
     verifier could not decide (failed, timed out) — such a reward is not a judgement of the
     response and is counted apart (`rl/verifier_errors`). `verifier_parts` are the named numbers
-    the verifier reported beside correctness (not added to the score)."""
+    the verifier reported beside correctness (not added to the score). `correct` is the verdict's
+    correctness in [0, 1], unweighted and without shaping: what accuracy counts (1 = solved);
+    when not given, `parts["correct"]`."""
 
     score: float
     parts: dict[str, float]
     error: str | None = None
     verifier_parts: dict[str, float] = dataclasses.field(default_factory=dict)
+    correct: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.correct is None:
+            object.__setattr__(self, "correct", float(self.parts.get("correct", 0.0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +107,13 @@ def compose(
         "length": length,
         "tool_calls": -tools if tools else 0.0,
     }
-    return Reward(score=sum(parts.values()), parts=parts, error=verdict.error, verifier_parts=dict(verdict.parts))
+    return Reward(
+        score=sum(parts.values()),
+        parts=parts,
+        error=verdict.error,
+        verifier_parts=dict(verdict.parts),
+        correct=float(verdict.correct),
+    )
 
 
 class RewardFunction:

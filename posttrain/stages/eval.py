@@ -4,12 +4,15 @@ Suites (`eval.suites`, comma-separated): the built-in held-out sets of the RL do
 (`arithmetic`, `gsm8k` test, `humaneval`, the agent domain `repo_fix`'s "test" split, via
 `rl.tasks.make_domains`) and user JSONL suites `name=path.jsonl` with records `{"prompt", "answer"}`
 scored by the math verifier. Each suite reports greedy accuracy, mean sampled accuracy over
-`eval.samples` samples, pass@k (unbiased estimator) for each k of `eval.pass_k`, mean response
-length, verifier errors and its wall time. A multi-turn suite (`repo_fix`) runs whole episodes
-as `rl.env='tool'` does (`rl.max_turns` turns of `rl.max_new_tokens`, sandboxed calls, the
-configured tool-call penalties): a problem counts as solved when its final check passes,
-penalties aside (`tool_success_rate`, greedy; `tool_success_rate_sampled`), and it also reports
-`turns_per_episode`, `calls_per_turn` and `tool_call_ok_rate` of the greedy episodes.
+`eval.samples` samples, pass@k (unbiased estimator) for each k of `eval.pass_k` — all three count
+a sample as right when its verdict's correctness is 1, whatever the reward shaping (format,
+overlong, tool-call penalties) took off its score — the mean shaped score of the sampled
+responses (`score_mean`), mean response length, verifier errors and its wall time. A multi-turn
+suite (`repo_fix`) runs whole episodes as `rl.env='tool'` does (`rl.max_turns` turns of
+`rl.max_new_tokens`, sandboxed calls, the configured tool-call penalties): a problem counts as
+solved when its final check passes, penalties aside (`tool_success_rate`, greedy;
+`tool_success_rate_sampled`), and it also reports `turns_per_episode`, `calls_per_turn` and
+`tool_call_ok_rate` of the greedy episodes.
 Sampling uses the `rl.*` settings (temperature, top_k, top_p, max_new_tokens) and the seed, so
 checkpoints are compared on the same draws. Every result is appended to
 `{workdir}/eval/<suite>.jsonl` with the checkpoint path and step and the suite version (a hash of
@@ -41,11 +44,11 @@ from posttrain.data.tokenizer import load_tokenizer
 from posttrain.eval.long_context_eval import make_long_context_eval, parse_grid
 from posttrain.eval.passk import mean_pass_at_k
 from posttrain.models.decoder import Decoder
-from posttrain.parallel import allgather_json, mesh_and_rules, use_sharding
+from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.envs.base import Task
 from posttrain.rl.rollout.episodes import rollout_episodes
-from posttrain.rl.rollout.hosts import combine_info
-from posttrain.rl.rollout.worker import SUMMED_INFO, RolloutWorker
+from posttrain.rl.rollout.hosts import all_rewards, combine_info
+from posttrain.rl.rollout.worker import SUMMED_INFO, RolloutWorker, all_solved
 from posttrain.rl.tasks.suites import HEADLINE, make_suites, multi_turn_suites, parse_suites, suite_version
 from posttrain.sampling.rules import SamplingParams
 
@@ -60,17 +63,6 @@ def pass_ks(cfg) -> list[int]:
     if bad or not ks:
         raise ValueError(f"eval.pass_k={cfg.eval.pass_k!r}: each k must be in 1..eval.samples={cfg.eval.samples}")
     return ks
-
-
-def solved(groups, *, episodes: bool) -> list[list[bool]]:
-    """Per problem, whether each sample solved it, from every process's groups (global task
-    order): reward >= 1 for one answer; for a tool episode its final check (correctness 1),
-    whatever the tool-call penalties took off the reward."""
-    if episodes:
-        mine = [[t.reward.parts["correct"] >= 1.0 for t in g.trajectories] for g in groups]
-    else:
-        mine = [[float(r) >= 1.0 for r in g.rewards] for g in groups]
-    return [row for part in allgather_json(mine) for row in part]
 
 
 def evaluate_suite(
@@ -94,13 +86,15 @@ def evaluate_suite(
     greedy = worker.rollout(params, rest, pairs, key, num_samples=1, greedy=True, exact_share=False)
     sampled = worker.rollout(params, rest, pairs, jax.random.fold_in(key, 1), num_samples=samples, exact_share=False)
     # several processes: each verified its share of the problems; results from all of them
-    correct = solved(sampled.groups, episodes=episodes)
-    greedy_ok = [row[0] for row in solved(greedy.groups, episodes=episodes)]
+    correct = all_solved(sampled.groups)  # verdict correctness, shaping aside
+    greedy_ok = [row[0] for row in all_solved(greedy.groups)]
+    score = float(np.mean(all_rewards(sampled.groups)))
     greedy, sampled = (dataclasses.replace(b, info=combine_info(b.info, SUMMED_INFO)) for b in (greedy, sampled))
     out = {
         "accuracy": float(np.mean(greedy_ok)),
         "mean_accuracy": float(np.mean(correct)),
         **{f"pass@{k}": mean_pass_at_k(correct, k) for k in ks},
+        "score_mean": score,
         "response_len": sampled.info["response_len_mean"],
         "greedy_response_len": greedy.info["response_len_mean"],
         "verifier_errors": greedy.info["verifier_errors"] + sampled.info["verifier_errors"],
@@ -114,7 +108,15 @@ def evaluate_suite(
     return {**out, "seconds": time.perf_counter() - t0}
 
 
-SUITE_METRICS = ("accuracy", "mean_accuracy", "response_len", "greedy_response_len", "verifier_errors", "seconds")
+SUITE_METRICS = (
+    "accuracy",
+    "mean_accuracy",
+    "score_mean",
+    "response_len",
+    "greedy_response_len",
+    "verifier_errors",
+    "seconds",
+)
 EPISODE_METRICS = (
     "tool_success_rate",
     "tool_success_rate_sampled",

@@ -157,7 +157,8 @@ def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLS
     longest = int(all_values([max(len(t.tokens) for ro in rollouts for t in ro.group.trajectories)]).max())
     batch = rl_batch(rollouts, pad_id=c.pad_id, num_rows=batch_rows(len(rollouts), r, r.minibatches), longest=longest)
     rows = [t.tokens for ro in rollouts for t in ro.group.trajectories]
-    batch["rewards"][:num_real], reward_metrics = c.rewards(rows, batch["rewards"][:num_real])
+    unfinished = [t.info.get("truncated") is not None for ro in rollouts for t in ro.group.trajectories]
+    batch["rewards"][:num_real], reward_metrics = c.rewards(rows, batch["rewards"][:num_real], unfinished)
     with c.clock.busy():
         batch = c.learner.prepare(rl.train, batch, c.ref)
         batch.update(advantage_targets(batch, r))
@@ -207,6 +208,7 @@ def save(c: Components, ckpt: Checkpointer, rl: RLState) -> None:
             "skipped_updates": rl.skipped_updates,
             "optimizer_steps": int(rl.train.step),
             "reward_stats": c.rewards.stats.get_state(),
+            "reward_model_step": c.rewards.step,  # a resume loads this step of rl.reward_model
         },
         meta={
             "seed": c.cfg.seed,
@@ -297,7 +299,14 @@ def run(cfg) -> Result:
                 rules=sampler_rules(rules, cfg.sampling.layout),
             )
             base_key = jax.random.key(cfg.seed)
-            rewards = RewardComposer.from_config(cfg.rl, mesh, rules, pad_id=tok.pad_id)
+            rewards = RewardComposer.from_config(
+                cfg.rl,
+                mesh,
+                rules,
+                pad_id=tok.pad_id,
+                policy=(cfg.data.tokenizer, cfg.model.vocab_size),
+                step=data.get("reward_model_step") if start else None,
+            )
             if start and "reward_stats" in data:
                 rewards.stats.set_state(data["reward_stats"])
             c = Components(

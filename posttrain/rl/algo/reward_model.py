@@ -1,15 +1,26 @@
 """A learned reward as an RL reward source (RLHF): the Bradley–Terry model of the `reward_model` stage.
 
-`rl.reward_model` names that stage's run dir (its newest checkpoint is loaded, with the model
-config it was trained with); `RewardModelScorer` scores whole (prompt, response) token rows on
-the device with one jitted function over rows padded to power-of-two buckets, laid out exactly as
-the stage trained on them (`data.packing.build_row`: prompt + response with its end-of-turn token,
-the head read at the last real token). `RunningMeanStd` normalises the scores by running
-statistics (kept in checkpoints), and `combine_rewards` weighs them against verifier rewards.
+`rl.reward_model` names that stage's run dir. A run loads its newest checkpoint, with the model
+config it was trained with, and pins it: the RL checkpoints record its step
+(`reward_model_step`), and a resumed run loads that step, not whatever is newest by then. Its
+tokenizer and vocabulary must be the policy's (`check_matches_policy`, one line naming both: the
+reward model reads the policy's token ids). `RewardModelScorer` scores whole (prompt, response)
+token rows on the device with one jitted function over rows padded to power-of-two buckets, laid
+out exactly as the stage trained on them (`data.packing.build_row`: prompt + response with its
+end-of-turn token, the head read at the last real token). `RunningMeanStd` normalises the scores
+by running statistics (kept in checkpoints), and `combine_rewards` weighs them against verifier
+rewards.
+
+Unfinished responses (`rl.truncated_reward`): a sample whose episode ended without an end of
+turn (cut by `rl.max_new_tokens`, or out of `rl.max_turns`) gets, as its training reward, "min"
+(the default) the lowest training reward of its batch (every sample of every process, finished or
+not, as the sources scored them): an unfinished response never outranks a finished one, whether
+the reward is learned or verified; a number: that reward; "none": what the sources give it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 
@@ -19,26 +30,33 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from posttrain.config.rl import parse_truncated_reward
 from posttrain.core.batch import put_batch
 from posttrain.core.checkpoint import Checkpointer
 from posttrain.core.init import checkpoint_dir, load_model_state
 from posttrain.core.state import abstract_model
 from posttrain.data.packing import build_row
+from posttrain.data.tokenizer import load_tokenizer
+from posttrain.errors import UserError
 from posttrain.models.reward import RewardModel
 from posttrain.parallel import use_sharding
 from posttrain.parallel.sharding import Rules
+from posttrain.rl.rollout.hosts import all_values
 from posttrain.sampling.generate import bucket
 
 ROW_KEYS = ("inputs", "positions", "segment_ids")
 
 
-def reward_model_config(path: str) -> ml_collections.ConfigDict:
-    """The model config of the `reward_model` run at `path` (from its newest checkpoint's meta)."""
+def reward_model_meta(path: str, step: int | None = None) -> tuple[int, dict]:
+    """(step, meta) of the `reward_model` run at `path`: its newest checkpoint, or the one at `step`."""
     ckpt = Checkpointer(checkpoint_dir(path), every=0, keep=1, async_save=False)
-    step = ckpt.latest_step()
-    if step is None:
+    steps = ckpt.all_steps()
+    if not steps or (step is not None and step not in steps):
         ckpt.close()
-        raise FileNotFoundError(f"rl.reward_model={path!r}: no checkpoint under {checkpoint_dir(path)}")
+        where = f"no checkpoint under {checkpoint_dir(path)}" if not steps else f"no checkpoint at step {step}"
+        pinned = " (the step this run started with, pinned in its checkpoints)" if step is not None and steps else ""
+        raise FileNotFoundError(f"rl.reward_model={path!r}: {where}{pinned}; have {steps}")
+    step = steps[-1] if step is None else step
     _, _, meta = ckpt.restore(step, {})
     ckpt.close()
     if meta.get("stage") != "reward_model" or "config" not in meta:
@@ -51,7 +69,43 @@ def reward_model_config(path: str) -> ml_collections.ConfigDict:
             f"rl.reward_model={path!r}: trained with LoRA (only adapters are checkpointed); "
             "train the reward model with lora.rank=0"
         )
-    return ml_collections.ConfigDict(meta["config"]["model"])
+    return step, meta
+
+
+def reward_model_config(path: str, step: int | None = None) -> ml_collections.ConfigDict:
+    """The model config of the `reward_model` run at `path` (its newest checkpoint's, or `step`'s)."""
+    return ml_collections.ConfigDict(reward_model_meta(path, step)[1]["config"]["model"])
+
+
+def _tokenizer_fingerprint(spec: str) -> tuple:
+    """What must agree for two tokenizers to give the same ids: sizes, specials, a chat's ids."""
+    tok = load_tokenizer(spec)
+    probe = [{"role": "user", "content": "What is 37+48? ünï 中文"}, {"role": "assistant", "content": "85."}]
+    return (tok.vocab_size, tok.pad_id, tok.eos_id, tok.bos_id, tuple(tok.stop_ids), tuple(tok.encode_chat(probe)[0]))
+
+
+def check_matches_policy(path: str, meta: dict, tokenizer: str, vocab_size: int) -> None:
+    """Raise (one line naming both) unless the reward model at `path` (checkpoint `meta`) reads the
+    policy's token ids as the policy writes them: the same tokenizer and model.vocab_size."""
+    config = meta["config"]
+    rm_tok, rm_vocab = config.get("data", {}).get("tokenizer"), config["model"].get("vocab_size")
+    same = rm_vocab == vocab_size and rm_tok is not None
+    if same and rm_tok != tokenizer:
+        try:
+            same = _tokenizer_fingerprint(rm_tok) == _tokenizer_fingerprint(tokenizer)
+        except (OSError, ValueError) as e:
+            raise UserError(
+                f"rl.reward_model={path!r}: cannot compare its tokenizer {rm_tok!r} with the policy's "
+                f"{tokenizer!r} ({type(e).__name__}: {e})",
+                key="rl.reward_model",
+            ) from None
+    if not same:
+        raise UserError(
+            f"rl.reward_model={path!r}: the reward model's tokenizer {rm_tok!r} (model.vocab_size={rm_vocab}) "
+            f"is not the policy's {tokenizer!r} (model.vocab_size={vocab_size}); it would score other tokens "
+            "than the policy wrote: train the reward model on the policy's tokenizer",
+            key="rl.reward_model",
+        )
 
 
 class RewardModelScorer:
@@ -71,6 +125,7 @@ class RewardModelScorer:
     ):
         self.params, self.rest, self.mesh, self.rules = params, rest, mesh, rules
         self.pad_id, self.min_rows, self.min_len = pad_id, min_rows, min_len
+        self.step: int | None = None  # the checkpoint step loaded (`load`)
 
         @jax.jit
         def forward(params, rest, inputs, positions, segment_ids):
@@ -80,13 +135,19 @@ class RewardModelScorer:
         self._forward = forward
 
     @classmethod
-    def load(cls, path: str, mesh: Mesh, rules: Rules, *, pad_id: int, **kw) -> RewardModelScorer:
-        """The newest checkpoint of the `reward_model` run at `path`, placed on `mesh` by `rules`."""
-        model_cfg = reward_model_config(path)
+    def load(
+        cls, path: str, mesh: Mesh, rules: Rules, *, pad_id: int, step: int | None = None, **kw
+    ) -> RewardModelScorer:
+        """The newest checkpoint (or the one at `step`) of the `reward_model` run at `path`, placed
+        on `mesh` by `rules`; `.step` says which."""
+        step, meta = reward_model_meta(path, step)
+        model_cfg = ml_collections.ConfigDict(meta["config"]["model"])
         make = lambda: RewardModel(model_cfg, rngs=nnx.Rngs(0))
         with use_sharding(mesh, rules):
-            params, rest, _ = load_model_state(path, make, mesh, rules)
-        return cls(nnx.graphdef(abstract_model(make)), params, rest, mesh, rules, pad_id=pad_id, **kw)
+            params, rest, step = load_model_state(path, make, mesh, rules, step=step)
+        scorer = cls(nnx.graphdef(abstract_model(make)), params, rest, mesh, rules, pad_id=pad_id, **kw)
+        scorer.step = step
+        return scorer
 
     def score(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
         """Reward of each token row (prompt + response) → [len(rows)] float32. Rows and length are
@@ -158,42 +219,73 @@ def combine_rewards(
 class RewardComposer:
     """The RL training reward of each sample: rl.verifier_weight · verifier reward, plus (with
     rl.reward_model) rl.reward_model_weight · the learned reward, normalised by running statistics
-    when rl.reward_model_normalize. Called on the main thread once per trained batch, so the
-    statistics a checkpoint saves are those of the batches trained on."""
+    when rl.reward_model_normalize; unfinished samples then get rl.truncated_reward (module
+    docstring). Called on the main thread once per trained batch, so the statistics a checkpoint
+    saves are those of the batches trained on. `step`: the reward model's checkpoint step (pinned
+    in the RL checkpoints), None without one."""
 
     def __init__(self, rl_cfg, scorer: RewardModelScorer | None):
         self.scorer, self.stats = scorer, RunningMeanStd()
         self.normalize = rl_cfg.reward_model_normalize
         self.verifier_weight, self.reward_model_weight = rl_cfg.verifier_weight, rl_cfg.reward_model_weight
+        self.truncated = parse_truncated_reward(rl_cfg.truncated_reward)
+        self.step = None if scorer is None else scorer.step
 
     @classmethod
-    def from_config(cls, rl_cfg, mesh: Mesh, rules: Rules, *, pad_id: int) -> RewardComposer:
-        """From the `rl` section; `rl.reward_model` must be a run dir here (a pipeline resolves "@stage")."""
+    def from_config(
+        cls, rl_cfg, mesh: Mesh, rules: Rules, *, pad_id: int, policy: tuple[str, int], step: int | None = None
+    ) -> RewardComposer:
+        """From the `rl` section; `rl.reward_model` must be a run dir here (a pipeline resolves "@stage").
+        policy: the policy's (data.tokenizer, model.vocab_size), which the reward model must share;
+        step: the reward model step a resumed run started with (None: the newest, at a run's start)."""
         path = rl_cfg.reward_model
         if path.startswith("@"):
             raise ValueError(
                 f"rl.reward_model={path!r} names a pipeline stage: only a pipeline (stage='pipeline') "
                 "resolves it; give the reward_model run dir instead"
             )
-        return cls(rl_cfg, RewardModelScorer.load(path, mesh, rules, pad_id=pad_id) if path else None)
+        if not path:
+            return cls(rl_cfg, None)
+        found, meta = reward_model_meta(path, step)
+        check_matches_policy(path, meta, *policy)
+        if step is None:
+            logging.info("rl.reward_model=%s: step %d (pinned in this run's checkpoints)", path, found)
+        return cls(rl_cfg, RewardModelScorer.load(path, mesh, rules, pad_id=pad_id, step=found))
 
-    def __call__(self, rows: Sequence[Sequence[int]], verifier: np.ndarray) -> tuple[np.ndarray, dict]:
-        """Token rows (prompt + response) and their verifier rewards → (training rewards, metrics)."""
+    def __call__(
+        self, rows: Sequence[Sequence[int]], verifier: np.ndarray, truncated: Sequence[bool] | None = None
+    ) -> tuple[np.ndarray, dict]:
+        """Token rows (prompt + response), their verifier rewards and whether each is unfinished →
+        (training rewards, metrics)."""
         verifier = np.asarray(verifier, np.float32)
+        metrics: dict = {}
         if self.scorer is None:
-            return combine_rewards(verifier, None, verifier_weight=self.verifier_weight, reward_model_weight=0.0), {}
-        raw = self.scorer.score(rows)
-        learned = raw
-        if self.normalize:
-            self.stats.update(raw)
-            learned = self.stats.normalize(raw)
-        rewards = combine_rewards(
-            verifier, learned, verifier_weight=self.verifier_weight, reward_model_weight=self.reward_model_weight
-        )
-        return rewards, {
-            "rl/rm_score_mean": float(raw.mean()),
-            "rl/rm_score_std": float(raw.std()),
-            "rl/verifier_reward_mean": float(verifier.mean()),
-            "rl/rm_running_mean": self.stats.mean,
-            "rl/rm_running_std": self.stats.std,
-        }
+            rewards = combine_rewards(verifier, None, verifier_weight=self.verifier_weight, reward_model_weight=0.0)
+        else:
+            raw = self.scorer.score(rows)
+            learned = raw
+            if self.normalize:
+                self.stats.update(raw)
+                learned = self.stats.normalize(raw)
+            rewards = combine_rewards(
+                verifier, learned, verifier_weight=self.verifier_weight, reward_model_weight=self.reward_model_weight
+            )
+            metrics = {
+                "rl/rm_score_mean": float(raw.mean()),
+                "rl/rm_score_std": float(raw.std()),
+                "rl/verifier_reward_mean": float(verifier.mean()),
+                "rl/rm_running_mean": self.stats.mean,
+                "rl/rm_running_std": self.stats.std,
+            }
+        return self._unfinished(rewards, truncated), metrics
+
+    def _unfinished(self, rewards: np.ndarray, truncated: Sequence[bool] | None) -> np.ndarray:
+        """`rewards` with the unfinished samples' set to rl.truncated_reward."""
+        if self.truncated == "none" or truncated is None or not len(rewards):
+            return rewards
+        mask = np.asarray(truncated, bool)
+        if len(mask) != len(rewards):
+            raise ValueError(f"{len(mask)} truncated flags for {len(rewards)} rewards")
+        # "min" reads every process's rows (a collective: taken whether or not this process has unfinished ones)
+        value = float(all_values(rewards).min()) if self.truncated == "min" else self.truncated
+        return np.where(mask, np.float32(value), rewards).astype(np.float32)

@@ -182,7 +182,13 @@ def _as_batch(
     """The finished episodes as groups of `g`, with the episode metrics."""
     trajs = [env.trajectory() for env in envs]
     groups = [
-        Group(d, task, [t.reward.score for t in trajs[j * g : (j + 1) * g]], trajs[j * g : (j + 1) * g])
+        Group(
+            d,
+            task,
+            [t.reward.score for t in trajs[j * g : (j + 1) * g]],
+            trajs[j * g : (j + 1) * g],
+            [t.reward.correct for t in trajs[j * g : (j + 1) * g]],
+        )
         for j, (d, task) in enumerate(tasks)
     ]
     lengths = np.array([t.num_generated for t in trajs])
@@ -202,7 +208,7 @@ def _as_batch(
         "responses": len(trajs),
         "verifier_errors": sum(t.reward.error is not None for t in trajs),
         # counts, summed over processes and sampling rounds; the rates below are their ratios (hosts.RATIOS)
-        "episodes_solved": sum(t.reward.parts["correct"] >= 1.0 for t in trajs),
+        "episodes_solved": sum(t.reward.correct >= 1.0 for t in trajs),
         "episode_turns": turns,
         "episode_calls": calls,
         "episode_calls_ok": sum(t.info.get("tool_ok", 0) for t in trajs),

@@ -6,6 +6,14 @@ verifier thread scores batch p and the learner trains on an earlier one. Batch p
 step p; it is sampled with a policy version >= p − max_staleness (the producer waits for the
 learner to publish one), so the learner never meets a rollout staler than the bound.
 
+Reproducible draws: the tasks of batch p are a function of (seed, p, the scheduler after recording
+batches 0..p−1), never of thread timing, so the same seed, or a resume from a checkpoint's
+scheduler state, draws the same tasks as the synchronous loop does. With a plain mixture the draws
+do not read recorded results (`TaskScheduler.draws_use_results` is False) and batch p+1 is drawn
+and generated while batch p is verified. With difficulty bands or retirement they do: the producer
+then waits for batch p to be recorded before it draws batch p+1, so generation of p+1 no longer
+overlaps verification of p (both still overlap the learner's update).
+
 An exception on either thread (verifier, sandbox, XLA) is stored, the buffer is closed, and the
 next `take` re-raises that exception object, with its original traceback, in the main thread.
 """
@@ -121,6 +129,8 @@ class AsyncProducer:
         try:
             with use_sharding(self.mesh, self.rules), concurrent.futures.ThreadPoolExecutor(1) as verifier:
                 while True:
+                    if verifying is not None and self.scheduler.draws_use_results:
+                        verifying.result()  # batch p−1 recorded before batch p is drawn (module docstring)
                     with self._cv:
                         # Batch p is trained at step p: sample it no earlier than version p − max_staleness.
                         self._cv.wait_for(

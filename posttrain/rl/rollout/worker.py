@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain.eval.passk import mean_pass_at_k
+from posttrain.parallel import allgather_json
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.rollout.hosts import all_group_rewards, all_rewards, combine_info, group_share
 from posttrain.rl.tasks.scheduler import Group, TaskScheduler
@@ -176,7 +177,7 @@ class RolloutWorker:
         for j, (d, task) in enumerate(pending.tasks):
             idx = range(j * g, (j + 1) * g)
             trajs = [flat[i].trajectory() for i in idx]
-            groups.append(Group(d, task, [rewards[i].score for i in idx], trajs))
+            groups.append(Group(d, task, [rewards[i].score for i in idx], trajs, [rewards[i].correct for i in idx]))
             behav.append([_token_aligned(samples.sampling_logprobs[i], t) for i, t in zip(idx, trajs)])
         info = {
             "gen_s": pending.gen_s,
@@ -256,19 +257,32 @@ def collect_batch(
     return RolloutBatch(kept, [behav_of[id(g)] for g in kept], info, scheduler.get_state(), scheduler.metrics())
 
 
+def all_solved(groups: list[Group]) -> list[list[bool]]:
+    """Per problem (every process's groups, global task order), whether each sample solved it: its
+    verdict's correctness is 1 (`Group.correct`), whatever shaping (format, overlong, tool-call
+    penalties) took off its reward."""
+    for g in groups:
+        if len(g.correct) != len(g.rewards):
+            raise ValueError(f"group of task {g.task.id!r} carries no verdict correctness (Group.correct)")
+    mine = [[float(c) >= 1.0 for c in g.correct] for g in groups]
+    return [row for part in allgather_json(mine) for row in part]
+
+
 def evaluate(worker: RolloutWorker, params, rest, held_out, key, k: int, score_fn=None) -> dict:
-    """Held-out accuracy (greedy), mean sampled accuracy and pass@k (unbiased, k samples); with
-    `score_fn` (token rows → learned rewards, RLHF) also the mean learned reward of the sampled
-    responses, `eval/rm_score`."""
+    """Held-out accuracy (greedy), mean sampled accuracy and pass@k (unbiased, k samples), all of
+    verdict correctness (`all_solved`), and beside them the mean shaped reward of the sampled
+    responses (`eval/score_mean`, what the learner is paid); with `score_fn` (token rows → learned
+    rewards, RLHF) also the mean learned reward of the sampled responses, `eval/rm_score`."""
     greedy = worker.rollout(params, rest, held_out, key, num_samples=1, greedy=True, exact_share=False)
     sampled = worker.rollout(params, rest, held_out, jax.random.fold_in(key, 1), num_samples=k, exact_share=False)
-    correct = [[r >= 1.0 for r in rewards] for rewards in all_rewards(sampled.groups)]
-    greedy_ok = [rewards[0] >= 1.0 for rewards in all_rewards(greedy.groups)]
+    correct = all_solved(sampled.groups)
+    greedy_ok = [row[0] for row in all_solved(greedy.groups)]
     greedy_info, sampled_info = combine_info(greedy.info, SUMMED_INFO), combine_info(sampled.info, SUMMED_INFO)
     out = {
         "eval/accuracy": float(np.mean(greedy_ok)),
         "eval/mean_accuracy": float(np.mean(correct)),
         f"eval/pass@{k}": mean_pass_at_k(correct, k),
+        "eval/score_mean": float(np.mean(all_rewards(sampled.groups))),
         "eval/response_len": sampled_info["response_len_mean"],
     }
     if "tool_success_rate" in greedy.info:  # multi-turn episodes: solved by the final check, penalties aside

@@ -8,7 +8,8 @@ arithmetic problems. Records are read through the data layer (`read_jsonl`: fssp
 
 Held-out ("test") tasks are disjoint from training ("train") tasks by construction:
 - arithmetic: a problem's split is a hash of its canonical form (`data.synthetic.arithmetic_split`,
-  10% test); training tasks, SFT and preference data are drawn from "train" only;
+  15% test), the same for every spelling of it (48+37 is 37+48); training tasks, SFT and
+  preference data are drawn from "train" only, and the held-out tasks are distinct by meaning;
 - GSM8K: the official test file; the train split drops any question whose text (whitespace and
   case normalised) is also a test question (none in the official files, checked all the same);
 - HumanEval has no train split: a fixed 20% of its problems (by a hash of the task id: 40 of 164)

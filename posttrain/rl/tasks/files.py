@@ -11,8 +11,10 @@ an entry of the task mixture), `difficulty` (a label or number, reported per dom
 `prompt` is a string (one user turn) or a list of `{"role", "content"}` messages.
 
 A bad record raises `DataError("path:line: ...")`, or with `data.on_error="skip"` is counted and
-logged. Evaluation records whose prompt (case and whitespace normalised) is also a training
-prompt are an error, or with "skip" are dropped and counted: held-out means never trained on.
+logged. Held-out means never trained on, in any spelling: an evaluation record whose prompt has
+the canonical form of a training prompt (`normalise_prompt`: unicode, case and whitespace folded,
+arithmetic written one way, so "What is 48 + 37 ?" is "what is 37+48?") is dropped, counted and
+logged (`drop_overlap`), whatever `data.on_error` says: it is a good record, just not held out.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 from posttrain.data.examples import RecordError, as_messages, get_field
 from posttrain.data.sources import SkipLog, read_jsonl
+from posttrain.data.synthetic import canonical_text
 from posttrain.rl.envs.base import Task
 from posttrain.rl.verifiers.code import CodeTask
 from posttrain.rl.verifiers.math import MathTask
@@ -92,8 +95,10 @@ def record_task(record: dict, where: str, verifiers: Collection[str]) -> tuple[s
 
 
 def normalise_prompt(task: Task) -> str:
-    """A task's prompt text, case and whitespace normalised (for the train/eval overlap check)."""
-    return " ".join(" ".join(m["content"] for m in task.prompt).lower().split())
+    """A task's prompt text in canonical form (`data.synthetic.canonical_text`: unicode, case and
+    whitespace folded, each arithmetic expression written one way), the key under which two
+    prompts are the same problem (the train/eval overlap check, distinct prompts)."""
+    return canonical_text("\n".join(m["content"] for m in task.prompt))
 
 
 def read_task_files(paths: str, verifiers: Collection[str], skips: SkipLog) -> dict[str, list[tuple[str, Task]]]:
@@ -116,22 +121,24 @@ def read_task_files(paths: str, verifiers: Collection[str], skips: SkipLog) -> d
     return out
 
 
-def drop_overlap(eval_tasks: dict[str, list[tuple[str, Task]]], train_prompts: dict[str, str], skips: SkipLog) -> int:
-    """Remove (in place) evaluation tasks whose prompt is also a training prompt (`train_prompts`:
-    normalised prompt → where); each is an error or a counted skip. Returns how many were dropped."""
-    dropped = 0
+def drop_overlap(eval_tasks: dict[str, list[tuple[str, Task]]], train_prompts: dict[str, str]) -> int:
+    """Remove (in place) evaluation tasks whose prompt is, in canonical form, a training prompt
+    (`train_prompts`: normalised prompt → where); log how many and the first few. Returns the count."""
+    dropped: list[str] = []
     for tasks in eval_tasks.values():
         kept = []
         for where, task in tasks:
             also = train_prompts.get(normalise_prompt(task))
             if also is None:
                 kept.append((where, task))
-                continue
-            skips.bad(
-                where, f"evaluation prompt is also a training prompt ({also}): held-out tasks must not be trained on"
-            )
-            dropped += 1
+            else:
+                dropped.append(f"{where} (= {also})")
         tasks[:] = kept
     if dropped:
-        log.warning("rl.eval_files: dropped %d tasks whose prompts are also training prompts", dropped)
-    return dropped
+        log.warning(
+            "rl.eval_files: dropped %d held-out tasks whose prompt is, in canonical form, a training "
+            "prompt (held-out tasks must not be trained on), e.g. %s",
+            len(dropped),
+            ", ".join(dropped[:3]),
+        )
+    return len(dropped)

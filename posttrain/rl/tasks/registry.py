@@ -218,9 +218,10 @@ def _user_tasks(cfg) -> tuple[dict[str, list[tuple[str, Task]]], dict[str, list[
     skips = SkipLog(cfg.data.on_error)
     train = task_files.read_task_files(r.train_files, names, skips) if r.train_files else {}
     evals = task_files.read_task_files(r.eval_files, names, skips) if r.eval_files else {}
+    overlap = 0
     if evals:
         prompts = {task_files.normalise_prompt(t): where for tasks in train.values() for where, t in tasks}
-        task_files.drop_overlap(evals, prompts, skips)
+        overlap = task_files.drop_overlap(evals, prompts)
     used = {
         t.target.verifier for d in (train, evals) for ts in d.values() for _, t in ts if isinstance(t.target, UserTask)
     }
@@ -236,7 +237,10 @@ def _user_tasks(cfg) -> tuple[dict[str, list[tuple[str, Task]]], dict[str, list[
         )
     for what, found in (("rl.train_files", train), ("rl.eval_files", evals)):
         if r[what.split(".")[1]] and not any(found.values()):
-            raise ValueError(f"{what}={r[what.split('.')[1]]!r}: no usable task record")
+            why = (
+                f" ({overlap} were training prompts in another spelling)" if what == "rl.eval_files" and overlap else ""
+            )
+            raise ValueError(f"{what}={r[what.split('.')[1]]!r}: no usable task record{why}")
     return train, evals
 
 

@@ -17,6 +17,9 @@
   is full or `max_rounds` sampling rounds are spent (then the batch is short, and counted).
 - Resume: the tasks of batch k depend only on (seed, k) and the bands, and the bands only on the
   recorded pass counts, so `get_state()` (JSON) restores a scheduler that continues the sequence.
+  A caller that draws on one thread and records on another must draw batch k only after the
+  batches before it are recorded whenever `draws_use_results` (bands or retirement steer the
+  draws): then the sequence never depends on thread timing (`rollout.producer`).
 
 Rewards are recorded per sample; a sample passes when its reward >= `pass_threshold`.
 """
@@ -41,13 +44,21 @@ _COUNTERS = ("samples", "passes", "groups", "dropped_groups", "exhausted_draws")
 
 @dataclasses.dataclass
 class Group:
-    """The samples of one task: its domain, the task, one reward per sample, and (for the
-    learner) the trajectories they came from."""
+    """The samples of one task: its domain, the task, one reward per sample, (for the learner)
+    the trajectories they came from, and (for accuracy) each sample's verdict correctness
+    (`Reward.correct`: 1 = solved, whatever the shaping took off the reward)."""
 
     domain: str
     task: Task
     rewards: Sequence[float]
     trajectories: Sequence[Trajectory] = ()
+    correct: Sequence[float] = ()
+
+    def __post_init__(self) -> None:
+        if self.correct and len(self.correct) != len(self.rewards):
+            raise ValueError(
+                f"group of task {self.task.id!r}: {len(self.correct)} correct for {len(self.rewards)} rewards"
+            )
 
 
 def informative(rewards: Sequence[float], tol: float = 1e-6) -> bool:
@@ -132,6 +143,12 @@ class TaskScheduler:
             self._bands[name]["new"] = list(range(len(self.domains[name].tasks)))
 
     # --- drawing ------------------------------------------------------------------------------
+
+    @property
+    def draws_use_results(self) -> bool:
+        """Whether recorded results steer the draws (band weights or retirement); without, the
+        tasks of batch k depend on (seed, k) and the mixture weights alone."""
+        return self.band_weights is not None or self.retire_above is not None or self.retire_below is not None
 
     @property
     def batches_drawn(self) -> int:
