@@ -106,7 +106,7 @@ def demonstration_records(
         traj = run_episode(env, task, lambda _: env.tok.encode(next(turns)) + [env.tok.stop_ids[0]])
         return (
             {"messages": env.messages, "task_id": task.id, "fix": "extract" if ext else "copy"}
-            if traj.reward.parts["correct"] >= 1.0
+            if traj.reward.correct >= 1.0
             else None
         )
 
