@@ -230,3 +230,14 @@ def test_every_loss_switch_changes_the_gradient(setup):
     for name, g in out.items():
         diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(jax.tree.leaves(g), base))
         assert diff > 1e-7, f"rl.{name}={LOSS_SWITCHES[name]!r} did not change the gradient"
+
+
+def test_filter_groups_keeping_one_group_with_minibatches_that_split_a_group(setup):
+    """`prompts_per_step=6, group_size=4, minibatches=3` and dynamic sampling keeps one group: the
+    padded batch used to have 6 rows ("rewards of shape (6,)"); it now holds whole groups."""
+    learner = make_learner(setup, prompts_per_step=6, minibatches=3, filter_groups=True)
+    assert batch_rows(1, learner.rl_cfg, 3) == 12 and batch_rows(6, learner.rl_cfg, 3) == 24
+    batch = learner_batch(setup, learner, 1)
+    assert len(batch["inputs"]) == 12 and np.all(batch["advantages"][G:] == 0)
+    state, m = update(setup, learner, batch, G)
+    assert m["rl/optimizer_steps"] == 3 and np.isfinite(m["loss"])

@@ -163,3 +163,16 @@ def test_dynamic_sampling_without_an_informative_group_skips_the_update(tmp_path
     assert [r["rl/kept_groups"] for r in rs] == [0, 0]
     assert rs[-1]["tasks/arithmetic/groups"] == 2 * 2 * 2  # steps × max_resample_rounds × prompts
     assert rs[-1]["tasks/arithmetic/dropped_groups"] == 8
+
+
+def test_lora_with_a_kl_reference_trains_on_policy(tmp_path):
+    """`--config.lora.rank=2 --config.rl.kl_coef=0.1` (max_staleness=0): the reference is the frozen
+    base inside the donated train state; passing it beside the state handed XLA one buffer twice
+    ("Attempt to use a buffer that was previously donated", then a segfault)."""
+    cfg = tiny(tmp_path, kl_coef=0.1, steps=2)
+    cfg.lora.rank = 2
+    loop.run(cfg)
+    rs = rows(tmp_path)
+    assert [r["step"] for r in rs] == [0, 1]
+    assert all(np.isfinite(r["rl/kl"]) and np.isfinite(r["loss"]) for r in rs)
+    assert rs[1]["rl/kl"] != 0.0  # the adapters moved away from the reference

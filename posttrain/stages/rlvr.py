@@ -257,11 +257,13 @@ def run(cfg) -> Result:
                 optim_name=cfg.optim.name,
             )
             start = int(state.step)  # older than the newest checkpoint if that one was unreadable
-            # The KL reference: the starting weights (under LoRA the frozen base: no extra memory; else a
-            # copy, since the policy's buffers are donated to each update).
+            # The KL reference: the starting weights, a copy since the policy's buffers are donated to
+            # each update. Under LoRA its params are the frozen base the state carries (None here: the
+            # learner reads them from the state; no extra memory), its rest a copy.
             ref = ()
             if r.kl_coef:
-                ref = start_weights if state.frozen is not None else jax.tree.map(jnp.copy, start_weights)
+                ref = jax.tree.map(jnp.copy, start_weights[1] if state.frozen is not None else start_weights)
+                ref = (None, ref) if state.frozen is not None else ref
             rl = RLState(state, start)
             if start:
                 scheduler.set_state(data["scheduler"])

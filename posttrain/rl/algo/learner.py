@@ -17,6 +17,7 @@ reference is paid per token as reward (from the same pass) instead of as a loss 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -110,10 +111,12 @@ def advantage_targets(batch: dict, rl_cfg) -> dict[str, np.ndarray]:
 def batch_rows(num_groups: int, rl_cfg, row_multiple: int = 1) -> int:
     """Rows of the learner batch for `num_groups` kept groups: the group count bucketed to a
     power of two (capped at rl.prompts_per_step), times the group size, rounded up to a multiple
-    of `row_multiple` (minibatches × batch shards). Full batches always have the same size."""
+    of `row_multiple` (minibatches × batch shards) that is also a multiple of the group size (the
+    padding forms whole groups, so group advantages see [num_groups × group_size] rewards).
+    Full batches always have the same size."""
     groups = min(bucket(num_groups), rl_cfg.prompts_per_step)
-    rows = groups * rl_cfg.group_size
-    return -(-rows // row_multiple) * row_multiple
+    unit = math.lcm(rl_cfg.group_size, row_multiple)
+    return -(-groups * rl_cfg.group_size // unit) * unit
 
 
 def learner_logprobs(
@@ -218,12 +221,16 @@ class Learner:
         self.rl_cfg, self.seed = rl_cfg, seed
         self.lora_cfg = lora_cfg
         loss = functools.partial(rl_loss, graphdef=graphdef, rl_cfg=rl_cfg, moe_cfg=moe_cfg, sampling=sampling)
+        train_step = make_train_step(graphdef, tx, loss, schedule, lora_cfg)
+
+        def step(state, batch, *ref):
+            """`train_step`; a reference given as (ref_rest,) alone has the state's frozen LoRA base
+            as its params, read inside the step: passed beside the donated state, the same buffers
+            would be both donated and read in one call."""
+            return train_step(state, batch, *((state.frozen, ref[0]) if len(ref) == 1 else ref))
+
         # Donation is only safe when no producer thread may still read the old weights.
-        self.step_fn = jax.jit(
-            make_train_step(graphdef, tx, loss, schedule, lora_cfg),
-            out_shardings=(shardings, None),
-            donate_argnums=0 if donate else (),
-        )
+        self.step_fn = jax.jit(step, out_shardings=(shardings, None), donate_argnums=0 if donate else ())
 
         def rollout_pass(params, rest, batch, *ref):
             """Log-probs (and values) of the rollout under the weights before the update, and the
@@ -257,7 +264,10 @@ class Learner:
             return batch
         rows = {k: batch[k] for k in ROW_KEYS}
         out = self.rollout_pass_fn(
-            model_params(state, self.lora_cfg), state.rest, put_batch(rows), *(ref if kl_reward else ())
+            model_params(state, self.lora_cfg),
+            state.rest,
+            put_batch(rows),
+            *(reference(state, ref) if kl_reward else ()),
         )
         out = {k: local_rows(v) for k, v in out.items()}  # this process's rows of the global batch
         if self.steps_per_batch > 1:
@@ -268,10 +278,11 @@ class Learner:
 
     def update(self, state, batch: dict, ref: tuple, step: int, num_real_rows: int):
         """Train on one host batch (`prepare`d, with `advantage_targets`); returns (state, metrics
-        on the host). `ref` is passed to the loss (a KL loss term) unless rl.kl_in_reward."""
+        on the host). `ref` ((params, rest), or (None, rest) under LoRA: see `reference`; () without
+        a KL) is passed to the loss (a KL loss term) unless rl.kl_in_reward."""
         r = self.rl_cfg
         batch = {k: v for k, v in self.prepare(state, batch, ref).items() if k != "rollout_logp"}
-        ref = () if r.kl_in_reward else ref
+        ref = () if r.kl_in_reward or not ref else ref[1:] if ref[0] is None else ref
         rng = np.random.default_rng([self.seed, step])
         all_metrics = []
         n = len(batch["inputs"])
@@ -282,6 +293,12 @@ class Learner:
                 state, m = self.step_fn(state, put_batch({k: v[rows] for k, v in batch.items()}), *ref)
                 all_metrics.append(m)
         return state, combine_metrics(jax.device_get(all_metrics))
+
+
+def reference(state, ref: tuple) -> tuple:
+    """The KL reference as (params, rest): `ref` itself, or under LoRA (ref = (None, rest)) the
+    state's frozen base (the starting weights, never trained) with the reference's own rest."""
+    return (state.frozen, ref[1]) if ref and ref[0] is None else ref
 
 
 def combine_metrics(metrics: list[dict]) -> dict:

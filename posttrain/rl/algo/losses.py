@@ -82,6 +82,8 @@ def truncated_is_weights(prox_logp: jax.Array, behav_logp: jax.Array, cap: float
     learner's) are reweighted towards the proximal policy; the cap bounds the variance (truncated
     IS, as in IMPALA / decoupled PPO).
     """
+    if not cap > 0:
+        raise ValueError(f"is_cap={cap}: the truncation of importance weights must be > 0")
     w = jnp.exp(prox_logp.astype(jnp.float32) - behav_logp.astype(jnp.float32))
     return jax.lax.stop_gradient(jnp.minimum(w, cap))
 
