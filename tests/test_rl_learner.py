@@ -241,3 +241,28 @@ def test_filter_groups_keeping_one_group_with_minibatches_that_split_a_group(set
     assert len(batch["inputs"]) == 12 and np.all(batch["advantages"][G:] == 0)
     state, m = update(setup, learner, batch, G)
     assert m["rl/optimizer_steps"] == 3 and np.isfinite(m["loss"])
+
+
+def test_loss_norm_tokens_is_dr_grpos_constant_divisor(setup):
+    """seq-mean-token-sum divides each sequence's token sum by rl.loss_norm_tokens (0: rl.max_new_tokens),
+    a constant: the loss scale no longer grows with response length."""
+    from posttrain.rl.algo.learner import loss_norm, rl_loss
+
+    mesh, rules, graphdef, state, *_ = setup
+    batch = learner_batch(setup, make_learner(setup), PROMPTS)
+    pg = {}
+    for norm in (0, 12):
+        r = rl_cfg(aggregation="seq-mean-token-sum", loss_norm_tokens=norm)
+        assert loss_norm(r) == (norm or r.max_new_tokens)
+        with use_sharding(mesh, rules):
+            _, m = rl_loss(
+                nnx.merge(graphdef, state.params, state.rest),
+                put_batch(batch),
+                graphdef=graphdef,
+                rl_cfg=r,
+                moe_cfg=model_cfg().moe,
+                sampling=SAMPLING,
+            )
+        pg[norm] = float(m["rl/pg_loss"])
+    assert pg[0] != 0 and pg[12] == pytest.approx(pg[0] * rl_cfg().max_new_tokens / 12, rel=1e-5)
+    assert loss_norm(rl_cfg(loss_norm_tokens=12)) is None  # other aggregations: no constant

@@ -35,10 +35,10 @@ from posttrain.rl.algo.advantages import (
     terminal_rewards,
     whiten,
 )
-from posttrain.rl.algo.losses import entropy_from_logits, kl_estimate, policy_loss, value_loss
+from posttrain.rl.algo.losses import entropy_from_logprobs, kl_estimate, policy_loss, value_loss
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.sampling.generate import bucket
-from posttrain.sampling.rules import SamplingParams, policy_logprobs
+from posttrain.sampling.rules import SamplingParams, policy_logprobs, support_logprobs
 
 ROW_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 
@@ -122,7 +122,8 @@ def batch_rows(num_groups: int, rl_cfg, row_multiple: int = 1) -> int:
 def learner_logprobs(
     model: nnx.Module, batch: dict, sampling: SamplingParams, *, update_bias: bool
 ) -> tuple[jax.Array, jax.Array, dict]:
-    """(log-probs of the targets under the sampled distribution [B, S], logits/T [B, S, V], MoE aux)."""
+    """(log-probs of the targets under the sampled distribution [B, S], that distribution's log-probs
+    [B, S, V] (−inf off the top-k / top-p support), MoE aux)."""
     logp, scaled, _, aux = learner_outputs(model, batch, sampling, update_bias=update_bias, values=False)
     return logp, scaled, aux
 
@@ -139,10 +140,18 @@ def learner_outputs(
         (logits, aux), v = model(*args, update_bias=update_bias), None
     return (
         policy_logprobs(logits, batch["targets"], sampling),
-        logits.astype(jnp.float32) / sampling.temperature,
+        support_logprobs(logits, batch["targets"], sampling),
         v,
         aux,
     )
+
+
+def loss_norm(rl_cfg) -> float | None:
+    """seq-mean-token-sum's constant divisor: rl.loss_norm_tokens, or rl.max_new_tokens when 0
+    (Dr. GRPO: a constant, so the loss scale does not follow response lengths); None otherwise."""
+    if rl_cfg.aggregation != "seq-mean-token-sum":
+        return None
+    return float(rl_cfg.loss_norm_tokens or rl_cfg.max_new_tokens)
 
 
 def rl_loss(model, batch, *ref, graphdef, rl_cfg, moe_cfg, sampling: SamplingParams):
@@ -155,13 +164,13 @@ def rl_loss(model, batch, *ref, graphdef, rl_cfg, moe_cfg, sampling: SamplingPar
     critic's clipped value loss (× rl.value_coef) is added.
     """
     gae = rl_cfg.advantage == "gae"
-    logp, scaled_logits, values, aux = learner_outputs(model, batch, sampling, update_bias=True, values=gae)
+    logp, support, values, aux = learner_outputs(model, batch, sampling, update_bias=True, values=gae)
     old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
     ref_logp = batch.get("ref_logp")
     if ref:
         ref_model = nnx.merge(graphdef, jax.lax.stop_gradient(ref[0]), ref[1])
         ref_logp = jax.lax.stop_gradient(learner_logprobs(ref_model, batch, sampling, update_bias=False)[0])
-    entropy = entropy_from_logits(scaled_logits)
+    entropy = entropy_from_logprobs(support)  # of the distribution sampled (after top-k / top-p)
     if not rl_cfg.entropy_coef:
         entropy = jax.lax.stop_gradient(entropy)
     loss, metrics = policy_loss(
@@ -173,6 +182,7 @@ def rl_loss(model, batch, *ref, graphdef, rl_cfg, moe_cfg, sampling: SamplingPar
         clip_high=rl_cfg.clip_high,
         ratio_level=rl_cfg.ratio_level,
         aggregation=rl_cfg.aggregation,
+        max_len_norm=loss_norm(rl_cfg),
         ref_logp=ref_logp,
         kl_coef=0.0 if rl_cfg.kl_in_reward else rl_cfg.kl_coef,
         kl_estimator=rl_cfg.kl_estimator,
@@ -189,6 +199,7 @@ def rl_loss(model, batch, *ref, graphdef, rl_cfg, moe_cfg, sampling: SamplingPar
             batch["loss_mask"],
             clip=rl_cfg.value_clip,
             aggregation=rl_cfg.aggregation,
+            max_len_norm=loss_norm(rl_cfg),
         )
         loss = loss + rl_cfg.value_coef * v_loss
         metrics.update(v_metrics)
