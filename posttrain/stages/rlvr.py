@@ -47,7 +47,7 @@ from posttrain.rl.algo.reward_model import RewardComposer
 from posttrain.rl.checks import check_rlvr_stage, check_sampling_config, ppo_steps, slot_config
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.rollout.episodes import rollout_episodes
-from posttrain.rl.rollout.hosts import all_values
+from posttrain.rl.rollout.hosts import all_values, sampled_reward_stats
 from posttrain.rl.rollout.log import RolloutLog
 from posttrain.rl.rollout.producer import AsyncProducer
 from posttrain.rl.rollout.worker import BusyClock, RolloutBatch, RolloutWorker, collect_batch, evaluate
@@ -161,13 +161,14 @@ def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLS
     with c.clock.busy():
         batch = c.learner.prepare(rl.train, batch, c.ref)
         batch.update(advantage_targets(batch, r))
-        rewards = batch.pop("rewards")[:num_real]
+        rewards, judged = batch.pop("rewards")[:num_real], batch.pop("judged")[:num_real]
         state, metrics = c.learner.update(rl.train, batch, c.ref, rl.step, num_real)
-    rewards = all_values(rewards)  # every process's rows
+    rewards = all_values(rewards[judged])  # every process's rows with a verdict
+    prefix = "rl/kept_" if r.filter_groups else "rl/"  # the batch trained on: with filter_groups, the kept groups
     metrics.update(
         {
-            "rl/reward_mean": float(rewards.mean()),
-            "rl/reward_std": float(rewards.std()),
+            f"{prefix}reward_mean": float(rewards.mean()) if rewards.size else 0.0,
+            f"{prefix}reward_std": float(rewards.std()) if rewards.size else 0.0,
             "rl/skipped_updates": rl.skipped_updates,
             **reward_metrics,
         }
@@ -182,7 +183,8 @@ def publish_step(c: Components, rl: RLState) -> None:
 
 
 def run_eval(c: Components, rl: RLState, writer, step: int) -> RLState:
-    """Held-out evaluation with the current weights, written at `step`."""
+    """Held-out evaluation with the current weights, written at `step`: the number of updates
+    they have had (0: the starting weights), the step their checkpoint is saved at."""
     scorer = c.rewards.scorer
     last_eval = evaluate(
         c.worker,
@@ -367,12 +369,16 @@ def train_loop(c: Components, rl: RLState, run: Harness) -> tuple[RLState, list[
         publish_step(c, rl)
         t2 = time.perf_counter()
         wall, busy = time.perf_counter() - wall0, c.clock.total - busy0
+        info = dict(produced.info)
+        all_sampled = sampled_reward_stats(info, r.verifier_weight)  # every sampled group, kept or not
+        if r.filter_groups:  # (else the batch trained on is every sampled group, as learn_step reports)
+            metrics.update(all_sampled)
         metrics.update(
             {
                 "rl/wait_s": t1 - t0,
                 "rl/update_s": t2 - t1,
                 "rl/device_idle_frac": max(0.0, 1 - busy / wall),
-                **{f"rl/{k}": v for k, v in produced.info.items()},
+                **{f"rl/{k}": v for k, v in info.items()},
                 **produced.task_metrics,
             }
         )
@@ -384,6 +390,6 @@ def train_loop(c: Components, rl: RLState, run: Harness) -> tuple[RLState, list[
                 bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
             run.alert(step, rows[-1], bar)
         if r.eval_every and (rl.step % r.eval_every == 0 or rl.step == steps):
-            rl = run_eval(c, rl, run.writer, step)
+            rl = run_eval(c, rl, run.writer, rl.step)  # at the number of updates it measures, as its checkpoint
         run.end_step(rl.step, partial(save, c, run.ckpt, rl))
     return rl, rows

@@ -41,12 +41,15 @@ from posttrain.sampling.generate import bucket
 from posttrain.sampling.rules import SamplingParams, policy_logprobs, support_logprobs
 
 ROW_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
+HOST_ONLY = ("rollout_logp", "rewards", "judged")  # batch keys the update step does not read
 
 
 def rl_batch(rollouts: list[Rollout], *, pad_id: int, num_rows: int | None = None, longest: int | None = None) -> dict:
     """Rollouts → one learner batch of [N, S] rows (S bucketed to a multiple of 8): inputs,
     targets, loss_mask (generated target tokens), positions, segment_ids, behav_logp (the
-    sampler's log-prob of each target) and rewards [N].
+    sampler's log-prob of each target), rewards [N] and judged [N] (False where the verifier
+    reached no verdict: such a sample's loss mask is empty, so it trains nothing, and
+    `compute_advantages` leaves it out of its group).
 
     num_rows pads the batch with empty rows (zero loss mask, zero reward) to a fixed size, so
     batches with different numbers of groups reuse one compiled step. `longest` (>= every
@@ -64,11 +67,14 @@ def rl_batch(rollouts: list[Rollout], *, pad_id: int, num_rows: int | None = Non
     out["behav_logp"] = np.zeros((n, s), np.float32)
     out["rewards"] = np.zeros((n,), np.float32)
     out["rewards"][: len(trajs)] = [x for ro in rollouts for x in ro.group.rewards]
+    out["judged"] = np.ones((n,), bool)  # padding rows: whole groups of equal rewards, no tokens
+    out["judged"][: len(trajs)] = [x is not None for ro in rollouts for x in ro.group.verdicts]
     for i, (t, b) in enumerate(zip(trajs, behav)):
         toks, mask, m = np.asarray(t.tokens), np.asarray(t.loss_mask, np.int32), len(t.tokens) - 1
         out["inputs"][i, :m], out["targets"][i, :m], out["loss_mask"][i, :m] = toks[:-1], toks[1:], mask[1:]
         out["positions"][i, :m], out["segment_ids"][i, :m] = np.arange(m), 1
         out["behav_logp"][i, :m] = b[1:]
+    out["loss_mask"][~out["judged"]] = 0
     return out
 
 
@@ -77,9 +83,14 @@ def compute_advantages(batch: dict, rl_cfg) -> np.ndarray:
 
     Critic-free estimators (rl.advantage = grpo | drgrpo | rloo) are group-relative over the
     batch's contiguous groups of `rl.group_size` rows; padding rows form groups of equal (zero)
-    rewards and get zero advantage.
+    rewards and get zero advantage; samples without a verdict (batch["judged"] False) get zero
+    and stay out of their group's statistics.
     """
-    return np.asarray(group_advantages(jnp.asarray(batch["rewards"]), rl_cfg.group_size, method=rl_cfg.advantage))
+    judged = batch.get("judged")
+    valid = None if judged is None or judged.all() else jnp.asarray(judged)
+    return np.asarray(
+        group_advantages(jnp.asarray(batch["rewards"]), rl_cfg.group_size, method=rl_cfg.advantage, valid=valid)
+    )
 
 
 def advantage_targets(batch: dict, rl_cfg) -> dict[str, np.ndarray]:
@@ -89,7 +100,8 @@ def advantage_targets(batch: dict, rl_cfg) -> dict[str, np.ndarray]:
     gae: the (combined) reward at each sequence's last generated token, GAE over the rollout's
     values `old_values` with rl.gamma, rl.lam, whitened over the batch's generated tokens.
     With rl.kl_in_reward every generated token also pays −rl.kl_coef · KL(π_rollout ‖ π_ref)
-    (estimator rl.kl_estimator, from `rollout_logp` and `ref_logp`): inside GAE's rewards, or as
+    (estimator rl.kl_estimator, k1: the only one whose score-function gradient is ∇KL, from
+    `rollout_logp` and `ref_logp`): inside GAE's rewards, or as
     the per-token reward-to-go on top of group advantages.
     """
     mask = jnp.asarray(batch["loss_mask"]).astype(bool)
@@ -292,7 +304,7 @@ class Learner:
         on the host). `ref` ((params, rest), or (None, rest) under LoRA: see `reference`; () without
         a KL) is passed to the loss (a KL loss term) unless rl.kl_in_reward."""
         r = self.rl_cfg
-        batch = {k: v for k, v in self.prepare(state, batch, ref).items() if k != "rollout_logp"}
+        batch = {k: v for k, v in self.prepare(state, batch, ref).items() if k not in HOST_ONLY}
         ref = () if r.kl_in_reward or not ref else ref[1:] if ref[0] is None else ref
         rng = np.random.default_rng([self.seed, step])
         all_metrics = []
