@@ -93,3 +93,21 @@ def test_verifier_errors_are_counted_and_alerted_in_a_run_whose_eval_rows_sit_at
     alerts = [r["step"] for r in lines if r.get("event") == "alert" and r.get("rule") == "verifier_error_rate"]
     assert alerts == [r["step"] for r, e in zip(train, errors) if e / 8 > 0.1]
     assert [r["step"] for r in lines if "eval/accuracy" in r] == [0, 2]
+
+
+def test_a_batch_without_a_single_verdict_skips_its_update(tmp_path, monkeypatch):
+    """Every verifier call fails (say the sandbox is down): nothing to train on, so the update is
+    skipped and counted (an all-masked batch used to step the optimizer on a zero loss, weight
+    decay included, and log infinite advantage extremes)."""
+    from test_rl_loop import rows, tiny
+
+    from posttrain.rl.envs import chat
+    from posttrain.rl.reward import RewardFunction
+    from posttrain.stages import rlvr as loop
+
+    monkeypatch.setattr(RewardFunction, "verify", lambda self, task, response, **kw: Reward(0.0, {}, error="down"))
+    monkeypatch.setattr(chat, "compose", lambda *a, **kw: Reward(0.0, {}, error="down"))  # truncated responses
+    loop.run(tiny(tmp_path, steps=1))
+    (row,) = [r for r in rows(tmp_path) if "event" not in r]  # and the verifier_error_rate alert
+    assert row["rl/skipped_updates"] == 1 and row["rl/verifier_errors"] == row["rl/responses"] == 8
+    assert "loss" not in row and row["tasks/arithmetic/samples"] == 0

@@ -148,9 +148,9 @@ def rollout_step(c: Components, rl: RLState) -> tuple[list[Rollout], RolloutBatc
 
 def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLState, dict]:
     """Advantages and PPO-style updates on one batch; an empty batch (dynamic sampling kept no
-    group) skips the update and is counted."""
+    group, or no sample has a verdict: nothing to train on) skips the update and is counted."""
     r = c.cfg.rl
-    if not rollouts:
+    if not rollouts or not all_values([sum(x is not None for ro in rollouts for x in ro.group.verdicts)]).sum():
         rl = dataclasses.replace(rl, skipped_updates=rl.skipped_updates + 1)
         return rl, {"rl/skipped_updates": rl.skipped_updates}
     num_real = sum(len(ro.group.trajectories) for ro in rollouts)
