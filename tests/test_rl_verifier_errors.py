@@ -66,14 +66,16 @@ def test_a_sample_without_a_verdict_trains_nothing_and_leaves_the_pass_rate_alon
 
 
 def test_verifier_errors_are_counted_and_alerted_in_a_run_whose_eval_rows_sit_at_their_update(tmp_path, monkeypatch):
-    """Responses of even length get a verifier error: counted, out of the pass rates, and the
-    verifier_error_rate alert fires; the held-out evals sit at the number of updates they measure
-    (0: the start, then 2; the one after 2 updates used to be written at step 1)."""
+    """Responses of even length (text, or tokens when truncated) get a verifier error: counted, out
+    of the pass rates, and the verifier_error_rate alert fires; the held-out evals sit at the
+    number of updates they measure
+    (0: the start, then 1; the one after the update used to be written at step 0 too)."""
     import json
 
     from test_rl_loop import rows, tiny
 
-    from posttrain.rl.reward import RewardFunction
+    from posttrain.rl.envs import chat
+    from posttrain.rl.reward import RewardFunction, compose
     from posttrain.stages import rlvr as loop
 
     verify = RewardFunction.verify
@@ -83,16 +85,22 @@ def test_verifier_errors_are_counted_and_alerted_in_a_run_whose_eval_rows_sit_at
             return Reward(0.0, {"correct": 0.0}, error="sandbox ERROR")
         return verify(self, task, response, **kw)
 
+    def flaky_truncated(verdict, config, **kw):  # truncated responses are composed, not verified
+        if kw["num_tokens"] % 2 == 0:
+            return Reward(0.0, {"correct": 0.0}, error="sandbox ERROR")
+        return compose(verdict, config, **kw)
+
     monkeypatch.setattr(RewardFunction, "verify", flaky)
-    loop.run(tiny(tmp_path, steps=2, eval_every=2, eval_size=2, eval_samples=2))
+    monkeypatch.setattr(chat, "compose", flaky_truncated)
+    loop.run(tiny(tmp_path, steps=1, eval_every=1, eval_size=2, eval_samples=2))
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows(tmp_path) if "rl/responses" in r]
     errors = [r["rl/verifier_errors"] for r in train]
-    assert [r["rl/responses"] for r in train] == [8, 8] and sum(errors) > 0
-    assert train[-1]["tasks/arithmetic/samples"] == 16 - sum(errors)  # judged samples only
+    assert [r["rl/responses"] for r in train] == [8] and sum(errors) > 0
+    assert train[-1]["tasks/arithmetic/samples"] == 8 - sum(errors)  # judged samples only
     alerts = [r["step"] for r in lines if r.get("event") == "alert" and r.get("rule") == "verifier_error_rate"]
     assert alerts == [r["step"] for r, e in zip(train, errors) if e / 8 > 0.1]
-    assert [r["step"] for r in lines if "eval/accuracy" in r] == [0, 2]
+    assert [r["step"] for r in lines if "eval/accuracy" in r] == [0, 1]
 
 
 def test_a_batch_without_a_single_verdict_skips_its_update(tmp_path, monkeypatch):
