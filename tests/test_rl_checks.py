@@ -49,6 +49,12 @@ RM = dict(reward_model="runs/rm", verifier_weight=0.0)
             dict(loss_norm_tokens=64, aggregation="seq-mean-token-sum"),
             "rl.loss_norm_tokens=64",
         ),
+        # dynamic sampling of one-sample groups (PPO with a critic allows them) drops them all
+        (
+            dict(advantage="gae", group_size=1, filter_groups=True),
+            dict(advantage="gae", filter_groups=True),
+            "drop every",
+        ),
         # top_k that keeps the whole vocabulary
         (dict(top_k=256), dict(top_k=255), "rl.top_k=256 >= model.vocab_size=256"),
     ],

@@ -125,6 +125,11 @@ INERT_WITH = (
         "rl.kl_estimator='k1'",
     ),
     (
+        "filter_groups",
+        lambda r: r.group_size < 2,
+        "a group of one sample never has differing rewards: dynamic sampling would drop every group",
+    ),
+    (
         "loss_norm_tokens",
         lambda r: r.aggregation != "seq-mean-token-sum",
         "only rl.aggregation='seq-mean-token-sum' (Dr. GRPO) divides by a constant token count",
