@@ -213,3 +213,13 @@ def test_rlvr_run_stops_on_an_alert_naming_the_rule(tmp_path):
     assert [r["step"] for r in rows] == [0, 0]  # stopped after the first logged step
     assert rows[1]["event"] == "alert" and rows[1]["rule"] == "entropy_collapse"
     assert rows[1]["value"] == pytest.approx(rows[0]["rl/entropy"]) and math.isfinite(rows[1]["value"])
+
+
+def test_an_alert_on_a_bar_that_shows_nothing_yet_is_shown():
+    """A row without rl/reward_mean (a skipped RL update) leaves the bar without a postfix: the
+    alert used to crash reading `bar.postfix`."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=1, disable=True)
+    alerts = monitor().check(0, {"rl/verifier_errors": 8, "rl/responses": 8}, bar=bar)
+    assert [a.rule for a in alerts] == ["verifier_error_rate"]

@@ -50,6 +50,7 @@ def test_sections_are_frozen_and_check_themselves_when_built():
         ({"train.steps": 0, "rl.advantage": "foo"}, "rl.advantage"),  # every enum before any range
         ({"model.num_kv_heads": 3, "rl.top_p": 0.0}, "rl.top_p"),  # every range before any rule
         ({"seed": -1, "distributed.process_id": -2}, "seed"),  # then in base_config's order
+        ({"rl.is_cap": 0.0}, "rl.is_cap"),  # a cap <= 0 made every importance weight NaN
     ],
 )
 def test_the_first_error_is_an_enum_then_a_range_then_a_rule(changes, key):

@@ -230,3 +230,39 @@ def test_every_loss_switch_changes_the_gradient(setup):
     for name, g in out.items():
         diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(jax.tree.leaves(g), base))
         assert diff > 1e-7, f"rl.{name}={LOSS_SWITCHES[name]!r} did not change the gradient"
+
+
+def test_filter_groups_keeping_one_group_with_minibatches_that_split_a_group(setup):
+    """`prompts_per_step=6, group_size=4, minibatches=3` and dynamic sampling keeps one group: the
+    padded batch used to have 6 rows ("rewards of shape (6,)"); it now holds whole groups."""
+    learner = make_learner(setup, prompts_per_step=6, minibatches=3, filter_groups=True)
+    assert batch_rows(1, learner.rl_cfg, 3) == 12 and batch_rows(6, learner.rl_cfg, 3) == 24
+    batch = learner_batch(setup, learner, 1)
+    assert len(batch["inputs"]) == 12 and np.all(batch["advantages"][G:] == 0)
+    state, m = update(setup, learner, batch, G)
+    assert m["rl/optimizer_steps"] == 3 and np.isfinite(m["loss"])
+
+
+def test_loss_norm_tokens_is_dr_grpos_constant_divisor(setup):
+    """seq-mean-token-sum divides each sequence's token sum by rl.loss_norm_tokens (0: rl.max_new_tokens),
+    a constant: the loss scale no longer grows with response length."""
+    from posttrain.rl.algo.learner import loss_norm, rl_loss
+
+    mesh, rules, graphdef, state, *_ = setup
+    batch = learner_batch(setup, make_learner(setup), PROMPTS)
+    pg = {}
+    for norm in (0, 12):
+        r = rl_cfg(aggregation="seq-mean-token-sum", loss_norm_tokens=norm)
+        assert loss_norm(r) == (norm or r.max_new_tokens)
+        with use_sharding(mesh, rules):
+            _, m = rl_loss(
+                nnx.merge(graphdef, state.params, state.rest),
+                put_batch(batch),
+                graphdef=graphdef,
+                rl_cfg=r,
+                moe_cfg=model_cfg().moe,
+                sampling=SAMPLING,
+            )
+        pg[norm] = float(m["rl/pg_loss"])
+    assert pg[0] != 0 and pg[12] == pytest.approx(pg[0] * rl_cfg().max_new_tokens / 12, rel=1e-5)
+    assert loss_norm(rl_cfg(loss_norm_tokens=12)) is None  # other aggregations: no constant

@@ -163,3 +163,57 @@ def test_dynamic_sampling_without_an_informative_group_skips_the_update(tmp_path
     assert [r["rl/kept_groups"] for r in rs] == [0, 0]
     assert rs[-1]["tasks/arithmetic/groups"] == 2 * 2 * 2  # steps × max_resample_rounds × prompts
     assert rs[-1]["tasks/arithmetic/dropped_groups"] == 8
+    # the numbers describe every sampled group and round, not only the (here: no) kept groups
+    assert all(r["rl/reward_mean"] == 0.0 and r["rl/responses"] == 16 for r in rs)
+    assert "rl/kept_reward_mean" not in rs[0]  # nothing kept, nothing trained on
+
+
+def test_rollout_info_of_several_rounds_describes_every_round():
+    """Dynamic sampling's rounds: lengths, truncation and times over all of them (they used to be
+    the last round's), and the reward of every sampled group apart from the kept ones."""
+    from posttrain.rl.rollout.hosts import combine_rounds, sampled_reward_stats
+    from posttrain.rl.rollout.worker import SUMMED_INFO
+
+    infos = [
+        dict(gen_s=1.0, model_s=1.0, env_s=3.0, env_frac=0.75, response_len_mean=10.0, response_len_max=12),
+        dict(gen_s=2.0, model_s=3.0, env_s=1.0, env_frac=0.25, response_len_mean=20.0, response_len_max=30),
+    ]
+    for info, extra in zip(
+        infos,
+        [
+            dict(truncated_frac=0.5, responses=8, verifier_errors=1),
+            dict(truncated_frac=0.0, responses=24, verifier_errors=0),
+        ],
+    ):
+        info.update(extra)
+    out = combine_rounds(infos, SUMMED_INFO)
+    assert out == pytest.approx(
+        dict(
+            gen_s=3.0,
+            model_s=4.0,
+            env_s=4.0,
+            env_frac=0.5,
+            response_len_mean=17.5,
+            response_len_max=30,
+            truncated_frac=0.125,
+            responses=32,
+            verifier_errors=1,
+        )
+    )
+    info = {"sampled_judged": 4.0, "sampled_reward_sum": 3.0, "sampled_reward_sq_sum": 3.0, "responses": 4}
+    stats = sampled_reward_stats(info, 2.0)
+    assert stats == pytest.approx({"rl/reward_mean": 1.5, "rl/reward_std": 2.0 * np.sqrt(0.75 - 0.5625)})
+    assert info == {"responses": 4}  # the counts are not logged themselves
+
+
+def test_lora_with_a_kl_reference_trains_on_policy(tmp_path):
+    """`--config.lora.rank=2 --config.rl.kl_coef=0.1` (max_staleness=0): the reference is the frozen
+    base inside the donated train state; passing it beside the state handed XLA one buffer twice
+    ("Attempt to use a buffer that was previously donated", then a segfault)."""
+    cfg = tiny(tmp_path, kl_coef=0.1, steps=2)
+    cfg.lora.rank = 2
+    loop.run(cfg)
+    rs = rows(tmp_path)
+    assert [r["step"] for r in rs] == [0, 1]
+    assert all(np.isfinite(r["rl/kl"]) and np.isfinite(r["loss"]) for r in rs)
+    assert rs[1]["rl/kl"] != 0.0  # the adapters moved away from the reference

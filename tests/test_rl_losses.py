@@ -232,7 +232,8 @@ def test_policy_loss_with_is_weights_kl_and_entropy():
     def seq_mean(x):
         return np.mean([x[i][MASK[i]].mean() for i in range(4) if MASK[i].any()])
 
-    _close(loss, seq_mean(pg) + beta * seq_mean(kl) - alpha * seq_mean(ent))
+    # the KL loss term is importance weighted (ρ = π/π_old × w; its value ρ·k3, `kl_loss_terms`)
+    _close(loss, seq_mean(pg) + beta * seq_mean(r * w * kl) - alpha * seq_mean(ent))
     _close(m["rl/kl"], kl[MASK].mean())
     _close(m["rl/entropy"], ent[MASK].mean())
     _close(m["rl/is_weight_mean"], w[MASK].mean())

@@ -149,6 +149,7 @@ def test_rlvr_with_the_learned_reward_and_a_critic_resumes_exactly(rm_run, tmp_p
         reward_model_weight=2.0,
         kl_coef=0.05,
         kl_in_reward=True,
+        kl_estimator="k1",  # the only estimator whose reward-paid gradient is ∇KL (checks.INERT_WITH)
         updates_per_batch=2,
         truncated_reward="none",  # the random policy never finishes: keep the learned reward in play
     )

@@ -246,6 +246,7 @@ def base_config() -> ml_collections.ConfigDict:
             updates_per_batch=1,  # PPO epochs over one rollout batch
             minibatches=1,  # optimizer steps per epoch (must divide prompts_per_step * group_size)
             aggregation="token-mean",  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+            loss_norm_tokens=0,  # seq-mean-token-sum's constant divisor (Dr. GRPO); 0: rl.max_new_tokens
             kl_coef=0.0,  # 0: no reference policy is held at all
             kl_estimator="k3",
             entropy_coef=0.0,

@@ -70,10 +70,11 @@ class RLConfig(StageConfig):
     updates_per_batch: int
     minibatches: int
     aggregation: str = choice(AGGREGATIONS)
+    loss_norm_tokens: int = bounded(ge=0)
     kl_coef: float = bounded(ge=0)
     kl_estimator: str = choice(KL_ESTIMATORS)
     entropy_coef: float = bounded(ge=0)
-    is_cap: float
+    is_cap: float = bounded(gt=0)
     max_staleness: int
     filter_groups: bool
     max_resample_rounds: int

@@ -192,7 +192,8 @@ class AlertMonitor:
             if writer is not None:
                 writer.event(step, "alert", rule=a.rule, value=a.value, threshold=a.threshold, message=a.message)
         if alerts and bar is not None:
-            bar.set_postfix_str(f"{bar.postfix + ', ' if bar.postfix else ''}alert={'+'.join(a.rule for a in alerts)}")
+            shown = getattr(bar, "postfix", None)  # a bar without a postfix yet has no such attribute
+            bar.set_postfix_str(f"{shown + ', ' if shown else ''}alert={'+'.join(a.rule for a in alerts)}")
         if alerts and self.mode == "stop":
             raise AlertStop(
                 f"run stopped at step {step} by alerts.on='stop': "

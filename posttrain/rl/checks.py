@@ -62,6 +62,89 @@ INERT_UNLESS = {
 }
 
 
+_GRPO_SCALE = (
+    "and a positive scale on the whole reward cancels in grpo's group normalisation (r − mean) / std: "
+    "use rl.advantage='drgrpo', 'rloo' or 'gae'"
+)
+_KL_IN_LOSS = "losses.policy_loss: as a loss term"
+# (key, when another key makes it inert or changes what it means, why). Checked only when the key
+# differs from its default, after INERT_UNLESS.
+INERT_WITH = (
+    (
+        "verifier_weight",
+        lambda r: r.advantage == "grpo" and not r.reward_model,
+        f"without rl.reward_model the verifier reward is the whole reward, {_GRPO_SCALE}",
+    ),
+    *(
+        (
+            key,
+            lambda r: r.advantage == "grpo" and bool(r.reward_model) and not r.verifier_weight,
+            f"with rl.verifier_weight=0 the learned reward is the whole reward, {_GRPO_SCALE}",
+        )
+        for key in ("reward_model_weight", "reward_model_normalize")
+    ),
+    (
+        "verifier_delay",
+        lambda r: r.env == "tool",
+        "multi-turn episodes (rl.env='tool') are scored inside their environment steps; the delay "
+        "applies to single-turn verification only",
+    ),
+    (
+        "format_penalty",
+        lambda r: set(domain_spec(r)) == {"repo_fix"},
+        "rl.domains is repo_fix only, whose verdicts always have format_ok (a state check decides, "
+        "not the answer's form)",
+    ),
+    *(
+        (key, lambda r: not r.verifier_weight, "it shapes the verifier reward, which rl.verifier_weight=0 drops")
+        for key in ("format_penalty", "overlong_buffer")
+    ),
+    (
+        "ratio_level",
+        lambda r: r.ratio_level == "sequence" and r.aggregation != "seq-mean-token-mean",
+        "the sequence ratio is GSPO's only with rl.aggregation='seq-mean-token-mean' (every sequence "
+        "weighs the same and its tokens share its ratio); set that aggregation",
+    ),
+    (
+        "value_clip",
+        lambda r: ppo_steps(r) == 1,
+        "with one optimizer step per batch the critic's values are the rollout's (V = V_old), so the "
+        "clip around them never acts: set rl.updates_per_batch > 1 or rl.minibatches > 1",
+    ),
+    (
+        "kl_estimator",
+        lambda r: not r.kl_in_reward and r.kl_estimator == "k1",
+        f"{_KL_IN_LOSS} k1's gradient β·∇log π has expectation 0 (it adds noise, no pull towards the "
+        "reference): use k2 or k3 as a loss term, or k1 paid as reward (rl.kl_in_reward=True)",
+    ),
+    (
+        "kl_in_reward",
+        lambda r: r.kl_in_reward and r.kl_estimator != "k1",
+        "paid as reward, the penalty is differentiated through the score function only, which is "
+        "∇KL(π‖π_ref) for k1 alone (k2's mean is not the KL; k3's own gradient does not vanish): set "
+        "rl.kl_estimator='k1'",
+    ),
+    (
+        "filter_groups",
+        lambda r: r.group_size < 2,
+        "a group of one sample never has differing rewards: dynamic sampling would drop every group",
+    ),
+    (
+        "loss_norm_tokens",
+        lambda r: r.aggregation != "seq-mean-token-sum",
+        "only rl.aggregation='seq-mean-token-sum' (Dr. GRPO) divides by a constant token count",
+    ),
+)
+
+
+def check_inert_with(r, defaults) -> None:
+    """Raise ValueError for a key set away from its default that `INERT_WITH` says another key
+    makes inert (or changes into something its name does not say)."""
+    for key, inert, why in INERT_WITH:
+        if r[key] != defaults[key] and inert(r):
+            raise ValueError(f"rl.{key}={r[key]!r} cannot take effect as set: {why}")
+
+
 def check_curriculum(c, defaults) -> None:
     """`rl.curriculum.*`: values in range, and none set that the rest leaves without effect."""
     if not 0 <= c.hard_below <= c.easy_above <= 1 or not 0 <= c.pass_threshold <= 1:
@@ -194,6 +277,12 @@ def check_rl_config(cfg) -> None:
     for key, (active, why) in INERT_UNLESS.items():
         if r[key] != defaults[key] and not active(r):
             raise ValueError(f"rl.{key}={r[key]!r} cannot take effect: {why}")
+    check_inert_with(r, defaults)
+    if r.top_k >= cfg.model.vocab_size:
+        raise ValueError(
+            f"rl.top_k={r.top_k} >= model.vocab_size={cfg.model.vocab_size}: it would keep every token "
+            "(top_k=0 switches the filter off)"
+        )
 
 
 CONTINUOUS_KEYS = ("continuous_batching", "num_slots", "refill_batch")

@@ -92,6 +92,19 @@ def policy_logprobs(logits: jax.Array, targets: jax.Array, params: SamplingParam
     drew was in its set, and after an update it keeps a finite log-prob. Greedy decoding (T = 0)
     has no log-probs to learn from and is refused.
     """
+    return token_logprobs(_support_logits(logits, targets, params), targets)
+
+
+def support_logprobs(logits: jax.Array, targets: jax.Array, params: SamplingParams) -> jax.Array:
+    """The full distribution `policy_logprobs` normalises over: logits [B, S, V] → [B, S, V]
+    float32 log-probs, −inf off the sampled support (top-k / top-p, plus the target). What the
+    RL learner's entropy is taken over."""
+    return jax.nn.log_softmax(_support_logits(logits, targets, params), axis=-1)
+
+
+def _support_logits(logits: jax.Array, targets: jax.Array, params: SamplingParams) -> jax.Array:
+    """logits / T with the tokens top-k / top-p drop set to −inf (the choice carries no gradient;
+    the target is always kept)."""
     if params.greedy:
         raise ValueError(
             "policy_logprobs: temperature 0 (greedy) puts all mass on one token; a policy "
@@ -103,7 +116,7 @@ def policy_logprobs(logits: jax.Array, targets: jax.Array, params: SamplingParam
         kept = jax.lax.stop_gradient(sampling_logprobs(logits, params)) > -jnp.inf
         kept = kept | jax.nn.one_hot(targets, logits.shape[-1], dtype=bool)
         scaled = jnp.where(kept, scaled, -jnp.inf)
-    return token_logprobs(scaled, targets)
+    return scaled
 
 
 def sample_token(key: jax.Array, logits: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array, jax.Array]:

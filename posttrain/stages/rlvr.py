@@ -47,7 +47,7 @@ from posttrain.rl.algo.reward_model import RewardComposer
 from posttrain.rl.checks import check_rlvr_stage, check_sampling_config, ppo_steps, slot_config
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.rollout.episodes import rollout_episodes
-from posttrain.rl.rollout.hosts import all_values
+from posttrain.rl.rollout.hosts import all_values, sampled_reward_stats
 from posttrain.rl.rollout.log import RolloutLog
 from posttrain.rl.rollout.producer import AsyncProducer
 from posttrain.rl.rollout.worker import BusyClock, RolloutBatch, RolloutWorker, collect_batch, evaluate
@@ -148,9 +148,9 @@ def rollout_step(c: Components, rl: RLState) -> tuple[list[Rollout], RolloutBatc
 
 def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLState, dict]:
     """Advantages and PPO-style updates on one batch; an empty batch (dynamic sampling kept no
-    group) skips the update and is counted."""
+    group, or no sample has a verdict: nothing to train on) skips the update and is counted."""
     r = c.cfg.rl
-    if not rollouts:
+    if not rollouts or not all_values([sum(x is not None for ro in rollouts for x in ro.group.verdicts)]).sum():
         rl = dataclasses.replace(rl, skipped_updates=rl.skipped_updates + 1)
         return rl, {"rl/skipped_updates": rl.skipped_updates}
     num_real = sum(len(ro.group.trajectories) for ro in rollouts)
@@ -162,13 +162,14 @@ def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLS
     with c.clock.busy():
         batch = c.learner.prepare(rl.train, batch, c.ref)
         batch.update(advantage_targets(batch, r))
-        rewards = batch.pop("rewards")[:num_real]
+        rewards, judged = batch.pop("rewards")[:num_real], batch.pop("judged")[:num_real]
         state, metrics = c.learner.update(rl.train, batch, c.ref, rl.step, num_real)
-    rewards = all_values(rewards)  # every process's rows
+    rewards = all_values(rewards[judged])  # every process's rows with a verdict
+    prefix = "rl/kept_" if r.filter_groups else "rl/"  # the batch trained on: with filter_groups, the kept groups
     metrics.update(
         {
-            "rl/reward_mean": float(rewards.mean()),
-            "rl/reward_std": float(rewards.std()),
+            f"{prefix}reward_mean": float(rewards.mean()) if rewards.size else 0.0,
+            f"{prefix}reward_std": float(rewards.std()) if rewards.size else 0.0,
             "rl/skipped_updates": rl.skipped_updates,
             **reward_metrics,
         }
@@ -183,7 +184,8 @@ def publish_step(c: Components, rl: RLState) -> None:
 
 
 def run_eval(c: Components, rl: RLState, writer, step: int) -> RLState:
-    """Held-out evaluation with the current weights, written at `step`."""
+    """Held-out evaluation with the current weights, written at `step`: the number of updates
+    they have had (0: the starting weights), the step their checkpoint is saved at."""
     scorer = c.rewards.scorer
     last_eval = evaluate(
         c.worker,
@@ -259,11 +261,13 @@ def run(cfg) -> Result:
                 optim_name=cfg.optim.name,
             )
             start = int(state.step)  # older than the newest checkpoint if that one was unreadable
-            # The KL reference: the starting weights (under LoRA the frozen base: no extra memory; else a
-            # copy, since the policy's buffers are donated to each update).
+            # The KL reference: the starting weights, a copy since the policy's buffers are donated to
+            # each update. Under LoRA its params are the frozen base the state carries (None here: the
+            # learner reads them from the state; no extra memory), its rest a copy.
             ref = ()
             if r.kl_coef:
-                ref = start_weights if state.frozen is not None else jax.tree.map(jnp.copy, start_weights)
+                ref = jax.tree.map(jnp.copy, start_weights[1] if state.frozen is not None else start_weights)
+                ref = (None, ref) if state.frozen is not None else ref
             rl = RLState(state, start)
             if start:
                 scheduler.set_state(data["scheduler"])
@@ -374,12 +378,16 @@ def train_loop(c: Components, rl: RLState, run: Harness) -> tuple[RLState, list[
         publish_step(c, rl)
         t2 = time.perf_counter()
         wall, busy = time.perf_counter() - wall0, c.clock.total - busy0
+        info = dict(produced.info)
+        all_sampled = sampled_reward_stats(info, r.verifier_weight)  # every sampled group, kept or not
+        if r.filter_groups:  # (else the batch trained on is every sampled group, as learn_step reports)
+            metrics.update(all_sampled)
         metrics.update(
             {
                 "rl/wait_s": t1 - t0,
                 "rl/update_s": t2 - t1,
                 "rl/device_idle_frac": max(0.0, 1 - busy / wall),
-                **{f"rl/{k}": v for k, v in produced.info.items()},
+                **{f"rl/{k}": v for k, v in info.items()},
                 **produced.task_metrics,
             }
         )
@@ -391,6 +399,6 @@ def train_loop(c: Components, rl: RLState, run: Harness) -> tuple[RLState, list[
                 bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
             run.alert(step, rows[-1], bar)
         if r.eval_every and (rl.step % r.eval_every == 0 or rl.step == steps):
-            rl = run_eval(c, rl, run.writer, step)
+            rl = run_eval(c, rl, run.writer, rl.step)  # at the number of updates it measures, as its checkpoint
         run.end_step(rl.step, partial(save, c, run.ckpt, rl))
     return rl, rows

@@ -24,11 +24,16 @@ from posttrain.config import ADVANTAGE_METHODS
 GROUP_METHODS = tuple(m for m in ADVANTAGE_METHODS if m != "gae")  # advantages from a group's rewards alone
 
 
-def group_advantages(rewards: jax.Array, group_size: int, *, method: str = "grpo", eps: float = 1e-6) -> jax.Array:
+def group_advantages(
+    rewards: jax.Array, group_size: int, *, method: str = "grpo", eps: float = 1e-6, valid: jax.Array | None = None
+) -> jax.Array:
     """Group-relative advantages: rewards [num_groups * group_size] → [same], float32.
 
     Each group's samples are contiguous. A group whose rewards are all equal carries no signal
     and gets exactly zero (also under grpo, where rounding could otherwise leave (r − mean)/eps).
+    `valid` [same] (bool) marks the samples with a verdict: the others (a verifier error is not a
+    wrong answer) get zero advantage and stay out of their group's mean, std and size (rloo's
+    G/(G−1) uses the judged count); a group with fewer than 2 judged samples gets zero.
     """
     if method not in GROUP_METHODS:
         raise ValueError(f"method={method!r}: expected one of {GROUP_METHODS}")
@@ -37,6 +42,8 @@ def group_advantages(rewards: jax.Array, group_size: int, *, method: str = "grpo
     if rewards.ndim != 1 or rewards.shape[0] % group_size:
         raise ValueError(f"rewards of shape {rewards.shape}: expected [num_groups * group_size={group_size}]")
     r = rewards.astype(jnp.float32).reshape(-1, group_size)
+    if valid is not None:
+        return _judged_group_advantages(r, valid.astype(bool).reshape(r.shape), method, eps).reshape(-1)
     adv = r - r.mean(axis=1, keepdims=True)
     if method == "grpo":
         adv = adv / (r.std(axis=1, ddof=1, keepdims=True) + eps)
@@ -44,6 +51,21 @@ def group_advantages(rewards: jax.Array, group_size: int, *, method: str = "grpo
         adv = adv * group_size / (group_size - 1)
     informative = r.max(axis=1, keepdims=True) > r.min(axis=1, keepdims=True)
     return jnp.where(informative, adv, 0.0).reshape(-1)
+
+
+def _judged_group_advantages(r: jax.Array, v: jax.Array, method: str, eps: float) -> jax.Array:
+    """`group_advantages` over the judged samples `v` of each group (rows of r [groups, G])."""
+    n = v.sum(axis=1, keepdims=True).astype(jnp.float32)
+    mean = jnp.where(v, r, 0.0).sum(axis=1, keepdims=True) / jnp.maximum(n, 1.0)
+    adv = r - mean
+    if method == "grpo":
+        var = jnp.where(v, adv**2, 0.0).sum(axis=1, keepdims=True) / jnp.maximum(n - 1.0, 1.0)
+        adv = adv / (jnp.sqrt(var) + eps)
+    elif method == "rloo":
+        adv = adv * n / jnp.maximum(n - 1.0, 1.0)
+    hi = jnp.where(v, r, -jnp.inf).max(axis=1, keepdims=True)
+    lo = jnp.where(v, r, jnp.inf).min(axis=1, keepdims=True)
+    return jnp.where(v & (n >= 2) & (hi > lo), adv, 0.0)
 
 
 def kl_penalized_rewards(rewards: jax.Array, kl: jax.Array, mask: jax.Array, *, kl_coef: float) -> jax.Array:
@@ -60,7 +82,9 @@ def kl_penalized_advantages(advantages: jax.Array, kl: jax.Array, mask: jax.Arra
 
     Each response token pays −β·kl_t as reward; with no discount its return from token t on is the
     outcome advantage plus the penalties still to come (the reward-to-go, as in PPO-RLHF and
-    REINFORCE++). advantages [B] (group advantages of the outcome reward); kl, mask [B, T] → [B, T],
+    REINFORCE++). With kl = k1 the policy gradient of this penalty, β·E[Σ_t ∇log π_t Σ_{s≥t} k1_s],
+    is exactly β·∇KL(π ‖ π_ref) over sequences; k2 / k3 are biased here (refused by the start-up
+    checks). advantages [B] (group advantages of the outcome reward); kl, mask [B, T] → [B, T],
     zero off the mask.
     """
     m = mask.astype(jnp.float32)

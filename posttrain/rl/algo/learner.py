@@ -17,6 +17,7 @@ reference is paid per token as reward (from the same pass) instead of as a loss 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,18 +35,21 @@ from posttrain.rl.algo.advantages import (
     terminal_rewards,
     whiten,
 )
-from posttrain.rl.algo.losses import entropy_from_logits, kl_estimate, policy_loss, value_loss
+from posttrain.rl.algo.losses import entropy_from_logprobs, kl_estimate, policy_loss, value_loss
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.sampling.generate import bucket
-from posttrain.sampling.rules import SamplingParams, policy_logprobs
+from posttrain.sampling.rules import SamplingParams, policy_logprobs, support_logprobs
 
 ROW_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
+HOST_ONLY = ("rollout_logp", "rewards", "judged")  # batch keys the update step does not read
 
 
 def rl_batch(rollouts: list[Rollout], *, pad_id: int, num_rows: int | None = None, longest: int | None = None) -> dict:
     """Rollouts → one learner batch of [N, S] rows (S bucketed to a multiple of 8): inputs,
     targets, loss_mask (generated target tokens), positions, segment_ids, behav_logp (the
-    sampler's log-prob of each target) and rewards [N].
+    sampler's log-prob of each target), rewards [N] and judged [N] (False where the verifier
+    reached no verdict: such a sample's loss mask is empty, so it trains nothing, and
+    `compute_advantages` leaves it out of its group).
 
     num_rows pads the batch with empty rows (zero loss mask, zero reward) to a fixed size, so
     batches with different numbers of groups reuse one compiled step. `longest` (>= every
@@ -63,11 +67,14 @@ def rl_batch(rollouts: list[Rollout], *, pad_id: int, num_rows: int | None = Non
     out["behav_logp"] = np.zeros((n, s), np.float32)
     out["rewards"] = np.zeros((n,), np.float32)
     out["rewards"][: len(trajs)] = [x for ro in rollouts for x in ro.group.rewards]
+    out["judged"] = np.ones((n,), bool)  # padding rows: whole groups of equal rewards, no tokens
+    out["judged"][: len(trajs)] = [x is not None for ro in rollouts for x in ro.group.verdicts]
     for i, (t, b) in enumerate(zip(trajs, behav)):
         toks, mask, m = np.asarray(t.tokens), np.asarray(t.loss_mask, np.int32), len(t.tokens) - 1
         out["inputs"][i, :m], out["targets"][i, :m], out["loss_mask"][i, :m] = toks[:-1], toks[1:], mask[1:]
         out["positions"][i, :m], out["segment_ids"][i, :m] = np.arange(m), 1
         out["behav_logp"][i, :m] = b[1:]
+    out["loss_mask"][~out["judged"]] = 0
     return out
 
 
@@ -76,9 +83,14 @@ def compute_advantages(batch: dict, rl_cfg) -> np.ndarray:
 
     Critic-free estimators (rl.advantage = grpo | drgrpo | rloo) are group-relative over the
     batch's contiguous groups of `rl.group_size` rows; padding rows form groups of equal (zero)
-    rewards and get zero advantage.
+    rewards and get zero advantage; samples without a verdict (batch["judged"] False) get zero
+    and stay out of their group's statistics.
     """
-    return np.asarray(group_advantages(jnp.asarray(batch["rewards"]), rl_cfg.group_size, method=rl_cfg.advantage))
+    judged = batch.get("judged")
+    valid = None if judged is None or judged.all() else jnp.asarray(judged)
+    return np.asarray(
+        group_advantages(jnp.asarray(batch["rewards"]), rl_cfg.group_size, method=rl_cfg.advantage, valid=valid)
+    )
 
 
 def advantage_targets(batch: dict, rl_cfg) -> dict[str, np.ndarray]:
@@ -88,7 +100,8 @@ def advantage_targets(batch: dict, rl_cfg) -> dict[str, np.ndarray]:
     gae: the (combined) reward at each sequence's last generated token, GAE over the rollout's
     values `old_values` with rl.gamma, rl.lam, whitened over the batch's generated tokens.
     With rl.kl_in_reward every generated token also pays −rl.kl_coef · KL(π_rollout ‖ π_ref)
-    (estimator rl.kl_estimator, from `rollout_logp` and `ref_logp`): inside GAE's rewards, or as
+    (estimator rl.kl_estimator, k1: the only one whose score-function gradient is ∇KL, from
+    `rollout_logp` and `ref_logp`): inside GAE's rewards, or as
     the per-token reward-to-go on top of group advantages.
     """
     mask = jnp.asarray(batch["loss_mask"]).astype(bool)
@@ -110,16 +123,19 @@ def advantage_targets(batch: dict, rl_cfg) -> dict[str, np.ndarray]:
 def batch_rows(num_groups: int, rl_cfg, row_multiple: int = 1) -> int:
     """Rows of the learner batch for `num_groups` kept groups: the group count bucketed to a
     power of two (capped at rl.prompts_per_step), times the group size, rounded up to a multiple
-    of `row_multiple` (minibatches × batch shards). Full batches always have the same size."""
+    of `row_multiple` (minibatches × batch shards) that is also a multiple of the group size (the
+    padding forms whole groups, so group advantages see [num_groups × group_size] rewards).
+    Full batches always have the same size."""
     groups = min(bucket(num_groups), rl_cfg.prompts_per_step)
-    rows = groups * rl_cfg.group_size
-    return -(-rows // row_multiple) * row_multiple
+    unit = math.lcm(rl_cfg.group_size, row_multiple)
+    return -(-groups * rl_cfg.group_size // unit) * unit
 
 
 def learner_logprobs(
     model: nnx.Module, batch: dict, sampling: SamplingParams, *, update_bias: bool
 ) -> tuple[jax.Array, jax.Array, dict]:
-    """(log-probs of the targets under the sampled distribution [B, S], logits/T [B, S, V], MoE aux)."""
+    """(log-probs of the targets under the sampled distribution [B, S], that distribution's log-probs
+    [B, S, V] (−inf off the top-k / top-p support), MoE aux)."""
     logp, scaled, _, aux = learner_outputs(model, batch, sampling, update_bias=update_bias, values=False)
     return logp, scaled, aux
 
@@ -136,10 +152,18 @@ def learner_outputs(
         (logits, aux), v = model(*args, update_bias=update_bias), None
     return (
         policy_logprobs(logits, batch["targets"], sampling),
-        logits.astype(jnp.float32) / sampling.temperature,
+        support_logprobs(logits, batch["targets"], sampling),
         v,
         aux,
     )
+
+
+def loss_norm(rl_cfg) -> float | None:
+    """seq-mean-token-sum's constant divisor: rl.loss_norm_tokens, or rl.max_new_tokens when 0
+    (Dr. GRPO: a constant, so the loss scale does not follow response lengths); None otherwise."""
+    if rl_cfg.aggregation != "seq-mean-token-sum":
+        return None
+    return float(rl_cfg.loss_norm_tokens or rl_cfg.max_new_tokens)
 
 
 def rl_loss(model, batch, *ref, graphdef, rl_cfg, moe_cfg, sampling: SamplingParams):
@@ -152,13 +176,13 @@ def rl_loss(model, batch, *ref, graphdef, rl_cfg, moe_cfg, sampling: SamplingPar
     critic's clipped value loss (× rl.value_coef) is added.
     """
     gae = rl_cfg.advantage == "gae"
-    logp, scaled_logits, values, aux = learner_outputs(model, batch, sampling, update_bias=True, values=gae)
+    logp, support, values, aux = learner_outputs(model, batch, sampling, update_bias=True, values=gae)
     old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
     ref_logp = batch.get("ref_logp")
     if ref:
         ref_model = nnx.merge(graphdef, jax.lax.stop_gradient(ref[0]), ref[1])
         ref_logp = jax.lax.stop_gradient(learner_logprobs(ref_model, batch, sampling, update_bias=False)[0])
-    entropy = entropy_from_logits(scaled_logits)
+    entropy = entropy_from_logprobs(support)  # of the distribution sampled (after top-k / top-p)
     if not rl_cfg.entropy_coef:
         entropy = jax.lax.stop_gradient(entropy)
     loss, metrics = policy_loss(
@@ -170,6 +194,7 @@ def rl_loss(model, batch, *ref, graphdef, rl_cfg, moe_cfg, sampling: SamplingPar
         clip_high=rl_cfg.clip_high,
         ratio_level=rl_cfg.ratio_level,
         aggregation=rl_cfg.aggregation,
+        max_len_norm=loss_norm(rl_cfg),
         ref_logp=ref_logp,
         kl_coef=0.0 if rl_cfg.kl_in_reward else rl_cfg.kl_coef,
         kl_estimator=rl_cfg.kl_estimator,
@@ -186,6 +211,7 @@ def rl_loss(model, batch, *ref, graphdef, rl_cfg, moe_cfg, sampling: SamplingPar
             batch["loss_mask"],
             clip=rl_cfg.value_clip,
             aggregation=rl_cfg.aggregation,
+            max_len_norm=loss_norm(rl_cfg),
         )
         loss = loss + rl_cfg.value_coef * v_loss
         metrics.update(v_metrics)
@@ -218,12 +244,16 @@ class Learner:
         self.rl_cfg, self.seed = rl_cfg, seed
         self.lora_cfg = lora_cfg
         loss = functools.partial(rl_loss, graphdef=graphdef, rl_cfg=rl_cfg, moe_cfg=moe_cfg, sampling=sampling)
+        train_step = make_train_step(graphdef, tx, loss, schedule, lora_cfg)
+
+        def step(state, batch, *ref):
+            """`train_step`; a reference given as (ref_rest,) alone has the state's frozen LoRA base
+            as its params, read inside the step: passed beside the donated state, the same buffers
+            would be both donated and read in one call."""
+            return train_step(state, batch, *((state.frozen, ref[0]) if len(ref) == 1 else ref))
+
         # Donation is only safe when no producer thread may still read the old weights.
-        self.step_fn = jax.jit(
-            make_train_step(graphdef, tx, loss, schedule, lora_cfg),
-            out_shardings=(shardings, None),
-            donate_argnums=0 if donate else (),
-        )
+        self.step_fn = jax.jit(step, out_shardings=(shardings, None), donate_argnums=0 if donate else ())
 
         def rollout_pass(params, rest, batch, *ref):
             """Log-probs (and values) of the rollout under the weights before the update, and the
@@ -257,7 +287,10 @@ class Learner:
             return batch
         rows = {k: batch[k] for k in ROW_KEYS}
         out = self.rollout_pass_fn(
-            model_params(state, self.lora_cfg), state.rest, put_batch(rows), *(ref if kl_reward else ())
+            model_params(state, self.lora_cfg),
+            state.rest,
+            put_batch(rows),
+            *(reference(state, ref) if kl_reward else ()),
         )
         out = {k: local_rows(v) for k, v in out.items()}  # this process's rows of the global batch
         if self.steps_per_batch > 1:
@@ -268,10 +301,11 @@ class Learner:
 
     def update(self, state, batch: dict, ref: tuple, step: int, num_real_rows: int):
         """Train on one host batch (`prepare`d, with `advantage_targets`); returns (state, metrics
-        on the host). `ref` is passed to the loss (a KL loss term) unless rl.kl_in_reward."""
+        on the host). `ref` ((params, rest), or (None, rest) under LoRA: see `reference`; () without
+        a KL) is passed to the loss (a KL loss term) unless rl.kl_in_reward."""
         r = self.rl_cfg
-        batch = {k: v for k, v in self.prepare(state, batch, ref).items() if k != "rollout_logp"}
-        ref = () if r.kl_in_reward else ref
+        batch = {k: v for k, v in self.prepare(state, batch, ref).items() if k not in HOST_ONLY}
+        ref = () if r.kl_in_reward or not ref else ref[1:] if ref[0] is None else ref
         rng = np.random.default_rng([self.seed, step])
         all_metrics = []
         n = len(batch["inputs"])
@@ -282,6 +316,12 @@ class Learner:
                 state, m = self.step_fn(state, put_batch({k: v[rows] for k, v in batch.items()}), *ref)
                 all_metrics.append(m)
         return state, combine_metrics(jax.device_get(all_metrics))
+
+
+def reference(state, ref: tuple) -> tuple:
+    """The KL reference as (params, rest): `ref` itself, or under LoRA (ref = (None, rest)) the
+    state's frozen base (the starting weights, never trained) with the reference's own rest."""
+    return (state.frozen, ref[1]) if ref and ref[0] is None else ref
 
 
 def combine_metrics(metrics: list[dict]) -> dict:

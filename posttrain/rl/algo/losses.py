@@ -8,8 +8,9 @@ an older version), `ref_logp` under the frozen reference policy.
 
 - Clipped surrogate (Schulman et al. 2017) with separate low/high clip ranges (DAPO's clip-higher);
   the ratio per token, or per sequence as the geometric mean of token ratios (GSPO).
-- KL to the reference as a loss term with Schulman's k1/k2/k3 estimators (as a reward penalty:
-  `advantages.kl_penalized_rewards` / `kl_penalized_advantages`).
+- KL to the reference as a loss term (k2 or k3, `kl_loss_terms`: the gradient estimates
+  ∇KL(π ‖ π_ref) over sequences; k1 is refused there), or as a reward penalty (k1 only:
+  `advantages.kl_penalized_advantages`); `kl_estimate` gives Schulman's k1/k2/k3 values.
 - Decoupled off-policy correction: truncated importance weights π_prox / π_behav per token.
 - Entropy bonus; loss aggregation token-mean | seq-mean-token-sum | seq-mean-token-mean.
 - The critic's clipped value loss (PPO with GAE, `advantages.gae_advantages`).
@@ -24,10 +25,11 @@ from posttrain.config import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
 
 
 def kl_estimate(logp: jax.Array, ref_logp: jax.Array, estimator: str = "k3") -> jax.Array:
-    """Per-token estimate of KL(π ‖ π_ref) from tokens sampled from π (Schulman 2020): [B, T] → [B, T].
+    """Per-token value estimate of KL(π ‖ π_ref) from tokens sampled from π (Schulman 2020): [B, T] → [B, T].
 
     With log r = ref_logp − logp: k1 = −log r (unbiased, can be negative), k2 = ½ (log r)²
-    (low variance, biased), k3 = (r − 1) − log r (unbiased and ≥ 0; GRPO's loss term).
+    (low variance, biased), k3 = (r − 1) − log r (unbiased and ≥ 0). These are values (the `rl/kl`
+    metric, the reward penalty); what their gradients estimate is another matter: see `kl_loss_terms`.
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator={estimator!r}: expected one of {KL_ESTIMATORS}")
@@ -39,10 +41,60 @@ def kl_estimate(logp: jax.Array, ref_logp: jax.Array, estimator: str = "k3") -> 
     return jnp.expm1(log_r) - log_r
 
 
+def kl_loss_terms(
+    logp: jax.Array, ref_logp: jax.Array, weight: jax.Array, mask: jax.Array, estimator: str
+) -> jax.Array:
+    """Per-token loss terms whose gradient (summed over a sequence) is an unbiased estimate of
+    ∇KL(π ‖ π_ref) over whole sequences: [B, T] → [B, T].
+
+    The math. For y ~ π (autoregressive), KL(π ‖ π_ref) = E_y[Σ_t k1_t], k1_t = log π(y_t) − log π_ref(y_t),
+    and by the score function (the k1 inside is itself differentiable, but E[Σ_t ∇log π_t] = 0)
+        ∇KL = E[Σ_t ∇log π_t · Σ_{s ≥ t} k1_s]
+    (terms s < t have mean zero). Differentiating a per-token estimator as a loss gives:
+    - k1: ∇k1_t = ∇log π_t, of mean zero: no pull towards the reference, only noise (refused in
+      the loss; paid as reward, k1 is exactly the form above);
+    - k2: ∇k2_t = k1_t ∇log π_t: the s = t term;
+    - k3: ∇k3_t = (1 − π_ref/π) ∇log π_t, whose mean Σ_y (π − π_ref) ∇log π = −Σ_y π_ref ∇log π is the
+      gradient of KL(π_ref ‖ π) per token, not of KL(π ‖ π_ref). With an importance weight ρ_t =
+      π(y_t) / π_sample(y_t) (value 1 on-policy), ∇(ρ_t k3_t) = ρ_t k1_t ∇log π_t: the s = t term again,
+      also corrected off-policy.
+    Neither sees the s > t terms: how a token changes the KL of the tokens after it. They are added
+    as ρ_t · sg(Σ_{s > t} k1_s) with no value (ρ − sg(ρ)). So the term is
+        k2: sg(ρ_t)·k2_t + (ρ_t − sg(ρ_t))·F_t,   k3: ρ_t·k3_t + (ρ_t − sg(ρ_t))·F_t,   F_t = sg(Σ_{s>t} k1_s),
+    whose value is the (importance-weighted) KL estimate and whose gradient is ρ_t Σ_{s≥t} k1_s ∇log π_t.
+    `weight` is ρ_t (differentiable in logp; the caller's ratio π/π_old times the truncated IS
+    weight π_old/π_behav); the future terms use per-token weights only, as the surrogate does.
+    Summed over a sequence and averaged over sequences (seq-mean-token-sum) the gradient is
+    ∇KL / loss_norm_tokens; token-mean and seq-mean-token-mean divide by a count of tokens
+    (for fixed-length responses a constant; with varying lengths they weight sequences as the
+    policy-gradient term does).
+    """
+    if estimator == "k1":
+        raise ValueError(
+            "kl_estimator='k1' as a loss term: its gradient β·∇log π has expectation 0 (noise, no KL "
+            "pressure); use k2 or k3, or pay k1 as reward (rl.kl_in_reward)"
+        )
+    m = mask.astype(bool)
+    k1 = jax.lax.stop_gradient(jnp.where(m, logp.astype(jnp.float32) - ref_logp.astype(jnp.float32), 0.0))
+    future = jnp.flip(jnp.cumsum(jnp.flip(k1, axis=-1), axis=-1), axis=-1) - k1  # Σ_{s > t}
+    sg_w = jax.lax.stop_gradient(weight)
+    value_w = sg_w if estimator == "k2" else weight
+    return value_w * kl_estimate(logp, ref_logp, estimator) + (weight - sg_w) * future
+
+
+def entropy_from_logprobs(logprobs: jax.Array) -> jax.Array:
+    """Entropy of next-token distributions given as log-probs (−inf off their support), float32:
+    [B, T, V] → [B, T]. With `sampling.rules.support_logprobs` it is the entropy of the distribution
+    the sampler draws from after temperature, top-k and top-p (renormalised on what they keep)."""
+    lp = logprobs.astype(jnp.float32)
+    finite = jnp.isfinite(lp)
+    safe = jnp.where(finite, lp, 0.0)
+    return -jnp.where(finite, jnp.exp(safe) * safe, 0.0).sum(axis=-1)
+
+
 def entropy_from_logits(logits: jax.Array) -> jax.Array:
-    """Entropy of the next-token distribution, float32: logits [B, T, V] → [B, T]."""
-    logits = logits.astype(jnp.float32)
-    return jax.nn.logsumexp(logits, axis=-1) - (jax.nn.softmax(logits, axis=-1) * logits).sum(axis=-1)
+    """Entropy of the full softmax of `logits`, float32: [B, T, V] → [B, T]."""
+    return entropy_from_logprobs(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
 
 
 def importance_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array, level: str = "token") -> jax.Array:
@@ -82,6 +134,8 @@ def truncated_is_weights(prox_logp: jax.Array, behav_logp: jax.Array, cap: float
     learner's) are reweighted towards the proximal policy; the cap bounds the variance (truncated
     IS, as in IMPALA / decoupled PPO).
     """
+    if not cap > 0:
+        raise ValueError(f"is_cap={cap}: the truncation of importance weights must be > 0")
     w = jnp.exp(prox_logp.astype(jnp.float32) - behav_logp.astype(jnp.float32))
     return jax.lax.stop_gradient(jnp.minimum(w, cap))
 
@@ -92,7 +146,8 @@ def aggregate(values: jax.Array, mask: jax.Array, mode: str, max_len_norm: float
     token-mean (DAPO): Σ_{i,t} v / Σ_{i,t} 1 — every token weighs the same.
     seq-mean-token-mean (GRPO): mean_i (Σ_t v / |y_i|) — every sequence weighs the same.
     seq-mean-token-sum (Dr. GRPO): mean_i Σ_t v / max_len_norm — no length normalisation per
-    sequence; the constant (e.g. the max response length) only sets the scale (default 1).
+    sequence; the constant (the learner passes rl.loss_norm_tokens, by default rl.max_new_tokens)
+    only sets the scale, so it does not grow with response lengths (default 1).
     Sequences are the rows with at least one masked token (padding rows do not count).
     """
     if mode not in AGGREGATIONS:
@@ -134,10 +189,13 @@ def policy_loss(
 ) -> tuple[jax.Array, dict]:
     """The learner's loss: clipped surrogate (× truncated IS weight) + β·KL − α·entropy.
 
+    The KL term is `kl_loss_terms` (k2 or k3; its gradient estimates ∇KL(π ‖ π_ref) over whole
+    sequences) with ρ = π/π_old × the truncated IS weight; `rl/kl` is the mean per-token estimate.
+
     logp, old_logp, mask [B, T]; advantages [B] (one per sequence) or [B, T] (per token, e.g.
     `kl_penalized_advantages`). Optional, all [B, T]: ref_logp (needed when kl_coef > 0; with
     kl_coef = 0 it only feeds the `rl/kl` metric), behav_logp with is_cap (the IS weight
-    π_old / π_behav multiplies the surrogate only), entropy (`entropy_from_logits` of the policy's
+    π_old / π_behav multiplies the surrogate only), entropy (`entropy_from_logprobs` of the policy's
     logits; needed when entropy_coef > 0). Every term is reduced with `aggregation`; the
     coefficients and string switches are Python values (static under jit).
 
@@ -150,7 +208,7 @@ def policy_loss(
     if kl_coef and ref_logp is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logp (reference policy log-probs)")
     if entropy_coef and entropy is None:
-        raise ValueError(f"entropy_coef={entropy_coef} needs entropy (entropy_from_logits of the policy)")
+        raise ValueError(f"entropy_coef={entropy_coef} needs entropy (entropy_from_logprobs of the policy)")
     if behav_logp is not None and is_cap is None:
         raise ValueError("behav_logp needs is_cap (the truncation of the importance weights)")
     mask = mask.astype(bool)
@@ -164,6 +222,7 @@ def policy_loss(
         **_masked_stats("rl/ratio", ratio, mask),
         **_masked_stats("rl/adv", adv, mask),
     }
+    w = jnp.ones(mask.shape, jnp.float32)
     if behav_logp is not None:
         w = truncated_is_weights(old_logp, behav_logp, is_cap)
         per_token = w * per_token
@@ -175,9 +234,11 @@ def policy_loss(
     metrics["rl/pg_loss"] = pg_loss
     if ref_logp is not None:
         kl = kl_estimate(logp, ref_logp, kl_estimator)
-        metrics["rl/kl"] = _masked_mean(kl, mask)
+        metrics["rl/kl"] = _masked_mean(jax.lax.stop_gradient(kl), mask)
         if kl_coef:
-            loss = loss + kl_coef * aggregate(kl, mask, aggregation, max_len_norm)
+            rho = w * jnp.exp(jnp.where(mask, logp.astype(jnp.float32) - jax.lax.stop_gradient(old_logp), 0.0))
+            terms = kl_loss_terms(logp, ref_logp, rho, mask, kl_estimator)
+            loss = loss + kl_coef * aggregate(terms, mask, aggregation, max_len_norm)
     if entropy is not None:
         metrics["rl/entropy"] = _masked_mean(entropy, mask)
         if entropy_coef:
@@ -194,15 +255,17 @@ def value_loss(
     *,
     clip: float,
     aggregation: str = "token-mean",
+    max_len_norm: float | None = None,
 ) -> tuple[jax.Array, dict]:
     """The critic's loss: PPO's clipped value loss ½·max((V − R)², (V_clip − R)²).
 
     values [B, T] (the critic now), old_values [B, T] (the critic when the rollout's returns were
     computed), returns [B, T] (GAE returns), mask [B, T]. V_clip = V_old + clip(V − V_old, ±clip)
     keeps the critic near the values its targets came from; clip = 0 turns clipping off (plain
-    ½(V − R)²). Returns (loss, metrics): `rl/value_loss`, `rl/value_clip_frac` (tokens where the
-    clipped term is the larger: its gradient is zero), `rl/value_mean`, `rl/return_mean`,
-    `rl/value_explained_var` (1 − Var(R − V) / Var(R), over the masked tokens).
+    ½(V − R)²); aggregation and max_len_norm as in `aggregate`. Returns (loss, metrics):
+    `rl/value_loss`, `rl/value_clip_frac` (tokens where the clipped term is the larger: its
+    gradient is zero), `rl/value_mean`, `rl/return_mean`, `rl/value_explained_var`
+    (1 − Var(R − V) / Var(R), over the masked tokens).
     """
     if clip < 0:
         raise ValueError(f"value_clip={clip}: expected >= 0 (0: unclipped)")
@@ -216,7 +279,7 @@ def value_loss(
         loss_clipped = (old + jnp.clip(v - old, -clip, clip) - returns) ** 2
         per_token = jnp.maximum(loss_unclipped, loss_clipped)
         clipped_frac = _masked_mean(loss_clipped > loss_unclipped, mask)
-    loss = 0.5 * aggregate(per_token, mask, aggregation)
+    loss = 0.5 * aggregate(per_token, mask, aggregation, max_len_norm)
     sg_v = jax.lax.stop_gradient(v)
     ret_mean = _masked_mean(returns, mask)
     var_ret = _masked_mean((returns - ret_mean) ** 2, mask)

@@ -72,9 +72,10 @@ def check_multihost_rl(cfg) -> None:
         )
 
 
-def all_group_rewards(groups: list) -> list[tuple[str, str, list[float]]]:
-    """(domain, task id, rewards) of every process's groups, in process order (global task order)."""
-    mine = [[g.domain, g.task.id, [float(x) for x in g.rewards]] for g in groups]
+def all_group_rewards(groups: list) -> list[tuple[str, str, list[float | None]]]:
+    """(domain, task id, rewards) of every process's groups, in process order (global task order);
+    None for a sample without a verdict (`Group.verdicts`), which the scheduler does not count."""
+    mine = [[g.domain, g.task.id, [None if x is None else float(x) for x in g.verdicts]] for g in groups]
     return [tuple(row) for part in allgather_json(mine) for row in part]
 
 
@@ -129,3 +130,49 @@ def combine_info(info: dict[str, Any], summed: tuple[str, ...]) -> dict[str, Any
         elif k.endswith(("_mean", "_frac")):
             out[k] = float(np.average(vals, weights=weights)) if weights.sum() else vals[0]
     return {**out, **ratios(out)}
+
+
+SAMPLED_REWARD_KEYS = ("sampled_judged", "sampled_reward_sum", "sampled_reward_sq_sum")
+
+
+def combine_rounds(infos: list[dict[str, Any]], summed: tuple[str, ...]) -> dict[str, Any]:
+    """The rollout info of several sampling rounds of one batch (dynamic sampling) as one, so it
+    describes every round: `summed` keys and times (`*_s`) added, `*_max` the max, means and
+    fractions (`*_mean`, `*_frac`) weighted by each round's responses (`env_frac` recomputed from
+    the summed times), anything else the last round's."""
+    if len(infos) <= 1:
+        return dict(infos[0]) if infos else {}
+    weights = np.asarray([i.get("responses", 1) for i in infos], np.float64)
+    out: dict[str, Any] = {}
+    for k in dict.fromkeys(k for i in infos for k in i):
+        vals = [i[k] for i in infos if k in i]
+        if k in summed or k.endswith("_s"):
+            out[k] = sum(vals)
+        elif k.endswith("_max"):
+            out[k] = max(vals)
+        elif k.endswith(("_mean", "_frac")):
+            w = np.asarray([wt for i, wt in zip(infos, weights) if k in i])
+            out[k] = float(np.average(vals, weights=w)) if w.sum() else vals[-1]
+        else:
+            out[k] = vals[-1]
+    if "env_frac" in out and "model_s" in out and "env_s" in out:
+        out["env_frac"] = out["env_s"] / max(out["model_s"] + out["env_s"], 1e-9)
+    return out
+
+
+def sampled_rewards(groups: list) -> dict[str, float]:
+    """Counts for the reward of every sampled group (kept or not, over all rounds): the samples
+    with a verdict, their rewards' sum and sum of squares (`SAMPLED_REWARD_KEYS`, summed over
+    processes; `sampled_reward_stats` turns them into a mean and std)."""
+    judged = np.asarray([x for g in groups for x in g.verdicts if x is not None], np.float64)
+    return dict(zip(SAMPLED_REWARD_KEYS, (float(judged.size), float(judged.sum()), float((judged**2).sum()))))
+
+
+def sampled_reward_stats(info: dict[str, Any], scale: float = 1.0) -> dict[str, float]:
+    """`rl/reward_mean` and `rl/reward_std` of every sampled group from `sampled_rewards`' counts
+    (popped from `info`), times `scale` (rl.verifier_weight: the reward trained on)."""
+    n, total, sq = (info.pop(k, 0.0) for k in SAMPLED_REWARD_KEYS)
+    if not n:
+        return {}
+    mean = total / n
+    return {"rl/reward_mean": scale * mean, "rl/reward_std": abs(scale) * max(sq / n - mean * mean, 0.0) ** 0.5}

@@ -159,7 +159,7 @@ class AsyncProducer:
             batch = self.worker.verify(pending)
             with self._cv:
                 for grp in batch.groups:
-                    self.scheduler.record(grp.domain, grp.task.id, grp.rewards)
+                    self.scheduler.record(grp.domain, grp.task.id, grp.verdicts)
                 # As of this batch: its own draws and records, none of the batches drawn after it.
                 batch.scheduler_state = {**self.scheduler.get_state(), "batches": draws}
                 batch.task_metrics = self.scheduler.metrics()

@@ -25,7 +25,15 @@ from flax import nnx
 from posttrain.eval.passk import mean_pass_at_k
 from posttrain.parallel import allgather_json
 from posttrain.rl.rollout.buffer import Rollout
-from posttrain.rl.rollout.hosts import all_group_rewards, all_rewards, combine_info, group_share
+from posttrain.rl.rollout.hosts import (
+    SAMPLED_REWARD_KEYS,
+    all_group_rewards,
+    all_rewards,
+    combine_info,
+    combine_rounds,
+    group_share,
+    sampled_rewards,
+)
 from posttrain.rl.tasks.scheduler import Group, TaskScheduler
 from posttrain.sampling.continuous import SlotConfig, generate_continuous
 from posttrain.sampling.generate import Samples, generate
@@ -248,12 +256,9 @@ def collect_batch(
         for domain, task_id, rewards in all_group_rewards(kept):  # every process's groups
             scheduler.record(domain, task_id, rewards)
     behav_of = {id(g): b for part in parts for g, b in zip(part.groups, part.behav)}
-    info: dict[str, Any] = {}
-    for part in parts:
-        for k, v in part.info.items():
-            info[k] = info.get(k, 0) + v if k in SUMMED_INFO else v
-    info["kept_groups"] = len(kept)
-    info = combine_info(info, SUMMED_INFO + ("kept_groups",))
+    info: dict[str, Any] = combine_rounds([part.info for part in parts], SUMMED_INFO)  # every round
+    info.update(sampled_rewards([g for part in parts for g in part.groups]), kept_groups=len(kept))
+    info = combine_info(info, SUMMED_INFO + SAMPLED_REWARD_KEYS + ("kept_groups",))
     return RolloutBatch(kept, [behav_of[id(g)] for g in kept], info, scheduler.get_state(), scheduler.metrics())
 
 

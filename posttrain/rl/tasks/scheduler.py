@@ -60,6 +60,17 @@ class Group:
                 f"group of task {self.task.id!r}: {len(self.correct)} correct for {len(self.rewards)} rewards"
             )
 
+    @property
+    def verdicts(self) -> list[float | None]:
+        """The rewards, None where the verifier reached no verdict (its reward has `error` set: a
+        timeout or a sandbox failure is not a wrong answer): what pass rates and filtering see."""
+        if not self.trajectories:
+            return list(self.rewards)
+        return [
+            None if t.reward is not None and t.reward.error is not None else r
+            for r, t in zip(self.rewards, self.trajectories)
+        ]
+
 
 def informative(rewards: Sequence[float], tol: float = 1e-6) -> bool:
     """Whether a group's rewards differ (by more than `tol`): only then has it a learning signal."""
@@ -197,8 +208,10 @@ class TaskScheduler:
     def _band_of(self, domain: str, i: int) -> str:
         return self.band(*self._stats[domain].get(i, (0, 0)), self._recent[domain].get(i))
 
-    def record(self, domain: str, task_id: str, rewards: Sequence[float]) -> None:
-        """Add one group's rewards (one per sample) to the task's pass count and the domain's metrics."""
+    def record(self, domain: str, task_id: str, rewards: Sequence[float | None]) -> None:
+        """Add one group's rewards (one per sample; None: no verdict, not counted) to the task's
+        pass count and the domain's metrics."""
+        rewards = [r for r in rewards if r is not None]
         i = self._task(domain, task_id)
         outcomes = [int(float(r) >= self.pass_threshold) for r in rewards]
         passes = sum(outcomes)
@@ -227,7 +240,7 @@ class TaskScheduler:
         (counted per domain as dropped_groups)."""
         kept, dropped = [], []
         for g in groups:
-            if informative(g.rewards):
+            if informative([r for r in g.verdicts if r is not None]):
                 kept.append(g)
             else:
                 dropped.append(g)
@@ -251,7 +264,7 @@ class TaskScheduler:
             if len(groups) != len(batch):
                 raise ValueError(f"sample_groups returned {len(groups)} groups for {len(batch)} tasks")
             for g in groups:
-                self.record(g.domain, g.task.id, g.rewards)
+                self.record(g.domain, g.task.id, g.verdicts)
             kept += self.filter_groups(groups)[0]
         self._short_batches += len(kept) < num_groups
         return kept
