@@ -73,6 +73,8 @@ def test_stage_logs_its_golden_metrics(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run(config(name, tmp_path / name))
     rows = logged(tmp_path / name)
+    # an evaluation after k updates is logged at step k (0: before any), in every stage
+    assert [r["step"] for r in rows if any(k.startswith("eval/") for k in r)] == ([0, 5] if "rlvr" in name else [5])
     golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
     if os.environ.get("POSTTRAIN_RECORD_GOLDEN"):
         golden[name] = rows

@@ -147,7 +147,7 @@ def train(cfg, stage: TrainSpec) -> Result:
                 done == steps or cfg.train.eval_every and done % cfg.train.eval_every == 0
             ):
                 evals = run_eval(stage, graphdef, state, cfg.lora)
-                rows.append(run.write(step, evals))
+                rows.append(run.write(done, evals))  # at the number of updates it measures, as RL's
                 logging.info("%s step %d: %s", stage.name, done, summary(evals))
                 if stage.sample_fn is not None:  # every process: sampling runs on the global mesh
                     stage.sample_fn(nnx.merge(graphdef, model_params(state, cfg.lora), state.rest), step)
