@@ -39,10 +39,11 @@ def get_config():
     cfg.rl.rollouts_every, cfg.rl.rollouts_fraction = 25, 1 / 16  # 8 of each 128 rollouts kept for the report
     cfg.checkpoint.every = 100
     # The release check: the final policy on the 128 held-out problems (the same ones the RL stage
-    # evaluates). Measured (BENCHMARKS.md, quickstart): 40.6% greedy after SFT (this gate stops
-    # it), 54.7-58.6% after 100 GRPO updates across recipes at lr 1e-4 (58.6% on the rerun with
-    # this eval stage). 0.45 sits ~2.3 standard errors (4.3 points at n=128) below the lowest of
-    # those: it passes on a healthy run and fails when RL did not help.
+    # evaluates; held out by canonical form, graded on the final number only). Measured
+    # (BENCHMARKS.md, quickstart, issue 25): 43.0-44.5% greedy after SFT (this gate stops it),
+    # 57.8-65.6% after 100 GRPO updates over 3 RL seeds. 0.50 sits ~1.8 standard errors (4.3
+    # points at n=128) below the lowest RL run and ~1.3 above the SFT policy: it passes on a
+    # healthy run and fails when RL did not help.
     cfg.eval.suites, cfg.eval.size, cfg.eval.samples, cfg.eval.pass_k = "arithmetic", 128, 4, "1,4"
-    cfg.eval.gate = "arithmetic_accuracy>=0.45"
+    cfg.eval.gate = "arithmetic_accuracy>=0.50"
     return cfg
