@@ -61,7 +61,8 @@ def test_quickstart_notebook_runs_end_to_end(executed):
     (rec,) = [json.loads(l) for l in (run / "2_eval/eval/arithmetic.jsonl").read_text().splitlines()]
     assert rec["problems"] == 8 and rec["step"] == 2  # the RL stage's final checkpoint
     rl_rows = [json.loads(l) for l in (run / "1_rlvr/metrics.jsonl").read_text().splitlines()]
-    assert max(r["step"] for r in rl_rows) == 1 and any("rl/reward_mean" in r for r in rl_rows)
+    assert max(r["step"] for r in rl_rows if "rl/reward_mean" in r) == 1  # two updates, steps 0 and 1
+    assert [r["step"] for r in rl_rows if "eval/accuracy" in r][-1] == 2  # the eval after them
     assert os.listdir(run / "1_rlvr/rollouts") == ["0000000.jsonl"]  # rl.rollouts_every=25
     images = [o for c in code for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) == 2  # the notebook's curves and metrics.png

@@ -328,14 +328,8 @@ def run(cfg) -> Result:
                 learner_sharding=(mesh, rules),
             )
             if r.rollouts_every:
-                c.rollout_log = RolloutLog(
-                    cfg.workdir,
-                    tok,
-                    every=r.rollouts_every,
-                    fraction=r.rollouts_fraction,
-                    seed=cfg.seed,
-                    enabled=jax.process_index() == 0,
-                )
+                kept = dict(every=r.rollouts_every, fraction=r.rollouts_fraction, seed=cfg.seed)
+                c.rollout_log = RolloutLog(cfg.workdir, tok, **kept, enabled=jax.process_index() == 0)
             if r.max_staleness > 0:
                 producer = c.producer = AsyncProducer(
                     worker,
