@@ -134,6 +134,13 @@ def test_repo_fix_demonstration_solves_it_and_masks_exactly_the_model_turns(repo
         repo_domain.demonstration_records([TASK], repo_env, extract_frac=1.5)
 
 
+def test_demonstrations_are_kept_by_correctness_not_by_the_weighted_reward(sandbox):
+    # correct_weight 0.5: a solved episode's correct part is 0.5, its verdict still correct
+    reward_fn = RewardFunction({}, RewardConfig(correct_weight=0.5))
+    make = lambda: WorkspaceEnv(TOK, reward_fn, sandbox, limits=LIMITS, max_turns=4)
+    assert [r["task_id"] for r in repo_domain.demonstration_records([TASK], make)] == [TASK.id]
+
+
 def test_repo_fix_final_check_uses_the_pristine_tests_and_penalties_apply(repo_env):
     cheat = ["<tool>sh\necho 'pass' > test_config.py\n</tool>", "Done."]
     traj = run_episode(repo_env(), TASK, scripted(*cheat))
