@@ -9,27 +9,31 @@ concurrently on a thread pool with short sandbox limits (a few seconds in all).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 
 import pytest
 
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.rl.envs import run_episode
-from posttrain.rl.envs.workspace import RepoTask, WorkspaceEnv, check_repo, read_report, same_value, with_tests
+from posttrain.rl.envs.workspace import (
+    WORKSPACE_LIMITS,
+    RepoTask,
+    WorkspaceEnv,
+    check_repo,
+    read_report,
+    same_value,
+    with_tests,
+)
 from posttrain.rl.reward import RewardConfig, RewardFunction
 from posttrain.rl.tasks import repo_domain
-from posttrain.sandbox import Limits, Sandbox
+from posttrain.sandbox import Sandbox
 from posttrain.sandbox.session import Snapshot
 
 TOK = ByteTokenizer()
-LIMITS = Limits(
-    cpu_s=1,
-    wall_s=2.0,
-    memory_bytes=256 << 20,
-    processes=8,
-    file_bytes=1 << 20,
-    output_bytes=8 << 10,
-    disk_bytes=1 << 20,
+# the workspace's limits, shortened: attacks run 8 at a time and some must hit a limit
+LIMITS = dataclasses.replace(
+    WORKSPACE_LIMITS, cpu_s=1, wall_s=2.0, memory_bytes=256 << 20, processes=8, output_bytes=8 << 10
 )
 TASK = repo_domain.repo_task("config", "SIZE", 12, 37)
 TEST_SRC = dict(TASK.target.tests)["test_config.py"]

@@ -19,21 +19,16 @@ import pytest
 
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.rl.envs import Task, ToolEnv, run_episode
-from posttrain.rl.envs.workspace import WorkspaceEnv
+from posttrain.rl.envs.workspace import WORKSPACE_LIMITS, WorkspaceEnv
 from posttrain.rl.reward import RewardConfig, RewardFunction
 from posttrain.rl.verifiers import MathTask
 from posttrain.rl.verifiers.math import MathVerifier
-from posttrain.sandbox import Limits, Sandbox
+from posttrain.sandbox import Sandbox
 
 TOK = ByteTokenizer()
-LIMITS = Limits(
-    cpu_s=1,
-    wall_s=2.0,
-    memory_bytes=256 << 20,
-    processes=8,
-    file_bytes=1 << 20,
-    output_bytes=8 << 10,
-    disk_bytes=1 << 20,
+# the workspace's limits, shortened: attacks run 8 at a time and some must hit a limit
+LIMITS = dataclasses.replace(
+    WORKSPACE_LIMITS, cpu_s=1, wall_s=2.0, memory_bytes=256 << 20, processes=8, output_bytes=8 << 10
 )
 MAX_TURNS, MAX_TURN_TOKENS = 3, 512
 QUESTION = Task("mul", ({"role": "user", "content": "What is 6*7?"},), MathTask("42"))
