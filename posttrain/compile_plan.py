@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from posttrain import cost_model
 from posttrain.core.harness import restore_target
 from posttrain.core.optim import lr_schedule, make_optimizer
 from posttrain.core.state import abstract_model, abstract_train_state
@@ -31,6 +32,7 @@ from posttrain.core.step import lm_loss, make_train_step
 from posttrain.models.decoder import Decoder
 from posttrain.models.flops import activated_matmul_params, train_flops_per_token
 from posttrain.parallel import aot, logical_spec, make_mesh, parse_rules, rules_key, shardings_for, use_sharding
+from posttrain.parallel.roofline import roofline
 from posttrain.rl.algo.learner import rl_loss
 from posttrain.sampling.generate import bucket, generate_program
 from posttrain.sampling.layout import sampler_rules
@@ -46,7 +48,9 @@ class Program:
     """A jitted function with abstract (sharded) arguments, ready to lower and compile.
 
     parts: named argument subtrees whose per-device bytes the report lists; model_flops: the
-    model's own FLOP count for one call (all devices together), for MFU.
+    model's own FLOP count for one call (all devices together), for MFU; executed_flops: what the
+    chips compute (`cost_model.train_flops`; 0: model_flops); decode_steps / kv_bytes: a
+    sampler's decode steps and the KV cache bytes (all devices) each reads, for its HBM floor.
     """
 
     name: str
@@ -55,6 +59,9 @@ class Program:
     parts: dict[str, Any]
     model_flops: float
     rules: Any = None  # the logical-axis rules it runs under, when not the run's (the sampler's layout)
+    executed_flops: float = 0.0
+    decode_steps: int = 0
+    kv_bytes: float = 0.0
 
 
 def abstract(shape: tuple[int, ...], dtype, names: tuple, mesh: Mesh, rules) -> jax.ShapeDtypeStruct:
@@ -95,10 +102,12 @@ def train_program(name: str, cfg, mesh: Mesh, rules, loss_fn, batch: dict, extra
         "reference": extra,
         "batch": batch,
     }
-    flops = train_flops_per_token(cfg.model, batch[next(iter(batch))].shape[1]) * tokens
+    length = batch[next(iter(batch))].shape[1]
+    flops = train_flops_per_token(cfg.model, length) * tokens
     if cfg.lora.rank > 0:  # frozen weights get no weight gradient: forward + input gradient only
         flops *= 4 / 6
-    return Program(name, step, (state, batch, *extra), parts, flops)
+    policy = cost_model.train_flops(cfg, sum(v.shape[0] for k, v in batch.items() if k.endswith("inputs")), length)
+    return Program(name, step, (state, batch, *extra), parts, flops, executed_flops=flops - policy[0] + policy[1])
 
 
 def sft_program(cfg, mesh: Mesh, rules) -> Program:
@@ -193,7 +202,9 @@ def sampler_program(cfg, mesh: Mesh, rules, prompt_len: int) -> Program:
     n = activated_matmul_params(cfg.model)
     flops = 2 * n * (b * p + b * r.group_size * r.max_new_tokens)
     parts = {"params": params, "model variables": rest}
-    return Program("sampler", fn, args, parts, flops, rules)
+    executed = cost_model.sampler_flops(cfg.model, b, p, r.group_size, r.max_new_tokens)[1]
+    kv = b * r.group_size * (p + r.max_new_tokens) * cost_model.kv_bytes_per_position(cfg.model)
+    return Program("sampler", fn, args, parts, flops, rules, max(executed, flops), r.max_new_tokens, kv)
 
 
 def publish_program(cfg, mesh: Mesh, rules) -> Program:
@@ -231,8 +242,9 @@ def compile_program(program: Program, mesh: Mesh, rules) -> tuple[Any, float]:
 
 
 def program_report(program: Program, compiled, chip: aot.Chip, num_devices: int) -> dict:
-    """Per-device memory by category, FLOPs, collective bytes, fit and a roofline step-time
-    estimate (see `estimate_step`) of a compiled program."""
+    """Per-device memory by category, FLOPs, collective bytes (a decode loop's for every step), fit,
+    an HBM floor (arguments read, outputs written, and per decode step the weights and KV cache
+    it reads) and the roofline (`estimate_step`) of a compiled program."""
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -257,30 +269,29 @@ def program_report(program: Program, compiled, chip: aot.Chip, num_devices: int)
         "hbm": chip.hbm_bytes,
         "fits": total <= chip.hbm_bytes,
         "xla_flops": float(cost.get("flops", 0.0)) if cost else 0.0,
+        "xla_bytes": float(cost.get("bytes accessed", 0.0)) if cost else 0.0,
         "model_flops_per_device": program.model_flops / num_devices,
+        "executed_flops_per_device": (program.executed_flops or program.model_flops) / num_devices,
         "collectives": collectives,
         "loop_trip_unknown": unknown_trips,
         "loop_iteration_collectives": aot.loop_iteration_bytes(hlo),  # the decode loop's: per token
     }
+    weights = max(report["parts"].get("params", 0), report["loop_iteration_collectives"].get("all-gather", 0))
+    decode = program.decode_steps * (weights + program.kv_bytes / num_devices)
+    report["hbm_bytes"] = max(report["xla_bytes"], mem.argument_size_in_bytes + mem.output_size_in_bytes + decode)
+    if unknown_trips and program.decode_steps > 1:  # the decode loop counted once: count every step
+        loop = report["loop_iteration_collectives"]
+        report["collectives"] = {k: v + (program.decode_steps - 1) * loop.get(k, 0) for k, v in collectives.items()}
     report.update(estimate_step(report, chip))
     return report
 
 
 def estimate_step(report: dict, chip: aot.Chip) -> dict:
-    """Roofline step time: the larger of the XLA and model FLOP counts at bf16 peak, plus the
-    collective bytes at the chip's ICI bandwidth (all-reduce counted twice: reduce-scatter +
-    all-gather), without overlap; MFU = model FLOPs / (time × peak). An upper bound on time for
-    a compute-bound step, a rough one otherwise (no HBM-bandwidth term: decode is memory-bound)."""
-    flops = max(report["xla_flops"], report["model_flops_per_device"])
-    comm = sum(v * (2 if k == "all-reduce" else 1) for k, v in report["collectives"].items())
-    compute_s, comm_s = flops / chip.peak_flops, comm / chip.ici_bytes_per_s
-    step_s = compute_s + comm_s
-    return {
-        "compute_s": compute_s,
-        "comm_s": comm_s,
-        "step_s": step_s,
-        "mfu": report["model_flops_per_device"] / (step_s * chip.peak_flops) if step_s else 0.0,
-    }
+    """The roofline (`parallel.roofline.roofline`) of a compiled program: executed FLOPs the larger
+    of XLA's count (a loop body counted once) and the program's own; bytes as `program_report` counts."""
+    model, hbm = report["model_flops_per_device"], report.get("hbm_bytes", 0.0)
+    executed = max(report["xla_flops"], report.get("executed_flops_per_device", 0.0), model)
+    return roofline(model, executed, hbm, report["collectives"], chip)
 
 
 def argument_report(program: Program, chip: aot.Chip, num_devices: int) -> dict:
@@ -359,32 +370,20 @@ def plan(
     gen, _ = aot.parse_topology(topology)
     devices = aot.tpu_devices(topology)
     mesh, rules = make_mesh(cfg.mesh.to_dict(), devices), parse_rules(cfg.sharding.rules.to_dict())
-    reports = []
+    reports, where = [], {"topology": topology, "mesh": dict(mesh.shape)}
     if "restore" in names:
         target, restore_args = restore_plan(cfg, mesh, rules)
-        reports.append(
-            {
-                **restore_report(target, restore_args, mesh, aot.CHIPS[gen]),
-                "topology": topology,
-                "mesh": dict(mesh.shape),
-            }
-        )
+        reports.append({**restore_report(target, restore_args, mesh, aot.CHIPS[gen]), **where})
         names = tuple(n for n in names if n != "restore")
     with use_sharding(mesh, rules):
         programs = build_programs(cfg, mesh, rules, names, prompt_len)
     for program in programs:
         if not compile:
-            reports.append(
-                {
-                    **argument_report(program, aot.CHIPS[gen], len(devices)),
-                    "topology": topology,
-                    "mesh": dict(mesh.shape),
-                }
-            )
+            reports.append({**argument_report(program, aot.CHIPS[gen], len(devices)), **where})
             continue
         compiled, seconds = compile_program(program, mesh, rules)
         report = program_report(program, compiled, aot.CHIPS[gen], len(devices))
-        report.update(topology=topology, mesh=dict(mesh.shape), compile_s=seconds)
+        report.update(where, compile_s=seconds)
         log(f"{topology} {program.name}: compiled in {seconds:.1f} s")
         reports.append(report)
     return reports

@@ -35,6 +35,7 @@ from posttrain.models.lora import BATCH_AXES, FAN_IN_DIMS, target_paths
 from posttrain.models.moe.dispatch import auto_dispatch
 from posttrain.models.moe.experts import expert_capacity
 from posttrain.parallel import aot, logical_spec
+from posttrain.parallel.roofline import phases, roofline
 from posttrain.parallel.sharding import Rules
 from posttrain.sampling.generate import bucket
 
@@ -54,6 +55,9 @@ class WeightBytes:
       program) or over none, and for LoRA adapters (sharded only over layers and experts).
     stacked_dense / experts: the parts of `gathered` that are the layer stack's non-expert
       weights and the experts (the rest: embedding, head, final norm).
+    read / experts_read: every weight as this chip reads it in one pass (at its gathered size,
+      whether or not it was gathered), and the experts' part of that; local / local_trained: the
+      bytes this chip holds (its shards), all weights and the trained ones (the optimizer's).
     """
 
     gathered: float
@@ -61,6 +65,10 @@ class WeightBytes:
     all_reduced: float
     stacked_dense: float = 0.0
     experts: float = 0.0
+    read: float = 0.0
+    experts_read: float = 0.0
+    local: float = 0.0
+    local_trained: float = 0.0
 
     def gathered_per_pass(self, trained: bool, remat: bool) -> float:
         """Bytes all-gathered by one pass over the model. A trained pass under remat gathers the
@@ -100,13 +108,17 @@ def weight_bytes(cfg, mesh: Mesh, rules: Rules) -> WeightBytes:
     lora = cfg.lora.rank > 0
     adapted = set(target_paths(params, cfg.lora.targets)) if lora else set()
     batch_axes = set(rules["batch"])
-    gathered = reduce_scattered = all_reduced = stacked_dense = experts = 0.0
+    gathered = reduce_scattered = all_reduced = stacked_dense = experts = read = experts_read = local = trained = 0.0
     for path, var in nnx.to_flat_state(params):
         key = "/".join(str(getattr(p, "key", p)) for p in path)
         names = tuple(var.get_metadata().get("out_sharding") or (None,) * len(var.shape))
         spec = logical_spec(names, mesh, rules, var.shape)
         gather_axes, keep = _spec_ways(spec, mesh, names, batch_axes)
         nbytes = math.prod(var.shape) * var.dtype.itemsize / keep  # this chip's part, gathered
+        shard = nbytes / math.prod(mesh.shape[a] for a in gather_axes)
+        read, local = read + nbytes, local + shard
+        experts_read += nbytes if "experts" in names else 0.0
+        trained += shard if (key in adapted or not lora) else 0.0
         if gather_axes:
             gathered += nbytes
             if "experts" in names:
@@ -122,9 +134,11 @@ def weight_bytes(cfg, mesh: Mesh, rules: Rules) -> WeightBytes:
             nb = sum(1 for n in names if n in BATCH_AXES)
             nin = FAN_IN_DIMS.get(key.rsplit("/", 1)[-1], 1)
             fans = math.prod(var.shape[nb : nb + nin]) + math.prod(var.shape[nb + nin :])
-            experts = keep_experts(spec, names, mesh)
-            all_reduced += math.prod(var.shape[:nb]) / experts * cfg.lora.rank * fans * var.dtype.itemsize
-    return WeightBytes(gathered, reduce_scattered, all_reduced, stacked_dense, experts)
+            ways = keep_experts(spec, names, mesh)
+            all_reduced += math.prod(var.shape[:nb]) / ways * cfg.lora.rank * fans * var.dtype.itemsize
+    return WeightBytes(
+        gathered, reduce_scattered, all_reduced, stacked_dense, experts, read, experts_read, local, trained
+    )
 
 
 def activated_by_weight(m) -> dict[str, float]:
@@ -147,29 +161,57 @@ def activated_by_weight(m) -> dict[str, float]:
     return out
 
 
+def attention_unit(m, length: int) -> float:
+    """L·H·Dh·S: a token's causal attention forward (QKᵀ and PV, 2 FLOPs per multiply-add, over
+    S/2 positions on average) is 2 units, its backward 4 (dV, dP, dQ, dK)."""
+    return m.num_layers * m.num_heads * m.head_dim * length
+
+
+def recompute_per_token(m, length: int) -> float:
+    """FLOPs per token that `model.remat` and the attention kernel compute again in the backward.
+
+    remat full (`nothing_saveable` on each layer): the layer stack's forward, 2·(N − head) + the
+    attention forward (the LM head is outside the scan: not recomputed); remat dots
+    (`dots_with_no_batch_dims_saveable`): the weight matmuls are kept, but the attention einsums
+    and the experts (batched over experts, or `ragged_dot`) are recomputed; flash-style kernels
+    (every `model.attention` but the xla reference) recompute the scores QKᵀ in their backward.
+    """
+    n, a = activated_matmul_params(m), attention_unit(m, length)
+    experts = 3 * m.embed_dim * m.moe.expert_mlp_dim * m.moe.top_k * layer_kinds(m).count("moe")
+    remat = {"none": 0.0, "full": 2 * (n - m.embed_dim * m.vocab_size) + 2 * a, "dots": 2 * experts + 2 * a}[m.remat]
+    return remat + (a if m.attention != "xla" else 0.0)
+
+
 def train_flops(cfg, rows: int, length: int) -> tuple[float, float]:
     """(model, executed) FLOPs of one train step on rows × length tokens (all chips together).
 
     Model: 6·N_activated + causal attention per token; under LoRA 4·N (frozen weights need no
-    weight gradient), the count MFU is quoted in. Executed: the adapted weights are merged
-    (W + s·A·B) before use, so their weight gradient is computed in full: 6·N on them.
+    weight gradient), the count MFU is quoted in. Executed: what the chips compute: forward 2·N,
+    input gradients 2·N, weight gradients 2·N (under LoRA only on the adapted weights, merged
+    W + s·A·B before use, so their gradient is weight-sized), attention forward and backward
+    (6 units, `attention_unit`), plus `recompute_per_token`. model ≤ executed always.
     """
     m = cfg.model
-    full = train_flops_per_token(m, length) * rows * length
-    if cfg.lora.rank <= 0:
-        return full, full
-    adapted = sum(v for k, v in activated_by_weight(m).items() if k in tuple(cfg.lora.targets))
-    return full * 4 / 6, full * 4 / 6 + 2 * adapted * rows * length
+    n, tokens = activated_matmul_params(m), rows * length
+    full = train_flops_per_token(m, length) * tokens
+    weight_grads = 2 * n
+    if cfg.lora.rank > 0:
+        weight_grads = 2 * sum(v for k, v in activated_by_weight(m).items() if k in tuple(cfg.lora.targets))
+    executed = (4 * n + weight_grads + 6 * attention_unit(m, length) + recompute_per_token(m, length)) * tokens
+    model = full * 4 / 6 if cfg.lora.rank > 0 else full
+    return model, executed
 
 
-def sampler_flops(m, prompts: int, prompt_len: int, samples: int, new_tokens: int) -> float:
-    """FLOPs of prefilling `prompts` prompts and decoding `samples` × `new_tokens` tokens for each:
-    2·N_activated per token plus attention over the context each token sees (4·L·H·Dh per
-    context position; causal in the prefill)."""
+def sampler_flops(m, prompts: int, prompt_len: int, samples: int, new_tokens: int) -> tuple[float, float]:
+    """(model, executed) FLOPs of prefilling `prompts` prompts and decoding `samples` × `new_tokens`
+    tokens for each. Model: 2·N_activated per token plus attention over the context each token
+    sees (4·L·H·Dh per context position; causal in the prefill). Executed: a decode step attends
+    over the whole cache (prompt + new tokens, masked), as `ops.decode.decode_attention` does."""
     n, attn = activated_matmul_params(m), 4 * m.num_layers * m.num_heads * m.head_dim
     prefill = prompts * (2 * n * prompt_len + attn * prompt_len**2 / 2)
     decode = prompts * samples * (2 * n * new_tokens + attn * (new_tokens * prompt_len + new_tokens**2 / 2))
-    return prefill + decode
+    executed = prompts * samples * new_tokens * (2 * n + attn * (prompt_len + new_tokens))
+    return prefill + decode, prefill + executed
 
 
 def exchange_bytes(cfg, mesh: Mesh, rules: Rules, tokens: int) -> tuple[float, float]:
@@ -223,11 +265,44 @@ def program_work(cfg, program: str, prompt_len: int) -> dict:
     raise ValueError(f"program {program!r}: expected one of {PROGRAMS}")
 
 
-def program_cost(cfg, mesh: Mesh, rules: Rules, program: str, prompt_len: int, chip: aot.Chip) -> dict:
-    """Per-chip FLOPs (model and executed), collective bytes by kind and the roofline step
-    estimate (`compile_plan.estimate_step`) of one call of `program`, from the shapes alone."""
-    from posttrain.compile_plan import estimate_step
+def kv_bytes_per_position(m) -> float:
+    """Bytes of one row's K and V cache at one position, all layers (the cache is in model.dtype)."""
+    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * (2 if m.dtype == "bfloat16" else 4)
 
+
+def train_hbm_bytes(cfg, w: WeightBytes, tokens: int, reads: int) -> float:
+    """A floor on the HBM bytes per chip of one train step on `tokens` tokens of this chip: every
+    weight read `reads` times at its gathered size (forward, backward, and the recompute under
+    remat), each trained weight's gradient written once at that size, the optimizer reading and
+    writing this chip's trained shards (params, and AdamW's two moments) and its gradient shard,
+    the residual stream kept per layer (written, read back) and the float32 logits (written, read)."""
+    m = cfg.model
+    act = 2 if m.dtype == "bfloat16" else 4
+    moments = 2 if cfg.optim.name == "adamw" else 0
+    optimizer = (3 + 2 * moments) * w.local_trained
+    activations = tokens * (2 * m.num_layers * m.embed_dim * act + 2 * m.vocab_size * 4)
+    return reads * w.read + w.reduce_scattered + w.all_reduced + optimizer + activations
+
+
+def decode_weight_bytes(cfg, w: WeightBytes, mesh: Mesh, rules: Rules, rows: float) -> float:
+    """Weight bytes one decode step reads on a chip with `rows` rows: every non-expert weight
+    once, and of its local experts only those the step's tokens can reach (at most the
+    assignments arriving here under an even router: rows × peers × top_k / expert ways)."""
+    moe = cfg.model.moe
+    if not w.experts_read:
+        return w.read
+    axes = [a for a in rules["experts"] if mesh.shape[a] > 1]
+    ways = math.prod(mesh.shape[a] for a in axes)
+    peers = math.prod(mesh.shape[a] for a in axes if a in rules["batch"])
+    local = moe.num_experts / ways
+    arriving = rows * peers * moe.top_k / ways
+    return w.read - w.experts_read + w.experts_read * min(1.0, arriving / local)
+
+
+def program_cost(cfg, mesh: Mesh, rules: Rules, program: str, prompt_len: int, chip: aot.Chip) -> dict:
+    """Per-chip FLOPs (model and executed), HBM bytes, collective bytes by kind and the roofline
+    (`roofline`: time, the bound that sets it, MFU) of one call of `program`, from the shapes alone.
+    The sampler is two phases: the prefill, then `new_tokens` decode steps, each its own roofline."""
     unmodelled = {
         a: mesh.shape[a] for a in mesh.axis_names if a not in ("data", "fsdp", "expert") and mesh.shape[a] > 1
     }
@@ -246,10 +321,28 @@ def program_cost(cfg, mesh: Mesh, rules: Rules, program: str, prompt_len: int, c
     coll = dict.fromkeys(aot.COLLECTIVES, 0.0)
     if program == "sampler":
         b, p, g, n = work["prompts"], work["prompt_len"], work["samples"], work["new_tokens"]
-        model = executed = sampler_flops(m, b, p, g, n)
-        coll["all-gather"] = (1 + n) * w.gathered  # the prefill, then every decode step
-        for tokens, times in ((tokens_per_chip(b, p, mesh, rules), 1), (tokens_per_chip(b * g, 1, mesh, rules), n)):
-            coll["all-to-all"] += times * sum(exchange_bytes(cfg, mesh, rules, tokens))
+        model, executed = sampler_flops(m, b, p, g, n)
+        prefill_flops = sampler_flops(m, b, p, g, 0)[0]
+        prompt_tokens, rows = tokens_per_chip(b, p, mesh, rules), tokens_per_chip(b * g, 1, mesh, rules)
+        pre = dict.fromkeys(aot.COLLECTIVES, 0.0) | {"all-gather": w.gathered}
+        pre["all-to-all"] = sum(exchange_bytes(cfg, mesh, rules, prompt_tokens))
+        step = dict.fromkeys(aot.COLLECTIVES, 0.0) | {"all-gather": w.gathered}
+        step["all-to-all"] = sum(exchange_bytes(cfg, mesh, rules, rows))
+        kv = kv_bytes_per_position(m)
+        pre_hbm = w.read + prompt_tokens * kv
+        step_hbm = decode_weight_bytes(cfg, w, mesh, rules, rows) + rows * (p + n + 1) * kv
+        coll = {k: pre[k] + n * step[k] for k in coll}
+        hbm = pre_hbm + n * step_hbm
+        devices = mesh.size
+        times = phases(
+            [
+                (1, roofline(prefill_flops / devices, prefill_flops / devices, pre_hbm, pre, chip)),
+                (n, roofline(0.0, (executed - prefill_flops) / devices / max(n, 1), step_hbm, step, chip)),
+            ],
+            model / devices,
+            executed / devices,
+            chip,
+        )
     else:
         rows, length, ref_rows = work["rows"], work["length"], work["ref_rows"]
         model, executed = train_flops(cfg, rows, length)
@@ -257,17 +350,22 @@ def program_cost(cfg, mesh: Mesh, rules: Rules, program: str, prompt_len: int, c
             ref = train_flops_per_token(m, length) * ref_rows * length / 3
             model, executed = model + ref, executed + ref
         forward = 2 if m.remat != "none" else 1  # under remat the backward gathers and exchanges again
-        rows_b, ids_b = exchange_bytes(cfg, mesh, rules, tokens_per_chip(rows, length, mesh, rules))
+        tokens = tokens_per_chip(rows, length, mesh, rules)
+        rows_b, ids_b = exchange_bytes(cfg, mesh, rules, tokens)
         coll["all-gather"] = w.gathered_per_pass(True, forward == 2) + (w.gathered if ref_rows else 0.0)
         coll["reduce-scatter"], coll["all-reduce"] = w.reduce_scattered, w.all_reduced
         coll["all-to-all"] = forward * (rows_b + ids_b) + rows_b
+        hbm = train_hbm_bytes(cfg, w, tokens, 1 + forward)
         if ref_rows:
-            coll["all-to-all"] += sum(exchange_bytes(cfg, mesh, rules, tokens_per_chip(ref_rows, length, mesh, rules)))
-    report = {
+            ref_tokens = tokens_per_chip(ref_rows, length, mesh, rules)
+            coll["all-to-all"] += sum(exchange_bytes(cfg, mesh, rules, ref_tokens))
+            hbm += w.read + ref_tokens * 2 * m.vocab_size * 4
+        times = roofline(model / mesh.size, executed / mesh.size, hbm, coll, chip)
+    return {
         "program": program,
         "model_flops_per_device": model / mesh.size,
         "executed_flops_per_device": executed / mesh.size,
+        "hbm_bytes": hbm,
         "collectives": coll,
+        **times,
     }
-    report.update(estimate_step({**report, "xla_flops": executed / mesh.size}, chip))
-    return report

@@ -186,7 +186,7 @@ def test_analytic_cost_model_matches_the_compiled_program():
         got["reduce-scatter"] + got["all-reduce"], rel=0.1
     )
     assert want["all-gather"] == pytest.approx(got["all-gather"], rel=0.1)
-    assert 0 < analytic["mfu"] < 1 and analytic["step_s"] > analytic["compute_s"] > 0
+    assert 0 < analytic["mfu"] <= analytic["ceiling"] < 1 and analytic["step_s"] >= analytic["compute_s"] > 0
 
 
 def test_analytic_cost_model_matches_the_cpu_compiled_program():
@@ -238,11 +238,14 @@ def test_analytic_flops_are_the_programs_model_flops():
     cost = {n: cost_model.program_cost(cfg, mesh, rules, n, 8, aot.CHIPS["v5p"]) for n in names}
     for p in programs:
         assert cost[p.name]["model_flops_per_device"] == pytest.approx(p.model_flops / mesh.size, rel=1e-9), p.name
+        assert cost[p.name]["executed_flops_per_device"] == pytest.approx(p.executed_flops / mesh.size, rel=1e-9)
     assert cost["rl_learner"]["collectives"]["all-gather"] > 0
     cfg.lora.rank, cfg.lora.targets = 4, ("q", "k", "v", "o")
     lora = cost_model.program_cost(cfg, mesh, rules, "sft", 8, aot.CHIPS["v5p"])
     assert lora["model_flops_per_device"] == pytest.approx(cost["sft"]["model_flops_per_device"] * 4 / 6)
-    assert lora["model_flops_per_device"] < lora["executed_flops_per_device"] < cost["sft"]["model_flops_per_device"]
+    # remat full recomputes the forward: executed above model, and LoRA's below full fine-tuning's
+    assert lora["model_flops_per_device"] < lora["executed_flops_per_device"] < cost["sft"]["executed_flops_per_device"]
+    assert cost["sft"]["model_flops_per_device"] < cost["sft"]["executed_flops_per_device"]
     assert lora["collectives"]["reduce-scatter"] + lora["collectives"]["all-reduce"] < (
         cost["sft"]["collectives"]["reduce-scatter"] + cost["sft"]["collectives"]["all-reduce"]
     )

@@ -34,10 +34,11 @@ GB = 1e9
 
 
 def table(reports: list[dict]) -> str:
-    """A markdown table: per-device GB by category, fit, FLOPs, collective GB, estimated time, MFU."""
+    """A markdown table: per-device GB by category, fit, executed FLOPs, collective GB (a decode
+    loop's for every step), the roofline's time floor, the bound that sets it, and MFU."""
     head = (
-        "| program | params | opt | ref/frozen | args | temps | total | fits | TFLOP/dev | "
-        "AG/RS/A2A/AR/CP GB | est. s | MFU |"
+        "| program | params | opt | ref/frozen | args | temps | total | fits | executed TFLOP/dev | "
+        "AG/RS/A2A/AR/CP GB | est. s | bound | MFU |"
     )
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in reports:
@@ -53,8 +54,8 @@ def table(reports: list[dict]) -> str:
             f"| {r['program']} | {p.get('params', 0) / GB:.2f} | {p.get('optimizer', 0) / GB:.2f} | "
             f"{(p.get('reference', 0) + p.get('frozen base', 0)) / GB:.2f} | {r['arguments'] / GB:.2f} | "
             f"{r['temporaries'] / GB:.2f} | {r['total'] / GB:.2f} | {'yes' if r['fits'] else 'NO'} | "
-            f"{max(r['xla_flops'], r['model_flops_per_device']) / 1e12:.2f} | {coll}"
-            f"{' (per iteration)' if r['loop_trip_unknown'] else ''} | {r['step_s']:.3g} | {r['mfu']:.0%} |"
+            f"{max(r['xla_flops'], r['executed_flops_per_device']) / 1e12:.2f} | {coll} | "
+            f"{r['step_s']:.3g} | {r['bound']} | {r['mfu']:.1%} |"
         )
     return "\n".join(rows)
 

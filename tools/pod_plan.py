@@ -6,10 +6,11 @@ FLOPs, collective bytes and a roofline step time, for BENCHMARKS.md "Pod plan".
         [--json out.json] [--grid]
 
 Without --compile: the exact argument bytes by part and the analytic cost model
-(`posttrain.cost_model`: FLOPs, collective bytes, roofline step time and MFU from the shapes,
-mesh and rules; ~2 minutes for all 80 rows); with it every program is compiled for the slice (20-30
-minutes per large model on a CPU host). --grid prints the analytic numbers as one row per
-program with a column per slice (BENCHMARKS.md "Pod plan"). Needs libtpu (`pip install -e '.[tpu]'`).
+(`posttrain.cost_model`: executed FLOPs, HBM and collective bytes, the roofline's step time, the
+bound that sets it and MFU from the shapes, mesh and rules; ~2 minutes for all 80 rows); with it
+every program is compiled for the slice (20-30 minutes per large model on a CPU host). --grid
+prints the analytic numbers as one row per program with a column per slice (BENCHMARKS.md "Pod
+plan"). Needs libtpu (`pip install -e '.[tpu]'`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def row(model: str, mode: str, r: dict) -> str:
         return (
             f"| {model} | {mode} | restore | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
             f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | – | {r['total'] / GB:.1f} | "
-            f"{'yes' if r['fits'] else '**no**'} | – | – ({r['arrays']} arrays, {problems}) | – | – |"
+            f"{'yes' if r['fits'] else '**no**'} | – | – ({r['arrays']} arrays, {problems}) | – | – | – |"
         )
     if "total" in r:
         c = r["collectives"]
@@ -65,33 +66,34 @@ def row(model: str, mode: str, r: dict) -> str:
             f"| {model} | {mode} | {r['program']} | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
             f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | {r['temporaries'] / GB:.1f} | "
             f"{r['total'] / GB:.1f} | {'yes' if r['fits'] else '**no**'} | "
-            f"{max(r['xla_flops'], r['model_flops_per_device']) / 1e12:.0f} | {coll} | "
-            f"{r['step_s']:.2f} | {r['mfu']:.0%} |"
+            f"{max(r['xla_flops'], r['executed_flops_per_device']) / 1e12:.0f} | {coll} | "
+            f"{r['step_s']:.2f} | {r['bound']} | {mfu(r['mfu'])} |"
         )
     a = r["analytic"]
     if a is None:
         return (
             f"| {model} | {mode} | {r['program']} | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
             f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | (not compiled) | ≥ {r['arguments'] / GB:.1f} | "
-            f"{'no' if r['arguments'] > r['hbm'] else '?'} | – | – (not modelled: compile it) | – | – |"
+            f"{'no' if r['arguments'] > r['hbm'] else '?'} | – | – (not modelled: compile it) | – | – | – |"
         )
     coll = ", ".join(f"{k} {v / GB:.1f}" for k, v in a["collectives"].items() if v)
     return (
         f"| {model} | {mode} | {r['program']} | {r['topology']} | {mesh} | {p.get('params', 0) / GB:.1f} | "
         f"{p.get('optimizer', 0) / GB:.1f} | {held / GB:.1f} | (not compiled) | ≥ {r['arguments'] / GB:.1f} | "
         f"{'no' if r['arguments'] > r['hbm'] else '?'} | {a['executed_flops_per_device'] / 1e12:.0f} (analytic) | "
-        f"{sum(a['collectives'].values()) / GB:.1f} ({coll}) | {a['step_s']:.2f} | {mfu(a['mfu'])} |"
+        f"{sum(a['collectives'].values()) / GB:.1f} ({coll}) | {a['step_s']:.2f} | {a['bound']} | {mfu(a['mfu'])} |"
     )
 
 
 def grid_cell(r: dict) -> str:
-    """One slice's analytic numbers for the grid: TFLOP/chip · collective GB/chip · est. s · MFU."""
+    """One slice's analytic numbers for the grid: executed TFLOP/chip · collective GB/chip ·
+    est. s (the roofline's floor) · its bound · MFU (at most: model FLOPs / (est. × peak))."""
     a = r["analytic"]
     if a is None:
         return "not modelled"
     return (
         f"{a['executed_flops_per_device'] / 1e12:.0f} · {sum(a['collectives'].values()) / GB:.0f} · "
-        f"{a['step_s']:.2f} · {mfu(a['mfu'])}{' ✗' if r['arguments'] > r['hbm'] else ''}"
+        f"{a['step_s']:.2f} · {a['bound']} · {mfu(a['mfu'])}{' ✗' if r['arguments'] > r['hbm'] else ''}"
     )
 
 
@@ -102,8 +104,8 @@ def mfu(x: float) -> str:
 
 HEADER = (
     "| model | mode | program | slice | mesh | params GB | opt GB | ref+frozen GB | temps GB | "
-    "total GB/chip | fits | TFLOP/chip | collective GB/chip | est. s | MFU |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "total GB/chip | fits | executed TFLOP/chip | collective GB/chip | est. s | bound | MFU |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 

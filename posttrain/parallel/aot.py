@@ -20,20 +20,33 @@ import jax
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """Published per-chip facts of a TPU generation (bf16 peak, HBM, ICI bandwidth per chip)."""
+    """Published per-chip facts of a TPU generation (bf16 peak, HBM size and bandwidth, ICI
+    bandwidth per chip). A chip has 2 ICI links per torus dimension (one to each neighbour);
+    `link_bytes_per_s` is one of them: what a ring's hop to its neighbour can use."""
 
     hbm_bytes: float
     peak_flops: float  # bf16 FLOP/s
     ici_bytes_per_s: float  # all ICI links of one chip together, one direction
     cores_per_chip: int  # TensorCores the slice name counts (v4/v5p: 2, megacore)
     dims: int  # torus dimensions
+    hbm_bytes_per_s: float = 0.0  # HBM bandwidth
+
+    @property
+    def links(self) -> int:
+        """ICI links of one chip: one to each neighbour along every torus dimension."""
+        return 2 * self.dims
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        """One link's bandwidth (one direction): the chip's ICI bandwidth over its links."""
+        return self.ici_bytes_per_s / self.links
 
 
 CHIPS = {
-    "v4": Chip(32e9, 275e12, 2400e9 / 8, 2, 3),
-    "v5e": Chip(16e9, 197e12, 1600e9 / 8, 1, 2),
-    "v5p": Chip(95e9, 459e12, 4800e9 / 8, 2, 3),
-    "v6e": Chip(32e9, 918e12, 3584e9 / 8, 1, 2),
+    "v4": Chip(32e9, 275e12, 2400e9 / 8, 2, 3, 1228e9),
+    "v5e": Chip(16e9, 197e12, 1600e9 / 8, 1, 2, 819e9),
+    "v5p": Chip(95e9, 459e12, 4800e9 / 8, 2, 3, 2765e9),
+    "v6e": Chip(32e9, 918e12, 3584e9 / 8, 1, 2, 1640e9),
 }
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-to-all", "all-reduce", "collective-permute")
