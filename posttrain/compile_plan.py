@@ -106,8 +106,11 @@ def train_program(name: str, cfg, mesh: Mesh, rules, loss_fn, batch: dict, extra
     flops = train_flops_per_token(cfg.model, length) * tokens
     if cfg.lora.rank > 0:  # frozen weights get no weight gradient: forward + input gradient only
         flops *= 4 / 6
-    policy = cost_model.train_flops(cfg, sum(v.shape[0] for k, v in batch.items() if k.endswith("inputs")), length)
-    return Program(name, step, (state, batch, *extra), parts, flops, executed_flops=flops - policy[0] + policy[1])
+    rows = sum(v.shape[0] for k, v in batch.items() if k.endswith("inputs"))  # the policy's (the reference's too)
+    executed = cost_model.train_flops(cfg, rows, length)[1] + (
+        cost_model.reference_flops(cfg.model, rows, length) if extra else 0
+    )
+    return Program(name, step, (state, batch, *extra), parts, flops, executed_flops=executed)
 
 
 def sft_program(cfg, mesh: Mesh, rules) -> Program:

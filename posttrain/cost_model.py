@@ -161,10 +161,13 @@ def activated_by_weight(m) -> dict[str, float]:
     return out
 
 
-def attention_unit(m, length: int) -> float:
-    """L·H·Dh·S: a token's causal attention forward (QKᵀ and PV, 2 FLOPs per multiply-add, over
-    S/2 positions on average) is 2 units, its backward 4 (dV, dP, dQ, dK)."""
-    return m.num_layers * m.num_heads * m.head_dim * length
+def attention_forward(m, length: int) -> float:
+    """Executed attention forward FLOPs per token: QKᵀ and PV, 2·L·H·Dh per (query, key) pair
+    each; for the tiled kernels the tiles on and below the diagonal, (S + block) / 2 pairs per
+    query (they skip those above), all S for the xla reference (a masked S×S matmul). Its
+    backward costs twice this."""
+    pairs = length if m.attention == "xla" else min(length, (length + m.attention_block) / 2)
+    return 4 * m.num_layers * m.num_heads * m.head_dim * pairs
 
 
 def recompute_per_token(m, length: int) -> float:
@@ -176,10 +179,10 @@ def recompute_per_token(m, length: int) -> float:
     and the experts (batched over experts, or `ragged_dot`) are recomputed; flash-style kernels
     (every `model.attention` but the xla reference) recompute the scores QKᵀ in their backward.
     """
-    n, a = activated_matmul_params(m), attention_unit(m, length)
+    n, f = activated_matmul_params(m), attention_forward(m, length)
     experts = 3 * m.embed_dim * m.moe.expert_mlp_dim * m.moe.top_k * layer_kinds(m).count("moe")
-    remat = {"none": 0.0, "full": 2 * (n - m.embed_dim * m.vocab_size) + 2 * a, "dots": 2 * experts + 2 * a}[m.remat]
-    return remat + (a if m.attention != "xla" else 0.0)
+    remat = {"none": 0.0, "full": 2 * (n - m.embed_dim * m.vocab_size) + f, "dots": 2 * experts + f}[m.remat]
+    return remat + (f / 2 if m.attention != "xla" else 0.0)
 
 
 def train_flops(cfg, rows: int, length: int) -> tuple[float, float]:
@@ -189,7 +192,7 @@ def train_flops(cfg, rows: int, length: int) -> tuple[float, float]:
     weight gradient), the count MFU is quoted in. Executed: what the chips compute: forward 2·N,
     input gradients 2·N, weight gradients 2·N (under LoRA only on the adapted weights, merged
     W + s·A·B before use, so their gradient is weight-sized), attention forward and backward
-    (6 units, `attention_unit`), plus `recompute_per_token`. model ≤ executed always.
+    (3 × `attention_forward`), plus `recompute_per_token`. model ≤ executed always.
     """
     m = cfg.model
     n, tokens = activated_matmul_params(m), rows * length
@@ -197,9 +200,14 @@ def train_flops(cfg, rows: int, length: int) -> tuple[float, float]:
     weight_grads = 2 * n
     if cfg.lora.rank > 0:
         weight_grads = 2 * sum(v for k, v in activated_by_weight(m).items() if k in tuple(cfg.lora.targets))
-    executed = (4 * n + weight_grads + 6 * attention_unit(m, length) + recompute_per_token(m, length)) * tokens
+    executed = (4 * n + weight_grads + 3 * attention_forward(m, length) + recompute_per_token(m, length)) * tokens
     model = full * 4 / 6 if cfg.lora.rank > 0 else full
     return model, executed
+
+
+def reference_flops(m, rows: int, length: int) -> float:
+    """Executed FLOPs of a frozen reference's forward on rows × length tokens."""
+    return (2 * activated_matmul_params(m) + attention_forward(m, length)) * rows * length
 
 
 def sampler_flops(m, prompts: int, prompt_len: int, samples: int, new_tokens: int) -> tuple[float, float]:
@@ -346,9 +354,9 @@ def program_cost(cfg, mesh: Mesh, rules: Rules, program: str, prompt_len: int, c
     else:
         rows, length, ref_rows = work["rows"], work["length"], work["ref_rows"]
         model, executed = train_flops(cfg, rows, length)
-        if ref_rows:  # the reference's forward: a third of a step's FLOPs on its tokens
-            ref = train_flops_per_token(m, length) * ref_rows * length / 3
-            model, executed = model + ref, executed + ref
+        if ref_rows:  # the reference's forward: a third of a step's model FLOPs on its tokens
+            model += train_flops_per_token(m, length) * ref_rows * length / 3
+            executed += reference_flops(m, ref_rows, length)
         forward = 2 if m.remat != "none" else 1  # under remat the backward gathers and exchanges again
         tokens = tokens_per_chip(rows, length, mesh, rules)
         rows_b, ids_b = exchange_bytes(cfg, mesh, rules, tokens)
