@@ -1,8 +1,9 @@
-"""Analytic per-chip cost of a run's programs on a TPU slice: FLOPs from the shapes, collective
-bytes from the mesh and the sharding rules, and the roofline step time of
-`compile_plan.estimate_step` — for every model × slice of the pod plan, where a compile of one
-large program takes 20-30 minutes on a CPU host (`tools/pod_plan.py`; checked against compiled
-programs by tests/test_compile_plan.py and in BENCHMARKS.md "Pod plan").
+"""Analytic per-chip cost of a run's programs on a TPU slice: model and executed FLOPs (remat and
+attention recompute) and HBM bytes from the shapes, collective bytes from the mesh and the
+sharding rules, and the roofline (`parallel.roofline`: a floor on time, the bound that sets it,
+MFU) — for every model × slice of the pod plan, where a compile of one large program takes 20-30
+minutes on a CPU host (`tools/pod_plan.py`; checked against compiled programs, in and out of
+sample, by tests/test_compile_plan.py, tests/test_cost_model.py and BENCHMARKS.md "Pod plan").
 
 The schedule it counts (mesh axes data · fsdp · expert, the batch over all of them):
 * ZeRO-3: every weight sharded over batch axes is all-gathered before use, once per forward
