@@ -7,6 +7,8 @@ The other samplers on both branches: tests/test_sampling.py::test_accelerator_la
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,7 @@ from flax import nnx
 
 from posttrain.config import base_config
 from posttrain.models.decoder import Decoder
-from posttrain.parallel import accelerator_paths, aot, make_mesh
+from posttrain.parallel import accelerator_paths, aot, make_mesh, use_sharding
 from posttrain.parallel.mesh import ACCELERATOR_PATHS_ENV
 from posttrain.parallel.sharding import abstract_model
 from posttrain.sampling import engine, kv_cache
@@ -154,3 +156,92 @@ def test_speculative_round_stays_one_unit_deep_on_the_accelerator_path(monkeypat
     assert size(8) == size(2)
     monkeypatch.delenv(ACCELERATOR_PATHS_ENV)
     assert size(8) > 2 * size(2)
+
+
+def test_episodes_are_the_same_on_both_branches(monkeypatch):
+    """Multi-turn episodes in two cohorts (contexts of different lengths, growing turn by turn):
+    on the accelerator branch, with later turns served by the prefix cache from stacked KV, the
+    same tokens, loss masks, rewards and behaviour log-probs as the CPU branch's plain sampling."""
+    from posttrain.sampling.prefix_cache import PrefixCache
+    from tests.test_episode_cohorts import episodes
+    from tests.test_rl_continuous import assert_same_rollouts, tiny_policy
+
+    policy, key = tiny_policy(), jax.random.key(5)  # test_episode_cohorts' episodes: CPU programs shared
+    monkeypatch.delenv(ACCELERATOR_PATHS_ENV, raising=False)
+    cpu, *_ = episodes(policy, 2, key)
+    monkeypatch.setenv(ACCELERATOR_PATHS_ENV, "1")
+    cache = PrefixCache(4096, block=8)
+    accelerator, _, worker, _ = episodes(policy, 2, key, prefix_cache=cache)
+    assert_same_rollouts(cpu, accelerator)
+    assert cache.stats.hits > 0 and len(worker.calls) > 2  # later turns hit their earlier turns' KV
+
+
+def tpu_sampler_programs(mesh, rules, layout):
+    """Every sampler program (static, speculative, prefix-cached without and with a hit, queued and
+    grouped continuous batching) of the tiny MoE model with abstract weights in the `layout`'s
+    rules, as (name, jitted function, static kwargs, abstract args): 2 prompts of 8 tokens, 2
+    samples each, continuous batching in 4 slots (one row per device)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from posttrain import compile_plan as cp
+    from posttrain.sampling import SamplingParams
+    from posttrain.sampling.continuous_programs import continuous_program, grouped_continuous_program
+    from posttrain.sampling.generate import generate_program, sharding_key
+    from posttrain.sampling.layout import sampler_rules
+    from posttrain.sampling.prefix_cache import cached_program
+    from posttrain.sampling.speculative import speculative_program
+    from tests.test_compile_plan import tiny_moe_config
+
+    cfg = tiny_moe_config()
+    rules = sampler_rules(rules, layout)
+    make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))
+    graphdef = nnx.graphdef(abstract_model(make))
+    params, rest = cp.abstract_weights(make, mesh, rules)
+    spec = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+    key = spec((), jax.eval_shape(lambda: jax.random.key(0)).dtype)
+    sampling = SamplingParams(temperature=1.0, top_k=8, max_new_tokens=4, num_samples=2, stop_ids=(0,))
+    b, p = 2, 8
+    weights = (graphdef, params, rest)
+    prompts = (spec((b, p)), spec((b,)), spec((b,)), spec(()), key)  # tokens, lengths, limits, count, key
+    with use_sharding(mesh, rules):
+        model = lambda w, r: nnx.merge(graphdef, w, r)
+        prefill = lambda m, t, n: engine.prefill(m, t, n, engine.decode_layers(m))[1]
+        kv = jax.eval_shape(lambda w, r, t, n: prefill(model(w, r), t, n), params, rest, prompts[0], prompts[1])
+        common = dict(sampling=sampling, pad_id=0, rules=sharding_key())
+    prefix = jax.tree.map(lambda a: spec(a.shape, a.dtype), kv)
+    cached = lambda prefix: (*weights, prefix, prompts[0], spec((b,)), *prompts[1:])  # prefix, suffix, starts, ..
+    queue = (spec((2 * b, p)), spec((2 * b,)), spec((2 * b,)), spec((2 * b,)), spec(()), key)  # + sample ids
+    speculative = dataclasses.replace(sampling, speculative_k=2, draft_layers=1)
+    return rules, [
+        ("generate", generate_program, common, (*weights, *prompts)),
+        ("speculative", speculative_program, {**common, "sampling": speculative}, (*weights, *prompts)),
+        ("prefix miss", cached_program, {**common, "capacity": 2 * p + 4}, cached(None)),
+        ("prefix hit", cached_program, {**common, "capacity": 2 * p + 4}, cached(prefix)),
+        ("continuous", continuous_program, {**common, "num_slots": 4, "prefill_batch": 2}, (*weights, *queue)),
+        ("grouped", grouped_continuous_program, {**common, "num_slots": 4, "refill_batch": 2}, (*weights, *prompts)),
+    ]
+
+
+@needs_libtpu
+def test_every_sampler_program_is_traced_for_a_tpu_slice():
+    """Each sampler program of the tiny MoE model, in both sampling layouts, lowered for a v5p
+    slice (data 2 · expert 2) as a pod would run it: the stacked KV cache, experts on `ragged_dot`
+    and exchanged by the ragged all-to-all (a TPU-only collective, like the Pallas kernels:
+    tests/test_compile_plan.py compiles them and the static sampler with libtpu). Lowered only: a
+    libtpu compile of the speculative program takes ~15 s of CPU here."""
+    from posttrain.parallel import parse_rules
+    from tests.test_compile_plan import tiny_moe_config
+
+    cfg = tiny_moe_config()
+    cfg.mesh.data, cfg.mesh.fsdp = 1, 2  # ZeRO-3 weights in the learner's layout: the layouts differ
+    mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices("v5p:2x2x1"))
+    rules = parse_rules(cfg.sharding.rules.to_dict())
+    texts = {}
+    for layout in ("learner", "tensor"):
+        layout_rules, programs = tpu_sampler_programs(mesh, rules, layout)
+        for name, fn, kwargs, args in programs:
+            with use_sharding(mesh, layout_rules):
+                texts[layout, name] = text = fn.lower(*args, **kwargs).as_text()
+            assert "ragged_dot" in text and "ragged_all_to_all" in text, (layout, name)
+    assert all(texts["learner", name] != texts["tensor", name] for _, name in texts)
