@@ -132,6 +132,26 @@ def test_stacked_extend_equals_the_unrolled_one_at_every_draft_depth():
         kv_cache.to_layers(stacked, ((1, 5),))
 
 
+def test_moe_training_gradients_are_the_same_on_both_branches(monkeypatch):
+    """The expert branches serve training too: a tiny MoE decoder's loss and gradients (experts on
+    the CPU's dense forms, or on `ragged_dot` after the general exchange) agree across branches."""
+    graphdef, state = random_weights(tiny_model_config(num_layers=1, moe_every=1))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (4, 8)))
+
+    def loss(state):
+        logits, aux = nnx.merge(graphdef, state)(tokens)
+        targets = jax.nn.one_hot(jnp.roll(tokens, -1, axis=1), logits.shape[-1])
+        return -jnp.mean(jnp.sum(targets * jax.nn.log_softmax(logits), -1)) + aux["moe/aux_loss"]
+
+    grads = {}
+    for branch in ("0", "1"):
+        monkeypatch.setenv(ACCELERATOR_PATHS_ENV, branch)
+        grads[branch] = jax.device_get(jax.jit(lambda s: jax.value_and_grad(loss)(s))(state))  # traced anew
+    np.testing.assert_allclose(grads["1"][0], grads["0"][0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads["0"][1]), jax.tree.leaves(grads["1"][1])):
+        np.testing.assert_allclose(b, a, atol=1e-5)
+
+
 def test_speculative_round_stays_one_unit_deep_on_the_accelerator_path(monkeypatch):
     """Traced with the switch, the speculative program of a 2-layer and an 8-layer model are the
     same size (every extend loops over the stack); the CPU's unrolled program grows with depth."""
@@ -158,22 +178,22 @@ def test_speculative_round_stays_one_unit_deep_on_the_accelerator_path(monkeypat
     assert size(8) > 2 * size(2)
 
 
-def test_episodes_are_the_same_on_both_branches(monkeypatch):
-    """Multi-turn episodes in two cohorts (contexts of different lengths, growing turn by turn):
-    on the accelerator branch, with later turns served by the prefix cache from stacked KV, the
+def test_episodes_are_the_same_on_both_branches(tiny_rl_policy, monkeypatch):
+    """Multi-turn episodes (contexts of different lengths, growing turn by turn): on the
+    accelerator branch, with later turns served by the prefix cache from stacked KV, the
     same tokens, loss masks, rewards and behaviour log-probs as the CPU branch's plain sampling."""
     from posttrain.sampling.prefix_cache import PrefixCache
     from tests.test_episode_cohorts import episodes
-    from tests.test_rl_continuous import assert_same_rollouts, tiny_policy
+    from tests.test_rl_continuous import assert_same_rollouts
 
-    policy, key = tiny_policy(), jax.random.key(5)  # test_episode_cohorts' episodes: CPU programs shared
+    key = jax.random.key(5)  # test_episode_cohorts' lockstep episodes: the CPU branch's programs shared
     monkeypatch.delenv(ACCELERATOR_PATHS_ENV, raising=False)
-    cpu, *_ = episodes(policy, 2, key)
+    cpu, *_ = episodes(tiny_rl_policy, 1, key)
     monkeypatch.setenv(ACCELERATOR_PATHS_ENV, "1")
     cache = PrefixCache(4096, block=8)
-    accelerator, _, worker, _ = episodes(policy, 2, key, prefix_cache=cache)
+    accelerator, _, worker, _ = episodes(tiny_rl_policy, 1, key, prefix_cache=cache)
     assert_same_rollouts(cpu, accelerator)
-    assert cache.stats.hits > 0 and len(worker.calls) > 2  # later turns hit their earlier turns' KV
+    assert cache.stats.hits > 0 and len(worker.calls) == 3  # turns 2 and 3 hit their earlier turns' KV
 
 
 def tpu_sampler_programs(mesh, rules, layout):
