@@ -124,6 +124,7 @@ def test_sampler_programs_are_keyed_on_the_rules_in_force(mesh, monkeypatch):
     (same mesh and shapes) unless the rules are a static argument."""
     import importlib
 
+    from posttrain.parallel.mesh import accelerator_paths_forced
     from posttrain.sampling import engine
 
     gen = importlib.import_module("posttrain.sampling.generate")  # the module (the package exports the function)
@@ -138,7 +139,9 @@ def test_sampler_programs_are_keyed_on_the_rules_in_force(mesh, monkeypatch):
         with use_sharding(mesh, rules):
             gen.generate(None, None, None, PROMPTS, SAMPLING, jax.random.key(0))
     gen.generate(None, None, None, PROMPTS, SAMPLING, jax.random.key(0))
-    assert dict(seen[0]) == RULES and dict(seen[1]) == decode_rules(RULES) and seen[2] is None
+    rules, switch = zip(*seen)  # `sharding_key`: (the rules, the accelerator-path switch)
+    assert dict(rules[0]) == RULES and dict(rules[1]) == decode_rules(RULES) and rules[2] is None
+    assert switch == (accelerator_paths_forced(),) * 3
 
 
 @pytest.fixture(scope="module")
