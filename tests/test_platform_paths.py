@@ -130,6 +130,8 @@ def test_stacked_extend_equals_the_unrolled_one_at_every_draft_depth():
         np.testing.assert_array_equal(a[0], b[0])
     with pytest.raises(ValueError, match="stacks"):
         kv_cache.to_layers(stacked, ((1, 5),))
+    with pytest.raises(ValueError, match="not stacked as the model's stacks"):  # a per-layer cache
+        engine.extend(model, None, new, jnp.zeros((2, 3), jnp.int32), per_layer)
 
 
 def test_moe_training_gradients_are_the_same_on_both_branches(monkeypatch):

@@ -158,8 +158,9 @@ def _extend_block(block, x: jax.Array, positions: jax.Array, k_cache: jax.Array,
 def _extend_stacked(model: nnx.Module, x: jax.Array, positions: jax.Array, cache: tuple, depth: int | None):
     """`extend`'s stacked form: the first `depth` layers (None: all) over each stack's repeats."""
     segments = stack_segments(model)
-    if len(cache) != sum(width for width, _ in segments):
-        raise ValueError(f"stacked KV cache of {len(cache)} (k, v) pairs does not match the model's stacks {segments}")
+    leading = [r for w, r in segments for _ in range(w)]  # each pair's repeats
+    if [k.shape[0] if k.ndim == 5 else None for k, _ in cache] != leading:
+        raise ValueError(f"KV cache of {len(cache)} (k, v) pairs is not stacked as the model's stacks {segments}")
     remaining = sum(w * r for w, r in segments) if depth is None else depth
     new_cache, first = list(cache), 0
     for stack, (width, repeats) in zip(model.stacks, segments):
