@@ -235,6 +235,8 @@ ENVIRONMENT = {
     "default: shared/data beside the repository",
     "POSTTRAIN_COMPILATION_CACHE": "JAX's persistent compilation cache folder for compilation_cache=auto "
     "(default ~/.cache/posttrain/jax; off: none)",
+    "POSTTRAIN_ACCELERATOR_PATHS": "1: a test switch, the CPU takes the GPU/TPU code paths that can run on it "
+    "(stacked KV cache, ragged_dot experts; parallel.accelerator_paths); default 0",
 }
 
 

@@ -37,6 +37,16 @@ def sft_cli_run(tmp_path_factory):
     return run_sft(tmp_path_factory.mktemp("sft_cli_run") / "full")
 
 
+@pytest.fixture(scope="session")
+def tiny_rl_policy():
+    """(graphdef, params, rest, mesh, rules) of the tiny dense policy the episode tests sample with
+    (tests/test_rl_continuous.py `tiny_policy`), made once per session: test_rl_continuous,
+    test_episode_cohorts and test_platform_paths share it and its sampler programs. Read-only."""
+    from tests.test_rl_continuous import tiny_policy
+
+    return tiny_policy()
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--runslow",

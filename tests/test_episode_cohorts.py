@@ -33,7 +33,7 @@ from posttrain.sampling.continuous import SlotConfig
 from posttrain.sampling.prefix_cache import PrefixCache
 from posttrain.sampling.rules import SamplingParams
 from tests.test_agent_rl import TOK, CountingEnv, runs
-from tests.test_rl_continuous import assert_same_rollouts, tiny_policy
+from tests.test_rl_continuous import assert_same_rollouts
 
 # tests/test_agent_rl.py's episodes and sampling (so the sampler's programs are shared with it)
 SAMPLING = SamplingParams(temperature=0.7, top_k=12, top_p=0.9, max_new_tokens=6, stop_ids=(TOK.eos_id,), num_samples=4)
@@ -42,8 +42,8 @@ TASKS = [Task(f"t{i}", ({"role": "user", "content": f"say {i}"},), MathTask(str(
 
 
 @pytest.fixture(scope="module")
-def policy():
-    return tiny_policy()
+def policy(tiny_rl_policy):
+    return tiny_rl_policy  # conftest: `tiny_policy()`, made once per session
 
 
 class SlowEnv(CountingEnv):

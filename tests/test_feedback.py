@@ -67,4 +67,6 @@ def test_help_lists_stages_sections_and_environment():
     ):
         assert key in lines[section].split("{", 1)[1].replace(",", " ").replace("}", " ").split(), (section, key)
     assert "stage, one of: dpo, eval, lm, pipeline, rejection_sampling, reward_model, rlvr, sft" in text
-    assert "POSTTRAIN_DATA" in text and "POSTTRAIN_COMPILATION_CACHE" in text
+    assert all(
+        f"${name}" in text for name in ("POSTTRAIN_DATA", "POSTTRAIN_COMPILATION_CACHE", "POSTTRAIN_ACCELERATOR_PATHS")
+    )

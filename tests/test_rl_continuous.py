@@ -64,8 +64,8 @@ def tiny_policy():
 
 
 @pytest.fixture(scope="module")
-def policy():
-    return tiny_policy()
+def policy(tiny_rl_policy):
+    return tiny_rl_policy  # conftest: `tiny_policy()`, made once per session
 
 
 def tasks(n: int) -> list[Task]:

@@ -110,41 +110,39 @@ def test_greedy_with_cache_equals_recomputation_and_learner_logprobs(sharded, me
 
 
 def test_accelerator_layer_path_equals_cpu_path(sharded, mesh, monkeypatch):
-    """On GPU/TPU (`engine.decode_layers` is None) prefill and decode run each stack of layers
-    under a scan, the KV cache stacked per stack (`Decoder.decode_stacked`); on the CPU both run
-    the layers unrolled, sliced once. Both must sample the same tokens with the same log-probs,
-    in static and (dense) continuous batching (queued and grouped)."""
-    from posttrain.sampling import engine
-    from posttrain.sampling.continuous import (
-        SlotConfig,
-        continuous_program,
-        generate_continuous,
-        grouped_continuous_program,
-    )
+    """On GPU/TPU, and on the CPU under `POSTTRAIN_ACCELERATOR_PATHS=1` (`parallel.accelerator_paths`),
+    prefill and decode run each stack of layers under a scan, the KV cache stacked per stack
+    (`Decoder.decode_stacked`), and MoE experts run on `ragged_dot`; on the CPU the layers run
+    unrolled, sliced once, and experts take the CPU's dense forms. Both must sample the same tokens
+    with the same log-probs: static batches, and (dense) continuous batching (queued and grouped)
+    and the decode layout (`sampling.layout = "tensor"`). Speculative decoding, the prefix cache and
+    episodes on both paths: tests/test_speculative.py, tests/test_platform_paths.py."""
+    from posttrain.parallel import decode_rules
+    from posttrain.parallel.mesh import ACCELERATOR_PATHS_ENV
+    from posttrain.sampling.continuous import SlotConfig, generate_continuous
+    from posttrain.sampling.layout import publish_weights
 
     kind, graphdef, params, rest = sharded
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
     key = jax.random.key(11)
+    monkeypatch.delenv(ACCELERATOR_PATHS_ENV, raising=False)
     with use_sharding(mesh, DEFAULT_RULES):
         cpu = generate(graphdef, params, rest, PROMPTS, sampling, key)
-        monkeypatch.setattr(engine, "decode_layers", lambda model: None)
-        generate_program.clear_cache()
-        accelerator = generate(graphdef, params, rest, PROMPTS, sampling, key)
+        monkeypatch.setenv(ACCELERATOR_PATHS_ENV, "1")
+        outs = [generate(graphdef, params, rest, PROMPTS, sampling, key)]
         if kind == "dense":
             batcher = ContinuousBatcher(graphdef, sampling, num_slots=2, prefill_batch=2)
             for p in PROMPTS:
                 batcher.submit(p)
-            continuous = batcher.run(params, rest, key)
-            continuous_program.clear_cache()
-            grouped = generate_continuous(graphdef, params, rest, PROMPTS, sampling, key, slots=SlotConfig(2, 1))
-            grouped_continuous_program.clear_cache()
-    generate_program.clear_cache()
-    np.testing.assert_array_equal(accelerator.tokens, cpu.tokens, err_msg=kind)
-    np.testing.assert_allclose(accelerator.logprobs, cpu.logprobs, atol=1e-5, err_msg=kind)
-    if kind == "dense":
-        for out in (continuous, grouped):
-            np.testing.assert_array_equal(out.tokens, cpu.tokens)
-            np.testing.assert_allclose(out.logprobs, cpu.logprobs, atol=1e-5)
+            outs.append(batcher.run(params, rest, key))
+            outs.append(generate_continuous(graphdef, params, rest, PROMPTS, sampling, key, slots=SlotConfig(2, 1)))
+            published = publish_weights(params, mesh, DEFAULT_RULES, "tensor")
+            with use_sharding(mesh, decode_rules(DEFAULT_RULES)):
+                outs.append(generate(graphdef, published, rest, PROMPTS, sampling, key))
+    for out in outs:
+        np.testing.assert_array_equal(out.tokens, cpu.tokens, err_msg=kind)
+        np.testing.assert_allclose(out.logprobs, cpu.logprobs, atol=1e-5, err_msg=kind)
+        np.testing.assert_allclose(out.sampling_logprobs, cpu.sampling_logprobs, atol=1e-5, err_msg=kind)
 
 
 def test_sampled_logprobs_match_learner_for_any_padding_side(mesh):

@@ -124,6 +124,7 @@ def test_sampler_programs_are_keyed_on_the_rules_in_force(mesh, monkeypatch):
     (same mesh and shapes) unless the rules are a static argument."""
     import importlib
 
+    from posttrain.parallel.mesh import accelerator_paths_forced
     from posttrain.sampling import engine
 
     gen = importlib.import_module("posttrain.sampling.generate")  # the module (the package exports the function)
@@ -138,7 +139,9 @@ def test_sampler_programs_are_keyed_on_the_rules_in_force(mesh, monkeypatch):
         with use_sharding(mesh, rules):
             gen.generate(None, None, None, PROMPTS, SAMPLING, jax.random.key(0))
     gen.generate(None, None, None, PROMPTS, SAMPLING, jax.random.key(0))
-    assert dict(seen[0]) == RULES and dict(seen[1]) == decode_rules(RULES) and seen[2] is None
+    rules, switch = zip(*seen)  # `sharding_key`: (the rules, the accelerator-path switch)
+    assert dict(rules[0]) == RULES and dict(rules[1]) == decode_rules(RULES) and rules[2] is None
+    assert switch == (accelerator_paths_forced(),) * 3
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +219,7 @@ def test_rollout_worker_in_the_decode_layout_continuous_and_prefix_cache(model, 
     import importlib
 
     from posttrain.parallel import rules_key
+    from posttrain.parallel.mesh import accelerator_paths_forced
     from posttrain.rl.rollout.worker import RolloutWorker
     from posttrain.sampling.continuous import SlotConfig
     from posttrain.sampling.layout import sampling_sharding
@@ -237,11 +241,8 @@ def test_rollout_worker_in_the_decode_layout_continuous_and_prefix_cache(model, 
     ]
     with use_sharding(mesh, RULES), sampling_sharding(workers[0].rules):  # as RolloutWorker.generate runs them
         outs = [w.sample(published, rest, PROMPTS, SAMPLING, jax.random.key(7)) for w in workers + workers[1:]]
-    assert (
-        traced
-        == [("grouped_continuous_program", rules_key(decode_rules(RULES)))]
-        + [("cached_program", rules_key(decode_rules(RULES)))] * 2
-    )
+    key = (rules_key(decode_rules(RULES)), accelerator_paths_forced())  # `generate.sharding_key`
+    assert traced == [("grouped_continuous_program", key)] + [("cached_program", key)] * 2
     assert cache.stats.hits == 2  # the second call hits the two prompts longer than a block
     for out in outs:
         np.testing.assert_array_equal(out.tokens, learner_layout.tokens)

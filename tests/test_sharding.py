@@ -162,14 +162,17 @@ def test_mesh_shape_errors_name_the_problem():
         resolve_mesh_shape(dict(dta=8), 8)
 
 
-def test_platform_comes_from_the_mesh_and_cpu_meshes_keep_the_cpu_paths():
+def test_platform_comes_from_the_mesh_and_cpu_meshes_keep_the_cpu_paths(monkeypatch):
     """`mesh_platform` reads the devices of the mesh a program is built for; on a CPU mesh the MoE
     dispatch stays padded and the sampler slices layers before its loop (the TPU side is checked
-    by tests/test_compile_plan.py, which builds a mesh over abstract TPU devices)."""
+    by tests/test_compile_plan.py, which builds a mesh over abstract TPU devices; the switch that
+    takes the accelerator paths on the CPU by tests/test_platform_paths.py)."""
     from posttrain.models.moe.dispatch import expert_layout
     from posttrain.parallel import mesh_platform
+    from posttrain.parallel.mesh import ACCELERATOR_PATHS_ENV
     from posttrain.sampling import engine
 
+    monkeypatch.delenv(ACCELERATOR_PATHS_ENV, raising=False)
     assert mesh_platform() == "cpu"
     mesh = make_mesh(dict(data=2, expert=4))
     assert mesh_platform(mesh) == "cpu"

@@ -2,6 +2,7 @@
 identical, log-probs the policy's, sampled sequences distributed as the policy's (chi-square on
 every 3-token continuation of a tiny vocabulary), and a wrong acceptance rule caught."""
 
+import functools
 import itertools
 
 import jax
@@ -14,6 +15,7 @@ from scipy import stats
 from posttrain.config import base_config
 from posttrain.models.decoder import Decoder
 from posttrain.models.logprobs import token_logprobs
+from posttrain.parallel.mesh import ACCELERATOR_PATHS_ENV
 from posttrain.sampling import SamplingParams, generate, speculative
 
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 3, 9, 1, 5], [2], [3, 3, 8, 1, 12]]
@@ -36,12 +38,25 @@ def model_config(kind, vocab=64):
     return cfg
 
 
+@functools.cache
+def policy(kind):
+    """(graphdef, params, rest) of the 3-layer model, made once per kind."""
+    return nnx.split(Decoder(model_config(kind), rngs=nnx.Rngs(0)), nnx.Param, ...)
+
+
+@pytest.mark.parametrize("branch", ["cpu", "accelerator"])
 @pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=pytest.mark.slow)])  # MoE: ~3 min loaded
-def test_greedy_speculative_equals_plain_decoding(kind):
-    graphdef, params, rest = nnx.split(Decoder(model_config(kind), rngs=nnx.Rngs(0)), nnx.Param, ...)
+def test_greedy_speculative_equals_plain_decoding(kind, branch, monkeypatch):
+    """Against the CPU's plain decoding, on either branch (`parallel.accelerator_paths`): the CPU's
+    unrolled layers, or the stacked KV cache that GPUs and TPUs extend under a loop over each
+    stack (before, `extend` indexed the stacked cache per layer and failed)."""
+    graphdef, params, rest = policy(kind)
     plain = SamplingParams(temperature=0.0, max_new_tokens=10, stop_ids=(7,))
     spec = SamplingParams(temperature=0.0, max_new_tokens=10, stop_ids=(7,), speculative_k=3, draft_layers=1)
+    monkeypatch.delenv(ACCELERATOR_PATHS_ENV, raising=False)
     a = generate(graphdef, params, rest, PROMPTS, plain, jax.random.key(0), max_new_tokens=[10, 4, 10, 7])
+    if branch == "accelerator":
+        monkeypatch.setenv(ACCELERATOR_PATHS_ENV, "1")
     b = generate(graphdef, params, rest, PROMPTS, spec, jax.random.key(0), max_new_tokens=[10, 4, 10, 7])
     np.testing.assert_array_equal(b.tokens, a.tokens)
     np.testing.assert_array_equal(b.lengths, a.lengths)

@@ -9,6 +9,7 @@ from posttrain.parallel.distributed import (
 )
 from posttrain.parallel.mesh import (
     MESH_AXES,
+    accelerator_paths,
     make_mesh,
     mesh_and_rules,
     mesh_device_kind,
@@ -31,6 +32,7 @@ from posttrain.parallel.sharding import (
 __all__ = [
     "DEFAULT_RULES",
     "MESH_AXES",
+    "accelerator_paths",
     "allgather_json",
     "constrain",
     "current",

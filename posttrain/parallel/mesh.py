@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import numpy as np
@@ -11,6 +12,7 @@ from jax.sharding import AxisType, Mesh
 from posttrain.parallel.sharding import Rules, current, parse_rules
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor", "sequence")
+ACCELERATOR_PATHS_ENV = "POSTTRAIN_ACCELERATOR_PATHS"
 
 
 def resolve_mesh_shape(sizes: dict[str, int], num_devices: int) -> tuple[int, ...]:
@@ -88,3 +90,31 @@ def mesh_device_kind(mesh: Mesh | None = None) -> str:
     built for (see `mesh_platform`): some code paths compile for one TPU generation, not another."""
     device = mesh_device(mesh)
     return device.device_kind if device is not None else jax.devices()[0].device_kind
+
+
+def accelerator_paths_forced() -> bool:
+    """Whether `$POSTTRAIN_ACCELERATOR_PATHS` asks for the accelerator branches on any platform:
+    1/true/on yes, 0/false/off or unset no; anything else is an error naming the variable."""
+    value = os.environ.get(ACCELERATOR_PATHS_ENV, "").strip().lower()
+    if value in ("", "0", "false", "off", "no"):
+        return False
+    if value in ("1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"${ACCELERATOR_PATHS_ENV}={value!r}: expected 1 (take the GPU/TPU code paths) or 0")
+
+
+def accelerator_paths(mesh: Mesh | None = None) -> bool:
+    """Whether code that picks a path by platform takes the accelerator (GPU/TPU) one: True on the
+    devices of a GPU or TPU mesh (`mesh_platform`), and on the CPU when the test switch
+    `POSTTRAIN_ACCELERATOR_PATHS=1` is set, so the CPU suite runs the branches pods run.
+
+    Every branch that can run on the CPU asks this, and only this: the sampler's stacked KV cache
+    under `lax.scan` (`sampling.engine.decode_layers`), experts on `ragged_dot`
+    (`models.moe.experts.grouped_matmul`) and the general expert exchange instead of the CPU's
+    dense fast path (`models.moe.dispatch.routed_experts`). Branches that cannot run on the CPU
+    (the ragged all-to-all, Pallas/cuDNN attention kernels) follow `mesh_platform` /
+    `mesh_device_kind` and are compiled for a TPU topology in tests (tests/test_platform_paths.py,
+    tests/test_compile_plan.py). Read at trace time: the sampler's compile key carries it
+    (`sampling.generate.sharding_key`); other jitted functions are traced again only when new.
+    """
+    return mesh_platform(mesh) != "cpu" or accelerator_paths_forced()

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain.ops.decode import K_TIME_AXIS, V_TIME_AXIS, extend_attention, write_cache_span
-from posttrain.parallel.mesh import mesh_platform
+from posttrain.parallel.mesh import accelerator_paths
 from posttrain.parallel.sharding import constrain
 from posttrain.sampling import kv_cache
 from posttrain.sampling.rules import SamplingParams, sample_token
@@ -74,12 +74,19 @@ def decode_layers(model: nnx.Module) -> list | None:
 
     On the CPU they are sliced out of the stacked weights once, before the loop: XLA:CPU copies
     a weight slice that feeds a matmul, so slicing inside the loop would copy every weight at
-    every token. Elsewhere this returns None: prefill and decode run each stack of layers under
-    `lax.scan` (`Decoder.decode_stacked`, the KV cache stacked to match, `sampling.kv_cache`), so
-    the compiled program stays one layer deep whatever the depth, GPU/TPU compilers fuse the
-    per-layer weight slices into the matmuls, and no second copy of the weights takes memory.
+    every token. Elsewhere (`parallel.accelerator_paths`: GPU/TPU, or the CPU under the test
+    switch `POSTTRAIN_ACCELERATOR_PATHS=1`) this returns None: prefill, extend and decode run each
+    stack of layers under `lax.scan` (`Decoder.decode_stacked`, the KV cache stacked to match,
+    `sampling.kv_cache`), so the compiled program stays one layer deep whatever the depth, GPU/TPU
+    compilers fuse the per-layer weight slices into the matmuls, and no second copy of the
+    weights takes memory.
     """
-    return model.layers() if mesh_platform() == "cpu" else None
+    return None if stacked_cache() else model.layers()
+
+
+def stacked_cache() -> bool:
+    """Whether the sampler traced now keeps its KV cache stacked (`decode_layers` is None)."""
+    return accelerator_paths()
 
 
 def prefill(
@@ -98,29 +105,89 @@ def prefill(
     return model.logits(last)[:, 0], kv
 
 
+def stack_segments(model: nnx.Module) -> tuple[tuple[int, int], ...]:
+    """(blocks per unit, repeats) of each scanned stack of the model, in layer order: how a
+    stacked KV cache maps to layers (`kv_cache.to_layers`)."""
+    return tuple((len(stack.blocks), jax.tree.leaves(nnx.state(stack))[0].shape[0]) for stack in model.stacks)
+
+
+def depth(model: nnx.Module) -> int:
+    """The model's number of layers."""
+    return sum(width * repeats for width, repeats in stack_segments(model))
+
+
 def extend(
     model: nnx.Module,
-    layers: list,
+    layers: list | None,
     tokens: jax.Array,
     positions: jax.Array,
     cache: tuple,
     num_layers: int | None = None,
 ) -> tuple[jax.Array, tuple]:
     """Several new tokens per row through the first `num_layers` (default: all) layers against the
-    KV cache (`decode_layers`' unstacked layout): tokens, positions [B, S] → (hidden [B, S, D] after
-    the final norm, cache). Each token's key and value are written at its position (one scatter per
-    layer) and it attends to the row's cache entries 0..its position. Speculative decoding scores
-    its drafts with it; the prefix cache prefills a prompt's uncached suffix with it."""
+    KV cache: tokens, positions [B, S] → (hidden [B, S, D] after the final norm, cache). Each
+    token's key and value are written at its position (one scatter per layer) and it attends to the
+    row's cache entries 0..its position. Speculative decoding scores its drafts with it; the prefix
+    cache prefills a prompt's uncached suffix with it.
+
+    `layers`: `decode_layers(model)`. Given, the layers run unrolled on the per-layer cache; None
+    (GPU/TPU) takes the stacked cache (`prefill(stacked=True)`'s layout) and runs each stack's
+    repeats in a loop whose body is one unit of blocks, reading its weights and cache slice by the
+    repeat index and writing the slice back in place, so the program stays one unit deep whatever
+    the depth or `num_layers` (a draft of the first n layers stops inside a stack: its whole
+    repeats loop, then the blocks of the next unit it needs run once)."""
     x = model._embed(tokens)
-    new_cache = list(cache)
-    for i, block in enumerate(layers[:num_layers]):
-        q, k, v = block.attn.project_qkv(block.attn_norm(x), positions)
-        k_cache = write_cache_span(cache[i][0], k, positions, K_TIME_AXIS)
-        v_cache = write_cache_span(cache[i][1], v, positions, V_TIME_AXIS)
-        attn = extend_attention(q, k_cache, v_cache, positions)
-        x = block.feed_forward(x + block.attn.output(attn), inference=True)[0]
-        new_cache[i] = (k_cache, v_cache)
-    return model.final_norm(x), kv_cache.shard(tuple(new_cache))
+    if layers is None:
+        x, new_cache = _extend_stacked(model, x, positions, cache, num_layers)
+    else:
+        new_cache = list(cache)
+        for i, block in enumerate(layers[:num_layers]):
+            x, *new_cache[i] = _extend_block(block, x, positions, *cache[i])
+    return model.final_norm(x), kv_cache.shard(tuple(tuple(kv) for kv in new_cache))
+
+
+def _extend_block(block, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array):
+    """One block of `extend`: x [B, S, D] → (x, k_cache, v_cache) with the S tokens' keys and values written."""
+    q, k, v = block.attn.project_qkv(block.attn_norm(x), positions)
+    k_cache = write_cache_span(k_cache, k, positions, K_TIME_AXIS)
+    v_cache = write_cache_span(v_cache, v, positions, V_TIME_AXIS)
+    attn = extend_attention(q, k_cache, v_cache, positions)
+    return block.feed_forward(x + block.attn.output(attn), inference=True)[0], k_cache, v_cache
+
+
+def _extend_stacked(model: nnx.Module, x: jax.Array, positions: jax.Array, cache: tuple, depth: int | None):
+    """`extend`'s stacked form: the first `depth` layers (None: all) over each stack's repeats."""
+    segments = stack_segments(model)
+    leading = [r for w, r in segments for _ in range(w)]  # each pair's repeats
+    if [k.shape[0] if k.ndim == 5 else None for k, _ in cache] != leading:
+        raise ValueError(f"KV cache of {len(cache)} (k, v) pairs is not stacked as the model's stacks {segments}")
+    remaining = sum(w * r for w, r in segments) if depth is None else depth
+    new_cache, first = list(cache), 0
+    for stack, (width, repeats) in zip(model.stacks, segments):
+        if remaining <= 0:
+            break
+        graphdef, state = nnx.split(stack)
+        whole = min(repeats, remaining // width)  # repeats run with every block
+        part = min(width, remaining - whole * width) if whole < repeats else 0  # blocks of the next
+        remaining -= whole * width + part
+
+        def unit(r, x, kvs, blocks, graphdef=graphdef, state=state):
+            take = lambda a: jax.lax.dynamic_index_in_dim(a, r, keepdims=False)
+            put = lambda a, new: jax.lax.dynamic_update_index_in_dim(a, new, r, 0)
+            out = list(kvs)
+            for j, block in enumerate(nnx.merge(graphdef, jax.tree.map(take, state)).blocks[:blocks]):
+                x, k, v = _extend_block(block, x, positions, take(kvs[j][0]), take(kvs[j][1]))
+                out[j] = (put(kvs[j][0], k), put(kvs[j][1], v))
+            return x, tuple(out)
+
+        kvs = tuple(cache[first : first + width])
+        if whole:
+            x, kvs = jax.lax.fori_loop(0, whole, lambda r, c, unit=unit: unit(r, *c, width), (x, kvs))
+        if part:
+            x, kvs = unit(whole, x, kvs, part)
+        new_cache[first : first + width] = kvs
+        first += width
+    return x, new_cache
 
 
 def sample_step(slots: Slots, out: Outputs, sampling: SamplingParams, pad_id: int) -> tuple[Slots, Outputs, jax.Array]:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from posttrain.parallel.mesh import accelerator_paths_forced
 from posttrain.parallel.sharding import current, rules_key
 from posttrain.sampling import engine, kv_cache
 from posttrain.sampling.rules import SamplingParams
@@ -152,12 +153,14 @@ def generate_program(
     return engine.decode_loop(model, slots, out, sampling, pad_id, layers=layers)
 
 
-def sharding_key() -> tuple | None:
-    """The logical-axis rules in force, hashable (`parallel.rules_key`): the sampler programs take
-    it as a static argument, so that one mesh under two rule sets (`sampling.layout`) never reuses
-    a program traced with the other's sharding constraints."""
+def sharding_key() -> tuple:
+    """What a sampler trace depends on beyond its arguments, hashable: the logical-axis rules in
+    force (`parallel.rules_key`; None outside `use_sharding`) and the accelerator-path test switch
+    (`parallel.accelerator_paths`). The sampler programs take it as a static argument, so that one
+    mesh under two rule sets (`sampling.layout`), or with the switch flipped, never reuses a
+    program traced for the other."""
     ctx = current()
-    return None if ctx is None else rules_key(ctx[1])
+    return (None if ctx is None else rules_key(ctx[1]), accelerator_paths_forced())
 
 
 def host_outputs(out):

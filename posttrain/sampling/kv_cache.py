@@ -10,7 +10,8 @@ over the data-like mesh axes, kv heads over `tensor`, and the time axis like `le
 
 A *stacked* cache (`Decoder.prefill(stacked=True)`, decoded by `Decoder.decode_stacked` under a
 scan over layers) holds one pair per block of each scanned stack, with the stack's repeats as a
-leading axis: (k [R, B, K, Dh, T], v [R, B, K, T, Dh]). Every function here takes either layout.
+leading axis: (k [R, B, K, Dh, T], v [R, B, K, T, Dh]). Every function here takes either layout;
+`to_stacked` / `to_layers` convert between them given the stacks' shapes (`engine.stack_segments`).
 """
 
 from __future__ import annotations
@@ -89,3 +90,30 @@ def insert_rows(cache, prompt_kv, rows: jax.Array):
         return c.at[index].set(kv.astype(c.dtype), mode="drop")
 
     return shard(_per_layer(one, cache, prompt_kv))
+
+
+def to_layers(cache, segments):
+    """A stacked cache as one (k, v) pair per layer, in layer order; segments: (blocks per unit,
+    repeats) of each stack. Indexes only (numpy views on the host)."""
+    if sum(w for w, _ in segments) != len(cache) or any(
+        cache[sum(w for w, _ in segments[:i])][0].shape[0] != r for i, (_, r) in enumerate(segments)
+    ):
+        raise ValueError(f"stacked KV cache of {len(cache)} (k, v) pairs does not match the stacks {tuple(segments)}")
+    out, first = [], 0
+    for width, repeats in segments:
+        out += [tuple(a[r] for a in cache[first + j]) for r in range(repeats) for j in range(width)]
+        first += width
+    return tuple(out)
+
+
+def to_stacked(cache, segments, stack=jnp.stack):
+    """A per-layer cache in the stacked layout (`to_layers` undone); `stack`: np.stack for host arrays."""
+    out, first = [], 0
+    for width, repeats in segments:
+        for j in range(width):
+            layers = [cache[first + r * width + j] for r in range(repeats)]
+            out.append(tuple(stack([kv[i] for kv in layers]) for i in (0, 1)))
+        first += width * repeats
+    if first != len(cache):
+        raise ValueError(f"KV cache of {len(cache)} layers for stacks {tuple(segments)}")
+    return tuple(out)

@@ -29,10 +29,11 @@ The sampler (`generate(..., prefix_cache=cache)`) runs `cached_program`: the cac
 is placed at positions 0..h-1 of its cache row, the suffix is run through the layers against it
 (`engine.extend`: one scatter and one attention per layer), then decoding is `generate_program`'s.
 The cached prefix length and the suffix length are bucketed to powers of two (as the prompt length
-is), so programs are reused. On the CPU the layers run unrolled as the decode loop runs them; on an
-accelerator this path decodes unrolled too (the extend has no stacked form yet), like speculative
-decoding. Outputs equal plain sampling up to float rounding (different reduction orders of the same
-sums), not bit for bit: tested to 1e-5 on log-probs, identical tokens.
+is), so programs are reused. The layers run as the plain sampler's do (`engine.decode_layers`):
+unrolled on the CPU, each stack under a loop over its repeats on GPU/TPU, with the cache stacked to
+match (entries stay per layer on the host; `kv_cache.to_stacked` / `to_layers` convert at the
+call's edges). Outputs equal plain sampling up to float rounding (different reduction orders of
+the same sums), not bit for bit: tested to 1e-5 on log-probs, identical tokens.
 """
 
 from __future__ import annotations
@@ -242,8 +243,14 @@ class PrefixCache:
             tokens, lengths = pad_prompts(
                 suffixes, num_rows, bucket(max(map(len, suffixes)), MIN_PROMPT_BUCKET), pad_id
             )
+        # the program's cache layout (`engine.decode_layers`); entries are kept per layer
+        segments = engine.stack_segments(nnx.merge(graphdef, params, rest)) if engine.stacked_cache() else None
+        if segments and prefix is not None:
+            prefix = kv_cache.to_stacked(prefix, segments, np.stack)
         out, cache = cached_program(graphdef, params, rest, prefix, tokens, starts, lengths, **common)
         out, cache = host_outputs(out), jax.device_get(cache)
+        if segments:
+            cache = kv_cache.to_layers(cache, segments)
         with self._lock:
             if self._weights is bound:  # else another thread bound new weights meanwhile: KV is stale
                 self._insert_samples(rows, out, cache, sampling.num_samples)
@@ -301,14 +308,15 @@ def cached_program(
     pad_id: int,
     rules: tuple | None = None,
 ) -> tuple[engine.Outputs, tuple]:
-    """`generate_program` on top of cached KV: prefix (per layer k [B, K, Dh, H], v [B, K, H, Dh];
-    None: no row hit, a plain prefill) holds row b's first starts[b] entries; tokens [B, S] are the
-    uncached suffixes (lengths [B] >= 1) at positions starts[b]... → (Outputs, the final cache
-    [B * G rows]: each sample's prompt and completion KV). `rules`: `generate.sharding_key()`, the
+    """`generate_program` on top of cached KV: prefix (per layer k [B, K, Dh, H], v [B, K, H, Dh],
+    stacked as `engine.decode_layers` says; None: no row hit, a plain prefill) holds row b's first
+    starts[b] entries; tokens [B, S] are the uncached suffixes (lengths [B] >= 1) at positions
+    starts[b]... → (Outputs, the final cache [B * G rows], in the same layout: each sample's prompt
+    and completion KV). `rules`: `generate.sharding_key()`, the
     rules it is traced under (part of the compile key)."""
     model = nnx.merge(graphdef, params, rest)
     g, b = sampling.num_samples, tokens.shape[0]
-    layers = model.layers()
+    layers = engine.decode_layers(model)
     if prefix is None:
         logits, kv = engine.prefill(model, tokens, lengths, layers)
         cache = kv_cache.allocate(kv, capacity)

@@ -12,7 +12,12 @@ sampling from p token by token (temperature, top-k and top-p included: p and q a
 `sampling_logprobs`); greedy decoding is unchanged; the log-probs returned are the policy's.
 
 The KV cache is indexed by position: a round writes positions L..L+k (L: tokens in the cache), and
-entries past the accepted ones are overwritten before anything can attend to them.
+entries past the accepted ones are overwritten before anything can attend to them. Its layout is
+the plain sampler's (`engine.decode_layers`): per layer, the layers unrolled, on the CPU; stacked
+per scanned stack on GPU/TPU, where prefill, the draft's and the policy's `extend` all loop over
+each stack's repeats, so the compiled round stays one unit of layers deep at any depth (unrolling
+a pod-sized model's layers would compile for minutes per depth doubling and hold a second,
+sliced copy of the weights).
 """
 
 from __future__ import annotations
@@ -112,14 +117,14 @@ def speculative_program(
     accepted] summed over rows). `rules`: the compile key of the rules in force (`generate.sharding_key`)."""
     model = nnx.merge(graphdef, params, rest)
     g, b, k, n = sampling.num_samples, tokens.shape[0], sampling.speculative_k, sampling.draft_layers
-    layers = model.layers()
-    logits, kv = engine.prefill(model, tokens, lengths, engine.decode_layers(model))
+    layers, depth = engine.decode_layers(model), engine.depth(model)
+    if not 1 <= n <= depth:
+        raise ValueError(f"draft_layers={n}: expected 1..the model's {depth} layers")
+    logits, kv = engine.prefill(model, tokens, lengths, layers)
     cache = kv_cache.allocate(kv, tokens.shape[1] + sampling.max_new_tokens + k + 1)
     cache, logits = kv_cache.repeat_rows(cache, g), jnp.repeat(logits, g, axis=0)
     rows = jnp.arange(b * g, dtype=jnp.int32)
     live, limit = rows < num_prompts * g, jnp.repeat(limits, g)
-    if not 1 <= n <= len(layers):
-        raise ValueError(f"draft_layers={n}: expected 1..the model's {len(layers)} layers")
     first_keys = engine.token_keys(key, rows, 1)[:, 0]  # generate's keys for the first token
     first = jax.vmap(sample_token, in_axes=(0, 0, None))(first_keys, logits, sampling)[0].astype(jnp.int32)
     round_key = jax.random.fold_in(key, 2**31 - 1)  # apart from the sample ids
@@ -148,7 +153,7 @@ def speculative_program(
             drafts.append(tok)
         drafts, q = jnp.stack(drafts, 1), jnp.stack(q, 1)
         seq = jnp.concatenate([last[:, None], drafts], axis=1)
-        h, cache = extend(model, layers, seq, length[:, None] + jnp.arange(k + 1), c, len(layers))
+        h, cache = extend(model, layers, seq, length[:, None] + jnp.arange(k + 1), c)
         p_logits = model.logits(h)
         p = sampling_logprobs(p_logits, sampling)
         a, t = accept(accept_key, drafts, q, p, sampling.greedy)

@@ -14,6 +14,8 @@ Two exchanges do the same thing:
 
 `model.moe.dispatch='auto'` picks by the devices of the mesh (`auto_dispatch`): ragged on GPU and
 TPU, padded on the CPU and on TPU generations whose compiler rejects the ragged collective (v5e).
+The ragged exchange cannot run on the CPU, so `parallel.accelerator_paths`' test switch leaves this
+choice to the platform; tests compile it for a TPU slice (tests/test_compile_plan.py).
 
 Without expert-parallel peers the same code runs with one chunk and no collective.
 """
@@ -32,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from posttrain.config import DISPATCHES
 from posttrain.models.moe.experts import expert_ffn, expert_ranks, grouped_ffn, sort_by_expert
 from posttrain.models.quant import QArray, is_quantized, weight_einsum
-from posttrain.parallel.mesh import mesh_device_kind, mesh_platform
+from posttrain.parallel.mesh import accelerator_paths, mesh_device_kind, mesh_platform
 
 # tokens × experts up to which the CPU runs `dense_experts` rather than sorted rows (measured: 16-token
 # decode 1.2× and 256-token prefill 1.7× faster dense; 512 tokens 1.5× slower)
@@ -186,12 +188,13 @@ def routed_experts(
     """
     num_tokens, top_k = experts.shape
     args = (x, experts, weights, w_gate, w_up, w_down)
-    if not (mesh_platform() == "cpu" and w_gate.shape[0] == num_experts and layout.num_peers == 1 and capacity is None):
+    if accelerator_paths() or not (w_gate.shape[0] == num_experts and layout.num_peers == 1 and capacity is None):
         return exchanged_experts(*args, num_experts=num_experts, capacity=capacity, layout=layout)
-    # The CPU, every expert on this device, dropless: every expert on every token for few tokens,
-    # else sorted rows. When not differentiated, padded batched matmuls first, whenever no expert
-    # is over a generous capacity (a lax.cond on the actual load; under autodiff the cond would
-    # carry both paths' residuals, which costs more than it saves: measured in a training step).
+    # The CPU (unless `parallel.accelerator_paths`' test switch is on), every expert on this device,
+    # dropless: every expert on every token for few tokens, else sorted rows. When not
+    # differentiated, padded batched matmuls first, whenever no expert is over a generous capacity
+    # (a lax.cond on the actual load; under autodiff the cond would carry both paths' residuals,
+    # which costs more than it saves: measured in a training step).
     if num_tokens * num_experts <= DENSE_EXPERTS_MAX_TOKEN_EXPERTS:
         fallback = lambda: dense_experts(*args)
     else:
