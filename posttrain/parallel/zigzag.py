@@ -6,13 +6,25 @@ chunks see few keys and late chunks many, so each device gets one of each and th
 The permutation is applied once when the batch is built, to every per-token array together
 (tokens, targets, loss mask, positions, segment ids); attention then masks by positions and
 segment ids, never by index, so results equal the unpermuted row's, permuted.
+
+`sequence_shards` is the one source of n: the mesh axes the `length` rule maps to, which is the
+ring's size too (`ops.context_parallel.sequence_axes`), so the layout and the ring always agree.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 
 import numpy as np
+
+
+def sequence_shards(mesh, rules: Mapping[str, Sequence[str]]) -> tuple[tuple[str, ...], int]:
+    """(mesh axes of size > 1 that the `length` rule maps to, their product): how many context
+    shards a row's length is split over. Zig-zag placement (the train loop, the RL learner) and
+    the ring (`ops.context_parallel`) both read it here."""
+    axes = tuple(a for a in rules.get("length", ()) if mesh.shape[a] > 1)
+    return axes, math.prod(mesh.shape[a] for a in axes)
 
 
 def zigzag_indices(length: int, n: int) -> np.ndarray:
@@ -50,3 +62,30 @@ def visible_pairs_per_shard(positions: np.ndarray, n: int) -> np.ndarray:
     per = length // n
     q = positions.reshape(b, n, per)
     return np.array([(q[:, i, :, None] >= positions[:, None, :]).sum() for i in range(n)])
+
+
+def tiles_per_shard(positions: np.ndarray, segment_ids: np.ndarray, n: int, block: int) -> np.ndarray:
+    """[n] attention tiles each context shard computes for a batch laid out as given ([B, L]):
+    shard i's queries (its contiguous L/n tokens) against every shard's keys, both cut into tiles
+    of min(block, L/n) tokens as `ops.blockwise.flash_forward` cuts them, counting the tiles its
+    `lax.cond` does not skip (some query sees some key: same segment, key not padding, key
+    position <= query position). The backward pass skips the same tiles, so this is a shard's
+    share of the attention work, ring or all-gather alike."""
+    b, length = positions.shape
+    s = length // n
+    t = min(block, s)
+    nb = -(-s // t)
+
+    def tiles(x, fill):  # [B, L] -> [B, n shards, nb tiles, t]
+        x = x.reshape(b, n, s)
+        pad = np.full((b, n, nb * t - s), fill, x.dtype)
+        return np.concatenate([x, pad], axis=2).reshape(b, n, nb, t)
+
+    pos, seg = tiles(positions, 0), tiles(segment_ids, 0)
+    out = np.zeros(n, np.int64)
+    for r in range(b):  # one row at a time: [q tile, q token, kv shard, kv tile, kv token] per shard
+        kp, ks = pos[r, None, None], seg[r, None, None]
+        for i in range(n):
+            qp, qs = pos[r, i, :, :, None, None, None], seg[r, i, :, :, None, None, None]
+            out[i] += ((qs == ks) & (ks != 0) & (kp <= qp)).any(axis=(1, 4)).sum()
+    return out

@@ -1,0 +1,102 @@
+"""Context parallelism's zig-zag layout: one shard count for the layout and the ring, the reward
+model's scored token independent of the layout, and the measured balance of attention work."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain.config import base_config
+from posttrain.core.batch import put_batch
+from posttrain.data.packing import build_row
+from posttrain.models.reward import RewardModel, last_token_index
+from posttrain.ops.context_parallel import sequence_axes
+from posttrain.parallel import DEFAULT_RULES, make_mesh, parse_rules, use_sharding
+from posttrain.parallel.zigzag import sequence_shards, tiles_per_shard, zigzag, zigzag_batch
+from posttrain.stages import lm
+from posttrain.stages.common import PREFERENCE_AXES
+from posttrain.stages.reward_model import reward_model_loss
+
+
+def test_the_layout_and_the_ring_take_their_shard_count_from_the_length_rule(tmp_path):
+    """`sequence_shards` (the loop's zig-zag) and `sequence_axes` (the ring) agree for any rules:
+    a `length` rule over sequence × tensor splits a row 4 ways, one without mesh axes not at all
+    (the loop once zig-zagged by mesh.sequence alone: 2 here, while the ring ran over 4)."""
+    mesh = make_mesh(dict(data=2, sequence=2, tensor=2))
+    for length, want in ((("sequence", "tensor"), (("sequence", "tensor"), 4)), ((), ((), 1))):
+        rules = {**DEFAULT_RULES, "length": length}
+        assert sequence_shards(mesh, rules) == want
+        with use_sharding(mesh, rules):
+            assert sequence_axes() == want
+    cfg = base_config()
+    cfg.workdir = str(tmp_path)
+    cfg.mesh.data, cfg.mesh.sequence, cfg.mesh.tensor = 2, 2, 2
+    cfg.sharding.rules.length = "sequence,tensor"
+    cfg.train.seq_len = 36  # divisible by 2 × 2, not by 2 × 4
+    with pytest.raises(ValueError, match=r"seq_len=36.*mesh.sequence=2, mesh.tensor=2.*4 shards"):
+        lm.run(cfg)
+
+
+def test_last_token_index_finds_the_last_real_token_in_any_order():
+    pos = np.array([[0, 1, 2, 0, 0, 0, 0, 0], [0, 1, 0, 1, 2, 3, 0, 0], [0] * 8], np.int32)
+    seg = np.array([[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 2, 2, 2, 2, 0, 0], [0] * 8], np.int32)
+    assert np.asarray(last_token_index(pos, seg)).tolist() == [2, 5, 0]
+    perm = np.random.default_rng(0).permutation(8)
+    assert perm[np.asarray(last_token_index(pos[:, perm], seg[:, perm]))][:2].tolist() == [2, 5]
+
+
+def preference_batch(pairs: int, length: int, rng) -> dict:
+    """Right-padded preference rows of different lengths (3 .. length tokens)."""
+    out = {}
+    for side in ("chosen", "rejected"):
+        rows = [
+            build_row([{"tokens": rng.integers(1, 64, n), "loss_mask": np.ones(n, bool)}], length)
+            for n in rng.integers(3, length + 1, pairs)
+        ]
+        out.update({f"{side}_{k}": np.stack([r[k] for r in rows]) for k in rows[0]})
+    return out
+
+
+def test_reward_model_loss_on_zigzagged_sequence_shards_equals_one_shard():
+    """The Bradley–Terry loss and its metrics with the length over 2 devices, the rows zig-zagged
+    as the train loop lays them out, equal the unsharded loss in natural order. The head once read
+    index count(real) − 1, which after the zig-zag is another token of every row shorter than
+    the whole length."""
+    m = base_config().model
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
+        64,
+        32,
+        1,
+        2,
+        1,
+        16,
+        64,
+    )
+    m.attention, m.attention_block = "blockwise", 4
+    graphdef, state = nnx.split(RewardModel(m, rngs=nnx.Rngs(0)))
+    batch = preference_batch(4, 16, np.random.default_rng(0))
+    moe = m.moe
+
+    def metrics(sequence):
+        mesh, rules = make_mesh(dict(data=1, sequence=sequence), jax.devices()[:sequence]), parse_rules({})
+        placed = zigzag_batch(batch, sequence_shards(mesh, rules)[1])
+        fn = lambda s, b: reward_model_loss(nnx.merge(graphdef, s), b, moe)[1]
+        with use_sharding(mesh, rules):
+            return jax.device_get(jax.jit(fn)(state, put_batch(placed, PREFERENCE_AXES)))
+
+    want, got = metrics(1), metrics(2)
+    assert want["rm/accuracy"] not in (0.0, 1.0)  # rewards that differ from row to row
+    for k in ("loss", "rm/chosen", "rm/rejected", "rm/margin", "rm/accuracy"):
+        assert float(got[k]) == pytest.approx(float(want[k]), rel=1e-5, abs=1e-6), k
+
+
+def test_zigzag_balances_the_attention_tiles_each_shard_computes():
+    """Full causal rows: the last of 8 contiguous shards computes 12× the tiles of the first; in
+    zig-zag order every shard computes the same number."""
+    length, n = 1024, 8
+    pos, seg = np.broadcast_to(np.arange(length), (2, length)), np.ones((2, length), np.int32)
+    natural = tiles_per_shard(pos, seg, n, 32)
+    balanced = tiles_per_shard(zigzag(pos, n), zigzag(seg, n), n, 32)
+    assert natural.sum() == balanced.sum() == 2 * 32 * 33 // 2
+    assert natural.tolist() == [2 * (1 + 2 + 3 + 4) + 2 * 4 * 4 * i for i in range(n)]
+    assert balanced.max() == balanced.min()
