@@ -27,6 +27,7 @@ from posttrain.parallel.sharding import (
     shardings_for,
     use_sharding,
 )
+from posttrain.parallel.zigzag import sequence_shards
 
 __all__ = [
     "DEFAULT_RULES",
@@ -47,6 +48,7 @@ __all__ = [
     "parse_rules",
     "resolve_mesh_shape",
     "rules_key",
+    "sequence_shards",
     "shardings_for",
     "sync_processes",
     "use_sharding",

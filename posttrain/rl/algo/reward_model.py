@@ -39,8 +39,9 @@ from posttrain.data.packing import build_row
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.errors import UserError
 from posttrain.models.reward import RewardModel
-from posttrain.parallel import use_sharding
+from posttrain.parallel import sequence_shards, use_sharding
 from posttrain.parallel.sharding import Rules
+from posttrain.parallel.zigzag import zigzag_batch
 from posttrain.rl.rollout.hosts import all_values
 from posttrain.sampling.generate import bucket
 
@@ -151,17 +152,20 @@ class RewardModelScorer:
 
     def score(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
         """Reward of each token row (prompt + response) → [len(rows)] float32. Rows and length are
-        padded to power-of-two buckets, so few shapes ever compile."""
+        padded to power-of-two buckets, so few shapes ever compile; under context parallelism the
+        length is a multiple of 2 × the shards and the rows are zig-zagged, as the stage trained."""
         if not rows:
             return np.zeros(0, np.float32)
+        shards = sequence_shards(self.mesh, self.rules)[1]
         n, length = bucket(len(rows), self.min_rows), bucket(max(len(r) for r in rows), self.min_len)
+        length = -(-length // (2 * shards)) * 2 * shards
         built = [
             build_row([{"tokens": r, "loss_mask": np.zeros(len(r), bool)}], length, pad_id=self.pad_id) for r in rows
         ]
         empty = build_row([], length, pad_id=self.pad_id)
         batch = {k: np.stack([b[k] for b in built] + [empty[k]] * (n - len(rows))) for k in ROW_KEYS}
         with use_sharding(self.mesh, self.rules):
-            out = self._forward(self.params, self.rest, **put_batch(batch))
+            out = self._forward(self.params, self.rest, **put_batch(zigzag_batch(batch, shards)))
         return np.asarray(jax.device_get(out), np.float32)[: len(rows)]
 
 
