@@ -12,7 +12,14 @@ from posttrain.data.packing import build_row
 from posttrain.models.reward import RewardModel, last_token_index
 from posttrain.ops.context_parallel import sequence_axes
 from posttrain.parallel import DEFAULT_RULES, make_mesh, parse_rules, use_sharding
-from posttrain.parallel.zigzag import sequence_shards, tiles_per_shard, zigzag, zigzag_batch
+from posttrain.parallel.zigzag import (
+    balanced_batch,
+    sequence_shards,
+    tiles_per_shard,
+    zigzag,
+    zigzag_batch,
+    zigzag_indices,
+)
 from posttrain.stages import lm
 from posttrain.stages.common import PREFERENCE_AXES
 from posttrain.stages.reward_model import reward_model_loss
@@ -59,7 +66,7 @@ def preference_batch(pairs: int, length: int, rng) -> dict:
 
 def test_reward_model_loss_on_zigzagged_sequence_shards_equals_one_shard():
     """The Bradley–Terry loss and its metrics with the length over 2 devices, the rows zig-zagged
-    as the train loop lays them out, equal the unsharded loss in natural order. The head once read
+    (as the train loop lays out full rows), equal the unsharded loss in natural order. The head once read
     index count(real) − 1, which after the zig-zag is another token of every row shorter than
     the whole length."""
     m = base_config().model
@@ -100,3 +107,55 @@ def test_zigzag_balances_the_attention_tiles_each_shard_computes():
     assert natural.sum() == balanced.sum() == 2 * 32 * 33 // 2
     assert natural.tolist() == [2 * (1 + 2 + 3 + 4) + 2 * 4 * 4 * i for i in range(n)]
     assert balanced.max() == balanced.min()
+
+
+def brute_force_tiles(positions, segment_ids, n, block):
+    """`tiles_per_shard` by its definition: every (query tile, key tile) pair's tokens compared."""
+    b, length = positions.shape
+    s = length // n
+    t = min(block, s)
+    nb = -(-s // t)
+
+    def tiles(x):
+        x = x.reshape(b, n, s)
+        return np.concatenate([x, np.zeros((b, n, nb * t - s), x.dtype)], axis=2).reshape(b, n * nb, t)
+
+    pos, seg = tiles(positions), tiles(segment_ids)
+    seen = (seg[:, :, None, :, None] == seg[:, None, :, None, :]) & (seg[:, None, :, None, :] != 0)
+    seen &= pos[:, None, :, None, :] <= pos[:, :, None, :, None]
+    return seen.any(axis=(3, 4)).sum(axis=(0, 2)).reshape(n, nb).sum(axis=1)
+
+
+def test_tiles_per_shard_counts_the_tiles_the_kernel_computes_for_packed_rows_in_any_order():
+    rng = np.random.default_rng(0)
+    for length, n, block in ((64, 2, 4), (96, 4, 5), (128, 8, 3), (64, 2, 64)):
+        seg, pos = np.zeros((4, length), np.int32), np.zeros((4, length), np.int32)
+        for r in range(4):  # packed segments with padding between and after them
+            start, sid = 0, 1
+            while start < length:
+                m = min(int(rng.integers(1, length // 2)), length - start)
+                if rng.random() > 0.2:
+                    seg[r, start : start + m], pos[r, start : start + m], sid = sid, np.arange(m), sid + 1
+                start += m
+        for order in (np.arange(length), zigzag_indices(length, n), rng.permutation(length)):
+            got = tiles_per_shard(pos[:, order], seg[:, order], n, block)
+            np.testing.assert_array_equal(got, brute_force_tiles(pos[:, order], seg[:, order], n, block))
+
+
+def test_a_batch_is_zigzagged_only_where_that_lowers_the_busiest_shards_tiles():
+    """Full rows zig-zag (busiest shard 30 → 18 tiles); right-padded rows under a third of the
+    length, with one tile per shard, stay in token order (zig-zag: 2 → 4, a tile mixing an early
+    and a late chunk is never skipped); a preference batch's chosen_ and rejected_ rows are
+    counted together and placed together."""
+
+    def rows(lengths, length):
+        seg = (np.arange(length)[None] < np.asarray(lengths)[:, None]).astype(np.int32)
+        return {"positions": np.where(seg > 0, np.arange(length), 0), "segment_ids": seg, "loss_mask": seg}
+
+    full, short = rows([64, 64], 64), rows([20, 12], 64)
+    placed, zigzagged = balanced_batch(full, 4, 8)
+    assert zigzagged and (placed["positions"] == zigzag(full["positions"], 4)).all()
+    assert not balanced_batch(short, 4, 16)[1] and balanced_batch(short, 1, 16) == (short, False)
+    pairs = {f"{side}_{k}": v for side, b in (("chosen", full), ("rejected", short)) for k, v in b.items()}
+    placed, zigzagged = balanced_batch(pairs, 4, 8)
+    assert zigzagged and (placed["rejected_segment_ids"] == zigzag(short["segment_ids"], 4)).all()

@@ -30,7 +30,7 @@ from posttrain.core.step import check_nonfinite, make_train_step
 from posttrain.data.reshard import state_for_process
 from posttrain.data.schedule import ScheduledBatches, parse_seq_len_schedule
 from posttrain.parallel import allgather_json, mesh_and_rules
-from posttrain.parallel.zigzag import sequence_shards, zigzag_batch
+from posttrain.parallel.zigzag import balanced_batch, sequence_shards
 
 
 @dataclasses.dataclass
@@ -93,7 +93,7 @@ def train(cfg, stage: TrainSpec) -> Result:
         stage.batches_for,
         stage.name,
     )
-    # > 1: rows in zig-zag order (causal balance of context parallelism), over the ring's shards
+    # > 1: rows in zig-zag order where that balances the attention tiles, over the ring's shards
     axes, shards = sequence_shards(mesh, rules)
     for length in parse_seq_len_schedule(cfg.train.seq_len_schedule, cfg.train.seq_len, steps).lengths:
         if shards > 1 and length % (2 * shards):
@@ -123,7 +123,7 @@ def train(cfg, stage: TrainSpec) -> Result:
         t0, last = time.perf_counter(), start - 1
         counts = DataCounts(stage.name)
         for step in bar:
-            batch = put_batch(zigzag_batch(data.at(step), shards), stage.batch_axes)
+            batch = put_batch(balanced_batch(data.at(step), shards, cfg.model.attention_block)[0], stage.batch_axes)
             trained = longest_context(trained, batch)
             state, metrics = step_fn(state, batch, *stage.extra)
             if step == start:

@@ -7,11 +7,9 @@ The permutation is applied once when the batch is built, to every per-token arra
 (tokens, targets, loss mask, positions, segment ids); attention then masks by positions and
 segment ids, never by index, so results equal the unpermuted row's, permuted.
 
-A right-padded row zig-zags over its own extent (up to its last real token), not over L: the
-2n chunks of its real tokens are placed as above, each shard's slot filled up with padding.
-Zig-zagging the padding along with the tokens would balance nothing: a row of 0.6 L real tokens
-over 2 shards leaves the second shard ~5× the first's work (the RL learner's rows, preference
-pairs), where the natural order gave the first ~2×. Full rows get the plain layout.
+The balance is counted in the kernel's tiles (`tiles_per_shard`): the blockwise kernels skip a
+tile only when no query in it sees a key, so zig-zag helps where its chunks span whole tiles;
+`balanced_batch` zig-zags a batch only when that lowers the busiest shard's tile count.
 
 `sequence_shards` is the one source of n: the mesh axes the `length` rule maps to, which is the
 ring's size too (`ops.context_parallel.sequence_axes`), so the layout and the ring always agree.
@@ -41,27 +39,30 @@ def zigzag_indices(length: int, n: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
 
 
-def row_zigzag_indices(segment_ids: np.ndarray, n: int) -> np.ndarray:
-    """[B, L] gather indices, each row zig-zagged over its extent m (its last real token + 1):
-    [0, m) cut into 2n chunks of near-equal size, shard i's slot of L/n holding chunks i and
-    2n-1-i then padding from [m, L); rows as long as L get `zigzag_indices`."""
-    b, length = segment_ids.shape
-    zigzag_indices(length, n)  # the divisibility check
-    slot, real = length // n, np.asarray(segment_ids) != 0
-    extent = np.where(real.any(axis=1), length - np.argmax(real[:, ::-1], axis=1), 0)
-    out = np.empty((b, length), np.int64)
-    for m in np.unique(extent):
-        bounds = np.arange(2 * n + 1) * m // (2 * n)
-        chunk = lambda k: np.arange(bounds[k], bounds[k + 1])
-        parts = [np.concatenate([chunk(i), chunk(2 * n - 1 - i)]) for i in range(n)]
-        filler = np.split(np.arange(m, length), np.cumsum([slot - len(p) for p in parts])[:-1])
-        out[extent == m] = np.concatenate([np.concatenate([p, f]) for p, f in zip(parts, filler)])
-    return out
-
-
 def zigzag(x, n: int, axis: int = 1):
     """x with its `axis` (the sequence) permuted to zig-zag order for n shards (numpy or jax)."""
     return x.take(zigzag_indices(x.shape[axis], n), axis=axis) if n > 1 else x
+
+
+def balanced_batch(batch: Mapping, n: int, block: int) -> tuple[dict, bool]:
+    """(the batch as it goes to the device, whether zig-zagged): `zigzag_batch(batch, n)` where
+    that leaves the busiest of the n context shards fewer attention tiles of `block` tokens than
+    token order does (`tiles_per_shard`, summed over the batch's row groups: every `*segment_ids`
+    with its `*positions`), else the batch as it is. Full rows balance; right-padded rows whose
+    zig-zag chunks are shorter than a tile mix early and late tokens in every tile, so fewer
+    tiles are skipped and token order can be the faster layout. Each process decides on its own
+    rows: attention reads positions, so rows in either layout give the same results."""
+    groups = [k.removesuffix("segment_ids") for k in batch if k.endswith("segment_ids")]
+    groups = [g for g in groups if g + "positions" in batch]
+    if n == 1:
+        return dict(batch), False
+    if groups:
+        work = lambda f: sum(
+            tiles_per_shard(f(batch[g + "positions"]), f(batch[g + "segment_ids"]), n, block) for g in groups
+        )
+        if work(lambda x: zigzag(x, n)).max() >= work(np.asarray).max():
+            return dict(batch), False
+    return zigzag_batch(batch, n), True
 
 
 def unzigzag(x, n: int, axis: int = 1):
@@ -69,39 +70,14 @@ def unzigzag(x, n: int, axis: int = 1):
     return x.take(np.argsort(zigzag_indices(x.shape[axis], n)), axis=axis) if n > 1 else x
 
 
-def _take_rows(x, index: np.ndarray):
-    """x [B, L, ...] gathered along L by per-row indices [B, L]."""
-    x = np.asarray(x)
-    return np.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
-
-
 def zigzag_batch(batch: Mapping, n: int, axis: int = 1) -> dict:
     """Every per-token array of a batch ([B, L, ...]: inputs, targets, loss_mask, positions,
     segment_ids, ...) in zig-zag order for n sequence shards; other entries (with fewer dims)
-    pass through. Arrays that share a prefix with a `segment_ids` array (`segment_ids`,
-    `chosen_segment_ids`, ...) follow its rows' own extents (`row_zigzag_indices`), the others
-    the plain layout. Call once when the batch is built, before it is placed on the mesh."""
+    pass through. Call once when the batch is built, before it is placed on the mesh."""
     lengths = {v.shape[axis] for v in batch.values() if getattr(v, "ndim", 0) > axis}
     if len(lengths) > 1:
         raise ValueError(f"zigzag_batch: per-token arrays of different lengths {sorted(lengths)}")
-    if n == 1:
-        return dict(batch)
-    prefixes = [k.removesuffix("segment_ids") for k, v in batch.items() if k.endswith("segment_ids")]
-    index = {p: row_zigzag_indices(batch[p + "segment_ids"], n) for p in prefixes if axis == 1}
-
-    def one(k, v):
-        if getattr(v, "ndim", 0) <= axis:
-            return v
-        group = max((p for p in index if k.startswith(p)), key=len, default=None)
-        return zigzag(v, n, axis) if group is None else _take_rows(v, index[group])
-
-    return {k: one(k, v) for k, v in batch.items()}
-
-
-def unzigzag_rows(x, segment_ids: np.ndarray, n: int):
-    """The inverse of `zigzag_batch` for an array x [B, L, ...] of rows whose (token-order)
-    segment ids are `segment_ids`: back to token order."""
-    return x if n == 1 else _take_rows(x, np.argsort(row_zigzag_indices(segment_ids, n), axis=1))
+    return {k: zigzag(v, n, axis) if getattr(v, "ndim", 0) > axis else v for k, v in batch.items()}
 
 
 def visible_pairs_per_shard(positions: np.ndarray, n: int) -> np.ndarray:
@@ -119,22 +95,27 @@ def tiles_per_shard(positions: np.ndarray, segment_ids: np.ndarray, n: int, bloc
     of min(block, L/n) tokens as `ops.blockwise.flash_forward` cuts them, counting the tiles its
     `lax.cond` does not skip (some query sees some key: same segment, key not padding, key
     position <= query position). The backward pass skips the same tiles, so this is a shard's
-    share of the attention work, ring or all-gather alike."""
+    share of the attention work, ring or all-gather alike. Per row, from each (tile, segment)'s
+    first and last position: O(B · entries²), cheap enough to lay out every batch."""
     b, length = positions.shape
     s = length // n
     t = min(block, s)
     nb = -(-s // t)
-
-    def tiles(x, fill):  # [B, L] -> [B, n shards, nb tiles, t]
-        x = x.reshape(b, n, s)
-        pad = np.full((b, n, nb * t - s), fill, x.dtype)
-        return np.concatenate([x, pad], axis=2).reshape(b, n, nb, t)
-
-    pos, seg = tiles(positions, 0), tiles(segment_ids, 0)
+    tile = (np.arange(length) // s) * nb + (np.arange(length) % s) // t  # the tile of each index
     out = np.zeros(n, np.int64)
-    for r in range(b):  # one row at a time: [q tile, q token, kv shard, kv tile, kv token] per shard
-        kp, ks = pos[r, None, None], seg[r, None, None]
-        for i in range(n):
-            qp, qs = pos[r, i, :, :, None, None, None], seg[r, i, :, :, None, None, None]
-            out[i] += ((qs == ks) & (ks != 0) & (kp <= qp)).any(axis=(1, 4)).sum()
+    for pos, seg in zip(np.asarray(positions), np.asarray(segment_ids)):
+        real = seg != 0
+        if not real.any():
+            continue
+        span = int(seg.max()) + 1
+        code = tile[real].astype(np.int64) * span + seg[real]
+        order = np.argsort(code, kind="stable")
+        code, p = code[order], pos[real][order]
+        starts = np.flatnonzero(np.r_[True, code[1:] != code[:-1]])
+        first, last = np.minimum.reduceat(p, starts), np.maximum.reduceat(p, starts)
+        tiles, segs = code[starts] // span, code[starts] % span
+        seen = (segs[:, None] == segs[None, :]) & (first[None, :] <= last[:, None])  # [q entry, kv entry]
+        q, k = np.nonzero(seen)
+        pairs = np.unique(tiles[q] * (n * nb) + tiles[k])
+        out += np.bincount(pairs // (n * nb) // nb, minlength=n)
     return out

@@ -15,8 +15,7 @@ from posttrain.core.batch import put_batch
 from posttrain.data.examples import sft_messages
 from posttrain.data.pipeline import preference_batches, read_jsonl
 from posttrain.data.tokenizer import Tokenizer, load_tokenizer
-from posttrain.parallel import current, is_primary, sequence_shards
-from posttrain.parallel.zigzag import zigzag_batch
+from posttrain.parallel import is_primary
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams
 
@@ -31,9 +30,7 @@ PREFERENCE_AXES = {
 
 
 def make_evaluator(metric_fn, make_batches):
-    """eval_fn(model, step) → metrics averaged over a finite pass of `make_batches()`, jitted once.
-    Called under the run's mesh, its batches are zig-zagged over the context shards as the train
-    loop's are (the metrics are sums over tokens: the same in any order, the attention balanced)."""
+    """eval_fn(model, step) → metrics averaged over a finite pass of `make_batches()`, jitted once."""
     compiled = {}
 
     def eval_fn(model: nnx.Module, step: int | None = None) -> dict:
@@ -41,9 +38,8 @@ def make_evaluator(metric_fn, make_batches):
         if "fn" not in compiled:
             compiled["fn"] = jax.jit(lambda state, batch: metric_fn(nnx.merge(graphdef, state), batch))
         sums, weight = {}, 0.0
-        shards = sequence_shards(*current())[1] if current() else 1
         for batch in make_batches():
-            metrics, w = compiled["fn"](state, put_batch(zigzag_batch(batch, shards)))
+            metrics, w = compiled["fn"](state, put_batch(batch))
             w = float(w)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * w

@@ -289,7 +289,7 @@ def run(cfg) -> Result:
                 sampling=sampling,
                 donate=r.max_staleness == 0,
                 seed=cfg.seed,
-                sequence_shards=sequence_shards(mesh, rules)[1],  # > 1: learner rows zig-zagged
+                context=(sequence_shards(mesh, rules)[1], cfg.model.attention_block),  # zig-zag where it balances
             )
             worker = RolloutWorker(
                 graphdef,

@@ -28,7 +28,7 @@ from posttrain.core.batch import put_batch
 from posttrain.core.state import model_params
 from posttrain.core.step import make_train_step, moe_penalty
 from posttrain.parallel import local_rows
-from posttrain.parallel.zigzag import unzigzag_rows, zigzag_batch
+from posttrain.parallel.zigzag import balanced_batch, unzigzag
 from posttrain.rl.algo.advantages import (
     gae_advantages,
     group_advantages,
@@ -235,8 +235,8 @@ class Learner:
 
     Holds the compiled train step and the compiled proximal log-prob pass; `update` is the only
     entry point. Minibatches take rows strided from a per-epoch permutation of the real rows (then
-    the padding), so every minibatch holds real rows. `sequence_shards`: the context shards the
-    length is split over (`parallel.zigzag.sequence_shards`); the device batches are zig-zagged.
+    the padding), so every minibatch holds real rows. `context`: (the context shards the length
+    is split over, `parallel.zigzag.sequence_shards`; model.attention_block), for `device_batch`.
     """
 
     def __init__(
@@ -252,11 +252,11 @@ class Learner:
         sampling: SamplingParams,
         donate: bool,
         seed: int,
-        sequence_shards: int = 1,
+        context: tuple[int, int] = (1, 512),
     ):
         self.rl_cfg, self.seed = rl_cfg, seed
         self.lora_cfg = lora_cfg
-        self.shards = sequence_shards
+        self.shards, self.block = context
         loss = functools.partial(rl_loss, graphdef=graphdef, rl_cfg=rl_cfg, moe_cfg=moe_cfg, sampling=sampling)
         train_step = make_train_step(graphdef, tx, loss, schedule, lora_cfg)
 
@@ -283,10 +283,11 @@ class Learner:
         self.rollout_pass_fn = jax.jit(rollout_pass)
         self.old_logprobs_fn = jax.jit(lambda params, rest, batch: rollout_pass(params, rest, batch)["rollout_logp"])
 
-    def device_batch(self, batch: dict) -> dict:
-        """A host batch as it goes to the device: every per-token array ([N, S]) in zig-zag order
-        over the context shards (unchanged with one), per-row arrays as they are."""
-        return zigzag_batch(batch, self.shards)
+    def device_batch(self, batch: dict) -> tuple[dict, bool]:
+        """(a host batch as it goes to the device, whether zig-zagged): every per-token array
+        ([N, S]) zig-zagged over the context shards where that balances the attention tiles
+        (`parallel.zigzag.balanced_batch`), per-row arrays as they are."""
+        return balanced_batch(batch, self.shards, self.block)
 
     @property
     def steps_per_batch(self) -> int:
@@ -304,15 +305,15 @@ class Learner:
         needed |= {"rollout_logp", "ref_logp"} if kl_reward else set()
         if needed <= batch.keys():
             return batch
-        rows = {k: batch[k] for k in ROW_KEYS}
+        rows, zigzagged = self.device_batch({k: batch[k] for k in ROW_KEYS})
         out = self.rollout_pass_fn(
             model_params(state, self.lora_cfg),
             state.rest,
-            put_batch(self.device_batch(rows)),
+            put_batch(rows),
             *(reference(state, ref) if kl_reward else ()),
         )
         # this process's rows of the global batch, back in token order
-        out = {k: unzigzag_rows(local_rows(v), batch["segment_ids"], self.shards) for k, v in out.items()}
+        out = {k: unzigzag(local_rows(v), self.shards if zigzagged else 1) for k, v in out.items()}
         if self.steps_per_batch > 1:
             out["old_logp"] = out["rollout_logp"]
         if not kl_reward:
@@ -334,7 +335,7 @@ class Learner:
             for j in range(r.minibatches):
                 rows = np.sort(order[j :: r.minibatches])
                 state, m = self.step_fn(
-                    state, put_batch(self.device_batch({k: v[rows] for k, v in batch.items()})), *ref
+                    state, put_batch(self.device_batch({k: v[rows] for k, v in batch.items()})[0]), *ref
                 )
                 all_metrics.append(m)
         return state, combine_metrics(jax.device_get(all_metrics))
