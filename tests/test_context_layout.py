@@ -66,7 +66,7 @@ def preference_batch(pairs: int, length: int, rng) -> dict:
 
 def test_reward_model_loss_on_zigzagged_sequence_shards_equals_one_shard():
     """The Bradley–Terry loss and its metrics with the length over 2 devices, the rows zig-zagged
-    (as the train loop lays out full rows), equal the unsharded loss in natural order. The head once read
+    as the train loop lays them out, equal the unsharded loss in natural order. The head once read
     index count(real) − 1, which after the zig-zag is another token of every row shorter than
     the whole length."""
     m = base_config().model
@@ -99,18 +99,22 @@ def test_reward_model_loss_on_zigzagged_sequence_shards_equals_one_shard():
 
 def test_zigzag_balances_the_attention_tiles_each_shard_computes():
     """Full causal rows: the last of 8 contiguous shards computes 12× the tiles of the first; in
-    zig-zag order every shard computes the same number."""
+    zig-zag order every shard computes the same number. Rows of different lengths cost what the
+    longest costs (a tile pair is computed for every row when one row needs it)."""
     length, n = 1024, 8
     pos, seg = np.broadcast_to(np.arange(length), (2, length)), np.ones((2, length), np.int32)
     natural = tiles_per_shard(pos, seg, n, 32)
     balanced = tiles_per_shard(zigzag(pos, n), zigzag(seg, n), n, 32)
-    assert natural.sum() == balanced.sum() == 2 * 32 * 33 // 2
-    assert natural.tolist() == [2 * (1 + 2 + 3 + 4) + 2 * 4 * 4 * i for i in range(n)]
+    assert natural.sum() == balanced.sum() == 32 * 33 // 2
+    assert natural.tolist() == [(1 + 2 + 3 + 4) + 4 * 4 * i for i in range(n)]
     assert balanced.max() == balanced.min()
+    seg[1, 100:] = 0  # a short second row changes nothing
+    assert tiles_per_shard(pos, seg, n, 32).tolist() == natural.tolist()
 
 
 def brute_force_tiles(positions, segment_ids, n, block):
-    """`tiles_per_shard` by its definition: every (query tile, key tile) pair's tokens compared."""
+    """`tiles_per_shard` by its definition: every (query tile, key tile) pair's tokens compared, in
+    every row (the kernel computes a pair for all rows when any row needs it)."""
     b, length = positions.shape
     s = length // n
     t = min(block, s)
@@ -123,7 +127,7 @@ def brute_force_tiles(positions, segment_ids, n, block):
     pos, seg = tiles(positions), tiles(segment_ids)
     seen = (seg[:, :, None, :, None] == seg[:, None, :, None, :]) & (seg[:, None, :, None, :] != 0)
     seen &= pos[:, None, :, None, :] <= pos[:, :, None, :, None]
-    return seen.any(axis=(3, 4)).sum(axis=(0, 2)).reshape(n, nb).sum(axis=1)
+    return seen.any(axis=(0, 3, 4)).sum(axis=1).reshape(n, nb).sum(axis=1)
 
 
 def test_tiles_per_shard_counts_the_tiles_the_kernel_computes_for_packed_rows_in_any_order():
@@ -142,20 +146,62 @@ def test_tiles_per_shard_counts_the_tiles_the_kernel_computes_for_packed_rows_in
             np.testing.assert_array_equal(got, brute_force_tiles(pos[:, order], seg[:, order], n, block))
 
 
-def test_a_batch_is_zigzagged_only_where_that_lowers_the_busiest_shards_tiles():
-    """Full rows zig-zag (busiest shard 30 → 18 tiles); right-padded rows under a third of the
-    length, with one tile per shard, stay in token order (zig-zag: 2 → 4, a tile mixing an early
-    and a late chunk is never skipped); a preference batch's chosen_ and rejected_ rows are
-    counted together and placed together."""
+def test_tiles_per_shard_is_what_the_compiled_ring_computes(monkeypatch):
+    """The ring's compiled forward on 4 devices, its tile predicate reported by a debug callback:
+    the (query tile, key tile) pairs each device computes equal `tiles_per_shard`, in token order
+    (the busiest shard does 2.3× the first's pairs) and zig-zagged (every shard the same)."""
+    import jax.numpy as jnp
 
-    def rows(lengths, length):
+    import posttrain.ops.blockwise as blockwise
+    from posttrain.ops.context_parallel import context_parallel_attention
+
+    length, n, block = 64, 4, 4
+    extents = np.array([64, 40, 17])  # row 0 is full: its positions name the query tile's shard
+    seg = (np.arange(length)[None] < extents[:, None]).astype(np.int32)
+    pos = np.where(seg > 0, np.arange(length), 0).astype(np.int32)
+    calls = []
+    kernel_visible = blockwise.visible
+
+    def reporting(q_pos, kv_pos, q_seg, kv_seg, causal):
+        mask = kernel_visible(q_pos, kv_pos, q_seg, kv_seg, causal)
+        jax.debug.callback(lambda p, a: calls.append((int(p[0, 0]), bool(a))), q_pos, mask.any())
+        return mask
+
+    monkeypatch.setattr(blockwise, "visible", reporting)
+    mesh = make_mesh(dict(data=1, sequence=n), devices=jax.devices()[:n])
+    rng = np.random.default_rng(0)
+    q, k = (jnp.asarray(rng.normal(size=(3, length, h, 8)), jnp.float32) for h in (2, 1))
+    attend = jax.jit(lambda q, k, p, s: context_parallel_attention(q, k, k, p, s, mode="ring", block_size=block))
+    counts = {}
+    for name, (p, s) in {"natural": (pos, seg), "zigzag": (zigzag(pos, n), zigzag(seg, n))}.items():
+        calls.clear()
+        with use_sharding(mesh, DEFAULT_RULES):
+            jax.block_until_ready(attend(q, k, jnp.asarray(p), jnp.asarray(s)))
+        shard_of = np.argsort(p[0]) // (length // n)  # position in row 0 -> the shard holding it
+        computed = np.bincount([shard_of[first] for first, any_ in calls if any_], minlength=n)
+        assert len(calls) == n * n * (length // n // block) ** 2  # every tile of every ring step reported
+        np.testing.assert_array_equal(computed, tiles_per_shard(p, s, n, block))
+        counts[name] = computed
+    assert counts["natural"].max() / counts["natural"].min() > 2 and len(set(counts["zigzag"])) == 1
+
+
+def test_a_batch_is_zigzagged_only_where_that_lowers_the_busiest_shards_tiles():
+    """Full rows zig-zag (busiest of 4 shards: 15 → 9 tiles); rows whose longest ends just past
+    the middle stay in token order (7 vs 9 zig-zagged: the middle of the length, the densest part
+    of the longest row, would sit on one shard); a preference batch's chosen_ and rejected_ rows
+    are counted together (one forward attends over both: the full chosen rows decide) and
+    placed together."""
+
+    def rows(lengths, length=64):
         seg = (np.arange(length)[None] < np.asarray(lengths)[:, None]).astype(np.int32)
         return {"positions": np.where(seg > 0, np.arange(length), 0), "segment_ids": seg, "loss_mask": seg}
 
-    full, short = rows([64, 64], 64), rows([20, 12], 64)
+    full, middle = rows([64, 64]), rows([36, 20])
     placed, zigzagged = balanced_batch(full, 4, 8)
-    assert zigzagged and (placed["positions"] == zigzag(full["positions"], 4)).all()
-    assert not balanced_batch(short, 4, 16)[1] and balanced_batch(short, 1, 16) == (short, False)
-    pairs = {f"{side}_{k}": v for side, b in (("chosen", full), ("rejected", short)) for k, v in b.items()}
-    placed, zigzagged = balanced_batch(pairs, 4, 8)
-    assert zigzagged and (placed["rejected_segment_ids"] == zigzag(short["segment_ids"], 4)).all()
+    assert zigzagged and all((placed[k] == zigzag(v, 4)).all() for k, v in full.items())
+    assert not balanced_batch(middle, 4, 8)[1] and not balanced_batch(full, 1, 8)[1]
+    pairs = lambda rejected: {
+        f"{s}_{k}": v for s, b in (("chosen", full), ("rejected", rejected)) for k, v in b.items()
+    }
+    placed, zigzagged = balanced_batch(pairs(middle), 4, 8)
+    assert zigzagged and (placed["rejected_positions"] == zigzag(middle["positions"], 4)).all()

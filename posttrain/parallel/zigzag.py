@@ -8,8 +8,13 @@ The permutation is applied once when the batch is built, to every per-token arra
 segment ids, never by index, so results equal the unpermuted row's, permuted.
 
 The balance is counted in the kernel's tiles (`tiles_per_shard`): the blockwise kernels skip a
-tile only when no query in it sees a key, so zig-zag helps where its chunks span whole tiles;
-`balanced_batch` zig-zags a batch only when that lowers the busiest shard's tile count.
+(query tile, key tile) pair only when no row of the device's batch needs it, so right-padded
+rows of different lengths cost what their longest row costs, and zig-zag balances them as it
+balances full rows (`tools/zigzag_balance.py` prints the counts: the busiest shard of 8 does
+1.8-1.9× the mean in token order, 1.0 zig-zagged). Not always: when the longest row ends a
+little past the middle, token order can be the lighter layout; `balanced_batch` (what the
+train loop, the RL learner and the learned reward's scorer place) picks the one whose busiest
+shard computes fewer tiles.
 
 `sequence_shards` is the one source of n: the mesh axes the `length` rule maps to, which is the
 ring's size too (`ops.context_parallel.sequence_axes`), so the layout and the ring always agree.
@@ -47,19 +52,20 @@ def zigzag(x, n: int, axis: int = 1):
 def balanced_batch(batch: Mapping, n: int, block: int) -> tuple[dict, bool]:
     """(the batch as it goes to the device, whether zig-zagged): `zigzag_batch(batch, n)` where
     that leaves the busiest of the n context shards fewer attention tiles of `block` tokens than
-    token order does (`tiles_per_shard`, summed over the batch's row groups: every `*segment_ids`
-    with its `*positions`), else the batch as it is. Full rows balance; right-padded rows whose
-    zig-zag chunks are shorter than a tile mix early and late tokens in every tile, so fewer
-    tiles are skipped and token order can be the faster layout. Each process decides on its own
-    rows: attention reads positions, so rows in either layout give the same results."""
+    token order does (`tiles_per_shard` of the rows of every `*segment_ids` with its `*positions`
+    together: a reward model or DPO forward attends over chosen and rejected rows in one batch),
+    else the batch as it is. Full rows balance zig-zagged; when the
+    longest row ends a little past the middle, token order can leave the busiest shard less (the
+    zig-zag puts the middle of the length, the longest row's densest part, on one shard). Each
+    process decides on its own rows: attention reads positions, so either layout gives the same
+    results."""
     groups = [k.removesuffix("segment_ids") for k in batch if k.endswith("segment_ids")]
     groups = [g for g in groups if g + "positions" in batch]
     if n == 1:
         return dict(batch), False
     if groups:
-        work = lambda f: sum(
-            tiles_per_shard(f(batch[g + "positions"]), f(batch[g + "segment_ids"]), n, block) for g in groups
-        )
+        rows = lambda key, f: np.concatenate([f(np.asarray(batch[g + key])) for g in groups])
+        work = lambda f: tiles_per_shard(rows("positions", f), rows("segment_ids", f), n, block)
         if work(lambda x: zigzag(x, n)).max() >= work(np.asarray).max():
             return dict(batch), False
     return zigzag_batch(batch, n), True
@@ -92,17 +98,19 @@ def visible_pairs_per_shard(positions: np.ndarray, n: int) -> np.ndarray:
 def tiles_per_shard(positions: np.ndarray, segment_ids: np.ndarray, n: int, block: int) -> np.ndarray:
     """[n] attention tiles each context shard computes for a batch laid out as given ([B, L]):
     shard i's queries (its contiguous L/n tokens) against every shard's keys, both cut into tiles
-    of min(block, L/n) tokens as `ops.blockwise.flash_forward` cuts them, counting the tiles its
-    `lax.cond` does not skip (some query sees some key: same segment, key not padding, key
-    position <= query position). The backward pass skips the same tiles, so this is a shard's
-    share of the attention work, ring or all-gather alike. Per row, from each (tile, segment)'s
-    first and last position: O(B · entries²), cheap enough to lay out every batch."""
+    of min(block, L/n) tokens as the ring's `ops.blockwise.flash_forward` cuts them, counting
+    the (query tile, key tile) pairs its `lax.cond` does not skip. That predicate is taken over
+    the device's rows together: a pair is computed, for every row, when some query of some row
+    sees some key (same segment, key not padding, key position <= query position). The backward
+    pass skips the same pairs. `batch` is one device's rows (with data parallelism, call it per
+    batch shard). From each (tile, segment)'s first and last position per row: cheap enough to
+    lay out every batch."""
     b, length = positions.shape
     s = length // n
     t = min(block, s)
     nb = -(-s // t)
     tile = (np.arange(length) // s) * nb + (np.arange(length) % s) // t  # the tile of each index
-    out = np.zeros(n, np.int64)
+    computed = np.zeros((n * nb, n * nb), bool)  # [query tile, key tile], over every row
     for pos, seg in zip(np.asarray(positions), np.asarray(segment_ids)):
         real = seg != 0
         if not real.any():
@@ -114,8 +122,6 @@ def tiles_per_shard(positions: np.ndarray, segment_ids: np.ndarray, n: int, bloc
         starts = np.flatnonzero(np.r_[True, code[1:] != code[:-1]])
         first, last = np.minimum.reduceat(p, starts), np.maximum.reduceat(p, starts)
         tiles, segs = code[starts] // span, code[starts] % span
-        seen = (segs[:, None] == segs[None, :]) & (first[None, :] <= last[:, None])  # [q entry, kv entry]
-        q, k = np.nonzero(seen)
-        pairs = np.unique(tiles[q] * (n * nb) + tiles[k])
-        out += np.bincount(pairs // (n * nb) // nb, minlength=n)
-    return out
+        q, k = np.nonzero((segs[:, None] == segs[None, :]) & (first[None, :] <= last[:, None]))
+        computed[tiles[q], tiles[k]] = True
+    return computed.sum(axis=1).reshape(n, nb).sum(axis=1)
