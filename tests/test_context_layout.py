@@ -149,7 +149,7 @@ def test_tiles_per_shard_counts_the_tiles_the_kernel_computes_for_packed_rows_in
 def test_tiles_per_shard_is_what_the_compiled_ring_computes(monkeypatch):
     """The ring's compiled forward on 4 devices, its tile predicate reported by a debug callback:
     the (query tile, key tile) pairs each device computes equal `tiles_per_shard`, in token order
-    (the busiest shard does 2.3× the first's pairs) and zig-zagged (every shard the same)."""
+    (10, 26, 42, 58 pairs) and zig-zagged (34 each)."""
     import jax.numpy as jnp
 
     import posttrain.ops.blockwise as blockwise
@@ -182,7 +182,7 @@ def test_tiles_per_shard_is_what_the_compiled_ring_computes(monkeypatch):
         assert len(calls) == n * n * (length // n // block) ** 2  # every tile of every ring step reported
         np.testing.assert_array_equal(computed, tiles_per_shard(p, s, n, block))
         counts[name] = computed
-    assert counts["natural"].max() / counts["natural"].min() > 2 and len(set(counts["zigzag"])) == 1
+    assert counts["natural"].tolist() == [10, 26, 42, 58] and counts["zigzag"].tolist() == [34] * n
 
 
 def test_a_batch_is_zigzagged_only_where_that_lowers_the_busiest_shards_tiles():
