@@ -164,3 +164,24 @@ def test_entropy_is_over_the_sampled_support(temperature, top_k, top_p):
     if top_k or top_p < 1:  # the full tempered softmax (what it used to be) is larger
         full = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32) / temperature, axis=-1)
         assert (np.asarray(entropy_from_logprobs(full)) > want + 1e-3).all()
+
+
+def test_the_kl_terms_later_tokens_follow_positions_in_any_token_order():
+    """With positions, `kl_loss_terms` (value and gradient) is the same on a permuted row (the
+    learner's zig-zag layout), permuted: its "later tokens" are by position, not by index."""
+    rng = np.random.default_rng(0)
+    logp, ref = (jnp.asarray(rng.normal(size=(2, 8)), jnp.float32) for _ in range(2))
+    mask = jnp.asarray([[0, 0, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1]], bool)
+    pos = jnp.asarray([[0, 1, 2, 3, 4, 5, 0, 0], list(range(8))], jnp.int32)
+    perm = rng.permutation(8)
+
+    def terms(logp, ref, mask, pos):
+        fn = lambda lp: kl_loss_terms(lp, ref, jnp.exp(lp - jax.lax.stop_gradient(lp)), mask, "k3", pos)
+        return np.where(mask, fn(logp), 0), jax.grad(lambda lp: (fn(lp) * mask).sum())(logp)
+
+    value, grad = terms(logp, ref, mask, None)  # by index, in token order
+    value_p, grad_p = terms(logp[:, perm], ref[:, perm], mask[:, perm], pos[:, perm])
+    np.testing.assert_allclose(value_p, value[:, perm], rtol=1e-6)
+    np.testing.assert_allclose(grad_p, np.asarray(grad)[:, perm], rtol=1e-5, atol=1e-7)
+    _, grad_index = terms(logp[:, perm], ref[:, perm], mask[:, perm], None)  # the old "later": by index
+    assert np.abs(np.asarray(grad_index) - np.asarray(grad)[:, perm]).max() > 1e-2

@@ -16,6 +16,7 @@ from posttrain.core.state import create_train_state
 from posttrain.models.decoder import Decoder
 from posttrain.models.logprobs import token_logprobs
 from posttrain.parallel import make_mesh, parse_rules, use_sharding
+from posttrain.parallel.zigzag import zigzag
 from posttrain.rl.algo.learner import Learner, batch_rows, compute_advantages, learner_logprobs, rl_batch
 from posttrain.rl.envs.base import Trajectory
 from posttrain.rl.rollout.buffer import Rollout
@@ -60,7 +61,7 @@ def rl_cfg(**kw):
     return r
 
 
-def make_learner(setup, sampling=SAMPLING, **kw):
+def make_learner(setup, sampling=SAMPLING, context=(1, 512), **kw):
     mesh, rules, graphdef, state, shardings, optim, tx = setup
     return Learner(
         graphdef,
@@ -73,15 +74,16 @@ def make_learner(setup, sampling=SAMPLING, **kw):
         sampling=sampling,
         donate=False,
         seed=0,
+        context=context,
     )
 
 
-def rollouts(num_groups, seed=0):
-    """Random groups: prompts of PROMPT_LEN tokens, 2..NEW generated ones, rewards 0/1 (informative)."""
+def rollouts(num_groups, seed=0, new=NEW):
+    """Random groups: prompts of PROMPT_LEN tokens, 2..new generated ones, rewards 0/1 (informative)."""
     rng = np.random.default_rng(seed)
     out = []
     for j in range(num_groups):
-        lengths = [NEW] + rng.integers(2, NEW + 1, G - 1).tolist()  # generated tokens per sample
+        lengths = [new] + rng.integers(2, new + 1, G - 1).tolist()  # generated tokens per sample
         trajs = [
             Trajectory(
                 f"t{j}", rng.integers(3, 64, PROMPT_LEN + m).tolist(), [False] * PROMPT_LEN + [True] * m, PROMPT_LEN
@@ -266,3 +268,48 @@ def test_loss_norm_tokens_is_dr_grpos_constant_divisor(setup):
         pg[norm] = float(m["rl/pg_loss"])
     assert pg[0] != 0 and pg[12] == pytest.approx(pg[0] * rl_cfg().max_new_tokens / 12, rel=1e-5)
     assert loss_norm(rl_cfg(loss_norm_tokens=12)) is None  # other aggregations: no constant
+
+
+def test_a_sequence_sharded_learner_zigzags_its_rows_and_trains_as_one_shard():
+    """mesh.sequence = 2 (ring attention, tiles of 4 tokens), rows of 6..15 tokens in 16: the
+    learner zig-zags them, every per-token array with them (the busiest shard's attention tiles
+    fall from 7 to 5), the per-token outputs of the rollout pass come back in token order (the KL
+    paid as reward, a reward-to-go on the host, reads them), and two PPO epochs log the metrics
+    and reach the weights of the same batch on one shard. Rows of 5..9 tokens, whose longest
+    ends just past the middle, would be busier zig-zagged (3 → 5 tiles): they stay in order."""
+    from posttrain.parallel.zigzag import tiles_per_shard
+    from posttrain.rl.algo.learner import advantage_targets
+
+    m = model_cfg()
+    m.attention, m.attention_block = "blockwise", 4
+    kw = dict(updates_per_batch=2, kl_coef=0.1, kl_in_reward=True, kl_estimator="k1")
+    ros, out = rollouts(2, new=12), {}
+    for shards in (1, 2):
+        mesh, rules = make_mesh(dict(data=1, sequence=shards), devices=jax.devices()[:shards]), parse_rules({})
+        with use_sharding(mesh, rules):
+            cfg = base_config()
+            cfg.optim.lr, cfg.optim.warmup_steps = 3e-3, 0
+            tx = make_optimizer(cfg.optim, 100)
+            graphdef, state, shardings = create_train_state(lambda: Decoder(m, rngs=nnx.Rngs(0)), tx, mesh, rules)
+            ref = (jax.tree.map(lambda x: x * 1.1, state.params), state.rest)
+            env = (mesh, rules, graphdef, state, shardings, cfg.optim, tx)
+            learner = make_learner(env, context=(shards, 4), **kw)
+            batch = rl_batch(ros, pad_id=0, num_rows=batch_rows(2, learner.rl_cfg), sequence_shards=shards)
+            batch = learner.prepare(state, batch, ref)
+            batch.update(advantage_targets(batch, learner.rl_cfg))
+            new, metrics = learner.update(state, batch, ref, 0, 2 * G)
+        out[shards] = batch, metrics, jax.device_get(jax.tree.leaves(new.params))
+    (batch1, m1, p1), (batch2, m2, p2) = out[1], out[2]
+    placed, zigzagged = learner.device_batch(batch2)
+    assert zigzagged and (placed["advantages"] == zigzag(batch2["advantages"], 2)).all()  # every per-token array
+    tiles = [tiles_per_shard(b["positions"], b["segment_ids"], 2, 4).tolist() for b in (batch2, placed)]
+    assert tiles == [[3, 7], [5, 5]], tiles
+    short = rl_batch(rollouts(2), pad_id=0, num_rows=batch_rows(2, learner.rl_cfg), sequence_shards=2)
+    assert not learner.device_batch(short)[1]
+    for k in ("rollout_logp", "ref_logp", "advantages"):  # token order on the host
+        np.testing.assert_allclose(batch2[k], batch1[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert batch1["advantages"].ndim == 2 and np.abs(batch1["advantages"]).max() > 0
+    for k in ("loss", "rl/kl", "rl/ratio_max", "rl/pg_loss"):
+        assert float(m2[k]) == pytest.approx(float(m1[k]), rel=1e-4, abs=1e-6), k
+    for a, b in zip(p2, p1):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -30,7 +30,7 @@ from posttrain.core.step import check_nonfinite, make_train_step
 from posttrain.data.reshard import state_for_process
 from posttrain.data.schedule import ScheduledBatches, parse_seq_len_schedule
 from posttrain.parallel import allgather_json, mesh_and_rules
-from posttrain.parallel.zigzag import zigzag_batch
+from posttrain.parallel.zigzag import balanced_batch, sequence_shards
 
 
 @dataclasses.dataclass
@@ -93,12 +93,14 @@ def train(cfg, stage: TrainSpec) -> Result:
         stage.batches_for,
         stage.name,
     )
-    shards = mesh.shape["sequence"]  # > 1: rows in zig-zag order (causal balance of context parallelism)
+    # > 1: rows in zig-zag order where that balances the attention tiles, over the ring's shards
+    axes, shards = sequence_shards(mesh, rules)
     for length in parse_seq_len_schedule(cfg.train.seq_len_schedule, cfg.train.seq_len, steps).lengths:
         if shards > 1 and length % (2 * shards):
+            where = ", ".join(f"mesh.{a}={mesh.shape[a]}" for a in axes)
             raise ValueError(
                 f"train.seq_len={length} (or a train.seq_len_schedule stage): context parallelism over "
-                f"mesh.sequence={shards} needs lengths divisible by 2 × {shards}"
+                f"{where} (the `length` sharding rule: {shards} shards) needs lengths divisible by 2 × {shards}"
             )
     rows, evals = [], {}
     with run.running(mesh, rules):
@@ -121,7 +123,7 @@ def train(cfg, stage: TrainSpec) -> Result:
         t0, last = time.perf_counter(), start - 1
         counts = DataCounts(stage.name)
         for step in bar:
-            batch = put_batch(zigzag_batch(data.at(step), shards), stage.batch_axes)
+            batch = put_batch(balanced_batch(data.at(step), shards, cfg.model.attention_block)[0], stage.batch_axes)
             trained = longest_context(trained, batch)
             state, metrics = step_fn(state, batch, *stage.extra)
             if step == start:

@@ -10,6 +10,16 @@ from posttrain.models.decoder import Decoder
 from posttrain.models.layers import dtype_of, param
 
 
+def last_token_index(positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """[B, S] → [B]: where each row's last real token is, in whatever order the tokens are laid out
+    (zig-zag context parallelism permutes them): the token of the last segment (largest segment
+    id) with the largest position; 0 for a row of padding. Never a count of real tokens, which is
+    an index only in the natural, right-padded order."""
+    last_segment = segment_ids.max(axis=1, keepdims=True)
+    candidate = (segment_ids == last_segment) & (segment_ids != 0)
+    return jnp.argmax(jnp.where(candidate, positions, -1), axis=1)
+
+
 class RewardModel(Decoder):
     """The decoder with a scalar value head read at each row's last real token."""
 
@@ -24,8 +34,9 @@ class RewardModel(Decoder):
         )
 
     def reward(self, tokens, positions, segment_ids) -> tuple[jax.Array, dict]:
-        """[B, S] right-padded rows (segment id 0 = padding) → rewards [B] (float32), MoE aux."""
+        """[B, S] rows (segment id 0 = padding), in any token order → rewards [B] (float32), MoE
+        aux. The head reads the last real token's hidden state (`last_token_index`)."""
         hidden, aux = self.hidden_states(tokens, positions, segment_ids, update_bias=True)
-        last = jnp.maximum((segment_ids != 0).sum(axis=1) - 1, 0)
+        last = last_token_index(positions, segment_ids)
         h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
         return (h.astype(jnp.float32) @ self.value_head[...].astype(jnp.float32)), aux

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from posttrain.config import CONTEXT_PARALLEL
 from posttrain.ops.ring import all_gather_attention, ring_attention
 from posttrain.parallel.sharding import current, logical_spec
+from posttrain.parallel.zigzag import sequence_shards
 
 AUTO_GATHER_FRACTION = 1 / 16
 DEFAULT_DEVICE_BYTES = 16 * 2**30
@@ -31,13 +32,10 @@ def check_mode(mode: str) -> None:
 
 
 def sequence_axes() -> tuple[tuple[str, ...], int]:
-    """The mesh axes (of size > 1) the `length` rule maps to under `use_sharding`, and their size."""
+    """The mesh axes (of size > 1) the `length` rule maps to under `use_sharding`, and their size
+    (`parallel.zigzag.sequence_shards`: the zig-zag layout's shard count is the ring's)."""
     ctx = current()
-    if ctx is None:
-        return (), 1
-    mesh, rules = ctx
-    axes = tuple(a for a in rules.get("length", ()) if mesh.shape[a] > 1)
-    return axes, math.prod(mesh.shape[a] for a in axes)
+    return ((), 1) if ctx is None else sequence_shards(*ctx)
 
 
 def gathered_kv_bytes(local_kv_shape: tuple[int, ...], n: int, itemsize: int) -> int:

@@ -28,6 +28,7 @@ from posttrain.parallel.sharding import (
     shardings_for,
     use_sharding,
 )
+from posttrain.parallel.zigzag import sequence_shards
 
 __all__ = [
     "DEFAULT_RULES",
@@ -49,6 +50,7 @@ __all__ = [
     "parse_rules",
     "resolve_mesh_shape",
     "rules_key",
+    "sequence_shards",
     "shardings_for",
     "sync_processes",
     "use_sharding",

@@ -6,13 +6,34 @@ chunks see few keys and late chunks many, so each device gets one of each and th
 The permutation is applied once when the batch is built, to every per-token array together
 (tokens, targets, loss mask, positions, segment ids); attention then masks by positions and
 segment ids, never by index, so results equal the unpermuted row's, permuted.
+
+The balance is counted in the kernel's tiles (`tiles_per_shard`): the blockwise kernels skip a
+(query tile, key tile) pair only when no row of the device's batch needs it, so right-padded
+rows of different lengths cost what their longest row costs, and zig-zag balances them as it
+balances full rows (`tools/zigzag_balance.py` prints the counts: the busiest shard of 8 does
+1.8-1.9× the mean in token order, 1.0 zig-zagged). Not always: when the longest row ends a
+little past the middle, token order can be the lighter layout; `balanced_batch` (what the
+train loop, the RL learner and the learned reward's scorer place) picks the one whose busiest
+shard computes fewer tiles.
+
+`sequence_shards` is the one source of n: the mesh axes the `length` rule maps to, which is the
+ring's size too (`ops.context_parallel.sequence_axes`), so the layout and the ring always agree.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 
 import numpy as np
+
+
+def sequence_shards(mesh, rules: Mapping[str, Sequence[str]]) -> tuple[tuple[str, ...], int]:
+    """(mesh axes of size > 1 that the `length` rule maps to, their product): how many context
+    shards a row's length is split over. Zig-zag placement (the train loop, the RL learner) and
+    the ring (`ops.context_parallel`) both read it here."""
+    axes = tuple(a for a in rules.get("length", ()) if mesh.shape[a] > 1)
+    return axes, math.prod(mesh.shape[a] for a in axes)
 
 
 def zigzag_indices(length: int, n: int) -> np.ndarray:
@@ -26,6 +47,28 @@ def zigzag_indices(length: int, n: int) -> np.ndarray:
 def zigzag(x, n: int, axis: int = 1):
     """x with its `axis` (the sequence) permuted to zig-zag order for n shards (numpy or jax)."""
     return x.take(zigzag_indices(x.shape[axis], n), axis=axis) if n > 1 else x
+
+
+def balanced_batch(batch: Mapping, n: int, block: int) -> tuple[dict, bool]:
+    """(the batch as it goes to the device, whether zig-zagged): `zigzag_batch(batch, n)` where
+    that leaves the busiest of the n context shards fewer attention tiles of `block` tokens than
+    token order does (`tiles_per_shard` of the rows of every `*segment_ids` with its `*positions`
+    together: a reward model or DPO forward attends over chosen and rejected rows in one batch),
+    else the batch as it is. Full rows balance zig-zagged; when the
+    longest row ends a little past the middle, token order can leave the busiest shard less (the
+    zig-zag puts the middle of the length, the longest row's densest part, on one shard). Each
+    process decides on its own rows: attention reads positions, so either layout gives the same
+    results."""
+    groups = [k.removesuffix("segment_ids") for k in batch if k.endswith("segment_ids")]
+    groups = [g for g in groups if g + "positions" in batch]
+    if n == 1:
+        return dict(batch), False
+    if groups:
+        rows = lambda key, f: np.concatenate([f(np.asarray(batch[g + key])) for g in groups])
+        work = lambda f: tiles_per_shard(rows("positions", f), rows("segment_ids", f), n, block)
+        if work(lambda x: zigzag(x, n)).max() >= work(np.asarray).max():
+            return dict(batch), False
+    return zigzag_batch(batch, n), True
 
 
 def unzigzag(x, n: int, axis: int = 1):
@@ -50,3 +93,35 @@ def visible_pairs_per_shard(positions: np.ndarray, n: int) -> np.ndarray:
     per = length // n
     q = positions.reshape(b, n, per)
     return np.array([(q[:, i, :, None] >= positions[:, None, :]).sum() for i in range(n)])
+
+
+def tiles_per_shard(positions: np.ndarray, segment_ids: np.ndarray, n: int, block: int) -> np.ndarray:
+    """[n] attention tiles each context shard computes for a batch laid out as given ([B, L]):
+    shard i's queries (its contiguous L/n tokens) against every shard's keys, both cut into tiles
+    of min(block, L/n) tokens as the ring's `ops.blockwise.flash_forward` cuts them, counting
+    the (query tile, key tile) pairs its `lax.cond` does not skip. That predicate is taken over
+    the device's rows together: a pair is computed, for every row, when some query of some row
+    sees some key (same segment, key not padding, key position <= query position). The backward
+    pass skips the same pairs. `batch` is one device's rows (with data parallelism, call it per
+    batch shard). From each (tile, segment)'s first and last position per row: cheap enough to
+    lay out every batch."""
+    b, length = positions.shape
+    s = length // n
+    t = min(block, s)
+    nb = -(-s // t)
+    tile = (np.arange(length) // s) * nb + (np.arange(length) % s) // t  # the tile of each index
+    computed = np.zeros((n * nb, n * nb), bool)  # [query tile, key tile], over every row
+    for pos, seg in zip(np.asarray(positions), np.asarray(segment_ids)):
+        real = seg != 0
+        if not real.any():
+            continue
+        span = int(seg.max()) + 1
+        code = tile[real].astype(np.int64) * span + seg[real]
+        order = np.argsort(code, kind="stable")
+        code, p = code[order], pos[real][order]
+        starts = np.flatnonzero(np.r_[True, code[1:] != code[:-1]])
+        first, last = np.minimum.reduceat(p, starts), np.maximum.reduceat(p, starts)
+        tiles, segs = code[starts] // span, code[starts] % span
+        q, k = np.nonzero((segs[:, None] == segs[None, :]) & (first[None, :] <= last[:, None]))
+        computed[tiles[q], tiles[k]] = True
+    return computed.sum(axis=1).reshape(n, nb).sum(axis=1)

@@ -40,7 +40,7 @@ from posttrain.core.step import check_nonfinite
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.models.quant import quantize_params
-from posttrain.parallel import mesh_and_rules
+from posttrain.parallel import mesh_and_rules, sequence_shards
 from posttrain.rl.algo.critic import ValueDecoder
 from posttrain.rl.algo.learner import Learner, advantage_targets, batch_rows, compute_advantages, rl_batch
 from posttrain.rl.algo.reward_model import RewardComposer
@@ -155,7 +155,8 @@ def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLS
         return rl, {"rl/skipped_updates": rl.skipped_updates}
     num_real = sum(len(ro.group.trajectories) for ro in rollouts)
     longest = int(all_values([max(len(t.tokens) for ro in rollouts for t in ro.group.trajectories)]).max())
-    batch = rl_batch(rollouts, pad_id=c.pad_id, num_rows=batch_rows(len(rollouts), r, r.minibatches), longest=longest)
+    n_rows, shards = batch_rows(len(rollouts), r, r.minibatches), c.learner.shards  # shards: zig-zag needs 2n | S
+    batch = rl_batch(rollouts, pad_id=c.pad_id, num_rows=n_rows, longest=longest, sequence_shards=shards)
     rows = [t.tokens for ro in rollouts for t in ro.group.trajectories]
     unfinished = [t.info.get("truncated") is not None for ro in rollouts for t in ro.group.trajectories]
     batch["rewards"][:num_real], reward_metrics = c.rewards(rows, batch["rewards"][:num_real], unfinished)
@@ -288,6 +289,7 @@ def run(cfg) -> Result:
                 sampling=sampling,
                 donate=r.max_staleness == 0,
                 seed=cfg.seed,
+                context=(sequence_shards(mesh, rules)[1], cfg.model.attention_block),  # zig-zag where it balances
             )
             worker = RolloutWorker(
                 graphdef,

@@ -28,6 +28,7 @@ from posttrain.core.batch import put_batch
 from posttrain.core.state import model_params
 from posttrain.core.step import make_train_step, moe_penalty
 from posttrain.parallel import local_rows
+from posttrain.parallel.zigzag import balanced_batch, unzigzag
 from posttrain.rl.algo.advantages import (
     gae_advantages,
     group_advantages,
@@ -44,7 +45,14 @@ ROW_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 HOST_ONLY = ("rollout_logp", "rewards", "judged")  # batch keys the update step does not read
 
 
-def rl_batch(rollouts: list[Rollout], *, pad_id: int, num_rows: int | None = None, longest: int | None = None) -> dict:
+def rl_batch(
+    rollouts: list[Rollout],
+    *,
+    pad_id: int,
+    num_rows: int | None = None,
+    longest: int | None = None,
+    sequence_shards: int = 1,
+) -> dict:
     """Rollouts → one learner batch of [N, S] rows (S bucketed to a multiple of 8): inputs,
     targets, loss_mask (generated target tokens), positions, segment_ids, behav_logp (the
     sampler's log-prob of each target), rewards [N] and judged [N] (False where the verifier
@@ -54,7 +62,8 @@ def rl_batch(rollouts: list[Rollout], *, pad_id: int, num_rows: int | None = Non
     num_rows pads the batch with empty rows (zero loss mask, zero reward) to a fixed size, so
     batches with different numbers of groups reuse one compiled step. `longest` (>= every
     trajectory's length) sets S instead of these rollouts' longest: every process of a
-    multi-process run builds its rows at the global longest.
+    multi-process run builds its rows at the global longest. S is also a multiple of
+    2 × sequence_shards, so the rows can be zig-zagged over that many context shards.
     """
     trajs = [t for ro in rollouts for t in ro.group.trajectories]
     behav = [b for ro in rollouts for b in ro.behav_logprobs]
@@ -62,6 +71,7 @@ def rl_batch(rollouts: list[Rollout], *, pad_id: int, num_rows: int | None = Non
     if n < len(trajs):
         raise ValueError(f"num_rows={num_rows} is less than the {len(trajs)} sequences of the rollouts")
     s = bucket(max([len(t.tokens) for t in trajs] + [longest or 0]) - 1, 8)
+    s = -(-s // (2 * sequence_shards)) * 2 * sequence_shards
     out = {k: np.zeros((n, s), np.int32) for k in ROW_KEYS}
     out["inputs"][:] = out["targets"][:] = pad_id
     out["behav_logp"] = np.zeros((n, s), np.float32)
@@ -202,6 +212,7 @@ def rl_loss(model, batch, *ref, graphdef, rl_cfg, moe_cfg, sampling: SamplingPar
         is_cap=rl_cfg.is_cap,
         entropy=entropy,
         entropy_coef=rl_cfg.entropy_coef,
+        positions=batch["positions"],
     )
     if gae:
         v_loss, v_metrics = value_loss(
@@ -224,7 +235,8 @@ class Learner:
 
     Holds the compiled train step and the compiled proximal log-prob pass; `update` is the only
     entry point. Minibatches take rows strided from a per-epoch permutation of the real rows (then
-    the padding), so every minibatch holds real rows.
+    the padding), so every minibatch holds real rows. `context`: (the context shards the length
+    is split over, `parallel.zigzag.sequence_shards`; model.attention_block), for `device_batch`.
     """
 
     def __init__(
@@ -240,9 +252,11 @@ class Learner:
         sampling: SamplingParams,
         donate: bool,
         seed: int,
+        context: tuple[int, int] = (1, 512),
     ):
         self.rl_cfg, self.seed = rl_cfg, seed
         self.lora_cfg = lora_cfg
+        self.shards, self.block = context
         loss = functools.partial(rl_loss, graphdef=graphdef, rl_cfg=rl_cfg, moe_cfg=moe_cfg, sampling=sampling)
         train_step = make_train_step(graphdef, tx, loss, schedule, lora_cfg)
 
@@ -269,6 +283,12 @@ class Learner:
         self.rollout_pass_fn = jax.jit(rollout_pass)
         self.old_logprobs_fn = jax.jit(lambda params, rest, batch: rollout_pass(params, rest, batch)["rollout_logp"])
 
+    def device_batch(self, batch: dict) -> tuple[dict, bool]:
+        """(a host batch as it goes to the device, whether zig-zagged): every per-token array
+        ([N, S]) zig-zagged over the context shards where that balances the attention tiles
+        (`parallel.zigzag.balanced_batch`), per-row arrays as they are."""
+        return balanced_batch(batch, self.shards, self.block)
+
     @property
     def steps_per_batch(self) -> int:
         """Optimizer steps per rollout batch."""
@@ -285,14 +305,15 @@ class Learner:
         needed |= {"rollout_logp", "ref_logp"} if kl_reward else set()
         if needed <= batch.keys():
             return batch
-        rows = {k: batch[k] for k in ROW_KEYS}
+        rows, zigzagged = self.device_batch({k: batch[k] for k in ROW_KEYS})
         out = self.rollout_pass_fn(
             model_params(state, self.lora_cfg),
             state.rest,
             put_batch(rows),
             *(reference(state, ref) if kl_reward else ()),
         )
-        out = {k: local_rows(v) for k, v in out.items()}  # this process's rows of the global batch
+        # this process's rows of the global batch, back in token order
+        out = {k: unzigzag(local_rows(v), self.shards if zigzagged else 1) for k, v in out.items()}
         if self.steps_per_batch > 1:
             out["old_logp"] = out["rollout_logp"]
         if not kl_reward:
@@ -313,7 +334,9 @@ class Learner:
             order = np.concatenate([rng.permutation(num_real_rows), np.arange(num_real_rows, n)])
             for j in range(r.minibatches):
                 rows = np.sort(order[j :: r.minibatches])
-                state, m = self.step_fn(state, put_batch({k: v[rows] for k, v in batch.items()}), *ref)
+                state, m = self.step_fn(
+                    state, put_batch(self.device_batch({k: v[rows] for k, v in batch.items()})[0]), *ref
+                )
                 all_metrics.append(m)
         return state, combine_metrics(jax.device_get(all_metrics))
 

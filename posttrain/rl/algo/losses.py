@@ -41,8 +41,26 @@ def kl_estimate(logp: jax.Array, ref_logp: jax.Array, estimator: str = "k3") -> 
     return jnp.expm1(log_r) - log_r
 
 
+def later_sum(x: jax.Array, mask: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """Σ_{s > t} x_s over each row's masked tokens: [B, T] → [B, T] (x is 0 off the mask). "Later"
+    is by index, or with `positions` by position, in whatever order the tokens are laid out (the
+    learner's rows are zig-zagged along the length under context parallelism): the masked tokens
+    sorted by position (the others first: they add nothing), a reverse cumulative sum, and back."""
+    suffix = lambda y: jnp.flip(jnp.cumsum(jnp.flip(y, axis=-1), axis=-1), axis=-1) - y
+    if positions is None:
+        return suffix(x)
+    order = jnp.argsort(jnp.where(mask, positions, -1), axis=-1, stable=True)
+    later = suffix(jnp.take_along_axis(x, order, axis=-1))
+    return jnp.take_along_axis(later, jnp.argsort(order, axis=-1), axis=-1)
+
+
 def kl_loss_terms(
-    logp: jax.Array, ref_logp: jax.Array, weight: jax.Array, mask: jax.Array, estimator: str
+    logp: jax.Array,
+    ref_logp: jax.Array,
+    weight: jax.Array,
+    mask: jax.Array,
+    estimator: str,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
     """Per-token loss terms whose gradient (summed over a sequence) is an unbiased estimate of
     ∇KL(π ‖ π_ref) over whole sequences: [B, T] → [B, T].
@@ -76,7 +94,7 @@ def kl_loss_terms(
         )
     m = mask.astype(bool)
     k1 = jax.lax.stop_gradient(jnp.where(m, logp.astype(jnp.float32) - ref_logp.astype(jnp.float32), 0.0))
-    future = jnp.flip(jnp.cumsum(jnp.flip(k1, axis=-1), axis=-1), axis=-1) - k1  # Σ_{s > t}
+    future = later_sum(k1, m, positions)  # Σ_{s > t}, t's position order when `positions` are given
     sg_w = jax.lax.stop_gradient(weight)
     value_w = sg_w if estimator == "k2" else weight
     return value_w * kl_estimate(logp, ref_logp, estimator) + (weight - sg_w) * future
@@ -186,6 +204,7 @@ def policy_loss(
     is_cap: float | None = None,
     entropy: jax.Array | None = None,
     entropy_coef: float = 0.0,
+    positions: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
     """The learner's loss: clipped surrogate (× truncated IS weight) + β·KL − α·entropy.
 
@@ -196,7 +215,8 @@ def policy_loss(
     `kl_penalized_advantages`). Optional, all [B, T]: ref_logp (needed when kl_coef > 0; with
     kl_coef = 0 it only feeds the `rl/kl` metric), behav_logp with is_cap (the IS weight
     π_old / π_behav multiplies the surrogate only), entropy (`entropy_from_logprobs` of the policy's
-    logits; needed when entropy_coef > 0). Every term is reduced with `aggregation`; the
+    logits; needed when entropy_coef > 0), positions (the tokens' positions: the KL term's "later
+    tokens" follow them, so a permuted token order gives the same loss). Every term is reduced with `aggregation`; the
     coefficients and string switches are Python values (static under jit).
 
     Returns (loss, metrics): `rl/loss`, `rl/pg_loss`, `rl/clip_frac_low` / `_high` (tokens
@@ -237,7 +257,7 @@ def policy_loss(
         metrics["rl/kl"] = _masked_mean(jax.lax.stop_gradient(kl), mask)
         if kl_coef:
             rho = w * jnp.exp(jnp.where(mask, logp.astype(jnp.float32) - jax.lax.stop_gradient(old_logp), 0.0))
-            terms = kl_loss_terms(logp, ref_logp, rho, mask, kl_estimator)
+            terms = kl_loss_terms(logp, ref_logp, rho, mask, kl_estimator, positions)
             loss = loss + kl_coef * aggregate(terms, mask, aggregation, max_len_norm)
     if entropy is not None:
         metrics["rl/entropy"] = _masked_mean(entropy, mask)

@@ -39,8 +39,9 @@ from posttrain.data.packing import build_row
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.errors import UserError
 from posttrain.models.reward import RewardModel
-from posttrain.parallel import use_sharding
+from posttrain.parallel import sequence_shards, use_sharding
 from posttrain.parallel.sharding import Rules
+from posttrain.parallel.zigzag import balanced_batch
 from posttrain.rl.rollout.hosts import all_values
 from posttrain.sampling.generate import bucket
 
@@ -122,9 +123,10 @@ class RewardModelScorer:
         pad_id: int,
         min_rows: int = 8,
         min_len: int = 16,
+        attention_block: int = 512,
     ):
         self.params, self.rest, self.mesh, self.rules = params, rest, mesh, rules
-        self.pad_id, self.min_rows, self.min_len = pad_id, min_rows, min_len
+        self.pad_id, self.min_rows, self.min_len, self.block = pad_id, min_rows, min_len, attention_block
         self.step: int | None = None  # the checkpoint step loaded (`load`)
 
         @jax.jit
@@ -145,23 +147,27 @@ class RewardModelScorer:
         make = lambda: RewardModel(model_cfg, rngs=nnx.Rngs(0))
         with use_sharding(mesh, rules):
             params, rest, step = load_model_state(path, make, mesh, rules, step=step)
+        kw.setdefault("attention_block", model_cfg.attention_block)
         scorer = cls(nnx.graphdef(abstract_model(make)), params, rest, mesh, rules, pad_id=pad_id, **kw)
         scorer.step = step
         return scorer
 
     def score(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
         """Reward of each token row (prompt + response) → [len(rows)] float32. Rows and length are
-        padded to power-of-two buckets, so few shapes ever compile."""
+        padded to power-of-two buckets, so few shapes ever compile; under context parallelism the
+        length is a multiple of 2 × the shards and the rows are zig-zagged where that balances."""
         if not rows:
             return np.zeros(0, np.float32)
+        shards = sequence_shards(self.mesh, self.rules)[1]
         n, length = bucket(len(rows), self.min_rows), bucket(max(len(r) for r in rows), self.min_len)
+        length = -(-length // (2 * shards)) * 2 * shards
         built = [
             build_row([{"tokens": r, "loss_mask": np.zeros(len(r), bool)}], length, pad_id=self.pad_id) for r in rows
         ]
         empty = build_row([], length, pad_id=self.pad_id)
         batch = {k: np.stack([b[k] for b in built] + [empty[k]] * (n - len(rows))) for k in ROW_KEYS}
         with use_sharding(self.mesh, self.rules):
-            out = self._forward(self.params, self.rest, **put_batch(batch))
+            out = self._forward(self.params, self.rest, **put_batch(balanced_batch(batch, shards, self.block)[0]))
         return np.asarray(jax.device_get(out), np.float32)[: len(rows)]
 
 
