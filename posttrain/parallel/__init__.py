@@ -1,5 +1,6 @@
-"""Device mesh, logical-axis sharding rules and multi-process start."""
+"""Device mesh, logical-axis sharding rules, multi-process start and agreement."""
 
+from posttrain.parallel.agreement import Disagreement, agree
 from posttrain.parallel.distributed import (
     allgather_json,
     is_primary,
@@ -30,7 +31,9 @@ from posttrain.parallel.sharding import (
 
 __all__ = [
     "DEFAULT_RULES",
+    "Disagreement",
     "MESH_AXES",
+    "agree",
     "allgather_json",
     "constrain",
     "current",
