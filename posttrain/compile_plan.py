@@ -30,6 +30,7 @@ from posttrain.core.state import abstract_model, abstract_train_state
 from posttrain.core.step import lm_loss, make_train_step
 from posttrain.models.decoder import Decoder
 from posttrain.models.flops import activated_matmul_params, train_flops_per_token
+from posttrain.ops import context_parallel
 from posttrain.parallel import aot, logical_spec, make_mesh, parse_rules, rules_key, shardings_for, use_sharding
 from posttrain.rl.algo.learner import rl_loss
 from posttrain.sampling.generate import bucket, generate_program
@@ -382,9 +383,10 @@ def plan(
                 }
             )
             continue
-        compiled, seconds = compile_program(program, mesh, rules)
+        with context_parallel.recorded() as cp_choices:  # what `auto` resolves to, as a real run would
+            compiled, seconds = compile_program(program, mesh, rules)
         report = program_report(program, compiled, aot.CHIPS[gen], len(devices))
-        report.update(topology=topology, mesh=dict(mesh.shape), compile_s=seconds)
+        report.update(topology=topology, mesh=dict(mesh.shape), compile_s=seconds, context_parallel=cp_choices)
         log(f"{topology} {program.name}: compiled in {seconds:.1f} s")
         reports.append(report)
     return reports
