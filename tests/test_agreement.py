@@ -118,3 +118,31 @@ def test_auto_in_a_traced_model_follows_remat_and_is_recorded(monkeypatch):
     assert full["device_bytes"] == 3 * 2**19 and full["device_source"] == "reported"
     assert np.isclose(full["kv_bytes"], 2 * 256 * 2 * 8 * (4 + 4))
     assert (full["strategy"], none["strategy"]) == ("all_gather", "ring")
+
+
+def test_evaluation_steps_while_any_process_has_a_batch(monkeypatch):
+    """Packed SFT slices give processes different numbers of evaluation batches: this process has
+    1, the other 2. Both step twice (a process without a batch collectively steps on all-padding
+    rows of weight 0), so the metric is that of the real batches only (on main this process
+    stopped after 1 step and the other hung in the next one's collective)."""
+    from flax import nnx
+
+    from posttrain.stages import common
+
+    class Scale(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(()))
+
+    def metric(model, batch):
+        n = batch["loss_mask"].sum()
+        return {"loss": (batch["x"] * batch["loss_mask"]).sum() * model.w / jnp.maximum(n, 1)}, n
+
+    mine = [{"x": np.full((2, 3), 2.0, np.float32), "loss_mask": np.ones((2, 3), np.int32)}]
+    other_has = iter([True, True, False])  # the other process: batches at steps 1 and 2, then done
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(agreement_module, "allgather_json", lambda v: [v, next(other_has)])
+    seen = []
+    monkeypatch.setattr(common, "put_batch", lambda b: seen.append(b) or jax.tree.map(jnp.asarray, b))
+    out = common.make_evaluator(metric, lambda: iter(mine))(Scale())
+    assert len(seen) == 2 and not seen[1]["loss_mask"].any()  # stepped on padding after its own batch
+    assert out == {"loss": 2.0}
