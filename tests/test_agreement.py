@@ -146,3 +146,33 @@ def test_evaluation_steps_while_any_process_has_a_batch(monkeypatch):
     out = common.make_evaluator(metric, lambda: iter(mine))(Scale())
     assert len(seen) == 2 and not seen[1]["loss_mask"].any()  # stepped on padding after its own batch
     assert out == {"loss": 2.0}
+
+
+def test_checkpoints_to_read_are_those_every_process_lists(tmp_path, monkeypatch):
+    """A run still saving may add a checkpoint between two processes' looks: the eval stage's steps
+    and init_from's newest step are those every process lists (here the other one lacks 6)."""
+    import types
+
+    from posttrain.core.checkpoint import Checkpointer
+    from posttrain.stages.eval import checkpoint_steps
+
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"), every=1, keep=3, async_save=False)
+    for step in (2, 4, 6):
+        ckpt.save(step, {"params": {"w": jnp.full((2,), float(step))}})
+    ckpt.close()
+    monkeypatch.setattr(agreement_module, "jax", types.SimpleNamespace(process_count=lambda: 2))
+    monkeypatch.setattr(
+        agreement_module,
+        "allgather_json",
+        lambda v: [v, [x for x in v if x != 6] if isinstance(v, list) else min(v, 4)],
+    )
+    cfg = base_config()
+    cfg.eval.steps = "latest"
+    assert checkpoint_steps(cfg, str(tmp_path)) == [4]
+    cfg.eval.steps = "all"
+    assert checkpoint_steps(cfg, str(tmp_path)) == [2, 4]
+    reader = Checkpointer(str(tmp_path / "checkpoints"), every=0, keep=1, create=False)
+    target = {"params": {"w": jax.ShapeDtypeStruct((2,), jnp.float32)}}
+    step, trees, _, _ = reader.restore_newest(target)
+    reader.close()
+    assert step == 4 and float(trees["params"]["w"][0]) == 4.0

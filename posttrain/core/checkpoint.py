@@ -236,6 +236,7 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+        self._local.close()
 
 
 def abstract_with_shardings(shapes: Any, shardings: Any) -> Any:
