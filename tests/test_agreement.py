@@ -176,3 +176,21 @@ def test_checkpoints_to_read_are_those_every_process_lists(tmp_path, monkeypatch
     step, trees, _, _ = reader.restore_newest(target)
     reader.close()
     assert step == 4 and float(trees["params"]["w"][0]) == 4.0
+
+
+def test_alert_stops_are_agreed_across_processes(monkeypatch):
+    """alerts.on = "stop": a rule may read a local fact (throughput_stall: this host's clock), so a
+    process whose rules did not fire stops too when another's did (on main it kept going alone
+    into the next step's collective)."""
+    from posttrain.core.alerts import AlertMonitor, AlertStop
+    from posttrain.core.harness import Harness
+
+    run = Harness("sft", 10, None, None, workdir="", progress=False, alerts=AlertMonitor({}, mode="stop"))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(agreement_module, "allgather_json", lambda fired: [fired, True])  # the other one's fired
+    with pytest.raises(AlertStop, match="step 3 .*another process's alerts fired"):
+        run.alert(3, {"loss": 1.0})
+    monkeypatch.setattr(agreement_module, "allgather_json", lambda fired: [fired, False])
+    run.alert(4, {"loss": 1.0})  # nobody's fired: carry on
+    with pytest.raises(AlertStop, match="nonfinite"):
+        run.alert(5, {"loss": float("nan")})  # this one's fired: its own message

@@ -119,8 +119,7 @@ def local_memory_bytes(mesh) -> tuple[int, str]:
 
 @functools.cache
 def _agreed_memory(devices: tuple, local: tuple[int, str]) -> tuple[int, str]:
-    with jax.ensure_compile_time_eval():  # called while a program traces: run the exchange now
-        agreed = agree(local[0], name="device memory (context parallelism)", reduce="min")
+    agreed = agree(local[0], name="device memory (context parallelism)", reduce="min")  # at trace time
     return agreed, local[1] if agreed == local[0] else "another process"
 
 

@@ -7,11 +7,14 @@ or one waits in a collective the others never enter.
 they are equal (raising `Disagreement` with each process's view) or reduces them (`reduce`:
 min, max, any, all, intersection, union). With one process it is the identity and runs no
 collective. The exchange is `multihost_utils.process_allgather` (through `allgather_json`), so
-every process must call `agree` at the same point of the run, with the same `name`.
+every process must call `agree` at the same point of the run, with the same `name`. The exchange
+runs on a helper thread: jax's trace state is per thread, so a choice made while a program traces
+(e.g. `auto` context parallelism) can still run the exchange's own small program.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable
 from typing import Any
 
@@ -67,5 +70,7 @@ def agree(value: Any, *, name: str, reduce: str | None = None) -> Any:
         raise ValueError(f"agree({name!r}): reduce={reduce!r}: expected one of {sorted(REDUCERS)} or None")
     if jax.process_count() == 1:
         return set(value) if reduce in ("intersection", "union") else value
-    agreed = combine(allgather_json(_portable(value, reduce)), name, reduce)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agree") as pool:
+        views = pool.submit(lambda: allgather_json(_portable(value, reduce))).result()
+    agreed = combine(views, name, reduce)
     return value if reduce is None else agreed  # equal views: this process's own (tuples stay tuples)
