@@ -31,6 +31,7 @@ from posttrain.core.state import abstract_model, abstract_train_state
 from posttrain.core.step import lm_loss, make_train_step
 from posttrain.models.decoder import Decoder
 from posttrain.models.flops import activated_matmul_params, train_flops_per_token
+from posttrain.ops import context_parallel
 from posttrain.parallel import aot, logical_spec, make_mesh, parse_rules, rules_key, shardings_for, use_sharding
 from posttrain.parallel.roofline import roofline
 from posttrain.rl.algo.learner import rl_loss
@@ -384,9 +385,10 @@ def plan(
         if not compile:
             reports.append({**argument_report(program, aot.CHIPS[gen], len(devices)), **where})
             continue
-        compiled, seconds = compile_program(program, mesh, rules)
+        with context_parallel.recorded() as cp_choices:  # what `auto` resolves to, as a real run would
+            compiled, seconds = compile_program(program, mesh, rules)
         report = program_report(program, compiled, aot.CHIPS[gen], len(devices))
-        report.update(where, compile_s=seconds)
+        report.update(where, compile_s=seconds, context_parallel=cp_choices)
         log(f"{topology} {program.name}: compiled in {seconds:.1f} s")
         reports.append(report)
     return reports

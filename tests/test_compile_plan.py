@@ -591,3 +591,37 @@ def test_adafactor_state_is_factored_and_restores_into_its_shards():
     v_row = target["opt_state"][1][0].v_row["stacks"][0]["blocks"][0]["mlp"]["w_gate"]  # [L, E, D, F] minus F
     assert len(v_row.shape) == 3 and v_row.sharding.spec == P(None, "expert")
     assert jax.tree.leaves(target["opt_state"])
+
+
+@needs_libtpu
+def test_compile_plan_shows_the_context_parallel_choice_a_real_run_makes(monkeypatch):
+    """`auto` in a pod plan: the abstract v5p devices cannot be asked, so the chip's memory comes
+    from the device-kind table (95 GiB, not the 16 GiB fallback), and the plan reports the
+    strategy with its numbers; the CLI prints it."""
+    import importlib.util
+
+    from posttrain import compile_plan as cp
+    from posttrain.parallel import use_sharding
+
+    cfg = tiny_moe_config()
+    cfg.model.moe.num_experts = 0
+    cfg.model.attention, cfg.model.context_parallel, cfg.model.attention_block = "blockwise", "auto", 128
+    cfg.mesh.data, cfg.mesh.expert, cfg.mesh.sequence = 2, 1, 2
+    cfg.train.seq_len = 256
+
+    def lower_only(program, mesh, rules):  # the choice is made while tracing: no need to compile
+        with use_sharding(mesh, rules):
+            return program.fn.lower(*program.args), 0.0
+
+    monkeypatch.setattr(cp, "compile_program", lower_only)
+    monkeypatch.setattr(cp, "program_report", lambda program, compiled, chip, n: {"program": program.name})
+    (report,) = cp.plan(cfg, TOPOLOGY, ("sft",), log=lambda s: None)
+    (choice,) = report["context_parallel"]
+    assert choice["mode"] == "auto" and choice["strategy"] == "all_gather"
+    assert choice["device_bytes"] == 95 * 2**30 and choice["device_source"] == "table (TPU v5)"
+    assert choice["layers"] == (cfg.model.num_layers if cfg.model.remat == "none" else 1)
+    spec = importlib.util.spec_from_file_location("compile_plan_cli", "tools/compile_plan.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    line = cli.context_parallel_line(report)
+    assert line.startswith("sft: context parallelism auto -> all_gather (gathered K/V ") and "table (TPU v5)" in line

@@ -156,15 +156,13 @@ def test_sigint_in_the_rl_loop_saves_at_the_step(monkeypatch):
 def test_hosts_agree_to_stop_at_the_same_step(monkeypatch):
     """Multi-host: a host without a signal stops too when another got one, at the agreed steps only."""
     import jax
-    from jax.experimental import multihost_utils
+
+    from posttrain.parallel import agreement
 
     gathered = []
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    monkeypatch.setattr(
-        multihost_utils,
-        "process_allgather",
-        lambda x: gathered.append(int(x)) or __import__("numpy").asarray([int(x), signal.SIGTERM]),
-    )
+    # the exchange (`parallel.agree` over `allgather_json`): this host's flag, then the other's SIGTERM
+    monkeypatch.setattr(agreement, "allgather_json", lambda x: gathered.append(int(x)) or [int(x), int(signal.SIGTERM)])
     assert interrupt.agreed(None, step=3, every=2) is None and gathered == []  # not an agreed step
     assert interrupt.agreed(None, step=4, every=2) == signal.SIGTERM and gathered == [0]
     monkeypatch.setattr(jax, "process_count", lambda: 1)

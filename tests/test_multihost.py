@@ -130,24 +130,30 @@ def sft_setup(tmp_path_factory):
     return root, overrides
 
 
+FSDP_ACROSS = {"mesh.data": 1, "mesh.fsdp": 8}  # weights sharded over both processes' devices
+
+
 @pytest.fixture(scope="module")
 def sft_runs(sft_setup):
-    """The same tiny SFT job as 1 process × 8 devices and as 2 processes × 4 devices."""
+    """The same tiny SFT job as 1 process × 8 devices (data parallel) and as 2 processes × 4
+    devices with the weights sharded over `fsdp` across both processes (each writes its own
+    shards of a checkpoint)."""
     root, overrides = sft_setup
     one, two = launch_together(
         SFT_CONFIG,
         [
             (str(root / "one"), overrides(str(root / "one" / "wd"), True), 1, 8),
-            (str(root / "two"), overrides(str(root / "two" / "wd"), True), 2, 4),
+            (str(root / "two"), {**overrides(str(root / "two" / "wd"), True), **FSDP_ACROSS}, 2, 4),
         ],
     )
     return root, overrides, one, two
 
 
 def test_sft_two_processes_match_one_process(sft_runs):
-    """Losses and final weights of 2 processes × 4 devices equal 1 process × 8 devices (same seed and
-    global batch; unpacked rows, so each global batch holds the same records); each process read
-    only its own records, and only process 0 wrote the shared outputs."""
+    """Losses and final weights of 2 processes × 4 devices (fsdp over both) equal 1 process × 8
+    devices (data parallel; same seed and global batch; unpacked rows, so each global batch holds
+    the same records); each process read only its own records, and only process 0 wrote the shared
+    outputs."""
     root, _, (one,), two = sft_runs
     assert [r["process_count"] for r in two] == [2, 2]
     ref = losses(one)
@@ -195,6 +201,78 @@ def test_two_process_checkpoint_resumes_on_one_process_other_mesh(sft_runs):
     p_two, p_resumed = params(str(root / "two")), params(str(root / "resumed"))
     for k in p_two:
         np.testing.assert_allclose(p_resumed[k], p_two[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_checkpoint_damaged_for_one_process_resumes_both_from_the_newest_common_step(sft_runs):
+    """Truncate the data files process 1 wrote (its fsdp shards) in the newest checkpoint (4): only
+    process 1 reads them, so only it fails to restore step 4. Both agree to resume from step 2
+    (the newest both can read), set 4 aside, log the losses the first run logged for steps 2-3 and
+    save step 4 again. (On main process 0 restored 4, process 1 fell back: a barrier mismatch.)"""
+    root, overrides, _, two = sft_runs
+    wd = root / "damaged" / "wd"
+    shutil.copytree(root / "two" / "wd", wd)
+    os.remove(wd / "metrics.jsonl")
+    damaged = [
+        os.path.join(folder, name)
+        for item in ("params", "opt_state")
+        for folder, _, names in os.walk(wd / "checkpoints" / "4" / item)
+        if "ocdbt.process_1" in folder
+        for name in names
+    ]
+    assert damaged, sorted(os.listdir(wd / "checkpoints" / "4" / "params"))
+    for path in damaged:
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    resumed = launch(str(root / "damaged"), SFT_CONFIG, {**overrides(str(wd)), **FSDP_ACROSS}, processes=2, devices=4)
+    ref = losses(two[0])
+    for record in resumed:
+        got = losses(record)
+        assert sorted(got) == [2, 3]
+        np.testing.assert_allclose([got[s] for s in got], [ref[s] for s in got], rtol=1e-5)
+    assert sorted(os.listdir(wd / "checkpoints")) == ["2", "4", "4.unreadable"]
+    logs = [open(root / "damaged" / f"log{i}.txt").read() for i in range(2)]
+    assert "unreadable on another process" in logs[0] and "cannot be read" in logs[1]
+
+
+def small_memory_on_process_1():
+    """multihost_worker hook: process 1's devices report a 512 KiB memory limit (process 0's, CPU
+    devices, report none: 16 GiB assumed), so `auto` context parallelism would choose ring there
+    and all-gather on process 0 unless they agree."""
+    if sys.argv[4] == "1":
+        from posttrain.ops import context_parallel
+
+        context_parallel.reported_memory_bytes = lambda device: 2**19
+
+
+@pytest.mark.slow
+def test_auto_context_parallelism_agrees_when_one_process_has_less_memory(sft_runs, monkeypatch):
+    """`model.context_parallel = "auto"` over `mesh.sequence = 2` with process 1's devices reporting
+    512 KiB: both processes choose ring (the smallest memory, agreed), log it with the numbers, and
+    train to the losses of the 1-process run. (~2 min at load 4: slow.)
+
+    On main process 0 traced all-gather and process 1 the ring: their collectives mismatched
+    (process 1: "Gloo context initialization failed ... GetKeyValue() timed out"; process 0:
+    "Gloo AllGather failed"), and neither exited until killed (300 s)."""
+    root, overrides, (one,), _ = sft_runs
+    monkeypatch.setenv("POSTTRAIN_TEST_HOOK", "tests.test_multihost:small_memory_on_process_1")
+    out = root / "cp_auto"
+    cfg = {
+        **overrides(str(out / "wd")),
+        "mesh.data": 1,
+        "mesh.fsdp": 4,
+        "mesh.sequence": 2,
+        "model.attention": "blockwise",
+        "model.context_parallel": "auto",
+    }
+    records = launch(str(out), SFT_CONFIG, cfg, processes=2, devices=4, timeout=600)
+    ref = losses(one)
+    for record in records:
+        got = losses(record)
+        assert sorted(got) == sorted(ref)
+        np.testing.assert_allclose([got[s] for s in ref], [ref[s] for s in ref], rtol=1e-4)
+    logs = [open(out / f"log{i}.txt").read() for i in range(2)]
+    assert all("context parallelism auto over 2 devices: ring" in log for log in logs)
+    assert "another process" in logs[0] and "all_gather" not in logs[0] + logs[1]
 
 
 @pytest.mark.slow
@@ -690,3 +768,100 @@ def test_multi_turn_eval_two_processes_match_one_process(tmp_path, monkeypatch):
     assert one["turns_per_episode"] == pytest.approx(np.mean(turns))
     assert one["calls_per_turn"] == pytest.approx(sum(t - 1 for t in turns) / sum(turns))
     assert one["tool_call_ok_rate"] == pytest.approx(2 * len(turns) / sum(t - 1 for t in turns))
+
+
+def test_evaluation_with_fewer_tasks_than_processes_gives_an_empty_share(monkeypatch):
+    """1 held-out task on 2 processes: process 0's share is empty and verifies to an empty batch
+    (on main: IndexError, and process 1 waited for the heartbeat timeout); the combined info is
+    process 1's alone (means weighted by responses)."""
+    import concurrent.futures
+
+    import jax
+
+    from posttrain.rl.rollout import hosts
+    from posttrain.rl.rollout import worker as rollout
+    from posttrain.sampling.generate import Samples
+
+    class Env:
+        def step(self, completion):
+            return type("Step", (), {"reward": type("R", (), {"score": 1.0, "correct": 1.0, "error": None})()})()
+
+        def trajectory(self):
+            return type("T", (), {"tokens": [1, 2, 3], "prompt_len": 1})()
+
+    rows = 2  # one task × 2 samples
+    samples = Samples(
+        tokens=np.ones((rows, 4), np.int32),
+        logprobs=np.zeros((rows, 4), np.float32),
+        sampling_logprobs=np.zeros((rows, 4), np.float32),
+        lengths=np.asarray([2, 4]),
+        stop_reason=np.asarray([0, 1]),
+        prompt_index=np.zeros(rows, np.int32),
+    )
+    pending = rollout.Pending([("arithmetic", object())], [[Env(), Env()]], samples, 0.5)
+    worker = rollout.RolloutWorker(None, {}, None, 0, concurrent.futures.ThreadPoolExecutor(1))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    shares = {}
+    for i in range(2):
+        monkeypatch.setattr(jax, "process_index", lambda i=i: i)
+        shares[i] = worker.verify(rollout.local_share(pending, exact=False))
+    assert len(shares[0].groups) == 0 and len(shares[1].groups) == 1
+    assert shares[0].info["responses"] == 0 and shares[0].info["new_tokens"] == 0
+    monkeypatch.setattr(hosts, "allgather_json", lambda info: [shares[0].info, shares[1].info])
+    combined = hosts.combine_info(shares[0].info, rollout.SUMMED_INFO)
+    assert combined["responses"] == 2 and combined["new_tokens"] == 6
+    assert combined["response_len_mean"] == 3.0 and combined["truncated_frac"] == 0.5
+    assert combined["response_len_max"] == 4
+
+
+@pytest.mark.slow
+def test_one_task_evaluation_on_two_processes_matches_one_process(tmp_path):
+    """Stage eval of 1 arithmetic problem on 2 processes × 4 devices: process 0's share is empty
+    (on main it raised IndexError and process 1 waited for the heartbeat timeout); the suite's
+    numbers equal the 1-process run's. (~2 min at load 4: slow.)"""
+    from flax import nnx
+
+    from posttrain.core.checkpoint import Checkpointer
+    from posttrain.core.state import init_model_state
+    from posttrain.models.decoder import Decoder
+    from posttrain.parallel import mesh_and_rules, use_sharding
+
+    overrides = {
+        "stage": "eval",
+        "model.moe.num_experts": 0,
+        "eval.checkpoint": str(tmp_path / "run"),
+        "eval.suites": "arithmetic",
+        "eval.size": 1,
+        "eval.samples": 2,
+        "eval.pass_k": "1,2",
+        "rl.max_new_tokens": 8,
+        "rl.verifier_workers": 1,
+        "train.progress": False,
+    }
+    cfg = runpy_config(RL_CONFIG)
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = cfg
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    mesh, rules = mesh_and_rules(cfg)
+    ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"), every=1, keep=1, async_save=False)
+    with use_sharding(mesh, rules):
+        ckpt.save(
+            1,
+            dict(zip(("params", "rest"), init_model_state(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh, rules))),
+        )
+    ckpt.close()
+    runs = [
+        (str(tmp_path / n), {**overrides, "workdir": str(tmp_path / n / "wd")}, p, d)
+        for n, p, d in (("one", 1, 8), ("two", 2, 4))
+    ]
+    launch_together(RL_CONFIG, runs)
+    (one,), (two,) = (
+        [json.loads(line) for line in open(tmp_path / n / "wd" / "eval" / "arithmetic.jsonl")] for n in ("one", "two")
+    )
+    keys = ("accuracy", "mean_accuracy", "pass@1", "pass@2", "score_mean", "response_len", "greedy_response_len")
+    assert one["problems"] == two["problems"] == 1
+    assert {k: two[k] for k in keys} == pytest.approx({k: one[k] for k in keys})
+    assert two["response_len"] > 0 and two["verifier_errors"] == one["verifier_errors"]

@@ -70,6 +70,21 @@ def restore_line(r: dict) -> str:
     )
 
 
+def context_parallel_line(r: dict) -> str | None:
+    """The context-parallel strategy a program traced (what `model.context_parallel` resolves to in
+    a real run: `auto` from the gathered K/V it keeps against 1/16 of the chip's memory)."""
+    if not r.get("context_parallel"):
+        return None
+    parts = []
+    for c in r["context_parallel"]:
+        numbers = f"gathered K/V {c['kv_bytes'] / GB:.3g} GB, {c['layers']} live layer(s)"
+        if c["mode"] == "auto":
+            device = f"1/16 of {c['device_bytes'] / GB:.3g} GB, {c['device_source']}"
+            numbers += f" vs budget {c['budget_bytes'] / GB:.3g} GB ({device})"
+        parts.append(f"{c['mode']} -> {c['strategy']} ({numbers})")
+    return f"{r['program']}: context parallelism " + "; ".join(parts)
+
+
 def main(argv: list[str]) -> None:
     del argv
     from posttrain.compile_plan import plan
@@ -90,6 +105,8 @@ def main(argv: list[str]) -> None:
     for r in reports:
         if r["program"] == "restore":
             print(restore_line(r))
+        elif line := context_parallel_line(r):
+            print(line)
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump(reports, f, indent=1)

@@ -9,6 +9,11 @@ checkpoint that cannot be read (a truncated file, a half-written folder) is repo
 the next older one is tried (the unreadable folder is renamed `{step}.unreadable`, kept for a
 look, so the step can be saved again); a checkpoint of a differently shaped model is an error
 naming the parameter and both shapes (checked on orbax's metadata before any array is read).
+
+Several processes: each reads only its own shards, so a damaged file may be unreadable to one
+process alone. Each step is therefore tried by every process (a restore without orbax's global
+barriers, `_local`), the outcome agreed (`parallel.agree`), and all of them keep the newest step
+every process could read; the steps some could not read are set aside together (by process 0).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from posttrain.errors import UserError
+from posttrain.parallel.agreement import agree
 
 
 class NonFiniteCheckpoint(RuntimeError):
@@ -65,6 +71,9 @@ def _shape_of(x: Any) -> tuple | None:
     return tuple(shape) if shape is not None else None
 
 
+OK, UNREADABLE, SHAPE_MISMATCH = 0, 1, 2  # a process's outcome of restoring a step (the worst is agreed)
+
+
 class Checkpointer:
     """Saves every `every` steps into `{directory}`, keeping the newest `keep`."""
 
@@ -77,6 +86,13 @@ class Checkpointer:
             directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep, enable_async_checkpointing=async_save, create=create, read_only=not create
+            ),
+        )
+        here = {jax.process_index()}  # restores with no barrier across processes (restore_newest)
+        self._local = ocp.Checkpointer(
+            ocp.CompositeCheckpointHandler(),
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                primary_host=jax.process_index(), active_processes=here
             ),
         )
 
@@ -115,9 +131,10 @@ class Checkpointer:
         the data and meta JSON of checkpoint `step`. Items not asked for are not read; empty
         trees (nothing was saved for them) come back as given."""
         items = {k: ocp.args.StandardRestore(v) for k, v in abstract.items() if jax.tree.leaves(v)}
-        out = self.manager.restore(
-            step, args=ocp.args.Composite(**items, data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
-        )
+        args = ocp.args.Composite(**items, data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
+        # this process's shards only, with no barrier: a process that fails does not leave the
+        # others in one (restore_newest agrees on the outcome instead)
+        out = self._local.restore(epath.Path(self.directory) / str(step), args=args)
         logging.info("restored checkpoint %d from %s", step, self.manager.directory)
         return {k: out[k] if k in items else v for k, v in abstract.items()}, out["data"], out["meta"]
 
@@ -149,30 +166,44 @@ class Checkpointer:
     def restore_newest(
         self, abstract: dict[str, Any], *, at_most: int | None = None
     ) -> tuple[int, dict[str, Any], dict, dict] | None:
-        """(step, trees, data, meta) of the newest readable checkpoint (at or below `at_most`), or
-        None if there is none. An unreadable one is skipped with a warning naming it; if none can
-        be read the error lists each with its reason."""
+        """(step, trees, data, meta) of the newest checkpoint (at or below `at_most`) that every
+        process can read, or None if there is none. An unreadable one is skipped with a warning
+        naming it (and set aside); if none can be read the error lists each with its reason."""
         self.manager.reload()
-        steps = sorted((s for s in self.manager.all_steps() if at_most is None or s <= at_most), reverse=True)
+        listed = [s for s in self.manager.all_steps() if at_most is None or s <= at_most]
+        steps = sorted(agree(listed, name="checkpoint steps", reduce="intersection"), reverse=True)
         failed = []
         for step in steps:
+            out, outcome, reason = None, OK, ""
             try:
                 self.check_shapes(step, abstract)
                 out = self.restore(step, abstract)
+            except ShapeMismatch as e:
+                outcome, mismatch = SHAPE_MISMATCH, e
+            except Exception as e:  # orbax / tensorstore / JSON: whatever a damaged folder raises
+                outcome = UNREADABLE
+                reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+            agreed = agree(outcome, name=f"checkpoint {step} outcome", reduce="max")
+            if agreed == SHAPE_MISMATCH:
+                if outcome == SHAPE_MISMATCH:
+                    raise mismatch
+                raise ShapeMismatch(
+                    f"checkpoint {self.directory}/{step}: another process found a parameter of another "
+                    "shape (see its log)",
+                    path=f"{self.directory}/{step}",
+                )
+            if agreed == OK:
                 self._set_aside([int(f.split(" ", 1)[0]) for f in failed])
                 return (step, *out)
-            except ShapeMismatch:
-                raise
-            except Exception as e:  # orbax / tensorstore / JSON: whatever a damaged folder raises
-                reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
-                failed.append(f"{step} ({reason})")
-                logging.warning(
-                    "checkpoint %s/%d cannot be read (%s); %s",
-                    self.directory,
-                    step,
-                    reason,
-                    "trying the previous one" if step != steps[-1] else "no older checkpoint",
-                )
+            reason = reason or "unreadable on another process"
+            failed.append(f"{step} ({reason})")
+            logging.warning(
+                "checkpoint %s/%d cannot be read (%s); %s",
+                self.directory,
+                step,
+                reason,
+                "trying the previous one" if step != steps[-1] else "no older checkpoint",
+            )
         if failed:
             raise UserError(
                 f"no readable checkpoint in {self.directory}: {'; '.join(failed)}. Move the damaged "
@@ -205,6 +236,7 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+        self._local.close()
 
 
 def abstract_with_shardings(shapes: Any, shardings: Any) -> Any:

@@ -21,12 +21,12 @@ from flax import nnx
 from tqdm import tqdm
 
 from posttrain.core import interrupt, lineage
-from posttrain.core.alerts import AlertMonitor
+from posttrain.core.alerts import AlertMonitor, AlertStop
 from posttrain.core.checkpoint import Checkpointer, abstract_with_shardings
 from posttrain.core.metrics import MetricsWriter, compiling
 from posttrain.core.state import TrainState
 from posttrain.errors import UserError
-from posttrain.parallel import use_sharding
+from posttrain.parallel import agree, use_sharding
 
 
 @dataclasses.dataclass
@@ -142,7 +142,8 @@ class Harness:
             keep=checkpoint_cfg.keep,
             async_save=checkpoint_cfg.async_save,
         )
-        start = ckpt.latest_step() or 0
+        # the newest checkpoint every process lists (all then take the resume path, or none)
+        start = agree(ckpt.latest_step() or 0, name="newest checkpoint step", reduce="min")
         writer = MetricsWriter(workdir, enabled=jax.process_index() == 0, resume_step=start)
         return cls(name, steps, ckpt, writer, workdir=workdir, start=start, **kw)
 
@@ -174,8 +175,19 @@ class Harness:
         return self.writer.write(step, metrics)
 
     def alert(self, step: int, row: dict, bar: tqdm | None = None) -> None:
-        """Let the alert monitor read a logged row (warn, event row, bar; AlertStop in mode stop)."""
-        self.monitor.check(step, row, self.writer, bar)
+        """Let the alert monitor read a logged row (warn, event row, bar; AlertStop in mode stop).
+        Several processes stop together: a rule may read local facts (throughput_stall reads this
+        host's clock), so in mode stop they agree whether any process's rules fired."""
+        if self.monitor.mode != "stop" or jax.process_count() == 1:
+            self.monitor.check(step, row, self.writer, bar)
+            return
+        try:
+            self.monitor.check(step, row, self.writer, bar)
+            stop = None
+        except AlertStop as e:
+            stop = e
+        if agree(stop is not None, name=f"alert stop at step {step}", reduce="any"):
+            raise stop or AlertStop(f"run stopped at step {step} by alerts.on='stop': another process's alerts fired")
 
     def end_step(self, done: int, save: Callable[[], None]) -> None:
         """After `done` steps: checkpoint with `save()` when due (the metrics flushed first, so a

@@ -13,6 +13,7 @@ from posttrain.core.checkpoint import Checkpointer, ShapeMismatch, abstract_with
 from posttrain.core.state import abstract_model, shardings_for
 from posttrain.data.sources import unreachable
 from posttrain.errors import UserError
+from posttrain.parallel.agreement import agree
 from posttrain.parallel.sharding import Rules
 
 
@@ -64,7 +65,9 @@ def load_model_state(
     ckpt = Checkpointer(checkpoint_dir(path), every=0, keep=1, async_save=False, create=False)
     if step is not None and step not in ckpt.manager.all_steps():
         raise FileNotFoundError(f"{path!r}: no checkpoint at step {step} (have {sorted(ckpt.manager.all_steps())})")
-    step = ckpt.latest_step() if step is None else step
+    if step is None:  # the newest step every process lists (a run still saving may add one in between)
+        newest = agree(-1 if ckpt.latest_step() is None else ckpt.latest_step(), name=f"newest of {path}", reduce="min")
+        step = None if newest < 0 else newest
     if step is None:
         raise FileNotFoundError(f"init_from={path!r}: no checkpoint found under {checkpoint_dir(path)}")
     _, params, rest = nnx.split(abstract_model(make_model), nnx.Param, ...)

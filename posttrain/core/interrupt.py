@@ -18,8 +18,6 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
-import numpy as np
-
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -96,14 +94,13 @@ def agreed(signum: int | None, step: int, every: int) -> int | None:
     and all stop if any got one."""
     import jax
 
+    from posttrain.parallel.agreement import agree
+
     if jax.process_count() == 1:
         return signum
     if step % max(every, 1):
         return None
-    from jax.experimental import multihost_utils
-
-    flags = np.asarray(multihost_utils.process_allgather(np.int32(signum or 0)))
-    return int(flags.max()) or None
+    return agree(signum or 0, name=f"stop signal at step {step}", reduce="max") or None
 
 
 def stop_if_requested(

@@ -15,7 +15,7 @@ from posttrain.config import ATTENTION_KERNELS, ROPE_SCALINGS
 from posttrain.models.layers import RMSNorm, dtype_of, fan_in_init, param
 from posttrain.models.quant import weight_einsum
 from posttrain.ops.blockwise import blockwise_attention
-from posttrain.ops.context_parallel import check_mode, context_parallel_attention, sequence_axes
+from posttrain.ops.context_parallel import check_mode, context_parallel_attention, live_layers, sequence_axes
 from posttrain.ops.decode import K_TIME_AXIS, V_TIME_AXIS, decode_attention, sequence_sharded_decode, write_cache_rows  # noqa: F401 (re-exported)
 from posttrain.ops.fused import KERNEL_PLATFORMS, check_platform, cudnn_attention, on_local_shards, splash_attention
 from posttrain.parallel.sharding import constrain, current
@@ -174,17 +174,19 @@ class AttentionKernel:
     xla (the reference: [B, K, G, S, T] scores in float32) | blockwise (`ops.blockwise`: memory
     linear in length; over a `sequence`-sharded mesh, context parallel as `model.context_parallel`
     says) | cudnn (GPU) | splash (TPU): the platform's fused kernel, on unpermuted rows with the
-    `sequence` axis unsharded. `block` is `model.attention_block` (blockwise and splash tiles).
+    `sequence` axis unsharded. `block` is `model.attention_block` (blockwise and splash tiles);
+    `layers`: layers whose gathered K/V live at once under `model.remat` (`auto`'s estimate).
     """
 
     kind: str = "xla"
     block: int = 512
     context_parallel: str = "auto"
+    layers: int = 1
 
     @classmethod
     def from_config(cls, cfg) -> AttentionKernel:
         """Validated from the model config; a fused kernel must exist on the devices in use."""
-        kernel = cls(cfg.attention, cfg.attention_block, cfg.context_parallel)
+        kernel = cls(cfg.attention, cfg.attention_block, cfg.context_parallel, live_layers(cfg.remat, cfg.num_layers))
         if kernel.kind not in ATTENTION_KERNELS:
             raise ValueError(f"model.attention={kernel.kind!r}: expected one of {ATTENTION_KERNELS}")
         if kernel.block < 1:
@@ -215,7 +217,7 @@ class AttentionKernel:
             return on_local_shards(functools.partial(splash_attention, block_size=self.block), q, k, v, segment_ids)
         if n > 1:
             return context_parallel_attention(
-                q, k, v, positions, segment_ids, mode=self.context_parallel, block_size=self.block
+                q, k, v, positions, segment_ids, mode=self.context_parallel, block_size=self.block, layers=self.layers
             )
         return blockwise_attention(q, k, v, positions, positions, segment_ids, segment_ids, block_size=self.block)
 

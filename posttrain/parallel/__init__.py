@@ -1,5 +1,6 @@
-"""Device mesh, logical-axis sharding rules and multi-process start."""
+"""Device mesh, logical-axis sharding rules, multi-process start and agreement."""
 
+from posttrain.parallel.agreement import Disagreement, agree
 from posttrain.parallel.distributed import (
     allgather_json,
     is_primary,
@@ -32,8 +33,10 @@ from posttrain.parallel.zigzag import sequence_shards
 
 __all__ = [
     "DEFAULT_RULES",
+    "Disagreement",
     "MESH_AXES",
     "accelerator_paths",
+    "agree",
     "allgather_json",
     "constrain",
     "current",

@@ -8,6 +8,7 @@ import json
 import logging
 
 import jax
+import numpy as np
 from flax import nnx
 
 from posttrain import storage
@@ -15,7 +16,7 @@ from posttrain.core.batch import put_batch
 from posttrain.data.examples import sft_messages
 from posttrain.data.pipeline import preference_batches, read_jsonl
 from posttrain.data.tokenizer import Tokenizer, load_tokenizer
-from posttrain.parallel import is_primary
+from posttrain.parallel import agree, is_primary
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams
 
@@ -30,15 +31,26 @@ PREFERENCE_AXES = {
 
 
 def make_evaluator(metric_fn, make_batches):
-    """eval_fn(model, step) → metrics averaged over a finite pass of `make_batches()`, jitted once."""
+    """eval_fn(model, step) → metrics averaged over a finite pass of `make_batches()`, jitted once.
+
+    Several processes step together while any still has a batch: each reads its own slice, and
+    packed rows (SFT) give slices of the same records different numbers of batches; a process
+    whose slice is done feeds an all-padding batch (no real tokens: weight 0 where the metric
+    weights by tokens, as SFT's does; unpacked preference slices never differ)."""
     compiled = {}
 
     def eval_fn(model: nnx.Module, step: int | None = None) -> dict:
         graphdef, state = nnx.split(model)
         if "fn" not in compiled:
             compiled["fn"] = jax.jit(lambda state, batch: metric_fn(nnx.merge(graphdef, state), batch))
-        sums, weight = {}, 0.0
-        for batch in make_batches():
+        sums, weight, last = {}, 0.0, None
+        batches = iter(make_batches())
+        while agree((batch := next(batches, None)) is not None, name="evaluation batches left", reduce="any"):
+            if batch is None:
+                if last is None:
+                    raise RuntimeError("evaluation: this process's slice of the files has no batch")
+                batch = {k: np.zeros_like(v) for k, v in last.items()}  # padding: segment 0, no loss
+            last = batch
             metrics, w = compiled["fn"](state, put_batch(batch))
             w = float(w)
             for k, v in metrics.items():

@@ -44,7 +44,7 @@ from posttrain.data.tokenizer import load_tokenizer
 from posttrain.eval.long_context_eval import make_long_context_eval, parse_grid
 from posttrain.eval.passk import mean_pass_at_k
 from posttrain.models.decoder import Decoder
-from posttrain.parallel import mesh_and_rules, use_sharding
+from posttrain.parallel import agree, mesh_and_rules, use_sharding
 from posttrain.rl.envs.base import Task
 from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.hosts import all_rewards, combine_info
@@ -168,7 +168,8 @@ def checkpoint_steps(cfg, path: str) -> list[int]:
             )
         return [0]
     ckpt = Checkpointer(checkpoint_dir(path), every=0, keep=1, async_save=False)
-    available = ckpt.all_steps()
+    # the steps every process lists (a run still saving may add one between two processes' looks)
+    available = sorted(agree(ckpt.all_steps(), name=f"checkpoints of {path}", reduce="intersection"))
     ckpt.close()
     if not available:
         raise FileNotFoundError(f"eval.checkpoint={path!r}: no checkpoint under {checkpoint_dir(path)}")

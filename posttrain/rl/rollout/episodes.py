@@ -201,9 +201,10 @@ def _as_batch(
         "env_s": env_s,
         "env_frac": env_s / max(model_s + env_s, 1e-9),
         "episodes_s": episodes_s,
-        "response_len_mean": float(lengths.mean()),
-        "response_len_max": int(lengths.max()),
-        "truncated_frac": float(np.mean([t.info.get("truncated") is not None for t in trajs])),
+        # means of no episodes (an empty share) are 0: weighted by `responses` (0) across processes
+        "response_len_mean": float(lengths.mean()) if trajs else 0.0,
+        "response_len_max": int(lengths.max()) if trajs else 0,
+        "truncated_frac": float(np.mean([t.info.get("truncated") is not None for t in trajs])) if trajs else 0.0,
         "new_tokens": int(lengths.sum()),
         "responses": len(trajs),
         "verifier_errors": sum(t.reward.error is not None for t in trajs),

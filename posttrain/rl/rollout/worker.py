@@ -172,7 +172,8 @@ class RolloutWorker:
         distribution actually sampled (temperature, top-k, top-p), as the learner computes them."""
         if pending.done is not None:
             return pending.done
-        flat, samples, g = [e for row in pending.envs for e in row], pending.samples, len(pending.envs[0])
+        flat, samples = [e for row in pending.envs for e in row], pending.samples
+        g = len(pending.envs[0]) if pending.envs else 0  # no groups: an empty share (several processes)
 
         def verify(i):
             if self.verifier_delay:
@@ -187,13 +188,15 @@ class RolloutWorker:
             trajs = [flat[i].trajectory() for i in idx]
             groups.append(Group(d, task, [rewards[i].score for i in idx], trajs, [rewards[i].correct for i in idx]))
             behav.append([_token_aligned(samples.sampling_logprobs[i], t) for i, t in zip(idx, trajs)])
+        lengths, stops = samples.lengths, samples.stop_reason
         info = {
             "gen_s": pending.gen_s,
             "verify_s": time.perf_counter() - t0,
-            "response_len_mean": float(samples.lengths.mean()),
-            "response_len_max": int(samples.lengths.max()),
-            "truncated_frac": float(np.mean(samples.stop_reason == 1)),
-            "new_tokens": int(samples.lengths.sum()),
+            # means of no responses are 0: weighted by `responses` (0) when processes combine them
+            "response_len_mean": float(lengths.mean()) if lengths.size else 0.0,
+            "response_len_max": int(lengths.max()) if lengths.size else 0,
+            "truncated_frac": float(np.mean(stops == 1)) if stops.size else 0.0,
+            "new_tokens": int(lengths.sum()),
             "responses": len(flat),
             "verifier_errors": sum(getattr(r, "error", None) is not None for r in rewards),
         }
@@ -206,8 +209,9 @@ class RolloutWorker:
 
 
 def local_share(pending: Pending, *, exact: bool) -> Pending:
-    """This process's groups of a generated batch (all of them in a single-process run). Multi-turn
-    episodes (`pending.done`) are already this process's share (`episodes.rollout_episodes`)."""
+    """This process's groups of a generated batch (all of them in a single-process run; none when
+    an evaluation has fewer tasks than processes). Multi-turn episodes (`pending.done`) are
+    already this process's share (`episodes.rollout_episodes`)."""
     if jax.process_count() == 1 or pending.done is not None:
         return pending
     share = group_share(len(pending.tasks), exact=exact)
