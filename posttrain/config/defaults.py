@@ -272,6 +272,12 @@ def base_config() -> ml_collections.ConfigDict:
             # learned or verified: "min" (the batch's lowest), "none" (as scored) or a number
             truncated_reward="min",
             kl_in_reward=False,  # pay rl.kl_coef · KL per token as reward instead of a loss term
+            # --- rl.placement (issue 27 item 1) ---
+            # colocated: sampler and learner on every device | split: the last rl.sampler_devices
+            # devices sample (their own mesh), the others learn | disaggregated: not built yet
+            placement="colocated",
+            sampler_devices=0,
+            # --- end rl.placement ---
             steps=0,
             lr=0.0,
             gate=gate,  # as for the other stages

@@ -17,6 +17,9 @@ RATIO_LEVELS = ("token", "sequence")  # rl.algo.losses
 QUANT_MODES = ("none", "int8", "int4")  # models.quant
 SAMPLING_LAYOUTS = ("learner", "tensor")  # sampling.layout
 ALERT_MODES = ("off", "warn", "stop")  # core.alerts.MODES
+# --- rl.placement (issue 27 item 1) ---
+PLACEMENTS = ("colocated", "split", "disaggregated")  # rl.rollout.placement; disaggregated: not built yet
+# --- end rl.placement ---
 
 
 @section
@@ -93,10 +96,44 @@ class RLConfig(StageConfig):
     reward_model_normalize: bool
     kl_in_reward: bool
     truncated_reward: str  # what an unfinished response is paid (rl.algo.reward_model): min | none | a number
+    # --- rl.placement (issue 27 item 1): which devices sample ---
+    placement: str = choice(PLACEMENTS)
+    sampler_devices: int = bounded(ge=0)
+    # --- end rl.placement ---
 
     def check_rules(self) -> None:
-        """rl.truncated_reward is "min", "none" or a finite number."""
+        """rl.truncated_reward is "min", "none" or a finite number; rl.placement and
+        rl.sampler_devices agree."""
         parse_truncated_reward(self.truncated_reward)
+        check_placement(self.placement, self.sampler_devices)
+
+
+# --- rl.placement (issue 27 item 1) ---
+def check_placement(placement: str, sampler_devices: int) -> None:
+    """What the config alone can refuse: `disaggregated` (not built yet), `split` without sampler
+    devices, sampler devices without `split`. Device counts are checked at start-up
+    (`rl.rollout.placement.place_devices`)."""
+    if placement == "disaggregated":
+        raise UserError(
+            "rl.placement='disaggregated' (separate learner and sampler process groups) is not built yet; "
+            "use 'colocated' or 'split' (one process group, rl.sampler_devices of its devices sample)",
+            key="rl.placement",
+        )
+    if placement == "split" and sampler_devices < 1:
+        raise UserError(
+            "rl.placement='split' needs rl.sampler_devices >= 1: the number of devices (the last ones) "
+            "that sample while the others learn",
+            key="rl.sampler_devices",
+        )
+    if placement != "split" and sampler_devices:
+        raise UserError(
+            f"rl.sampler_devices={sampler_devices} is only used with rl.placement='split' "
+            f"(rl.placement={placement!r}: the sampler shares the learner's devices); set it to 0",
+            key="rl.sampler_devices",
+        )
+
+
+# --- end rl.placement ---
 
 
 def parse_truncated_reward(value: str) -> str | float:

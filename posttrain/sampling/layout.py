@@ -35,11 +35,13 @@ def sampler_rules(rules: Rules, layout: str) -> dict[str, tuple[str, ...]]:
     return dict(rules) if check_layout(layout) == "learner" else decode_rules(rules)
 
 
-def publish_weights(params: nnx.State, mesh: Mesh, rules: Rules, layout: str) -> nnx.State:
+def publish_weights(params: nnx.State, mesh: Mesh, rules: Rules, layout: str, to: Mesh | None = None) -> nnx.State:
     """The learner's params as the sampler takes them: as they are ('learner'), or resharded into
     the decode layout ('tensor': one reshard, new arrays; the learner's stay as they were).
-    `params` are nnx Variables carrying their logical names (a train state's params)."""
-    if check_layout(layout) == "learner":
+    `to`: the sampler's own mesh (`rl.placement = split`): the params are copied onto it, in the
+    layout's rules, whatever the layout. `params` are nnx Variables carrying their logical names
+    (a train state's params)."""
+    if check_layout(layout) == "learner" and to is None:
         return params
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     if not all(isinstance(x, nnx.Variable) for x in leaves):
@@ -47,13 +49,21 @@ def publish_weights(params: nnx.State, mesh: Mesh, rules: Rules, layout: str) ->
             "publish_weights: params must be nnx Variables carrying their logical axis names "
             "(nnx.split's or a train state's params), not plain arrays, whose layout is unknown"
         )
-    return jax.device_put(params, shardings_for(params, mesh, sampler_rules(rules, layout)))
+    return jax.device_put(params, shardings_for(params, mesh if to is None else to, sampler_rules(rules, layout)))
 
 
 @contextlib.contextmanager
-def sampling_sharding(rules: Rules | None):
-    """Trace the sampler under `rules` on the current mesh (None: leave the rules in force)."""
+def sampling_sharding(rules: Rules | None, mesh: Mesh | None = None):
+    """Trace the sampler under `rules` on `mesh` (the sampler's own, `rl.placement = split`), else
+    on the current mesh (rules None: leave the rules in force)."""
     ctx = current()
+    if mesh is not None:
+        rules = rules if rules is not None else ctx[1] if ctx is not None else None
+        if rules is None:
+            raise ValueError("sampling_sharding: a sampler mesh needs rules (none given, none in force)")
+        with use_sharding(mesh, rules):
+            yield
+        return
     if rules is None or ctx is None:
         yield
         return

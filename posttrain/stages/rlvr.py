@@ -2,7 +2,8 @@
 
     scheduler ─tasks─▶ rollout worker (policy v: generate groups, verify) ─▶ learner (v → v+1) ─▶ publish
 
-The rollout worker and the learner share the same weight arrays on one mesh. With
+The rollout worker samples with the learner's weights on its mesh, or (`rl.placement = split`) with
+a copy on devices of its own (rl/rollout/placement.py). With
 `rl.max_staleness = 0` each step samples with the current weights, verifies, then updates
 (on-policy, deterministic for a seed). With `>= 1` an `AsyncProducer` samples and verifies the next
 batches on its own threads while the learner updates on the current one; the learner corrects for
@@ -39,8 +40,7 @@ from posttrain.core.state import TrainState, create_train_state, model_params
 from posttrain.core.step import check_nonfinite
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.models.decoder import Decoder
-from posttrain.models.quant import quantize_params
-from posttrain.parallel import mesh_and_rules, sequence_shards
+from posttrain.parallel import sequence_shards
 from posttrain.rl.algo.critic import ValueDecoder
 from posttrain.rl.algo.learner import Learner, advantage_targets, batch_rows, compute_advantages, rl_batch
 from posttrain.rl.algo.reward_model import RewardComposer
@@ -49,15 +49,14 @@ from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.hosts import all_values, sampled_reward_stats
 from posttrain.rl.rollout.log import RolloutLog
+from posttrain.rl.rollout.placement import place_devices, sampler_weights
 from posttrain.rl.rollout.producer import AsyncProducer
 from posttrain.rl.rollout.worker import BusyClock, RolloutBatch, RolloutWorker, collect_batch, evaluate
 from posttrain.rl.tasks.registry import curriculum_options, domain_weights, make_domains, make_reward_fn
 from posttrain.rl.tasks.scheduler import TaskScheduler
-from posttrain.sampling.layout import publish_weights, sampler_rules
+from posttrain.sampling.layout import sampler_rules
 from posttrain.sampling.prefix_cache import PrefixCache
 from posttrain.sampling.rules import SamplingParams
-
-quantize_sampler_params = jax.jit(quantize_params, static_argnums=1)
 
 __all__ = ["RLState", "run", "rl_batch", "compute_advantages", "RolloutWorker", "AsyncProducer"]
 
@@ -91,19 +90,16 @@ class Components:
     pad_id: int
     rewards: RewardComposer
     rollout_log: RolloutLog | None = None
-    learner_sharding: tuple | None = None  # (mesh, rules) of the learner's params
+    learner_sharding: tuple | None = None  # (mesh, rules) of the learner's params, (…, sampler mesh) if split
 
     def weights(self, rl: RLState) -> tuple:
         """(params, rest) the policy samples with: the learner's, resharded into the decode layout
         when sampling.layout says so (a second copy), quantised when sampling.quantize says so
         (w8a16 / w4a16; the behaviour log-probs are then the quantised policy's, and the
-        learner's truncated importance weights correct for the gap)."""
+        learner's truncated importance weights correct for the gap); on the sampler's own
+        devices under rl.placement = split (`placement.sampler_weights`)."""
         params = model_params(rl.train, self.cfg.lora)
-        if self.learner_sharding is not None:
-            params = publish_weights(params, *self.learner_sharding, self.cfg.sampling.layout)
-        if self.cfg.sampling.quantize != "none":
-            params = quantize_sampler_params(params, self.cfg.sampling.quantize)
-        return params, rl.train.rest
+        return sampler_weights(params, rl.train.rest, self.cfg.sampling, self.learner_sharding)
 
 
 def rollout_sampling(cfg, stop_ids) -> SamplingParams:
@@ -232,7 +228,7 @@ def run(cfg) -> Result:
     tok = load_tokenizer(cfg.data.tokenizer)
     domains, held_out = make_domains(cfg, tok, make_reward_fn(cfg.rl))
     scheduler = TaskScheduler(domains, domain_weights(r, domains), seed=cfg.seed, **curriculum_options(r.curriculum))
-    mesh, rules = mesh_and_rules(cfg)
+    mesh, rules, sampler_mesh = place_devices(cfg)  # rl.placement: the sampler's own mesh, or None
     steps = cfg.train.steps
     tx = make_optimizer(cfg.optim, steps * ppo_steps(r))
     decoder = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
@@ -303,6 +299,7 @@ def run(cfg) -> Result:
                 prefix_cache=rollout_prefix_cache(cfg),
                 continuous=slot_config(cfg.sampling),
                 rules=sampler_rules(rules, cfg.sampling.layout),
+                mesh=sampler_mesh,
             )
             base_key = jax.random.key(cfg.seed)
             rewards = RewardComposer.from_config(
@@ -327,7 +324,7 @@ def run(cfg) -> Result:
                 clock=clock,
                 pad_id=tok.pad_id,
                 rewards=rewards,
-                learner_sharding=(mesh, rules),
+                learner_sharding=(mesh, rules, sampler_mesh),
             )
             if r.rollouts_every:
                 kept = dict(every=r.rollouts_every, fraction=r.rollouts_fraction, seed=cfg.seed)

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from posttrain.eval.passk import mean_pass_at_k
 from posttrain.parallel import allgather_json
@@ -119,6 +120,7 @@ class RolloutWorker:
     rules: dict | None = None  # the sampler's logical-axis rules (`sampling.layout`); None: those in force
     prefix_cache: Any = None  # `sampling.prefix_cache.PrefixCache` (sampling.prefix_cache > 0)
     continuous: SlotConfig | None = None  # continuous batching (sampling.continuous_batching); None: static
+    mesh: Any = None  # the sampler's own mesh (rl.placement = split, rollout.placement); None: the current one
 
     def sample(self, params, rest, prompts: list, sampling: SamplingParams, key) -> Samples:
         """The sampler call of every rollout: `sampling.num_samples` samples per prompt, sample
@@ -151,7 +153,9 @@ class RolloutWorker:
     ) -> Pending:
         """Generate one group per (domain, task) on the device, traced under the sampler's rules;
         verification comes later."""
-        with sampling_sharding(self.rules):
+        if self.mesh is not None:  # the key was made on the learner's mesh: replicate it on the sampler's
+            key = jax.device_put(key, NamedSharding(self.mesh, PartitionSpec()))
+        with sampling_sharding(self.rules, self.mesh):
             return self._generate(params, rest, tasks, key, num_samples=num_samples, greedy=greedy)
 
     def _generate(self, params, rest, tasks, key, *, num_samples, greedy) -> Pending:

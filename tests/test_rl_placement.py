@@ -1,0 +1,96 @@
+"""`rl.placement` / `rl.sampler_devices` (rl/rollout/placement.py): the refusals, the meshes of a
+split run, and `split` training `rlvr_tiny` as the colocated run does (the golden metrics)."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from posttrain.config import base_config
+from posttrain.config_schema import check_values
+from posttrain.errors import UserError
+from posttrain.rl.rollout import placement
+from tests.test_golden import GOLDEN, config, logged
+
+
+def split_cfg(n, **mesh):
+    cfg = base_config()
+    cfg.stage = "rlvr"
+    cfg.rl.placement, cfg.rl.sampler_devices = "split", n
+    cfg.mesh.update(mesh)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "placement_, n, key, words",
+    [
+        ("disaggregated", 0, "rl.placement", "not built yet"),
+        ("split", 0, "rl.sampler_devices", "needs rl.sampler_devices >= 1"),
+        ("colocated", 2, "rl.sampler_devices", "only used with rl.placement='split'"),
+    ],
+)
+def test_the_config_refuses_placements_that_cannot_work(placement_, n, key, words):
+    cfg = base_config()
+    cfg.rl.placement, cfg.rl.sampler_devices = placement_, n
+    with pytest.raises(UserError, match=words) as e:
+        check_values(cfg)
+    assert e.value.key == key
+
+
+def test_split_divides_the_devices_into_a_learner_and_a_sampler_mesh():
+    devices = jax.devices()
+    assert placement.place_devices(base_config()).sampler is None  # colocated: one mesh, every device
+    learner, _, sampler = placement.place_devices(split_cfg(4, data=-1, tensor=2))
+    assert list(learner.devices.flat) == devices[:4] and list(sampler.devices.flat) == devices[4:]
+    assert dict(learner.shape) == dict(data=2, fsdp=1, expert=1, tensor=2, sequence=1)
+    assert dict(sampler.shape) == dict(data=2, fsdp=1, expert=1, tensor=2, sequence=1)  # tensor kept, rest data
+    learner, _, sampler = placement.place_devices(split_cfg(4, data=1, fsdp=-1, sequence=2))
+    assert dict(learner.shape) == dict(data=1, fsdp=2, expert=1, tensor=1, sequence=2)
+    assert dict(sampler.shape) == dict(data=2, fsdp=2, expert=1, tensor=1, sequence=1)  # decode: no sequence split
+
+
+@pytest.mark.parametrize(
+    "cfg, words",
+    [
+        (split_cfg(8), "split needs 1 … 7 sampler devices"),
+        (split_cfg(2, data=1, fsdp=-1), r"not a multiple of the learner's model-parallel group"),
+        (split_cfg(2, data=4, tensor=2), "leaves 6 devices for the learner"),
+    ],
+)
+def test_split_refuses_device_counts_that_cannot_work(cfg, words):
+    with pytest.raises(UserError, match=words) as e:
+        placement.place_devices(cfg)
+    assert e.value.key == "rl.sampler_devices"
+
+
+def test_split_refuses_several_processes(monkeypatch):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(UserError, match="one process for now") as e:
+        placement.place_devices(split_cfg(4))
+    assert e.value.key == "rl.placement"
+
+
+def golden_split_run(name, tmp_path, monkeypatch, n, **overrides):
+    """The golden run `name` (tests/test_golden.py) with the last `n` devices sampling; its logged rows."""
+    from posttrain.main import run
+    from tests.test_golden import ROOT
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.chdir(tmp_path)
+    cfg = config(name, tmp_path / name)
+    cfg.update_from_flattened_dict({"rl.placement": "split", "rl.sampler_devices": n, **overrides})
+    run(cfg)
+    return logged(tmp_path / name)
+
+
+def test_split_on_policy_trains_as_colocated(tmp_path, monkeypatch):
+    """rlvr_tiny on 4 learner + 4 sampler devices, max_staleness = 0: the colocated run's golden
+    metrics (losses, rewards, evaluations) within 1e-5: the sampler on its own mesh draws the same
+    tokens with the published copy, and the learner trains on them as on every device."""
+    rows = golden_split_run("rlvr_tiny_sync", tmp_path, monkeypatch, 4)
+    expected = json.loads(GOLDEN.read_text())["rlvr_tiny_sync"]
+    assert [sorted(r) for r in rows] == [sorted(r) for r in expected]
+    for got, want in zip(rows, expected):
+        for key, value in want.items():
+            np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6, err_msg=f"step {want['step']} {key}")
