@@ -94,3 +94,23 @@ def test_split_on_policy_trains_as_colocated(tmp_path, monkeypatch):
     for got, want in zip(rows, expected):
         for key, value in want.items():
             np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6, err_msg=f"step {want['step']} {key}")
+
+
+@pytest.mark.slow
+def test_split_overlapped_never_trains_past_the_staleness_bound(tmp_path, monkeypatch):
+    """rlvr_tiny overlapped (rl.max_staleness = 2) on 4 learner + 4 sampler devices: every sequence
+    the learner takes at step s was sampled by policy version v with s − 2 <= v <= s."""
+    from posttrain.rl.rollout.producer import AsyncProducer
+
+    taken, take = [], AsyncProducer.take
+
+    def recording(self, step):
+        rollouts, batch = take(self, step)
+        taken.append((step, [ro.version for ro in rollouts for _ in ro.group.trajectories]))  # per sequence
+        return rollouts, batch
+
+    monkeypatch.setattr(AsyncProducer, "take", recording)
+    rows = golden_split_run("rlvr_tiny_async", tmp_path, monkeypatch, 4, **{"rl.max_staleness": 2})
+    assert [step for step, _ in taken] == list(range(5)) and all(len(v) == 16 for _, v in taken)
+    assert all(0 <= step - v <= 2 for step, versions in taken for v in versions)
+    assert all(r["rl/staleness_max"] <= 2 for r in rows if "rl/staleness_max" in r)
