@@ -114,3 +114,36 @@ def test_split_overlapped_never_trains_past_the_staleness_bound(tmp_path, monkey
     assert [step for step, _ in taken] == list(range(5)) and all(len(v) == 16 for _, v in taken)
     assert all(0 <= step - v <= 2 for step, versions in taken for v in versions)
     assert all(r["rl/staleness_max"] <= 2 for r in rows if "rl/staleness_max" in r)
+
+
+def test_the_producer_resolves_published_weights_on_its_own_thread_once_per_version():
+    """rl.placement = split publishes the weights as a callable (the copy onto the sampler's
+    devices): the producer calls it on its thread when it next samples, once per version."""
+    import threading
+
+    from tests.test_rl_producer import FakeWorker, producer, scheduler
+
+    calls = []
+
+    def weights(version):
+        calls.append((version, threading.current_thread().name))
+        return (f"params{version}", None)
+
+    class Recording(FakeWorker):
+        def generate(self, params, rest, tasks, key, **kw):
+            seen.append(params)
+            return tasks
+
+    seen = []
+    p = producer(Recording(), scheduler(), max_staleness=1)
+    try:
+        for step in range(4):
+            p.take(step)
+            p.publish(step + 1, lambda v=step + 1: weights(v))
+        p.take(4)
+    finally:
+        p.close(timeout=10)
+    assert all(name == "rollouts" for _, name in calls)  # the producer thread, not the learner's
+    assert sorted({v for v, _ in calls}) == [v for v, _ in calls]  # each version resolved at most once
+    assert seen[0] is None and all(s is None or s.startswith("params") for s in seen)
+    assert any(s is not None for s in seen)

@@ -175,9 +175,10 @@ def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLS
 
 
 def publish_step(c: Components, rl: RLState) -> None:
-    """Hand the weights of version `rl.step` to the producer (the synchronous path reads them directly)."""
+    """Hand the weights of version `rl.step` to the producer (the synchronous path reads them directly);
+    split: as a callable, so that the copy onto the sampler's devices runs on the producer's thread."""
     if c.producer is not None:
-        c.producer.publish(rl.step, c.weights(rl))
+        c.producer.publish(rl.step, c.weights(rl) if c.worker.mesh is None else partial(c.weights, rl))
 
 
 def run_eval(c: Components, rl: RLState, writer, step: int) -> RLState:

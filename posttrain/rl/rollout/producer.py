@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
+from collections.abc import Callable
 
 import jax
 
@@ -74,8 +75,10 @@ class AsyncProducer:
         self._thread.start()
         return self
 
-    def publish(self, version: int, weights: tuple) -> None:
-        """Make policy `version` (its (params, rest)) the one new batches are sampled with."""
+    def publish(self, version: int, weights: tuple | Callable[[], tuple]) -> None:
+        """Make policy `version` (its (params, rest)) the one new batches are sampled with. A callable
+        returning them is called on the producer thread when it next samples (`rl.placement = split`:
+        the copy onto the sampler's devices runs there, beside the learner's next update)."""
         with self._cv:
             self._version, self._weights = version, weights
             self._cv.notify_all()
@@ -138,9 +141,10 @@ class AsyncProducer:
                         )
                         if self._stopping:
                             break
-                        version, (params, rest), p = self._version, self._weights, self._produced
+                        version, weights, p = self._version, self._weights, self._produced
                         tasks = self.scheduler.next_batch(self.num_groups)
                         draws = self.scheduler.batches_drawn
+                    params, rest = self._resolve(version, weights)
                     pending = self.worker.generate(params, rest, tasks, jax.random.fold_in(self.base_key, p))
                     self._produced = p + 1
                     if verifying is not None:
@@ -152,6 +156,17 @@ class AsyncProducer:
             return
         except BaseException as e:  # noqa: BLE001 — handed to the main thread by `take`
             self._fail(e)
+
+    def _resolve(self, version: int, weights) -> tuple:
+        """(params, rest) of `version`: called once if published as a callable, then kept for the
+        next batches until a newer version is published."""
+        if not callable(weights):
+            return weights
+        weights = weights()
+        with self._cv:
+            if self._version == version:
+                self._weights = weights
+        return weights
 
     def _finish(self, pending: Pending, version: int, draws: int) -> None:
         """Verify a generated batch, record it in the scheduler and hand it to the learner."""
