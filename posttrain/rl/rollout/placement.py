@@ -5,9 +5,10 @@
 - split: one process group whose devices are divided. The last `rl.sampler_devices` devices form
   the sampler mesh, the others the learner mesh (its shape from `mesh.*` over those devices). Each
   publish copies the learner's weights onto the sampler mesh (`publish_weights`, a `device_put`
-  across device sets, dispatched asynchronously: with `rl.max_staleness >= 1` the copy overlaps the
-  next update); the sampler's programs compile for the sampler mesh and its tokens and behaviour
-  log-probs come back to the host, where the learner's batch is built on the learner mesh.
+  across device sets; with `rl.max_staleness >= 1` the producer's thread makes it, beside the
+  learner's next update, `stages.rlvr.publish_step`); the sampler's programs compile for the
+  sampler mesh, and its tokens and behaviour log-probs come back to the host, where the learner's
+  batch is built on the learner mesh.
 - disaggregated (separate process groups): not built yet (`config.rl.check_placement` refuses it).
 
 The sampler mesh keeps the learner's model-parallel degrees (`fsdp`, `expert`, `tensor`), so the
