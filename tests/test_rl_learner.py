@@ -188,6 +188,8 @@ LOSS_SWITCHES = {
     "aggregation": "seq-mean-token-mean",
     "entropy_coef": 0.1,
     "is_cap": 1.01,
+    "is_level": "sequence",
+    "is_mask": "token",
     "kl_coef": 0.1,
     "temperature": 0.7,
     "top_k": 8,
