@@ -223,3 +223,41 @@ def test_config_values_out_of_range_name_the_key(key, value, match):
     cfg.rl[key] = value
     with pytest.raises(UserError, match=match):
         RunConfig.from_config(cfg)
+
+
+def test_a_min_or_max_over_no_tokens_is_the_reductions_identity_and_never_logged_as_infinite():
+    """A minibatch whose every token rl.is_mask dropped has min +inf / max −inf: other minibatches'
+    values win, and when none has tokens the key is left out (no false non-finite alert)."""
+    from posttrain.rl.algo.learner import combine_metrics
+
+    x, mask = jnp.ones((1, 2)), jnp.ones((1, 2), bool)
+    _, m_empty = policy_loss(
+        x,
+        x,
+        jnp.ones(1),
+        mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        behav_logp=x - 5,
+        is_cap=2.0,
+        is_mask="token",
+        is_mask_high=2.0,
+    )
+    _, m_full = policy_loss(
+        x,
+        x,
+        jnp.ones(1),
+        mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        behav_logp=x,
+        is_cap=2.0,
+        is_mask="token",
+        is_mask_high=2.0,
+    )
+    assert float(m_empty["rl/is_masked_frac"]) == 1 and float(m_empty["rl/ratio_min"]) == np.inf
+    row = combine_metrics([m_empty, m_full])
+    assert row["rl/ratio_min"] == row["rl/is_weight_max"] == 1 and row["rl/is_masked_frac"] == 0.5
+    row = combine_metrics([m_empty, m_empty])
+    assert "rl/ratio_min" not in row and "rl/is_weight_max" not in row and row["rl/loss"] == 0
+    assert all(np.isfinite(v) for v in row.values())
