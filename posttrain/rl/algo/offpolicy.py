@@ -82,7 +82,7 @@ def offpolicy_correction(
     log_r = jax.lax.stop_gradient(log_r)
     log_cap = math.log(cap)
     if level == "token":
-        w, truncated = jnp.minimum(jnp.exp(log_r), cap), log_r > log_cap
+        w, truncated = truncated_is_weights(prox_logp, behav_logp, cap), log_r > log_cap
     else:
         s = sequence_log_ratio(log_r, mask)
         w = jnp.broadcast_to(jnp.exp(jnp.minimum(s, log_cap)), mask.shape)
