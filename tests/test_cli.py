@@ -176,7 +176,8 @@ def test_module_enums_are_the_configs():
     from posttrain.models.quant import QUANT_MODES
     from posttrain.ops.context_parallel import CONTEXT_PARALLEL
     from posttrain.rl.algo.advantages import ADVANTAGE_METHODS, GROUP_METHODS
-    from posttrain.rl.algo.losses import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
+    from posttrain.rl.algo.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, RATIO_LEVELS
+    from posttrain.rl.algo.offpolicy import IS_LEVELS, IS_MASKS
     from posttrain.rl.tasks.registry import ENVS
     from posttrain.sampling.layout import SAMPLING_LAYOUTS
     from posttrain.stages.losses import DPO_LOSSES
@@ -200,6 +201,9 @@ def test_module_enums_are_the_configs():
         "rl.aggregation": AGGREGATIONS,
         "rl.kl_estimator": KL_ESTIMATORS,
         "rl.ratio_level": RATIO_LEVELS,
+        "rl.loss_type": POLICY_LOSSES,
+        "rl.is_level": IS_LEVELS,
+        "rl.is_mask": IS_MASKS,
         "rl.env": ENVS,
         "sampling.quantize": QUANT_MODES,
         "sampling.layout": SAMPLING_LAYOUTS,

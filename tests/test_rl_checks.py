@@ -55,6 +55,13 @@ RM = dict(reward_model="runs/rm", verifier_weight=0.0)
             dict(advantage="gae", filter_groups=True),
             "drop every",
         ),
+        # masked IS at the truncation's level drops every ratio the cap would truncate
+        (dict(is_cap=3.0, is_mask="token"), dict(is_cap=1.5, is_mask="token"), "rl.is_cap=3.0 .*truncation never acts"),
+        (
+            dict(is_cap=3.0, is_mask="sequence", is_level="sequence"),
+            dict(is_cap=3.0, is_mask="sequence"),
+            "rl.is_cap=3.0",
+        ),
         # top_k that keeps the whole vocabulary
         (dict(top_k=256), dict(top_k=255), "rl.top_k=256 >= model.vocab_size=256"),
     ],

@@ -188,6 +188,9 @@ LOSS_SWITCHES = {
     "aggregation": "seq-mean-token-mean",
     "entropy_coef": 0.1,
     "is_cap": 1.01,
+    "is_level": "sequence",
+    "is_mask": "token",
+    "loss_type": "cispo",
     "kl_coef": 0.1,
     "temperature": 0.7,
     "top_k": 8,
@@ -202,7 +205,10 @@ def test_every_loss_switch_changes_the_gradient(setup):
     mesh, rules, graphdef, state, *_ = setup
     learner = make_learner(setup)
     batch = learner_batch(setup, learner, PROMPTS)
-    batch["behav_logp"] = batch["behav_logp"] + np.random.default_rng(0).normal(0, 0.3, batch["behav_logp"].shape)
+    on_policy, rng = batch["behav_logp"], np.random.default_rng(0)
+    batch["behav_logp"] = on_policy + rng.normal(0, 0.3, on_policy.shape)
+    # proximal log-probs off the current ones (as after an update): the ratio moves, so rl.loss_type acts
+    batch["old_logp"] = (on_policy + rng.normal(0, 0.1, on_policy.shape)).astype(np.float32)
     ref = (jax.tree.map(lambda x: x * 1.1, state.params), state.rest)
 
     def grads(params, rest, batch, ref):

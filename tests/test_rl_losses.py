@@ -15,8 +15,8 @@ from posttrain.rl.algo.losses import (
     importance_ratio,
     kl_estimate,
     policy_loss,
-    truncated_is_weights,
 )
+from posttrain.rl.algo.offpolicy import truncated_is_weights
 
 REWARDS = np.array([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.2, 0.9, 0.4, 0.0], np.float32)  # 3 groups of 4
 MASK = np.array(

@@ -267,6 +267,9 @@ def test_an_rl_key_that_cannot_take_effect_is_an_error(key):
         "invalid_tool_call_penalty": 0.1,
         "redundant_tool_call_penalty": 0.1,
         "episode_cohorts": 2,
+        "loss_type": "cispo",
+        "is_mask_low": 0.1,
+        "is_mask_high": 5.0,
     }
     check_rl_config(cfg)
     cfg.rl[key] = values[key]

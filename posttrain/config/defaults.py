@@ -251,6 +251,14 @@ def base_config() -> ml_collections.ConfigDict:
             kl_estimator="k3",
             entropy_coef=0.0,
             is_cap=2.0,  # truncation of importance weights π_learner / π_sampler
+            # --- off-policy corrections (rl/algo/offpolicy.py, rl/algo/losses.py) ---
+            loss_type="ppo",  # ppo: clipped surrogate | cispo: sg(clip(r, 1 - clip_low, 1 + clip_high))·A·log π
+            is_level="token",  # truncated IS (rl.is_cap) per token | sequence (its product of ratios)
+            is_mask="off",  # masked IS: drop tokens (token) or sequences (sequence: product of ratios;
+            # geometric: their geometric mean) whose π_learner / π_sampler lies outside [is_mask_low, is_mask_high]
+            is_mask_low=0.5,  # 0: no lower bound
+            is_mask_high=2.0,
+            # --- end off-policy corrections ---
             max_staleness=0,  # 0: on-policy, synchronous; >= 1: sampling overlaps updates
             filter_groups=False,  # dynamic sampling: resample groups whose rewards are all equal
             max_resample_rounds=2,

@@ -14,6 +14,11 @@ ADVANTAGE_METHODS = ("grpo", "drgrpo", "rloo", "gae")  # rl.algo.advantages
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")  # rl.algo.losses
 KL_ESTIMATORS = ("k1", "k2", "k3")  # rl.algo.losses
 RATIO_LEVELS = ("token", "sequence")  # rl.algo.losses
+# --- off-policy corrections (rl.loss_type, rl.is_level, rl.is_mask) ---
+POLICY_LOSSES = ("ppo", "cispo")  # rl.algo.losses
+IS_LEVELS = ("token", "sequence")  # rl.algo.offpolicy: truncated IS per token or per sequence
+IS_MASKS = ("off", "token", "sequence", "geometric")  # rl.algo.offpolicy: masked IS
+# --- end off-policy corrections ---
 QUANT_MODES = ("none", "int8", "int4")  # models.quant
 SAMPLING_LAYOUTS = ("learner", "tensor")  # sampling.layout
 ALERT_MODES = ("off", "warn", "stop")  # core.alerts.MODES
@@ -78,6 +83,13 @@ class RLConfig(StageConfig):
     kl_estimator: str = choice(KL_ESTIMATORS)
     entropy_coef: float = bounded(ge=0)
     is_cap: float = bounded(gt=0)
+    # --- off-policy corrections (rl.algo.offpolicy, rl.algo.losses) ---
+    loss_type: str = choice(POLICY_LOSSES)
+    is_level: str = choice(IS_LEVELS)
+    is_mask: str = choice(IS_MASKS)
+    is_mask_low: float = bounded(ge=0, lt=1)
+    is_mask_high: float = bounded(gt=1)
+    # --- end off-policy corrections ---
     max_staleness: int
     filter_groups: bool
     max_resample_rounds: int

@@ -28,6 +28,15 @@ INERT_UNLESS = {
         "set rl.updates_per_batch > 1 or rl.minibatches > 1",
     ),
     "kl_estimator": (lambda r: r.kl_coef > 0, "no KL term without rl.kl_coef > 0"),
+    # --- off-policy corrections ---
+    "loss_type": (
+        lambda r: ppo_steps(r) > 1,
+        "with π = π_old CISPO's gradient −A·∇log π is the clipped surrogate's: "
+        "set rl.updates_per_batch > 1 or rl.minibatches > 1",
+    ),
+    "is_mask_low": (lambda r: r.is_mask != "off", "no masked importance sampling without rl.is_mask"),
+    "is_mask_high": (lambda r: r.is_mask != "off", "no masked importance sampling without rl.is_mask"),
+    # --- end off-policy corrections ---
     "max_resample_rounds": (lambda r: r.filter_groups, "resampling needs rl.filter_groups=True"),
     "eval_samples": (lambda r: r.eval_every > 0, "no evaluation without rl.eval_every > 0"),
     "eval_size": (lambda r: r.eval_every > 0, "no evaluation without rl.eval_every > 0"),
@@ -128,6 +137,12 @@ INERT_WITH = (
         "filter_groups",
         lambda r: r.group_size < 2,
         "a group of one sample never has differing rewards: dynamic sampling would drop every group",
+    ),
+    (
+        "is_cap",
+        lambda r: r.is_mask == r.is_level and r.is_mask_high <= r.is_cap,
+        "rl.is_mask at rl.is_level drops every token (sequence) whose ratio exceeds rl.is_mask_high <= "
+        "rl.is_cap, so the truncation never acts: set rl.is_cap below rl.is_mask_high",
     ),
     (
         "loss_norm_tokens",

@@ -210,6 +210,11 @@ def rl_loss(model, batch, *ref, graphdef, rl_cfg, moe_cfg, sampling: SamplingPar
         kl_estimator=rl_cfg.kl_estimator,
         behav_logp=batch["behav_logp"],
         is_cap=rl_cfg.is_cap,
+        is_level=rl_cfg.is_level,
+        is_mask=rl_cfg.is_mask,
+        is_mask_low=rl_cfg.is_mask_low,
+        is_mask_high=rl_cfg.is_mask_high,
+        loss_type=rl_cfg.loss_type,
         entropy=entropy,
         entropy_coef=rl_cfg.entropy_coef,
         positions=batch["positions"],
@@ -349,11 +354,16 @@ def reference(state, ref: tuple) -> tuple:
 
 def combine_metrics(metrics: list[dict]) -> dict:
     """Metrics of several optimizer steps as one row: `*_min` the min, `*_max` and the running
-    divergence-guard counters (`nonfinite_*`) the max, the rest the mean; `rl/optimizer_steps` the count."""
+    divergence-guard counters (`nonfinite_*`) the max, the rest the mean; `rl/optimizer_steps` the count.
+    A step's min / max over no tokens is +inf / −inf (every token dropped by rl.is_mask):
+    the identity of the reduction; when every step's is, the key is left out of the row (not a
+    non-finite metric)."""
     out = {}
     for k in metrics[0]:
         v = np.stack([np.asarray(m[k], np.float32) for m in metrics])
         biggest = k.endswith("_max") or k.startswith("nonfinite_")
         out[k] = v.min(axis=0) if k.endswith("_min") else v.max(axis=0) if biggest else v.mean(axis=0)
+        if (k.endswith("_min") and np.all(out[k] == np.inf)) or (k.endswith("_max") and np.all(out[k] == -np.inf)):
+            del out[k]
     out["rl/optimizer_steps"] = len(metrics)
     return out

@@ -11,7 +11,9 @@ an older version), `ref_logp` under the frozen reference policy.
 - KL to the reference as a loss term (k2 or k3, `kl_loss_terms`: the gradient estimates
   ∇KL(π ‖ π_ref) over sequences; k1 is refused there), or as a reward penalty (k1 only:
   `advantages.kl_penalized_advantages`); `kl_estimate` gives Schulman's k1/k2/k3 values.
-- Decoupled off-policy correction: truncated importance weights π_prox / π_behav per token.
+- CISPO (`cispo_surrogate`): a clipped, stop-gradient importance weight on a REINFORCE term.
+- Off-policy correction between behaviour and proximal policies (`offpolicy.offpolicy_correction`):
+  truncated importance weights per token or sequence, masked IS (tokens, sequences, geometric mean).
 - Entropy bonus; loss aggregation token-mean | seq-mean-token-sum | seq-mean-token-mean.
 - The critic's clipped value loss (PPO with GAE, `advantages.gae_advantages`).
 """
@@ -21,7 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from posttrain.config import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
+from posttrain.config import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, RATIO_LEVELS
+from posttrain.rl.algo.offpolicy import offpolicy_correction
 
 
 def kl_estimate(logp: jax.Array, ref_logp: jax.Array, estimator: str = "k3") -> jax.Array:
@@ -145,17 +148,18 @@ def clipped_surrogate(ratio: jax.Array, advantages: jax.Array, *, clip_low: floa
     return -jnp.minimum(ratio * advantages, clipped * advantages)
 
 
-def truncated_is_weights(prox_logp: jax.Array, behav_logp: jax.Array, cap: float) -> jax.Array:
-    """Off-policy correction w = min(π_prox / π_behav, cap) per token, no gradient: [B, T] → [B, T].
+def cispo_surrogate(
+    logp: jax.Array, ratio: jax.Array, advantages: jax.Array, *, clip_low: float, clip_high: float
+) -> jax.Array:
+    """CISPO (MiniMax-M1, 2025) as a per-token loss: −sg(clip(r, 1 − clip_low, 1 + clip_high))·A·log π.
 
-    Rollouts sampled by an older policy version (or by a sampler whose numerics differ from the
-    learner's) are reweighted towards the proximal policy; the cap bounds the variance (truncated
-    IS, as in IMPALA / decoupled PPO).
+    logp, ratio, advantages [B, T] → [B, T]. A REINFORCE term whose importance weight is clipped
+    and carries no gradient: unlike PPO's clip, which zeroes the gradient of tokens whose ratio
+    left the trust region, every token keeps a gradient, bounded by the clipped weight. The value
+    is the literal −w·A·log π (not comparable with PPO's −r·A); its gradient is −w·A·∇log π.
     """
-    if not cap > 0:
-        raise ValueError(f"is_cap={cap}: the truncation of importance weights must be > 0")
-    w = jnp.exp(prox_logp.astype(jnp.float32) - behav_logp.astype(jnp.float32))
-    return jax.lax.stop_gradient(jnp.minimum(w, cap))
+    w = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high))
+    return -w * advantages * logp.astype(jnp.float32)
 
 
 def aggregate(values: jax.Array, mask: jax.Array, mode: str, max_len_norm: float | None = None) -> jax.Array:
@@ -202,11 +206,17 @@ def policy_loss(
     kl_estimator: str = "k3",
     behav_logp: jax.Array | None = None,
     is_cap: float | None = None,
+    is_level: str = "token",
+    is_mask: str = "off",
+    is_mask_low: float = 0.0,
+    is_mask_high: float = float("inf"),
+    loss_type: str = "ppo",
     entropy: jax.Array | None = None,
     entropy_coef: float = 0.0,
     positions: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
-    """The learner's loss: clipped surrogate (× truncated IS weight) + β·KL − α·entropy.
+    """The learner's loss: clipped surrogate or CISPO (`loss_type`), × the off-policy IS weight,
+    + β·KL − α·entropy.
 
     The KL term is `kl_loss_terms` (k2 or k3; its gradient estimates ∇KL(π ‖ π_ref) over whole
     sequences) with ρ = π/π_old × the truncated IS weight; `rl/kl` is the mean per-token estimate.
@@ -214,16 +224,19 @@ def policy_loss(
     logp, old_logp, mask [B, T]; advantages [B] (one per sequence) or [B, T] (per token, e.g.
     `kl_penalized_advantages`). Optional, all [B, T]: ref_logp (needed when kl_coef > 0; with
     kl_coef = 0 it only feeds the `rl/kl` metric), behav_logp with is_cap (the IS weight
-    π_old / π_behav multiplies the surrogate only), entropy (`entropy_from_logprobs` of the policy's
+    π_old / π_behav, truncated at is_cap per token or sequence (is_level), multiplies the surrogate
+    and the KL's ρ; is_mask with is_mask_low / high drops tokens or sequences whose ratio is out of
+    bounds from every term: `offpolicy.offpolicy_correction`), entropy (`entropy_from_logprobs` of the policy's
     logits; needed when entropy_coef > 0), positions (the tokens' positions: the KL term's "later
     tokens" follow them, so a permuted token order gives the same loss). Every term is reduced with `aggregation`; the
     coefficients and string switches are Python values (static under jit).
 
     Returns (loss, metrics): `rl/loss`, `rl/pg_loss`, `rl/clip_frac_low` / `_high` (tokens
     where the clip zeroes the gradient: r < 1 − clip_low with A < 0, r > 1 + clip_high with A > 0),
-    `rl/ratio_*`, `rl/adv_*` (mean/min/max), `rl/is_weight_*`, `rl/is_truncated_frac`,
-    `rl/behav_gap_abs` (mean |log π_old − log π_behav|: a quantised sampler's gap), `rl/kl`,
-    `rl/entropy`; all over the masked tokens.
+    `rl/ratio_*`, `rl/adv_*` (mean/min/max), `rl/kl`, `rl/entropy`, over the tokens that train;
+    with behav_logp the gap metrics of `offpolicy_correction` (`rl/behav_gap_abs` |max, `rl/behav_kl`,
+    `rl/is_weight_*`, `rl/is_truncated_frac`, with a mask `rl/is_masked_frac`). With CISPO the
+    clip fractions count the tokens whose weight the clip changed (r < 1 − clip_low, r > 1 + clip_high).
     """
     if kl_coef and ref_logp is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logp (reference policy log-probs)")
@@ -231,24 +244,41 @@ def policy_loss(
         raise ValueError(f"entropy_coef={entropy_coef} needs entropy (entropy_from_logprobs of the policy)")
     if behav_logp is not None and is_cap is None:
         raise ValueError("behav_logp needs is_cap (the truncation of the importance weights)")
+    if behav_logp is None and is_mask != "off":
+        raise ValueError(f"is_mask={is_mask!r} needs behav_logp (the behaviour policy's log-probs)")
+    if loss_type not in POLICY_LOSSES:
+        raise ValueError(f"loss_type={loss_type!r}: expected one of {POLICY_LOSSES}")
     mask = mask.astype(bool)
+    metrics = {}
+    w = jnp.ones(mask.shape, jnp.float32)
+    if behav_logp is not None:
+        w, mask, metrics = offpolicy_correction(
+            old_logp,
+            behav_logp,
+            mask,
+            cap=is_cap,
+            level=is_level,
+            mask_mode=is_mask,
+            low=is_mask_low,
+            high=is_mask_high,
+        )
     adv = advantages[:, None] if advantages.ndim == 1 else advantages
     adv = jnp.broadcast_to(adv.astype(jnp.float32), mask.shape)
     ratio = importance_ratio(logp, old_logp, mask, ratio_level)
-    per_token = clipped_surrogate(ratio, adv, clip_low=clip_low, clip_high=clip_high)
-    metrics = {
-        "rl/clip_frac_low": _masked_mean((ratio < 1.0 - clip_low) & (adv < 0), mask),
-        "rl/clip_frac_high": _masked_mean((ratio > 1.0 + clip_high) & (adv > 0), mask),
-        **_masked_stats("rl/ratio", ratio, mask),
-        **_masked_stats("rl/adv", adv, mask),
-    }
-    w = jnp.ones(mask.shape, jnp.float32)
-    if behav_logp is not None:
-        w = truncated_is_weights(old_logp, behav_logp, is_cap)
-        per_token = w * per_token
-        metrics.update(_masked_stats("rl/is_weight", w, mask))
-        metrics["rl/is_truncated_frac"] = _masked_mean(old_logp - behav_logp > jnp.log(is_cap), mask)
-        metrics["rl/behav_gap_abs"] = _masked_mean(jnp.abs(old_logp - behav_logp), mask)
+    if loss_type == "cispo":
+        per_token = w * cispo_surrogate(logp, ratio, adv, clip_low=clip_low, clip_high=clip_high)
+        low, high = ratio < 1.0 - clip_low, ratio > 1.0 + clip_high
+    else:
+        per_token = w * clipped_surrogate(ratio, adv, clip_low=clip_low, clip_high=clip_high)
+        low, high = (ratio < 1.0 - clip_low) & (adv < 0), (ratio > 1.0 + clip_high) & (adv > 0)
+    metrics.update(
+        {
+            "rl/clip_frac_low": _masked_mean(low, mask),
+            "rl/clip_frac_high": _masked_mean(high, mask),
+            **_masked_stats("rl/ratio", ratio, mask),
+            **_masked_stats("rl/adv", adv, mask),
+        }
+    )
     pg_loss = aggregate(per_token, mask, aggregation, max_len_norm)
     loss = pg_loss
     metrics["rl/pg_loss"] = pg_loss
