@@ -6,7 +6,7 @@ is `current_version − version` at the time the learner takes it; with `max_sta
 rollouts of the current weights are trained on (synchronous, on-policy), with `>= 1` the sampler
 may run ahead by that many updates (generation of the next batch overlaps verification and the
 update of the current one) and the learner corrects with truncated importance weights
-(`losses.truncated_is_weights`). Rollouts staler than the bound are dropped and counted, never
+(`offpolicy.truncated_is_weights`). Rollouts staler than the bound are dropped and counted, never
 trained on.
 """
 
