@@ -25,6 +25,7 @@ from typing import NamedTuple
 import jax
 from jax.sharding import Mesh
 
+from posttrain.config import PLACEMENTS
 from posttrain.errors import UserError
 from posttrain.models.quant import quantize_params
 from posttrain.parallel import make_mesh, mesh_and_rules, parse_rules, resolve_mesh_shape, shardings_for
@@ -66,7 +67,9 @@ def place_devices(cfg, devices=None) -> Placement:
         mesh, rules = mesh_and_rules(cfg)
         return Placement(mesh, rules)
     if r.placement != "split":  # config.rl.check_placement refuses the rest before a run starts
-        raise UserError(f"rl.placement={r.placement!r}: expected 'colocated' or 'split'", key="rl.placement")
+        raise UserError(
+            f"rl.placement={r.placement!r}: of {PLACEMENTS} only 'colocated' and 'split' are built", key="rl.placement"
+        )
     if jax.process_count() > 1:
         raise UserError(
             f"rl.placement='split' runs in one process for now ({jax.process_count()} processes started): "
