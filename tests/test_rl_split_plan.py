@@ -35,6 +35,13 @@ def test_the_recommendation_is_the_fastest_runnable_split_and_the_best_balanced(
     assert all(a.gen_s >= b.gen_s and a.learn_s <= b.learn_s for a, b in zip(splits, splits[1:]))
 
 
+def test_the_default_group_is_the_smallest_that_holds_the_learner_state():
+    """qwen3-30B's learner state (params, gradients, AdamW moments, reference: ~305 GB in bf16)
+    fits 8 v5p chips (95 GB) within the 80% headroom, but needs 32 v5e chips (16 GB)."""
+    assert rl_split_plan.default_group(qwen(), aot.CHIPS["v5p"], 64) == 8
+    assert rl_split_plan.default_group(qwen(), aot.CHIPS["v5e"], 256) == 32
+
+
 def test_longer_responses_give_the_sampler_more_chips():
     short = rl_split_plan.recommend(rl_split_plan.plan_split(qwen(prompts=64, response=512), "v5p", 64))
     long = rl_split_plan.recommend(rl_split_plan.plan_split(qwen(prompts=64, response=8192), "v5p", 64))

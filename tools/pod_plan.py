@@ -159,10 +159,17 @@ def rl_split(args) -> None:
             if best is None:
                 print("no split fits: a larger slice or model-parallel group (--group)")
             else:
+                # split runs in one process for now (rl.rollout.placement); a sampler slice of its
+                # own is the disaggregated placement
+                how = (
+                    f"rl.placement=split, rl.sampler_devices={best.sampler_chips}"
+                    if args.slices == 1
+                    else f"rl.placement=disaggregated, {best.sampler_chips} sampler chips"
+                )
                 print(
-                    f"recommended: rl.placement=split, rl.sampler_devices={best.sampler_chips} "
-                    f"(learner {best.learner_chips} chips): ~{best.step_s:.1f} s per step "
-                    f"(gen {best.gen_s:.1f}, learn {best.learn_s:.1f}, publish {best.publish_s:.3f} over {best.link})"
+                    f"recommended: {how} (learner {best.learner_chips} chips, sampler replicas of {group}): "
+                    f"~{best.step_s:.1f} s per step (gen {best.gen_s:.1f}, learn {best.learn_s:.1f}, "
+                    f"publish {best.publish_s:.3f} over {best.link}; max_staleness >= 1)"
                 )
 
 
