@@ -7,6 +7,8 @@ which the sampler mesh keeps, `rl.rollout.placement`) and the learner the rest, 
 RL step (all floors from `cost_model.program_cost`, the roofline):
 * generation: the sampler program of ONE sampler replica (G chips, its share of the prompts:
   replicas on `data` sample independently), `rl.group_size` samples × `rl.max_new_tokens` each;
+  the share is bucketed to a power of two as the sampler buckets prompts, so a replica count
+  that does not divide the prompts gains nothing over the power of two below it;
 * learning: the `rl_learner` program on the learner's chips, × minibatches × updates per batch,
   its rows padded to a multiple of the learner's chips (as `rl.algo.learner.batch_rows` pads);
 * publish: the weights moved learner → sampler once per step: each sampler chip takes its shard

@@ -153,9 +153,11 @@ def rl_split(args) -> None:
                     f"{s.publish_s:.3f} ({s.link}) | {s.step_s:.1f} | "
                     f"{s.learner_gb:.0f} · {s.sampler_gb:.0f} | {mark} |"
                 )
+            together = None
             if args.slices == 1:
                 g, learn = rl_split_plan.colocated(cfg, gen, chips, group, args.prompt_len)
-                print(f"| colocated: all {chips} | all {chips} | {g:.1f} | {learn:.1f} | 0 | {g + learn:.1f} | | |")
+                together = g + learn
+                print(f"| colocated: all {chips} | all {chips} | {g:.1f} | {learn:.1f} | 0 | {together:.1f} | | |")
             if best is None:
                 print("no split fits: a larger slice or model-parallel group (--group)")
             else:
@@ -171,6 +173,8 @@ def rl_split(args) -> None:
                     f"~{best.step_s:.1f} s per step (gen {best.gen_s:.1f}, learn {best.learn_s:.1f}, "
                     f"publish {best.publish_s:.3f} over {best.link}; max_staleness >= 1)"
                 )
+                if together is not None and together < best.step_s:
+                    print(f"(colocated, generation then learning on every chip, is faster here: ~{together:.1f} s)")
 
 
 def main() -> None:
