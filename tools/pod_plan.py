@@ -4,19 +4,25 @@ FLOPs, collective bytes and a roofline step time, for BENCHMARKS.md "Pod plan".
     python tools/pod_plan.py --models kimi_k2 --modes sft_full --topologies v5p-1024 [--compile]
         [--rows_per_chip 1] [--seq_len 4096] [--optim adamw|adafactor] [--moment_dtype bfloat16]
         [--json out.json] [--grid]
+    python tools/pod_plan.py --rl-split --models qwen3_30b_a3b --topologies v5p-128 [--slices 1|2]
+        [--prompts 256] [--samples 16] [--response_len 4096] [--group 0]
 
 Without --compile: the exact argument bytes by part and the analytic cost model
 (`posttrain.cost_model`: executed FLOPs, HBM and collective bytes, the roofline's step time, the
 bound that sets it and MFU from the shapes, mesh and rules; ~2 minutes for all 80 rows); with it
 every program is compiled for the slice (20-30 minutes per large model on a CPU host). --grid
 prints the analytic numbers as one row per program with a column per slice (BENCHMARKS.md "Pod
-plan"). Needs libtpu (`pip install -e '.[tpu]'`).
+plan"). Needs libtpu (`pip install -e '.[tpu]'`). --rl-split needs no libtpu: every split of the
+slice (or of two such slices joined by DCN) between the RL learner and the sampler with its
+estimated generation, learning and publish time per step, and the recommended one
+(`posttrain.rl_split_plan`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import runpy
 import sys
@@ -109,6 +115,68 @@ HEADER = (
 )
 
 
+SPLIT_HEADER = (
+    "| sampler chips | learner chips | gen s | learn s | publish s (link) | step s | GB/chip learner · sampler | |\n"
+    "|---|---|---|---|---|---|---|---|"
+)
+
+
+def rl_split(args) -> None:
+    """--rl-split: the candidate splits of each model × slice and the recommendation (markdown)."""
+    from posttrain import rl_split_plan
+    from posttrain.parallel import aot
+
+    for model in args.models.split(","):
+        for topology in args.topologies.split(","):
+            gen, name = aot.parse_topology(topology)
+            chips = math.prod(int(d) for d in name.split(":")[1].split("x"))
+            cfg = configure(
+                model, "rl", chips, args.rows_per_chip, dict(name=args.optim, moment_dtype=args.moment_dtype)
+            )
+            r = cfg.rl
+            r.group_size, r.max_new_tokens = args.samples, args.response_len
+            r.prompts_per_step = args.prompts or max(1, chips * args.rows_per_chip // args.samples)
+            group = args.group or rl_split_plan.default_group(cfg, aot.CHIPS[gen], chips)
+            splits = rl_split_plan.plan_split(cfg, gen, chips, args.slices, group, args.prompt_len)
+            best = rl_split_plan.recommend(splits)
+            where = f"{args.slices} × {topology} over DCN" if args.slices == 2 else topology
+            print(
+                f"\n{model} on {where} ({args.slices * chips} chips), model-parallel group {group}: "
+                f"{r.prompts_per_step} prompts × {r.group_size} samples × {r.max_new_tokens} new tokens "
+                f"(prompt {args.prompt_len}), model {splits[0].publish_bytes / GB:.0f} GB published per step\n"
+                + SPLIT_HEADER
+            )
+            for s in splits:
+                mark = "**recommended**" if s is best else s.problem
+                print(
+                    f"| {s.sampler_chips} | {s.learner_chips} | {s.gen_s:.1f} | {s.learn_s:.1f} | "
+                    f"{s.publish_s:.3f} ({s.link}) | {s.step_s:.1f} | "
+                    f"{s.learner_gb:.0f} · {s.sampler_gb:.0f} | {mark} |"
+                )
+            together = None
+            if args.slices == 1:
+                g, learn = rl_split_plan.colocated(cfg, gen, chips, group, args.prompt_len)
+                together = g + learn
+                print(f"| colocated: all {chips} | all {chips} | {g:.1f} | {learn:.1f} | 0 | {together:.1f} | | |")
+            if best is None:
+                print("no split fits: a larger slice or model-parallel group (--group)")
+            else:
+                # split runs in one process for now (rl.rollout.placement); a sampler slice of its
+                # own is the disaggregated placement
+                how = (
+                    f"rl.placement=split, rl.sampler_devices={best.sampler_chips}"
+                    if args.slices == 1
+                    else f"rl.placement=disaggregated, {best.sampler_chips} sampler chips"
+                )
+                print(
+                    f"recommended: {how} (learner {best.learner_chips} chips, sampler replicas of {group}): "
+                    f"~{best.step_s:.1f} s per step (gen {best.gen_s:.1f}, learn {best.learn_s:.1f}, "
+                    f"publish {best.publish_s:.3f} over {best.link}; max_staleness >= 1)"
+                )
+                if together is not None and together < best.step_s:
+                    print(f"(colocated, generation then learning on every chip, is faster here: ~{together:.1f} s)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="qwen3_30b_a3b,qwen3_235b_a22b,deepseek_v3,kimi_k2")
@@ -128,7 +196,16 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--json", default="")
     ap.add_argument("--grid", action="store_true", help="analytic numbers, one column per slice")
+    ap.add_argument("--rl-split", action="store_true", help="split a slice between the RL learner and sampler")
+    ap.add_argument("--slices", type=int, default=1, choices=(1, 2), help="--rl-split: slices joined by DCN")
+    ap.add_argument("--prompts", type=int, default=0, help="--rl-split: prompts per step (0: chips × rows / samples)")
+    ap.add_argument("--samples", type=int, default=8, help="--rl-split: samples per prompt (rl.group_size)")
+    ap.add_argument("--response_len", type=int, default=1024, help="--rl-split: new tokens (rl.max_new_tokens)")
+    ap.add_argument("--group", type=int, default=0, help="--rl-split: model-parallel chips (0: smallest that fits)")
     args = ap.parse_args()
+    if args.rl_split:
+        rl_split(args)
+        return
     from posttrain import cost_model
     from posttrain.compile_plan import plan
     from posttrain.config_schema import check_values

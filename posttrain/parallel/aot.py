@@ -30,6 +30,7 @@ class Chip:
     cores_per_chip: int  # TensorCores the slice name counts (v4/v5p: 2, megacore)
     dims: int  # torus dimensions
     hbm_bytes_per_s: float = 0.0  # HBM bandwidth
+    dcn_bytes_per_s: float = 0.0  # data-center network between slices, per chip (0: not published)
 
     @property
     def links(self) -> int:
@@ -44,8 +45,10 @@ class Chip:
 
 CHIPS = {
     "v4": Chip(32e9, 275e12, 2400e9 / 8, 2, 3, 1228e9),
-    "v5e": Chip(16e9, 197e12, 1600e9 / 8, 1, 2, 819e9),
-    "v5p": Chip(95e9, 459e12, 4800e9 / 8, 2, 3, 2765e9),
+    # DCN per chip from the Cloud TPU docs: v5p "DCN bandwidth per chip 50 Gbps"; v5e "2 x 100 Gbps
+    # NIC" per host of 8 chips (6.4 Tbps per 256-chip pod), 25 Gbps
+    "v5e": Chip(16e9, 197e12, 1600e9 / 8, 1, 2, 819e9, 25e9 / 8),
+    "v5p": Chip(95e9, 459e12, 4800e9 / 8, 2, 3, 2765e9, 50e9 / 8),
     "v6e": Chip(32e9, 918e12, 3584e9 / 8, 1, 2, 1640e9),
 }
 
