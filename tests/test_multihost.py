@@ -692,18 +692,41 @@ def scripted_turns(by_sample: bool = False):
     RolloutWorker.sample = sample
 
 
-@pytest.mark.slow
-def test_multi_turn_eval_two_processes_match_one_process(tmp_path, monkeypatch):
-    """Stage eval on repo_fix (real sandboxed episodes; the sampler's calls run on the global mesh,
-    their turns scripted by task) with 2 processes × 4 devices reports what 1 process × 8 reports,
-    and what the script implies, although the two processes' shares of the suite differ in turns,
-    calls and successes; the episodes run in 2 cohorts. (~70-100 s at load 5: slow.)"""
+def saved_rl_checkpoint(tmp_path, overrides: dict):
+    """The RL config with `overrides`, and a step-1 checkpoint of its freshly initialised model in
+    `tmp_path/run/checkpoints` for the eval stage to read."""
     from flax import nnx
 
     from posttrain.core.checkpoint import Checkpointer
     from posttrain.core.state import init_model_state
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import mesh_and_rules, use_sharding
+
+    cfg = runpy_config(RL_CONFIG)
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = cfg
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    mesh, rules = mesh_and_rules(cfg)
+    ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"), every=1, keep=1, async_save=False)
+    with use_sharding(mesh, rules):
+        ckpt.save(
+            1,
+            dict(zip(("params", "rest"), init_model_state(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh, rules))),
+        )
+    ckpt.close()
+    return cfg
+
+
+@pytest.mark.slow
+def test_multi_turn_eval_two_processes_match_one_process(tmp_path, monkeypatch):
+    """Stage eval on repo_fix (real sandboxed episodes; the sampler's calls run on the global mesh,
+    their turns scripted by task) with 2 processes × 4 devices reports what 1 process × 8 reports,
+    and what the script implies, although the two processes' shares of the suite differ in turns,
+    calls and successes; the episodes run in 2 cohorts. (~70-100 s at load 5: slow.)"""
+
     from posttrain.rl.tasks import repo_domain, suites
 
     overrides = {
@@ -720,21 +743,7 @@ def test_multi_turn_eval_two_processes_match_one_process(tmp_path, monkeypatch):
         "rl.episode_cohorts": 2,
         "train.progress": False,
     }
-    cfg = runpy_config(RL_CONFIG)
-    for key, value in overrides.items():
-        *parents, leaf = key.split(".")
-        node = cfg
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    mesh, rules = mesh_and_rules(cfg)
-    ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"), every=1, keep=1, async_save=False)
-    with use_sharding(mesh, rules):
-        ckpt.save(
-            1,
-            dict(zip(("params", "rest"), init_model_state(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh, rules))),
-        )
-    ckpt.close()
+    cfg = saved_rl_checkpoint(tmp_path, overrides)
     tasks = suites.make_suites(cfg, load_tokenizer("byte"))["repo_fix"].tasks
     fields = [repo_domain.task_fields(t) for t in tasks]
     turns = [len(TaskScript.turns(m)) for m, *_ in fields]
@@ -819,12 +828,6 @@ def test_one_task_evaluation_on_two_processes_matches_one_process(tmp_path):
     """Stage eval of 1 arithmetic problem on 2 processes × 4 devices: process 0's share is empty
     (on main it raised IndexError and process 1 waited for the heartbeat timeout); the suite's
     numbers equal the 1-process run's. (~2 min at load 4: slow.)"""
-    from flax import nnx
-
-    from posttrain.core.checkpoint import Checkpointer
-    from posttrain.core.state import init_model_state
-    from posttrain.models.decoder import Decoder
-    from posttrain.parallel import mesh_and_rules, use_sharding
 
     overrides = {
         "stage": "eval",
@@ -838,21 +841,7 @@ def test_one_task_evaluation_on_two_processes_matches_one_process(tmp_path):
         "rl.verifier_workers": 1,
         "train.progress": False,
     }
-    cfg = runpy_config(RL_CONFIG)
-    for key, value in overrides.items():
-        *parents, leaf = key.split(".")
-        node = cfg
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    mesh, rules = mesh_and_rules(cfg)
-    ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"), every=1, keep=1, async_save=False)
-    with use_sharding(mesh, rules):
-        ckpt.save(
-            1,
-            dict(zip(("params", "rest"), init_model_state(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), mesh, rules))),
-        )
-    ckpt.close()
+    saved_rl_checkpoint(tmp_path, overrides)
     runs = [
         (str(tmp_path / n), {**overrides, "workdir": str(tmp_path / n / "wd")}, p, d)
         for n, p, d in (("one", 1, 8), ("two", 2, 4))
