@@ -24,19 +24,23 @@ from posttrain.stages import rlvr as loop
 from tests.test_rl_loop import rows, tiny
 
 VERIFIER_MODULE = '''
-import threading, time
+import threading, time, zlib
 
 calls = []
 _lock = threading.Lock()
 
+def fate(prompt, response):
+    """1: the call raises, 2: it hangs, else it scores. Keyed by the sample, not by the call's arrival
+    order: episodes are verified on a thread pool, so arrival order is a race."""
+    return zlib.crc32((prompt + response).encode()) % 6
+
 def score(prompt, response, record):
-    """Every 4th call raises, the one after hangs; the others pay for the record's keyword."""
+    """A sixth of the samples make it raise, another sixth hang; the others pay for the keyword."""
     with _lock:
         calls.append((prompt, response, dict(record)))
-        n = len(calls)
-    if n % 4 == 1:
+    if fate(prompt, response) == 1:
         raise RuntimeError("the user's verifier crashed")
-    if n % 4 == 2:
+    if fate(prompt, response) == 2:
         time.sleep(3)
     return float(record["keyword"] in response), {"length": float(len(response))}
 
@@ -103,11 +107,12 @@ def test_user_task_file_with_user_verifier_trains_end_to_end(tmp_path, user_modu
     # the contained verifier failures are an alert (rl.verifier_errors over alerts.verifier_error_rate)
     assert any(r.get("rule") == "verifier_error_rate" for r in all_rows if "event" in r)
     # The untrained policy rarely ends a turn (a truncated turn scores 0 without a verifier call), but the
-    # run is deterministic for its seed: it calls the verifier, which raised on call 1 and hung on call 2.
-    assert len(calls) >= 2
+    # run is deterministic for its seed: it calls the verifier, which raised on some samples and hung on others.
+    fates = [sys.modules[user_module].fate(p, r) for p, r, _ in calls]
+    assert 1 in fates and 2 in fates
     prompt, _, record = calls[0]
     assert prompt.startswith("Say a word with the letter") and record["verifier"] == "score"
-    assert sum(r["rl/verifier_errors"] for r in rs) == sum(n % 4 in (1, 2) for n in range(1, len(calls) + 1))
+    assert sum(r["rl/verifier_errors"] for r in rs) == sum(f in (1, 2) for f in fates)
     assert time.perf_counter() - t0 < 120  # hung calls did not block the run
     # samples without a verdict (the verifier raised or hung) leave the scheduler's counts alone
     samples = 3 * 2 * 4 - sum(r["rl/verifier_errors"] for r in rs)  # steps × prompts × group size
@@ -154,10 +159,11 @@ def test_user_verifier_contract_raising_hanging_and_bad_values_are_errors(user_m
     returns = iter([0.5, (1.0, {"x": 2}), 1.5, float("nan"), "yes", (0.2, {"x": "y"})])
     v = UserVerifier({"score": mod.score, "fixed": lambda p, r, rec: next(returns)}, timeout_s=0.2)
     task = lambda name: UserTask(name, "p", {"keyword": "a"})
-    crashed, hung, ok = v.verify(task("score"), "a"), v.verify(task("score"), "a"), v.verify(task("score"), "a")
+    assert [mod.fate("p", r) for r in ("a", "ca", "aa")] == [1, 2, 0]  # the responses pick each fate
+    crashed, hung, ok = v.verify(task("score"), "a"), v.verify(task("score"), "ca"), v.verify(task("score"), "aa")
     assert crashed.error == "verifier 'score' raised RuntimeError: the user's verifier crashed"
     assert hung.error == "verifier 'score' timed out after 0.2s" and v.abandoned == 1
-    assert (ok.correct, ok.parts, ok.error) == (1.0, {"length": 1.0}, None)
+    assert (ok.correct, ok.parts, ok.error) == (1.0, {"length": 2.0}, None)
     got = [v.verify(task("fixed"), "") for _ in range(6)]
     assert [g.correct for g in got[:2]] == [0.5, 1.0] and got[1].parts == {"x": 2.0}
     for g, why in zip(got[2:], ("outside [0, 1]", "finite number", "finite number", "parts")):
