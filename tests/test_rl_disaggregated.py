@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -183,3 +184,62 @@ def test_killing_the_sampler_mid_run_and_starting_another_completes_the_run(tmp_
     rows = logged(run)
     golden_rows(rows, evals=True)
     assert "batches delivered" in (tmp_path / "second.log").read_text()
+
+
+class FakeServer:
+    def __init__(self):
+        self.published = []
+
+    def publish(self, version, weights):
+        self.published.append(version)
+
+    def close(self):
+        pass
+
+
+def deliver(queue, batch, version, tasks):
+    """What a sampler writes for batch `batch` of `tasks`, sampled by `version`."""
+    groups = [
+        Group(d, t, [1.0], [Trajectory(t.id, [1, 2], [False, True], 1, Reward(1.0, {}))], [1.0]) for d, t in tasks
+    ]
+    queue.deliver(batch, workqueue.encode_batch(groups, [[np.zeros(2, np.float32)]] * len(groups), {}, version, "s"))
+
+
+def test_the_learner_issues_the_seeds_tasks_in_a_window_and_drops_a_too_stale_batch(tmp_path):
+    """max_staleness = 1: batches 0, 1 issued at step 0 (not 2: back-pressure); a result of version
+    0 at step 2 is dropped, counted and its batch re-issued; a fresh one is taken with the
+    scheduler state as of that batch."""
+    from posttrain.rl.rollout.remote import RemoteProducer
+    from tests.test_rl_producer import scheduler
+
+    queue, sched, reference = WorkQueue(str(tmp_path)), scheduler(), scheduler()
+    p = RemoteProducer(queue, FakeServer(), sched, sched.domains, num_groups=2, max_staleness=1, start=0,
+                       lease_timeout_s=60, poll_s=0.01)  # fmt: skip
+    p.publish(0, ((), ()))
+    expected = [reference.next_batch(2) for _ in range(4)]
+    p._issue_upto(0)
+    assert sorted(os.listdir(queue.path("tasks"))) == ["0.json", "1.json"]
+    for b in range(2):
+        assert workqueue.read_json(queue.path("tasks", f"{b}.json"))["tasks"] == [[d, t.id] for d, t in expected[b]]
+        assert workqueue.read_json(queue.path("tasks", f"{b}.json"))["min_version"] == max(0, b - 1)
+    deliver(queue, 0, 0, expected[0])
+    rollouts, batch = p.take(0)
+    assert [ro.group.task.id for ro in rollouts] == [t.id for _, t in expected[0]] and batch.scheduler_state[
+        "batches"
+    ] == 1
+    deliver(queue, 1, 0, expected[1])
+    p.take(1)
+    p.publish(2, ((), ()))
+    deliver(queue, 2, 0, expected[2])  # version 0 at step 2: staler than 1
+    got = {}
+    t = threading.Thread(target=lambda: got.update(zip(("rollouts", "batch"), p.take(2))), daemon=True)
+    t.start()
+    deadline = time.time() + 10
+    while queue.result(2) is not None or not os.path.exists(queue.path("tasks", "2.json")):
+        assert time.time() < deadline
+        time.sleep(0.01)
+    assert p.buffer.stats()["rl/buffer_dropped_stale"] == 2  # its two groups, counted
+    deliver(queue, 2, 1, expected[2])  # re-sampled by version 1
+    t.join(10)
+    assert [ro.version for ro in got["rollouts"]] == [1, 1] and p.buffer.stats()["rl/staleness_max"] == 1
+    assert sorted(os.listdir(queue.path("tasks"))) == ["3.json"]  # issued up to step 2 + 1
