@@ -197,18 +197,28 @@ class FakeServer:
         pass
 
 
-def deliver(queue, batch, version, tasks):
-    """What a sampler writes for batch `batch` of `tasks`, sampled by `version`."""
+def deliver(queue, batch, version, tasks, run=None):
+    """What a sampler writes for batch `batch` of `tasks`, sampled by `version` (for learner `run`)."""
+    run = workqueue.read_json(queue.path("tasks", f"{batch}.json"))["run"] if run is None else run
     groups = [
         Group(d, t, [1.0], [Trajectory(t.id, [1, 2], [False, True], 1, Reward(1.0, {}))], [1.0]) for d, t in tasks
     ]
-    queue.deliver(batch, workqueue.encode_batch(groups, [[np.zeros(2, np.float32)]] * len(groups), {}, version, "s"))
+    queue.deliver(
+        batch, workqueue.encode_batch(groups, [[np.zeros(2, np.float32)]] * len(groups), {}, version, "s", run)
+    )
+
+
+def wait_reissued(queue, batch):
+    deadline = time.time() + 10
+    while queue.result(batch) is not None:  # until the learner has dropped it
+        assert time.time() < deadline
+        time.sleep(0.01)
 
 
 def test_the_learner_issues_the_seeds_tasks_in_a_window_and_drops_a_too_stale_batch(tmp_path):
-    """max_staleness = 1: batches 0, 1 issued at step 0 (not 2: back-pressure); a result of version
-    0 at step 2 is dropped, counted and its batch re-issued; a fresh one is taken with the
-    scheduler state as of that batch."""
+    """max_staleness = 1: batches 0, 1 issued at step 0 (not 2: back-pressure); at step 2 a result
+    for an earlier learner in the workdir, then one of version 0, are dropped, counted and the batch
+    re-issued; a fresh one is taken."""
     from posttrain.rl.rollout.remote import RemoteProducer
     from tests.test_rl_producer import scheduler
 
@@ -230,15 +240,14 @@ def test_the_learner_issues_the_seeds_tasks_in_a_window_and_drops_a_too_stale_ba
     deliver(queue, 1, 0, expected[1])
     p.take(1)
     p.publish(2, ((), ()))
-    deliver(queue, 2, 0, expected[2])  # version 0 at step 2: staler than 1
     got = {}
     t = threading.Thread(target=lambda: got.update(zip(("rollouts", "batch"), p.take(2))), daemon=True)
     t.start()
-    deadline = time.time() + 10
-    while queue.result(2) is not None or not os.path.exists(queue.path("tasks", "2.json")):
-        assert time.time() < deadline
-        time.sleep(0.01)
-    assert p.buffer.stats()["rl/buffer_dropped_stale"] == 2  # its two groups, counted
+    deliver(queue, 2, 2, expected[2], run="an earlier learner's")  # (version 2 of a learner that died)
+    wait_reissued(queue, 2)
+    deliver(queue, 2, 0, expected[2])  # version 0 at step 2: staler than 1
+    wait_reissued(queue, 2)
+    assert p.buffer.stats()["rl/buffer_dropped_stale"] == 4  # two groups each time, counted
     deliver(queue, 2, 1, expected[2])  # re-sampled by version 1
     t.join(10)
     assert [ro.version for ro in got["rollouts"]] == [1, 1] and p.buffer.stats()["rl/staleness_max"] == 1

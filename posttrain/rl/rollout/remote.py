@@ -7,18 +7,20 @@
 
 `RemoteProducer` has `AsyncProducer`'s interface (`publish`, `take`, `close`, `buffer.stats()`), so
 the learner's loop (`stages.rlvr.train_loop`) is unchanged. The learner owns the scheduler and
-issues batch p's tasks itself: the task sequence is the seed's, whatever the samplers do (batch p's
-key is `stages.rlvr_sampler.batch_key` on whichever sampler takes it). Batch p may be sampled by a policy
-version >= p − rl.max_staleness (its `min_version`); the learner issues at most
+issues batch p's tasks itself: the task sequence is the seed's, whatever the samplers do (batch
+p's key is `stages.rlvr_sampler.batch_key` on whichever sampler takes it). Batch p may be sampled
+by a policy version >= p − rl.max_staleness (its `min_version`); the learner issues at most
 max_staleness + 1 batches ahead (back-pressure), or one when the scheduler's draws read recorded
-results. A result staler than the bound is dropped, counted (`rl/buffer_dropped_stale`) and its
-batch re-issued; a lease whose sampler stopped beating for `rl.lease_timeout_s` is re-issued
+results. A result staler than the bound, or sampled for an earlier learner in this workdir (each
+learner start is a new `run`), is dropped, counted (`rl/buffer_dropped_stale`) and its batch
+re-issued; a lease whose sampler stopped beating for `rl.lease_timeout_s` is re-issued
 (`rl/reissued`). When the learner stops it writes `rl/finished.json`; the samplers exit 0.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 
 import jax
@@ -48,6 +50,11 @@ def check_disaggregated(cfg) -> None:
     for refused, key, why in refusals:
         if refused:
             raise UserError(f"rl.placement='disaggregated' does not support {key} here: {why}", key=key)
+
+
+def payload_id(payload: dict) -> tuple:
+    """(version, learner run) of a delivered batch, for logs."""
+    return payload["version"], payload["run"]
 
 
 class _Stats:
@@ -92,7 +99,7 @@ class RemoteProducer:
             poll_s,
         )
         self.tasks_by_id = {(name, t.id): t for name, d in domains.items() for t in d.tasks}
-        self.version, self.issued, self.draws = start, start, {}
+        self.version, self.issued, self.draws, self.run = start, start, {}, secrets.token_hex(8)
         self.buffer = _Stats()
 
     @classmethod
@@ -131,7 +138,8 @@ class RemoteProducer:
         last = step if self.scheduler.draws_use_results else step + self.max_staleness
         while self.issued <= last:
             p = self.issued
-            self.queue.issue(p, self.scheduler.next_batch(self.num_groups), min_version=max(0, p - self.max_staleness))
+            tasks = self.scheduler.next_batch(self.num_groups)
+            self.queue.issue(p, tasks, min_version=max(0, p - self.max_staleness), run=self.run)
             self.draws[p] = self.scheduler.batches_drawn
             self.issued += 1
 
@@ -142,10 +150,12 @@ class RemoteProducer:
         while True:
             payload = self.queue.result(step)
             if payload is not None:
-                if step - payload["version"] <= self.max_staleness:
+                if payload["run"] == self.run and 0 <= step - payload["version"] <= self.max_staleness:
                     break
-                self.buffer.dropped += len(payload["groups"])
-                logging.warning("rl learner: batch %d of version %d is too stale; re-issued", step, payload["version"])
+                self.buffer.dropped += len(payload["groups"])  # too stale, or sampled for an earlier learner
+                logging.warning(
+                    "rl learner: batch %d of version %d (run %s) dropped; re-issued", step, *payload_id(payload)
+                )
                 self.queue.reissue(step)
             again = self.queue.reissue_dead(self.lease_timeout_s)
             if again:

@@ -95,10 +95,11 @@ class WorkQueue:
         with contextlib.suppress(FileNotFoundError):
             os.remove(self.path("finished.json"))
 
-    def issue(self, batch: int, tasks: list[tuple[str, object]], min_version: int) -> None:
-        """Offer batch `batch` (its (domain, task) pairs) to the samplers."""
-        pairs = [[d, t.id] for d, t in tasks]
-        write_json(self.path("tasks", f"{batch}.json"), {"batch": batch, "min_version": min_version, "tasks": pairs})
+    def issue(self, batch: int, tasks: list[tuple[str, object]], min_version: int, run: str = "") -> None:
+        """Offer batch `batch` (its (domain, task) pairs) to the samplers; `run` names the learner's
+        incarnation (a result carries it back: one sampled for an earlier learner is refused)."""
+        task = {"batch": batch, "min_version": min_version, "run": run, "tasks": [[d, t.id] for d, t in tasks]}
+        write_json(self.path("tasks", f"{batch}.json"), task)
 
     def result(self, batch: int) -> dict | None:
         """Batch `batch`'s finished file, or None while it is not there."""
@@ -165,12 +166,14 @@ class WorkQueue:
         write_json(self.path("done", f"{batch}.json"), payload)
 
 
-def encode_batch(groups: list[Group], behav: list, info: dict, version: int, sampler: str) -> dict:
+def encode_batch(groups: list[Group], behav: list, info: dict, version: int, sampler: str, run: str = "") -> dict:
     """A verified batch as JSON: its groups (task ids, rewards, trajectories), the behaviour
-    log-probs (float32 values, exact through JSON) and the policy version that sampled it."""
+    log-probs (float32 values, exact through JSON), the policy version that sampled it and the
+    learner run (`issue`) it was leased from."""
     return {
         "version": version,
         "sampler": sampler,
+        "run": run,
         "info": info,
         "groups": [
             {
