@@ -4,6 +4,7 @@ a learner and a sampler process group training `rlvr_tiny` on loopback."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -218,13 +219,13 @@ def wait_reissued(queue, batch):
 def test_the_learner_issues_the_seeds_tasks_in_a_window_and_drops_a_too_stale_batch(tmp_path):
     """max_staleness = 1: batches 0, 1 issued at step 0 (not 2: back-pressure); at step 2 a result
     for an earlier learner in the workdir, then one of version 0, are dropped, counted and the batch
-    re-issued; a fresh one is taken."""
+    re-issued; a fresh one is taken, the last: the samplers are told to exit."""
     from posttrain.rl.rollout.remote import RemoteProducer
     from tests.test_rl_producer import scheduler
 
     queue, sched, reference = WorkQueue(str(tmp_path)), scheduler(), scheduler()
     p = RemoteProducer(queue, FakeServer(), sched, sched.domains, num_groups=2, max_staleness=1, start=0,
-                       lease_timeout_s=60, poll_s=0.01)  # fmt: skip
+                       lease_timeout_s=60, steps=3, poll_s=0.01)  # fmt: skip
     p.publish(0, ((), ()))
     expected = [reference.next_batch(2) for _ in range(4)]
     p._issue_upto(0)
@@ -248,7 +249,38 @@ def test_the_learner_issues_the_seeds_tasks_in_a_window_and_drops_a_too_stale_ba
     deliver(queue, 2, 0, expected[2])  # version 0 at step 2: staler than 1
     wait_reissued(queue, 2)
     assert p.buffer.stats()["rl/buffer_dropped_stale"] == 4  # two groups each time, counted
+    assert not queue.finished()
     deliver(queue, 2, 1, expected[2])  # re-sampled by version 1
     t.join(10)
+    assert queue.finished()  # the last of the 3 steps taken: the samplers may exit
     assert [ro.version for ro in got["rollouts"]] == [1, 1] and p.buffer.stats()["rl/staleness_max"] == 1
     assert sorted(os.listdir(queue.path("tasks"))) == ["3.json"]  # issued up to step 2 + 1
+
+
+@pytest.mark.slow
+def test_a_restarted_learner_resumes_and_the_sampler_reconnects(tmp_path):
+    """The learner is stopped (SIGTERM: it saves at the step) after step 1; the sampler keeps
+    waiting (no finished marker), the rerun learner resumes from the checkpoint under a new token
+    and run id, the sampler reconnects, and the run logs the uninterrupted run's training rows
+    (the same task sequence, keys and weights)."""
+    run = tmp_path / "run"
+    sampler = spawn(run, "sampler", tmp_path / "sampler.log")
+    first = spawn(run, "learner", tmp_path / "first.log")
+    deadline = time.time() + 240
+    while not (run / "metrics.jsonl").exists() or '"step": 1' not in (run / "metrics.jsonl").read_text():
+        assert time.time() < deadline and first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        time.sleep(0.2)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(120) == 143, (tmp_path / "first.log").read_text()[-3000:]
+    token = json.loads((run / "rl" / "learner.json").read_text())["token"]
+    assert not (run / "rl" / "finished.json").exists() and sampler.poll() is None
+    second = spawn(run, "learner", tmp_path / "second.log")
+    wait(second, tmp_path / "second.log")
+    wait(sampler, tmp_path / "sampler.log", timeout=60)
+    assert json.loads((run / "rl" / "learner.json").read_text())["token"] != token
+    trained = {r["step"]: r for r in logged(run) if "loss" in r}  # the rerun's rows of a step win
+    golden = [r for r in json.loads(GOLDEN.read_text())["rlvr_tiny_sync"] if "loss" in r]
+    assert sorted(trained) == [r["step"] for r in golden]
+    for want in golden:
+        for key, value in want.items():
+            np.testing.assert_allclose(trained[want["step"]][key], value, rtol=1e-5, atol=1e-6, err_msg=key)

@@ -14,7 +14,10 @@ max_staleness + 1 batches ahead (back-pressure), or one when the scheduler's dra
 results. A result staler than the bound, or sampled for an earlier learner in this workdir (each
 learner start is a new `run`), is dropped, counted (`rl/buffer_dropped_stale`) and its batch
 re-issued; a lease whose sampler stopped beating for `rl.lease_timeout_s` is re-issued
-(`rl/reissued`). When the learner stops it writes `rl/finished.json`; the samplers exit 0.
+(`rl/reissued`). Once the learner has taken its last batch it writes `rl/finished.json`; the
+samplers exit 0. A learner stopped earlier leaves them waiting: a restarted learner resumes from
+its checkpoint (scheduler included: the same task sequence) under a new token and run id, and the
+samplers reconnect.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class RemoteProducer:
         max_staleness: int,
         start: int,
         lease_timeout_s: float,
+        steps: int | None = None,
         poll_s: float = 0.05,
     ) -> None:
         self.queue, self.server, self.scheduler = queue, server, scheduler
@@ -100,6 +104,7 @@ class RemoteProducer:
         )
         self.tasks_by_id = {(name, t.id): t for name, d in domains.items() for t in d.tasks}
         self.version, self.issued, self.draws, self.run = start, start, {}, secrets.token_hex(8)
+        self.steps = steps  # after taking batch steps − 1 the samplers are told to exit
         self.buffer = _Stats()
 
     @classmethod
@@ -123,8 +128,11 @@ class RemoteProducer:
             max_staleness=r.max_staleness,
             start=start,
             lease_timeout_s=r.lease_timeout_s,
+            steps=cfg.train.steps,
         )
         producer.publish(start, weights)
+        if start >= cfg.train.steps:  # nothing left to sample
+            queue.finish()
         logging.info("rl learner: transfer server at %s; samplers find it in %s", server.server.address(), queue.root)
         return producer
 
@@ -163,6 +171,8 @@ class RemoteProducer:
                 self.buffer.reissued += len(again)
             time.sleep(self.poll_s)
         self.queue.consume(step)
+        if step + 1 == self.steps:  # the last batch: the samplers may go
+            self.queue.finish()
         groups, behav = decode_batch(payload, self.tasks_by_id)
         for g in groups:
             self.scheduler.record(g.domain, g.task.id, g.verdicts)
@@ -174,6 +184,7 @@ class RemoteProducer:
         return batch.rollouts(payload["version"]), batch
 
     def close(self) -> None:
-        """Stop serving weights and tell the samplers the run is over."""
+        """Stop serving weights. The samplers were told to exit when the last batch was taken; a
+        learner stopped before that (interrupted, failed) leaves them waiting for its restart,
+        which they reconnect to (a new token in learner.json)."""
         self.server.close()
-        self.queue.finish()

@@ -176,7 +176,8 @@ class WeightClient:
         self.conn, self.token, self.version = self.server.connect(info["address"]), info["token"], -1
 
     def _pull(self) -> bool:
-        """Ask for the newest weights and pull them; False when the learner finished meanwhile."""
+        """Ask for the newest weights and pull them; False when the learner finished meanwhile
+        (True, nothing pulled, when another learner replaced it: the caller reconnects)."""
         nonce = secrets.token_hex(8)
         write_json(self.queue.path("pulls", f"{self.sampler}.want.json"), {"nonce": nonce})
         while (offer := read_json(self.queue.path("pulls", f"{self.sampler}.offer.json"))) is None or offer[
@@ -184,6 +185,8 @@ class WeightClient:
         ] != nonce:
             if self.queue.finished():
                 return False
+            if (read_json(self.queue.path("learner.json")) or {}).get("token") != self.token:
+                return True
             time.sleep(self.poll_s)
         leaves, tree = jax.tree.flatten(self.specs)
         flat = self.conn.pull(offer_uuid(self.token, self.sampler, nonce, offer["version"]), leaves)
