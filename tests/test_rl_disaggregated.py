@@ -41,6 +41,20 @@ def test_the_config_refuses_a_role_without_disaggregated_and_the_reverse(placeme
     assert e.value.key == "rl.role"
 
 
+@pytest.mark.parametrize(
+    "key, value", [("rl.filter_groups", True), ("sampling.quantize", "int8"), ("workdir", "gs://bucket/run")]
+)
+def test_what_disaggregated_cannot_do_yet_is_refused_naming_the_key(key, value):
+    from posttrain.rl.rollout.remote import check_disaggregated
+
+    cfg = base_config()
+    cfg.rl.placement, cfg.rl.role = "disaggregated", "learner"
+    cfg.update_from_flattened_dict({key: value})
+    with pytest.raises(UserError, match="disaggregated") as e:
+        check_disaggregated(cfg)
+    assert e.value.key == key
+
+
 def test_a_remote_workdir_is_refused(tmp_path):
     with pytest.raises(UserError, match="local") as e:
         WorkQueue("gs://bucket/run")
@@ -254,7 +268,7 @@ def test_the_learner_issues_the_seeds_tasks_in_a_window_and_drops_a_too_stale_ba
     t.join(10)
     assert queue.finished()  # the last of the 3 steps taken: the samplers may exit
     assert [ro.version for ro in got["rollouts"]] == [1, 1] and p.buffer.stats()["rl/staleness_max"] == 1
-    assert sorted(os.listdir(queue.path("tasks"))) == ["3.json"]  # issued up to step 2 + 1
+    assert sorted(os.listdir(queue.path("tasks"))) == []  # 2 + 1 is past the run's last step: not issued
 
 
 @pytest.mark.slow
@@ -284,3 +298,19 @@ def test_a_restarted_learner_resumes_and_the_sampler_reconnects(tmp_path):
     for want in golden:
         for key, value in want.items():
             np.testing.assert_allclose(trained[want["step"]][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.slow
+def test_overlapped_disaggregated_never_trains_past_the_staleness_bound(tmp_path):
+    """rl.max_staleness = 1 with two samplers: every batch the learner takes at step s was sampled
+    by a version v with s − 1 <= v <= s, and the run completes with both samplers exiting 0."""
+    no_eval = {"rl.eval_every": 0, **{f"rl.{k}": base_config().rl[k] for k in ("eval_size", "eval_samples")}}
+    run, overlapped = tmp_path / "run", {"rl.max_staleness": 1, **no_eval}
+    samplers = [spawn(run, "sampler", tmp_path / f"s{i}.log", **overlapped) for i in (0, 1)]
+    learner = spawn(run, "learner", tmp_path / "learner.log", **overlapped)
+    wait(learner, tmp_path / "learner.log")
+    for i, s in enumerate(samplers):
+        wait(s, tmp_path / f"s{i}.log", timeout=60)
+    rows = logged(run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert all(0 <= r["rl/staleness_max"] <= 1 and r["rl/buffer_dropped_stale"] == 0 for r in rows)

@@ -144,6 +144,7 @@ class RemoteProducer:
     def _issue_upto(self, step: int) -> None:
         """Issue batches up to `step + max_staleness` (up to `step` when draws read results)."""
         last = step if self.scheduler.draws_use_results else step + self.max_staleness
+        last = last if self.steps is None else min(last, self.steps - 1)  # none past the run's last step
         while self.issued <= last:
             p = self.issued
             tasks = self.scheduler.next_batch(self.num_groups)
