@@ -74,6 +74,7 @@ def test_weights_round_trip_only_under_the_token(tmp_path, monkeypatch):
     learner.publish(3, weights)
     info = json.loads((tmp_path / "rl" / "learner.json").read_text())
     assert info["version"] == 3 and info["address"] == learner.server.address() and len(info["token"]) == 32
+    assert (tmp_path / "rl" / "learner.json").stat().st_mode & 0o777 == 0o600  # the token: this user's only
     client = transfer.WeightClient(queue, "s1", specs, mesh)
     (params, _), version = client.newest(min_version=3)
     np.testing.assert_array_equal(params["w"], np.arange(16.0))

@@ -9,8 +9,9 @@ and answers with the version in `rl/pulls/<sampler>.offer.json`; the sampler pul
 
 Who may pull: the transfer API has no authentication hook, so the token is part of the pull's name.
 An offer's uuid is a keyed hash (HMAC-SHA256, 63 bits) of the token: a peer that has not read the
-token from the workdir cannot name any offer, and each offer is served once. (Anyone who can read
-the workdir can read the token: the workdir is the trust boundary, as for checkpoints.)
+token from the workdir cannot name any offer, and each offer is served once. learner.json is
+readable by the learner's user only (mode 0600): samplers run as that user on a shared filesystem,
+which is the trust boundary, as for checkpoints.
 
 A pull needs the same shard layout on both sides, so a sampler group runs the learner's mesh shape
 (`WeightClient` checks it) with the weights in the sampler's layout (`weight_shardings`). An offer
@@ -103,7 +104,7 @@ class WeightServer:
         with self._lock:
             self._current = (version, copy)
         info = {"address": self.server.address(), "token": self.token, "version": version, "pid": os.getpid()}
-        write_json(self.queue.path("learner.json"), {**info, "mesh": dict(self.mesh.shape)})
+        write_json(self.queue.path("learner.json"), {**info, "mesh": dict(self.mesh.shape)}, mode=0o600)
         if not self._thread.is_alive():
             self._thread.start()
 

@@ -46,10 +46,13 @@ def check_local(workdir: str) -> None:
         )
 
 
-def write_json(path: str, obj) -> None:
-    """Write `obj` as JSON to `path` atomically (a temporary file in the same folder, renamed)."""
+def write_json(path: str, obj, mode: int | None = None) -> None:
+    """Write `obj` as JSON to `path` atomically (a temporary file in the same folder, renamed);
+    `mode`: its permissions (0o600: readable by this user only), else the umask's."""
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
+        if mode is not None:
+            os.chmod(tmp, mode)
         json.dump(obj, f, default=_plain)
     os.replace(tmp, path)
 
