@@ -65,7 +65,7 @@ def run(config) -> object:
     from posttrain.parallel import maybe_initialize_distributed
 
     maybe_initialize_distributed(config)
-    if config.stage == "rlvr" and config.rl.role == "sampler":  # in the learner's workdir: its lock, its gate
+    if config.stage == "rlvr" and config.rl.role == "sampler":  # the learner's workdir: the learner locks it
         from posttrain.stages.rlvr_sampler import run_sampler
 
         return run_sampler(config)

@@ -34,7 +34,6 @@ from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.algo.critic import ValueDecoder
 from posttrain.rl.checks import check_rlvr_stage, check_sampling_config, slot_config
 from posttrain.rl.rollout.episodes import rollout_episodes
-from posttrain.rl.rollout.remote import check_disaggregated
 from posttrain.rl.rollout.transfer import WeightClient, weight_shardings
 from posttrain.rl.rollout.worker import RolloutWorker
 from posttrain.rl.rollout.workqueue import WorkQueue, encode_batch
@@ -85,8 +84,7 @@ def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
     """Sample issued batches until the learner finishes; {"batches": delivered, "pulled_bytes": …}."""
     cfg = with_stage_overrides(cfg, "rl")
     check_rlvr_stage(cfg)
-    check_sampling_config(cfg, ("rlvr",))
-    check_disaggregated(cfg)
+    check_sampling_config(cfg, ("rlvr",))  # check_rlvr_stage: also what disaggregated cannot do yet
     r = cfg.rl
     queue = WorkQueue(cfg.workdir)
     name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"

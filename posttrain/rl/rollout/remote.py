@@ -111,8 +111,13 @@ class RemoteProducer:
     def for_learner(cls, c, start: int, weights: tuple) -> RemoteProducer:
         """The producer of an rlvr run's `Components` at step `start`, publishing `weights` as version
         `start` (the queue of an earlier learner in this workdir is forgotten first)."""
-        cfg = c.cfg
-        check_disaggregated(cfg)
+        cfg = c.cfg  # (checked at start-up: rl.checks.check_rlvr_stage, check_disaggregated)
+        if cfg.rl.role != "learner":  # main.run sends rl.role=sampler of stage rlvr to stages.rlvr_sampler
+            raise UserError(
+                f"rl.role={cfg.rl.role!r} reached the learner: run each sampler group as its own "
+                "`python -m posttrain.main` command with config.stage='rlvr' (not inside a pipeline)",
+                key="rl.role",
+            )
         queue = WorkQueue(cfg.workdir)
         queue.reset()
         mesh, rules = c.learner_sharding[:2]
