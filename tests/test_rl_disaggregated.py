@@ -55,6 +55,19 @@ def test_what_disaggregated_cannot_do_yet_is_refused_naming_the_key(key, value):
     assert e.value.key == key
 
 
+def test_a_sampler_role_that_reaches_the_learner_is_refused():
+    """(`rl.role=sampler` inside a pipeline: main.run sends only stage rlvr's to the sampler loop)"""
+    from types import SimpleNamespace
+
+    from posttrain.rl.rollout.remote import RemoteProducer
+
+    cfg = base_config()
+    cfg.rl.placement, cfg.rl.role = "disaggregated", "sampler"
+    with pytest.raises(UserError, match="reached the learner") as e:
+        RemoteProducer.for_learner(SimpleNamespace(cfg=cfg), 0, ((), ()))
+    assert e.value.key == "rl.role"
+
+
 def test_a_remote_workdir_is_refused(tmp_path):
     with pytest.raises(UserError, match="local") as e:
         WorkQueue("gs://bucket/run")
