@@ -7,6 +7,8 @@ setup(
     packages=find_packages(include=["posttrain", "posttrain.*"]),
     python_requires=">=3.11",
     install_requires=[
+        # rl.placement=disaggregated uses the experimental jax.experimental.transfer API, tested with
+        # jax 0.10.2 (rl/rollout/transfer.py refuses at start-up, naming rl.placement, when it is missing)
         "jax>=0.7.0",
         "flax>=0.12.0",
         "optax>=0.2.5",

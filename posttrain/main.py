@@ -65,6 +65,10 @@ def run(config) -> object:
     from posttrain.parallel import maybe_initialize_distributed
 
     maybe_initialize_distributed(config)
+    if config.stage == "rlvr" and config.rl.role == "sampler":  # the learner's workdir: the learner locks it
+        from posttrain.stages.rlvr_sampler import run_sampler
+
+        return run_sampler(config)
     primary = jax.process_index() == 0
     # The lock comes first (before the heavy imports): a second run in a busy workdir fails at once.
     with workdir_lock(config.workdir) if primary else contextlib.nullcontext():

@@ -179,6 +179,7 @@ def test_module_enums_are_the_configs():
     from posttrain.rl.algo.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, RATIO_LEVELS
     from posttrain.rl.algo.offpolicy import IS_LEVELS, IS_MASKS
     from posttrain.rl.rollout.placement import PLACEMENTS
+    from posttrain.rl.rollout.remote import ROLES
     from posttrain.rl.tasks.registry import ENVS
     from posttrain.sampling.layout import SAMPLING_LAYOUTS
     from posttrain.stages.losses import DPO_LOSSES
@@ -207,6 +208,7 @@ def test_module_enums_are_the_configs():
         "rl.is_mask": IS_MASKS,
         "rl.env": ENVS,
         "rl.placement": PLACEMENTS,
+        "rl.role": ROLES,
         "sampling.quantize": QUANT_MODES,
         "sampling.layout": SAMPLING_LAYOUTS,
     }

@@ -25,7 +25,7 @@ def split_cfg(n, **mesh):
 @pytest.mark.parametrize(
     "placement_, n, key, words",
     [
-        ("disaggregated", 0, "rl.placement", "not built yet"),
+        ("disaggregated", 0, "rl.role", "set rl.role='learner'"),
         ("split", 0, "rl.sampler_devices", "needs rl.sampler_devices >= 1"),
         ("colocated", 2, "rl.sampler_devices", "only used with rl.placement='split'"),
     ],

@@ -282,9 +282,12 @@ def base_config() -> ml_collections.ConfigDict:
             kl_in_reward=False,  # pay rl.kl_coef · KL per token as reward instead of a loss term
             # --- rl.placement (issue 27 item 1) ---
             # colocated: sampler and learner on every device | split: the last rl.sampler_devices
-            # devices sample (their own mesh), the others learn | disaggregated: not built yet
+            # devices sample (their own mesh), the others learn | disaggregated: separate process
+            # groups, one command each with rl.role = learner | sampler (rl/rollout/remote.py)
             placement="colocated",
             sampler_devices=0,
+            role="none",
+            lease_timeout_s=60.0,  # disaggregated: a sampler silent this long loses its leases (re-issued)
             # --- end rl.placement ---
             steps=0,
             lr=0.0,

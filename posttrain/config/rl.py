@@ -23,7 +23,8 @@ QUANT_MODES = ("none", "int8", "int4")  # models.quant
 SAMPLING_LAYOUTS = ("learner", "tensor")  # sampling.layout
 ALERT_MODES = ("off", "warn", "stop")  # core.alerts.MODES
 # --- rl.placement (issue 27 item 1) ---
-PLACEMENTS = ("colocated", "split", "disaggregated")  # rl.rollout.placement; disaggregated: not built yet
+PLACEMENTS = ("colocated", "split", "disaggregated")  # rl.rollout.placement
+ROLES = ("none", "learner", "sampler")  # rl.rollout.remote: a disaggregated run's process groups
 # --- end rl.placement ---
 
 
@@ -111,25 +112,34 @@ class RLConfig(StageConfig):
     # --- rl.placement (issue 27 item 1): which devices sample ---
     placement: str = choice(PLACEMENTS)
     sampler_devices: int = bounded(ge=0)
+    role: str = choice(ROLES)
+    lease_timeout_s: float = bounded(gt=0)
     # --- end rl.placement ---
 
     def check_rules(self) -> None:
-        """rl.truncated_reward is "min", "none" or a finite number; rl.placement and
-        rl.sampler_devices agree."""
+        """rl.truncated_reward is "min", "none" or a finite number; rl.placement, rl.sampler_devices
+        and rl.role agree."""
         parse_truncated_reward(self.truncated_reward)
-        check_placement(self.placement, self.sampler_devices)
+        check_placement(self.placement, self.sampler_devices, self.role)
 
 
 # --- rl.placement (issue 27 item 1) ---
-def check_placement(placement: str, sampler_devices: int) -> None:
-    """What the config alone can refuse: `disaggregated` (not built yet), `split` without sampler
-    devices, sampler devices without `split`. Device counts are checked at start-up
+def check_placement(placement: str, sampler_devices: int, role: str = "none") -> None:
+    """What the config alone can refuse: `disaggregated` without a role (each process group says
+    whether it is the learner or a sampler), a role without `disaggregated`, `split` without
+    sampler devices, sampler devices without `split`. Device counts are checked at start-up
     (`rl.rollout.placement.place_devices`)."""
-    if placement == "disaggregated":
+    if placement == "disaggregated" and role == "none":
         raise UserError(
-            "rl.placement='disaggregated' (separate learner and sampler process groups) is not built yet; "
-            "use 'colocated' or 'split' (one process group, rl.sampler_devices of its devices sample)",
-            key="rl.placement",
+            "rl.placement='disaggregated' runs one command per process group: set rl.role='learner' for the "
+            "learner's and rl.role='sampler' for each sampler's (same config and workdir; either may start first)",
+            key="rl.role",
+        )
+    if placement != "disaggregated" and role != "none":
+        raise UserError(
+            f"rl.role={role!r} is only used with rl.placement='disaggregated' (rl.placement={placement!r}: one "
+            "process group learns and samples); set it to 'none'",
+            key="rl.role",
         )
     if placement == "split" and sampler_devices < 1:
         raise UserError(

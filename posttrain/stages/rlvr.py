@@ -2,8 +2,8 @@
 
     scheduler ─tasks─▶ rollout worker (policy v: generate groups, verify) ─▶ learner (v → v+1) ─▶ publish
 
-The rollout worker samples with the learner's weights on its mesh, or (`rl.placement = split`) with
-a copy on devices of its own (rl/rollout/placement.py). With
+The rollout worker samples with the learner's weights on its mesh, with a copy on devices of its own
+(`rl.placement = split`, rl/rollout/placement.py), or sampler process groups do (`disaggregated`). With
 `rl.max_staleness = 0` each step samples with the current weights, verifies, then updates
 (on-policy, deterministic for a seed). With `>= 1` an `AsyncProducer` samples and verifies the next
 batches on its own threads while the learner updates on the current one; the learner corrects for
@@ -51,6 +51,7 @@ from posttrain.rl.rollout.hosts import all_values, sampled_reward_stats
 from posttrain.rl.rollout.log import RolloutLog
 from posttrain.rl.rollout.placement import place_devices, sampler_weights
 from posttrain.rl.rollout.producer import AsyncProducer
+from posttrain.rl.rollout.remote import RemoteProducer
 from posttrain.rl.rollout.worker import BusyClock, RolloutBatch, RolloutWorker, collect_batch, evaluate
 from posttrain.rl.tasks.registry import curriculum_options, domain_weights, make_domains, make_reward_fn
 from posttrain.rl.tasks.scheduler import TaskScheduler
@@ -259,9 +260,8 @@ def run(cfg) -> Result:
                 optim_name=cfg.optim.name,
             )
             start = int(state.step)  # older than the newest checkpoint if that one was unreadable
-            # The KL reference: the starting weights, a copy since the policy's buffers are donated to
-            # each update. Under LoRA its params are the frozen base the state carries (None here: the
-            # learner reads them from the state; no extra memory), its rest a copy.
+            # The KL reference: the starting weights, a copy since the policy's buffers are donated to each update.
+            # Under LoRA its params are the frozen base the state carries (None here: read from it), its rest a copy.
             ref = ()
             if r.kl_coef:
                 ref = jax.tree.map(jnp.copy, start_weights[1] if state.frozen is not None else start_weights)
@@ -330,7 +330,9 @@ def run(cfg) -> Result:
             if r.rollouts_every:
                 kept = dict(every=r.rollouts_every, fraction=r.rollouts_fraction, seed=cfg.seed)
                 c.rollout_log = RolloutLog(cfg.workdir, tok, **kept, enabled=jax.process_index() == 0)
-            if r.max_staleness > 0:
+            if r.placement == "disaggregated":  # the samplers are other process groups (rl/rollout/remote.py)
+                producer = c.producer = RemoteProducer.for_learner(c, start, c.weights(rl))
+            elif r.max_staleness > 0:
                 producer = c.producer = AsyncProducer(
                     worker,
                     scheduler,

@@ -9,7 +9,8 @@
   learner's next update, `stages.rlvr.publish_step`); the sampler's programs compile for the
   sampler mesh, and its tokens and behaviour log-probs come back to the host, where the learner's
   batch is built on the learner mesh.
-- disaggregated (separate process groups): not built yet (`config.rl.check_placement` refuses it).
+- disaggregated: separate process groups (`rl.role` = learner | sampler), each on a mesh of its own
+  devices as colocated (`mesh.*`); weights travel over the transfer server (rl/rollout/remote.py).
 
 The sampler mesh keeps the learner's model-parallel degrees (`fsdp`, `expert`, `tensor`), so the
 sampling layout's rules split each weight as they do on the learner, and puts the rest of its
@@ -63,13 +64,11 @@ def place_devices(cfg, devices=None) -> Placement:
     """The meshes of an RLVR run (`rl.placement`, `rl.sampler_devices`) over `devices` (default:
     every device), refusing with errors naming the key what cannot work."""
     r = cfg.rl
-    if r.placement == "colocated":
+    if r.placement in ("colocated", "disaggregated"):  # disaggregated: this process group's devices
         mesh, rules = mesh_and_rules(cfg)
         return Placement(mesh, rules)
     if r.placement != "split":  # config.rl.check_placement refuses the rest before a run starts
-        raise UserError(
-            f"rl.placement={r.placement!r}: of {PLACEMENTS} only 'colocated' and 'split' are built", key="rl.placement"
-        )
+        raise UserError(f"rl.placement={r.placement!r}: expected one of {PLACEMENTS}", key="rl.placement")
     if jax.process_count() > 1:
         raise UserError(
             f"rl.placement='split' runs in one process for now ({jax.process_count()} processes started): "

@@ -1,0 +1,197 @@
+"""Weights from the learner to sampler process groups (`rl.placement = disaggregated`) over
+`jax.experimental.transfer` (experimental: used with the jax range setup.py pins).
+
+The learner starts a transfer server and writes `<workdir>/rl/learner.json` atomically: its
+address, a random run token, its mesh shape and the newest published version. A sampler that wants
+newer weights writes `rl/pulls/<sampler>.want.json` with a fresh nonce; the learner's serving thread
+offers the newest published weights for one pull under `offer_uuid(token, sampler, nonce, version)`
+and answers with the version in `rl/pulls/<sampler>.offer.json`; the sampler pulls under that uuid.
+
+Who may pull: the transfer API has no authentication hook, so the token is part of the pull's name.
+An offer's uuid is a keyed hash (HMAC-SHA256, 63 bits) of the token: a peer that has not read the
+token from the workdir cannot name any offer, and each offer is served once. learner.json is
+readable by the learner's user only (mode 0600): samplers run as that user on a shared filesystem,
+which is the trust boundary, as for checkpoints.
+
+A pull needs the same shard layout on both sides, so a sampler group runs the learner's mesh shape
+(`WeightClient` checks it) with the weights in the sampler's layout (`weight_shardings`). An offer
+whose sampler died before pulling keeps one copy of that version alive in the learner (bounded by
+the number of dead samplers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import socket
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+
+from posttrain.errors import UserError
+from posttrain.parallel import shardings_for
+from posttrain.rl.rollout.workqueue import WorkQueue, read_json, write_json
+from posttrain.sampling.layout import sampler_rules
+
+HOST_ENV = "POSTTRAIN_RL_HOST"  # the address the learner's transfer server binds (default: this host's)
+
+
+def transfer_module():
+    """`jax.experimental.transfer`, or a UserError naming rl.placement when this jax lacks it."""
+    try:
+        from jax.experimental import transfer
+    except ImportError as e:
+        raise UserError(
+            f"rl.placement='disaggregated' needs jax.experimental.transfer (jax >= 0.7, tested with 0.10.2); "
+            f"this jax {jax.__version__} has none ({e}): install a jax in the range setup.py pins",
+            key="rl.placement",
+        ) from e
+    return transfer
+
+
+def offer_uuid(token: str, sampler: str, nonce: str, version: int) -> int:
+    """The name of one offer: a 63-bit HMAC of (sampler, nonce, version) keyed by the run's token."""
+    digest = hmac.new(token.encode(), f"{sampler}/{nonce}/{version}".encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def bind_host() -> str:
+    """The learner's address: $POSTTRAIN_RL_HOST, else this host's IP (127.0.0.1 if it has none)."""
+    if os.environ.get(HOST_ENV):
+        return os.environ[HOST_ENV]
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def start_server(host: str):
+    """A transfer server of this process's devices on `host` (any free port)."""
+    transfer = transfer_module()
+    return transfer.start_transfer_server(jax.devices()[0].client, f"{host}:0", [f"{host}:0"])
+
+
+def weight_shardings(weights: tuple, mesh, rules, layout: str) -> tuple:
+    """The shardings (params, rest) travel in: params in the sampler's layout, rest in the rules."""
+    params, rest = weights
+    return shardings_for(params, mesh, sampler_rules(rules, layout)), shardings_for(rest, mesh, rules)
+
+
+class WeightServer:
+    """The learner's side: `publish` keeps a fresh copy of each version; a thread serves pulls."""
+
+    def __init__(self, queue: WorkQueue, mesh, rules, layout: str, *, host: str | None = None, poll_s=0.02):
+        self.queue, self.mesh, self.rules, self.layout, self.poll_s = queue, mesh, rules, layout, poll_s
+        self.server = start_server(host or bind_host())
+        self.token = secrets.token_hex(16)
+        self.offers = 0
+        self._lock, self._current, self._served, self._copy = threading.Lock(), None, {}, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="weights")
+
+    def publish(self, version: int, weights: tuple) -> None:
+        """Offer `weights` ((params, rest)) as `version`: copied into fresh buffers (the learner's
+        are donated to its next update), then announced in learner.json."""
+        if self._copy is None:
+            self._copy = jax.jit(
+                lambda t: jax.tree.map(jnp.copy, t), out_shardings=weight_shardings(weights, *self._layout())
+            )
+        copy = self._copy(weights)
+        with self._lock:
+            self._current = (version, copy)
+        info = {"address": self.server.address(), "token": self.token, "version": version, "pid": os.getpid()}
+        write_json(self.queue.path("learner.json"), {**info, "mesh": dict(self.mesh.shape)}, mode=0o600)
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def _layout(self) -> tuple:
+        return self.mesh, self.rules, self.layout
+
+    def serve_pending(self) -> int:
+        """Offer the newest weights to every sampler with an unanswered want; how many were offered."""
+        offered = 0
+        for name in sorted(os.listdir(self.queue.path("pulls"))):
+            if not name.endswith(".want.json"):
+                continue
+            sampler = name[: -len(".want.json")]
+            want = read_json(self.queue.path("pulls", name))
+            if want is None or self._served.get(sampler) == want["nonce"]:
+                continue
+            with self._lock:
+                version, arrays = self._current
+            self.server.await_pull(offer_uuid(self.token, sampler, want["nonce"], version), jax.tree.leaves(arrays))
+            self._served[sampler] = want["nonce"]
+            write_json(self.queue.path("pulls", f"{sampler}.offer.json"), {"nonce": want["nonce"], "version": version})
+            offered += 1
+        self.offers += offered
+        return offered
+
+    def _serve(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.serve_pending()
+
+    def close(self) -> None:
+        """Stop serving (offers already made stay pullable while the process lives)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+
+class WeightClient:
+    """A sampler's side: finds the learner through learner.json and pulls newer versions."""
+
+    def __init__(self, queue: WorkQueue, sampler: str, specs: tuple, mesh, *, poll_s: float = 0.05) -> None:
+        self.queue, self.sampler, self.specs, self.mesh, self.poll_s = queue, sampler, specs, mesh, poll_s
+        self.server = start_server(bind_host())
+        self.token = self.conn = self.weights = None
+        self.version = -1
+        self.pulled_bytes = 0
+
+    def newest(self, min_version: int) -> tuple | None:
+        """((params, rest), version) of the newest published version, pulled when newer than the
+        one held, waiting until it is at least `min_version` (a sampler started before the learner
+        waits for learner.json); None once the learner has finished."""
+        while True:
+            info = read_json(self.queue.path("learner.json"))
+            if info is not None and info["token"] != self.token:
+                self._connect(info)
+            if info is not None and info["version"] > self.version and not self._pull():
+                return None
+            if self.version >= min_version:
+                return self.weights, self.version
+            if self.queue.finished():
+                return None
+            time.sleep(self.poll_s)
+
+    def _connect(self, info: dict) -> None:
+        if info["mesh"] != dict(self.mesh.shape):
+            raise UserError(
+                f"this sampler's mesh {dict(self.mesh.shape)} differs from the learner's {info['mesh']}: "
+                "under rl.placement='disaggregated' a sampler group runs the learner's mesh.* for now",
+                key="rl.placement",
+            )
+        self.conn, self.token, self.version = self.server.connect(info["address"]), info["token"], -1
+
+    def _pull(self) -> bool:
+        """Ask for the newest weights and pull them; False when the learner finished meanwhile
+        (True, nothing pulled, when another learner replaced it: the caller reconnects)."""
+        nonce = secrets.token_hex(8)
+        write_json(self.queue.path("pulls", f"{self.sampler}.want.json"), {"nonce": nonce})
+        while (offer := read_json(self.queue.path("pulls", f"{self.sampler}.offer.json"))) is None or offer[
+            "nonce"
+        ] != nonce:
+            if self.queue.finished():
+                return False
+            if (read_json(self.queue.path("learner.json")) or {}).get("token") != self.token:
+                return True
+            time.sleep(self.poll_s)
+        leaves, tree = jax.tree.flatten(self.specs)
+        flat = self.conn.pull(offer_uuid(self.token, self.sampler, nonce, offer["version"]), leaves)
+        self.weights = jax.block_until_ready(jax.tree.unflatten(tree, flat))
+        self.version = offer["version"]
+        self.pulled_bytes += sum(x.size * x.dtype.itemsize for x in leaves)
+        return True

@@ -1,0 +1,208 @@
+"""The workdir queue between a learner and its sampler process groups (`rl.placement = disaggregated`).
+
+Everything lives under `<workdir>/rl/`, each file written whole (a temporary file renamed over it),
+so a reader never sees half a file:
+
+    tasks/<p>.json     batch p's tasks, issued by the learner (it owns the TaskScheduler, so the
+                       task sequence is the seed's, however many samplers run): [[domain, task id]…]
+                       and `min_version`, the oldest policy version that may sample it
+    leases/<p>.json    which sampler took batch p (created exclusively: one sampler per batch)
+    samplers/<id>.json a sampler's heartbeat; a lease whose sampler has not beaten for
+                       `rl.lease_timeout_s` (and no result) is re-issued: its lease file is removed
+    done/<p>.json      batch p's verified groups, the policy version that sampled them and the
+                       behaviour log-probs (`encode_batch`), read by the learner in order of issue
+    finished.json      the learner is done: samplers exit 0
+
+Back-pressure: a sampler takes no lease while `bound` finished batches wait unconsumed. Local
+workdirs only (leases need an exclusive create; `check_local` refuses gs://).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+
+import numpy as np
+
+from posttrain import storage
+from posttrain.errors import UserError
+from posttrain.rl.envs.base import Trajectory
+from posttrain.rl.reward import Reward
+from posttrain.rl.tasks.scheduler import Group
+
+DIRS = ("tasks", "leases", "samplers", "done", "pulls")
+
+
+def check_local(workdir: str) -> None:
+    """Refuse a remote workdir: the queue's leases need an exclusive create and atomic renames."""
+    if storage.is_url(workdir) and not workdir.startswith("file://"):
+        raise UserError(
+            f"workdir={workdir!r}: rl.placement='disaggregated' needs a local (or shared-filesystem) workdir "
+            "for now: its task leases use exclusive file creation, which gs:// does not offer",
+            key="workdir",
+        )
+
+
+def write_json(path: str, obj, mode: int | None = None) -> None:
+    """Write `obj` as JSON to `path` atomically (a temporary file in the same folder, renamed);
+    `mode`: its permissions (0o600: readable by this user only), else the umask's."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        if mode is not None:
+            os.chmod(tmp, mode)
+        json.dump(obj, f, default=_plain)
+    os.replace(tmp, path)
+
+
+def read_json(path: str):
+    """The JSON at `path`, or None when there is none (yet, or any more, or a lease being written)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _plain(o):
+    return o.item() if hasattr(o, "item") else str(o)
+
+
+def _batches(folder: str) -> list[int]:
+    return sorted(int(n[:-5]) for n in os.listdir(folder) if n.endswith(".json") and n[:-5].isdigit())
+
+
+class WorkQueue:
+    """The queue's files under `<workdir>/rl` (module docstring); learner and sampler methods."""
+
+    def __init__(self, workdir: str) -> None:
+        check_local(workdir)
+        self.root = os.path.join(storage.local(workdir), "rl")
+        for d in DIRS:
+            os.makedirs(self.path(d), exist_ok=True)
+
+    def path(self, *parts: str) -> str:
+        """A path under `<workdir>/rl`."""
+        return os.path.join(self.root, *parts)
+
+    # --- learner ------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget an earlier learner's queue (a restarted learner re-issues from its checkpoint)."""
+        for d in DIRS:
+            for name in os.listdir(self.path(d)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.path(d, name))
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path("finished.json"))
+
+    def issue(self, batch: int, tasks: list[tuple[str, object]], min_version: int, run: str = "") -> None:
+        """Offer batch `batch` (its (domain, task) pairs) to the samplers; `run` names the learner's
+        incarnation (a result carries it back: one sampled for an earlier learner is refused)."""
+        task = {"batch": batch, "min_version": min_version, "run": run, "tasks": [[d, t.id] for d, t in tasks]}
+        write_json(self.path("tasks", f"{batch}.json"), task)
+
+    def result(self, batch: int) -> dict | None:
+        """Batch `batch`'s finished file, or None while it is not there."""
+        return read_json(self.path("done", f"{batch}.json"))
+
+    def consume(self, batch: int) -> None:
+        """Remove batch `batch`'s task, lease and result (it has been taken or dropped)."""
+        for d in ("tasks", "leases", "done"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path(d, f"{batch}.json"))
+
+    def reissue(self, batch: int) -> None:
+        """Make batch `batch` leasable again (its result, if any, dropped)."""
+        for d in ("leases", "done"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path(d, f"{batch}.json"))
+
+    def reissue_dead(self, timeout_s: float, now: float | None = None) -> list[int]:
+        """Re-issue every unfinished batch leased by a sampler with no heartbeat for `timeout_s`."""
+        now, again = time.time() if now is None else now, []
+        for p in _batches(self.path("leases")):
+            lease = read_json(self.path("leases", f"{p}.json"))
+            if lease is None or os.path.exists(self.path("done", f"{p}.json")):
+                continue
+            beat = read_json(self.path("samplers", f"{lease['sampler']}.json")) or {"t": lease["t"]}
+            if now - beat["t"] > timeout_s:
+                self.reissue(p)
+                again.append(p)
+        return again
+
+    def finish(self, ok: bool = True) -> None:
+        """Tell the samplers the learner is done (they exit 0)."""
+        write_json(self.path("finished.json"), {"ok": ok, "t": time.time()})
+
+    # --- sampler ------------------------------------------------------------------------------
+
+    def finished(self) -> bool:
+        """Whether the learner has finished."""
+        return os.path.exists(self.path("finished.json"))
+
+    def heartbeat(self, sampler: str) -> None:
+        """Record that `sampler` is alive (its leases stay its own)."""
+        write_json(self.path("samplers", f"{sampler}.json"), {"t": time.time(), "pid": os.getpid()})
+
+    def lease(self, sampler: str, bound: int) -> dict | None:
+        """The oldest issued batch no sampler holds, now leased to `sampler`; None when there is
+        none, or when `bound` finished batches already wait for the learner (back-pressure)."""
+        if len(_batches(self.path("done"))) >= bound:
+            return None
+        for p in _batches(self.path("tasks")):
+            try:
+                fd = os.open(self.path("leases", f"{p}.json"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump({"sampler": sampler, "t": time.time()}, f)
+            task = read_json(self.path("tasks", f"{p}.json"))
+            if task is not None:  # (None: consumed meanwhile by a learner that restarted)
+                return task
+        return None
+
+    def deliver(self, batch: int, payload: dict) -> None:
+        """Hand batch `batch`'s result (`encode_batch`) to the learner."""
+        write_json(self.path("done", f"{batch}.json"), payload)
+
+
+def encode_batch(groups: list[Group], behav: list, info: dict, version: int, sampler: str, run: str = "") -> dict:
+    """A verified batch as JSON: its groups (task ids, rewards, trajectories), the behaviour
+    log-probs (float32 values, exact through JSON), the policy version that sampled it and the
+    learner run (`issue`) it was leased from."""
+    return {
+        "version": version,
+        "sampler": sampler,
+        "run": run,
+        "info": info,
+        "groups": [
+            {
+                "domain": g.domain,
+                "task": g.task.id,
+                "rewards": [float(x) for x in g.rewards],
+                "correct": [float(x) for x in g.correct],
+                "behav": [np.asarray(b, np.float32).tolist() for b in lp],
+                "trajectories": [
+                    {**dataclasses.asdict(t), "reward": None if t.reward is None else dataclasses.asdict(t.reward)}
+                    for t in g.trajectories
+                ],
+            }
+            for g, lp in zip(groups, behav)
+        ],
+    }
+
+
+def decode_batch(payload: dict, tasks_by_id: dict) -> tuple[list[Group], list[list[np.ndarray]]]:
+    """`encode_batch`'s groups and behaviour log-probs; `tasks_by_id[(domain, id)]` is the Task."""
+    groups, behav = [], []
+    for g in payload["groups"]:
+        trajs = [
+            Trajectory(**{**t, "reward": None if t["reward"] is None else Reward(**t["reward"])})
+            for t in g["trajectories"]
+        ]
+        groups.append(Group(g["domain"], tasks_by_id[(g["domain"], g["task"])], g["rewards"], trajs, g["correct"]))
+        behav.append([np.asarray(b, np.float32) for b in g["behav"]])
+    return groups, behav

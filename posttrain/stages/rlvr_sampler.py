@@ -1,0 +1,135 @@
+"""A sampler process group of a disaggregated RLVR run (`rl.placement = disaggregated`, `rl.role = sampler`).
+
+    python -m posttrain.main --config CONFIG --config.rl.placement=disaggregated --config.rl.role=sampler
+
+Same config and workdir as the learner's command (either may start first: the sampler waits for
+`<workdir>/rl/learner.json`). Loop: lease the oldest issued batch (`rl/rollout/workqueue.py`; none
+while `rl.max_staleness + 1` finished batches wait for the learner), pull the newest weights when the
+learner has published newer ones (at least the batch's `min_version`, `rl/rollout/transfer.py`),
+sample it with the key the in-process loop would use (`batch_key`), verify, deliver. A thread
+beats the heartbeat, so the learner re-issues this sampler's leases only once it has stopped. Exits
+(status 0) when the learner writes `rl/finished.json`. It holds no workdir lock (the learner does)
+and writes nothing but the queue's files.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from functools import partial
+
+import jax
+from flax import nnx
+
+from posttrain.config import with_stage_overrides
+from posttrain.core.state import abstract_model
+from posttrain.data.tokenizer import load_tokenizer
+from posttrain.models.decoder import Decoder
+from posttrain.parallel import mesh_and_rules, use_sharding
+from posttrain.rl.algo.critic import ValueDecoder
+from posttrain.rl.checks import check_rlvr_stage, check_sampling_config, slot_config
+from posttrain.rl.rollout.episodes import rollout_episodes
+from posttrain.rl.rollout.transfer import WeightClient, weight_shardings
+from posttrain.rl.rollout.worker import RolloutWorker
+from posttrain.rl.rollout.workqueue import WorkQueue, encode_batch
+from posttrain.rl.tasks.registry import make_domains, make_reward_fn
+from posttrain.sampling.layout import sampler_rules
+from posttrain.stages.rlvr import rollout_prefix_cache, rollout_sampling
+
+
+def pull_specs(make, mesh, rules, layout: str) -> tuple:
+    """(graphdef, (params, rest) as ShapeDtypeStructs in the shardings the learner publishes in)."""
+    shapes = jax.eval_shape(lambda: tuple(nnx.split(make(), nnx.Param, ...)[1:]))
+    shardings = weight_shardings(shapes, mesh, rules, layout)
+    specs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    return nnx.graphdef(abstract_model(make)), specs
+
+
+def batch_key(base_key, batch: int, max_staleness: int):
+    """Batch `batch`'s sampling key as the in-process loop makes it: `collect_batch`'s first round
+    on-policy (max_staleness = 0), the overlapped producer's otherwise; so a disaggregated run
+    samples what the colocated run would with the same weights."""
+    key = jax.random.fold_in(base_key, batch)
+    return jax.random.split(key)[1] if max_staleness == 0 else key
+
+
+class Heartbeat:
+    """A thread that records every `every_s` seconds that this sampler is alive."""
+
+    def __init__(self, queue: WorkQueue, name: str, every_s: float) -> None:
+        self.queue, self.name, self.every_s, self._stop = queue, name, every_s, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeat")
+
+    def start(self) -> Heartbeat:
+        """Beat once now, then on the thread."""
+        self.queue.heartbeat(self.name)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.queue.heartbeat(self.name)
+
+    def stop(self) -> None:
+        """Stop beating."""
+        self._stop.set()
+
+
+def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
+    """Sample issued batches until the learner finishes; {"batches": delivered, "pulled_bytes": …}."""
+    cfg = with_stage_overrides(cfg, "rl")
+    check_rlvr_stage(cfg)
+    check_sampling_config(cfg, ("rlvr",))  # check_rlvr_stage: also what disaggregated cannot do yet
+    r = cfg.rl
+    queue = WorkQueue(cfg.workdir)
+    name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+    tok = load_tokenizer(cfg.data.tokenizer)
+    domains, _ = make_domains(cfg, tok, make_reward_fn(r))
+    tasks_by_id = {(d, t.id): t for d, dom in domains.items() for t in dom.tasks}
+    mesh, rules = mesh_and_rules(cfg)
+    model = ValueDecoder if r.advantage == "gae" else Decoder
+    graphdef, specs = pull_specs(lambda: model(cfg.model, rngs=nnx.Rngs(cfg.seed)), mesh, rules, cfg.sampling.layout)
+    pool = concurrent.futures.ThreadPoolExecutor(r.verifier_workers)
+    worker = RolloutWorker(
+        graphdef,
+        domains,
+        rollout_sampling(cfg, tok.stop_ids),
+        tok.pad_id,
+        pool,
+        r.verifier_delay,
+        episodes=partial(rollout_episodes, cohorts=r.episode_cohorts) if r.env == "tool" else None,
+        prefix_cache=rollout_prefix_cache(cfg),
+        continuous=slot_config(cfg.sampling),
+        rules=sampler_rules(rules, cfg.sampling.layout),
+    )
+    base_key, delivered = jax.random.key(cfg.seed), 0
+    beat = Heartbeat(queue, name, r.lease_timeout_s / 4).start()
+    logging.info("rl sampler %s: waiting for the learner in %s", name, queue.root)
+    client = WeightClient(queue, name, specs, mesh)
+    try:
+        with use_sharding(mesh, rules):
+            while not queue.finished():
+                lease = queue.lease(name, bound=r.max_staleness + 1)
+                if lease is None:
+                    time.sleep(poll_s)
+                    continue
+                got = client.newest(lease["min_version"])
+                if got is None:  # the learner finished while this sampler waited for weights
+                    break
+                (params, rest), version = got
+                tasks = [(d, tasks_by_id[(d, i)]) for d, i in lease["tasks"]]
+                batch = worker.rollout(params, rest, tasks, batch_key(base_key, lease["batch"], r.max_staleness))
+                queue.deliver(
+                    lease["batch"], encode_batch(batch.groups, batch.behav, batch.info, version, name, lease["run"])
+                )
+                delivered += 1
+    finally:
+        beat.stop()
+        pool.shutdown(wait=False, cancel_futures=True)
+    logging.info("rl sampler %s: the learner finished; %d batches delivered", name, delivered)
+    return {"batches": delivered, "pulled_bytes": client.pulled_bytes}
