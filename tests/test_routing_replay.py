@@ -23,7 +23,7 @@ from posttrain.models.moe.dispatch import ExpertLayout
 from posttrain.models.moe.layer import MoE, RoutingSpec, moe_block
 from posttrain.models.quant import quantize_params
 from posttrain.parallel import make_mesh, parse_rules, use_sharding
-from posttrain.parallel.mesh import ACCELERATOR_PATHS_ENV
+from posttrain.parallel.mesh import ACCELERATOR_PATHS_ENV, accelerator_paths_forced
 from posttrain.rl.algo.learner import batch_rows, compute_advantages, learner_logprobs, rl_batch
 from posttrain.rl.envs.base import Trajectory
 from posttrain.rl.rollout.buffer import Rollout
@@ -66,8 +66,8 @@ def reference_moe(x, params, experts, router, norm, scaling):
     return jnp.einsum("tk,tkd->td", w * scaling, jnp.einsum("tkf,tkfd->tkd", h, down))
 
 
-@pytest.mark.parametrize(("router", "norm"), [("softmax", True), ("sigmoid", False)])
-def test_given_experts_equal_a_float_reference_in_values_and_gradients(router, norm, monkeypatch):
+@pytest.mark.parametrize(("router", "norm", "paths"), [("softmax", True, ("0", "1")), ("sigmoid", False, ("0",))])
+def test_given_experts_equal_a_float_reference_in_values_and_gradients(router, norm, paths, monkeypatch):
     rng = np.random.default_rng(0)
     t, d, f = 24, 16, 8
     params = {
@@ -95,8 +95,8 @@ def test_given_experts_equal_a_float_reference_in_values_and_gradients(router, n
 
     (_, y_ref), g_ref = jax.jit(jax.value_and_grad(ref, argnums=(0, 1), has_aux=True))(x, params)
     assert float(jnp.abs(g_ref[1]["router"]).max()) > 1e-3  # the gate weights carry the router's gradient
-    for paths in ("0", "1"):  # the CPU's dense experts; the accelerators' sorted rows on ragged_dot
-        monkeypatch.setenv(ACCELERATOR_PATHS_ENV, paths)
+    for path in paths:  # the CPU's dense experts; the accelerators' sorted rows on ragged_dot
+        monkeypatch.setenv(ACCELERATOR_PATHS_ENV, path)
         (_, (y, used)), g = jax.jit(jax.value_and_grad(ours, argnums=(0, 1), has_aux=True))(x, params)  # traced anew
         np.testing.assert_array_equal(used, given)
         np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
@@ -151,10 +151,10 @@ def rows_of(samples):
     return out
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def learner_pass(graphdef, params, rest, batch):
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def learner_pass(graphdef, params, rest, batch, paths):
     """The learner's log-probs of the batch's targets (replaying batch["routing"] when there is one)
-    and the experts it used, [N, S, layers, k]."""
+    and the experts it used, [N, S, layers, k]. `paths`: the accelerator-path switch it is traced under."""
     model = nnx.merge(graphdef, params, rest)
     args = (batch["inputs"], batch["positions"], batch["segment_ids"])
     used = model(*args, routing=batch.get("routing"), experts_out=True)[1]["moe/experts"]
@@ -164,8 +164,9 @@ def learner_pass(graphdef, params, rest, batch):
 def own_and_replayed(setup, batch):
     """learner_pass without and with the batch's routing, on the host."""
     graphdef, state = setup[2], setup[3]
-    own = learner_pass(graphdef, state.params, state.rest, {k: v for k, v in batch.items() if k != "routing"})
-    return jax.device_get((own, learner_pass(graphdef, state.params, state.rest, batch)))
+    paths = accelerator_paths_forced()
+    own = learner_pass(graphdef, state.params, state.rest, {k: v for k, v in batch.items() if k != "routing"}, paths)
+    return jax.device_get((own, learner_pass(graphdef, state.params, state.rest, batch, paths)))
 
 
 def test_a_quantised_sampler_routes_differently_and_replay_makes_the_learner_route_as_it_did(setup, quantised):
@@ -185,7 +186,8 @@ def test_a_quantised_sampler_routes_differently_and_replay_makes_the_learner_rou
     assert gap(replay_lp) < gap(own_lp)
 
 
-def test_with_a_float_sampler_replay_changes_nothing(setup):
+def test_with_a_float_sampler_replay_changes_nothing(setup, monkeypatch):
+    monkeypatch.setenv(ACCELERATOR_PATHS_ENV, "1")  # recorded by the stacked prefill and decode; ragged_dot experts
     graphdef, state = setup[2], setup[3]
     samples = generate(graphdef, state.params, state.rest, PROMPTS, SAMPLING, jax.random.key(1))
     batch = rl_batch(rows_of(samples), pad_id=0)
@@ -252,3 +254,28 @@ def test_samplers_that_do_not_record_routing_refuse_to(setup):
         generate(graphdef, params, rest, PROMPTS, dataclasses.replace(SAMPLING, speculative_k=2), jax.random.key(0))
     with pytest.raises(ValueError, match="routing is recorded by the static sampler"):
         generate_continuous(graphdef, params, rest, PROMPTS, SAMPLING, jax.random.key(0), slots=SlotConfig(4, 2))
+
+
+@pytest.mark.slow  # three tiny rlvr runs, ~2 min on a loaded 2-core machine
+def test_rlvr_with_routing_replay_end_to_end(tmp_path):
+    """The rlvr stage on 8 devices (data, expert and tensor parallel MoE): with the float sampler,
+    replay gives the run without it (the sampler's routing is the learner's); with an int8 sampler
+    the replayed run trains and stays finite."""
+    from posttrain.stages import rlvr as loop
+    from tests.test_rl_loop import rows, tiny
+
+    def run(name, replay="off", quantize="none"):
+        cfg = tiny(tmp_path / name, steps=2)
+        cfg.train.steps = 2
+        cfg.model.moe.num_experts, cfg.model.moe.top_k = 4, 2
+        cfg.model.moe.routing_replay, cfg.sampling.quantize = replay, quantize
+        check_config(cfg)
+        loop.run(cfg)
+        return rows(tmp_path / name)
+
+    off, replay = run("off"), run("replay", "sampler")
+    for a, b in zip(off, replay):
+        for k in ("loss", "grad_norm", "rl/is_weight_mean", "moe/aux_loss"):
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-6, err_msg=k)
+    quantised = run("int8", "sampler", "int8")
+    assert len(quantised) == 2 and all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in quantised)
