@@ -134,7 +134,8 @@ def setup():
 def quantised(setup):
     """Samples of the int8 sampler (`sampling.quantize`) of the policy, with their routing."""
     graphdef, state = setup[2], setup[3]
-    return generate(graphdef, quantize_params(state.params, "int8"), state.rest, PROMPTS, SAMPLING, jax.random.key(0))
+    qparams = jax.jit(quantize_params, static_argnums=1)(state.params, "int8")  # one compile, not one per leaf op
+    return generate(graphdef, qparams, state.rest, PROMPTS, SAMPLING, jax.random.key(0))
 
 
 def rows_of(samples):
@@ -187,9 +188,10 @@ def test_a_quantised_sampler_routes_differently_and_replay_makes_the_learner_rou
 
 
 def test_with_a_float_sampler_replay_changes_nothing(setup, monkeypatch):
-    monkeypatch.setenv(ACCELERATOR_PATHS_ENV, "1")  # recorded by the stacked prefill and decode; ragged_dot experts
     graphdef, state = setup[2], setup[3]
+    monkeypatch.setenv(ACCELERATOR_PATHS_ENV, "1")  # recorded by the stacked prefill and decode (lax.scan)
     samples = generate(graphdef, state.params, state.rest, PROMPTS, SAMPLING, jax.random.key(1))
+    monkeypatch.setenv(ACCELERATOR_PATHS_ENV, "0")  # the learner as in the test above (its compiled passes)
     batch = rl_batch(rows_of(samples), pad_id=0)
     real, gen = batch["segment_ids"] > 0, batch["loss_mask"] > 0
     (own_lp, own), (replay_lp, _) = own_and_replayed(setup, batch)

@@ -35,7 +35,9 @@ class RopeScalingConfig(Section):
 
 @section
 class MoEConfig(Section):
-    """`model.moe`: routed experts (none when num_experts is 0)."""
+    """`model.moe`: routed experts (none when num_experts is 0). `routing_replay` (off | sampler):
+    whether the RL learner replays the experts the sampler chose for each token (`rl.rollout.routing`;
+    only with experts, the rlvr stage and a sampler that records them)."""
 
     KEY = "model.moe"
     num_experts: int = bounded(ge=0)

@@ -246,7 +246,7 @@ class Decoder(nnx.Module):
                 for block in unit.blocks:
                     x, block_kv, experts = block.prefill(x, positions, segment_ids)
                     kvs.append(block_kv)
-                    exps += [] if experts is None else [experts]
+                    exps += [] if experts is None or not routing else [experts]
                 return x, (kvs, exps)
 
             x, (stack_kv, exps) = jax.lax.scan(body, x, state)  # per block: [repeats, ...]
@@ -308,7 +308,7 @@ class Decoder(nnx.Module):
                 for block, (k, v) in zip(nnx.merge(graphdef, state).blocks, kvs):
                     x, k, v, experts = block.decode(x, positions, k, v)
                     out.append((k, v))
-                    exps += [] if experts is None else [experts]
+                    exps += [] if experts is None or not routing else [experts]
                 return x, (tuple(out), exps)
 
             stack_cache = tuple(cache[i : i + width])
