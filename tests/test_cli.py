@@ -180,6 +180,7 @@ def test_module_enums_are_the_configs():
     from posttrain.rl.algo.offpolicy import IS_LEVELS, IS_MASKS
     from posttrain.rl.rollout.placement import PLACEMENTS
     from posttrain.rl.rollout.remote import ROLES
+    from posttrain.rl.rollout.routing import ROUTING_REPLAY
     from posttrain.rl.tasks.registry import ENVS
     from posttrain.sampling.layout import SAMPLING_LAYOUTS
     from posttrain.stages.losses import DPO_LOSSES
@@ -193,6 +194,7 @@ def test_module_enums_are_the_configs():
         "model.moe.dispatch": DISPATCHES,
         "model.remat": config.REMAT_MODES,
         "model.moe.router": config.MOE_ROUTERS,
+        "model.moe.routing_replay": ROUTING_REPLAY,
         "model.dtype": config.DTYPES,
         "model.param_dtype": config.DTYPES,
         "data.on_error": ON_ERROR,

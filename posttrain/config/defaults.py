@@ -94,6 +94,9 @@ def model_config() -> ml_collections.ConfigDict:
                     every=1,  # then every n-th layer is MoE (HF `decoder_sparse_step`)
                     dense_layers=(),  # explicit dense layers (HF `mlp_only_layers`)
                     dispatch="auto",  # auto | ragged | padded: expert-parallel all-to-all flavour
+                    # off | sampler: the RL learner replays the experts the sampler chose for each token
+                    # (gate weights recomputed by the learner's router over them); rlvr, static sampler
+                    routing_replay="off",
                 )
             ),
         )

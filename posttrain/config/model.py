@@ -13,6 +13,8 @@ REMAT_MODES = ("none", "full", "dots")  # models.decoder.REMAT_POLICIES, and non
 DTYPES = ("float32", "bfloat16", "float16")  # models.layers
 MOE_ROUTERS = ("softmax", "sigmoid")  # models.moe.layer
 DISPATCHES = ("auto", "ragged", "padded")  # models.moe.dispatch
+# off: the learner routes each token itself; sampler: it replays the experts the sampler chose
+ROUTING_REPLAY = ("off", "sampler")  # rl.rollout.routing
 
 
 @section
@@ -33,7 +35,9 @@ class RopeScalingConfig(Section):
 
 @section
 class MoEConfig(Section):
-    """`model.moe`: routed experts (none when num_experts is 0)."""
+    """`model.moe`: routed experts (none when num_experts is 0). `routing_replay` (off | sampler):
+    whether the RL learner replays the experts the sampler chose for each token (`rl.rollout.routing`;
+    only with experts, the rlvr stage and a sampler that records them)."""
 
     KEY = "model.moe"
     num_experts: int = bounded(ge=0)
@@ -52,6 +56,7 @@ class MoEConfig(Section):
     every: int
     dense_layers: tuple[int, ...]
     dispatch: str = choice(DISPATCHES)
+    routing_replay: str = choice(ROUTING_REPLAY)
 
     def check_rules(self) -> None:
         """A token picks at most every expert."""
@@ -59,6 +64,12 @@ class MoEConfig(Section):
             raise UserError(
                 f"config.{self.key}.top_k={self.top_k}: expected <= {self.key}.num_experts={self.num_experts}",
                 key=f"{self.key}.top_k",
+            )
+        if self.routing_replay != "off" and not self.num_experts:
+            raise UserError(
+                f"config.{self.key}.routing_replay={self.routing_replay!r} needs a Mixture-of-Experts model: "
+                f"{self.key}.num_experts=0 (dense) has no routing to replay; set routing_replay='off'",
+                key=f"{self.key}.routing_replay",
             )
 
 

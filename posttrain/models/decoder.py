@@ -79,33 +79,37 @@ class Block(nnx.Module):
             self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, param_dtype=pdt, dtype=dtype_of(cfg.dtype), rngs=rngs)
         self.is_moe = kind == "moe"
 
-    def __call__(self, x, positions, segment_ids, update_bias: bool = False):
-        """x: [B, S, D] → ([B, S, D], MoE aux dict or {})."""
+    def __call__(self, x, positions, segment_ids, update_bias: bool = False, experts=None):
+        """x: [B, S, D] → ([B, S, D], MoE aux dict or {}); experts [B, S, k]: replayed routing."""
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        return self.feed_forward(x, update_bias, token_mask=segment_ids != 0)
+        return self.feed_forward(x, update_bias, token_mask=segment_ids != 0, experts=experts)
 
-    def feed_forward(self, x, update_bias: bool = False, inference: bool = False, token_mask=None):
+    def feed_forward(self, x, update_bias: bool = False, inference: bool = False, token_mask=None, experts=None):
         """x + mlp_or_moe(norm(x)): [B, S, D] → ([B, S, D], MoE aux dict or {}). `inference`: not
         differentiated (see `MoE`); token_mask [B, S]: real tokens (padding, segment id 0, takes
-        no expert capacity and is left out of the MoE statistics; None: all real)."""
+        no expert capacity and is left out of the MoE statistics; None: all real); experts
+        [B, S, k]: an MoE block uses them instead of its router's choice (routing replay)."""
         h = self.mlp_norm(x)
         if self.is_moe:
-            h, aux = self.mlp(h, token_mask, update_bias=update_bias, inference=inference)
+            h, aux = self.mlp(h, token_mask, update_bias=update_bias, inference=inference, experts=experts)
         else:
             h, aux = self.mlp(h), {}
         return constrain(x + h, ACTIVATION_NAMES), aux
 
     def prefill(self, x, positions, segment_ids):
         """`__call__` that also returns the attention's keys and values: x [B, S, D] →
-        ([B, S, D], (k [B, K, Dh, S], v [B, K, S, Dh])): the KV-cache layout."""
+        ([B, S, D], (k [B, K, Dh, S], v [B, K, S, Dh]), experts): the KV-cache layout, and the
+        experts [B, S, k] an MoE block chose (None for a dense block)."""
         a, k, v = self.attn.prefill(self.attn_norm(x), positions, segment_ids)
-        return self.feed_forward(x + a, inference=True, token_mask=segment_ids != 0)[0], (k, v)
+        x, aux = self.feed_forward(x + a, inference=True, token_mask=segment_ids != 0)
+        return x, (k, v), aux.get("experts")
 
     def decode(self, x, positions, k_cache, v_cache):
         """One token per row against this layer's KV cache (see `Attention.decode`):
-        x [B, 1, D] → ([B, 1, D], k_cache, v_cache)."""
+        x [B, 1, D] → ([B, 1, D], k_cache, v_cache, experts [B, 1, k] of an MoE block or None)."""
         a, k_cache, v_cache = self.attn.decode(self.attn_norm(x), positions, k_cache, v_cache)
-        return self.feed_forward(x + a, inference=True)[0], k_cache, v_cache
+        x, aux = self.feed_forward(x + a, inference=True)
+        return x, k_cache, v_cache, aux.get("experts")
 
 
 class Unit(nnx.Module):
@@ -114,10 +118,13 @@ class Unit(nnx.Module):
     def __init__(self, cfg, kinds: tuple[str, ...], *, rngs: nnx.Rngs):
         self.blocks = nnx.List([Block(cfg, k, rngs=rngs) for k in kinds])
 
-    def __call__(self, x, positions, segment_ids, update_bias: bool = False):
-        auxs = []
+    def __call__(self, x, positions, segment_ids, update_bias: bool = False, experts=None):
+        """experts: [MoE blocks of the unit, B, S, k] replayed routing, or None."""
+        auxs, j = [], 0
         for block in self.blocks:
-            x, aux = block(x, positions, segment_ids, update_bias)
+            given = experts[j] if experts is not None and block.is_moe else None
+            x, aux = block(x, positions, segment_ids, update_bias, given)
+            j += block.is_moe
             auxs.append(aux)
         return x, auxs
 
@@ -157,24 +164,43 @@ class Decoder(nnx.Module):
             )
         )
 
-    def hidden_states(self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False):
+    def hidden_states(
+        self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False, routing=None, experts_out=False
+    ):
         """tokens [B, S] int → (final-normed hidden [B, S, D], aux).
 
         positions default to 0..S-1 and segment_ids to ones (one unpacked sequence per row).
         aux holds the MoE statistics averaged over MoE layers ("moe/aux_loss", "moe/z_loss",
         "moe/dropped") and "moe/load" [num_moe_layers, num_experts], over real tokens only
-        (segment id != 0); empty for a dense model.
+        (segment id != 0); empty for a dense model. `routing` [B, S, num_moe_layers, k] (ints):
+        each MoE layer uses these experts instead of its router's choice (routing replay, the
+        sampler's record); `experts_out`: aux also holds "moe/experts" [B, S, num_moe_layers, k]
+        int32, the experts used.
         """
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         if segment_ids is None:
             segment_ids = jnp.ones_like(tokens)
         x = self._embed(tokens)
-        moe_aux = []
+        moe_aux, used, first = [], [], 0
+        per_layer = None if routing is None else jnp.moveaxis(routing, 2, 0)  # [layers, B, S, k]
         for stack in self.stacks:
-            x, auxs = self._run_stack(stack, x, positions, segment_ids, update_bias)
+            width, repeats = sum(b.is_moe for b in stack.blocks), _repeats(nnx.state(stack))
+            given = None
+            if per_layer is not None and width:  # this stack's layers as [repeats, width, B, S, k]
+                given = per_layer[first : first + width * repeats].reshape(repeats, width, *per_layer.shape[1:])
+            first += width * repeats
+            x, auxs = self._run_stack(stack, x, positions, segment_ids, update_bias, given)
             moe_aux += [a for a in auxs if a]
-        return self.final_norm(x), _reduce_moe_aux(moe_aux)
+            if width and experts_out:  # [repeats, width, B, S, k] → layers in order (repeat-major)
+                exps = [a["experts"] for a in auxs if a]
+                used.append(jnp.stack(exps, axis=1).reshape(-1, *exps[0].shape[1:]))
+        if per_layer is not None and first != per_layer.shape[0]:
+            raise ValueError(f"routing for {per_layer.shape[0]} MoE layers, the model has {first}")
+        aux = _reduce_moe_aux(moe_aux)
+        if experts_out and used:
+            aux["moe/experts"] = jnp.moveaxis(jnp.concatenate(used), 0, 2)
+        return self.final_norm(x), aux
 
     def _embed(self, tokens):
         """tokens [B, S] int → embeddings [B, S, D] in the compute dtype."""
@@ -184,40 +210,53 @@ class Decoder(nnx.Module):
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
         return constrain(x, ACTIVATION_NAMES)
 
-    def prefill(self, tokens, positions, segment_ids, layers: Sequence[Block] | None = None, *, stacked: bool = False):
+    def prefill(
+        self,
+        tokens,
+        positions,
+        segment_ids,
+        layers: Sequence[Block] | None = None,
+        *,
+        stacked: bool = False,
+        routing: bool = False,
+    ):
         """The forward pass of a sampler's prompt: tokens [B, S] → (final-normed hidden [B, S, D], kv).
 
         kv holds one (k, v) pair per layer, in layer order, laid out like the KV cache
         (`sampling.kv_cache`): k [B, K, Dh, S], v [B, K, S, Dh]. Given `layers` (`self.layers()`)
         the layers run one after another, else each stack under its scan; `stacked` (no `layers`)
         keeps the scan's layout, one pair per block of each stack with the repeats in front
-        (k [R, B, K, Dh, S]): the cache `decode_stacked` takes.
+        (k [R, B, K, Dh, S]): the cache `decode_stacked` takes. `routing`: also return the experts
+        each MoE layer chose, [B, S, num_moe_layers, k] int32 (None for a dense model).
         """
         x = self._embed(tokens)
-        kv = []
+        kv, used = [], []
         if layers is not None:
             for block in layers:
-                x, block_kv = block.prefill(x, positions, segment_ids)
+                x, block_kv, experts = block.prefill(x, positions, segment_ids)
                 kv.append(block_kv)
-            return self.final_norm(x), tuple(kv)
+                used += [] if experts is None else [experts[None]]
+            return (self.final_norm(x), tuple(kv)) + ((_layers_last(used),) if routing else ())
         for stack in self.stacks:
             graphdef, state = nnx.split(stack)
 
             def body(x, state):
                 unit = nnx.merge(graphdef, state)
-                kvs = []
+                kvs, exps = [], []
                 for block in unit.blocks:
-                    x, block_kv = block.prefill(x, positions, segment_ids)
+                    x, block_kv, experts = block.prefill(x, positions, segment_ids)
                     kvs.append(block_kv)
-                return x, kvs
+                    exps += [] if experts is None or not routing else [experts]
+                return x, (kvs, exps)
 
-            x, stack_kv = jax.lax.scan(body, x, state)  # per block: [repeats, ...]
+            x, (stack_kv, exps) = jax.lax.scan(body, x, state)  # per block: [repeats, ...]
             kv += (
                 [tuple(block_kv) for block_kv in stack_kv]
                 if stacked
                 else [jax.tree.map(lambda a: a[r], block_kv) for r in range(_repeats(state)) for block_kv in stack_kv]
             )
-        return self.final_norm(x), tuple(kv)
+            used += [jnp.stack(exps, axis=1).reshape(-1, *exps[0].shape[1:])] if exps else []
+        return (self.final_norm(x), tuple(kv)) + ((_layers_last(used),) if routing else ())
 
     def layers(self) -> list[Block]:
         """The blocks in layer order, each holding its own slice of the stacked (scanned) weights.
@@ -232,42 +271,45 @@ class Decoder(nnx.Module):
                 out += nnx.merge(graphdef, jax.tree.map(lambda a: a[r], state)).blocks
         return out
 
-    def decode(self, tokens, positions, cache, layers: Sequence[Block] | None = None):
+    def decode(self, tokens, positions, cache, layers: Sequence[Block] | None = None, *, routing: bool = False):
         """One new token per row: tokens [B, 1], positions [B] → (final-normed hidden [B, 1, D], cache).
 
         cache has `prefill`'s kv structure with T (the capacity) entries per row; a token's cache
         index is its position. The new keys and values are written at `positions`
         (in place) and each row attends to its entries 0..position. `layers` is `self.layers()`,
-        computed here unless the caller hoisted it out of its decode loop.
+        computed here unless the caller hoisted it out of its decode loop. `routing`: also return
+        the experts each MoE layer chose, [B, 1, num_moe_layers, k] (see `prefill`).
         """
         layers = self.layers() if layers is None else layers
         if len(layers) != len(cache):
             raise ValueError(f"KV cache of {len(cache)} layers for a model of {len(layers)}")
         x = self._embed(tokens)
-        new_cache = []
+        new_cache, used = [], []
         for block, (k, v) in zip(layers, cache):
-            x, k, v = block.decode(x, positions, k, v)
+            x, k, v, experts = block.decode(x, positions, k, v)
             new_cache.append((k, v))
-        return self.final_norm(x), tuple(new_cache)
+            used += [] if experts is None else [experts[None]]
+        return (self.final_norm(x), tuple(new_cache)) + ((_layers_last(used),) if routing else ())
 
-    def decode_stacked(self, tokens, positions, cache):
+    def decode_stacked(self, tokens, positions, cache, *, routing: bool = False):
         """`decode` with each stack's layers under `lax.scan`, so the compiled decode step does not
         grow with depth (the unrolled one does: minutes per layer-count doubling when compiling a
         deep model for a TPU pod). cache: `prefill(stacked=True)`'s layout; each layer's cache
         slice goes through the scan with its weights and comes back updated."""
         x = self._embed(tokens)
-        new_cache, i = [], 0
+        new_cache, i, used = [], 0, []
         for stack in self.stacks:
             graphdef, state = nnx.split(stack)
             width = len(stack.blocks)
 
             def body(x, xs, graphdef=graphdef):
                 state, kvs = xs
-                out = []
+                out, exps = [], []
                 for block, (k, v) in zip(nnx.merge(graphdef, state).blocks, kvs):
-                    x, k, v = block.decode(x, positions, k, v)
+                    x, k, v, experts = block.decode(x, positions, k, v)
                     out.append((k, v))
-                return x, tuple(out)
+                    exps += [] if experts is None or not routing else [experts]
+                return x, (tuple(out), exps)
 
             stack_cache = tuple(cache[i : i + width])
             if len(stack_cache) != width or _repeats(state) != stack_cache[0][0].shape[0]:
@@ -275,22 +317,25 @@ class Decoder(nnx.Module):
                     f"stacked KV cache of {len(cache)} (k, v) pairs does not match the model's "
                     f"stacks (use prefill(stacked=True))"
                 )
-            x, stack_cache = jax.lax.scan(body, x, (state, stack_cache))
+            x, (stack_cache, exps) = jax.lax.scan(body, x, (state, stack_cache))
             new_cache += list(stack_cache)
             i += width
-        return self.final_norm(x), tuple(new_cache)
+            used += [jnp.stack(exps, axis=1).reshape(-1, *exps[0].shape[1:])] if exps else []
+        return (self.final_norm(x), tuple(new_cache)) + ((_layers_last(used),) if routing else ())
 
-    def _run_stack(self, stack: Unit, x, positions, segment_ids, update_bias):
+    def _run_stack(self, stack: Unit, x, positions, segment_ids, update_bias, experts=None):
+        """One stack under `lax.scan`; experts [repeats, MoE blocks of the unit, B, S, k] or None."""
         graphdef, state = nnx.split(stack)
 
-        def body(x, state):
+        def body(x, xs):
+            state, given = xs
             unit = nnx.merge(graphdef, state)
-            x, auxs = unit(x, positions, segment_ids, update_bias)
+            x, auxs = unit(x, positions, segment_ids, update_bias, given)
             return x, (auxs, nnx.state(unit, RouterBias))
 
         if self.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        x, (auxs, bias) = jax.lax.scan(body, x, state)
+        x, (auxs, bias) = jax.lax.scan(body, x, (state, experts))
         if update_bias:
             nnx.update(stack, bias)
         return x, auxs
@@ -301,15 +346,21 @@ class Decoder(nnx.Module):
         out = weight_einsum("bsd,dv->bsv", hidden.astype(self.dtype), w, self.dtype, preferred_element_type=jnp.float32)
         return constrain(out, ("activation_batch", "activation_length", "activation_vocab"))
 
-    def __call__(self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False):
-        """tokens [B, S] → (logits [B, S, V] float32, aux) — see `hidden_states`."""
-        hidden, aux = self.hidden_states(tokens, positions, segment_ids, update_bias=update_bias)
+    def __call__(self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False, **routing):
+        """tokens [B, S] → (logits [B, S, V] float32, aux) — see `hidden_states` (`routing`: its
+        routing / experts_out)."""
+        hidden, aux = self.hidden_states(tokens, positions, segment_ids, update_bias=update_bias, **routing)
         return self.logits(hidden), aux
 
 
 def _repeats(stack_state) -> int:
     """How many times a scanned stack's unit repeats: the leading dim of its weights."""
     return jax.tree.leaves(stack_state)[0].shape[0]
+
+
+def _layers_last(used: list) -> jax.Array | None:
+    """Per-stack experts [layers, B, S, k] → [B, S, num_moe_layers, k] int32 (None: no MoE layer)."""
+    return jnp.moveaxis(jnp.concatenate(used), 0, 2) if used else None
 
 
 def _reduce_moe_aux(auxs: list[dict]) -> dict:

@@ -316,9 +316,11 @@ def check_sampling_config(cfg, stage_names) -> None:
     keys configure the rlvr stage's sampler, so another stage alone must leave them at their defaults."""
     from posttrain.config import base_config
     from posttrain.models.quant import check_mode
+    from posttrain.rl.rollout.routing import check_routing_replay
     from posttrain.sampling.layout import check_layout
 
     s, defaults = cfg.sampling, base_config().sampling
+    check_routing_replay(cfg, stage_names)
     check_mode(s.quantize)
     check_layout(s.layout)
     if s.speculative_k < 0 or not 1 <= s.draft_layers <= cfg.model.num_layers:

@@ -56,6 +56,14 @@ class SlotConfig:
         return SlotConfig(slots, min(self.refill_batch, slots))
 
 
+def static_only(sampling: SamplingParams) -> None:
+    """Refuse what only the static sampler (`generate`) does: speculative decoding, recording routing."""
+    if sampling.speculative_k:
+        raise ValueError("continuous batching: speculative decoding (speculative_k > 0) runs in `generate` only")
+    if sampling.record_routing:
+        raise ValueError("continuous batching: routing is recorded by the static sampler (`generate`) only")
+
+
 def run_requests(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -70,8 +78,7 @@ def run_requests(
 ) -> engine.Outputs:
     """Run requests (prompt `rows`, new-token `limits` and RNG `sample_ids`, one each, in order)
     through `continuous_program`; host outputs of exactly len(rows) rows."""
-    if sampling.speculative_k:
-        raise ValueError("continuous batching: speculative decoding (speculative_k > 0) runs in `generate` only")
+    static_only(sampling)
     n, c = len(rows), slots.refill_batch
     tokens, lengths = pad_prompts(rows, bucket(n) + c, bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)
     padded_limits, ids = np.ones((len(tokens),), np.int32), np.zeros((len(tokens),), np.int32)
@@ -116,8 +123,7 @@ def generate_continuous(
     slot ran it. A few long samples then hold a few slots while the rest of the queue flows
     through the others, instead of holding every row of a static batch until they end.
     """
-    if sampling.speculative_k:
-        raise ValueError("continuous batching: speculative decoding (speculative_k > 0) runs in `generate` only")
+    static_only(sampling)
     rows = prompt_rows(prompts, prompt_mask)
     n, g = len(rows), sampling.num_samples
     tokens, lengths = pad_prompts(rows, bucket(n), bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)

@@ -46,6 +46,9 @@ class Outputs:
     sampling_logprobs: jax.Array  # [R, M] float32: under the distribution sampled from
     lengths: jax.Array  # [R] int32
     stop_reason: jax.Array  # [R] int32: index into STOP_REASONS
+    # with `SamplingParams.record_routing`, the experts each MoE layer chose (`routing_dtype`):
+    routing: jax.Array | None = None  # [R, M, num_moe_layers, k]: for generated token m (any after the end)
+    prompt_routing: jax.Array | None = None  # [R, P, num_moe_layers, k]: for the prompt (any on padding)
 
     @classmethod
     def empty(cls, rows: int, max_new: int, pad_id: int) -> Outputs:
@@ -69,6 +72,13 @@ def token_keys(key: jax.Array, sample_ids: jax.Array, max_new: int) -> jax.Array
     return jax.vmap(lambda k: jax.vmap(jax.random.fold_in, in_axes=(None, 0))(k, jnp.arange(max_new)))(streams)
 
 
+def routing_dtype(model: nnx.Module):
+    """The smallest integer type that holds the model's expert ids: the recorded routing of every
+    token and MoE layer is kept on the device until the batch ends (uint8 up to 256 experts)."""
+    experts = max(b.mlp.spec.num_experts for stack in model.stacks for b in stack.blocks if b.is_moe)
+    return jnp.uint8 if experts <= 256 else jnp.int16 if experts < 2**15 else jnp.int32
+
+
 def decode_layers(model: nnx.Module) -> list | None:
     """The model's layers as the sampler should get them (see `Decoder.layers`).
 
@@ -90,9 +100,10 @@ def stacked_cache() -> bool:
 
 
 def prefill(
-    model: nnx.Module, tokens: jax.Array, lengths: jax.Array, layers: list | None = None
-) -> tuple[jax.Array, tuple]:
-    """Right-padded prompts tokens [B, P] with lengths [B] (>= 1) → (next-token logits [B, V], kv).
+    model: nnx.Module, tokens: jax.Array, lengths: jax.Array, layers: list | None = None, *, routing: bool = False
+) -> tuple:
+    """Right-padded prompts tokens [B, P] with lengths [B] (>= 1) → (next-token logits [B, V], kv),
+    and with `routing` the experts [B, P, num_moe_layers, k] each MoE layer chose (`Decoder.prefill`).
 
     Positions are 0..P-1 and padding has segment id 0, exactly as the learner lays out a row.
     `layers`: `decode_layers(model)`; None gives the stacked cache `decode_step` then takes.
@@ -100,9 +111,11 @@ def prefill(
     tokens = constrain(tokens, ("activation_batch", "activation_length"))
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
-    hidden, kv = model.prefill(tokens, positions, segment_ids, layers, stacked=layers is None)
+    hidden, kv, *experts = model.prefill(
+        tokens, positions, segment_ids, layers, stacked=layers is None, routing=routing
+    )
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
-    return model.logits(last)[:, 0], kv
+    return (model.logits(last)[:, 0], kv, *experts)
 
 
 def stack_segments(model: nnx.Module) -> tuple[tuple[int, int], ...]:
@@ -203,7 +216,7 @@ def sample_step(slots: Slots, out: Outputs, sampling: SamplingParams, pad_id: in
     stopped = live & jnp.isin(tokens, jnp.asarray(sampling.stop_ids, jnp.int32))
     finished = stopped | (live & (step >= slots.limit))
     end_rows = jnp.where(finished, slots.row, out.tokens.shape[0])
-    out = Outputs(
+    out = out.replace(
         tokens=out.tokens.at[rows, slots.step].set(tokens.astype(jnp.int32), mode="drop"),
         logprobs=out.logprobs.at[rows, slots.step].set(logprobs, mode="drop"),
         sampling_logprobs=out.sampling_logprobs.at[rows, slots.step].set(sampling_lps, mode="drop"),
@@ -214,16 +227,20 @@ def sample_step(slots: Slots, out: Outputs, sampling: SamplingParams, pad_id: in
     return slots, out, jnp.where(live, tokens, pad_id).astype(jnp.int32)
 
 
-def decode_step(model: nnx.Module, slots: Slots, tokens: jax.Array, layers: list | None = None) -> Slots:
-    """Feed each slot's last sampled token (tokens [S]) and store the next-token logits."""
+def decode_step(
+    model: nnx.Module, slots: Slots, tokens: jax.Array, layers: list | None = None, *, routing: bool = False
+) -> Slots | tuple[Slots, jax.Array]:
+    """Feed each slot's last sampled token (tokens [S]) and store the next-token logits; with
+    `routing` also return the experts [S, num_moe_layers, k] each MoE layer chose for that token."""
     capacity = kv_cache.capacity(slots.cache)
     positions = jnp.clip(slots.prompt_len + slots.step - 1, 0, capacity - 1)
     if layers is None:
-        hidden, cache = model.decode_stacked(tokens[:, None], positions, slots.cache)
+        hidden, cache, *experts = model.decode_stacked(tokens[:, None], positions, slots.cache, routing=routing)
     else:
-        hidden, cache = model.decode(tokens[:, None], positions, slots.cache, layers)
+        hidden, cache, *experts = model.decode(tokens[:, None], positions, slots.cache, layers, routing=routing)
     logits = constrain(model.logits(hidden)[:, 0], ("activation_batch", "activation_vocab"))
-    return slots.replace(cache=kv_cache.shard(cache), logits=logits)
+    slots = slots.replace(cache=kv_cache.shard(cache), logits=logits)
+    return (slots, experts[0][:, 0]) if routing else slots
 
 
 def decode_loop(
@@ -244,7 +261,9 @@ def decode_loop(
     `layers`: `decode_layers(model)`, computed once outside the loop. Continuous batching passes
     `refill(slots, queue) -> (slots, queue)`, run at the start of every step to fill free slots,
     and `pending(queue) -> bool`, whether requests still wait; `queue` is their state.
-    `return_slots`: also return the final slots (the prefix cache keeps their KV).
+    `return_slots`: also return the final slots (the prefix cache keeps their KV). With
+    `out.routing` allocated (`SamplingParams.record_routing`) each fed token's experts are recorded
+    at its place in the output (a sample's last token is fed too, so every generated token has them).
     """
 
     def cond(carry):
@@ -256,8 +275,14 @@ def decode_loop(
         slots, out, queue = carry
         if refill is not None:
             slots, queue = refill(slots, queue)
+        live = ~slots.done
         slots, out, tokens = sample_step(slots, out, sampling, pad_id)
-        return decode_step(model, slots, tokens, layers), out, queue
+        if out.routing is None:
+            return decode_step(model, slots, tokens, layers), out, queue
+        slots, experts = decode_step(model, slots, tokens, layers, routing=True)
+        rows = jnp.where(live, slots.row, out.routing.shape[0])  # the token sampled now, at step - 1
+        routing = out.routing.at[rows, slots.step - 1].set(experts.astype(out.routing.dtype), mode="drop")
+        return slots, out.replace(routing=routing), queue
 
     slots, out, _ = jax.lax.while_loop(cond, body, (slots, out, queue))
     return (out, slots) if return_slots else out

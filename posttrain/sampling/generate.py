@@ -34,6 +34,9 @@ class Samples:
     the distribution sampled from: the behaviour log-probs an RL learner compares with its own,
     `rules.policy_logprobs`), lengths [N], stop_reason [N]
     (index into `STOP_REASONS`), prompt_index [N] (the prompt, or request, of each sample).
+    With `SamplingParams.record_routing` (else None): routing [N, M, num_moe_layers, k], the
+    experts each MoE layer chose for every generated token, and prompt_routing [N, P, ...] for the
+    prompt's tokens (P the bucketed prompt length; entries past a prompt or completion: any expert).
     """
 
     tokens: np.ndarray
@@ -43,6 +46,8 @@ class Samples:
     stop_reason: np.ndarray
     prompt_index: np.ndarray
     speculative: dict | None = None  # speculative decoding: rounds, drafted and accepted tokens
+    routing: np.ndarray | None = None
+    prompt_routing: np.ndarray | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -136,7 +141,7 @@ def generate_program(
     model = nnx.merge(graphdef, params, rest)
     g, b = sampling.num_samples, tokens.shape[0]
     layers = engine.decode_layers(model)
-    logits, kv = engine.prefill(model, tokens, lengths, layers)
+    logits, kv, *prompt_experts = engine.prefill(model, tokens, lengths, layers, routing=sampling.record_routing)
     cache = kv_cache.repeat_rows(kv_cache.allocate(kv, tokens.shape[1] + sampling.max_new_tokens), g)
     ids = jnp.arange(b * g, dtype=jnp.int32)
     slots = engine.Slots(
@@ -150,6 +155,14 @@ def generate_program(
         row=ids,
     )
     out = engine.Outputs.empty(b * g, sampling.max_new_tokens, pad_id)
+    if sampling.record_routing:  # the prompt's experts, shared by its samples; the generated ones in the loop
+        if prompt_experts[0] is None:
+            raise ValueError("SamplingParams.record_routing: the model has no MoE layer, no routing to record")
+        dtype = engine.routing_dtype(model)
+        out = out.replace(
+            prompt_routing=jnp.repeat(prompt_experts[0], g, axis=0).astype(dtype),
+            routing=jnp.zeros((b * g, sampling.max_new_tokens, *prompt_experts[0].shape[2:]), dtype),
+        )
     return engine.decode_loop(model, slots, out, sampling, pad_id, layers=layers)
 
 
@@ -196,6 +209,11 @@ def generate(
     """
     rows = prompt_rows(prompts, prompt_mask)
     n, g = len(rows), sampling.num_samples
+    if sampling.record_routing and (prefix_cache is not None or sampling.speculative_k):
+        raise ValueError(
+            "SamplingParams.record_routing: the static sampler records routing, not the prefix cache "
+            "or speculative decoding (model.moe.routing_replay=sampler needs both off)"
+        )
     tokens, lengths = pad_prompts(rows, bucket(n), bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)
     limits = new_token_limits(max_new_tokens, len(tokens), n, sampling)
     stats = None
@@ -241,4 +259,6 @@ def generate(
         stop_reason=out.stop_reason[: n * g],
         prompt_index=np.repeat(np.arange(n), g),
         speculative=stats,
+        routing=None if out.routing is None else out.routing[: n * g],
+        prompt_routing=None if out.prompt_routing is None else out.prompt_routing[: n * g],
     )

@@ -18,7 +18,9 @@ class SamplingParams:
     stops at any of `stop_ids` (the stop token is part of the completion) or after
     `max_new_tokens`. `num_samples` completions are drawn per prompt (a GRPO group).
     `speculative_k` > 0 decodes speculatively (`sampling.speculative`): the same distribution,
-    k tokens drafted per round by the policy's first `draft_layers` layers.
+    k tokens drafted per round by the policy's first `draft_layers` layers. `record_routing`: also
+    return the experts every MoE layer chose for each prompt and generated token (static batches
+    only; `model.moe.routing_replay = sampler` replays them in the learner).
     """
 
     temperature: float = 1.0
@@ -29,6 +31,7 @@ class SamplingParams:
     num_samples: int = 1
     speculative_k: int = 0  # > 0: speculative decoding, k draft tokens per round (`sampling.speculative`)
     draft_layers: int = 1  # the draft: the policy's first n layers + its final norm and head
+    record_routing: bool = False  # return each token's experts per MoE layer (`Samples.routing`)
 
     def __post_init__(self):
         if self.temperature < 0:

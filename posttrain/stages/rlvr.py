@@ -116,6 +116,7 @@ def rollout_sampling(cfg, stop_ids) -> SamplingParams:
         num_samples=r.group_size,
         speculative_k=cfg.sampling.speculative_k,
         draft_layers=cfg.sampling.draft_layers,
+        record_routing=cfg.model.moe.routing_replay == "sampler",  # rl.rollout.routing
     )
 
 

@@ -77,14 +77,16 @@ def moe_block(
     layout: ExpertLayout,
     mask: jax.Array | None = None,
     inference: bool = False,
+    experts: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Routed experts on one device's tokens x [T, D] (compute dtype).
 
     params: router [D(/shards), E], w_gate/w_up [E_local, D(/shards), F_local],
     w_down [E_local, F_local, D(/shards)] and, for the sigmoid router, bias [E]. mask [T]: 1 for a
     real token, 0 for padding (None: all real); padding takes no expert capacity and is left out of
-    the statistics. Returns y [T, D] float32 and the layer statistics averaged over the real tokens
-    of the whole mesh (see `MoE`).
+    the statistics. `experts` [T, k]: the experts to use instead of the router's top-k (routing
+    replay, see `route`). Returns y [T, D] float32 and the layer statistics averaged over the real
+    tokens of the whole mesh (see `MoE`), with "experts" [T, k] int32, the experts used.
     """
     num_tokens = x.shape[0]
     mask = jnp.ones((num_tokens,), jnp.float32) if mask is None else mask.astype(jnp.float32)
@@ -97,6 +99,7 @@ def moe_block(
         norm_topk_prob=spec.norm_topk_prob,
         routed_scaling=spec.routed_scaling,
         bias=params.get("bias"),
+        experts=None if experts is None else experts.astype(jnp.int32),
     )
     capacity = expert_capacity(num_tokens, spec.top_k, spec.num_experts, spec.capacity_factor)
     experts = routing.experts
@@ -116,7 +119,8 @@ def moe_block(
     )
     if layout.psum_axes:
         y = jax.lax.psum(y, layout.psum_axes)
-    return y, routing_stats(routing, logits, mask, kept if capacity is not None else None, spec, layout)
+    stats = routing_stats(routing, logits, mask, kept if capacity is not None else None, spec, layout)
+    return y, {**stats, "experts": routing.experts}
 
 
 def routing_stats(
@@ -159,9 +163,10 @@ def sharded_moe_block(
     rules: Rules,
     dispatch: str,
     inference: bool = False,
+    experts: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """`moe_block` in a `jax.shard_map` over the whole mesh; x: [B, S, D], mask [B, S] → y [B, S, D]
-    float32.
+    """`moe_block` in a `jax.shard_map` over the whole mesh; x: [B, S, D], mask [B, S] (and the
+    replayed experts [B, S, k], or None) → y [B, S, D] float32 and the statistics, "experts" [B, S, k].
 
     Tokens are split as the `batch` and `length` rules say, weights as their logical names say;
     the specs come from `logical_spec`, so rule changes carry through.
@@ -192,25 +197,31 @@ def sharded_moe_block(
                 params[name], param_specs[name], dict(mesh.shape), f"moe.{name}", whole=(embed_dim,)
             )
 
-    def body(x, mask, params):
+    def body(x, mask, params, experts):
         b, s, d = x.shape
         y, aux = moe_block(
-            x.reshape(b * s, d), params, spec=spec, layout=layout, mask=mask.reshape(b * s), inference=inference
+            x.reshape(b * s, d),
+            params,
+            spec=spec,
+            layout=layout,
+            mask=mask.reshape(b * s),
+            inference=inference,
+            experts=None if experts is None else experts.reshape(b * s, -1),
         )
-        return y.reshape(b, s, d), aux
+        return y.reshape(b, s, d), {**aux, "experts": aux["experts"].reshape(b, s, -1)}
 
-    aux_specs = {"aux_loss": P(), "z_loss": P(), "load": P(), "dropped": P()}
+    mask_spec = P(*token_spec[:2])
+    aux_specs = {"aux_loss": P(), "z_loss": P(), "load": P(), "dropped": P(), "experts": mask_spec}
     # check_vma stays on: the varying/invariant types make autodiff insert the psums that the
     # gradients of replicated weights need; `gather_weight` picks the type per mesh axis so that
     # outputs are invariant exactly where out_specs replicate them.
-    mask_spec = P(*token_spec[:2])
     return jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(token_spec, mask_spec, param_specs),
+        in_specs=(token_spec, mask_spec, param_specs, None if experts is None else mask_spec),
         out_specs=(token_spec, aux_specs),
         check_vma=True,
-    )(x, mask, params)
+    )(x, mask, params, experts)
 
 
 class MoE(nnx.Module):
@@ -257,12 +268,20 @@ class MoE(nnx.Module):
         )
 
     def __call__(
-        self, x: jax.Array, mask: jax.Array | None = None, *, update_bias: bool = False, inference: bool = False
+        self,
+        x: jax.Array,
+        mask: jax.Array | None = None,
+        *,
+        update_bias: bool = False,
+        inference: bool = False,
+        experts: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Routed + shared experts on x [B, S, D] (mask [B, S]: 1 real token, 0 padding; None: all
         real); with `update_bias` (sigmoid router, rate > 0) also steps `router_bias` towards
         balanced load of the real tokens, in place. `inference`: the call will not be
-        differentiated (the sampler), which lets the CPU pick its expert path at run time."""
+        differentiated (the sampler), which lets the CPU pick its expert path at run time.
+        `experts` [B, S, k]: replay these experts instead of the router's choice (`route`); aux
+        also holds "experts" [B, S, k] int32, the experts each token used."""
         x = x.astype(self.dtype)
         mask = jnp.ones(x.shape[:2], jnp.float32) if mask is None else mask.astype(jnp.float32)
         params = {
@@ -277,7 +296,15 @@ class MoE(nnx.Module):
         if ctx is not None and ctx[0].size > 1:
             mesh, rules = ctx
             y, aux = sharded_moe_block(
-                x, mask, params, spec=self.spec, mesh=mesh, rules=rules, dispatch=self.dispatch, inference=inference
+                x,
+                mask,
+                params,
+                spec=self.spec,
+                mesh=mesh,
+                rules=rules,
+                dispatch=self.dispatch,
+                inference=inference,
+                experts=experts,
             )
         else:
             b, s, d = x.shape
@@ -288,8 +315,9 @@ class MoE(nnx.Module):
                 layout=ExpertLayout(),
                 mask=mask.reshape(b * s),
                 inference=inference,
+                experts=None if experts is None else experts.reshape(b * s, -1),
             )
-            y = y.reshape(b, s, d)
+            y, aux = y.reshape(b, s, d), {**aux, "experts": aux["experts"].reshape(b, s, -1)}
         y = y.astype(self.dtype)
         if self.shared is not None:
             y = y + self.shared(x)

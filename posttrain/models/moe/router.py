@@ -39,6 +39,7 @@ def route(
     norm_topk_prob: bool,
     routed_scaling: float = 1.0,
     bias: jax.Array | None = None,
+    experts: jax.Array | None = None,
 ) -> Routing:
     """Choose `top_k` experts per token from router logits [T, E] (float32).
 
@@ -48,17 +49,26 @@ def route(
     their weights are the scores without bias, renormalised when `norm_topk_prob`; probs for the
     balancing loss are the scores normalised over experts.
     Either way the weights are finally multiplied by `routed_scaling`.
+
+    Routing replay (`model.moe.routing_replay = sampler`): given `experts` [T, k] (the sampler's
+    choice) only the choice is replayed; the weights are this router's own probabilities (softmax)
+    or scores (sigmoid) of those experts, renormalised exactly as above, so gradients reach the
+    router through them as they do through a top-k of its own (R3 / verl's routing replay).
     """
     logits = logits.astype(jnp.float32)
     if router == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
-        weights, experts = jax.lax.top_k(probs, top_k)
+        if experts is None:
+            weights, experts = jax.lax.top_k(probs, top_k)
+        else:
+            weights = jnp.take_along_axis(probs, experts, axis=-1)
         if norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     elif router == "sigmoid":
         scores = jax.nn.sigmoid(logits)
         choice = scores if bias is None else scores + bias.astype(jnp.float32)
-        _, experts = jax.lax.top_k(choice, top_k)
+        if experts is None:
+            _, experts = jax.lax.top_k(choice, top_k)
         weights = jnp.take_along_axis(scores, experts, axis=-1)
         if norm_topk_prob:
             weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)

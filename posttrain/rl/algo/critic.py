@@ -38,10 +38,11 @@ class ValueDecoder(Decoder):
         )
 
     def logits_and_values(
-        self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False
+        self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False, routing=None
     ) -> tuple[jax.Array, jax.Array, dict]:
-        """tokens [B, S] → (logits [B, S, V] float32, values [B, S] float32, MoE aux)."""
-        hidden, aux = self.hidden_states(tokens, positions, segment_ids, update_bias=update_bias)
+        """tokens [B, S] → (logits [B, S, V] float32, values [B, S] float32, MoE aux); `routing`:
+        the experts to replay (`Decoder.hidden_states`)."""
+        hidden, aux = self.hidden_states(tokens, positions, segment_ids, update_bias=update_bias, routing=routing)
         return self.logits(hidden), scalar_head(hidden, self.value_head[...]), aux
 
 

@@ -38,6 +38,7 @@ from posttrain.rl.algo.advantages import (
 )
 from posttrain.rl.algo.losses import entropy_from_logprobs, kl_estimate, policy_loss, value_loss
 from posttrain.rl.rollout.buffer import Rollout
+from posttrain.rl.rollout.routing import batch_routing
 from posttrain.sampling.generate import bucket
 from posttrain.sampling.rules import SamplingParams, policy_logprobs, support_logprobs
 
@@ -57,7 +58,8 @@ def rl_batch(
     targets, loss_mask (generated target tokens), positions, segment_ids, behav_logp (the
     sampler's log-prob of each target), rewards [N] and judged [N] (False where the verifier
     reached no verdict: such a sample's loss mask is empty, so it trains nothing, and
-    `compute_advantages` leaves it out of its group).
+    `compute_advantages` leaves it out of its group); with rollouts that carry the sampler's routing
+    (`model.moe.routing_replay = sampler`) also routing [N, S, MoE layers, k], the experts to replay.
 
     num_rows pads the batch with empty rows (zero loss mask, zero reward) to a fixed size, so
     batches with different numbers of groups reuse one compiled step. `longest` (>= every
@@ -85,6 +87,11 @@ def rl_batch(
         out["positions"][i, :m], out["segment_ids"][i, :m] = np.arange(m), 1
         out["behav_logp"][i, :m] = b[1:]
     out["loss_mask"][~out["judged"]] = 0
+    routing = [r for ro in rollouts for r in ro.routing]
+    if routing:
+        if len(routing) != len(trajs):
+            raise ValueError(f"routing of {len(routing)} trajectories of {len(trajs)}: some rollouts carry none")
+        out["routing"] = batch_routing(routing, n, s)
     return out
 
 
@@ -145,7 +152,7 @@ def learner_logprobs(
     model: nnx.Module, batch: dict, sampling: SamplingParams, *, update_bias: bool
 ) -> tuple[jax.Array, jax.Array, dict]:
     """(log-probs of the targets under the sampled distribution [B, S], that distribution's log-probs
-    [B, S, V] (−inf off the top-k / top-p support), MoE aux)."""
+    [B, S, V] (−inf off the top-k / top-p support), MoE aux); a batch with "routing" replays it."""
     logp, scaled, _, aux = learner_outputs(model, batch, sampling, update_bias=update_bias, values=False)
     return logp, scaled, aux
 
@@ -155,11 +162,11 @@ def learner_outputs(
 ) -> tuple[jax.Array, jax.Array, jax.Array | None, dict]:
     """`learner_logprobs` plus, with `values` (a `critic.ValueDecoder`), the critic's values [B, S]
     from the same forward pass (else None)."""
-    args = (batch["inputs"], batch["positions"], batch["segment_ids"])
+    args, routing = (batch["inputs"], batch["positions"], batch["segment_ids"]), batch.get("routing")
     if values:
-        logits, v, aux = model.logits_and_values(*args, update_bias=update_bias)
+        logits, v, aux = model.logits_and_values(*args, update_bias=update_bias, routing=routing)
     else:
-        (logits, aux), v = model(*args, update_bias=update_bias), None
+        (logits, aux), v = model(*args, update_bias=update_bias, routing=routing), None
     return (
         policy_logprobs(logits, batch["targets"], sampling),
         support_logprobs(logits, batch["targets"], sampling),
@@ -189,9 +196,11 @@ def rl_loss(model, batch, *ref, graphdef, rl_cfg, moe_cfg, sampling: SamplingPar
     logp, support, values, aux = learner_outputs(model, batch, sampling, update_bias=True, values=gae)
     old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
     ref_logp = batch.get("ref_logp")
-    if ref:
+    if ref:  # the reference routes on its own (`rl.rollout.routing`)
         ref_model = nnx.merge(graphdef, jax.lax.stop_gradient(ref[0]), ref[1])
-        ref_logp = jax.lax.stop_gradient(learner_logprobs(ref_model, batch, sampling, update_bias=False)[0])
+        ref_logp = jax.lax.stop_gradient(
+            learner_logprobs(ref_model, own_routing(batch), sampling, update_bias=False)[0]
+        )
     entropy = entropy_from_logprobs(support)  # of the distribution sampled (after top-k / top-p)
     if not rl_cfg.entropy_coef:
         entropy = jax.lax.stop_gradient(entropy)
@@ -282,7 +291,8 @@ class Learner:
             )
             out = {"rollout_logp": logp, **({"old_values": values} if values is not None else {})}
             if ref:
-                out["ref_logp"] = learner_logprobs(nnx.merge(graphdef, *ref), batch, sampling, update_bias=False)[0]
+                ref_model = nnx.merge(graphdef, *ref)
+                out["ref_logp"] = learner_logprobs(ref_model, own_routing(batch), sampling, update_bias=False)[0]
             return out
 
         self.rollout_pass_fn = jax.jit(rollout_pass)
@@ -310,7 +320,7 @@ class Learner:
         needed |= {"rollout_logp", "ref_logp"} if kl_reward else set()
         if needed <= batch.keys():
             return batch
-        rows, zigzagged = self.device_batch({k: batch[k] for k in ROW_KEYS})
+        rows, zigzagged = self.device_batch({k: batch[k] for k in (*ROW_KEYS, "routing") if k in batch})
         out = self.rollout_pass_fn(
             model_params(state, self.lora_cfg),
             state.rest,
@@ -344,6 +354,12 @@ class Learner:
                 )
                 all_metrics.append(m)
         return state, combine_metrics(jax.device_get(all_metrics))
+
+
+def own_routing(batch: dict) -> dict:
+    """The batch without the sampler's routing: for the KL reference, whose own routing is part of
+    the reference policy (replay makes the sampler and the *current* policy agree)."""
+    return {k: v for k, v in batch.items() if k != "routing"}
 
 
 def reference(state, ref: tuple) -> tuple:

@@ -31,11 +31,14 @@ class BufferClosed(Exception):
 class Rollout:
     """One group as the learner needs it: `version` is the policy version that sampled it;
     `behav_logprobs[j]` holds the sampler's log-probs of `group.trajectories[j].tokens` (float32,
-    same length; only the entries under the trajectory's loss mask are meaningful)."""
+    same length; only the entries under the trajectory's loss mask are meaningful); `routing[j]`
+    (empty unless `model.moe.routing_replay = sampler`) the experts the sampler chose for each of
+    those tokens, [len(tokens), MoE layers, k] (`rl.rollout.routing`)."""
 
     group: Group
     version: int
     behav_logprobs: Sequence[np.ndarray] = ()
+    routing: Sequence[np.ndarray] = ()
 
     def __post_init__(self) -> None:
         if len(self.behav_logprobs) != len(self.group.trajectories):
@@ -49,6 +52,11 @@ class Rollout:
                     f"Rollout of task {self.group.task.id!r}: behav_logprobs[{j}] has {len(lp)} "
                     f"entries for {len(traj.tokens)} tokens"
                 )
+        if self.routing and [len(r) for r in self.routing] != [len(t.tokens) for t in self.group.trajectories]:
+            raise ValueError(
+                f"Rollout of task {self.group.task.id!r}: routing of {[len(r) for r in self.routing]} tokens "
+                f"for trajectories of {[len(t.tokens) for t in self.group.trajectories]}"
+            )
 
 
 class RolloutBuffer:

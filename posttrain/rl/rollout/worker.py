@@ -35,6 +35,7 @@ from posttrain.rl.rollout.hosts import (
     group_share,
     sampled_rewards,
 )
+from posttrain.rl.rollout.routing import trajectory_routing
 from posttrain.rl.tasks.scheduler import Group, TaskScheduler
 from posttrain.sampling.continuous import SlotConfig, generate_continuous
 from posttrain.sampling.generate import Samples, generate
@@ -92,17 +93,20 @@ class Pending:
 class RolloutBatch:
     """The verified groups of one learner batch: behav[j][g] is the behaviour log-prob of every
     token of group j's sample g (0 on the prompt); `info` holds host numbers for metrics;
-    `scheduler_state` is the scheduler as of this batch (all its draws and records, no later ones)."""
+    `scheduler_state` is the scheduler as of this batch (all its draws and records, no later ones);
+    routing[j][g] the experts the sampler chose for each token (`SamplingParams.record_routing`; else None)."""
 
     groups: list[Group]
     behav: list[list[np.ndarray]]
     info: dict[str, Any]
     scheduler_state: dict | None = None
     task_metrics: dict | None = None
+    routing: list[list[np.ndarray]] | None = None
 
     def rollouts(self, version: int) -> list[Rollout]:
         """The groups as buffer/learner rollouts sampled by policy `version`."""
-        return [Rollout(g, version, b) for g, b in zip(self.groups, self.behav)]
+        routing = self.routing or [()] * len(self.groups)
+        return [Rollout(g, version, b, r) for g, b, r in zip(self.groups, self.behav, routing)]
 
 
 @dataclasses.dataclass
@@ -160,6 +164,8 @@ class RolloutWorker:
 
     def _generate(self, params, rest, tasks, key, *, num_samples, greedy) -> Pending:
         if self.episodes is not None:  # episodes interleave sampling and tool calls: run them to the end here
+            if self.sampling.record_routing:
+                raise ValueError("model.moe.routing_replay=sampler: multi-turn episodes do not record routing")
             t0 = time.perf_counter()
             done = self.episodes(self, params, rest, tasks, key, num_samples=num_samples, greedy=greedy)
             return Pending(tasks, [], None, time.perf_counter() - t0, done)
@@ -186,12 +192,14 @@ class RolloutWorker:
 
         t0 = time.perf_counter()
         rewards = list(self.pool.map(verify, range(len(flat))))
-        groups, behav = [], []
+        groups, behav, routing = [], [], None if samples.routing is None else []
         for j, (d, task) in enumerate(pending.tasks):
             idx = range(j * g, (j + 1) * g)
             trajs = [flat[i].trajectory() for i in idx]
             groups.append(Group(d, task, [rewards[i].score for i in idx], trajs, [rewards[i].correct for i in idx]))
             behav.append([_token_aligned(samples.sampling_logprobs[i], t) for i, t in zip(idx, trajs)])
+            if routing is not None:
+                routing.append([trajectory_routing(samples, i, t) for i, t in zip(idx, trajs)])
         lengths, stops = samples.lengths, samples.stop_reason
         info = {
             "gen_s": pending.gen_s,
@@ -204,7 +212,7 @@ class RolloutWorker:
             "responses": len(flat),
             "verifier_errors": sum(getattr(r, "error", None) is not None for r in rewards),
         }
-        return RolloutBatch(groups, behav, info)
+        return RolloutBatch(groups, behav, info, routing=routing)
 
     def rollout(self, params, rest, tasks, key, *, exact_share: bool = True, **kw) -> RolloutBatch:
         """`generate` then `verify`; with several processes each verifies only its share of the
@@ -264,10 +272,14 @@ def collect_batch(
         for domain, task_id, rewards in all_group_rewards(kept):  # every process's groups
             scheduler.record(domain, task_id, rewards)
     behav_of = {id(g): b for part in parts for g, b in zip(part.groups, part.behav)}
+    routing_of = {id(g): r for part in parts if part.routing for g, r in zip(part.groups, part.routing)}
     info: dict[str, Any] = combine_rounds([part.info for part in parts], SUMMED_INFO)  # every round
     info.update(sampled_rewards([g for part in parts for g in part.groups]), kept_groups=len(kept))
     info = combine_info(info, SUMMED_INFO + SAMPLED_REWARD_KEYS + ("kept_groups",))
-    return RolloutBatch(kept, [behav_of[id(g)] for g in kept], info, scheduler.get_state(), scheduler.metrics())
+    routing = [routing_of[id(g)] for g in kept] if routing_of else None
+    return RolloutBatch(
+        kept, [behav_of[id(g)] for g in kept], info, scheduler.get_state(), scheduler.metrics(), routing
+    )
 
 
 def all_solved(groups: list[Group]) -> list[list[bool]]:
