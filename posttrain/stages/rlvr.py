@@ -95,17 +95,16 @@ class Components:
 
     def weights(self, rl: RLState) -> tuple:
         """(params, rest) the policy samples with: the learner's, resharded into the decode layout
-        when sampling.layout says so (a second copy), quantised when sampling.quantize says so
-        (w8a16 / w4a16; the behaviour log-probs are then the quantised policy's, and the
-        learner's truncated importance weights correct for the gap); on the sampler's own
-        devices under rl.placement = split (`placement.sampler_weights`)."""
+        when sampling.layout says so (a second copy), quantised when sampling.quantize says so (the
+        behaviour log-probs are then the quantised policy's, the learner's importance weights correct
+        the gap); on the sampler's own devices under rl.placement = split (`placement.sampler_weights`)."""
         params = model_params(rl.train, self.cfg.lora)
         return sampler_weights(params, rl.train.rest, self.cfg.sampling, self.learner_sharding)
 
 
 def rollout_sampling(cfg, stop_ids) -> SamplingParams:
-    """The rollouts' sampling params: rl.temperature/top_k/top_p/max_new_tokens/group_size and the
-    sampler's sampling.speculative_k / draft_layers."""
+    """The rollouts' sampling params: rl.temperature/top_k/top_p/max_new_tokens/group_size, the
+    sampler's sampling.speculative_k / draft_layers, and whether it records routing (replay)."""
     r = cfg.rl
     return SamplingParams(
         temperature=r.temperature,
@@ -116,7 +115,7 @@ def rollout_sampling(cfg, stop_ids) -> SamplingParams:
         num_samples=r.group_size,
         speculative_k=cfg.sampling.speculative_k,
         draft_layers=cfg.sampling.draft_layers,
-        record_routing=cfg.model.moe.routing_replay == "sampler",  # rl.rollout.routing
+        record_routing=cfg.model.moe.routing_replay == "sampler",
     )
 
 
