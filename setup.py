@@ -30,9 +30,10 @@ setup(
     extras_require={
         # gcp-storage-emulator: the local GCS server tests/test_storage.py runs gs:// paths against.
         # nbclient, nbformat, ipykernel: tests/test_notebook.py runs notebooks/quickstart.ipynb in a kernel.
+        # pytest-xdist: the suite runs on two worker processes (-n 2; a JAX compile uses one core).
         # ruff, import-linter: .ci/run lints, format-checks and checks the import layers (pyproject.toml);
         # ruff within one minor version, since its formatter's style changes between them.
-        "test": ["pytest>=8.0", "chex>=0.1.88", "gcp-storage-emulator>=2026.7.19", "nbclient>=0.10", "nbformat>=5.9",
+        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "chex>=0.1.88", "gcp-storage-emulator>=2026.7.19", "nbclient>=0.10", "nbformat>=5.9",
                  "ipykernel>=6.29", "ruff>=0.17.6,<0.18", "import-linter>=2.1"],
         # Hugging Face interop: safetensors to read and write folders; torch + transformers for the
         # tests (install the CPU build first: `pip install torch==2.13.0`).
