@@ -130,9 +130,17 @@ def test_a_batch_survives_the_json_round_trip_exactly():
     payload = json.loads(
         json.dumps(workqueue.encode_batch([Group("d", task, [0.5], [traj], [1.0])], [behav], {}, 7, "s"))
     )
-    groups, got = workqueue.decode_batch(payload, {("d", "t1"): task})
+    groups, got, routing = workqueue.decode_batch(payload, {("d", "t1"): task})
     assert groups[0].trajectories[0] == traj and groups[0].task is task and payload["version"] == 7
     np.testing.assert_array_equal(got[0][0], behav[0])
+    assert routing is None  # the sampler recorded none
+    # model.moe.routing_replay=sampler: the experts of every token (3 tokens, 2 MoE layers, top-2) travel too
+    experts = [np.arange(12, dtype=np.uint8).reshape(3, 2, 2)]
+    group = Group("d", task, [0.5], [traj], [1.0])
+    payload = json.loads(json.dumps(workqueue.encode_batch([group], [behav], {}, 7, "s", routing=[experts])))
+    routing = workqueue.decode_batch(payload, {("d", "t1"): task})[2]
+    assert routing[0][0].dtype == np.uint8
+    np.testing.assert_array_equal(routing[0][0], experts[0])
 
 
 def command(workdir, role, **overrides):

@@ -240,8 +240,7 @@ def test_routing_replay_is_refused_where_it_cannot_take_effect():
         with pytest.raises(UserError, match=message) as e:
             check_config(cfg)
         assert e.value.key == "model.moe.routing_replay", message
-    with pytest.raises(ValueError, match="routing_replay='sampler' with rl.placement='disaggregated'"):
-        check_routing_replay(cfg_with(rl__placement="disaggregated"), ("rlvr",))  # refused before this, for now
+    check_routing_replay(cfg_with(rl__placement="disaggregated", rl__role="learner"), ("rlvr",))  # carried (workqueue)
     bad = cfg_with()
     bad.model.moe.routing_replay = "learner"
     with pytest.raises(UserError, match="routing_replay"):

@@ -125,7 +125,8 @@ def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
                 tasks = [(d, tasks_by_id[(d, i)]) for d, i in lease["tasks"]]
                 batch = worker.rollout(params, rest, tasks, batch_key(base_key, lease["batch"], r.max_staleness))
                 queue.deliver(
-                    lease["batch"], encode_batch(batch.groups, batch.behav, batch.info, version, name, lease["run"])
+                    lease["batch"],
+                    encode_batch(batch.groups, batch.behav, batch.info, version, name, lease["run"], batch.routing),
                 )
                 delivered += 1
     finally:

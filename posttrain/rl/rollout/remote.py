@@ -179,12 +179,12 @@ class RemoteProducer:
         self.queue.consume(step)
         if step + 1 == self.steps:  # the last batch: the samplers may go
             self.queue.finish()
-        groups, behav = decode_batch(payload, self.tasks_by_id)
+        groups, behav, routing = decode_batch(payload, self.tasks_by_id)
         for g in groups:
             self.scheduler.record(g.domain, g.task.id, g.verdicts)
         info = {**payload["info"], "kept_groups": len(groups)}
         state = {**self.scheduler.get_state(), "batches": self.draws.pop(step)}
-        batch = RolloutBatch(groups, behav, info, state, self.scheduler.metrics())
+        batch = RolloutBatch(groups, behav, info, state, self.scheduler.metrics(), routing)
         self.buffer.handed_out += len(groups)
         self.buffer.staleness = [step - payload["version"]] * len(groups)
         return batch.rollouts(payload["version"]), batch

@@ -35,7 +35,6 @@ UNRECORDED = (
     ("sampling.speculative_k", lambda c: c.sampling.speculative_k > 0),
     ("sampling.prefix_cache", lambda c: c.sampling.prefix_cache > 0),
     ("rl.env", lambda c: c.rl.env == "tool"),
-    ("rl.placement", lambda c: c.rl.placement == "disaggregated"),
 )
 
 
@@ -58,8 +57,8 @@ def check_routing_replay(cfg, stage_names: Sequence[str]) -> None:
             section, leaf = key.split(".")
             raise ValueError(
                 f"model.moe.routing_replay={value!r} with {key}={cfg[section][leaf]!r}: that sampler does not "
-                "record the experts it chose (only the static sampler of single-turn rollouts, colocated or "
-                f"split, does); set {key} back to its default or routing_replay='off'"
+                "record the experts it chose (only the static sampler of single-turn rollouts does); "
+                f"set {key} back to its default or routing_replay='off'"
             )
 
 

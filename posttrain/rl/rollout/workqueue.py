@@ -169,11 +169,14 @@ class WorkQueue:
         write_json(self.path("done", f"{batch}.json"), payload)
 
 
-def encode_batch(groups: list[Group], behav: list, info: dict, version: int, sampler: str, run: str = "") -> dict:
+def encode_batch(
+    groups: list[Group], behav: list, info: dict, version: int, sampler: str, run: str = "", routing=None
+) -> dict:
     """A verified batch as JSON: its groups (task ids, rewards, trajectories), the behaviour
-    log-probs (float32 values, exact through JSON), the policy version that sampled it and the
+    log-probs (float32 values, exact through JSON), the experts the sampler chose per token when it
+    records them (`routing[j][g]`, `rl.rollout.routing`), the policy version that sampled it and the
     learner run (`issue`) it was leased from."""
-    return {
+    payload = {
         "version": version,
         "sampler": sampler,
         "run": run,
@@ -193,11 +196,19 @@ def encode_batch(groups: list[Group], behav: list, info: dict, version: int, sam
             for g, lp in zip(groups, behav)
         ],
     }
+    if routing is not None:
+        for g, r in zip(payload["groups"], routing):
+            g["routing"], g["routing_dtype"] = [np.asarray(x).tolist() for x in r], str(np.asarray(r[0]).dtype)
+    return payload
 
 
-def decode_batch(payload: dict, tasks_by_id: dict) -> tuple[list[Group], list[list[np.ndarray]]]:
-    """`encode_batch`'s groups and behaviour log-probs; `tasks_by_id[(domain, id)]` is the Task."""
+def decode_batch(payload: dict, tasks_by_id: dict) -> tuple[list[Group], list[list[np.ndarray]], list | None]:
+    """`encode_batch`'s groups, behaviour log-probs and routing (None when the sampler recorded none);
+    `tasks_by_id[(domain, id)]` is the Task."""
     groups, behav = [], []
+    routing = [
+        [np.asarray(r, g["routing_dtype"]) for r in g["routing"]] for g in payload["groups"] if "routing" in g
+    ] or None
     for g in payload["groups"]:
         trajs = [
             Trajectory(**{**t, "reward": None if t["reward"] is None else Reward(**t["reward"])})
@@ -205,4 +216,4 @@ def decode_batch(payload: dict, tasks_by_id: dict) -> tuple[list[Group], list[li
         ]
         groups.append(Group(g["domain"], tasks_by_id[(g["domain"], g["task"])], g["rewards"], trajs, g["correct"]))
         behav.append([np.asarray(b, np.float32) for b in g["behav"]])
-    return groups, behav
+    return groups, behav, routing
