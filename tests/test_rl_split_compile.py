@@ -122,3 +122,19 @@ def test_pod_plan_refuses_sampler_chips_without_compile_and_a_split_it_does_not_
     monkeypatch.setattr(sys, "argv", (argv + " --sampler-chips 3").split())
     with pytest.raises(SystemExit, match=r"--sampler-chips 3: expected one of \[2, 4, 6\]"):
         tool.main()
+
+
+def test_pod_plan_minibatches_set_the_learners_minibatch_or_are_refused(monkeypatch, capsys):
+    """--minibatches is rl.minibatches: the learner compiles (and is charged for) that many smaller
+    minibatches per step; one that does not divide prompts × samples is refused."""
+    tool = pod_plan()
+    monkeypatch.setattr(tool, "configure", lambda *a, **k: tiny_moe_config())
+    seen, plan = [], rl_split_plan.plan_split
+    monkeypatch.setattr(rl_split_plan, "plan_split", lambda cfg, *a: seen.append(cfg.rl.minibatches) or plan(cfg, *a))
+    argv = "pod_plan --rl-split --models tiny --topologies v5p:2x2x2 --prompts 2 --samples 4 --group 2 --minibatches"
+    monkeypatch.setattr(sys, "argv", (argv + " 2").split())
+    tool.main()
+    assert seen == [2] and "**recommended**" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", (argv + " 3").split())
+    with pytest.raises(SystemExit, match="--minibatches 3: must divide prompts × samples"):
+        tool.main()

@@ -5,7 +5,8 @@ FLOPs, collective bytes and a roofline step time, for BENCHMARKS.md "Pod plan".
         [--rows_per_chip 1] [--seq_len 4096] [--optim adamw|adafactor] [--moment_dtype bfloat16]
         [--json out.json] [--grid]
     python tools/pod_plan.py --rl-split --models qwen3_30b_a3b --topologies v5p-128 [--slices 1|2]
-        [--prompts 256] [--samples 16] [--response_len 4096] [--group 0] [--compile [--sampler-chips N]]
+        [--prompts 256] [--samples 16] [--response_len 4096] [--group 0] [--minibatches 1]
+        [--compile [--sampler-chips N]]
 
 Without --compile: the exact argument bytes by part and the analytic cost model
 (`posttrain.cost_model`: executed FLOPs, HBM and collective bytes, the roofline's step time, the
