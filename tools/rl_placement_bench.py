@@ -15,8 +15,10 @@ process group on the rest, over the transfer server on 127.0.0.1 (as
 tests/test_rl_disaggregated.py launches them). A step's time is the learner's loop iteration,
 `rl/wait_s + rl/update_s` from metrics.jsonl (waiting for rollouts, the update, the publish);
 steps/s is (steps - skip) over their sum for steps >= skip, so compiles and start-up are out.
-Each round runs the three in turn; the ratios to colocated are per round, reported as the median
-(range) over rounds.
+Each round runs the three in turn; the ratios to the first placement listed are per round,
+reported as the median (range) over rounds. `--placements colocated@4,split` runs colocated on 4
+devices instead: as many devices per program as the split's learner and sampler have (on
+simulated devices a program over fewer devices has less per-device overhead).
 """
 
 from __future__ import annotations
@@ -95,22 +97,27 @@ def steps_per_s(workdir: Path, skip: int) -> tuple[float, float]:
     return len(rows) / total, sum(r["rl/wait_s"] for r in rows) / total
 
 
-def run(args, placement: str, base: Path, cache: str) -> tuple[float, float, float]:
-    """(steps/s, wait share, wall seconds of the whole run) of one placement."""
-    work = base / placement
+def run(args, name: str, base: Path, cache: str) -> tuple[float, float, float]:
+    """(steps/s, wait share, wall seconds of the whole run) of one placement; `name` is the
+    placement, or placement@N for N devices in all instead of --devices (e.g. colocated@4: the
+    learner's share of a split, as a baseline with as many devices per program)."""
+    placement, _, count = name.partition("@")
+    devices = int(count or args.devices)
+    work = base / name
     flat = {**overrides(args, work), "rl.placement": placement}
+    log = base / f"{name}.log"
     t = time.perf_counter()
     if placement == "colocated":
-        finish(launch(flat, args.devices, base / f"{placement}.log", cache), base / f"{placement}.log", 1200)
+        finish(launch(flat, devices, log, cache), log, 1200)
     elif placement == "split":
         flat["rl.sampler_devices"] = args.sampler_devices
-        finish(launch(flat, args.devices, base / f"{placement}.log", cache), base / f"{placement}.log", 1200)
+        finish(launch(flat, devices, log, cache), log, 1200)
     else:
-        learners = args.devices - args.sampler_devices
-        sampler = launch({**flat, "rl.role": "sampler"}, args.sampler_devices, base / "sampler.log", cache)
-        learner = launch({**flat, "rl.role": "learner"}, learners, base / "learner.log", cache)
-        finish(learner, base / "learner.log", 1200)
-        finish(sampler, base / "sampler.log", 120)
+        learners = devices - args.sampler_devices
+        sampler = launch({**flat, "rl.role": "sampler"}, args.sampler_devices, base / f"{name}-sampler.log", cache)
+        learner = launch({**flat, "rl.role": "learner"}, learners, log, cache)
+        finish(learner, log, 1200)
+        finish(sampler, base / f"{name}-sampler.log", 120)
     wall = time.perf_counter() - t
     return (*steps_per_s(work, args.skip), wall)
 
@@ -131,7 +138,7 @@ def main() -> None:
     p.add_argument("--max_staleness", type=int, default=1)
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--sampler-devices", type=int, default=4)
-    p.add_argument("--placements", default=",".join(PLACEMENTS))
+    p.add_argument("--placements", default=",".join(PLACEMENTS), help="placement[@devices], comma-separated")
     args = p.parse_args()
     if args.steps <= args.skip:
         p.error("--steps must exceed --skip")
