@@ -1,6 +1,6 @@
 """How to split TPU chips between the RL learner and the sampler (`rl.placement=split`, or a
 sampler slice beside a learner slice over DCN), from the analytic cost model alone (no compile):
-`tools/pod_plan.py --rl-split`.
+`tools/pod_plan.py --rl-split` (with `--compile`, `rl_split_compile` compiles one split's programs).
 
 Each candidate gives the sampler N chips (a multiple of the model-parallel group G = fsdp × expert,
 which the sampler mesh keeps, `rl.rollout.placement`) and the learner the rest, and estimates per
@@ -62,7 +62,7 @@ def mesh(chips: int, group: int, expert: int) -> AbstractMesh:
     return AbstractMesh((chips // group, group // expert, expert, 1, 1), AXES)
 
 
-def _with_dispatch(cfg, generation: str):
+def with_dispatch(cfg, generation: str):
     """cfg with `model.moe.dispatch='auto'` resolved as it resolves on `generation`'s chips
     (`moe.dispatch.auto_dispatch`; an abstract mesh has no devices to read it from)."""
     cfg = copy.deepcopy(cfg)
@@ -125,7 +125,7 @@ def plan_split(cfg, generation: str, slice_chips: int, slices: int = 1, group: i
         raise ValueError(f"slices={slices}: expected 1 or 2")
     if slices == 2 and not chip.dcn_bytes_per_s:
         raise ValueError(f"{generation}: no published DCN bandwidth in aot.CHIPS; plan one slice")
-    cfg = _with_dispatch(cfg, generation)
+    cfg = with_dispatch(cfg, generation)
     rules = parse_rules(cfg.sharding.rules.to_dict())
     total = slices * slice_chips
     expert = max(1, min(cfg.mesh.expert, slice_chips))
@@ -164,7 +164,7 @@ def plan_split(cfg, generation: str, slice_chips: int, slices: int = 1, group: i
 def colocated(cfg, generation: str, chips: int, group: int, prompt_len: int = 1024) -> tuple[float, float]:
     """(generation, learning) seconds per step with both on every chip, one after the other
     (rl.placement=colocated, max_staleness = 0): the baseline a split must beat."""
-    chip, cfg = aot.CHIPS[generation], _with_dispatch(cfg, generation)
+    chip, cfg = aot.CHIPS[generation], with_dispatch(cfg, generation)
     rules = parse_rules(cfg.sharding.rules.to_dict())
     expert = max(1, min(cfg.mesh.expert, chips))
     gen, _ = _gen_seconds(cfg, chips // group, group, expert, rules, prompt_len, chip)

@@ -5,7 +5,8 @@ FLOPs, collective bytes and a roofline step time, for BENCHMARKS.md "Pod plan".
         [--rows_per_chip 1] [--seq_len 4096] [--optim adamw|adafactor] [--moment_dtype bfloat16]
         [--json out.json] [--grid]
     python tools/pod_plan.py --rl-split --models qwen3_30b_a3b --topologies v5p-128 [--slices 1|2]
-        [--prompts 256] [--samples 16] [--response_len 4096] [--group 0]
+        [--prompts 256] [--samples 16] [--response_len 4096] [--group 0] [--minibatches 1]
+        [--compile [--sampler-chips N]]
 
 Without --compile: the exact argument bytes by part and the analytic cost model
 (`posttrain.cost_model`: executed FLOPs, HBM and collective bytes, the roofline's step time, the
@@ -15,7 +16,10 @@ prints the analytic numbers as one row per program with a column per slice (BENC
 plan"). Needs libtpu (`pip install -e '.[tpu]'`). --rl-split needs no libtpu: every split of the
 slice (or of two such slices joined by DCN) between the RL learner and the sampler with its
 estimated generation, learning and publish time per step, and the recommended one
-(`posttrain.rl_split_plan`).
+(`posttrain.rl_split_plan`); with --compile (needs libtpu, one slice) the recommended split (or
+--sampler-chips N) is compiled: the learner program on the learner's chips and the sampler
+program on the sampler mesh, their compiled bytes per chip beside the analytic floors, and the
+weight bytes per publish (`posttrain.rl_split_compile`).
 """
 
 from __future__ import annotations
@@ -136,6 +140,9 @@ def rl_split(args) -> None:
             r = cfg.rl
             r.group_size, r.max_new_tokens = args.samples, args.response_len
             r.prompts_per_step = args.prompts or max(1, chips * args.rows_per_chip // args.samples)
+            r.minibatches = args.minibatches
+            if r.prompts_per_step * r.group_size % r.minibatches:
+                raise SystemExit(f"--minibatches {r.minibatches}: must divide prompts × samples")
             group = args.group or rl_split_plan.default_group(cfg, aot.CHIPS[gen], chips)
             splits = rl_split_plan.plan_split(cfg, gen, chips, args.slices, group, args.prompt_len)
             best = rl_split_plan.recommend(splits)
@@ -175,6 +182,66 @@ def rl_split(args) -> None:
                 )
                 if together is not None and together < best.step_s:
                     print(f"(colocated, generation then learning on every chip, is faster here: ~{together:.1f} s)")
+            if args.compile:
+                chosen = best
+                if args.sampler_chips:
+                    chosen = next((s for s in splits if s.sampler_chips == args.sampler_chips), None)
+                    if chosen is None:
+                        raise SystemExit(
+                            f"--sampler-chips {args.sampler_chips}: expected one of {[s.sampler_chips for s in splits]}"
+                        )
+                if chosen is not None:
+                    compiled_split(cfg, topology, chosen, group, args.prompt_len)
+
+
+COMPILED_HEADER = (
+    "| program | chips | mesh | args GB/chip | temps GB/chip | compiled GB/chip | analytic floor GB/chip | "
+    "fits | compiled est. s | analytic s | compile s |\n|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def compiled_split(cfg, topology: str, split, group: int, prompt_len: int) -> None:
+    """--rl-split --compile: compile `split`'s learner and sampler programs (markdown table)."""
+    from posttrain import rl_split_compile
+    from posttrain.parallel import aot
+
+    if split.problem:
+        print(f"(sampler chips {split.sampler_chips}: {split.problem}; compiled anyway)")
+    c = rl_split_compile.compile_split(
+        cfg, topology, split, group, prompt_len, log=lambda s: print(s, file=sys.stderr, flush=True)
+    )
+    hbm = aot.CHIPS[aot.parse_topology(topology)[0]].hbm_bytes
+    r = cfg.rl
+    per_step = r.minibatches * r.updates_per_batch
+    print(
+        f"\ncompiled: {split.sampler_chips} sampler chips, {split.learner_chips} learner chips "
+        f"({topology}, libtpu on abstract devices)\n" + COMPILED_HEADER
+    )
+    for rep, total, floor, steps, analytic in (
+        (c.learner, c.learner_total, split.learner_gb, per_step, split.learn_s),
+        (c.sampler, c.sampler_total, split.sampler_gb, 1, split.gen_s),
+    ):
+        mesh = "·".join(f"{k[0]}{v}" for k, v in rep["mesh"].items() if v > 1) or "1"
+        if total is None:
+            print(
+                f"| {rep['program']} | {math.prod(rep['mesh'].values())} | {mesh} | – | – | "
+                f"**does not compile**: {rep['error'][:160]} | {floor:.1f} | **no** | – | {analytic:.1f} | – |"
+            )
+            continue
+        est = rep["step_s"] * steps
+        print(
+            f"| {rep['program']} | {math.prod(rep['mesh'].values())} | {mesh} | {rep['arguments'] / GB:.1f} | "
+            f"{rep['temporaries'] / GB:.1f} | {total / GB:.1f} | {floor:.1f} | {'yes' if total <= hbm else '**no**'} | "
+            f"{est:.1f} | {analytic:.1f} | {rep['compile_s']:.0f} |"
+        )
+    print(
+        f"publish: {c.model_bytes / GB:.2f} GB of weights per step, {c.publish_bytes_per_chip / GB:.2f} GB landing "
+        f"on each of {split.sampler_chips} sampler chips ({c.publish_bytes_per_chip * split.sampler_chips / GB:.1f} GB "
+        "in all); the sampler's compiled GB/chip counts that incoming copy, the learner's is one minibatch "
+        f"(est. s × {per_step} minibatches × updates)"
+    )
+    if c.learner_total is None:
+        print("the learner's minibatch does not fit: more rl.minibatches (--minibatches) make it smaller")
 
 
 def main() -> None:
@@ -202,7 +269,15 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8, help="--rl-split: samples per prompt (rl.group_size)")
     ap.add_argument("--response_len", type=int, default=1024, help="--rl-split: new tokens (rl.max_new_tokens)")
     ap.add_argument("--group", type=int, default=0, help="--rl-split: model-parallel chips (0: smallest that fits)")
+    ap.add_argument("--minibatches", type=int, default=1, help="--rl-split: rl.minibatches (optimizer steps per batch)")
+    ap.add_argument(
+        "--sampler-chips", type=int, default=0, help="--rl-split --compile: the split to compile (0: recommended)"
+    )
     args = ap.parse_args()
+    if args.sampler_chips and not (args.rl_split and args.compile):
+        ap.error("--sampler-chips: only with --rl-split --compile")
+    if args.rl_split and args.compile and args.slices != 1:
+        ap.error("--rl-split --compile: compiles one slice's split (--slices 1); two slices are planned analytically")
     if args.rl_split:
         rl_split(args)
         return
