@@ -280,7 +280,7 @@ def training_records(
     for i in range(n):
         length = int(round(np.exp(rng.uniform(np.log(min_length), np.log(max_length)))))
         if kinds[i % len(kinds)] == "recall":
-            out.append(_recall_record(length, float(rng.random()), i, seed, count))
+            out.append(_recall_record(length, max_length, float(rng.random()), i, seed, count))
             continue
         p = generate_problem(
             kinds[i % len(kinds)],
@@ -299,20 +299,16 @@ def training_records(
 RECALL_TURN_TOKENS = 18  # a further question and answer turn: "KEY=?", "KEY=1234" and 4 chat markers, with room
 
 
-def _recall_record(length: int, depth: float, index: int, seed: int, count: Callable[[str], int]) -> dict:
-    """A training conversation over one recall context, asking each of its facts in turn (random
-    order): its context shrinks by `RECALL_TURN_TOKENS` per extra turn to keep within `length`."""
-    facts = recall_facts(length)
-    problems = recall_problems(
-        max(length - RECALL_TURN_TOKENS * (facts - 1), 64),
-        depth,
-        index=index,
-        seed=seed,
-        split="train",
-        count=count,
-        facts=facts,
-    )
-    order = np.random.default_rng([len(SPLITS), seed, index]).permutation(len(problems))
+def _recall_record(
+    length: int, max_length: int, depth: float, index: int, seed: int, count: Callable[[str], int]
+) -> dict:
+    """A training conversation over one recall context of `length` tokens (as an evaluation
+    problem's), asking its facts in turn (random order), as many as fit in `max_length`: every
+    one in short contexts, at least one in the longest, so contexts as long as the evaluated ones
+    are trained too."""
+    problems = recall_problems(length, depth, index=index, seed=seed, split="train", count=count)
+    turns = min(len(problems), 1 + max(max_length - length, 0) // RECALL_TURN_TOKENS)
+    order = np.random.default_rng([len(SPLITS), seed, index]).permutation(len(problems))[:turns]
     messages = []
     for j, k in enumerate(order):
         context, question = problems[k].prompt.rsplit("\n", 1)
