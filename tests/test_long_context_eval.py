@@ -10,7 +10,17 @@ import pytest
 from posttrain.config import base_config
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.eval import long_context_eval
-from posttrain.eval.long_context import is_correct, multihop, names, needle, training_records
+from posttrain.eval.long_context import (
+    is_correct,
+    multihop,
+    names,
+    needle,
+    recall,
+    recall_facts,
+    recall_key_split,
+    recall_keys,
+    training_records,
+)
 
 FACT = re.compile(r"The code of (\w+) is (?:(-?\d+)|the code of (\w+) (plus|minus) (\d+))\.")
 
@@ -51,17 +61,74 @@ def test_too_short_is_an_error():
         multihop(100, 0.5, hops=4)
 
 
+def record_text(r: dict) -> str:
+    """A training record's text: its prompt, or (recall) every turn."""
+    return r["prompt"] if "prompt" in r else " ".join(m["content"] for m in r["messages"])
+
+
 def test_eval_names_never_occur_in_training_data():
     rng = np.random.default_rng(0)
     eval_names = set(names(rng, "eval", 300))
-    train_text = " ".join(r["prompt"] for r in training_records(200, 160, 400, seed=0))
-    train_text += " ".join(r["prompt"] for r in training_records(50, 160, 400, seed=7))
+    train_text = " ".join(map(record_text, training_records(200, 160, 400, seed=0)))
+    train_text += " ".join(map(record_text, training_records(50, 160, 400, seed=7)))
     found = set(re.findall(r"[A-Z][a-z]+", train_text))
     assert len(found) > 100 and not eval_names & found
     for i in range(50):  # and the eval problems' own names
         for p in (needle(300, 0.5, index=i), multihop(300, 0.5, index=i)):
             asked = re.search(r"of (\w+)\?", p.prompt).group(1)
             assert asked not in train_text
+
+
+RECALL_FACT = re.compile(r"\b([A-Z]{3})=(\d{4})\.")
+
+
+@pytest.mark.parametrize("length", [256, 1024])
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_recall_problems(length, depth):
+    p = recall(length, depth, index=5)
+    assert p == recall(length, depth, index=5) and p.kind == "recall"
+    facts = dict(RECALL_FACT.findall(p.prompt))
+    asked = re.fullmatch(r"([A-Z]{3})=\?", p.prompt.rsplit("\n", 1)[1]).group(1)
+    assert len(facts) == recall_facts(length) and facts[asked] == p.answer  # distractors, one answer
+    assert length - 60 < len(p.prompt.encode()) <= length
+    at = p.prompt.index(f"{asked}={p.answer}.") / len(p.prompt.rsplit("\n", 1)[0])
+    assert abs(at - depth) < 0.1 + 60 / length and p.fact_depths[0] == pytest.approx(depth, abs=0.1 + 60 / length)
+
+
+def test_recall_keys_split_by_a_hash_of_the_key():
+    """Held out by meaning: a key's split is a function of its canonical (upper-case) form, so the
+    evaluation keys (about RECALL_EVAL_PERCENT of them) never occur in any training record."""
+    rng = np.random.default_rng(0)
+    assert all(recall_key_split(k) == "eval" for k in recall_keys(rng, "eval", 200))
+    assert recall_key_split("qzx") == recall_key_split("QZX") == recall_key_split(" QZX ")
+    share = np.mean([recall_key_split(a + b + "Q") == "eval" for a in "ABCDEFGHIJKLM" for b in "NOPQRSTUVWXYZ"])
+    assert 0.15 < share < 0.35
+    records = training_records(120, 160, 1000, seed=1, kinds=("recall",))
+    text = "".join(m["content"] for r in records for m in r["messages"])
+    train_keys = {k for k, _ in RECALL_FACT.findall(text)}
+    assert len(train_keys) > 500 and all(recall_key_split(k) == "train" for k in train_keys)
+    eval_keys = {
+        re.search(r"([A-Z]{3})=\?$", recall(n, 0.5, index=i).prompt).group(1) for i in range(40) for n in (256, 1024)
+    }
+    assert eval_keys and not eval_keys & train_keys
+
+
+def test_recall_training_records_ask_every_fact_within_the_length():
+    tok = load_tokenizer("byte")
+    records = training_records(40, 160, 1000, seed=3, kinds=("recall",), count=lambda s: len(tok.encode(s)))
+    # contexts as long as evaluated ones are trained too (the first turn is an evaluation problem's
+    # shape at its length), with fewer questions when fewer fit
+    assert max(len(r["messages"][0]["content"]) for r in records) > 900
+    asked_all = [len(r["messages"]) // 2 == len(RECALL_FACT.findall(r["messages"][0]["content"])) for r in records]
+    assert any(asked_all) and not all(asked_all) and max(len(r["messages"]) for r in records) >= 8
+    for r in records:
+        msgs = r["messages"]
+        ids, trainable = tok.encode_chat(msgs)
+        assert len(ids) <= 1000 + 8  # the turns fit the drawn length (+ chat markers)
+        facts = dict(RECALL_FACT.findall(msgs[0]["content"]))
+        asked = [m["content"].rsplit("\n", 1)[-1][:3] for m in msgs[::2]]
+        assert set(asked) <= set(facts) and [m["content"] for m in msgs[1::2]] == [f"{k}={facts[k]}" for k in asked]
+        assert all(is_correct(m["content"], facts[k]) for m, k in zip(msgs[1::2], asked))  # the number is checked
 
 
 def test_exact_answer_check():
@@ -79,10 +146,12 @@ def test_grid_accuracy_accounting(monkeypatch):
     """Accuracy per cell and the means come from the exact check of what the sampler returned:
     an oracle answering only deep needles and short multi-hop problems scores exactly that."""
     tok = load_tokenizer("byte")
-    calls = []
+    calls, sizes = [], []
+    monkeypatch.setattr(long_context_eval, "CALL_PROMPTS", 4)  # 6 problems per length: calls of 4 and 2
 
     def fake_generate(graphdef, params, rest, prompts, sampling, key, *, pad_id):
         calls.append(max(map(len, prompts)))
+        sizes.append(len(prompts))
         texts = [tok.decode(p) for p in prompts]
         answers = []
         for t in texts:
@@ -98,6 +167,7 @@ def test_grid_accuracy_accounting(monkeypatch):
     rows = long_context_eval.evaluate(object(), tok, lc_config(), step=7)
     assert len(rows) == 2 * 2 * 2 and all(r["n"] == 3 and r["step"] == 7 for r in rows)
     assert all(r["prompt_tokens"] <= r["length"] for r in rows) and max(calls) <= 256
+    assert sizes == [4, 2] * 4  # each (kind, length) in sampler calls of at most CALL_PROMPTS
     acc = {(r["kind"], r["length"], r["depth"]): r["accuracy"] for r in rows}
     assert acc == {
         ("needle", 192, 0.0): 0.0,

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.core import lineage
 from posttrain.data.tokenizer import load_tokenizer
+from posttrain.errors import UserError
 from posttrain.eval.gates import GateFailed, check_gate
 from posttrain.eval.long_context_eval import evaluate, summarize
 
@@ -44,7 +46,8 @@ def test_long_context_tiny_end_to_end(tmp_path):
         assert f"eval/long_ctx_{kind}/len256" in result.eval
     rows = [json.loads(line) for line in open(os.path.join(cfg.workdir, "long_context.jsonl"))]
     assert len(rows) == 2 * 2 * 2 and {r["step"] for r in rows} == {4}
-    assert all(r["length"] - 40 < r["prompt_tokens"] <= r["length"] for r in rows)
+    # a cell's length is the whole context read: the prompt and the max_new_tokens (4) answer
+    assert all(r["length"] - 4 - 48 < r["prompt_tokens"] <= r["length"] - 4 for r in rows)
     assert os.path.getsize(os.path.join(cfg.workdir, "long_context.png")) > 1000
     assert "passed" in check_gate("sft", "eval/long_ctx_needle>=0", result.eval)
     with pytest.raises(GateFailed, match="long_ctx_multihop"):
@@ -57,7 +60,14 @@ def test_long_context_tiny_end_to_end(tmp_path):
     finally:
         sys.path.pop(0)
     model, step, _ = load_model(cfg, 2)
-    before = summarize(evaluate(model, load_tokenizer("byte"), cfg.eval.long_context, step=step))
+    # trained at 192 tokens so far: the tool's limit refuses the 256-token cells unless told
+    limit = lineage.max_context(cfg, lineage.of_run(cfg.workdir, step=step))
+    assert 0 < limit <= 192  # the longest sequence trained (packed rows may hold fewer tokens)
+    with pytest.raises(UserError, match=r"sampling\.max_context: eval\.long_context\.lengths='192,256' needs 256"):
+        evaluate(model, load_tokenizer("byte"), cfg.eval.long_context, step=step, max_context=limit)
+    cfg.sampling.max_context = 256  # told to (the tool's --max_context)
+    limit = lineage.max_context(cfg, lineage.of_run(cfg.workdir, step=step))
+    before = summarize(evaluate(model, load_tokenizer("byte"), cfg.eval.long_context, step=step, max_context=limit))
     assert step == 2 and set(before) == {k.removeprefix("eval/") for k in result.eval}
 
 
@@ -76,6 +86,7 @@ def test_long_context_eval_cli(tmp_path):
             f"--run={cfg.workdir}",
             "--step=2",
             "--lengths=200",
+            "--max_context=200",  # past the 192 tokens trained by step 2, explicitly
             "--depths=0.5",
             "--samples=2",
             f"--out={tmp_path / 'lc'}",

@@ -22,6 +22,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from posttrain import storage
+from posttrain.core import lineage
 from posttrain.core.checkpoint import Checkpointer, abstract_with_shardings
 from posttrain.core.state import abstract_model, init_model_state, shardings_for
 from posttrain.data.examples import rl_prompt_example
@@ -80,6 +81,8 @@ def main(argv: list[str]) -> None:
         max_new_tokens=FLAGS.max_new_tokens,
         stop_ids=tok.stop_ids,
         num_samples=FLAGS.num_samples,
+        # sampling.max_context: the run's trained and configured context unless the key is set
+        max_context=lineage.max_context(cfg, lineage.of_run(cfg.workdir)),
     )
     records = [(f"{r.path}:{r.line}", rl_prompt_example(r.data, tok)) for r in read_jsonl(FLAGS.prompts)]
     mesh, rules = mesh_and_rules(cfg)

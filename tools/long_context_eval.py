@@ -2,12 +2,14 @@
 length x depth grid, greedy answers checked exactly.
 
     python tools/long_context_eval.py --run runs/long_context_tiny [--step 40] \
-        [--lengths 256,1024] [--depths 0,0.5,1] [--samples 8] [--out DIR]
+        [--lengths 256,1024] [--depths 0,0.5,1] [--samples 8] [--out DIR] [--max_context 1024]
 
 Settings default to the run's `eval.long_context.*` (its config.json); the flags override them.
 Writes DIR/long_context.jsonl (appended, one row per kind x length x depth, with the step) and
 DIR/long_context.png (heat maps); prints the rows' means (`long_ctx_needle`, `long_ctx_multihop`).
-DIR defaults to the run folder.
+DIR defaults to the run folder. Lengths past the checkpoint's trained and configured context
+(its lineage: what it was trained at up to that step) are refused unless --max_context (or the
+run's sampling.max_context) allows them: e.g. a 256-token checkpoint measured at 1024 tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ for _name, _kind in (
     ("seed", "integer"),
 ):
     getattr(flags, f"DEFINE_{_kind}")(_name, None, f"Overrides eval.long_context.{_name}.")
+flags.DEFINE_integer(
+    "max_context",
+    None,
+    "Overrides sampling.max_context: evaluate up to this many tokens, past the checkpoint's trained context.",
+)
 FLAGS = flags.FLAGS
 
 
@@ -59,6 +66,7 @@ def main(argv: list[str]) -> None:
     for noisy in ("absl", "jax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from posttrain import storage
+    from posttrain.core import lineage
     from posttrain.core.hf_convert import read_run_config
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.eval.long_context_eval import evaluate, plot_heatmaps, summarize, write_rows
@@ -71,9 +79,13 @@ def main(argv: list[str]) -> None:
             lc[name] = getattr(FLAGS, name)
     if not lc.lengths:
         raise app.UsageError("no lengths: give --lengths (e.g. 256,1024) or set eval.long_context.lengths")
+    if FLAGS.max_context is not None:
+        cfg.sampling.max_context = FLAGS.max_context
     model, step, (mesh, rules) = load_model(cfg, FLAGS.step)
+    # sampling.max_context: what this checkpoint was trained for (its lineage) unless set
+    limit = lineage.max_context(cfg, lineage.of_run(FLAGS.run, step=step))
     with use_sharding(mesh, rules):
-        rows = evaluate(model, load_tokenizer(cfg.data.tokenizer), lc, step=step)
+        rows = evaluate(model, load_tokenizer(cfg.data.tokenizer), lc, step=step, max_context=limit)
     out = FLAGS.out or FLAGS.run
     storage.makedirs(out)
     write_rows(rows, storage.join(out, "long_context.jsonl"))

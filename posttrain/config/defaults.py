@@ -346,6 +346,10 @@ def base_config() -> ml_collections.ConfigDict:
             continuous_batching=False,  # rollouts through continuously refilled decode slots (same samples as static)
             num_slots=16,  # continuous_batching: decode slots (at most the samples of one sampler call)
             refill_batch=4,  # continuous_batching: free slots refilled this many samples at a time
+            # longest prompt + new tokens any sampler call (rollouts, evals, long-context evals, tools) may
+            # need; 0: the context the model was trained and configured for (core/lineage.py
+            # `configured_context`); N: up to N tokens, explicitly (e.g. to measure past the trained length)
+            max_context=0,
         )
     )
     cfg.lora = ml_collections.ConfigDict(

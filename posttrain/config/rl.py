@@ -177,7 +177,7 @@ def parse_truncated_reward(value: str) -> str | float:
 
 @section
 class SamplingConfig(Section):
-    """`sampling`: the rlvr stage's sampler."""
+    """`sampling`: the rlvr stage's sampler; `max_context` bounds every sampler call of a run."""
 
     KEY = "sampling"
     quantize: str = choice(QUANT_MODES)
@@ -188,6 +188,7 @@ class SamplingConfig(Section):
     continuous_batching: bool
     num_slots: int = bounded(ge=1)
     refill_batch: int = bounded(ge=1)
+    max_context: int = bounded(ge=0)
 
 
 @section

@@ -15,6 +15,7 @@ import logging
 import fsspec
 
 from posttrain.core.checkpoint import Checkpointer
+from posttrain.errors import UserError
 
 KEY = "lineage"
 
@@ -41,8 +42,8 @@ def of_init(init_from: str, _depth: int = 0) -> dict:
     return of_run(init_from, _depth)
 
 
-def of_run(path: str, _depth: int = 0) -> dict:
-    """The lineage of the newest checkpoint under run (or checkpoints folder) `path`.
+def of_run(path: str, _depth: int = 0, *, step: int | None = None) -> dict:
+    """The lineage of the newest checkpoint (or that of `step`) under run (or checkpoints folder) `path`.
 
     Checkpoints written before lineage was recorded fall back to what they have: the source
     config a `convert_hf.py --from_hf` run stored, else the lineage of the run's own `init_from`.
@@ -53,7 +54,7 @@ def of_run(path: str, _depth: int = 0) -> dict:
     if not fs.exists(path):
         return empty()
     ckpt = Checkpointer(checkpoint_dir(path), every=0, keep=1, async_save=False)
-    step = ckpt.latest_step()
+    step = ckpt.latest_step() if step is None else step
     meta = ckpt.restore(step, {})[2] if step is not None else {}
     ckpt.close()
     if meta.get(KEY):
@@ -75,3 +76,34 @@ def _run_init_from(path: str) -> str:
         return ""
     with fsspec.open(file) as f:
         return json.load(f).get("init_from", "")
+
+
+def configured_context(model_cfg, source: dict, seq_len: int = 0) -> int:
+    """The context a model was trained and configured for: the longest of its trained context
+    (`source`, a lineage), its source config's `max_position_embeddings`, the RoPE scaling's
+    extended length (`original_max_position_embeddings` × `factor`) and `seq_len` (the
+    `train.seq_len` of a run that trains it). 0 when none is known (the sampler then checks nothing)."""
+    s = model_cfg.rope_scaling
+    scaled = int(s.original_max_position_embeddings * s.factor) if s.type and s.original_max_position_embeddings else 0
+    hf = int((source.get("hf_config") or {}).get("max_position_embeddings") or 0)
+    return max(int(source.get("trained_context") or 0), hf, scaled, int(seq_len))
+
+
+def max_context(cfg, source: dict, seq_len: int = 0) -> int:
+    """`sampling.max_context` resolved for a model of lineage `source`: the key when it is set (an
+    explicit limit), else `configured_context` (see there; `seq_len` when this run trains it)."""
+    return int(cfg.sampling.max_context) or configured_context(cfg.model, source, seq_len)
+
+
+def check_need(need: int, limit: int, what: str) -> None:
+    """Refuse at start-up what a sampler call would refuse later: `what` (e.g. "eval.long_context.
+    lengths=256,1024") needing `need` positions (prompt + new tokens) past `limit` (0: unchecked)."""
+    if limit and need > limit:
+        raise UserError(
+            f"sampling.max_context: {what} needs {need} positions (prompt + new tokens), past the context "
+            f"the model is trained and configured for ({limit}: the longest of its trained context, "
+            "train.seq_len, the source config's max_position_embeddings and the RoPE scaling's extended "
+            f"length, or sampling.max_context); set --config.sampling.max_context={need} (or more) to "
+            "sample past it explicitly",
+            key="sampling.max_context",
+        )

@@ -4,22 +4,28 @@ multi-hop reasoning hidden in filler text.
     needle    "... The magic number of Vekora is 4821. ..."        → "What is the magic number of Vekora?"  4821
     multihop  "... The code of Vekora is 17. ... The code of Zumith is the code of Vekora plus 3. ..."
                                                                     → "What is the code of Zumith?"  20
+    recall    "... QZX=4821. ... BDW=7730. ..."                     → "QZX=?"  4821
+              (key-value recall among 1 + length/64 facts; short all-caps keys. Training
+              answers restate the key, "QZX=4821", so the value follows a copy of "QZX=" as in
+              the context: an induction-head match a small byte model learns at length)
 
 Problems are a pure function of (kind, split, seed, index, length, depth): the same arguments
 give the same text on any machine. The `train` and `eval` splits draw names from disjoint
-syllable sets, so no evaluation name (the thing retrieved) can occur in training data generated
-here, whatever the seeds.
+syllable sets (recall keys: by a hash of the key, `recall_key_split`), so no evaluation name (the
+thing retrieved) can occur in training data generated here, whatever the seeds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
+import string
 from collections.abc import Callable
 
 import numpy as np
 
-KINDS = ("needle", "multihop")
+KINDS = ("needle", "multihop", "recall")
 SPLITS = ("train", "eval")
 # A name is a first syllable from its split's set and one or two more from the shared ones.
 FIRST_SYLLABLES = {
@@ -171,11 +177,71 @@ def multihop(
     return Problem("multihop", prompt, str(value), length, depth, achieved)
 
 
+RECALL_EVAL_PERCENT = 25  # of the 26^3 recall keys, about this share is held out for evaluation
+
+
+def recall_key_split(key: str) -> str:
+    """The split ("train" or "eval") of recall key `key`, by a hash of its canonical (upper-case)
+    form: a key and its other spellings are held out together, whatever generator drew them."""
+    bucket = int.from_bytes(hashlib.sha256(key.strip().upper().encode()).digest()[:8], "little") % 100
+    return "eval" if bucket < RECALL_EVAL_PERCENT else "train"
+
+
+def recall_keys(rng: np.random.Generator, split: str, n: int) -> list[str]:
+    """`n` distinct three-letter upper-case keys of `split` (by `recall_key_split`)."""
+    out: list[str] = []
+    while len(out) < n:
+        key = "".join(rng.choice(list(string.ascii_uppercase), 3))
+        if recall_key_split(key) == split and key not in out:
+            out.append(key)
+    return out
+
+
+def recall_facts(length: int) -> int:
+    """Facts in a recall context of `length` tokens: 1 + length // 64 (5 at 256, 17 at 1024), dense
+    enough that a training context asking each of them teaches many retrievals per token."""
+    return 1 + length // 64
+
+
+def recall_problems(
+    length: int,
+    depth: float,
+    *,
+    index: int = 0,
+    seed: int = 0,
+    split: str = "eval",
+    count: Callable[[str], int] = lambda s: len(s.encode()),
+    facts: int = 0,
+) -> list[Problem]:
+    """Key-value recall: `facts` ("KEY=1234.", default `recall_facts(length)`) in filler text, the
+    first at fraction `depth`, the others at random depths; one Problem per fact, all with the same
+    context and each asking its key ("KEY=?"). The first is the evaluation problem (`recall`);
+    training asks them all, one turn each (`training_records`)."""
+    rng = _rng("recall", split, seed, index, length, depth)
+    n = facts or recall_facts(length)
+    keys = recall_keys(rng, split, n)
+    values = [str(int(v)) for v in rng.integers(1000, 10000, n)]
+    depths = [depth] + [float(d) for d in rng.random(n - 1)]
+    questions = [f"{k}=?" for k in keys]
+    longest = max(questions, key=count)
+    context, achieved = place([f"{k}={v}." for k, v in zip(keys, values)], depths, longest, length, rng, count)
+    context = context.rsplit("\n", 1)[0]
+    return [
+        Problem("recall", f"{context}\n{q}", v, length, depth, (a,)) for q, v, a in zip(questions, values, achieved)
+    ]
+
+
+def recall(length: int, depth: float, **kw) -> Problem:
+    """One key-value recall problem: the fact asked sits at fraction `depth` of the context, among
+    `recall_facts(length)` facts (see `recall_problems`)."""
+    return recall_problems(length, depth, **kw)[0]
+
+
 def generate_problem(kind: str, length: int, depth: float, **kw) -> Problem:
-    """`needle(...)` or `multihop(...)` by name."""
-    if kind == "needle":
+    """`needle(...)`, `multihop(...)` or `recall(...)` by name."""
+    if kind in ("needle", "recall"):
         kw.pop("hops", None)
-        return needle(length, depth, **kw)
+        return needle(length, depth, **kw) if kind == "needle" else recall(length, depth, **kw)
     if kind == "multihop":
         return multihop(length, depth, **kw)
     raise ValueError(f"kind={kind!r}: expected one of {KINDS}")
@@ -203,13 +269,19 @@ def training_records(
     """`n` SFT records ({"prompt", "response"}) of the `train` split — names disjoint from every
     evaluation problem — with prompt lengths spread over [min_length, max_length] tokens and
     depths over [0, 1], kinds alternating: data that teaches retrieval at every length. Lengths
-    are log-uniform, so short problems (an early, short stage of a staged run) are common."""
+    are log-uniform, so short problems (an early, short stage of a staged run) are common. A
+    recall record is a conversation ({"messages"}) asking every fact of its context, one turn
+    each, so each context teaches several retrievals; its turns fit the same token budget, and its
+    answers restate the key ("QZX=4821": the answer checked is the number)."""
     if not 0 < min_length <= max_length:
         raise ValueError(f"training_records: need 0 < min_length={min_length} <= max_length={max_length}")
     rng = np.random.default_rng([len(SPLITS), seed])  # a namespace of its own
     out = []
     for i in range(n):
         length = int(round(np.exp(rng.uniform(np.log(min_length), np.log(max_length)))))
+        if kinds[i % len(kinds)] == "recall":
+            out.append(_recall_record(length, max_length, float(rng.random()), i, seed, count))
+            continue
         p = generate_problem(
             kinds[i % len(kinds)],
             length,
@@ -222,3 +294,27 @@ def training_records(
         )
         out.append({"prompt": p.prompt, "response": p.answer})
     return out
+
+
+RECALL_TURN_TOKENS = 18  # a further question and answer turn: "KEY=?", "KEY=1234" and 4 chat markers, with room
+
+
+def _recall_record(
+    length: int, max_length: int, depth: float, index: int, seed: int, count: Callable[[str], int]
+) -> dict:
+    """A training conversation over one recall context of `length` tokens (as an evaluation
+    problem's), asking its facts in turn (random order), as many as fit in `max_length`: every
+    one in short contexts, at least one in the longest, so contexts as long as the evaluated ones
+    are trained too."""
+    problems = recall_problems(length, depth, index=index, seed=seed, split="train", count=count)
+    turns = min(len(problems), 1 + max(max_length - length, 0) // RECALL_TURN_TOKENS)
+    order = np.random.default_rng([len(SPLITS), seed, index]).permutation(len(problems))[:turns]
+    messages = []
+    for j, k in enumerate(order):
+        context, question = problems[k].prompt.rsplit("\n", 1)
+        answer = f"{question.removesuffix('?')}{problems[k].answer}"  # "QZX=4821"
+        messages += [
+            {"role": "user", "content": problems[k].prompt if j == 0 else question},
+            {"role": "assistant", "content": answer},
+        ]
+    return {"messages": messages}

@@ -17,12 +17,16 @@ import numpy as np
 from flax import nnx
 
 from posttrain import storage
+from posttrain.core.lineage import check_need
 from posttrain.data.tokenizer import Tokenizer
 from posttrain.eval.long_context import KINDS, generate_problem, is_correct
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams
 
 KEY = "eval.long_context"
+# prompts per sampler call: a cell grid of 3 depths x 50 problems at 1024 tokens in one call held
+# ~10 GB of attention scores on CPU (killed for memory); greedy answers do not depend on the split
+CALL_PROMPTS = 16
 
 
 def parse_grid(lc) -> dict:
@@ -54,14 +58,19 @@ def chat_prompt(tok: Tokenizer, text: str) -> list[int]:
     return list(tok.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True)[0])
 
 
-def evaluate(model: nnx.Module, tok: Tokenizer, lc, *, step: int | None = None) -> list[dict]:
+def evaluate(model: nnx.Module, tok: Tokenizer, lc, *, step: int | None = None, max_context: int = 0) -> list[dict]:
     """Accuracy of greedy answers per (kind, length, depth) cell: rows {kind, length, depth,
     accuracy, correct, n, prompt_tokens (mean), example (one answer and completion), step}.
-    `length` counts the whole chat prompt."""
+    `length` counts the whole context the model reads: chat prompt and `max_new_tokens` answer, so
+    a model trained at L tokens is evaluated within them at length L. `max_context` (> 0): the
+    sampler refuses past it (`sampling.max_context`, resolved by `core.lineage.max_context`)."""
     grid = parse_grid(lc)
+    check_need(max(grid["lengths"]), max_context, f"{KEY}.lengths={lc.lengths!r}")
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=lc.max_new_tokens, stop_ids=tuple(tok.stop_ids))
-    overhead = len(chat_prompt(tok, ""))
+    sampling = SamplingParams(
+        temperature=0.0, max_new_tokens=lc.max_new_tokens, stop_ids=tuple(tok.stop_ids), max_context=max_context
+    )
+    overhead = len(chat_prompt(tok, "")) + lc.max_new_tokens
     count = lambda s: len(tok.encode(s))
     rows = []
     for kind in grid["kinds"]:
@@ -74,8 +83,11 @@ def evaluate(model: nnx.Module, tok: Tokenizer, lc, *, step: int | None = None) 
                 for d, i in cells
             ]
             prompts = [chat_prompt(tok, p.prompt) for p in problems]
-            out = generate(graphdef, params, rest, prompts, sampling, jax.random.key(0), pad_id=tok.pad_id)
-            texts = [tok.decode(out.completion(j)) for j in range(len(problems))]
+            texts = []
+            for at in range(0, len(prompts), CALL_PROMPTS):  # bounded memory: [rows, heads, L, L] scores at L
+                chunk = prompts[at : at + CALL_PROMPTS]
+                out = generate(graphdef, params, rest, chunk, sampling, jax.random.key(0), pad_id=tok.pad_id)
+                texts += [tok.decode(out.completion(j)) for j in range(len(chunk))]
             ok = [is_correct(t, p.answer) for t, p in zip(texts, problems)]
             for d in grid["depths"]:
                 idx = [j for j, (dd, _) in enumerate(cells) if dd == d]
@@ -141,17 +153,19 @@ def plot_heatmaps(rows: Sequence[dict], out: str, title: str = "") -> str:
     return out
 
 
-def make_long_context_eval(lc, workdir: str, tok: Tokenizer):
+def make_long_context_eval(lc, workdir: str, tok: Tokenizer, max_context: int = 0):
     """eval hook for a stage: `fn(model, step)` → `long_ctx_*` metrics over the grid of `lc` (the
     `eval.long_context` section); each call appends its rows to `{workdir}/long_context.jsonl` and
-    redraws `{workdir}/long_context.png`. None when `lc.lengths` is empty."""
+    redraws `{workdir}/long_context.png`. None when `lc.lengths` is empty. A grid past
+    `max_context` (> 0, see `evaluate`) is refused here, at start-up."""
     if not lc.lengths:
         return None
-    parse_grid(lc)  # fail at start-up, not at the first evaluation
+    lengths = parse_grid(lc)["lengths"]  # fail at start-up, not at the first evaluation
+    check_need(max(lengths), max_context, f"{KEY}.lengths={lc.lengths!r}")
     jsonl, png = storage.join(workdir, "long_context.jsonl"), storage.join(workdir, "long_context.png")
 
     def fn(model: nnx.Module, step: int | None = None) -> dict:
-        rows = evaluate(model, tok, lc, step=step)
+        rows = evaluate(model, tok, lc, step=step, max_context=max_context)
         if jax.process_index() == 0:
             write_rows(rows, jsonl)
             plot_heatmaps(rows, png, workdir)

@@ -311,9 +311,15 @@ def slot_config(sampling_cfg):
     return SlotConfig(s.num_slots, s.refill_batch) if s.continuous_batching else None
 
 
+# sampling.* keys of every stage that samples (the others configure the rlvr stage's sampler)
+EVERY_STAGE_KEYS = ("max_context",)
+SAMPLING_STAGES = ("sft", "dpo", "eval", "rejection_sampling", "rlvr")  # their evals, samples or rollouts
+
+
 def check_sampling_config(cfg, stage_names) -> None:
     """Raise ValueError naming the `sampling.*` key whose value is invalid or cannot take effect: the
-    keys configure the rlvr stage's sampler, so another stage alone must leave them at their defaults."""
+    keys configure the rlvr stage's sampler, so another stage alone must leave them at their defaults
+    (but `EVERY_STAGE_KEYS`, which bound the sampler calls of every stage that samples)."""
     from posttrain.config import base_config
     from posttrain.models.quant import check_mode
     from posttrain.rl.rollout.routing import check_routing_replay
@@ -356,15 +362,20 @@ def check_sampling_config(cfg, stage_names) -> None:
     for key in ("num_slots", "refill_batch"):
         if s[key] != defaults[key] and not s.continuous_batching:
             raise ValueError(f"sampling.{key}={s[key]!r} cannot take effect without sampling.continuous_batching")
+    if s.max_context and not set(stage_names) & set(SAMPLING_STAGES):
+        raise ValueError(
+            f"sampling.max_context={s.max_context}: no stage of this run ({', '.join(stage_names)}) samples; "
+            f"it bounds the sampler calls of {', '.join(SAMPLING_STAGES)}"
+        )
     if "rejection_sampling" in stage_names and "rlvr" not in stage_names:  # it samples with the continuous keys only
-        changed = [k for k in defaults if s[k] != defaults[k] and k not in CONTINUOUS_KEYS]
+        changed = [k for k in defaults if s[k] != defaults[k] and k not in (*CONTINUOUS_KEYS, *EVERY_STAGE_KEYS)]
         if changed:
             raise ValueError(
                 f"sampling.{changed[0]}={s[changed[0]]!r}: of the sampling.* keys, the rejection_sampling "
                 f"stage takes only {', '.join(CONTINUOUS_KEYS)}"
             )
     elif "rlvr" not in stage_names:
-        changed = [k for k in defaults if s[k] != defaults[k]]
+        changed = [k for k in defaults if s[k] != defaults[k] and k not in EVERY_STAGE_KEYS]
         if changed:
             raise ValueError(
                 f"sampling.{changed[0]}={s[changed[0]]!r}: the sampling.* keys configure the rlvr "

@@ -128,6 +128,7 @@ def generate_continuous(
     n, g = len(rows), sampling.num_samples
     tokens, lengths = pad_prompts(rows, bucket(n), bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)
     limits = new_token_limits(max_new_tokens, len(tokens), n, sampling)
+    sampling.check_context([len(r) for r in rows], limits[:n])
     fitted = slots.fitted(n * g)
     out = grouped_continuous_program(
         graphdef,
@@ -184,6 +185,7 @@ class ContinuousBatcher:
         params'); returns its request id."""
         (row,) = prompt_rows([prompt])
         (limit,) = new_token_limits(None if max_new_tokens is None else [max_new_tokens], 1, 1, self.sampling)
+        self.sampling.check_context([len(row)], [limit])
         rid, self._next_id = self._next_id, self._next_id + 1
         self._waiting.append((rid, row, limit))
         return rid

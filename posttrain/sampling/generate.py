@@ -216,6 +216,7 @@ def generate(
         )
     tokens, lengths = pad_prompts(rows, bucket(n), bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)
     limits = new_token_limits(max_new_tokens, len(tokens), n, sampling)
+    sampling.check_context([len(r) for r in rows], limits[:n])
     stats = None
     if prefix_cache is not None:
         out = prefix_cache.sample(

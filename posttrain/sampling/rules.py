@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from posttrain.errors import UserError
 from posttrain.models.logprobs import token_logprobs
 
 
@@ -21,6 +22,9 @@ class SamplingParams:
     k tokens drafted per round by the policy's first `draft_layers` layers. `record_routing`: also
     return the experts every MoE layer chose for each prompt and generated token (static batches
     only; `model.moe.routing_replay = sampler` replays them in the learner).
+    k tokens drafted per round by the policy's first `draft_layers` layers. `max_context` > 0:
+    the longest prompt + max_new_tokens a call may ask for (`sampling.max_context`, resolved by
+    `core.lineage.max_context`; 0 = unchecked); not part of the compiled program (no compare).
     """
 
     temperature: float = 1.0
@@ -32,6 +36,7 @@ class SamplingParams:
     speculative_k: int = 0  # > 0: speculative decoding, k draft tokens per round (`sampling.speculative`)
     draft_layers: int = 1  # the draft: the policy's first n layers + its final norm and head
     record_routing: bool = False  # return each token's experts per MoE layer (`Samples.routing`)
+    max_context: int = dataclasses.field(default=0, compare=False)  # checked before compiling, not compiled
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -44,6 +49,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens}: expected >= 1")
         if self.num_samples < 1:
             raise ValueError(f"SamplingParams.num_samples={self.num_samples}: expected >= 1")
+        if self.max_context < 0:
+            raise ValueError(f"SamplingParams.max_context={self.max_context}: expected >= 0 (0 = unchecked)")
         if self.speculative_k < 0 or self.draft_layers < 1:
             raise ValueError(
                 f"SamplingParams.speculative_k={self.speculative_k}, draft_layers={self.draft_layers}: "
@@ -55,6 +62,24 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether sampling is argmax (temperature 0)."""
         return self.temperature == 0
+
+    def check_context(self, prompt_lengths, new_tokens) -> None:
+        """Refuse a request past `max_context` (when > 0): a prompt of `prompt_lengths[i]` tokens
+        with up to `new_tokens[i]` new ones needs that many positions, and a model sampled past the
+        context it was trained for degrades silently. UserError naming `sampling.max_context`."""
+        if not self.max_context:
+            return
+        need = [int(p) + int(n) for p, n in zip(prompt_lengths, new_tokens)]
+        if need and (longest := max(need)) > self.max_context:
+            i = need.index(longest)
+            raise UserError(
+                f"sampling.max_context={self.max_context}: a request needs {longest} positions (prompt of "
+                f"{int(prompt_lengths[i])} tokens + max_new_tokens {int(new_tokens[i])}), past the context "
+                f"the model is trained and configured for ({self.max_context}); shorten the prompts or "
+                f"max_new_tokens, or set --config.sampling.max_context={longest} (or more) to sample past it "
+                "explicitly",
+                key="sampling.max_context",
+            )
 
 
 def sampling_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:

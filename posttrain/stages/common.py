@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain import storage
+from posttrain.core import lineage
 from posttrain.core.batch import put_batch
 from posttrain.data.examples import sft_messages
 from posttrain.data.pipeline import preference_batches, read_jsonl
@@ -136,10 +137,23 @@ def sample_prompts(files: str, tok: Tokenizer, n: int, fields=None) -> list[tupl
     return out
 
 
+def run_max_context(cfg) -> int:
+    """`sampling.max_context` of a run that trains its model (sft, dpo): the key, else the context
+    trained and configured (init_from's lineage, train.seq_len; `core.lineage.max_context`)."""
+    return lineage.max_context(cfg, lineage.of_init(cfg.init_from), cfg.train.seq_len)
+
+
 def make_sampler_log(cfg, tok: Tokenizer, files: str, n: int = 3):
-    """sample_fn for `TrainSpec`: greedy completions of a few held-out prompts → `{workdir}/samples.jsonl`."""
+    """sample_fn for `TrainSpec`: greedy completions of a few held-out prompts → `{workdir}/samples.jsonl`.
+    Prompts past `sampling.max_context` (with sft.sample_tokens) are refused here, at start-up."""
     prompts = sample_prompts(files, tok, n, data_kw(cfg)["fields"])
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.sft.sample_tokens, stop_ids=tuple(tok.stop_ids))
+    limit = run_max_context(cfg)
+    lineage.check_need(
+        max((len(ids) for _, ids in prompts), default=0) + cfg.sft.sample_tokens, limit, f"sft.sample_tokens ({files})"
+    )
+    sampling = SamplingParams(
+        temperature=0.0, max_new_tokens=cfg.sft.sample_tokens, stop_ids=tuple(tok.stop_ids), max_context=limit
+    )
 
     def sample_fn(model: nnx.Module, step: int) -> None:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)

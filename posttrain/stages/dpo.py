@@ -23,6 +23,7 @@ from posttrain.stages.common import (
     make_evaluator,
     preference_data,
     require_files,
+    run_max_context,
     stage_tokenizer,
 )
 from posttrain.stages.data_files import resolve_data_files
@@ -87,7 +88,9 @@ def run(cfg) -> Result:
             ].shape[0]
 
         eval_fn = make_evaluator(metric, preference_data(cfg, cfg.dpo.eval_files, eval=True, tok=tok, kw=kw))
-    eval_fn = combine_evals(eval_fn, make_long_context_eval(cfg.eval.long_context, cfg.workdir, tok))
+    eval_fn = combine_evals(
+        eval_fn, make_long_context_eval(cfg.eval.long_context, cfg.workdir, tok, run_max_context(cfg))
+    )
     batches = preference_data(cfg, require_files(cfg.dpo.train_files, "dpo.train_files"), eval=False, tok=tok, kw=kw)
     # The policy starts as a copy of the reference (the step donates the policy's buffers).
     start = lambda params, rest: jax.tree.map(jnp.copy, (ref_params, ref_rest))

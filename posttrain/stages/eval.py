@@ -35,6 +35,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from posttrain import storage
+from posttrain.core import lineage
 from posttrain.core.checkpoint import Checkpointer
 from posttrain.core.harness import Result
 from posttrain.core.init import checkpoint_dir, load_model_state
@@ -228,7 +229,9 @@ def run(cfg, baseline: dict | None = None) -> Result:
     versions = {n: suite_version(d.tasks) for n, d in suites.items()}
     steps = checkpoint_steps(cfg, path)
     # None unless eval.long_context.lengths
-    long_context = make_long_context_eval(cfg.eval.long_context, cfg.workdir, tok)
+    # sampling.max_context: the checkpoint's trained and configured context unless the key is set
+    limit = lineage.max_context(cfg, lineage.of_init(path))
+    long_context = make_long_context_eval(cfg.eval.long_context, cfg.workdir, tok, limit)
     mesh, rules = mesh_and_rules(cfg)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     graphdef = nnx.split(abstract_model(make), nnx.Param, ...)[0]
@@ -240,6 +243,7 @@ def run(cfg, baseline: dict | None = None) -> Result:
         max_new_tokens=r.max_new_tokens,
         stop_ids=tuple(tok.stop_ids),
         num_samples=cfg.eval.samples,
+        max_context=limit,
     )
     previous, metrics = baseline, {}
     bar = tqdm(total=len(steps) * len(suites), desc="eval", disable=not cfg.train.progress or jax.process_index() != 0)

@@ -54,6 +54,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from posttrain.core import lineage
 from posttrain.core.checkpoint import Checkpointer
 from posttrain.core.init import checkpoint_dir, load_model_state
 from posttrain.core.loop import Result
@@ -293,6 +294,7 @@ def run(cfg) -> Result:
         max_new_tokens=rl.max_new_tokens,
         stop_ids=tuple(tok.stop_ids),
         num_samples=r.samples_per_prompt,
+        max_context=lineage.max_context(cfg, lineage.of_init(cfg.init_from)),  # sampling.max_context
     )
     with concurrent.futures.ThreadPoolExecutor(rl.verifier_workers) as pool, use_sharding(mesh, rules):
         params, rest, policy = load_policy(cfg, make, mesh, rules)

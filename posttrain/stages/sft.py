@@ -21,6 +21,7 @@ from posttrain.stages.common import (
     make_evaluator,
     make_sampler_log,
     require_files,
+    run_max_context,
     stage_tokenizer,
 )
 from posttrain.stages.data_files import resolve_data_files
@@ -70,7 +71,9 @@ def run(cfg) -> Result:
                 )
             ),
         )
-    eval_fn = combine_evals(eval_fn, make_long_context_eval(cfg.eval.long_context, cfg.workdir, tok))
+    eval_fn = combine_evals(
+        eval_fn, make_long_context_eval(cfg.eval.long_context, cfg.workdir, tok, run_max_context(cfg))
+    )
     sample_fn = make_sampler_log(cfg, tok, cfg.sft.eval_files) if cfg.sft.eval_files and cfg.sft.sample_tokens else None
     stage = TrainSpec(
         "sft",

@@ -1,0 +1,37 @@
+"""configs/long_context_recall.py, smoke only (the measured runs take minutes each): the 256-token
+run trains a few steps on its generated recall conversations, and every `:extend:<scaling>`
+variant passes the start-up checks from that checkpoint, with the RoPE scaling it names."""
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+
+from posttrain.config_schema import check_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = runpy.run_path(str(ROOT / "configs/long_context_recall.py"))
+
+
+def test_long_context_recall_smoke(tmp_path, monkeypatch):
+    from posttrain.main import run
+    from posttrain.stages.common import run_max_context
+
+    monkeypatch.chdir(tmp_path)  # the extension's init_from is the relative runs/long_context_recall
+    cfg = CONFIG["get_config"]()
+    cfg.data.synthetic_size, cfg.train.steps, cfg.train.batch_size = 16, 2, 2
+    cfg.train.progress, cfg.train.log_every, cfg.checkpoint.async_save = False, 1, False
+    cfg.eval.long_context.lengths = ""  # the grid is measured by hand (see the config's docstring)
+    result = run(cfg)
+    assert [r["step"] for r in result.rows] == [0, 1] and all(r["loss"] < 10 for r in result.rows)
+    [data] = (tmp_path / cfg.workdir / "synthetic").glob("long_context_train_*recall.jsonl")
+    first = json.loads(data.open().readline())["messages"]
+    assert len(first) >= 4 and first[1]["content"].startswith(first[0]["content"][-5:-1])  # "QZX=" + value
+    for scaling in CONFIG["SCALINGS"]:
+        ext = CONFIG["get_config"](f"extend:{scaling}")
+        check_config(ext)
+        assert ext.model.rope_scaling.type == ("" if scaling == "none" else scaling)
+        assert run_max_context(ext) == 1024  # trained at 256 (the checkpoint) and now at train.seq_len
+    with pytest.raises(ValueError, match="expected '' or 'extend:"):
+        CONFIG["get_config"]("extend:rotary")
