@@ -51,6 +51,7 @@ class FixedWorker(RolloutWorker):
             sampling_logprobs=np.zeros((len(rows), width), np.float32),
             lengths=np.array([len(r) for r in rows]),
             stop_reason=np.zeros(len(rows), np.int32),
+            routing=None,  # (`Samples.routing`: none recorded)
         )
         return Pending(tasks, envs, samples, 0.0)
 

@@ -30,7 +30,8 @@ SMALL = {
     "data.synthetic_size": 200,
 }
 RUNS = {
-    "sft_tiny": ("sft_tiny.py", {"sft.steps": 0, "train.eval_every": 5, "sft.gate": ""}),
+    # (sample_tokens: the greedy samples of eval prompts stay within the 64 positions trained)
+    "sft_tiny": ("sft_tiny.py", {"sft.steps": 0, "train.eval_every": 5, "sft.gate": "", "sft.sample_tokens": 32}),
     "dpo_tiny": ("dpo_tiny.py", {"dpo.steps": 0, "train.eval_every": 5, "dpo.gate": ""}),
     "rlvr_tiny_sync": (
         "rlvr_tiny.py",

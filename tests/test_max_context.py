@@ -43,6 +43,11 @@ def test_configured_context_is_what_was_trained_and_configured():
     assert lineage.configured_context(cfg.model, empty) == 0  # nothing known: unchecked
     assert lineage.configured_context(cfg.model, {"trained_context": 256}) == 256
     assert lineage.configured_context(cfg.model, {"trained_context": 256}, seq_len=1024) == 1024  # this run trains it
+    # SFT at train.seq_len=128 on examples of at most 46 tokens: a later stage samples up to 128 (the
+    # quickstart's RL evaluation needs 58; refused when only the longest real example counted)
+    short = lineage.merge(empty, 46, 128)
+    assert short["trained_context"] == 46 and lineage.configured_context(cfg.model, short) == 128
+    assert lineage.merge(short, 30, 64) == short  # only ever raised
     hf = {"hf_config": {"max_position_embeddings": 4096}, "trained_context": 512}
     assert lineage.configured_context(cfg.model, hf) == 4096  # the source model's context stays usable
     cfg.model.rope_scaling.update(type="yarn", factor=4.0, original_max_position_embeddings=256)

@@ -221,6 +221,7 @@ def test_rewards_with_an_error_are_counted_as_verifier_errors_and_behaviour_logp
         sampling_logprobs=np.arange(8, dtype=np.float32).reshape(4, 2) / -10,
         lengths=np.full(4, 2),
         stop_reason=np.zeros(4, np.int32),
+        routing=None,  # (`Samples.routing`: none recorded)
     )
     pending = SimpleNamespace(
         envs=[[Env(None), Env("timeout")], [Env("SympifyError"), Env(None)]],

@@ -25,9 +25,16 @@ def empty() -> dict:
     return {"hf_config": None, "trained_context": 0}
 
 
-def merge(lineage: dict, trained_context: int) -> dict:
-    """`lineage` with its trained context raised to at least `trained_context`."""
-    return {**lineage, "trained_context": max(int(lineage.get("trained_context") or 0), int(trained_context))}
+def merge(lineage: dict, trained_context: int, configured_context: int = 0) -> dict:
+    """`lineage` with its trained context (the longest real sequence trained) raised to at least
+    `trained_context`, and its configured context (the longest `train.seq_len` it was trained at,
+    padding included: what a sampler may use, `configured_context`) to `configured_context`."""
+    most = lambda key, value: max(int(lineage.get(key) or 0), int(value))  # noqa: E731
+    return {
+        **lineage,
+        "trained_context": most("trained_context", trained_context),
+        "configured_context": most("configured_context", configured_context),
+    }
 
 
 def of_init(init_from: str, _depth: int = 0) -> dict:
@@ -80,13 +87,16 @@ def _run_init_from(path: str) -> str:
 
 def configured_context(model_cfg, source: dict, seq_len: int = 0) -> int:
     """The context a model was trained and configured for: the longest of its trained context
-    (`source`, a lineage), its source config's `max_position_embeddings`, the RoPE scaling's
-    extended length (`original_max_position_embeddings` × `factor`) and `seq_len` (the
-    `train.seq_len` of a run that trains it). 0 when none is known (the sampler then checks nothing)."""
+    (`source`, a lineage: the longest real sequence, and the longest `train.seq_len` its runs
+    trained at, so a model fine-tuned on short examples still samples within its configured
+    length), its source config's `max_position_embeddings`, the RoPE scaling's extended length
+    (`original_max_position_embeddings` × `factor`) and `seq_len` (the `train.seq_len` of a run
+    that trains it). 0 when none is known (the sampler then checks nothing)."""
     s = model_cfg.rope_scaling
     scaled = int(s.original_max_position_embeddings * s.factor) if s.type and s.original_max_position_embeddings else 0
     hf = int((source.get("hf_config") or {}).get("max_position_embeddings") or 0)
-    return max(int(source.get("trained_context") or 0), hf, scaled, int(seq_len))
+    trained = max(int(source.get("trained_context") or 0), int(source.get("configured_context") or 0))
+    return max(trained, hf, scaled, int(seq_len))
 
 
 def max_context(cfg, source: dict, seq_len: int = 0) -> int:

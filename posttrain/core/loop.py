@@ -164,7 +164,7 @@ def train(cfg, stage: TrainSpec) -> Result:
                         "stage": stage.name,
                         "config": cfg.to_dict(),
                         "optim": cfg.optim.name,
-                        lineage.KEY: lineage.merge(source, int(trained)),
+                        lineage.KEY: lineage.merge(source, int(trained), data.length),
                     },
                 ),
             )
