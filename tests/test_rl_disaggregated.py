@@ -55,6 +55,18 @@ def test_what_disaggregated_cannot_do_yet_is_refused_naming_the_key(key, value):
     assert e.value.key == key
 
 
+def test_a_group_of_more_than_one_process_is_refused(monkeypatch):
+    """Each group is one process for now (a multi-host slice would need the pulls agreed across it)."""
+    from posttrain.rl.rollout import remote
+
+    cfg = base_config()
+    cfg.rl.placement, cfg.rl.role = "disaggregated", "sampler"
+    monkeypatch.setattr(remote.jax, "process_count", lambda: 2)
+    with pytest.raises(UserError, match=r"one process per group for now \(2\)") as e:
+        remote.check_disaggregated(cfg)
+    assert e.value.key == "rl.placement"
+
+
 def test_a_sampler_role_that_reaches_the_learner_is_refused():
     """(`rl.role=sampler` inside a pipeline: main.run sends only stage rlvr's to the sampler loop)"""
     from types import SimpleNamespace
