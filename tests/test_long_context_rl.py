@@ -48,8 +48,11 @@ def test_held_out_documents_name_nothing_training_documents_mention():
 
 
 def test_long_context_rlvr_on_a_sequence_sharded_mesh_trains_as_one_shard(tmp_path):
-    """Two on-policy steps on 240-token multi-hop documents: every logged metric of the run with
-    `mesh.sequence = 2` (KV cache and learner split along the sequence) equals the `sequence = 1` run's."""
+    """Two steps on 240-token multi-hop documents, sampling one step ahead of the learner
+    (`rl.max_staleness = 1`) with an entropy bonus (so the first update moves the weights even
+    when no answer is right): every logged metric of the run with `mesh.sequence = 2` (KV cache and
+    learner split along the sequence) drawing through continuous batching equals the static
+    `sequence = 1` run's."""
     write_tasks(["--out", str(tmp_path / "tasks"), "--lengths", "240", "--train", "16", "--eval", "4"])
     train = str(tmp_path / "tasks" / "train.jsonl")
     assert all(len(json.loads(line)["prompt"]) > 200 for line in open(train))
@@ -60,6 +63,9 @@ def test_long_context_rlvr_on_a_sequence_sharded_mesh_trains_as_one_shard(tmp_pa
         cfg.train.steps = 2
         cfg.model.moe.num_experts = 0  # dense: compiles faster
         cfg.mesh.data, cfg.mesh.expert, cfg.mesh.tensor, cfg.mesh.sequence = -1, 1, 2, sequence
+        cfg.rl.max_staleness, cfg.rl.entropy_coef = 1, 0.01
+        if sequence == 2:
+            cfg.sampling.continuous_batching, cfg.sampling.num_slots, cfg.sampling.refill_batch = True, 4, 2
         loop.run(cfg)
         runs[sequence] = rows(tmp_path / f"seq{sequence}")
     assert len(runs[1]) == len(runs[2]) == 2
@@ -69,3 +75,4 @@ def test_long_context_rlvr_on_a_sequence_sharded_mesh_trains_as_one_shard(tmp_pa
             if key not in TIMING:
                 np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=f"step {a['step']} {key}")
     assert any(k.startswith("tasks/long_context_multihop") for k in runs[1][-1])
+    assert runs[2][0]["grad_norm"] > 0 and runs[2][-1]["rl/staleness_max"] == 1
