@@ -5,6 +5,11 @@ layer's image tokens."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -23,7 +28,8 @@ from posttrain.rl.envs.screen import (
     parse_action,
     render,
 )
-from posttrain.rl.envs.screen_env import NEXT, ScreenEnv
+from posttrain.rl.envs.screen import solution as screen_solution
+from posttrain.rl.envs.screen_env import NEXT, ScreenEnv, demo_messages
 from posttrain.rl.reward import RewardConfig, RewardFunction
 from posttrain.rl.tasks.files import content_text
 from posttrain.rl.tasks.screen_domain import screen_key, screen_split, screen_tasks
@@ -54,13 +60,8 @@ def centre(task, label) -> tuple[int, int]:
 
 
 def solution(task, by_xy: bool) -> list[str]:
-    """The honest actions: click what the goal needs (by coordinates or by label), type, press OK."""
-    click = (
-        (lambda label: "click({}, {})".format(*centre(task, label))) if by_xy else (lambda label: f'click("{label}")')
-    )
-    goal = task.target.goal
-    steps = [click(goal[1])] + ([f'type("{goal[2]}")'] if goal[0] == "type" else [])
-    return steps + [click("OK")]
+    """The honest actions of a Task (`screen.solution` of its target)."""
+    return screen_solution(task.target, by_xy)
 
 
 def play(e: ScreenEnv, task, turns: list[str]):
@@ -75,6 +76,15 @@ def test_honest_episodes_succeed_by_coordinates_and_by_label(tmp_path, by_xy):
         traj = play(e, task, solution(task, by_xy))
         assert traj.reward.correct == 1.0 and traj.reward.score == 1.0, (task.target.goal, traj.info)
         assert traj.turns == len(solution(task, by_xy)) and len(e.images) == traj.turns
+
+
+@pytest.mark.parametrize("by_xy", [True, False])
+def test_demonstrations_are_the_honest_episodes_conversation(tmp_path, by_xy):
+    """SFT demonstrations show exactly what the environment shows in an RL episode."""
+    for task in screen_tasks(3, 2, "train"):
+        e = env(tmp_path)
+        play(e, task, solution(task, by_xy))
+        assert demo_messages(task, str(tmp_path / "screens"), by_xy=by_xy) == e.messages
 
 
 def test_observations_are_user_messages_with_the_next_screen(tmp_path):
@@ -167,3 +177,23 @@ def test_screen_tasks_are_held_out_by_meaning():
                 t.target.size,
             )
             assert screen_key(moved) == screen_key(t.target) and screen_split(moved) == screen_split(t.target)
+
+
+def test_demo_files_have_relative_screens_that_exist(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from screen_demos import write_screen_demos
+
+    out = tmp_path / "demos"
+    assert write_screen_demos(str(out), 6, 3, by="xy") == {"screen_sft_train.jsonl": 6, "screen_sft_eval.jsonl": 3}
+    for name in ("screen_sft_train.jsonl", "screen_sft_eval.jsonl"):
+        for line in (out / name).read_text().splitlines():
+            messages = json.loads(line)["messages"]
+            images = [
+                p["image"]
+                for m in messages
+                if isinstance(m["content"], list)
+                for p in m["content"]
+                if p["type"] == "image"
+            ]
+            assert images and all(not os.path.isabs(p) and (out / p).is_file() for p in images)
+            assert [m["role"] for m in messages][-1] == "assistant" and parse_action(messages[-1]["content"])

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from visual_tasks import write_visual_tasks  # noqa: E402
 
 FONT = {tuple(rows): ch for ch, rows in _GLYPHS.items() if ch != " "}
+assert len(FONT) == len(_GLYPHS) - 1  # every glyph its own pixels: text reads back unambiguously
 
 
 # ---- reading a scene back from its pixels (independent of the generator's data) ----

@@ -187,6 +187,20 @@ def check(task: ScreenTask, state: ScreenState) -> tuple[bool, str]:
     return done, f"fields {state.values}, wanted {field}={text!r} and the others empty"
 
 
+def solution(task: ScreenTask, by_xy: bool = True) -> list[str]:
+    """The honest actions for the goal: click its item or field (at its box's centre, or by label),
+    type the text, press OK (the scripted demonstrations, the tests' reference episodes)."""
+
+    def click(label: str) -> str:
+        if not by_xy:
+            return f'click("{label}")'
+        x0, y0, x1, y1 = task.element(label).box
+        return f"click({(x0 + x1) // 2}, {(y0 + y1) // 2})"
+
+    typed = [f'type("{task.goal[2]}")'] if task.goal[0] == "type" else []
+    return [click(task.goal[1]), *typed, click(OK)]
+
+
 def render(task: ScreenTask, state: ScreenState) -> Image.Image:
     """The screen in `state`: items (the selected one filled blue), fields (the focused one outlined
     blue, the text it holds inside, its label to its left), buttons (grey)."""

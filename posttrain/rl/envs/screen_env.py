@@ -31,7 +31,7 @@ from posttrain.data.tokenizer import Tokenizer
 from posttrain.rl.envs.base import Step, Task
 from posttrain.rl.envs.chat import ChatEnv, continuation
 from posttrain.rl.envs.draw import png_bytes
-from posttrain.rl.envs.screen import ActionError, ScreenState, ScreenTask, apply, check, parse_action, render
+from posttrain.rl.envs.screen import ActionError, ScreenState, ScreenTask, apply, check, parse_action, render, solution
 from posttrain.rl.reward import RewardFunction
 from posttrain.rl.verifiers.base import Verdict
 
@@ -53,6 +53,40 @@ def write_screen(image_dir: str, data: bytes) -> str:
             f.write(data)
         os.replace(tmp, path)
     return path
+
+
+def screen_message(image: str, text: str) -> dict:
+    """A user message showing a screen: the image part, then the text part."""
+    return {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}
+
+
+def prompt_text(task: Task) -> str:
+    """The text of a task's prompt messages (text parts of part lists), joined by blank lines."""
+    texts = []
+    for m in task.prompt:
+        content = m["content"]
+        parts = (
+            [content] if isinstance(content, str) else [p.get("text", "") for p in content if p.get("type") == "text"]
+        )
+        texts.append("\n".join(parts))
+    return "\n\n".join(texts)
+
+
+def demo_messages(
+    task: Task, image_dir: str, *, by_xy: bool = True, system_prompt: str | None = SCREEN_SYSTEM_PROMPT
+) -> list[dict]:
+    """The conversation of an honest episode of `task` (`screen.solution`), as `ScreenEnv` shows it:
+    an SFT demonstration whose screens are written to `image_dir` (absolute paths)."""
+    target, state = task.target, ScreenState()
+    screen = lambda: write_screen(image_dir, png_bytes(render(target, state)))  # noqa: E731
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append(screen_message(screen(), prompt_text(task)))
+    for action in solution(target, by_xy):
+        messages.append({"role": "assistant", "content": action})
+        apply(target, state, parse_action(action))
+        if not state.over:
+            messages.append(screen_message(screen(), NEXT))
+    return messages
 
 
 class ScreenEnv(ChatEnv):
@@ -94,9 +128,7 @@ class ScreenEnv(ChatEnv):
         """Start an episode: the first screen, then the task's prompt text, in one user message."""
         self._check_target(task)
         self._task, self._state, self._images = task, ScreenState(), []
-        image = {"type": "image", "image": self._screen()}
-        text = "\n\n".join(m["content"] for m in task.prompt if isinstance(m["content"], str))
-        prompt = ({"role": "user", "content": [image, {"type": "text", "text": text}]},)
+        prompt = (screen_message(self._screen(), prompt_text(task)),)
         ids = super().reset(Task(task.id, prompt, task.target, task.difficulty))
         self._traj.info.update(malformed=False, actions=[])
         return ids
