@@ -108,6 +108,38 @@ def test_observations_are_user_messages_with_the_next_screen(tmp_path):
     assert e.trajectory().tokens[-len(step.observation) :] == step.observation
 
 
+class PatchTokenizer(ByteTokenizer):
+    """The data layer's contract: an image part `{"type": "image", "num_patches": n}` is n image
+    tokens (here byte 0, id 7), text parts are their text."""
+
+    def encode_chat(self, messages, **kw):
+        def text(content):
+            if isinstance(content, str):
+                return content
+            return "".join("\0" * p["num_patches"] if p["type"] == "image" else p["text"] for p in content)
+
+        return super().encode_chat([{**m, "content": text(m["content"])} for m in messages], **kw)
+
+
+def test_image_part_hook_gives_one_run_of_image_tokens_per_screen(tmp_path):
+    """With `image_part`, the trajectory holds each screen's image tokens, screens in `images` order."""
+    task = next(t for t in screen_tasks(3, 0, "train") if t.target.goal[0] == "type")
+    tok = PatchTokenizer()
+    e = ScreenEnv(tok, REWARD, str(tmp_path), image_part=lambda part: {"type": "image", "num_patches": 4})
+    it = iter(solution(task, by_xy=True))
+    traj = run_episode(e, task, lambda context: tok.encode(next(it)) + [tok.eos_id])
+    assert traj.reward.correct == 1.0
+    runs = "".join("i" if t == 7 else "." for t in traj.tokens).split(".")
+    assert [len(r) for r in runs if r] == [4] * len(e.images) and len(e.images) == 3
+    assert all(
+        isinstance(p["image"], str)
+        for m in e.messages
+        if isinstance(m["content"], list)
+        for p in m["content"]
+        if p["type"] == "image"
+    )
+
+
 def test_screens_are_deterministic_files_named_by_content(tmp_path):
     task = screen_tasks(1, 0, "train")[0]
     a, b = env(tmp_path), env(tmp_path)

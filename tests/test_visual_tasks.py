@@ -277,3 +277,32 @@ def test_label_records_name_the_label_verifier():
     assert numeric.target == MathTask("7")
     with pytest.raises(task_files.RecordError, match="choices"):
         task_files.record_task({**record, "choices": "AB"}, "f.jsonl:3", ())
+
+
+def test_a_visual_task_scores_in_a_single_turn_env(written):
+    """An rl_eval record as a task (images resolved) in a SingleTurnEnv with image tokens: the
+    right label scores 1, a choice echo 0; the env lists the image its tokens stand for."""
+    from posttrain.data.tokenizer import ByteTokenizer
+    from posttrain.rl.envs import SingleTurnEnv, run_episode
+    from posttrain.rl.reward import RewardFunction
+
+    class PatchTokenizer(ByteTokenizer):
+        def encode_chat(self, messages, **kw):
+            text = lambda c: (
+                c if isinstance(c, str) else "".join("\0" * p.get("num_patches", 0) or p.get("text", "") for p in c)
+            )  # noqa: E731
+            return super().encode_chat([{**m, "content": text(m["content"])} for m in messages], **kw)
+
+    out, _ = written
+    rec = next(r for r in _records(out / "rl_eval.jsonl") if "choices" in r)
+    prompt = tuple(task_files.resolve_images(rec["prompt"], str(out)))
+    task = Task(rec["id"], prompt, LabelTask(rec["answer"], tuple(rec["choices"])))
+    tok = PatchTokenizer()
+    reward_fn = RewardFunction({LabelTask: LabelVerifier()})
+    for reply, want in ((f"\\boxed{{{rec['answer']}}}", 1.0), (f"\\boxed{{{', '.join(rec['choices'])}}}", 0.0)):
+        env = SingleTurnEnv(
+            tok, reward_fn, max_turn_tokens=64, image_part=lambda p: {"type": "image", "num_patches": 9}
+        )
+        traj = run_episode(env, task, lambda context: tok.encode(reply) + [tok.eos_id])
+        assert traj.reward.correct == want
+        assert env.images == [str(out / rec["prompt"][0]["content"][0]["image"])] and traj.tokens.count(7) == 9

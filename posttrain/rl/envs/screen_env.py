@@ -10,8 +10,10 @@ episode writes the same names), and appear in messages in the agreed record conv
     {"role": "user", "content": [{"type": "image", "image": "/abs/dir/<hash>.png"},
                                  {"type": "text", "text": "..."}]}
 
-so tokenizing a conversation is the data layer's image path (`tok.encode_chat` of such messages);
-`messages` and `images` give the episode's conversation and its screens in order.
+`messages` and `images` give the episode's conversation and its screens in order; `image_part`
+(see `envs/chat.py`) turns image parts into what the tokenizer takes (with the data layer's image
+tokens: `lambda part: {"type": "image", "num_patches": spec.num_patches}`), so the placeholder
+tokens of the trajectory are the screens of `images`, in order.
 
 Reward (`ChatEnv._finish` with the env's own verdict, shaped by the reward config): correctness 1
 only when OK is pressed in the goal state (`screen.check`). The episode ends with correctness 0 on
@@ -26,10 +28,11 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Callable
 
 from posttrain.data.tokenizer import Tokenizer
 from posttrain.rl.envs.base import Step, Task
-from posttrain.rl.envs.chat import ChatEnv, continuation
+from posttrain.rl.envs.chat import ChatEnv
 from posttrain.rl.envs.draw import png_bytes
 from posttrain.rl.envs.screen import ActionError, ScreenState, ScreenTask, apply, check, parse_action, render, solution
 from posttrain.rl.reward import RewardFunction
@@ -95,7 +98,7 @@ class ScreenEnv(ChatEnv):
     tok, reward_fn: as for `ChatEnv` (the reward function shapes the env's verdict; it needs no
     verifier for screens); image_dir: where screens are written; max_turns: model turns per episode
     (OK must be pressed within them); max_turn_tokens: token budget of one turn; system_prompt: the
-    action grammar told to the model (None: none)."""
+    action grammar told to the model (None: none); image_part: as for `ChatEnv`."""
 
     def __init__(
         self,
@@ -106,37 +109,32 @@ class ScreenEnv(ChatEnv):
         max_turns: int = 6,
         max_turn_tokens: int = 64,
         system_prompt: str | None = SCREEN_SYSTEM_PROMPT,
+        image_part: Callable[[dict], dict] | None = None,
     ) -> None:
-        super().__init__(tok, reward_fn, max_turn_tokens=max_turn_tokens, system_prompt=system_prompt)
+        super().__init__(
+            tok, reward_fn, max_turn_tokens=max_turn_tokens, system_prompt=system_prompt, image_part=image_part
+        )
         if max_turns < 1:
             raise ValueError(f"ScreenEnv: max_turns must be >= 1, got {max_turns}")
         self.max_turns = max_turns
         self.image_dir = image_dir
         self._state = ScreenState()
-        self._images: list[str] = []
 
     def _check_target(self, task: Task) -> None:
         if not isinstance(task.target, ScreenTask):
             raise TypeError(f"task {task.id!r}: ScreenEnv runs ScreenTask targets, got {type(task.target).__name__}")
 
     def _screen(self) -> str:
-        path = write_screen(self.image_dir, png_bytes(render(self._task.target, self._state)))
-        self._images.append(path)
-        return path
+        return write_screen(self.image_dir, png_bytes(render(self._task.target, self._state)))
 
     def reset(self, task: Task) -> list[int]:
         """Start an episode: the first screen, then the task's prompt text, in one user message."""
         self._check_target(task)
-        self._task, self._state, self._images = task, ScreenState(), []
+        self._task, self._state = task, ScreenState()
         prompt = (screen_message(self._screen(), prompt_text(task)),)
         ids = super().reset(Task(task.id, prompt, task.target, task.difficulty))
         self._traj.info.update(malformed=False, actions=[])
         return ids
-
-    @property
-    def images(self) -> list[str]:
-        """The episode's screens so far, in the order they were shown."""
-        return list(self._images)
 
     @property
     def state(self) -> ScreenState:
@@ -166,7 +164,7 @@ class ScreenEnv(ChatEnv):
             "role": "user",
             "content": [{"type": "image", "image": self._screen()}, {"type": "text", "text": NEXT}],
         }
-        observation = continuation(self.tok, self._messages, [message])
+        observation = self._continuation([message])
         self._messages.append(message)
         self._traj.extend(observation, generated=False)
         return Step(observation, None, False, dict(info))
