@@ -9,11 +9,17 @@ A turn is well formed when it ends with one of the tokenizer's stop tokens (the 
 there). A turn that does not (it hit `max_turn_tokens`, or the sampler stopped for its own
 reasons) ends the episode unanswered: correctness 0, and `info["truncated"]` says why, so the
 loop can also filter such samples.
+
+Images: a message content may be a list of parts (`{"type": "text", "text"}`, `{"type": "image",
+"image": path}`, the record convention). `messages` keeps them as they are; `images` lists the
+episode's image paths in the order they appear; `image_part`, when given, turns each image part
+into what the tokenizer takes (the data layer's `{"type": "image", "num_patches": n}`) before
+`encode_chat`, so the image tokens of `tokens` are the images of `images`, in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from posttrain.data.tokenizer import Tokenizer
@@ -49,13 +55,20 @@ class ChatEnv:
     tok: the tokenizer whose chat template frames the turns; reward_fn: scores the final answer
     (its verifiers decide the task types this env accepts); max_turn_tokens: the most tokens
     the model may generate in one turn (pass it to the sampler as its max new tokens);
-    system_prompt: an optional system message before the task's prompt.
+    system_prompt: an optional system message before the task's prompt; image_part: how an image
+    part reaches the tokenizer (module docstring; None: as it is).
     """
 
     max_turns = 1
 
     def __init__(
-        self, tok: Tokenizer, reward_fn: RewardFunction, *, max_turn_tokens: int, system_prompt: str | None = None
+        self,
+        tok: Tokenizer,
+        reward_fn: RewardFunction,
+        *,
+        max_turn_tokens: int,
+        system_prompt: str | None = None,
+        image_part: Callable[[dict], dict] | None = None,
     ) -> None:
         if max_turn_tokens <= 0:
             raise ValueError(f"max_turn_tokens must be positive, got {max_turn_tokens}")
@@ -63,6 +76,7 @@ class ChatEnv:
         self.reward_fn = reward_fn
         self.max_turn_tokens = max_turn_tokens
         self.system_prompt = system_prompt
+        self.image_part = image_part
         self._task: Task | None = None
         self._traj: Trajectory | None = None
         self._messages: list[dict] = []
@@ -73,7 +87,7 @@ class ChatEnv:
         self._check_target(task)
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         self._messages = system + list(task.prompt)
-        ids, _ = self.tok.encode_chat(self._messages, add_generation_prompt=True)
+        ids, _ = self.tok.encode_chat(self._for_tokenizer(self._messages), add_generation_prompt=True)
         self._task, self._done = task, False
         self._traj = Trajectory(
             task.id,
@@ -83,6 +97,31 @@ class ChatEnv:
             info={"tool_calls": 0, "invalid_tool_calls": 0, "truncated": None},
         )
         return list(ids)
+
+    def _for_tokenizer(self, messages: list[dict]) -> list[dict]:
+        """`messages` with each image part through `image_part` (as they are without one)."""
+        if self.image_part is None:
+            return messages
+        convert = lambda p: self.image_part(p) if isinstance(p, dict) and p.get("type") == "image" else p  # noqa: E731
+        return [
+            {**m, "content": [convert(p) for p in m["content"]]} if isinstance(m["content"], list) else m
+            for m in messages
+        ]
+
+    def _continuation(self, new: list[dict]) -> list[int]:
+        """`continuation` of the episode's messages by `new` (image parts as the tokenizer takes them)."""
+        return continuation(self.tok, self._for_tokenizer(self._messages), self._for_tokenizer(new))
+
+    @property
+    def images(self) -> list[str]:
+        """The image paths of the episode's messages, in the order they appear (and their tokens do)."""
+        return [
+            p["image"]
+            for m in self._messages
+            if isinstance(m["content"], list)
+            for p in m["content"]
+            if isinstance(p, dict) and p.get("type") == "image"
+        ]
 
     @property
     def messages(self) -> list[dict]:

@@ -8,30 +8,44 @@ One record per line; the verifier it needs follows from its fields:
   receives the whole record; `"verifier": "math"` / `"code"` name the built-in ones explicitly.
 Optional: `id` (unique per domain; default `path:line`), `domain` (default "user"; each domain is
 an entry of the task mixture), `difficulty` (a label or number, reported per domain in metrics).
-`prompt` is a string (one user turn) or a list of `{"role", "content"}` messages.
+`prompt` is a string (one user turn) or a list of `{"role", "content"}` messages; a content may
+be a list of parts, `{"type": "text", "text"}` and `{"type": "image", "image": path}`, the path
+relative to the JSONL file's folder, absolute, or a URL (`gs://`): tasks carry it resolved (relative
+paths joined to the file's folder), and a missing image makes the record bad (`path:line`).
+`{"prompt", "answer", "choices", "verifier": "label"}`: the answer is one of the labels `choices`,
+compared exactly (LabelVerifier: a bar's name, a table row).
 
 A bad record raises `DataError("path:line: ...")`, or with `data.on_error="skip"` is counted and
 logged. Held-out means never trained on, in any spelling: an evaluation record whose prompt has
 the canonical form of a training prompt (`normalise_prompt`: unicode, case and whitespace folded,
-arithmetic written one way, so "What is 48 + 37 ?" is "what is 37+48?") is dropped, counted and
-logged (`drop_overlap`), whatever `data.on_error` says: it is a good record, just not held out.
+arithmetic written one way, so "What is 48 + 37 ?" is "what is 37+48?"; each image by a hash of its
+bytes, so the same picture under another name is the same prompt and the same question about another
+picture is not) is dropped, counted and logged (`drop_overlap`), whatever `data.on_error` says: it is
+a good record, just not held out.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
+import os
+import posixpath
 from collections.abc import Collection
 from typing import Any
+
+import fsspec
 
 from posttrain.data.examples import RecordError, as_messages, get_field
 from posttrain.data.sources import SkipLog, read_jsonl
 from posttrain.data.synthetic import canonical_text
 from posttrain.rl.envs.base import Task
 from posttrain.rl.verifiers.code import CodeTask
+from posttrain.rl.verifiers.label import LabelTask
 from posttrain.rl.verifiers.math import MathTask
 from posttrain.rl.verifiers.user import UserTask
 
-BUILTIN_VERIFIERS = ("math", "code")
+BUILTIN_VERIFIERS = ("math", "code", "label")
 DEFAULT_DOMAIN = "user"
 log = logging.getLogger(__name__)
 
@@ -65,21 +79,84 @@ def _verifier_name(record: dict) -> str:
     )
 
 
-def record_task(record: dict, where: str, verifiers: Collection[str]) -> tuple[str, Task]:
+def _image_path(path: Any, base: str | None) -> str:
+    """An image part's path resolved against `base` (the record file's folder); RecordError when
+    it is not a string or the file is not there."""
+    if not isinstance(path, str) or not path:
+        raise RecordError(f"image part: expected a path, got {path!r}")
+    if base is not None and "://" not in path and not os.path.isabs(path):
+        path = posixpath.join(base, path) if "://" in base else os.path.join(os.path.abspath(base), path)
+    fs, p = fsspec.core.url_to_fs(path)
+    if not fs.isfile(p):
+        raise RecordError(f"image {path!r} not found")
+    return path
+
+
+def resolve_images(messages: list[dict], base: str | None) -> list[dict]:
+    """The messages with each image part's path resolved (`_image_path`); text contents as they are."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            content = [
+                {**part, "image": _image_path(part.get("image"), base)}
+                if isinstance(part, dict) and part.get("type") == "image"
+                else part
+                for part in content
+            ]
+        out.append({**m, "content": content})
+    return out
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _image_digest(path: str) -> str:
+    """A hash of an image file's bytes (the path itself when it cannot be read)."""
+    try:
+        with fsspec.open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:24]
+    except OSError:
+        return path
+
+
+def content_text(content: Any, *, digest: bool = False) -> str:
+    """A message's content as text: a string as it is; parts as their texts joined by newlines, an
+    image as `<image PATH>` (or, with `digest`, `<image HASH>` of its bytes)."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.get("type") == "image":
+            texts.append(f"<image {_image_digest(part['image']) if digest else part['image']}>")
+        else:
+            texts.append(str(part.get("text", "")))
+    return "\n".join(texts)
+
+
+def _choices(record: dict) -> tuple[str, ...]:
+    value = get_field(record, "choices")
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise RecordError(f"field 'choices': expected a non-empty list of labels, got {value!r}")
+    return tuple(value)
+
+
+def record_task(record: dict, where: str, verifiers: Collection[str], base: str | None = None) -> tuple[str, Task]:
     """(domain, Task) from one user record (see module docstring); RecordError when it does not fit.
 
-    verifiers: the names of the user verifiers there are (built-ins are always known)."""
-    prompt = as_messages(get_field(record, "prompt"), "prompt", "user")
+    verifiers: the names of the user verifiers there are (built-ins are always known); base: the
+    folder relative image paths are under (the record file's), None to leave them as they are."""
+    prompt = resolve_images(as_messages(get_field(record, "prompt"), "prompt", "user"), base)
     name = _verifier_name(record)
     if name == "math":
         target: Any = MathTask(_text(record, "answer"))
+    elif name == "label":
+        target = LabelTask(_text(record, "answer"), _choices(record))
     elif name == "code":
         entry_point = get_field(record, "entry_point")
         if not isinstance(entry_point, str):
             raise RecordError(f"field 'entry_point': expected a function name, got {entry_point!r}")
         target = CodeTask(test=_text(record, "tests", joinable=True), entry_point=entry_point)
     elif name in verifiers:
-        target = UserTask(name, "\n\n".join(m["content"] for m in prompt), record)
+        target = UserTask(name, "\n\n".join(content_text(m["content"]) for m in prompt), record)
     else:
         raise RecordError(
             f"field 'verifier': no verifier {name!r}; known: {sorted({*BUILTIN_VERIFIERS, *verifiers})} "
@@ -96,9 +173,10 @@ def record_task(record: dict, where: str, verifiers: Collection[str]) -> tuple[s
 
 def normalise_prompt(task: Task) -> str:
     """A task's prompt text in canonical form (`data.synthetic.canonical_text`: unicode, case and
-    whitespace folded, each arithmetic expression written one way), the key under which two
-    prompts are the same problem (the train/eval overlap check, distinct prompts)."""
-    return canonical_text("\n".join(m["content"] for m in task.prompt))
+    whitespace folded, each arithmetic expression written one way; each image by a hash of its
+    bytes), the key under which two prompts are the same problem (the train/eval overlap check,
+    distinct prompts)."""
+    return canonical_text("\n".join(content_text(m["content"], digest=True) for m in task.prompt))
 
 
 def read_task_files(paths: str, verifiers: Collection[str], skips: SkipLog) -> dict[str, list[tuple[str, Task]]]:
@@ -109,7 +187,7 @@ def read_task_files(paths: str, verifiers: Collection[str], skips: SkipLog) -> d
     for rec in read_jsonl([p.strip() for p in paths.split(",") if p.strip()], skips=skips):
         where = f"{rec.path}:{rec.line}"
         try:
-            domain, task = record_task(rec.data, where, verifiers)
+            domain, task = record_task(rec.data, where, verifiers, base=posixpath.dirname(rec.path))
         except (RecordError, ValueError) as e:
             skips.bad(where, str(e))
             continue

@@ -6,7 +6,7 @@ Two registries, both filled from the config:
   `rl.env = "tool"`) are entries; `register_domain` adds more. The user's
   own files (`rl.train_files`, `rl.eval_files`, see `task_files`) add one domain per `domain`
   field of their records.
-- verifiers: the built-in `math` and `code` (sandboxed) ones by task type, and user functions by
+- verifiers: the built-in `math`, `code` (sandboxed) and `label` ones by task type, and user functions by
   name (`rl.verifiers = "mypkg.rewards:score"`, or `register_verifier`), run with a timeout
   (`rl.verifier_timeout_s`; the contract is in `verifiers/user.py` and the README).
 Reward sources are composed here, in one place (`make_reward_fn`): verifiers per task type with
@@ -31,6 +31,7 @@ from posttrain.rl.tasks import files as task_files
 from posttrain.rl.tasks import repo_domain
 from posttrain.rl.tasks.scheduler import BANDS
 from posttrain.rl.verifiers.code import CodeTask, CodeVerifier
+from posttrain.rl.verifiers.label import LabelTask, LabelVerifier
 from posttrain.rl.verifiers.math import MathTask, MathVerifier
 from posttrain.rl.verifiers.user import ScoreFn, UserTask, UserVerifier, load_callable
 from posttrain.sandbox import Sandbox
@@ -275,7 +276,7 @@ def make_reward_fn(r) -> RewardFunction:
         invalid_tool_call_penalty=r.invalid_tool_call_penalty,
         redundant_tool_call_penalty=r.redundant_tool_call_penalty,
     )
-    verifiers = {MathTask: MathVerifier(), CodeTask: _LazyVerifier(CodeVerifier)}
+    verifiers = {MathTask: MathVerifier(), CodeTask: _LazyVerifier(CodeVerifier), LabelTask: LabelVerifier()}
     functions = user_verifiers(r)
     if functions:
         verifiers[UserTask] = UserVerifier(functions, timeout_s=r.verifier_timeout_s)

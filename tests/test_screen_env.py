@@ -1,0 +1,231 @@
+"""The screenshot agent environment (issue 29 item 5): rendered screens, strict actions, the state
+machine, the final state check, episodes through the env interface, held-out by meaning.
+Pure Python (Pillow): a byte tokenizer that writes image parts as text stands in for the data
+layer's image tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from posttrain.data.tokenizer import ByteTokenizer
+from posttrain.rl.envs import run_episode
+from posttrain.rl.envs.screen import (
+    SELECTED,
+    Action,
+    ActionError,
+    Element,
+    ScreenState,
+    ScreenTask,
+    apply,
+    check,
+    parse_action,
+    render,
+)
+from posttrain.rl.envs.screen import solution as screen_solution
+from posttrain.rl.envs.screen_env import NEXT, ScreenEnv, demo_messages
+from posttrain.rl.reward import RewardConfig, RewardFunction
+from posttrain.rl.tasks.files import content_text
+from posttrain.rl.tasks.screen_domain import screen_key, screen_split, screen_tasks
+
+
+class PartsTokenizer(ByteTokenizer):
+    """Byte tokens, image parts written as `<image PATH>` text (the data layer's stand-in)."""
+
+    def encode_chat(self, messages, **kw):
+        return super().encode_chat([{**m, "content": content_text(m["content"])} for m in messages], **kw)
+
+
+TOK = PartsTokenizer()
+REWARD = RewardFunction({}, RewardConfig(format_penalty=0.5, invalid_tool_call_penalty=0.25))
+
+
+def env(tmp_path, **kw) -> ScreenEnv:
+    return ScreenEnv(TOK, REWARD, str(tmp_path / "screens"), **kw)
+
+
+def turn(text: str) -> list[int]:
+    return TOK.encode(text) + [TOK.eos_id]
+
+
+def centre(task, label) -> tuple[int, int]:
+    x0, y0, x1, y1 = task.target.element(label).box
+    return (x0 + x1) // 2, (y0 + y1) // 2
+
+
+def solution(task, by_xy: bool) -> list[str]:
+    """The honest actions of a Task (`screen.solution` of its target)."""
+    return screen_solution(task.target, by_xy)
+
+
+def play(e: ScreenEnv, task, turns: list[str]):
+    it = iter(turns)
+    return run_episode(e, task, lambda context: turn(next(it)))
+
+
+@pytest.mark.parametrize("by_xy", [True, False])
+def test_honest_episodes_succeed_by_coordinates_and_by_label(tmp_path, by_xy):
+    for task in screen_tasks(6, 0, "train"):
+        e = env(tmp_path)
+        traj = play(e, task, solution(task, by_xy))
+        assert traj.reward.correct == 1.0 and traj.reward.score == 1.0, (task.target.goal, traj.info)
+        assert traj.turns == len(solution(task, by_xy)) and len(e.images) == traj.turns
+
+
+@pytest.mark.parametrize("by_xy", [True, False])
+def test_demonstrations_are_the_honest_episodes_conversation(tmp_path, by_xy):
+    """SFT demonstrations show exactly what the environment shows in an RL episode."""
+    for task in screen_tasks(3, 2, "train"):
+        e = env(tmp_path)
+        play(e, task, solution(task, by_xy))
+        assert demo_messages(task, str(tmp_path / "screens"), by_xy=by_xy) == e.messages
+
+
+def test_observations_are_user_messages_with_the_next_screen(tmp_path):
+    """Each non-final step adds a user message: the next screen as an image part (an absolute path
+    to a PNG showing the new state) and NEXT; the first message holds the screen and instruction."""
+    task = next(t for t in screen_tasks(3, 0, "train") if t.target.goal[0] == "select")
+    e = env(tmp_path)
+    ids = e.reset(task)
+    first = e.messages[1]
+    assert first["role"] == "user" and first["content"][1]["text"] == task.prompt[0]["content"]
+    assert TOK.decode(ids).count("<image ") == 1
+    step = e.step(turn(f'click("{task.target.goal[1]}")'))
+    assert not step.done and step.reward is None
+    message = e.messages[-1]
+    assert message["role"] == "user" and message["content"][1] == {"type": "text", "text": NEXT}
+    path = message["content"][0]["image"]
+    assert path == e.images[-1] and path.startswith(str(tmp_path)) and TOK.decode(step.observation).count(path) == 1
+    x0, y0, _, _ = task.target.element(task.target.goal[1]).box
+    assert Image.open(path).convert("RGB").getpixel((x0 + 1, y0 + 1)) == SELECTED
+    assert Image.open(e.images[0]).convert("RGB").getpixel((x0 + 1, y0 + 1)) != SELECTED
+    assert e.trajectory().tokens[-len(step.observation) :] == step.observation
+
+
+class PatchTokenizer(ByteTokenizer):
+    """The data layer's contract: an image part `{"type": "image", "num_patches": n}` is n image
+    tokens (here byte 0, id 7), text parts are their text."""
+
+    def encode_chat(self, messages, **kw):
+        def text(content):
+            if isinstance(content, str):
+                return content
+            return "".join("\0" * p["num_patches"] if p["type"] == "image" else p["text"] for p in content)
+
+        return super().encode_chat([{**m, "content": text(m["content"])} for m in messages], **kw)
+
+
+def test_image_part_hook_gives_one_run_of_image_tokens_per_screen(tmp_path):
+    """With `image_part`, the trajectory holds each screen's image tokens, screens in `images` order."""
+    task = next(t for t in screen_tasks(3, 0, "train") if t.target.goal[0] == "type")
+    tok = PatchTokenizer()
+    e = ScreenEnv(tok, REWARD, str(tmp_path), image_part=lambda part: {"type": "image", "num_patches": 4})
+    it = iter(solution(task, by_xy=True))
+    traj = run_episode(e, task, lambda context: tok.encode(next(it)) + [tok.eos_id])
+    assert traj.reward.correct == 1.0
+    runs = "".join("i" if t == 7 else "." for t in traj.tokens).split(".")
+    assert [len(r) for r in runs if r] == [4] * len(e.images) and len(e.images) == 3
+    assert all(
+        isinstance(p["image"], str)
+        for m in e.messages
+        if isinstance(m["content"], list)
+        for p in m["content"]
+        if p["type"] == "image"
+    )
+
+
+def test_screens_are_deterministic_files_named_by_content(tmp_path):
+    task = screen_tasks(1, 0, "train")[0]
+    a, b = env(tmp_path), env(tmp_path)
+    play(a, task, solution(task, True))
+    play(b, task, solution(task, True))
+    assert a.images == b.images and len(set(a.images)) == len(a.images)
+    assert a.trajectory().tokens == b.trajectory().tokens
+
+
+def test_parse_action_is_strict():
+    assert parse_action(" click(12, 30)\n") == Action("click", xy=(12, 30))
+    assert parse_action('click("OK")') == Action("click", label="OK")
+    assert parse_action('type("42")') == Action("type", text="42")
+    for bad in ["click(1,2) click(3,4)", "click(1, 2). Done", "press(OK)", "click(OK)", "type(42)", "", "Clicked OK."]:
+        with pytest.raises(ActionError):
+            parse_action(bad)
+
+
+def test_state_machine_and_check():
+    items = (Element("item", "CAT", (0, 0, 20, 8)), Element("item", "DOG", (0, 9, 20, 17)))
+    buttons = (Element("button", "OK", (0, 40, 10, 48)), Element("button", "CANCEL", (12, 40, 40, 48)))
+    task = ScreenTask("Select CAT", items + buttons, ("select", "CAT"), (64, 64))
+    state = ScreenState()
+    assert apply(task, state, Action("click", xy=(50, 20))) == "clicked nothing"
+    assert apply(task, state, Action("type", text="x")).endswith("nothing happened")
+    apply(task, state, Action("click", label="cat"))
+    apply(task, state, Action("click", xy=(5, 12)))
+    assert state.selected == "DOG"
+    apply(task, state, Action("click", label="OK"))
+    assert check(task, state) == (False, "selected 'DOG', wanted 'CAT'")
+    with pytest.raises(RuntimeError):
+        apply(task, state, Action("click", label="CAT"))
+    with pytest.raises(ValueError, match="OK and CANCEL"):
+        ScreenTask("x", items, ("select", "CAT"), (64, 64))
+    with pytest.raises(ValueError, match="needs a field"):
+        ScreenTask("x", items + buttons, ("type", "CAT", "a"), (64, 64))
+
+
+def test_render_shows_typed_text_and_focus():
+    task = next(t for t in screen_tasks(3, 1, "train") if t.target.goal[0] == "type").target
+    state = ScreenState()
+    field = task.element(task.goal[1])
+    before = np.asarray(render(task, state))
+    apply(task, state, Action("click", label=field.label))
+    apply(task, state, Action("type", text=task.goal[2]))
+    after = np.asarray(render(task, state))
+    x0, y0, x1, y1 = field.box
+    assert (after[y0, x0 + 1] == SELECTED).all() and not (before[y0, x0 + 1] == SELECTED).all()
+    inside = lambda a: (a[y0 + 2 : y1 - 1, x0 + 2 : x1 - 1].sum(-1) == 0).sum()  # noqa: E731
+    assert inside(before) == 0 < inside(after)
+
+
+def test_screen_tasks_are_held_out_by_meaning():
+    """The same task laid out otherwise is in one split; held-out meanings never train."""
+    train, test = screen_tasks(300, 0, "train"), screen_tasks(45, 0, "test")
+    assert not {screen_key(t.target) for t in train} & {screen_key(t.target) for t in test}
+    assert len({screen_key(t.target) for t in test}) == 45
+    for seed in range(3):  # other layouts of the same meanings
+        for t in screen_tasks(100, seed + 5, "train") + screen_tasks(30, seed + 5, "test"):
+            moved = ScreenTask(
+                t.target.instruction,
+                tuple(
+                    Element(e.kind, e.label, (e.box[0], e.box[1] + 1, e.box[2], e.box[3] + 1), e.marked)
+                    for e in t.target.elements[::-1]
+                ),
+                t.target.goal,
+                t.target.size,
+            )
+            assert screen_key(moved) == screen_key(t.target) and screen_split(moved) == screen_split(t.target)
+
+
+def test_demo_files_have_relative_screens_that_exist(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from screen_demos import write_screen_demos
+
+    out = tmp_path / "demos"
+    assert write_screen_demos(str(out), 6, 3, by="xy") == {"screen_sft_train.jsonl": 6, "screen_sft_eval.jsonl": 3}
+    for name in ("screen_sft_train.jsonl", "screen_sft_eval.jsonl"):
+        for line in (out / name).read_text().splitlines():
+            messages = json.loads(line)["messages"]
+            images = [
+                p["image"]
+                for m in messages
+                if isinstance(m["content"], list)
+                for p in m["content"]
+                if p["type"] == "image"
+            ]
+            assert images and all(not os.path.isabs(p) and (out / p).is_file() for p in images)
+            assert [m["role"] for m in messages][-1] == "assistant" and parse_action(messages[-1]["content"])
