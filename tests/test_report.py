@@ -14,6 +14,7 @@ import pytest
 
 from posttrain.core.metrics import MetricsWriter
 from posttrain.eval.gates import GATES_FILE, GateFailed, check_gate
+from posttrain.eval.long_context_eval import write_rows
 from posttrain.eval.report import reward_parts, sample_rollouts, write_report
 from posttrain.stages.eval import write_record
 from tests.browser import find_chromium, render
@@ -60,6 +61,16 @@ def run(tmp_path_factory):
         )
     sft.write(29, {"eval/loss": 0.5})
     sft.close()
+    write_rows(  # eval.long_context's rows at two steps: the report draws the newest
+        [
+            {"kind": kind, "length": n, "depth": d, "accuracy": acc * n / 1024, "step": step}
+            for step, acc in ((10, 0.1), (29, 0.9))
+            for kind in ("needle", "multihop")
+            for n in (256, 1024)
+            for d in (0.0, 0.5)
+        ],
+        str(root / "0_sft" / "long_context.jsonl"),
+    )
     rl = MetricsWriter(str(root / "1_rlvr"))
     for step in range(4):
         rl.write(
@@ -156,6 +167,8 @@ def test_report_holds_every_section(run):
     ):
         assert t in titles[3:], t
     assert "held-out accuracy" in titles  # the eval stage's two checkpoints
+    assert titles.count("long context 0_sft") == 1  # one figure: a heat map per kind, newest step
+    assert "No long-context evaluation" not in page
     assert page.count('src="data:image/png;base64,') == len(titles)
     assert not re.search(r'(src|href)="(https?:)?//', page)  # self-contained
     for cell in ("abc123", "0.625", "pass@4", "<td>200</td>"):  # eval table across checkpoints

@@ -127,7 +127,15 @@ def write_rows(rows: Sequence[dict], path: str) -> None:
 
 def plot_heatmaps(rows: Sequence[dict], out: str, title: str = "") -> str:
     """One length x depth accuracy heat map per kind (the newest step's rows) to PNG `out`."""
-    from posttrain.core.plot import plt, png_bytes  # matplotlib (Agg) only when plotting
+    from posttrain.core.plot import png_bytes
+
+    storage.write_bytes(out, png_bytes(heatmap_figure(rows, title)))
+    return out
+
+
+def heatmap_figure(rows: Sequence[dict], title: str = ""):
+    """The figure of `plot_heatmaps` (the run report embeds it too)."""
+    from posttrain.core.plot import plt  # matplotlib (Agg) only when plotting
 
     last = max((r.get("step", -1) for r in rows), default=-1)
     rows = [r for r in rows if r.get("step", -1) == last]
@@ -149,8 +157,7 @@ def plot_heatmaps(rows: Sequence[dict], out: str, title: str = "") -> str:
         ax.set_title(f"long_ctx_{kind} = {np.nanmean(grid):.2f}")
         fig.colorbar(im, ax=ax, fraction=0.046)
     fig.suptitle(title + (f" (step {last})" if last >= 0 else ""), fontsize=9)
-    storage.write_bytes(out, png_bytes(fig))
-    return out
+    return fig
 
 
 def make_long_context_eval(lc, workdir: str, tok: Tokenizer, max_context: int = 0):

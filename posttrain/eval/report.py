@@ -8,7 +8,8 @@ are inline base64 PNGs, no scripts):
 - the eval table across checkpoints (`eval/<suite>.jsonl` of eval stages) and the evaluations
   logged during training;
 - gate outcomes (`gates.jsonl`, every condition), alerts and other event rows of `metrics.jsonl`;
-- a sample of kept rollouts (`rollouts/*.jsonl`, `rl.rollouts_every`) with their rewards and parts.
+- a sample of kept rollouts (`rollouts/*.jsonl`, `rl.rollouts_every`) with their rewards and parts;
+- long-context accuracy heat maps, length x depth per kind (`long_context.jsonl`, newest step).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class Stage:
     rows: list[dict]  # metrics.jsonl
     evals: list[dict]  # eval/<suite>.jsonl records (an eval stage)
     rollouts: list[dict]  # rollouts/*.jsonl records
+    long_context: list[dict]  # long_context.jsonl rows (eval.long_context, tools/long_context_eval.py)
 
 
 def _jsonl(path: str) -> list[dict]:
@@ -104,7 +106,8 @@ def load_stages(workdir: str) -> list[Stage]:
         folder = workdir if name == "." else storage.join(workdir, name)
         evals = [r for p in storage.glob(storage.join(folder, "eval", "*.jsonl")) for r in _jsonl(p)]
         rollouts = [r for p in storage.glob(storage.join(folder, "rollouts", "*.jsonl")) for r in _jsonl(p)]
-        stages.append(Stage(name, rows, evals, rollouts))
+        lc = storage.join(folder, "long_context.jsonl")
+        stages.append(Stage(name, rows, evals, rollouts, _jsonl(lc) if storage.isfile(lc) else []))
     order = lambda s: (s.name != ".", int(m.group(1)) if (m := re.match(r"(\d+)_", s.name)) else 1 << 30, s.name)
     return sorted(stages, key=order)
 
@@ -161,6 +164,19 @@ def panels(stage: Stage) -> list[tuple[str, str]]:
         if lines:
             out.append((title, figure_png(lines, title)))
     return out
+
+
+def long_context_section(stages: list[Stage]) -> str:
+    """Each stage's newest length x depth accuracy grid per kind, as heat maps."""
+    from posttrain.eval.long_context_eval import heatmap_figure
+
+    parts = [
+        f'<img alt="long context {_text(s.name)}" src="data:image/png;base64,'
+        f'{base64.b64encode(png_bytes(heatmap_figure(s.long_context, s.name), dpi=80)).decode()}">'
+        for s in stages
+        if s.long_context
+    ]
+    return "".join(parts) or "<p class=none>No long-context evaluation (eval.long_context).</p>"
 
 
 def curves_section(stages: list[Stage]) -> str:
@@ -337,7 +353,8 @@ def render(workdir: str) -> str:
         f'<p title="{_text(where)}">{_text(workdir)} · {_text(stage_names)} · '
         f"written {time.strftime('%Y-%m-%d %H:%M %Z')}</p>"
         f"<h2>Curves</h2>{curves_section(stages)}"
-        f"<h2>Evaluations</h2>{eval_section(stages)}<h2>Gates</h2>{gates_section(workdir)}"
+        f"<h2>Evaluations</h2>{eval_section(stages)}<h2>Long context</h2>{long_context_section(stages)}"
+        f"<h2>Gates</h2>{gates_section(workdir)}"
         f"<h2>Alerts and events</h2>{events_section(stages)}<h2>Sample rollouts</h2>{rollouts_section(stages)}"
         "</body></html>"
     )
