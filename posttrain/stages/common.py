@@ -17,6 +17,7 @@ from posttrain.core.batch import put_batch
 from posttrain.data.examples import sft_messages
 from posttrain.data.pipeline import preference_batches, read_jsonl
 from posttrain.data.tokenizer import Tokenizer, load_tokenizer
+from posttrain.errors import UserError
 from posttrain.parallel import agree, is_primary
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams
@@ -97,11 +98,25 @@ def data_kw(cfg) -> dict:
 
 
 def stage_tokenizer(cfg) -> Tokenizer:
+    """The run's tokenizer, checked against the model: its ids fit the vocabulary, and with images
+    (`model.vision`) its image placeholder is `model.vision.image_token_id`."""
     tok = load_tokenizer(cfg.data.tokenizer)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ValueError(
             f"data.tokenizer={cfg.data.tokenizer!r} has {tok.vocab_size} tokens but "
             f"model.vocab_size={cfg.model.vocab_size}"
+        )
+    vision = cfg.model.vision
+    if vision.encoder != "none" and getattr(tok, "image_id", None) != vision.image_token_id:
+        why = (
+            f"its <|image|> id is {tok.image_id}"
+            if hasattr(tok, "image_id")
+            else "it has no image placeholder token (images need data.tokenizer=byte for now)"
+        )
+        raise UserError(
+            f"model.vision.encoder={vision.encoder!r} with model.vision.image_token_id={vision.image_token_id} "
+            f"and data.tokenizer={cfg.data.tokenizer!r}: {why}",
+            key="model.vision.image_token_id" if hasattr(tok, "image_id") else "data.tokenizer",
         )
     return tok
 
