@@ -367,6 +367,7 @@ class Decoder(nnx.Module):
         """[B, S, D] → float32 logits [B, S, V]."""
         w = self.embed[...].T if self.head is None else self.head[...]
         out = weight_einsum("bsd,dv->bsv", hidden.astype(self.dtype), w, self.dtype, preferred_element_type=jnp.float32)
+        out = out if self.vision is None else self.vision.mask_logits(out)  # no image placeholder out
         return constrain(out, ("activation_batch", "activation_length", "activation_vocab"))
 
     def __call__(self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False, **kw):

@@ -3,7 +3,8 @@
 Each image reaches the decoder as placeholder tokens (one per patch, `model.vision.image_token_id`)
 and, aligned with them, its patches (`data.packing`: float32 [B, S, patch_size² · 3], zeros at other
 positions). The placeholder's token embedding is replaced by `patch @ proj + bias`; everything after
-the embedding (blocks, rotary positions — the tokens' 1-D positions —, masks, loss) is unchanged.
+the embedding (blocks, rotary positions — the tokens' 1-D positions —, masks, loss) is unchanged,
+and the placeholder is never predicted (`PatchEmbed.mask_logits`).
 """
 
 from __future__ import annotations
@@ -49,3 +50,10 @@ class PatchEmbed(nnx.Module):
         patches = constrain(patches.astype(self.dtype), ("activation_batch", "activation_length", None))
         image = weight_einsum("bsp,pd->bsd", patches, self.proj[...], self.dtype) + self.bias[...].astype(self.dtype)
         return jnp.where((tokens == self.token_id)[..., None], image.astype(x.dtype), x)
+
+    def mask_logits(self, logits: jax.Array) -> jax.Array:
+        """logits [..., V] with the placeholder's set to -1e9 (finite: a masked loss term stays 0):
+        the placeholder stands for an image's input, never a token to predict or sample, so the
+        learner and the sampler (which read these logits) agree that it has no probability."""
+        placeholder = jnp.arange(logits.shape[-1]) == self.token_id
+        return jnp.where(placeholder, jnp.asarray(-1e9, logits.dtype), logits)
