@@ -339,3 +339,13 @@ def test_sft_on_tiny_rendered_images_learns_the_colour(tmp_path):
     assert {s["prompt"] for s in samples} == {"<image>Colour?"}
     # the same question, told apart by the image alone (the first three records: red, green, blue)
     assert [s["completion"] for s in samples] == ["red", "green", "blue"]
+
+
+def test_a_vision_model_is_not_exported_as_a_text_family():
+    from posttrain.models.hf.config import hf_config_from_model
+
+    with pytest.raises(ValueError, match=r"cannot represent model\.vision\.encoder='linear'"):
+        hf_config_from_model(vision_config().model)
+    assert hf_config_from_model(vision_config(encoder="none").model, context=32)["architectures"] == [
+        "LlamaForCausalLM"
+    ]
