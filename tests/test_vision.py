@@ -349,3 +349,21 @@ def test_a_vision_model_is_not_exported_as_a_text_family():
     assert hf_config_from_model(vision_config(encoder="none").model, context=32)["architectures"] == [
         "LlamaForCausalLM"
     ]
+
+
+def test_iterator_state_with_images_resumes_the_same_batches(tmp_path):
+    """Open packed rows hold uint8 pixels; the JSON state brings them back (and their patches)."""
+    for name, rgb in COLOURS.items():
+        png(tmp_path / f"{name}.png", rgb)
+    path = write_jsonl(tmp_path / "train.jsonl", [record(f"{n}.png", n) for n in COLOURS] * 3)
+    first = batches(path, batch_size=2, seq_len=48)
+    next(first)
+    state = json.loads(json.dumps(first.get_state()))
+    assert any(row for row in state["batcher"]["packer"]["rows"])  # something carried over
+    expected = [next(first) for _ in range(3)]
+    resumed = batches(path, batch_size=2, seq_len=48)
+    resumed.set_state(state)
+    for want in expected:
+        got = next(resumed)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)

@@ -46,16 +46,17 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
-def check_messages(value: Any, field: str) -> list[dict]:
-    """A list of `{"role": str, "content": str or [parts], ...}` dicts, or `RecordError` naming the
-    element (parts — text and images — are checked by `with_images`)."""
+def check_messages(value: Any, field: str, *, parts: bool = False) -> list[dict]:
+    """A list of `{"role": str, "content": str, ...}` dicts, or `RecordError` naming the element.
+    `parts`: a content may also be a list of parts (text and images, checked by `with_images`,
+    which the caller then runs)."""
     if not isinstance(value, list) or not value:
         raise RecordError(f"field {field!r}: expected a non-empty list of messages, got {_type_name(value)}")
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             raise RecordError(f"field {field!r}[{i}]: expected a message object, got {_type_name(m)}")
         for key in ("role", "content"):
-            if not isinstance(m.get(key), str) and not (key == "content" and isinstance(m.get(key), list)):
+            if not isinstance(m.get(key), str) and not (parts and key == "content" and isinstance(m.get(key), list)):
                 got = "nothing" if key not in m else _type_name(m[key])
                 raise RecordError(f"field {field!r}[{i}].{key}: expected a string, got {got}")
     return value
@@ -82,12 +83,12 @@ def with_images(
     return out, np.stack(pixels) if pixels else np.zeros((0, size, size, 3), np.uint8)
 
 
-def as_messages(value: Any, field: str, role: str) -> list[dict]:
-    """A string → one `role` message; a list → checked messages."""
+def as_messages(value: Any, field: str, role: str, *, parts: bool = False) -> list[dict]:
+    """A string → one `role` message; a list → checked messages (`parts`: see `check_messages`)."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
     if isinstance(value, list):
-        return check_messages(value, field)
+        return check_messages(value, field, parts=parts)
     raise RecordError(f"field {field!r}: expected a string or a list of messages, got {_type_name(value)}")
 
 
@@ -102,15 +103,15 @@ def sft_messages(record: dict, fields: Fields = None) -> tuple[list[dict], str]:
     """The conversation of an SFT record and the field it came from."""
     key = field_key("messages", fields)
     if key in record:
-        return check_messages(record[key], key), key
+        return check_messages(record[key], key, parts=True), key
     if field_key("prompt", fields) not in record:
         raise RecordError(
             f"missing field {key!r} (or {field_key('prompt', fields)!r} and "
             f"{field_key('response', fields)!r}); the record has {sorted(record)}"
         )
-    prompt = as_messages(get_field(record, "prompt", fields), field_key("prompt", fields), "user")
+    prompt = as_messages(get_field(record, "prompt", fields), field_key("prompt", fields), "user", parts=True)
     response = field_key("response", fields)
-    return prompt + as_messages(get_field(record, "response", fields), response, "assistant"), response
+    return prompt + as_messages(get_field(record, "response", fields), response, "assistant", parts=True), response
 
 
 def sft_example(
@@ -161,13 +162,17 @@ def preference_example(record: dict, tok: Tokenizer, *, fields: Fields = None) -
     prompt_key = field_key("prompt", fields)
     no = "preference records take no images yet"
     prompt, _ = with_images(
-        as_messages(get_field(record, "prompt", fields), prompt_key, "user"), prompt_key, None, None, no
+        as_messages(get_field(record, "prompt", fields), prompt_key, "user", parts=True), prompt_key, None, None, no
     )
     prompt_ids, _ = _encode_chat(tok, prompt, prompt_key, add_generation_prompt=True)
     out = {"prompt": np.asarray(prompt_ids, np.int32)}
     for name in ("chosen", "rejected"):
         response, _ = with_images(
-            as_messages(get_field(record, name, fields), field_key(name, fields), "assistant"), name, None, None, no
+            as_messages(get_field(record, name, fields), field_key(name, fields), "assistant", parts=True),
+            name,
+            None,
+            None,
+            no,
         )
         out[name], out[f"{name}_mask"] = _response(tok, prompt, prompt_ids, response, field_key(name, fields))
     return out
@@ -196,7 +201,7 @@ def rl_prompt_example(
     (joined by newlines). The verifier gets `record` for anything else it needs.
     """
     prompt_key = field_key("prompt", fields)
-    prompt = as_messages(get_field(record, "prompt", fields), prompt_key, "user")
+    prompt = as_messages(get_field(record, "prompt", fields), prompt_key, "user", parts=True)
     prompt, pixels = with_images(prompt, prompt_key, images, path)
     ids, _ = _encode_chat(tok, prompt, prompt_key, add_generation_prompt=True)
     out = {
