@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from posttrain.eval.passk import mean_pass_at_k
 from posttrain.parallel import allgather_json
+from posttrain.rl.envs.images import episode_patches
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.rollout.hosts import (
     SAMPLED_REWARD_KEYS,
@@ -126,9 +127,14 @@ class RolloutWorker:
     continuous: SlotConfig | None = None  # continuous batching (sampling.continuous_batching); None: static
     mesh: Any = None  # the sampler's own mesh (rl.placement = split, rollout.placement); None: the current one
 
-    def sample(self, params, rest, prompts: list, sampling: SamplingParams, key) -> Samples:
+    def sample(self, params, rest, prompts: list, sampling: SamplingParams, key, patches=None) -> Samples:
         """The sampler call of every rollout: `sampling.num_samples` samples per prompt, sample
-        i*G+g drawing from fold_in(key, i*G+g), in a static batch or continuously refilled slots."""
+        i*G+g drawing from fold_in(key, i*G+g), in a static batch or continuously refilled slots.
+        `patches`: per prompt, its images' patches at its tokens or None (`envs.images`; static only)."""
+        if patches is not None and all(p is None for p in patches):
+            patches = None
+        if patches is not None and self.continuous is not None:
+            raise ValueError("sampling.continuous_batching: prompts with images are sampled in static batches only")
         with (self.clock or BusyClock()).busy():
             if self.continuous is None:
                 return generate(
@@ -140,6 +146,7 @@ class RolloutWorker:
                     key,
                     pad_id=self.pad_id,
                     prefix_cache=self.prefix_cache,
+                    patches=patches,
                 )
             return generate_continuous(
                 self.graphdef, params, rest, prompts, sampling, key, slots=self.continuous, pad_id=self.pad_id
@@ -174,7 +181,9 @@ class RolloutWorker:
         envs = [[self.domains[d].make_env() for _ in range(g)] for d, _ in tasks]
         prompts = [[e.reset(t) for e in row][0] for row, (_, t) in zip(envs, tasks)]
         t0 = time.perf_counter()
-        samples = self.sample(params, rest, prompts, sampling, key)
+        samples = self.sample(
+            params, rest, prompts, sampling, key, [episode_patches(r[0], p) for r, p in zip(envs, prompts)]
+        )
         return Pending(tasks, envs, samples, time.perf_counter() - t0)
 
     def verify(self, pending: Pending) -> RolloutBatch:
@@ -195,7 +204,7 @@ class RolloutWorker:
         groups, behav, routing = [], [], None if samples.routing is None else []
         for j, (d, task) in enumerate(pending.tasks):
             idx = range(j * g, (j + 1) * g)
-            trajs = [flat[i].trajectory() for i in idx]
+            trajs = [with_patches(flat[i]) for i in idx]
             groups.append(Group(d, task, [rewards[i].score for i in idx], trajs, [rewards[i].correct for i in idx]))
             behav.append([_token_aligned(samples.sampling_logprobs[i], t) for i, t in zip(idx, trajs)])
             if routing is not None:
@@ -234,6 +243,13 @@ def local_share(pending: Pending, *, exact: bool) -> Pending:
         pending.samples, **{k: v[rows] for k, v in per_row.items() if isinstance(v, np.ndarray)}
     )
     return Pending(pending.tasks[share], pending.envs[share], samples, pending.gen_s)
+
+
+def with_patches(env):
+    """`env`'s trajectory, carrying the patches of the images it showed (`Trajectory.patches`)."""
+    traj = env.trajectory()
+    traj.patches = episode_patches(env, traj.tokens)
+    return traj
 
 
 def _token_aligned(logprobs: np.ndarray, traj) -> np.ndarray:
