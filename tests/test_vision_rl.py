@@ -152,3 +152,51 @@ def test_screen_env_keys(tmp_path):
     cfg = vision_rl_config(tmp_path, domains="screen")
     with pytest.raises(ValueError, match=r"needs rl\.env='screen'"):
         make_domains(cfg, TOK, make_reward_fn(cfg.rl))
+
+
+def _rows(path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_vision_tiny_pipeline_smoke(tmp_path, visual_files, monkeypatch):
+    """configs/vision_tiny.py end to end, a few steps on small task files: SFT on image records,
+    then RLVR on image task files whose learner log-probs are the sampler's (rl/behav_gap_max ≈ 0:
+    the learner sees the images the sampler saw), with held-out accuracy before and after RL."""
+    import runpy
+
+    from posttrain import main
+
+    cfg = runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "configs", "vision_tiny.py"))["get_config"]()
+    for section, name, file in (("sft", "train_files", "sft_train"), ("sft", "eval_files", "sft_eval")):
+        cfg[section][name] = str(visual_files / f"{file}.jsonl")
+    cfg.rl.train_files, cfg.rl.eval_files = str(visual_files / "rl_train.jsonl"), str(visual_files / "rl_eval.jsonl")
+    cfg.workdir = str(tmp_path / "run")
+    cfg.sft.steps, cfg.train.batch_size, cfg.train.eval_every, cfg.train.log_every = 3, 8, 3, 1
+    cfg.model.num_layers, cfg.model.embed_dim, cfg.model.mlp_dim = 1, 32, 64
+    cfg.rl.steps, cfg.rl.eval_every, cfg.rl.eval_size, cfg.rl.eval_samples = 2, 2, 4, 2
+    cfg.rl.prompts_per_step, cfg.rl.group_size, cfg.rl.max_new_tokens = 2, 4, 6
+    main.run(cfg)
+    rows = _rows(tmp_path / "run" / "1_rlvr" / "metrics.jsonl")
+    gaps = [r["rl/behav_gap_max"] for r in rows if "rl/behav_gap_max" in r]
+    assert len(gaps) == 2 and max(gaps) < 1e-4, gaps
+    evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    assert len(evals) == 2  # before RL (after SFT) and after
+
+
+@pytest.mark.slow  # ~1 CPU-minute; the default suite runs screen episodes in test_screen_episode_rollouts_...
+def test_screen_rlvr_runs_end_to_end(tmp_path):
+    """rl.env=screen: a 2-step RLVR run of screenshot episodes with a tiny vision model; the
+    learner's log-probs are the sampler's over multi-turn contexts with screens."""
+    from posttrain import main
+
+    cfg = vision_rl_config(tmp_path, env="screen", domains="screen", max_turns=2, max_new_tokens=8, eval_size=4)
+    cfg.rl.update({"steps": 2, "prompts_per_step": 2, "group_size": 2, "eval_every": 2, "eval_samples": 2})
+    cfg.train.log_every, cfg.train.seq_len = 1, 128
+    main.run(cfg)
+    rows = _rows(tmp_path / "run" / "metrics.jsonl")
+    gaps = [r["rl/behav_gap_max"] for r in rows if "rl/behav_gap_max" in r]
+    assert len(gaps) == 2 and max(gaps) < 1e-4, gaps
+    assert all("rl/turns_per_episode" in r for r in rows if "rl/behav_gap_max" in r)
+    assert len([r for r in rows if "eval/tool_success_rate" in r]) == 2
