@@ -181,9 +181,8 @@ class RolloutWorker:
         envs = [[self.domains[d].make_env() for _ in range(g)] for d, _ in tasks]
         prompts = [[e.reset(t) for e in row][0] for row, (_, t) in zip(envs, tasks)]
         t0 = time.perf_counter()
-        samples = self.sample(
-            params, rest, prompts, sampling, key, [episode_patches(r[0], p) for r, p in zip(envs, prompts)]
-        )
+        patches = [episode_patches(row[0], p) for row, p in zip(envs, prompts)]  # None: no images
+        samples = self.sample(params, rest, prompts, sampling, key, patches=patches)
         return Pending(tasks, envs, samples, time.perf_counter() - t0)
 
     def verify(self, pending: Pending) -> RolloutBatch:
