@@ -18,8 +18,11 @@ the answer):
         --config.workdir=runs/vision_tiny_blank --config.init_from=runs/vision_tiny/1_rlvr \\
         --config.rl.eval_files=runs/vision_tiny_tasks/rl_eval_blank.jsonl --config.rl.steps=1 --config.rl.lr=0
 
-Measured figures (held-out accuracy before / after RL, blank control) are in BENCHMARKS.md,
-"Vision: rendered visual tasks".
+Measured (BENCHMARKS.md, "Vision: rendered visual tasks"; seed 0, n = 128): 31.2% greedy held-out
+accuracy after SFT, 31.2% after 40 GRPO updates, 31.2% on blank images -- short of the goal: this
+tiny model answers each question kind with its commonest answer (the text-only baseline is 32.8%)
+and does not read the images; RL then has nothing to sharpen. The learner's log-probs equal the
+sampler's with the images (rl/behav_gap_max 0.0).
 """
 
 from posttrain.config import base_config
