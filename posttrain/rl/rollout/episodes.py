@@ -143,7 +143,8 @@ def _start_turn(worker: RolloutWorker, params, rest, cohort: Cohort, batch: Epis
     t0 = time.perf_counter()
     contexts = [batch.contexts[i] for i in cohort.active]
     patches = [episode_patches(batch.envs[i], batch.contexts[i]) if i in batch.envs else None for i in cohort.active]
-    samples = worker.sample(params, rest, contexts, sampling, key, patches=patches)
+    images = {"patches": patches} if any(p is not None for p in patches) else {}  # text only: the call as before
+    samples = worker.sample(params, rest, contexts, sampling, key, **images)
     batch.times["model_s"] += time.perf_counter() - t0
 
     def step(i: int, action: list[int]):

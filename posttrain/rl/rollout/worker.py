@@ -182,7 +182,8 @@ class RolloutWorker:
         prompts = [[e.reset(t) for e in row][0] for row, (_, t) in zip(envs, tasks)]
         t0 = time.perf_counter()
         patches = [episode_patches(row[0], p) for row, p in zip(envs, prompts)]  # None: no images
-        samples = self.sample(params, rest, prompts, sampling, key, patches=patches)
+        images = {"patches": patches} if any(p is not None for p in patches) else {}  # text only: the call as before
+        samples = self.sample(params, rest, prompts, sampling, key, **images)
         return Pending(tasks, envs, samples, time.perf_counter() - t0)
 
     def verify(self, pending: Pending) -> RolloutBatch:
