@@ -90,7 +90,6 @@ def inflight_cfg(**overrides):
     "overrides, words",
     [
         ({"rl.max_staleness": 0}, "no newer ones can arrive"),
-        ({"rl.placement": "disaggregated", "rl.role": "learner"}, "between batches only"),
         ({"sampling.continuous_batching": True}, "continuous_batching"),
         ({"sampling.speculative_k": 2}, "speculative_k"),
         ({"sampling.prefix_cache": 64}, "prefix_cache"),
@@ -99,7 +98,9 @@ def inflight_cfg(**overrides):
     ],
 )
 def test_inflight_updates_are_refused_where_they_cannot_act(overrides, words):
-    check_inflight(inflight_cfg())  # the supported case passes
+    check_inflight(inflight_cfg())  # the supported cases pass: in-process, split, a disaggregated sampler group
+    check_inflight(inflight_cfg(**{"rl.placement": "split", "rl.sampler_devices": 4}))
+    check_inflight(inflight_cfg(**{"rl.placement": "disaggregated", "rl.role": "sampler"}))
     with pytest.raises(UserError, match=words) as e:
         check_inflight(inflight_cfg(**overrides))
     assert e.value.key == "rl.inflight_update_every"
@@ -250,3 +251,41 @@ def test_rlvr_inflight_token_versions_stay_within_the_staleness_bound(tmp_path, 
     assert any(mixed[1])
     assert all(r["rl/version_lag_max"] <= 1 and r["rl/tokens_stale_dropped"] == 0 for r in rows)
     assert rows[1]["rl/mixed_version_frac"] == pytest.approx(np.mean(mixed[1]))
+
+
+def test_token_versions_survive_the_workqueue_round_trip():
+    """rl.placement = disaggregated: a sampler group's token versions travel in the batch's JSON."""
+    import json
+
+    from posttrain.rl.rollout import workqueue
+
+    traj = Trajectory("t", [7, 8, 9], [False, True, True], prompt_len=1)
+    group = Group("d", Task("t", (), None), [1.0], [traj], [1.0])
+    behav, versions = [np.zeros(3, np.float32)], [np.array([2, 2, 3], np.int32)]
+    plain = json.loads(json.dumps(workqueue.encode_batch([group], [behav], {}, 2, "s")))
+    assert workqueue.decode_versions(plain) is None
+    payload = json.loads(json.dumps(workqueue.encode_batch([group], [behav], {}, 2, "s", versions=[versions])))
+    (got,) = workqueue.decode_versions(payload)
+    assert [v.tolist() for v in got] == [[2, 2, 3]] and got[0].dtype == np.int32
+
+
+def test_a_sampler_group_switches_to_weights_the_learner_published_in_flight():
+    """`rlvr_sampler.inflight_weights`: the held weights until the learner publishes newer ones
+    (pulled between decode steps), then those; the held ones once the learner has finished."""
+    from posttrain.stages.rlvr_sampler import inflight_weights
+
+    class Client:
+        def __init__(self):
+            self.published, self.finished, self.asked = 3, False, []
+
+        def newest(self, min_version):
+            self.asked.append(min_version)
+            return None if self.finished else ((f"p{self.published}", "rest"), self.published)
+
+    client = Client()
+    latest = inflight_weights(client, (("p3", "rest"), 3))
+    assert latest() == (3, "p3", "rest")
+    client.published = 4
+    assert latest() == (4, "p4", "rest")
+    client.finished = True
+    assert latest() == (4, "p4", "rest") and client.asked == [3, 3, 4]

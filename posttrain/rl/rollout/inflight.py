@@ -1,9 +1,10 @@
 """In-flight weight updates in RL (`rl.inflight_update_every`, issue 27 item 2): the rollout side of
 `sampling.inflight`, the learner's staleness bound per token, and the start-up check.
 
-With `rl.max_staleness >= 1` and `rl.inflight_update_every = N` the producer's sampler looks for a
-newer published policy every N decode steps and decodes on with it (PipelineRL: sequences in
-flight keep their KV cache). Each generated token carries the policy version that drew it beside
+With `rl.max_staleness >= 1` and `rl.inflight_update_every = N` the sampler (the overlapped
+producer's, or a disaggregated sampler group's, `stages/rlvr_sampler.py`) looks for a newer
+published policy every N decode steps and decodes on with it (PipelineRL: sequences in flight keep
+their KV cache). Each generated token carries the policy version that drew it beside
 its behaviour log-prob; a rollout's `version` is its oldest token's (the buffer's per-sequence
 bound, `RolloutBuffer`), and the learner drops from the loss any token whose version lags the
 learner's by more than `rl.max_staleness` (`enforce_token_staleness`: the per-token bound).
@@ -22,7 +23,7 @@ KEY = "rl.inflight_update_every"
 def check_inflight(cfg) -> None:
     """Refuse, naming `rl.inflight_update_every`, the runs where in-flight updates cannot act: no
     weights are published during a generation (max_staleness 0), or the sampler path is not the
-    static, single-process, in-process one."""
+    static, single-process one."""
     r, s = cfg.rl, cfg.sampling
     if not r.inflight_update_every:
         return
@@ -31,7 +32,6 @@ def check_inflight(cfg) -> None:
             r.max_staleness < 1,
             "rl.max_staleness=0 samples each batch with the current weights: no newer ones can arrive",
         ),
-        (r.placement == "disaggregated", "rl.placement='disaggregated' samplers pull weights between batches only"),
         (s.continuous_batching, "sampling.continuous_batching refills its slots inside one device loop"),
         (s.speculative_k > 0, "sampling.speculative_k drafts inside one device loop"),
         (s.prefix_cache > 0, "sampling.prefix_cache keeps prompt KV of one version"),
