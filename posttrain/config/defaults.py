@@ -263,6 +263,9 @@ def base_config() -> ml_collections.ConfigDict:
             is_mask_high=2.0,
             # --- end off-policy corrections ---
             max_staleness=0,  # 0: on-policy, synchronous; >= 1: sampling overlaps updates
+            # in-flight weight updates (rl/rollout/inflight.py; needs max_staleness >= 1): every N decode
+            # steps the sampler switches to the newest published weights, sequences in flight kept; 0: off
+            inflight_update_every=0,
             filter_groups=False,  # dynamic sampling: resample groups whose rewards are all equal
             max_resample_rounds=2,
             format_penalty=0.0,

@@ -387,9 +387,11 @@ def check_rlvr_stage(cfg) -> None:
     """The rlvr stage's start-up checks: the `rl.*` rules, then what RL cannot split over processes
     and what `rl.placement = disaggregated` cannot do yet."""
     from posttrain.rl.rollout.hosts import check_multihost_rl
+    from posttrain.rl.rollout.inflight import check_inflight
     from posttrain.rl.rollout.remote import check_disaggregated
 
     check_rl_config(cfg)
     check_multihost_rl(cfg)
+    check_inflight(cfg)
     if cfg.rl.placement == "disaggregated":
         check_disaggregated(cfg)

@@ -43,7 +43,7 @@ from posttrain.sampling.generate import bucket
 from posttrain.sampling.rules import SamplingParams, policy_logprobs, support_logprobs
 
 ROW_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
-HOST_ONLY = ("rollout_logp", "rewards", "judged")  # batch keys the update step does not read
+HOST_ONLY = ("rollout_logp", "rewards", "judged", "versions")  # batch keys the update step does not read
 
 
 def rl_batch(
@@ -59,7 +59,8 @@ def rl_batch(
     sampler's log-prob of each target), rewards [N] and judged [N] (False where the verifier
     reached no verdict: such a sample's loss mask is empty, so it trains nothing, and
     `compute_advantages` leaves it out of its group); with rollouts that carry the sampler's routing
-    (`model.moe.routing_replay = sampler`) also routing [N, S, MoE layers, k], the experts to replay.
+    (`model.moe.routing_replay = sampler`) also routing [N, S, MoE layers, k], the experts to replay;
+    with rollouts that carry token versions (`rl.inflight_update_every`) versions [N, S] of the targets.
 
     num_rows pads the batch with empty rows (zero loss mask, zero reward) to a fixed size, so
     batches with different numbers of groups reuse one compiled step. `longest` (>= every
@@ -92,6 +93,13 @@ def rl_batch(
         if len(routing) != len(trajs):
             raise ValueError(f"routing of {len(routing)} trajectories of {len(trajs)}: some rollouts carry none")
         out["routing"] = batch_routing(routing, n, s)
+    versions = [v for ro in rollouts for v in ro.versions]
+    if versions:
+        if len(versions) != len(trajs):
+            raise ValueError(f"versions of {len(versions)} trajectories of {len(trajs)}: some rollouts carry none")
+        out["versions"] = np.full((n, s), -1, np.int32)
+        for i, v in enumerate(versions):
+            out["versions"][i, : len(v) - 1] = v[1:]
     return out
 
 
