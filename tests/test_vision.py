@@ -379,3 +379,27 @@ def test_iterator_state_with_images_resumes_the_same_batches(tmp_path):
         got = next(resumed)
         for k in want:
             np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_zig_zag_layout_moves_patches_with_their_tokens():
+    """Context parallelism lays rows out in zig-zag order before placing them; patches are aligned
+    with the tokens, so each placeholder keeps its own patch."""
+    from posttrain.parallel.zigzag import unzigzag, zigzag_batch
+
+    batch = {k: np.asarray(v) for k, v in image_batch(b=2, s=16).items()}
+    zz = zigzag_batch(batch, 2)
+    assert not np.array_equal(zz["inputs"], batch["inputs"])
+    slots = zz["inputs"] == BYTE.image_id
+    assert (np.abs(zz["patches"]).sum(-1) > 0)[slots].all() and not zz["patches"][~slots].any()
+    np.testing.assert_array_equal(unzigzag(zz["patches"], 2), batch["patches"])
+
+
+def test_hugging_face_tokenizers_are_refused_for_images(tmp_path):
+    from posttrain.stages.common import stage_tokenizer
+    from tests.test_data import make_hf_folder
+
+    cfg = vision_config()
+    cfg.model.vocab_size = 320
+    cfg.data.tokenizer = make_hf_folder(str(tmp_path / "tok"), {"eos_token": "<|im_end|>"})
+    with pytest.raises(UserError, match=r"data\.tokenizer.*no image placeholder token"):
+        stage_tokenizer(cfg)
