@@ -40,7 +40,7 @@ def make_documented_files(cfg, doc: str) -> None:
     matches): the start-up checks require them."""
     import fnmatch
 
-    for stage in DATA_STAGES:
+    for stage in (*DATA_STAGES, "rl"):  # rl: rl.train_files / rl.eval_files task files
         for name, _ in SPLITS:
             value = cfg[stage][name]
             if not value or value == SYNTHETIC or "://" in value:

@@ -306,3 +306,18 @@ def test_a_visual_task_scores_in_a_single_turn_env(written):
         traj = run_episode(env, task, lambda context: tok.encode(reply) + [tok.eos_id])
         assert traj.reward.correct == want
         assert env.images == [str(out / rec["prompt"][0]["content"][0]["image"])] and traj.tokens.count(7) == 9
+
+
+def test_written_task_files_read_as_tasks_with_their_images(written):
+    """rl.train_files / eval_files with image prompts read as tasks (the data layer's messages
+    accept part lists here), each image part resolved to a file that exists, nothing skipped."""
+    from posttrain.data.sources import SkipLog
+
+    out, _ = written
+    for name in ("rl_train.jsonl", "rl_eval.jsonl", "rl_eval_blank.jsonl"):
+        by_domain = task_files.read_task_files(str(out / name), (), SkipLog("raise"))
+        tasks = [t for items in by_domain.values() for _, t in items]
+        assert len(tasks) == len(_records(out / name)) > 0
+        for task in tasks:
+            parts = task.prompt[0]["content"]
+            assert os.path.isfile(next(p["image"] for p in parts if p["type"] == "image"))

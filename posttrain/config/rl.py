@@ -9,7 +9,7 @@ from posttrain.config.fields import Section, bounded, choice, section
 from posttrain.config.train import StageConfig
 from posttrain.errors import UserError
 
-ENVS = ("single", "tool")  # rl.tasks.registry: one answer per sample, or multi-turn episodes with tools
+ENVS = ("single", "tool", "screen")  # rl.tasks.registry: one answer per sample; multi-turn tool / screen episodes
 ADVANTAGE_METHODS = ("grpo", "drgrpo", "rloo", "gae")  # rl.algo.advantages
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")  # rl.algo.losses
 KL_ESTIMATORS = ("k1", "k2", "k3")  # rl.algo.losses

@@ -56,14 +56,12 @@ INERT_UNLESS = {
         for k in ("critic", "gamma", "lam", "value_coef", "value_clip")
     },
     **{
+        k: (lambda r: r.env != "single", "only multi-turn episodes (rl.env='tool' or 'screen') take it")
+        for k in ("max_turns", "episode_cohorts", "invalid_tool_call_penalty")  # screen: a malformed turn
+    },
+    **{
         k: (lambda r: r.env == "tool", "only multi-turn episodes (rl.env='tool') make tool calls")
-        for k in (
-            "max_turns",
-            "episode_cohorts",
-            "tool_timeout_s",
-            "invalid_tool_call_penalty",
-            "redundant_tool_call_penalty",
-        )
+        for k in ("tool_timeout_s", "redundant_tool_call_penalty")
     },
     "kl_in_reward": (lambda r: r.kl_coef > 0, "no KL to pay without rl.kl_coef > 0"),
     "reward_model_weight": (lambda r: bool(r.reward_model), "no learned reward without rl.reward_model"),
@@ -94,8 +92,8 @@ INERT_WITH = (
     ),
     (
         "verifier_delay",
-        lambda r: r.env == "tool",
-        "multi-turn episodes (rl.env='tool') are scored inside their environment steps; the delay "
+        lambda r: r.env != "single",
+        "multi-turn episodes (rl.env='tool', 'screen') are scored inside their environment steps; the delay "
         "applies to single-turn verification only",
     ),
     (
@@ -386,11 +384,13 @@ def check_sampling_config(cfg, stage_names) -> None:
 def check_rlvr_stage(cfg) -> None:
     """The rlvr stage's start-up checks: the `rl.*` rules, then what RL cannot split over processes
     and what `rl.placement = disaggregated` cannot do yet."""
+    from posttrain.rl.envs.images import check_rl_images
     from posttrain.rl.rollout.hosts import check_multihost_rl
     from posttrain.rl.rollout.inflight import check_inflight
     from posttrain.rl.rollout.remote import check_disaggregated
 
     check_rl_config(cfg)
+    check_rl_images(cfg)
     check_multihost_rl(cfg)
     check_inflight(cfg)
     if cfg.rl.placement == "disaggregated":

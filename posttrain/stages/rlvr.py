@@ -292,7 +292,7 @@ def run(cfg) -> Result:
                 pool,
                 r.verifier_delay,
                 clock,
-                episodes=partial(rollout_episodes, cohorts=r.episode_cohorts) if r.env == "tool" else None,
+                episodes=partial(rollout_episodes, cohorts=r.episode_cohorts) if r.env != "single" else None,
                 prefix_cache=rollout_prefix_cache(cfg),
                 continuous=slot_config(cfg.sampling),
                 rules=sampler_rules(rules, cfg.sampling.layout),

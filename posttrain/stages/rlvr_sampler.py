@@ -118,7 +118,7 @@ def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
         tok.pad_id,
         pool,
         r.verifier_delay,
-        episodes=partial(rollout_episodes, cohorts=r.episode_cohorts) if r.env == "tool" else None,
+        episodes=partial(rollout_episodes, cohorts=r.episode_cohorts) if r.env != "single" else None,
         prefix_cache=rollout_prefix_cache(cfg),
         continuous=slot_config(cfg.sampling),
         rules=sampler_rules(rules, cfg.sampling.layout),

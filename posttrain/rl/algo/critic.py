@@ -38,11 +38,13 @@ class ValueDecoder(Decoder):
         )
 
     def logits_and_values(
-        self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False, routing=None
+        self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False, routing=None, patches=None
     ) -> tuple[jax.Array, jax.Array, dict]:
         """tokens [B, S] → (logits [B, S, V] float32, values [B, S] float32, MoE aux); `routing`:
-        the experts to replay (`Decoder.hidden_states`)."""
-        hidden, aux = self.hidden_states(tokens, positions, segment_ids, update_bias=update_bias, routing=routing)
+        the experts to replay, `patches`: images (`Decoder.hidden_states`)."""
+        hidden, aux = self.hidden_states(
+            tokens, positions, segment_ids, update_bias=update_bias, routing=routing, patches=patches
+        )
         return self.logits(hidden), scalar_head(hidden, self.value_head[...]), aux
 
 

@@ -60,7 +60,8 @@ def rl_batch(
     reached no verdict: such a sample's loss mask is empty, so it trains nothing, and
     `compute_advantages` leaves it out of its group); with rollouts that carry the sampler's routing
     (`model.moe.routing_replay = sampler`) also routing [N, S, MoE layers, k], the experts to replay;
-    with rollouts that carry token versions (`rl.inflight_update_every`) versions [N, S] of the targets.
+    with rollouts that carry token versions (`rl.inflight_update_every`) versions [N, S] of the targets;
+    with trajectories that showed images, patches [N, S, patch_dim] at their inputs (the sampler's).
 
     num_rows pads the batch with empty rows (zero loss mask, zero reward) to a fixed size, so
     batches with different numbers of groups reuse one compiled step. `longest` (>= every
@@ -88,6 +89,11 @@ def rl_batch(
         out["positions"][i, :m], out["segment_ids"][i, :m] = np.arange(m), 1
         out["behav_logp"][i, :m] = b[1:]
     out["loss_mask"][~out["judged"]] = 0
+    shown = [(i, t.patches) for i, t in enumerate(trajs) if t.patches is not None]
+    if shown:
+        out["patches"] = np.zeros((n, s, shown[0][1].shape[-1]), np.float32)
+        for i, p in shown:
+            out["patches"][i, : len(p) - 1] = p[:-1]
     routing = [r for ro in rollouts for r in ro.routing]
     if routing:
         if len(routing) != len(trajs):
@@ -170,11 +176,12 @@ def learner_outputs(
 ) -> tuple[jax.Array, jax.Array, jax.Array | None, dict]:
     """`learner_logprobs` plus, with `values` (a `critic.ValueDecoder`), the critic's values [B, S]
     from the same forward pass (else None)."""
-    args, routing = (batch["inputs"], batch["positions"], batch["segment_ids"]), batch.get("routing")
+    args = (batch["inputs"], batch["positions"], batch["segment_ids"])
+    kw = {"routing": batch.get("routing"), **({"patches": batch["patches"]} if "patches" in batch else {})}
     if values:
-        logits, v, aux = model.logits_and_values(*args, update_bias=update_bias, routing=routing)
+        logits, v, aux = model.logits_and_values(*args, update_bias=update_bias, **kw)
     else:
-        (logits, aux), v = model(*args, update_bias=update_bias, routing=routing), None
+        (logits, aux), v = model(*args, update_bias=update_bias, **kw), None
     return (
         policy_logprobs(logits, batch["targets"], sampling),
         support_logprobs(logits, batch["targets"], sampling),
@@ -328,7 +335,7 @@ class Learner:
         needed |= {"rollout_logp", "ref_logp"} if kl_reward else set()
         if needed <= batch.keys():
             return batch
-        rows, zigzagged = self.device_batch({k: batch[k] for k in (*ROW_KEYS, "routing") if k in batch})
+        rows, zigzagged = self.device_batch({k: batch[k] for k in (*ROW_KEYS, "routing", "patches") if k in batch})
         out = self.rollout_pass_fn(
             model_params(state, self.lora_cfg),
             state.rest,

@@ -44,7 +44,8 @@ class Step(NamedTuple):
 @dataclasses.dataclass
 class Trajectory:
     """All tokens of one episode. `loss_mask[i]` is True when the model generated `tokens[i]`;
-    `tokens[:prompt_len]` is the prompt. `reward` is set when the episode is done."""
+    `tokens[:prompt_len]` is the prompt. `reward` is set when the episode is done; `patches`, set by
+    the rollout when the episode showed images, are those images at their placeholder tokens."""
 
     task_id: str
     tokens: list[int]
@@ -53,6 +54,7 @@ class Trajectory:
     reward: Reward | None = None
     turns: int = 0
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    patches: Any = None  # float32 [len(tokens), patch_dim]: the images the episode showed (`envs.images`)
 
     def extend(self, ids: Sequence[int], *, generated: bool) -> None:
         """Append tokens, marked as the model's (`generated`) or the environment's."""

@@ -57,8 +57,9 @@ import jax
 import numpy as np
 
 from posttrain.parallel import allgather_json
+from posttrain.rl.envs.images import episode_patches
 from posttrain.rl.rollout.hosts import group_share, ratios
-from posttrain.rl.rollout.worker import RolloutBatch, RolloutWorker
+from posttrain.rl.rollout.worker import RolloutBatch, RolloutWorker, with_patches
 from posttrain.rl.tasks.scheduler import Group
 from posttrain.sampling.generate import Samples
 
@@ -140,7 +141,9 @@ def _start_turn(worker: RolloutWorker, params, rest, cohort: Cohort, batch: Epis
     """The cohort's next sampler call, then this process's environment steps of it submitted to the
     worker's pool."""
     t0 = time.perf_counter()
-    samples = worker.sample(params, rest, [batch.contexts[i] for i in cohort.active], sampling, key)
+    contexts = [batch.contexts[i] for i in cohort.active]
+    patches = [episode_patches(batch.envs[i], batch.contexts[i]) if i in batch.envs else None for i in cohort.active]
+    samples = worker.sample(params, rest, contexts, sampling, key, patches=patches)
     batch.times["model_s"] += time.perf_counter() - t0
 
     def step(i: int, action: list[int]):
@@ -180,7 +183,7 @@ def _as_batch(
     tasks, g: int, envs: list, behav: list[list[float]], model_s: float, env_s: float, episodes_s: float
 ) -> RolloutBatch:
     """The finished episodes as groups of `g`, with the episode metrics."""
-    trajs = [env.trajectory() for env in envs]
+    trajs = [with_patches(env) for env in envs]
     groups = [
         Group(
             d,

@@ -34,7 +34,7 @@ UNRECORDED = (
     ("sampling.continuous_batching", lambda c: c.sampling.continuous_batching),
     ("sampling.speculative_k", lambda c: c.sampling.speculative_k > 0),
     ("sampling.prefix_cache", lambda c: c.sampling.prefix_cache > 0),
-    ("rl.env", lambda c: c.rl.env == "tool"),
+    ("rl.env", lambda c: c.rl.env != "single"),
 )
 
 

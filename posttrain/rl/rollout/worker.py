@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from posttrain.eval.passk import mean_pass_at_k
 from posttrain.parallel import allgather_json
+from posttrain.rl.envs.images import episode_patches
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.rollout.hosts import (
     SAMPLED_REWARD_KEYS,
@@ -136,11 +137,18 @@ class RolloutWorker:
     inflight_every: int = 0  # rl.inflight_update_every: decode steps between weight checks (with `latest`)
 
     def sample(
-        self, params, rest, prompts: list, sampling: SamplingParams, key, latest: Latest | None = None
+        self, params, rest, prompts: list, sampling: SamplingParams, key, latest: Latest | None = None, patches=None
     ) -> Samples:
         """The sampler call of every rollout: `sampling.num_samples` samples per prompt, sample
         i*G+g drawing from fold_in(key, i*G+g), in a static batch or continuously refilled slots;
-        given `latest` (and `inflight_every`), with the newest weights it names, switched in flight."""
+        given `latest` (and `inflight_every`), with the newest weights it names, switched in flight.
+        `patches`: per prompt, its images' patches at its tokens or None (`envs.images`; static only)."""
+        if patches is not None and all(p is None for p in patches):
+            patches = None
+        if patches is not None and self.continuous is not None:
+            raise ValueError("sampling.continuous_batching: prompts with images are sampled in static batches only")
+        if patches is not None and latest is not None and self.inflight_every:
+            raise ValueError("rl.inflight_update_every: prompts with images are sampled without in-flight updates")
         with (self.clock or BusyClock()).busy():
             if latest is not None and self.inflight_every:
                 return generate_inflight(
@@ -156,6 +164,7 @@ class RolloutWorker:
                     key,
                     pad_id=self.pad_id,
                     prefix_cache=self.prefix_cache,
+                    patches=patches,
                 )
             return generate_continuous(
                 self.graphdef, params, rest, prompts, sampling, key, slots=self.continuous, pad_id=self.pad_id
@@ -192,7 +201,8 @@ class RolloutWorker:
         envs = [[self.domains[d].make_env() for _ in range(g)] for d, _ in tasks]
         prompts = [[e.reset(t) for e in row][0] for row, (_, t) in zip(envs, tasks)]
         t0 = time.perf_counter()
-        samples = self.sample(params, rest, prompts, sampling, key, latest)
+        patches = [episode_patches(row[0], p) for row, p in zip(envs, prompts)]  # None: no images
+        samples = self.sample(params, rest, prompts, sampling, key, latest, patches=patches)
         return Pending(tasks, envs, samples, time.perf_counter() - t0)
 
     def verify(self, pending: Pending) -> RolloutBatch:
@@ -214,7 +224,7 @@ class RolloutWorker:
         versions = None if samples.versions is None else []
         for j, (d, task) in enumerate(pending.tasks):
             idx = range(j * g, (j + 1) * g)
-            trajs = [flat[i].trajectory() for i in idx]
+            trajs = [with_patches(flat[i]) for i in idx]
             groups.append(Group(d, task, [rewards[i].score for i in idx], trajs, [rewards[i].correct for i in idx]))
             behav.append([_token_aligned(samples.sampling_logprobs[i], t) for i, t in zip(idx, trajs)])
             if routing is not None:
@@ -255,6 +265,13 @@ def local_share(pending: Pending, *, exact: bool) -> Pending:
         pending.samples, **{k: v[rows] for k, v in per_row.items() if isinstance(v, np.ndarray)}
     )
     return Pending(pending.tasks[share], pending.envs[share], samples, pending.gen_s)
+
+
+def with_patches(env):
+    """`env`'s trajectory, carrying the patches of the images it showed (`Trajectory.patches`)."""
+    traj = env.trajectory()
+    traj.patches = episode_patches(env, traj.tokens)
+    return traj
 
 
 def _token_aligned(logprobs: np.ndarray, traj) -> np.ndarray:

@@ -144,7 +144,7 @@ def record_task(record: dict, where: str, verifiers: Collection[str], base: str 
 
     verifiers: the names of the user verifiers there are (built-ins are always known); base: the
     folder relative image paths are under (the record file's), None to leave them as they are."""
-    prompt = resolve_images(as_messages(get_field(record, "prompt"), "prompt", "user"), base)
+    prompt = resolve_images(as_messages(get_field(record, "prompt"), "prompt", "user", parts=True), base)
     name = _verifier_name(record)
     if name == "math":
         target: Any = MathTask(_text(record, "answer"))

@@ -2,8 +2,9 @@
 
 Two registries, both filled from the config:
 - `DOMAINS`: name → builder of a (training domain, held-out tasks) pair. The built-ins
-  (`arithmetic`, `gsm8k`, `humaneval`, and the agent domain `repo_fix`, which needs
-  `rl.env = "tool"`) are entries; `register_domain` adds more. The user's
+  (`arithmetic`, `gsm8k`, `humaneval`, the agent domain `repo_fix`, which needs
+  `rl.env = "tool"`, and the screenshot agent's `screen`, which needs `rl.env = "screen"`) are
+  entries; `register_domain` adds more. The user's
   own files (`rl.train_files`, `rl.eval_files`, see `task_files`) add one domain per `domain`
   field of their records.
 - verifiers: the built-in `math`, `code` (sandboxed) and `label` ones by task type, and user functions by
@@ -17,18 +18,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable
 
 from posttrain.config import ENVS  # noqa: F401 (re-exported: rl.checks reads it here)
+from posttrain.data.images import ImageSpec
 from posttrain.data.sources import SkipLog
 from posttrain.rl.envs import SingleTurnEnv
 from posttrain.rl.envs.base import Task
+from posttrain.rl.envs.images import ImageTokens
+from posttrain.rl.envs.screen_env import ScreenEnv
 from posttrain.rl.envs.workspace import WORKSPACE_LIMITS, WorkspaceEnv
 from posttrain.rl.reward import RewardConfig, RewardFunction
 from posttrain.rl.tasks import domains as domain_lib
 from posttrain.rl.tasks import files as task_files
-from posttrain.rl.tasks import repo_domain
+from posttrain.rl.tasks import repo_domain, screen_domain
 from posttrain.rl.tasks.scheduler import BANDS
 from posttrain.rl.verifiers.code import CodeTask, CodeVerifier
 from posttrain.rl.verifiers.label import LabelTask, LabelVerifier
@@ -59,6 +64,15 @@ def _repo_fix(cfg, env):
     )
 
 
+def _screen(cfg, env):
+    if cfg.rl.env != "screen":
+        raise ValueError(f"rl.domains: screen runs screenshot episodes; it needs rl.env='screen', got {cfg.rl.env!r}")
+    return (
+        screen_domain.screen_domain(env, seed=cfg.seed + 1),
+        screen_domain.screen_tasks(cfg.rl.eval_size, cfg.seed + 10_000, "test"),
+    )
+
+
 DOMAINS: dict[str, DomainBuilder] = {
     "arithmetic": _arithmetic,
     "gsm8k": lambda cfg, env: (
@@ -70,6 +84,7 @@ DOMAINS: dict[str, DomainBuilder] = {
         domain_lib.humaneval_tasks(limit=cfg.rl.eval_size),
     ),
     "repo_fix": _repo_fix,
+    "screen": _screen,
 }
 VERIFIERS: dict[str, ScoreFn] = {}  # user verifiers added from Python (`register_verifier`)
 
@@ -167,7 +182,7 @@ def make_domains(cfg, tok, reward_fn) -> tuple[dict[str, domain_lib.Domain], lis
     """Training domains and held-out (domain, task) pairs for evaluation: the registry's domains
     named in `rl.domains`, then those of `rl.train_files` / `rl.eval_files`."""
     r = cfg.rl
-    env = make_env_factory(cfg.rl, tok, reward_fn)
+    env = make_env_factory(cfg.rl, tok, reward_fn, ImageSpec.from_config(cfg.model.vision), cfg.workdir)
     spec, domains, held_out = domain_spec(r), {}, []
     file_domains, eval_tasks = _user_tasks(cfg)
     for name in spec:
@@ -199,13 +214,20 @@ def make_domains(cfg, tok, reward_fn) -> tuple[dict[str, domain_lib.Domain], lis
     return domains, held_out
 
 
-def make_env_factory(r, tok, reward_fn) -> Callable:
-    """The environment of one episode, per the `rl` section's `env`: `single` (one answer) or
+def make_env_factory(r, tok, reward_fn, images: ImageSpec | None = None, workdir: str = ".") -> Callable:
+    """The environment of one episode, per the `rl` section's `env`: `single` (one answer),
     `tool` (up to `rl.max_turns` model turns of `rl.max_new_tokens` each, with shell/Python calls
-    in a persistent sandboxed working directory; `envs/workspace.py`). One sandbox serves all
-    episodes."""
+    in a persistent sandboxed working directory; `envs/workspace.py`; one sandbox serves all
+    episodes) or `screen` (rendered screens, written under `workdir/screens`; `envs/screen_env.py`).
+    `images` (`model.vision`): image parts of prompts become that many placeholder tokens."""
+    part = None if images is None else ImageTokens(images)
     if r.env == "single":
-        return lambda: SingleTurnEnv(tok, reward_fn, max_turn_tokens=r.max_new_tokens)
+        return lambda: SingleTurnEnv(tok, reward_fn, max_turn_tokens=r.max_new_tokens, image_part=part)
+    if r.env == "screen":
+        screens = os.path.join(workdir, "screens")
+        return lambda: ScreenEnv(
+            tok, reward_fn, screens, max_turns=r.max_turns, max_turn_tokens=r.max_new_tokens, image_part=part
+        )
     sandbox, limits = Sandbox(WORKSPACE_LIMITS), dataclasses.replace(WORKSPACE_LIMITS, wall_s=r.tool_timeout_s)
     return lambda: WorkspaceEnv(
         tok, reward_fn, sandbox, max_turns=r.max_turns, max_turn_tokens=r.max_new_tokens, limits=limits
@@ -268,7 +290,7 @@ def make_reward_fn(r) -> RewardFunction:
     """Math, code (sandboxed, built when first needed) and user verifiers with the shaping the
     `rl` section `r` configures (format, overlong, tool-call penalties)."""
     # The overlong ramp is over a sample's model tokens: one turn, or all turns of an episode.
-    budget = r.max_new_tokens * (r.max_turns if r.env == "tool" else 1)
+    budget = r.max_new_tokens * (r.max_turns if r.env != "single" else 1)
     config = RewardConfig(
         format_penalty=r.format_penalty,
         max_tokens=budget if r.overlong_buffer else None,
