@@ -22,6 +22,7 @@ setup(
         "tqdm>=4.66",
         "tensorboardX>=2.6",
         "matplotlib>=3.8",
+        "pillow>=10",              # images in chat records (data/images.py)
         "tokenizers>=0.19",
         "jinja2>=3.1",
         "math-verify>=0.9.0",

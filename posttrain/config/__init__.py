@@ -15,9 +15,11 @@ from posttrain.config.model import (
     REMAT_MODES,
     ROPE_SCALINGS,
     ROUTING_REPLAY,
+    VISION_ENCODERS,
     ModelConfig,
     MoEConfig,
     RopeScalingConfig,
+    VisionConfig,
 )
 from posttrain.config.rl import (
     ADVANTAGE_METHODS,
@@ -71,6 +73,7 @@ __all__ = [
     "ModelConfig",
     "MoEConfig",
     "RopeScalingConfig",
+    "VisionConfig",
     "TrainConfig",
     "OptimConfig",
     "CheckpointConfig",
@@ -99,6 +102,7 @@ __all__ = [
     "MOE_ROUTERS",
     "DISPATCHES",
     "ROUTING_REPLAY",
+    "VISION_ENCODERS",
     "OPTIMIZERS",
     "MOMENT_DTYPES",
     "OPTIMIZER_ONLY",

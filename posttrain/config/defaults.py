@@ -99,6 +99,14 @@ def model_config() -> ml_collections.ConfigDict:
                     routing_replay="off",
                 )
             ),
+            vision=ml_collections.ConfigDict(
+                dict(  # images as patch tokens (models/decoder.py, data/images.py; README "Images")
+                    encoder="none",  # none (text only) | linear (Fuyu-style patch embedding) | vit (refused)
+                    image_size=32,  # every image is resized to image_size x image_size (RGB)
+                    patch_size=8,  # cut into (image_size / patch_size)^2 patches, one placeholder token each
+                    image_token_id=263,  # the placeholder token: the byte tokenizer's <|image|>
+                )
+            ),
         )
     )
 

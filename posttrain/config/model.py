@@ -15,6 +15,7 @@ MOE_ROUTERS = ("softmax", "sigmoid")  # models.moe.layer
 DISPATCHES = ("auto", "ragged", "padded")  # models.moe.dispatch
 # off: the learner routes each token itself; sampler: it replays the experts the sampler chose
 ROUTING_REPLAY = ("off", "sampler")  # rl.rollout.routing
+VISION_ENCODERS = ("none", "linear", "vit")  # models.decoder (vit: refused, not built yet)
 
 
 @section
@@ -74,6 +75,35 @@ class MoEConfig(Section):
 
 
 @section
+class VisionConfig(Section):
+    """`model.vision`: images as patch tokens in the token stream. `encoder` none (text only: no
+    vision parameters) | linear (a Fuyu-style linear patch embedding) | vit (refused: not built);
+    each image is resized to `image_size`² and cut into (image_size / patch_size)² patches, whose
+    placeholder tokens (`image_token_id`) the projected patches replace."""
+
+    KEY = "model.vision"
+    encoder: str = choice(VISION_ENCODERS)
+    image_size: int = bounded(ge=1)
+    patch_size: int = bounded(ge=1)
+    image_token_id: int = bounded(ge=0)
+
+    def check_rules(self) -> None:
+        """A ViT encoder is not built yet; patches tile the image exactly."""
+        if self.encoder == "vit":
+            raise UserError(
+                f"config.{self.key}.encoder='vit': a ViT image encoder is not built yet; use 'linear' "
+                "(a linear patch embedding) or 'none'",
+                key=f"{self.key}.encoder",
+            )
+        if self.image_size % self.patch_size:
+            raise UserError(
+                f"config.{self.key}.patch_size={self.patch_size} must divide {self.key}.image_size="
+                f"{self.image_size} (whole patches)",
+                key=f"{self.key}.patch_size",
+            )
+
+
+@section
 class ModelConfig(Section):
     """`model`: the decoder's hyper-parameters."""
 
@@ -98,9 +128,17 @@ class ModelConfig(Section):
     attention_block: int
     context_parallel: str = choice(CONTEXT_PARALLEL)
     moe: MoEConfig
+    vision: VisionConfig
 
     def check_rules(self) -> None:
-        """Grouped-query attention: each KV head serves a whole number of query heads."""
+        """Grouped-query attention: each KV head serves a whole number of query heads; the image
+        placeholder is a token of the vocabulary."""
+        if self.vision.encoder != "none" and self.vision.image_token_id >= self.vocab_size:
+            raise UserError(
+                f"config.{self.key}.vision.image_token_id={self.vision.image_token_id}: expected < "
+                f"{self.key}.vocab_size={self.vocab_size} (the placeholder is looked up like any token)",
+                key=f"{self.key}.vision.image_token_id",
+            )
         if self.num_heads % self.num_kv_heads:
             raise UserError(
                 f"config.{self.key}.num_kv_heads={self.num_kv_heads} must divide {self.key}.num_heads="

@@ -31,8 +31,11 @@ def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) 
 
 
 def lm_loss(model: nnx.Module, batch: dict, moe_cfg, *, update_bias: bool = True) -> tuple[jax.Array, dict]:
-    """Next-token loss plus weighted MoE load-balancing and z losses; returns (loss, metrics)."""
-    logits, aux = model(batch["inputs"], batch["positions"], batch["segment_ids"], update_bias=update_bias)
+    """Next-token loss plus weighted MoE load-balancing and z losses; returns (loss, metrics).
+    `batch["patches"]`, when there, are the rows' image patches (`models.vision`)."""
+    logits, aux = model(
+        batch["inputs"], batch["positions"], batch["segment_ids"], update_bias=update_bias, patches=batch.get("patches")
+    )
     ce, ntok = token_cross_entropy(logits, batch["targets"], batch["loss_mask"])
     metrics = {"ce": ce, "tokens": ntok}
     loss = ce + moe_penalty(aux, moe_cfg)

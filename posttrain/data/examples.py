@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from posttrain.data.images import NO_VISION, ImageSpec, image_parts
 from posttrain.data.tokenizer import Tokenizer
 
 Fields = Mapping[str, str] | None
@@ -45,26 +46,49 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
-def check_messages(value: Any, field: str) -> list[dict]:
-    """A list of `{"role": str, "content": str, ...}` dicts, or `RecordError` naming the element."""
+def check_messages(value: Any, field: str, *, parts: bool = False) -> list[dict]:
+    """A list of `{"role": str, "content": str, ...}` dicts, or `RecordError` naming the element.
+    `parts`: a content may also be a list of parts (text and images, checked by `with_images`,
+    which the caller then runs)."""
     if not isinstance(value, list) or not value:
         raise RecordError(f"field {field!r}: expected a non-empty list of messages, got {_type_name(value)}")
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             raise RecordError(f"field {field!r}[{i}]: expected a message object, got {_type_name(m)}")
         for key in ("role", "content"):
-            if not isinstance(m.get(key), str):
+            if not isinstance(m.get(key), str) and not (parts and key == "content" and isinstance(m.get(key), list)):
                 got = "nothing" if key not in m else _type_name(m[key])
                 raise RecordError(f"field {field!r}[{i}].{key}: expected a string, got {got}")
     return value
 
 
-def as_messages(value: Any, field: str, role: str) -> list[dict]:
-    """A string → one `role` message; a list → checked messages."""
+def with_images(
+    messages: list[dict], field: str, images: ImageSpec | None, path: str | None, why: str = NO_VISION
+) -> tuple[list[dict], np.ndarray | None]:
+    """Messages whose part-list contents are resolved for the tokenizer (image parts decoded and
+    counted in patches), and the images' uint8 pixels [k, size, size, 3] in order (None when
+    `images` is None: a text-only model, or a record kind without images (`why`), where an image
+    part is an error)."""
+    out, pixels = [], []
+    for i, m in enumerate(messages):
+        try:
+            content, found = image_parts(m["content"], f"field {field!r}[{i}].content", images, path, why)
+        except ValueError as e:
+            raise RecordError(str(e)) from None
+        out.append({**m, "content": content})
+        pixels += found
+    if images is None:
+        return out, None
+    size = images.image_size
+    return out, np.stack(pixels) if pixels else np.zeros((0, size, size, 3), np.uint8)
+
+
+def as_messages(value: Any, field: str, role: str, *, parts: bool = False) -> list[dict]:
+    """A string → one `role` message; a list → checked messages (`parts`: see `check_messages`)."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
     if isinstance(value, list):
-        return check_messages(value, field)
+        return check_messages(value, field, parts=parts)
     raise RecordError(f"field {field!r}: expected a string or a list of messages, got {_type_name(value)}")
 
 
@@ -79,28 +103,35 @@ def sft_messages(record: dict, fields: Fields = None) -> tuple[list[dict], str]:
     """The conversation of an SFT record and the field it came from."""
     key = field_key("messages", fields)
     if key in record:
-        return check_messages(record[key], key), key
+        return check_messages(record[key], key, parts=True), key
     if field_key("prompt", fields) not in record:
         raise RecordError(
             f"missing field {key!r} (or {field_key('prompt', fields)!r} and "
             f"{field_key('response', fields)!r}); the record has {sorted(record)}"
         )
-    prompt = as_messages(get_field(record, "prompt", fields), field_key("prompt", fields), "user")
+    prompt = as_messages(get_field(record, "prompt", fields), field_key("prompt", fields), "user", parts=True)
     response = field_key("response", fields)
-    return prompt + as_messages(get_field(record, "response", fields), response, "assistant"), response
+    return prompt + as_messages(get_field(record, "response", fields), response, "assistant", parts=True), response
 
 
-def sft_example(record: dict, tok: Tokenizer, *, fields: Fields = None) -> dict:
-    """An SFT record → `{"tokens": int32[n], "loss_mask": bool[n]}`.
+def sft_example(
+    record: dict, tok: Tokenizer, *, fields: Fields = None, images: ImageSpec | None = None, path: str | None = None
+) -> dict:
+    """An SFT record → `{"tokens": int32[n], "loss_mask": bool[n]}` (+ `"pixels"`: uint8
+    [images, size, size, 3] in token order when `images` is given; `path`: the record's JSONL file,
+    which relative image paths are under).
 
     `loss_mask[i]` is True where token i is a target the model must predict: assistant content
-    and its end-of-turn token. A record with nothing to train on is an error.
+    and its end-of-turn token (never an image placeholder). A record with nothing to train on is
+    an error.
     """
     messages, field = sft_messages(record, fields)
+    messages, pixels = with_images(messages, field, images, path)
     ids, trainable = _encode_chat(tok, messages, field)
     if not any(trainable):
         raise RecordError(f"field {field!r}: no assistant turn to train on")
-    return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(trainable, bool)}
+    out = {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(trainable, bool)}
+    return out if pixels is None else {**out, "pixels": pixels}
 
 
 def _response(
@@ -129,13 +160,21 @@ def preference_example(record: dict, tok: Tokenizer, *, fields: Fields = None) -
     follow it, ending with the end-of-turn token.
     """
     prompt_key = field_key("prompt", fields)
-    prompt = as_messages(get_field(record, "prompt", fields), prompt_key, "user")
+    no = "preference records take no images yet"
+    prompt, _ = with_images(
+        as_messages(get_field(record, "prompt", fields), prompt_key, "user", parts=True), prompt_key, None, None, no
+    )
     prompt_ids, _ = _encode_chat(tok, prompt, prompt_key, add_generation_prompt=True)
     out = {"prompt": np.asarray(prompt_ids, np.int32)}
     for name in ("chosen", "rejected"):
-        out[name], out[f"{name}_mask"] = _response(
-            tok, prompt, prompt_ids, get_field(record, name, fields), field_key(name, fields)
+        response, _ = with_images(
+            as_messages(get_field(record, name, fields), field_key(name, fields), "assistant", parts=True),
+            name,
+            None,
+            None,
+            no,
         )
+        out[name], out[f"{name}_mask"] = _response(tok, prompt, prompt_ids, response, field_key(name, fields))
     return out
 
 
@@ -151,19 +190,24 @@ def _optional_text(record: dict, name: str, fields: Fields, *, joinable: bool = 
     raise RecordError(f"field {field_key(name, fields)!r}: expected {expected}, got {_type_name(value)}")
 
 
-def rl_prompt_example(record: dict, tok: Tokenizer, *, fields: Fields = None) -> dict:
+def rl_prompt_example(
+    record: dict, tok: Tokenizer, *, fields: Fields = None, images: ImageSpec | None = None, path: str | None = None
+) -> dict:
     """An RL prompt record → `{"prompt": int32[p] (ending with the generation prompt),
-    "answer": str | None, "tests": str | None, "record": the original dict}`.
+    "answer": str | None, "tests": str | None, "record": the original dict}` (+ `"pixels"`, uint8
+    [images, size, size, 3], when `images` is given; see `sft_example`).
 
     `answer` may be a number in the data (kept as its string); `tests` may be a list of strings
     (joined by newlines). The verifier gets `record` for anything else it needs.
     """
     prompt_key = field_key("prompt", fields)
-    prompt = as_messages(get_field(record, "prompt", fields), prompt_key, "user")
+    prompt = as_messages(get_field(record, "prompt", fields), prompt_key, "user", parts=True)
+    prompt, pixels = with_images(prompt, prompt_key, images, path)
     ids, _ = _encode_chat(tok, prompt, prompt_key, add_generation_prompt=True)
-    return {
+    out = {
         "prompt": np.asarray(ids, np.int32),
         "answer": _optional_text(record, "answer", fields),
         "tests": _optional_text(record, "tests", fields, joinable=True),
         "record": record,
     }
+    return out if pixels is None else {**out, "pixels": pixels}

@@ -243,12 +243,13 @@ def process_records(
 Fit = Callable[[dict], tuple[dict | None, str | None, bool]]  # example → (example, error, truncated)
 
 
-def load_fn(make: Callable[[dict], dict], fit: Fit) -> Callable[[RawLine], Loaded]:
-    """The map step: parse the line, build the example, check (or cut) its length."""
+def load_fn(make: Callable[[dict, str], dict], fit: Fit) -> Callable[[RawLine], Loaded]:
+    """The map step: parse the line, build the example (from the record and its file's path, which
+    relative image paths are under), check (or cut) its length."""
 
     def load(raw: RawLine) -> Loaded:
         try:
-            example = make(parse_line(raw))
+            example = make(parse_line(raw), raw.path)
         except ValueError as e:
             return Loaded(raw.where, None, str(e))
         return Loaded(raw.where, *fit(example))
@@ -258,7 +259,7 @@ def load_fn(make: Callable[[dict], dict], fit: Fit) -> Callable[[RawLine], Loade
 
 def batch_iterator(
     paths: str | Sequence[str],
-    make: Callable[[dict], dict],
+    make: Callable[[dict, str], dict],
     fit: Fit,
     batcher: Batcher,
     *,

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from posttrain.data.examples import preference_example, rl_prompt_example, sft_example
+from posttrain.data.images import ImageSpec
 from posttrain.data.packing import Packer, build_row, fit_length, stack_rows
 from posttrain.data.sources import DataError, read_jsonl
 from posttrain.data.tokenizer import Tokenizer
@@ -52,9 +53,11 @@ def sft_batches(
     process_count: int | None = None,
     read_threads: int = 1,
     final_seq_len: int | None = None,
+    images: ImageSpec | None = None,
 ) -> BatchIterator:
     """SFT batches in the train step's format (`inputs, targets, loss_mask, positions,
-    segment_ids`, each `[batch_size // process_count, seq_len]` int32).
+    segment_ids`, each `[batch_size // process_count, seq_len]` int32; with `images`, also
+    `patches` float32 [rows, seq_len, patch_dim] aligned with `inputs`, see `data.packing`).
 
     `packing` puts several conversations in a row (first-fit over `open_rows` open rows);
     otherwise one per row. An example longer than `seq_len` is a bad record ("too long") unless
@@ -65,6 +68,10 @@ def sft_batches(
     `truncate` apply at `final_seq_len`, and an example that fits it but not `seq_len` is deferred
     (counted in `deferred`, trained in a later epoch) — short examples first, re-packed at each
     stage (`continue_from`).
+
+    Images in records (`{"type": "image", "image": path}` parts, `data.images`) need `images`; a
+    missing or undecodable image is a bad record, and so is an example whose truncation would
+    cut an image.
     """
     final = max(final_seq_len or seq_len, seq_len)
     config = iterator_config(
@@ -82,6 +89,7 @@ def sft_batches(
         open_rows=open_rows,
         truncate=truncate,
         **({"final_seq_len": final} if final != seq_len else {}),
+        **({"images": list(images)} if images is not None else {}),
     )
     rows = batch_size // config["process_count"]
 
@@ -90,20 +98,25 @@ def sft_batches(
         cut = n > final and truncate
         if n > final and not truncate:
             return None, f"too long: {n} tokens > seq_len={final} (truncate=True would cut it)", False
-        example = fit_length(example, final, truncate=True) if cut else example
+        if cut:
+            try:
+                example = fit_length(example, final, truncate=True, images=images)
+            except ValueError:
+                return None, f"too long: {n} tokens > seq_len={final}, and truncating would cut an image", False
         if len(example["tokens"]) > seq_len:
             return None, None, cut  # deferred to a later, longer stage
         return example, None, cut
 
-    empty = build_row([], seq_len, pad_id=tok.pad_id)
+    row = lambda examples: build_row(examples, seq_len, pad_id=tok.pad_id, images=images)
+    empty = row([])
 
     def collate(batch_rows: list[list[dict]]) -> dict[str, np.ndarray]:
-        return stack_rows([build_row(r, seq_len, pad_id=tok.pad_id) for r in batch_rows], rows, empty)
+        return stack_rows([row(r) for r in batch_rows], rows, empty)
 
     batcher = Batcher(rows, collate, Packer(seq_len, open_rows=open_rows) if packing else None)
     return batch_iterator(
         paths,
-        lambda r: sft_example(r, tok, fields=fields),
+        lambda r, path: sft_example(r, tok, fields=fields, images=images, path=path),
         fit,
         batcher,
         on_error=on_error,
@@ -177,7 +190,7 @@ def preference_batches(
 
     return batch_iterator(
         paths,
-        lambda r: preference_example(r, tok, fields=fields),
+        lambda r, path: preference_example(r, tok, fields=fields),
         fit,
         Batcher(rows, collate),
         on_error=on_error,
@@ -200,10 +213,11 @@ def rl_prompt_batches(
     process_index: int | None = None,
     process_count: int | None = None,
     read_threads: int = 1,
+    images: ImageSpec | None = None,
 ) -> BatchIterator:
     """RL prompt batches: lists of `rl_prompt_example` dicts, `batch_size // process_count` each
     (the last batch of finite data may be shorter). A prompt over `max_prompt_len` tokens is a
-    bad record ("too long")."""
+    bad record ("too long"). With `images`, image parts are read (each dict's `pixels`)."""
     config = iterator_config(
         "rl_prompts",
         tok,
@@ -215,6 +229,7 @@ def rl_prompt_batches(
         batch_size=batch_size,
         fields=fields,
         max_prompt_len=max_prompt_len,
+        **({"images": list(images)} if images is not None else {}),
     )
 
     def fit(example: dict) -> tuple[dict | None, str | None, bool]:
@@ -228,7 +243,7 @@ def rl_prompt_batches(
 
     return batch_iterator(
         paths,
-        lambda r: rl_prompt_example(r, tok, fields=fields),
+        lambda r, path: rl_prompt_example(r, tok, fields=fields, images=images, path=path),
         fit,
         Batcher(batch_size // config["process_count"], collate),
         on_error=on_error,

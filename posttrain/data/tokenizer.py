@@ -43,14 +43,18 @@ class ByteTokenizer:
     """UTF-8 bytes plus a few specials — no files, for the CPU quickstart and tests.
 
     Ids: `<pad>`=0, `<bos>`=1, `<eos>`=2, role markers 3-6 (system, user, assistant, tool), then
-    byte `b` → `b + 7`; vocab_size 263. A chat is `<bos>` then, per message, its role marker, its
-    content and `<eos>` (the end-of-turn token, so generation stops at the end of a reply).
+    byte `b` → `b + 7`, then `<|image|>`=263 (an image's patch placeholder); vocab_size 264. A chat
+    is `<bos>` then, per message, its role marker, its content and `<eos>` (the end-of-turn token,
+    so generation stops at the end of a reply). A content may be a list of parts: text
+    (`{"type": "text", "text"}`) and images already cut into patches (`{"type": "image",
+    "num_patches": n}`, from `data.images`), an image being n `<|image|>` tokens, never trainable.
     """
 
     SPECIALS = ("<pad>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
     ROLES = {"system": 3, "user": 4, "assistant": 5, "tool": 6}
     OFFSET = len(SPECIALS)
-    vocab_size = OFFSET + 256
+    image_id = OFFSET + 256  # <|image|>: one per image patch (model.vision.image_token_id)
+    vocab_size = OFFSET + 257
     pad_id, bos_id, eos_id = 0, 1, 2
     stop_ids = (2,)
 
@@ -60,7 +64,7 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         """Ids → text; special tokens are dropped, invalid UTF-8 becomes U+FFFD."""
-        data = bytes(int(i) - self.OFFSET for i in ids if self.OFFSET <= int(i) < self.vocab_size)
+        data = bytes(int(i) - self.OFFSET for i in ids if self.OFFSET <= int(i) < self.image_id)
         return data.decode(errors="replace")
 
     def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
@@ -69,13 +73,29 @@ class ByteTokenizer:
         for i, m in enumerate(messages):
             if m["role"] not in self.ROLES:
                 raise ValueError(f"messages[{i}].role={m['role']!r}: expected one of {sorted(self.ROLES)}")
-            body = self.encode(m["content"]) + [self.eos_id]
+            body, images = self._content(m["content"]), []
+            if not isinstance(body, list):
+                body, images = body
+            body += [self.eos_id]
             ids += [self.ROLES[m["role"]]] + body
-            trainable += [False] + [m["role"] == "assistant"] * len(body)
+            trainable += [False] + [m["role"] == "assistant" and i not in images for i in range(len(body))]
         if add_generation_prompt:
             ids.append(self.ROLES["assistant"])
             trainable.append(False)
         return ids, trainable
+
+    def _content(self, content) -> list[int] | tuple[list[int], set[int]]:
+        """A message's ids: a string's bytes, or a part list's ids and the indices of image tokens."""
+        if isinstance(content, str):
+            return self.encode(content)
+        ids, images = [], set()
+        for part in content:
+            if part.get("type") == "image":
+                images.update(range(len(ids), len(ids) + part["num_patches"]))
+                ids += [self.image_id] * part["num_patches"]
+            else:
+                ids += self.encode(part["text"])
+        return ids, images
 
 
 def _token_text(value) -> str | None:
@@ -187,6 +207,11 @@ class HFTokenizer:
         A token is trainable when its characters overlap an assistant turn's span (content and
         end-of-turn token, not the role header the generation prompt writes).
         """
+        if any(not isinstance(m.get("content"), str) for m in messages):
+            raise ValueError(
+                f"{self.name}: messages with image parts need data.tokenizer=byte (its <|image|> placeholder); "
+                "Hugging Face tokenizers take string contents only"
+            )
         text, spans = chat_template.render_with_spans(
             self._template, messages, add_generation_prompt=add_generation_prompt, special_tokens=self._specials
         )

@@ -13,6 +13,7 @@ from posttrain.models.attention import Attention
 from posttrain.models.layers import MLP, RMSNorm, dtype_of, param
 from posttrain.models.moe import MoE, RouterBias
 from posttrain.models.quant import weight_einsum
+from posttrain.models.vision import make_vision
 from posttrain.parallel.sharding import constrain
 
 ACTIVATION_NAMES = ("activation_batch", "activation_length", "activation_embed")  # the residual stream [B, S, D]
@@ -163,11 +164,25 @@ class Decoder(nnx.Module):
                 pdt,
             )
         )
+        # images (model.vision): no parameters when text only; made last, so a text-only model
+        # draws the same initial weights as before
+        self.vision = make_vision(cfg, rngs)
 
     def hidden_states(
-        self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False, routing=None, experts_out=False
+        self,
+        tokens,
+        positions=None,
+        segment_ids=None,
+        *,
+        update_bias: bool = False,
+        routing=None,
+        experts_out=False,
+        patches=None,
     ):
         """tokens [B, S] int → (final-normed hidden [B, S, D], aux).
+
+        patches [B, S, patch_dim] (with model.vision.encoder = linear): each image placeholder
+        token's input is its patch, projected (`_embed`); other positions' patches are ignored.
 
         positions default to 0..S-1 and segment_ids to ones (one unpacked sequence per row).
         aux holds the MoE statistics averaged over MoE layers ("moe/aux_loss", "moe/z_loss",
@@ -181,7 +196,7 @@ class Decoder(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         if segment_ids is None:
             segment_ids = jnp.ones_like(tokens)
-        x = self._embed(tokens)
+        x = self._embed(tokens, patches)
         moe_aux, used, first = [], [], 0
         per_layer = None if routing is None else jnp.moveaxis(routing, 2, 0)  # [layers, B, S, k]
         for stack in self.stacks:
@@ -202,12 +217,18 @@ class Decoder(nnx.Module):
             aux["moe/experts"] = jnp.moveaxis(jnp.concatenate(used), 0, 2)
         return self.final_norm(x), aux
 
-    def _embed(self, tokens):
-        """tokens [B, S] int → embeddings [B, S, D] in the compute dtype."""
+    def _embed(self, tokens, patches=None):
+        """tokens [B, S] int → embeddings [B, S, D] in the compute dtype; with patches
+        [B, S, patch_dim], an image placeholder's embedding is its projected patch (`models.vision`)
+        (the rotary positions stay the tokens' 1-D positions)."""
         # embed dim all-gathered (ZeRO-3); the vocab dim as `vocab_lookup` says: whole (a local row
         # gather) or left sharded (each shard looks up its tokens, the partials are summed)
         table = constrain(self.embed[...], ("vocab_lookup", None))
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
+        if patches is not None:
+            if self.vision is None:
+                raise ValueError("patches given to a text-only model (model.vision.encoder='none')")
+            x = self.vision(tokens, patches, x)
         return constrain(x, ACTIVATION_NAMES)
 
     def prefill(
@@ -219,8 +240,10 @@ class Decoder(nnx.Module):
         *,
         stacked: bool = False,
         routing: bool = False,
+        patches=None,
     ):
         """The forward pass of a sampler's prompt: tokens [B, S] → (final-normed hidden [B, S, D], kv).
+        patches [B, S, patch_dim]: the prompt's image patches (see `hidden_states`).
 
         kv holds one (k, v) pair per layer, in layer order, laid out like the KV cache
         (`sampling.kv_cache`): k [B, K, Dh, S], v [B, K, S, Dh]. Given `layers` (`self.layers()`)
@@ -229,7 +252,7 @@ class Decoder(nnx.Module):
         (k [R, B, K, Dh, S]): the cache `decode_stacked` takes. `routing`: also return the experts
         each MoE layer chose, [B, S, num_moe_layers, k] int32 (None for a dense model).
         """
-        x = self._embed(tokens)
+        x = self._embed(tokens, patches)
         kv, used = [], []
         if layers is not None:
             for block in layers:
@@ -344,12 +367,13 @@ class Decoder(nnx.Module):
         """[B, S, D] → float32 logits [B, S, V]."""
         w = self.embed[...].T if self.head is None else self.head[...]
         out = weight_einsum("bsd,dv->bsv", hidden.astype(self.dtype), w, self.dtype, preferred_element_type=jnp.float32)
+        out = out if self.vision is None else self.vision.mask_logits(out)  # no image placeholder out
         return constrain(out, ("activation_batch", "activation_length", "activation_vocab"))
 
-    def __call__(self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False, **routing):
-        """tokens [B, S] → (logits [B, S, V] float32, aux) — see `hidden_states` (`routing`: its
-        routing / experts_out)."""
-        hidden, aux = self.hidden_states(tokens, positions, segment_ids, update_bias=update_bias, **routing)
+    def __call__(self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False, **kw):
+        """tokens [B, S] → (logits [B, S, V] float32, aux) — see `hidden_states` (`kw`: its
+        routing / experts_out / patches)."""
+        hidden, aux = self.hidden_states(tokens, positions, segment_ids, update_bias=update_bias, **kw)
         return self.logits(hidden), aux
 
 

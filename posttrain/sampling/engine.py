@@ -100,10 +100,17 @@ def stacked_cache() -> bool:
 
 
 def prefill(
-    model: nnx.Module, tokens: jax.Array, lengths: jax.Array, layers: list | None = None, *, routing: bool = False
+    model: nnx.Module,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    layers: list | None = None,
+    *,
+    routing: bool = False,
+    patches: jax.Array | None = None,
 ) -> tuple:
     """Right-padded prompts tokens [B, P] with lengths [B] (>= 1) → (next-token logits [B, V], kv),
     and with `routing` the experts [B, P, num_moe_layers, k] each MoE layer chose (`Decoder.prefill`).
+    patches [B, P, patch_dim]: the prompts' image patches at their placeholders (`models.vision`).
 
     Positions are 0..P-1 and padding has segment id 0, exactly as the learner lays out a row.
     `layers`: `decode_layers(model)`; None gives the stacked cache `decode_step` then takes.
@@ -112,7 +119,7 @@ def prefill(
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
     hidden, kv, *experts = model.prefill(
-        tokens, positions, segment_ids, layers, stacked=layers is None, routing=routing
+        tokens, positions, segment_ids, layers, stacked=layers is None, routing=routing, patches=patches
     )
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
     return (model.logits(last)[:, 0], kv, *experts)

@@ -103,6 +103,20 @@ def pad_prompts(rows: list[np.ndarray], num_rows: int, length: int, pad_id: int)
     return tokens, lengths
 
 
+def pad_patches(patches: Sequence[np.ndarray | None], rows: list[np.ndarray], shape: tuple[int, int]) -> np.ndarray:
+    """Per-prompt patches ([len, patch_dim] or None) → float32 [B, P, patch_dim] like `pad_prompts`."""
+    if len(patches) != len(rows):
+        raise ValueError(f"patches for {len(patches)} prompts, {len(rows)} prompts given")
+    dim = next((np.shape(p)[-1] for p in patches if p is not None), 0)
+    out = np.zeros((*shape, dim), np.float32)
+    for i, (p, r) in enumerate(zip(patches, rows)):
+        if p is not None:
+            if len(p) != len(r):
+                raise ValueError(f"patches[{i}]: {len(p)} rows for a prompt of {len(r)} tokens")
+            out[i, : len(r)] = p
+    return out
+
+
 def new_token_limits(
     limits: Sequence[int] | None, num_rows: int, num_prompts: int, sampling: SamplingParams
 ) -> np.ndarray:
@@ -130,12 +144,16 @@ def static_slots(
     num_prompts: jax.Array,
     key: jax.Array,
     sampling: SamplingParams,
+    patches: jax.Array | None = None,
 ) -> tuple[engine.Slots, list]:
     """The prompts tokens [B, P] prefilled once, each prompt's cache row repeated for its G samples:
     (B * G slots, sample i*G+g in slot and output row i*G+g with RNG id i*G+g; rows >= num_prompts
-    done), and [the prompt's experts] with `sampling.record_routing` (else [None] or [])."""
+    done), and [the prompt's experts] with `sampling.record_routing` (else [None] or []). patches
+    [B, P, patch_dim]: the prompts' images, or None."""
     g, b = sampling.num_samples, tokens.shape[0]
-    logits, kv, *prompt_experts = engine.prefill(model, tokens, lengths, layers, routing=sampling.record_routing)
+    logits, kv, *prompt_experts = engine.prefill(
+        model, tokens, lengths, layers, routing=sampling.record_routing, patches=patches
+    )
     cache = kv_cache.repeat_rows(kv_cache.allocate(kv, tokens.shape[1] + sampling.max_new_tokens), g)
     ids = jnp.arange(b * g, dtype=jnp.int32)
     slots = engine.Slots(
@@ -161,6 +179,7 @@ def generate_program(
     limits: jax.Array,
     num_prompts: jax.Array,
     key: jax.Array,
+    patches: jax.Array | None = None,
     *,
     sampling: SamplingParams,
     pad_id: int,
@@ -168,11 +187,14 @@ def generate_program(
 ) -> engine.Outputs:
     """The compiled sampler: tokens [B, P], lengths and new-token limits [B] (rows >= num_prompts
     are padding) → Outputs of B * num_samples rows, sample i*G+g being prompt i's g-th (its RNG
-    id too). `rules`: `sharding_key()`, the rules it is traced under (part of the compile key)."""
+    id too). patches [B, P, patch_dim]: the prompts' images (prefilled; none are generated).
+    `rules`: `sharding_key()`, the rules it is traced under (part of the compile key)."""
     model = nnx.merge(graphdef, params, rest)
     g, b = sampling.num_samples, tokens.shape[0]
     layers = engine.decode_layers(model)
-    slots, prompt_experts = static_slots(model, layers, tokens, lengths, limits, num_prompts, key, sampling)
+    slots, prompt_experts = static_slots(
+        model, layers, tokens, lengths, limits, num_prompts, key, sampling, patches=patches
+    )
     out = engine.Outputs.empty(b * g, sampling.max_new_tokens, pad_id)
     if sampling.record_routing:  # the prompt's experts, shared by its samples; the generated ones in the loop
         if prompt_experts[0] is None:
@@ -217,6 +239,7 @@ def generate(
     prompt_mask: np.ndarray | None = None,
     max_new_tokens: Sequence[int] | None = None,
     prefix_cache=None,
+    patches: Sequence[np.ndarray | None] | None = None,
 ) -> Samples:
     """Sample `sampling.num_samples` completions for each prompt with the learner's weights.
 
@@ -225,9 +248,14 @@ def generate(
     under `use_sharding(mesh, rules)` to shard the cache and activations. Sample i*G+g is prompt
     i's g-th and draws from fold_in(key, i*G+g). `prefix_cache`: a `prefix_cache.PrefixCache`
     that serves cached prompt prefixes' KV and keeps this call's (same outputs, less prefill).
+    `patches`: per prompt, its image patches aligned with its tokens ([len, patch_dim], zeros off
+    the placeholders; `data.packing.place_patches`) or None; only the plain static path takes them
+    (the prefix cache keys prompts by token ids, which do not tell two images apart).
     """
     rows = prompt_rows(prompts, prompt_mask)
     n, g = len(rows), sampling.num_samples
+    if patches is not None and (prefix_cache is not None or sampling.speculative_k):
+        raise ValueError("generate(patches=...): images are sampled without the prefix cache and speculative decoding")
     if sampling.record_routing and (prefix_cache is not None or sampling.speculative_k):
         raise ValueError(
             "SamplingParams.record_routing: the static sampler records routing, not the prefix cache "
@@ -266,6 +294,7 @@ def generate(
             limits,
             np.int32(n),
             key,
+            None if patches is None else pad_patches(patches, rows, tokens.shape),
             sampling=sampling,
             pad_id=pad_id,
             rules=sharding_key(),

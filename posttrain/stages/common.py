@@ -14,9 +14,12 @@ from flax import nnx
 from posttrain import storage
 from posttrain.core import lineage
 from posttrain.core.batch import put_batch
-from posttrain.data.examples import sft_messages
+from posttrain.data.examples import sft_messages, with_images
+from posttrain.data.images import ImageSpec
+from posttrain.data.packing import place_patches
 from posttrain.data.pipeline import preference_batches, read_jsonl
 from posttrain.data.tokenizer import Tokenizer, load_tokenizer
+from posttrain.errors import UserError
 from posttrain.parallel import agree, is_primary
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams
@@ -97,11 +100,25 @@ def data_kw(cfg) -> dict:
 
 
 def stage_tokenizer(cfg) -> Tokenizer:
+    """The run's tokenizer, checked against the model: its ids fit the vocabulary, and with images
+    (`model.vision`) its image placeholder is `model.vision.image_token_id`."""
     tok = load_tokenizer(cfg.data.tokenizer)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ValueError(
             f"data.tokenizer={cfg.data.tokenizer!r} has {tok.vocab_size} tokens but "
             f"model.vocab_size={cfg.model.vocab_size}"
+        )
+    vision = cfg.model.vision
+    if vision.encoder != "none" and getattr(tok, "image_id", None) != vision.image_token_id:
+        why = (
+            f"its <|image|> id is {tok.image_id}"
+            if hasattr(tok, "image_id")
+            else "it has no image placeholder token (images need data.tokenizer=byte for now)"
+        )
+        raise UserError(
+            f"model.vision.encoder={vision.encoder!r} with model.vision.image_token_id={vision.image_token_id} "
+            f"and data.tokenizer={cfg.data.tokenizer!r}: {why}",
+            key="model.vision.image_token_id" if hasattr(tok, "image_id") else "data.tokenizer",
         )
     return tok
 
@@ -126,14 +143,25 @@ def preference_data(cfg, files: str, *, eval: bool, tok: Tokenizer, kw: dict):
     return finite_batches(make) if eval else make()
 
 
-def sample_prompts(files: str, tok: Tokenizer, n: int, fields=None) -> list[tuple[str, list[int]]]:
-    """The first `n` conversations of `files` up to their last assistant turn, as (text, prompt ids)."""
+def sample_prompts(
+    files: str, tok: Tokenizer, n: int, fields=None, images: ImageSpec | None = None
+) -> list[tuple[str, list[int], np.ndarray | None]]:
+    """The first `n` conversations of `files` up to their last assistant turn, as (text, prompt ids,
+    patches [len(ids), patch_dim] aligned with the ids, or None without `images`)."""
     out = []
     for rec in itertools.islice(read_jsonl(files), n):
-        messages, _ = sft_messages(rec.data, fields)
+        messages, field = sft_messages(rec.data, fields)
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
-        ids, _ = tok.encode_chat(messages[:last], add_generation_prompt=True)
-        out.append((messages[last - 1]["content"] if last else "", ids))
+        shown, pixels = with_images(messages[:last], field, images, rec.path)
+        ids, _ = tok.encode_chat(shown, add_generation_prompt=True)
+        patches = None
+        if images is not None:
+            patches = np.zeros((len(ids), images.patch_dim), np.float32)
+            place_patches(patches, np.asarray(ids), pixels, images)
+        content = messages[last - 1]["content"] if last else ""
+        if not isinstance(content, str):  # parts: the text, an image as <image>
+            content = "".join(p.get("text", "<image>") if isinstance(p, dict) else "" for p in content)
+        out.append((content, ids, patches))
     return out
 
 
@@ -146,10 +174,13 @@ def run_max_context(cfg) -> int:
 def make_sampler_log(cfg, tok: Tokenizer, files: str, n: int = 3):
     """sample_fn for `TrainSpec`: greedy completions of a few held-out prompts → `{workdir}/samples.jsonl`.
     Prompts past `sampling.max_context` (with sft.sample_tokens) are refused here, at start-up."""
-    prompts = sample_prompts(files, tok, n, data_kw(cfg)["fields"])
+    images = ImageSpec.from_config(cfg.model.vision)
+    prompts = sample_prompts(files, tok, n, data_kw(cfg)["fields"], images)
     limit = run_max_context(cfg)
     lineage.check_need(
-        max((len(ids) for _, ids in prompts), default=0) + cfg.sft.sample_tokens, limit, f"sft.sample_tokens ({files})"
+        max((len(ids) for _, ids, _ in prompts), default=0) + cfg.sft.sample_tokens,
+        limit,
+        f"sft.sample_tokens ({files})",
     )
     sampling = SamplingParams(
         temperature=0.0, max_new_tokens=cfg.sft.sample_tokens, stop_ids=tuple(tok.stop_ids), max_context=limit
@@ -158,10 +189,17 @@ def make_sampler_log(cfg, tok: Tokenizer, files: str, n: int = 3):
     def sample_fn(model: nnx.Module, step: int) -> None:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         out = generate(
-            graphdef, params, rest, [ids for _, ids in prompts], sampling, jax.random.key(0), pad_id=tok.pad_id
+            graphdef,
+            params,
+            rest,
+            [ids for _, ids, _ in prompts],
+            sampling,
+            jax.random.key(0),
+            pad_id=tok.pad_id,
+            patches=None if images is None else [p for _, _, p in prompts],
         )
         lines = []
-        for i, (text, _) in enumerate(prompts):
+        for i, (text, _, _) in enumerate(prompts):
             completion = tok.decode(out.completion(i))
             lines.append(json.dumps({"step": step, "prompt": text, "completion": completion}) + "\n")
             logging.info("sample %d: %r → %r", i, text[-80:], completion[:160])

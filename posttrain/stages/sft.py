@@ -10,6 +10,7 @@ from posttrain.config import with_stage_overrides
 from posttrain.core.init import init_model_from
 from posttrain.core.loop import Result, TrainSpec, train
 from posttrain.core.step import lm_loss, token_cross_entropy
+from posttrain.data.images import ImageSpec
 from posttrain.data.pipeline import sft_batches
 from posttrain.eval.long_context_eval import make_long_context_eval
 from posttrain.models.decoder import Decoder
@@ -33,6 +34,7 @@ def run(cfg) -> Result:
     tok = stage_tokenizer(cfg)
     resolve_data_files(cfg, "sft", "sft", tok)
     kw = data_kw(cfg)
+    images = ImageSpec.from_config(cfg.model.vision)  # None: text only
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     train_files = require_files(cfg.sft.train_files, "sft.train_files")
     batches_for = lambda seq_len: sft_batches(
@@ -44,13 +46,14 @@ def run(cfg) -> Result:
         packing=cfg.data.packing,
         truncate=cfg.data.truncate,
         final_seq_len=cfg.train.seq_len,
+        images=images,
         **kw,
     )
     eval_fn = None
     if cfg.sft.eval_files:
 
         def metric(model, batch):
-            logits, _ = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+            logits, _ = model(batch["inputs"], batch["positions"], batch["segment_ids"], patches=batch.get("patches"))
             ce, n = token_cross_entropy(logits, batch["targets"], batch["loss_mask"])
             return {"loss": ce}, n
 
@@ -67,6 +70,7 @@ def run(cfg) -> Result:
                     truncate=cfg.data.truncate,
                     shuffle=False,
                     epochs=1,
+                    images=images,
                     **kw,
                 )
             ),

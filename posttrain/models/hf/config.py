@@ -316,6 +316,8 @@ def _check_representable(cfg: ml_collections.ConfigDict, arch: str) -> None:
             wrong.append(
                 "model.moe.{norm_topk_prob, every, dense_layers, expert_mlp_dim} (Mixtral: True, 1, (), model.mlp_dim)"
             )
+    if cfg.get("vision") is not None and cfg.vision.encoder != "none":  # the text families have no image input
+        wrong.append(f"model.vision.encoder={cfg.vision.encoder!r}")
     if wrong:
         raise ValueError(f"{arch} cannot represent {'; '.join(wrong)}")
 
