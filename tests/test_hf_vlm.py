@@ -120,6 +120,10 @@ def test_llava_logits_match_transformers_on_images_and_round_trip(tmp_path):
             params, rest, _ = load_model_state(f"hf:{src}", lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, DEFAULT_RULES)
         got = forward(cfg, params, rest, tokens, patches, mesh)
         np.testing.assert_allclose(got[..., keep], ref[..., keep], atol=1e-4, rtol=0, err_msg=name)
+    wrong = model_config_from_hf(src)
+    wrong.vision.image_std, wrong.vision.vit_heads = (0.5,) * 3, 1
+    with pytest.raises(ValueError, match=r"model\.vision\.image_std: model has \(0\.5(.|\n)*model\.vision\.vit_heads"):
+        load_model_state(f"hf:{src}", lambda: Decoder(wrong, rngs=nnx.Rngs(0)), mesh, DEFAULT_RULES)
     # tokens in any order (zig-zag): the tower regroups each image by position
     perm = np.random.default_rng(1).permutation(tokens.shape[1])
     positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)[:, perm]
@@ -185,17 +189,12 @@ def same_weights(dst, src):
 def test_vit_keys_change_the_tower():
     tokens, _, patches = inputs(rows=2)
     base = tower()
-    embed = lambda m: np.asarray(m(jnp.asarray(tokens), jnp.asarray(patches), jnp.zeros((*tokens.shape, 32))))
+    embed = lambda m: embed_with(m, tokens, patches)
     ref = embed(base)
     assert base.layers[0].fc1.shape == (16, 24) and base.proj2.shape == (32, 32) and len(base.layers) == 1
     assert len(tower(vit_layers=2).layers) == 2 and tower(vit_width=8).patch.shape == (48, 8)
-    changes = [
-        dict(vit_final_norm=False),
-        dict(vit_heads=4),
-        dict(image_mean=(0.5, 0.5, 0.5)),
-        dict(image_std=(0.5,) * 3),
-    ]
-    for change in changes:
+    # (image_mean / image_std: the LLaVA parity test, whose processor constants are not 0 / 1)
+    for change in (dict(vit_final_norm=False), dict(vit_heads=4)):
         assert not np.allclose(embed(same_weights(tower(**change), base)), ref), change
     assert not ref[tokens != IMAGE_ID].any() and ref[tokens == IMAGE_ID].std() > 0.1  # only placeholders change
     # each image is encoded on its own: changing one image leaves the others' embeddings alone
@@ -205,8 +204,14 @@ def test_vit_keys_change_the_tower():
     assert changed[0, 2:6].all() and not changed[0, 6:].any() and not changed[1].any()
 
 
+@nnx.jit
+def _embed(model, tokens, patches):
+    return model(tokens, patches, jnp.zeros((*tokens.shape, 32)))
+
+
 def embed_with(model, tokens, patches):
-    return np.asarray(model(jnp.asarray(tokens), jnp.asarray(patches), jnp.zeros((*tokens.shape, 32))))
+    """The tower's output at each token (zeros where the token embedding is kept)."""
+    return np.asarray(_embed(model, jnp.asarray(tokens), jnp.asarray(patches)))
 
 
 def test_vit_config_rules():

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from posttrain.config import VISION_ENCODERS
 from posttrain.models.layers import dtype_of, fan_in_init, param
 from posttrain.models.quant import weight_einsum
 from posttrain.models.vit import ViT
@@ -28,8 +29,8 @@ def make_vision(cfg, rngs: nnx.Rngs) -> PatchEmbed | VisionTower | None:
         return None
     if encoder == "vit":
         return VisionTower(cfg, rngs=rngs)
-    if encoder != "linear":
-        raise ValueError(f"model.vision.encoder={encoder!r}: expected none, linear or vit")
+    if encoder not in VISION_ENCODERS:
+        raise ValueError(f"model.vision.encoder={encoder!r}: expected one of {VISION_ENCODERS}")
     return PatchEmbed(cfg, rngs=rngs)
 
 

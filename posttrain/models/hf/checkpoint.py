@@ -51,6 +51,10 @@ MATH_SETTINGS = {
     "rope_scaling": "model.rope_scaling",
     "eps": "model.norm_eps",
     "spec": "model.moe (top_k, router, norm_topk_prob, routed_scaling)",
+    "token_id": "model.vision.image_token_id",
+    "heads": "model.vision.vit_heads",
+    "mean": "model.vision.image_mean",
+    "std": "model.vision.image_std",
 }
 DEFAULT_SHARD_BYTES = 4 << 30
 
