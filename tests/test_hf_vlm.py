@@ -226,3 +226,31 @@ def test_vit_config_rules():
         cfg.model.vision.update(change)
         with pytest.raises(UserError, match=message):
             check_values(cfg)
+
+
+def test_sampler_with_the_vit_tower_matches_the_learner():
+    """Image prompts of different lengths (padded in the batch) through the KV-cached sampler: the
+    tower encodes them in prefill and the log-probs are the learner's."""
+    from posttrain.sampling.generate import generate
+    from posttrain.sampling.rules import SamplingParams
+
+    cfg = base_config().model
+    cfg.update(vocab_size=64, embed_dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=32)
+    cfg.vision.update(encoder="vit", image_size=SIZE, patch_size=PATCH, image_token_id=IMAGE_ID)
+    cfg.vision.update(vit_width=8, vit_heads=2, vit_mlp_dim=16, vit_layers=1)
+    graphdef, params, rest = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    prompts = [[1, 4, *[IMAGE_ID] * 4, 6, 2, 5], [1, *[IMAGE_ID] * 8, 7, 2, 5]]
+    rng = np.random.default_rng(3)
+    patches = [np.where((np.asarray(p) == IMAGE_ID)[:, None], rng.random((len(p), 48)), 0) for p in prompts]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=4)
+    samples = generate(graphdef, params, rest, prompts, sampling, jax.random.key(0), patches=patches)
+    seqs = [np.asarray([*prompt, *samples.completion(i)]) for i, prompt in enumerate(prompts)]
+    length = max(map(len, seqs))  # one batched learner pass: rows padded at the end (causal: no effect)
+    tokens = np.stack([np.pad(q, (0, length - len(q))) for q in seqs])
+    full = np.stack([np.pad(p, ((0, length - len(p)), (0, 0))) for p in patches]).astype(np.float32)
+    logits = jax.jit(lambda p, r, t, x: nnx.merge(graphdef, p, r)(t, patches=x)[0])(params, rest, tokens, full)
+    logp = np.asarray(jax.nn.log_softmax(logits))
+    for i, prompt in enumerate(prompts):
+        n = int(samples.lengths[i])
+        got = np.take_along_axis(logp[i, len(prompt) - 1 : len(prompt) - 1 + n], seqs[i][len(prompt) :, None], axis=1)
+        np.testing.assert_allclose(samples.logprobs[i, :n], got[:, 0], rtol=1e-5, atol=1e-5)
