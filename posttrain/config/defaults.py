@@ -101,10 +101,17 @@ def model_config() -> ml_collections.ConfigDict:
             ),
             vision=ml_collections.ConfigDict(
                 dict(  # images as patch tokens (models/decoder.py, data/images.py; README "Images")
-                    encoder="none",  # none (text only) | linear (Fuyu-style patch embedding) | vit (refused)
+                    encoder="none",  # none (text only) | linear (Fuyu-style patch embedding) | vit (models/vit.py)
                     image_size=32,  # every image is resized to image_size x image_size (RGB)
                     patch_size=8,  # cut into (image_size / patch_size)^2 patches, one placeholder token each
                     image_token_id=263,  # the placeholder token: the byte tokenizer's <|image|>
+                    vit_layers=2,  # encoder=vit: the tower's pre-LayerNorm layers (bidirectional within an image)
+                    vit_width=64,  # its width (then a 2-layer GELU projector to model.embed_dim)
+                    vit_heads=4,
+                    vit_mlp_dim=128,
+                    vit_final_norm=True,  # a LayerNorm after the last layer (LLaVA imports: False)
+                    image_mean=(0.0, 0.0, 0.0),  # the tower reads (pixel/255 - mean) / std per channel
+                    image_std=(1.0, 1.0, 1.0),
                 )
             ),
         )
