@@ -94,6 +94,7 @@ def inflight_cfg(**overrides):
         ({"sampling.speculative_k": 2}, "speculative_k"),
         ({"sampling.prefix_cache": 64}, "prefix_cache"),
         ({"rl.env": "tool"}, "multi-turn"),
+        ({"rl.env": "screen"}, "multi-turn"),
         ({"model.moe.routing_replay": "sampler"}, "routing_replay"),
     ],
 )

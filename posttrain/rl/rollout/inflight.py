@@ -35,7 +35,7 @@ def check_inflight(cfg) -> None:
         (s.continuous_batching, "sampling.continuous_batching refills its slots inside one device loop"),
         (s.speculative_k > 0, "sampling.speculative_k drafts inside one device loop"),
         (s.prefix_cache > 0, "sampling.prefix_cache keeps prompt KV of one version"),
-        (r.env == "tool", "rl.env='tool' runs multi-turn episodes, sampled turn by turn"),
+        (r.env != "single", f"rl.env={r.env!r} runs multi-turn episodes, sampled turn by turn"),
         (cfg.model.moe.routing_replay != "off", "model.moe.routing_replay records routing in one device loop"),
         (jax.process_count() > 1, "several processes would have to agree on each switch"),
     ]
