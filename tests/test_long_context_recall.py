@@ -3,6 +3,7 @@ run trains a few steps on its generated recall conversations, and every `:extend
 variant passes the start-up checks from that checkpoint, with the RoPE scaling it names."""
 
 import json
+import os
 import runpy
 from pathlib import Path
 
@@ -35,3 +36,24 @@ def test_long_context_recall_smoke(tmp_path, monkeypatch):
         assert run_max_context(ext) == 1024  # trained at 256 (the checkpoint) and now at train.seq_len
     with pytest.raises(ValueError, match="expected '' or 'extend:"):
         CONFIG["get_config"]("extend:rotary")
+
+
+def test_synthetic_min_length_sets_the_shortest_generated_context(tmp_path):
+    """data.synthetic_min_length: recall contexts drawn from [min, train.seq_len - 24] tokens instead
+    of from 64 (the default, kept: its file name does not change), so the mix can sit at the length
+    evaluated (configs/long_context_recall.py's `:focus` run)."""
+    from posttrain.config import base_config
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.stages.data_files import _long_context_file
+
+    cfg = base_config()
+    cfg.train.seq_len, cfg.data.synthetic_size, cfg.eval.long_context.kinds = 256, 60, "recall"
+    tok = load_tokenizer("byte")
+    shortest = {}
+    for lo in (0, 200):
+        cfg.data.synthetic_min_length = lo
+        path = _long_context_file(cfg, str(tmp_path), "train", tok, write=True)
+        assert ("_min" in os.path.basename(path)) == bool(lo)
+        with open(path) as f:
+            shortest[lo] = min(len(json.loads(line)["messages"][0]["content"]) for line in f)
+    assert shortest[0] < 100 and shortest[200] > 150  # (filler comes in whole sentences)
