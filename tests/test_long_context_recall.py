@@ -26,15 +26,19 @@ def test_long_context_recall_smoke(tmp_path, monkeypatch):
     cfg.eval.long_context.lengths = ""  # the grid is measured by hand (see the config's docstring)
     result = run(cfg)
     assert [r["step"] for r in result.rows] == [0, 1] and all(r["loss"] < 10 for r in result.rows)
-    [data] = (tmp_path / cfg.workdir / "synthetic").glob("long_context_train_*recall.jsonl")
+    [data] = (tmp_path / cfg.workdir / "synthetic").glob("long_context_train_*density3_hops2_kv.jsonl")
     first = json.loads(data.open().readline())["messages"]
-    assert len(first) >= 4 and first[1]["content"].startswith(first[0]["content"][-5:-1])  # "QZX=" + value
+    key = first[0]["content"].rsplit("\n", 1)[1].removesuffix("?")
+    assert len(first) >= 4 and first[1]["content"][:3] == key and first[1]["content"][3:].isdigit()  # "QZX4821"
+    more = CONFIG["get_config"]("more")
+    check_config(more)
+    assert more.init_from == cfg.workdir and more.workdir != cfg.workdir
     for scaling in CONFIG["SCALINGS"]:
         ext = CONFIG["get_config"](f"extend:{scaling}")
         check_config(ext)
         assert ext.model.rope_scaling.type == ("" if scaling == "none" else scaling)
-        assert run_max_context(ext) == 1024  # trained at 256 (the checkpoint) and now at train.seq_len
-    with pytest.raises(ValueError, match="expected '' or 'extend:"):
+        assert run_max_context(ext) == 1024 and ext.init_from == more.workdir  # trained at 256, now at 1024
+    with pytest.raises(ValueError, match="expected '', 'more' or 'extend:"):
         CONFIG["get_config"]("extend:rotary")
 
 
