@@ -264,3 +264,25 @@ def test_stages_that_cannot_generate_refuse_the_eval():
     for run in (reward_model.run, lm.run):
         with pytest.raises(ValueError, match=r"eval\.long_context\.lengths"):
             run(cfg)
+
+
+def test_wilson_interval_and_effective_context():
+    """Effective context: the longest length up to which accuracy (pooled over depths, the newest
+    step) stays >= 90%; a dip at a shorter length ends it. Intervals: Wilson, sensible at 0 and n."""
+    assert long_context_eval.wilson_interval(0, 50) == (0.0, pytest.approx(0.0713, abs=1e-3))
+    lo, hi = long_context_eval.wilson_interval(45, 50)
+    assert lo == pytest.approx(0.786, abs=1e-3) and hi == pytest.approx(0.957, abs=1e-3)
+    assert long_context_eval.wilson_interval(50, 50)[1] == 1.0
+
+    def row(length, depth, correct, step=2, kind="kv"):
+        return {"kind": kind, "length": length, "depth": depth, "correct": correct, "n": 50, "step": step}
+
+    rows = [row(256, 0, 50), row(256, 1, 44), row(512, 0, 46), row(512, 1, 45), row(1024, 0, 20), row(1024, 1, 50)]
+    rows += [row(256, 0, 0, step=1), row(256, 0, 0, kind="multihop")]  # an older step, another kind
+    assert long_context_eval.accuracy_by_length(rows, "kv") == {256: (94, 100), 512: (91, 100), 1024: (70, 100)}
+    assert long_context_eval.effective_context(rows, "kv") == 512
+    assert long_context_eval.effective_context(rows, "kv", threshold=0.5) == 1024
+    dip = [row(256, 0, 40), row(512, 0, 50)]  # below at 256: nothing is usable, whatever comes after
+    assert (
+        long_context_eval.effective_context(dip, "kv") == 0 and long_context_eval.effective_context(rows, "needle") == 0
+    )
