@@ -23,11 +23,28 @@ The 256-token runs measure 1024 tokens too, past their trained context, so they 
 Why `kv` and not `recall` ("QZX=4821."): with "=" between key and value, the first digit follows
 the same "=" in every fact, so the induction match that copies a value (each digit follows the
 one before) picks a fact at random. Measured (`recall`, 1000 + 300 steps of the earlier recipe):
-wrong answers were another fact's value 29 times in 32, held-out accuracy at 256 tokens 23% with 4
-facts (chance 25%), and neither 300 more steps on contexts at the evaluated length nor denser
-contexts (3 facts per 64 tokens) moved it. With the value right after the key, the last letter of
-the key is the context of the first digit and the same match reads it.
-MEASURED
+86-91% of wrong answers were another fact's value, held-out accuracy at 256 tokens 23% with 4
+facts (chance 25%). Neither 392 more steps on contexts only at 160-232 tokens nor 251 steps of
+denser contexts (3 facts per 64 tokens) moved it off chance. With the value right after the key,
+the last letter of the key is the context of the first digit and the same match reads it.
+
+Measured on the shared 2-core CPU, one core per run, load 4-10. NOT the issue's target (>= 90% at
+256, then at 1024). Each cell is 150 held-out problems (50 per depth, at depths 0/0.5/1), with a
+95% Wilson interval. Effective context is the longest length up to which accuracy stays >= 90%:
+0 everywhere.
+- 800 steps (~12 min): 0.23 at 256 (the answer loss fell from 1.0 to 0.27 between steps 400 and
+  800).
+- `:more`, 600 steps (~6 min): 0.44 [0.36, 0.52] at 256, 0.05 at 512, 0.00 at 1024. Probes at its
+  steps 200 / 500 / 600 read 0.27 / 0.40 / 0.54, still rising. A further 600 steps at 3e-3
+  (stopped at step 251 for time) probed 0.50.
+- `:extend:<scaling>`, 100 steps at 1024 (~10 min), at 256 / 512 / 1024 tokens:
+  none: 0.38 [0.31, 0.46] / 0.17 [0.12, 0.24] / 0.08 [0.05, 0.13]
+  linear: 0.01 [0.00, 0.04] / 0.01 [0.00, 0.05] / 0.01 [0.00, 0.04]
+  dynamic: 0.43 [0.35, 0.51] / 0.27 [0.21, 0.35] / 0.20 [0.14, 0.27]
+  yarn: 0.51 [0.43, 0.59] / 0.33 [0.26, 0.41] / 0.18 [0.13, 0.25]
+  llama3: 0.47 [0.39, 0.55] / 0.33 [0.26, 0.41] / 0.19 [0.13, 0.26]
+- Two-hop (`multihop`, hops 2, 50 problems at 1024) is 0.00 [0.00, 0.07] after every extension
+  measured: it is not in the training mix.
 """
 
 from posttrain.config import base_config
