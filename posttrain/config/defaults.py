@@ -203,6 +203,8 @@ def base_config() -> ml_collections.ConfigDict:
             synthetic_size=2000,  # records per generated train file (eval files get a quarter)
             synthetic_max_value=99,  # operands 0..max (RL arithmetic tasks use the same range)
             synthetic_error_rate=0.0,  # SFT: fraction of worked answers that are off by one
+            synthetic_min_length=0,  # long_context: shortest generated prompt (0: 64 for recall alone, else 160)
+            synthetic_recall_density=0.0,  # long_context: up to this many recall facts per 64 tokens (0: 1 + len/64)
         )
     )
     gate = ""  # e.g. "eval/loss<1.5" — must hold before a pipeline moves on
