@@ -52,6 +52,7 @@ class FixedWorker(RolloutWorker):
             lengths=np.array([len(r) for r in rows]),
             stop_reason=np.zeros(len(rows), np.int32),
             routing=None,  # (`Samples.routing`: none recorded)
+            versions=None,  # (`Samples.versions`: no in-flight updates)
         )
         return Pending(tasks, envs, samples, 0.0)
 

@@ -174,6 +174,7 @@ def test_module_enums_are_the_configs():
     from posttrain.models.decoder import REMAT_POLICIES
     from posttrain.models.moe.dispatch import DISPATCHES
     from posttrain.models.quant import QUANT_MODES
+    from posttrain.models.vision import VISION_ENCODERS
     from posttrain.ops.context_parallel import CONTEXT_PARALLEL
     from posttrain.rl.algo.advantages import ADVANTAGE_METHODS, GROUP_METHODS
     from posttrain.rl.algo.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, RATIO_LEVELS
@@ -197,6 +198,7 @@ def test_module_enums_are_the_configs():
         "model.moe.routing_replay": ROUTING_REPLAY,
         "model.dtype": config.DTYPES,
         "model.param_dtype": config.DTYPES,
+        "model.vision.encoder": VISION_ENCODERS,
         "data.on_error": ON_ERROR,
         "data.synthetic": config.SYNTHETIC_DATA,
         "dpo.loss_type": DPO_LOSSES,

@@ -11,6 +11,8 @@ from posttrain.config import base_config
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.eval import long_context_eval
 from posttrain.eval.long_context import (
+    dense_recall_facts,
+    generate_problem,
     is_correct,
     multihop,
     names,
@@ -93,6 +95,40 @@ def test_recall_problems(length, depth):
     assert length - 60 < len(p.prompt.encode()) <= length
     at = p.prompt.index(f"{asked}={p.answer}.") / len(p.prompt.rsplit("\n", 1)[0])
     assert abs(at - depth) < 0.1 + 60 / length and p.fact_depths[0] == pytest.approx(depth, abs=0.1 + 60 / length)
+
+
+KV_FACT = re.compile(r"\b([A-Z]{3})(\d{4})\.")
+
+
+@pytest.mark.parametrize("length", [256, 1024])
+def test_kv_recall_puts_the_value_right_after_the_key(length):
+    """kind kv: recall without "=" ("QZX4821.", "QZX?"), the same keys' split, its own problems."""
+    p = generate_problem("kv", length, 0.5, index=5, hops=3)
+    assert p.kind == "kv" and "=" not in p.prompt and p.prompt != recall(length, 0.5, index=5).prompt
+    facts = dict(KV_FACT.findall(p.prompt))
+    asked = re.fullmatch(r"([A-Z]{3})\?", p.prompt.rsplit("\n", 1)[1]).group(1)
+    assert len(facts) == recall_facts(length) and facts[asked] == p.answer and recall_key_split(asked) == "eval"
+    assert length - 60 < len(p.prompt.encode()) <= length
+    [r] = training_records(1, 200, 200, seed=2, kinds=("kv",))
+    msgs = r["messages"]
+    facts = dict(KV_FACT.findall(msgs[0]["content"]))
+    for q, a in zip(msgs[::2], msgs[1::2]):
+        key = q["content"].rsplit("\n", 1)[-1].removesuffix("?")
+        assert a["content"] == f"{key}{facts[key]}" and is_correct(a["content"], facts[key])  # "QZX4821"
+
+
+def test_recall_density_adds_distractor_facts_and_questions():
+    """training_records(recall_density=d): from recall_facts(length) up to d facts per 64 tokens per
+    context (each asked while turns fit); 0 leaves the records as they were."""
+    plain = training_records(60, 64, 232, seed=1, kinds=("recall",))
+    assert plain == training_records(60, 64, 232, seed=1, kinds=("recall",), recall_density=0.0)
+    dense = training_records(60, 64, 232, seed=1, kinds=("recall",), recall_density=4.0)
+    count = lambda recs: [len(RECALL_FACT.findall(r["messages"][0]["content"])) for r in recs]
+    assert all(d >= p for d, p in zip(count(dense), count(plain))) and sum(count(dense)) > 1.5 * sum(count(plain))
+    assert sum(map(len, (r["messages"] for r in dense))) > sum(map(len, (r["messages"] for r in plain)))
+    rng = np.random.default_rng(0)
+    drawn = [dense_recall_facts(256, 4.0, rng) for _ in range(200)]
+    assert min(drawn) == recall_facts(256) and max(drawn) == 16
 
 
 def test_recall_keys_split_by_a_hash_of_the_key():
@@ -228,3 +264,25 @@ def test_stages_that_cannot_generate_refuse_the_eval():
     for run in (reward_model.run, lm.run):
         with pytest.raises(ValueError, match=r"eval\.long_context\.lengths"):
             run(cfg)
+
+
+def test_wilson_interval_and_effective_context():
+    """Effective context: the longest length up to which accuracy (pooled over depths, the newest
+    step) stays >= 90%; a dip at a shorter length ends it. Intervals: Wilson, sensible at 0 and n."""
+    assert long_context_eval.wilson_interval(0, 50) == (0.0, pytest.approx(0.0713, abs=1e-3))
+    lo, hi = long_context_eval.wilson_interval(45, 50)
+    assert lo == pytest.approx(0.786, abs=1e-3) and hi == pytest.approx(0.957, abs=1e-3)
+    assert long_context_eval.wilson_interval(50, 50)[1] == 1.0
+
+    def row(length, depth, correct, step=2, kind="kv"):
+        return {"kind": kind, "length": length, "depth": depth, "correct": correct, "n": 50, "step": step}
+
+    rows = [row(256, 0, 50), row(256, 1, 44), row(512, 0, 46), row(512, 1, 45), row(1024, 0, 20), row(1024, 1, 50)]
+    rows += [row(256, 0, 0, step=1), row(256, 0, 0, kind="multihop")]  # an older step, another kind
+    assert long_context_eval.accuracy_by_length(rows, "kv") == {256: (94, 100), 512: (91, 100), 1024: (70, 100)}
+    assert long_context_eval.effective_context(rows, "kv") == 512
+    assert long_context_eval.effective_context(rows, "kv", threshold=0.5) == 1024
+    dip = [row(256, 0, 40), row(512, 0, 50)]  # below at 256: nothing is usable, whatever comes after
+    assert (
+        long_context_eval.effective_context(dip, "kv") == 0 and long_context_eval.effective_context(rows, "needle") == 0
+    )

@@ -3,6 +3,7 @@ run trains a few steps on its generated recall conversations, and every `:extend
 variant passes the start-up checks from that checkpoint, with the RoPE scaling it names."""
 
 import json
+import os
 import runpy
 from pathlib import Path
 
@@ -25,13 +26,38 @@ def test_long_context_recall_smoke(tmp_path, monkeypatch):
     cfg.eval.long_context.lengths = ""  # the grid is measured by hand (see the config's docstring)
     result = run(cfg)
     assert [r["step"] for r in result.rows] == [0, 1] and all(r["loss"] < 10 for r in result.rows)
-    [data] = (tmp_path / cfg.workdir / "synthetic").glob("long_context_train_*recall.jsonl")
+    [data] = (tmp_path / cfg.workdir / "synthetic").glob("long_context_train_*density3_hops2_kv.jsonl")
     first = json.loads(data.open().readline())["messages"]
-    assert len(first) >= 4 and first[1]["content"].startswith(first[0]["content"][-5:-1])  # "QZX=" + value
+    key = first[0]["content"].rsplit("\n", 1)[1].removesuffix("?")
+    assert len(first) >= 4 and first[1]["content"][:3] == key and first[1]["content"][3:].isdigit()  # "QZX4821"
+    more = CONFIG["get_config"]("more")
+    check_config(more)
+    assert more.init_from == cfg.workdir and more.workdir != cfg.workdir
     for scaling in CONFIG["SCALINGS"]:
         ext = CONFIG["get_config"](f"extend:{scaling}")
         check_config(ext)
         assert ext.model.rope_scaling.type == ("" if scaling == "none" else scaling)
-        assert run_max_context(ext) == 1024  # trained at 256 (the checkpoint) and now at train.seq_len
-    with pytest.raises(ValueError, match="expected '' or 'extend:"):
+        assert run_max_context(ext) == 1024 and ext.init_from == more.workdir  # trained at 256, now at 1024
+    with pytest.raises(ValueError, match="expected '', 'more' or 'extend:"):
         CONFIG["get_config"]("extend:rotary")
+
+
+def test_synthetic_min_length_sets_the_shortest_generated_context(tmp_path):
+    """data.synthetic_min_length: recall contexts drawn from [min, train.seq_len - 24] tokens instead
+    of from 64 (the default, kept: its file name does not change), so the mix can sit at the length
+    evaluated (configs/long_context_recall.py's `:focus` run)."""
+    from posttrain.config import base_config
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.stages.data_files import _long_context_file
+
+    cfg = base_config()
+    cfg.train.seq_len, cfg.data.synthetic_size, cfg.eval.long_context.kinds = 256, 60, "recall"
+    tok = load_tokenizer("byte")
+    shortest = {}
+    for lo in (0, 200):
+        cfg.data.synthetic_min_length = lo
+        path = _long_context_file(cfg, str(tmp_path), "train", tok, write=True)
+        assert ("_min" in os.path.basename(path)) == bool(lo)
+        with open(path) as f:
+            shortest[lo] = min(len(json.loads(line)["messages"][0]["content"]) for line in f)
+    assert shortest[0] < 100 and shortest[200] > 150  # (filler comes in whole sentences)

@@ -348,3 +348,20 @@ def test_overlapped_disaggregated_never_trains_past_the_staleness_bound(tmp_path
     rows = logged(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert all(0 <= r["rl/staleness_max"] <= 1 and r["rl/buffer_dropped_stale"] == 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_a_sampler_group_with_inflight_updates_stays_within_the_staleness_bound(tmp_path):
+    """rl.max_staleness = 1 with in-flight updates every 2 decode steps (rl.inflight_update_every):
+    the sampler group pulls newer weights between decode steps, its tokens' versions travel with
+    the batch, and no token the learner trains on lags it by more than the bound."""
+    no_eval = {"rl.eval_every": 0, **{f"rl.{k}": base_config().rl[k] for k in ("eval_size", "eval_samples")}}
+    run, overlapped = tmp_path / "run", {"rl.max_staleness": 1, "rl.inflight_update_every": 2, **no_eval}
+    sampler = spawn(run, "sampler", tmp_path / "sampler.log", **overlapped)
+    learner = spawn(run, "learner", tmp_path / "learner.log", **overlapped)
+    wait(learner, tmp_path / "learner.log")
+    wait(sampler, tmp_path / "sampler.log", timeout=60)
+    rows = logged(run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert all(r["rl/version_lag_max"] <= 1 and r["rl/tokens_stale_dropped"] == 0 for r in rows)
+    assert all(0 <= r["rl/staleness_max"] <= 1 and r["rl/buffer_dropped_stale"] == 0 for r in rows)

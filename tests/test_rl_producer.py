@@ -222,6 +222,7 @@ def test_rewards_with_an_error_are_counted_as_verifier_errors_and_behaviour_logp
         lengths=np.full(4, 2),
         stop_reason=np.zeros(4, np.int32),
         routing=None,  # (`Samples.routing`: none recorded)
+        versions=None,  # (`Samples.versions`: no in-flight updates)
     )
     pending = SimpleNamespace(
         envs=[[Env(None), Env("timeout")], [Env("SympifyError"), Env(None)]],

@@ -124,12 +124,13 @@ def test_screen_episode_rollouts_learner_logprobs_equal_the_samplers(tmp_path):
         ("sampling.continuous_batching", True, "sampling.continuous_batching: model.vision.encoder='linear'"),
         ("sampling.prefix_cache", 4, "sampling.prefix_cache: model.vision.encoder='linear'"),
         ("rl.reward_model", "runs/rm", "rl.reward_model: model.vision.encoder='linear'"),
+        ("rl.inflight_update_every", 4, "rl.inflight_update_every: model.vision.encoder='linear'"),
     ],
 )
 def test_what_images_cannot_go_with_is_refused_by_name(tmp_path, key, value, match):
     from posttrain.rl.checks import check_rlvr_stage
 
-    cfg = vision_rl_config(tmp_path, domains="screen", env="screen")
+    cfg = vision_rl_config(tmp_path, domains="screen", env="screen", max_staleness=1)
     section, name = key.split(".")
     cfg[section][name] = value
     with pytest.raises(ValueError, match=re.escape(match)):

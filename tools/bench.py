@@ -340,6 +340,7 @@ def main() -> None:
             "rl-continuous",
             "attention",
             "prefix-cache",
+            "inflight",
             "episodes",
             "all",
         ],
@@ -384,6 +385,10 @@ def main() -> None:
         from prefix_cache_bench import prefix_cache_bench
 
         print_rows("prefix cache, multi-turn", prefix_cache_bench(rounds=args.iters // 2 or 1))
+    if args.section in ("inflight", "all"):
+        from inflight_bench import inflight_bench
+
+        print_rows("in-flight weight updates: chunked decode overhead", inflight_bench(rounds=args.iters // 2 or 1))
     if args.section in ("episodes", "all"):
         from episodes_bench import episodes_bench
 

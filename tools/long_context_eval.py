@@ -6,7 +6,9 @@ length x depth grid, greedy answers checked exactly.
 
 Settings default to the run's `eval.long_context.*` (its config.json); the flags override them.
 Writes DIR/long_context.jsonl (appended, one row per kind x length x depth, with the step) and
-DIR/long_context.png (heat maps); prints the rows' means (`long_ctx_needle`, `long_ctx_multihop`).
+DIR/long_context.png (heat maps); prints per length the accuracy pooled over depths with its 95%
+interval, each kind's effective context (the longest length up to which it stays >= 90%), and the
+rows' means (`long_ctx_needle`, `long_ctx_multihop`).
 DIR defaults to the run folder. Lengths past the checkpoint's trained and configured context
 (its lineage: what it was trained at up to that step) are refused unless --max_context (or the
 run's sampling.max_context) allows them: e.g. a 256-token checkpoint measured at 1024 tokens.
@@ -69,7 +71,15 @@ def main(argv: list[str]) -> None:
     from posttrain.core import lineage
     from posttrain.core.hf_convert import read_run_config
     from posttrain.data.tokenizer import load_tokenizer
-    from posttrain.eval.long_context_eval import evaluate, plot_heatmaps, summarize, write_rows
+    from posttrain.eval.long_context_eval import (
+        accuracy_by_length,
+        effective_context,
+        evaluate,
+        plot_heatmaps,
+        summarize,
+        wilson_interval,
+        write_rows,
+    )
     from posttrain.parallel import use_sharding
 
     cfg = read_run_config(FLAGS.run)
@@ -90,6 +100,11 @@ def main(argv: list[str]) -> None:
     storage.makedirs(out)
     write_rows(rows, storage.join(out, "long_context.jsonl"))
     png = plot_heatmaps(rows, storage.join(out, "long_context.png"), FLAGS.run)
+    for kind in dict.fromkeys(r["kind"] for r in rows):  # pooled over depths, 95% Wilson interval
+        for length, (c, n) in accuracy_by_length(rows, kind).items():
+            lo, hi = wilson_interval(c, n)
+            print(f"{kind} {length}: {c}/{n} = {c / n:.2f} [{lo:.2f}, {hi:.2f}]")
+        print(f"{kind} effective context (>= 90%): {effective_context(rows, kind)}")
     print(json.dumps({"step": step, **summarize(rows), "plot": png}, indent=2))
 
 

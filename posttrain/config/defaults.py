@@ -101,10 +101,17 @@ def model_config() -> ml_collections.ConfigDict:
             ),
             vision=ml_collections.ConfigDict(
                 dict(  # images as patch tokens (models/decoder.py, data/images.py; README "Images")
-                    encoder="none",  # none (text only) | linear (Fuyu-style patch embedding) | vit (refused)
+                    encoder="none",  # none (text only) | linear (Fuyu-style patch embedding) | vit (models/vit.py)
                     image_size=32,  # every image is resized to image_size x image_size (RGB)
                     patch_size=8,  # cut into (image_size / patch_size)^2 patches, one placeholder token each
                     image_token_id=263,  # the placeholder token: the byte tokenizer's <|image|>
+                    vit_layers=2,  # encoder=vit: the tower's pre-LayerNorm layers (bidirectional within an image)
+                    vit_width=64,  # its width (then a 2-layer GELU projector to model.embed_dim)
+                    vit_heads=4,
+                    vit_mlp_dim=128,
+                    vit_final_norm=True,  # a LayerNorm after the last layer (LLaVA imports: False)
+                    image_mean=(0.0, 0.0, 0.0),  # the tower reads (pixel/255 - mean) / std per channel
+                    image_std=(1.0, 1.0, 1.0),
                 )
             ),
         )
@@ -196,6 +203,8 @@ def base_config() -> ml_collections.ConfigDict:
             synthetic_size=2000,  # records per generated train file (eval files get a quarter)
             synthetic_max_value=99,  # operands 0..max (RL arithmetic tasks use the same range)
             synthetic_error_rate=0.0,  # SFT: fraction of worked answers that are off by one
+            synthetic_min_length=0,  # long_context: shortest generated prompt (0: 64 for recall alone, else 160)
+            synthetic_recall_density=0.0,  # long_context: up to this many recall facts per 64 tokens (0: 1 + len/64)
         )
     )
     gate = ""  # e.g. "eval/loss<1.5" — must hold before a pipeline moves on
@@ -271,6 +280,9 @@ def base_config() -> ml_collections.ConfigDict:
             is_mask_high=2.0,
             # --- end off-policy corrections ---
             max_staleness=0,  # 0: on-policy, synchronous; >= 1: sampling overlaps updates
+            # in-flight weight updates (rl/rollout/inflight.py; needs max_staleness >= 1): every N decode
+            # steps the sampler switches to the newest published weights, sequences in flight kept; 0: off
+            inflight_update_every=0,
             filter_groups=False,  # dynamic sampling: resample groups whose rewards are all equal
             max_resample_rounds=2,
             format_penalty=0.0,

@@ -15,7 +15,7 @@ MOE_ROUTERS = ("softmax", "sigmoid")  # models.moe.layer
 DISPATCHES = ("auto", "ragged", "padded")  # models.moe.dispatch
 # off: the learner routes each token itself; sampler: it replays the experts the sampler chose
 ROUTING_REPLAY = ("off", "sampler")  # rl.rollout.routing
-VISION_ENCODERS = ("none", "linear", "vit")  # models.decoder (vit: refused, not built yet)
+VISION_ENCODERS = ("none", "linear", "vit")  # models.vision.make_vision
 
 
 @section
@@ -77,24 +77,50 @@ class MoEConfig(Section):
 @section
 class VisionConfig(Section):
     """`model.vision`: images as patch tokens in the token stream. `encoder` none (text only: no
-    vision parameters) | linear (a Fuyu-style linear patch embedding) | vit (refused: not built);
-    each image is resized to `image_size`² and cut into (image_size / patch_size)² patches, whose
-    placeholder tokens (`image_token_id`) the projected patches replace."""
+    vision parameters) | linear (a Fuyu-style linear patch embedding) | vit (a ViT tower and a
+    2-layer projector, `models.vit`); each image is resized to `image_size`² and cut into
+    (image_size / patch_size)² patches, whose placeholder tokens (`image_token_id`) the encoded
+    patches replace. The vit_* keys size the tower (read only with encoder=vit; `vit_final_norm`:
+    a LayerNorm after the last layer — LLaVA's selected layer has none); the tower normalises
+    each channel of the [0, 1] pixels as (x - image_mean) / image_std (a HF processor's
+    constants, e.g. 0.5 / 0.5 for SigLIP)."""
 
     KEY = "model.vision"
     encoder: str = choice(VISION_ENCODERS)
     image_size: int = bounded(ge=1)
     patch_size: int = bounded(ge=1)
     image_token_id: int = bounded(ge=0)
+    vit_layers: int = bounded(ge=1)
+    vit_width: int = bounded(ge=1)
+    vit_heads: int = bounded(ge=1)
+    vit_mlp_dim: int = bounded(ge=1)
+    vit_final_norm: bool
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
 
     def check_rules(self) -> None:
-        """A ViT encoder is not built yet; patches tile the image exactly."""
-        if self.encoder == "vit":
+        """Patches tile the image exactly; the tower's heads split its width; one mean and one
+        nonzero std per RGB channel; normalisation only where the tower applies it."""
+        if self.vit_width % self.vit_heads:
             raise UserError(
-                f"config.{self.key}.encoder='vit': a ViT image encoder is not built yet; use 'linear' "
-                "(a linear patch embedding) or 'none'",
-                key=f"{self.key}.encoder",
+                f"config.{self.key}.vit_heads={self.vit_heads} must divide {self.key}.vit_width={self.vit_width}",
+                key=f"{self.key}.vit_heads",
             )
+        for name in ("image_mean", "image_std"):
+            value = tuple(getattr(self, name))
+            if len(value) != 3 or (name == "image_std" and 0 in value):
+                raise UserError(
+                    f"config.{self.key}.{name}={value}: expected 3 values (R, G, B)"
+                    + (", none zero" if name == "image_std" else ""),
+                    key=f"{self.key}.{name}",
+                )
+            default = (0.0,) * 3 if name == "image_mean" else (1.0,) * 3
+            if self.encoder != "vit" and value != default:
+                raise UserError(
+                    f"config.{self.key}.{name}={value}: only encoder='vit' normalises pixels; "
+                    f"leave it at {default} for encoder={self.encoder!r}",
+                    key=f"{self.key}.{name}",
+                )
         if self.image_size % self.patch_size:
             raise UserError(
                 f"config.{self.key}.patch_size={self.patch_size} must divide {self.key}.image_size="

@@ -92,6 +92,7 @@ class RLConfig(StageConfig):
     is_mask_high: float = bounded(gt=1)
     # --- end off-policy corrections ---
     max_staleness: int
+    inflight_update_every: int = bounded(ge=0)  # rl.rollout.inflight
     filter_groups: bool
     max_resample_rounds: int
     format_penalty: float

@@ -89,6 +89,8 @@ class DataConfig(Section):
     synthetic_size: int = bounded(ge=1)
     synthetic_max_value: int = bounded(ge=1)
     synthetic_error_rate: float = bounded(ge=0, le=1)
+    synthetic_min_length: int = bounded(ge=0)
+    synthetic_recall_density: float = bounded(ge=0)
 
 
 @section

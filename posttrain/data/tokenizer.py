@@ -43,7 +43,9 @@ class ByteTokenizer:
     """UTF-8 bytes plus a few specials — no files, for the CPU quickstart and tests.
 
     Ids: `<pad>`=0, `<bos>`=1, `<eos>`=2, role markers 3-6 (system, user, assistant, tool), then
-    byte `b` → `b + 7`, then `<|image|>`=263 (an image's patch placeholder); vocab_size 264. A chat
+    byte `b` → `b + 7`; vocab_size 263. `<|image|>`=263, an image's patch placeholder, lies past the
+    text vocabulary (so the vocabulary, and every data state that records it, is what it was before
+    images): a model that reads images has `model.vocab_size >= 264` (`model.vision`). A chat
     is `<bos>` then, per message, its role marker, its content and `<eos>` (the end-of-turn token,
     so generation stops at the end of a reply). A content may be a list of parts: text
     (`{"type": "text", "text"}`) and images already cut into patches (`{"type": "image",
@@ -53,8 +55,8 @@ class ByteTokenizer:
     SPECIALS = ("<pad>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
     ROLES = {"system": 3, "user": 4, "assistant": 5, "tool": 6}
     OFFSET = len(SPECIALS)
-    image_id = OFFSET + 256  # <|image|>: one per image patch (model.vision.image_token_id)
-    vocab_size = OFFSET + 257
+    vocab_size = OFFSET + 256
+    image_id = vocab_size  # <|image|>: one per image patch (model.vision.image_token_id)
     pad_id, bos_id, eos_id = 0, 1, 2
     stop_ids = (2,)
 

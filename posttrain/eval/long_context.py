@@ -8,6 +8,10 @@ multi-hop reasoning hidden in filler text.
               (key-value recall among 1 + length/64 facts; short all-caps keys. Training
               answers restate the key, "QZX=4821", so the value follows a copy of "QZX=" as in
               the context: an induction-head match a small byte model learns at length)
+    kv        "... QZX4821. ... BDW7730. ..."                       → "QZX?"  4821
+              (recall with the value right after the key: the first digit follows the key's
+              last letter, as every later digit follows the one before, so one induction
+              match reads it; with "=" between, every fact's value follows the same "=")
 
 Problems are a pure function of (kind, split, seed, index, length, depth): the same arguments
 give the same text on any machine. The `train` and `eval` splits draw names from disjoint
@@ -25,7 +29,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-KINDS = ("needle", "multihop", "recall")
+KINDS = ("needle", "multihop", "recall", "kv")
+RECALL_SEPARATORS = {"recall": "=", "kv": ""}  # between a recall key and its value
 SPLITS = ("train", "eval")
 # A name is a first syllable from its split's set and one or two more from the shared ones.
 FIRST_SYLLABLES = {
@@ -212,23 +217,24 @@ def recall_problems(
     split: str = "eval",
     count: Callable[[str], int] = lambda s: len(s.encode()),
     facts: int = 0,
+    kind: str = "recall",
 ) -> list[Problem]:
     """Key-value recall: `facts` ("KEY=1234.", default `recall_facts(length)`) in filler text, the
     first at fraction `depth`, the others at random depths; one Problem per fact, all with the same
     context and each asking its key ("KEY=?"). The first is the evaluation problem (`recall`);
-    training asks them all, one turn each (`training_records`)."""
-    rng = _rng("recall", split, seed, index, length, depth)
+    training asks them all, one turn each (`training_records`). `kind` "kv": no "=" ("KEY1234.",
+    "KEY?")."""
+    sep = RECALL_SEPARATORS[kind]
+    rng = _rng(kind, split, seed, index, length, depth)
     n = facts or recall_facts(length)
     keys = recall_keys(rng, split, n)
     values = [str(int(v)) for v in rng.integers(1000, 10000, n)]
     depths = [depth] + [float(d) for d in rng.random(n - 1)]
-    questions = [f"{k}=?" for k in keys]
+    questions = [f"{k}{sep}?" for k in keys]
     longest = max(questions, key=count)
-    context, achieved = place([f"{k}={v}." for k, v in zip(keys, values)], depths, longest, length, rng, count)
+    context, achieved = place([f"{k}{sep}{v}." for k, v in zip(keys, values)], depths, longest, length, rng, count)
     context = context.rsplit("\n", 1)[0]
-    return [
-        Problem("recall", f"{context}\n{q}", v, length, depth, (a,)) for q, v, a in zip(questions, values, achieved)
-    ]
+    return [Problem(kind, f"{context}\n{q}", v, length, depth, (a,)) for q, v, a in zip(questions, values, achieved)]
 
 
 def recall(length: int, depth: float, **kw) -> Problem:
@@ -238,10 +244,10 @@ def recall(length: int, depth: float, **kw) -> Problem:
 
 
 def generate_problem(kind: str, length: int, depth: float, **kw) -> Problem:
-    """`needle(...)`, `multihop(...)` or `recall(...)` by name."""
-    if kind in ("needle", "recall"):
+    """`needle(...)`, `multihop(...)`, `recall(...)` or kv (`recall(..., kind="kv")`) by name."""
+    if kind in ("needle", "recall", "kv"):
         kw.pop("hops", None)
-        return needle(length, depth, **kw) if kind == "needle" else recall(length, depth, **kw)
+        return needle(length, depth, **kw) if kind == "needle" else recall(length, depth, kind=kind, **kw)
     if kind == "multihop":
         return multihop(length, depth, **kw)
     raise ValueError(f"kind={kind!r}: expected one of {KINDS}")
@@ -265,6 +271,7 @@ def training_records(
     kinds: tuple[str, ...] = KINDS,
     hops: int = 2,
     count: Callable[[str], int] = lambda s: len(s.encode()),
+    recall_density: float = 0.0,
 ) -> list[dict]:
     """`n` SFT records ({"prompt", "response"}) of the `train` split — names disjoint from every
     evaluation problem — with prompt lengths spread over [min_length, max_length] tokens and
@@ -272,15 +279,19 @@ def training_records(
     are log-uniform, so short problems (an early, short stage of a staged run) are common. A
     recall record is a conversation ({"messages"}) asking every fact of its context, one turn
     each, so each context teaches several retrievals; its turns fit the same token budget, and its
-    answers restate the key ("QZX=4821": the answer checked is the number)."""
+    answers restate the key ("QZX=4821": the answer checked is the number). `recall_density` > 0:
+    each recall context holds a number of facts drawn uniformly from `recall_facts(length)` up to
+    `recall_density` per 64 tokens (`dense_recall_facts`): more distractors to tell apart and more
+    questions per context."""
     if not 0 < min_length <= max_length:
         raise ValueError(f"training_records: need 0 < min_length={min_length} <= max_length={max_length}")
     rng = np.random.default_rng([len(SPLITS), seed])  # a namespace of its own
     out = []
     for i in range(n):
         length = int(round(np.exp(rng.uniform(np.log(min_length), np.log(max_length)))))
-        if kinds[i % len(kinds)] == "recall":
-            out.append(_recall_record(length, max_length, float(rng.random()), i, seed, count))
+        if kinds[i % len(kinds)] in RECALL_SEPARATORS:
+            depth = float(rng.random())
+            out.append(_recall_record(length, max_length, depth, i, seed, count, recall_density, kinds[i % len(kinds)]))
             continue
         p = generate_problem(
             kinds[i % len(kinds)],
@@ -296,17 +307,36 @@ def training_records(
     return out
 
 
+def dense_recall_facts(length: int, density: float, rng: np.random.Generator, fact_tokens: int = 10) -> int:
+    """A fact count for a training recall context of `length` tokens, uniform from
+    `recall_facts(length)` to `density` facts per 64 tokens, at most what fills 70% of the context
+    with facts of `fact_tokens` tokens ("QZX=4821. ")."""
+    lo = recall_facts(length)
+    hi = max(lo, min(int(density * length / 64), int(0.7 * length) // fact_tokens))
+    return int(rng.integers(lo, hi + 1))
+
+
 RECALL_TURN_TOKENS = 18  # a further question and answer turn: "KEY=?", "KEY=1234" and 4 chat markers, with room
 
 
 def _recall_record(
-    length: int, max_length: int, depth: float, index: int, seed: int, count: Callable[[str], int]
+    length: int,
+    max_length: int,
+    depth: float,
+    index: int,
+    seed: int,
+    count: Callable[[str], int],
+    density: float = 0.0,
+    kind: str = "recall",
 ) -> dict:
     """A training conversation over one recall context of `length` tokens (as an evaluation
     problem's), asking its facts in turn (random order), as many as fit in `max_length`: every
     one in short contexts, at least one in the longest, so contexts as long as the evaluated ones
     are trained too."""
-    problems = recall_problems(length, depth, index=index, seed=seed, split="train", count=count)
+    facts = dense_recall_facts(length, density, np.random.default_rng([len(SPLITS), seed, index, 1])) if density else 0
+    problems = recall_problems(
+        length, depth, index=index, seed=seed, split="train", count=count, facts=facts, kind=kind
+    )
     turns = min(len(problems), 1 + max(max_length - length, 0) // RECALL_TURN_TOKENS)
     order = np.random.default_rng([len(SPLITS), seed, index]).permutation(len(problems))[:turns]
     messages = []

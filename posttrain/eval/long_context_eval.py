@@ -118,6 +118,39 @@ def summarize(rows: Sequence[dict]) -> dict[str, float]:
     return out
 
 
+def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval (95% at z=1.96) of an accuracy of `correct` in `n`: honest at 0
+    and at n, where the normal approximation collapses to a point."""
+    if n <= 0:
+        return 0.0, 1.0
+    p, d = correct / n, 1 + z * z / n
+    centre, half = (p + z * z / (2 * n)) / d, z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return float(max(0.0, centre - half)), float(min(1.0, centre + half))
+
+
+def accuracy_by_length(rows: Sequence[dict], kind: str) -> dict[int, tuple[int, int]]:
+    """{length: (correct, n)} of `kind`, pooled over depths (the newest step's rows)."""
+    last = max((r.get("step", -1) for r in rows), default=-1)
+    out: dict[int, tuple[int, int]] = {}
+    for r in rows:
+        if r["kind"] == kind and r.get("step", -1) == last:
+            c, n = out.get(r["length"], (0, 0))
+            out[r["length"]] = (c + r["correct"], n + r["n"])
+    return dict(sorted(out.items()))
+
+
+def effective_context(rows: Sequence[dict], kind: str, threshold: float = 0.9) -> int:
+    """The longest measured length up to which `kind`'s accuracy (pooled over depths) stays >=
+    `threshold` at every measured length; 0 when the shortest already falls below it. Issue 28's
+    "effective context": nominal context is not usable context."""
+    best = 0
+    for length, (c, n) in accuracy_by_length(rows, kind).items():
+        if n == 0 or c / n < threshold:
+            break
+        best = length
+    return best
+
+
 def write_rows(rows: Sequence[dict], path: str) -> None:
     """Append `rows` to the JSONL file `path` (local or URL)."""
     if not storage.is_url(path):

@@ -196,7 +196,7 @@ class Decoder(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         if segment_ids is None:
             segment_ids = jnp.ones_like(tokens)
-        x = self._embed(tokens, patches)
+        x = self._embed(tokens, patches, positions, segment_ids)
         moe_aux, used, first = [], [], 0
         per_layer = None if routing is None else jnp.moveaxis(routing, 2, 0)  # [layers, B, S, k]
         for stack in self.stacks:
@@ -217,7 +217,7 @@ class Decoder(nnx.Module):
             aux["moe/experts"] = jnp.moveaxis(jnp.concatenate(used), 0, 2)
         return self.final_norm(x), aux
 
-    def _embed(self, tokens, patches=None):
+    def _embed(self, tokens, patches=None, positions=None, segment_ids=None):
         """tokens [B, S] int → embeddings [B, S, D] in the compute dtype; with patches
         [B, S, patch_dim], an image placeholder's embedding is its projected patch (`models.vision`)
         (the rotary positions stay the tokens' 1-D positions)."""
@@ -228,7 +228,7 @@ class Decoder(nnx.Module):
         if patches is not None:
             if self.vision is None:
                 raise ValueError("patches given to a text-only model (model.vision.encoder='none')")
-            x = self.vision(tokens, patches, x)
+            x = self.vision(tokens, patches, x, positions, segment_ids)
         return constrain(x, ACTIVATION_NAMES)
 
     def prefill(
@@ -252,7 +252,7 @@ class Decoder(nnx.Module):
         (k [R, B, K, Dh, S]): the cache `decode_stacked` takes. `routing`: also return the experts
         each MoE layer chose, [B, S, num_moe_layers, k] int32 (None for a dense model).
         """
-        x = self._embed(tokens, patches)
+        x = self._embed(tokens, patches, positions, segment_ids)
         kv, used = [], []
         if layers is not None:
             for block in layers:

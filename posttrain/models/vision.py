@@ -13,19 +13,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from posttrain.config import VISION_ENCODERS
 from posttrain.models.layers import dtype_of, fan_in_init, param
 from posttrain.models.quant import weight_einsum
+from posttrain.models.vit import ViT
 from posttrain.parallel.sharding import constrain
 
 
-def make_vision(cfg, rngs: nnx.Rngs) -> PatchEmbed | None:
-    """The image embedding `model.vision.encoder` asks for: None (none) or a `PatchEmbed` (linear)."""
+def make_vision(cfg, rngs: nnx.Rngs) -> PatchEmbed | VisionTower | None:
+    """The image embedding `model.vision.encoder` asks for: None (none), a `PatchEmbed` (linear)
+    or a `VisionTower` (vit: `models.vit`)."""
     vision = getattr(cfg, "vision", None)  # a model config saved before model.vision existed: none
     encoder = "none" if vision is None else vision.encoder
     if encoder == "none":
         return None
-    if encoder != "linear":
-        raise ValueError(f"model.vision.encoder={encoder!r}: expected none or linear (vit is not built yet)")
+    if encoder == "vit":
+        return VisionTower(cfg, rngs=rngs)
+    if encoder not in VISION_ENCODERS:
+        raise ValueError(f"model.vision.encoder={encoder!r}: expected one of {VISION_ENCODERS}")
     return PatchEmbed(cfg, rngs=rngs)
 
 
@@ -44,9 +49,10 @@ class PatchEmbed(nnx.Module):
         self.proj = param(rngs, fan_in_init(), (patch_dim, cfg.embed_dim), (None, "embed"), pdt)
         self.bias = param(rngs, jax.nn.initializers.zeros, (cfg.embed_dim,), ("embed",), pdt)
 
-    def __call__(self, tokens: jax.Array, patches: jax.Array, x: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, patches: jax.Array, x: jax.Array, positions=None, segment_ids=None):
         """tokens [B, S], patches [B, S, patch_dim], token embeddings x [B, S, D] → x with each
-        placeholder's embedding replaced by its projected patch."""
+        placeholder's embedding replaced by its projected patch (positions and segment ids: unused,
+        each patch is embedded alone; the ViT tower needs them)."""
         patches = constrain(patches.astype(self.dtype), ("activation_batch", "activation_length", None))
         image = weight_einsum("bsp,pd->bsd", patches, self.proj[...], self.dtype) + self.bias[...].astype(self.dtype)
         return jnp.where((tokens == self.token_id)[..., None], image.astype(x.dtype), x)
@@ -57,3 +63,10 @@ class PatchEmbed(nnx.Module):
         learner and the sampler (which read these logits) agree that it has no probability."""
         placeholder = jnp.arange(logits.shape[-1]) == self.token_id
         return jnp.where(placeholder, jnp.asarray(-1e9, logits.dtype), logits)
+
+
+class VisionTower(ViT):
+    """`model.vision.encoder = vit`: the ViT tower (`models.vit`), whose placeholder is never
+    predicted either."""
+
+    mask_logits = PatchEmbed.mask_logits

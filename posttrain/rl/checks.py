@@ -386,10 +386,12 @@ def check_rlvr_stage(cfg) -> None:
     and what `rl.placement = disaggregated` cannot do yet."""
     from posttrain.rl.envs.images import check_rl_images
     from posttrain.rl.rollout.hosts import check_multihost_rl
+    from posttrain.rl.rollout.inflight import check_inflight
     from posttrain.rl.rollout.remote import check_disaggregated
 
     check_rl_config(cfg)
     check_rl_images(cfg)
     check_multihost_rl(cfg)
+    check_inflight(cfg)
     if cfg.rl.placement == "disaggregated":
         check_disaggregated(cfg)

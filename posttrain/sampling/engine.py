@@ -262,13 +262,16 @@ def decode_loop(
     pending=None,
     queue=(),
     return_slots: bool = False,
+    max_steps: jax.Array | None = None,
 ) -> Outputs | tuple[Outputs, Slots]:
     """Sample and decode until every slot is done and nothing is pending, in one `lax.while_loop`.
 
     `layers`: `decode_layers(model)`, computed once outside the loop. Continuous batching passes
     `refill(slots, queue) -> (slots, queue)`, run at the start of every step to fill free slots,
     and `pending(queue) -> bool`, whether requests still wait; `queue` is their state.
-    `return_slots`: also return the final slots (the prefix cache keeps their KV). With
+    `return_slots`: also return the final slots (the prefix cache keeps their KV). `max_steps`:
+    stop after that many steps even with slots live (in-flight weight updates resume the returned
+    slots with other weights, `sampling.inflight`). With
     `out.routing` allocated (`SamplingParams.record_routing`) each fed token's experts are recorded
     at its place in the output (a sample's last token is fed too, so every generated token has them).
     """
@@ -291,5 +294,12 @@ def decode_loop(
         routing = out.routing.at[rows, slots.step - 1].set(experts.astype(out.routing.dtype), mode="drop")
         return slots, out.replace(routing=routing), queue
 
-    slots, out, _ = jax.lax.while_loop(cond, body, (slots, out, queue))
+    if max_steps is None:
+        slots, out, _ = jax.lax.while_loop(cond, body, (slots, out, queue))
+    else:
+        slots, out, _, _ = jax.lax.while_loop(
+            lambda c: cond(c[:3]) & (c[3] < max_steps),
+            lambda c: (*body(c[:3]), c[3] + 1),
+            (slots, out, queue, jnp.int32(0)),
+        )
     return (out, slots) if return_slots else out

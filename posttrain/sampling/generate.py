@@ -48,6 +48,7 @@ class Samples:
     speculative: dict | None = None  # speculative decoding: rounds, drafted and accepted tokens
     routing: np.ndarray | None = None
     prompt_routing: np.ndarray | None = None
+    versions: np.ndarray | None = None  # in-flight updates (`sampling.inflight`): [N, M] int32, see there
 
     @property
     def acceptance_rate(self) -> float:
@@ -134,6 +135,40 @@ def new_token_limits(
     return out
 
 
+def static_slots(
+    model: nnx.Module,
+    layers: list | None,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    limits: jax.Array,
+    num_prompts: jax.Array,
+    key: jax.Array,
+    sampling: SamplingParams,
+    patches: jax.Array | None = None,
+) -> tuple[engine.Slots, list]:
+    """The prompts tokens [B, P] prefilled once, each prompt's cache row repeated for its G samples:
+    (B * G slots, sample i*G+g in slot and output row i*G+g with RNG id i*G+g; rows >= num_prompts
+    done), and [the prompt's experts] with `sampling.record_routing` (else [None] or []). patches
+    [B, P, patch_dim]: the prompts' images, or None."""
+    g, b = sampling.num_samples, tokens.shape[0]
+    logits, kv, *prompt_experts = engine.prefill(
+        model, tokens, lengths, layers, routing=sampling.record_routing, patches=patches
+    )
+    cache = kv_cache.repeat_rows(kv_cache.allocate(kv, tokens.shape[1] + sampling.max_new_tokens), g)
+    ids = jnp.arange(b * g, dtype=jnp.int32)
+    slots = engine.Slots(
+        cache=cache,
+        logits=jnp.repeat(logits, g, axis=0),
+        prompt_len=jnp.repeat(lengths, g),
+        step=jnp.zeros((b * g,), jnp.int32),
+        limit=jnp.repeat(limits, g),
+        done=ids >= num_prompts * g,
+        keys=engine.token_keys(key, ids, sampling.max_new_tokens),
+        row=ids,
+    )
+    return slots, prompt_experts
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id", "rules"))
 def generate_program(
     graphdef: nnx.GraphDef,
@@ -157,20 +192,8 @@ def generate_program(
     model = nnx.merge(graphdef, params, rest)
     g, b = sampling.num_samples, tokens.shape[0]
     layers = engine.decode_layers(model)
-    logits, kv, *prompt_experts = engine.prefill(
-        model, tokens, lengths, layers, routing=sampling.record_routing, patches=patches
-    )
-    cache = kv_cache.repeat_rows(kv_cache.allocate(kv, tokens.shape[1] + sampling.max_new_tokens), g)
-    ids = jnp.arange(b * g, dtype=jnp.int32)
-    slots = engine.Slots(
-        cache=cache,
-        logits=jnp.repeat(logits, g, axis=0),
-        prompt_len=jnp.repeat(lengths, g),
-        step=jnp.zeros((b * g,), jnp.int32),
-        limit=jnp.repeat(limits, g),
-        done=ids >= num_prompts * g,
-        keys=engine.token_keys(key, ids, sampling.max_new_tokens),
-        row=ids,
+    slots, prompt_experts = static_slots(
+        model, layers, tokens, lengths, limits, num_prompts, key, sampling, patches=patches
     )
     out = engine.Outputs.empty(b * g, sampling.max_new_tokens, pad_id)
     if sampling.record_routing:  # the prompt's experts, shared by its samples; the generated ones in the loop

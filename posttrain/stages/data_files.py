@@ -144,7 +144,8 @@ def _long_context_file(cfg, folder: str, split: str, tok, write: bool) -> str:
     """SFT records of needle / multi-hop problems from the training name space (disjoint from
     `eval.long_context`'s) of the kinds `eval.long_context.kinds` evaluates, prompts of 160
     tokens (the longest facts of `eval.long_context.hops` <= 3 fit; recall alone: 64, so short
-    contexts teach the match first and stay in the mix) up to what fits train.seq_len."""
+    contexts teach the match first and stay in the mix; `data.synthetic_min_length` when set) up to
+    what fits train.seq_len; `data.synthetic_recall_density`: denser recall contexts."""
     import fsspec
 
     from posttrain.eval.long_context import training_records
@@ -152,19 +153,24 @@ def _long_context_file(cfg, folder: str, split: str, tok, write: bool) -> str:
     n = cfg.data.synthetic_size if split == "train" else max(cfg.data.synthetic_size // 8, 1)
     hi, hops = cfg.train.seq_len - 24, cfg.eval.long_context.hops  # room for chat markers, answer
     kinds = tuple(k.strip() for k in cfg.eval.long_context.kinds.split(",") if k.strip())
-    path = f"{folder}/long_context_{split}_n{n}_len{hi}_hops{hops}_{'-'.join(kinds)}.jsonl"
+    lo = min(cfg.data.synthetic_min_length or (64 if set(kinds) <= {"recall", "kv"} else 160), hi)
+    density = cfg.data.synthetic_recall_density
+    shortest = f"_min{lo}" if cfg.data.synthetic_min_length else ""  # default files keep their names
+    dense = f"_density{density:g}" if density else ""
+    path = f"{folder}/long_context_{split}_n{n}_len{hi}{shortest}{dense}_hops{hops}_{'-'.join(kinds)}.jsonl"
     fs, local = fsspec.core.url_to_fs(path)
     if not write or fs.exists(local):
         return path
     fs.makedirs(folder if "://" in folder else os.path.abspath(folder), exist_ok=True)
     records = training_records(
         n,
-        min(64 if kinds == ("recall",) else 160, hi),
+        lo,
         hi,
         seed=1 if split == "train" else 2,
         kinds=kinds,
         hops=hops,
         count=lambda s: len(tok.encode(s)),
+        recall_density=density,
     )
     with fsspec.open(path, "w") as f:
         f.writelines(json.dumps(rec) + "\n" for rec in records)

@@ -2,14 +2,13 @@
 
     scheduler ─tasks─▶ rollout worker (policy v: generate groups, verify) ─▶ learner (v → v+1) ─▶ publish
 
-The rollout worker samples with the learner's weights on its mesh, with a copy on devices of its own
-(`rl.placement = split`, rl/rollout/placement.py), or sampler process groups do (`disaggregated`). With
-`rl.max_staleness = 0` each step samples with the current weights, verifies, then updates
-(on-policy, deterministic for a seed). With `>= 1` an `AsyncProducer` samples and verifies the next
-batches on its own threads while the learner updates on the current one; the learner corrects for
-the lag with truncated importance weights between the behaviour log-probs the sampler recorded and
-the proximal ones. Each step is three functions over an explicit `RLState`: `rollout_step`,
-`learn_step`, `publish_step`; `run` wires them.
+The rollout worker samples with the learner's weights on its mesh, a copy on devices of its own (`rl.placement =
+split`, rl/rollout/placement.py), or sampler process groups do (`disaggregated`). `rl.max_staleness = 0`: each step
+samples with the current weights, verifies, then updates (on-policy, deterministic for a seed). `>= 1`: an
+`AsyncProducer` samples and verifies the next batches on its threads while the learner updates (switching weights
+mid-generation with `rl.inflight_update_every`), and the learner corrects the lag with importance weights between the
+recorded behaviour log-probs and the proximal ones. Each step is `rollout_step`, `learn_step`, `publish_step` over an
+explicit `RLState`; `run` wires them.
 
 The reward of a sample is composed in `learn_step` (`reward_model.RewardComposer`: verifier reward
 and, for RLHF, the learned reward model's normalised score); with `rl.advantage = "gae"` the
@@ -48,6 +47,7 @@ from posttrain.rl.checks import check_rlvr_stage, check_sampling_config, ppo_ste
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.hosts import all_values, sampled_reward_stats
+from posttrain.rl.rollout.inflight import enforce_token_staleness
 from posttrain.rl.rollout.log import RolloutLog
 from posttrain.rl.rollout.placement import place_devices, sampler_weights
 from posttrain.rl.rollout.producer import AsyncProducer
@@ -154,6 +154,7 @@ def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLS
     longest = int(all_values([max(len(t.tokens) for ro in rollouts for t in ro.group.trajectories)]).max())
     n_rows, shards = batch_rows(len(rollouts), r, r.minibatches), c.learner.shards  # shards: zig-zag needs 2n | S
     batch = rl_batch(rollouts, pad_id=c.pad_id, num_rows=n_rows, longest=longest, sequence_shards=shards)
+    versions = enforce_token_staleness(batch, rl.step, r.max_staleness) if "versions" in batch else {}
     rows = [t.tokens for ro in rollouts for t in ro.group.trajectories]
     unfinished = [t.info.get("truncated") is not None for ro in rollouts for t in ro.group.trajectories]
     batch["rewards"][:num_real], reward_metrics = c.rewards(rows, batch["rewards"][:num_real], unfinished)
@@ -170,6 +171,7 @@ def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLS
             f"{prefix}reward_std": float(rewards.std()) if rewards.size else 0.0,
             "rl/skipped_updates": rl.skipped_updates,
             **reward_metrics,
+            **versions,
         }
     )
     return dataclasses.replace(rl, train=state), metrics
@@ -185,15 +187,9 @@ def publish_step(c: Components, rl: RLState) -> None:
 def run_eval(c: Components, rl: RLState, writer, step: int) -> RLState:
     """Held-out evaluation with the current weights, written at `step`: the number of updates
     they have had (0: the starting weights), the step their checkpoint is saved at."""
-    scorer = c.rewards.scorer
-    last_eval = evaluate(
-        c.worker,
-        *c.weights(rl),
-        c.held_out,
-        jax.random.fold_in(c.base_key, 2**31 - 1),
-        c.cfg.rl.eval_samples,
-        score_fn=scorer.score if scorer is not None else None,
-    )
+    scorer, key = c.rewards.scorer, jax.random.fold_in(c.base_key, 2**31 - 1)
+    score_fn = scorer.score if scorer is not None else None
+    last_eval = evaluate(c.worker, *c.weights(rl), c.held_out, key, c.cfg.rl.eval_samples, score_fn=score_fn)
     writer.write(step, last_eval)
     logging.info("rlvr step %d: %s", step, {k: round(v, 4) for k, v in last_eval.items()})
     return dataclasses.replace(rl, last_eval=last_eval)
@@ -301,6 +297,7 @@ def run(cfg) -> Result:
                 continuous=slot_config(cfg.sampling),
                 rules=sampler_rules(rules, cfg.sampling.layout),
                 mesh=sampler_mesh,
+                inflight_every=r.inflight_update_every,
             )
             base_key = jax.random.key(cfg.seed)
             rewards = RewardComposer.from_config(

@@ -58,6 +58,22 @@ def batch_key(base_key, batch: int, max_staleness: int):
     return jax.random.split(key)[1] if max_staleness == 0 else key
 
 
+def inflight_weights(client: WeightClient, got: tuple):
+    """`latest` of in-flight updates on a sampler group (`rl.inflight_update_every`): between decode
+    steps, the newest weights the learner has published (pulled when newer than the held ones,
+    `got` = ((params, rest), version) at first), the held ones once it has finished."""
+    held = [got]
+
+    def latest() -> tuple:
+        newer = client.newest(held[0][1])
+        if newer is not None:
+            held[0] = newer
+        (params, rest), version = held[0]
+        return version, params, rest
+
+    return latest
+
+
 class Heartbeat:
     """A thread that records every `every_s` seconds that this sampler is alive."""
 
@@ -106,6 +122,7 @@ def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
         prefix_cache=rollout_prefix_cache(cfg),
         continuous=slot_config(cfg.sampling),
         rules=sampler_rules(rules, cfg.sampling.layout),
+        inflight_every=r.inflight_update_every,
     )
     base_key, delivered = jax.random.key(cfg.seed), 0
     beat = Heartbeat(queue, name, r.lease_timeout_s / 4).start()
@@ -123,11 +140,14 @@ def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
                     break
                 (params, rest), version = got
                 tasks = [(d, tasks_by_id[(d, i)]) for d, i in lease["tasks"]]
-                batch = worker.rollout(params, rest, tasks, batch_key(base_key, lease["batch"], r.max_staleness))
-                queue.deliver(
-                    lease["batch"],
-                    encode_batch(batch.groups, batch.behav, batch.info, version, name, lease["run"], batch.routing),
+                latest = inflight_weights(client, got) if r.inflight_update_every else None
+                key = batch_key(base_key, lease["batch"], r.max_staleness)
+                batch = worker.rollout(params, rest, tasks, key, latest=latest)
+                version = min((ro.version for ro in batch.rollouts(version)), default=version)  # the oldest token's
+                encoded = encode_batch(
+                    batch.groups, batch.behav, batch.info, version, name, lease["run"], batch.routing, batch.versions
                 )
+                queue.deliver(lease["batch"], encoded)
                 delivered += 1
     finally:
         beat.stop()

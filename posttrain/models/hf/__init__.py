@@ -1,4 +1,5 @@
-"""Hugging Face checkpoint interop: Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral folders
+"""Hugging Face checkpoint interop: Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral folders, and LLaVA
+(a SigLIP tower + projector + one of those text models, `models.hf.llava`)
 (config.json + safetensors) loaded straight into sharded posttrain parameters and saved back.
 
     cfg.model = model_config_from_hf("/models/qwen3")            # the matching model config
@@ -8,6 +9,7 @@
 `tools/convert_hf.py` converts between such folders and posttrain (orbax) checkpoints.
 """
 
+from posttrain.models.hf import llava  # noqa: F401 (registers the LLaVA vision family)
 from posttrain.models.hf.checkpoint import check_model_matches, load_model_state, load_params, save_hf
 from posttrain.models.hf.config import (
     ARCHITECTURES,

@@ -29,7 +29,13 @@ from tqdm import tqdm
 
 from posttrain import storage
 from posttrain.models.decoder import Decoder
-from posttrain.models.hf.config import architecture, hf_config_from_model, model_config_from_hf, read_hf_config
+from posttrain.models.hf.config import (
+    VISION_FAMILIES,
+    architecture,
+    hf_config_from_model,
+    model_config_from_hf,
+    read_hf_config,
+)
 from posttrain.models.hf.files import SafetensorsFolder, ShardWriter
 from posttrain.models.hf.layout import Entry, checkpoint_order, expected_shapes, hf_tensors, param_entries, read_entry
 from posttrain.parallel.sharding import Rules, abstract_model, shardings_for
@@ -45,6 +51,10 @@ MATH_SETTINGS = {
     "rope_scaling": "model.rope_scaling",
     "eps": "model.norm_eps",
     "spec": "model.moe (top_k, router, norm_topk_prob, routed_scaling)",
+    "token_id": "model.vision.image_token_id",
+    "heads": "model.vision.vit_heads",
+    "mean": "model.vision.image_mean",
+    "std": "model.vision.image_std",
 }
 DEFAULT_SHARD_BYTES = 4 << 30
 
@@ -176,7 +186,10 @@ def load_params(
 ) -> nnx.State:
     """The weights of HF folder `path` as `abstract_params` (shapes and dtypes of a model built
     from `cfg`), sharded on `mesh` by `rules`, read tensor by tensor."""
-    arch = architecture(read_hf_config(path), os.path.join(path, "config.json"))
+    hf = read_hf_config(path)
+    if hf.get("model_type") in VISION_FAMILIES:
+        return VISION_FAMILIES[hf["model_type"]].load_params(path, abstract_params, cfg, mesh, rules)
+    arch = architecture(hf, os.path.join(path, "config.json"))
     flat = _flat(abstract_params)
     shardings = {p: v.get_value() for p, v in _flat(shardings_for(abstract_params, mesh, rules)).items()}
     with SafetensorsFolder(path) as folder:
@@ -247,6 +260,9 @@ def save_hf(
 
     Every process must call it (gathers are collective); process 0 writes.
     """
+    if (cfg.get("vision") or {}).get("encoder") == "vit":  # the ViT tower: saved as LLaVA
+        kw = dict(base_config=base_config, context=context, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        return VISION_FAMILIES["llava"].save(path, params, cfg, **kw)
     hf = hf_config_from_model(cfg, base_config, context=context)
     flat = _flat(params)
     entries = param_entries(cfg, hf["architectures"][0])

@@ -45,6 +45,9 @@ ROPE_KEYS = {  # what each RoPE type may carry
 }
 ROPE_COMMON_KEYS = {"type", "rope_type", "rope_theta", "partial_rotary_factor"}
 _REQUIRED = object()
+# model_type → a vision family's module (config, load, save), registered by the module itself
+# (`models.hf.llava`, imported by the package) so that this module needs no import of it
+VISION_FAMILIES: dict = {}
 # Keys the import checks, written explicitly so an exported file never relies on a class default.
 EXPLICIT_DEFAULTS = {
     "LlamaForCausalLM": dict(attention_bias=False, mlp_bias=False),
@@ -80,7 +83,11 @@ def model_config_from_hf(path: str) -> ml_collections.ConfigDict:
     Use it in a config file (`cfg.model = model_config_from_hf(path)`, then set dtypes) or through
     `--config configs/hf.py:PATH`.
     """
-    return model_config_from_dict(read_hf_config(path), storage.join(path, "config.json"))
+    hf, where = read_hf_config(path), storage.join(path, "config.json")
+    family = VISION_FAMILIES.get(hf.get("model_type"))
+    if family is not None:  # a vision family: tower, projector and a text model
+        return family.model_config(hf, path, where)
+    return model_config_from_dict(hf, where)
 
 
 def model_config_from_dict(hf: dict, where: str = "config.json") -> ml_collections.ConfigDict:

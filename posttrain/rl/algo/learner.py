@@ -43,7 +43,7 @@ from posttrain.sampling.generate import bucket
 from posttrain.sampling.rules import SamplingParams, policy_logprobs, support_logprobs
 
 ROW_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
-HOST_ONLY = ("rollout_logp", "rewards", "judged")  # batch keys the update step does not read
+HOST_ONLY = ("rollout_logp", "rewards", "judged", "versions")  # batch keys the update step does not read
 
 
 def rl_batch(
@@ -60,6 +60,7 @@ def rl_batch(
     reached no verdict: such a sample's loss mask is empty, so it trains nothing, and
     `compute_advantages` leaves it out of its group); with rollouts that carry the sampler's routing
     (`model.moe.routing_replay = sampler`) also routing [N, S, MoE layers, k], the experts to replay;
+    with rollouts that carry token versions (`rl.inflight_update_every`) versions [N, S] of the targets;
     with trajectories that showed images, patches [N, S, patch_dim] at their inputs (the sampler's).
 
     num_rows pads the batch with empty rows (zero loss mask, zero reward) to a fixed size, so
@@ -98,6 +99,13 @@ def rl_batch(
         if len(routing) != len(trajs):
             raise ValueError(f"routing of {len(routing)} trajectories of {len(trajs)}: some rollouts carry none")
         out["routing"] = batch_routing(routing, n, s)
+    versions = [v for ro in rollouts for v in ro.versions]
+    if versions:
+        if len(versions) != len(trajs):
+            raise ValueError(f"versions of {len(versions)} trajectories of {len(trajs)}: some rollouts carry none")
+        out["versions"] = np.full((n, s), -1, np.int32)
+        for i, v in enumerate(versions):
+            out["versions"][i, : len(v) - 1] = v[1:]
     return out
 
 

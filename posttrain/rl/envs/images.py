@@ -61,6 +61,7 @@ UNSUPPORTED = (
     ("sampling.speculative_k", lambda c: c.sampling.speculative_k > 0, "the draft takes no images"),
     ("rl.placement", lambda c: c.rl.placement != "colocated", "only the colocated sampler is given images"),
     ("rl.reward_model", lambda c: bool(c.rl.reward_model), "the learned reward scores tokens without images"),
+    ("rl.inflight_update_every", lambda c: c.rl.inflight_update_every > 0, "the chunked decode takes no images"),
 )
 
 

@@ -33,12 +33,15 @@ class Rollout:
     `behav_logprobs[j]` holds the sampler's log-probs of `group.trajectories[j].tokens` (float32,
     same length; only the entries under the trajectory's loss mask are meaningful); `routing[j]`
     (empty unless `model.moe.routing_replay = sampler`) the experts the sampler chose for each of
-    those tokens, [len(tokens), MoE layers, k] (`rl.rollout.routing`)."""
+    those tokens, [len(tokens), MoE layers, k] (`rl.rollout.routing`); `versions[j]` (empty unless
+    `rl.inflight_update_every`) the policy version that drew each of those tokens (int32), whose
+    oldest is `version` (`rl.rollout.inflight`)."""
 
     group: Group
     version: int
     behav_logprobs: Sequence[np.ndarray] = ()
     routing: Sequence[np.ndarray] = ()
+    versions: Sequence[np.ndarray] = ()
 
     def __post_init__(self) -> None:
         if len(self.behav_logprobs) != len(self.group.trajectories):
@@ -55,6 +58,11 @@ class Rollout:
         if self.routing and [len(r) for r in self.routing] != [len(t.tokens) for t in self.group.trajectories]:
             raise ValueError(
                 f"Rollout of task {self.group.task.id!r}: routing of {[len(r) for r in self.routing]} tokens "
+                f"for trajectories of {[len(t.tokens) for t in self.group.trajectories]}"
+            )
+        if self.versions and [len(v) for v in self.versions] != [len(t.tokens) for t in self.group.trajectories]:
+            raise ValueError(
+                f"Rollout of task {self.group.task.id!r}: versions of {[len(v) for v in self.versions]} tokens "
                 f"for trajectories of {[len(t.tokens) for t in self.group.trajectories]}"
             )
 

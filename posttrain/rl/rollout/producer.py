@@ -145,7 +145,9 @@ class AsyncProducer:
                         tasks = self.scheduler.next_batch(self.num_groups)
                         draws = self.scheduler.batches_drawn
                     params, rest = self._resolve(version, weights)
-                    pending = self.worker.generate(params, rest, tasks, jax.random.fold_in(self.base_key, p))
+                    pending = self.worker.generate(
+                        params, rest, tasks, jax.random.fold_in(self.base_key, p), latest=self._latest
+                    )
                     self._produced = p + 1
                     if verifying is not None:
                         verifying.result()
@@ -167,6 +169,13 @@ class AsyncProducer:
             if self._version == version:
                 self._weights = weights
         return weights
+
+    def _latest(self) -> tuple:
+        """(version, params, rest) of the newest published policy: what an in-flight sampler
+        switches to between decode steps (`rl.rollout.inflight`)."""
+        with self._cv:
+            version, weights = self._version, self._weights
+        return (version, *self._resolve(version, weights))
 
     def _finish(self, pending: Pending, version: int, draws: int) -> None:
         """Verify a generated batch, record it in the scheduler and hand it to the learner."""

@@ -34,7 +34,7 @@ from posttrain.errors import UserError
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.rollout.transfer import WeightServer, transfer_module
 from posttrain.rl.rollout.worker import RolloutBatch
-from posttrain.rl.rollout.workqueue import WorkQueue, check_local, decode_batch
+from posttrain.rl.rollout.workqueue import WorkQueue, check_local, decode_batch, decode_versions
 from posttrain.rl.tasks.scheduler import TaskScheduler
 
 __all__ = ["ROLES", "RemoteProducer", "check_disaggregated"]
@@ -184,10 +184,11 @@ class RemoteProducer:
             self.scheduler.record(g.domain, g.task.id, g.verdicts)
         info = {**payload["info"], "kept_groups": len(groups)}
         state = {**self.scheduler.get_state(), "batches": self.draws.pop(step)}
-        batch = RolloutBatch(groups, behav, info, state, self.scheduler.metrics(), routing)
+        batch = RolloutBatch(groups, behav, info, state, self.scheduler.metrics(), routing, decode_versions(payload))
+        rollouts = batch.rollouts(payload["version"])  # in-flight updates: each group's oldest token's version
         self.buffer.handed_out += len(groups)
-        self.buffer.staleness = [step - payload["version"]] * len(groups)
-        return batch.rollouts(payload["version"]), batch
+        self.buffer.staleness = [step - ro.version for ro in rollouts]
+        return rollouts, batch
 
     def close(self) -> None:
         """Stop serving weights. The samplers were told to exit when the last batch was taken; a

@@ -36,10 +36,12 @@ from posttrain.rl.rollout.hosts import (
     group_share,
     sampled_rewards,
 )
+from posttrain.rl.rollout.inflight import oldest, token_versions
 from posttrain.rl.rollout.routing import trajectory_routing
 from posttrain.rl.tasks.scheduler import Group, TaskScheduler
 from posttrain.sampling.continuous import SlotConfig, generate_continuous
 from posttrain.sampling.generate import Samples, generate
+from posttrain.sampling.inflight import Latest, generate_inflight
 from posttrain.sampling.layout import sampling_sharding
 from posttrain.sampling.rules import SamplingParams
 
@@ -95,7 +97,8 @@ class RolloutBatch:
     """The verified groups of one learner batch: behav[j][g] is the behaviour log-prob of every
     token of group j's sample g (0 on the prompt); `info` holds host numbers for metrics;
     `scheduler_state` is the scheduler as of this batch (all its draws and records, no later ones);
-    routing[j][g] the experts the sampler chose for each token (`SamplingParams.record_routing`; else None)."""
+    routing[j][g] the experts the sampler chose for each token (`SamplingParams.record_routing`; else None);
+    versions[j][g] the policy version that drew each token (in-flight updates; else None)."""
 
     groups: list[Group]
     behav: list[list[np.ndarray]]
@@ -103,11 +106,16 @@ class RolloutBatch:
     scheduler_state: dict | None = None
     task_metrics: dict | None = None
     routing: list[list[np.ndarray]] | None = None
+    versions: list[list[np.ndarray]] | None = None
 
     def rollouts(self, version: int) -> list[Rollout]:
-        """The groups as buffer/learner rollouts sampled by policy `version`."""
+        """The groups as buffer/learner rollouts sampled by policy `version` (with in-flight
+        updates: by their oldest token's version, which is never older)."""
         routing = self.routing or [()] * len(self.groups)
-        return [Rollout(g, version, b, r) for g, b, r in zip(self.groups, self.behav, routing)]
+        if self.versions is None:
+            return [Rollout(g, version, b, r) for g, b, r in zip(self.groups, self.behav, routing)]
+        parts = zip(self.groups, self.behav, routing, self.versions)
+        return [Rollout(g, oldest(v, version), b, r, v) for g, b, r, v in parts]
 
 
 @dataclasses.dataclass
@@ -126,16 +134,26 @@ class RolloutWorker:
     prefix_cache: Any = None  # `sampling.prefix_cache.PrefixCache` (sampling.prefix_cache > 0)
     continuous: SlotConfig | None = None  # continuous batching (sampling.continuous_batching); None: static
     mesh: Any = None  # the sampler's own mesh (rl.placement = split, rollout.placement); None: the current one
+    inflight_every: int = 0  # rl.inflight_update_every: decode steps between weight checks (with `latest`)
 
-    def sample(self, params, rest, prompts: list, sampling: SamplingParams, key, patches=None) -> Samples:
+    def sample(
+        self, params, rest, prompts: list, sampling: SamplingParams, key, latest: Latest | None = None, patches=None
+    ) -> Samples:
         """The sampler call of every rollout: `sampling.num_samples` samples per prompt, sample
-        i*G+g drawing from fold_in(key, i*G+g), in a static batch or continuously refilled slots.
+        i*G+g drawing from fold_in(key, i*G+g), in a static batch or continuously refilled slots;
+        given `latest` (and `inflight_every`), with the newest weights it names, switched in flight.
         `patches`: per prompt, its images' patches at its tokens or None (`envs.images`; static only)."""
         if patches is not None and all(p is None for p in patches):
             patches = None
         if patches is not None and self.continuous is not None:
             raise ValueError("sampling.continuous_batching: prompts with images are sampled in static batches only")
+        if patches is not None and latest is not None and self.inflight_every:
+            raise ValueError("rl.inflight_update_every: prompts with images are sampled without in-flight updates")
         with (self.clock or BusyClock()).busy():
+            if latest is not None and self.inflight_every:
+                return generate_inflight(
+                    self.graphdef, latest, prompts, sampling, key, every=self.inflight_every, pad_id=self.pad_id
+                )
             if self.continuous is None:
                 return generate(
                     self.graphdef,
@@ -161,15 +179,17 @@ class RolloutWorker:
         *,
         num_samples: int | None = None,
         greedy: bool = False,
+        latest: Latest | None = None,
     ) -> Pending:
         """Generate one group per (domain, task) on the device, traced under the sampler's rules;
-        verification comes later."""
+        verification comes later. `latest`: the newest published weights, switched to in flight
+        when `inflight_every` says so (`sample`; the overlapped producer always offers them)."""
         if self.mesh is not None:  # the key was made on the learner's mesh: replicate it on the sampler's
             key = jax.device_put(key, NamedSharding(self.mesh, PartitionSpec()))
         with sampling_sharding(self.rules, self.mesh):
-            return self._generate(params, rest, tasks, key, num_samples=num_samples, greedy=greedy)
+            return self._generate(params, rest, tasks, key, num_samples=num_samples, greedy=greedy, latest=latest)
 
-    def _generate(self, params, rest, tasks, key, *, num_samples, greedy) -> Pending:
+    def _generate(self, params, rest, tasks, key, *, num_samples, greedy, latest=None) -> Pending:
         if self.episodes is not None:  # episodes interleave sampling and tool calls: run them to the end here
             if self.sampling.record_routing:
                 raise ValueError("model.moe.routing_replay=sampler: multi-turn episodes do not record routing")
@@ -183,7 +203,7 @@ class RolloutWorker:
         t0 = time.perf_counter()
         patches = [episode_patches(row[0], p) for row, p in zip(envs, prompts)]  # None: no images
         images = {"patches": patches} if any(p is not None for p in patches) else {}  # text only: the call as before
-        samples = self.sample(params, rest, prompts, sampling, key, **images)
+        samples = self.sample(params, rest, prompts, sampling, key, latest, **images)
         return Pending(tasks, envs, samples, time.perf_counter() - t0)
 
     def verify(self, pending: Pending) -> RolloutBatch:
@@ -202,6 +222,7 @@ class RolloutWorker:
         t0 = time.perf_counter()
         rewards = list(self.pool.map(verify, range(len(flat))))
         groups, behav, routing = [], [], None if samples.routing is None else []
+        versions = None if samples.versions is None else []
         for j, (d, task) in enumerate(pending.tasks):
             idx = range(j * g, (j + 1) * g)
             trajs = [with_patches(flat[i]) for i in idx]
@@ -209,6 +230,8 @@ class RolloutWorker:
             behav.append([_token_aligned(samples.sampling_logprobs[i], t) for i, t in zip(idx, trajs)])
             if routing is not None:
                 routing.append([trajectory_routing(samples, i, t) for i, t in zip(idx, trajs)])
+            if versions is not None:
+                versions.append([token_versions(samples.versions[i], t) for i, t in zip(idx, trajs)])
         lengths, stops = samples.lengths, samples.stop_reason
         info = {
             "gen_s": pending.gen_s,
@@ -221,7 +244,7 @@ class RolloutWorker:
             "responses": len(flat),
             "verifier_errors": sum(getattr(r, "error", None) is not None for r in rewards),
         }
-        return RolloutBatch(groups, behav, info, routing=routing)
+        return RolloutBatch(groups, behav, info, routing=routing, versions=versions)
 
     def rollout(self, params, rest, tasks, key, *, exact_share: bool = True, **kw) -> RolloutBatch:
         """`generate` then `verify`; with several processes each verifies only its share of the

@@ -170,12 +170,13 @@ class WorkQueue:
 
 
 def encode_batch(
-    groups: list[Group], behav: list, info: dict, version: int, sampler: str, run: str = "", routing=None
+    groups: list[Group], behav: list, info: dict, version: int, sampler: str, run: str = "", routing=None, versions=None
 ) -> dict:
     """A verified batch as JSON: its groups (task ids, rewards, trajectories), the behaviour
     log-probs (float32 values, exact through JSON), the experts the sampler chose per token when it
-    records them (`routing[j][g]`, `rl.rollout.routing`), the policy version that sampled it and the
-    learner run (`issue`) it was leased from."""
+    records them (`routing[j][g]`, `rl.rollout.routing`), the policy version that sampled it (its
+    oldest token's), each token's version with in-flight updates (`versions[j][g]`,
+    `rl.rollout.inflight`) and the learner run (`issue`) it was leased from."""
     payload = {
         "version": version,
         "sampler": sampler,
@@ -199,7 +200,14 @@ def encode_batch(
     if routing is not None:
         for g, r in zip(payload["groups"], routing):
             g["routing"], g["routing_dtype"] = [np.asarray(x).tolist() for x in r], str(np.asarray(r[0]).dtype)
+    for g, v in zip(payload["groups"], versions or ()):
+        g["versions"] = [np.asarray(x, np.int32).tolist() for x in v]
     return payload
+
+
+def decode_versions(payload: dict) -> list[list[np.ndarray]] | None:
+    """`encode_batch`'s token versions (`versions[j][g]`), or None when the sampler recorded none."""
+    return [[np.asarray(v, np.int32) for v in g["versions"]] for g in payload["groups"] if "versions" in g] or None
 
 
 def decode_batch(payload: dict, tasks_by_id: dict) -> tuple[list[Group], list[list[np.ndarray]], list | None]:

@@ -1,0 +1,124 @@
+"""In-flight weight updates (PipelineRL): static-batch generation whose decode loop runs in chunks
+of `every` steps; before each chunk the sampler asks `latest()` for the newest published weights
+and, when they are newer, decodes on with them. Sequences in flight are not dropped: they keep
+their slot, their KV cache (computed by the older weights) and their RNG stream.
+
+Every generated token records the policy version whose logits it was drawn from (`Samples.
+versions`): its behaviour log-prob is that distribution's, so the learner's importance weights and
+its staleness bound (`rl.max_staleness`, per token) see exactly which policy produced it. The first
+token a sequence samples after a switch still comes from logits the older weights computed (the
+step before), so it carries the older version; the ones after carry the newer.
+
+With weights that never change the samples are static `generate`'s for the same key (the same
+programs, cut into chunks). Multi-process runs are refused upstream: a switch decided from one
+process's view would change the weights of one collective's participants only.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from posttrain.sampling import engine
+from posttrain.sampling.generate import (
+    MIN_PROMPT_BUCKET,
+    Samples,
+    bucket,
+    host_outputs,
+    new_token_limits,
+    pad_prompts,
+    prompt_rows,
+    sharding_key,
+    static_slots,
+)
+from posttrain.sampling.rules import SamplingParams
+
+# () -> (version, params, rest): the newest published weights, called before the prefill and each chunk
+Latest = Callable[[], tuple]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id", "rules"))
+def start_program(graphdef, params, rest, tokens, lengths, limits, num_prompts, key, *, sampling, pad_id, rules=None):
+    """The prompts prefilled into `generate_program`'s slots, and empty outputs: (slots, outputs)."""
+    model = nnx.merge(graphdef, params, rest)
+    slots, _ = static_slots(model, engine.decode_layers(model), tokens, lengths, limits, num_prompts, key, sampling)
+    return slots, engine.Outputs.empty(slots.row.shape[0], sampling.max_new_tokens, pad_id)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id", "rules"), donate_argnums=(3, 4))
+def chunk_program(graphdef, params, rest, slots, out, max_steps, *, sampling, pad_id, rules=None):
+    """At most `max_steps` decode steps of the slots with these weights: (outputs, slots)."""
+    model = nnx.merge(graphdef, params, rest)
+    layers = engine.decode_layers(model)
+    return engine.decode_loop(
+        model, slots, out, sampling, pad_id, layers=layers, return_slots=True, max_steps=max_steps
+    )
+
+
+def record_versions(
+    versions: np.ndarray, logits_version: np.ndarray, before: np.ndarray, after: np.ndarray, version: int
+) -> None:
+    """Record, in place, the versions of the tokens a chunk run with policy `version` sampled: slot
+    s drew tokens before[s] .. after[s]−1; the first from logits computed before the chunk
+    (`logits_version[s]`), the others from this chunk's. A slot that decoded now holds logits of
+    `version`. versions [S, M]; logits_version, before, after [S]."""
+    m = np.arange(versions.shape[1])[None, :]
+    moved = (after > before)[:, None]
+    first = moved & (m == before[:, None])
+    later = (m > before[:, None]) & (m < after[:, None])
+    versions[first] = np.broadcast_to(logits_version[:, None], versions.shape)[first]
+    versions[later] = version
+    logits_version[after > before] = version
+
+
+def generate_inflight(
+    graphdef: nnx.GraphDef,
+    latest: Latest,
+    prompts: Sequence[Sequence[int]] | np.ndarray,
+    sampling: SamplingParams,
+    key: jax.Array,
+    *,
+    every: int,
+    pad_id: int = 0,
+    max_new_tokens: Sequence[int] | None = None,
+) -> Samples:
+    """`generate` with the weights `latest()` names, switched between chunks of `every` decode steps
+    (module docstring). `Samples.versions` [N, M]: each generated token's policy version (−1 past
+    the end)."""
+    if every < 1:
+        raise ValueError(f"generate_inflight: every={every}, expected >= 1 decode steps between weight checks")
+    if sampling.speculative_k or sampling.record_routing:
+        raise ValueError("in-flight weight updates: not with speculative decoding or recorded routing")
+    rows = prompt_rows(prompts)
+    n, g = len(rows), sampling.num_samples
+    tokens, lengths = pad_prompts(rows, bucket(n), bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)
+    limits = new_token_limits(max_new_tokens, len(tokens), n, sampling)
+    sampling.check_context([len(r) for r in rows], limits[:n])
+    static = dict(sampling=sampling, pad_id=pad_id, rules=sharding_key())
+    version, params, rest = latest()
+    slots, out = start_program(graphdef, params, rest, tokens, lengths, limits, np.int32(n), key, **static)
+    versions = np.full((len(tokens) * g, sampling.max_new_tokens), -1, np.int32)
+    logits_version = np.full((len(tokens) * g,), version, np.int32)  # the prefill's
+    before = np.zeros((len(tokens) * g,), np.int32)
+    while True:
+        version, params, rest = latest()
+        out, slots = chunk_program(graphdef, params, rest, slots, out, np.int32(every), **static)
+        after, done = (np.asarray(a) for a in host_outputs((slots.step, slots.done)))
+        record_versions(versions, logits_version, before, after, version)
+        before = after
+        if done.all():
+            break
+    out = host_outputs(out)
+    return Samples(
+        tokens=out.tokens[: n * g],
+        logprobs=out.logprobs[: n * g],
+        sampling_logprobs=out.sampling_logprobs[: n * g],
+        lengths=out.lengths[: n * g],
+        stop_reason=out.stop_reason[: n * g],
+        prompt_index=np.repeat(np.arange(n), g),
+        versions=versions[: n * g],
+    )
