@@ -161,6 +161,8 @@ def _rows(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # ~1 CPU-minute; the default suite covers SFT with images (tests/test_vision.py) and RL
+# rollouts with images whose learner log-probs equal the sampler's (test_visual_task_rollouts_...)
 def test_vision_tiny_pipeline_smoke(tmp_path, visual_files, monkeypatch):
     """configs/vision_tiny.py end to end, a few steps on small task files: SFT on image records,
     then RLVR on image task files whose learner log-probs are the sampler's (rl/behav_gap_max ≈ 0:
