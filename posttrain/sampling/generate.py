@@ -299,15 +299,21 @@ def generate(
             pad_id=pad_id,
             rules=sharding_key(),
         )
-    out = host_outputs(out)
+    return static_samples(host_outputs(out), n, g, speculative=stats)
+
+
+def static_samples(out: engine.Outputs, n: int, g: int, **extra) -> Samples:
+    """The host outputs of a static batch → Samples of its n real prompts × g samples (padding rows
+    dropped); `extra` fields (speculative stats, token versions) as given."""
+    cut = lambda a: None if a is None else a[: n * g]  # noqa: E731
     return Samples(
-        tokens=out.tokens[: n * g],
-        logprobs=out.logprobs[: n * g],
-        sampling_logprobs=out.sampling_logprobs[: n * g],
-        lengths=out.lengths[: n * g],
-        stop_reason=out.stop_reason[: n * g],
+        tokens=cut(out.tokens),
+        logprobs=cut(out.logprobs),
+        sampling_logprobs=cut(out.sampling_logprobs),
+        lengths=cut(out.lengths),
+        stop_reason=cut(out.stop_reason),
         prompt_index=np.repeat(np.arange(n), g),
-        speculative=stats,
-        routing=None if out.routing is None else out.routing[: n * g],
-        prompt_routing=None if out.prompt_routing is None else out.prompt_routing[: n * g],
+        routing=cut(out.routing),
+        prompt_routing=cut(out.prompt_routing),
+        **extra,
     )

@@ -33,6 +33,7 @@ from posttrain.sampling.generate import (
     pad_prompts,
     prompt_rows,
     sharding_key,
+    static_samples,
     static_slots,
 )
 from posttrain.sampling.rules import SamplingParams
@@ -112,13 +113,4 @@ def generate_inflight(
         before = after
         if done.all():
             break
-    out = host_outputs(out)
-    return Samples(
-        tokens=out.tokens[: n * g],
-        logprobs=out.logprobs[: n * g],
-        sampling_logprobs=out.sampling_logprobs[: n * g],
-        lengths=out.lengths[: n * g],
-        stop_reason=out.stop_reason[: n * g],
-        prompt_index=np.repeat(np.arange(n), g),
-        versions=versions[: n * g],
-    )
+    return static_samples(host_outputs(out), n, g, versions=versions[: n * g])

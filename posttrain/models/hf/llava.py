@@ -22,6 +22,7 @@ import jax
 import ml_collections
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from posttrain import storage
 from posttrain.models import vit
@@ -200,9 +201,15 @@ def load_params(path, abstract_params, cfg, mesh, rules) -> nnx.State:
             )
         _check_names(folder, layout, text, tower, {p: tuple(flat[p].shape) for p in text}, cfg.tie_embeddings)
         out = []
+        bar = tqdm(  # the text model's arrays, as checkpoint.load_params counts them
+            total=sum(map(len, text.values())),
+            desc=f"load {os.path.basename(str(path).rstrip('/'))}",
+            unit="array",
+            disable=jax.process_index() != 0,
+        )
         for p, v in flat.items():
             if p in text:
-                value = _load_array(folder, text[p], p[0] == "stacks", tuple(v.shape), v.dtype, shardings[p], _NoBar())
+                value = _load_array(folder, text[p], p[0] == "stacks", tuple(v.shape), v.dtype, shardings[p], bar)
             else:
                 name, how = tower[p]
                 full = _name(layout, name)
@@ -211,6 +218,7 @@ def load_params(path, abstract_params, cfg, mesh, rules) -> nnx.State:
                     raise ValueError(f"{path}: tensor {full!r} gives shape {array.shape}, expected {tuple(v.shape)}")
                 value = jax.device_put(array.astype(v.dtype), shardings[p])
             out.append((p, v.replace(value)))
+        bar.close()
     return nnx.from_flat_state(out)
 
 
@@ -230,11 +238,6 @@ def _check_names(folder, layout, text: dict, tower: dict, shapes: dict, tied: bo
     )
     if extra:
         raise ValueError(f"{folder.path}: {len(extra)} tensors have no place in the model config, e.g. {extra[:5]}")
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
 
 
 def save(path, params, cfg, *, base_config=None, context=0, dtype=None, max_shard_bytes=4 << 30) -> dict:
