@@ -69,10 +69,13 @@ def test_long_context_rlvr_on_a_sequence_sharded_mesh_trains_as_one_shard(tmp_pa
         loop.run(cfg)
         runs[sequence] = rows(tmp_path / f"seq{sequence}")
     assert len(runs[1]) == len(runs[2]) == 2
+    # How many batches wait in the queue when a step logs is scheduling, not learning: with
+    # `max_staleness = 1` the sampler may or may not have finished the next batch by then.
+    scheduling = (*TIMING, "rl/buffer_size")
     for a, b in zip(runs[1], runs[2]):
         assert sorted(a) == sorted(b)
         for key in a:
-            if key not in TIMING:
+            if key not in scheduling:
                 np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=f"step {a['step']} {key}")
     assert any(k.startswith("tasks/long_context_multihop") for k in runs[1][-1])
     assert runs[2][0]["grad_norm"] > 0 and runs[2][-1]["rl/staleness_max"] == 1
