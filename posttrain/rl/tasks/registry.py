@@ -67,9 +67,18 @@ def _repo_fix(cfg, env):
 def _screen(cfg, env):
     if cfg.rl.env != "screen":
         raise ValueError(f"rl.domains: screen runs screenshot episodes; it needs rl.env='screen', got {cfg.rl.env!r}")
+    # Held-out screens are few (`screen_domain.held_out_counts`): more than exist is refused, not
+    # repeated; none are drawn when nothing evaluates them (rl.eval_every = 0).
+    n = cfg.rl.eval_size if cfg.rl.eval_every else 0
+    if n > (most := screen_domain.max_held_out()):
+        counts = ", ".join(f"{c} {k}" for k, c in screen_domain.held_out_counts().items())
+        raise ValueError(
+            f"rl.eval_size={n}: the screen domain has only {most} distinct held-out tasks ({counts}, "
+            f"kinds in turn); set rl.eval_size <= {most}"
+        )
     return (
         screen_domain.screen_domain(env, seed=cfg.seed + 1),
-        screen_domain.screen_tasks(cfg.rl.eval_size, cfg.seed + 10_000, "test"),
+        screen_domain.screen_tasks(n, cfg.seed + 10_000, "test"),
     )
 
 

@@ -6,12 +6,16 @@ then press OK.": which one is marked only the screen shows) and `type` ("Type 42
 CODE, then press OK."). Layouts vary: the list's items in random order at a random offset, fields
 in random order, OK and CANCEL in either order. A task's split is a hash of its meaning
 (`screen_key`: kind, goal and the set of labels on the screen; not where anything stands), so the
-same task laid out otherwise is in the same split.
+same task laid out otherwise is in the same split. The meanings are few (`held_out_counts`: e.g. 18
+held-out `type` tasks), so a request for more distinct held-out tasks than exist is refused, never
+filled with repeats.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 
 import numpy as np
 
@@ -29,16 +33,59 @@ TEST_PERCENT = 15
 ROW = GLYPH_H + 5  # an item's or a field's height
 
 
+def _meaning(goal: tuple[str, ...], labels) -> str:
+    return f"{'|'.join(goal)}|{','.join(sorted(labels))}"
+
+
+def _split_of(key: str) -> str:
+    bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") % 100
+    return "test" if bucket < TEST_PERCENT else "train"
+
+
 def screen_key(task: ScreenTask) -> str:
     """The meaning of a screen task: its goal and the labels on screen (and which item is marked)."""
-    labels = sorted(f"{e.kind}:{e.label}" + ("*" if e.marked else "") for e in task.elements)
-    return f"{'|'.join(task.goal)}|{','.join(labels)}"
+    return _meaning(task.goal, (f"{e.kind}:{e.label}" + ("*" if e.marked else "") for e in task.elements))
 
 
 def screen_split(task: ScreenTask) -> str:
     """ "test" for a fixed `TEST_PERCENT` of meanings (a hash of `screen_key`), else "train"."""
-    bucket = int.from_bytes(hashlib.sha256(screen_key(task).encode()).digest()[:8], "little") % 100
-    return "test" if bucket < TEST_PERCENT else "train"
+    return _split_of(screen_key(task))
+
+
+def _meanings(kind: str) -> list[str]:
+    """Every meaning (`screen_key`) `_screen` can draw for `kind`, enumerated."""
+    buttons = [f"button:{OK}", f"button:{CANCEL}"]
+    if kind == "type":
+        return [
+            _meaning(("type", field, text), [f"field:{f}" for f in pair] + buttons)
+            for pair in itertools.combinations(FIELDS, 2)
+            for field in pair
+            for text in TEXTS
+        ]
+    return [
+        _meaning(
+            ("select", target),
+            [f"item:{x}" + ("*" if kind == "marked" and x == target else "") for x in items] + buttons,
+        )
+        for n in (3, 4)
+        for items in itertools.combinations(ITEMS, n)
+        for target in items
+    ]
+
+
+@functools.cache
+def held_out_counts() -> dict[str, int]:
+    """How many distinct held-out ("test") tasks each kind has: the most a held-out set can hold."""
+    return {kind: sum(_split_of(key) == "test" for key in _meanings(kind)) for kind in KINDS}
+
+
+def max_held_out(kinds: tuple[str, ...] = KINDS) -> int:
+    """The most distinct held-out tasks `screen_tasks` can draw with `kinds` in turn."""
+    left, n = dict(held_out_counts()), 0
+    while left[kind := kinds[n % len(kinds)]] > 0:
+        left[kind] -= 1
+        n += 1
+    return n
 
 
 def _buttons(rng: np.random.Generator, w: int, h: int) -> list[Element]:
@@ -94,6 +141,12 @@ def screen_tasks(
         raise ValueError(f"screen task kinds {bad}: expected some of {KINDS}")
     if size[0] < 48 or size[1] < 48:
         raise ValueError(f"screen size {size}: expected at least 48x48 pixels (the widgets must fit)")
+    if split == "test" and n > (most := max_held_out(kinds)):
+        counts = ", ".join(f"{held_out_counts()[k]} {k}" for k in kinds)
+        raise ValueError(
+            f"{n} distinct held-out screen tasks requested, but the test split has only {counts} "
+            f"(kinds {', '.join(kinds)} in turn: at most {most}): ask for at most {most}"
+        )
     rng = np.random.default_rng([seed, SPLITS.index(split), 29])
     tasks: list[Task] = []
     seen: set[str] = set()

@@ -1,0 +1,48 @@
+"""Held-out screen tasks are few (issue 29): `rl.eval_size` beyond the distinct held-out meanings is
+refused, naming the key and the real count, never filled with repeats (pure Python, no JAX)."""
+
+import pytest
+
+from posttrain.config import base_config
+from posttrain.rl.tasks import screen_domain
+from posttrain.rl.tasks.registry import DOMAINS
+from posttrain.rl.tasks.screen_domain import KINDS, held_out_counts, max_held_out, screen_key, screen_tasks
+
+
+def test_enumerated_meanings_are_what_the_generator_draws():
+    """`held_out_counts` enumerates the meanings `_screen` draws: every drawn task's key is among
+    them, in its split, and each kind's whole held-out set can be drawn (and no more)."""
+    counts = held_out_counts()
+    assert counts == {"select": 53, "marked": 72, "type": 18}
+    for kind in KINDS:
+        meanings = set(screen_domain._meanings(kind))
+        test = screen_tasks(counts[kind], 3, "test", kinds=(kind,))
+        assert len({screen_key(t.target) for t in test}) == counts[kind]
+        for t in test + screen_tasks(60, 3, "train", kinds=(kind,)):
+            assert screen_key(t.target) in meanings
+        with pytest.raises(ValueError, match=f"{counts[kind]} {kind} .*at most {counts[kind]}\\)"):
+            screen_tasks(counts[kind] + 1, 3, "test", kinds=(kind,))
+    assert max_held_out() == 3 * counts["type"] + 2  # kinds in turn: type (third) runs out first
+
+
+def test_more_held_out_screens_than_exist_are_refused_not_repeated():
+    most = max_held_out()
+    tasks = screen_tasks(most, 0, "test")
+    assert len({screen_key(t.target) for t in tasks}) == most  # every held-out task counts once
+    with pytest.raises(ValueError, match=rf"{most + 1} distinct held-out screen tasks.*18 type.*at most {most}"):
+        screen_tasks(most + 1, 0, "test")
+    assert len(screen_tasks(most + 50, 0, "train")) == most + 50  # training draws may repeat meanings
+
+
+def test_rl_eval_size_beyond_the_held_out_screens_names_the_key():
+    cfg = base_config()
+    cfg.rl.env, cfg.rl.domains = "screen", "screen"
+    assert cfg.rl.eval_size == 128 and cfg.rl.eval_every > 0  # the defaults ask for more than exist
+    with pytest.raises(ValueError, match=rf"rl.eval_size=128: .*only {max_held_out()} distinct held-out.*18 type"):
+        DOMAINS["screen"](cfg, lambda: None)
+    cfg.rl.eval_size = max_held_out()
+    _, held_out = DOMAINS["screen"](cfg, lambda: None)
+    assert len({screen_key(t.target) for t in held_out}) == max_held_out()
+    cfg.rl.eval_size, cfg.rl.eval_every = 128, 0  # nothing evaluates: none drawn, nothing refused
+    domain, held_out = DOMAINS["screen"](cfg, lambda: None)
+    assert held_out == [] and domain.tasks
