@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import json
 import logging
+import os
 
 import fsspec
 
@@ -119,10 +120,31 @@ def verifier_name(target) -> str:
     return {MathTask: "math", CodeTask: "code"}.get(type(target), type(target).__name__)
 
 
+def _portable_image(part):
+    """An image part whose path reads the same from any folder: a relative local path (the sampler
+    read it from the working directory) made absolute; absolute paths and URLs as they are."""
+    if not isinstance(part, dict) or part.get("type") != "image" or not isinstance(part.get("image"), str):
+        return part
+    path = part["image"]
+    return part if "://" in path or os.path.isabs(path) else {**part, "image": os.path.abspath(path)}
+
+
+def sft_prompt(task: Task) -> list[dict]:
+    """A task's prompt messages for an SFT record: contents as they are, image parts' paths made
+    readable from wherever the record is written (`_portable_image`; SFT resolves a relative path
+    against the record file's folder, not the task file's)."""
+    return [
+        {**m, "content": [_portable_image(p) for p in m["content"]]} if isinstance(m["content"], list) else dict(m)
+        for m in task.prompt
+    ]
+
+
 def sft_record(c: Candidate, policy: dict, cfg, fields: dict | None) -> dict:
-    """One kept candidate as an SFT record (field names as `data.fields` maps them) with provenance."""
-    prompt = [dict(m) for m in c.task.prompt]
-    if len(prompt) == 1 and prompt[0]["role"] == "user":
+    """One kept candidate as an SFT record (field names as `data.fields` maps them) with provenance:
+    `{"prompt", "response"}` for one user turn of text, else `{"messages"}` (several messages, or
+    content parts such as images, `sft_prompt`)."""
+    prompt = sft_prompt(c.task)
+    if len(prompt) == 1 and prompt[0]["role"] == "user" and isinstance(prompt[0]["content"], str):
         record = {field_key("prompt", fields): prompt[0]["content"], field_key("response", fields): c.response}
     else:
         record = {field_key("messages", fields): prompt + [{"role": "assistant", "content": c.response}]}
