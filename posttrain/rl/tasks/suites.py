@@ -1,6 +1,12 @@
-"""Evaluation suites: the held-out tasks of the built-in domains and the user's `{"prompt", "answer"}`
-files, named by `eval.suites` ("arithmetic, gsm8k, mine=/data/x.jsonl"), each a `Domain` (its tasks
-and the environment that scores them). Stage `eval` (`posttrain/stages/eval.py`) runs them.
+"""Evaluation suites: the held-out tasks of the built-in domains and the user's task files, named by
+`eval.suites` ("arithmetic, gsm8k, mine=/data/x.jsonl"), each a `Domain` (its tasks and the
+environment that scores them). Stage `eval` (`posttrain/stages/eval.py`) runs them.
+
+A user suite's records are `rl.eval_files` records (`rl/tasks/files.py`): `{"prompt", "answer"}`
+(math) and the code, label and user-verifier forms; a prompt is a string or messages whose contents
+may hold image parts (paths relative to the suite file's folder), shown to a vision model
+(`model.vision`) as its placeholder tokens and patches. An image prompt for a text-only model is
+refused, naming its file:line.
 """
 
 from __future__ import annotations
@@ -8,14 +14,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import posixpath
 from collections.abc import Callable
 
+from posttrain.data.examples import RecordError
+from posttrain.data.images import ImageSpec
 from posttrain.data.sources import SkipLog, read_jsonl
-from posttrain.rl.envs import SingleTurnEnv
 from posttrain.rl.envs.base import Task
 from posttrain.rl.tasks.domains import Domain
-from posttrain.rl.tasks.registry import make_domains, make_reward_fn
-from posttrain.rl.verifiers.math import MathTask
+from posttrain.rl.tasks.files import record_task
+from posttrain.rl.tasks.registry import make_domains, make_env_factory, make_reward_fn, user_verifiers
 
 BUILTIN = ("arithmetic", "gsm8k", "humaneval", "repo_fix")
 MULTI_TURN = ("repo_fix",)  # built-in suites of multi-turn tool episodes (rl.env = "tool")
@@ -63,15 +71,34 @@ def parse_suites(spec: str) -> list[tuple[str, str]]:
     return out
 
 
-def user_tasks(name: str, path: str, on_error: str = "raise") -> list[Task]:
-    """The records `{"prompt", "answer"}` of a JSONL file as math tasks, ids `{name}:{line}`."""
+def _has_image(task: Task) -> bool:
+    return any(
+        isinstance(m["content"], list) and any(isinstance(p, dict) and p.get("type") == "image" for p in m["content"])
+        for m in task.prompt
+    )
+
+
+def user_tasks(
+    name: str, path: str, on_error: str = "raise", *, verifiers=(), images: bool = True, vision: str = "none"
+) -> list[Task]:
+    """The records of a JSONL file as tasks (`rl.eval_files` records: `files.record_task`; image
+    paths resolved against the file's folder), ids `{name}:{line}`. `verifiers`: the user verifier
+    names there are; `images`: whether the model sees images — else an image prompt is refused,
+    naming its file:line and `model.vision.encoder` (`vision`)."""
     skips, tasks = SkipLog(on_error), []
     for rec in read_jsonl(path, skips=skips):
-        prompt, answer = rec.data.get("prompt"), rec.data.get("answer")
-        if not isinstance(prompt, str) or answer is None or isinstance(answer, (dict, list)):
-            skips.bad(f"{rec.path}:{rec.line}", 'expected {"prompt": str, "answer": str or number}')
+        where = f"{rec.path}:{rec.line}"
+        try:
+            _, task = record_task(rec.data, where, verifiers, base=posixpath.dirname(rec.path))
+        except (RecordError, ValueError) as e:
+            skips.bad(where, str(e))
             continue
-        tasks.append(Task(f"{name}:{rec.line}", ({"role": "user", "content": prompt},), MathTask(str(answer))))
+        if not images and _has_image(task):
+            raise ValueError(
+                f"eval.suites: {name}={path}: {where} has an image prompt, but model.vision.encoder={vision!r} "
+                "(a text-only model cannot see it): evaluate a vision model or drop the image"
+            )
+        tasks.append(dataclasses.replace(task, id=f"{name}:{rec.line}"))
     return tasks
 
 
@@ -109,10 +136,15 @@ def make_suites(cfg, tok) -> dict[str, Domain]:
     sub = cfg.copy_and_resolve_references()
     sub.rl.env = "single"
     reward_fn = make_reward_fn(sub.rl)
-    env = lambda: SingleTurnEnv(tok, reward_fn, max_turn_tokens=cfg.rl.max_new_tokens)
+    spec = ImageSpec.from_config(cfg.model.vision)  # None: text only
+    env = make_env_factory(sub.rl, tok, reward_fn, spec, cfg.workdir)  # one answer, image parts as patches
+    names = tuple(user_verifiers(sub.rl))
     for n, path in named:
         if path:
-            suites[n] = Domain(n, user_tasks(n, path, cfg.data.on_error), env)
+            tasks = user_tasks(
+                n, path, cfg.data.on_error, verifiers=names, images=spec is not None, vision=cfg.model.vision.encoder
+            )
+            suites[n] = Domain(n, tasks, env)
         elif n in EXTRA_SUITES:
             suites[n] = EXTRA_SUITES[n](cfg, tok, reward_fn)
     return {n: suites[n] for n, _ in named}
