@@ -376,7 +376,9 @@ def base_config() -> ml_collections.ConfigDict:
         dict(
             rank=0,  # 0: full fine-tuning; > 0: train only low-rank adapters
             alpha=16.0,  # adapters scaled by alpha / rank
-            targets=("q", "k", "v", "o"),  # any of q k v o gate up down w_gate w_up w_down
+            # decoder: any of q k v o gate up down w_gate w_up w_down; images (models/lora.py): proj
+            # (encoder=linear), patch wq wk wv wo fc1 fc2 proj1 proj2 (encoder=vit); q never hits the tower
+            targets=("q", "k", "v", "o"),
             dropout=0.0,  # not supported (adapters are merged into the weights)
         )
     )

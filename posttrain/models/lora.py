@@ -8,6 +8,14 @@ Adapters live beside the model, not in it: `merge` builds the adapted weights fr
 and the adapters inside the jitted step, so every model path (learner, sampler, MoE experts) sees
 ordinary weights and gradients flow only to A and B. Only adapters are trained, held in the
 optimizer and checkpointed. The cost is one transient weight-sized buffer per adapted weight.
+
+A target names weights by their parameter name (the last key of the path). Decoder targets
+(`TEXT_TARGETS`) adapt only the decoder; the image weights (`model.vision`) have their own names
+(`VISION_TARGETS`) and are adapted only when named: `proj` (the linear patch embedding, encoder
+`linear`); for encoder `vit` `patch` (the tower's patch embedding), `wq wk wv wo` (its attention),
+`fc1 fc2` (its MLP) and `proj1 proj2` (the projector into the decoder). So `q` never reaches the
+tower's `wq`: the default targets tune the language model with the image tower frozen (LLaVA's
+practice), and a vision target that matches no weight of the model is an error.
 """
 
 from __future__ import annotations
@@ -19,7 +27,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 BATCH_AXES = ("layers", "experts")
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "w_gate", "w_up", "w_down")
+TEXT_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "w_gate", "w_up", "w_down")
+VISION_TARGETS = ("proj", "patch", "wq", "wk", "wv", "wo", "fc1", "fc2", "proj1", "proj2")
+TARGETS = TEXT_TARGETS + VISION_TARGETS
+VISION_ROOT = "vision"  # the decoder's attribute holding the image weights (models/vision.py, models/vit.py)
 # Input (fan-in) dimensions after the batch dims; the rest are output dims.
 FAN_IN_DIMS = {"o": 2}
 
@@ -39,12 +50,28 @@ def _split_dims(name: str, var: nnx.Variable) -> tuple[int, int, int]:
     return nb, math.prod(shape[nb : nb + nin]), math.prod(shape[nb + nin :])
 
 
+def _targeted(path, targets) -> str | None:
+    """The target naming weight `path`, or None: a decoder target outside the image weights, a
+    vision target inside them (module docstring)."""
+    name = str(getattr(path[-1], "key", path[-1]))
+    in_vision = str(getattr(path[0], "key", path[0])) == VISION_ROOT
+    ok = name in targets and (name in VISION_TARGETS) == in_vision
+    return name if ok else None
+
+
 def target_paths(params: nnx.State, targets) -> list[str]:
-    """Paths ('stacks/0/blocks/0/attn/q', ...) of the weights named in `targets`."""
+    """Paths ('stacks/0/blocks/0/attn/q', 'vision/layers/0/wq', ...) of the weights named in `targets`."""
     bad = sorted(set(targets) - set(TARGETS))
     if bad:
         raise ValueError(f"lora.targets: unknown {bad}; valid: {TARGETS}")
-    return [_key(p) for p, _ in nnx.to_flat_state(params) if str(getattr(p[-1], "key", p[-1])) in targets]
+    flat = nnx.to_flat_state(params)
+    hit = {_targeted(p, targets) for p, _ in flat}
+    if missing := [t for t in targets if t in VISION_TARGETS and t not in hit]:
+        raise ValueError(
+            f"lora.targets: vision targets {missing} match no weight of this model (proj: "
+            "model.vision.encoder='linear'; patch wq wk wv wo fc1 fc2 proj1 proj2: encoder='vit')"
+        )
+    return [_key(p) for p, _ in flat if _targeted(p, targets)]
 
 
 def init_adapters(params: nnx.State, targets, rank: int, key: jax.Array) -> dict:
