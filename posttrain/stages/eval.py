@@ -2,8 +2,8 @@
 
 Suites (`eval.suites`, comma-separated): the built-in held-out sets of the RL domains
 (`arithmetic`, `gsm8k` test, `humaneval`, the agent domain `repo_fix`'s "test" split, via
-`rl.tasks.make_domains`) and user JSONL suites `name=path.jsonl` with records `{"prompt", "answer"}`
-scored by the math verifier. Each suite reports greedy accuracy, mean sampled accuracy over
+`rl.tasks.make_domains`) and user JSONL suites `name=path.jsonl` of `rl.eval_files` records
+(`rl/tasks/suites.py`: images too). Each suite reports greedy accuracy, mean sampled accuracy over
 `eval.samples` samples, pass@k (unbiased estimator) for each k of `eval.pass_k` — all three count
 a sample as right when its verdict's correctness is 1, whatever the reward shaping (format,
 overlong, tool-call penalties) took off its score — the mean shaped score of the sampled
