@@ -197,6 +197,14 @@ def make_domains(cfg, tok, reward_fn) -> tuple[dict[str, domain_lib.Domain], lis
     for name in spec:
         if name in DOMAINS and name not in file_domains:
             domains[name], tasks = DOMAINS[name](cfg, env)
+            if r.eval_every and len(tasks) < r.eval_size:  # a data set smaller than asked: say so
+                logging.warning(
+                    "rl.eval_size=%d: domain %s has only %d held-out tasks; it is evaluated on those %d",
+                    r.eval_size,
+                    name,
+                    len(tasks),
+                    len(tasks),
+                )
             held_out += [(name, t) for t in tasks]
         elif name not in file_domains:
             raise ValueError(

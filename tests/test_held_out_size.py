@@ -1,5 +1,6 @@
-"""Held-out screen tasks are few (issue 29): `rl.eval_size` beyond the distinct held-out meanings is
-refused, naming the key and the real count, never filled with repeats (pure Python, no JAX)."""
+"""`rl.eval_size` against the held-out tasks there are (issue 29): beyond the screen domain's distinct
+held-out meanings it is refused, naming the key and the real count, never filled with repeats; a
+data set smaller than asked is evaluated whole with a warning of its size (pure Python, no JAX)."""
 
 import pytest
 
@@ -46,3 +47,23 @@ def test_rl_eval_size_beyond_the_held_out_screens_names_the_key():
     cfg.rl.eval_size, cfg.rl.eval_every = 128, 0  # nothing evaluates: none drawn, nothing refused
     domain, held_out = DOMAINS["screen"](cfg, lambda: None)
     assert held_out == [] and domain.tasks
+
+
+def test_a_domain_with_fewer_held_out_tasks_than_asked_says_so(monkeypatch, caplog):
+    """A data set smaller than rl.eval_size (humaneval has 164 problems) is evaluated on what it
+    has, with a warning naming the real count."""
+    from posttrain.data.tokenizer import ByteTokenizer
+    from posttrain.rl.envs.base import Task
+    from posttrain.rl.tasks.domains import Domain
+    from posttrain.rl.tasks.registry import make_domains, make_reward_fn
+
+    tasks = [Task(f"t{i}", ({"role": "user", "content": f"{i}+1?"},), None) for i in range(3)]
+    monkeypatch.setitem(
+        DOMAINS, "tiny_set", lambda cfg, env: (Domain("tiny_set", tasks, env), tasks[: cfg.rl.eval_size])
+    )
+    cfg = base_config()
+    cfg.rl.domains = "tiny_set"
+    with caplog.at_level("WARNING"):
+        _, held_out = make_domains(cfg, ByteTokenizer(), make_reward_fn(cfg.rl))
+    assert len(held_out) == 3
+    assert "rl.eval_size=128: domain tiny_set has only 3 held-out tasks" in caplog.text
