@@ -320,7 +320,7 @@ def base_config() -> ml_collections.ConfigDict:
     # Stage "eval" (posttrain/stages/eval.py), beside eval.long_context above.
     cfg.eval.checkpoint = ""  # a run dir / checkpoints dir; "" = init_from (in a pipeline: the previous stage)
     cfg.eval.steps = "latest"  # latest | all | "100,200": which checkpoints of that run
-    cfg.eval.suites = "arithmetic"  # arithmetic, gsm8k, humaneval and/or name=path.jsonl ({"prompt","answer"})
+    cfg.eval.suites = "arithmetic"  # arithmetic, gsm8k, humaneval and/or name=path.jsonl (rl.eval_files records)
     cfg.eval.size = 128  # problems per built-in suite
     cfg.eval.samples = 4  # samples per problem (mean sampled accuracy, pass@k)
     cfg.eval.pass_k = "1,4"  # pass@k reported for each k (each <= samples)
