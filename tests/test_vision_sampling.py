@@ -150,3 +150,31 @@ def test_image_block_keys_and_hits_never_cut_an_image():
     assert cache.lookup(tokens, red)[1] == 16  # blocks 0..23 are held, but 24 would cut the image
     assert cache.lookup(longer, pad(blue))[1] == 16  # another image: only the text before it
     assert cache.lookup(longer)[1] == 16  # no images given: text keys, the same text blocks
+
+
+@pytest.mark.slow  # ~1 CPU-minute (a second model and its programs); the linear encoder's tests cover the rest
+def test_vit_tower_through_continuous_batching_and_the_prefix_cache():
+    """model.vision.encoder = vit encodes each image from all its patches: continuous batching
+    equals static sampling, and the prefix cache, whose suffix here holds a whole new screen (row
+    0) or would cut an image without the back-off (row 1), equals plain sampling."""
+    from posttrain.models.decoder import Decoder
+    from tests.test_vision import vision_config
+
+    graphdef, params, rest = nnx.split(Decoder(vision_config(encoder="vit").model, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    key = jax.random.key(5)
+    static = generate(graphdef, params, rest, PROMPTS, SAMPLING, key, patches=PATCHES)
+    grouped = generate_continuous(
+        graphdef, params, rest, PROMPTS, SAMPLING, key, slots=SlotConfig(2, 1), patches=PATCHES
+    )
+    same(grouped, static)
+    cache = PrefixCache(4096, block=8)
+    same(generate(graphdef, params, rest, PROMPTS, SAMPLING, key, patches=PATCHES, prefix_cache=cache), static)
+    second = [PROMPTS[0] + [3, 4, 5, *[IMG] * 4, 7], PROMPTS[2] + [6], PROMPTS[0] + [3, 4]]
+    images = [
+        np.concatenate([np.pad(PATCHES[0], ((0, 3), (0, 0))), image_patches([IMG] * 4 + [7], 9)]),
+        np.pad(PATCHES[2], ((0, 1), (0, 0))),
+        np.pad(PATCHES[0], ((0, 2), (0, 0))),
+    ]
+    cached = generate(graphdef, params, rest, second, SAMPLING, jax.random.key(2), patches=images, prefix_cache=cache)
+    assert (cache.stats.hits, cache.stats.hit_tokens) == (2, 16)  # rows 0 and 2; row 1 backs off to 0
+    same(cached, generate(graphdef, params, rest, second, SAMPLING, jax.random.key(2), patches=images))
