@@ -257,7 +257,8 @@ class PrefixCache:
         model = nnx.merge(graphdef, params, rest) if patches is not None or engine.stacked_cache() else None
         # with images, every row's patches as the program sees them (a row without any: zeros)
         padded = None if patches is None else pad_patches(patches, rows, (num_rows, prompt_bucket))
-        images = [None if padded is None else Images(padded[i], model.vision.token_id) for i in range(len(rows))]
+        token_id = getattr(getattr(model, "vision", None), "token_id", None)  # a text-only model: refused by prefill
+        images = [None if padded is None else Images(padded[i], token_id) for i in range(len(rows))]
         with self._lock:
             self.bind(params, rest)
             bound, hits = self._weights, [self.lookup(r, im) for r, im in zip(rows, images)]
