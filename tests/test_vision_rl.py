@@ -61,7 +61,7 @@ def visual_files(tmp_path_factory):
     return out
 
 
-def _rollout_batch(cfg, num_tasks: int, episodes=None) -> tuple[dict, nnx.Module]:
+def _rollout_batch(cfg, num_tasks: int, episodes=None, **worker_kw) -> tuple[dict, nnx.Module]:
     domains, _ = make_domains(cfg, TOK, make_reward_fn(cfg.rl))
     model = Decoder(cfg.model, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -70,7 +70,7 @@ def _rollout_batch(cfg, num_tasks: int, episodes=None) -> tuple[dict, nnx.Module
         temperature=r.temperature, max_new_tokens=r.max_new_tokens, stop_ids=tuple(TOK.stop_ids), num_samples=2
     )
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        worker = RolloutWorker(graphdef, domains, sampling, TOK.pad_id, pool, episodes=episodes)
+        worker = RolloutWorker(graphdef, domains, sampling, TOK.pad_id, pool, episodes=episodes, **worker_kw)
         tasks = [(d, t) for d, dom in domains.items() for t in dom.tasks[:num_tasks]]
         batch = worker.rollout(params, rest, tasks, jax.random.key(3))
     return rl_batch(batch.rollouts(0), pad_id=TOK.pad_id), model, sampling
@@ -121,8 +121,7 @@ def test_screen_episode_rollouts_learner_logprobs_equal_the_samplers(tmp_path):
 @pytest.mark.parametrize(
     "key, value, match",
     [
-        ("sampling.continuous_batching", True, "sampling.continuous_batching: model.vision.encoder='linear'"),
-        ("sampling.prefix_cache", 4, "sampling.prefix_cache: model.vision.encoder='linear'"),
+        ("sampling.speculative_k", 2, "sampling.speculative_k: model.vision.encoder='linear'"),
         ("rl.reward_model", "runs/rm", "rl.reward_model: model.vision.encoder='linear'"),
         ("rl.inflight_update_every", 4, "rl.inflight_update_every: model.vision.encoder='linear'"),
     ],
@@ -135,6 +134,38 @@ def test_what_images_cannot_go_with_is_refused_by_name(tmp_path, key, value, mat
     cfg[section][name] = value
     with pytest.raises(ValueError, match=re.escape(match)):
         check_rlvr_stage(cfg)
+
+
+def test_continuous_batching_and_the_prefix_cache_take_images(tmp_path, visual_files):
+    """sampling.continuous_batching and sampling.prefix_cache pass the start-up checks with images;
+    visual task rollouts through continuously refilled slots are the static sampler's, and
+    screenshot episodes served from the prefix cache keep the learner's log-probs equal to the
+    sampler's (each turn's context starts with the earlier turns' screens)."""
+    from posttrain.rl.checks import check_rlvr_stage
+    from posttrain.sampling.continuous import SlotConfig
+    from posttrain.sampling.prefix_cache import PrefixCache
+
+    for key, value in (("continuous_batching", True), ("prefix_cache", 4096)):
+        cfg = vision_rl_config(tmp_path, domains="screen", env="screen", max_staleness=1)
+        cfg.sampling[key] = value
+        check_rlvr_stage(cfg)
+    cfg = vision_rl_config(
+        tmp_path,
+        domains="",
+        train_files=str(visual_files / "rl_train.jsonl"),
+        eval_files=str(visual_files / "rl_eval.jsonl"),
+        eval_every=1,
+    )
+    static, _, _ = _rollout_batch(cfg, 2)
+    batch, model, sampling = _rollout_batch(cfg, 2, continuous=SlotConfig(2, 1))
+    np.testing.assert_array_equal(batch["inputs"], static["inputs"])
+    np.testing.assert_allclose(batch["behav_logp"], static["behav_logp"], atol=1e-5)
+    _check_logprobs_match_only_with_images(batch, model, sampling, 1)
+    cfg = vision_rl_config(tmp_path, env="screen", domains="screen", max_turns=2, max_new_tokens=8, eval_size=12)
+    cache = PrefixCache(4096)
+    batch, model, sampling = _rollout_batch(cfg, 2, episodes=partial(rollout_episodes, cohorts=2), prefix_cache=cache)
+    assert cache.stats.hits > 0, cache.stats
+    _check_logprobs_match_only_with_images(batch, model, sampling, 1)
 
 
 def test_screen_env_keys(tmp_path):

@@ -11,6 +11,10 @@ continuous_batching`): it prefills the prompts once, as `generate` does, and a f
 copy of its next sample's prompt cache row (`group_refill`). `ContinuousBatcher` queues requests
 across calls and prefills each when a slot frees up (`slot_refill`), so a long queue never holds
 every prompt's cache at once.
+
+Images: a prompt may come with its image patches (`generate`'s `patches`), prefilled with its
+tokens, wherever its prefill runs (once per prompt, or when its request takes a slot); decode steps
+need none (generated tokens are text). A call with no images runs the text-only programs.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from posttrain.sampling.generate import (
     Samples,
     bucket,
     host_outputs,
+    image_rows,
     new_token_limits,
+    pad_patches,
     pad_prompts,
     prompt_rows,
     sharding_key,
@@ -75,12 +81,15 @@ def run_requests(
     key: jax.Array,
     slots: SlotConfig,
     pad_id: int,
+    patches: list[np.ndarray | None] | None = None,
 ) -> engine.Outputs:
     """Run requests (prompt `rows`, new-token `limits` and RNG `sample_ids`, one each, in order)
-    through `continuous_program`; host outputs of exactly len(rows) rows."""
+    through `continuous_program`; host outputs of exactly len(rows) rows. `patches`: per request,
+    its prompt's image patches or None."""
     static_only(sampling)
     n, c = len(rows), slots.refill_batch
     tokens, lengths = pad_prompts(rows, bucket(n) + c, bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)
+    patches = image_rows(patches)
     padded_limits, ids = np.ones((len(tokens),), np.int32), np.zeros((len(tokens),), np.int32)
     padded_limits[:n], ids[:n] = limits, sample_ids
     out = continuous_program(
@@ -93,6 +102,7 @@ def run_requests(
         ids,
         np.int32(n),
         key,
+        None if patches is None else pad_patches(patches, rows, tokens.shape),
         sampling=sampling,
         pad_id=pad_id,
         num_slots=slots.num_slots,
@@ -114,6 +124,7 @@ def generate_continuous(
     pad_id: int = 0,
     prompt_mask: np.ndarray | None = None,
     max_new_tokens: Sequence[int] | None = None,
+    patches: Sequence[np.ndarray | None] | None = None,
 ) -> Samples:
     """`generate` through continuously refilled slots: the same contract and the same samples.
 
@@ -122,11 +133,13 @@ def generate_continuous(
     key every sample's tokens are the same and its log-probs equal to float rounding, whatever
     slot ran it. A few long samples then hold a few slots while the rest of the queue flows
     through the others, instead of holding every row of a static batch until they end.
+    `patches`: per prompt, its image patches or None, as `generate` takes them.
     """
     static_only(sampling)
     rows = prompt_rows(prompts, prompt_mask)
     n, g = len(rows), sampling.num_samples
     tokens, lengths = pad_prompts(rows, bucket(n), bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)
+    patches = image_rows(patches)
     limits = new_token_limits(max_new_tokens, len(tokens), n, sampling)
     sampling.check_context([len(r) for r in rows], limits[:n])
     fitted = slots.fitted(n * g)
@@ -139,6 +152,7 @@ def generate_continuous(
         limits,
         np.int32(n),
         key,
+        None if patches is None else pad_patches(patches, rows, tokens.shape),
         sampling=sampling,
         pad_id=pad_id,
         num_slots=fitted.num_slots,
@@ -178,16 +192,21 @@ class ContinuousBatcher:
         self.slots = SlotConfig(num_slots, prefill_batch)
         self.graphdef, self.sampling, self.pad_id = graphdef, sampling, pad_id
         self._next_id = 0
-        self._waiting: list[tuple[int, np.ndarray, int]] = []
+        self._waiting: list[tuple[int, np.ndarray, int, np.ndarray | None]] = []
 
-    def submit(self, prompt: Sequence[int], max_new_tokens: int | None = None) -> int:
+    def submit(
+        self, prompt: Sequence[int], max_new_tokens: int | None = None, patches: np.ndarray | None = None
+    ) -> int:
         """Queue a prompt (token ids), optionally with its own new-token limit (<= the sampling
-        params'); returns its request id."""
+        params') and its image patches ([len, patch_dim], as `generate` takes them); returns its
+        request id."""
         (row,) = prompt_rows([prompt])
         (limit,) = new_token_limits(None if max_new_tokens is None else [max_new_tokens], 1, 1, self.sampling)
         self.sampling.check_context([len(row)], [limit])
+        if patches is not None and len(patches) != len(row):
+            raise ValueError(f"patches: {len(patches)} rows for a prompt of {len(row)} tokens")
         rid, self._next_id = self._next_id, self._next_id + 1
-        self._waiting.append((rid, row, limit))
+        self._waiting.append((rid, row, limit, patches))
         return rid
 
     def run(self, params: nnx.State, rest: nnx.State, key: jax.Array) -> Samples:
@@ -195,18 +214,19 @@ class ContinuousBatcher:
         if not self._waiting:
             raise ValueError("ContinuousBatcher.run: no requests submitted")
         g = self.sampling.num_samples
-        rids = np.repeat([rid for rid, _, _ in self._waiting], g)
+        rids = np.repeat([rid for rid, *_ in self._waiting], g)
         out = run_requests(
             self.graphdef,
             params,
             rest,
-            [row for _, row, _ in self._waiting for _ in range(g)],
-            np.repeat([limit for _, _, limit in self._waiting], g),
+            [row for _, row, _, _ in self._waiting for _ in range(g)],
+            np.repeat([limit for _, _, limit, _ in self._waiting], g),
             rids * g + np.tile(np.arange(g), len(self._waiting)),
             self.sampling,
             key,
             self.slots,
             self.pad_id,
+            [p for *_, p in self._waiting for _ in range(g)],
         )
         self._waiting = []
         return Samples(

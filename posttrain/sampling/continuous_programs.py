@@ -71,10 +71,12 @@ def slot_refill(
     prefill_batch: int,
     key: jax.Array,
     max_new: int,
+    patches: jax.Array | None = None,
 ):
     """`engine.decode_loop`'s refill for a request queue tokens [Q + C, P], lengths, new-token
     limits, sample_ids [Q + C] (C = prefill_batch; rows >= num_requests are padding); `layers`
-    as `engine.decode_layers` gives them; RNG keys from `key` (see `engine.token_keys`).
+    as `engine.decode_layers` gives them; RNG keys from `key` (see `engine.token_keys`); patches
+    [Q + C, P, patch_dim]: the requests' images, prefilled with their tokens (or None).
 
     While at least min(C, waiting) slots are free, the next C requests are prefilled together and
     moved into the first free slots; a prefill is never wasted on requests that find no slot.
@@ -82,7 +84,8 @@ def slot_refill(
 
     def fill(slots, nxt, n):
         chunk = lambda a: jax.lax.dynamic_slice_in_dim(a, nxt, prefill_batch)
-        logits, kv = engine.prefill(model, chunk(tokens), chunk(lengths), layers)
+        images = None if patches is None else chunk(patches)
+        logits, kv = engine.prefill(model, chunk(tokens), chunk(lengths), layers, patches=images)
         return _place(
             slots,
             n,
@@ -158,6 +161,7 @@ def continuous_program(
     sample_ids: jax.Array,
     num_requests: jax.Array,
     key: jax.Array,
+    patches: jax.Array | None = None,
     *,
     sampling: SamplingParams,
     pad_id: int,
@@ -166,7 +170,8 @@ def continuous_program(
     rules: tuple | None = None,
 ) -> engine.Outputs:
     """The compiled continuous batcher: a queue tokens [Q + C, P] → Outputs of Q rows (row i is
-    request i, drawing from fold_in(key, sample_ids[i])). `rules`: `generate.sharding_key()`."""
+    request i, drawing from fold_in(key, sample_ids[i])); patches [Q + C, P, patch_dim]: the
+    requests' images (or None). `rules`: `generate.sharding_key()`."""
     model = nnx.merge(graphdef, params, rest)
     layers = engine.decode_layers(model)
     queue_rows, prompt_len = tokens.shape[0] - prefill_batch, tokens.shape[1]
@@ -174,7 +179,17 @@ def continuous_program(
     slots = _empty_slots(kv, logits, num_slots, prompt_len + sampling.max_new_tokens, key, sampling.max_new_tokens)
     out = engine.Outputs.empty(queue_rows, sampling.max_new_tokens, pad_id)
     refill = slot_refill(
-        model, layers, tokens, lengths, limits, sample_ids, num_requests, prefill_batch, key, sampling.max_new_tokens
+        model,
+        layers,
+        tokens,
+        lengths,
+        limits,
+        sample_ids,
+        num_requests,
+        prefill_batch,
+        key,
+        sampling.max_new_tokens,
+        patches,
     )
     return engine.decode_loop(
         model,
@@ -199,6 +214,7 @@ def grouped_continuous_program(
     limits: jax.Array,
     num_prompts: jax.Array,
     key: jax.Array,
+    patches: jax.Array | None = None,
     *,
     sampling: SamplingParams,
     pad_id: int,
@@ -206,12 +222,13 @@ def grouped_continuous_program(
     refill_batch: int,
     rules: tuple | None = None,
 ) -> engine.Outputs:
-    """`generate_program`'s contract (prompts tokens [B, P] prefilled once, B * G output rows,
-    sample i*G+g from fold_in(key, i*G+g)) decoded in `num_slots` continuously refilled slots.
+    """`generate_program`'s contract (prompts tokens [B, P] and their images patches [B, P,
+    patch_dim] or None, prefilled once; B * G output rows, sample i*G+g from fold_in(key, i*G+g))
+    decoded in `num_slots` continuously refilled slots.
     `rules`: `generate.sharding_key()`, the rules it is traced under (part of the compile key)."""
     model = nnx.merge(graphdef, params, rest)
     layers = engine.decode_layers(model)
-    logits, kv = engine.prefill(model, tokens, lengths, layers)
+    logits, kv = engine.prefill(model, tokens, lengths, layers, patches=patches)
     g, max_new = sampling.num_samples, sampling.max_new_tokens
     slots = _empty_slots(kv, logits, num_slots, tokens.shape[1] + max_new, key, max_new)
     out = engine.Outputs.empty(tokens.shape[0] * g, max_new, pad_id)

@@ -143,6 +143,7 @@ def extend(
     positions: jax.Array,
     cache: tuple,
     num_layers: int | None = None,
+    patches: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple]:
     """Several new tokens per row through the first `num_layers` (default: all) layers against the
     KV cache: tokens, positions [B, S] → (hidden [B, S, D] after the final norm, cache). Each
@@ -155,8 +156,9 @@ def extend(
     repeats in a loop whose body is one unit of blocks, reading its weights and cache slice by the
     repeat index and writing the slice back in place, so the program stays one unit deep whatever
     the depth or `num_layers` (a draft of the first n layers stops inside a stack: its whole
-    repeats loop, then the blocks of the next unit it needs run once)."""
-    x = model._embed(tokens)
+    repeats loop, then the blocks of the next unit it needs run once). patches [B, S, patch_dim]:
+    the new tokens' images (whole images only: a ViT tower encodes each from its patches here)."""
+    x = model._embed(tokens, patches, positions)
     if layers is None:
         x, new_cache = _extend_stacked(model, x, positions, cache, num_layers)
     else:

@@ -117,6 +117,14 @@ def pad_patches(patches: Sequence[np.ndarray | None], rows: list[np.ndarray], sh
     return out
 
 
+def image_rows(patches: Sequence[np.ndarray | None] | None) -> list[np.ndarray | None] | None:
+    """Per-prompt patches as given, or None when no prompt has any (a text-only call compiles and
+    runs exactly as without images)."""
+    if patches is None or all(p is None for p in patches):
+        return None
+    return list(patches)
+
+
 def new_token_limits(
     limits: Sequence[int] | None, num_rows: int, num_prompts: int, sampling: SamplingParams
 ) -> np.ndarray:
@@ -249,13 +257,14 @@ def generate(
     i's g-th and draws from fold_in(key, i*G+g). `prefix_cache`: a `prefix_cache.PrefixCache`
     that serves cached prompt prefixes' KV and keeps this call's (same outputs, less prefill).
     `patches`: per prompt, its image patches aligned with its tokens ([len, patch_dim], zeros off
-    the placeholders; `data.packing.place_patches`) or None; only the plain static path takes them
-    (the prefix cache keys prompts by token ids, which do not tell two images apart).
+    the placeholders; `data.packing.place_patches`) or None (text only); the prefix cache keys
+    cached prefixes by these images too. Speculative decoding takes none (its draft has no images).
     """
     rows = prompt_rows(prompts, prompt_mask)
     n, g = len(rows), sampling.num_samples
-    if patches is not None and (prefix_cache is not None or sampling.speculative_k):
-        raise ValueError("generate(patches=...): images are sampled without the prefix cache and speculative decoding")
+    patches = image_rows(patches)
+    if patches is not None and sampling.speculative_k:
+        raise ValueError("generate(patches=...): images are sampled without speculative decoding (speculative_k > 0)")
     if sampling.record_routing and (prefix_cache is not None or sampling.speculative_k):
         raise ValueError(
             "SamplingParams.record_routing: the static sampler records routing, not the prefix cache "
@@ -267,7 +276,17 @@ def generate(
     stats = None
     if prefix_cache is not None:
         out = prefix_cache.sample(
-            graphdef, params, rest, rows, len(tokens), tokens.shape[1], limits, key, sampling=sampling, pad_id=pad_id
+            graphdef,
+            params,
+            rest,
+            rows,
+            len(tokens),
+            tokens.shape[1],
+            limits,
+            key,
+            sampling=sampling,
+            pad_id=pad_id,
+            patches=patches,
         )
     elif sampling.speculative_k:
         out, stats = speculative_program(

@@ -9,6 +9,14 @@ walks the prompt's block keys and finds the longest cached block-aligned prefix.
 token by token against the stored ids (a hash collision can never serve wrong KV), and leaves at
 least one token to prefill (its logits start decoding).
 
+Images: a prompt's image placeholders stand for their patches, so with images (`generate`'s
+`patches`) a block's key also hashes the patch values at its placeholders: the same ids with
+another image never share KV, the same image does (the image content is checked through the
+128-bit key, not value by value). Blocks without a placeholder keep their text-only keys, so a
+system prompt before the image is shared with text prompts. A hit never ends inside a run of
+placeholders (it backs off to a block before the run): the suffix holds whole images, which a ViT
+tower (`model.vision.encoder = vit`) encodes from all of an image's patches.
+
 Layout: whole entries, one per cached sequence: its ids and, per layer, (k [K, Dh, L], v [K, L, Dh])
 in host memory (numpy), L a multiple of `block`. The sampler's cache is one contiguous row per
 sample (`kv_cache`), so a paged pool would be gathered into rows at every call anyway; whole
@@ -51,20 +59,42 @@ import numpy as np
 from flax import nnx
 
 from posttrain.sampling import engine, kv_cache
-from posttrain.sampling.generate import MIN_PROMPT_BUCKET, bucket, host_outputs, pad_prompts, sharding_key
+from posttrain.sampling.generate import MIN_PROMPT_BUCKET, bucket, host_outputs, pad_patches, pad_prompts, sharding_key
 from posttrain.sampling.rules import SamplingParams
 
 BLOCK = 16
 
 
-def block_keys(tokens: np.ndarray, block: int) -> list[bytes]:
-    """Chain hash of every full block of `tokens`: key_i = blake2b(key_{i-1} + ids of block i)."""
+@dataclasses.dataclass(frozen=True)
+class Images:
+    """A sequence's images for its keys: patches [>= its length, patch_dim] float32 aligned with its
+    ids, and the placeholder token id (`model.vision.image_token_id`) whose patches count."""
+
+    patches: np.ndarray
+    token_id: int
+
+
+def block_keys(tokens: np.ndarray, block: int, images: Images | None = None) -> list[bytes]:
+    """Chain hash of every full block of `tokens`: key_i = blake2b(key_{i-1} + ids of block i), and
+    with `images` + the patch values at block i's placeholders (none there: the text-only key)."""
     keys, key = [], b""
     ids = np.asarray(tokens, np.int32)
     for i in range(len(ids) // block):
-        key = hashlib.blake2b(key + ids[i * block : (i + 1) * block].tobytes(), digest_size=16).digest()
+        span = slice(i * block, (i + 1) * block)
+        content = ids[span].tobytes()
+        if images is not None:
+            content += np.asarray(images.patches[span][ids[span] == images.token_id], np.float32).tobytes()
+        key = hashlib.blake2b(key + content, digest_size=16).digest()
         keys.append(key)
     return keys
+
+
+def whole_images(tokens: np.ndarray, n: int, block: int, token_id: int) -> int:
+    """The largest multiple of `block` <= n that does not cut a run of `token_id` placeholders."""
+    start = n
+    while 0 < start < len(tokens) and tokens[start - 1] == token_id and tokens[start] == token_id:
+        start -= 1
+    return start // block * block
 
 
 @dataclasses.dataclass
@@ -140,17 +170,23 @@ class PrefixCache:
             self.clear()
             self._weights = [_ref(leaf) for leaf in leaves]
 
-    def lookup(self, tokens: np.ndarray) -> tuple[Entry | None, int]:
-        """The entry holding the longest cached block-aligned prefix of `tokens` that leaves at
-        least one token uncached, and that prefix's length (0: a miss). Counts the lookup."""
+    def _keys(self, tokens: np.ndarray, images: Images | None) -> list[bytes]:
+        return block_keys(tokens, self.block) if images is None else block_keys(tokens, self.block, images)
+
+    def lookup(self, tokens: np.ndarray, images: Images | None = None) -> tuple[Entry | None, int]:
+        """The entry holding the longest cached block-aligned prefix of `tokens` (with `images`:
+        and of their images; a prefix that cuts no image) that leaves at least one token
+        uncached, and that prefix's length (0: a miss). Counts the lookup."""
         tokens = np.asarray(tokens, np.int32)
         found, n = None, 0
-        for i, key in enumerate(block_keys(tokens[: len(tokens) - 1], self.block)):
+        for i, key in enumerate(self._keys(tokens[: len(tokens) - 1], images)):
             holders = self.index.get(key)
             if not holders:
                 break
             found, n = next(reversed(holders)), (i + 1) * self.block
-        entry = self.entries.get(found) if found is not None else None
+        if images is not None:  # the entry holding the longer prefix holds this one too
+            n = whole_images(tokens, n, self.block, images.token_id)
+        entry = self.entries.get(found) if found is not None and n else None
         if entry is not None and not np.array_equal(entry.tokens[:n], tokens[:n]):  # a hash collision
             entry, n = None, 0
         if entry is not None:
@@ -161,14 +197,14 @@ class PrefixCache:
         self.stats.hits += n > 0
         return entry, n
 
-    def insert(self, tokens: np.ndarray, kv: tuple) -> None:
+    def insert(self, tokens: np.ndarray, kv: tuple, images: Images | None = None) -> None:
         """Cache the KV of `tokens` (their full blocks): kv per layer (k [K, Dh, >= L], v [K, >= L, Dh])
-        for ids `tokens` at positions 0..; entries that are prefixes of it are dropped, and nothing is
-        added when an entry already holds it. No entry is a prefix of another."""
+        for ids `tokens` (and `images`) at positions 0..; entries that are prefixes of it are
+        dropped, and nothing is added when an entry already holds it. No entry is a prefix of another."""
         n = len(tokens) // self.block * self.block
         if n == 0 or n > self.max_tokens:
             return
-        keys = block_keys(tokens[:n], self.block)
+        keys = self._keys(tokens[:n], images)
         if keys[-1] in self.index:  # already held (by an entry this is a prefix of)
             for name in self.index[keys[-1]]:
                 self.entries.move_to_end(name)
@@ -208,17 +244,24 @@ class PrefixCache:
         *,
         sampling: SamplingParams,
         pad_id: int,
+        patches: list[np.ndarray | None] | None = None,
     ) -> engine.Outputs:
         """`generate`'s device outputs for prompts `rows` (padded to `num_rows` rows of at most
-        `prompt_bucket` tokens), prefilling only what the cache lacks; every sample's prompt and
-        completion are cached for later requests. Returns host outputs."""
+        `prompt_bucket` tokens) and their image `patches` (per prompt, or None), prefilling only
+        what the cache lacks; every sample's prompt and completion are cached for later requests.
+        Returns host outputs."""
         if jax.process_count() > 1:
             raise ValueError("sampling.prefix_cache runs in a single process for now (its KV lives on the host)")
         if sampling.speculative_k:
             raise ValueError("sampling.prefix_cache with sampling.speculative_k > 0: not supported together")
+        model = nnx.merge(graphdef, params, rest) if patches is not None or engine.stacked_cache() else None
+        # with images, every row's patches as the program sees them (a row without any: zeros)
+        padded = None if patches is None else pad_patches(patches, rows, (num_rows, prompt_bucket))
+        token_id = getattr(getattr(model, "vision", None), "token_id", None)  # a text-only model: refused by prefill
+        images = [None if padded is None else Images(padded[i], token_id) for i in range(len(rows))]
         with self._lock:
             self.bind(params, rest)
-            bound, hits = self._weights, [self.lookup(r) for r in rows]
+            bound, hits = self._weights, [self.lookup(r, im) for r, im in zip(rows, images)]
             starts = np.zeros((num_rows,), np.int32)
             starts[: len(rows)] = [n for _, n in hits]
             prefix = (
@@ -238,32 +281,43 @@ class PrefixCache:
         )
         if prefix is None:
             tokens, lengths = pad_prompts(rows, num_rows, prompt_bucket, pad_id)
+            suffix_patches = padded
         else:
             suffixes = [r[n:] for r, n in zip(rows, starts)]
             tokens, lengths = pad_prompts(
                 suffixes, num_rows, bucket(max(map(len, suffixes)), MIN_PROMPT_BUCKET), pad_id
             )
+            suffix_patches = None
+            if padded is not None:
+                suffix_patches = np.zeros((*tokens.shape, padded.shape[-1]), np.float32)
+                for i, (r, n) in enumerate(zip(rows, starts)):
+                    suffix_patches[i, : len(r) - n] = padded[i, n : len(r)]
         # the program's cache layout (`engine.decode_layers`); entries are kept per layer
-        segments = engine.stack_segments(nnx.merge(graphdef, params, rest)) if engine.stacked_cache() else None
+        segments = engine.stack_segments(model) if engine.stacked_cache() else None
         if segments and prefix is not None:
             prefix = kv_cache.to_stacked(prefix, segments, np.stack)
-        out, cache = cached_program(graphdef, params, rest, prefix, tokens, starts, lengths, **common)
+        out, cache = cached_program(
+            graphdef, params, rest, prefix, tokens, starts, lengths, patches=suffix_patches, **common
+        )
         out, cache = host_outputs(out), jax.device_get(cache)
         if segments:
             cache = kv_cache.to_layers(cache, segments)
         with self._lock:
             if self._weights is bound:  # else another thread bound new weights meanwhile: KV is stale
-                self._insert_samples(rows, out, cache, sampling.num_samples)
+                self._insert_samples(rows, out, cache, sampling.num_samples, images)
         return out
 
-    def _insert_samples(self, rows: list[np.ndarray], out, cache, g: int) -> None:
-        """Cache each sample's prompt and completion. The last sampled token's KV is not in the
-        cache (a finished slot writes padding there), so a sample of m tokens caches prompt + m − 1."""
+    def _insert_samples(self, rows: list[np.ndarray], out, cache, g: int, images: list) -> None:
+        """Cache each sample's prompt and completion (keyed with the prompt's images; generated
+        tokens are text). The last sampled token's KV is not in the cache (a finished slot writes
+        padding there), so a sample of m tokens caches prompt + m − 1."""
         for r in range(len(rows) * g):
-            prompt, m = rows[r // g], int(out.lengths[r])
+            prompt, m, im = rows[r // g], int(out.lengths[r]), images[r // g]
             ids = np.concatenate([prompt, out.tokens[r, : max(m - 1, 0)]])
+            if im is not None:  # the prompt's patches, zeros along the completion
+                im = Images(np.pad(im.patches[: len(prompt)], ((0, len(ids) - len(prompt)), (0, 0))), im.token_id)
             if len(ids) >= self.block:
-                self.insert(ids, tuple((k[r], v[r]) for k, v in cache))
+                self.insert(ids, tuple((k[r], v[r]) for k, v in cache), im)
 
 
 def _ref(leaf):
@@ -302,6 +356,7 @@ def cached_program(
     limits: jax.Array,
     num_prompts: jax.Array,
     key: jax.Array,
+    patches: jax.Array | None = None,
     *,
     capacity: int,
     sampling: SamplingParams,
@@ -311,18 +366,19 @@ def cached_program(
     """`generate_program` on top of cached KV: prefix (per layer k [B, K, Dh, H], v [B, K, H, Dh],
     stacked as `engine.decode_layers` says; None: no row hit, a plain prefill) holds row b's first
     starts[b] entries; tokens [B, S] are the uncached suffixes (lengths [B] >= 1) at positions
-    starts[b]... → (Outputs, the final cache [B * G rows], in the same layout: each sample's prompt
-    and completion KV). `rules`: `generate.sharding_key()`, the
-    rules it is traced under (part of the compile key)."""
+    starts[b]... with their images patches [B, S, patch_dim] (or None) → (Outputs, the final cache
+    [B * G rows], in the same layout: each sample's prompt and completion KV). `rules`:
+    `generate.sharding_key()`, the rules it is traced under (part of the compile key)."""
     model = nnx.merge(graphdef, params, rest)
     g, b = sampling.num_samples, tokens.shape[0]
     layers = engine.decode_layers(model)
     if prefix is None:
-        logits, kv = engine.prefill(model, tokens, lengths, layers)
+        logits, kv = engine.prefill(model, tokens, lengths, layers, patches=patches)
         cache = kv_cache.allocate(kv, capacity)
     else:
         positions = starts[:, None] + jnp.arange(tokens.shape[1])
-        hidden, cache = engine.extend(model, layers, tokens, positions, kv_cache.allocate(prefix, capacity))
+        cache = kv_cache.allocate(prefix, capacity)
+        hidden, cache = engine.extend(model, layers, tokens, positions, cache, patches=patches)
         logits = model.logits(jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1))[:, 0]
     ids = jnp.arange(b * g, dtype=jnp.int32)
     slots = engine.Slots(

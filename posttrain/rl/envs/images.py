@@ -56,8 +56,6 @@ def episode_patches(env, tokens) -> np.ndarray | None:
 
 # (key, when it is set so that images cannot go with it, why) for `check_rl_images`
 UNSUPPORTED = (
-    ("sampling.continuous_batching", lambda c: c.sampling.continuous_batching, "slots are refilled by token ids"),
-    ("sampling.prefix_cache", lambda c: c.sampling.prefix_cache > 0, "cached prefixes are keyed by token ids"),
     ("sampling.speculative_k", lambda c: c.sampling.speculative_k > 0, "the draft takes no images"),
     ("rl.placement", lambda c: c.rl.placement != "colocated", "only the colocated sampler is given images"),
     ("rl.reward_model", lambda c: bool(c.rl.reward_model), "the learned reward scores tokens without images"),

@@ -142,11 +142,9 @@ class RolloutWorker:
         """The sampler call of every rollout: `sampling.num_samples` samples per prompt, sample
         i*G+g drawing from fold_in(key, i*G+g), in a static batch or continuously refilled slots;
         given `latest` (and `inflight_every`), with the newest weights it names, switched in flight.
-        `patches`: per prompt, its images' patches at its tokens or None (`envs.images`; static only)."""
+        `patches`: per prompt, its images' patches at its tokens or None (`envs.images`)."""
         if patches is not None and all(p is None for p in patches):
             patches = None
-        if patches is not None and self.continuous is not None:
-            raise ValueError("sampling.continuous_batching: prompts with images are sampled in static batches only")
         if patches is not None and latest is not None and self.inflight_every:
             raise ValueError("rl.inflight_update_every: prompts with images are sampled without in-flight updates")
         with (self.clock or BusyClock()).busy():
@@ -167,7 +165,15 @@ class RolloutWorker:
                     patches=patches,
                 )
             return generate_continuous(
-                self.graphdef, params, rest, prompts, sampling, key, slots=self.continuous, pad_id=self.pad_id
+                self.graphdef,
+                params,
+                rest,
+                prompts,
+                sampling,
+                key,
+                slots=self.continuous,
+                pad_id=self.pad_id,
+                patches=patches,
             )
 
     def generate(
