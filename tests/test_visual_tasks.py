@@ -348,3 +348,27 @@ def test_written_task_files_read_as_tasks_with_their_images(written):
         for task in tasks:
             parts = task.prompt[0]["content"]
             assert os.path.isfile(next(p["image"] for p in parts if p["type"] == "image"))
+
+
+def test_a_sloppy_sft_teacher_counts_one_too_many_and_only_in_sft_training(tmp_path):
+    """`sft_error_rate`: that fraction of the SFT training answers that are integers is one more
+    than the exact answer (the images and questions stay), labels are never changed, and every
+    other file (held-out, RL) is byte for byte the exact one."""
+    exact, sloppy = tmp_path / "exact", tmp_path / "sloppy"
+    kinds = ("colour_count", "bar_max")
+    write_visual_tasks(str(exact), 200, 20, seed=5, kinds=kinds)
+    write_visual_tasks(str(sloppy), 200, 20, seed=5, kinds=kinds, sft_error_rate=0.5)
+    wrong = 0
+    for a, b in zip(_records(exact / "sft_train.jsonl"), _records(sloppy / "sft_train.jsonl")):
+        assert a["messages"][0] == b["messages"][0]
+        want, got = (m["messages"][1]["content"][len("\\boxed{") : -1] for m in (a, b))
+        if not want.isdigit():
+            assert got == want
+        elif got != want:
+            assert int(got) == int(want) + 1
+            wrong += 1
+    assert 30 < wrong < 70  # about half of the 100 integer answers
+    for name in ("sft_eval.jsonl", "rl_train.jsonl", "rl_eval.jsonl", "rl_eval_blank.jsonl"):
+        assert (exact / name).read_bytes() == (sloppy / name).read_bytes()
+    with pytest.raises(ValueError, match="sft_error_rate"):
+        write_visual_tasks(str(tmp_path / "bad"), 2, 2, sft_error_rate=1.5)
