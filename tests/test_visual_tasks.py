@@ -188,7 +188,7 @@ def _equivalent_forms(scene: Scene, rng: np.random.Generator) -> list[Scene]:
     """The same data shown otherwise: bars or rows in other orders, shapes in other cells, other sizes."""
     forms = [Scene(scene.kind, scene.items, scene.size + 16, scene.grid, scene.max_value)]
     for _ in range(3):
-        if scene.kind == "shapes":
+        if scene.kind in ("shapes", "marks"):
             cells = rng.choice(scene.grid * scene.grid, len(scene.items), replace=False)
             items = tuple((s, c, int(cell)) for (s, c, _), cell in zip(scene.items, cells))
         else:
@@ -203,12 +203,39 @@ def test_every_form_of_a_scene_is_in_one_split():
     rng = np.random.default_rng(0)
     test = 0
     for i in range(1500):
-        scene = draw_scene(rng, ("chart", "table", "shapes")[i % 3], {"chart": 48, "table": 48, "shapes": 48})
+        kind = ("chart", "table", "shapes", "marks")[i % 4]
+        scene = draw_scene(rng, kind, {"chart": 48, "table": 48, "shapes": 48, "marks": 48})
         forms = _equivalent_forms(scene, rng)
         assert {scene_key(f) for f in forms} == {scene_key(scene)}
         assert {visual_split(f) for f in forms} == {visual_split(scene)}
         test += visual_split(scene) == "test"
     assert 150 < test < 310  # about 15% held out
+
+
+def test_colour_counts_are_balanced_and_each_shape_fills_whole_patches():
+    """colour_count (the kind a tiny model learns): answers 0-3 about equally often, so the
+    commonest answer, what an image-blind policy can do best, scores about a quarter; each shape
+    is drawn inside its own 16-pixel cell, a 2 x 2 block of 8-pixel patches, never straddling two
+    cells' patches."""
+    from collections import Counter
+
+    from posttrain.rl.tasks.visual_render import render
+
+    problems = visual_problems(800, 0, "train", kinds=("colour_count",))
+    counts = Counter(p.answer for p in problems)
+    assert set(counts) == {"0", "1", "2", "3"} and max(counts.values()) < 0.3 * len(problems)
+    for p in problems[:50]:
+        a = np.asarray(render(p.scene)).astype(int)
+        ink = (a != 255).any(-1)
+        for _, colour, cell in p.scene.items:
+            r, c = divmod(cell, 3)
+            box = ink[r * 16 : (r + 1) * 16, c * 16 : (c + 1) * 16]
+            assert box[2:14, 2:14].any() and not box[:2].any() and not box[14:].any()
+            assert (np.abs(a[r * 16 : (r + 1) * 16, c * 16 : (c + 1) * 16] - COLOURS[colour]).sum(-1) < 60).any()
+        assert ink.sum() == sum(
+            ink[(cell // 3) * 16 : (cell // 3 + 1) * 16, (cell % 3) * 16 : (cell % 3 + 1) * 16].sum()
+            for _, _, cell in p.scene.items
+        )
 
 
 def test_held_out_scenes_are_never_shown_in_training():
@@ -321,3 +348,27 @@ def test_written_task_files_read_as_tasks_with_their_images(written):
         for task in tasks:
             parts = task.prompt[0]["content"]
             assert os.path.isfile(next(p["image"] for p in parts if p["type"] == "image"))
+
+
+def test_a_sloppy_sft_teacher_counts_one_too_many_and_only_in_sft_training(tmp_path):
+    """`sft_error_rate`: that fraction of the SFT training answers that are integers is one more
+    than the exact answer (the images and questions stay), labels are never changed, and every
+    other file (held-out, RL) is byte for byte the exact one."""
+    exact, sloppy = tmp_path / "exact", tmp_path / "sloppy"
+    kinds = ("colour_count", "bar_max")
+    write_visual_tasks(str(exact), 200, 20, seed=5, kinds=kinds)
+    write_visual_tasks(str(sloppy), 200, 20, seed=5, kinds=kinds, sft_error_rate=0.5)
+    wrong = 0
+    for a, b in zip(_records(exact / "sft_train.jsonl"), _records(sloppy / "sft_train.jsonl")):
+        assert a["messages"][0] == b["messages"][0]
+        want, got = (m["messages"][1]["content"][len("\\boxed{") : -1] for m in (a, b))
+        if not want.isdigit():
+            assert got == want
+        elif got != want:
+            assert int(got) == int(want) + 1
+            wrong += 1
+    assert 30 < wrong < 70  # about half of the 100 integer answers
+    for name in ("sft_eval.jsonl", "rl_train.jsonl", "rl_eval.jsonl", "rl_eval_blank.jsonl"):
+        assert (exact / name).read_bytes() == (sloppy / name).read_bytes()
+    with pytest.raises(ValueError, match="sft_error_rate"):
+        write_visual_tasks(str(tmp_path / "bad"), 2, 2, sft_error_rate=1.5)

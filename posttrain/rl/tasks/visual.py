@@ -6,7 +6,10 @@ A problem is a scene (the data an image shows) and a question about it:
 - `table_cell` "What is the value in row B, column Y?" (a digit) and `table_max` "Which row has the
   largest value in column X?" (a label) on a table of digits;
 - `shape_count` "How many red shapes are there?" / "... circles ..." / "... blue squares ..." (an
-  integer) on a scene of coloured circles, squares and triangles.
+  integer) on a scene of coloured circles, squares and triangles;
+- `colour_count` "How many green shapes are there?" (0-3, each count equally likely) on a `marks`
+  scene: shapes on a 3 x 3 grid whose cells are whole 2 x 2 blocks of 8-pixel patches at 48 pixels,
+  0-3 of each colour — the easiest kind for a tiny model (a count of one colour, no glyph to read).
 Integer answers are checked by the math verifier, labels by the label verifier (`verifiers/label.py`).
 The image alone carries the answer: the question names no value. Images are small (`SIZES`, per
 scene kind, configurable) and drawn by `visual_render.render`, deterministic from the seed.
@@ -26,15 +29,16 @@ import numpy as np
 
 from posttrain.data.synthetic import SPLITS
 
-KINDS = ("bar_value", "bar_max", "table_cell", "table_max", "shape_count")
+KINDS = ("bar_value", "bar_max", "table_cell", "table_max", "shape_count", "colour_count")
 SCENE_OF = {"bar_value": "chart", "bar_max": "chart", "table_cell": "table", "table_max": "table"}
-SCENE_OF["shape_count"] = "shapes"
+SCENE_OF.update(shape_count="shapes", colour_count="marks")
 LABEL_KINDS = ("bar_max", "table_max")  # answers that are labels (the rest are integers)
-SIZES = {"chart": 48, "table": 48, "shapes": 48}  # image side in pixels
+SIZES = {"chart": 48, "table": 48, "shapes": 48, "marks": 48}  # image side in pixels
 LABELS = "ABCDEF"
 COLUMNS = ("X", "Y")
 SHAPES = ("circle", "square", "triangle")
 SHAPE_COLOURS = ("red", "green", "blue")
+MARKS_GRID, MARKS_MAX = 3, 3  # a marks scene: a 3 x 3 grid, 0-3 shapes of each colour
 TEST_PERCENT = 15
 INSTRUCTION = " Give the final answer as \\boxed{ANSWER}."
 
@@ -42,8 +46,8 @@ INSTRUCTION = " Give the final answer as \\boxed{ANSWER}."
 @dataclasses.dataclass(frozen=True)
 class Scene:
     """What an image shows. chart: `items` = ((label, value), ...) left to right; table: `items` =
-    ((row label, (X, Y)), ...) top to bottom; shapes: `items` = ((shape, colour, cell), ...), cell
-    an index into a `grid` x `grid` grid. `size`: the image side in pixels."""
+    ((row label, (X, Y)), ...) top to bottom; shapes and marks: `items` = ((shape, colour, cell),
+    ...), cell an index into a `grid` x `grid` grid. `size`: the image side in pixels."""
 
     kind: str
     items: tuple
@@ -71,10 +75,10 @@ def scene_key(scene: Scene) -> str:
         body = ",".join(f"{label}={value}" for label, value in sorted(scene.items))
     elif scene.kind == "table":
         body = ";".join(f"{row}:" + ",".join(map(str, values)) for row, values in sorted(scene.items))
-    elif scene.kind == "shapes":
+    elif scene.kind in ("shapes", "marks"):
         body = ",".join(sorted(f"{colour} {shape}" for shape, colour, _ in scene.items))
     else:
-        raise ValueError(f"scene kind {scene.kind!r}: expected chart, table or shapes")
+        raise ValueError(f"scene kind {scene.kind!r}: expected chart, table, shapes or marks")
     return f"{scene.kind}|{body}"
 
 
@@ -120,13 +124,23 @@ def _shapes(rng: np.random.Generator, size: int, grid: int) -> Scene:
     return Scene("shapes", items, size, grid=grid)
 
 
+def _marks(rng: np.random.Generator, size: int) -> Scene:
+    """0-`MARKS_MAX` shapes of each colour (independent, uniform), in random cells of the grid."""
+    colours = [c for c in SHAPE_COLOURS for _ in range(int(rng.integers(MARKS_MAX + 1)))]
+    cells = rng.choice(MARKS_GRID * MARKS_GRID, len(colours), replace=False).tolist()
+    items = tuple((SHAPES[int(rng.integers(len(SHAPES)))], c, int(cell)) for c, cell in zip(colours, cells))
+    return Scene("marks", items, size, grid=MARKS_GRID)
+
+
 def draw_scene(rng: np.random.Generator, kind: str, sizes: dict[str, int], max_value: int = 8) -> Scene:
-    """A random scene of `kind` ("chart", "table" or "shapes") at its size in `sizes`."""
+    """A random scene of `kind` ("chart", "table", "shapes" or "marks") at its size in `sizes`."""
     size = sizes[kind]
     if kind == "chart":
         return _chart(rng, size, max_value)
     if kind == "table":
         return _table(rng, size)
+    if kind == "marks":
+        return _marks(rng, size)
     return _shapes(rng, size, grid=max(2, size // 12))
 
 
@@ -155,6 +169,10 @@ def ask(rng: np.random.Generator, kind: str, scene: Scene) -> VisualProblem:
         match = [(by == 1 or c == colour) and (by == 0 or s == shape) for s, c, _ in scene.items]
         what = (f"{colour} shapes", f"{shape}s", f"{colour} {shape}s")[by]
         return VisualProblem(kind, scene, f"How many {what} are there?", str(sum(match)))
+    if kind == "colour_count":
+        colour = SHAPE_COLOURS[int(rng.integers(len(SHAPE_COLOURS)))]
+        count = sum(c == colour for _, c, _ in scene.items)
+        return VisualProblem(kind, scene, f"How many {colour} shapes are there?", str(count))
     raise ValueError(f"visual task kind {kind!r}: expected one of {KINDS}")
 
 

@@ -78,7 +78,7 @@ def _shapes(scene: Scene, img: Image.Image) -> None:
 def render(scene: Scene) -> Image.Image:
     """The scene as an RGB image of `scene.size` x `scene.size` pixels on white."""
     img = Image.new("RGB", (scene.size, scene.size), WHITE)
-    {"chart": _chart, "table": _table, "shapes": _shapes}[scene.kind](scene, img)
+    {"chart": _chart, "table": _table, "shapes": _shapes, "marks": _shapes}[scene.kind](scene, img)
     return img
 
 
