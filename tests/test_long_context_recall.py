@@ -35,6 +35,9 @@ def test_long_context_recall_smoke(tmp_path, monkeypatch):
         check_config(ext)
         assert ext.model.rope_scaling.type == ("" if scaling == "none" else scaling)
         assert run_max_context(ext) == 1024 and ext.init_from == cfg.workdir != ext.workdir  # trained at 256
+        assert ext.data.synthetic_min_length == 256 and ext.model.to_dict() | {"rope_scaling": 0} == (
+            cfg.model.to_dict() | {"rope_scaling": 0}
+        )  # the extension trains from the trained length up, on the checkpoint's shapes
     for bad in ("extend:rotary", "more"):
         with pytest.raises(ValueError, match="expected '' or 'extend:"):
             CONFIG["get_config"](bad)
@@ -43,7 +46,7 @@ def test_long_context_recall_smoke(tmp_path, monkeypatch):
 def test_synthetic_min_length_sets_the_shortest_generated_context(tmp_path):
     """data.synthetic_min_length: recall contexts drawn from [min, train.seq_len - 24] tokens instead
     of from 64 (the default, kept: its file name does not change), so the mix can sit at the length
-    evaluated (configs/long_context_recall.py's `:focus` run)."""
+    evaluated (configs/long_context_recall.py's `:extend:<scaling>` runs, from 256 tokens)."""
     from posttrain.config import base_config
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.stages.data_files import _long_context_file
