@@ -35,19 +35,22 @@ with a 95% Wilson interval; effective context (the longest length up to which ac
   0.61: still rising when the schedule ended. 54 of its 55 wrong answers at 256 are another
   fact's whole value (the key match, not the copy, fails); when another fact's key ends in the
   same letter it is right 43% of the time, otherwise 67%.
-- `:extend:<scaling>`, 200 steps at 1024 (~14 min at ~4 s/step), at 256 / 512 / 1024 tokens:
+- `:extend:<scaling>`, 200 steps at 1024 (8-14 min, ~2-4 s/step), at 256 / 512 / 1024 tokens:
   yarn: 0.64 [0.56, 0.71] / 0.63 [0.55, 0.70] / 0.36 [0.29, 0.44]
+  none: 0.56 [0.48, 0.64] / 0.53 [0.45, 0.60] / 0.25 [0.18, 0.32]
+  dynamic: 0.59 [0.51, 0.67] / 0.60 [0.52, 0.67] / 0.39 [0.31, 0.47]
+  llama3: 0.63 [0.55, 0.71] / 0.65 [0.57, 0.72] / 0.40 [0.33, 0.48]
   At 1024, 79 of yarn's 96 wrong answers are another fact's value; half the problems (76 / 150)
   have another key ending in the asked key's letter, and those score 0.29 against 0.43.
 - The previous recipe (head_dim 16, 800 + 600 steps at 256, 100 steps at 1024) measured 0.44 at
   256 before extension and, after it, 0.38 / 0.17 / 0.08 (none), 0.01 / 0.01 / 0.01 (linear),
   0.43 / 0.27 / 0.20 (dynamic), 0.51 / 0.33 / 0.18 (yarn), 0.47 / 0.33 / 0.19 (llama3) at
-  256 / 512 / 1024; its table is in BENCHMARKS.md. The other scalings were not re-run with this
-  recipe (one core, one run at a time).
+  256 / 512 / 1024; its table is in BENCHMARKS.md. Linear (0.01 everywhere there) was not re-run
+  with this recipe.
 - Probes during the 256-token run: --config.train.eval_every=250
   --config.eval.long_context.samples=17 (51 problems at 256).
 - Two-hop (`multihop`, hops 2, 50 problems at 1024) is not in the training mix: 0.00 [0.00, 0.07]
-  after the yarn extension.
+  after every extension measured.
 """
 
 from posttrain.config import base_config
