@@ -30,22 +30,23 @@ def test_long_context_recall_smoke(tmp_path, monkeypatch):
     first = json.loads(data.open().readline())["messages"]
     key = first[0]["content"].rsplit("\n", 1)[1].removesuffix("?")
     assert len(first) >= 4 and first[1]["content"][:3] == key and first[1]["content"][3:].isdigit()  # "QZX4821"
-    more = CONFIG["get_config"]("more")
-    check_config(more)
-    assert more.init_from == cfg.workdir and more.workdir != cfg.workdir
     for scaling in CONFIG["SCALINGS"]:
         ext = CONFIG["get_config"](f"extend:{scaling}")
         check_config(ext)
         assert ext.model.rope_scaling.type == ("" if scaling == "none" else scaling)
-        assert run_max_context(ext) == 1024 and ext.init_from == more.workdir  # trained at 256, now at 1024
-    with pytest.raises(ValueError, match="expected '', 'more' or 'extend:"):
-        CONFIG["get_config"]("extend:rotary")
+        assert run_max_context(ext) == 1024 and ext.init_from == cfg.workdir != ext.workdir  # trained at 256
+        assert ext.data.synthetic_min_length == 256 and ext.model.to_dict() | {"rope_scaling": 0} == (
+            cfg.model.to_dict() | {"rope_scaling": 0}
+        )  # the extension trains from the trained length up, on the checkpoint's shapes
+    for bad in ("extend:rotary", "more"):
+        with pytest.raises(ValueError, match="expected '' or 'extend:"):
+            CONFIG["get_config"](bad)
 
 
 def test_synthetic_min_length_sets_the_shortest_generated_context(tmp_path):
     """data.synthetic_min_length: recall contexts drawn from [min, train.seq_len - 24] tokens instead
     of from 64 (the default, kept: its file name does not change), so the mix can sit at the length
-    evaluated (configs/long_context_recall.py's `:focus` run)."""
+    evaluated (configs/long_context_recall.py's `:extend:<scaling>` runs, from 256 tokens)."""
     from posttrain.config import base_config
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.stages.data_files import _long_context_file
