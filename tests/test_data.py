@@ -70,8 +70,9 @@ def test_byte_tokenizer_round_trip_and_chat_mask():
         BYTE.encode_chat([{"role": "robot", "content": "x"}])
 
 
-def make_hf_folder(root: str, config: dict | None) -> str:
-    """A tiny byte-level BPE trained here, saved with a tokenizer_config.json under `root`."""
+def make_hf_folder(root: str, config: dict | None, specials: tuple[str, ...] = ()) -> str:
+    """A tiny byte-level BPE trained here (with extra special tokens `specials`), saved with a
+    tokenizer_config.json under `root`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -80,7 +81,7 @@ def make_hf_folder(root: str, config: dict | None) -> str:
     trainer = trainers.BpeTrainer(
         vocab_size=320,
         show_progress=False,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *specials],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(["Be brief. What is 2+2? It is 4, naïvely. And 3+3 is 6."] * 20, trainer)

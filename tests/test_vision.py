@@ -17,7 +17,7 @@ from posttrain.data.images import ImageSpec, patches_of, resolve_path
 from posttrain.data.packing import Packer, build_row, fit_length
 from posttrain.data.pipeline import sft_batches
 from posttrain.data.sources import DataError
-from posttrain.data.tokenizer import ByteTokenizer
+from posttrain.data.tokenizer import ByteTokenizer, load_tokenizer
 from posttrain.errors import UserError
 from posttrain.models.decoder import Decoder
 
@@ -42,9 +42,11 @@ def write_jsonl(path, records):
     return str(path)
 
 
+BATCH_KW = {"batch_size": 2, "seq_len": 32, "seed": 0, "process_index": 0, "process_count": 1, "images": SPEC}
+
+
 def batches(path, **kw):
-    kw = {"batch_size": 2, "seq_len": 32, "seed": 0, "process_index": 0, "process_count": 1, "images": SPEC, **kw}
-    return sft_batches(path, BYTE, **kw)
+    return sft_batches(path, BYTE, **{**BATCH_KW, **kw})
 
 
 def test_image_paths_resolve_under_the_jsonl_folder():
@@ -291,7 +293,7 @@ def test_tokenizer_must_have_the_models_placeholder():
     from posttrain.stages.common import stage_tokenizer
 
     cfg = vision_config(image_token_id=5)
-    with pytest.raises(UserError, match=r"model\.vision\.image_token_id=5.*<\|image\|> id is 263"):
+    with pytest.raises(UserError, match=r"model\.vision\.image_token_id=5.*image token's id is 263"):
         stage_tokenizer(cfg)
     assert stage_tokenizer(vision_config()).image_id == 263
 
@@ -392,12 +394,53 @@ def test_zig_zag_layout_moves_patches_with_their_tokens():
     np.testing.assert_array_equal(unzigzag(zz["patches"], 2), batch["patches"])
 
 
-def test_hugging_face_tokenizers_are_refused_for_images(tmp_path):
+def test_a_hugging_face_tokenizer_without_an_image_token_is_refused(tmp_path):
     from posttrain.stages.common import stage_tokenizer
     from tests.test_data import make_hf_folder
 
     cfg = vision_config()
     cfg.model.vocab_size = 320
     cfg.data.tokenizer = make_hf_folder(str(tmp_path / "tok"), {"eos_token": "<|im_end|>"})
-    with pytest.raises(UserError, match=r"data\.tokenizer.*no image placeholder token"):
+    with pytest.raises(UserError, match=r"data\.tokenizer.*no image token"):
         stage_tokenizer(cfg)
+    with pytest.raises(ValueError, match="no image token"):
+        load_tokenizer(cfg.data.tokenizer).encode_chat(record("x.png", "red")["messages"])
+
+
+def test_a_hugging_face_tokenizer_expands_its_image_token_to_the_patches(tmp_path):
+    """As a LLaVA processor does: an image part is the tokenizer's `<image>` token in the rendered
+    chat, expanded to the image's patches (never trainable), and SFT batches carry the patches there."""
+    from posttrain.stages.common import stage_tokenizer
+    from tests.test_data import CHATML, make_hf_folder
+
+    root = make_hf_folder(str(tmp_path / "tok"), {"eos_token": "<|im_end|>", "chat_template": CHATML}, ("<image>",))
+    tok = load_tokenizer(root)
+    image_id = tok.encode("<image>")[0]
+    assert tok.image_id == image_id and tok.encode("<image>") == [image_id]
+    parts = [{"type": "image", "num_patches": 4}, {"type": "text", "text": "Colour?"}]
+    ids, mask = tok.encode_chat([{"role": "user", "content": parts}, {"role": "assistant", "content": "red"}])
+    flat_ids, flat_mask = tok.encode_chat(
+        [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "red"}]
+    )
+    at = flat_ids.index(image_id)
+    assert ids == flat_ids[:at] + [image_id] * 4 + flat_ids[at + 1 :]
+    assert mask == flat_mask[:at] + [False] * 4 + flat_mask[at + 1 :] and any(mask)
+    with pytest.raises(ValueError, match="1 image parts but 2 '<image>' tokens"):
+        tok.encode_chat([{"role": "user", "content": [parts[0], {"type": "text", "text": "<image>?"}]}])
+
+    png(tmp_path / "red.png", COLOURS["red"])
+    png(tmp_path / "blue.png", COLOURS["blue"])
+    path = write_jsonl(tmp_path / "train.jsonl", [record("red.png", "red"), record("blue.png", "blue")])
+    spec = ImageSpec(image_size=8, patch_size=4, token_id=image_id)
+    batch = next(
+        sft_batches(path, tok, **{**BATCH_KW, "images": spec, "seq_len": 64, "shuffle": False, "packing": False})
+    )
+    slots = batch["inputs"] == image_id
+    assert (slots.sum(1) == 4).all()
+    colours = {tuple(np.round(p.reshape(-1, 3).mean(0) * 255).astype(int)) for p in batch["patches"][slots]}
+    assert colours == {(255, 0, 0), (0, 0, 255)}
+    assert not (batch["loss_mask"] * slots).any() and batch["loss_mask"].any()
+
+    cfg = vision_config(image_token_id=image_id)
+    cfg.model.vocab_size, cfg.data.tokenizer = 320, root
+    assert stage_tokenizer(cfg).image_id == image_id

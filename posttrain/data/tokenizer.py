@@ -115,7 +115,13 @@ class HFTokenizer:
     tokenized without added specials (the template writes them). A tokenizer without a template
     renders chats as plain text (contents back to back, eos after assistant turns), with a warning.
     Without a `pad_token` in the config, padding uses the eos id (padding is masked anyway).
+    Images, as a LLaVA processor writes them: each image part of a message becomes the image
+    token's text (config `image_token`, else `<image>` or `<|image|>` when in the vocabulary) before
+    the template renders the chat, and its one id is then expanded to the image's `num_patches`
+    placeholders (`image_id`, `model.vision.image_token_id`), never trainable.
     """
+
+    IMAGE_TOKENS = ("<image>", "<|image|>")
 
     def __init__(
         self,
@@ -140,6 +146,9 @@ class HFTokenizer:
         self.bos_id = self._special_id("bos_token", ()) if "bos_token" in self._specials else None
         self.pad_id = self._special_id("pad_token", ()) if "pad_token" in self._specials else self.eos_id
         self.stop_ids = tuple(sorted({self.eos_id, *stop_ids}))
+        image = [t] if (t := _token_text(config.get("image_token"))) else self.IMAGE_TOKENS
+        found = [(t, i) for t in image if (i := tokenizer.token_to_id(t)) is not None]
+        self.image_text, self.image_id = found[0] if found else (None, None)
         source = chat_template_source or config.get("chat_template")
         if isinstance(source, list):  # [{"name": ..., "template": ...}, ...]
             source = {t["name"]: t["template"] for t in source}.get("default")
@@ -209,11 +218,7 @@ class HFTokenizer:
         A token is trainable when its characters overlap an assistant turn's span (content and
         end-of-turn token, not the role header the generation prompt writes).
         """
-        if any(not isinstance(m.get("content"), str) for m in messages):
-            raise ValueError(
-                f"{self.name}: messages with image parts need data.tokenizer=byte (its <|image|> placeholder); "
-                "Hugging Face tokenizers take string contents only"
-            )
+        messages, patches = self._flatten_images(messages)
         text, spans = chat_template.render_with_spans(
             self._template, messages, add_generation_prompt=add_generation_prompt, special_tokens=self._specials
         )
@@ -223,7 +228,44 @@ class HFTokenizer:
         trainable = np.zeros(len(enc.ids), bool)
         for s, e in spans:
             trainable |= (starts < e) & (ends > s)
-        return list(enc.ids), trainable.tolist()
+        ids = np.asarray(enc.ids, np.int64)
+        if not patches:
+            return ids.tolist(), trainable.tolist()
+        at = np.flatnonzero(ids == self.image_id)
+        if len(at) != len(patches):
+            raise ValueError(
+                f"{self.name}: {len(patches)} image parts but {len(at)} {self.image_text!r} tokens after the chat "
+                "template (a text part writes the image token itself, or the template drops it)"
+            )
+        repeats = np.ones(len(ids), np.int64)
+        repeats[at] = patches
+        trainable[at] = False
+        return np.repeat(ids, repeats).tolist(), np.repeat(trainable, repeats).tolist()
+
+    def _flatten_images(self, messages: list[dict]) -> tuple[list[dict], list[int]]:
+        """Messages with string contents (an image part → the image token's text) and each image's
+        `num_patches`, in order."""
+        if all(isinstance(m.get("content"), str) for m in messages):
+            return messages, []
+        if self.image_id is None:
+            raise ValueError(
+                f"{self.name}: messages with image parts, but the tokenizer has no image token "
+                f"(tokenizer_config.json image_token, or one of {list(self.IMAGE_TOKENS)} in the vocabulary)"
+            )
+        flat, patches = [], []
+        for m in messages:
+            content = m.get("content")
+            if not isinstance(content, str):
+                parts = []
+                for part in content:
+                    if part.get("type") == "image":
+                        parts.append(self.image_text)
+                        patches.append(part["num_patches"])
+                    else:
+                        parts.append(part["text"])
+                content = "".join(parts)
+            flat.append({**m, "content": content})
+        return flat, patches
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -109,16 +109,17 @@ def stage_tokenizer(cfg) -> Tokenizer:
             f"model.vocab_size={cfg.model.vocab_size}"
         )
     vision = cfg.model.vision
-    if vision.encoder != "none" and getattr(tok, "image_id", None) != vision.image_token_id:
+    image_id = getattr(tok, "image_id", None)
+    if vision.encoder != "none" and image_id != vision.image_token_id:
         why = (
-            f"its <|image|> id is {tok.image_id}"
-            if hasattr(tok, "image_id")
-            else "it has no image placeholder token (images need data.tokenizer=byte for now)"
+            f"its image token's id is {image_id}"
+            if image_id is not None
+            else "it has no image token (tokenizer_config.json image_token, or <image> in its vocabulary)"
         )
         raise UserError(
             f"model.vision.encoder={vision.encoder!r} with model.vision.image_token_id={vision.image_token_id} "
             f"and data.tokenizer={cfg.data.tokenizer!r}: {why}",
-            key="model.vision.image_token_id" if hasattr(tok, "image_id") else "data.tokenizer",
+            key="model.vision.image_token_id" if image_id is not None else "data.tokenizer",
         )
     return tok
 
