@@ -3,6 +3,7 @@ newer weights between decode steps without dropping the sequences in flight, eac
 the policy version that drew it, and the learner enforces `rl.max_staleness` per token."""
 
 import concurrent.futures
+import threading
 
 import jax
 import numpy as np
@@ -150,19 +151,22 @@ def test_the_producer_samples_in_flight_within_the_staleness_bound(tiny_rl_polic
     """The overlapped producer (rl.max_staleness = 1) with in-flight updates every 2 decode steps,
     the test acting as the learner (take batch s, publish version s + 1, new weights each time):
     every generated token of batch s was drawn by a version in [s − 1, s], a rollout's version is
-    its oldest token's, and batch 1's sequences carry two versions (its sampler is held after two
-    chunks until version 1 is published, so the switch lands mid-sequence whatever the timing)."""
+    its oldest token's, and batch 1's sequences carry two versions (version 1 is published only
+    after batch 1's sampler has drawn with version 0, and the sampler is held after two chunks until
+    it is published, so the switch lands mid-sequence whatever the timing)."""
     from posttrain.rl.rollout.producer import AsyncProducer
     from posttrain.rl.tasks.domains import Domain
     from posttrain.rl.tasks.scheduler import TaskScheduler
     from tests.test_rl_continuous import REWARD, TOK, SingleTurnEnv, tasks
 
     graphdef, params, rest, mesh, rules = tiny_rl_policy
-    latest, calls = AsyncProducer._latest, []
+    latest, calls, drawn_at_0 = AsyncProducer._latest, [], threading.Event()
 
     def gated(self):
         if self._produced == 1:  # generating batch 1: the prefill's call, then one per chunk
             calls.append(1)
+            if len(calls) == 2:
+                drawn_at_0.set()
             if len(calls) == 3:
                 with self._cv:
                     assert self._cv.wait_for(lambda: self._version >= 1, timeout=120)
@@ -190,6 +194,8 @@ def test_the_producer_samples_in_flight_within_the_staleness_bound(tiny_rl_polic
         try:
             for step in range(3):
                 taken.append(p.take(step)[0])
+                if step == 0:  # else batch 1 may start after version 1 is out, and draw with it alone
+                    assert drawn_at_0.wait(timeout=120)
                 if step < 2:
                     p.publish(step + 1, weights[step + 1])
         finally:
