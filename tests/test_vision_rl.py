@@ -94,16 +94,21 @@ def _check_logprobs_match_only_with_images(batch, model, sampling, images_per_ro
     assert np.abs(blind[mask] - batch["behav_logp"][mask]).max() > 1e-3  # the images matter
 
 
-def test_visual_task_rollouts_learner_logprobs_equal_the_samplers(tmp_path, visual_files):
-    """Single-turn visual task files: the learner batch carries each prompt's image patches, and its
-    log-probs equal the sampler's behaviour log-probs; without the patches they differ."""
-    cfg = vision_rl_config(
+def visual_task_config(tmp_path, visual_files):
+    """RL on the visual task files (no built-in domain), evaluated every step."""
+    return vision_rl_config(
         tmp_path,
         domains="",
         train_files=str(visual_files / "rl_train.jsonl"),
         eval_files=str(visual_files / "rl_eval.jsonl"),
         eval_every=1,
     )
+
+
+def test_visual_task_rollouts_learner_logprobs_equal_the_samplers(tmp_path, visual_files):
+    """Single-turn visual task files: the learner batch carries each prompt's image patches, and its
+    log-probs equal the sampler's behaviour log-probs; without the patches they differ."""
+    cfg = visual_task_config(tmp_path, visual_files)
     batch, model, sampling = _rollout_batch(cfg, 2)
     _check_logprobs_match_only_with_images(batch, model, sampling, 1)
 
@@ -149,13 +154,7 @@ def test_continuous_batching_and_the_prefix_cache_take_images(tmp_path, visual_f
         cfg = vision_rl_config(tmp_path, domains="screen", env="screen", max_staleness=1)
         cfg.sampling[key] = value
         check_rlvr_stage(cfg)
-    cfg = vision_rl_config(
-        tmp_path,
-        domains="",
-        train_files=str(visual_files / "rl_train.jsonl"),
-        eval_files=str(visual_files / "rl_eval.jsonl"),
-        eval_every=1,
-    )
+    cfg = visual_task_config(tmp_path, visual_files)
     static, _, _ = _rollout_batch(cfg, 2)
     batch, model, sampling = _rollout_batch(cfg, 2, continuous=SlotConfig(2, 1))
     np.testing.assert_array_equal(batch["inputs"], static["inputs"])

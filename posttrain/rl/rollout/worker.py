@@ -40,7 +40,7 @@ from posttrain.rl.rollout.inflight import oldest, token_versions
 from posttrain.rl.rollout.routing import trajectory_routing
 from posttrain.rl.tasks.scheduler import Group, TaskScheduler
 from posttrain.sampling.continuous import SlotConfig, generate_continuous
-from posttrain.sampling.generate import Samples, generate
+from posttrain.sampling.generate import Samples, generate, image_rows
 from posttrain.sampling.inflight import Latest, generate_inflight
 from posttrain.sampling.layout import sampling_sharding
 from posttrain.sampling.rules import SamplingParams
@@ -143,8 +143,7 @@ class RolloutWorker:
         i*G+g drawing from fold_in(key, i*G+g), in a static batch or continuously refilled slots;
         given `latest` (and `inflight_every`), with the newest weights it names, switched in flight.
         `patches`: per prompt, its images' patches at its tokens or None (`envs.images`)."""
-        if patches is not None and all(p is None for p in patches):
-            patches = None
+        patches = image_rows(patches)
         if patches is not None and latest is not None and self.inflight_every:
             raise ValueError("rl.inflight_update_every: prompts with images are sampled without in-flight updates")
         with (self.clock or BusyClock()).busy():
