@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,7 +27,7 @@ from posttrain.core.harness import CHECKPOINT_ITEMS, Harness, Result, start_line
 from posttrain.core.metrics import DataCounts, compiled, summary
 from posttrain.core.optim import lr_schedule, make_optimizer
 from posttrain.core.state import TrainState, create_train_state, model_params
-from posttrain.core.step import check_nonfinite, make_train_step
+from posttrain.core.step import MAX_STEPS_AHEAD, check_nonfinite, dispatched, make_train_step
 from posttrain.data.reshard import state_for_process
 from posttrain.data.schedule import ScheduledBatches, parse_seq_len_schedule
 from posttrain.parallel import allgather_json, mesh_and_rules
@@ -62,9 +63,11 @@ def run_eval(stage: TrainSpec, graphdef: nnx.GraphDef, state: TrainState, lora_c
 
 
 @jax.jit
+@jax.jit
 def longest_context(longest: jax.Array, batch: dict) -> jax.Array:
     """`longest` raised to the longest sequence in `batch`: the last position + 1 of any real
-    (segment id > 0) token, over every `*positions` array with its `*segment_ids`."""
+    (segment id > 0) token, over every `*positions` array with its `*segment_ids`. One program
+    per step (the global batch's maximum, so every process records the same value)."""
     for key, positions in batch.items():
         if key.endswith("positions") and key.replace("positions", "segment_ids") in batch:
             real = batch[key.replace("positions", "segment_ids")] > 0
@@ -122,10 +125,12 @@ def train(cfg, stage: TrainSpec) -> Result:
         bar = run.bar(start)
         t0, last = time.perf_counter(), start - 1
         counts = DataCounts(stage.name)
+        in_flight = deque(maxlen=MAX_STEPS_AHEAD + 1)
         for step in bar:
             batch = put_batch(balanced_batch(data.at(step), shards, cfg.model.attention_block)[0], stage.batch_axes)
             trained = longest_context(trained, batch)
             state, metrics = step_fn(state, batch, *stage.extra)
+            dispatched(in_flight, metrics)
             if step == start:
                 compiled(bar, stage.name)
             if step % cfg.train.log_every == 0 or step == steps - 1:

@@ -1,4 +1,5 @@
-"""The language-model train step: masked next-token cross-entropy (+ MoE aux terms), AdamW update."""
+"""The language-model train step: masked next-token cross-entropy (+ MoE aux terms), AdamW update;
+and the bound on steps in flight (`dispatched`) that the training loops keep."""
 
 from __future__ import annotations
 
@@ -10,6 +11,21 @@ from flax import nnx
 from posttrain.core.state import TrainState, lora_scale
 from posttrain.errors import UserError
 from posttrain.models import lora
+
+# Steps dispatched ahead of the oldest one still running. A few hide the host's dispatch on any
+# accelerator. Unbounded run-ahead can deadlock XLA:CPU with several devices (simulated meshes):
+# jaxlib 0.10's CPU client admits 32 programs in flight per device and takes the slots out of
+# order, so a later program can hold the last slot of a device whose share of an earlier program's
+# all-reduce has not started; the other devices then wait at the rendezvous until XLA aborts.
+MAX_STEPS_AHEAD = 4
+
+
+def dispatched(results: list, result) -> None:
+    """Append the newest step's (device) `result` to `results` and wait for the one dispatched
+    `MAX_STEPS_AHEAD` steps before it, so no more steps than that are ever in flight."""
+    results.append(result)
+    if len(results) > MAX_STEPS_AHEAD:
+        jax.block_until_ready(results[-1 - MAX_STEPS_AHEAD])
 
 
 def moe_penalty(aux: dict, moe_cfg) -> jax.Array:

@@ -26,7 +26,7 @@ from flax import nnx
 
 from posttrain.core.batch import put_batch
 from posttrain.core.state import model_params
-from posttrain.core.step import make_train_step, moe_penalty
+from posttrain.core.step import dispatched, make_train_step, moe_penalty
 from posttrain.parallel import local_rows
 from posttrain.parallel.zigzag import balanced_batch, unzigzag
 from posttrain.rl.algo.advantages import (
@@ -367,7 +367,7 @@ class Learner:
                 state, m = self.step_fn(
                     state, put_batch(self.device_batch({k: v[rows] for k, v in batch.items()})[0]), *ref
                 )
-                all_metrics.append(m)
+                dispatched(all_metrics, m)
         return state, combine_metrics(jax.device_get(all_metrics))
 
 
