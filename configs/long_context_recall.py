@@ -34,7 +34,10 @@ longest length up to which accuracy stays >= 90%. This recipe (3 layers, 1600 st
   Probes (51 problems at 256) at steps 750 / 1000 / 1250 / 1500 / 1600: 0.02 / 0.65 / 0.82 /
   0.80 / 0.80; the loss sits at ~1.0 until step ~800 and falls to 0.14 by step 1000 (the match
   forms later than with 2 layers, then at once).
-- `:extend:llama3`, 200 steps at 1024: not finished when this was written (see BENCHMARKS.md).
+- `:extend:llama3`, 200 steps at 1024 (~28 min at 6-8 s/step under load 10), at 256 / 512 /
+  1024: 0.80 [0.73, 0.86] / 0.57 [0.49, 0.64] / 0.27 [0.21, 0.35], effective context 0 (the
+  run's own end-of-run grid, eval.long_context: 50 per depth at 0/0.5/1). Below the 2-layer
+  recipe's llama3 at 512 and 1024 (0.65 / 0.40): the better match at 256 did not carry over.
   The other scalings were not re-run with this recipe (time).
 The previous recipe (2 layers, 1500 steps) measured 0.63 [0.55, 0.71] at 256 (probes 0.20 /
 0.33 / 0.43 / 0.61 at 750 / 1000 / 1250 / 1500), its wrong answers another fact's value when
