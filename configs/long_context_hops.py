@@ -1,0 +1,69 @@
+"""Two-hop retrieval at 512 tokens on CPU, SFT then long-context RLVR with the sequence split over
+two devices (`mesh.sequence = 2`): kind `kvchain` of `posttrain/eval/long_context.py`
+("... QZX>BDW. ... BDW4821. ..." → "QZX?" → "QZX>BDW4821", the answer checked is the final value),
+held-out keys (every key of a problem, intermediate hops
+included) disjoint from training ones by a hash of the key.
+
+    python -m posttrain.main --config configs/long_context_hops.py                       # SFT
+    python tools/long_context_tasks.py --out runs/long_context_hops_tasks --lengths 512 \\
+        --kinds kvchain --hops 2 --train 512 --eval 64
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m posttrain.main \\
+        --config configs/long_context_hops.py:rl --config.seed=0 --config.workdir=runs/long_context_hops_rl_s0
+    python tools/long_context_eval.py --run runs/long_context_hops_rl_s0 --kinds kvchain,multihop \\
+        --hops 2 --lengths 512 --depths 0,0.5,1 --samples 17
+
+Stage 1 (SFT, `train.steps`) trains a byte-level 2-layer decoder (as configs/long_context_recall.py)
+on kvchain (2 hops) and kv records of 64-520 tokens, each a conversation asking every chain / fact
+of its context. It stops early on purpose (before the chain is learned) so RL has something to
+learn. Stage 2 (`:rl`, GRPO) starts from it on 512-token kvchain problems of the training split
+(tools/long_context_tasks.py; exact value, the math verifier) with the learner's attention and
+the sampler's KV cache split over `mesh.sequence = 2`, rollouts through continuous batching, and
+measures greedy held-out accuracy (64 problems of the eval split) before the first update and
+every 10 updates. Seeds 0, 1, 2 (`--config.seed`) of stage 2 share the SFT checkpoint.
+
+Measured: see BENCHMARKS.md, "Long context: two-hop chains and RL".
+"""
+
+from posttrain.config import base_config
+
+TASKS = "runs/long_context_hops_tasks"
+
+
+def get_config(arg: str = ""):
+    if arg not in ("", "rl"):
+        raise ValueError(f"configs/long_context_hops.py:{arg}: expected '' (SFT) or 'rl'")
+    cfg = base_config()
+    cfg.stage = "sft"
+    cfg.workdir = "runs/long_context_hops"
+    m = cfg.model
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
+        264,
+        64,
+        2,
+        4,
+        4,
+        32,
+        256,
+    )
+    cfg.data.synthetic, cfg.data.synthetic_size, cfg.data.synthetic_recall_density = "long_context", 8000, 2.0
+    cfg.sft.train_files = "synthetic:"
+    cfg.sft.eval_files, cfg.sft.sample_tokens, cfg.sft.gate = "", 0, ""
+    cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len, cfg.train.log_every = 600, 8, 544, 50
+    cfg.optim.lr, cfg.optim.warmup_steps = 5e-3, 50
+    cfg.checkpoint.every = 200
+    lc = cfg.eval.long_context
+    lc.kinds, lc.hops, lc.lengths, lc.depths, lc.samples, lc.max_new_tokens = "kvchain,kv", 2, "512", "0,0.5,1", 17, 14
+    if arg == "rl":
+        cfg.stage, cfg.init_from, cfg.workdir = "rlvr", "runs/long_context_hops", "runs/long_context_hops_rl"
+        lc.lengths = ""  # held-out accuracy is the RL eval's (rl.eval_files); tools/long_context_eval.py for the grid
+        cfg.mesh.data, cfg.mesh.sequence = -1, 2
+        cfg.sampling.continuous_batching, cfg.sampling.num_slots, cfg.sampling.refill_batch = True, 16, 8
+        r = cfg.rl
+        r.domains, r.train_files, r.eval_files = "", f"{TASKS}/train.jsonl", f"{TASKS}/eval.jsonl"
+        r.steps, r.lr = 40, 1e-3
+        r.prompts_per_step, r.group_size, r.max_new_tokens = 8, 8, 14
+        r.eval_every, r.eval_size, r.eval_samples = 10, 64, 1
+        cfg.optim.warmup_steps = 5
+        cfg.checkpoint.every = 20
+        cfg.train.log_every = 1
+    return cfg
