@@ -6,7 +6,7 @@ included) disjoint from training ones by a hash of the key.
 
     python -m posttrain.main --config configs/long_context_hops.py                       # SFT
     python tools/long_context_tasks.py --out runs/long_context_hops_tasks --lengths 512 \\
-        --kinds kvchain --hops 2 --train 512 --eval 64
+        --kinds kvchain --hops 2 --train 512 --eval 128
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m posttrain.main \\
         --config configs/long_context_hops.py:rl --config.seed=0 --config.workdir=runs/long_context_hops_rl_s0
     python tools/long_context_eval.py --run runs/long_context_hops_rl_s0 --kinds kvchain,multihop \\
@@ -18,7 +18,7 @@ of its context. It stops early on purpose (before the chain is learned) so RL ha
 learn. Stage 2 (`:rl`, GRPO) starts from it on 512-token kvchain problems of the training split
 (tools/long_context_tasks.py; exact value, the math verifier) with the learner's attention and
 the sampler's KV cache split over `mesh.sequence = 2`, rollouts through continuous batching, and
-measures greedy held-out accuracy (64 problems of the eval split) before the first update and
+measures greedy held-out accuracy (128 problems of the eval split) before the first update and
 every 10 updates. Seeds 0, 1, 2 (`--config.seed`) of stage 2 share the SFT checkpoint.
 
 Measured: see BENCHMARKS.md, "Long context: two-hop chains and RL".
@@ -62,7 +62,7 @@ def get_config(arg: str = ""):
         r.domains, r.train_files, r.eval_files = "", f"{TASKS}/train.jsonl", f"{TASKS}/eval.jsonl"
         r.steps, r.lr = 40, 1e-3
         r.prompts_per_step, r.group_size, r.max_new_tokens = 8, 8, 14
-        r.eval_every, r.eval_size, r.eval_samples = 10, 64, 1
+        r.eval_every, r.eval_size, r.eval_samples = 10, 128, 1
         cfg.optim.warmup_steps = 5
         cfg.checkpoint.every = 20
         cfg.train.log_every = 1

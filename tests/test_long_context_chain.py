@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import runpy
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,27 @@ def test_long_context_eval_accepts_the_chain_kind():
     with pytest.raises(ValueError, match="kinds"):
         lc.kinds = "chain"
         parse_grid(lc)
+
+
+HOPS = runpy.run_path(str(Path(__file__).resolve().parents[1] / "configs" / "long_context_hops.py"))
+
+
+def test_hops_config_trains_then_runs_rl_on_long_prompts_split_over_the_sequence(tmp_path, monkeypatch):
+    """configs/long_context_hops.py: SFT on kvchain + kv up to 544 tokens, then `:rl` from that
+    run on 512-token kvchain task files with `mesh.sequence = 2` and continuous batching."""
+    from posttrain.config_schema import check_config
+    from posttrain.stages.common import run_max_context
+
+    monkeypatch.chdir(tmp_path)
+    sft, rl = HOPS["get_config"](), HOPS["get_config"]("rl")
+    assert sft.stage == "sft" and sft.eval.long_context.kinds == "kvchain,kv" and sft.eval.long_context.hops == 2
+    tasks_tool.main(["--out", HOPS["TASKS"], "--kinds", "kvchain", "--lengths", "512", "--train", "2", "--eval", "2"])
+    for cfg in (sft, rl):
+        check_config(cfg)
+    assert rl.stage == "rlvr" and rl.init_from == sft.workdir != rl.workdir and rl.mesh.sequence == 2
+    assert rl.sampling.continuous_batching and rl.model.to_dict() == sft.model.to_dict()
+    prompt = json.loads(open(f"{HOPS['TASKS']}/eval.jsonl").readline())["prompt"]
+    need = len(ByteTokenizer().encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)[0])
+    assert need + rl.rl.max_new_tokens <= run_max_context(sft)  # RL prompts within the SFT context
+    with pytest.raises(ValueError, match="expected '' \\(SFT\\) or 'rl'"):
+        HOPS["get_config"]("ppo")
