@@ -29,8 +29,8 @@ Measured (BENCHMARKS.md, "Long context: two-hop key chains and RL (issue 28, CPU
 CPU at load 8-13). NOT the issue's targets:
 - two-hop (kvchain, 2 hops) at 512 tokens after `:warm` (300 steps, 12.7 min): 0.35 (18/51)
   [0.24, 0.49]; kv 0.39. From scratch (`''` + `:more`, 1200 steps): 0.00 on both.
-- RL seed 0, greedy held-out (128 problems): 0.258 before, 0.219 after 5 updates, 0.234 after 10
-  (sampled 0.156 → 0.195): no gain. ~46 s per update, ~16 min per seed; seeds 1, 2 not run.
+- RL, greedy held-out (128 problems), before → after 10 updates: seed 0 0.258 → 0.234, seed 1
+  0.258 → 0.227 (range 0.227-0.234): no gain. ~46 s per update, 11-16 min per seed; seed 2 not run.
 - `sequence = 2` trains as `sequence = 1` (losses equal over the first steps):
   tests/test_long_context_rl.py.
 """
