@@ -11,7 +11,6 @@ from posttrain.config import base_config
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.eval import long_context_eval
 from posttrain.eval.long_context import (
-    dense_recall_facts,
     generate_problem,
     is_correct,
     multihop,
@@ -21,8 +20,8 @@ from posttrain.eval.long_context import (
     recall_facts,
     recall_key_split,
     recall_keys,
-    training_records,
 )
+from posttrain.eval.long_context_train import dense_recall_facts, training_records
 
 FACT = re.compile(r"The code of (\w+) is (?:(-?\d+)|the code of (\w+) (plus|minus) (\d+))\.")
 

@@ -12,11 +12,15 @@ multi-hop reasoning hidden in filler text.
               (recall with the value right after the key: the first digit follows the key's
               last letter, as every later digit follows the one before, so one induction
               match reads it; with "=" between, every fact's value follows the same "=")
+    kvchain   "... QZX>BDW. ... BDW4821. ..."                      → "QZX?"  4821
+              (multi-hop: a chain of `hops` facts, pointers then a value, each hop one
+              retrieval; training answers write the chain, "QZX>BDW4821": `chain_problems`)
 
 Problems are a pure function of (kind, split, seed, index, length, depth): the same arguments
 give the same text on any machine. The `train` and `eval` splits draw names from disjoint
-syllable sets (recall keys: by a hash of the key, `recall_key_split`), so no evaluation name (the
-thing retrieved) can occur in training data generated here, whatever the seeds.
+syllable sets (recall, kv and kvchain keys, intermediate hops included: by a hash of the key,
+`recall_key_split`), so no evaluation name (the thing retrieved) can occur in training data
+generated here (`long_context_train.training_records`), whatever the seeds.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-KINDS = ("needle", "multihop", "recall", "kv")
+KINDS = ("needle", "multihop", "recall", "kv", "kvchain")
 RECALL_SEPARATORS = {"recall": "=", "kv": ""}  # between a recall key and its value
 SPLITS = ("train", "eval")
 # A name is a first syllable from its split's set and one or two more from the shared ones.
@@ -74,6 +78,7 @@ class Problem:
     length: int
     depth: float
     fact_depths: tuple[float, ...]
+    response: str = ""  # a training answer that shows the work ("QZX>BDW4821"); "" = the answer
 
 
 def _rng(kind: str, split: str, seed: int, index: int, length: int, depth: float) -> np.random.Generator:
@@ -243,8 +248,59 @@ def recall(length: int, depth: float, **kw) -> Problem:
     return recall_problems(length, depth, **kw)[0]
 
 
+def chain_count(length: int) -> int:
+    """Chains in a context of `length` tokens: 1 + length // 256 (2 at 256, 3 at 512, 5 at 1024)."""
+    return 1 + length // 256
+
+
+def chain_problems(
+    length: int,
+    depth: float,
+    *,
+    hops: int = 2,
+    index: int = 0,
+    seed: int = 0,
+    split: str = "eval",
+    count: Callable[[str], int] = lambda s: len(s.encode()),
+    chains: int = 0,
+) -> list[Problem]:
+    """`chains` (default `chain_count(length)`) chains of `hops` facts in filler text, one Problem
+    per chain, all with the same context, each asking its chain's first key ("QZX?"); the first is
+    the evaluation problem. `Problem.response` is the chain written out ("QZX>BDW4821")."""
+    if hops < 1:
+        raise ValueError(f"hops={hops}: need at least 1")
+    rng = _rng("kvchain", split, seed, index, length, depth)
+    n = chains or chain_count(length)
+    keys = recall_keys(rng, split, n * hops)
+    values = [str(int(v)) for v in rng.integers(1000, 10000, n)]
+    facts, depths, asked = [], [], []
+    for c in range(n):
+        chain = keys[c * hops : (c + 1) * hops]
+        facts += [f"{a}>{b}." for a, b in zip(chain, chain[1:])] + [f"{chain[-1]}{values[c]}."]
+        depths += [float(d) for d in rng.random(hops)]
+        asked.append((chain[0], ">".join(chain) + values[c], len(facts) - hops))
+    depths[0] = depth
+    order = rng.permutation(len(facts))  # chains interleaved, not in runs of their own facts
+    longest = max((f"{k}?" for k, _, _ in asked), key=count)
+    context, achieved = place([facts[i] for i in order], [depths[i] for i in order], longest, length, rng, count)
+    context = context.rsplit("\n", 1)[0]
+    where = {int(i): a for i, a in zip(order, achieved)}
+    return [
+        Problem("kvchain", f"{context}\n{key}?", value, length, depth, (where[first],), response)
+        for (key, response, first), value in zip(asked, values)
+    ]
+
+
+def chain(length: int, depth: float, **kw) -> Problem:
+    """One `hops`-fact chain problem whose first fact sits at fraction `depth` (`chain_problems`)."""
+    return chain_problems(length, depth, **kw)[0]
+
+
 def generate_problem(kind: str, length: int, depth: float, **kw) -> Problem:
-    """`needle(...)`, `multihop(...)`, `recall(...)` or kv (`recall(..., kind="kv")`) by name."""
+    """`needle(...)`, `multihop(...)`, `recall(...)`, kv (`recall(..., kind="kv")`) or kvchain
+    (`chain(...)`) by name."""
+    if kind == "kvchain":
+        return chain(length, depth, **kw)
     if kind in ("needle", "recall", "kv"):
         kw.pop("hops", None)
         return needle(length, depth, **kw) if kind == "needle" else recall(length, depth, kind=kind, **kw)
@@ -260,91 +316,3 @@ def is_correct(completion: str, answer: str) -> bool:
     """Exact-answer check: the first integer in the completion is the answer."""
     m = _NUMBER.search(completion)
     return m is not None and m.group(0) == answer
-
-
-def training_records(
-    n: int,
-    min_length: int,
-    max_length: int,
-    *,
-    seed: int = 0,
-    kinds: tuple[str, ...] = KINDS,
-    hops: int = 2,
-    count: Callable[[str], int] = lambda s: len(s.encode()),
-    recall_density: float = 0.0,
-) -> list[dict]:
-    """`n` SFT records ({"prompt", "response"}) of the `train` split — names disjoint from every
-    evaluation problem — with prompt lengths spread over [min_length, max_length] tokens and
-    depths over [0, 1], kinds alternating: data that teaches retrieval at every length. Lengths
-    are log-uniform, so short problems (an early, short stage of a staged run) are common. A
-    recall record is a conversation ({"messages"}) asking every fact of its context, one turn
-    each, so each context teaches several retrievals; its turns fit the same token budget, and its
-    answers restate the key ("QZX=4821": the answer checked is the number). `recall_density` > 0:
-    each recall context holds a number of facts drawn uniformly from `recall_facts(length)` up to
-    `recall_density` per 64 tokens (`dense_recall_facts`): more distractors to tell apart and more
-    questions per context."""
-    if not 0 < min_length <= max_length:
-        raise ValueError(f"training_records: need 0 < min_length={min_length} <= max_length={max_length}")
-    rng = np.random.default_rng([len(SPLITS), seed])  # a namespace of its own
-    out = []
-    for i in range(n):
-        length = int(round(np.exp(rng.uniform(np.log(min_length), np.log(max_length)))))
-        if kinds[i % len(kinds)] in RECALL_SEPARATORS:
-            depth = float(rng.random())
-            out.append(_recall_record(length, max_length, depth, i, seed, count, recall_density, kinds[i % len(kinds)]))
-            continue
-        p = generate_problem(
-            kinds[i % len(kinds)],
-            length,
-            float(rng.random()),
-            index=i,
-            seed=seed,
-            split="train",
-            hops=hops,
-            count=count,
-        )
-        out.append({"prompt": p.prompt, "response": p.answer})
-    return out
-
-
-def dense_recall_facts(length: int, density: float, rng: np.random.Generator, fact_tokens: int = 10) -> int:
-    """A fact count for a training recall context of `length` tokens, uniform from
-    `recall_facts(length)` to `density` facts per 64 tokens, at most what fills 70% of the context
-    with facts of `fact_tokens` tokens ("QZX=4821. ")."""
-    lo = recall_facts(length)
-    hi = max(lo, min(int(density * length / 64), int(0.7 * length) // fact_tokens))
-    return int(rng.integers(lo, hi + 1))
-
-
-RECALL_TURN_TOKENS = 18  # a further question and answer turn: "KEY=?", "KEY=1234" and 4 chat markers, with room
-
-
-def _recall_record(
-    length: int,
-    max_length: int,
-    depth: float,
-    index: int,
-    seed: int,
-    count: Callable[[str], int],
-    density: float = 0.0,
-    kind: str = "recall",
-) -> dict:
-    """A training conversation over one recall context of `length` tokens (as an evaluation
-    problem's), asking its facts in turn (random order), as many as fit in `max_length`: every
-    one in short contexts, at least one in the longest, so contexts as long as the evaluated ones
-    are trained too."""
-    facts = dense_recall_facts(length, density, np.random.default_rng([len(SPLITS), seed, index, 1])) if density else 0
-    problems = recall_problems(
-        length, depth, index=index, seed=seed, split="train", count=count, facts=facts, kind=kind
-    )
-    turns = min(len(problems), 1 + max(max_length - length, 0) // RECALL_TURN_TOKENS)
-    order = np.random.default_rng([len(SPLITS), seed, index]).permutation(len(problems))[:turns]
-    messages = []
-    for j, k in enumerate(order):
-        context, question = problems[k].prompt.rsplit("\n", 1)
-        answer = f"{question.removesuffix('?')}{problems[k].answer}"  # "QZX=4821"
-        messages += [
-            {"role": "user", "content": problems[k].prompt if j == 0 else question},
-            {"role": "assistant", "content": answer},
-        ]
-    return {"messages": messages}

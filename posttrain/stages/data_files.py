@@ -143,17 +143,17 @@ def _generate(cfg, key: str, kind: str, split: str, tok, write: bool) -> str:
 def _long_context_file(cfg, folder: str, split: str, tok, write: bool) -> str:
     """SFT records of needle / multi-hop problems from the training name space (disjoint from
     `eval.long_context`'s) of the kinds `eval.long_context.kinds` evaluates, prompts of 160
-    tokens (the longest facts of `eval.long_context.hops` <= 3 fit; recall alone: 64, so short
+    tokens (the longest facts of `eval.long_context.hops` <= 3 fit; recall / kv / kvchain alone: 64, so short
     contexts teach the match first and stay in the mix; `data.synthetic_min_length` when set) up to
     what fits train.seq_len; `data.synthetic_recall_density`: denser recall contexts."""
     import fsspec
 
-    from posttrain.eval.long_context import training_records
+    from posttrain.eval.long_context_train import training_records
 
     n = cfg.data.synthetic_size if split == "train" else max(cfg.data.synthetic_size // 8, 1)
     hi, hops = cfg.train.seq_len - 24, cfg.eval.long_context.hops  # room for chat markers, answer
     kinds = tuple(k.strip() for k in cfg.eval.long_context.kinds.split(",") if k.strip())
-    lo = min(cfg.data.synthetic_min_length or (64 if set(kinds) <= {"recall", "kv"} else 160), hi)
+    lo = min(cfg.data.synthetic_min_length or (64 if set(kinds) <= {"recall", "kv", "kvchain"} else 160), hi)
     density = cfg.data.synthetic_recall_density
     shortest = f"_min{lo}" if cfg.data.synthetic_min_length else ""  # default files keep their names
     dense = f"_density{density:g}" if density else ""
