@@ -286,3 +286,24 @@ def test_demos_by_named_click_the_marked_item_at_pixels_and_the_rest_by_label(tm
             assert first.label == task.target.goal[1]
         assert all(parse_action(a).xy is None for a in actions[1:])
         assert play(env(tmp_path), task, actions).reward.correct == 1.0
+
+
+def test_blank_screen_control_shows_white_screens_and_keeps_the_check(tmp_path, monkeypatch):
+    """tools/screen_blank.py: every screen of an episode is white, the reward still the state check."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import screen_blank
+
+    from posttrain.rl.envs import screen_env
+
+    monkeypatch.setattr(screen_env, "render", screen_env.render)  # restored after the test
+    screen_blank.blank_screens()
+    shown = set()
+    for task in screen_tasks(3, 0, "train"):
+        e = env(tmp_path)
+        e.reset(task)
+        image = np.asarray(Image.open(e.images[0]))
+        assert image.shape == (64, 64, 3) and (image == 255).all()
+        shown.add(e.images[0])
+        assert play(env(tmp_path), task, solution(task, True)).reward.correct == 1.0
+        assert play(env(tmp_path), task, ['click("OK")']).reward.correct == 0.0
+    assert len(shown) == 1  # one white file for every screen
