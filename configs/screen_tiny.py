@@ -29,9 +29,9 @@ Measured (BENCHMARKS.md, "Screenshot agent"; n = 56 held-out tasks, 3 seeds): gr
 success 5.4% after SFT (0.0-16.1%), 22.6% after 30 GRPO updates (21.4-25.0%), a gain of +17.3
 points (+5.4 to +25.0); the learner's log-probs equal the sampler's (rl/behav_gap_max <= 1.1e-5).
 Short of a policy that reads screens: the gain is the unlearned early OK. The RL'd policies click
-one fixed point on every `marked` screen (right 26-42% of the time, as with blank screens: seed 0
-31.6% both ways) and one fixed label for `select` whatever the instruction names; `type` copies the
-instruction's field and text only partly.
+one fixed point on every `marked` screen (right 26-42% of the time; with blank screens every seed
+scores the same, overall and per kind) and one fixed label for `select` whatever the instruction
+names; `type` copies the instruction's field and text only partly.
 """
 
 from posttrain.config import base_config
