@@ -90,3 +90,24 @@ def test_accuracy_and_pass_at_k_count_correct_answers_that_shaping_penalised():
         )
     assert suite["accuracy"] == 1.0 and suite["mean_accuracy"] == 0.75 and suite["pass@1"] == 0.75
     assert suite["pass@4"] == 1.0 and suite["score_mean"] == pytest.approx(np.mean(scores))
+
+
+def test_greedy_accuracy_is_reported_per_difficulty_label():
+    """`eval/accuracy/<label>` for each label of the held-out tasks (a screen task's kind), none when
+    a task has no string label (it would mix labelled and unlabelled tasks)."""
+    reward_fn = shaped_reward_fn()
+
+    def task(i, answer, label):
+        return Task(f"t{i}", ({"role": "user", "content": f"What is {i}?"},), MathTask(answer), label)
+
+    tasks = [task(0, "85", "easy"), task(1, "84", "hard"), task(2, "85", "hard")]
+    domain = Domain("arithmetic", tasks, lambda: SingleTurnEnv(TOK, reward_fn, max_turn_tokens=MAX_TOKENS))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        worker = FixedWorker(None, {"arithmetic": domain}, None, 0, pool)
+        worker.greedy, worker.sampled = SHORT, (SHORT, WRONG)
+        m = evaluate(worker, None, None, [("arithmetic", t) for t in tasks], jax.random.key(0), 2)
+        assert m["eval/accuracy"] == pytest.approx(2 / 3)
+        assert m["eval/accuracy/easy"] == 1.0 and m["eval/accuracy/hard"] == 0.5
+        unlabelled = [("arithmetic", tasks[0]), ("arithmetic", task(3, "85", None))]
+        m = evaluate(worker, None, None, unlabelled, jax.random.key(0), 2)
+    assert not [k for k in m if k.startswith("eval/accuracy/")]

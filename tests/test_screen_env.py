@@ -229,3 +229,81 @@ def test_demo_files_have_relative_screens_that_exist(tmp_path):
             ]
             assert images and all(not os.path.isabs(p) and (out / p).is_file() for p in images)
             assert [m["role"] for m in messages][-1] == "assistant" and parse_action(messages[-1]["content"])
+
+
+def _demo_records(out) -> dict[str, list[list[str]]]:
+    """The assistant turns of each demonstration file under `out`."""
+    return {
+        name: [
+            [m["content"] for m in json.loads(line)["messages"] if m["role"] == "assistant"]
+            for line in (out / name).read_text().splitlines()
+        ]
+        for name in ("screen_sft_train.jsonl", "screen_sft_eval.jsonl")
+    }
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.5, 1.0])
+def test_demo_error_rate_presses_ok_early_in_that_share_of_training_demos(tmp_path, rate):
+    """`--error-rate p`: a share p of the training demonstrations press OK one action too early
+    (well-formed, failing the environment's own check); the held-out file stays honest."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from screen_demos import write_screen_demos
+
+    out, n = tmp_path / "demos", 40
+    write_screen_demos(str(out), n, 6, seed=3, by="named", error_rate=rate)
+    records = _demo_records(out)
+    for name, split, count in (("screen_sft_train.jsonl", "train", n), ("screen_sft_eval.jsonl", "test", 6)):
+        rewards = []
+        for task, actions in zip(screen_tasks(count, 3, split), records[name], strict=True):
+            traj = play(env(tmp_path), task, actions)
+            assert not traj.info["malformed"] and parse_action(actions[-1]) == Action("click", label="OK")
+            assert len(actions) == len(solution(task, False)) - (traj.reward.correct < 1)  # one short
+            rewards.append(traj.reward.correct)
+        wrong = rewards.count(0.0)
+        if split == "test" or rate == 0.0:
+            assert wrong == 0, (name, rewards)
+        elif rate == 1.0:
+            assert wrong == count
+        else:
+            assert 0.3 * count <= wrong <= 0.7 * count, wrong
+    with pytest.raises(ValueError, match="error_rate"):
+        write_screen_demos(str(out), 2, 1, error_rate=1.5)
+
+
+def test_demos_by_named_click_the_marked_item_at_pixels_and_the_rest_by_label(tmp_path):
+    """`--by named`: the instruction's named things (select's item, type's field, OK) by label, the
+    marked item (only the screen shows it) at its centre."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from screen_demos import write_screen_demos
+
+    out = tmp_path / "demos"
+    write_screen_demos(str(out), 9, 3, seed=2, by="named")
+    for task, actions in zip(screen_tasks(9, 2, "train"), _demo_records(out)["screen_sft_train.jsonl"], strict=True):
+        first = parse_action(actions[0])
+        if task.difficulty == "marked":
+            assert first.xy == centre(task, task.target.goal[1])
+        else:
+            assert first.label == task.target.goal[1]
+        assert all(parse_action(a).xy is None for a in actions[1:])
+        assert play(env(tmp_path), task, actions).reward.correct == 1.0
+
+
+def test_blank_screen_control_shows_white_screens_and_keeps_the_check(tmp_path, monkeypatch):
+    """tools/screen_blank.py: every screen of an episode is white, the reward still the state check."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import screen_blank
+
+    from posttrain.rl.envs import screen_env
+
+    monkeypatch.setattr(screen_env, "render", screen_env.render)  # restored after the test
+    screen_blank.blank_screens()
+    shown = set()
+    for task in screen_tasks(3, 0, "train"):
+        e = env(tmp_path)
+        e.reset(task)
+        image = np.asarray(Image.open(e.images[0]))
+        assert image.shape == (64, 64, 3) and (image == 255).all()
+        shown.add(e.images[0])
+        assert play(env(tmp_path), task, solution(task, True)).reward.correct == 1.0
+        assert play(env(tmp_path), task, ['click("OK")']).reward.correct == 0.0
+    assert len(shown) == 1  # one white file for every screen

@@ -233,3 +233,34 @@ def test_screen_rlvr_runs_end_to_end(tmp_path):
     assert len(gaps) == 2 and max(gaps) < 1e-4, gaps
     assert all("rl/turns_per_episode" in r for r in rows if "rl/behav_gap_max" in r)
     assert len([r for r in rows if "eval/tool_success_rate" in r]) == 2
+
+
+@pytest.mark.slow  # ~1 CPU-minute; the default suite runs screen episodes in test_screen_episode_rollouts_...
+def test_screen_tiny_pipeline_smoke(tmp_path):
+    """configs/screen_tiny.py end to end, a few steps: SFT on sloppy screen demonstrations
+    (tools/screen_demos.py --by named --error-rate), then GRPO on screen episodes whose learner
+    log-probs are the sampler's, with greedy held-out success per kind before and after RL."""
+    import runpy
+
+    from screen_demos import write_screen_demos
+
+    from posttrain import main
+
+    demos = tmp_path / "demos"
+    write_screen_demos(str(demos), 12, 3, by="named", error_rate=0.6)
+    cfg = runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "configs", "screen_tiny.py"))["get_config"]()
+    cfg.sft.train_files, cfg.sft.eval_files = (
+        str(demos / "screen_sft_train.jsonl"),
+        str(demos / "screen_sft_eval.jsonl"),
+    )
+    cfg.workdir = str(tmp_path / "run")
+    cfg.sft.steps, cfg.train.batch_size, cfg.train.eval_every, cfg.train.log_every = 2, 4, 2, 1
+    cfg.model.num_layers, cfg.model.embed_dim, cfg.model.mlp_dim = 1, 32, 64
+    cfg.rl.steps, cfg.rl.eval_every, cfg.rl.eval_size, cfg.rl.eval_samples = 2, 2, 3, 2
+    cfg.rl.prompts_per_step, cfg.rl.group_size, cfg.rl.max_turns = 2, 2, 2
+    main.run(cfg)
+    rows = _rows(tmp_path / "run" / "1_rlvr" / "metrics.jsonl")
+    gaps = [r["rl/behav_gap_max"] for r in rows if "rl/behav_gap_max" in r]
+    assert len(gaps) == 2 and max(gaps) < 1e-4, gaps
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert len(evals) == 2 and all(f"eval/accuracy/{k}" in r for r in evals for k in ("select", "marked", "type"))

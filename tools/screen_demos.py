@@ -1,4 +1,4 @@
-"""SFT demonstrations for the screenshot agent: honest episodes of screen tasks (`rl/tasks/screen_domain.py`)
+"""SFT demonstrations for the screenshot agent: episodes of screen tasks (`rl/tasks/screen_domain.py`)
 written as `{"messages": [...]}` records, each screen a PNG under `--out/screens/` (paths relative to
 the JSONL file's folder), exactly the conversation `ScreenEnv` shows in an RL episode.
 
@@ -6,7 +6,15 @@ the JSONL file's folder), exactly the conversation `ScreenEnv` shows in an RL ep
 
 Writes `screen_sft_train.jsonl` (train-split tasks) and `screen_sft_eval.jsonl` (held-out tasks, for
 the SFT evaluation loss; never trained on). `--by xy` clicks at pixel coordinates (the policy must
-find the element in the image), `label` clicks by label, `both` alternates.
+find the element in the image), `label` clicks by label, `both` alternates, `named` clicks by label
+what the instruction names (select's item, type's field, OK) and at pixels the marked item (only the
+screen shows which one it is).
+
+`--error-rate p` makes the teacher sloppy, as `tools/visual_tasks.py --sft-error-rate` does: a share
+p of the training demonstrations (a seeded draw) press OK one action too early -- before selecting
+the item, or after focusing the field but before typing -- a well-formed episode that fails the
+state check, so imitation learns the habit and RL (`configs/screen_tiny.py`) has it to unlearn. The
+held-out file stays honest.
 """
 
 from __future__ import annotations
@@ -15,10 +23,15 @@ import argparse
 import json
 import os
 
-from posttrain.rl.envs.screen_env import SCREEN_SYSTEM_PROMPT, demo_messages
+import numpy as np
+
+from posttrain.rl.envs.draw import png_bytes
+from posttrain.rl.envs.screen import ScreenState, apply, parse_action, render, solution
+from posttrain.rl.envs.screen_env import NEXT, SCREEN_SYSTEM_PROMPT, prompt_text, screen_message, write_screen
 from posttrain.rl.tasks.screen_domain import KINDS, screen_tasks
 
 SCREENS = "screens"
+BY = ("xy", "label", "both", "named")
 
 
 def _relative(messages: list[dict], out: str) -> list[dict]:
@@ -32,6 +45,39 @@ def _relative(messages: list[dict], out: str) -> list[dict]:
     return rel
 
 
+def demo_actions(task, by_xy: bool, *, named: bool = False, early_ok: bool = False) -> list[str]:
+    """The actions of a demonstration of `task` (a screen Task): the honest ones (`screen.solution`,
+    at pixels or by label; `named`: by label except the marked item, at pixels), or with `early_ok`
+    the sloppy teacher's: OK pressed in place of the action before it (the item's click, or the
+    typing), an episode that fails the state check."""
+    if named:
+        xy = solution(task.target, by_xy=True)
+        actions = [xy[0] if task.difficulty == "marked" else solution(task.target, by_xy=False)[0]]
+        actions += solution(task.target, by_xy=False)[1:]
+    else:
+        actions = solution(task.target, by_xy)
+    if early_ok:
+        actions = [*actions[:-2], actions[-1]]  # the last action presses OK, in the demonstration's mode
+    return actions
+
+
+def episode_messages(task, actions: list[str], image_dir: str, system_prompt: str | None) -> list[dict]:
+    """The conversation `ScreenEnv` shows for `actions` played on `task` (screens written to
+    `image_dir`, absolute paths); the episode must end with OK or CANCEL pressed."""
+    target, state = task.target, ScreenState()
+    screen = lambda: write_screen(image_dir, png_bytes(render(target, state)))  # noqa: E731
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append(screen_message(screen(), prompt_text(task)))
+    for action in actions:
+        messages.append({"role": "assistant", "content": action})
+        apply(target, state, parse_action(action))
+        if not state.over:
+            messages.append(screen_message(screen(), NEXT))
+    if not state.over:
+        raise ValueError(f"task {task.id}: the demonstration {actions} never presses OK or CANCEL")
+    return messages
+
+
 def write_screen_demos(
     out: str,
     n: int,
@@ -41,18 +87,23 @@ def write_screen_demos(
     by: str = "both",
     kinds: tuple[str, ...] = KINDS,
     system_prompt: str | None = SCREEN_SYSTEM_PROMPT,
+    error_rate: float = 0.0,
 ) -> dict[str, int]:
     """Write the demonstration files (module docstring) under `out`; returns records per file."""
-    if by not in ("xy", "label", "both"):
-        raise ValueError(f"by={by!r}: expected xy, label or both")
+    if by not in BY:
+        raise ValueError(f"by={by!r}: expected one of {BY}")
+    if not 0.0 <= error_rate <= 1.0:
+        raise ValueError(f"error_rate={error_rate}: expected a fraction in [0, 1]")
     os.makedirs(out, exist_ok=True)
     image_dir = os.path.join(os.path.abspath(out), SCREENS)
     counts = {}
     for name, split, count in (("screen_sft_train.jsonl", "train", n), ("screen_sft_eval.jsonl", "test", n_eval)):
+        sloppy = np.random.default_rng([seed, 7]).random(count) < (error_rate if split == "train" else 0.0)
         records = []
         for i, task in enumerate(screen_tasks(count, seed, split, kinds=kinds)):
             by_xy = by == "xy" or (by == "both" and i % 2 == 0)
-            messages = demo_messages(task, image_dir, by_xy=by_xy, system_prompt=system_prompt)
+            actions = demo_actions(task, by_xy, named=by == "named", early_ok=bool(sloppy[i]))
+            messages = episode_messages(task, actions, image_dir, system_prompt)
             records.append({"messages": _relative(messages, os.path.abspath(out))})
         with open(os.path.join(out, name), "w") as f:
             f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
@@ -67,13 +118,19 @@ def main(argv=None) -> None:
     p.add_argument("--n", type=int, default=600, help="training demonstrations")
     p.add_argument("--eval", type=int, default=45, help="held-out demonstrations")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--by", default="both", choices=("xy", "label", "both"))
+    p.add_argument("--by", default="both", choices=BY)
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {KINDS}")
+    p.add_argument("--error-rate", type=float, default=0.0, help="share of training demonstrations pressing OK early")
     args = p.parse_args(argv)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     if bad := [k for k in kinds if k not in KINDS]:
         p.error(f"--kinds {','.join(bad)}: expected some of {KINDS}")
-    for name, count in write_screen_demos(args.out, args.n, args.eval, args.seed, by=args.by, kinds=kinds).items():
+    if not 0.0 <= args.error_rate <= 1.0:
+        p.error(f"--error-rate {args.error_rate}: expected a fraction in [0, 1]")
+    counts = write_screen_demos(
+        args.out, args.n, args.eval, args.seed, by=args.by, kinds=kinds, error_rate=args.error_rate
+    )
+    for name, count in counts.items():
         print(f"{args.out}/{name}: {count} demonstrations")
 
 

@@ -338,7 +338,8 @@ def all_solved(groups: list[Group]) -> list[list[bool]]:
 
 
 def evaluate(worker: RolloutWorker, params, rest, held_out, key, k: int, score_fn=None) -> dict:
-    """Held-out accuracy (greedy), mean sampled accuracy and pass@k (unbiased, k samples), all of
+    """Held-out accuracy (greedy; per difficulty label too, `eval/accuracy/<label>`, when every
+    held-out task has a string label), mean sampled accuracy and pass@k (unbiased, k samples), all of
     verdict correctness (`all_solved`), and beside them the mean shaped reward of the sampled
     responses (`eval/score_mean`, what the learner is paid); with `score_fn` (token rows → learned
     rewards, RLHF) also the mean learned reward of the sampled responses, `eval/rm_score`."""
@@ -354,6 +355,10 @@ def evaluate(worker: RolloutWorker, params, rest, held_out, key, k: int, score_f
         "eval/score_mean": float(np.mean(all_rewards(sampled.groups))),
         "eval/response_len": sampled_info["response_len_mean"],
     }
+    labels = [d for part in allgather_json([g.task.difficulty for g in greedy.groups]) for d in part]
+    if labels and all(isinstance(d, str) for d in labels):  # greedy accuracy per label (e.g. a screen task's kind)
+        for label in sorted(set(labels)):
+            out[f"eval/accuracy/{label}"] = float(np.mean([ok for ok, d in zip(greedy_ok, labels) if d == label]))
     if "tool_success_rate" in greedy.info:  # multi-turn episodes: solved by the final check, penalties aside
         out.update(
             {
