@@ -35,7 +35,7 @@ CPU at load 8-13). NOT the issue's targets:
   tests/test_long_context_rl.py.
 """
 
-from posttrain.config import base_config
+from configs.long_context_recall import get_config as recall_config
 
 TASKS = "runs/long_context_hops_tasks"
 MODES = ("", "more", "warm", "rl")
@@ -44,32 +44,21 @@ MODES = ("", "more", "warm", "rl")
 def get_config(arg: str = ""):
     if arg not in MODES:
         raise ValueError(f"configs/long_context_hops.py:{arg}: expected one of {MODES}")
-    cfg = base_config()
-    cfg.stage = "sft"
+    # the kv model of configs/long_context_recall.py (`:warm` and `:rl` start from its checkpoint,
+    # so they keep its shape), its synthetic long-context data and optimiser
+    cfg = recall_config()
     cfg.workdir = "runs/long_context_hops"
-    m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        64,
-        2,
-        4,
-        4,
-        32,
-        256,
-    )
-    cfg.data.synthetic, cfg.data.synthetic_size, cfg.data.synthetic_recall_density = "long_context", 8000, 2.0
-    cfg.sft.train_files = "synthetic:"
-    cfg.sft.eval_files, cfg.sft.sample_tokens, cfg.sft.gate = "", 0, ""
-    cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len, cfg.train.log_every = 600, 8, 544, 50
-    cfg.optim.lr, cfg.optim.warmup_steps = 5e-3, 50
+    kv_layers, cfg.model.num_layers = cfg.model.num_layers, 2  # 2: the from-scratch recipe ('' and :more)
+    cfg.data.synthetic_size, cfg.data.synthetic_recall_density = 8000, 2.0
+    cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len = 600, 8, 544
     cfg.checkpoint.every = 200
     lc = cfg.eval.long_context
-    lc.kinds, lc.hops, lc.lengths, lc.depths, lc.samples, lc.max_new_tokens = "kvchain,kv", 2, "512", "0,0.5,1", 17, 14
+    lc.kinds, lc.hops, lc.lengths, lc.samples, lc.max_new_tokens = "kvchain,kv", 2, "512", 17, 14
     if arg == "more":  # a second SFT run from the first, on the same records (a warm restart of the lr)
         cfg.init_from, cfg.workdir = "runs/long_context_hops", "runs/long_context_hops_more"
         cfg.optim.lr, cfg.optim.warmup_steps = 3e-3, 20
-    if arg in ("warm", "rl"):  # from the kv model of configs/long_context_recall.py (3 layers, 256 tokens)
-        m.num_layers = 3
+    if arg in ("warm", "rl"):
+        cfg.model.num_layers = kv_layers
         cfg.init_from, cfg.workdir = "runs/long_context_recall", "runs/long_context_hops_warm"
         cfg.train.steps, cfg.optim.lr, cfg.optim.warmup_steps = 300, 2e-3, 20
         cfg.checkpoint.every = 100

@@ -34,32 +34,25 @@ scores the same, overall and per kind) and one fixed label for `select` whatever
 names; `type` copies the instruction's field and text only partly.
 """
 
-from posttrain.config import base_config
+from configs.vision_tiny import get_config as vision_config
 
 DEMOS = "runs/screen_tiny_demos"
 
 
 def get_config():
-    cfg = base_config()
-    cfg.stage = "pipeline"
+    cfg = vision_config()  # its policy: the dense decoder with linear patches, byte tokens, SFT and RL lrs
     cfg.workdir = "runs/screen_tiny"
-    cfg.pipeline.stages = ("sft", "rlvr")
-    m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim = 264, 64, 2, 4, 2, 16
-    m.mlp_dim = 128
     # screens render at 64x64 (screen_domain.screen_tasks): 16 patches of 16x16 (8x8 patches, 64 per
     # screen, made an RL update of 64 episodes take ~1 CPU-minute)
-    m.vision.encoder, m.vision.image_size, m.vision.patch_size = "linear", 64, 16
-    cfg.data.tokenizer = "byte"
+    cfg.model.vision.image_size = 64
     cfg.sft.train_files = f"{DEMOS}/screen_sft_train.jsonl"
     cfg.sft.eval_files = f"{DEMOS}/screen_sft_eval.jsonl"
-    cfg.sft.steps, cfg.sft.lr, cfg.sft.sample_tokens = 250, 3e-3, 0
+    cfg.sft.steps, cfg.sft.sample_tokens = 250, 0
     # an episode is 280-370 tokens (the system prompt, 1-3 screens of 16 patches, the actions)
     cfg.train.batch_size, cfg.train.seq_len, cfg.train.log_every, cfg.train.eval_every = 16, 384, 10, 50
     r = cfg.rl
-    r.env, r.domains, r.max_turns, r.max_new_tokens = "screen", "screen", 4, 16
-    r.steps, r.lr = 30, 5e-4
+    r.env, r.domains, r.train_files, r.eval_files, r.max_turns, r.max_new_tokens = "screen", "screen", "", "", 4, 16
+    r.steps = 30
     r.prompts_per_step, r.group_size = 4, 8
     r.eval_every, r.eval_size, r.eval_samples = 10, 56, 2
-    cfg.checkpoint.every = 100
     return cfg

@@ -87,6 +87,18 @@ def test_demonstrations_are_the_honest_episodes_conversation(tmp_path, by_xy):
         assert demo_messages(task, str(tmp_path / "screens"), by_xy=by_xy) == e.messages
 
 
+def test_a_demonstration_of_given_actions_is_that_episode_and_must_end_it(tmp_path):
+    """`demo_messages(actions=...)` (the sloppy teacher's episodes) is the conversation the
+    environment shows for those actions; actions that never press OK or CANCEL are refused."""
+    task = screen_tasks(1, 2, "train", kinds=("select",))[0]
+    actions = [solution(task, False)[-1]]  # OK at once: well-formed, fails the check
+    e = env(tmp_path)
+    play(e, task, actions)
+    assert demo_messages(task, str(tmp_path / "screens"), actions=actions) == e.messages
+    with pytest.raises(ValueError, match="never presses OK or CANCEL"):
+        demo_messages(task, str(tmp_path / "screens"), actions=solution(task, False)[:-1])
+
+
 def test_observations_are_user_messages_with_the_next_screen(tmp_path):
     """Each non-final step adds a user message: the next screen as an image part (an absolute path
     to a PNG showing the new state) and NEXT; the first message holds the screen and instruction."""

@@ -25,9 +25,8 @@ import os
 
 import numpy as np
 
-from posttrain.rl.envs.draw import png_bytes
-from posttrain.rl.envs.screen import ScreenState, apply, parse_action, render, solution
-from posttrain.rl.envs.screen_env import NEXT, SCREEN_SYSTEM_PROMPT, prompt_text, screen_message, write_screen
+from posttrain.rl.envs.screen import solution
+from posttrain.rl.envs.screen_env import SCREEN_SYSTEM_PROMPT, demo_messages
 from posttrain.rl.tasks.screen_domain import KINDS, screen_tasks
 
 SCREENS = "screens"
@@ -61,23 +60,6 @@ def demo_actions(task, by_xy: bool, *, named: bool = False, early_ok: bool = Fal
     return actions
 
 
-def episode_messages(task, actions: list[str], image_dir: str, system_prompt: str | None) -> list[dict]:
-    """The conversation `ScreenEnv` shows for `actions` played on `task` (screens written to
-    `image_dir`, absolute paths); the episode must end with OK or CANCEL pressed."""
-    target, state = task.target, ScreenState()
-    screen = lambda: write_screen(image_dir, png_bytes(render(target, state)))  # noqa: E731
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append(screen_message(screen(), prompt_text(task)))
-    for action in actions:
-        messages.append({"role": "assistant", "content": action})
-        apply(target, state, parse_action(action))
-        if not state.over:
-            messages.append(screen_message(screen(), NEXT))
-    if not state.over:
-        raise ValueError(f"task {task.id}: the demonstration {actions} never presses OK or CANCEL")
-    return messages
-
-
 def write_screen_demos(
     out: str,
     n: int,
@@ -103,7 +85,7 @@ def write_screen_demos(
         for i, task in enumerate(screen_tasks(count, seed, split, kinds=kinds)):
             by_xy = by == "xy" or (by == "both" and i % 2 == 0)
             actions = demo_actions(task, by_xy, named=by == "named", early_ok=bool(sloppy[i]))
-            messages = episode_messages(task, actions, image_dir, system_prompt)
+            messages = demo_messages(task, image_dir, system_prompt=system_prompt, actions=actions)
             records.append({"messages": _relative(messages, os.path.abspath(out))})
         with open(os.path.join(out, name), "w") as f:
             f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)

@@ -76,19 +76,28 @@ def prompt_text(task: Task) -> str:
 
 
 def demo_messages(
-    task: Task, image_dir: str, *, by_xy: bool = True, system_prompt: str | None = SCREEN_SYSTEM_PROMPT
+    task: Task,
+    image_dir: str,
+    *,
+    by_xy: bool = True,
+    system_prompt: str | None = SCREEN_SYSTEM_PROMPT,
+    actions: list[str] | None = None,
 ) -> list[dict]:
-    """The conversation of an honest episode of `task` (`screen.solution`), as `ScreenEnv` shows it:
-    an SFT demonstration whose screens are written to `image_dir` (absolute paths)."""
+    """The conversation of an episode of `task` as `ScreenEnv` shows it: an SFT demonstration whose
+    screens are written to `image_dir` (absolute paths). `actions` (default: the honest
+    `screen.solution`) must end the episode (OK or CANCEL pressed)."""
     target, state = task.target, ScreenState()
+    actions = solution(target, by_xy) if actions is None else actions
     screen = lambda: write_screen(image_dir, png_bytes(render(target, state)))  # noqa: E731
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append(screen_message(screen(), prompt_text(task)))
-    for action in solution(target, by_xy):
+    for action in actions:
         messages.append({"role": "assistant", "content": action})
         apply(target, state, parse_action(action))
         if not state.over:
             messages.append(screen_message(screen(), NEXT))
+    if not state.over:
+        raise ValueError(f"task {task.id}: the demonstration {actions} never presses OK or CANCEL")
     return messages
 
 
