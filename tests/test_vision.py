@@ -158,22 +158,26 @@ def vision_config(**vision):
     return cfg
 
 
-def abstract_split(encoder: str = "linear", vocab_size: int = 264):
+def abstract_split(encoder: str = "linear", vocab_size: int = 264, **vision):
     """(graphdef, params, rest) of the tiny decoder as shapes (nothing computed)."""
     from posttrain.parallel.sharding import abstract_model
 
-    cfg = vision_config(encoder=encoder)
+    cfg = vision_config(encoder=encoder, **vision)
     cfg.model.vocab_size = vocab_size
     return nnx.split(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))), nnx.Param, ...)
 
 
 @functools.cache
-def split_model():
+def split_model(**vision):
     """(graphdef, params, rest) of the tiny vision decoder, initialised in one jitted program (eager
-    initialisation runs op by op, slowly on 8 simulated devices); shared by this file's tests."""
-    cfg = vision_config()
-    graphdef, _, _ = abstract_split()
+    initialisation runs op by op, slowly on 8 simulated devices); shared by this file's tests. A
+    patch-position embedding (`patch_positions=True`) is drawn at random, not left at its zeros."""
+    cfg = vision_config(**vision)
+    graphdef, _, _ = abstract_split(**vision)
     params, rest = jax.jit(lambda: nnx.split(Decoder(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, ...)[1:])()
+    if "pos" in params["vision"]:
+        pos = params["vision"]["pos"]
+        pos[...] = jax.random.normal(jax.random.key(5), pos.shape, pos.dtype)
     return graphdef, params, rest
 
 
@@ -246,13 +250,14 @@ def test_decoder_replaces_placeholder_embeddings_with_projected_patches():
     assert np.abs(ref_grads[1]).max() > 0
 
 
-def test_sharded_with_images_equals_one_device():
+@pytest.mark.parametrize("vision", [{}, {"patch_positions": True}], ids=["linear", "patch_positions"])
+def test_sharded_with_images_equals_one_device(vision):
     from posttrain.core.state import shardings_for
     from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 
-    cfg = vision_config()
+    cfg = vision_config(**vision)
     batch = image_batch(b=8)
-    graphdef, params, rest = split_model()
+    graphdef, params, rest = split_model(**vision)
 
     def loss_and_grads(params, rest, batch):
         return jax.value_and_grad(lambda p: lm_loss(nnx.merge(graphdef, p, rest), batch, cfg.model.moe)[0])(params)
@@ -268,6 +273,8 @@ def test_sharded_with_images_equals_one_device():
         placed = put_batch({k: np.asarray(v) for k, v in batch.items()})
         assert placed["patches"].sharding.spec[0] == ("data", "fsdp")  # rows over the batch axes
         assert sh_params["vision"]["proj"][...].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+        if vision:
+            assert sh_params["vision"]["pos"][...].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
         s_loss, s_grads = jax.jit(loss_and_grads)(sh_params, sh_rest, placed)
     np.testing.assert_allclose(s_loss, loss, rtol=1e-5)
     for (path, a), (_, r) in zip(
@@ -298,13 +305,15 @@ def test_tokenizer_must_have_the_models_placeholder():
     assert stage_tokenizer(vision_config()).image_id == 263
 
 
-def test_sampling_with_images_prefills_patches_and_logprobs_equal_the_learners():
-    """The static KV-cached sampler with image prompts: its log-probs are the learner's forward pass
-    over prompt + completion with the same patches, and the patches matter."""
+@pytest.mark.parametrize("vision", [{}, {"patch_positions": True}], ids=["linear", "patch_positions"])
+def test_sampling_with_images_prefills_patches_and_logprobs_equal_the_learners(vision):
+    """The static KV-cached sampler with image prompts (rows of one and two images): its
+    log-probs are the learner's forward pass over prompt + completion with the same patches, and
+    the patches matter."""
     from posttrain.sampling.generate import generate
     from posttrain.sampling.rules import SamplingParams
 
-    graphdef, params, rest = split_model()
+    graphdef, params, rest = split_model(**vision)
     rng = np.random.default_rng(2)
     prompts = [[1, 4, *[BYTE.image_id] * 4, 60, 61, 2, 5], [1, 4, 70, *[BYTE.image_id] * 8, 2, 5]]
     patches = [np.where((np.asarray(p) == BYTE.image_id)[:, None], rng.random((len(p), 48)), 0) for p in prompts]
@@ -444,3 +453,52 @@ def test_a_hugging_face_tokenizer_expands_its_image_token_to_the_patches(tmp_pat
     cfg = vision_config(image_token_id=image_id)
     cfg.model.vocab_size, cfg.data.tokenizer = 320, root
     assert stage_tokenizer(cfg).image_id == image_id
+
+
+def test_patch_positions_add_a_learned_embedding_of_each_patchs_place():
+    """model.vision.patch_positions: a placeholder's input is `patch @ proj + bias + pos[k mod N]`
+    for the k-th placeholder of its row (N patches an image), also when the row is laid out in
+    zig-zag order; the gradient of `pos` is the sum of the cotangents at each place (numpy
+    reference); the embedding starts at zero, so an untrained model equals the plain linear one."""
+    from posttrain.parallel.zigzag import zigzag_batch
+
+    cfg = vision_config(patch_positions=True)
+    model = Decoder(cfg.model, rngs=nnx.Rngs(0))
+    assert not np.asarray(model.vision.pos[...]).any()  # zero-initialised: the linear embedding
+    pos = np.random.default_rng(3).normal(size=model.vision.pos.shape).astype(np.float32)
+    model.vision.pos[...] = jnp.asarray(pos)
+    batch = {k: np.asarray(v) for k, v in image_batch(b=2, s=16).items()}
+    tokens, patches = batch["inputs"], batch["patches"]
+    x = np.zeros((*tokens.shape, 16), np.float32)
+    proj, bias = np.asarray(model.vision.proj[...]), np.asarray(model.vision.bias[...])
+    want = x.copy()
+    for row in range(2):
+        slots = np.flatnonzero(tokens[row] == BYTE.image_id)
+        want[row, slots] = patches[row, slots] @ proj + bias + pos[np.arange(len(slots)) % SPEC.num_patches]
+    got = model.vision(jnp.asarray(tokens), jnp.asarray(patches), jnp.asarray(x))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    zz = zigzag_batch(batch, 2)
+    got_zz = model.vision(*map(jnp.asarray, (zz["inputs"], zz["patches"], x)), zz["positions"], zz["segment_ids"])
+    np.testing.assert_allclose(got_zz, zigzag_batch({"inputs": want}, 2)["inputs"], rtol=1e-5, atol=1e-5)
+
+    cot = np.random.default_rng(4).normal(size=want.shape).astype(np.float32)
+    graphdef, state = nnx.split(model.vision)
+    grads = jax.grad(
+        lambda s: (nnx.merge(graphdef, s)(jnp.asarray(tokens), jnp.asarray(patches), jnp.asarray(x)) * cot).sum()
+    )(state)
+    ref = np.zeros_like(pos)
+    for row in range(2):
+        slots = np.flatnonzero(tokens[row] == BYTE.image_id)
+        np.add.at(ref, np.arange(len(slots)) % SPEC.num_patches, cot[row, slots])
+    np.testing.assert_allclose(grads["pos"][...], ref, rtol=1e-5, atol=1e-5)
+    assert np.abs(ref).max() > 0
+
+
+def test_patch_positions_are_read_only_by_the_linear_encoder():
+    from posttrain.config_schema import check_values
+
+    check_values(vision_config(patch_positions=True))
+    with pytest.raises(UserError, match=r"model\.vision\.patch_positions=True: read only with encoder='linear'"):
+        check_values(vision_config(encoder="vit", patch_positions=True))
+    _, params, _ = abstract_split()
+    assert "pos" not in params["vision"]  # off by default: the plain linear embedding

@@ -105,6 +105,7 @@ def model_config() -> ml_collections.ConfigDict:
                     image_size=32,  # every image is resized to image_size x image_size (RGB)
                     patch_size=8,  # cut into (image_size / patch_size)^2 patches, one placeholder token each
                     image_token_id=263,  # the placeholder token: the byte tokenizer's <|image|>
+                    patch_positions=False,  # linear: + a learned embedding of each patch's place in its image
                     vit_layers=2,  # encoder=vit: the tower's pre-LayerNorm layers (bidirectional within an image)
                     vit_width=64,  # its width (then a 2-layer GELU projector to model.embed_dim)
                     vit_heads=4,

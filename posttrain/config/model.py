@@ -78,7 +78,8 @@ class MoEConfig(Section):
 class VisionConfig(Section):
     """`model.vision`: images as patch tokens in the token stream. `encoder` none (text only: no
     vision parameters) | linear (a Fuyu-style linear patch embedding) | vit (a ViT tower and a
-    2-layer projector, `models.vit`); each image is resized to `image_size`² and cut into
+    2-layer projector, `models.vit`); `patch_positions` (linear only) adds a learned embedding of
+    each patch's place in its image, as ViT and Pix2Struct do; each image is resized to `image_size`² and cut into
     (image_size / patch_size)² patches, whose placeholder tokens (`image_token_id`) the encoded
     patches replace. The vit_* keys size the tower (read only with encoder=vit; `vit_final_norm`:
     a LayerNorm after the last layer — LLaVA's selected layer has none); the tower normalises
@@ -90,6 +91,7 @@ class VisionConfig(Section):
     image_size: int = bounded(ge=1)
     patch_size: int = bounded(ge=1)
     image_token_id: int = bounded(ge=0)
+    patch_positions: bool
     vit_layers: int = bounded(ge=1)
     vit_width: int = bounded(ge=1)
     vit_heads: int = bounded(ge=1)
@@ -121,6 +123,12 @@ class VisionConfig(Section):
                     f"leave it at {default} for encoder={self.encoder!r}",
                     key=f"{self.key}.{name}",
                 )
+        if self.patch_positions and self.encoder != "linear":
+            raise UserError(
+                f"config.{self.key}.patch_positions=True: read only with encoder='linear' (got "
+                f"{self.encoder!r}; the vit tower has its own position embedding)",
+                key=f"{self.key}.patch_positions",
+            )
         if self.image_size % self.patch_size:
             raise UserError(
                 f"config.{self.key}.patch_size={self.patch_size} must divide {self.key}.image_size="

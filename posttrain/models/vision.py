@@ -16,7 +16,7 @@ from flax import nnx
 from posttrain.config import VISION_ENCODERS
 from posttrain.models.layers import dtype_of, fan_in_init, param
 from posttrain.models.quant import weight_einsum
-from posttrain.models.vit import ViT
+from posttrain.models.vit import ViT, placeholder_ranks
 from posttrain.parallel.sharding import constrain
 
 
@@ -48,14 +48,28 @@ class PatchEmbed(nnx.Module):
         patch_dim = cfg.vision.patch_size**2 * 3
         self.proj = param(rngs, fan_in_init(), (patch_dim, cfg.embed_dim), (None, "embed"), pdt)
         self.bias = param(rngs, jax.nn.initializers.zeros, (cfg.embed_dim,), ("embed",), pdt)
+        self.num_patches = (cfg.vision.image_size // cfg.vision.patch_size) ** 2
+        # model.vision.patch_positions: a learned embedding per place in the image (raster index),
+        # zero at the start (the plain linear embedding); where a patch stands is otherwise only in
+        # attention scores (1-D rotary positions), never in what a patch's token carries
+        self.pos = (
+            param(rngs, jax.nn.initializers.zeros, (self.num_patches, cfg.embed_dim), (None, "embed"), pdt)
+            if getattr(cfg.vision, "patch_positions", False)  # a model config saved before the key: none
+            else None
+        )
 
     def __call__(self, tokens: jax.Array, patches: jax.Array, x: jax.Array, positions=None, segment_ids=None):
         """tokens [B, S], patches [B, S, patch_dim], token embeddings x [B, S, D] → x with each
-        placeholder's embedding replaced by its projected patch (positions and segment ids: unused,
-        each patch is embedded alone; the ViT tower needs them)."""
+        placeholder's embedding replaced by its projected patch, plus, with `patch_positions`, the
+        embedding of the patch's place in its image (positions and segment ids: the token order,
+        which may be permuted; read only then)."""
+        is_image = tokens == self.token_id
         patches = constrain(patches.astype(self.dtype), ("activation_batch", "activation_length", None))
         image = weight_einsum("bsp,pd->bsd", patches, self.proj[...], self.dtype) + self.bias[...].astype(self.dtype)
-        return jnp.where((tokens == self.token_id)[..., None], image.astype(x.dtype), x)
+        if self.pos is not None:
+            place = jnp.maximum(placeholder_ranks(is_image, positions, segment_ids), 0) % self.num_patches
+            image = image + jnp.take(self.pos[...].astype(self.dtype), place, axis=0)
+        return jnp.where(is_image[..., None], image.astype(x.dtype), x)
 
     def mask_logits(self, logits: jax.Array) -> jax.Array:
         """logits [..., V] with the placeholder's set to -1e9 (finite: a masked loss term stays 0):

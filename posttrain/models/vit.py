@@ -75,6 +75,21 @@ class ViTLayer(nnx.Module):
         return x + self._linear(jax.nn.gelu(self._linear(h, "fc1"), approximate=True), "fc2")
 
 
+def placeholder_ranks(is_image: jax.Array, positions=None, segment_ids=None) -> jax.Array:
+    """is_image [B, S] (a row's image placeholders, possibly zig-zag permuted; positions and segment
+    ids [B, S] give the token order) → each token's rank among its row's placeholders in token order
+    (-1 before the first). Rows hold whole images (packing never cuts one), so placeholder k is
+    patch k mod N of its image."""
+    b, s = is_image.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+    if segment_ids is None:
+        segment_ids = jnp.ones((b, s), jnp.int32)
+    order = jnp.lexsort((positions, segment_ids), axis=-1)  # layout index of the i-th token in order
+    ranked = jnp.cumsum(jnp.take_along_axis(is_image, order, axis=-1), axis=-1) - 1
+    return jnp.take_along_axis(ranked, jnp.argsort(order, axis=-1), axis=-1)
+
+
 class ViT(nnx.Module):
     """The image tower and projector of `model.vision.encoder = vit` (see the module docstring)."""
 
@@ -129,13 +144,7 @@ class ViT(nnx.Module):
         if slots == 0:
             return x
         is_image = tokens == self.token_id
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(s), (b, s))
-        if segment_ids is None:
-            segment_ids = jnp.ones_like(tokens)
-        order = jnp.lexsort((positions, segment_ids), axis=-1)  # layout index of the i-th token in order
-        ranked = jnp.cumsum(jnp.take_along_axis(is_image, order, axis=-1), axis=-1) - 1
-        rank = jnp.take_along_axis(ranked, jnp.argsort(order, axis=-1), axis=-1)  # each token's placeholder rank
+        rank = placeholder_ranks(is_image, positions, segment_ids)
         key = jnp.where(is_image, rank, s + jnp.arange(s))
         where = jnp.argsort(key, axis=-1)[:, :slots]  # layout index of placeholder 0, 1, ...
         images = jnp.take_along_axis(patches, where[..., None], axis=1).reshape(-1, self.num_patches, patches.shape[-1])
