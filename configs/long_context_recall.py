@@ -26,9 +26,23 @@ the same "=" in every fact, so the induction match that copies a value picks a f
 (held-out 23% with 4 facts, chance 25%, in the earlier recipe). With the value right after the
 key, the key's letters are the context of the first digit and the match can read them.
 
+Re-run on a fresh machine (branch lc28; same code, config and training records, the first 300
+checked by a hash): the match did NOT form. 0.14 [0.09, 0.21] at 256 (0.00 / 0.00 / 0.42 at
+depths 0 / 0.5 / 1: the last fact's value), loss 0.94 at step 1000 and 0.79 at 1600 (against
+0.14 by step 1000 below): whether the match forms depends on run-to-run numerics, not on the
+recipe alone. Continued from it (`--config.init_from=runs/long_context_recall`, each with
+`--config.optim.warmup_steps=10`): 500 steps at a constant 3e-3 (`--config.optim.min_lr_ratio=1.0
+--config.train.steps=500 --config.workdir=runs/long_context_recall_more`; loss 0.77 → 0.48,
+probes 0.08-0.12), then 600 steps of cosine 3e-3 → 3e-4 from that (`--config.init_from=
+runs/long_context_recall_more --config.train.steps=600 --config.workdir=
+runs/long_context_recall_more2`; loss 0.13): 0.23 [0.17, 0.31] at 256 (0.04 / 0.44 / 0.22 by
+depth), far below the 0.76 below although its training loss is as low. A fresh run with
+`--config.seed=1`: loss 0.22 at 1600, 0.23 [0.17, 0.30] at 256 (0.18 / 0.36 / 0.14 by depth).
+
 Measured on the shared 2-core CPU, one core per run, load 5-10. Each grid cell is 150 held-out
 problems (50 per depth, at depths 0/0.5/1), with a 95% Wilson interval; effective context is the
-longest length up to which accuracy stays >= 90%. This recipe (3 layers, 1600 steps):
+longest length up to which accuracy stays >= 90%. This recipe (3 layers, 1600 steps; the earlier
+measurement, branch lcrecall):
 - 256-token run, 1600 steps (~35 min at ~1.3 s/step): 0.76 [0.69, 0.82] at 256 (0.72 / 0.76 /
   0.80 at depths 0 / 0.5 / 1), 0.14 [0.09, 0.20] at 512, 0.00 [0.00, 0.02] at 1024: effective context 0.
   Probes (51 problems at 256) at steps 750 / 1000 / 1250 / 1500 / 1600: 0.02 / 0.65 / 0.82 /
