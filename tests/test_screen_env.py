@@ -282,6 +282,23 @@ def test_demo_error_rate_presses_ok_early_in_that_share_of_training_demos(tmp_pa
         write_screen_demos(str(out), 2, 1, error_rate=1.5)
 
 
+def test_demo_error_kinds_make_only_those_kinds_sloppy(tmp_path):
+    """`--error-kinds select,type`: every training demonstration of those kinds presses OK early at
+    rate 1, every `marked` one stays honest (the command line's check of the names, too)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from screen_demos import main, write_screen_demos
+
+    out, n = tmp_path / "demos", 12
+    write_screen_demos(str(out), n, 3, seed=3, by="named", error_rate=1.0, error_kinds=("select", "type"))
+    tasks = screen_tasks(n, 3, "train")
+    solved = {t.difficulty: [] for t in tasks}
+    for task, actions in zip(tasks, _demo_records(out)["screen_sft_train.jsonl"], strict=True):
+        solved[task.difficulty].append(play(env(tmp_path), task, actions).reward.correct)
+    assert solved == {"select": [0.0] * 4, "marked": [1.0] * 4, "type": [0.0] * 4}
+    with pytest.raises(SystemExit):
+        main(["--out", str(out), "--error-kinds", "select,bogus"])
+
+
 def test_demos_by_named_click_the_marked_item_at_pixels_and_the_rest_by_label(tmp_path):
     """`--by named`: the instruction's named things (select's item, type's field, OK) by label, the
     marked item (only the screen shows it) at its centre."""
@@ -319,3 +336,22 @@ def test_blank_screen_control_shows_white_screens_and_keeps_the_check(tmp_path, 
         assert play(env(tmp_path), task, solution(task, True)).reward.correct == 1.0
         assert play(env(tmp_path), task, ['click("OK")']).reward.correct == 0.0
     assert len(shown) == 1  # one white file for every screen
+
+
+def test_the_marked_item_is_filled_red_until_it_is_selected():
+    """Which item is marked only the screen shows, as a red fill (a mark of a few pixels was too
+    faint for the CPU policy to find: BENCHMARKS.md, "Screenshot agent"); the rest stay white."""
+    from posttrain.rl.envs.screen import MARK
+    from posttrain.rl.tasks.screen_domain import screen_tasks
+
+    task = next(t.target for t in screen_tasks(6, 0, "train") if t.difficulty == "marked")
+    marked = next(e for e in task.elements if e.marked)
+
+    def red_share(state, e):
+        x0, y0, x1, y1 = e.box
+        px = np.asarray(render(task, state))[y0 + 1 : y1, x0 + 1 : x1]
+        return (px == MARK).all(-1).mean()
+
+    assert red_share(ScreenState(), marked) > 0.6  # the label's glyphs cover the rest
+    assert all(red_share(ScreenState(), e) == 0 for e in task.elements if e is not marked)
+    assert red_share(ScreenState(selected=marked.label), marked) == 0  # selected: filled blue

@@ -14,7 +14,7 @@ screen shows which one it is).
 p of the training demonstrations (a seeded draw) press OK one action too early -- before selecting
 the item, or after focusing the field but before typing -- a well-formed episode that fails the
 state check, so imitation learns the habit and RL (`configs/screen_tiny.py`) has it to unlearn. The
-held-out file stays honest.
+held-out file stays honest. `--error-kinds` limits the sloppiness to some kinds (the rest honest).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ def write_screen_demos(
     kinds: tuple[str, ...] = KINDS,
     system_prompt: str | None = SCREEN_SYSTEM_PROMPT,
     error_rate: float = 0.0,
+    error_kinds: tuple[str, ...] = KINDS,
 ) -> dict[str, int]:
     """Write the demonstration files (module docstring) under `out`; returns records per file."""
     if by not in BY:
@@ -84,7 +85,8 @@ def write_screen_demos(
         records = []
         for i, task in enumerate(screen_tasks(count, seed, split, kinds=kinds)):
             by_xy = by == "xy" or (by == "both" and i % 2 == 0)
-            actions = demo_actions(task, by_xy, named=by == "named", early_ok=bool(sloppy[i]))
+            early_ok = bool(sloppy[i]) and task.difficulty in error_kinds
+            actions = demo_actions(task, by_xy, named=by == "named", early_ok=early_ok)
             messages = demo_messages(task, image_dir, system_prompt=system_prompt, actions=actions)
             records.append({"messages": _relative(messages, os.path.abspath(out))})
         with open(os.path.join(out, name), "w") as f:
@@ -103,14 +105,25 @@ def main(argv=None) -> None:
     p.add_argument("--by", default="both", choices=BY)
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {KINDS}")
     p.add_argument("--error-rate", type=float, default=0.0, help="share of training demonstrations pressing OK early")
+    p.add_argument(
+        "--error-kinds", default=",".join(KINDS), help="the kinds whose demonstrations --error-rate makes sloppy"
+    )
     args = p.parse_args(argv)
-    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
-    if bad := [k for k in kinds if k not in KINDS]:
-        p.error(f"--kinds {','.join(bad)}: expected some of {KINDS}")
+    kinds, error_kinds = (tuple(k.strip() for k in a.split(",") if k.strip()) for a in (args.kinds, args.error_kinds))
+    for flag, given in (("--kinds", kinds), ("--error-kinds", error_kinds)):
+        if bad := [k for k in given if k not in KINDS]:
+            p.error(f"{flag} {','.join(bad)}: expected some of {KINDS}")
     if not 0.0 <= args.error_rate <= 1.0:
         p.error(f"--error-rate {args.error_rate}: expected a fraction in [0, 1]")
     counts = write_screen_demos(
-        args.out, args.n, args.eval, args.seed, by=args.by, kinds=kinds, error_rate=args.error_rate
+        args.out,
+        args.n,
+        args.eval,
+        args.seed,
+        by=args.by,
+        kinds=kinds,
+        error_rate=args.error_rate,
+        error_kinds=error_kinds,
     )
     for name, count in counts.items():
         print(f"{args.out}/{name}: {count} demonstrations")

@@ -43,7 +43,7 @@ _TYPE = re.compile(r'type\(\s*"([^"\n]{0,32})"\s*\)')
 @dataclasses.dataclass(frozen=True)
 class Element:
     """A widget: `kind` (item, field or button), its `label` (unique on its screen) and its `box`
-    (x0, y0, x1, y1, inclusive) in screen pixels; `marked` draws a red mark on an item."""
+    (x0, y0, x1, y1, inclusive) in screen pixels; `marked` fills an item red (until it is selected)."""
 
     kind: str
     label: str
@@ -211,10 +211,8 @@ def render(task: ScreenTask, state: ScreenState) -> Image.Image:
         ty = y0 + (y1 - y0 + 1 - GLYPH_H) // 2
         if e.kind == "item":
             selected = state.selected == e.label
-            draw.rectangle(e.box, fill=SELECTED if selected else WHITE, outline=LIGHT)
+            draw.rectangle(e.box, fill=SELECTED if selected else MARK if e.marked else WHITE, outline=LIGHT)
             draw_text(img, x0 + 2, ty, e.label, WHITE if selected else BLACK)
-            if e.marked:
-                draw.rectangle([x1 - 4, ty + 1, x1 - 2, ty + 3], fill=MARK)
         elif e.kind == "field":
             focused = state.focused == e.label
             draw.rectangle(e.box, outline=SELECTED if focused else BLACK, width=2 if focused else 1)
