@@ -4,6 +4,13 @@ with fixed seeds log exactly the numbers recorded in `tests/data/golden_metrics.
 A restructure moves code, not results: any change to what a stage computes shows here. To record
 anew after an intended change of behaviour (say why in the commit), run
 `POSTTRAIN_RECORD_GOLDEN=1 python -m pytest tests/test_golden.py`.
+
+Floats compare to `RTOL` / `ATOL`: the float32 resolution of what they are computed from, which
+differs between CPUs (vector width, reduction order). The same build on an AMD EPYC host logged
+values up to 9.6e-7 away from the record (DPO rewards: beta times differences of sequence log-probs
+near -177, whose float32 spacing is 1.5e-5; `rl/behav_gap_max`: log-prob gaps of a few float32
+spacings, 9.5e-7 against 1.4e-6), where the previous 1e-6 / 1e-7 failed. A change of behaviour
+moves these numbers by orders of magnitude more.
 """
 
 import json
@@ -18,6 +25,7 @@ from posttrain.main import run
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "data" / "golden_metrics.json"
+RTOL, ATOL = 1e-5, 4e-6
 # Wall-clock figures and the ones derived from them vary run to run; everything else is a result.
 TIMING_SUFFIXES = ("_s", "_per_s", "device_idle_frac")
 SMALL = {
@@ -88,7 +96,7 @@ def test_stage_logs_its_golden_metrics(name, tmp_path, monkeypatch):
         for key, value in want.items():
             if isinstance(value, float):
                 np.testing.assert_allclose(
-                    got[key], value, rtol=1e-6, atol=1e-7, err_msg=f"{name} step {want['step']} {key}"
+                    got[key], value, rtol=RTOL, atol=ATOL, err_msg=f"{name} step {want['step']} {key}"
                 )
             else:
                 assert got[key] == value, f"{name} step {want['step']} {key}"
