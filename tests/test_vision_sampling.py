@@ -152,15 +152,25 @@ def test_image_block_keys_and_hits_never_cut_an_image():
     assert cache.lookup(longer)[1] == 16  # no images given: text keys, the same text blocks
 
 
-@pytest.mark.slow  # ~1 CPU-minute (a second model and its programs); the linear encoder's tests cover the rest
-def test_vit_tower_through_continuous_batching_and_the_prefix_cache():
-    """model.vision.encoder = vit encodes each image from all its patches: continuous batching
-    equals static sampling, and the prefix cache, whose suffix here holds a whole new screen (row
-    0) or would cut an image without the back-off (row 1), equals plain sampling."""
+@pytest.mark.parametrize(
+    "vision",
+    [
+        # ~1 CPU-minute (a second model and its programs); the linear encoder's tests cover the rest
+        pytest.param({"encoder": "vit"}, marks=pytest.mark.slow, id="vit"),
+        pytest.param({"patch_positions": True}, id="patch_positions"),
+    ],
+)
+def test_placeholder_ranks_through_continuous_batching_and_the_prefix_cache(vision):
+    """A vit tower (each image encoded from all its patches) and linear patch positions (each patch's
+    place) both rank an image's placeholders (`vit.placeholder_ranks`): continuous batching equals
+    static sampling, and the prefix cache, whose suffix here holds a whole new screen (row 0) or
+    would cut an image without the back-off (row 1), equals plain sampling."""
     from posttrain.models.decoder import Decoder
     from tests.test_vision import vision_config
 
-    graphdef, params, rest = nnx.split(Decoder(vision_config(encoder="vit").model, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    graphdef, params, rest = nnx.split(Decoder(vision_config(**vision).model, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    if "pos" in params["vision"]:  # zero at the start: draw it, so that the place matters
+        params["vision"]["pos"][...] = jax.random.normal(jax.random.key(5), params["vision"]["pos"].shape)
     key = jax.random.key(5)
     static = generate(graphdef, params, rest, PROMPTS, SAMPLING, key, patches=PATCHES)
     grouped = generate_continuous(
