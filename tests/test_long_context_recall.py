@@ -62,3 +62,16 @@ def test_synthetic_min_length_sets_the_shortest_generated_context(tmp_path):
         with open(path) as f:
             shortest[lo] = min(len(json.loads(line)["messages"][0]["content"]) for line in f)
     assert shortest[0] < 100 and shortest[200] > 150  # (filler comes in whole sentences)
+
+
+def test_long_context_data_with_no_kinds_is_refused_by_name(tmp_path):
+    """data.synthetic=long_context generates the kinds eval.long_context.kinds names: none is an
+    error naming the key (it was a ZeroDivisionError deep in the generator)."""
+    from posttrain.config import base_config
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.stages.data_files import _long_context_file
+
+    cfg = base_config()
+    cfg.eval.long_context.kinds = " , "
+    with pytest.raises(ValueError, match="eval.long_context.kinds=' , ' names none"):
+        _long_context_file(cfg, str(tmp_path), "train", load_tokenizer("byte"), write=True)

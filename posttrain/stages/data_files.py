@@ -153,6 +153,11 @@ def _long_context_file(cfg, folder: str, split: str, tok, write: bool) -> str:
     n = cfg.data.synthetic_size if split == "train" else max(cfg.data.synthetic_size // 8, 1)
     hi, hops = cfg.train.seq_len - 24, cfg.eval.long_context.hops  # room for chat markers, answer
     kinds = tuple(k.strip() for k in cfg.eval.long_context.kinds.split(",") if k.strip())
+    if not kinds:
+        raise ValueError(
+            f"data.synthetic='long_context' trains the kinds eval.long_context.kinds names, and "
+            f"eval.long_context.kinds={cfg.eval.long_context.kinds!r} names none"
+        )
     lo = min(cfg.data.synthetic_min_length or (64 if set(kinds) <= {"recall", "kv", "kvchain"} else 160), hi)
     density = cfg.data.synthetic_recall_density
     shortest = f"_min{lo}" if cfg.data.synthetic_min_length else ""  # default files keep their names
