@@ -14,7 +14,7 @@ extension to 1024 from that checkpoint under a RoPE scaling (200 steps).
         --lengths 1024 --depths 0 --samples 50 --out runs/long_context_recall_llama3/multihop
 
 At lr 1e-3 (this config; BENCHMARKS "Retrieval at length with lr 1e-3"): kv 0.88 at 256 after
-1600 steps; + 200 steps of `:extend:llama3`: 0.95 / 0.93 / 0.75 at 256 / 512 / 1024, + 300 more:
+1600 steps (a 51-problem probe); + 200 steps of `:extend:llama3`: 0.95 / 0.93 / 0.75 at 256 / 512 / 1024, + 300 more:
 0.95 / 0.97 / 0.88. What follows below about runs that did not form the match is the earlier lr 5e-3.
 
 `:extend:<scaling>` starts from runs/long_context_recall (`init_from`) with `model.rope_scaling`
