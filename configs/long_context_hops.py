@@ -4,40 +4,38 @@ two devices (`mesh.sequence = 2`): kind `kvchain` of `posttrain/eval/long_contex
 held-out keys (every key of a problem, intermediate hops included) disjoint from training ones by
 a hash of the key.
 
-    python -m posttrain.main --config configs/long_context_recall.py       # the kv model (3 layers)
-    python -m posttrain.main --config configs/long_context_hops.py:warm    # SFT from it, 300 steps
-    #   (lc28 measured it from a continued kv run: --config.init_from=runs/long_context_recall_more2)
-    python tools/long_context_tasks.py --out runs/long_context_hops_tasks --lengths 512 \
+    python -m posttrain.main --config configs/long_context_recall.py                 # the kv model, 256 tokens
+    python -m posttrain.main --config configs/long_context_recall.py:extend:llama3   # extended to 1024
+    python -m posttrain.main --config configs/long_context_hops.py:warm              # SFT from it, 600 steps
+    cp -r runs/long_context_hops_warm runs/long_context_hops_warm300 && \\
+        rm -r runs/long_context_hops_warm300/checkpoints/600                        # the RL start: step 300
+    python tools/long_context_tasks.py --out runs/long_context_hops_tasks --lengths 512 \\
         --kinds kvchain --hops 2 --train 512 --eval 128
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m posttrain.main \
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m posttrain.main \\
         --config configs/long_context_hops.py:rl --config.seed=0 --config.workdir=runs/long_context_hops_rl_s0
-    python tools/long_context_eval.py --run runs/long_context_hops_warm --kinds kvchain,kv \
-        --hops 2 --lengths 128,256,512 --depths 0,0.5,1 --samples 17 --out runs/long_context_hops_warm/grid
+    python tools/long_context_eval.py --run runs/long_context_hops_warm --kinds kvchain --hops 2 \\
+        --lengths 512,1024 --samples 50 --max_context 1024 --out runs/long_context_hops_warm/grid
 
-`:warm` (SFT) starts from runs/long_context_recall (configs/long_context_recall.py's 256-token kv
-run; 3 layers, as in branch lcrecall) and trains on kvchain (2 hops) and kv conversations of
-64-520 tokens, each asking every chain / fact of its context, for 300 steps: a short run, stopped
-early on purpose so RL has something to learn. `:rl` (GRPO) starts from it on 512-token kvchain
-problems of the training split (tools/long_context_tasks.py; exact value, the math verifier) with
-the learner's attention and the sampler's KV cache split over `mesh.sequence = 2` and rollouts
-through continuous batching; it measures greedy held-out accuracy (`eval/accuracy`, 128 problems of
-the eval split) before the first update and after the last. Seeds 0, 1, 2 (`--config.seed`)
-share the SFT checkpoint. `''` and `:more` are the from-scratch recipe (2 layers, 600 + 600
-steps): it learned no retrieval at all (0.00 on kvchain and kv at 128-512 tokens), so RL from it
-drew no correct sample and made no update (grad_norm 0).
+`:warm` (SFT) starts from the 1024-token kv model (3 layers, llama3 RoPE scaling ×4 over 256) and
+trains on kvchain (2 hops) and kv conversations of 64-520 tokens, each asking every chain / fact of
+its context, for 600 steps. `:rl` (GRPO) starts from its step-300 checkpoint, half way, where
+held-out greedy accuracy is 0.71: from the finished run (0.89) RL had little left to fix and lost
+accuracy. It trains on 512-token kvchain problems of the training split
+(tools/long_context_tasks.py; exact value, the math verifier) with the learner's attention and the
+sampler's KV cache split over `mesh.sequence = 2` and rollouts through continuous batching, and
+measures greedy held-out accuracy (`eval/accuracy`, 128 problems of the eval split) every 10
+updates. Seeds 0, 1, 2 (`--config.seed`) share the SFT checkpoint. `''` and `:more` are a
+from-scratch recipe (2 layers, 600 + 600 steps, measured at lr 5e-3: no retrieval learned).
 
-Measured (BENCHMARKS.md, "Long context: two-hop key chains and RL (issue 28, CPU)"; shared 2-core
-CPU). NOT the issue's targets. Chance is 1/3 (3 chains, so 3 values, per 512-token document):
-- two-hop (kvchain, 2 hops) at 512 tokens after `:warm` (300 steps, 7.5 min) from
-  runs/long_context_recall_more2 (`--config.init_from=`; kv 0.23 at 256, the recall recipe's
-  re-run did not form its match, see configs/long_context_recall.py): 0.53 (27/51) [0.40, 0.66],
-  kv 0.08; on the RL's 128 held-out problems 0.344: a guess among the 3 values (the intermediate
-  key it writes is never the right one). Previous round (kv model at 0.80): 0.35, kv 0.39. From
-  scratch (`''` + `:more`, 1200 steps): 0.00 on both.
-- RL (20 updates at lr 5e-4, dynamic sampling), greedy held-out (128 problems), before → after:
-  seed 0 0.344 → 0.312, seed 1 0.344 → 0.297, seed 2 0.344 → 0.312: no gain (mean −3.6 points);
-  train reward 0.26 → 0.33 (mean of updates 1-10 → 11-20). ~20 s per update, ~9.5 min per seed.
-  Previous recipe (10 updates at lr 1e-3): 0.258 → 0.234 / 0.227.
+Measured (BENCHMARKS.md, "Retrieval at length with lr 1e-3", issue 28; shared 2-core CPU, one core
+per run). Chance is 1/3 (3 chains, so 3 values, per 512-token document):
+- `:warm`: kvchain at 512 (51 problems) 0.82 at step 300 and 0.86 at 600; on the RL set's 128
+  held-out problems 0.71 at step 300, 0.89 at 600. Its grid (150 per length): 0.89 at 512, 0.57 at
+  1024 (chance 1/5 there), trained on documents up to 544 tokens.
+- `:rl`, held-out before → after 30 updates (seeds 0 / 1 / 2): greedy 0.711 → 0.727 / 0.688 /
+  0.695 (no gain); sampled (one sample per problem at temperature 1, the policy RL trains) 0.602 /
+  0.570 / 0.578 → 0.688 / 0.641 / 0.648 (+7 to +9 points in each seed). ~45 s per update on one
+  core; an evaluation holds ~13 GB.
 - `sampling.prefix_cache` is refused with continuous batching (posttrain/rl/checks.py).
 - `sequence = 2` trains as `sequence = 1` (losses equal over the first steps):
   tests/test_long_context_rl.py.
@@ -46,6 +44,7 @@ CPU). NOT the issue's targets. Chance is 1/3 (3 chains, so 3 values, per 512-tok
 from configs.long_context_recall import get_config as recall_config
 
 TASKS = "runs/long_context_hops_tasks"
+WARM_300 = "runs/long_context_hops_warm300"  # `:warm` at step 300 of 600 (a copy, see the docstring)
 MODES = ("", "more", "warm", "rl")
 
 
@@ -67,23 +66,27 @@ def get_config(arg: str = ""):
         cfg.init_from, cfg.workdir = "runs/long_context_hops", "runs/long_context_hops_more"
         cfg.optim.lr, cfg.optim.warmup_steps = 3e-3, 20
     if arg in ("warm", "rl"):
+        # from the kv model extended to 1024 (`:extend:llama3`), with its RoPE scaling: from the 256-token
+        # model two hops stayed at chance (0.25), its 512-token documents past what it was trained for
         cfg.model.num_layers = kv_layers
-        cfg.init_from, cfg.workdir = "runs/long_context_recall", "runs/long_context_hops_warm"
-        cfg.train.steps, cfg.optim.lr, cfg.optim.warmup_steps = 300, 2e-3, 20
-        cfg.checkpoint.every = 100
+        cfg.model.rope_scaling.update(type="llama3", factor=4.0, original_max_position_embeddings=256)
+        cfg.init_from, cfg.workdir = "runs/long_context_recall_llama3", "runs/long_context_hops_warm"
+        cfg.train.steps, cfg.optim.lr, cfg.optim.warmup_steps = 600, 1e-3, 20
+        cfg.checkpoint.every = cfg.train.eval_every = 300  # keeps step 300, the RL start (WARM_300)
     if arg == "rl":
-        cfg.stage, cfg.init_from, cfg.workdir = "rlvr", "runs/long_context_hops_warm", "runs/long_context_hops_rl"
+        cfg.stage, cfg.init_from, cfg.workdir = "rlvr", WARM_300, "runs/long_context_hops_rl"
         lc.lengths = ""  # held-out accuracy is the RL eval's (rl.eval_files); tools/long_context_eval.py for the grid
         cfg.mesh.data, cfg.mesh.sequence = -1, 2
         cfg.sampling.continuous_batching, cfg.sampling.num_slots, cfg.sampling.refill_batch = True, 16, 8
         r = cfg.rl
         r.domains, r.train_files, r.eval_files = "", f"{TASKS}/train.jsonl", f"{TASKS}/eval.jsonl"
-        # 20 updates at lr 5e-4 (10 at 1e-3 before: no gain, the train reward did not rise), groups
-        # whose 8 rewards are all equal re-drawn (dynamic sampling: every learner row carries signal),
-        # held-out accuracy only before the first update and after the last (1.3-2.5 min each)
-        r.steps, r.lr, r.filter_groups = 20, 5e-4, True
-        r.prompts_per_step, r.group_size, r.max_new_tokens = 4, 8, 14
-        r.eval_every, r.eval_size, r.eval_samples = 20, 128, 1
+        # 30 updates at lr 2e-4 on 8 groups each (at 5e-4 on 4 groups from the 600-step checkpoint,
+        # held-out fell 0.89 -> 0.82 / 0.77; at 1e-4 it stayed 0.89 -> 0.88); groups whose 8 rewards
+        # are all equal re-drawn, up to 4 rounds (dynamic sampling: every learner row carries
+        # signal); held-out accuracy every 10 updates (1.3-2.5 min each)
+        r.steps, r.lr, r.filter_groups, r.max_resample_rounds = 30, 2e-4, True, 4
+        r.prompts_per_step, r.group_size, r.max_new_tokens = 8, 8, 14
+        r.eval_every, r.eval_size, r.eval_samples = 10, 128, 1
         cfg.optim.warmup_steps = 5
         cfg.checkpoint.every = 20
         cfg.train.log_every = 1

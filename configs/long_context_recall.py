@@ -1,75 +1,41 @@
 """Long-context retrieval that a small byte-level decoder learns on CPU: key-value recall with the
 value right after its key ("... QZX4821. ... BDW7730. ..." → "QZX?" → "QZX4821", kind `kv` in
-`posttrain/eval/long_context.py`), 1 + length/64 facts per evaluated context, held-out keys
-disjoint from training ones by a hash of the key. Two runs: 256 tokens (1600 steps), then an
-extension to 1024 from that checkpoint under a RoPE scaling (200 steps).
+`posttrain/eval/long_context.py`; `needle` with `--config.eval.long_context.kinds=needle`), 1 +
+length/64 facts per evaluated context, held-out keys disjoint from training ones by a hash of the
+key. Two stages: 256 tokens (1600 steps), then an extension to 1024 from that checkpoint under a
+RoPE scaling (`:extend:<scaling>`, 200 steps; 300 more from it with `--config.init_from=` the
+extension and `--config.train.steps=300`).
 
     python -m posttrain.main --config configs/long_context_recall.py                     # 256 tokens
-    python tools/long_context_eval.py --run runs/long_context_recall --lengths 256,512,1024 \\
-        --samples 50 --max_context 1024 --out runs/long_context_recall/grid
     python -m posttrain.main --config configs/long_context_recall.py:extend:llama3       # → 1024
     python tools/long_context_eval.py --run runs/long_context_recall_llama3 --samples 50 \\
         --out runs/long_context_recall_llama3/grid
-    python tools/long_context_eval.py --run runs/long_context_recall_llama3 --kinds multihop --hops 2 \\
-        --lengths 1024 --depths 0 --samples 50 --out runs/long_context_recall_llama3/multihop
-
-At lr 1e-3 (this config; BENCHMARKS "Retrieval at length with lr 1e-3"): kv 0.88 at 256 after
-1600 steps (a 51-problem probe); + 200 steps of `:extend:llama3`: 0.95 / 0.93 / 0.75 at 256 / 512 / 1024, + 300 more:
-0.95 / 0.97 / 0.88. What follows below about runs that did not form the match is the earlier lr 5e-3.
 
 `:extend:<scaling>` starts from runs/long_context_recall (`init_from`) with `model.rope_scaling`
 none | linear | dynamic | yarn | llama3 (factor 4 over the 256 trained tokens), trains on
 contexts of 256-1000 tokens (`data.synthetic_min_length`) and writes
-runs/long_context_recall_<scaling>. Training records ask the facts of their context (one turn
-each, as many as fit), mix lengths log-uniformly from 64 tokens (256 when extending) to
+runs/long_context_recall_<scaling>; its end-of-run grid is 50 held-out problems per (length,
+depth) at 256 / 512 / 1024 × 0 / 0.5 / 1. Training records ask the facts of their context (one
+turn each, as many as fit), mix lengths log-uniformly from 64 tokens (256 when extending) to
 train.seq_len, and hold up to 3 facts per 64 tokens (`data.synthetic_recall_density`: more
 distractors and questions per context than evaluated).
 
-Why `kv` and not `recall` ("QZX=4821."): with "=" between key and value, the first digit follows
-the same "=" in every fact, so the induction match that copies a value picks a fact at random
-(held-out 23% with 4 facts, chance 25%, in the earlier recipe). With the value right after the
-key, the key's letters are the context of the first digit and the match can read them.
+Measured (BENCHMARKS.md, "Retrieval at length: needle >= 90% at 1024 ..." and "Retrieval at
+length with lr 1e-3", issue 28; shared 2-core CPU, one core per run; 150 held-out problems per
+length, 50 per depth):
+- kv, 1600 steps at 256: 0.89 at 256. + 200 steps of `:extend:<scaling>`, at 256 / 512 / 1024
+  (effective context): none 0.92 / 0.85 / 0.43 (256), linear 0.06 / 0.03 / 0.01 (0), dynamic
+  0.66 / 0.65 / 0.68 (0), yarn 0.92 / 0.91 / 0.71 (512), llama3 0.95 / 0.93 / 0.75 (512).
+- needle (800 + 800 steps at 256): 0.96 at 256; + llama3 200 + 300 steps, + 300 steps on contexts
+  of 512-1000 tokens (`--config.data.synthetic_min_length=512`): 0.96 / 0.97 / 0.93, effective
+  context 1024.
 
-Re-run on a fresh machine (branch lc28; same code, config and training records, the first 300
-checked by a hash): the match did NOT form. 0.14 [0.09, 0.21] at 256 (0.00 / 0.00 / 0.42 at
-depths 0 / 0.5 / 1: the last fact's value), loss 0.94 at step 1000 and 0.79 at 1600 (against
-0.14 by step 1000 below): whether the match forms depends on run-to-run numerics, not on the
-recipe alone. Continued from it (`--config.init_from=runs/long_context_recall`, each with
-`--config.optim.warmup_steps=10`): 500 steps at a constant 3e-3 (`--config.optim.min_lr_ratio=1.0
---config.train.steps=500 --config.workdir=runs/long_context_recall_more`; loss 0.77 → 0.48,
-probes 0.08-0.12), then 600 steps of cosine 3e-3 → 3e-4 from that (`--config.init_from=
-runs/long_context_recall_more --config.train.steps=600 --config.workdir=
-runs/long_context_recall_more2`; loss 0.13): 0.23 [0.17, 0.31] at 256 (0.04 / 0.44 / 0.22 by
-depth), far below the 0.76 below although its training loss is as low. A fresh run with
-`--config.seed=1`: loss 0.22 at 1600, 0.23 [0.17, 0.30] at 256 (0.18 / 0.36 / 0.14 by depth).
-
-Measured on the shared 2-core CPU, one core per run, load 5-10. Each grid cell is 150 held-out
-problems (50 per depth, at depths 0/0.5/1), with a 95% Wilson interval; effective context is the
-longest length up to which accuracy stays >= 90%. This recipe (3 layers, 1600 steps; the earlier
-measurement, branch lcrecall):
-- 256-token run, 1600 steps (~35 min at ~1.3 s/step): 0.76 [0.69, 0.82] at 256 (0.72 / 0.76 /
-  0.80 at depths 0 / 0.5 / 1), 0.14 [0.09, 0.20] at 512, 0.00 [0.00, 0.02] at 1024: effective context 0.
-  Probes (51 problems at 256) at steps 750 / 1000 / 1250 / 1500 / 1600: 0.02 / 0.65 / 0.82 /
-  0.80 / 0.80; the loss sits at ~1.0 until step ~800 and falls to 0.14 by step 1000 (the match
-  forms later than with 2 layers, then at once).
-- `:extend:llama3`, 200 steps at 1024 (~28 min at 6-8 s/step under load 10), at 256 / 512 /
-  1024: 0.80 [0.73, 0.86] / 0.57 [0.49, 0.64] / 0.27 [0.21, 0.35], effective context 0 (the
-  run's own end-of-run grid, eval.long_context: 50 per depth at 0/0.5/1). Below the 2-layer
-  recipe's llama3 at 512 and 1024 (0.65 / 0.40): the better match at 256 did not carry over.
-  The other scalings were not re-run with this recipe (time).
-The previous recipe (2 layers, 1500 steps) measured 0.63 [0.55, 0.71] at 256 (probes 0.20 /
-0.33 / 0.43 / 0.61 at 750 / 1000 / 1250 / 1500), its wrong answers another fact's value when
-another key ended in the same letter: the 2-layer model matched mostly on the key's last letter.
-After its 200-step extensions, at 256 / 512 / 1024: yarn 0.64 / 0.63 / 0.36, none 0.56 / 0.53 /
-0.25, dynamic 0.59 / 0.60 / 0.39, llama3 0.63 / 0.65 / 0.40 (BENCHMARKS.md has the intervals
-and the earlier head_dim-16 recipe, where linear scored 0.01 everywhere).
-Tried and dropped: a curriculum `train.seq_len_schedule="128:1000,256"` (2-layer, 2200 steps
-planned): probes 0.04 / 0.06 / 0.08 at steps 1000 / 1250 / 1500, stopped there; records longer
-than 128 tokens wait for the 256-token stage (28586 deferred), which then trains on them alone.
-- Probes during the 256-token run: --config.train.eval_every=250
-  --config.eval.long_context.samples=17 (51 problems at 256).
-- Two-hop (`multihop`) is not in the training mix (0.00 [0.00, 0.07] after every extension of
-  the previous recipe; not re-measured).
+Why lr 1e-3: at 5e-3 (the earlier rounds, BENCHMARKS "... earlier rounds at lr 5e-3") the key
+match formed in 1 of 4 runs by step 1600; at 1e-3 it forms by step ~1000. Why `kv` and not
+`recall` ("QZX=4821."): with "=" between key and value, the first digit follows the same "=" in
+every fact, so the induction match that copies a value picks a fact at random (chance in the
+earlier recipe). With the value right after the key, the key's letters are the context of the
+first digit and the match can read them.
 """
 
 from posttrain.config import base_config

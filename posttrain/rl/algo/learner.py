@@ -54,7 +54,7 @@ def rl_batch(
     longest: int | None = None,
     sequence_shards: int = 1,
 ) -> dict:
-    """Rollouts → one learner batch of [N, S] rows (S bucketed to a multiple of 8): inputs,
+    """Rollouts → one learner batch of [N, S] rows (S bucketed to a power of two, at least 8): inputs,
     targets, loss_mask (generated target tokens), positions, segment_ids, behav_logp (the
     sampler's log-prob of each target), rewards [N] and judged [N] (False where the verifier
     reached no verdict: such a sample's loss mask is empty, so it trains nothing, and
