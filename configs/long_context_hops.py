@@ -27,8 +27,8 @@ measures greedy held-out accuracy (`eval/accuracy`, 128 problems of the eval spl
 updates. Seeds 0, 1, 2 (`--config.seed`) share the SFT checkpoint. `''` and `:more` are a
 from-scratch recipe (2 layers, 600 + 600 steps, measured at lr 5e-3: no retrieval learned).
 
-Measured (BENCHMARKS.md, "Retrieval at length with lr 1e-3", issue 28; shared 2-core CPU, one core
-per run). Chance is 1/3 (3 chains, so 3 values, per 512-token document):
+Measured (BENCHMARKS.md, "Retrieval at length: needle >= 90% at 1024, ...", issue 28; shared
+2-core CPU, one core per run). Chance is 1/3 (3 chains, so 3 values, per 512-token document):
 - `:warm`: kvchain at 512 (51 problems) 0.82 at step 300 and 0.86 at 600; on the RL set's 128
   held-out problems 0.71 at step 300, 0.89 at 600. Its grid (150 per length): 0.89 at 512, 0.57 at
   1024 (chance 1/5 there), trained on documents up to 544 tokens.
