@@ -68,9 +68,9 @@ def get_config(arg: str = ""):
     if arg in ("warm", "rl"):
         # from the kv model extended to 1024 (`:extend:llama3`), with its RoPE scaling: from the 256-token
         # model two hops stayed at chance (0.25), its 512-token documents past what it was trained for
-        cfg.model.num_layers = kv_layers
-        cfg.model.rope_scaling.update(type="llama3", factor=4.0, original_max_position_embeddings=256)
-        cfg.init_from, cfg.workdir = "runs/long_context_recall_llama3", "runs/long_context_hops_warm"
+        extended = recall_config("extend:llama3")
+        cfg.model.num_layers, cfg.model.rope_scaling = kv_layers, extended.model.rope_scaling
+        cfg.init_from, cfg.workdir = extended.workdir, "runs/long_context_hops_warm"
         cfg.train.steps, cfg.optim.lr, cfg.optim.warmup_steps = 600, 1e-3, 20
         cfg.checkpoint.every = cfg.train.eval_every = 300  # keeps step 300, the RL start (WARM_300)
     if arg == "rl":
