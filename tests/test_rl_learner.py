@@ -319,3 +319,20 @@ def test_a_sequence_sharded_learner_zigzags_its_rows_and_trains_as_one_shard():
         assert float(m2[k]) == pytest.approx(float(m1[k]), rel=1e-4, abs=1e-6), k
     for a, b in zip(p2, p1):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_seq_bucket_trims_the_row_length_and_trains_as_the_power_of_two_rows(setup):
+    """rl.seq_bucket: rows of 9 positions are 16 long by default, 10 with seq_bucket=5 (a multiple
+    of 5 and of 2 × sequence shards), and the padding changes neither loss nor update."""
+    learner, num = make_learner(setup), PROMPTS * G
+    pow2 = learner_batch(setup, learner, PROMPTS)
+    trimmed = rl_batch(rollouts(PROMPTS), pad_id=0, num_rows=num, seq_bucket=5)
+    assert pow2["inputs"].shape == (num, 16) and trimmed["inputs"].shape == (num, 10)
+    assert rl_batch(rollouts(PROMPTS), pad_id=0, seq_bucket=3, sequence_shards=2)["inputs"].shape[1] == 12
+    trimmed["advantages"] = compute_advantages(trimmed, learner.rl_cfg)
+    trimmed.pop("rewards")
+    trimmed["behav_logp"] = pow2["behav_logp"][:, :10]
+    (s1, m1), (s2, m2) = update(setup, learner, pow2, num), update(setup, learner, trimmed, num)
+    np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)

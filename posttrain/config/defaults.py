@@ -286,6 +286,7 @@ def base_config() -> ml_collections.ConfigDict:
             inflight_update_every=0,
             filter_groups=False,  # dynamic sampling: resample groups whose rewards are all equal
             max_resample_rounds=2,
+            seq_bucket=0,  # learner row length S: 0 a power of two; N a multiple of N (less padding, more shapes)
             format_penalty=0.0,
             overlong_buffer=0,  # DAPO overlong shaping ramp (tokens before max_new_tokens)
             verifier_workers=4,

@@ -95,6 +95,7 @@ class RLConfig(StageConfig):
     inflight_update_every: int = bounded(ge=0)  # rl.rollout.inflight
     filter_groups: bool
     max_resample_rounds: int
+    seq_bucket: int = bounded(ge=0)
     format_penalty: float
     overlong_buffer: int
     verifier_workers: int = bounded(ge=1)

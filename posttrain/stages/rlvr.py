@@ -153,7 +153,9 @@ def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLS
     num_real = sum(len(ro.group.trajectories) for ro in rollouts)
     longest = int(all_values([max(len(t.tokens) for ro in rollouts for t in ro.group.trajectories)]).max())
     n_rows, shards = batch_rows(len(rollouts), r, r.minibatches), c.learner.shards  # shards: zig-zag needs 2n | S
-    batch = rl_batch(rollouts, pad_id=c.pad_id, num_rows=n_rows, longest=longest, sequence_shards=shards)
+    batch = rl_batch(
+        rollouts, pad_id=c.pad_id, num_rows=n_rows, longest=longest, sequence_shards=shards, seq_bucket=r.seq_bucket
+    )
     versions = enforce_token_staleness(batch, rl.step, r.max_staleness) if "versions" in batch else {}
     rows = [t.tokens for ro in rollouts for t in ro.group.trajectories]
     unfinished = [t.info.get("truncated") is not None for ro in rollouts for t in ro.group.trajectories]

@@ -53,15 +53,17 @@ def rl_batch(
     num_rows: int | None = None,
     longest: int | None = None,
     sequence_shards: int = 1,
+    seq_bucket: int = 0,
 ) -> dict:
-    """Rollouts → one learner batch of [N, S] rows (S bucketed to a power of two, at least 8): inputs,
-    targets, loss_mask (generated target tokens), positions, segment_ids, behav_logp (the
-    sampler's log-prob of each target), rewards [N] and judged [N] (False where the verifier
-    reached no verdict: such a sample's loss mask is empty, so it trains nothing, and
-    `compute_advantages` leaves it out of its group); with rollouts that carry the sampler's routing
-    (`model.moe.routing_replay = sampler`) also routing [N, S, MoE layers, k], the experts to replay;
-    with rollouts that carry token versions (`rl.inflight_update_every`) versions [N, S] of the targets;
-    with trajectories that showed images, patches [N, S, patch_dim] at their inputs (the sampler's).
+    """Rollouts → one learner batch of [N, S] rows (S: a power of two, at least 8, or a multiple of
+    `seq_bucket`, rl.seq_bucket): inputs, targets, loss_mask (generated target tokens), positions,
+    segment_ids, behav_logp (the sampler's log-prob of each target), rewards [N] and judged [N]
+    (False where the verifier reached no verdict: such a sample's loss mask is empty, so it trains
+    nothing, and `compute_advantages` leaves it out of its group); with rollouts that carry the
+    sampler's routing (`model.moe.routing_replay = sampler`) also routing [N, S, MoE layers, k], the
+    experts to replay; with rollouts that carry token versions (`rl.inflight_update_every`) versions
+    [N, S] of the targets; with trajectories that showed images, patches [N, S, patch_dim] at their
+    inputs (the sampler's).
 
     num_rows pads the batch with empty rows (zero loss mask, zero reward) to a fixed size, so
     batches with different numbers of groups reuse one compiled step. `longest` (>= every
@@ -74,7 +76,8 @@ def rl_batch(
     n = len(trajs) if num_rows is None else num_rows
     if n < len(trajs):
         raise ValueError(f"num_rows={num_rows} is less than the {len(trajs)} sequences of the rollouts")
-    s = bucket(max([len(t.tokens) for t in trajs] + [longest or 0]) - 1, 8)
+    s = max([len(t.tokens) for t in trajs] + [longest or 0]) - 1
+    s = -(-s // seq_bucket) * seq_bucket if seq_bucket else bucket(s, 8)
     s = -(-s // (2 * sequence_shards)) * 2 * sequence_shards
     out = {k: np.zeros((n, s), np.int32) for k in ROW_KEYS}
     out["inputs"][:] = out["targets"][:] = pad_id
@@ -182,12 +185,8 @@ def learner_outputs(
         logits, v, aux = model.logits_and_values(*args, update_bias=update_bias, **kw)
     else:
         (logits, aux), v = model(*args, update_bias=update_bias, **kw), None
-    return (
-        policy_logprobs(logits, batch["targets"], sampling),
-        support_logprobs(logits, batch["targets"], sampling),
-        v,
-        aux,
-    )
+    targets = batch["targets"]
+    return policy_logprobs(logits, targets, sampling), support_logprobs(logits, targets, sampling), v, aux
 
 
 def loss_norm(rl_cfg) -> float | None:
