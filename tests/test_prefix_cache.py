@@ -226,15 +226,18 @@ def test_sampling_prefix_cache_key_reaches_episodes_and_bad_values_raise():
     assert cache.stats.hits > 0 and cache.stats.hit_tokens >= 32  # later turns hit earlier turns' KV
 
 
-@pytest.mark.slow  # ~1 min loaded: three more compiles on 8 simulated devices
-def test_cached_sampling_on_a_sharded_mesh_equals_the_unsharded_result(policy, first_turn):
+@pytest.mark.slow  # ~1 min loaded per mesh: three more compiles on 8 simulated devices
+@pytest.mark.parametrize("axes", [dict(data=2, fsdp=2, tensor=2), dict(data=2, tensor=2, sequence=2)])
+def test_cached_sampling_on_a_sharded_mesh_equals_the_unsharded_result(policy, first_turn, axes):
+    """Also with the KV cache's time axis split over `sequence` (long context): the cached prefix is
+    placed into, and the suffix attends over, a cache whose halves live on different devices."""
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
 
     prompts, plain1 = first_turn
     second = turn_two(plain1, prompts)
     plain2 = generate(*policy, second, GREEDY, jax.random.key(1))
     cache = PrefixCache(4096)
-    with use_sharding(make_mesh(dict(data=2, fsdp=2, tensor=2)), parse_rules({})):
+    with use_sharding(make_mesh(axes), parse_rules({})):
         same(generate(*policy, prompts, GREEDY, jax.random.key(0), prefix_cache=cache), plain1)
         same(generate(*policy, second, GREEDY, jax.random.key(1), prefix_cache=cache), plain2)
     assert cache.stats.hits == 3
