@@ -193,5 +193,7 @@ def test_hops_config_trains_then_runs_rl_on_long_prompts_split_over_the_sequence
     prompt = json.loads(open(f"{HOPS['TASKS']}/eval.jsonl").readline())["prompt"]
     need = len(ByteTokenizer().encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)[0])
     assert need + rl.rl.max_new_tokens <= run_max_context(sft)  # RL prompts within the SFT context
+    row = -(-(need + rl.rl.max_new_tokens) // rl.rl.seq_bucket) * rl.rl.seq_bucket  # learner rows: 576, not 1024
+    assert need + rl.rl.max_new_tokens <= row < 1024
     with pytest.raises(ValueError, match="expected one of"):
         HOPS["get_config"]("ppo")
