@@ -10,12 +10,17 @@ import re
 import runpy
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from posttrain.config import base_config
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.eval.long_context import chain_count, chain_problems, generate_problem, is_correct, recall_key_split
 from posttrain.eval.long_context_train import training_records
+from posttrain.rl.algo.learner import rl_batch
+from posttrain.rl.envs.base import Trajectory
+from posttrain.rl.rollout.buffer import Rollout
+from posttrain.rl.tasks.scheduler import Group
 from posttrain.rl.verifiers.math import MathTask, MathVerifier
 
 _spec = importlib.util.spec_from_file_location(
@@ -193,7 +198,13 @@ def test_hops_config_trains_then_runs_rl_on_long_prompts_split_over_the_sequence
     prompt = json.loads(open(f"{HOPS['TASKS']}/eval.jsonl").readline())["prompt"]
     need = len(ByteTokenizer().encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)[0])
     assert need + rl.rl.max_new_tokens <= run_max_context(sft)  # RL prompts within the SFT context
-    row = -(-(need + rl.rl.max_new_tokens) // rl.rl.seq_bucket) * rl.rl.seq_bucket  # learner rows: 576, not 1024
-    assert need + rl.rl.max_new_tokens <= row < 1024
+    longest = Trajectory("t", [1] * (need + rl.rl.max_new_tokens), [False] * need + [True] * rl.rl.max_new_tokens, need)
+    rows = rl_batch(
+        [Rollout(Group("d", None, [0.0], [longest]), 0, [np.zeros(len(longest.tokens))])],
+        pad_id=0,
+        sequence_shards=rl.mesh.sequence,
+        seq_bucket=rl.rl.seq_bucket,
+    )
+    assert len(longest.tokens) - 1 <= rows["inputs"].shape[1] < 1024  # learner rows of 576 tokens, not 1024
     with pytest.raises(ValueError, match="expected one of"):
         HOPS["get_config"]("ppo")
