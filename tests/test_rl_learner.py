@@ -2,7 +2,9 @@
 and GSPO act), batches of different group counts share one compiled step, and the learner's
 log-probs are those of the distribution the sampler drew from (temperature, top-k, top-p)."""
 
+import contextlib
 import dataclasses
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -23,6 +25,7 @@ from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.tasks.scheduler import Group
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams, policy_logprobs
+from posttrain.stages import rlvr
 
 PROMPTS, G, PROMPT_LEN, NEW = 4, 4, 4, 6
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=NEW, num_samples=G)
@@ -336,3 +339,31 @@ def test_seq_bucket_trims_the_row_length_and_trains_as_the_power_of_two_rows(set
     np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+def test_the_rl_stage_pads_its_learner_rows_to_rl_seq_bucket():
+    """rl.seq_bucket reaches the learner from the RL stage's learn step: 16 positions by default,
+    10 with seq_bucket=5 (the rows of `rollouts` hold 10 tokens)."""
+
+    class Prepared(Exception):
+        pass
+
+    def prepare(state, batch, ref):
+        widths.append(batch["inputs"].shape[1])
+        raise Prepared
+
+    widths = []
+    for bucket in (0, 5):
+        cfg = base_config()
+        cfg.rl.update(prompts_per_step=PROMPTS, group_size=G, seq_bucket=bucket)
+        c = SimpleNamespace(
+            cfg=cfg,
+            pad_id=0,
+            learner=SimpleNamespace(shards=1, prepare=prepare),
+            rewards=lambda rows, rewards, unfinished: (rewards, {}),
+            clock=SimpleNamespace(busy=contextlib.nullcontext),
+            ref=None,
+        )
+        with pytest.raises(Prepared):
+            rlvr.learn_step(c, rlvr.RLState(train=None, step=0), rollouts(PROMPTS))
+    assert widths == [16, 10]
