@@ -180,6 +180,25 @@ def test_sampled_logprobs_match_learner_for_any_padding_side(mesh):
         )
 
 
+def test_dynamic_rope_samples_as_the_learner_past_the_original_context():
+    """Dynamic NTK scaling takes its base from the extended context, not from each call's longest
+    position (as transformers does): the KV-cached sampler, whose prefill and decode steps are
+    calls of different lengths, draws the learner's log-probs past `original_max_position_embeddings`
+    (was a 0.086 gap), and a row's logits do not depend on the longest row of its batch."""
+    cfg = model_config("dense")
+    cfg.rope_scaling.update(type="dynamic", factor=4.0, original_max_position_embeddings=6)
+    graphdef, params, rest = nnx.split(Decoder(cfg, rngs=nnx.Rngs(1)), nnx.Param, ...)
+    samples = generate(graphdef, params, rest, PROMPTS, SamplingParams(max_new_tokens=10), jax.random.key(3))
+    forward = full_forward(graphdef)
+    learner, logits = learner_logprobs(forward, params, rest, PROMPTS, samples)
+    assert max(len(p) + n for p, n in zip(PROMPTS, samples.lengths)) > 2 * 6  # well past the original context
+    for i in range(len(PROMPTS)):
+        np.testing.assert_allclose(samples.logprobs[i, : samples.lengths[i]], learner[i], atol=1e-5)
+    row = [*PROMPTS[2], *samples.completion(2)]  # the shortest row, without the batch's longest
+    alone = forward(params, rest, np.asarray([row + [0] * (32 - len(row))]), np.array([len(row)]))
+    np.testing.assert_allclose(alone[0, : len(row)], logits[2, : len(row)], atol=1e-5)
+
+
 def reference_distribution(logits, temperature, top_k, top_p):
     """The sampling distribution computed the plain way, in float64."""
     z = np.asarray(logits, np.float64) / temperature

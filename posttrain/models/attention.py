@@ -26,10 +26,10 @@ class RopeScaling:
     """`model.rope_scaling`: how RoPE is stretched beyond the pre-training context, as Hugging Face's
     `rope_scaling` / `rope_parameters` types of the same names define it.
 
-    type "" (none) | linear (positions / factor) | dynamic (NTK base grown with the longest position
-    of the call past `original_max_position_embeddings`) | yarn (NTK-by-parts ramp between beta_fast
-    and beta_slow rotations, q and k scaled by `attention_factor`; 0 means 0.1 ln(factor) + 1) |
-    llama3 (low/high-frequency wavelength bands).
+    type "" (none) | linear (positions / factor) | dynamic (NTK base for the extended context
+    `original_max_position_embeddings × factor`, fixed: see `dynamic_length`) | yarn (NTK-by-parts
+    ramp between beta_fast and beta_slow rotations, q and k scaled by `attention_factor`; 0 means
+    0.1 ln(factor) + 1) | llama3 (low/high-frequency wavelength bands).
     """
 
     type: str = ""
@@ -58,6 +58,13 @@ class RopeScaling:
             )
         return scaling
 
+    def dynamic_length(self) -> float:
+        """The length dynamic NTK scaling takes its base from: the extended context, for every call,
+        as vLLM and SGLang serve it. Hugging Face's transformers grows the base with the longest
+        position of each call instead; then a row's logits depend on its batch, and the keys a
+        KV-cached sampler stored under an earlier base disagree with the learner's one forward."""
+        return self.original_max_position_embeddings * self.factor
+
     def attention_scale(self) -> float:
         """The factor RoPE multiplies q and k by (yarn's attention temperature; 1 otherwise)."""
         if self.type != "yarn":
@@ -72,7 +79,8 @@ def rope_frequencies(
 ) -> jax.Array:
     """Inverse frequencies theta^(-2i/d), i < d/2 (float32), stretched by `scaling`.
 
-    seq_len (the longest position of the call + 1) is used by dynamic scaling only.
+    seq_len (`RopeScaling.dynamic_length()` in the model; any length as Hugging Face computes it)
+    is used by dynamic scaling only.
     """
     exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
     inv_freq = 1.0 / (theta**exponents)
@@ -271,7 +279,7 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         scaling = self.rope_scaling
-        seq_len = jnp.max(positions) + 1 if scaling.type == "dynamic" else None
+        seq_len = scaling.dynamic_length() if scaling.type == "dynamic" else None
         inv_freq = rope_frequencies(self.head_dim, self.rope_theta, scaling, seq_len)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         if scaling.attention_scale() != 1.0:
