@@ -269,7 +269,30 @@ def test_advertised_context():
     assert hf_config_from_model(cfg, hf, context=32)["max_position_embeddings"] == 64  # never shrinks
     assert hf_config_from_model(cfg, hf, context=300)["max_position_embeddings"] == 300  # trained longer
     cfg.rope_scaling.update(type="dynamic", factor=2.0, original_max_position_embeddings=48)
-    assert hf_config_from_model(cfg, hf, context=300)["max_position_embeddings"] == 48  # dynamic: math
+    assert hf_config_from_model(cfg, hf, context=32)["max_position_embeddings"] == 96  # 48 x 2: its base's
+    assert hf_config_from_model(cfg, hf, context=300)["max_position_embeddings"] == 300
+
+
+def test_a_dynamic_rope_model_exports_as_the_plain_rope_it_computes(tmp_path):
+    """Dynamic RoPE takes its base from the extended context (16 x 2) in every call, so it exports
+    as plain RoPE with that base: transformers reads the export as we compute, on inputs shorter
+    and longer than 32 tokens, where the source's `dynamic` config grows its base per call."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 500.0}
+    hf_model("llama-llama3-untied", rope_parameters=dynamic, max_position_embeddings=16).save_pretrained(src)
+    cfg, one = model_config_from_hf(str(src)), make_mesh(dict(data=1), jax.devices()[:1])
+    assert (cfg.rope_scaling.type, cfg.rope_scaling.original_max_position_embeddings) == ("dynamic", 16)
+    params, rest, _ = load_model_state(f"hf:{src}", lambda: Decoder(cfg, rngs=nnx.Rngs(0)), one, DEFAULT_RULES)
+    save_hf(str(out), params, cfg, base_config=json.loads((src / "config.json").read_text()), progress=False)
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["rope_parameters"]["rope_type"] == "default" and exported["max_position_embeddings"] == 32
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out)
+    source = transformers.AutoModelForCausalLM.from_pretrained(src)
+    for length in (8, 48):
+        tokens = np.random.default_rng(length).integers(0, 64, (2, length))
+        ours = forward(cfg, params, rest, tokens, one)
+        np.testing.assert_allclose(hf_logits(theirs, tokens), ours, atol=1e-4, rtol=0, err_msg=f"{length} tokens")
+        assert np.abs(hf_logits(source, tokens) - ours).max() > 1e-3  # transformers' per-call base differs
 
 
 def long_sft_file(path, n: int = 16) -> str:

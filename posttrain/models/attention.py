@@ -88,15 +88,21 @@ def rope_frequencies(
     if kind == "linear":
         return inv_freq / scaling.factor
     if kind == "dynamic":
-        original = scaling.original_max_position_embeddings
-        length = jnp.maximum(jnp.asarray(seq_len, jnp.float32), original)
-        base = theta * ((scaling.factor * length / original) - (scaling.factor - 1)) ** (head_dim / (head_dim - 2))
-        return 1.0 / (base**exponents)
+        length = jnp.maximum(jnp.asarray(seq_len, jnp.float32), scaling.original_max_position_embeddings)
+        return 1.0 / (dynamic_theta(theta, head_dim, scaling, length) ** exponents)
     if kind == "yarn":
         return _yarn_frequencies(inv_freq, head_dim, theta, scaling)
     if kind == "llama3":
         return _llama3_frequencies(inv_freq, scaling)
     return inv_freq
+
+
+def dynamic_theta(theta, head_dim: int, scaling: RopeScaling, length=None):
+    """The RoPE base dynamic NTK scaling uses at `length` (default: `scaling.dynamic_length()`, the
+    model's): plain RoPE with this base is the same rotation, which is how a dynamic model exports."""
+    length = scaling.dynamic_length() if length is None else length
+    f, original = scaling.factor, scaling.original_max_position_embeddings
+    return theta * ((f * length / original) - (f - 1)) ** (head_dim / (head_dim - 2))
 
 
 def _yarn_frequencies(inv_freq: jax.Array, head_dim: int, theta: float, s: RopeScaling) -> jax.Array:

@@ -15,6 +15,7 @@ import ml_collections
 
 from posttrain import storage
 from posttrain.config import model_config
+from posttrain.models.attention import RopeScaling, dynamic_theta
 
 # architecture → model_type
 ARCHITECTURES = {
@@ -284,13 +285,13 @@ def hf_config_from_model(
 
 
 def advertised_context(cfg: ml_collections.ConfigDict, base: dict | None, context: int = 0) -> int:
-    """`max_position_embeddings` to write: under dynamic RoPE it is the scaling's original length
-    (part of the math); otherwise the longer of base's and the trained `context` (fine-tuning on
-    shorter sequences does not shrink it). ValueError when neither is known."""
+    """`max_position_embeddings` to write: the longest of base's, the trained `context` (fine-tuning
+    on shorter sequences does not shrink it) and, under dynamic RoPE (exported as plain RoPE, see
+    `_rope_to_hf`), the extended context its base was made for. ValueError when none is known."""
     s = cfg.rope_scaling
-    if s.type == "dynamic":
-        return int(s.original_max_position_embeddings)
     longest = max(int((base or {}).get("max_position_embeddings") or 0), int(context))
+    if s.type == "dynamic":
+        longest = max(longest, int(RopeScaling.from_config(s).dynamic_length()))
     if longest <= 0:
         raise ValueError(
             "max_position_embeddings is unknown: no source config.json and no trained context; "
@@ -331,8 +332,14 @@ def _check_representable(cfg: ml_collections.ConfigDict, arch: str) -> None:
 
 def _rope_to_hf(cfg: ml_collections.ConfigDict, nested: bool) -> dict:
     """The RoPE keys of config.json: `rope_parameters` (nested=True, transformers >= 5) or
-    `rope_theta` + `rope_scaling`."""
+    `rope_theta` + `rope_scaling`. Dynamic scaling is written as plain RoPE with the base it
+    computes (`dynamic_theta`): transformers' `dynamic` would grow the base with each call."""
     s = cfg.rope_scaling
+    if s.type == "dynamic":
+        theta = dynamic_theta(cfg.rope_theta, cfg.head_dim, RopeScaling.from_config(s))
+        if nested:
+            return {"rope_parameters": {"rope_theta": theta, "rope_type": "default"}}
+        return {"rope_theta": theta, "rope_scaling": None}
     kind = s.type or "default"
     scaling = {"rope_type": kind}
     if s.type:
