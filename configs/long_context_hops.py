@@ -23,7 +23,7 @@ held-out greedy accuracy is 0.71: from the finished run (0.89) RL had little lef
 accuracy. It trains on 512-token kvchain problems of the training split
 (tools/long_context_tasks.py; exact value, the math verifier) with the learner's attention and the
 sampler's KV cache split over `mesh.sequence = 2` and rollouts through continuous batching, and
-measures greedy held-out accuracy (`eval/accuracy`, 128 problems of the eval split) every 10
+measures greedy held-out accuracy (`eval/accuracy`, 128 problems of the eval split) every 25
 updates. Seeds 0, 1, 2 (`--config.seed`) share the SFT checkpoint. `''` and `:more` are a
 from-scratch recipe (2 layers, 600 + 600 steps, measured at lr 5e-3: no retrieval learned).
 
