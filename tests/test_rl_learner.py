@@ -346,7 +346,7 @@ def test_the_rl_stage_pads_its_learner_rows_to_rl_seq_bucket():
     10 with seq_bucket=5 (the rows of `rollouts` hold 10 tokens)."""
 
     class Prepared(Exception):
-        pass
+        """Raised once the learner has seen its batch: the update itself is not under test."""
 
     def prepare(state, batch, ref):
         widths.append(batch["inputs"].shape[1])
