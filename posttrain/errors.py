@@ -8,7 +8,7 @@ raise it.
 from __future__ import annotations
 
 
-class UserError(Exception):
+class UserError(ValueError):
     """A bad input, named: `key` (config key, e.g. "init_from"), `path` (file or folder) and the
     message saying what was expected and what to do."""
 

@@ -3,7 +3,8 @@
 Runs the job named by `config.stage`. The config is locked: an unknown key fails before anything is
 compiled, naming the key and the valid keys at that level.
 
-Values are checked up front (`config_schema.py`). Errors reach the user as one line naming the config
+At this edge the ConfigDict becomes one frozen `RunConfig` (`posttrain.config.command_line`), whose
+fields check their values; the stages' start-up checks follow (`posttrain.stages.checks`). Errors reach the user as one line naming the config
 key and path (`error: ...`, exit status 2 for bad input, 1 otherwise; SIGINT / SIGTERM save a
 checkpoint at the step and exit 130 / 143); the traceback goes to `{workdir}/error.log`, and to the console with
 `--verbose`. The workdir is locked for the run (`train/workdir.py`): a second run there fails at
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
 import logging
 import os
 import runpy
@@ -23,12 +25,15 @@ import tempfile
 import time
 import traceback
 
+import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
 from posttrain import storage
+from posttrain.config import RunConfig
+from posttrain.config import stages as stage_table
+from posttrain.config.command_line import apply_command_line_precedence, base_config, command_line_keys, run_config
 from posttrain.errors import UserError
-from posttrain.stages import registry
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().", lock_config=True)
 _VERBOSE = flags.DEFINE_bool(
@@ -53,63 +58,54 @@ def check_overrides(argv: list[str], config) -> None:
             node, seen = node[key], f"{seen}.{key}"
 
 
-def run(config) -> object:
-    """Run `config.stage` with `config`, holding the workdir's lock; the entry point for tools and
-    tests too."""
-    from posttrain.config_schema import check_values
-
-    check_values(config)  # enums, ranges, cross-field rules: before the heavy imports
+def run(config: RunConfig | ml_collections.ConfigDict) -> object:
+    """Run `config.stage` with `config` (a RunConfig, or a ConfigDict made one here), holding the
+    workdir's lock; the entry point for tools, notebooks and tests too."""
+    cfg = run_config(config)  # types, values and rules: before the heavy imports
     import jax
 
     from posttrain.core.workdir import workdir_lock
     from posttrain.parallel import maybe_initialize_distributed
 
-    maybe_initialize_distributed(config)
-    if config.stage == "rlvr" and config.rl.role == "sampler":  # the learner's workdir: the learner locks it
+    maybe_initialize_distributed(cfg.distributed)
+    if cfg.stage == "rlvr" and cfg.rl.role == "sampler":  # the learner's workdir: the learner locks it
         from posttrain.stages.rlvr_sampler import run_sampler
 
-        return run_sampler(config)
+        return run_sampler(cfg)
     primary = jax.process_index() == 0
     # The lock comes first (before the heavy imports): a second run in a busy workdir fails at once.
-    with workdir_lock(config.workdir) if primary else contextlib.nullcontext():
+    with workdir_lock(cfg.workdir) if primary else contextlib.nullcontext():
         try:
-            return _run_locked(config)
+            return _run_locked(cfg)
         except Exception as e:  # logged while the workdir is still ours
-            e.error_log = write_error_log(config.workdir, e)
+            e.error_log = write_error_log(cfg.workdir, e)
             raise
 
 
-def _run_locked(config) -> object:
-    from posttrain.config_schema import check_config
+def _run_locked(cfg: RunConfig) -> object:
     from posttrain.core.alerts import AlertStop
     from posttrain.core.compile_cache import enable_compilation_cache
     from posttrain.eval.gates import GateFailed, check_gate, gate_record_dir
     from posttrain.parallel import is_primary
+    from posttrain.stages.checks import check_run
     from posttrain.stages.pipeline import gate_metrics
 
-    if config.stage not in registry.BY_NAME:
-        raise UserError(
-            f"config.stage={config.stage!r}; valid stages: {', '.join(sorted(registry.BY_NAME))}", key="stage"
-        )
-    stage = registry.BY_NAME[config.stage]
-    check_config(config)  # every enum, range and cross-field rule, gates, rl.*, alerts: before anything trains
-    if config.init_from:
+    stage = stage_table.BY_NAME[cfg.stage]
+    check_run(cfg)  # data files, gates, what needs live objects: before anything trains
+    if cfg.init_from:
         from posttrain.core.init import require_init_from
 
-        require_init_from(config.init_from)
-    enable_compilation_cache(config.compilation_cache)
+        require_init_from(cfg.init_from)
+    enable_compilation_cache(cfg.compilation_cache)
     if is_primary():
-        storage.makedirs(config.workdir)
-        storage.write_text(storage.join(config.workdir, "config.json"), config.to_json_best_effort(indent=2))
+        storage.makedirs(cfg.workdir)
+        storage.write_text(storage.join(cfg.workdir, "config.json"), json.dumps(cfg.to_dict(), indent=2))
     try:
-        result = stage.runner()(config)
+        result = stage.runner()(cfg)
         if stage.gated:  # a stage run alone must pass its gate too (exit status 1)
             logging.info(
                 check_gate(
-                    stage.name,
-                    config[stage.section].gate,
-                    gate_metrics(result),
-                    workdir=gate_record_dir(config.workdir),
+                    stage.name, cfg.section(stage.name).gate, gate_metrics(result), workdir=gate_record_dir(cfg.workdir)
                 )
             )
         return result
@@ -126,7 +122,7 @@ def config_keys_naming(config, text: str, path: str | None = None) -> list[str]:
     def walk(node, prefix):
         for k in node.keys():
             v = node[k]
-            if hasattr(v, "keys"):
+            if isinstance(v, dict):
                 walk(v, f"{prefix}{k}.")
             elif (
                 isinstance(v, str)
@@ -136,7 +132,7 @@ def config_keys_naming(config, text: str, path: str | None = None) -> list[str]:
             ):
                 found.append(f"{prefix}{k}")
 
-    walk(config, "")
+    walk(config.to_dict(), "")
     return found
 
 
@@ -228,8 +224,6 @@ def main(argv: list[str]) -> None:
             "error: no config given: pass --config path/to/config.py, e.g. --config "
             f"configs/quickstart.py{' (configs/: ' + ', '.join(names) + ')' if names else ''}"
         )
-    from posttrain.config_schema import apply_command_line_precedence, command_line_keys
-
     apply_command_line_precedence(_CONFIG.value, command_line_keys(sys.argv[1:]))
     sys.exit(run_cli(_CONFIG.value, verbose=_VERBOSE.value))
 
@@ -246,18 +240,16 @@ ENVIRONMENT = {
 
 def usage() -> str:
     """`--help`: how to call, the stages, every config section with its keys, the environment."""
-    from posttrain.config import base_config
-
     cfg = base_config()
     top = [k for k in cfg.keys() if not hasattr(cfg[k], "keys")]
     lines = [
         "usage: python -m posttrain.main --config configs/X.py [--config.section.key=value ...] [--verbose]",
         "",
-        f"Runs config.stage, one of: {', '.join(sorted(registry.BY_NAME))} (pipeline: pipeline.stages in order).",
+        f"Runs config.stage, one of: {', '.join(sorted(stage_table.BY_NAME))} (pipeline: pipeline.stages in order).",
         "A run in the same workdir resumes from its newest checkpoint; Ctrl-C / SIGTERM saves one and stops.",
         "",
-        "Config keys (defaults in posttrain/config/defaults.py, allowed values declared on the typed",
-        "sections in posttrain/config/; an unknown --config.a.b lists every valid key at its level):",
+        "Config keys (defaults and allowed values declared on the typed sections in posttrain/config/;",
+        "an unknown --config.a.b lists every valid key at its level):",
         f"  {' '.join(top)}",
     ]
     for section in (k for k in cfg.keys() if hasattr(cfg[k], "keys")):

@@ -1,10 +1,12 @@
-"""The run configuration. `base_config()` (defaults.py): every key with its default, the one
-ml-collections ConfigDict a run starts from. `RunConfig.from_config(cfg)` (run.py): its typed,
-frozen sections, each checking its values when built. The allowed values of each enum key are
-defined here once; the modules that implement them import them. Imports no jax.
+"""The run configuration: `RunConfig` (run.py), one frozen tree of typed sections whose fields carry
+their defaults, checks and rules (`fields.py`); the stage table (`stages.py`); the registries that
+extension points fill (`registry.py`); the small languages some values are written in (`syntax.py`).
+
+A run is built from ml-collections on the command line (`command_line.py`: `base_config()` is the
+ConfigDict of the defaults that config files start from, `run_config(cfg)` its RunConfig) or in
+Python (`RunConfig(stage="sft").replace({"sft.steps": 100})`). Imports no jax.
 """
 
-from posttrain.config.defaults import base_config, model_config, optim_config, with_stage_overrides
 from posttrain.config.fields import Section
 from posttrain.config.model import (
     ATTENTION_KERNELS,
@@ -22,15 +24,12 @@ from posttrain.config.model import (
     VisionConfig,
 )
 from posttrain.config.rl import (
-    ADVANTAGE_METHODS,
     AGGREGATIONS,
     ALERT_MODES,
-    ENVS,
+    CRITICS,
     IS_LEVELS,
     IS_MASKS,
-    KL_ESTIMATORS,
     PLACEMENTS,
-    POLICY_LOSSES,
     QUANT_MODES,
     RATIO_LEVELS,
     ROLES,
@@ -41,7 +40,7 @@ from posttrain.config.rl import (
     RLConfig,
     SamplingConfig,
 )
-from posttrain.config.run import DistributedConfig, MeshConfig, RunConfig, ShardingConfig
+from posttrain.config.run import DEFAULT_RULES, DistributedConfig, MeshConfig, RunConfig, ShardingConfig
 from posttrain.config.train import (
     DPO_LOSSES,
     MOMENT_DTYPES,
@@ -63,11 +62,21 @@ from posttrain.config.train import (
     TrainConfig,
 )
 
+_COMMAND_LINE = ("base_config", "model_config", "optim_config", "run_config")
+
+
+def __getattr__(name: str):
+    """`base_config` & co. from `command_line` on first use, so that importing the typed config does
+    not import ml-collections."""
+    if name in _COMMAND_LINE:
+        from posttrain.config import command_line
+
+        return getattr(command_line, name)
+    raise AttributeError(f"module 'posttrain.config' has no attribute {name!r}")
+
+
 __all__ = [
-    "base_config",
-    "model_config",
-    "optim_config",
-    "with_stage_overrides",
+    *_COMMAND_LINE,
     "Section",
     "RunConfig",
     "ModelConfig",
@@ -94,6 +103,7 @@ __all__ = [
     "DistributedConfig",
     "MeshConfig",
     "ShardingConfig",
+    "DEFAULT_RULES",
     "ATTENTION_KERNELS",
     "ROPE_SCALINGS",
     "CONTEXT_PARALLEL",
@@ -109,14 +119,11 @@ __all__ = [
     "ON_ERROR",
     "SYNTHETIC_DATA",
     "DPO_LOSSES",
-    "ENVS",
-    "ADVANTAGE_METHODS",
     "AGGREGATIONS",
-    "KL_ESTIMATORS",
     "RATIO_LEVELS",
-    "POLICY_LOSSES",
     "IS_LEVELS",
     "IS_MASKS",
+    "CRITICS",
     "PLACEMENTS",
     "ROLES",
     "QUANT_MODES",

@@ -1,13 +1,16 @@
-"""The `model` section: the decoder's shape, attention, RoPE scaling and Mixture-of-Experts keys, and
-the values its enum keys take (the modules that implement them import these)."""
+"""The `model` section: the decoder's shape, attention, RoPE scaling, Mixture-of-Experts and vision
+keys, with their defaults (a tiny dense model that runs anywhere) and the values they take (the
+modules that implement them import these)."""
 
 from __future__ import annotations
 
-from posttrain.config.fields import Section, bounded, choice, section
+import math
+
+from posttrain.config.fields import Section, bounded, choice, flag, free, nested, section
 from posttrain.errors import UserError
 
 ATTENTION_KERNELS = ("xla", "blockwise", "cudnn", "splash")  # models.attention
-ROPE_SCALINGS = ("", "linear", "dynamic", "yarn", "llama3")  # models.attention.RopeScaling
+ROPE_SCALINGS = ("", "linear", "dynamic", "yarn", "llama3")  # models.attention.rope_frequencies
 CONTEXT_PARALLEL = ("all_gather", "ring", "auto")  # ops.context_parallel
 REMAT_MODES = ("none", "full", "dots")  # models.decoder.REMAT_POLICIES, and none
 DTYPES = ("float32", "bfloat16", "float16")  # models.layers
@@ -16,22 +19,54 @@ DISPATCHES = ("auto", "ragged", "padded")  # models.moe.dispatch
 # off: the learner routes each token itself; sampler: it replays the experts the sampler chose
 ROUTING_REPLAY = ("off", "sampler")  # rl.rollout.routing
 VISION_ENCODERS = ("none", "linear", "vit")  # models.vision.make_vision
+_NEEDS_ORIGINAL_CONTEXT = ("dynamic", "yarn", "llama3")
 
 
 @section
 class RopeScalingConfig(Section):
-    """`model.rope_scaling`: Hugging Face's `rope_scaling` (see models.attention.RopeScaling)."""
+    """`model.rope_scaling`: how RoPE is stretched beyond the pre-training context, as Hugging Face's
+    `rope_scaling` / `rope_parameters` types of the same names define it (models.attention).
+
+    type "" (none) | linear (positions / factor) | dynamic (NTK base for the extended context
+    `original_max_position_embeddings × factor`, fixed: see `dynamic_length`) | yarn (NTK-by-parts
+    ramp between beta_fast and beta_slow rotations, q and k scaled by `attention_factor`; 0 means
+    0.1 ln(factor) + 1) | llama3 (low/high-frequency wavelength bands)."""
 
     KEY = "model.rope_scaling"
-    type: str = choice(ROPE_SCALINGS)
-    factor: float
-    original_max_position_embeddings: int
-    low_freq_factor: float
-    high_freq_factor: float
-    beta_fast: float
-    beta_slow: float
-    attention_factor: float
-    truncate: bool
+    type: str = choice("", ROPE_SCALINGS)  # "" (none) | linear | dynamic | yarn | llama3
+    factor: float = bounded(1.0, gt=0)
+    original_max_position_embeddings: int = bounded(0, ge=0)  # pre-training context (dynamic, yarn, llama3)
+    low_freq_factor: float = bounded(1.0, gt=0)  # llama3
+    high_freq_factor: float = bounded(4.0, gt=0)  # llama3
+    beta_fast: float = bounded(32.0, gt=0)  # yarn
+    beta_slow: float = bounded(1.0, gt=0)  # yarn
+    # yarn: q, k scale; 0 = 0.1 ln(factor) + 1
+    attention_factor: float = bounded(0.0, ge=0)
+    truncate: bool = flag(True)  # yarn: round the ramp's ends to whole dimensions
+
+    def dynamic_length(self) -> float:
+        """The length dynamic NTK scaling takes its base from: the extended context, for every call,
+        as vLLM and SGLang serve it. Hugging Face's transformers grows the base with the longest
+        position of each call instead; then a row's logits depend on its batch, and the keys a
+        KV-cached sampler stored under an earlier base disagree with the learner's one forward."""
+        return self.original_max_position_embeddings * self.factor
+
+    def attention_scale(self) -> float:
+        """The factor RoPE multiplies q and k by (yarn's attention temperature; 1 otherwise)."""
+        if self.type != "yarn":
+            return 1.0
+        if self.attention_factor:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+    def check_rules(self) -> None:
+        """The scalings that extend a pre-training context need its length."""
+        if self.type in _NEEDS_ORIGINAL_CONTEXT and self.original_max_position_embeddings <= 0:
+            raise UserError(
+                f"config.{self.KEY}.original_max_position_embeddings={self.original_max_position_embeddings}: "
+                f"rope_scaling.type={self.type!r} needs the pre-training context length",
+                key=f"{self.KEY}.original_max_position_embeddings",
+            )
 
 
 @section
@@ -41,36 +76,38 @@ class MoEConfig(Section):
     only with experts, the rlvr stage and a sampler that records them)."""
 
     KEY = "model.moe"
-    num_experts: int = bounded(ge=0)
-    top_k: int = bounded(ge=1)
-    expert_mlp_dim: int
-    router: str = choice(MOE_ROUTERS)
-    norm_topk_prob: bool
-    routed_scaling: float
-    bias_update_rate: float
-    num_shared_experts: int
-    shared_mlp_dim: int
-    aux_loss_coef: float
-    z_loss_coef: float
-    capacity_factor: float = bounded(ge=0)
-    first_dense: int
-    every: int
-    dense_layers: tuple[int, ...]
-    dispatch: str = choice(DISPATCHES)
-    routing_replay: str = choice(ROUTING_REPLAY)
+    num_experts: int = bounded(0, ge=0)  # 0: every layer is a dense MLP
+    top_k: int = bounded(2, ge=1)
+    expert_mlp_dim: int = bounded(64, ge=1)
+    router: str = choice("softmax", MOE_ROUTERS)
+    norm_topk_prob: bool = flag(True)  # renormalise the top-k probabilities (Mixtral: always)
+    routed_scaling: float = bounded(1.0, gt=0)  # multiplies the combine weights (DeepSeek-V3 style)
+    bias_update_rate: float = bounded(0.0, ge=0)  # aux-loss-free balancing: router-bias step per update (sigmoid)
+    num_shared_experts: int = bounded(0, ge=0)
+    shared_mlp_dim: int = bounded(64, ge=1)
+    aux_loss_coef: float = bounded(0.01, ge=0)  # load-balancing loss (Switch / HF `router_aux_loss_coef`)
+    z_loss_coef: float = bounded(0.001, ge=0)  # router z-loss (ST-MoE)
+    capacity_factor: float = bounded(0.0, ge=0)  # 0: dropless; > 0: per-expert capacity, overflow tokens dropped
+    first_dense: int = bounded(0, ge=0)  # the first k layers use a dense MLP
+    every: int = bounded(1, ge=1)  # then every n-th layer is MoE (HF `decoder_sparse_step`)
+    dense_layers: tuple[int, ...] = free((), "layer indices; models.decoder.layer_kinds reads them")  # HF mlp_only
+    dispatch: str = choice("auto", DISPATCHES)  # expert-parallel all-to-all flavour
+    # off | sampler: the RL learner replays the experts the sampler chose for each token (gate weights
+    # recomputed by the learner's router over them); rlvr, static sampler
+    routing_replay: str = choice("off", ROUTING_REPLAY)
 
     def check_rules(self) -> None:
         """A token picks at most every expert."""
         if self.num_experts and self.top_k > self.num_experts:
             raise UserError(
-                f"config.{self.key}.top_k={self.top_k}: expected <= {self.key}.num_experts={self.num_experts}",
-                key=f"{self.key}.top_k",
+                f"config.{self.KEY}.top_k={self.top_k}: expected <= {self.KEY}.num_experts={self.num_experts}",
+                key=f"{self.KEY}.top_k",
             )
         if self.routing_replay != "off" and not self.num_experts:
             raise UserError(
-                f"config.{self.key}.routing_replay={self.routing_replay!r} needs a Mixture-of-Experts model: "
-                f"{self.key}.num_experts=0 (dense) has no routing to replay; set routing_replay='off'",
-                key=f"{self.key}.routing_replay",
+                f"config.{self.KEY}.routing_replay={self.routing_replay!r} needs a Mixture-of-Experts model: "
+                f"{self.KEY}.num_experts=0 (dense) has no routing to replay; set routing_replay='off'",
+                key=f"{self.KEY}.routing_replay",
             )
 
 
@@ -87,53 +124,54 @@ class VisionConfig(Section):
     constants, e.g. 0.5 / 0.5 for SigLIP)."""
 
     KEY = "model.vision"
-    encoder: str = choice(VISION_ENCODERS)
-    image_size: int = bounded(ge=1)
-    patch_size: int = bounded(ge=1)
-    image_token_id: int = bounded(ge=0)
-    patch_positions: bool
-    vit_layers: int = bounded(ge=1)
-    vit_width: int = bounded(ge=1)
-    vit_heads: int = bounded(ge=1)
-    vit_mlp_dim: int = bounded(ge=1)
-    vit_final_norm: bool
-    image_mean: tuple[float, ...]
-    image_std: tuple[float, ...]
+    encoder: str = choice("none", VISION_ENCODERS)
+    image_size: int = bounded(32, ge=1)  # every image is resized to image_size x image_size (RGB)
+    patch_size: int = bounded(8, ge=1)  # cut into (image_size / patch_size)^2 patches, one placeholder token each
+    image_token_id: int = bounded(263, ge=0)  # the placeholder token: the byte tokenizer's <|image|>
+    patch_positions: bool = flag(False)  # linear: + a learned embedding of each patch's place in its image
+    vit_layers: int = bounded(2, ge=1)  # pre-LayerNorm layers, bidirectional within an image
+    vit_width: int = bounded(64, ge=1)  # then a 2-layer GELU projector to model.embed_dim
+    vit_heads: int = bounded(4, ge=1)
+    vit_mlp_dim: int = bounded(128, ge=1)
+    vit_final_norm: bool = flag(True)  # a LayerNorm after the last layer (LLaVA: False)
+    # the tower reads (pixel/255 - mean) / std per channel
+    image_mean: tuple[float, ...] = free((0.0, 0.0, 0.0), "3 channel values, checked by the section's rules")
+    image_std: tuple[float, ...] = free((1.0, 1.0, 1.0), "3 nonzero channel values, checked by the section's rules")
 
     def check_rules(self) -> None:
         """Patches tile the image exactly; the tower's heads split its width; one mean and one
         nonzero std per RGB channel; normalisation only where the tower applies it."""
         if self.vit_width % self.vit_heads:
             raise UserError(
-                f"config.{self.key}.vit_heads={self.vit_heads} must divide {self.key}.vit_width={self.vit_width}",
-                key=f"{self.key}.vit_heads",
+                f"config.{self.KEY}.vit_heads={self.vit_heads} must divide {self.KEY}.vit_width={self.vit_width}",
+                key=f"{self.KEY}.vit_heads",
             )
         for name in ("image_mean", "image_std"):
             value = tuple(getattr(self, name))
             if len(value) != 3 or (name == "image_std" and 0 in value):
                 raise UserError(
-                    f"config.{self.key}.{name}={value}: expected 3 values (R, G, B)"
+                    f"config.{self.KEY}.{name}={value}: expected 3 values (R, G, B)"
                     + (", none zero" if name == "image_std" else ""),
-                    key=f"{self.key}.{name}",
+                    key=f"{self.KEY}.{name}",
                 )
             default = (0.0,) * 3 if name == "image_mean" else (1.0,) * 3
             if self.encoder != "vit" and value != default:
                 raise UserError(
-                    f"config.{self.key}.{name}={value}: only encoder='vit' normalises pixels; "
+                    f"config.{self.KEY}.{name}={value}: only encoder='vit' normalises pixels; "
                     f"leave it at {default} for encoder={self.encoder!r}",
-                    key=f"{self.key}.{name}",
+                    key=f"{self.KEY}.{name}",
                 )
         if self.patch_positions and self.encoder != "linear":
             raise UserError(
-                f"config.{self.key}.patch_positions=True: read only with encoder='linear' (got "
+                f"config.{self.KEY}.patch_positions=True: read only with encoder='linear' (got "
                 f"{self.encoder!r}; the vit tower has its own position embedding)",
-                key=f"{self.key}.patch_positions",
+                key=f"{self.KEY}.patch_positions",
             )
         if self.image_size % self.patch_size:
             raise UserError(
-                f"config.{self.key}.patch_size={self.patch_size} must divide {self.key}.image_size="
+                f"config.{self.KEY}.patch_size={self.patch_size} must divide {self.KEY}.image_size="
                 f"{self.image_size} (whole patches)",
-                key=f"{self.key}.patch_size",
+                key=f"{self.KEY}.patch_size",
             )
 
 
@@ -142,40 +180,41 @@ class ModelConfig(Section):
     """`model`: the decoder's hyper-parameters."""
 
     KEY = "model"
-    vocab_size: int = bounded(ge=1)
-    embed_dim: int = bounded(ge=1)
-    num_layers: int = bounded(ge=1)
-    num_heads: int = bounded(ge=1)
-    num_kv_heads: int = bounded(ge=1)
-    head_dim: int = bounded(ge=1)
-    mlp_dim: int = bounded(ge=1)
-    rope_theta: float
-    rope_scaling: RopeScalingConfig
-    qk_norm: bool
-    attention_bias: bool
-    norm_eps: float
-    tie_embeddings: bool
-    param_dtype: str = choice(DTYPES)
-    dtype: str = choice(DTYPES)
-    remat: str = choice(REMAT_MODES)
-    attention: str = choice(ATTENTION_KERNELS)
-    attention_block: int
-    context_parallel: str = choice(CONTEXT_PARALLEL)
-    moe: MoEConfig
-    vision: VisionConfig
+    vocab_size: int = bounded(256, ge=1)
+    embed_dim: int = bounded(64, ge=1)
+    num_layers: int = bounded(2, ge=1)
+    num_heads: int = bounded(4, ge=1)
+    num_kv_heads: int = bounded(2, ge=1)
+    head_dim: int = bounded(16, ge=1)
+    mlp_dim: int = bounded(128, ge=1)
+    rope_theta: float = bounded(10_000.0, gt=0)
+    rope_scaling: RopeScalingConfig = nested(RopeScalingConfig)  # Hugging Face `rope_scaling`
+    qk_norm: bool = flag(False)
+    attention_bias: bool = flag(False)  # biases on the q, k, v projections (Qwen2)
+    norm_eps: float = bounded(1e-6, gt=0)
+    tie_embeddings: bool = flag(False)
+    param_dtype: str = choice("float32", DTYPES)
+    dtype: str = choice("float32", DTYPES)  # compute dtype
+    remat: str = choice("none", REMAT_MODES)  # none | full | dots (save matmul outputs)
+    attention: str = choice("xla", ATTENTION_KERNELS)  # xla (reference) | blockwise | cudnn (GPU) | splash (TPU)
+    attention_block: int = bounded(512, ge=1)  # blockwise / splash tile length (queries and keys)
+    # mesh.sequence > 1 with blockwise: all_gather | ring | auto (ops.context_parallel)
+    context_parallel: str = choice("auto", CONTEXT_PARALLEL)
+    moe: MoEConfig = nested(MoEConfig)
+    vision: VisionConfig = nested(VisionConfig)
 
     def check_rules(self) -> None:
         """Grouped-query attention: each KV head serves a whole number of query heads; the image
         placeholder is a token of the vocabulary."""
         if self.vision.encoder != "none" and self.vision.image_token_id >= self.vocab_size:
             raise UserError(
-                f"config.{self.key}.vision.image_token_id={self.vision.image_token_id}: expected < "
-                f"{self.key}.vocab_size={self.vocab_size} (the placeholder is looked up like any token)",
-                key=f"{self.key}.vision.image_token_id",
+                f"config.{self.KEY}.vision.image_token_id={self.vision.image_token_id}: expected < "
+                f"{self.KEY}.vocab_size={self.vocab_size} (the placeholder is looked up like any token)",
+                key=f"{self.KEY}.vision.image_token_id",
             )
         if self.num_heads % self.num_kv_heads:
             raise UserError(
-                f"config.{self.key}.num_kv_heads={self.num_kv_heads} must divide {self.key}.num_heads="
+                f"config.{self.KEY}.num_kv_heads={self.num_kv_heads} must divide {self.KEY}.num_heads="
                 f"{self.num_heads} (grouped-query attention)",
-                key=f"{self.key}.num_kv_heads",
+                key=f"{self.KEY}.num_kv_heads",
             )

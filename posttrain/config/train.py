@@ -1,9 +1,10 @@
 """The training sections: `train`, `optim`, `checkpoint`, `data`, `lora`, the per-stage sections
-(`sft`, `reward_model`, `dpo`), `eval` and `pipeline`, and the values their enum keys take."""
+(`sft`, `reward_model`, `dpo`), `eval` and `pipeline`, with their defaults and the values they take."""
 
 from __future__ import annotations
 
-from posttrain.config.fields import Section, bounded, choice, section
+from posttrain.config.fields import Section, bounded, choice, default, flag, free, nested, parsed, section
+from posttrain.config.syntax import gate_syntax, parse_ints, parse_renames, parse_steps
 from posttrain.errors import UserError
 
 OPTIMIZERS = ("adamw", "adafactor")  # core.optim
@@ -14,6 +15,16 @@ OPTIMIZER_ONLY = {"adamw": ("b1", "b2", "eps", "moment_dtype"), "adafactor": ("f
 ON_ERROR = ("raise", "skip")  # data.sources
 SYNTHETIC_DATA = ("", "arithmetic", "long_context")  # stages.data_files
 DPO_LOSSES = ("sigmoid", "ipo")  # stages.losses
+LORA_TARGETS = (
+    *("q", "k", "v", "o", "gate", "up", "down", "w_gate", "w_up", "w_down"),  # the decoder's projections
+    *("proj", "patch", "wq", "wk", "wv", "wo", "fc1", "fc2", "proj1", "proj2"),  # the image encoders' (models.lora)
+)
+FILES_WHY = "JSONL files or globs (local or gs://), 'synthetic:' to generate; checked at start-up (stages.data_files)"
+
+
+def gate_field(default: str = "") -> str:
+    """A stage's gate: conditions on its metrics (`config.syntax.parse_gate`), all of which must hold."""
+    return parsed(default, gate_syntax)
 
 
 @section
@@ -21,14 +32,19 @@ class TrainConfig(Section):
     """`train`: the training loop."""
 
     KEY = "train"
-    steps: int = bounded(ge=1)
-    batch_size: int = bounded(ge=1)
-    seq_len: int = bounded(ge=1)
-    log_every: int = bounded(ge=1)
-    eval_every: int = bounded(ge=0)
-    progress: bool
-    seq_len_schedule: str
-    max_nonfinite_steps: int = bounded(ge=0)
+    steps: int = bounded(300, ge=1)
+    batch_size: int = bounded(16, ge=1)
+    seq_len: int = bounded(64, ge=1)
+    log_every: int = bounded(10, ge=1)
+    eval_every: int = bounded(0, ge=0)
+    progress: bool = flag(True)
+    # staged context: "256:20,1024" = 256 tokens for 20 steps, then train.seq_len
+    seq_len_schedule: str = free(
+        "", "read with train.seq_len and the stage's steps when it starts (data.schedule.parse_seq_len_schedule)"
+    )
+    # Non-finite loss or gradient norm: the update is skipped (counted as nonfinite_skipped); the run
+    # stops when more than this many updates in a row were skipped (0: at the first).
+    max_nonfinite_steps: int = bounded(10, ge=0)
 
 
 @section
@@ -36,31 +52,30 @@ class OptimConfig(Section):
     """`optim`: the optimizer and its learning-rate schedule."""
 
     KEY = "optim"
-    name: str = choice(OPTIMIZERS)
-    lr: float = bounded(gt=0)
-    min_lr_ratio: float = bounded(ge=0, le=1)
-    warmup_steps: int = bounded(ge=0)
-    weight_decay: float = bounded(ge=0)
-    grad_clip: float = bounded(ge=0)
-    b1: float = bounded(ge=0, lt=1)
-    b2: float = bounded(ge=0, lt=1)
-    eps: float = bounded(gt=0)
-    moment_dtype: str = choice(MOMENT_DTYPES)
-    factored_min_dim: int = bounded(ge=1)
+    name: str = choice("adamw", OPTIMIZERS)  # adafactor: factored second moments, no first: ~(rows+cols) a matrix
+    lr: float = bounded(3e-3, gt=0)
+    min_lr_ratio: float = bounded(0.1, ge=0, le=1)
+    warmup_steps: int = bounded(20, ge=0)
+    weight_decay: float = bounded(0.01, ge=0)
+    grad_clip: float = bounded(1.0, ge=0)
+    b1: float = bounded(0.9, ge=0, lt=1)
+    b2: float = bounded(0.95, ge=0, lt=1)
+    eps: float = bounded(1e-8, gt=0)  # adamw only
+    moment_dtype: str = choice("", MOMENT_DTYPES)  # adamw only: first-moment dtype, "" = the params' dtype
+    # adafactor only: factor a matrix's second moment when its 2 largest dims are >= this
+    factored_min_dim: int = bounded(128, ge=1)
 
     def check_rules(self) -> None:
         """A key only the other optimizer reads keeps its default."""
-        from posttrain.config.defaults import optim_config
-
-        default = optim_config()
+        fields = {f.name: f for f in self.__dataclass_fields__.values()}
         for owner, keys in OPTIMIZER_ONLY.items():
             for key in keys if self.name != owner else ():
-                value = getattr(self, key)
-                if value != default[key]:
+                value, value_default = getattr(self, key), default(fields[key])
+                if value != value_default:
                     raise UserError(
-                        f"config.{self.key}.{key}={value!r} applies to {self.key}.name={owner!r} only; "
-                        f"{self.key}.name={self.name!r} does not read it (leave it {default[key]!r})",
-                        key=f"{self.key}.{key}",
+                        f"config.{self.KEY}.{key}={value!r} applies to {self.KEY}.name={owner!r} only; "
+                        f"{self.KEY}.name={self.name!r} does not read it (leave it {value_default!r})",
+                        key=f"{self.KEY}.{key}",
                     )
 
 
@@ -69,9 +84,9 @@ class CheckpointConfig(Section):
     """`checkpoint`: how often and how many."""
 
     KEY = "checkpoint"
-    every: int = bounded(ge=0)
-    keep: int = bounded(ge=1)
-    async_save: bool
+    every: int = bounded(100, ge=0)
+    keep: int = bounded(3, ge=1)
+    async_save: bool = flag(True)
 
 
 @section
@@ -79,18 +94,29 @@ class DataConfig(Section):
     """`data`: tokenizer, record handling and generated data."""
 
     KEY = "data"
-    task: str
-    tokenizer: str
-    on_error: str = choice(ON_ERROR)
-    packing: bool
-    truncate: bool
-    fields: str
-    synthetic: str = choice(SYNTHETIC_DATA)
-    synthetic_size: int = bounded(ge=1)
-    synthetic_max_value: int = bounded(ge=1)
-    synthetic_error_rate: float = bounded(ge=0, le=1)
-    synthetic_min_length: int = bounded(ge=0)
-    synthetic_recall_density: float = bounded(ge=0)
+    task: str = choice("arithmetic", ("arithmetic",))  # stage lm: the built-in task
+    # "byte" or a folder with tokenizer.json (local, gs://)
+    tokenizer: str = free("byte", "'byte' or a folder, opened when the run starts (data.tokenizer.load_tokenizer)")
+    on_error: str = choice("raise", ON_ERROR)  # raise | skip (bad records counted as data/skipped)
+    packing: bool = flag(True)  # SFT: pack conversations into rows with segment ids
+    truncate: bool = flag(False)  # SFT: cut over-long examples (counted) instead of erroring
+    fields: str = parsed("", parse_renames)  # record field renames, e.g. "prompt=question,response=answer"
+    synthetic: str = choice("", SYNTHETIC_DATA)  # generate the stage's train/eval files if missing
+    synthetic_size: int = bounded(2000, ge=1)  # records per generated train file (eval files get a quarter)
+    synthetic_max_value: int = bounded(99, ge=1)  # operands 0..max (RL arithmetic tasks use the same range)
+    synthetic_error_rate: float = bounded(0.0, ge=0, le=1)  # SFT: fraction of worked answers that are off by one
+    # long_context: shortest generated prompt (0: 64 for recall alone, else 160)
+    synthetic_min_length: int = bounded(0, ge=0)
+    # long_context: up to this many recall facts per 64 tokens (0: 1 + len/64)
+    synthetic_recall_density: float = bounded(0.0, ge=0)
+
+
+def _no_dropout(value: float) -> None:
+    if value:
+        raise ValueError(
+            "not supported (adapters are merged into the weights, so there is no adapter activation to drop); "
+            "set it to 0"
+        )
 
 
 @section
@@ -98,10 +124,12 @@ class LoraConfig(Section):
     """`lora`: low-rank adapters (off at rank 0)."""
 
     KEY = "lora"
-    rank: int = bounded(ge=0)
-    alpha: float = bounded(gt=0)
-    targets: tuple[str, ...]
-    dropout: float
+    rank: int = bounded(0, ge=0)  # 0: full fine-tuning; > 0: train only low-rank adapters
+    alpha: float = bounded(16.0, gt=0)  # adapters scaled by alpha / rank
+    # decoder: any of q k v o gate up down w_gate w_up w_down; images (models/lora.py): proj
+    # (encoder=linear), patch wq wk wv wo fc1 fc2 proj1 proj2 (encoder=vit); q never hits the tower
+    targets: tuple[str, ...] = free(("q", "k", "v", "o"), "names checked against the model (models.lora)")
+    dropout: float = parsed(0.0, _no_dropout)  # not supported (adapters are merged into the weights)
 
 
 @section
@@ -109,11 +137,11 @@ class StageConfig(Section):
     """A training stage's section (`sft`, `reward_model`, `dpo`, `rl`): its data, its gate, and its
     `steps` / `lr`, which replace train.steps / optim.lr when non-zero."""
 
-    train_files: str
-    eval_files: str
-    steps: int = bounded(ge=0)
-    lr: float = bounded(ge=0)
-    gate: str
+    train_files: str = free("", FILES_WHY)
+    eval_files: str = free("", FILES_WHY)
+    steps: int = bounded(0, ge=0)
+    lr: float = bounded(0.0, ge=0)
+    gate: str = gate_field()  # e.g. "eval/loss<1.5": must hold before a pipeline moves on
 
 
 @section
@@ -121,7 +149,7 @@ class SFTConfig(StageConfig):
     """`sft`: supervised fine-tuning."""
 
     KEY = "sft"
-    sample_tokens: int
+    sample_tokens: int = bounded(48, ge=0)  # greedy samples of a few eval prompts at each eval (0: off)
 
 
 @section
@@ -136,23 +164,25 @@ class DPOConfig(StageConfig):
     """`dpo`: direct preference optimisation."""
 
     KEY = "dpo"
-    beta: float = bounded(gt=0)
-    loss_type: str = choice(DPO_LOSSES)
-    label_smoothing: float = bounded(ge=0, lt=0.5)
+    beta: float = bounded(0.1, gt=0)
+    loss_type: str = choice("sigmoid", DPO_LOSSES)
+    label_smoothing: float = bounded(0.0, ge=0, lt=0.5)
 
 
 @section
 class LongContextConfig(Section):
-    """`eval.long_context`: needle / multi-hop retrieval problems."""
+    """`eval.long_context`: needle / multi-hop retrieval problems (eval/long_context_eval.py)."""
 
     KEY = "eval.long_context"
-    lengths: str
-    depths: str
-    kinds: str
-    samples: int
-    hops: int
-    max_new_tokens: int
-    seed: int
+    # prompt lengths in tokens, e.g. "256,1024"; "" = off. SFT evaluates it
+    lengths: str = parsed("", parse_ints)
+    # where the facts sit (0 = start of the context, 1 = end); the grid is checked by eval.long_context_eval
+    depths: str = free("0,0.25,0.5,0.75,1", "fractions read with the grid (eval.long_context_eval.parse_grid)")
+    kinds: str = free("needle,multihop", "problem kinds read with the grid (eval.long_context_eval.parse_grid)")
+    samples: int = bounded(4, ge=1)  # problems per (kind, length, depth) cell
+    hops: int = bounded(2, ge=1)  # facts chained in a multi-hop problem
+    max_new_tokens: int = bounded(8, ge=1)
+    seed: int = bounded(0, ge=0)  # problems come from the eval name space, disjoint from training's
 
 
 @section
@@ -160,14 +190,16 @@ class EvalConfig(Section):
     """`eval`: the eval stage (checkpoints, suites, pass@k) and the long-context evals."""
 
     KEY = "eval"
-    long_context: LongContextConfig
-    checkpoint: str
-    steps: str
-    suites: str
-    size: int
-    samples: int
-    pass_k: str
-    gate: str
+    long_context: LongContextConfig = nested(LongContextConfig)
+    # a run dir / checkpoints dir; "" = init_from (in a pipeline: the previous stage)
+    checkpoint: str = free("", "a run or checkpoint folder, opened when the stage starts")
+    steps: str = parsed("latest", parse_steps)  # latest | all | "100,200": which checkpoints of that run
+    # arithmetic, gsm8k, humaneval and/or name=path.jsonl (rl.eval_files records)
+    suites: str = free("arithmetic", "suite names and files, checked at start-up (rl.tasks.suites.parse_suites)")
+    size: int = bounded(128, ge=1)  # problems per built-in suite
+    samples: int = bounded(4, ge=1)  # samples per problem (mean sampled accuracy, pass@k)
+    pass_k: str = parsed("1,4", parse_ints)  # pass@k reported for each k (each <= samples)
+    gate: str = gate_field()
 
 
 @section
@@ -175,4 +207,4 @@ class PipelineConfig(Section):
     """`pipeline`: the stages a pipeline runs, in order."""
 
     KEY = "pipeline"
-    stages: tuple[str, ...]
+    stages: tuple[str, ...] = free(("sft", "dpo"), "stage names, checked against the stage table by RunConfig")

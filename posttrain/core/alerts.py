@@ -131,7 +131,7 @@ class AlertMonitor:
     @classmethod
     def from_config(cls, a) -> AlertMonitor:
         """The monitor configured by the `alerts` section."""
-        return cls({rule: float(a[rule]) for rule in RULES}, nonfinite=bool(a.nonfinite), mode=a.on)
+        return cls({rule: float(getattr(a, rule)) for rule in RULES}, nonfinite=bool(a.nonfinite), mode=a.on)
 
     def update(self, step: int, metrics: dict[str, Any]) -> list[Alert]:
         """The alerts the row `metrics` at `step` raises; the running statistics then take it in."""

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
 import fsspec
 import jax
-import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
 from posttrain import storage
-from posttrain.config import base_config
+from posttrain.config import RunConfig
 from posttrain.core import init, lineage
 from posttrain.core.checkpoint import Checkpointer, abstract_with_shardings
 from posttrain.core.state import lora_scale, shardings_for
@@ -38,14 +38,12 @@ TOKENIZER_FILES = (
 
 def hf_to_run(
     hf_dir: str, workdir: str, mesh: Mesh, rules: Rules, *, param_dtype: str = "float32", progress: bool = True
-) -> ml_collections.ConfigDict:
+) -> RunConfig:
     """Write HF folder `hf_dir` as step 0 of `{workdir}/checkpoints` (restorable on any mesh, so
     `init_from=workdir` works; workdir may be gs://) and the run config, which it returns, as
     `{workdir}/config.json`."""
-    cfg = base_config()
-    cfg.model.update(model_config_from_hf(hf_dir))
-    cfg.model.param_dtype = param_dtype
-    cfg.workdir, cfg.data.tokenizer = workdir, hf_dir
+    model = dataclasses.replace(model_config_from_hf(hf_dir), param_dtype=param_dtype)
+    cfg = RunConfig(workdir=workdir, model=model).replace({"data.tokenizer": hf_dir})
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     with use_sharding(mesh, rules):
         params, rest = load_model_state(hf_dir, make, mesh, rules, progress=progress)
@@ -54,11 +52,11 @@ def hf_to_run(
     ckpt.close()
     if jax.process_index() == 0:
         with fsspec.open(f"{workdir.rstrip('/')}/config.json", "w") as f:
-            f.write(cfg.to_json_best_effort(indent=2))
+            f.write(json.dumps(cfg.to_dict(), indent=2))
     return cfg
 
 
-def _merged_lora(cfg: ml_collections.ConfigDict, make, mesh: Mesh, rules: Rules) -> nnx.State:
+def _merged_lora(cfg: RunConfig, make, mesh: Mesh, rules: Rules) -> nnx.State:
     """Base weights of `cfg.init_from` with the newest LoRA adapters of `cfg.workdir` merged in."""
     if not cfg.init_from:
         raise ValueError(
@@ -79,7 +77,7 @@ def _merged_lora(cfg: ml_collections.ConfigDict, make, mesh: Mesh, rules: Rules)
 
 
 def run_to_hf(
-    cfg: ml_collections.ConfigDict,
+    cfg: RunConfig,
     out: str,
     mesh: Mesh,
     rules: Rules,
@@ -119,23 +117,9 @@ def run_to_hf(
     return hf
 
 
-def read_run_config(workdir: str) -> ml_collections.ConfigDict:
-    """The config a run saved as `{workdir}/config.json`, as a full (locked) config whose workdir
-    is `workdir` (the run may have moved)."""
+def read_run_config(workdir: str) -> RunConfig:
+    """The config a run saved as `{workdir}/config.json`, whose workdir is `workdir` (the run may
+    have moved); keys added since take their defaults, an unknown key is an error naming it."""
     with fsspec.open(f"{workdir.rstrip('/')}/config.json") as f:
         saved = json.load(f)
-    cfg = base_config()
-    _update(cfg, saved, "config")
-    cfg.workdir = workdir
-    return cfg
-
-
-def _update(node: ml_collections.ConfigDict, saved: dict, where: str) -> None:
-    """Set `node`'s keys from JSON `saved` (lists back to tuples), naming unknown keys."""
-    for key, value in saved.items():
-        if key not in node:
-            raise KeyError(f"{where}.{key}: unknown config key (saved by another version of posttrain?)")
-        if isinstance(value, dict):
-            _update(node[key], value, f"{where}.{key}")
-        else:
-            node[key] = tuple(value) if isinstance(node[key], tuple) else value
+    return RunConfig.from_dict({**saved, "workdir": workdir})

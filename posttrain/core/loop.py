@@ -63,7 +63,6 @@ def run_eval(stage: TrainSpec, graphdef: nnx.GraphDef, state: TrainState, lora_c
 
 
 @jax.jit
-@jax.jit
 def longest_context(longest: jax.Array, batch: dict) -> jax.Array:
     """`longest` raised to the longest sequence in `batch`: the last position + 1 of any real
     (segment id > 0) token, over every `*positions` array with its `*segment_ids`. One program

@@ -18,10 +18,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from posttrain.config import MOMENT_DTYPES, OPTIMIZERS
+from posttrain.config import OptimConfig
 
 
-def lr_schedule(cfg, total_steps: int) -> optax.Schedule:
+def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     """Linear warmup from 0 to `lr`, then cosine decay to `lr * min_lr_ratio` at `total_steps`."""
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
@@ -33,19 +33,14 @@ def lr_schedule(cfg, total_steps: int) -> optax.Schedule:
     )
 
 
-def make_optimizer(cfg, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     """`cfg.name` (AdamW or Adafactor) behind global-norm clipping; `cfg` = config.optim.
 
     Both decay matrices only (not norms, biases) by `lr(t) * weight_decay * param` (decoupled,
     as AdamW). Adafactor runs with absolute step sizes (no parameter-scale multiplication), so
     `optim.lr` means about the same for both; its own per-matrix update-RMS clip at 1 stays on.
     """
-    name = cfg.get("name", "adamw")
-    if name not in OPTIMIZERS:
-        raise ValueError(f"optim.name={name!r}: expected one of {', '.join(map(repr, OPTIMIZERS))}")
-    moment_dtype = cfg.get("moment_dtype", "")
-    if moment_dtype not in MOMENT_DTYPES:
-        raise ValueError(f"optim.moment_dtype={moment_dtype!r}: expected one of {', '.join(map(repr, MOMENT_DTYPES))}")
+    name, moment_dtype = cfg.name, cfg.moment_dtype
     schedule = lr_schedule(cfg, total_steps)
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     if name == "adamw":
@@ -64,7 +59,7 @@ def make_optimizer(cfg, total_steps: int) -> optax.GradientTransformation:
                 f"optim.moment_dtype={moment_dtype!r}: adafactor keeps no first moment; "
                 "leave it '' or use optim.name='adamw'"
             )
-        min_dim, decay = cfg.get("factored_min_dim", 128), cfg.weight_decay
+        min_dim, decay = cfg.factored_min_dim, cfg.weight_decay
         tx = with_factored_names(
             optax.adafactor(  # optax's second-moment decay (1 - t^-0.8) and eps
                 schedule,

@@ -42,6 +42,28 @@ def get_field(record: dict, name: str, fields: Fields = None, *, required: bool 
     return record[key]
 
 
+def field_text(record: dict, name: str, *, joinable: bool = False) -> str:
+    """Field `name` as text: a string (or a number); with `joinable` a list of strings joined by
+    newlines; anything else is a RecordError naming the field."""
+    value = get_field(record, name)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not joinable:
+        return str(value)
+    if joinable and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return "\n".join(value)
+    if not isinstance(value, str):
+        expected = "a string or a list of strings" if joinable else "a string or a number"
+        raise RecordError(f"field {name!r}: expected {expected}, got {type(value).__name__}")
+    return value
+
+
+def field_labels(record: dict, name: str) -> tuple[str, ...]:
+    """Field `name` as a non-empty list of labels (strings); a RecordError otherwise."""
+    value = get_field(record, name)
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise RecordError(f"field {name!r}: expected a non-empty list of labels, got {value!r}")
+    return tuple(value)
+
+
 def _type_name(value: Any) -> str:
     return type(value).__name__
 

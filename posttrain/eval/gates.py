@@ -2,8 +2,8 @@
 
 Syntax (`config.<stage>.gate`): conditions separated by commas, each `metric op number` with op
 one of `< <= > >=`, e.g. "unit_test_pass>=0.6, tool_success_rate>=0.5, long_ctx_multihop>=0.3,
-regression_drop<=0.02". Gates are parsed when a run starts (`validate_gates`), so a typo fails
-before anything trains, naming the key.
+regression_drop<=0.02" (`config.syntax.parse_gate`). The config checks a gate's syntax when it is
+built, so a typo fails before anything trains, naming the key.
 
 `regression_drop` is computed, not logged: over the suites that both the current evaluation and the
 baseline (the previous evaluation of the same run: the previous eval stage of a pipeline, or the
@@ -21,32 +21,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import operator
-import re
 import time
 
-from posttrain.stages import registry
+from posttrain.config import stages as stage_table
+from posttrain.config.syntax import OPS, Condition, parse_gate
 
-OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
-_CONDITION = re.compile(r"^\s*([\w/@.\-]+)\s*(<=|>=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
 REGRESSION_DROP = "regression_drop"
 GATES_FILE = "gates.jsonl"  # every gate checked, appended under the run's workdir (for tools/report.py)
 
 
 class GateFailed(RuntimeError):
     """A stage finished but its evaluation gate did not hold; the message reports every condition."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Condition:
-    """`metric op threshold`."""
-
-    metric: str
-    op: str
-    threshold: float
-
-    def __str__(self) -> str:
-        return f"{self.metric} {self.op} {self.threshold:g}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,35 +44,9 @@ class Outcome:
     note: str = ""
 
 
-def parse_gate(spec: str, key: str) -> list[Condition]:
-    """ "a>=0.6, b<=0.02" → conditions; a ValueError naming `key` on any malformed part."""
-    conditions = []
-    for part in spec.split(","):
-        if not part.strip():
-            if spec.strip():
-                raise ValueError(f"{key}={spec!r}: empty condition (a stray comma?)")
-            continue
-        m = _CONDITION.match(part)
-        if not m:
-            raise ValueError(
-                f"{key}={spec!r}: cannot read {part.strip()!r}; expected 'metric op number' with op "
-                f"one of {' '.join(OPS)}, conditions separated by commas, e.g. 'eval/loss<1.5, "
-                "regression_drop<=0.02'"
-            )
-        conditions.append(Condition(m.group(1), m.group(2), float(m.group(3))))
-    return conditions
-
-
 def gate_key(stage: str) -> str:
     """The config key holding `stage`'s gate."""
-    return f"config.{registry.section(stage)}.gate"
-
-
-def validate_gates(cfg, stages) -> None:
-    """Parse the gate of every stage in `stages` (start-up check: raises ValueError naming the key)."""
-    for stage in stages:
-        if stage in registry.GATED:
-            parse_gate(cfg[registry.section(stage)].gate, gate_key(stage))
+    return f"config.{stage_table.section(stage)}.gate"
 
 
 def regression_drop(current: dict, baseline: dict) -> float | None:

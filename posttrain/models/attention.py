@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posttrain.config import ATTENTION_KERNELS, ROPE_SCALINGS
+from posttrain.config import ATTENTION_KERNELS, RopeScalingConfig
 from posttrain.models.layers import RMSNorm, dtype_of, fan_in_init, param
 from posttrain.models.quant import weight_einsum
 from posttrain.ops.blockwise import blockwise_attention
@@ -21,65 +21,12 @@ from posttrain.ops.fused import KERNEL_PLATFORMS, check_platform, cudnn_attentio
 from posttrain.parallel.sharding import constrain, current
 
 
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """`model.rope_scaling`: how RoPE is stretched beyond the pre-training context, as Hugging Face's
-    `rope_scaling` / `rope_parameters` types of the same names define it.
-
-    type "" (none) | linear (positions / factor) | dynamic (NTK base for the extended context
-    `original_max_position_embeddings × factor`, fixed: see `dynamic_length`) | yarn (NTK-by-parts
-    ramp between beta_fast and beta_slow rotations, q and k scaled by `attention_factor`; 0 means
-    0.1 ln(factor) + 1) | llama3 (low/high-frequency wavelength bands).
-    """
-
-    type: str = ""
-    factor: float = 1.0
-    original_max_position_embeddings: int = 0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float = 0.0
-    truncate: bool = True
-
-    @classmethod
-    def from_config(cls, c) -> RopeScaling:
-        """Validated from the `model.rope_scaling` ConfigDict."""
-        scaling = cls(**{f.name: c[f.name] for f in dataclasses.fields(cls)})
-        if scaling.type not in ROPE_SCALINGS:
-            raise ValueError(f"model.rope_scaling.type={scaling.type!r}: expected one of {ROPE_SCALINGS}")
-        if scaling.type and scaling.factor <= 0:
-            raise ValueError(f"model.rope_scaling.factor={scaling.factor}: must be positive")
-        if scaling.type in ("dynamic", "yarn", "llama3") and scaling.original_max_position_embeddings <= 0:
-            raise ValueError(
-                f"model.rope_scaling.original_max_position_embeddings="
-                f"{scaling.original_max_position_embeddings}: rope_scaling.type={scaling.type!r} "
-                "needs the pre-training context length"
-            )
-        return scaling
-
-    def dynamic_length(self) -> float:
-        """The length dynamic NTK scaling takes its base from: the extended context, for every call,
-        as vLLM and SGLang serve it. Hugging Face's transformers grows the base with the longest
-        position of each call instead; then a row's logits depend on its batch, and the keys a
-        KV-cached sampler stored under an earlier base disagree with the learner's one forward."""
-        return self.original_max_position_embeddings * self.factor
-
-    def attention_scale(self) -> float:
-        """The factor RoPE multiplies q and k by (yarn's attention temperature; 1 otherwise)."""
-        if self.type != "yarn":
-            return 1.0
-        if self.attention_factor:
-            return self.attention_factor
-        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
-
-
 def rope_frequencies(
-    head_dim: int, theta: float, scaling: RopeScaling | None = None, seq_len: jax.Array | None = None
+    head_dim: int, theta: float, scaling: RopeScalingConfig | None = None, seq_len: jax.Array | None = None
 ) -> jax.Array:
     """Inverse frequencies theta^(-2i/d), i < d/2 (float32), stretched by `scaling`.
 
-    seq_len (`RopeScaling.dynamic_length()` in the model; any length as Hugging Face computes it)
+    seq_len (`RopeScalingConfig.dynamic_length()` in the model; any length as Hugging Face computes it)
     is used by dynamic scaling only.
     """
     exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
@@ -97,7 +44,7 @@ def rope_frequencies(
     return inv_freq
 
 
-def dynamic_theta(theta, head_dim: int, scaling: RopeScaling, length=None):
+def dynamic_theta(theta, head_dim: int, scaling: RopeScalingConfig, length=None):
     """The RoPE base dynamic NTK scaling uses at `length` (default: `scaling.dynamic_length()`, the
     model's): plain RoPE with this base is the same rotation, which is how a dynamic model exports."""
     length = scaling.dynamic_length() if length is None else length
@@ -105,7 +52,7 @@ def dynamic_theta(theta, head_dim: int, scaling: RopeScaling, length=None):
     return theta * ((f * length / original) - (f - 1)) ** (head_dim / (head_dim - 2))
 
 
-def _yarn_frequencies(inv_freq: jax.Array, head_dim: int, theta: float, s: RopeScaling) -> jax.Array:
+def _yarn_frequencies(inv_freq: jax.Array, head_dim: int, theta: float, s: RopeScalingConfig) -> jax.Array:
     """YaRN (Peng et al. 2023): interpolate the low frequencies by `factor`, keep the high ones, with
     a linear ramp between the dimensions that make beta_fast and beta_slow rotations."""
 
@@ -123,7 +70,7 @@ def _yarn_frequencies(inv_freq: jax.Array, head_dim: int, theta: float, s: RopeS
     return (inv_freq / s.factor) * (1 - keep) + inv_freq * keep
 
 
-def _llama3_frequencies(inv_freq: jax.Array, s: RopeScaling) -> jax.Array:
+def _llama3_frequencies(inv_freq: jax.Array, s: RopeScalingConfig) -> jax.Array:
     """Llama 3.1: wavelengths above original/low_freq_factor are divided by `factor`, those below
     original/high_freq_factor kept, and the band between interpolated smoothly."""
     original = s.original_max_position_embeddings
@@ -252,7 +199,7 @@ class Attention(nnx.Module):
             raise ValueError(f"model.head_dim={cfg.head_dim} must be even for RoPE")
         self.kernel = AttentionKernel.from_config(cfg)
         self.rope_theta = cfg.rope_theta
-        self.rope_scaling = RopeScaling.from_config(cfg.rope_scaling)
+        self.rope_scaling = cfg.rope_scaling
         d, h, kv, hd = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         init = fan_in_init(in_axis=0, out_axis=(1, 2))
         self.q = param(rngs, init, (d, h, hd), ("embed", "heads", "head_dim"), pdt)

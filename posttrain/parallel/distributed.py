@@ -29,6 +29,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
+from posttrain.config import DistributedConfig
 from posttrain.errors import UserError
 
 _CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")  # clusters jax.distributed detects
@@ -52,28 +53,22 @@ def _int_setting(value, key: str) -> int:
         raise UserError(f"${key}={value!r}: expected an integer") from None
 
 
-def distributed_settings(cfg=None, environ: Mapping[str, str] | None = None) -> DistributedSettings | None:
-    """The multi-process settings from `cfg.distributed` or the environment, or None for a
+def distributed_settings(
+    d: DistributedConfig | None = None, environ: Mapping[str, str] | None = None
+) -> DistributedSettings | None:
+    """The multi-process settings from the `distributed` section or the environment, or None for a
     single-process run. Raises UserError naming the key or variable when they are incomplete or
     out of range."""
     env = os.environ if environ is None else environ
-    d = cfg.distributed if cfg is not None and "distributed" in cfg else None
-    timeouts = dict(
-        heartbeat_timeout_s=int(d.heartbeat_timeout_s) if d is not None else 30,
-        initialization_timeout_s=int(d.initialization_timeout_s) if d is not None else 300,
-    )
-    for key, value in timeouts.items():
-        if value < 1:
-            raise UserError(
-                f"distributed.{key}={value}: expected a positive number of seconds", key=f"distributed.{key}"
-            )
-    if d is not None and not d.coordinator and (d.num_processes or d.process_id >= 0):
+    d = DistributedConfig() if d is None else d
+    timeouts = dict(heartbeat_timeout_s=d.heartbeat_timeout_s, initialization_timeout_s=d.initialization_timeout_s)
+    if not d.coordinator and (d.num_processes or d.process_id >= 0):
         raise UserError(
             f"distributed.num_processes={d.num_processes}, distributed.process_id={d.process_id} "
             "need distributed.coordinator (host:port of process 0)",
             key="distributed.coordinator",
         )
-    if d is not None and d.coordinator:
+    if d.coordinator:
         where, key = "config.distributed", "distributed.process_id"
         coordinator, num, pid = d.coordinator, d.num_processes, d.process_id
     elif env.get("JAX_COORDINATOR_ADDRESS"):
@@ -102,8 +97,8 @@ def distributed_settings(cfg=None, environ: Mapping[str, str] | None = None) -> 
     return DistributedSettings(coordinator, num, pid, **timeouts)
 
 
-def maybe_initialize_distributed(cfg=None) -> bool:
-    """Start `jax.distributed` when `cfg.distributed` or the environment describes several
+def maybe_initialize_distributed(d: DistributedConfig | None = None) -> bool:
+    """Start `jax.distributed` when the `distributed` section or the environment describes several
     processes (see the module docstring); True when this is a multi-process run.
 
     Must run before anything touches a device. Single-process runs (laptop, Colab, one TPU host)
@@ -111,7 +106,7 @@ def maybe_initialize_distributed(cfg=None) -> bool:
     """
     if jax.distributed.is_initialized():
         return True
-    settings = distributed_settings(cfg)
+    settings = distributed_settings(d)
     if settings is None:
         return False
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts; other backends ignore it

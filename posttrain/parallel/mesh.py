@@ -57,7 +57,7 @@ def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
 def mesh_and_rules(cfg) -> tuple[Mesh, Rules]:
     """A run's mesh (`cfg.mesh`) and logical-axis rules (`cfg.sharding.rules`): the setup every
     stage and tool starts with."""
-    return make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules.to_dict())
+    return make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules)
 
 
 def mesh_device(mesh: Mesh | None = None):

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from posttrain.config.defaults import DEFAULT_RULES
+from posttrain.config import DEFAULT_RULES
 
 # Tensor-parallel dims (Megatron): attention heads, MLP and expert hidden, vocab; weights and activations.
 TENSOR_PARALLEL_NAMES = (

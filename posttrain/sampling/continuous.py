@@ -61,6 +61,11 @@ class SlotConfig:
         slots = min(self.num_slots, bucket(num_requests))
         return SlotConfig(slots, min(self.refill_batch, slots))
 
+    @classmethod
+    def of(cls, sampling) -> SlotConfig | None:
+        """`sampling.continuous_batching`'s slots (from the `sampling` section), or None: static batches."""
+        return cls(sampling.num_slots, sampling.refill_batch) if sampling.continuous_batching else None
+
 
 def static_only(sampling: SamplingParams) -> None:
     """Refuse what only the static sampler (`generate`) does: speculative decoding, recording routing."""

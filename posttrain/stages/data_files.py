@@ -16,6 +16,8 @@ import json
 import logging
 import os
 
+from posttrain.config import RunConfig
+from posttrain.config import stages as stage_table
 from posttrain.data.synthetic import SYNTHETIC, ensure_arithmetic_file
 from posttrain.errors import UserError
 from posttrain.parallel import is_primary, sync_processes
@@ -44,11 +46,11 @@ def check_named_files(
         raise UserError(f"config.{key}={value!r}: {what}; {hint}", key=key, path=value)
 
 
-def resolve_data_files(cfg, stage: str, kind: str, tok=None) -> None:
-    """Replace `"synthetic:"` in `cfg.<stage>.{train,eval}_files` (in place: `cfg` is the stage's
-    own copy) by generated files, and check the named ones exist. `kind`: "sft" or "preference";
-    `tok` counts tokens for long-context data."""
-    values = {name: cfg[stage][name] for name, _ in SPLITS}
+def resolve_data_files(cfg: RunConfig, stage: str, kind: str, tok=None) -> RunConfig:
+    """`cfg` with `"synthetic:"` in `cfg.<stage>.{train,eval}_files` replaced by generated files,
+    the named ones checked to exist. `kind`: "sft" or "preference"; `tok` counts tokens for
+    long-context data."""
+    values = {name: getattr(getattr(cfg, stage), name) for name, _ in SPLITS}
     if values["eval_files"] == SYNTHETIC and values["train_files"] not in ("", SYNTHETIC):
         logging.warning(
             "%s.train_files names your data but %s.eval_files=%r evaluates on data.synthetic=%r data; "
@@ -59,19 +61,18 @@ def resolve_data_files(cfg, stage: str, kind: str, tok=None) -> None:
             cfg.data.synthetic,
             stage,
         )
+    generated = {}
     for name, split in SPLITS:
-        key, value = f"{stage}.{name}", cfg[stage][name]
+        key, value = f"{stage}.{name}", values[name]
         if value == SYNTHETIC:
-            cfg[stage][name] = _generate(cfg, key, kind, split, tok, write=is_primary())
+            generated[key] = _generate(cfg, key, kind, split, tok, write=is_primary())
             sync_processes(f"posttrain_synthetic_{stage}_{name}")  # the others read what process 0 wrote
         elif value:
             check_named_files(value, key)
+    return cfg.replace(generated) if generated else cfg
 
 
-DATA_STAGES = {"sft": "sft", "reward_model": "preference", "dpo": "preference"}  # stage → kind of records
-
-
-def check_stage_files(cfg, stages) -> None:
+def check_stage_files(cfg: RunConfig, stages) -> None:
     """Start-up check of the data files of every stage in `stages` (a pipeline's later ones too,
     before the first trains): named local files exist (`rl.train_files` / `rl.eval_files` and the
     user suites of `eval.suites` too) and `"synthetic:"` can be generated. Nothing is written. An
@@ -81,14 +82,14 @@ def check_stage_files(cfg, stages) -> None:
     for stage in stages:
         if stage in ("rlvr", "rejection_sampling"):  # the user's RL tasks
             for name in ("train_files", "eval_files") if stage == "rlvr" else ("train_files",):
-                _check_list(cfg.rl[name].split(","), f"rl.{name}", TASK_FILES_HINT)
+                _check_list(getattr(cfg.rl, name).split(","), f"rl.{name}", TASK_FILES_HINT)
         if stage == "eval":
             _check_list([p.partition("=")[2] for p in cfg.eval.suites.split(",")], "eval.suites", SUITE_HINT)
         if stage == "rejection_sampling":
             after_rejection = True
             if cfg.rejection.mix_original:
                 _check_value(cfg, "sft", "train_files", "train")
-        if stage in DATA_STAGES:
+        if stage_table.BY_NAME[stage].records:
             for name, split in SPLITS:
                 if not (stage == "sft" and name == "train_files" and after_rejection):
                     _check_value(cfg, stage, name, split)
@@ -103,10 +104,10 @@ def _check_list(paths: list[str], key: str, hint: str) -> None:
         check_named_files(path, key, hint)
 
 
-def _check_value(cfg, stage: str, name: str, split: str) -> None:
-    key, value = f"{stage}.{name}", cfg[stage][name]
+def _check_value(cfg: RunConfig, stage: str, name: str, split: str) -> None:
+    key, value = f"{stage}.{name}", getattr(getattr(cfg, stage), name)
     if value == SYNTHETIC:
-        _generate(cfg, key, DATA_STAGES[stage], split, None, write=False)
+        _generate(cfg, key, stage_table.BY_NAME[stage].records, split, None, write=False)
     elif value:
         check_named_files(value, key)
 

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posttrain.config import with_stage_overrides
 from posttrain.core.init import load_model_state
 from posttrain.core.loop import Result, TrainSpec, train
 from posttrain.core.state import abstract_model, init_model_state
@@ -66,8 +65,8 @@ def dpo_stage_loss(
 
 def run(cfg) -> Result:
     """DPO from `init_from` (or the seed's initial weights); the reference is that starting point."""
-    cfg = with_stage_overrides(cfg, "dpo")
-    resolve_data_files(cfg, "dpo", "preference")
+    cfg = cfg.for_stage("dpo")
+    cfg = resolve_data_files(cfg, "dpo", "preference")
     tok, kw = stage_tokenizer(cfg), data_kw(cfg)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     mesh, rules = mesh_and_rules(cfg)

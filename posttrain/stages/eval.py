@@ -131,10 +131,6 @@ def check_eval_config(cfg) -> None:
     """Start-up check of `eval.suites`, `eval.pass_k` and the metrics `eval.gate` names (no data is
     read: a pipeline runs it before its first stage trains)."""
     check_gate_metrics(cfg, [n for n, _ in parse_suites(cfg.eval.suites)], pass_ks(cfg))
-    if multi_turn_suites(cfg.eval.suites):
-        from posttrain.rl.checks import check_env
-
-        check_env(cfg.rl)
 
 
 def check_gate_metrics(cfg, suites, ks: list[int]) -> None:

@@ -20,14 +20,16 @@ import logging
 import jax
 
 from posttrain import storage
+from posttrain.config import RunConfig
+from posttrain.config import stages as stage_table
 from posttrain.core.plot import plot
-from posttrain.eval.gates import check_gate, gate_record_dir, validate_gates
-from posttrain.stages import registry
+from posttrain.errors import UserError
+from posttrain.eval.gates import check_gate, gate_record_dir
 
 
-def run_stage(name: str, cfg, baseline: dict | None = None):
+def run_stage(name: str, cfg: RunConfig, baseline: dict | None = None):
     """Run pipeline stage `name` with its config; an `eval` stage compares with `baseline`."""
-    run = registry.BY_NAME[name].runner()
+    run = stage_table.BY_NAME[name].runner()
     return run(cfg, baseline=baseline) if name == "eval" else run(cfg)
 
 
@@ -36,39 +38,43 @@ def gate_metrics(result) -> dict:
     return {**(result.rows[-1] if result.rows else {}), **result.eval}
 
 
-def stage_config(cfg, name: str, workdir: str, init_from: str, done: dict[str, str] | None = None, sft_files: str = ""):
+def stage_config(
+    cfg: RunConfig, name: str, workdir: str, init_from: str, done: dict[str, str] | None = None, sft_files: str = ""
+) -> RunConfig:
     """The config one pipeline stage runs with. `done` maps the stages run before it to their
     workdirs: `rl.reward_model = "@<stage>"` becomes that stage's workdir (RLHF: the reward
     model trained earlier in the same pipeline). `sft_files` (what the last rejection_sampling
     stage wrote) replaces `sft.train_files` of an sft stage."""
-    sub = cfg.copy_and_resolve_references()
-    sub.stage, sub.workdir, sub.init_from = name, workdir, init_from
+    changes = {"stage": name, "workdir": workdir, "init_from": init_from}
     if name == "sft" and sft_files:
-        sub.sft.train_files = sft_files
-    ref = sub.rl.reward_model
+        changes["sft.train_files"] = sft_files
+    ref = cfg.rl.reward_model
     if name == "rlvr" and ref.startswith("@"):
         if ref[1:] not in (done or {}):
-            raise ValueError(
+            raise UserError(
                 f"rl.reward_model={ref!r}: no stage {ref[1:]!r} runs before rlvr in pipeline.stages="
-                f"{tuple(cfg.pipeline.stages)}"
+                f"{tuple(cfg.pipeline.stages)}",
+                key="rl.reward_model",
             )
-        sub.rl.reward_model = done[ref[1:]]
-    return sub
+        changes["rl.reward_model"] = done[ref[1:]]
+    return cfg.replace(changes)
 
 
-def run(cfg) -> dict:
-    """Run `cfg.pipeline.stages`; returns {stage: final metrics}. Raises GateFailed on a failed gate."""
-    unknown = [s for s in cfg.pipeline.stages if s not in registry.PIPELINE_STAGES]
-    if unknown:
-        raise ValueError(f"pipeline.stages: unknown {unknown}; valid: {sorted(registry.PIPELINE_STAGES)}")
-    validate_gates(cfg, cfg.pipeline.stages)
-    unstaged = [s for s in cfg.pipeline.stages if not registry.BY_NAME[s].staged_context and registry.BY_NAME[s].trains]
+def check(cfg: RunConfig) -> None:
+    """Start-up check of a pipeline: a staged context reaches only stages that change length."""
+    stages = [stage_table.BY_NAME[s] for s in cfg.pipeline.stages]
+    unstaged = [s.name for s in stages if not s.staged_context and s.trains]
     if "," in cfg.train.seq_len_schedule and unstaged:  # fail before the first stage, not after it
-        raise ValueError(
+        raise UserError(
             f"train.seq_len_schedule={cfg.train.seq_len_schedule!r} applies to every stage, but "
             f"{unstaged} cannot change sequence length (supported: "
-            f"{', '.join(s.name for s in registry.STAGES if s.staged_context)})"
+            f"{', '.join(s.name for s in stage_table.STAGES if s.staged_context)})",
+            key="train.seq_len_schedule",
         )
+
+
+def run(cfg: RunConfig) -> dict:
+    """Run `cfg.pipeline.stages`; returns {stage: final metrics}. Raises GateFailed on a failed gate."""
     init_from, results, done, last_eval, sft_files = cfg.init_from, {}, {}, None, ""
     for i, name in enumerate(cfg.pipeline.stages):
         workdir = storage.join(cfg.workdir, f"{i}_{name}")
@@ -79,7 +85,7 @@ def run(cfg) -> dict:
         logging.info(
             check_gate(
                 name,
-                cfg[registry.section(name)].gate,
+                cfg.section(name).gate,
                 metrics,
                 baseline=last_eval if name == "eval" else None,
                 workdir=gate_record_dir(cfg.workdir),
@@ -91,7 +97,7 @@ def run(cfg) -> dict:
             from posttrain.stages.rejection_sampling import next_sft_files
 
             sft_files = next_sft_files(sub)
-        if registry.BY_NAME[name].trains and not registry.BY_NAME[name].scores:
+        if stage_table.BY_NAME[name].trains and not stage_table.BY_NAME[name].scores:
             init_from = workdir
     if jax.process_index() == 0:
         logging.info("curves: %s", plot(cfg.workdir, storage.join(cfg.workdir, "metrics.png")))

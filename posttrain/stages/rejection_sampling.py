@@ -40,20 +40,20 @@ selection, records and report are in `rejection_records`.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import itertools
 import json
 import logging
-import math
 import os
 
 import fsspec
 import jax
-import ml_collections
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from posttrain.config import RunConfig
 from posttrain.core import lineage
 from posttrain.core.checkpoint import Checkpointer
 from posttrain.core.init import checkpoint_dir, load_model_state
@@ -63,12 +63,12 @@ from posttrain.data.sources import read_jsonl
 from posttrain.data.tokenizer import Tokenizer, load_tokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import allgather_json, mesh_and_rules, use_sharding
-from posttrain.rl.checks import slot_config
 from posttrain.rl.envs.base import Task
 from posttrain.rl.rollout.worker import RolloutWorker
 from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.tasks.files import normalise_prompt
 from posttrain.rl.tasks.registry import domain_weights, make_domains, make_reward_fn
+from posttrain.sampling.continuous import SlotConfig
 from posttrain.sampling.rules import SamplingParams
 from posttrain.stages.data_files import resolve_data_files
 from posttrain.stages.rejection_records import (
@@ -86,64 +86,10 @@ from posttrain.stages.rejection_records import (
 REPORT = "rejection_report.json"
 
 
-def check_config(cfg) -> None:
-    """Start-up check of `rejection.*` (raises ValueError naming the key and what was expected)."""
-    r = cfg.rejection
-    for key in ("prompts", "samples_per_prompt", "keep_per_prompt"):
-        if not isinstance(r[key], int) or r[key] < 1:
-            raise ValueError(f"rejection.{key}={r[key]!r}: expected an integer >= 1")
-    if r.keep_per_prompt > r.samples_per_prompt:
-        raise ValueError(
-            f"rejection.keep_per_prompt={r.keep_per_prompt}: at most rejection.samples_per_prompt="
-            f"{r.samples_per_prompt} candidates exist per prompt"
-        )
-    if not math.isfinite(r.min_score):
-        raise ValueError(
-            f"rejection.min_score={r.min_score!r}: expected a finite number (rewards are in [0, 1] plus shaping)"
-        )
-    if not isinstance(r.max_tokens, int) or r.max_tokens < 0:
-        raise ValueError(f"rejection.max_tokens={r.max_tokens!r}: expected an integer >= 0 (0: no length filter)")
-    if r.max_tokens >= cfg.rl.max_new_tokens:
-        raise ValueError(
-            f"rejection.max_tokens={r.max_tokens} cannot take effect: no passing response is longer "
-            f"than rl.max_new_tokens={cfg.rl.max_new_tokens} − 1 (the sampler's budget); lower it or "
-            "use 0 (off)"
-        )
-    if not math.isfinite(r.temperature) or r.temperature < 0:
-        raise ValueError(f"rejection.temperature={r.temperature!r}: expected a number >= 0 (0: greedy)")
-    if r.temperature == 0 and r.samples_per_prompt > 1:
-        raise ValueError(
-            f"rejection.temperature=0 (greedy) makes all rejection.samples_per_prompt="
-            f"{r.samples_per_prompt} samples of a prompt the same: use samples_per_prompt=1 or a "
-            "temperature > 0"
-        )
-    if r.output and not r.output.endswith(".jsonl"):
-        raise ValueError(
-            f"rejection.output={r.output!r}: expected a .jsonl path (local or gs://), or '' for {{workdir}}/sft.jsonl"
-        )
-    if r.mix_original and not cfg.sft.train_files:
-        raise ValueError(
-            "rejection.mix_original=True mixes in sft.train_files, which is empty: set it, or mix_original=False"
-        )
-    if cfg.rl.env != "single":
-        raise ValueError(
-            f"rl.env={cfg.rl.env!r}: stage rejection_sampling samples one answer per prompt "
-            "(single-turn); multi-turn tool episodes are not supported there: use rl.env='single'"
-        )
-    if cfg.lora.rank:
-        raise ValueError(
-            "stage rejection_sampling with lora.rank > 0: sampling adapter checkpoints is not "
-            "supported; sample with the merged model (lora.rank=0)"
-        )
-
-
-def original_sft_files(cfg, tok) -> ml_collections.ConfigDict:
-    """A copy of `cfg` whose `sft.train_files` names files: `"synthetic:"` generated (into
+def original_sft_files(cfg: RunConfig, tok) -> RunConfig:
+    """`cfg` with `sft.train_files` naming files: `"synthetic:"` generated (into
     `{workdir}/synthetic`, by process 0) as the sft stage would, named files checked."""
-    sub = cfg.copy_and_resolve_references()
-    sub.sft.eval_files = ""
-    resolve_data_files(sub, "sft", "sft", tok)
-    return sub
+    return resolve_data_files(cfg.replace({"sft.eval_files": ""}), "sft", "sft", tok)
 
 
 def original_sft_records(sub):
@@ -234,8 +180,10 @@ def load_policy(cfg, make, mesh, rules) -> tuple:
 
 def fingerprint(cfg) -> str:
     """A hash of everything in the config but the workdir and stage name: what the records depend on."""
-    config = json.loads(cfg.to_json_best_effort())
+    config = json.loads(json.dumps(cfg.to_dict()))
     config.pop("workdir"), config.pop("stage")
+    if not config["rl"]["options"]:  # (configs before rl.options existed hash as they did)
+        del config["rl"]["options"]
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -269,7 +217,6 @@ def run(cfg) -> Result:
     """Sample, verify, select and write the SFT records and the yield report (module docstring).
 
     When this workdir already holds them from the same config and policy, nothing is sampled again."""
-    check_config(cfg)
     r = cfg.rejection
     if (done := finished_report(cfg)) is not None:
         logging.info(
@@ -279,9 +226,8 @@ def run(cfg) -> Result:
         log_report(done)
         return Result(None, None, [], gate_metrics(done))
     tok = load_tokenizer(cfg.data.tokenizer)
-    sub = cfg.copy_and_resolve_references()
-    sub.rl.eval_every = 0  # held-out tasks are not needed here (and never sampled)
-    domains, _ = make_domains(sub, tok, make_reward_fn(cfg.rl))
+    rl = dataclasses.replace(cfg.rl, eval_every=0)  # held-out tasks are not needed here (and never sampled)
+    domains, _ = make_domains(cfg, tok, make_reward_fn(cfg.rl), rl=rl)
     pairs = choose_prompts(domains, domain_weights(cfg.rl, domains), r.prompts, cfg.seed)
     mesh, rules = mesh_and_rules(cfg)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
@@ -298,7 +244,7 @@ def run(cfg) -> Result:
     )
     with concurrent.futures.ThreadPoolExecutor(rl.verifier_workers) as pool, use_sharding(mesh, rules):
         params, rest, policy = load_policy(cfg, make, mesh, rules)
-        worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, continuous=slot_config(cfg.sampling))
+        worker = RolloutWorker(graphdef, domains, sampling, tok.pad_id, pool, continuous=SlotConfig.of(cfg.sampling))
         candidates = sample_candidates(
             worker,
             params,

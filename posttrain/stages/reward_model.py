@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posttrain.config import with_stage_overrides
 from posttrain.core.init import init_model_from
 from posttrain.core.loop import Result, TrainSpec, train
 from posttrain.core.step import moe_penalty
@@ -45,13 +44,13 @@ def reward_model_loss(model: RewardModel, batch: dict, moe_cfg) -> tuple[jax.Arr
 
 def run(cfg) -> Result:
     """Reward model: decoder + scalar head trained with the Bradley–Terry loss on preference pairs."""
-    cfg = with_stage_overrides(cfg, "reward_model")
+    cfg = cfg.for_stage("reward_model")
     if cfg.eval.long_context.lengths:
         raise ValueError(
             f"eval.long_context.lengths={cfg.eval.long_context.lengths!r}: a reward model does not "
             "generate; evaluate long context in the sft or dpo stage"
         )
-    resolve_data_files(cfg, "reward_model", "preference")
+    cfg = resolve_data_files(cfg, "reward_model", "preference")
     tok, kw = stage_tokenizer(cfg), data_kw(cfg)
     make = lambda: RewardModel(cfg.model, rngs=nnx.Rngs(cfg.seed))
     loss = functools.partial(reward_model_loss, moe_cfg=cfg.model.moe)

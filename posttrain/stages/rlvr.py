@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posttrain.config import with_stage_overrides
+from posttrain.config.rl import ppo_steps
 from posttrain.core import lineage
 from posttrain.core.alerts import AlertMonitor
 from posttrain.core.checkpoint import Checkpointer
@@ -40,10 +40,11 @@ from posttrain.core.step import check_nonfinite
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import sequence_shards
+from posttrain.rl.algo.advantages import uses_critic
 from posttrain.rl.algo.critic import ValueDecoder
 from posttrain.rl.algo.learner import Learner, advantage_targets, batch_rows, compute_advantages, rl_batch
 from posttrain.rl.algo.reward_model import RewardComposer
-from posttrain.rl.checks import check_rlvr_stage, check_sampling_config, ppo_steps, slot_config
+from posttrain.rl.checks import check_rlvr_stage
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.hosts import all_values, sampled_reward_stats
@@ -55,6 +56,7 @@ from posttrain.rl.rollout.remote import RemoteProducer
 from posttrain.rl.rollout.worker import BusyClock, RolloutBatch, RolloutWorker, collect_batch, evaluate
 from posttrain.rl.tasks.registry import curriculum_options, domain_weights, make_domains, make_reward_fn
 from posttrain.rl.tasks.scheduler import TaskScheduler
+from posttrain.sampling.continuous import SlotConfig
 from posttrain.sampling.layout import sampler_rules
 from posttrain.sampling.prefix_cache import PrefixCache
 from posttrain.sampling.rules import SamplingParams
@@ -221,9 +223,8 @@ def save(c: Components, ckpt: Checkpointer, rl: RLState) -> None:
 def run(cfg) -> Result:
     """Train with RLVR for `train.steps` (or `rl.steps`) rollout batches; `Result.eval` is the
     final evaluation."""
-    cfg = with_stage_overrides(cfg, "rl")
+    cfg = cfg.for_stage("rlvr")
     check_rlvr_stage(cfg)
-    check_sampling_config(cfg, ("rlvr",))
     r = cfg.rl
     tok = load_tokenizer(cfg.data.tokenizer)
     domains, held_out = make_domains(cfg, tok, make_reward_fn(cfg.rl))
@@ -233,7 +234,7 @@ def run(cfg) -> Result:
     tx = make_optimizer(cfg.optim, steps * ppo_steps(r))
     decoder = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     # PPO with a critic: the policy carries the value head (a fresh head on an init_from decoder).
-    make = (lambda: ValueDecoder(cfg.model, rngs=nnx.Rngs(cfg.seed))) if r.advantage == "gae" else decoder
+    make = (lambda: ValueDecoder(cfg.model, rngs=nnx.Rngs(cfg.seed))) if uses_critic(r.advantage) else decoder
     sampling = rollout_sampling(cfg, tok.stop_ids)
     harness = Harness.open(
         "rlvr",
@@ -296,7 +297,7 @@ def run(cfg) -> Result:
                 clock,
                 episodes=partial(rollout_episodes, cohorts=r.episode_cohorts) if r.env != "single" else None,
                 prefix_cache=rollout_prefix_cache(cfg),
-                continuous=slot_config(cfg.sampling),
+                continuous=SlotConfig.of(cfg.sampling),
                 rules=sampler_rules(rules, cfg.sampling.layout),
                 mesh=sampler_mesh,
                 inflight_every=r.inflight_update_every,

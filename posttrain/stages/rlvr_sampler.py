@@ -26,18 +26,18 @@ from functools import partial
 import jax
 from flax import nnx
 
-from posttrain.config import with_stage_overrides
 from posttrain.core.state import abstract_model
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.algo.critic import ValueDecoder
-from posttrain.rl.checks import check_rlvr_stage, check_sampling_config, slot_config
+from posttrain.rl.checks import check_rlvr_stage
 from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.transfer import WeightClient, weight_shardings
 from posttrain.rl.rollout.worker import RolloutWorker
 from posttrain.rl.rollout.workqueue import WorkQueue, encode_batch
 from posttrain.rl.tasks.registry import make_domains, make_reward_fn
+from posttrain.sampling.continuous import SlotConfig
 from posttrain.sampling.layout import sampler_rules
 from posttrain.stages.rlvr import rollout_prefix_cache, rollout_sampling
 
@@ -98,9 +98,8 @@ class Heartbeat:
 
 def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
     """Sample issued batches until the learner finishes; {"batches": delivered, "pulled_bytes": …}."""
-    cfg = with_stage_overrides(cfg, "rl")
-    check_rlvr_stage(cfg)
-    check_sampling_config(cfg, ("rlvr",))  # check_rlvr_stage: also what disaggregated cannot do yet
+    cfg = cfg.for_stage("rlvr")
+    check_rlvr_stage(cfg)  # also what disaggregated cannot do yet
     r = cfg.rl
     queue = WorkQueue(cfg.workdir)
     name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -120,7 +119,7 @@ def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
         r.verifier_delay,
         episodes=partial(rollout_episodes, cohorts=r.episode_cohorts) if r.env != "single" else None,
         prefix_cache=rollout_prefix_cache(cfg),
-        continuous=slot_config(cfg.sampling),
+        continuous=SlotConfig.of(cfg.sampling),
         rules=sampler_rules(rules, cfg.sampling.layout),
         inflight_every=r.inflight_update_every,
     )

@@ -6,7 +6,6 @@ import functools
 
 from flax import nnx
 
-from posttrain.config import with_stage_overrides
 from posttrain.core.init import init_model_from
 from posttrain.core.loop import Result, TrainSpec, train
 from posttrain.core.step import lm_loss, token_cross_entropy
@@ -30,9 +29,9 @@ from posttrain.stages.data_files import resolve_data_files
 
 def run(cfg) -> Result:
     """Supervised fine-tuning: next-token loss on response tokens of packed conversations."""
-    cfg = with_stage_overrides(cfg, "sft")
+    cfg = cfg.for_stage("sft")
     tok = stage_tokenizer(cfg)
-    resolve_data_files(cfg, "sft", "sft", tok)
+    cfg = resolve_data_files(cfg, "sft", "sft", tok)
     kw = data_kw(cfg)
     images = ImageSpec.from_config(cfg.model.vision)  # None: text only
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))

@@ -19,7 +19,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
@@ -28,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from posttrain import storage
+from posttrain.config import ModelConfig
 from posttrain.models.decoder import Decoder
 from posttrain.models.hf.config import (
     VISION_FAMILIES,
@@ -83,7 +83,7 @@ def model_settings(model: nnx.Module) -> dict[str, tuple[str, object]]:
     return out
 
 
-def check_model_matches(model: nnx.Module, path: str) -> ml_collections.ConfigDict:
+def check_model_matches(model: nnx.Module, path: str) -> ModelConfig:
     """The model config of HF folder `path`, after checking that `model` (e.g. abstract) computes
     the same function; otherwise ValueError listing the differing settings and parameters."""
     hf_cfg = model_config_from_hf(path)
@@ -178,7 +178,7 @@ def _load_array(
 def load_params(
     path: str,
     abstract_params: nnx.State,
-    cfg: ml_collections.ConfigDict,
+    cfg: ModelConfig,
     mesh: Mesh,
     rules: Rules,
     *,
@@ -244,7 +244,7 @@ def _to_host(x: jax.Array) -> np.ndarray:
 def save_hf(
     path: str,
     params: nnx.State,
-    cfg: ml_collections.ConfigDict,
+    cfg: ModelConfig,
     *,
     base_config: dict | None = None,
     context: int = 0,
@@ -260,7 +260,7 @@ def save_hf(
 
     Every process must call it (gathers are collective); process 0 writes.
     """
-    if (cfg.get("vision") or {}).get("encoder") == "vit":  # the ViT tower: saved as LLaVA
+    if cfg.vision.encoder == "vit":  # the ViT tower: saved as LLaVA
         kw = dict(base_config=base_config, context=context, dtype=dtype, max_shard_bytes=max_shard_bytes)
         return VISION_FAMILIES["llava"].save(path, params, cfg, **kw)
     hf = hf_config_from_model(cfg, base_config, context=context)

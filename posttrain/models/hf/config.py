@@ -11,11 +11,9 @@ from __future__ import annotations
 import json
 import math
 
-import ml_collections
-
 from posttrain import storage
-from posttrain.config import model_config
-from posttrain.models.attention import RopeScaling, dynamic_theta
+from posttrain.config import ModelConfig
+from posttrain.models.attention import dynamic_theta
 
 # architecture → model_type
 ARCHITECTURES = {
@@ -78,10 +76,11 @@ def architecture(hf: dict, where: str = "config.json") -> str:
     return archs[0]
 
 
-def model_config_from_hf(path: str) -> ml_collections.ConfigDict:
+def model_config_from_hf(path: str) -> ModelConfig:
     """The posttrain `model` config of the Hugging Face model folder `path` (its config.json).
 
-    Use it in a config file (`cfg.model = model_config_from_hf(path)`, then set dtypes) or through
+    Use it in Python (`RunConfig(model=model_config_from_hf(path))`), in a config file
+    (`cfg.model = to_config_dict(model_config_from_hf(path))`, then set dtypes) or through
     `--config configs/hf.py:PATH`.
     """
     hf, where = read_hf_config(path), storage.join(path, "config.json")
@@ -91,7 +90,7 @@ def model_config_from_hf(path: str) -> ml_collections.ConfigDict:
     return model_config_from_dict(hf, where)
 
 
-def model_config_from_dict(hf: dict, where: str = "config.json") -> ml_collections.ConfigDict:
+def model_config_from_dict(hf: dict, where: str = "config.json") -> ModelConfig:
     """`model_config_from_hf` for an already parsed config.json (`where` names it in errors)."""
     arch = architecture(hf, where)
 
@@ -103,37 +102,45 @@ def model_config_from_dict(hf: dict, where: str = "config.json") -> ml_collectio
         return default
 
     _check_supported(hf, arch, get, where)
-    cfg = model_config()
-    heads = get("num_attention_heads")
-    cfg.vocab_size, cfg.embed_dim, cfg.num_layers = get("vocab_size"), get("hidden_size"), get("num_hidden_layers")
-    cfg.num_heads, cfg.num_kv_heads = heads, get("num_key_value_heads", heads)
-    cfg.head_dim = get("head_dim", cfg.embed_dim // heads)
-    cfg.mlp_dim = get("intermediate_size")
-    cfg.norm_eps = float(get("rms_norm_eps"))
-    cfg.tie_embeddings = bool(get("tie_word_embeddings", False))
-    cfg.qk_norm = arch in QK_NORM
-    cfg.attention_bias = arch == "Qwen2ForCausalLM"
-    cfg.rope_theta, scaling = _rope_from_hf(hf, arch, get, where)
-    cfg.rope_scaling.update(scaling)
-    moe = cfg.moe
+    heads, embed = get("num_attention_heads"), get("hidden_size")
+    theta, scaling = _rope_from_hf(hf, arch, get, where)
+    changes = {
+        "vocab_size": get("vocab_size"),
+        "embed_dim": embed,
+        "num_layers": get("num_hidden_layers"),
+        "num_heads": heads,
+        "num_kv_heads": get("num_key_value_heads", heads),
+        "head_dim": get("head_dim", embed // heads),
+        "mlp_dim": get("intermediate_size"),
+        "norm_eps": float(get("rms_norm_eps")),
+        "tie_embeddings": bool(get("tie_word_embeddings", False)),
+        "qk_norm": arch in QK_NORM,
+        "attention_bias": arch == "Qwen2ForCausalLM",
+        "rope_theta": theta,
+        **{f"rope_scaling.{k}": v for k, v in scaling.items()},
+    }
+    moe = {"num_experts": 0}
     if arch == "Qwen3MoeForCausalLM":
-        moe.num_experts = get("num_experts", get("num_local_experts", 0))
-        moe.expert_mlp_dim = get("moe_intermediate_size")
-        moe.norm_topk_prob = bool(get("norm_topk_prob", False))
-        moe.every = get("decoder_sparse_step", 1)
-        moe.dense_layers = tuple(get("mlp_only_layers", ()))
+        moe = {
+            "num_experts": get("num_experts", get("num_local_experts", 0)),
+            "expert_mlp_dim": get("moe_intermediate_size"),
+            "norm_topk_prob": bool(get("norm_topk_prob", False)),
+            "every": get("decoder_sparse_step", 1),
+            "dense_layers": tuple(get("mlp_only_layers", ())),
+        }
     elif arch == "MixtralForCausalLM":
-        moe.num_experts = get("num_local_experts")
-        moe.expert_mlp_dim = cfg.mlp_dim
-        moe.norm_topk_prob = True
-    else:
-        moe.num_experts = 0
+        moe = {"num_experts": get("num_local_experts"), "expert_mlp_dim": changes["mlp_dim"], "norm_topk_prob": True}
     if arch in MOE:
-        moe.top_k = get("num_experts_per_tok")
-        moe.router, moe.routed_scaling, moe.num_shared_experts, moe.first_dense = "softmax", 1.0, 0, 0
-        moe.aux_loss_coef = float(get("router_aux_loss_coef", 0.001))
-        moe.z_loss_coef = 0.0  # the reference implementations have no router z-loss
-    return cfg
+        moe |= {
+            "top_k": get("num_experts_per_tok"),
+            "router": "softmax",
+            "routed_scaling": 1.0,
+            "num_shared_experts": 0,
+            "first_dense": 0,
+            "aux_loss_coef": float(get("router_aux_loss_coef", 0.001)),
+            "z_loss_coef": 0.0,  # the reference implementations have no router z-loss
+        }
+    return ModelConfig().replace({**changes, **{f"moe.{k}": v for k, v in moe.items()}})
 
 
 def _check_supported(hf: dict, arch: str, get, where: str) -> None:
@@ -227,7 +234,7 @@ def _yarn_attention_factor(params: dict, factor: float) -> float:
     return mscale(factor)
 
 
-def infer_architecture(cfg: ml_collections.ConfigDict) -> str:
+def infer_architecture(cfg: ModelConfig) -> str:
     """The Hugging Face architecture that represents model config `cfg` exactly."""
     if cfg.moe.num_experts > 0:
         return "Qwen3MoeForCausalLM" if cfg.qk_norm else "MixtralForCausalLM"
@@ -237,7 +244,7 @@ def infer_architecture(cfg: ml_collections.ConfigDict) -> str:
 
 
 def hf_config_from_model(
-    cfg: ml_collections.ConfigDict, base: dict | None = None, arch: str | None = None, *, context: int = 0
+    cfg: ModelConfig, base: dict | None = None, arch: str | None = None, *, context: int = 0
 ) -> dict:
     """config.json contents for model config `cfg`: `base` (e.g. the source model's config.json,
     keeping its token ids and other keys) with every key the import reads set from `cfg`, so the
@@ -284,14 +291,14 @@ def hf_config_from_model(
     return out
 
 
-def advertised_context(cfg: ml_collections.ConfigDict, base: dict | None, context: int = 0) -> int:
+def advertised_context(cfg: ModelConfig, base: dict | None, context: int = 0) -> int:
     """`max_position_embeddings` to write: the longest of base's, the trained `context` (fine-tuning
     on shorter sequences does not shrink it) and, under dynamic RoPE (exported as plain RoPE, see
     `_rope_to_hf`), the extended context its base was made for. ValueError when none is known."""
     s = cfg.rope_scaling
     longest = max(int((base or {}).get("max_position_embeddings") or 0), int(context))
     if s.type == "dynamic":
-        longest = max(longest, int(RopeScaling.from_config(s).dynamic_length()))
+        longest = max(longest, int(s.dynamic_length()))
     if longest <= 0:
         raise ValueError(
             "max_position_embeddings is unknown: no source config.json and no trained context; "
@@ -300,7 +307,7 @@ def advertised_context(cfg: ml_collections.ConfigDict, base: dict | None, contex
     return longest
 
 
-def _check_representable(cfg: ml_collections.ConfigDict, arch: str) -> None:
+def _check_representable(cfg: ModelConfig, arch: str) -> None:
     """Raise when `arch` cannot express model config `cfg` (naming the key)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
@@ -324,19 +331,19 @@ def _check_representable(cfg: ml_collections.ConfigDict, arch: str) -> None:
             wrong.append(
                 "model.moe.{norm_topk_prob, every, dense_layers, expert_mlp_dim} (Mixtral: True, 1, (), model.mlp_dim)"
             )
-    if cfg.get("vision") is not None and cfg.vision.encoder != "none":  # the text families have no image input
+    if cfg.vision.encoder != "none":  # the text families have no image input
         wrong.append(f"model.vision.encoder={cfg.vision.encoder!r}")
     if wrong:
         raise ValueError(f"{arch} cannot represent {'; '.join(wrong)}")
 
 
-def _rope_to_hf(cfg: ml_collections.ConfigDict, nested: bool) -> dict:
+def _rope_to_hf(cfg: ModelConfig, nested: bool) -> dict:
     """The RoPE keys of config.json: `rope_parameters` (nested=True, transformers >= 5) or
     `rope_theta` + `rope_scaling`. Dynamic scaling is written as plain RoPE with the base it
     computes (`dynamic_theta`): transformers' `dynamic` would grow the base with each call."""
     s = cfg.rope_scaling
     if s.type == "dynamic":
-        theta = dynamic_theta(cfg.rope_theta, cfg.head_dim, RopeScaling.from_config(s))
+        theta = dynamic_theta(cfg.rope_theta, cfg.head_dim, s)
         if nested:
             return {"rope_parameters": {"rope_theta": theta, "rope_type": "default"}}
         return {"rope_theta": theta, "rope_scaling": None}

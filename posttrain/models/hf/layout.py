@@ -14,9 +14,9 @@ import math
 import re
 from collections.abc import Callable, Iterator
 
-import ml_collections
 import numpy as np
 
+from posttrain.config import ModelConfig
 from posttrain.models.decoder import layer_kinds, scan_segments
 
 Path = tuple  # a flat nnx state path, e.g. ("stacks", 0, "blocks", 1, "attn", "q")
@@ -49,7 +49,7 @@ def _linear(name: str, split: int) -> Entry:
 
 
 def param_entries(
-    cfg: ml_collections.ConfigDict, arch: str, fused: Callable[[int], bool] = lambda layer: False
+    cfg: ModelConfig, arch: str, fused: Callable[[int], bool] = lambda layer: False
 ) -> dict[Path, tuple[Entry, ...]]:
     """Our flat parameter path → its Entries: one per scan repeat for stacked parameters
     (path[0] == "stacks"), else one. `fused(layer)` says whether that MoE layer's experts are stored

@@ -19,12 +19,12 @@ import os
 import sys
 
 import jax
-import ml_collections
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
 from posttrain import storage
+from posttrain.config import ModelConfig, VisionConfig
 from posttrain.models import vit
 from posttrain.models.hf.checkpoint import _flat, _load_array, _to_host
 from posttrain.models.hf.config import VISION_FAMILIES, hf_config_from_model, infer_architecture, model_config_from_dict
@@ -53,7 +53,7 @@ def read_processor(path: str) -> dict | None:
     return json.loads(storage.read_text(file)) if storage.isfile(file) else None
 
 
-def model_config_from_llava(hf: dict, processor: dict | None, where: str = "config.json") -> ml_collections.ConfigDict:
+def model_config_from_llava(hf: dict, processor: dict | None, where: str = "config.json") -> ModelConfig:
     """The posttrain model config of LLaVA config.json `hf` with its processor config."""
 
     def bad(key, value, why):
@@ -79,17 +79,25 @@ def model_config_from_llava(hf: dict, processor: dict | None, where: str = "conf
     if "tie_word_embeddings" in hf and bool(hf["tie_word_embeddings"]) != text_tie:
         bad("tie_word_embeddings", hf["tie_word_embeddings"], "it disagrees with text_config.tie_word_embeddings")
     cfg = model_config_from_dict(text, f"{where} (text_config)")
-    v = cfg.vision
-    v.encoder, v.image_size, v.patch_size = "vit", int(tower["image_size"]), int(tower["patch_size"])
-    v.image_token_id = int(hf.get("image_token_id", hf.get("image_token_index")))
-    v.vit_layers, v.vit_width = int(tower["num_hidden_layers"]), int(tower["hidden_size"])
-    v.vit_heads, v.vit_mlp_dim = int(tower["num_attention_heads"]), int(tower["intermediate_size"])
-    v.vit_final_norm = False
-    patches = (v.image_size // v.patch_size) ** 2
+    image_size, patch_size = int(tower["image_size"]), int(tower["patch_size"])
+    patches = (image_size // patch_size) ** 2
     if hf.get("image_seq_length", patches) != patches:
         bad("image_seq_length", hf.get("image_seq_length"), f"expected {patches} (one token per patch)")
-    v.image_mean, v.image_std = _normalisation(processor, where)
-    return cfg
+    mean, std = _normalisation(processor, where)
+    vision = VisionConfig(
+        encoder="vit",
+        image_size=image_size,
+        patch_size=patch_size,
+        image_token_id=int(hf.get("image_token_id", hf.get("image_token_index"))),
+        vit_layers=int(tower["num_hidden_layers"]),
+        vit_width=int(tower["hidden_size"]),
+        vit_heads=int(tower["num_attention_heads"]),
+        vit_mlp_dim=int(tower["intermediate_size"]),
+        vit_final_norm=False,
+        image_mean=mean,
+        image_std=std,
+    )
+    return cfg.replace(vision=vision)
 
 
 def _normalisation(processor: dict | None, where: str) -> tuple[tuple, tuple]:
@@ -106,11 +114,9 @@ def _normalisation(processor: dict | None, where: str) -> tuple[tuple, tuple]:
     return triple(mean), triple(std)
 
 
-def text_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def text_config(cfg: ModelConfig) -> ModelConfig:
     """`cfg` without the vision part: the text decoder's model config."""
-    out = ml_collections.ConfigDict(cfg.to_dict())
-    out.vision.encoder = "none"
-    return out
+    return dataclasses.replace(cfg, vision=VisionConfig())
 
 
 def _tower_tensors(cfg) -> dict[tuple, tuple[str, object]]:
@@ -181,7 +187,7 @@ def _text_entries(cfg, layout) -> dict:
     }
 
 
-def model_config(hf: dict, path: str, where: str) -> ml_collections.ConfigDict:
+def model_config(hf: dict, path: str, where: str) -> ModelConfig:
     """`config.model_config_from_hf` for LLaVA folder `path` (its config.json `hf`)."""
     return model_config_from_llava(hf, read_processor(path), where)
 

@@ -12,12 +12,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from posttrain.config import MOE_ROUTERS
+from posttrain.config import ModelConfig, MoEConfig
 from posttrain.models.layers import MLP, dtype_of, fan_in_init, param
 from posttrain.models.moe.dispatch import ExpertLayout, expert_layout, gather_weight, routed_experts
 from posttrain.models.moe.experts import expert_capacity
@@ -51,14 +50,10 @@ class RoutingSpec:
     capacity_factor: float
 
     @classmethod
-    def from_config(cls, moe: ml_collections.ConfigDict) -> RoutingSpec:
-        """Validated spec from the `model.moe` config."""
+    def from_config(cls, moe: MoEConfig) -> RoutingSpec:
+        """The spec of the `model.moe` section (which checked its values)."""
         if moe.num_experts < 1:
             raise ValueError(f"moe.num_experts={moe.num_experts}: an MoE layer needs at least 1 expert")
-        if not 1 <= moe.top_k <= moe.num_experts:
-            raise ValueError(f"moe.top_k={moe.top_k}: expected 1..num_experts ({moe.num_experts})")
-        if moe.router not in MOE_ROUTERS:
-            raise ValueError(f"moe.router={moe.router!r}: expected 'softmax' or 'sigmoid'")
         return cls(
             int(moe.num_experts),
             int(moe.top_k),
@@ -241,7 +236,7 @@ class MoE(nnx.Module):
     expert-parallel.
     """
 
-    def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         moe = cfg.moe
         self.spec = RoutingSpec.from_config(moe)
         if moe.dispatch not in ("auto", "ragged", "padded"):

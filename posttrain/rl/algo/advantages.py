@@ -1,7 +1,8 @@
 """Advantages for the RL learner: group-relative baselines, GAE with a critic, and the KL penalty.
 
-Critic-free: rewards come one per sample, the G samples of a prompt contiguous. The advantage of a
-sample is its reward against a baseline from its own group (no value network):
+Estimators are registered by name (`config.registry.ADVANTAGES`, `rl.advantage`). Critic-free:
+rewards come one per sample, the G samples of a prompt contiguous. The advantage of a sample is its
+reward against a baseline from its own group (no value network):
 
 - grpo (Shao et al. 2024): (r − mean) / (std + eps), std unbiased as in TRL / verl;
 - drgrpo (Liu et al. 2025, Dr. GRPO): r − mean, no std (which up-weights near-solved prompts);
@@ -16,12 +17,48 @@ give generalised advantage estimates (GAE, Schulman et al. 2016) and the critic'
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
-from posttrain.config import ADVANTAGE_METHODS
+from posttrain.config.registry import ADVANTAGES
 
-GROUP_METHODS = tuple(m for m in ADVANTAGE_METHODS if m != "gae")  # advantages from a group's rewards alone
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageEstimator:
+    """An advantage estimator (`config.registry.ADVANTAGES`, `rl.advantage`). A group estimator has
+    `scale(adv, r, judged, n, eps)`: the centred rewards adv = r − mean [groups, G] rescaled
+    (`judged` [groups, G] bool and the judged count n [groups, 1], or None when every sample has a
+    verdict); a `critic` one (GAE) is computed from the critic's values instead."""
+
+    scale: Callable | None = None
+    critic: bool = False
+
+
+def _grpo(adv, r, judged, n, eps):
+    if judged is None:
+        return adv / (r.std(axis=1, ddof=1, keepdims=True) + eps)
+    var = jnp.where(judged, adv**2, 0.0).sum(axis=1, keepdims=True) / jnp.maximum(n - 1.0, 1.0)
+    return adv / (jnp.sqrt(var) + eps)
+
+
+def _rloo(adv, r, judged, n, eps):
+    if judged is None:
+        return adv * r.shape[1] / (r.shape[1] - 1)
+    return adv * n / jnp.maximum(n - 1.0, 1.0)
+
+
+ADVANTAGES.register("grpo", AdvantageEstimator(_grpo))
+ADVANTAGES.register("drgrpo", AdvantageEstimator(lambda adv, r, judged, n, eps: adv))
+ADVANTAGES.register("rloo", AdvantageEstimator(_rloo))
+ADVANTAGES.register("gae", AdvantageEstimator(critic=True))
+
+
+def uses_critic(method: str) -> bool:
+    """Whether advantage estimator `method` needs the critic's values (PPO with GAE)."""
+    return ADVANTAGES[method].critic
 
 
 def group_advantages(
@@ -35,34 +72,27 @@ def group_advantages(
     wrong answer) get zero advantage and stay out of their group's mean, std and size (rloo's
     G/(G−1) uses the judged count); a group with fewer than 2 judged samples gets zero.
     """
-    if method not in GROUP_METHODS:
-        raise ValueError(f"method={method!r}: expected one of {GROUP_METHODS}")
+    estimator = ADVANTAGES[method]
+    if estimator.scale is None:
+        group = [name for name in ADVANTAGES if ADVANTAGES[name].scale is not None]
+        raise ValueError(f"method={method!r}: expected one of {tuple(group)}")
     if group_size < 2:
         raise ValueError(f"group_size={group_size}: a group-relative baseline needs at least 2 samples")
     if rewards.ndim != 1 or rewards.shape[0] % group_size:
         raise ValueError(f"rewards of shape {rewards.shape}: expected [num_groups * group_size={group_size}]")
     r = rewards.astype(jnp.float32).reshape(-1, group_size)
     if valid is not None:
-        return _judged_group_advantages(r, valid.astype(bool).reshape(r.shape), method, eps).reshape(-1)
-    adv = r - r.mean(axis=1, keepdims=True)
-    if method == "grpo":
-        adv = adv / (r.std(axis=1, ddof=1, keepdims=True) + eps)
-    elif method == "rloo":
-        adv = adv * group_size / (group_size - 1)
+        return _judged_group_advantages(r, valid.astype(bool).reshape(r.shape), estimator, eps).reshape(-1)
+    adv = estimator.scale(r - r.mean(axis=1, keepdims=True), r, None, None, eps)
     informative = r.max(axis=1, keepdims=True) > r.min(axis=1, keepdims=True)
     return jnp.where(informative, adv, 0.0).reshape(-1)
 
 
-def _judged_group_advantages(r: jax.Array, v: jax.Array, method: str, eps: float) -> jax.Array:
+def _judged_group_advantages(r: jax.Array, v: jax.Array, estimator: AdvantageEstimator, eps: float) -> jax.Array:
     """`group_advantages` over the judged samples `v` of each group (rows of r [groups, G])."""
     n = v.sum(axis=1, keepdims=True).astype(jnp.float32)
     mean = jnp.where(v, r, 0.0).sum(axis=1, keepdims=True) / jnp.maximum(n, 1.0)
-    adv = r - mean
-    if method == "grpo":
-        var = jnp.where(v, adv**2, 0.0).sum(axis=1, keepdims=True) / jnp.maximum(n - 1.0, 1.0)
-        adv = adv / (jnp.sqrt(var) + eps)
-    elif method == "rloo":
-        adv = adv * n / jnp.maximum(n - 1.0, 1.0)
+    adv = estimator.scale(r - mean, r, v, n, eps)
     hi = jnp.where(v, r, -jnp.inf).max(axis=1, keepdims=True)
     lo = jnp.where(v, r, jnp.inf).min(axis=1, keepdims=True)
     return jnp.where(v & (n >= 2) & (hi > lo), adv, 0.0)

@@ -15,8 +15,6 @@ from flax import nnx
 from posttrain.models.decoder import Decoder
 from posttrain.models.layers import dtype_of, param
 
-CRITICS = ("shared",)
-
 
 def scalar_head(hidden: jax.Array, head: jax.Array) -> jax.Array:
     """hidden [..., D] · head [D] → [...] in float32 (a value or reward per position)."""
@@ -46,19 +44,3 @@ class ValueDecoder(Decoder):
             tokens, positions, segment_ids, update_bias=update_bias, routing=routing, patches=patches
         )
         return self.logits(hidden), scalar_head(hidden, self.value_head[...]), aux
-
-
-def check_critic(rl_cfg, lora_cfg) -> None:
-    """Refuse critic settings that cannot take effect (named keys, what is expected)."""
-    if rl_cfg.critic not in CRITICS:
-        extra = (
-            " (a separate value model is not implemented: its own train state, optimizer and checkpoint items)"
-            if rl_cfg.critic == "separate"
-            else ""
-        )
-        raise ValueError(f"rl.critic={rl_cfg.critic!r}: expected one of {CRITICS}{extra}")
-    if lora_cfg.rank > 0:
-        raise ValueError(
-            f"rl.advantage='gae' with lora.rank={lora_cfg.rank}: the shared critic's value head "
-            "is not a LoRA target and would never train; use full fine-tuning (lora.rank=0)"
-        )

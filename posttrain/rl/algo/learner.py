@@ -34,9 +34,11 @@ from posttrain.rl.algo.advantages import (
     group_advantages,
     kl_penalized_advantages,
     terminal_rewards,
+    uses_critic,
     whiten,
 )
-from posttrain.rl.algo.losses import entropy_from_logprobs, kl_estimate, policy_loss, value_loss
+from posttrain.rl.algo.kl import kl_estimate
+from posttrain.rl.algo.losses import entropy_from_logprobs, loss_norm, policy_loss, value_loss
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.rollout.routing import batch_routing
 from posttrain.sampling.generate import bucket
@@ -142,7 +144,7 @@ def advantage_targets(batch: dict, rl_cfg) -> dict[str, np.ndarray]:
     kl = None
     if rl_cfg.kl_in_reward:
         kl = kl_estimate(jnp.asarray(batch["rollout_logp"]), jnp.asarray(batch["ref_logp"]), rl_cfg.kl_estimator)
-    if rl_cfg.advantage != "gae":
+    if not uses_critic(rl_cfg.advantage):
         adv = jnp.asarray(compute_advantages(batch, rl_cfg))
         if kl is not None:
             adv = kl_penalized_advantages(adv, kl, mask, kl_coef=rl_cfg.kl_coef)
@@ -189,14 +191,6 @@ def learner_outputs(
     return policy_logprobs(logits, targets, sampling), support_logprobs(logits, targets, sampling), v, aux
 
 
-def loss_norm(rl_cfg) -> float | None:
-    """seq-mean-token-sum's constant divisor: rl.loss_norm_tokens, or rl.max_new_tokens when 0
-    (Dr. GRPO: a constant, so the loss scale does not follow response lengths); None otherwise."""
-    if rl_cfg.aggregation != "seq-mean-token-sum":
-        return None
-    return float(rl_cfg.loss_norm_tokens or rl_cfg.max_new_tokens)
-
-
 def rl_loss(model, batch, *ref, graphdef, rl_cfg, moe_cfg, sampling: SamplingParams):
     """The policy loss on one (mini)batch (see `rl.losses.policy_loss`), plus MoE aux terms.
 
@@ -206,7 +200,7 @@ def rl_loss(model, batch, *ref, graphdef, rl_cfg, moe_cfg, sampling: SamplingPar
     the KL was paid as reward and batch["ref_logp"] only feeds the `rl/kl` metric. With GAE the
     critic's clipped value loss (× rl.value_coef) is added.
     """
-    gae = rl_cfg.advantage == "gae"
+    gae = uses_critic(rl_cfg.advantage)
     logp, support, values, aux = learner_outputs(model, batch, sampling, update_bias=True, values=gae)
     old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
     ref_logp = batch.get("ref_logp")
@@ -223,23 +217,10 @@ def rl_loss(model, batch, *ref, graphdef, rl_cfg, moe_cfg, sampling: SamplingPar
         old_logp,
         batch["advantages"],
         batch["loss_mask"],
-        clip_low=rl_cfg.clip_low,
-        clip_high=rl_cfg.clip_high,
-        ratio_level=rl_cfg.ratio_level,
-        aggregation=rl_cfg.aggregation,
-        max_len_norm=loss_norm(rl_cfg),
+        rl_cfg,
         ref_logp=ref_logp,
-        kl_coef=0.0 if rl_cfg.kl_in_reward else rl_cfg.kl_coef,
-        kl_estimator=rl_cfg.kl_estimator,
         behav_logp=batch["behav_logp"],
-        is_cap=rl_cfg.is_cap,
-        is_level=rl_cfg.is_level,
-        is_mask=rl_cfg.is_mask,
-        is_mask_low=rl_cfg.is_mask_low,
-        is_mask_high=rl_cfg.is_mask_high,
-        loss_type=rl_cfg.loss_type,
         entropy=entropy,
-        entropy_coef=rl_cfg.entropy_coef,
         positions=batch["positions"],
     )
     if gae:
@@ -301,7 +282,7 @@ class Learner:
             """Log-probs (and values) of the rollout under the weights before the update, and the
             reference's log-probs when `ref` is given."""
             logp, _, values, _ = learner_outputs(
-                nnx.merge(graphdef, params, rest), batch, sampling, update_bias=False, values=rl_cfg.advantage == "gae"
+                nnx.merge(graphdef, params, rest), batch, sampling, update_bias=False, values=uses_critic(rl_cfg.advantage)
             )
             out = {"rollout_logp": logp, **({"old_values": values} if values is not None else {})}
             if ref:
@@ -330,7 +311,7 @@ class Learner:
         r = self.rl_cfg
         kl_reward = bool(r.kl_in_reward and r.kl_coef)
         needed = {"old_logp"} if self.steps_per_batch > 1 else set()
-        needed |= {"old_values"} if r.advantage == "gae" else set()
+        needed |= {"old_values"} if uses_critic(r.advantage) else set()
         needed |= {"rollout_logp", "ref_logp"} if kl_reward else set()
         if needed <= batch.keys():
             return batch

@@ -8,10 +8,10 @@ an older version), `ref_logp` under the frozen reference policy.
 
 - Clipped surrogate (Schulman et al. 2017) with separate low/high clip ranges (DAPO's clip-higher);
   the ratio per token, or per sequence as the geometric mean of token ratios (GSPO).
-- KL to the reference as a loss term (k2 or k3, `kl_loss_terms`: the gradient estimates
-  ∇KL(π ‖ π_ref) over sequences; k1 is refused there), or as a reward penalty (k1 only:
-  `advantages.kl_penalized_advantages`); `kl_estimate` gives Schulman's k1/k2/k3 values.
-- CISPO (`cispo_surrogate`): a clipped, stop-gradient importance weight on a REINFORCE term.
+- The policy losses are registered by name (`config.registry.POLICY_LOSSES`, `rl.loss_type`): PPO's
+  clipped surrogate and CISPO (`cispo_surrogate`: a clipped, stop-gradient importance weight on a
+  REINFORCE term) here; a module of yours adds one with `@POLICY_LOSSES.register(name)`.
+- KL to the reference as a loss term or a reward penalty (`kl.py`).
 - Off-policy correction between behaviour and proximal policies (`offpolicy.offpolicy_correction`):
   truncated importance weights per token or sequence, masked IS (tokens, sequences, geometric mean).
 - Entropy bonus; loss aggregation token-mean | seq-mean-token-sum | seq-mean-token-mean.
@@ -20,87 +20,15 @@ an older version), `ref_logp` under the frozen reference policy.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from posttrain.config import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, RATIO_LEVELS
+from posttrain.config import AGGREGATIONS, RATIO_LEVELS, RLConfig
+from posttrain.config.registry import POLICY_LOSSES
+from posttrain.rl.algo.kl import kl_estimate, kl_loss_terms
 from posttrain.rl.algo.offpolicy import offpolicy_correction
-
-
-def kl_estimate(logp: jax.Array, ref_logp: jax.Array, estimator: str = "k3") -> jax.Array:
-    """Per-token value estimate of KL(π ‖ π_ref) from tokens sampled from π (Schulman 2020): [B, T] → [B, T].
-
-    With log r = ref_logp − logp: k1 = −log r (unbiased, can be negative), k2 = ½ (log r)²
-    (low variance, biased), k3 = (r − 1) − log r (unbiased and ≥ 0). These are values (the `rl/kl`
-    metric, the reward penalty); what their gradients estimate is another matter: see `kl_loss_terms`.
-    """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator={estimator!r}: expected one of {KL_ESTIMATORS}")
-    log_r = ref_logp.astype(jnp.float32) - logp.astype(jnp.float32)
-    if estimator == "k1":
-        return -log_r
-    if estimator == "k2":
-        return 0.5 * log_r**2
-    return jnp.expm1(log_r) - log_r
-
-
-def later_sum(x: jax.Array, mask: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-    """Σ_{s > t} x_s over each row's masked tokens: [B, T] → [B, T] (x is 0 off the mask). "Later"
-    is by index, or with `positions` by position, in whatever order the tokens are laid out (the
-    learner's rows are zig-zagged along the length under context parallelism): the masked tokens
-    sorted by position (the others first: they add nothing), a reverse cumulative sum, and back."""
-    suffix = lambda y: jnp.flip(jnp.cumsum(jnp.flip(y, axis=-1), axis=-1), axis=-1) - y
-    if positions is None:
-        return suffix(x)
-    order = jnp.argsort(jnp.where(mask, positions, -1), axis=-1, stable=True)
-    later = suffix(jnp.take_along_axis(x, order, axis=-1))
-    return jnp.take_along_axis(later, jnp.argsort(order, axis=-1), axis=-1)
-
-
-def kl_loss_terms(
-    logp: jax.Array,
-    ref_logp: jax.Array,
-    weight: jax.Array,
-    mask: jax.Array,
-    estimator: str,
-    positions: jax.Array | None = None,
-) -> jax.Array:
-    """Per-token loss terms whose gradient (summed over a sequence) is an unbiased estimate of
-    ∇KL(π ‖ π_ref) over whole sequences: [B, T] → [B, T].
-
-    The math. For y ~ π (autoregressive), KL(π ‖ π_ref) = E_y[Σ_t k1_t], k1_t = log π(y_t) − log π_ref(y_t),
-    and by the score function (the k1 inside is itself differentiable, but E[Σ_t ∇log π_t] = 0)
-        ∇KL = E[Σ_t ∇log π_t · Σ_{s ≥ t} k1_s]
-    (terms s < t have mean zero). Differentiating a per-token estimator as a loss gives:
-    - k1: ∇k1_t = ∇log π_t, of mean zero: no pull towards the reference, only noise (refused in
-      the loss; paid as reward, k1 is exactly the form above);
-    - k2: ∇k2_t = k1_t ∇log π_t: the s = t term;
-    - k3: ∇k3_t = (1 − π_ref/π) ∇log π_t, whose mean Σ_y (π − π_ref) ∇log π = −Σ_y π_ref ∇log π is the
-      gradient of KL(π_ref ‖ π) per token, not of KL(π ‖ π_ref). With an importance weight ρ_t =
-      π(y_t) / π_sample(y_t) (value 1 on-policy), ∇(ρ_t k3_t) = ρ_t k1_t ∇log π_t: the s = t term again,
-      also corrected off-policy.
-    Neither sees the s > t terms: how a token changes the KL of the tokens after it. They are added
-    as ρ_t · sg(Σ_{s > t} k1_s) with no value (ρ − sg(ρ)). So the term is
-        k2: sg(ρ_t)·k2_t + (ρ_t − sg(ρ_t))·F_t,   k3: ρ_t·k3_t + (ρ_t − sg(ρ_t))·F_t,   F_t = sg(Σ_{s>t} k1_s),
-    whose value is the (importance-weighted) KL estimate and whose gradient is ρ_t Σ_{s≥t} k1_s ∇log π_t.
-    `weight` is ρ_t (differentiable in logp; the caller's ratio π/π_old times the truncated IS
-    weight π_old/π_behav); the future terms use per-token weights only, as the surrogate does.
-    Summed over a sequence and averaged over sequences (seq-mean-token-sum) the gradient is
-    ∇KL / loss_norm_tokens; token-mean and seq-mean-token-mean divide by a count of tokens
-    (for fixed-length responses a constant; with varying lengths they weight sequences as the
-    policy-gradient term does).
-    """
-    if estimator == "k1":
-        raise ValueError(
-            "kl_estimator='k1' as a loss term: its gradient β·∇log π has expectation 0 (noise, no KL "
-            "pressure); use k2 or k3, or pay k1 as reward (rl.kl_in_reward)"
-        )
-    m = mask.astype(bool)
-    k1 = jax.lax.stop_gradient(jnp.where(m, logp.astype(jnp.float32) - ref_logp.astype(jnp.float32), 0.0))
-    future = later_sum(k1, m, positions)  # Σ_{s > t}, t's position order when `positions` are given
-    sg_w = jax.lax.stop_gradient(weight)
-    value_w = sg_w if estimator == "k2" else weight
-    return value_w * kl_estimate(logp, ref_logp, estimator) + (weight - sg_w) * future
 
 
 def entropy_from_logprobs(logprobs: jax.Array) -> jax.Array:
@@ -190,64 +118,84 @@ def aggregate(values: jax.Array, mask: jax.Array, mode: str, max_len_norm: float
     return per_seq.sum() / jnp.maximum((tokens > 0).sum(), 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Surrogate:
+    """What a policy loss (`config.registry.POLICY_LOSSES`) gives per token, [B, T] each: the loss
+    before the off-policy weight, and the tokens its clip changed below (`low`) and above (`high`)
+    (the `rl/clip_frac_*` metrics)."""
+
+    per_token: jax.Array
+    low: jax.Array
+    high: jax.Array
+
+
+@POLICY_LOSSES.register("ppo")
+def ppo_loss(logp: jax.Array, ratio: jax.Array, adv: jax.Array, rl: RLConfig) -> Surrogate:
+    """PPO's clipped surrogate (`clipped_surrogate`); clipped: the tokens whose gradient the clip
+    zeroes (r < 1 − clip_low with A < 0, r > 1 + clip_high with A > 0)."""
+    lo, hi = rl.clip_low, rl.clip_high
+    per_token = clipped_surrogate(ratio, adv, clip_low=lo, clip_high=hi)
+    return Surrogate(per_token, (ratio < 1.0 - lo) & (adv < 0), (ratio > 1.0 + hi) & (adv > 0))
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(logp: jax.Array, ratio: jax.Array, adv: jax.Array, rl: RLConfig) -> Surrogate:
+    """CISPO (`cispo_surrogate`); clipped: the tokens whose weight the clip changed."""
+    lo, hi = rl.clip_low, rl.clip_high
+    per_token = cispo_surrogate(logp, ratio, adv, clip_low=lo, clip_high=hi)
+    return Surrogate(per_token, ratio < 1.0 - lo, ratio > 1.0 + hi)
+
+
+def loss_norm(rl: RLConfig) -> float | None:
+    """seq-mean-token-sum's constant divisor: rl.loss_norm_tokens, or rl.max_new_tokens when 0
+    (Dr. GRPO: a constant, so the loss scale does not follow response lengths); None otherwise."""
+    if rl.aggregation != "seq-mean-token-sum":
+        return None
+    return float(rl.loss_norm_tokens or rl.max_new_tokens)
+
+
 def policy_loss(
     logp: jax.Array,
     old_logp: jax.Array,
     advantages: jax.Array,
     mask: jax.Array,
+    rl: RLConfig,
     *,
-    clip_low: float,
-    clip_high: float,
-    ratio_level: str = "token",
-    aggregation: str = "token-mean",
-    max_len_norm: float | None = None,
     ref_logp: jax.Array | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
     behav_logp: jax.Array | None = None,
-    is_cap: float | None = None,
-    is_level: str = "token",
-    is_mask: str = "off",
-    is_mask_low: float = 0.0,
-    is_mask_high: float = float("inf"),
-    loss_type: str = "ppo",
     entropy: jax.Array | None = None,
-    entropy_coef: float = 0.0,
     positions: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
-    """The learner's loss: clipped surrogate or CISPO (`loss_type`), × the off-policy IS weight,
-    + β·KL − α·entropy.
+    """The learner's loss: the registered policy loss `rl.loss_type` (PPO's clipped surrogate,
+    CISPO, ...), × the off-policy IS weight, + β·KL − α·entropy, every term reduced with
+    `rl.aggregation`; the hyper-parameters are the `rl` section's (Python values, static under jit).
 
-    The KL term is `kl_loss_terms` (k2 or k3; its gradient estimates ∇KL(π ‖ π_ref) over whole
-    sequences) with ρ = π/π_old × the truncated IS weight; `rl/kl` is the mean per-token estimate.
+    The KL term (rl.kl_coef, unless rl.kl_in_reward paid it as reward) is `kl.kl_loss_terms`
+    (k2 or k3; its gradient estimates ∇KL(π ‖ π_ref) over whole sequences) with ρ = π/π_old × the
+    truncated IS weight; `rl/kl` is the mean per-token estimate.
 
     logp, old_logp, mask [B, T]; advantages [B] (one per sequence) or [B, T] (per token, e.g.
-    `kl_penalized_advantages`). Optional, all [B, T]: ref_logp (needed when kl_coef > 0; with
-    kl_coef = 0 it only feeds the `rl/kl` metric), behav_logp with is_cap (the IS weight
-    π_old / π_behav, truncated at is_cap per token or sequence (is_level), multiplies the surrogate
-    and the KL's ρ; is_mask with is_mask_low / high drops tokens or sequences whose ratio is out of
-    bounds from every term: `offpolicy.offpolicy_correction`), entropy (`entropy_from_logprobs` of the policy's
-    logits; needed when entropy_coef > 0), positions (the tokens' positions: the KL term's "later
-    tokens" follow them, so a permuted token order gives the same loss). Every term is reduced with `aggregation`; the
-    coefficients and string switches are Python values (static under jit).
+    `kl_penalized_advantages`). Optional, all [B, T]: ref_logp (needed when the KL is a loss term;
+    otherwise it only feeds the `rl/kl` metric), behav_logp (the IS weight π_old / π_behav,
+    truncated at rl.is_cap per token or sequence (rl.is_level), multiplies the surrogate and the
+    KL's ρ; rl.is_mask drops tokens or sequences whose ratio is out of [is_mask_low, is_mask_high]
+    from every term: `offpolicy.offpolicy_correction`), entropy (`entropy_from_logprobs` of the
+    policy's logits; needed when rl.entropy_coef > 0), positions (the tokens' positions: the KL
+    term's "later tokens" follow them, so a permuted token order gives the same loss).
 
-    Returns (loss, metrics): `rl/loss`, `rl/pg_loss`, `rl/clip_frac_low` / `_high` (tokens
-    where the clip zeroes the gradient: r < 1 − clip_low with A < 0, r > 1 + clip_high with A > 0),
-    `rl/ratio_*`, `rl/adv_*` (mean/min/max), `rl/kl`, `rl/entropy`, over the tokens that train;
-    with behav_logp the gap metrics of `offpolicy_correction` (`rl/behav_gap_abs` |max, `rl/behav_kl`,
-    `rl/is_weight_*`, `rl/is_truncated_frac`, with a mask `rl/is_masked_frac`). With CISPO the
-    clip fractions count the tokens whose weight the clip changed (r < 1 − clip_low, r > 1 + clip_high).
+    Returns (loss, metrics): `rl/loss`, `rl/pg_loss`, `rl/clip_frac_low` / `_high` (the tokens the
+    loss's clip changed), `rl/ratio_*`, `rl/adv_*` (mean/min/max), `rl/kl`, `rl/entropy`, over the
+    tokens that train; with behav_logp the gap metrics of `offpolicy_correction` (`rl/behav_gap_abs`
+    |max, `rl/behav_kl`, `rl/is_weight_*`, `rl/is_truncated_frac`, with a mask `rl/is_masked_frac`).
     """
+    kl_coef = 0.0 if rl.kl_in_reward else rl.kl_coef
     if kl_coef and ref_logp is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logp (reference policy log-probs)")
-    if entropy_coef and entropy is None:
-        raise ValueError(f"entropy_coef={entropy_coef} needs entropy (entropy_from_logprobs of the policy)")
-    if behav_logp is not None and is_cap is None:
-        raise ValueError("behav_logp needs is_cap (the truncation of the importance weights)")
-    if behav_logp is None and is_mask != "off":
-        raise ValueError(f"is_mask={is_mask!r} needs behav_logp (the behaviour policy's log-probs)")
-    if loss_type not in POLICY_LOSSES:
-        raise ValueError(f"loss_type={loss_type!r}: expected one of {POLICY_LOSSES}")
+    if rl.entropy_coef and entropy is None:
+        raise ValueError(f"entropy_coef={rl.entropy_coef} needs entropy (entropy_from_logprobs of the policy)")
+    if behav_logp is None and rl.is_mask != "off":
+        raise ValueError(f"is_mask={rl.is_mask!r} needs behav_logp (the behaviour policy's log-probs)")
+    surrogate_of = POLICY_LOSSES[rl.loss_type]
     mask = mask.astype(bool)
     metrics = {}
     w = jnp.ones(mask.shape, jnp.float32)
@@ -256,43 +204,40 @@ def policy_loss(
             old_logp,
             behav_logp,
             mask,
-            cap=is_cap,
-            level=is_level,
-            mask_mode=is_mask,
-            low=is_mask_low,
-            high=is_mask_high,
+            cap=rl.is_cap,
+            level=rl.is_level,
+            mask_mode=rl.is_mask,
+            low=rl.is_mask_low,
+            high=rl.is_mask_high,
         )
     adv = advantages[:, None] if advantages.ndim == 1 else advantages
     adv = jnp.broadcast_to(adv.astype(jnp.float32), mask.shape)
-    ratio = importance_ratio(logp, old_logp, mask, ratio_level)
-    if loss_type == "cispo":
-        per_token = w * cispo_surrogate(logp, ratio, adv, clip_low=clip_low, clip_high=clip_high)
-        low, high = ratio < 1.0 - clip_low, ratio > 1.0 + clip_high
-    else:
-        per_token = w * clipped_surrogate(ratio, adv, clip_low=clip_low, clip_high=clip_high)
-        low, high = (ratio < 1.0 - clip_low) & (adv < 0), (ratio > 1.0 + clip_high) & (adv > 0)
+    ratio = importance_ratio(logp, old_logp, mask, rl.ratio_level)
+    surrogate = surrogate_of(logp, ratio, adv, rl)
+    per_token = w * surrogate.per_token
     metrics.update(
         {
-            "rl/clip_frac_low": _masked_mean(low, mask),
-            "rl/clip_frac_high": _masked_mean(high, mask),
+            "rl/clip_frac_low": _masked_mean(surrogate.low, mask),
+            "rl/clip_frac_high": _masked_mean(surrogate.high, mask),
             **_masked_stats("rl/ratio", ratio, mask),
             **_masked_stats("rl/adv", adv, mask),
         }
     )
-    pg_loss = aggregate(per_token, mask, aggregation, max_len_norm)
+    norm = loss_norm(rl)
+    pg_loss = aggregate(per_token, mask, rl.aggregation, norm)
     loss = pg_loss
     metrics["rl/pg_loss"] = pg_loss
     if ref_logp is not None:
-        kl = kl_estimate(logp, ref_logp, kl_estimator)
+        kl = kl_estimate(logp, ref_logp, rl.kl_estimator)
         metrics["rl/kl"] = _masked_mean(jax.lax.stop_gradient(kl), mask)
         if kl_coef:
             rho = w * jnp.exp(jnp.where(mask, logp.astype(jnp.float32) - jax.lax.stop_gradient(old_logp), 0.0))
-            terms = kl_loss_terms(logp, ref_logp, rho, mask, kl_estimator, positions)
-            loss = loss + kl_coef * aggregate(terms, mask, aggregation, max_len_norm)
+            terms = kl_loss_terms(logp, ref_logp, rho, mask, rl.kl_estimator, positions)
+            loss = loss + kl_coef * aggregate(terms, mask, rl.aggregation, norm)
     if entropy is not None:
         metrics["rl/entropy"] = _masked_mean(entropy, mask)
-        if entropy_coef:
-            loss = loss - entropy_coef * aggregate(entropy, mask, aggregation, max_len_norm)
+        if rl.entropy_coef:
+            loss = loss - rl.entropy_coef * aggregate(entropy, mask, rl.aggregation, norm)
     metrics["rl/loss"] = loss
     return loss, metrics
 

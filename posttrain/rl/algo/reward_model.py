@@ -25,12 +25,12 @@ import threading
 from collections.abc import Sequence
 
 import jax
-import ml_collections
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from posttrain.config.rl import parse_truncated_reward
+from posttrain.config import ModelConfig, RLConfig
+from posttrain.config.syntax import parse_truncated_reward
 from posttrain.core.batch import put_batch
 from posttrain.core.checkpoint import Checkpointer
 from posttrain.core.init import checkpoint_dir, load_model_state
@@ -73,9 +73,9 @@ def reward_model_meta(path: str, step: int | None = None) -> tuple[int, dict]:
     return step, meta
 
 
-def reward_model_config(path: str, step: int | None = None) -> ml_collections.ConfigDict:
+def reward_model_config(path: str, step: int | None = None) -> ModelConfig:
     """The model config of the `reward_model` run at `path` (its newest checkpoint's, or `step`'s)."""
-    return ml_collections.ConfigDict(reward_model_meta(path, step)[1]["config"]["model"])
+    return ModelConfig.from_dict(reward_model_meta(path, step)[1]["config"]["model"])
 
 
 def _tokenizer_fingerprint(spec: str) -> tuple:
@@ -143,7 +143,7 @@ class RewardModelScorer:
         """The newest checkpoint (or the one at `step`) of the `reward_model` run at `path`, placed
         on `mesh` by `rules`; `.step` says which."""
         step, meta = reward_model_meta(path, step)
-        model_cfg = ml_collections.ConfigDict(meta["config"]["model"])
+        model_cfg = ModelConfig.from_dict(meta["config"]["model"])
         make = lambda: RewardModel(model_cfg, rngs=nnx.Rngs(0))
         with use_sharding(mesh, rules):
             params, rest, step = load_model_state(path, make, mesh, rules, step=step)
@@ -230,7 +230,7 @@ class RewardComposer:
     saves are those of the batches trained on. `step`: the reward model's checkpoint step (pinned
     in the RL checkpoints), None without one."""
 
-    def __init__(self, rl_cfg, scorer: RewardModelScorer | None):
+    def __init__(self, rl_cfg: RLConfig, scorer: RewardModelScorer | None):
         self.scorer, self.stats = scorer, RunningMeanStd()
         self.normalize = rl_cfg.reward_model_normalize
         self.verifier_weight, self.reward_model_weight = rl_cfg.verifier_weight, rl_cfg.reward_model_weight
@@ -239,7 +239,7 @@ class RewardComposer:
 
     @classmethod
     def from_config(
-        cls, rl_cfg, mesh: Mesh, rules: Rules, *, pad_id: int, policy: tuple[str, int], step: int | None = None
+        cls, rl_cfg: RLConfig, mesh: Mesh, rules: Rules, *, pad_id: int, policy: tuple[str, int], step: int | None = None
     ) -> RewardComposer:
         """From the `rl` section; `rl.reward_model` must be a run dir here (a pipeline resolves "@stage").
         policy: the policy's (data.tokenizer, model.vocab_size), which the reward model must share;

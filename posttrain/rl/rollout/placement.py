@@ -94,7 +94,7 @@ def place_devices(cfg, devices=None) -> Placement:
         ) from e
     learner = make_mesh(sizes, devices[: len(devices) - n])
     sampler = make_mesh(sampler_mesh_sizes(learner, n), devices[len(devices) - n :])
-    return Placement(learner, parse_rules(cfg.sharding.rules.to_dict()), sampler)
+    return Placement(learner, parse_rules(cfg.sharding.rules), sampler)
 
 
 def sampler_weights(params, rest, sampling_cfg, sharding: tuple | None) -> tuple:

@@ -36,30 +36,18 @@ from typing import Any
 
 import fsspec
 
+import posttrain.rl.verifiers.code  # noqa: F401 (the built-in verifiers register)
+import posttrain.rl.verifiers.label  # noqa: F401
+import posttrain.rl.verifiers.math  # noqa: F401
+from posttrain.config.registry import VERIFIERS
 from posttrain.data.examples import RecordError, as_messages, get_field
 from posttrain.data.sources import SkipLog, read_jsonl
 from posttrain.data.synthetic import canonical_text
 from posttrain.rl.envs.base import Task
-from posttrain.rl.verifiers.code import CodeTask
-from posttrain.rl.verifiers.label import LabelTask
-from posttrain.rl.verifiers.math import MathTask
 from posttrain.rl.verifiers.user import UserTask
 
-BUILTIN_VERIFIERS = ("math", "code", "label")
 DEFAULT_DOMAIN = "user"
 log = logging.getLogger(__name__)
-
-
-def _text(record: dict, name: str, *, joinable: bool = False) -> str:
-    value = get_field(record, name)
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and not joinable:
-        return str(value)
-    if joinable and isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return "\n".join(value)
-    if not isinstance(value, str):
-        expected = "a string or a list of strings" if joinable else "a string or a number"
-        raise RecordError(f"field {name!r}: expected {expected}, got {type(value).__name__}")
-    return value
 
 
 def _verifier_name(record: dict) -> str:
@@ -132,13 +120,6 @@ def content_text(content: Any, *, digest: bool = False) -> str:
     return "\n".join(texts)
 
 
-def _choices(record: dict) -> tuple[str, ...]:
-    value = get_field(record, "choices")
-    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
-        raise RecordError(f"field 'choices': expected a non-empty list of labels, got {value!r}")
-    return tuple(value)
-
-
 def record_task(record: dict, where: str, verifiers: Collection[str], base: str | None = None) -> tuple[str, Task]:
     """(domain, Task) from one user record (see module docstring); RecordError when it does not fit.
 
@@ -146,20 +127,13 @@ def record_task(record: dict, where: str, verifiers: Collection[str], base: str 
     folder relative image paths are under (the record file's), None to leave them as they are."""
     prompt = resolve_images(as_messages(get_field(record, "prompt"), "prompt", "user", parts=True), base)
     name = _verifier_name(record)
-    if name == "math":
-        target: Any = MathTask(_text(record, "answer"))
-    elif name == "label":
-        target = LabelTask(_text(record, "answer"), _choices(record))
-    elif name == "code":
-        entry_point = get_field(record, "entry_point")
-        if not isinstance(entry_point, str):
-            raise RecordError(f"field 'entry_point': expected a function name, got {entry_point!r}")
-        target = CodeTask(test=_text(record, "tests", joinable=True), entry_point=entry_point)
+    if name in VERIFIERS:
+        target: Any = VERIFIERS[name].from_record(record)
     elif name in verifiers:
         target = UserTask(name, "\n\n".join(content_text(m["content"]) for m in prompt), record)
     else:
         raise RecordError(
-            f"field 'verifier': no verifier {name!r}; known: {sorted({*BUILTIN_VERIFIERS, *verifiers})} "
+            f"field 'verifier': no verifier {name!r}; known: {sorted({*VERIFIERS, *verifiers})} "
             "(add yours with rl.verifiers='package.module:function')"
         )
     fields = {}

@@ -1,15 +1,16 @@
-"""What the RLVR loop trains on: the task domains, the held-out tasks and the reward sources.
+"""What the RLVR loop trains on: the task domains, the held-out tasks, the environments and the
+reward sources, each from a registry (`posttrain.config.registry`).
 
-Two registries, both filled from the config:
-- `DOMAINS`: name → builder of a (training domain, held-out tasks) pair. The built-ins
-  (`arithmetic`, `gsm8k`, `humaneval`, the agent domain `repo_fix`, which needs
-  `rl.env = "tool"`, and the screenshot agent's `screen`, which needs `rl.env = "screen"`) are
-  entries; `register_domain` adds more. The user's
-  own files (`rl.train_files`, `rl.eval_files`, see `task_files`) add one domain per `domain`
-  field of their records.
-- verifiers: the built-in `math`, `code` (sandboxed) and `label` ones by task type, and user functions by
-  name (`rl.verifiers = "mypkg.rewards:score"`, or `register_verifier`), run with a timeout
-  (`rl.verifier_timeout_s`; the contract is in `verifiers/user.py` and the README).
+- `DOMAINS`: name → builder of a (training domain, held-out tasks) pair, `builder(cfg, make_env)`,
+  both disjoint by construction. The built-ins (`arithmetic`, `gsm8k`, `humaneval`, the agent domain
+  `repo_fix`, which needs `rl.env = "tool"`, and the screenshot agent's `screen`, which needs
+  `rl.env = "screen"`) register here; `@DOMAINS.register(name)` adds more. The user's own files
+  (`rl.train_files`, `rl.eval_files`, see `files.py`) add one domain per `domain` field of their records.
+- `ENVIRONMENTS` (`rl.env`): name → factory of one episode's environment.
+- `VERIFIERS`: the built-in `math`, `code` (sandboxed) and `label` verifiers register in their own
+  modules, by the task type they judge; user functions by name (`rl.verifiers = "mypkg.rewards:score"`,
+  or `USER_VERIFIERS.register(name, fn)`), run with a timeout (`rl.verifier_timeout_s`; the contract
+  is in `verifiers/user.py` and the README).
 Reward sources are composed here, in one place (`make_reward_fn`): verifiers per task type with
 the configured shaping. A learned reward model is another source beside them (`reward_model`).
 """
@@ -19,10 +20,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 from collections.abc import Callable
 
-from posttrain.config import ENVS  # noqa: F401 (re-exported: rl.checks reads it here)
+from posttrain.config import RLConfig, RunConfig
+from posttrain.config.registry import DOMAINS, ENVIRONMENTS, USER_VERIFIERS, VERIFIERS
+from posttrain.config.rl import domain_weights as domain_spec
+from posttrain.config.syntax import parse_weights as _parse_weights
 from posttrain.data.images import ImageSpec
 from posttrain.data.sources import SkipLog
 from posttrain.rl.envs import SingleTurnEnv
@@ -35,16 +38,14 @@ from posttrain.rl.tasks import domains as domain_lib
 from posttrain.rl.tasks import files as task_files
 from posttrain.rl.tasks import repo_domain, screen_domain
 from posttrain.rl.tasks.scheduler import BANDS
-from posttrain.rl.verifiers.code import CodeTask, CodeVerifier
-from posttrain.rl.verifiers.label import LabelTask, LabelVerifier
-from posttrain.rl.verifiers.math import MathTask, MathVerifier
 from posttrain.rl.verifiers.user import ScoreFn, UserTask, UserVerifier, load_callable
 from posttrain.sandbox import Sandbox
 
-DomainBuilder = Callable[[object, Callable], tuple[domain_lib.Domain, list[Task]]]
+DomainBuilder = Callable[[RunConfig, Callable], tuple[domain_lib.Domain, list[Task]]]
 
 
-def _arithmetic(cfg, env):
+@DOMAINS.register("arithmetic")
+def _arithmetic(cfg: RunConfig, env):
     r, kw = cfg.rl, dict(instruction=cfg.rl.instruction, max_value=cfg.data.synthetic_max_value)
     return (
         domain_lib.arithmetic_domain(env, n=r.arithmetic_size, seed=cfg.seed + 1, **kw),
@@ -52,7 +53,18 @@ def _arithmetic(cfg, env):
     )
 
 
-def _repo_fix(cfg, env):
+@DOMAINS.register("gsm8k")
+def _gsm8k(cfg: RunConfig, env):
+    return domain_lib.gsm8k_domain(env, split="train"), domain_lib.gsm8k_tasks(split="test", limit=cfg.rl.eval_size)
+
+
+@DOMAINS.register("humaneval")
+def _humaneval(cfg: RunConfig, env):
+    return domain_lib.humaneval_domain(env), domain_lib.humaneval_tasks(limit=cfg.rl.eval_size)
+
+
+@DOMAINS.register("repo_fix")
+def _repo_fix(cfg: RunConfig, env):
     if cfg.rl.env != "tool":
         raise ValueError(
             f"rl.domains: repo_fix is an agent domain (tool calls in a sandboxed repository); it needs "
@@ -64,7 +76,8 @@ def _repo_fix(cfg, env):
     )
 
 
-def _screen(cfg, env):
+@DOMAINS.register("screen")
+def _screen(cfg: RunConfig, env):
     if cfg.rl.env != "screen":
         raise ValueError(f"rl.domains: screen runs screenshot episodes; it needs rl.env='screen', got {cfg.rl.env!r}")
     # Held-out screens are few (`screen_domain.held_out_counts`): more than exist is refused, not
@@ -82,54 +95,24 @@ def _screen(cfg, env):
     )
 
 
-DOMAINS: dict[str, DomainBuilder] = {
-    "arithmetic": _arithmetic,
-    "gsm8k": lambda cfg, env: (
-        domain_lib.gsm8k_domain(env, split="train"),
-        domain_lib.gsm8k_tasks(split="test", limit=cfg.rl.eval_size),
-    ),
-    "humaneval": lambda cfg, env: (
-        domain_lib.humaneval_domain(env),
-        domain_lib.humaneval_tasks(limit=cfg.rl.eval_size),
-    ),
-    "repo_fix": _repo_fix,
-    "screen": _screen,
-}
-VERIFIERS: dict[str, ScoreFn] = {}  # user verifiers added from Python (`register_verifier`)
-
-
 def register_domain(name: str, builder: DomainBuilder) -> None:
-    """Make `name` usable in `rl.domains`: `builder(cfg, make_env)` returns (training Domain,
-    held-out Tasks), both disjoint by construction."""
-    if name in DOMAINS:
-        raise ValueError(f"domain {name!r} is already registered")
-    DOMAINS[name] = builder
+    """Make `name` usable in `rl.domains` (`DOMAINS.register`)."""
+    DOMAINS.register(name, builder)
 
 
 def register_verifier(name: str, fn: ScoreFn) -> None:
     """Make `name` usable as a record's `"verifier"`: `fn(prompt, response, record)` (see verifiers/user.py)."""
-    if name in task_files.BUILTIN_VERIFIERS or name in VERIFIERS:
+    if name in VERIFIERS:
         raise ValueError(f"verifier {name!r} is already registered")
-    VERIFIERS[name] = fn
+    USER_VERIFIERS.register(name, fn)
 
 
 def parse_weights(spec: str) -> dict[str, float]:
-    """ "arithmetic:2,gsm8k" → {"arithmetic": 2.0, "gsm8k": 1.0}."""
-    out = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, _, w = part.partition(":")
-        out[name] = float(w) if w else 1.0
+    """ "arithmetic:2,gsm8k" → {"arithmetic": 2.0, "gsm8k": 1.0}; empty is an error naming the domains."""
+    out = _parse_weights(spec)
     if not out:
         raise ValueError(f"rl.domains is empty: name at least one of {sorted(DOMAINS)} or set rl.train_files")
     return out
-
-
-def domain_spec(r) -> dict[str, float]:
-    """`rl.domains` as {name: weight}. Empty: arithmetic alone, or with `rl.train_files` the files'
-    domains alone (each weight 1; `rl.domains` may also weight them by name)."""
-    if r.domains.strip():
-        return parse_weights(r.domains)
-    return {} if r.train_files else {"arithmetic": 1.0}
 
 
 def domain_weights(r, domains) -> dict[str, float]:
@@ -172,24 +155,29 @@ def curriculum_options(c) -> dict:
 def user_verifiers(r) -> dict[str, ScoreFn]:
     """Registered user verifiers plus those of `rl.verifiers` ("[name=]package.module:function,..."; the
     name defaults to the function's)."""
-    out = dict(VERIFIERS)
+    out = {name: USER_VERIFIERS[name] for name in USER_VERIFIERS}
     for spec in filter(None, (s.strip() for s in r.verifiers.split(","))):
         name, eq, target = spec.partition("=")
         if not eq:
             name, target = spec.rpartition(":")[2].rpartition(".")[2], spec
         name = name.strip()
-        if name in task_files.BUILTIN_VERIFIERS or name in out:
+        if name in VERIFIERS or name in out:
             raise ValueError(
-                f"rl.verifiers: the name {name!r} is taken (built-ins {task_files.BUILTIN_VERIFIERS}, "
-                f"registered {sorted(VERIFIERS)}); give yours another: 'myname={target.strip()}'"
+                f"rl.verifiers: the name {name!r} is taken (built-ins {VERIFIERS.names()}, "
+                f"registered {sorted(USER_VERIFIERS)}); give yours another: 'myname={target.strip()}'"
             )
         out[name] = load_callable(target.strip())
     return out
 
 
-def make_domains(cfg, tok, reward_fn) -> tuple[dict[str, domain_lib.Domain], list[tuple[str, object]]]:
+def make_domains(
+    cfg: RunConfig, tok, reward_fn, *, rl: RLConfig | None = None
+) -> tuple[dict[str, domain_lib.Domain], list[tuple[str, object]]]:
     """Training domains and held-out (domain, task) pairs for evaluation: the registry's domains
-    named in `rl.domains`, then those of `rl.train_files` / `rl.eval_files`."""
+    named in `rl.domains`, then those of `rl.train_files` / `rl.eval_files`. `rl`: the rl section
+    to read instead of `cfg.rl` (the eval suites' and rejection sampling's variants)."""
+    if rl is not None:
+        cfg = dataclasses.replace(cfg, rl=rl)
     r = cfg.rl
     env = make_env_factory(cfg.rl, tok, reward_fn, ImageSpec.from_config(cfg.model.vision), cfg.workdir)
     spec, domains, held_out = domain_spec(r), {}, []
@@ -231,27 +219,37 @@ def make_domains(cfg, tok, reward_fn) -> tuple[dict[str, domain_lib.Domain], lis
     return domains, held_out
 
 
-def make_env_factory(r, tok, reward_fn, images: ImageSpec | None = None, workdir: str = ".") -> Callable:
-    """The environment of one episode, per the `rl` section's `env`: `single` (one answer),
-    `tool` (up to `rl.max_turns` model turns of `rl.max_new_tokens` each, with shell/Python calls
-    in a persistent sandboxed working directory; `envs/workspace.py`; one sandbox serves all
-    episodes) or `screen` (rendered screens, written under `workdir/screens`; `envs/screen_env.py`).
-    `images` (`model.vision`): image parts of prompts become that many placeholder tokens."""
-    part = None if images is None else ImageTokens(images)
-    if r.env == "single":
-        return lambda: SingleTurnEnv(tok, reward_fn, max_turn_tokens=r.max_new_tokens, image_part=part)
-    if r.env == "screen":
-        screens = os.path.join(workdir, "screens")
-        return lambda: ScreenEnv(
-            tok, reward_fn, screens, max_turns=r.max_turns, max_turn_tokens=r.max_new_tokens, image_part=part
-        )
+@ENVIRONMENTS.register("single")
+def _single(r: RLConfig, tok, reward_fn, images: ImageTokens | None, workdir: str) -> Callable:
+    return lambda: SingleTurnEnv(tok, reward_fn, max_turn_tokens=r.max_new_tokens, image_part=images)
+
+
+@ENVIRONMENTS.register("screen")
+def _screen_env(r: RLConfig, tok, reward_fn, images: ImageTokens | None, workdir: str) -> Callable:
+    screens = os.path.join(workdir, "screens")
+    return lambda: ScreenEnv(
+        tok, reward_fn, screens, max_turns=r.max_turns, max_turn_tokens=r.max_new_tokens, image_part=images
+    )
+
+
+@ENVIRONMENTS.register("tool")
+def _tool(r: RLConfig, tok, reward_fn, images: ImageTokens | None, workdir: str) -> Callable:
     sandbox, limits = Sandbox(WORKSPACE_LIMITS), dataclasses.replace(WORKSPACE_LIMITS, wall_s=r.tool_timeout_s)
     return lambda: WorkspaceEnv(
         tok, reward_fn, sandbox, max_turns=r.max_turns, max_turn_tokens=r.max_new_tokens, limits=limits
     )
 
 
-def _user_tasks(cfg) -> tuple[dict[str, list[tuple[str, Task]]], dict[str, list[tuple[str, Task]]]]:
+def make_env_factory(r: RLConfig, tok, reward_fn, images: ImageSpec | None = None, workdir: str = ".") -> Callable:
+    """The environment of one episode, per the `rl` section's `env` (`ENVIRONMENTS`): `single` (one
+    answer), `tool` (up to `rl.max_turns` model turns of `rl.max_new_tokens` each, with shell/Python
+    calls in a persistent sandboxed working directory; `envs/workspace.py`; one sandbox serves all
+    episodes) or `screen` (rendered screens, written under `workdir/screens`; `envs/screen_env.py`).
+    `images` (`model.vision`): image parts of prompts become that many placeholder tokens."""
+    return ENVIRONMENTS[r.env](r, tok, reward_fn, None if images is None else ImageTokens(images), workdir)
+
+
+def _user_tasks(cfg: RunConfig) -> tuple[dict[str, list[tuple[str, Task]]], dict[str, list[tuple[str, Task]]]]:
     """(train, eval) tasks of the user's files by domain; every rl.verifiers entry must be used."""
     r = cfg.rl
     names = user_verifiers(r)
@@ -265,7 +263,7 @@ def _user_tasks(cfg) -> tuple[dict[str, list[tuple[str, Task]]], dict[str, list[
     used = {
         t.target.verifier for d in (train, evals) for ts in d.values() for _, t in ts if isinstance(t.target, UserTask)
     }
-    unused = sorted(set(names) - set(VERIFIERS) - used)
+    unused = sorted(set(names) - set(USER_VERIFIERS) - used)
     if unused:
         raise ValueError(
             f"rl.verifiers: {unused} verify no record of rl.train_files / rl.eval_files (a record "
@@ -276,34 +274,15 @@ def _user_tasks(cfg) -> tuple[dict[str, list[tuple[str, Task]]], dict[str, list[
             "rl.train_files / rl.eval_files: skipped %d bad task records (data.on_error='skip')", skips.skipped
         )
     for what, found in (("rl.train_files", train), ("rl.eval_files", evals)):
-        if r[what.split(".")[1]] and not any(found.values()):
+        if getattr(r, what.split(".")[1]) and not any(found.values()):
             why = (
                 f" ({overlap} were training prompts in another spelling)" if what == "rl.eval_files" and overlap else ""
             )
-            raise ValueError(f"{what}={r[what.split('.')[1]]!r}: no usable task record{why}")
+            raise ValueError(f"{what}={getattr(r, what.split('.')[1])!r}: no usable task record{why}")
     return train, evals
 
 
-class _LazyVerifier:
-    """A verifier built on first use (the code verifier's sandbox probes the OS: only when code is verified)."""
-
-    def __init__(self, make: Callable[[], object]) -> None:
-        self._make, self._made, self._lock = make, None, threading.Lock()
-
-    def _get(self):
-        with self._lock:
-            if self._made is None:
-                self._made = self._make()
-            return self._made
-
-    def verify(self, task, response):
-        return self._get().verify(task, response)
-
-    def verify_many(self, tasks, responses):
-        return self._get().verify_many(tasks, responses)
-
-
-def make_reward_fn(r) -> RewardFunction:
+def make_reward_fn(r: RLConfig) -> RewardFunction:
     """Math, code (sandboxed, built when first needed) and user verifiers with the shaping the
     `rl` section `r` configures (format, overlong, tool-call penalties)."""
     # The overlong ramp is over a sample's model tokens: one turn, or all turns of an episode.
@@ -315,7 +294,7 @@ def make_reward_fn(r) -> RewardFunction:
         invalid_tool_call_penalty=r.invalid_tool_call_penalty,
         redundant_tool_call_penalty=r.redundant_tool_call_penalty,
     )
-    verifiers = {MathTask: MathVerifier(), CodeTask: _LazyVerifier(CodeVerifier), LabelTask: LabelVerifier()}
+    verifiers = {VERIFIERS[name].task: VERIFIERS[name].make() for name in VERIFIERS}
     functions = user_verifiers(r)
     if functions:
         verifiers[UserTask] = UserVerifier(functions, timeout_s=r.verifier_timeout_s)

@@ -111,9 +111,8 @@ def _builtin_suites(cfg, tok, names: list[str], env: str) -> dict[str, Domain]:
     """The held-out tasks of built-in domains `names`, in `rl.env = env` environments."""
     if not names:
         return {}
-    sub = cfg.copy_and_resolve_references()
-    sub.rl.domains, sub.rl.eval_size, sub.rl.env = ",".join(names), cfg.eval.size, env
-    domains, held_out = make_domains(sub, tok, make_reward_fn(sub.rl))
+    rl = dataclasses.replace(cfg.rl, domains=",".join(names), eval_size=cfg.eval.size, env=env)
+    domains, held_out = make_domains(cfg, tok, make_reward_fn(rl), rl=rl)
     return {n: Domain(n, [t for d, t in held_out if d == n], domains[n].make_env) for n in names}
 
 
@@ -133,12 +132,11 @@ def make_suites(cfg, tok) -> dict[str, Domain]:
         **_builtin_suites(cfg, tok, [n for n in builtin if n not in multi], "single"),
         **_builtin_suites(cfg, tok, multi, "tool"),
     }
-    sub = cfg.copy_and_resolve_references()
-    sub.rl.env = "single"
-    reward_fn = make_reward_fn(sub.rl)
+    rl = dataclasses.replace(cfg.rl, env="single")
+    reward_fn = make_reward_fn(rl)
     spec = ImageSpec.from_config(cfg.model.vision)  # None: text only
-    env = make_env_factory(sub.rl, tok, reward_fn, spec, cfg.workdir)  # one answer, image parts as patches
-    names = tuple(user_verifiers(sub.rl))
+    env = make_env_factory(rl, tok, reward_fn, spec, cfg.workdir)  # one answer, image parts as patches
+    names = tuple(user_verifiers(rl))
     for n, path in named:
         if path:
             tasks = user_tasks(

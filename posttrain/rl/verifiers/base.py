@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 
@@ -31,3 +32,33 @@ class Verifier(Protocol):
     def verify_many(self, tasks: Sequence[Any], responses: Sequence[str]) -> list[Verdict]:
         """Verdicts for many responses; may run them concurrently."""
         ...
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifierEntry:
+    """A verifier as registered (`config.registry.VERIFIERS`, by the name a task record gives in its
+    `verifier` field): the `task` type it judges, how a run `make`s it, and the task of a record
+    (`from_record(record)`, a RecordError naming a bad field)."""
+
+    task: type
+    make: Callable[[], Verifier]
+    from_record: Callable[[dict], Any]
+
+
+class Lazy:
+    """A verifier built on first use (the code verifier's sandbox probes the OS: only when code is verified)."""
+
+    def __init__(self, make: Callable[[], Verifier]) -> None:
+        self._make, self._made, self._lock = make, None, threading.Lock()
+
+    def _get(self) -> Verifier:
+        with self._lock:
+            if self._made is None:
+                self._made = self._make()
+            return self._made
+
+    def verify(self, task, response):
+        return self._get().verify(task, response)
+
+    def verify_many(self, tasks, responses):
+        return self._get().verify_many(tasks, responses)

@@ -18,7 +18,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.rl.verifiers.base import Verdict
+from posttrain.config.registry import VERIFIERS
+from posttrain.data.examples import RecordError, field_text, get_field
+from posttrain.rl.verifiers.base import Lazy, Verdict, VerifierEntry
 from posttrain.sandbox import ExecResult, Job, Limits, Sandbox, Status, sandbox_python
 
 HARNESS_SOURCE = (Path(__file__).parent / "code_harness.py").read_text()
@@ -136,3 +138,13 @@ def _judge(result: ExecResult, token: str) -> CodeResult:
     else:
         detail = verdicts[0] if verdicts else "harness printed no verdict"
     return CodeResult(False, result.status, detail)
+
+
+def _task_of(record: dict) -> CodeTask:
+    entry_point = get_field(record, "entry_point")
+    if not isinstance(entry_point, str):
+        raise RecordError(f"field 'entry_point': expected a function name, got {entry_point!r}")
+    return CodeTask(test=field_text(record, "tests", joinable=True), entry_point=entry_point)
+
+
+VERIFIERS.register("code", VerifierEntry(CodeTask, lambda: Lazy(CodeVerifier), _task_of))

@@ -17,8 +17,10 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
+from posttrain.config.registry import VERIFIERS
+from posttrain.data.examples import field_labels, field_text
 from posttrain.rl.verifiers.answer_attacks import ANSWER_ATTACKS, AnswerCase, Attack
-from posttrain.rl.verifiers.base import Verdict
+from posttrain.rl.verifiers.base import Verdict, VerifierEntry
 from posttrain.rl.verifiers.math import _all_boxed, strip_think
 
 _ANSWER_IS = re.compile(r"(?:final answer|the answer)(?:\s+is|\s*:)\s*:?\s*([^\n]+)", re.IGNORECASE)
@@ -109,3 +111,11 @@ def label_attacks(cases: Sequence[AnswerCase]) -> tuple[Attack, ...]:
     honest = {f"\\boxed{{{c.answer}}}" for c in cases} | {f"The answer is {c.answer}." for c in cases}
     kept = tuple(a for a in ANSWER_ATTACKS if not any(a.make(c) in honest for c in cases))
     return kept + LABEL_ONLY_ATTACKS
+
+
+VERIFIERS.register(
+    "label",
+    VerifierEntry(
+        LabelTask, LabelVerifier, lambda record: LabelTask(field_text(record, "answer"), field_labels(record, "choices"))
+    ),
+)

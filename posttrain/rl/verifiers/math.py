@@ -42,8 +42,10 @@ from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
+from posttrain.config.registry import VERIFIERS
+from posttrain.data.examples import field_text
 from posttrain.rl.verifiers.answer_form import free_operation, is_constant
-from posttrain.rl.verifiers.base import Verdict
+from posttrain.rl.verifiers.base import Verdict, VerifierEntry
 from posttrain.rl.verifiers.symbolic import SymbolicChecker, SymbolicCheckError
 
 SOURCES = ("boxed", "hash", "answer_is", "last_number")
@@ -384,3 +386,6 @@ class MathVerifier:
         if len(tasks) != len(responses):
             raise ValueError(f"{len(tasks)} tasks but {len(responses)} responses")
         return [self.verify(t, r) for t, r in zip(tasks, responses)]
+
+
+VERIFIERS.register("math", VerifierEntry(MathTask, MathVerifier, lambda record: MathTask(field_text(record, "answer"))))
