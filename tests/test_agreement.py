@@ -84,7 +84,7 @@ def test_auto_estimate_counts_remat_and_uses_the_agreed_smallest_memory(monkeypa
 
 def test_auto_memory_of_abstract_devices_comes_from_the_table():
     """Ahead-of-time compiles (abstract TPU devices cannot be asked) use the device kind's HBM."""
-    from posttrain.parallel import aot
+    from posttrain.plan import aot
 
     if not aot.libtpu_available():
         pytest.skip("libtpu not installed")

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from posttrain.parallel import aot
+from posttrain.plan import aot
 
 needs_libtpu = pytest.mark.skipif(
     not aot.libtpu_available(), reason="libtpu not installed (pip install -e '.[tpu]'): no TPU compiler"
@@ -42,8 +42,8 @@ def hand_param_bytes(cfg, expert_shards: int) -> int:
 @pytest.fixture(scope="module")
 def compiled():
     """One compile per program, shared by the asserts."""
-    from posttrain import compile_plan as cp
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    from posttrain.plan import compile_plan as cp
 
     cfg = tiny_moe_config()
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
@@ -124,8 +124,8 @@ def test_auto_dispatch_follows_the_meshs_device_kind(kind, platform, want):
 def test_v5e_compiles_the_expert_parallel_step_with_the_padded_all_to_all():
     """The tiny MoE train step compiles for v5e (data 2 · expert 2) with expert parallelism on
     the padded all-to-all; `model.moe.dispatch='ragged'` would choose the ragged one."""
-    from posttrain import compile_plan as cp
     from posttrain.parallel import make_mesh, mesh_device_kind, parse_rules, use_sharding
+    from posttrain.plan import compile_plan as cp
 
     cfg = tiny_moe_config()
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices("v5e:2x2"))
@@ -141,7 +141,7 @@ def test_v5e_compiles_the_expert_parallel_step_with_the_padded_all_to_all():
     report = cp.program_report(program, compiled, aot.CHIPS["v5e"], mesh.size)
     assert report["fits"] and report["collectives"]["all-to-all"] > 0
     # the analytic model counts the padded exchange's buffers (rows both ways, ids) exactly
-    from posttrain import cost_model
+    from posttrain.plan import cost_model
 
     analytic = cost_model.program_cost(cfg, mesh, rules, "sft", 8, aot.CHIPS["v5e"])
     assert analytic["collectives"]["all-to-all"] == pytest.approx(report["collectives"]["all-to-all"], rel=0.01)
@@ -166,9 +166,9 @@ def test_analytic_cost_model_matches_the_compiled_program():
     gradient reduction (reduce-scatter + all-reduce: XLA merges small reductions) within 10%."""
     import jax
 
-    from posttrain import compile_plan as cp
-    from posttrain import cost_model
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    from posttrain.plan import compile_plan as cp
+    from posttrain.plan import cost_model
 
     cfg = pod_like_tiny_config()
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
@@ -196,9 +196,9 @@ def test_analytic_cost_model_matches_the_cpu_compiled_program():
     weights of the backward once less than XLA:TPU (the model counts TPU's), so only a bound."""
     import jax
 
-    from posttrain import compile_plan as cp
-    from posttrain import cost_model
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    from posttrain.plan import compile_plan as cp
+    from posttrain.plan import cost_model
 
     cfg = pod_like_tiny_config()
     mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
@@ -225,9 +225,9 @@ def test_analytic_flops_are_the_programs_model_flops():
     change them as stated."""
     import jax
 
-    from posttrain import compile_plan as cp
-    from posttrain import cost_model
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    from posttrain.plan import compile_plan as cp
+    from posttrain.plan import cost_model
 
     cfg = pod_like_tiny_config()
     mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
@@ -390,8 +390,8 @@ def test_pod_shapes_have_the_published_sizes(model, billions):
 def test_long_context_attention_compiles_for_tpu(attention, sequence):
     """The TPU attention paths lower and compile for a TPU slice: splash attention (a Pallas TPU
     kernel) on one sequence shard, ring attention (collective-permutes) over two."""
-    from posttrain import compile_plan as cp
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    from posttrain.plan import compile_plan as cp
 
     cfg = tiny_moe_config()
     cfg.model.moe.num_experts = 0
@@ -418,10 +418,10 @@ def test_scanned_decode_over_a_sequence_axis_compiles_for_tpu():
     the cache."""
     from flax import nnx
 
-    from posttrain import compile_plan as cp
     from posttrain.core.state import abstract_model
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    from posttrain.plan import compile_plan as cp
     from posttrain.sampling import engine
 
     cfg = tiny_moe_config()
@@ -444,8 +444,8 @@ def test_decode_layout_moves_no_weights_per_token_on_tpu():
     """The sampler compiled for TPU with ZeRO-3 weights (fsdp 2): served from the learner's layout,
     each decode step all-gathers the weight shards again (more bytes than a chip's params); from
     the decode layout (`sampling.layout = "tensor"`) it gathers nothing of the kind."""
-    from posttrain import compile_plan as cp
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    from posttrain.plan import compile_plan as cp
 
     step, params, devices = {}, {}, aot.tpu_devices(TOPOLOGY)  # one device set: meshes over new device objects clash
     for layout in ("learner", "tensor"):
@@ -470,7 +470,7 @@ def test_restore_target_is_the_train_steps_input_layout(compiled):
 
     import jax
 
-    from posttrain import compile_plan as cp
+    from posttrain.plan import compile_plan as cp
 
     cfg, mesh, rules, out = compiled
     target, restore_args = cp.restore_plan(cfg, mesh, rules)
@@ -499,8 +499,8 @@ def test_analytic_sampler_cost_refuses_the_decode_layout():
     learner layout's numbers for a layout that gathers no weights, so it refuses instead."""
     import jax
 
-    from posttrain import cost_model
     from posttrain.parallel import make_mesh, parse_rules
+    from posttrain.plan import cost_model
 
     cfg = pod_like_tiny_config()
     mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
@@ -560,8 +560,8 @@ def test_compile_plan_sampler_refuses_the_samplers_it_does_not_compile(key, valu
     refused, not planned as the static one."""
     import jax
 
-    from posttrain import compile_plan as cp
     from posttrain.parallel import make_mesh, parse_rules
+    from posttrain.plan import compile_plan as cp
 
     cfg = tiny_moe_config()
     mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
@@ -578,8 +578,8 @@ def test_adafactor_state_is_factored_and_restores_into_its_shards():
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from posttrain import compile_plan as cp
     from posttrain.parallel import make_mesh, parse_rules
+    from posttrain.plan import compile_plan as cp
 
     cfg = tiny_moe_config()
     cfg.optim.name = "adafactor"
@@ -600,8 +600,8 @@ def test_compile_plan_shows_the_context_parallel_choice_a_real_run_makes(monkeyp
     strategy with its numbers; the CLI prints it."""
     import importlib.util
 
-    from posttrain import compile_plan as cp
     from posttrain.parallel import use_sharding
+    from posttrain.plan import compile_plan as cp
 
     cfg = tiny_moe_config()
     cfg.model.moe.num_experts = 0

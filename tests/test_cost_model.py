@@ -1,4 +1,4 @@
-"""The roofline cost model (`parallel.roofline`, `cost_model`) cannot promise the impossible: time
+"""The roofline cost model (`plan.roofline`, `cost_model`) cannot promise the impossible: time
 is at least every one of executed FLOPs / peak, HBM bytes / HBM bandwidth and collective bytes /
 the bandwidth of the links used; executed FLOPs count remat and attention recompute, so MFU never
 exceeds model ÷ executed FLOPs; a decode step is bound by the bytes it reads, not by compute."""
@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from posttrain import cost_model
 from posttrain.models.flops import activated_matmul_params
-from posttrain.parallel import aot
-from posttrain.parallel.roofline import roofline
+from posttrain.plan import aot, cost_model
+from posttrain.plan.roofline import roofline
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_libtpu = pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu not installed: no TPU topology")
@@ -165,8 +164,8 @@ def test_executed_flops_match_the_compilers_count_out_of_sample():
     pass, fitted at depth ≥ 2) over-counts at one layer (XLA re-gathers less), within 1.6×."""
     import jax
 
-    from posttrain import compile_plan as cp
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    from posttrain.plan import compile_plan as cp
 
     sys.path.insert(0, str(ROOT / "tests"))
     from test_compile_plan import TOPOLOGY, pod_like_tiny_config

@@ -17,9 +17,10 @@ from flax import nnx
 
 from posttrain.config import base_config
 from posttrain.models.decoder import Decoder
-from posttrain.parallel import accelerator_paths, aot, make_mesh, use_sharding
+from posttrain.parallel import accelerator_paths, make_mesh, use_sharding
 from posttrain.parallel.mesh import ACCELERATOR_PATHS_ENV
 from posttrain.parallel.sharding import abstract_model
+from posttrain.plan import aot
 from posttrain.sampling import engine, kv_cache
 
 needs_libtpu = pytest.mark.skipif(
@@ -206,7 +207,7 @@ def tpu_sampler_programs(mesh, rules, layout):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from posttrain import compile_plan as cp
+    from posttrain.plan import compile_plan as cp
     from posttrain.sampling import SamplingParams
     from posttrain.sampling.continuous_programs import continuous_program, grouped_continuous_program
     from posttrain.sampling.generate import generate_program, sharding_key

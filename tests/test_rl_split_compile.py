@@ -1,4 +1,4 @@
-"""A split of the RL split plan compiled (`posttrain.rl_split_compile`, `tools/pod_plan.py --rl-split
+"""A split of the RL split plan compiled (`posttrain.plan.rl_split_compile`, `tools/pod_plan.py --rl-split
 --compile`): the tiny MoE config's learner program on the learner's chips and sampler program on
 the sampler mesh of an 8-chip v5p slice, with libtpu's compiler on abstract devices (one compile
 of each, ~20 s on this CPU), their per-chip memory and the weight bytes one publish moves."""
@@ -10,8 +10,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from posttrain import rl_split_compile, rl_split_plan
-from posttrain.parallel import aot
+from posttrain.plan import aot, rl_split, rl_split_compile
 from tests.test_compile_plan import hand_param_bytes, needs_libtpu, tiny_moe_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +26,7 @@ def pod_plan():
 
 def tiny_splits():
     cfg = tiny_moe_config()  # expert = 2: model-parallel group 2, sampler chips 2, 4, 6
-    return cfg, rl_split_plan.plan_split(cfg, "v5p", 8, group=2, prompt_len=8)
+    return cfg, rl_split.plan_split(cfg, "v5p", 8, group=2, prompt_len=8)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +79,7 @@ def test_pod_plan_compiles_the_chosen_split_and_reports_an_unfit_program(compile
     """`--rl-split --compile --sampler-chips 4` on the tiny config (`configure` swapped in):
     the compiled table and the publish line; a program the TPU compiler refuses for HBM is a
     row that says so (with the advice to raise rl.minibatches), not a crash."""
-    from posttrain import compile_plan
+    from posttrain.plan import compile_plan
 
     tool = pod_plan()
     cfg, result = compiled
@@ -129,8 +128,8 @@ def test_pod_plan_minibatches_set_the_learners_minibatch_or_are_refused(monkeypa
     minibatches per step; one that does not divide prompts × samples is refused."""
     tool = pod_plan()
     monkeypatch.setattr(tool, "configure", lambda *a, **k: tiny_moe_config())
-    seen, plan = [], rl_split_plan.plan_split
-    monkeypatch.setattr(rl_split_plan, "plan_split", lambda cfg, *a: seen.append(cfg.rl.minibatches) or plan(cfg, *a))
+    seen, plan = [], rl_split.plan_split
+    monkeypatch.setattr(rl_split, "plan_split", lambda cfg, *a: seen.append(cfg.rl.minibatches) or plan(cfg, *a))
     argv = "pod_plan --rl-split --models tiny --topologies v5p:2x2x2 --prompts 2 --samples 4 --group 2 --minibatches"
     monkeypatch.setattr(sys, "argv", (argv + " 2").split())
     tool.main()

@@ -1,4 +1,4 @@
-"""The RL learner / sampler split plan (`posttrain.rl_split_plan`, `tools/pod_plan.py --rl-split`):
+"""The RL learner / sampler split plan (`posttrain.plan.rl_split`, `tools/pod_plan.py --rl-split`):
 analytic, no compile and no libtpu. It recommends the runnable split with the least time per step
 (which is also the best balanced one), gives the sampler more chips when responses are longer,
 charges the publish at DCN bandwidth when the sampler has a slice of its own, and never proposes
@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain import rl_split_plan
-from posttrain.parallel import aot
+from posttrain.plan import aot, rl_split
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,8 +23,8 @@ def qwen(prompts=256, samples=16, response=4096):
 
 
 def test_the_recommendation_is_the_fastest_runnable_split_and_the_best_balanced():
-    splits = rl_split_plan.plan_split(qwen(), "v5p", 64)
-    best = rl_split_plan.recommend(splits)
+    splits = rl_split.plan_split(qwen(), "v5p", 64)
+    best = rl_split.recommend(splits)
     ok = [s for s in splits if not s.problem]
     assert best in ok and len(ok) >= 3
     assert best.step_s == min(s.step_s for s in ok)
@@ -38,13 +37,13 @@ def test_the_recommendation_is_the_fastest_runnable_split_and_the_best_balanced(
 def test_the_default_group_is_the_smallest_that_holds_the_learner_state():
     """qwen3-30B's learner state (params, gradients, AdamW moments, reference: ~305 GB in bf16)
     fits 8 v5p chips (95 GB) within the 80% headroom, but needs 32 v5e chips (16 GB)."""
-    assert rl_split_plan.default_group(qwen(), aot.CHIPS["v5p"], 64) == 8
-    assert rl_split_plan.default_group(qwen(), aot.CHIPS["v5e"], 256) == 32
+    assert rl_split.default_group(qwen(), aot.CHIPS["v5p"], 64) == 8
+    assert rl_split.default_group(qwen(), aot.CHIPS["v5e"], 256) == 32
 
 
 def test_longer_responses_give_the_sampler_more_chips():
-    short = rl_split_plan.recommend(rl_split_plan.plan_split(qwen(prompts=64, response=512), "v5p", 64))
-    long = rl_split_plan.recommend(rl_split_plan.plan_split(qwen(prompts=64, response=8192), "v5p", 64))
+    short = rl_split.recommend(rl_split.plan_split(qwen(prompts=64, response=512), "v5p", 64))
+    long = rl_split.recommend(rl_split.plan_split(qwen(prompts=64, response=8192), "v5p", 64))
     assert long.sampler_chips > short.sampler_chips
     assert long.gen_s > short.gen_s
 
@@ -55,28 +54,28 @@ def test_a_sampler_slice_of_its_own_is_published_to_over_dcn():
     publish inside one slice; a learner spanning both slices pays DCN in its gradient reduction."""
     v5p = aot.CHIPS["v5p"]
     assert v5p.dcn_bytes_per_s == pytest.approx(50e9 / 8)
-    one = {s.sampler_chips: s for s in rl_split_plan.plan_split(qwen(), "v5p", 64)}
-    two = {s.sampler_chips: s for s in rl_split_plan.plan_split(qwen(), "v5p", 64, slices=2)}
+    one = {s.sampler_chips: s for s in rl_split.plan_split(qwen(), "v5p", 64)}
+    two = {s.sampler_chips: s for s in rl_split.plan_split(qwen(), "v5p", 64, slices=2)}
     own = two[64]
     assert own.link == "DCN" and one[32].link == "ICI"
     assert own.publish_s >= own.publish_bytes / (64 * v5p.dcn_bytes_per_s)
     assert own.publish_s > 10 * one[32].publish_s
-    big = {s.sampler_chips: s for s in rl_split_plan.plan_split(qwen(), "v5p", 128)}  # one slice of 128
+    big = {s.sampler_chips: s for s in rl_split.plan_split(qwen(), "v5p", 128)}  # one slice of 128
     assert two[32].link == "ICI" and two[32].learn_s > big[32].learn_s  # the same 96 learner chips
     with pytest.raises(ValueError, match="DCN"):
-        rl_split_plan.plan_split(qwen(), "v6e", 64, slices=2)
+        rl_split.plan_split(qwen(), "v6e", 64, slices=2)
 
 
 def test_only_splits_the_placement_accepts_are_proposed_and_unfit_ones_never_recommended():
-    splits = rl_split_plan.plan_split(qwen(), "v5p", 64, group=8)
+    splits = rl_split.plan_split(qwen(), "v5p", 64, group=8)
     assert [s.sampler_chips for s in splits] == list(range(8, 64, 8))  # multiples of fsdp × expert
     assert all(s.sampler_chips + s.learner_chips == 64 for s in splits)
     unfit = [s for s in splits if s.problem]
     assert unfit and all("HBM" in s.problem for s in unfit)  # 8 chips cannot hold 256 × 16 rows of KV
-    assert not rl_split_plan.recommend(splits).problem
-    assert rl_split_plan.recommend(unfit) is None
+    assert not rl_split.recommend(splits).problem
+    assert rl_split.recommend(unfit) is None
     with pytest.raises(ValueError, match="group=12"):
-        rl_split_plan.plan_split(qwen(), "v5p", 64, group=12)
+        rl_split.plan_split(qwen(), "v5p", 64, group=12)
 
 
 def test_pod_plan_rl_split_prints_the_table_and_the_recommendation(monkeypatch, capsys):

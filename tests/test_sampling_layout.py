@@ -107,7 +107,7 @@ def test_loop_publishes_the_decode_layout(model, mesh):
 def test_publish_program_reshards_into_the_decode_layout(model, mesh):
     """`compile_plan`'s "publish" program (what pod plans compile to cost the reshard) lands the
     learner's weights in the shardings `publish_weights` gives."""
-    from posttrain import compile_plan as cp
+    from posttrain.plan import compile_plan as cp
 
     _, learner, published, _ = model
     cfg = base_config()

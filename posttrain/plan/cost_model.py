@@ -1,6 +1,6 @@
 """Analytic per-chip cost of a run's programs on a TPU slice: model and executed FLOPs (remat and
 attention recompute) and HBM bytes from the shapes, collective bytes from the mesh and the
-sharding rules, and the roofline (`parallel.roofline`: a floor on time, the bound that sets it,
+sharding rules, and the roofline (`plan.roofline`: a floor on time, the bound that sets it,
 MFU) — for every model × slice of the pod plan, where a compile of one large program takes 20-30
 minutes on a CPU host (`tools/pod_plan.py`; checked against compiled programs, in and out of
 sample, by tests/test_compile_plan.py, tests/test_cost_model.py and BENCHMARKS.md "Pod plan").
@@ -35,11 +35,14 @@ from posttrain.models.flops import activated_matmul_params, train_flops_per_toke
 from posttrain.models.lora import BATCH_AXES, FAN_IN_DIMS, target_paths
 from posttrain.models.moe.dispatch import auto_dispatch
 from posttrain.models.moe.experts import expert_capacity
-from posttrain.parallel import aot, logical_spec
-from posttrain.parallel.roofline import phases, roofline
+from posttrain.parallel import logical_spec
 from posttrain.parallel.sharding import Rules
+from posttrain.plan import aot
+from posttrain.plan.roofline import phases, roofline
 from posttrain.sampling.generate import bucket
 
+# The programs a pod plan costs (analytic here, compiled by `compile_plan.plan`); `compile_plan` also
+# reports "restore" (`restore_report`: not compiled) and "publish" (the learner → sampler reshard).
 PROGRAMS = ("sft", "dpo", "rl_learner", "sampler")
 
 

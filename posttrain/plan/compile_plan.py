@@ -2,7 +2,7 @@
 
 The programs are the run's own — the SFT and DPO train steps, the RL learner step with its KL
 reference, the sampler (prefill + decode loop) — built from abstract shapes (nothing is
-allocated) on the mesh the config asks for over abstract TPU devices (`parallel.aot`). For each:
+allocated) on the mesh the config asks for over abstract TPU devices (`plan.aot`). For each:
 per-device bytes of arguments (by part: params, optimizer state, reference, batch), outputs,
 temporaries and code (`memory_analysis`), FLOPs (`cost_analysis` and the model's own count),
 bytes moved per kind of collective (from the optimized HLO), and whether it fits the chip's HBM.
@@ -24,7 +24,6 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from posttrain import cost_model
 from posttrain.core.harness import restore_target
 from posttrain.core.optim import lr_schedule, make_optimizer
 from posttrain.core.state import abstract_model, abstract_train_state
@@ -32,15 +31,16 @@ from posttrain.core.step import lm_loss, make_train_step
 from posttrain.models.decoder import Decoder
 from posttrain.models.flops import activated_matmul_params, train_flops_per_token
 from posttrain.ops import context_parallel
-from posttrain.parallel import aot, logical_spec, make_mesh, parse_rules, rules_key, shardings_for, use_sharding
-from posttrain.parallel.roofline import roofline
+from posttrain.parallel import logical_spec, make_mesh, parse_rules, rules_key, shardings_for, use_sharding
+from posttrain.plan import aot, cost_model
+from posttrain.plan.cost_model import PROGRAMS
+from posttrain.plan.roofline import roofline
 from posttrain.rl.algo.learner import rl_loss
 from posttrain.sampling.generate import bucket, generate_program
 from posttrain.sampling.layout import sampler_rules
 from posttrain.sampling.rules import SamplingParams
 from posttrain.stages.dpo import dpo_stage_loss
 
-PROGRAMS = ("sft", "dpo", "rl_learner", "sampler")  # and "restore" (`restore_report`: not compiled), "publish"
 LM_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 
 
@@ -291,7 +291,7 @@ def program_report(program: Program, compiled, chip: aot.Chip, num_devices: int)
 
 
 def estimate_step(report: dict, chip: aot.Chip) -> dict:
-    """The roofline (`parallel.roofline.roofline`) of a compiled program: executed FLOPs the larger
+    """The roofline (`plan.roofline.roofline`) of a compiled program: executed FLOPs the larger
     of XLA's count (a loop body counted once) and the program's own; bytes as `program_report` counts."""
     model, hbm = report["model_flops_per_device"], report.get("hbm_bytes", 0.0)
     executed = max(report["xla_flops"], report.get("executed_flops_per_device", 0.0), model)

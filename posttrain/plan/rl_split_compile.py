@@ -1,12 +1,12 @@
 """Compile one split of the RL split plan (`tools/pod_plan.py --rl-split --compile`): the
 `rl_learner` program on the learner's chips and the `sampler` program on the sampler mesh, with
-libtpu's compiler over abstract TPU devices (`parallel.aot`), nothing allocated.
+libtpu's compiler over abstract TPU devices (`plan.aot`), nothing allocated.
 
 The devices are divided as `rl.placement=split` divides them (`rl.rollout.placement`): the last
 N chips of the slice form the sampler mesh (the learner's fsdp / expert / tensor degrees, the rest
 on data: `sampler_mesh_sizes`), the others the learner mesh (data × the model-parallel group, as
-`rl_split_plan.mesh` lays it out). The learner compiles on one minibatch of the rows
-`rl_split_plan` charges it (padded to a multiple of lcm(learner chips, rl.group_size)); the
+`rl_split.mesh` lays it out). The learner compiles on one minibatch of the rows
+`rl_split` charges it (padded to a multiple of lcm(learner chips, rl.group_size)); the
 sampler on the whole step's prompts, which its data replicas split. Each report is
 `compile_plan.program_report`'s (compiled per-chip memory, FLOPs, collectives, roofline), beside
 the analytic floors of the same split, with the weight bytes one publish moves.
@@ -21,9 +21,9 @@ import math
 import jax
 from flax import nnx
 
-from posttrain import compile_plan, rl_split_plan
 from posttrain.models.decoder import Decoder
-from posttrain.parallel import aot, make_mesh, parse_rules, use_sharding
+from posttrain.parallel import make_mesh, parse_rules, use_sharding
+from posttrain.plan import aot, compile_plan, rl_split
 from posttrain.rl.rollout.placement import sampler_mesh_sizes
 from posttrain.sampling.layout import sampler_rules
 
@@ -33,7 +33,7 @@ class CompiledSplit:
     """One split compiled: the analytic `Split`, the two programs' reports (`program_report`'s,
     plus mesh and compile seconds) and the publish's bytes (whole model; per sampler chip)."""
 
-    split: rl_split_plan.Split
+    split: rl_split.Split
     learner: dict
     sampler: dict
     model_bytes: int  # every weight once, in the dtype the sampler takes it (one publish moves it)
@@ -71,7 +71,7 @@ def split_meshes(topology: str, sampler_chips: int, group: int, expert: int) -> 
 
 def learner_config(cfg, learner_chips: int):
     """cfg with the prompts per step the learner compiles for: each minibatch's rows padded up to
-    a multiple of lcm(learner chips, group size), as `rl_split_plan` charges (and
+    a multiple of lcm(learner chips, group size), as `rl_split` charges (and
     `rl.algo.learner.batch_rows` pads) them; minibatches and updates kept."""
     c = copy.deepcopy(cfg)
     r = c.rl
@@ -110,12 +110,12 @@ def publish_bytes(cfg, sampler, rules) -> tuple[int, int]:
 
 
 def compile_split(
-    cfg, topology: str, split: rl_split_plan.Split, group: int, prompt_len: int = 1024, log=print
+    cfg, topology: str, split: rl_split.Split, group: int, prompt_len: int = 1024, log=print
 ) -> CompiledSplit:
     """Compile `split` (a `plan_split` candidate of one slice `topology`, e.g. 'v5p-128') for cfg:
     the learner and sampler programs on their meshes (`split_meshes`), and the publish's bytes."""
     gen, _ = aot.parse_topology(topology)
-    cfg = rl_split_plan.with_dispatch(cfg, gen)
+    cfg = rl_split.with_dispatch(cfg, gen)
     chip, rules = aot.CHIPS[gen], parse_rules(cfg.sharding.rules.to_dict())
     expert = max(1, min(cfg.mesh.expert, group))
     learner, sampler = split_meshes(topology, split.sampler_chips, group, expert)

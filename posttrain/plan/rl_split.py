@@ -29,8 +29,8 @@ import math
 
 from jax.sharding import AbstractMesh
 
-from posttrain import cost_model
-from posttrain.parallel import aot, parse_rules
+from posttrain.parallel import parse_rules
+from posttrain.plan import aot, cost_model
 
 AXES = ("data", "fsdp", "expert", "tensor", "sequence")
 

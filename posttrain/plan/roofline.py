@@ -2,13 +2,13 @@
 
 time ≥ max(executed FLOPs / bf16 peak, HBM bytes / HBM bandwidth, collective bytes / the
 bandwidth of the links they use), every term a floor and perfect overlap assumed, so no estimate
-built on it promises what the chip cannot do. Used by `posttrain.cost_model` (analytic) and
-`posttrain.compile_plan` (compiled programs).
+built on it promises what the chip cannot do. Used by `posttrain.plan.cost_model` (analytic) and
+`posttrain.plan.compile_plan` (compiled programs).
 """
 
 from __future__ import annotations
 
-from posttrain.parallel.aot import Chip
+from posttrain.plan.aot import Chip
 
 
 def collective_seconds(collectives: dict, chip: Chip) -> float:
