@@ -40,7 +40,7 @@ import pytest  # noqa: E402
 def sft_cli_run(tmp_path_factory):
     """The workdir of one uninterrupted tiny SFT run through the command line (tests/cli_runs.py):
     test_cli reads its metrics, test_resume resumes against it. Treat it as read-only."""
-    from tests.cli_runs import run_sft
+    from tests.support.cli_runs import run_sft
 
     return run_sft(tmp_path_factory.mktemp("sft_cli_run") / "full")
 
@@ -50,7 +50,7 @@ def tiny_rl_policy():
     """(graphdef, params, rest, mesh, rules) of the tiny dense policy the episode tests sample with
     (tests/test_rl_continuous.py `tiny_policy`), made once per session: test_rl_continuous,
     test_episode_cohorts and test_platform_paths share it and its sampler programs. Read-only."""
-    from tests.test_rl_continuous import tiny_policy
+    from tests.support.episodes import tiny_policy
 
     return tiny_policy()
 

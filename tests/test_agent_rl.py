@@ -16,13 +16,11 @@ from flax import nnx
 from posttrain.config import base_config
 from posttrain.core.optim import make_optimizer
 from posttrain.core.state import create_train_state
-from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import make_mesh, parse_rules, use_sharding
 from posttrain.rl.algo.learner import learner_logprobs, rl_batch
 from posttrain.rl.envs import run_episode
-from posttrain.rl.envs.base import Step, Task
-from posttrain.rl.envs.chat import ChatEnv, continuation
+from posttrain.rl.envs.base import Task
 from posttrain.rl.envs.workspace import WorkspaceEnv
 from posttrain.rl.reward import RewardConfig, RewardFunction
 from posttrain.rl.rollout.episodes import rollout_episodes
@@ -35,8 +33,8 @@ from posttrain.sampling.rules import SamplingParams
 from posttrain.sandbox import Limits, Sandbox, Status
 from posttrain.sandbox.session import Session, _parse_report
 from posttrain.stages import rlvr as loop
+from tests.support.episodes import TOK, CountingEnv, runs
 
-TOK = ByteTokenizer()
 LIMITS = Limits(
     cpu_s=2,
     wall_s=2.0,
@@ -61,17 +59,6 @@ def turn(text: str) -> list[int]:
 def scripted(*turns):
     it = iter(turns)
     return lambda context: turn(next(it))
-
-
-def runs(tokens, mask) -> list[list[int]]:
-    """Maximal runs of tokens whose mask is True."""
-    out, cur = [], []
-    for t, m in zip(tokens, mask):
-        if m:
-            cur.append(t)
-        elif cur:
-            out, cur = out + [cur], []
-    return out + [cur] if cur else out
 
 
 def test_session_keeps_its_directory_across_calls_and_restores_snapshots(sandbox):
@@ -172,30 +159,6 @@ def test_repo_fix_held_out_tasks_are_disjoint_from_training_by_construction():
             fixed.split("'")[1].split(" = ")[0].islower()
             and fixed.split("> ")[1].split(".py")[0] not in repo_domain.MODULES
         )
-
-
-class CountingEnv(ChatEnv):
-    """A multi-turn env without tools: after each model turn the environment answers with a tool
-    message, until the turn's first token is even or `max_turns` is reached (so episodes of one
-    batch end at different turns). Keeps the actions and observations for the test."""
-
-    max_turns = 3
-
-    def reset(self, task):
-        self.actions, self.observations = [], []
-        return super().reset(task)
-
-    def step(self, action):
-        text, _ = self._take(action)
-        self.actions.append(list(action))
-        if self.trajectory().turns >= self.max_turns or action[0] % 2 == 0:
-            return self._finish(text)
-        message = {"role": "tool", "content": f"<output>\nturn {self.trajectory().turns}\n</output>"}
-        obs = continuation(self.tok, self._messages, [message])
-        self._messages.append(message)
-        self.trajectory().extend(obs, generated=False)
-        self.observations.append(obs)
-        return Step(obs, None, False, {})
 
 
 def test_episode_rollout_masks_model_tokens_and_its_behaviour_logprobs_equal_the_learners():

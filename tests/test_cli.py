@@ -50,7 +50,7 @@ def test_cli_rejects_typo_before_compiling():
 def test_cli_trains_and_writes_metrics(sft_cli_run):
     """A run through the real entry point (the session's tiny SFT run, tests/cli_runs.py):
     metrics.jsonl has every step's row with the loss, MoE and optimizer keys; TensorBoard events appear."""
-    from tests.cli_runs import SFT_STEPS
+    from tests.support.cli_runs import SFT_STEPS
 
     rows = [json.loads(line) for line in (sft_cli_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(SFT_STEPS))

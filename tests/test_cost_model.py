@@ -109,11 +109,10 @@ def test_decode_is_bound_by_bytes_not_compute():
 def test_lora_keeps_the_expert_bytes():
     """`weight_bytes` under LoRA: the experts' gathered bytes are bytes (they were overwritten by
     the experts' shard count), so the trained pass gathers them again under remat."""
-    sys.path.insert(0, str(ROOT / "tests"))
     import jax
-    from test_compile_plan import pod_like_tiny_config
 
     from posttrain.parallel import make_mesh, parse_rules
+    from tests.support.tpu import pod_like_tiny_config
 
     cfg = pod_like_tiny_config()
     mesh, rules = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4]), parse_rules(cfg.sharding.rules.to_dict())
@@ -166,9 +165,7 @@ def test_executed_flops_match_the_compilers_count_out_of_sample():
 
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
     from posttrain.plan import compile_plan as cp
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_compile_plan import TOPOLOGY, pod_like_tiny_config
+    from tests.support.tpu import TOPOLOGY, pod_like_tiny_config
 
     cfg = pod_like_tiny_config()
     cfg.model.num_layers = 1

@@ -5,11 +5,8 @@ environment steps running while another cohort samples, and the key checked at s
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import random
 import threading
-import time
 
 import jax
 import numpy as np
@@ -22,86 +19,16 @@ from posttrain.errors import UserError
 from posttrain.parallel import use_sharding
 from posttrain.rl.algo.learner import learner_logprobs, rl_batch
 from posttrain.rl.checks import check_episode_cohorts, check_rl_config
-from posttrain.rl.envs.base import Task
-from posttrain.rl.reward import RewardFunction
 from posttrain.rl.rollout.episodes import rollout_episodes, turn_key
 from posttrain.rl.rollout.worker import RolloutWorker
-from posttrain.rl.tasks.domains import Domain
-from posttrain.rl.verifiers import MathTask
-from posttrain.rl.verifiers.math import MathVerifier
 from posttrain.sampling.continuous import SlotConfig
 from posttrain.sampling.prefix_cache import PrefixCache
-from posttrain.sampling.rules import SamplingParams
-from tests.test_agent_rl import TOK, CountingEnv, runs
-from tests.test_rl_continuous import assert_same_rollouts
-
-# tests/test_agent_rl.py's episodes and sampling (so the sampler's programs are shared with it)
-SAMPLING = SamplingParams(temperature=0.7, top_k=12, top_p=0.9, max_new_tokens=6, stop_ids=(TOK.eos_id,), num_samples=4)
-REWARD = RewardFunction({MathTask: MathVerifier()})
-TASKS = [Task(f"t{i}", ({"role": "user", "content": f"say {i}"},), MathTask(str(i))) for i in range(2)]
+from tests.support.episodes import SAMPLING, TOK, assert_same_rollouts, episodes, runs
 
 
 @pytest.fixture(scope="module")
 def policy(tiny_rl_policy):
     return tiny_rl_policy  # conftest: `tiny_policy()`, made once per session
-
-
-class SlowEnv(CountingEnv):
-    """CountingEnv whose steps take `delay` seconds (plus up to `jitter`), each recorded as
-    (start, end) in `log`."""
-
-    def __init__(self, *a, log: list, delay: float = 0.0, jitter: float = 0.0, **kw):
-        super().__init__(*a, **kw)
-        self.log, self.delay, self.jitter = log, delay, jitter
-
-    def step(self, action):
-        t0 = time.perf_counter()
-        time.sleep(self.delay + random.uniform(0, self.jitter))
-        out = super().step(action)
-        self.log.append((t0, time.perf_counter()))
-        return out
-
-
-@dataclasses.dataclass
-class RecordingWorker(RolloutWorker):
-    """A rollout worker that records each sampler call as (start, end, number of contexts), and
-    its contexts."""
-
-    calls: list = dataclasses.field(default_factory=list)
-    contexts: list = dataclasses.field(default_factory=list)
-
-    def sample(self, params, rest, prompts, sampling, key):
-        t0 = time.perf_counter()
-        out = super().sample(params, rest, prompts, sampling, key)
-        self.calls.append((t0, time.perf_counter(), len(prompts)))
-        self.contexts.append([list(p) for p in prompts])
-        return out
-
-
-def episodes(policy, cohorts: int, key, *, delay=0.0, jitter=0.0, workers=2, slots=None, prefix_cache=None):
-    """The episodes of TASKS (4 per task) in `cohorts` cohorts, the envs in episode order, the
-    worker (its sampler calls) and the environment steps' (start, end)."""
-    graphdef, params, rest, mesh, rules = policy
-    envs, steps = [], []
-    lock = threading.Lock()
-
-    def make_env():
-        with lock:
-            envs.append(SlowEnv(TOK, REWARD, max_turn_tokens=6, log=steps, delay=delay, jitter=jitter))
-            return envs[-1]
-
-    with use_sharding(mesh, rules), concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        worker = RecordingWorker(
-            graphdef,
-            {"count": Domain("count", TASKS, make_env)},
-            SAMPLING,
-            TOK.pad_id,
-            pool,
-            continuous=slots,
-            prefix_cache=prefix_cache,
-        )
-        batch = rollout_episodes(worker, params, rest, [("count", t) for t in TASKS], key, cohorts=cohorts)
-    return batch, envs, worker, steps
 
 
 def test_cohort_episodes_mask_model_tokens_and_their_behaviour_logprobs_equal_the_learners(policy):

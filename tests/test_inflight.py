@@ -154,10 +154,11 @@ def test_the_producer_samples_in_flight_within_the_staleness_bound(tiny_rl_polic
     its oldest token's, and batch 1's sequences carry two versions (version 1 is published only
     after batch 1's sampler has drawn with version 0, and the sampler is held after two chunks until
     it is published, so the switch lands mid-sequence whatever the timing)."""
+    from posttrain.rl.envs.chat import SingleTurnEnv
     from posttrain.rl.rollout.producer import AsyncProducer
     from posttrain.rl.tasks.domains import Domain
     from posttrain.rl.tasks.scheduler import TaskScheduler
-    from tests.test_rl_continuous import REWARD, TOK, SingleTurnEnv, tasks
+    from tests.support.episodes import REWARD, TOK, tasks
 
     graphdef, params, rest, mesh, rules = tiny_rl_policy
     latest, calls, drawn_at_0 = AsyncProducer._latest, [], threading.Event()

@@ -14,7 +14,7 @@ import numpy as np
 from posttrain.config import base_config
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.stages import rlvr as loop
-from tests.test_rl_loop import TIMING, rows, tiny
+from tests.support.rl_runs import TIMING, rows, tiny
 
 _spec = importlib.util.spec_from_file_location(
     "long_context_tasks", Path(__file__).resolve().parents[1] / "tools" / "long_context_tasks.py"

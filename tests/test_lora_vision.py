@@ -16,7 +16,7 @@ from posttrain.core.step import lm_loss, make_train_step
 from posttrain.models import lora
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
-from tests.test_vision import abstract_split, image_batch, vision_config
+from tests.support.vision import abstract_split, image_batch, vision_config
 
 TOWER = dict(vit_layers=1, vit_width=16, vit_heads=2, vit_mlp_dim=32)
 

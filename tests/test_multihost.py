@@ -1,6 +1,6 @@
 """Multi-process runs: several Python processes × simulated CPU devices form one mesh (gloo).
 
-Each run starts fresh Pythons (`tests/multihost_worker.py`) that compile on their own, so the
+Each run starts fresh Pythons (`tests/support/multihost_worker.py`) that compile on their own, so the
 runs are few and tiny (a dense 2-layer model, 4 steps) and shared through module-scoped fixtures.
 """
 
@@ -24,7 +24,7 @@ from posttrain.errors import UserError
 from posttrain.parallel.distributed import distributed_settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "multihost_worker.py")
+WORKER = os.path.join(ROOT, "tests", "support", "multihost_worker.py")
 SFT_CONFIG = os.path.join(ROOT, "configs", "sft_tiny.py")
 STEPS = 4
 

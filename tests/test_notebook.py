@@ -12,7 +12,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat", reason="the test extra (pip install -e '.[test]') brings nbformat")
 nbclient = pytest.importorskip("nbclient", reason="the test extra (pip install -e '.[test]') brings nbclient")
 
-from tests.browser import find_chromium, render  # noqa: E402
+from tests.support.browser import find_chromium, render  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # MODEL has one layer (the notebook's first_dense=1 makes it dense): what is under test is the

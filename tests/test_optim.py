@@ -11,7 +11,6 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from test_sharding import batch, moe_config
 
 from posttrain.config import base_config
 from posttrain.config_schema import check_values
@@ -23,6 +22,7 @@ from posttrain.core.step import lm_loss, make_train_step
 from posttrain.errors import UserError
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
+from tests.support.sharding import batch, moe_config
 
 MESH = dict(data=1, fsdp=2, expert=2, tensor=2)
 

@@ -186,8 +186,7 @@ def test_episodes_are_the_same_on_both_branches(tiny_rl_policy, monkeypatch):
     accelerator branch, with later turns served by the prefix cache from stacked KV, the
     same tokens, loss masks, rewards and behaviour log-probs as the CPU branch's plain sampling."""
     from posttrain.sampling.prefix_cache import PrefixCache
-    from tests.test_episode_cohorts import episodes
-    from tests.test_rl_continuous import assert_same_rollouts
+    from tests.support.episodes import assert_same_rollouts, episodes
 
     key = jax.random.key(5)  # test_episode_cohorts' lockstep episodes: the CPU branch's programs shared
     monkeypatch.delenv(ACCELERATOR_PATHS_ENV, raising=False)
@@ -214,7 +213,7 @@ def tpu_sampler_programs(mesh, rules, layout):
     from posttrain.sampling.layout import sampler_rules
     from posttrain.sampling.prefix_cache import cached_program
     from posttrain.sampling.speculative import speculative_program
-    from tests.test_compile_plan import tiny_moe_config
+    from tests.support.tpu import tiny_moe_config
 
     cfg = tiny_moe_config()
     rules = sampler_rules(rules, layout)
@@ -254,7 +253,7 @@ def test_every_sampler_program_is_traced_for_a_tpu_slice():
     tests/test_compile_plan.py compiles them and the static sampler with libtpu). Lowered only: a
     libtpu compile of the speculative program takes ~15 s of CPU here."""
     from posttrain.parallel import parse_rules
-    from tests.test_compile_plan import tiny_moe_config
+    from tests.support.tpu import tiny_moe_config
 
     cfg = tiny_moe_config()
     cfg.mesh.data, cfg.mesh.fsdp = 1, 2  # ZeRO-3 weights in the learner's layout: the layouts differ

@@ -28,7 +28,7 @@ from posttrain.rl.verifiers.math import MathVerifier
 from posttrain.sampling import SamplingParams, generate
 from posttrain.sampling.prefix_cache import PrefixCache
 from posttrain.stages.rlvr import rollout_prefix_cache
-from tests.test_agent_rl import TOK, CountingEnv
+from tests.support.episodes import TOK, CountingEnv
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, stop_ids=())
 SAMPLED = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=8, num_samples=2, stop_ids=())

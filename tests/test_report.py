@@ -17,7 +17,7 @@ from posttrain.eval.gates import GATES_FILE, GateFailed, check_gate
 from posttrain.eval.long_context_eval import write_rows
 from posttrain.eval.report import reward_parts, sample_rollouts, write_report
 from posttrain.stages.eval import write_record
-from tests.browser import find_chromium, render
+from tests.support.browser import find_chromium, render
 
 ROOT = Path(__file__).resolve().parents[1]
 HOSTILE = "<script>console.error('escaped?')</script>\x1b[31m & \"q\""

@@ -19,7 +19,7 @@ from posttrain.core.init import load_model_state
 from posttrain.core.state import init_model_state
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
-from tests.cli_runs import SFT_EVERY, SFT_STEPS, sft_command
+from tests.support.cli_runs import SFT_EVERY, SFT_STEPS, sft_command
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = SFT_STEPS, SFT_EVERY

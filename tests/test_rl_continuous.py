@@ -14,62 +14,32 @@ import pytest
 from flax import nnx
 
 from posttrain.config import base_config
-from posttrain.core.optim import make_optimizer
-from posttrain.core.state import create_train_state
-from posttrain.models.decoder import Decoder
-from posttrain.parallel import make_mesh, parse_rules, use_sharding
+from posttrain.parallel import use_sharding
 from posttrain.rl.algo.learner import learner_logprobs, rl_batch
 from posttrain.rl.checks import check_sampling_config
 from posttrain.rl.envs.base import Task
 from posttrain.rl.envs.chat import SingleTurnEnv
-from posttrain.rl.reward import RewardFunction
 from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.worker import RolloutWorker
 from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.verifiers import MathTask
-from posttrain.rl.verifiers.math import MathVerifier
 from posttrain.sampling import continuous
 from posttrain.sampling.continuous import SlotConfig
 from posttrain.sampling.rules import SamplingParams
 from posttrain.stages import rlvr as loop
-from tests.test_agent_rl import TOK, CountingEnv
-from tests.test_rl_loop import rows, tiny
+from tests.support.episodes import REWARD, TOK, CountingEnv, assert_same_rollouts, tasks
+from tests.support.rl_runs import rows, tiny
 
 SLOTS = SlotConfig(num_slots=4, refill_batch=2)
 # Every byte below 48 ends a response: most stop within a few tokens, a few run to the limit.
 SKEWED = SamplingParams(
     temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=24, stop_ids=(TOK.eos_id, *range(48)), num_samples=4
 )
-REWARD = RewardFunction({MathTask: MathVerifier()})
-
-
-def tiny_policy():
-    """(graphdef, params, rest, mesh, rules) of the tiny dense policy of tests/test_agent_rl.py, made
-    as it makes it (so its episodes' static sampler programs are shared with that test's)."""
-    m = base_config().model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        32,
-        1,
-        2,
-        1,
-        16,
-        64,
-    )
-    mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
-    with use_sharding(mesh, rules):
-        tx = make_optimizer(base_config().optim, 10)
-        graphdef, state, _ = create_train_state(lambda: Decoder(m, rngs=nnx.Rngs(0)), tx, mesh, rules)
-    return graphdef, state.params, state.rest, mesh, rules
 
 
 @pytest.fixture(scope="module")
 def policy(tiny_rl_policy):
     return tiny_rl_policy  # conftest: `tiny_policy()`, made once per session
-
-
-def tasks(n: int) -> list[Task]:
-    return [Task(f"t{i}", ({"role": "user", "content": "add " * (1 + 3 * i)},), MathTask(str(i))) for i in range(n)]
 
 
 def rollout(policy, domain, sampling, slots, key, *, episodes=None):
@@ -79,16 +49,6 @@ def rollout(policy, domain, sampling, slots, key, *, episodes=None):
             graphdef, {domain.name: domain}, sampling, TOK.pad_id, pool, episodes=episodes, continuous=slots
         )
         return worker.rollout(params, rest, [(domain.name, t) for t in domain.tasks], key)
-
-
-def assert_same_rollouts(static, cont):
-    assert len(static.groups) == len(cont.groups)
-    for j, (gs, gc) in enumerate(zip(static.groups, cont.groups)):
-        assert gs.task.id == gc.task.id and gs.rewards == gc.rewards, j
-        for s, (ts, tc) in enumerate(zip(gs.trajectories, gc.trajectories)):
-            assert ts.tokens == tc.tokens, (j, s)
-            np.testing.assert_array_equal(ts.loss_mask, tc.loss_mask)
-            np.testing.assert_allclose(cont.behav[j][s], static.behav[j][s], atol=1e-5, err_msg=f"group {j} sample {s}")
 
 
 def test_continuous_rollouts_equal_static_ones_group_by_group(policy, monkeypatch):

@@ -269,7 +269,7 @@ def test_the_learner_issues_the_seeds_tasks_in_a_window_and_drops_a_too_stale_ba
     for an earlier learner in the workdir, then one of version 0, are dropped, counted and the batch
     re-issued; a fresh one is taken, the last: the samplers are told to exit."""
     from posttrain.rl.rollout.remote import RemoteProducer
-    from tests.test_rl_producer import scheduler
+    from tests.support.producer import scheduler
 
     queue, sched, reference = WorkQueue(str(tmp_path)), scheduler(), scheduler()
     p = RemoteProducer(queue, FakeServer(), sched, sched.domains, num_groups=2, max_staleness=1, start=0,

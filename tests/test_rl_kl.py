@@ -13,7 +13,7 @@ from posttrain.rl.algo.advantages import kl_penalized_advantages
 from posttrain.rl.algo.losses import entropy_from_logprobs, kl_estimate, kl_loss_terms, policy_loss
 from posttrain.rl.checks import check_rl_config
 from posttrain.sampling.rules import SamplingParams, support_logprobs
-from tests.test_sampling import reference_distribution
+from tests.support.sampling import reference_distribution
 
 V, N = 3, 40_000  # vocabulary, samples
 _rng = np.random.default_rng(0)

@@ -13,36 +13,20 @@ from flax import nnx
 
 from posttrain.config import base_config
 from posttrain.core.batch import put_batch
-from posttrain.core.optim import lr_schedule, make_optimizer
+from posttrain.core.optim import make_optimizer
 from posttrain.core.state import create_train_state
 from posttrain.models.decoder import Decoder
 from posttrain.models.logprobs import token_logprobs
 from posttrain.parallel import make_mesh, parse_rules, use_sharding
 from posttrain.parallel.zigzag import zigzag
-from posttrain.rl.algo.learner import Learner, batch_rows, compute_advantages, learner_logprobs, rl_batch
+from posttrain.rl.algo.learner import batch_rows, compute_advantages, learner_logprobs, rl_batch
 from posttrain.rl.envs.base import Trajectory
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.tasks.scheduler import Group
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams, policy_logprobs
 from posttrain.stages import rlvr
-
-PROMPTS, G, PROMPT_LEN, NEW = 4, 4, 4, 6
-SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=NEW, num_samples=G)
-
-
-def model_cfg():
-    m = base_config().model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        64,
-        32,
-        1,
-        2,
-        1,
-        16,
-        64,
-    )
-    return m
+from tests.support.learner import NEW, PROMPT_LEN, PROMPTS, SAMPLING, G, make_learner, model_cfg, rl_cfg, update
 
 
 @pytest.fixture(scope="module")
@@ -55,30 +39,6 @@ def setup():
         tx = make_optimizer(cfg.optim, 100)
         graphdef, state, shardings = create_train_state(lambda: Decoder(model_cfg(), rngs=nnx.Rngs(0)), tx, mesh, rules)
     return mesh, rules, graphdef, state, shardings, cfg.optim, tx
-
-
-def rl_cfg(**kw):
-    r = base_config().rl
-    r.prompts_per_step, r.group_size = PROMPTS, G
-    r.update(kw)
-    return r
-
-
-def make_learner(setup, sampling=SAMPLING, context=(1, 512), **kw):
-    mesh, rules, graphdef, state, shardings, optim, tx = setup
-    return Learner(
-        graphdef,
-        tx,
-        lr_schedule(optim, 100),
-        shardings,
-        rl_cfg=rl_cfg(**kw),
-        moe_cfg=model_cfg().moe,
-        lora_cfg=None,
-        sampling=sampling,
-        donate=False,
-        seed=0,
-        context=context,
-    )
 
 
 def rollouts(num_groups, seed=0, new=NEW):
@@ -110,12 +70,6 @@ def learner_batch(setup, learner, num_groups, seed=0):
     with use_sharding(mesh, rules):
         batch["behav_logp"] = np.asarray(learner.old_logprobs_fn(state.params, state.rest, put_batch(batch)))
     return batch
-
-
-def update(setup, learner, batch, num_real):
-    mesh, rules, graphdef, state, *_ = setup
-    with use_sharding(mesh, rules):
-        return learner.update(state, batch, (), 0, num_real)
 
 
 def test_ppo_epochs_move_the_ratio_so_the_clip_acts_and_minibatches_set_the_step_count(setup):

@@ -129,7 +129,7 @@ def test_the_producer_resolves_published_weights_on_its_own_thread_once_per_vers
     devices): the producer calls it on its thread when it next samples, once per version."""
     import threading
 
-    from tests.test_rl_producer import FakeWorker, producer, scheduler
+    from tests.support.producer import FakeWorker, producer, scheduler
 
     calls = []
 

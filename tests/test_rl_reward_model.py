@@ -134,9 +134,8 @@ def test_rlvr_with_the_learned_reward_and_a_critic_resumes_exactly(rm_run, tmp_p
     pinned by step in its checkpoints, though a newer one appeared meanwhile (issue 25 item 10)."""
     import shutil
 
-    from test_rl_loop import rows, tiny
-
     from posttrain.stages import rlvr as loop
+    from tests.support.rl_runs import rows, tiny
 
     rm_dir = tmp_path / "rm"
     shutil.copytree(rm_run.workdir, rm_dir)

@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from posttrain.plan import aot, rl_split, rl_split_compile
-from tests.test_compile_plan import hand_param_bytes, needs_libtpu, tiny_moe_config
+from tests.support.tpu import hand_param_bytes, needs_libtpu, tiny_moe_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPOLOGY = "v5p:2x2x2"  # 8 chips

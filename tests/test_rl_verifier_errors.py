@@ -72,11 +72,10 @@ def test_verifier_errors_are_counted_and_alerted_in_a_run_whose_eval_rows_sit_at
     (0: the start, then 1; the one after the update used to be written at step 0 too)."""
     import json
 
-    from test_rl_loop import rows, tiny
-
     from posttrain.rl.envs import chat
     from posttrain.rl.reward import RewardFunction, compose
     from posttrain.stages import rlvr as loop
+    from tests.support.rl_runs import rows, tiny
 
     verify = RewardFunction.verify
 
@@ -107,11 +106,10 @@ def test_a_batch_without_a_single_verdict_skips_its_update(tmp_path, monkeypatch
     """Every verifier call fails (say the sandbox is down): nothing to train on, so the update is
     skipped and counted (an all-masked batch used to step the optimizer on a zero loss, weight
     decay included, and log infinite advantage extremes)."""
-    from test_rl_loop import rows, tiny
-
     from posttrain.rl.envs import chat
     from posttrain.rl.reward import RewardFunction
     from posttrain.stages import rlvr as loop
+    from tests.support.rl_runs import rows, tiny
 
     monkeypatch.setattr(RewardFunction, "verify", lambda self, task, response, **kw: Reward(0.0, {}, error="down"))
     monkeypatch.setattr(chat, "compose", lambda *a, **kw: Reward(0.0, {}, error="down"))  # truncated responses

@@ -30,7 +30,7 @@ from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.rollout.routing import check_routing_replay, trajectory_routing
 from posttrain.rl.tasks.scheduler import Group
 from posttrain.sampling import SamplingParams, generate
-from tests.test_rl_learner import make_learner, update
+from tests.support.learner import make_learner, update
 
 E, K = 8, 2
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 3, 9, 1, 5], [2, 60], [3, 3, 8, 1, 12], [9, 9, 41, 17]]
@@ -263,7 +263,7 @@ def test_rlvr_with_routing_replay_end_to_end(tmp_path):
     replay gives the run without it (the sampler's routing is the learner's); with an int8 sampler
     the replayed run trains and stays finite."""
     from posttrain.stages import rlvr as loop
-    from tests.test_rl_loop import TIMING, rows, tiny
+    from tests.support.rl_runs import TIMING, rows, tiny
 
     def run(name, replay="off", quantize="none"):
         cfg = tiny(tmp_path / name, steps=2)

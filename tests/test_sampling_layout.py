@@ -17,7 +17,7 @@ from posttrain.models.decoder import Decoder
 from posttrain.parallel import DEFAULT_RULES, decode_rules, logical_spec, make_mesh, shardings_for, use_sharding
 from posttrain.sampling import ContinuousBatcher, SamplingParams, generate
 from posttrain.sampling.layout import check_layout, publish_weights, sampler_rules
-from tests.test_sampling import PROMPTS, model_config
+from tests.support.sampling import PROMPTS, model_config
 
 
 def bare_components(cfg, mesh):
@@ -195,7 +195,7 @@ def test_rl_run_in_the_decode_layout_equals_the_learner_layout(tmp_path):
     """Two on-policy RLVR steps on a ZeRO-3 mesh: sampling from the decode-layout copy made at
     each publish gives the same metrics as sampling from the learner's arrays."""
     from posttrain.stages import rlvr as loop
-    from tests.test_rl_loop import TIMING, rows, tiny
+    from tests.support.rl_runs import TIMING, rows, tiny
 
     runs = {}
     for layout in ("learner", "tensor"):

@@ -28,40 +28,16 @@ from posttrain.rl.envs.screen import (
     parse_action,
     render,
 )
-from posttrain.rl.envs.screen import solution as screen_solution
 from posttrain.rl.envs.screen_env import NEXT, ScreenEnv, demo_messages
 from posttrain.rl.reward import RewardConfig, RewardFunction
-from posttrain.rl.tasks.files import content_text
 from posttrain.rl.tasks.screen_domain import screen_key, screen_split, screen_tasks
+from tests.support.screen import TOK, centre, solution, turn
 
-
-class PartsTokenizer(ByteTokenizer):
-    """Byte tokens, image parts written as `<image PATH>` text (the data layer's stand-in)."""
-
-    def encode_chat(self, messages, **kw):
-        return super().encode_chat([{**m, "content": content_text(m["content"])} for m in messages], **kw)
-
-
-TOK = PartsTokenizer()
 REWARD = RewardFunction({}, RewardConfig(format_penalty=0.5, invalid_tool_call_penalty=0.25))
 
 
 def env(tmp_path, **kw) -> ScreenEnv:
     return ScreenEnv(TOK, REWARD, str(tmp_path / "screens"), **kw)
-
-
-def turn(text: str) -> list[int]:
-    return TOK.encode(text) + [TOK.eos_id]
-
-
-def centre(task, label) -> tuple[int, int]:
-    x0, y0, x1, y1 = task.target.element(label).box
-    return (x0 + x1) // 2, (y0 + y1) // 2
-
-
-def solution(task, by_xy: bool) -> list[str]:
-    """The honest actions of a Task (`screen.solution` of its target)."""
-    return screen_solution(task.target, by_xy)
 
 
 def play(e: ScreenEnv, task, turns: list[str]):

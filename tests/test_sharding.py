@@ -9,35 +9,14 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from posttrain.config import base_config
 from posttrain.core.optim import make_optimizer
 from posttrain.core.state import create_train_state, shardings_for
 from posttrain.core.step import lm_loss, make_train_step
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import DEFAULT_RULES, logical_spec, make_mesh, resolve_mesh_shape, use_sharding
+from tests.support.sharding import batch, moe_config
 
 MESHES = [dict(data=8), dict(data=2, expert=2, tensor=2), dict(fsdp=2, expert=4), dict(tensor=2, expert=2, data=2)]
-
-
-def moe_config():
-    cfg = base_config()
-    m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 64, 16, 2, 4, 2, 8, 32
-    m.moe.num_experts, m.moe.top_k, m.moe.expert_mlp_dim, m.moe.first_dense = 8, 2, 16, 1
-    m.moe.num_shared_experts, m.moe.shared_mlp_dim = 1, 16
-    return cfg
-
-
-def batch(cfg, b=8, s=8):
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.model.vocab_size, (b, s + 1))
-    return {
-        "inputs": jnp.asarray(tokens[:, :-1]),
-        "targets": jnp.asarray(tokens[:, 1:]),
-        "loss_mask": jnp.asarray(rng.random((b, s)) < 0.8, jnp.int32),
-        "positions": jnp.broadcast_to(jnp.arange(s), (b, s)),
-        "segment_ids": jnp.ones((b, s), jnp.int32),
-    }
 
 
 def loss_and_grads(graphdef, params, rest, batch, *, moe_cfg):

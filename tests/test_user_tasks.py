@@ -21,7 +21,7 @@ from posttrain.rl.verifiers.code import CodeTask
 from posttrain.rl.verifiers.math import MathTask
 from posttrain.rl.verifiers.user import UserTask, UserVerifier
 from posttrain.stages import rlvr as loop
-from tests.test_rl_loop import rows, tiny
+from tests.support.rl_runs import rows, tiny
 
 VERIFIER_MODULE = '''
 import threading, time, zlib

@@ -11,18 +11,16 @@ import pytest
 from flax import nnx
 from PIL import Image
 
-from posttrain.config import base_config
 from posttrain.core.step import lm_loss
 from posttrain.data.images import ImageSpec, patches_of, resolve_path
 from posttrain.data.packing import Packer, build_row, fit_length
 from posttrain.data.pipeline import sft_batches
 from posttrain.data.sources import DataError
-from posttrain.data.tokenizer import ByteTokenizer, load_tokenizer
+from posttrain.data.tokenizer import load_tokenizer
 from posttrain.errors import UserError
 from posttrain.models.decoder import Decoder
+from tests.support.vision import BYTE, SPEC, abstract_split, image_batch, split_model, vision_config
 
-BYTE = ByteTokenizer()
-SPEC = ImageSpec(image_size=8, patch_size=4, token_id=BYTE.image_id)  # 4 patches of 48 values
 COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255)}
 
 
@@ -140,61 +138,6 @@ def test_sft_batches_drop_an_example_whose_truncation_would_cut_its_image(tmp_pa
     it = batches(path, seq_len=11, truncate=True, on_error="skip", shuffle=False, packing=False, batch_size=1)
     batch = next(it)
     assert (it.skipped, it.truncated) == (1, 1) and (batch["inputs"] == BYTE.image_id).sum() == SPEC.num_patches
-
-
-def vision_config(**vision):
-    cfg = base_config()
-    m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        16,
-        2,
-        4,
-        2,
-        8,
-        32,
-    )
-    m.vision.update({"encoder": "linear", "image_size": 8, "patch_size": 4, **vision})
-    return cfg
-
-
-def abstract_split(encoder: str = "linear", vocab_size: int = 264, **vision):
-    """(graphdef, params, rest) of the tiny decoder as shapes (nothing computed)."""
-    from posttrain.parallel.sharding import abstract_model
-
-    cfg = vision_config(encoder=encoder, **vision)
-    cfg.model.vocab_size = vocab_size
-    return nnx.split(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))), nnx.Param, ...)
-
-
-@functools.cache
-def split_model(**vision):
-    """(graphdef, params, rest) of the tiny vision decoder, initialised in one jitted program (eager
-    initialisation runs op by op, slowly on 8 simulated devices); shared by this file's tests. A
-    patch-position embedding (`patch_positions=True`) is drawn at random, not left at its zeros."""
-    cfg = vision_config(**vision)
-    graphdef, _, _ = abstract_split(**vision)
-    params, rest = jax.jit(lambda: nnx.split(Decoder(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, ...)[1:])()
-    if "pos" in params["vision"]:
-        pos = params["vision"]["pos"]
-        pos[...] = jax.random.normal(jax.random.key(5), pos.shape, pos.dtype)
-    return graphdef, params, rest
-
-
-def image_batch(b=4, s=16, seed=0):
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(7, 263, (b, s + 1))
-    tokens[:, 2:6] = BYTE.image_id  # one image in every row, a second in row 1
-    tokens[1, 9:13] = BYTE.image_id
-    patches = np.where((tokens[:, :-1] == BYTE.image_id)[..., None], rng.random((b, s, SPEC.patch_dim)), 0.0)
-    return {
-        "inputs": jnp.asarray(tokens[:, :-1]),
-        "targets": jnp.asarray(tokens[:, 1:]),
-        "loss_mask": jnp.asarray((tokens[:, 1:] != BYTE.image_id) & (rng.random((b, s)) < 0.9), jnp.int32),
-        "positions": jnp.broadcast_to(jnp.arange(s), (b, s)),
-        "segment_ids": jnp.ones((b, s), jnp.int32),
-        "patches": jnp.asarray(patches, jnp.float32),
-    }
 
 
 def test_text_only_model_has_no_vision_parameters():
@@ -405,7 +348,7 @@ def test_zig_zag_layout_moves_patches_with_their_tokens():
 
 def test_a_hugging_face_tokenizer_without_an_image_token_is_refused(tmp_path):
     from posttrain.stages.common import stage_tokenizer
-    from tests.test_data import make_hf_folder
+    from tests.support.hf import make_hf_folder
 
     cfg = vision_config()
     cfg.model.vocab_size = 320
@@ -420,7 +363,7 @@ def test_a_hugging_face_tokenizer_expands_its_image_token_to_the_patches(tmp_pat
     """As a LLaVA processor does: an image part is the tokenizer's `<image>` token in the rendered
     chat, expanded to the image's patches (never trainable), and SFT batches carry the patches there."""
     from posttrain.stages.common import stage_tokenizer
-    from tests.test_data import CHATML, make_hf_folder
+    from tests.support.hf import CHATML, make_hf_folder
 
     root = make_hf_folder(str(tmp_path / "tok"), {"eos_token": "<|im_end|>", "chat_template": CHATML}, ("<image>",))
     tok = load_tokenizer(root)

@@ -17,7 +17,7 @@ from flax import nnx
 from posttrain.sampling import ContinuousBatcher, SamplingParams, generate
 from posttrain.sampling.continuous import SlotConfig, generate_continuous
 from posttrain.sampling.prefix_cache import Images, PrefixCache, block_keys, whole_images
-from tests.test_vision import BYTE, SPEC, split_model
+from tests.support.vision import BYTE, SPEC, split_model
 
 IMG = BYTE.image_id
 # stop tokens 10..59 of 264 end some samples early and leave others at the limit
@@ -166,7 +166,7 @@ def test_placeholder_ranks_through_continuous_batching_and_the_prefix_cache(visi
     static sampling, and the prefix cache, whose suffix here holds a whole new screen (row 0) or
     would cut an image without the back-off (row 1), equals plain sampling."""
     from posttrain.models.decoder import Decoder
-    from tests.test_vision import vision_config
+    from tests.support.vision import vision_config
 
     graphdef, params, rest = nnx.split(Decoder(vision_config(**vision).model, rngs=nnx.Rngs(0)), nnx.Param, ...)
     if "pos" in params["vision"]:  # zero at the start: draw it, so that the place matters

@@ -12,7 +12,7 @@ from posttrain.rl.envs import run_episode
 from posttrain.rl.envs.screen_env import ScreenEnv
 from posttrain.rl.reward import RewardConfig, RewardFunction
 from posttrain.rl.tasks.screen_domain import screen_tasks
-from tests.test_screen_env import TOK, centre, solution, turn
+from tests.support.screen import TOK, centre, solution, turn
 
 REWARD = RewardFunction({}, RewardConfig(format_penalty=0.5, invalid_tool_call_penalty=0.25))
 TASKS = screen_tasks(12, 7, "test")

@@ -1,6 +1,6 @@
 """One process of a multi-process test run (tests/test_multihost.py starts several of these).
 
-    python tests/multihost_worker.py OUT CONFIG DEVICES PROCESS_ID NUM_PROCESSES PORT OVERRIDES_JSON
+    python tests/support/multihost_worker.py OUT CONFIG DEVICES PROCESS_ID NUM_PROCESSES PORT OVERRIDES_JSON
 
 Runs `posttrain.main.run` on `DEVICES` simulated CPU devices, as process PROCESS_ID of
 NUM_PROCESSES (coordinator 127.0.0.1:PORT, via `config.distributed`), and writes

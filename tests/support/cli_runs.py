@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SFT_STEPS, SFT_EVERY = 30, 10  # steps of the tiny SFT run, and its checkpoint interval
 
 

@@ -10,7 +10,7 @@ Environment set while it runs:
   storage-control API for the bucket's layout, which the emulator does not serve (each call waits
   out a 60 s timeout); the plain `GCSFileSystem` is registered for gs:// in this process too.
 
-One gap of the emulator is filled here (`python tests/gcs_emulator.py start ...` runs it with the
+One gap of the emulator is filled here (`python tests/support/gcs_emulator.py start ...` runs it with the
 fix): its media downloads lack the `x-goog-generation` header real GCS sends, so tensorstore reads
 generation 0 and its next conditional write (orbax's OCDBT manifest) fails with "Malformed
 StorageGeneration". The emulator ignores `ifGenerationMatch` preconditions, so what concurrent
