@@ -96,7 +96,7 @@ def test_accelerator_layer_path_equals_cpu_path(sharded, mesh, monkeypatch):
     unrolled, sliced once, and experts take the CPU's dense forms. Both must sample the same tokens
     with the same log-probs: static batches, and (dense) continuous batching (queued and grouped)
     and the decode layout (`sampling.layout = "tensor"`). Speculative decoding, the prefix cache and
-    episodes on both paths: tests/test_speculative.py, tests/test_platform_paths.py."""
+    episodes on both paths: tests/sampling/test_speculative.py, tests/parallel/test_mesh_platform_paths.py."""
     from posttrain.parallel import decode_rules
     from posttrain.parallel.mesh import ACCELERATOR_PATHS_ENV
     from posttrain.sampling.continuous import SlotConfig, generate_continuous

@@ -3,7 +3,7 @@ attention recompute) and HBM bytes from the shapes, collective bytes from the me
 sharding rules, and the roofline (`plan.roofline`: a floor on time, the bound that sets it,
 MFU) — for every model × slice of the pod plan, where a compile of one large program takes 20-30
 minutes on a CPU host (`tools/pod_plan.py`; checked against compiled programs, in and out of
-sample, by tests/test_compile_plan.py, tests/test_cost_model.py and BENCHMARKS.md "Pod plan").
+sample, by tests/plan/test_compile_plan.py, tests/plan/test_cost_model.py and BENCHMARKS.md "Pod plan").
 
 The schedule it counts (mesh axes data · fsdp · expert, the batch over all of them):
 * ZeRO-3: every weight sharded over batch axes is all-gathered before use, once per forward

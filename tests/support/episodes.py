@@ -72,7 +72,7 @@ REWARD = RewardFunction({MathTask: MathVerifier()})
 
 
 def tiny_policy():
-    """(graphdef, params, rest, mesh, rules) of the tiny dense policy of tests/test_agent_rl.py, made
+    """(graphdef, params, rest, mesh, rules) of the tiny dense policy of tests/rl/tasks/test_repo_domain.py, made
     as it makes it (so its episodes' static sampler programs are shared with that test's)."""
     m = base_config().model
     m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (

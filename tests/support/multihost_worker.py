@@ -1,4 +1,4 @@
-"""One process of a multi-process test run (tests/test_multihost.py starts several of these).
+"""One process of a multi-process test run (tests/e2e/test_multihost.py starts several of these).
 
     python tests/support/multihost_worker.py OUT CONFIG DEVICES PROCESS_ID NUM_PROCESSES PORT OVERRIDES_JSON
 
