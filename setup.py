@@ -30,7 +30,7 @@ setup(
     ],
     extras_require={
         # gcp-storage-emulator: the local GCS server tests/test_storage.py runs gs:// paths against.
-        # nbclient, nbformat, ipykernel: tests/test_notebook.py runs notebooks/quickstart.ipynb in a kernel.
+        # nbclient, nbformat, ipykernel: tests/e2e/test_notebook.py runs notebooks/quickstart.ipynb in a kernel.
         # pytest-xdist: the suite runs on two worker processes (-n 2; a JAX compile uses one core).
         # ruff, import-linter: .ci/run lints, format-checks and checks the import layers (pyproject.toml);
         # ruff within one minor version, since its formatter's style changes between them.
@@ -40,7 +40,7 @@ setup(
         # tests (install the CPU build first: `pip install torch==2.13.0`).
         "hf": ["safetensors>=0.4.3", "transformers>=5.0", "torch>=2.4"],
         # The TPU compiler: runs on TPU VMs, and compiles for TPU slices on any host
-        # (tools/compile_plan.py, tests/test_compile_plan.py). jax's own `tpu` extra pins libtpu to
+        # (tools/compile_plan.py, tests/plan/test_compile_plan.py). jax's own `tpu` extra pins libtpu to
         # the version that matches the jax it installs.
         "tpu": ["jax[tpu]"],
     },

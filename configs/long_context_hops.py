@@ -39,7 +39,7 @@ Measured (BENCHMARKS.md, "Retrieval at length: needle >= 90% at 1024, ...", issu
   power-of-two rows), ~6.4 GB per process.
 - `sampling.prefix_cache` is refused with continuous batching (posttrain/rl/checks.py).
 - `sequence = 2` trains as `sequence = 1` (losses equal over the first steps):
-  tests/test_long_context_rl.py.
+  tests/e2e/test_long_context_rl.py.
 """
 
 from configs.long_context_recall import get_config as recall_config

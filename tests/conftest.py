@@ -1,4 +1,6 @@
-"""Test setup: 8 simulated CPU devices (set before jax is imported) and shared fixtures."""
+"""Test setup: 8 simulated CPU devices (set before jax is imported) and the fixtures several
+folders share. pytest loads this file before any test module of any folder below (tests/ is a
+package: tests/a/b/test_c.py is the module tests.a.b.test_c, so equal basenames collect)."""
 
 import atexit
 import os
@@ -7,8 +9,8 @@ import tempfile
 
 _flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 # The tiny test programs are compiled far more than they run: without LLVM's expensive passes and
-# at backend optimisation level 0 a session spends ~40% less CPU (measured on tests/test_rl_loop.py,
-# test_sharding.py and test_notebook.py: 159 s vs 258 s). Results differ from the optimised build by
+# at backend optimisation level 0 a session spends ~40% less CPU (measured on tests/stages/test_rlvr.py,
+# parallel/test_sharding.py and e2e/test_notebook.py: 159 s vs 258 s). Results differ from the optimised build by
 # float rounding only (tests/data/golden_metrics.json is recorded with these flags). Subprocesses
 # inherit them. Set an optimisation level in XLA_FLAGS before pytest to override.
 if "xla_backend_optimization_level" not in _flags:
@@ -19,7 +21,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # a program that several tests, or the runs they start in subprocesses (which inherit the
 # variable), compile with the same shapes is compiled once. Nothing comes from earlier sessions or
 # ~/.cache, so results and timings never depend on what other runs left behind. Set
-# POSTTRAIN_COMPILATION_CACHE=off (or a folder) before pytest to override; test_compile_cache
+# POSTTRAIN_COMPILATION_CACHE=off (or a folder) before pytest to override; core/test_compile_cache
 # checks the switch itself.
 if "POSTTRAIN_COMPILATION_CACHE" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="posttrain-test-jax-cache-")
@@ -37,20 +39,12 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def sft_cli_run(tmp_path_factory):
-    """The workdir of one uninterrupted tiny SFT run through the command line (tests/cli_runs.py):
-    test_cli reads its metrics, test_resume resumes against it. Treat it as read-only."""
-    from tests.cli_runs import run_sft
-
-    return run_sft(tmp_path_factory.mktemp("sft_cli_run") / "full")
-
-
-@pytest.fixture(scope="session")
 def tiny_rl_policy():
     """(graphdef, params, rest, mesh, rules) of the tiny dense policy the episode tests sample with
-    (tests/test_rl_continuous.py `tiny_policy`), made once per session: test_rl_continuous,
-    test_episode_cohorts and test_platform_paths share it and its sampler programs. Read-only."""
-    from tests.test_rl_continuous import tiny_policy
+    (tests/support/episodes.py `tiny_policy`), made once per session: sampling/test_continuous,
+    rl/rollout/test_episodes, rl/rollout/test_inflight and parallel/test_mesh_platform_paths share it
+    and its sampler programs. Read-only."""
+    from tests.support.episodes import tiny_policy
 
     return tiny_policy()
 

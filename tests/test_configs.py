@@ -152,7 +152,7 @@ def test_readme_commands_pass_the_start_up_checks(tmp_path, monkeypatch):
 
 def test_notebook_config_passes_the_start_up_checks(tmp_path, monkeypatch):
     """The quickstart notebook's parameters and config cells, run as written, give a config the
-    start-up checks accept (the notebook's end-to-end run is tests/test_notebook.py)."""
+    start-up checks accept (the notebook's end-to-end run is tests/e2e/test_notebook.py)."""
     import json
 
     monkeypatch.chdir(tmp_path)

@@ -15,14 +15,10 @@ from posttrain.data.packing import pack_examples, pad_example
 from posttrain.data.pipeline import preference_batches, read_jsonl, rl_prompt_batches, sft_batches
 from posttrain.data.sources import DataError, SkipLog
 from posttrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from tests.support.hf import CHATML, make_hf_folder
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared/data"
 BYTE = ByteTokenizer()
-CHATML = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
-    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 CHAT = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "2+2?"},
@@ -68,29 +64,6 @@ def test_byte_tokenizer_round_trip_and_chat_mask():
     assert ids[: len(prompt)] == prompt and not any(prompt_mask)
     with pytest.raises(ValueError, match="role='robot'"):
         BYTE.encode_chat([{"role": "robot", "content": "x"}])
-
-
-def make_hf_folder(root: str, config: dict | None, specials: tuple[str, ...] = ()) -> str:
-    """A tiny byte-level BPE trained here (with extra special tokens `specials`), saved with a
-    tokenizer_config.json under `root`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        show_progress=False,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *specials],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(["Be brief. What is 2+2? It is 4, naïvely. And 3+3 is 6."] * 20, trainer)
-    with fsspec.open(f"{root}/tokenizer.json", "w") as f:
-        f.write(tok.to_str())
-    if config is not None:
-        with fsspec.open(f"{root}/tokenizer_config.json", "w") as f:
-            json.dump(config, f)
-    return root
 
 
 @pytest.fixture(scope="module")

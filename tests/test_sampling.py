@@ -10,33 +10,13 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from posttrain.config import base_config
 from posttrain.core.state import shardings_for
 from posttrain.models.decoder import Decoder
 from posttrain.models.logprobs import token_logprobs
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 from posttrain.sampling import ContinuousBatcher, SamplingParams, generate, kv_cache, sample_token, sampling_logprobs
 from posttrain.sampling.generate import generate_program
-
-PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 3, 9, 1, 5], [2], [3, 3, 8, 1, 12]]
-
-
-def model_config(kind):
-    cfg = base_config().model
-    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = (
-        64,
-        16,
-        2,
-        4,
-        2,
-        8,
-        32,
-    )
-    cfg.qk_norm = True
-    if kind == "moe":
-        cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_mlp_dim, cfg.moe.first_dense = 8, 2, 16, 1
-        cfg.moe.num_shared_experts, cfg.moe.shared_mlp_dim = 1, 16
-    return cfg
+from tests.support.sampling import PROMPTS, model_config, reference_distribution
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +96,7 @@ def test_accelerator_layer_path_equals_cpu_path(sharded, mesh, monkeypatch):
     unrolled, sliced once, and experts take the CPU's dense forms. Both must sample the same tokens
     with the same log-probs: static batches, and (dense) continuous batching (queued and grouped)
     and the decode layout (`sampling.layout = "tensor"`). Speculative decoding, the prefix cache and
-    episodes on both paths: tests/test_speculative.py, tests/test_platform_paths.py."""
+    episodes on both paths: tests/sampling/test_speculative.py, tests/parallel/test_mesh_platform_paths.py."""
     from posttrain.parallel import decode_rules
     from posttrain.parallel.mesh import ACCELERATOR_PATHS_ENV
     from posttrain.sampling.continuous import SlotConfig, generate_continuous
@@ -197,20 +177,6 @@ def test_dynamic_rope_samples_as_the_learner_past_the_original_context():
     row = [*PROMPTS[2], *samples.completion(2)]  # the shortest row, without the batch's longest
     alone = forward(params, rest, np.asarray([row + [0] * (32 - len(row))]), np.array([len(row)]))
     np.testing.assert_allclose(alone[0, : len(row)], logits[2, : len(row)], atol=1e-5)
-
-
-def reference_distribution(logits, temperature, top_k, top_p):
-    """The sampling distribution computed the plain way, in float64."""
-    z = np.asarray(logits, np.float64) / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    order = np.argsort(-p)
-    keep = np.zeros_like(p, bool)
-    keep[order[: top_k or len(p)]] = True
-    p = np.where(keep, p, 0) / p[keep].sum()
-    mass_before = np.cumsum(p[order]) - p[order]
-    keep[order[mass_before >= top_p]] = False
-    return np.where(keep, p, 0) / p[keep].sum()
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.5, 3, 1.0), (1.5, 0, 0.8), (2.0, 4, 0.6)])

@@ -1,4 +1,4 @@
-"""gs:// paths end to end against a local GCS emulator (tests/gcs_emulator.py; no mocks): the
+"""gs:// paths end to end against a local GCS emulator (tests/support/gcs_emulator.py; no mocks): the
 storage helpers, then an SFT run and an RLVR run whose data, workdir (metrics, TensorBoard,
 config, orbax checkpoints through tensorstore, rollouts) and init_from are all on the emulator,
 each stopped and resumed, with nothing written to the local working folder or temp folder."""
@@ -12,9 +12,8 @@ import pytest
 
 pytest.importorskip("gcp_storage_emulator", reason="pip install -e '.[test]' (gcp-storage-emulator)")
 
-from gcs_emulator import gcs_emulator  # noqa: E402
-
 from posttrain import storage  # noqa: E402
+from tests.support.gcs_emulator import gcs_emulator  # noqa: E402
 
 BUCKET = "posttrain-test"
 

@@ -4,7 +4,7 @@
         [--programs sft,rl_learner,sampler] [--prompt_len 256] [--json plan.json] [--config.a.b=v ...]
 
 Needs libtpu (`pip install -e '.[tpu]'`), not a TPU. Topologies: 'v5p:4x4x4' or Cloud TPU slice
-names ('v5p-128' = 64 chips, 'v5e-256' = 256 chips). See posttrain/compile_plan.py.
+names ('v5p-128' = 64 chips, 'v5e-256' = 256 chips). See posttrain/plan/compile_plan.py.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def context_parallel_line(r: dict) -> str | None:
 
 def main(argv: list[str]) -> None:
     del argv
-    from posttrain.compile_plan import plan
-    from posttrain.parallel import aot
+    from posttrain.plan import aot
+    from posttrain.plan.compile_plan import plan
 
     if not aot.libtpu_available():
         raise SystemExit("error: libtpu is not installed; pip install -e '.[tpu]'")

@@ -9,17 +9,17 @@ FLOPs, collective bytes and a roofline step time, for BENCHMARKS.md "Pod plan".
         [--compile [--sampler-chips N]]
 
 Without --compile: the exact argument bytes by part and the analytic cost model
-(`posttrain.cost_model`: executed FLOPs, HBM and collective bytes, the roofline's step time, the
+(`posttrain.plan.cost_model`: executed FLOPs, HBM and collective bytes, the roofline's step time, the
 bound that sets it and MFU from the shapes, mesh and rules; ~2 minutes for all 80 rows); with it
 every program is compiled for the slice (20-30 minutes per large model on a CPU host). --grid
 prints the analytic numbers as one row per program with a column per slice (BENCHMARKS.md "Pod
 plan"). Needs libtpu (`pip install -e '.[tpu]'`). --rl-split needs no libtpu: every split of the
 slice (or of two such slices joined by DCN) between the RL learner and the sampler with its
 estimated generation, learning and publish time per step, and the recommended one
-(`posttrain.rl_split_plan`); with --compile (needs libtpu, one slice) the recommended split (or
+(`posttrain.plan.rl_split`); with --compile (needs libtpu, one slice) the recommended split (or
 --sampler-chips N) is compiled: the learner program on the learner's chips and the sampler
 program on the sampler mesh, their compiled bytes per chip beside the analytic floors, and the
-weight bytes per publish (`posttrain.rl_split_compile`).
+weight bytes per publish (`posttrain.plan.rl_split_compile`).
 """
 
 from __future__ import annotations
@@ -125,10 +125,9 @@ SPLIT_HEADER = (
 )
 
 
-def rl_split(args) -> None:
+def split_tables(args) -> None:
     """--rl-split: the candidate splits of each model × slice and the recommendation (markdown)."""
-    from posttrain import rl_split_plan
-    from posttrain.parallel import aot
+    from posttrain.plan import aot, rl_split
 
     for model in args.models.split(","):
         for topology in args.topologies.split(","):
@@ -143,9 +142,9 @@ def rl_split(args) -> None:
             r.minibatches = args.minibatches
             if r.prompts_per_step * r.group_size % r.minibatches:
                 raise SystemExit(f"--minibatches {r.minibatches}: must divide prompts × samples")
-            group = args.group or rl_split_plan.default_group(cfg, aot.CHIPS[gen], chips)
-            splits = rl_split_plan.plan_split(cfg, gen, chips, args.slices, group, args.prompt_len)
-            best = rl_split_plan.recommend(splits)
+            group = args.group or rl_split.default_group(cfg, aot.CHIPS[gen], chips)
+            splits = rl_split.plan_split(cfg, gen, chips, args.slices, group, args.prompt_len)
+            best = rl_split.recommend(splits)
             where = f"{args.slices} × {topology} over DCN" if args.slices == 2 else topology
             print(
                 f"\n{model} on {where} ({args.slices * chips} chips), model-parallel group {group}: "
@@ -162,7 +161,7 @@ def rl_split(args) -> None:
                 )
             together = None
             if args.slices == 1:
-                g, learn = rl_split_plan.colocated(cfg, gen, chips, group, args.prompt_len)
+                g, learn = rl_split.colocated(cfg, gen, chips, group, args.prompt_len)
                 together = g + learn
                 print(f"| colocated: all {chips} | all {chips} | {g:.1f} | {learn:.1f} | 0 | {together:.1f} | | |")
             if best is None:
@@ -202,8 +201,7 @@ COMPILED_HEADER = (
 
 def compiled_split(cfg, topology: str, split, group: int, prompt_len: int) -> None:
     """--rl-split --compile: compile `split`'s learner and sampler programs (markdown table)."""
-    from posttrain import rl_split_compile
-    from posttrain.parallel import aot
+    from posttrain.plan import aot, rl_split_compile
 
     if split.problem:
         print(f"(sampler chips {split.sampler_chips}: {split.problem}; compiled anyway)")
@@ -279,12 +277,12 @@ def main() -> None:
     if args.rl_split and args.compile and args.slices != 1:
         ap.error("--rl-split --compile: compiles one slice's split (--slices 1); two slices are planned analytically")
     if args.rl_split:
-        rl_split(args)
+        split_tables(args)
         return
-    from posttrain import cost_model
-    from posttrain.compile_plan import plan
     from posttrain.config_schema import check_values
-    from posttrain.parallel import aot, make_mesh, parse_rules
+    from posttrain.parallel import make_mesh, parse_rules
+    from posttrain.plan import aot, cost_model
+    from posttrain.plan.compile_plan import plan
 
     out, grid = [], {}
     topologies = args.topologies.split(",")

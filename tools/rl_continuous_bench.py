@@ -5,7 +5,7 @@ The policy is the bench's tiny MoE decoder (tools/bench.py `bench_rl`) with weig
 at every step it ends its turn with probability `p_stop` (else it says "a", "b" or " "): response
 lengths are geometric, most short and a few long, whatever the prompt. (The residual stream is
 dominated by one direction u, a large shared part of every embedding row, and the head reads the
-logits off u, as tests/test_rejection.py's policy.)
+logits off u, as tests/stages/test_rejection_sampling.py's policy.)
 
 - Rollouts: `RolloutWorker.rollout` (generate + verify) of the same groups with the same key,
   static and continuous back to back in each round, after a warm-up pass over every round's

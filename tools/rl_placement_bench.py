@@ -12,7 +12,7 @@ runs to max_new_tokens; prompts 4 × 4 samples; no evaluations, checkpoints or i
 colocated on all `--devices` devices; split with the last `--sampler-devices` of them sampling;
 disaggregated as a learner process group on devices - sampler-devices devices and one sampler
 process group on the rest, over the transfer server on 127.0.0.1 (as
-tests/test_rl_disaggregated.py launches them). A step's time is the learner's loop iteration,
+tests/rl/rollout/test_remote.py launches them). A step's time is the learner's loop iteration,
 `rl/wait_s + rl/update_s` from metrics.jsonl (waiting for rollouts, the update, the publish);
 steps/s is (steps - skip) over their sum for steps >= skip, so compiles and start-up are out.
 Each round runs the three in turn; the ratios to the first placement listed are per round,

@@ -1,6 +1,6 @@
 """The roofline of a train step from its shapes and a compiled program's collective bytes, without
 compiling again: for rows whose compile took 20-30 minutes (BENCHMARKS.md "Long context" and the
-compiled "Pod plan" rows), restated by `posttrain.parallel.roofline`.
+compiled "Pod plan" rows), restated by `posttrain.plan.roofline`.
 
     python tools/roofline.py --config configs/pod/moe_shapes.py:llama3_8b:sft_full --topology v5p-128 \
         --rows 1 --length 1048576 --collectives all-reduce=47.7,collective-permute=1358 \
@@ -34,9 +34,8 @@ _HBM_GB = flags.DEFINE_float("hbm_gb", 0.0, "HBM bytes per chip (GB), a floor")
 
 def main(argv: list[str]) -> None:
     del argv
-    from posttrain import cost_model
-    from posttrain.parallel import aot
-    from posttrain.parallel.roofline import roofline
+    from posttrain.plan import aot, cost_model
+    from posttrain.plan.roofline import roofline
 
     gen, name = aot.parse_topology(_TOPOLOGY.value)
     chip = aot.CHIPS[gen]

@@ -34,8 +34,9 @@ def main() -> None:
     ap.add_argument("--topology", default="v5p-128")
     ap.add_argument("--prompt_len", type=int, default=1024)
     args = ap.parse_args()
-    from posttrain import compile_plan as cp
-    from posttrain.parallel import aot, make_mesh, parse_rules, use_sharding
+    from posttrain.parallel import make_mesh, parse_rules, use_sharding
+    from posttrain.plan import aot
+    from posttrain.plan import compile_plan as cp
     from posttrain.sampling import engine
     from posttrain.sampling.generate import generate_program
 

@@ -113,8 +113,8 @@ def accelerator_paths(mesh: Mesh | None = None) -> bool:
     (`models.moe.experts.grouped_matmul`) and the general expert exchange instead of the CPU's
     dense fast path (`models.moe.dispatch.routed_experts`). Branches that cannot run on the CPU
     (the ragged all-to-all, Pallas/cuDNN attention kernels) follow `mesh_platform` /
-    `mesh_device_kind` and are compiled for a TPU topology in tests (tests/test_platform_paths.py,
-    tests/test_compile_plan.py). Read at trace time: the sampler's compile key carries it
+    `mesh_device_kind` and are compiled for a TPU topology in tests (tests/parallel/test_mesh_platform_paths.py,
+    tests/plan/test_compile_plan.py). Read at trace time: the sampler's compile key carries it
     (`sampling.generate.sharding_key`); other jitted functions are traced again only when new.
     """
     return mesh_platform(mesh) != "cpu" or accelerator_paths_forced()

@@ -15,7 +15,7 @@ Two exchanges do the same thing:
 `model.moe.dispatch='auto'` picks by the devices of the mesh (`auto_dispatch`): ragged on GPU and
 TPU, padded on the CPU and on TPU generations whose compiler rejects the ragged collective (v5e).
 The ragged exchange cannot run on the CPU, so `parallel.accelerator_paths`' test switch leaves this
-choice to the platform; tests compile it for a TPU slice (tests/test_compile_plan.py).
+choice to the platform; tests compile it for a TPU slice (tests/plan/test_compile_plan.py).
 
 Without expert-parallel peers the same code runs with one chunk and no collective.
 """

@@ -3,7 +3,7 @@ score 0, and the built-in cases (arithmetic, GSM8K-style, MATH-style) they run o
 
 Honest forms that must keep scoring 1 are not attacks: "The answer is 85.", `\\boxed{85}`,
 `#### 85`, `x = 85`, "37+48=85. The answer is 85.", `\\boxed{85}` twice (the same answer),
-`2\\sqrt{2}` against `\\sqrt{8}` (tests/redteam/test_answers.py pins them).
+`2\\sqrt{2}` against `\\sqrt{8}` (tests/rl/verifiers/redteam/test_math.py pins them).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ one trailing period removed, is exactly (ignoring ASCII case) the reference labe
 tolerated: no list ("A, B"), no "A or B", no expression ("B=B"), no non-ASCII look-alike ("Ｂ"), no
 answer taken from anywhere else in the text. A response that echoes the choices or restates the
 question names several labels or none, so it scores 0 (`LABEL_CASES` and `label_attacks` are the
-red-team suite, tests/redteam/test_label.py).
+red-team suite, tests/rl/verifiers/redteam/test_label.py).
 """
 
 from __future__ import annotations

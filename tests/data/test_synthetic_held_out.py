@@ -1,0 +1,142 @@
+"""Held-out evaluation sets are disjoint from all training data, by construction, for every
+built-in domain (issue 11 item 8): the quickstart's arithmetic (RL tasks, SFT and preference files,
+the lm task), GSM8K test vs train, HumanEval's reserved problems. Arithmetic is held out by meaning
+(issue 25 item 4): every equivalent surface form of a problem ('48+37', '37 + 48') is in one split,
+and the sets are compared by canonical form, never by spelling."""
+
+from __future__ import annotations
+
+import json
+import re
+import runpy
+from pathlib import Path
+
+import pytest
+
+from posttrain.data.synthetic import (
+    arithmetic_canonical,
+    arithmetic_lm_batch,
+    arithmetic_problem_count,
+    arithmetic_problems,
+    arithmetic_split,
+    canonical_text,
+    ensure_arithmetic_file,
+)
+from posttrain.data.tokenizer import ByteTokenizer
+from posttrain.rl.tasks.domains import gsm8k_tasks, humaneval_tasks, shared_data_dir
+from posttrain.stages.data_files import resolve_data_files
+from posttrain.stages.rlvr import make_domains
+from tests.support.paths import ROOT
+
+PROBLEM = re.compile(r"What is (\d+[+-]\d+)\?")
+
+
+def quickstart_config(tmp_path):
+    cfg = runpy.run_path(str(ROOT / "configs/quickstart.py"))["get_config"]()
+    cfg.workdir = str(tmp_path)
+    for stage in ("sft", "reward_model", "dpo"):
+        cfg[stage].train_files = cfg[stage].eval_files = "synthetic:"
+    return cfg
+
+
+def problems(path: Path) -> list[str]:
+    return [PROBLEM.match(json.loads(line)["prompt"]).group(1) for line in path.read_text().splitlines()]
+
+
+def spellings(q: str) -> list[str]:
+    """Equivalent surface forms of a generated problem ('37+48='): spaced, zero-padded, without
+    '=', full-width, with a unicode minus, and (additions) commuted."""
+    a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)=", q).groups()
+    forms = [q, q[:-1], f" {a} {op} {b} = ", f"0{a}{op}00{b}", q.translate(FULLWIDTH), q.replace("-", "\u2212")]
+    if op == "+":
+        forms += [f"{b}+{a}=", f"{b} + {a}", f"{b}+{a}".translate(FULLWIDTH)]
+    return forms
+
+
+FULLWIDTH = str.maketrans("0123456789+-=", "０１２３４５６７８９＋－＝")
+
+
+@pytest.mark.parametrize("max_value, problems, held_out", [(29, 930, 130), (99, 10100, 1496)])
+def test_every_form_of_a_problem_is_in_one_split(max_value, problems, held_out):
+    """Every problem the generator can draw, at the quickstart's operands (0-29) and the default
+    (0-99): each equivalent spelling has the split of the others (literal hashing put 86 of the
+    133 held-out problems at 0-29 in the test split while their commuted twin trained)."""
+    by_meaning: dict[str, set[str]] = {}
+    for q in arithmetic_problems(max_value):
+        splits = {arithmetic_split(form) for form in spellings(q)}
+        assert len(splits) == 1, (q, {form: arithmetic_split(form) for form in spellings(q)})
+        assert {arithmetic_canonical(form) for form in spellings(q)} == {arithmetic_canonical(q)}, q
+        by_meaning.setdefault(arithmetic_canonical(q), set()).add(splits.pop())
+    assert all(len(s) == 1 for s in by_meaning.values())
+    test = [c for c, s in by_meaning.items() if s == {"test"}]
+    assert (len(by_meaning), len(test)) == (problems, held_out)
+    assert arithmetic_problem_count(max_value) == problems
+    assert arithmetic_problem_count(max_value, "test") == held_out
+    assert arithmetic_problem_count(max_value, "train") == problems - held_out
+
+
+def test_canonical_text_sorts_only_what_commutes():
+    assert canonical_text("What is 48 + 37 ?") == canonical_text("what is 37+48?") == "what is 37+48?"
+    assert canonical_text("3 × 2 * 1") == "1*2*3"
+    assert canonical_text("48 \u2212 37") == "48-37" != canonical_text("37-48")
+    # part of a longer expression or token: the order stays (sorting would change the value)
+    for text in ("-5+3", "7-2+1", "x-2+1", "4+3*x", "2+3^2", "1,000+2", "x2+3"):
+        assert canonical_text(text) == text, text
+    assert canonical_text("(3+2)*4") == "(2+3)*4"
+
+
+def test_arithmetic_eval_problems_are_in_no_training_data(tmp_path):
+    cfg = quickstart_config(tmp_path)
+    domains, held_out = make_domains(cfg, ByteTokenizer(), None)
+    evals = [arithmetic_canonical(PROBLEM.match(t.prompt[0]["content"]).group(1)) for _, t in held_out]
+    assert len(evals) == len(set(evals)) == cfg.rl.eval_size  # distinct problems, by meaning
+    assert {arithmetic_split(q) for q in evals} == {"test"}
+    train = {PROBLEM.match(t.prompt[0]["content"]).group(1) for t in domains["arithmetic"].tasks}
+    resolve_data_files(cfg, "sft", "sft")
+    resolve_data_files(cfg, "dpo", "preference")
+    sft, preference = set(problems(Path(cfg.sft.train_files))), set(problems(Path(cfg.dpo.train_files)))
+    lm = {
+        q
+        for step in range(20)
+        for row in arithmetic_lm_batch(0, step, 8, 128)["inputs"]
+        for q in re.findall(r"(?:^|;)(\d+[+-]\d+)=", bytes(row.astype("uint8")).decode())
+    }
+    for name, data in (("rl", train), ("sft", sft), ("preference", preference), ("lm", lm)):
+        assert data and not {arithmetic_canonical(q) for q in data} & set(evals), name
+    assert {arithmetic_split(q) for q in set(problems(Path(cfg.sft.eval_files)))} == {"test"}
+    assert cfg.rl.eval_size <= arithmetic_problem_count(cfg.data.synthetic_max_value, "test")
+
+
+def test_stale_generated_file_with_held_out_problems_is_refused(tmp_path):
+    path = tmp_path / "old.jsonl"
+    test_problem = next(f"{a}+{b}" for a in range(50) for b in range(50) if arithmetic_split(f"{a}+{b}") == "test")
+    path.write_text(
+        json.dumps({"prompt": "What is 1+1?"}) + "\n" + json.dumps({"prompt": f"What is {test_problem}?"}) + "\n"
+    )
+    with pytest.raises(ValueError, match=f"old.jsonl:2: problem '{re.escape(test_problem)}' belongs to .*'test'"):
+        ensure_arithmetic_file(str(path), "sft", 10, seed=0, split="train")
+
+
+def test_gsm8k_train_drops_test_questions(tmp_path):
+    (tmp_path / "gsm8k").mkdir()
+    rows = lambda qs: "".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in qs)
+    (tmp_path / "gsm8k" / "train.jsonl").write_text(rows(["A  question?", "Another one?"]))
+    (tmp_path / "gsm8k" / "test.jsonl").write_text(rows(["a question?"]))
+    assert [t.id for t in gsm8k_tasks(str(tmp_path), split="train")] == ["gsm8k/train:2"]
+    assert [t.id for t in gsm8k_tasks(str(tmp_path), split="test")] == ["gsm8k/test:1"]
+
+
+def test_gsm8k_and_humaneval_eval_sets_are_disjoint_from_training(tmp_path, monkeypatch):
+    data = shared_data_dir()
+    if not Path(data, "gsm8k", "test.jsonl").exists() or not Path(data, "humaneval", "HumanEval.jsonl.gz").exists():
+        pytest.skip(f"shared data folder {data} is absent (set POSTTRAIN_DATA to it)")
+    cfg = quickstart_config(tmp_path)
+    cfg.rl.domains, cfg.rl.eval_size = "gsm8k,humaneval", 10_000
+    domains, held_out = make_domains(cfg, ByteTokenizer(), None)
+    norm = lambda t: " ".join(t.prompt[0]["content"].lower().split())
+    gsm_eval = {norm(t) for d, t in held_out if d == "gsm8k"}
+    assert len(gsm_eval) == 1319 and not gsm_eval & {norm(t) for t in domains["gsm8k"].tasks}
+    he_eval = {t.id for d, t in held_out if d == "humaneval"}
+    he_train = {t.id for t in domains["humaneval"].tasks}
+    assert not he_eval & he_train and len(he_eval | he_train) == 164 and len(he_eval) == 40
+    assert he_eval == {t.id for t in humaneval_tasks(split="test")}

@@ -1,0 +1,38 @@
+"""Runs through the real entry point (`python -m posttrain.main`) that several test files share:
+each costs a fresh Python and its compiles, so one run serves every test that only reads it
+(the session fixture `sft_cli_run` in conftest.py)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SFT_STEPS, SFT_EVERY = 30, 10  # steps of the tiny SFT run, and its checkpoint interval
+
+
+def sft_command(workdir: Path) -> list[str]:
+    """The tiny SFT run (sft_tiny, MoE with 4 experts) logging every step into `workdir`."""
+    return [
+        sys.executable,
+        "-m",
+        "posttrain.main",
+        "--config",
+        str(ROOT / "configs/sft_tiny.py"),
+        f"--config.workdir={workdir}",
+        "--config.sft.eval_files=",
+        "--config.sft.gate=",
+        f"--config.train.steps={SFT_STEPS}",
+        "--config.train.log_every=1",
+        "--config.train.batch_size=8",
+        "--config.train.seq_len=64",
+        f"--config.checkpoint.every={SFT_EVERY}",
+        "--config.train.progress=False",
+        "--config.data.synthetic_size=300",
+    ]
+
+
+def run_sft(workdir: Path) -> Path:
+    """Run `sft_command(workdir)` to the end; the workdir."""
+    out = subprocess.run(sft_command(workdir), capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return workdir

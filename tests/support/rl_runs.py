@@ -1,0 +1,38 @@
+"""A tiny `rlvr` run (MoE, 2 × 2 × 2 mesh, 3 steps) and the rows it logs: the loop tests' run,
+shared by the files that train through the RL stage."""
+
+import json
+
+from posttrain.config import base_config
+
+TIMING = ("rl/wait_s", "rl/update_s", "rl/gen_s", "rl/verify_s", "rl/device_idle_frac", "tokens_per_s")
+
+
+def tiny(workdir, **rl):
+    cfg = base_config()
+    cfg.stage, cfg.workdir = "rlvr", str(workdir)
+    m = cfg.model
+    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
+        264,
+        32,
+        1,
+        2,
+        1,
+        16,
+        64,
+    )
+    m.moe.num_experts, m.moe.expert_mlp_dim = 2, 32
+    cfg.mesh.data = 2
+    cfg.mesh.expert = 2
+    cfg.mesh.tensor = 2
+    cfg.train.steps, cfg.train.log_every, cfg.train.progress = 3, 1, False
+    cfg.checkpoint.every = 0
+    r = cfg.rl
+    r.prompts_per_step, r.group_size, r.max_new_tokens, r.eval_every = 2, 4, 12, 0
+    r.arithmetic_size, r.verifier_workers = 50, 2
+    r.update(rl)
+    return cfg
+
+
+def rows(workdir):
+    return [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
