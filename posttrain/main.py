@@ -1,14 +1,14 @@
 """Command line: `python -m posttrain.main --config configs/X.py [--config.a.b=value ...]`.
 
 Runs the job named by `config.stage`. The config is locked: an unknown key fails before anything is
-compiled, naming the key and the valid keys at that level.
+compiled, naming the key and the valid keys at that level. At this edge the ConfigDict becomes one
+frozen `RunConfig` (`posttrain.config.command_line`), whose fields check their values; the stages'
+start-up checks follow (`posttrain.stages.checks`).
 
-At this edge the ConfigDict becomes one frozen `RunConfig` (`posttrain.config.command_line`), whose
-fields check their values; the stages' start-up checks follow (`posttrain.stages.checks`). Errors reach the user as one line naming the config
-key and path (`error: ...`, exit status 2 for bad input, 1 otherwise; SIGINT / SIGTERM save a
-checkpoint at the step and exit 130 / 143); the traceback goes to `{workdir}/error.log`, and to the console with
-`--verbose`. The workdir is locked for the run (`train/workdir.py`): a second run there fails at
-once, naming the first.
+Errors reach the user as one line naming the config key and path (`error: ...`, exit status 2 for
+bad input, 1 otherwise; SIGINT / SIGTERM save a checkpoint at the step and exit 130 / 143); the
+traceback goes to `{workdir}/error.log`, and to the console with `--verbose`. The workdir is locked
+for the run (`core/workdir.py`): a second run there fails at once, naming the first.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Every shipped config, and every `python -m posttrain.main` command of the README, passes the
-start-up checks a run makes before anything compiles (`config_schema.check_config`, with the
-data-file rules of `train/data_files.py`): a config edited out of step with a key's rules fails
-here, not minutes into a user's run. Nothing trains."""
+start-up checks a run makes before anything compiles (its `RunConfig`'s own checks, then
+`stages.checks.check_run`, with the data-file rules of `stages/data_files.py`): a config edited out
+of step with a key's rules fails here, not minutes into a user's run. Nothing trains."""
 
 import ast
 import re
@@ -11,12 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.config_schema import apply_command_line_precedence, check_config, command_line_keys
+from posttrain.config import run_config
+from posttrain.config import stages as stage_table
+from posttrain.config.command_line import apply_command_line_precedence, command_line_keys
 from posttrain.data.synthetic import SYNTHETIC
 from posttrain.main import check_overrides
-from posttrain.stages.data_files import DATA_STAGES, SPLITS
+from posttrain.stages.checks import check_run
+from posttrain.stages.data_files import SPLITS
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+
+def check_config(cfg) -> None:
+    """What `posttrain.main.run` checks before any stage runs."""
+    check_run(run_config(cfg))
 
 
 def pod_specs() -> list[str]:
@@ -40,7 +47,7 @@ def make_documented_files(cfg, doc: str) -> None:
     matches): the start-up checks require them."""
     import fnmatch
 
-    for stage in (*DATA_STAGES, "rl"):  # rl: rl.train_files / rl.eval_files task files
+    for stage in (*(s.name for s in stage_table.STAGES if s.records), "rl"):  # rl: its task files
         for name, _ in SPLITS:
             value = cfg[stage][name]
             if not value or value == SYNTHETIC or "://" in value:
@@ -73,14 +80,14 @@ def leaves(node, prefix=""):
 
 @pytest.mark.parametrize("spec", ["base"] + CONFIGS)
 def test_config_builds_its_typed_run_config(spec, monkeypatch):
-    """`RunConfig.from_config`: a field for every key (or it fails), each holding the key's value."""
+    """`run_config`: a field for every key (or it fails), each holding the key's value."""
     import functools
 
-    from posttrain.config import RunConfig, base_config
+    from posttrain.config import base_config
 
     monkeypatch.syspath_prepend(str(ROOT))
     cfg = base_config() if spec == "base" else load(spec)
-    run = RunConfig.from_config(cfg)
+    run = run_config(cfg)
     for key, value in leaves(cfg):
         typed = functools.reduce(getattr, key.split("."), run)
         assert typed == (tuple(value) if isinstance(value, list) else value), key

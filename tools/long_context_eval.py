@@ -55,7 +55,7 @@ def load_model(cfg, step: int | None):
         raise app.UsageError(
             f"{cfg.workdir}: a LoRA run; export it with tools/convert_hf.py (adapters merged) and evaluate that"
         )
-    mesh, rules = make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules.to_dict())
+    mesh, rules = make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     with use_sharding(mesh, rules):
         params, rest, step = load_model_state(cfg.workdir, make, mesh, rules, step=step)
@@ -83,14 +83,14 @@ def main(argv: list[str]) -> None:
     from posttrain.parallel import use_sharding
 
     cfg = read_run_config(FLAGS.run)
+    names = ("lengths", "depths", "kinds", "samples", "hops", "max_new_tokens", "seed")
+    changes = {f"eval.long_context.{n}": getattr(FLAGS, n) for n in names if getattr(FLAGS, n) is not None}
+    if FLAGS.max_context is not None:
+        changes["sampling.max_context"] = FLAGS.max_context
+    cfg = cfg.replace(changes)
     lc = cfg.eval.long_context
-    for name in ("lengths", "depths", "kinds", "samples", "hops", "max_new_tokens", "seed"):
-        if getattr(FLAGS, name) is not None:
-            lc[name] = getattr(FLAGS, name)
     if not lc.lengths:
         raise app.UsageError("no lengths: give --lengths (e.g. 256,1024) or set eval.long_context.lengths")
-    if FLAGS.max_context is not None:
-        cfg.sampling.max_context = FLAGS.max_context
     model, step, (mesh, rules) = load_model(cfg, FLAGS.step)
     # sampling.max_context: what this checkpoint was trained for (its lineage) unless set
     limit = lineage.max_context(cfg, lineage.of_run(FLAGS.run, step=step))

@@ -127,6 +127,7 @@ SPLIT_HEADER = (
 
 def split_tables(args) -> None:
     """--rl-split: the candidate splits of each model × slice and the recommendation (markdown)."""
+    from posttrain.config import run_config
     from posttrain.plan import aot, rl_split
 
     for model in args.models.split(","):
@@ -142,6 +143,7 @@ def split_tables(args) -> None:
             r.minibatches = args.minibatches
             if r.prompts_per_step * r.group_size % r.minibatches:
                 raise SystemExit(f"--minibatches {r.minibatches}: must divide prompts × samples")
+            cfg = run_config(cfg)
             group = args.group or rl_split.default_group(cfg, aot.CHIPS[gen], chips)
             splits = rl_split.plan_split(cfg, gen, chips, args.slices, group, args.prompt_len)
             best = rl_split.recommend(splits)
@@ -279,7 +281,7 @@ def main() -> None:
     if args.rl_split:
         split_tables(args)
         return
-    from posttrain.config_schema import check_values
+    from posttrain.config import run_config
     from posttrain.parallel import make_mesh, parse_rules
     from posttrain.plan import aot, cost_model
     from posttrain.plan.compile_plan import plan
@@ -302,8 +304,8 @@ def main() -> None:
                     dict(name=args.optim, moment_dtype=args.moment_dtype),
                     args.seq_len,
                 )
-                check_values(cfg)
                 cfg.sampling.layout = args.sampling_layout
+                cfg = run_config(cfg)
                 try:
                     reports = plan(
                         cfg,
@@ -321,7 +323,7 @@ def main() -> None:
                     )
                     continue
                 mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(topology))
-                rules = parse_rules(cfg.sharding.rules.to_dict())
+                rules = parse_rules(cfg.sharding.rules)
                 chip = aot.CHIPS[aot.parse_topology(topology)[0]]
                 for r in reports:
                     if r["program"] == "restore":

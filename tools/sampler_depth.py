@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--topology", default="v5p-128")
     ap.add_argument("--prompt_len", type=int, default=1024)
     args = ap.parse_args()
+    from posttrain.config import run_config
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
     from posttrain.plan import aot
     from posttrain.plan import compile_plan as cp
@@ -49,9 +50,10 @@ def main() -> None:
             raise SystemExit(f"spec {spec!r}: expected unrolled:N or stacked:N")
         cfg = configure(args.model, "rl", len(devices), 1)
         cfg.model.num_layers = int(layers)
+        cfg = run_config(cfg)
         engine.decode_layers = (lambda m: m.layers()) if path == "unrolled" else (lambda m: None)
         generate_program.clear_cache()  # its trace depends on the layer path
-        mesh, rules = make_mesh(cfg.mesh.to_dict(), devices), parse_rules(cfg.sharding.rules.to_dict())
+        mesh, rules = make_mesh(cfg.mesh.to_dict(), devices), parse_rules(cfg.sharding.rules)
         with use_sharding(mesh, rules):
             (program,) = cp.build_programs(cfg, mesh, rules, ("sampler",), args.prompt_len)
         start = cpu_seconds()

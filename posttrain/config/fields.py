@@ -303,7 +303,9 @@ def check_value(key: str, value, f: dataclasses.Field, kind: str) -> None:
 def unknown_key(key: str, valid: list[str]) -> str:
     """The message for a key that is not a field: the valid keys at its level."""
     parent = key.rpartition(".")[0]
-    return f"unknown config key 'config.{key}'; valid keys of config{'.' + parent if parent else ''}: {', '.join(valid)}"
+    return (
+        f"unknown config key 'config.{key}'; valid keys of config{'.' + parent if parent else ''}: {', '.join(valid)}"
+    )
 
 
 def check_tree(cls, values: Mapping[str, Any], key: str, kind: str) -> None:

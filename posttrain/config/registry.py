@@ -15,6 +15,7 @@ does not do). Imports no jax.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,11 +85,10 @@ USER_VERIFIERS = Registry("rl.verifiers", "user verifier")  # functions register
 def check_registered(section) -> None:
     """Refuse a value of a `registered` field of `section` (nested sections included) that names no
     entry of its registry, naming the registered ones."""
-    from posttrain.config.fields import CHECK, nested_sections, own_fields
-
-    for f in own_fields(type(section)):
-        declared = f.metadata.get(CHECK, ())
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        declared = f.metadata.get("check", ())  # (fields.CHECK)
         if declared and declared[0] == "registered":
-            REGISTRIES[declared[1]][getattr(section, f.name)]
-    for name in nested_sections(type(section)):
-        check_registered(getattr(section, name))
+            REGISTRIES[declared[1]][value]
+        elif dataclasses.is_dataclass(value):
+            check_registered(value)

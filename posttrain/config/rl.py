@@ -40,7 +40,9 @@ def ppo_steps(r) -> int:
 
 
 # Reasons a value cannot act, shared by several keys.
-_RATIO_ONE = "the ratio π/π_old is 1 with one optimizer step per batch: set rl.updates_per_batch > 1 or rl.minibatches > 1"
+_RATIO_ONE = (
+    "the ratio π/π_old is 1 with one optimizer step per batch: set rl.updates_per_batch > 1 or rl.minibatches > 1"
+)
 _STEPS = (lambda r: ppo_steps(r) > 1, _RATIO_ONE)
 _EVAL = (lambda r: r.eval_every > 0, "no evaluation without rl.eval_every > 0")
 _ARITHMETIC = lambda r: "arithmetic" in domain_weights(r)  # noqa: E731
@@ -106,7 +108,11 @@ class CurriculumConfig(Section):
                     "only retirement uses it: set rl.curriculum.retire_above or retire_below >= 0"
                     if key == "retire_after"
                     else "it places tasks in bands, and bands steer nothing without rl.curriculum.band_weights"
-                    + ("" if key in ("hard_below", "easy_above") else " or retirement (retire_above / retire_below >= 0)")
+                    + (
+                        ""
+                        if key in ("hard_below", "easy_above")
+                        else " or retirement (retire_above / retire_below >= 0)"
+                    )
                 )
                 raise UserError(
                     f"rl.curriculum.{key}={getattr(self, key)!r} cannot take effect: {why}", key=f"rl.curriculum.{key}"
@@ -148,7 +154,10 @@ class RLConfig(Section):
     rollouts_every: int = bounded(0, ge=0)
     # the fraction of that step's samples written (chosen by seed and step)
     rollouts_fraction: float = bounded(
-        1.0, gt=0, le=1, inert_unless=(lambda r: r.rollouts_every > 0, "no rollouts are written without rl.rollouts_every > 0")
+        1.0,
+        gt=0,
+        le=1,
+        inert_unless=(lambda r: r.rollouts_every > 0, "no rollouts are written without rl.rollouts_every > 0"),
     )
     # appended to math prompts (e.g. "Give the final answer as \\boxed{}.")
     instruction: str = free(
@@ -231,7 +240,7 @@ class RLConfig(Section):
         "ppo",
         "rl.loss_type",
         inert_unless=(
-            lambda r: ppo_steps(r) > 1,
+            lambda r: r.loss_type != "cispo" or ppo_steps(r) > 1,
             "with π = π_old CISPO's gradient −A·∇log π is the clipped surrogate's: "
             "set rl.updates_per_batch > 1 or rl.minibatches > 1",
         ),
@@ -379,7 +388,9 @@ class RLConfig(Section):
                 key="rl.filter_groups",
             )
         if not self.reward_model and not self.verifier_weight:
-            raise UserError("rl.verifier_weight=0 without rl.reward_model: there is no reward left", key="rl.verifier_weight")
+            raise UserError(
+                "rl.verifier_weight=0 without rl.reward_model: there is no reward left", key="rl.verifier_weight"
+            )
         if self.reward_model and self.filter_groups:
             raise UserError(
                 f"rl.filter_groups with rl.reward_model={self.reward_model!r}: dynamic sampling filters on "

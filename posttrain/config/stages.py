@@ -53,15 +53,7 @@ def _resolve(path: str) -> Callable:
 
 STAGES = (
     Stage("lm", "train", "posttrain.stages.lm:run", gated=False, in_pipeline=False),
-    Stage(
-        "sft",
-        "sft",
-        "posttrain.stages.sft:run",
-        staged_context=True,
-        own_steps=True,
-        samples=True,
-        records="sft",
-    ),
+    Stage("sft", "sft", "posttrain.stages.sft:run", staged_context=True, own_steps=True, samples=True, records="sft"),
     Stage(
         "reward_model",
         "reward_model",
@@ -71,15 +63,23 @@ STAGES = (
         records="preference",
     ),
     Stage("dpo", "dpo", "posttrain.stages.dpo:run", own_steps=True, samples=True, records="preference"),
-    Stage("eval", "eval", "posttrain.stages.eval:run", trains=False, samples=True, check="posttrain.stages.eval:check_eval_config"),
-    Stage("rlvr", "rl", "posttrain.stages.rlvr:run", own_steps=True, samples=True, check="posttrain.rl.checks:check_rlvr_stage"),
     Stage(
-        "rejection_sampling",
-        "rejection",
-        "posttrain.stages.rejection_sampling:run",
+        "eval",
+        "eval",
+        "posttrain.stages.eval:run",
         trains=False,
         samples=True,
+        check="posttrain.stages.eval:check_eval_config",
     ),
+    Stage(
+        "rlvr",
+        "rl",
+        "posttrain.stages.rlvr:run",
+        own_steps=True,
+        samples=True,
+        check="posttrain.rl.checks:check_rlvr_stage",
+    ),
+    Stage("rejection_sampling", "rejection", "posttrain.stages.rejection_sampling:run", trains=False, samples=True),
     Stage(
         "pipeline",
         "pipeline",

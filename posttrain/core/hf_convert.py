@@ -77,14 +77,7 @@ def _merged_lora(cfg: RunConfig, make, mesh: Mesh, rules: Rules) -> nnx.State:
 
 
 def run_to_hf(
-    cfg: RunConfig,
-    out: str,
-    mesh: Mesh,
-    rules: Rules,
-    *,
-    hf_base: str = "",
-    dtype: str = "",
-    progress: bool = True,
+    cfg: RunConfig, out: str, mesh: Mesh, rules: Rules, *, hf_base: str = "", dtype: str = "", progress: bool = True
 ) -> dict:
     """Write the newest checkpoint of run `cfg` (`cfg.workdir`; under LoRA its adapters merged into
     the base weights of `cfg.init_from`) as HF folder `out`, and return the config.json written.

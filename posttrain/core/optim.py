@@ -53,12 +53,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
             mask=decay_mask,
             mu_dtype=jnp.dtype(moment_dtype) if moment_dtype else None,
         )
-    else:
-        if moment_dtype:
-            raise ValueError(
-                f"optim.moment_dtype={moment_dtype!r}: adafactor keeps no first moment; "
-                "leave it '' or use optim.name='adamw'"
-            )
+    else:  # (adafactor keeps no first moment: OptimConfig refuses a moment_dtype with it)
         min_dim, decay = cfg.factored_min_dim, cfg.weight_decay
         tx = with_factored_names(
             optax.adafactor(  # optax's second-moment decay (1 - t^-0.8) and eps

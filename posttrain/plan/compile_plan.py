@@ -373,7 +373,7 @@ def plan(
     "restore" in `names` adds the checkpoint restore's report (`restore_report`, nothing compiled)."""
     gen, _ = aot.parse_topology(topology)
     devices = aot.tpu_devices(topology)
-    mesh, rules = make_mesh(cfg.mesh.to_dict(), devices), parse_rules(cfg.sharding.rules.to_dict())
+    mesh, rules = make_mesh(cfg.mesh.to_dict(), devices), parse_rules(cfg.sharding.rules)
     reports, where = [], {"topology": topology, "mesh": dict(mesh.shape)}
     if "restore" in names:
         target, restore_args = restore_plan(cfg, mesh, rules)

@@ -23,7 +23,6 @@ published, KV cache) exceeds a chip's HBM is listed with the reason and never re
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 
@@ -65,10 +64,9 @@ def mesh(chips: int, group: int, expert: int) -> AbstractMesh:
 def with_dispatch(cfg, generation: str):
     """cfg with `model.moe.dispatch='auto'` resolved as it resolves on `generation`'s chips
     (`moe.dispatch.auto_dispatch`; an abstract mesh has no devices to read it from)."""
-    cfg = copy.deepcopy(cfg)
-    if cfg.model.moe.dispatch == "auto":
-        cfg.model.moe.dispatch = "padded" if generation == "v5e" else "ragged"
-    return cfg
+    if cfg.model.moe.dispatch != "auto":
+        return cfg
+    return cfg.replace({"model.moe.dispatch": "padded" if generation == "v5e" else "ragged"})
 
 
 def state_bytes(cfg, w: cost_model.WeightBytes) -> float:
@@ -81,7 +79,7 @@ def state_bytes(cfg, w: cost_model.WeightBytes) -> float:
 def default_group(cfg, chip: aot.Chip, chips: int, headroom: float = 0.8) -> int:
     """The smallest model-parallel group (a power-of-two multiple of mesh.expert, at most
     `chips`) whose learner state floor fits in `headroom` × a chip's HBM (activations need the rest)."""
-    rules = parse_rules(cfg.sharding.rules.to_dict())
+    rules = parse_rules(cfg.sharding.rules)
     expert = max(1, min(cfg.mesh.expert, chips))
     group = expert
     while group < chips:
@@ -99,16 +97,14 @@ def _learn_seconds(cfg, chips: int, group: int, expert: int, rules, prompt_len: 
     rows = r.prompts_per_step * r.group_size // r.minibatches
     unit = math.lcm(chips, r.group_size)
     padded = -(-rows // unit) * unit
-    c = copy.deepcopy(cfg)
-    c.rl.prompts_per_step, c.rl.minibatches = padded // r.group_size, 1
+    c = cfg.replace({"rl.prompts_per_step": padded // r.group_size, "rl.minibatches": 1})
     step = cost_model.program_cost(c, mesh(chips, group, expert), rules, "rl_learner", prompt_len, chip)["step_s"]
     return step * r.minibatches * r.updates_per_batch
 
 
 def _gen_seconds(cfg, replicas: int, group: int, expert: int, rules, prompt_len: int, chip: aot.Chip) -> tuple:
     """(seconds, KV bytes per chip) of one sampler replica on its share of the prompts."""
-    c = copy.deepcopy(cfg)
-    c.rl.prompts_per_step = -(-cfg.rl.prompts_per_step // replicas)
+    c = cfg.replace({"rl.prompts_per_step": -(-cfg.rl.prompts_per_step // replicas)})
     m = mesh(group, group, expert)
     cost = cost_model.program_cost(c, m, rules, "sampler", prompt_len, chip)
     work = cost_model.program_work(c, "sampler", prompt_len)
@@ -126,7 +122,7 @@ def plan_split(cfg, generation: str, slice_chips: int, slices: int = 1, group: i
     if slices == 2 and not chip.dcn_bytes_per_s:
         raise ValueError(f"{generation}: no published DCN bandwidth in aot.CHIPS; plan one slice")
     cfg = with_dispatch(cfg, generation)
-    rules = parse_rules(cfg.sharding.rules.to_dict())
+    rules = parse_rules(cfg.sharding.rules)
     total = slices * slice_chips
     expert = max(1, min(cfg.mesh.expert, slice_chips))
     group = group or default_group(cfg, chip, slice_chips)
@@ -165,7 +161,7 @@ def colocated(cfg, generation: str, chips: int, group: int, prompt_len: int = 10
     """(generation, learning) seconds per step with both on every chip, one after the other
     (rl.placement=colocated, max_staleness = 0): the baseline a split must beat."""
     chip, cfg = aot.CHIPS[generation], with_dispatch(cfg, generation)
-    rules = parse_rules(cfg.sharding.rules.to_dict())
+    rules = parse_rules(cfg.sharding.rules)
     expert = max(1, min(cfg.mesh.expert, chips))
     gen, _ = _gen_seconds(cfg, chips // group, group, expert, rules, prompt_len, chip)
     return gen, _learn_seconds(cfg, chips, group, expert, rules, prompt_len, chip)

@@ -14,7 +14,6 @@ the analytic floors of the same split, with the weight bytes one publish moves.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 
@@ -73,12 +72,10 @@ def learner_config(cfg, learner_chips: int):
     """cfg with the prompts per step the learner compiles for: each minibatch's rows padded up to
     a multiple of lcm(learner chips, group size), as `rl_split` charges (and
     `rl.algo.learner.batch_rows` pads) them; minibatches and updates kept."""
-    c = copy.deepcopy(cfg)
-    r = c.rl
+    r = cfg.rl
     rows = r.prompts_per_step * r.group_size // r.minibatches
     unit = math.lcm(learner_chips, r.group_size)
-    r.prompts_per_step = -(-rows // unit) * unit // r.group_size * r.minibatches
-    return c
+    return cfg.replace({"rl.prompts_per_step": -(-rows // unit) * unit // r.group_size * r.minibatches})
 
 
 def _compile(cfg, mesh, rules, name: str, prompt_len: int, chip: aot.Chip, log) -> dict:
@@ -116,7 +113,7 @@ def compile_split(
     the learner and sampler programs on their meshes (`split_meshes`), and the publish's bytes."""
     gen, _ = aot.parse_topology(topology)
     cfg = rl_split.with_dispatch(cfg, gen)
-    chip, rules = aot.CHIPS[gen], parse_rules(cfg.sharding.rules.to_dict())
+    chip, rules = aot.CHIPS[gen], parse_rules(cfg.sharding.rules)
     expert = max(1, min(cfg.mesh.expert, group))
     learner, sampler = split_meshes(topology, split.sampler_chips, group, expert)
     learn = _compile(learner_config(cfg, learner.size), learner, rules, "rl_learner", prompt_len, chip, log)

@@ -26,25 +26,31 @@ def check_episode_cohorts(cfg: RunConfig) -> None:
         )
 
 
+def register_builtins() -> None:
+    """Import the modules whose built-in policy losses, estimators, environments, domains and
+    verifiers register themselves."""
+    import posttrain.rl.algo.advantages  # noqa: F401
+    import posttrain.rl.algo.kl  # noqa: F401
+    import posttrain.rl.algo.losses  # noqa: F401
+    import posttrain.rl.tasks.registry  # noqa: F401
+
+
 def check_rlvr_stage(cfg: RunConfig) -> None:
     """The rlvr stage's start-up checks: the names its keys give are registered (policy losses,
     advantage and KL estimators, environments, domains, curriculum bands), user verifiers exist
     where their timeout is set, and what the run's processes, images and placement cannot do."""
-    import posttrain.rl.algo.advantages  # noqa: F401 (the built-in estimators, losses, environments register)
-    import posttrain.rl.algo.kl  # noqa: F401
-    import posttrain.rl.algo.losses  # noqa: F401
-    import posttrain.rl.tasks.registry  # noqa: F401
     from posttrain.rl.envs.images import check_rl_images
     from posttrain.rl.rollout.hosts import check_multihost_rl
     from posttrain.rl.rollout.inflight import check_inflight
     from posttrain.rl.rollout.remote import check_disaggregated
-    from posttrain.rl.tasks.registry import VERIFIERS, curriculum_options
+    from posttrain.rl.tasks.registry import USER_VERIFIERS, curriculum_options
 
-    cfg.check_stages()
+    register_builtins()
     r = cfg.rl
-    check_registered(r)
+    check_registered(r)  # an unknown name first: the stage's rules judge the keys by the names given
+    cfg.check_stages()
     curriculum_options(r.curriculum)  # band names
-    if r.verifier_timeout_s != 30.0 and not (r.verifiers or VERIFIERS.names()):
+    if r.verifier_timeout_s != 30.0 and not (r.verifiers or USER_VERIFIERS.names()):
         raise UserError(
             f"rl.verifier_timeout_s={r.verifier_timeout_s!r} cannot take effect: only user verifiers (rl.verifiers) "
             "have this timeout; the math and code verifiers have their own",

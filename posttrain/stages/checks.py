@@ -9,14 +9,19 @@ import re
 
 from posttrain.config import RunConfig
 from posttrain.config import stages as stage_table
+from posttrain.config.registry import check_registered
 from posttrain.errors import UserError
 from posttrain.stages.data_files import check_stage_files
 
 
 def check_run(cfg: RunConfig) -> None:
-    """Every start-up check of the stages `cfg` reaches (`main.run` calls it before any stage runs)."""
-    from posttrain.rl.checks import check_episode_cohorts
+    """Every start-up check of the stages `cfg` reaches (`main.run` calls it before any stage runs):
+    first the names its keys give (losses, estimators, environments: `registered` fields), whatever
+    the stages, as a key's choices are."""
+    from posttrain.rl.checks import check_episode_cohorts, register_builtins
 
+    register_builtins()
+    check_registered(cfg)
     check_stage_files(cfg, cfg.stages)
     try:
         check_episode_cohorts(cfg)

@@ -24,107 +24,25 @@ import time
 from functools import partial
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
 
-from posttrain.config.rl import ppo_steps
+from posttrain.config import RunConfig
 from posttrain.core import lineage
 from posttrain.core.alerts import AlertMonitor
 from posttrain.core.checkpoint import Checkpointer
-from posttrain.core.harness import CHECKPOINT_ITEMS, Harness, Result, starting_state
-from posttrain.core.init import init_model_from
+from posttrain.core.harness import CHECKPOINT_ITEMS, Harness, Result
 from posttrain.core.metrics import compiled
-from posttrain.core.optim import lr_schedule, make_optimizer
-from posttrain.core.state import TrainState, create_train_state, model_params
 from posttrain.core.step import check_nonfinite
-from posttrain.data.tokenizer import load_tokenizer
-from posttrain.models.decoder import Decoder
-from posttrain.parallel import sequence_shards
-from posttrain.rl.algo.advantages import uses_critic
-from posttrain.rl.algo.critic import ValueDecoder
-from posttrain.rl.algo.learner import Learner, advantage_targets, batch_rows, compute_advantages, rl_batch
-from posttrain.rl.algo.reward_model import RewardComposer
+from posttrain.rl.algo.learner import advantage_targets, batch_rows, compute_advantages, rl_batch
 from posttrain.rl.checks import check_rlvr_stage
 from posttrain.rl.rollout.buffer import Rollout
-from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.hosts import all_values, sampled_reward_stats
 from posttrain.rl.rollout.inflight import enforce_token_staleness
-from posttrain.rl.rollout.log import RolloutLog
-from posttrain.rl.rollout.placement import place_devices, sampler_weights
+from posttrain.rl.rollout.placement import place_devices
 from posttrain.rl.rollout.producer import AsyncProducer
-from posttrain.rl.rollout.remote import RemoteProducer
-from posttrain.rl.rollout.worker import BusyClock, RolloutBatch, RolloutWorker, collect_batch, evaluate
-from posttrain.rl.tasks.registry import curriculum_options, domain_weights, make_domains, make_reward_fn
-from posttrain.rl.tasks.scheduler import TaskScheduler
-from posttrain.sampling.continuous import SlotConfig
-from posttrain.sampling.layout import sampler_rules
-from posttrain.sampling.prefix_cache import PrefixCache
-from posttrain.sampling.rules import SamplingParams
+from posttrain.rl.rollout.worker import RolloutBatch, RolloutWorker, collect_batch, evaluate
+from posttrain.stages.rlvr_parts import PRODUCERS, Components, RLState, build
 
-__all__ = ["RLState", "run", "rl_batch", "compute_advantages", "RolloutWorker", "AsyncProducer"]
-
-
-@dataclasses.dataclass
-class RLState:
-    """Where an RLVR run stands between steps (host side). `step` is the number of batches trained
-    and the policy version; `scheduler_state` is the scheduler as of the last trained batch (what
-    a checkpoint saves: no draws of batches not yet trained on)."""
-
-    train: TrainState
-    step: int
-    scheduler_state: dict | None = None
-    skipped_updates: int = 0
-    last_eval: dict = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(kw_only=True)
-class Components:
-    """The fixed parts of a run that the step functions use."""
-
-    cfg: object
-    worker: RolloutWorker
-    learner: Learner
-    scheduler: TaskScheduler
-    producer: AsyncProducer | None
-    ref: tuple
-    base_key: jax.Array
-    held_out: list
-    clock: BusyClock
-    pad_id: int
-    rewards: RewardComposer
-    rollout_log: RolloutLog | None = None
-    learner_sharding: tuple | None = None  # (mesh, rules) of the learner's params, (…, sampler mesh) if split
-
-    def weights(self, rl: RLState) -> tuple:
-        """(params, rest) the policy samples with: the learner's, resharded into the decode layout
-        when sampling.layout says so (a second copy), quantised when sampling.quantize says so (the
-        behaviour log-probs are then the quantised policy's, the learner's importance weights correct
-        the gap); on the sampler's own devices under rl.placement = split (`placement.sampler_weights`)."""
-        params = model_params(rl.train, self.cfg.lora)
-        return sampler_weights(params, rl.train.rest, self.cfg.sampling, self.learner_sharding)
-
-
-def rollout_sampling(cfg, stop_ids) -> SamplingParams:
-    """The rollouts' sampling params: rl.temperature/top_k/top_p/max_new_tokens/group_size, the
-    sampler's sampling.speculative_k / draft_layers, and whether it records routing (replay)."""
-    r = cfg.rl
-    return SamplingParams(
-        temperature=r.temperature,
-        top_k=r.top_k,
-        top_p=r.top_p,
-        max_new_tokens=r.max_new_tokens,
-        stop_ids=tuple(stop_ids),
-        num_samples=r.group_size,
-        speculative_k=cfg.sampling.speculative_k,
-        draft_layers=cfg.sampling.draft_layers,
-        record_routing=cfg.model.moe.routing_replay == "sampler",
-    )
-
-
-def rollout_prefix_cache(cfg) -> PrefixCache | None:
-    """The rollouts' prefix cache: `sampling.prefix_cache` tokens of prompt KV kept across sampler calls
-    (the turns of multi-turn episodes, resampled prompts), emptied when the weights change; 0: none."""
-    return PrefixCache(cfg.sampling.prefix_cache) if cfg.sampling.prefix_cache else None
+__all__ = ["RLState", "Components", "run", "rl_batch", "compute_advantages", "RolloutWorker", "AsyncProducer"]
 
 
 def rollout_step(c: Components, rl: RLState) -> tuple[list[Rollout], RolloutBatch]:
@@ -220,136 +138,27 @@ def save(c: Components, ckpt: Checkpointer, rl: RLState) -> None:
     )
 
 
-def run(cfg) -> Result:
+def run(cfg: RunConfig) -> Result:
     """Train with RLVR for `train.steps` (or `rl.steps`) rollout batches; `Result.eval` is the
     final evaluation."""
     cfg = cfg.for_stage("rlvr")
     check_rlvr_stage(cfg)
-    r = cfg.rl
-    tok = load_tokenizer(cfg.data.tokenizer)
-    domains, held_out = make_domains(cfg, tok, make_reward_fn(cfg.rl))
-    scheduler = TaskScheduler(domains, domain_weights(r, domains), seed=cfg.seed, **curriculum_options(r.curriculum))
-    mesh, rules, sampler_mesh = place_devices(cfg)  # rl.placement: the sampler's own mesh, or None
-    steps = cfg.train.steps
-    tx = make_optimizer(cfg.optim, steps * ppo_steps(r))
-    decoder = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
-    # PPO with a critic: the policy carries the value head (a fresh head on an init_from decoder).
-    make = (lambda: ValueDecoder(cfg.model, rngs=nnx.Rngs(cfg.seed))) if uses_critic(r.advantage) else decoder
-    sampling = rollout_sampling(cfg, tok.stop_ids)
+    placement = place_devices(cfg)  # rl.placement: the learner's mesh and rules, the sampler's own mesh or None
+    alerts = AlertMonitor.from_config(cfg.alerts)
     harness = Harness.open(
-        "rlvr",
-        cfg.workdir,
-        steps,
-        cfg.checkpoint,
-        progress=cfg.train.progress,
-        alerts=AlertMonitor.from_config(cfg.alerts),
+        "rlvr", cfg.workdir, cfg.train.steps, cfg.checkpoint, progress=cfg.train.progress, alerts=alerts
     )
-    start = harness.start
-    clock, pool, producer = BusyClock(), concurrent.futures.ThreadPoolExecutor(r.verifier_workers), None
+    pool, c = concurrent.futures.ThreadPoolExecutor(cfg.rl.verifier_workers), None
     try:
-        with harness.running(mesh, rules):
-            graphdef, state, shardings = create_train_state(make, tx, mesh, rules, cfg.lora, cfg.seed)
-            state, start_weights, data = starting_state(
-                state,
-                shardings,
-                harness.ckpt,
-                start,
-                init_model_from(cfg.init_from, decoder, mesh, rules),
-                need_start_weights=bool(r.kl_coef),
-                optim_name=cfg.optim.name,
-            )
-            start = int(state.step)  # older than the newest checkpoint if that one was unreadable
-            # The KL reference: the starting weights, a copy since the policy's buffers are donated to each update.
-            # Under LoRA its params are the frozen base the state carries (None here: read from it), its rest a copy.
-            ref = ()
-            if r.kl_coef:
-                ref = jax.tree.map(jnp.copy, start_weights[1] if state.frozen is not None else start_weights)
-                ref = (None, ref) if state.frozen is not None else ref
-            rl = RLState(state, start)
-            if start:
-                scheduler.set_state(data["scheduler"])
-                rl = RLState(
-                    state.replace(step=jnp.asarray(data.get("optimizer_steps", start), jnp.int32)),
-                    start,
-                    data["scheduler"],
-                    int(data.get("skipped_updates", 0)),
-                )
-            learner = Learner(
-                graphdef,
-                tx,
-                lr_schedule(cfg.optim, steps * ppo_steps(r)),
-                shardings,
-                rl_cfg=r,
-                moe_cfg=cfg.model.moe,
-                lora_cfg=cfg.lora,
-                sampling=sampling,
-                donate=r.max_staleness == 0,
-                seed=cfg.seed,
-                context=(sequence_shards(mesh, rules)[1], cfg.model.attention_block),  # zig-zag where it balances
-            )
-            worker = RolloutWorker(
-                graphdef,
-                domains,
-                sampling,
-                tok.pad_id,
-                pool,
-                r.verifier_delay,
-                clock,
-                episodes=partial(rollout_episodes, cohorts=r.episode_cohorts) if r.env != "single" else None,
-                prefix_cache=rollout_prefix_cache(cfg),
-                continuous=SlotConfig.of(cfg.sampling),
-                rules=sampler_rules(rules, cfg.sampling.layout),
-                mesh=sampler_mesh,
-                inflight_every=r.inflight_update_every,
-            )
-            base_key = jax.random.key(cfg.seed)
-            rewards = RewardComposer.from_config(
-                cfg.rl,
-                mesh,
-                rules,
-                pad_id=tok.pad_id,
-                policy=(cfg.data.tokenizer, cfg.model.vocab_size),
-                step=data.get("reward_model_step") if start else None,
-            )
-            if start and "reward_stats" in data:
-                rewards.stats.set_state(data["reward_stats"])
-            c = Components(
-                cfg=cfg,
-                worker=worker,
-                learner=learner,
-                scheduler=scheduler,
-                producer=None,
-                ref=ref,
-                base_key=base_key,
-                held_out=held_out,
-                clock=clock,
-                pad_id=tok.pad_id,
-                rewards=rewards,
-                learner_sharding=(mesh, rules, sampler_mesh),
-            )
-            if r.rollouts_every:
-                kept = dict(every=r.rollouts_every, fraction=r.rollouts_fraction, seed=cfg.seed)
-                c.rollout_log = RolloutLog(cfg.workdir, tok, **kept, enabled=jax.process_index() == 0)
-            if r.placement == "disaggregated":  # the samplers are other process groups (rl/rollout/remote.py)
-                producer = c.producer = RemoteProducer.for_learner(c, start, c.weights(rl))
-            elif r.max_staleness > 0:
-                producer = c.producer = AsyncProducer(
-                    worker,
-                    scheduler,
-                    num_groups=r.prompts_per_step,
-                    max_staleness=r.max_staleness,
-                    base_key=base_key,
-                    start=start,
-                    weights=c.weights(rl),
-                    mesh=mesh,
-                    rules=rules,
-                ).start()
+        with harness.running(*placement[:2]):
+            c, rl = build(cfg, harness, pool, tuple(placement))
+            c.producer = PRODUCERS[cfg.rl.placement](c, rl)
             rl, rows = train_loop(c, rl, harness)
     finally:
-        if producer is not None:
-            producer.close()
+        if c is not None and c.producer is not None:
+            c.producer.close()
         pool.shutdown(wait=False, cancel_futures=True)
-    return Result(graphdef, rl.train, rows, rl.last_eval)
+    return Result(c.graphdef, rl.train, rows, rl.last_eval)
 
 
 def train_loop(c: Components, rl: RLState, run: Harness) -> tuple[RLState, list[dict]]:

@@ -39,7 +39,7 @@ from posttrain.rl.rollout.workqueue import WorkQueue, encode_batch
 from posttrain.rl.tasks.registry import make_domains, make_reward_fn
 from posttrain.sampling.continuous import SlotConfig
 from posttrain.sampling.layout import sampler_rules
-from posttrain.stages.rlvr import rollout_prefix_cache, rollout_sampling
+from posttrain.stages.rlvr_parts import rollout_prefix_cache, rollout_sampling
 
 
 def pull_specs(make, mesh, rules, layout: str) -> tuple:

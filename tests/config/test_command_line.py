@@ -4,14 +4,13 @@ and no module below it sees a ConfigDict."""
 import ast
 import json
 import runpy
-from pathlib import Path
 
 import pytest
 
 from posttrain.config import RunConfig, base_config, run_config
 from posttrain.errors import UserError
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 EDGE = {"posttrain/main.py", "posttrain/config/command_line.py"}  # the only modules that touch a ConfigDict
 
 

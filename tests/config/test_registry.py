@@ -4,7 +4,6 @@ its own field (`rl.options.<name>`); a name no entry has is refused, naming the 
 
 import json
 import runpy
-from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
@@ -15,8 +14,7 @@ from posttrain.config.registry import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, 
 from posttrain.errors import UserError
 from posttrain.main import run
 from posttrain.rl.algo.losses import Surrogate
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.paths import ROOT
 
 
 @section
@@ -53,7 +51,8 @@ def test_a_registered_loss_takes_its_own_key_on_the_command_line_and_in_python(t
 def test_a_loss_from_outside_the_package_trains_through_rlvr_with_its_own_field(toy, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))  # configs import configs.sft_tiny
     cfg = runpy.run_path(str(ROOT / "configs" / "rlvr_tiny.py"))["get_config"]()
-    small = {"rl.steps": 2, "rl.gate": "", "rl.eval_every": 0, "rl.prompts_per_step": 4, "rl.group_size": 4}
+    small = {"rl.steps": 2, "rl.gate": "", "rl.eval_every": 0, "rl.eval_size": 128, "rl.prompts_per_step": 4}
+    small |= {"rl.group_size": 4}
     small |= {"rl.max_new_tokens": 16, "rl.overlong_buffer": 14, "train.batch_size": 8, "train.seq_len": 64}
     small |= {"train.progress": False, "checkpoint.every": 0, "data.synthetic_size": 200, "rl.arithmetic_size": 100}
     cfg.update_from_flattened_dict({**small, "rl.loss_type": "toy", "workdir": str(tmp_path / "toy")})
@@ -70,8 +69,9 @@ def test_a_loss_from_outside_the_package_trains_through_rlvr_with_its_own_field(
     "key, registry", [("rl.loss_type", POLICY_LOSSES), ("rl.advantage", ADVANTAGES), ("rl.kl_estimator", KL_ESTIMATORS)]
 )
 def test_an_unknown_name_is_refused_naming_the_registered_ones(key, registry):
-    import posttrain.rl.algo.losses  # noqa: F401 (the built-ins register)
-    import posttrain.rl.algo.advantages  # noqa: F401
+    import posttrain.rl.algo.advantages  # noqa: F401 (the built-ins register)
+    import posttrain.rl.algo.losses  # noqa: F401
+    import posttrain.rl.tasks.registry  # noqa: F401
 
     cfg = RunConfig(stage="rlvr").replace({key: "nonesuch"})
     with pytest.raises(UserError, match=rf"config\.{key}='nonesuch': no such .*; registered: ") as e:

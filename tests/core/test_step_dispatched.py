@@ -11,6 +11,7 @@ import jax
 from posttrain.config import base_config
 from posttrain.core.step import MAX_STEPS_AHEAD, dispatched
 from posttrain.stages import lm
+from tests.support.configs import typed
 
 
 class Result:
@@ -75,5 +76,5 @@ def test_the_training_loop_bounds_its_steps_in_flight(tmp_path, monkeypatch):
     cfg.mesh.data = 8
     cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len, cfg.train.log_every = 12, 8, 16, 1000
     cfg.train.progress = False
-    lm.run(cfg)
+    lm.run(typed(cfg))
     assert len(unfinished) == 12 and max(unfinished) <= MAX_STEPS_AHEAD

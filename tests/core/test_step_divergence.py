@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.config import base_config
 from posttrain.core.checkpoint import Checkpointer, NonFiniteCheckpoint
 from posttrain.core.metrics import MetricsWriter, read_metrics
 from posttrain.core.optim import make_optimizer
@@ -20,6 +19,7 @@ from posttrain.core.state import create_train_state
 from posttrain.core.step import Diverged, check_nonfinite, lm_loss, make_train_step
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
+from tests.support.configs import run_cfg
 from tests.support.paths import ROOT
 
 
@@ -37,8 +37,7 @@ def scaled_loss(model, batch, moe_cfg):
 
 
 def test_nonfinite_batch_is_skipped_and_training_continues():
-    cfg = base_config()
-    cfg.model.num_layers, cfg.model.vocab_size = 1, 64  # the smallest compile
+    cfg = run_cfg({"model.num_layers": 1, "model.vocab_size": 64})  # the smallest compile
     mesh = make_mesh(dict(data=1), devices=jax.devices()[:1])  # one device: the fastest compile
     tx = make_optimizer(cfg.optim, 10)
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (8, 17))

@@ -9,10 +9,10 @@ import shutil
 import numpy as np
 import pytest
 
-from posttrain.config import base_config
 from posttrain.data.pipeline import sft_batches
 from posttrain.data.schedule import ScheduledBatches, parse_seq_len_schedule
 from posttrain.data.tokenizer import load_tokenizer
+from tests.support.configs import run_cfg
 
 
 def test_parse_schedule():
@@ -82,14 +82,17 @@ def test_stage_without_staged_data_is_an_error():
 
 
 def sft_config(workdir, files, steps=5):
-    cfg = base_config()
-    cfg.stage, cfg.workdir = "sft", str(workdir)
-    cfg.model.vocab_size = 264
-    cfg.sft.train_files, cfg.sft.sample_tokens = files, 0
-    cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len, cfg.train.seq_len_schedule = steps, 2, 128, "48:3,128"
-    cfg.train.log_every, cfg.train.progress = 1, False
-    cfg.checkpoint.every, cfg.checkpoint.keep, cfg.checkpoint.async_save = 3, 2, False
-    return cfg
+    return run_cfg(
+        {
+            "model.vocab_size": 264,
+            **{"sft.train_files": files, "sft.sample_tokens": 0},
+            **{"train.steps": steps, "train.batch_size": 2, "train.seq_len": 128, "train.seq_len_schedule": "48:3,128"},
+            **{"train.log_every": 1, "train.progress": False},
+            **{"checkpoint.every": 3, "checkpoint.keep": 2, "checkpoint.async_save": False},
+        },
+        stage="sft",
+        workdir=str(workdir),
+    )
 
 
 def test_staged_run_resumes_at_the_boundary(tmp_path):
@@ -119,7 +122,6 @@ def test_staged_run_resumes_at_the_boundary(tmp_path):
 def test_pipeline_refuses_a_schedule_some_stage_cannot_follow(tmp_path):
     from posttrain.stages import pipeline
 
-    cfg = sft_config(tmp_path, "unused.jsonl")
-    cfg.pipeline.stages = ("sft", "dpo")
+    cfg = sft_config(tmp_path, "unused.jsonl").replace({"pipeline.stages": ("sft", "dpo")})
     with pytest.raises(ValueError, match=r"train\.seq_len_schedule='48:3,128'.*\['dpo'\]"):
-        pipeline.run(cfg)
+        pipeline.check(cfg)  # main.run's start-up check (stages.checks.check_run), before the first stage

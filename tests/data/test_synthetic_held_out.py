@@ -24,8 +24,9 @@ from posttrain.data.synthetic import (
 )
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.rl.tasks.domains import gsm8k_tasks, humaneval_tasks, shared_data_dir
+from posttrain.rl.tasks.registry import make_domains
 from posttrain.stages.data_files import resolve_data_files
-from posttrain.stages.rlvr import make_domains
+from tests.support.configs import typed
 from tests.support.paths import ROOT
 
 PROBLEM = re.compile(r"What is (\d+[+-]\d+)\?")
@@ -36,7 +37,7 @@ def quickstart_config(tmp_path):
     cfg.workdir = str(tmp_path)
     for stage in ("sft", "reward_model", "dpo"):
         cfg[stage].train_files = cfg[stage].eval_files = "synthetic:"
-    return cfg
+    return typed(cfg)
 
 
 def problems(path: Path) -> list[str]:
@@ -92,8 +93,8 @@ def test_arithmetic_eval_problems_are_in_no_training_data(tmp_path):
     assert len(evals) == len(set(evals)) == cfg.rl.eval_size  # distinct problems, by meaning
     assert {arithmetic_split(q) for q in evals} == {"test"}
     train = {PROBLEM.match(t.prompt[0]["content"]).group(1) for t in domains["arithmetic"].tasks}
-    resolve_data_files(cfg, "sft", "sft")
-    resolve_data_files(cfg, "dpo", "preference")
+    cfg = resolve_data_files(cfg, "sft", "sft")
+    cfg = resolve_data_files(cfg, "dpo", "preference")
     sft, preference = set(problems(Path(cfg.sft.train_files))), set(problems(Path(cfg.dpo.train_files)))
     lm = {
         q
@@ -130,8 +131,7 @@ def test_gsm8k_and_humaneval_eval_sets_are_disjoint_from_training(tmp_path, monk
     data = shared_data_dir()
     if not Path(data, "gsm8k", "test.jsonl").exists() or not Path(data, "humaneval", "HumanEval.jsonl.gz").exists():
         pytest.skip(f"shared data folder {data} is absent (set POSTTRAIN_DATA to it)")
-    cfg = quickstart_config(tmp_path)
-    cfg.rl.domains, cfg.rl.eval_size = "gsm8k,humaneval", 10_000
+    cfg = quickstart_config(tmp_path).replace({"rl.domains": "gsm8k,humaneval", "rl.eval_size": 10_000})
     domains, held_out = make_domains(cfg, ByteTokenizer(), None)
     norm = lambda t: " ".join(t.prompt[0]["content"].lower().split())
     gsm_eval = {norm(t) for d, t in held_out if d == "gsm8k"}

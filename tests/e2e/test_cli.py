@@ -66,7 +66,7 @@ def load(name: str):
 @pytest.mark.parametrize(
     "config_file, key, value, expected",
     [
-        ("rlvr_tiny.py", "rl.advantage", "foo", "config.rl.advantage='foo': expected one of 'grpo'"),
+        ("rlvr_tiny.py", "rl.advantage", "foo", "config.rl.advantage='foo': no such advantage estimator; registered"),
         ("sft_tiny.py", "train.steps", -1, "config.train.steps=-1: expected >= 1"),
         ("sft_tiny.py", "optim.lr", -1.0, "config.optim.lr=-1.0: expected > 0"),
         ("dpo_tiny.py", "dpo.steps", -5, "config.dpo.steps=-5: expected >= 0"),
@@ -88,7 +88,12 @@ def load(name: str):
             "config.rl.train_files='tasks.jsonl': no such file; name existing JSONL task files",
         ),  # the pipeline's rlvr stage, up front
         ("quickstart.py", "eval.suites", "arithmetic,mine=my.jsonl", "config.eval.suites='my.jsonl': no such file"),
-        ("sft_tiny.py", "rl.env", "tools", "config.rl.env='tools': expected one of 'single', 'tool'"),
+        (
+            "sft_tiny.py",
+            "rl.env",
+            "tools",
+            "config.rl.env='tools': no such environment; registered: screen, single, tool",
+        ),
         ("sft_tiny.py", "rejection.samples_per_prompt", 0, "config.rejection.samples_per_prompt=0: expected >= 1"),
         (
             "sft_tiny.py",
@@ -102,9 +107,9 @@ def test_bad_values_fail_before_any_stage_runs_naming_the_key(
     tmp_path, capsys, monkeypatch, config_file, key, value, expected
 ):
     from posttrain import main
-    from posttrain.stages import registry
+    from posttrain.config import stages as stage_table
 
-    monkeypatch.setattr(registry.Stage, "runner", lambda self: lambda cfg, **kw: pytest.fail("a stage ran"))
+    monkeypatch.setattr(stage_table.Stage, "runner", lambda self: lambda cfg, **kw: pytest.fail("a stage ran"))
     cfg = load(config_file)
     cfg.workdir = str(tmp_path / "W")
     section, *rest = key.split(".")
@@ -143,52 +148,51 @@ def test_cli_bad_enum_fails_at_once_and_command_line_steps_win_over_the_file(tmp
 
 
 def test_precedence_of_stage_keys_and_generic_keys():
-    from posttrain.config import with_stage_overrides
-    from posttrain.config_schema import apply_command_line_precedence, command_line_keys
+    from posttrain.config import run_config
+    from posttrain.config.command_line import apply_command_line_precedence, command_line_keys
 
     cfg = load("rlvr_tiny.py")
-    assert cfg.rl.steps == 60 and with_stage_overrides(cfg, "rl").train.steps == 60  # the file: stage key wins
+    assert cfg.rl.steps == 60 and run_config(cfg).for_stage("rlvr").train.steps == 60  # the file: stage key wins
     cfg.train.steps = 6
     apply_command_line_precedence(cfg, command_line_keys(["--config.train.steps=6", "--config.seed", "1"]))
-    assert cfg.rl.steps == 0 and with_stage_overrides(cfg, "rl").train.steps == 6  # the command line wins
+    assert cfg.rl.steps == 0 and run_config(cfg).for_stage("rlvr").train.steps == 6  # the command line wins
     cfg = load("dpo_tiny.py")
     cfg.optim.lr, cfg.dpo.lr = 1e-2, 2e-4
     notes = apply_command_line_precedence(cfg, command_line_keys(["--config.optim.lr=1e-2", "--config.dpo.lr=2e-4"]))
-    assert notes == [] and with_stage_overrides(cfg, "dpo").optim.lr == 2e-4  # both given: the specific one
-    assert with_stage_overrides(cfg, "dpo").train.steps == 100
+    assert notes == [] and run_config(cfg).for_stage("dpo").optim.lr == 2e-4  # both given: the specific one
+    assert run_config(cfg).for_stage("dpo").train.steps == 100
 
 
-def test_module_enums_are_the_configs():
+def test_module_enums_are_the_configs_and_names_are_registries():
     """Each enum key's values are defined once, in posttrain.config: the modules that implement
-    them hold that very object, and so does the field that checks the key."""
+    them and read their own copy hold that very object, and so does the field that checks the key.
+    Keys that name implementations (`registered` fields) name registries the modules fill."""
     import dataclasses
 
+    import posttrain.rl.algo.kl  # noqa: F401 (the built-ins register)
+    import posttrain.rl.algo.losses  # noqa: F401
+    import posttrain.rl.tasks.registry  # noqa: F401
     from posttrain import config
-    from posttrain.config.fields import CHOICE, nested_sections
+    from posttrain.config.fields import CHECK, nested_sections
+    from posttrain.config.registry import REGISTRIES
     from posttrain.core.alerts import MODES
-    from posttrain.core.optim import MOMENT_DTYPES, OPTIMIZERS
     from posttrain.data.sources import ON_ERROR
-    from posttrain.models.attention import ATTENTION_KERNELS, ROPE_SCALINGS
+    from posttrain.models.attention import ATTENTION_KERNELS
     from posttrain.models.decoder import REMAT_POLICIES
     from posttrain.models.moe.dispatch import DISPATCHES
     from posttrain.models.quant import QUANT_MODES
     from posttrain.models.vision import VISION_ENCODERS
     from posttrain.ops.context_parallel import CONTEXT_PARALLEL
-    from posttrain.rl.algo.advantages import ADVANTAGE_METHODS, GROUP_METHODS
-    from posttrain.rl.algo.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, RATIO_LEVELS
+    from posttrain.rl.algo.losses import AGGREGATIONS, RATIO_LEVELS
     from posttrain.rl.algo.offpolicy import IS_LEVELS, IS_MASKS
     from posttrain.rl.rollout.placement import PLACEMENTS
     from posttrain.rl.rollout.remote import ROLES
     from posttrain.rl.rollout.routing import ROUTING_REPLAY
-    from posttrain.rl.tasks.registry import ENVS
     from posttrain.sampling.layout import SAMPLING_LAYOUTS
     from posttrain.stages.losses import DPO_LOSSES
 
     modules = {
-        "optim.name": OPTIMIZERS,
-        "optim.moment_dtype": MOMENT_DTYPES,
         "model.attention": ATTENTION_KERNELS,
-        "model.rope_scaling.type": ROPE_SCALINGS,
         "model.context_parallel": CONTEXT_PARALLEL,
         "model.moe.dispatch": DISPATCHES,
         "model.remat": config.REMAT_MODES,
@@ -201,31 +205,37 @@ def test_module_enums_are_the_configs():
         "data.synthetic": config.SYNTHETIC_DATA,
         "dpo.loss_type": DPO_LOSSES,
         "alerts.on": MODES,
-        "rl.advantage": ADVANTAGE_METHODS,
         "rl.aggregation": AGGREGATIONS,
-        "rl.kl_estimator": KL_ESTIMATORS,
         "rl.ratio_level": RATIO_LEVELS,
-        "rl.loss_type": POLICY_LOSSES,
         "rl.is_level": IS_LEVELS,
         "rl.is_mask": IS_MASKS,
-        "rl.env": ENVS,
         "rl.placement": PLACEMENTS,
         "rl.role": ROLES,
         "sampling.quantize": QUANT_MODES,
         "sampling.layout": SAMPLING_LAYOUTS,
     }
-    choices = {}
+    choices, named = {}, {}
 
     def walk(cls, prefix):
         for f in dataclasses.fields(cls):
+            kind, *arg = f.metadata[CHECK]
             if f.name in nested_sections(cls):
                 walk(nested_sections(cls)[f.name], f"{prefix}{f.name}.")
-            elif CHOICE in f.metadata:
-                choices[prefix + f.name] = f.metadata[CHOICE]
+            elif kind == "choice":
+                choices[prefix + f.name] = arg[0]
+            elif kind == "registered":
+                named[prefix + f.name] = arg[0]
 
     walk(config.RunConfig, "")
-    assert choices.keys() == modules.keys()
+    assert modules.keys() <= choices.keys()  # the rest are read from the section only (optim.name, ...)
     for key, values in modules.items():
+        assert choices[key] == values and set(choices[key]) == set(values), key
         assert choices[key] is values, key
     assert ("none", *REMAT_POLICIES) == config.REMAT_MODES  # a policy for each mode but none
-    assert (*GROUP_METHODS, "gae") == config.ADVANTAGE_METHODS
+    assert named == {k: k for k in ("rl.env", "rl.advantage", "rl.kl_estimator", "rl.loss_type")}
+    assert {k: REGISTRIES[k].names() for k in named} == {
+        "rl.env": ("single", "screen", "tool"),
+        "rl.advantage": ("grpo", "drgrpo", "rloo", "gae"),
+        "rl.kl_estimator": ("k1", "k2", "k3"),
+        "rl.loss_type": ("ppo", "cispo"),
+    }

@@ -6,16 +6,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.config import model_config
 from posttrain.models.attention import apply_rope, attention_mask
 from posttrain.models.decoder import Decoder, layer_kinds, scan_segments
+from tests.support.configs import model
 
 
-def tiny_cfg(**kw):
-    cfg = model_config()
-    cfg.update(dict(vocab_size=32, embed_dim=16, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=24))
-    cfg.update(kw)
-    return cfg
+def tiny_cfg(changes=None, **kw):
+    tiny = dict(vocab_size=32, embed_dim=16, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=24)
+    return model(changes, **{**tiny, **kw})
 
 
 def rms(x, w, eps):
@@ -133,17 +131,16 @@ def test_packed_segments_do_not_attend_across():
 
 
 def test_layer_kinds_and_segments():
-    cfg = tiny_cfg(num_layers=6)
-    cfg.moe.num_experts = 4
+    cfg = tiny_cfg({"moe.num_experts": 4}, num_layers=6)
     assert layer_kinds(cfg) == ("moe",) * 6
     assert scan_segments(layer_kinds(cfg)) == [(("moe",), 6)]
-    cfg.moe.every = 2
+    cfg = cfg.replace({"moe.every": 2})
     assert scan_segments(layer_kinds(cfg)) == [(("dense", "moe"), 3)]
-    cfg.moe.every, cfg.moe.first_dense = 1, 2
+    cfg = cfg.replace({"moe.every": 1, "moe.first_dense": 2})
     assert scan_segments(layer_kinds(cfg)) == [(("dense",), 2), (("moe",), 4)]
-    cfg.moe.first_dense, cfg.moe.dense_layers = 0, (3,)
+    cfg = cfg.replace({"moe.first_dense": 0, "moe.dense_layers": (3,)})
     assert layer_kinds(cfg) == ("moe", "moe", "moe", "dense", "moe", "moe")
-    cfg.moe.dense_layers = (9,)
+    cfg = cfg.replace({"moe.dense_layers": (9,)})
     with pytest.raises(ValueError, match="dense_layers"):
         layer_kinds(cfg)
 
@@ -151,8 +148,8 @@ def test_layer_kinds_and_segments():
 def test_moe_statistics_and_router_bias_ignore_padding():
     # Rows of padding (segment id 0) change neither the MoE statistics nor the router-bias step:
     # both equal those of the batch with the padding rows removed.
-    cfg = tiny_cfg(num_layers=2)
-    cfg.moe.update(dict(num_experts=4, top_k=2, expert_mlp_dim=16, router="sigmoid", bias_update_rate=0.01))
+    moe = dict(num_experts=4, top_k=2, expert_mlp_dim=16, router="sigmoid", bias_update_rate=0.01)
+    cfg = tiny_cfg({f"moe.{k}": v for k, v in moe.items()}, num_layers=2)
     rng = np.random.default_rng(3)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 6)))
     pos = jnp.broadcast_to(jnp.arange(6), (4, 6))

@@ -17,13 +17,13 @@ transformers = pytest.importorskip("transformers", reason="HF interop tests need
 from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
-from posttrain.config import base_config  # noqa: E402
+from posttrain.config import RunConfig  # noqa: E402
 from posttrain.core.checkpoint import Checkpointer  # noqa: E402
 from posttrain.core.hf_convert import hf_to_run, read_run_config, run_to_hf  # noqa: E402
 from posttrain.core.init import load_model_state  # noqa: E402
 from posttrain.core.state import abstract_model  # noqa: E402
 from posttrain.models import lora  # noqa: E402
-from posttrain.models.attention import RopeScaling, rope_frequencies  # noqa: E402
+from posttrain.models.attention import rope_frequencies  # noqa: E402
 from posttrain.models.decoder import Decoder  # noqa: E402
 from posttrain.models.hf import hf_config_from_model, load_params, model_config_from_dict, model_config_from_hf, save_hf  # noqa: E402
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding  # noqa: E402
@@ -160,7 +160,7 @@ def test_rope_frequencies_match_transformers(rope):
 
     hf = transformers.LlamaConfig(**{**SMALL, "head_dim": 16, "rope_parameters": {"rope_theta": 500.0, **rope}})
     cfg = model_config_from_dict(hf.to_dict())
-    scaling = RopeScaling.from_config(cfg.rope_scaling)
+    scaling = cfg.rope_scaling
     seq_len = 100  # past max_position_embeddings: dynamic scaling grows
     want, want_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, None, seq_len=seq_len)
     got = rope_frequencies(cfg.head_dim, cfg.rope_theta, scaling, jnp.asarray(seq_len))
@@ -206,8 +206,7 @@ def test_unsupported_config_is_an_error_naming_the_key(change, key):
 def test_mismatched_model_config_and_stray_tensors_are_errors(tmp_path):
     src = str(tmp_path / "src")
     hf_model("llama-llama3-untied").save_pretrained(src)
-    cfg = model_config_from_hf(src)
-    cfg.rope_theta, cfg.tie_embeddings = 1e6, True
+    cfg = model_config_from_hf(src).replace(rope_theta=1e6, tie_embeddings=True)
     mesh = make_mesh(dict(data=1), jax.devices()[:1])
     with pytest.raises(ValueError, match=r"model\.rope_theta: model has 1000000\.0(.|\n)*parameter head"):
         load_model_state(f"hf:{src}", lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, DEFAULT_RULES)
@@ -238,10 +237,9 @@ def test_convert_runs_both_ways_with_lora_merged(tmp_path):
         hf_logits(model, tokens),
     )
 
-    cfg = base_config()
-    cfg.model.update(model_config_from_hf(src))
-    cfg.init_from, cfg.workdir = f"hf:{src}", lora_run
-    cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets = 2, 4.0, ("q", "o", "w_up", "down")
+    cfg = RunConfig(model=model_config_from_hf(src), init_from=f"hf:{src}", workdir=lora_run).replace(
+        {"lora.rank": 2, "lora.alpha": 4.0, "lora.targets": ("q", "o", "w_up", "down")}
+    )
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))
     one = make_mesh(dict(data=1), jax.devices()[:1])
     base, rest, _ = load_model_state(cfg.init_from, make, one, DEFAULT_RULES)
@@ -268,7 +266,8 @@ def test_advertised_context():
         hf_config_from_model(cfg, None)
     assert hf_config_from_model(cfg, hf, context=32)["max_position_embeddings"] == 64  # never shrinks
     assert hf_config_from_model(cfg, hf, context=300)["max_position_embeddings"] == 300  # trained longer
-    cfg.rope_scaling.update(type="dynamic", factor=2.0, original_max_position_embeddings=48)
+    dynamic = dict(type="dynamic", factor=2.0, original_max_position_embeddings=48)
+    cfg = cfg.replace({f"rope_scaling.{k}": v for k, v in dynamic.items()})
     assert hf_config_from_model(cfg, hf, context=32)["max_position_embeddings"] == 96  # 48 x 2: its base's
     assert hf_config_from_model(cfg, hf, context=300)["max_position_embeddings"] == 300
 
@@ -330,11 +329,14 @@ def test_export_keeps_source_config_and_advertises_trained_context(tmp_path):
             assert exported.get(key) == value, key
     assert transformers.AutoConfig.from_pretrained(out).max_position_embeddings == 96
 
-    cfg = read_run_config(run)
-    cfg.stage, cfg.workdir, cfg.init_from, cfg.data.tokenizer = "sft", str(tmp_path / "long"), run, "byte"
-    cfg.sft.train_files, cfg.sft.eval_files = long_sft_file(tmp_path / "long.jsonl"), ""
-    cfg.data.truncate, cfg.train.progress, cfg.checkpoint.async_save = True, False, False
-    cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len = 2, 2, 128  # (staged runs: data/test_schedule)
+    cfg = read_run_config(run).replace(
+        {
+            **{"stage": "sft", "workdir": str(tmp_path / "long"), "init_from": run, "data.tokenizer": "byte"},
+            **{"sft.train_files": long_sft_file(tmp_path / "long.jsonl"), "sft.eval_files": ""},
+            **{"data.truncate": True, "train.progress": False, "checkpoint.async_save": False},
+            **{"train.steps": 2, "train.batch_size": 2, "train.seq_len": 128},  # (staged runs: data/test_schedule)
+        }
+    )
     run_main(cfg)
     run_to_hf(read_run_config(cfg.workdir), str(tmp_path / "long_hf"), mesh, DEFAULT_RULES, progress=False)
     exported = json.loads(open(tmp_path / "long_hf" / "config.json").read())

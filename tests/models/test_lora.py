@@ -8,23 +8,25 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.config import base_config
 from posttrain.core.optim import make_optimizer
 from posttrain.core.state import create_train_state, model_params
 from posttrain.core.step import lm_loss, make_train_step
 from posttrain.models import lora
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
+from tests.support.configs import run_cfg
 
 
-def config():
-    cfg = base_config()
-    m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 32, 16, 2, 4, 2, 8, 32
-    m.moe.num_experts, m.moe.expert_mlp_dim, m.moe.first_dense = 4, 16, 1
-    cfg.lora.rank, cfg.lora.alpha = 2, 4.0
-    cfg.lora.targets = ("q", "o", "down", "w_up")
-    return cfg
+def config(changes=None):
+    shape = dict(vocab_size=32, embed_dim=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=32)
+    return run_cfg(
+        {
+            **{f"model.{k}": v for k, v in shape.items()},
+            **{"model.moe.num_experts": 4, "model.moe.expert_mlp_dim": 16, "model.moe.first_dense": 1},
+            **{"lora.rank": 2, "lora.alpha": 4.0, "lora.targets": ("q", "o", "down", "w_up")},
+            **(changes or {}),
+        }
+    )
 
 
 def test_merge_is_w_plus_scaled_low_rank_per_layer_and_expert():
@@ -114,12 +116,5 @@ def test_bad_lora_config_is_named():
     _, params, _ = nnx.split(Decoder(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, ...)
     with pytest.raises(ValueError, match="lora.targets"):
         lora.init_adapters(params, ("qq",), 2, jax.random.key(0))
-    cfg.lora.dropout = 0.1
-    with pytest.raises(ValueError, match="lora.dropout"):
-        create_train_state(
-            lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)),
-            make_optimizer(cfg.optim, 1),
-            make_mesh(dict(data=8)),
-            DEFAULT_RULES,
-            cfg.lora,
-        )
+    with pytest.raises(ValueError, match="lora.dropout"):  # refused by the typed config, before any state
+        config({"lora.dropout": 0.1})

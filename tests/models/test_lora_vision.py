@@ -62,9 +62,8 @@ def test_linear_patch_embedding_merge_is_w_plus_scaled_low_rank():
 
 
 def test_lora_sft_step_with_images_moves_only_the_adapters():
-    cfg = vision_config(encoder="vit", **TOWER)
-    cfg.lora.rank, cfg.lora.alpha = 2, 4.0
-    cfg.lora.targets = ("q", "wq", "wv", "fc1", "patch", "proj1", "proj2")
+    targets = ("q", "wq", "wv", "fc1", "patch", "proj1", "proj2")
+    cfg = vision_config({"lora.rank": 2, "lora.alpha": 4.0, "lora.targets": targets}, encoder="vit", **TOWER)
     mesh = make_mesh(dict(data=2, fsdp=2, tensor=2))
     tx = make_optimizer(cfg.optim, 10)
     batch = image_batch()

@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from posttrain.config import model_config
 from posttrain.models.moe import MoE, RouterBias
 from posttrain.parallel import DEFAULT_RULES, logical_spec, make_mesh, shardings_for, use_sharding
+from tests.support.configs import model
 
 D, F, E, K, B, S = 16, 32, 8, 2, 8, 8
 
@@ -26,10 +26,8 @@ CASES = {
 
 def make_cfg(**moe):
     """A tiny float32 model config with an 8-expert top-2 MoE."""
-    cfg = model_config()
-    cfg.embed_dim = D
-    cfg.moe.update(dict(num_experts=E, top_k=K, expert_mlp_dim=F, shared_mlp_dim=F, **moe))
-    return cfg
+    moe = dict(num_experts=E, top_k=K, expert_mlp_dim=F, shared_mlp_dim=F, **moe)
+    return model({f"moe.{k}": v for k, v in moe.items()}, embed_dim=D)
 
 
 @functools.cache

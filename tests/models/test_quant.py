@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.config import base_config
+from posttrain.config import run_config
 from posttrain.models.decoder import Decoder
 from posttrain.models.logprobs import token_logprobs
 from posttrain.models.quant import QArray, quantize_params, quantize_weight, weight_einsum
-from posttrain.rl.checks import check_sampling_config
 from posttrain.sampling import SamplingParams, generate
+from tests.support.configs import model, run_cfg
 
 # Measured on this fixed model (seed 0, 8 prompts × 12 greedy tokens), then loosened a little:
 # |quantised sampler log-prob − float32 learner log-prob| on the sampler's own tokens, and the
@@ -67,21 +67,10 @@ def test_weight_einsum_is_the_dequantised_matmul(mode):
 
 
 def model_config(kind):
-    cfg = base_config().model
-    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = (
-        64,
-        64,
-        2,
-        4,
-        2,
-        16,
-        128,
-    )
-    cfg.qk_norm, cfg.tie_embeddings = True, False
-    if kind == "moe":
-        cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_mlp_dim, cfg.moe.first_dense = 8, 2, 64, 1
-        cfg.moe.num_shared_experts, cfg.moe.shared_mlp_dim = 1, 32
-    return cfg
+    shape = dict(vocab_size=64, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128)
+    moe = dict(num_experts=8, top_k=2, expert_mlp_dim=64, first_dense=1, num_shared_experts=1, shared_mlp_dim=32)
+    changes = {f"moe.{k}": v for k, v in moe.items()} if kind == "moe" else {}
+    return model(changes, **shape, qk_norm=True, tie_embeddings=False)
 
 
 PROMPTS = [
@@ -130,21 +119,18 @@ def test_quantised_sampler_stays_close_to_the_float_policy(kind):
 
 
 def test_sampling_quantize_key_is_checked_and_used():
-    cfg = base_config()
-    cfg.sampling.quantize = "int3"
     with pytest.raises(ValueError, match="sampling.quantize='int3'"):
-        check_sampling_config(cfg, ("rlvr",))
-    cfg.sampling.quantize = "int8"
-    check_sampling_config(cfg, ("rlvr",))
+        run_cfg({"sampling.quantize": "int3"}, stage="rlvr")
+    cfg = run_config(run_cfg({"sampling.quantize": "int8"}, stage="rlvr"))
     with pytest.raises(ValueError, match="no rlvr stage"):
-        check_sampling_config(cfg, ("sft",))
+        run_config(cfg.replace(stage="sft"))
     # the rlvr loop's sampler weights follow the key; the learner's stay float
     from posttrain.stages.rlvr import Components
 
     params = nnx.split(Decoder(model_config("dense"), rngs=nnx.Rngs(0)), nnx.Param, ...)[1]
     rl = types.SimpleNamespace(train=types.SimpleNamespace(params=params, frozen=None, rest="rest"))
     for mode, kind in (("none", jax.Array), ("int8", QArray), ("int4", QArray)):
-        cfg.sampling.quantize = mode
+        cfg = cfg.replace({"sampling.quantize": mode})
         sampler_params, rest = Components.weights(types.SimpleNamespace(cfg=cfg, learner_sharding=None), rl)
         assert isinstance(sampler_params["stacks"][0]["blocks"][0]["attn"]["q"].get_value(), kind)
         assert rest == "rest"

@@ -227,16 +227,13 @@ def test_sharded_with_images_equals_one_device(vision):
 
 
 def test_vision_config_is_checked():
-    from posttrain.config_schema import check_values
+    from posttrain.config import run_config
 
-    check_values(vision_config(encoder="vit"))  # built: models.vit (its own rules: tests/models/hf/test_llava.py)
-    cfg = vision_config(patch_size=3)
+    run_config(vision_config(encoder="vit"))  # built: models.vit (its own rules: tests/models/hf/test_llava.py)
     with pytest.raises(UserError, match=r"model\.vision\.patch_size=3 must divide"):
-        check_values(cfg)
-    cfg = vision_config()
-    cfg.model.vocab_size = 263
+        vision_config(patch_size=3)
     with pytest.raises(UserError, match=r"model\.vision\.image_token_id=263: expected < model\.vocab_size=263"):
-        check_values(cfg)
+        vision_config({"model.vocab_size": 263})
 
 
 def test_tokenizer_must_have_the_models_placeholder():
@@ -287,14 +284,18 @@ def test_sft_on_tiny_rendered_images_learns_the_colour(tmp_path):
         png(tmp_path / "images" / f"{name}.png", rgb, size=10)
         records.append(record(f"images/{name}.png", name))
     train = write_jsonl(tmp_path / "train.jsonl", records * 4)
-    cfg = vision_config()
-    cfg.stage, cfg.workdir = "sft", str(tmp_path / "run")
-    cfg.sft.train_files = cfg.sft.eval_files = train
-    cfg.sft.sample_tokens = 8
-    cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len = 50, 8, 32
-    cfg.train.log_every, cfg.train.eval_every, cfg.train.progress = 10, 50, False
-    cfg.optim.lr, cfg.optim.warmup_steps = 1e-2, 5
-    cfg.checkpoint.every = 1000
+    cfg = vision_config(
+        {
+            "stage": "sft",
+            "workdir": str(tmp_path / "run"),
+            "sft.train_files": train,
+            "sft.eval_files": train,
+            "sft.sample_tokens": 8,
+            **{"train.steps": 50, "train.batch_size": 8, "train.seq_len": 32},
+            **{"train.log_every": 10, "train.eval_every": 50, "train.progress": False},
+            **{"optim.lr": 1e-2, "optim.warmup_steps": 5, "checkpoint.every": 1000},
+        }
+    )
     result = main.run(cfg)
     losses = [r["ce"] for r in result.rows if "ce" in r]
     assert losses[-1] < 0.5 * losses[0], losses
@@ -350,9 +351,8 @@ def test_a_hugging_face_tokenizer_without_an_image_token_is_refused(tmp_path):
     from posttrain.stages.common import stage_tokenizer
     from tests.support.hf import make_hf_folder
 
-    cfg = vision_config()
-    cfg.model.vocab_size = 320
-    cfg.data.tokenizer = make_hf_folder(str(tmp_path / "tok"), {"eos_token": "<|im_end|>"})
+    tokenizer = make_hf_folder(str(tmp_path / "tok"), {"eos_token": "<|im_end|>"})
+    cfg = vision_config({"model.vocab_size": 320, "data.tokenizer": tokenizer})
     with pytest.raises(UserError, match=r"data\.tokenizer.*no image token"):
         stage_tokenizer(cfg)
     with pytest.raises(ValueError, match="no image token"):
@@ -393,8 +393,7 @@ def test_a_hugging_face_tokenizer_expands_its_image_token_to_the_patches(tmp_pat
     assert colours == {(255, 0, 0), (0, 0, 255)}
     assert not (batch["loss_mask"] * slots).any() and batch["loss_mask"].any()
 
-    cfg = vision_config(image_token_id=image_id)
-    cfg.model.vocab_size, cfg.data.tokenizer = 320, root
+    cfg = vision_config({"model.vocab_size": 320, "data.tokenizer": root}, image_token_id=image_id)
     assert stage_tokenizer(cfg).image_id == image_id
 
 
@@ -438,10 +437,10 @@ def test_patch_positions_add_a_learned_embedding_of_each_patchs_place():
 
 
 def test_patch_positions_are_read_only_by_the_linear_encoder():
-    from posttrain.config_schema import check_values
+    from posttrain.config import run_config
 
-    check_values(vision_config(patch_positions=True))
+    run_config(vision_config(patch_positions=True))
     with pytest.raises(UserError, match=r"model\.vision\.patch_positions=True: read only with encoder='linear'"):
-        check_values(vision_config(encoder="vit", patch_positions=True))
+        vision_config(encoder="vit", patch_positions=True)
     _, params, _ = abstract_split()
     assert "pos" not in params["vision"]  # off by default: the plain linear embedding

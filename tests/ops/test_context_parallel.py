@@ -12,7 +12,6 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from posttrain.config import base_config
 from posttrain.core.state import shardings_for
 from posttrain.core.step import lm_loss
 from posttrain.models.attention import AttentionKernel, attention_mask, dot_product_attention
@@ -21,21 +20,12 @@ from posttrain.ops.context_parallel import choose, gathered_kv_bytes
 from posttrain.ops.fused import splash_attention
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 from posttrain.parallel.zigzag import unzigzag, zigzag_batch
+from tests.support.configs import model
 
 
 def model_config(**kw):
-    cfg = base_config().model
-    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = (
-        64,
-        16,
-        2,
-        4,
-        2,
-        8,
-        32,
-    )
-    cfg.update(kw)
-    return cfg
+    shape = dict(vocab_size=64, embed_dim=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=32)
+    return model(**{**shape, **kw})
 
 
 def packed_batch(b=2, s=32, seed=0):

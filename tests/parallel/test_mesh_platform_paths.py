@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.config import base_config
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import accelerator_paths, make_mesh, use_sharding
 from posttrain.parallel.mesh import ACCELERATOR_PATHS_ENV
 from posttrain.parallel.sharding import abstract_model
 from posttrain.plan import aot
 from posttrain.sampling import engine, kv_cache
+from tests.support import configs
 
 needs_libtpu = pytest.mark.skipif(
     not aot.libtpu_available(), reason="libtpu not installed (pip install -e '.[tpu]'): no TPU compiler"
@@ -30,19 +30,9 @@ needs_libtpu = pytest.mark.skipif(
 
 def tiny_model_config(num_layers=2, moe_every=0, num_experts=4):
     """A tiny decoder; `moe_every` > 0: every that many layers is MoE (units of dense + MoE blocks)."""
-    m = base_config().model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        64,
-        16,
-        num_layers,
-        4,
-        2,
-        8,
-        32,
-    )
-    if moe_every:
-        m.moe.num_experts, m.moe.top_k, m.moe.expert_mlp_dim, m.moe.every = num_experts, 2, 16, moe_every
-    return m
+    shape = dict(vocab_size=64, embed_dim=16, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=32)
+    moe = dict(num_experts=num_experts, top_k=2, expert_mlp_dim=16, every=moe_every) if moe_every else {}
+    return configs.model({f"moe.{k}": v for k, v in moe.items()}, num_layers=num_layers, **shape)
 
 
 def random_weights(cfg, seed=0):
@@ -255,10 +245,10 @@ def test_every_sampler_program_is_traced_for_a_tpu_slice():
     from posttrain.parallel import parse_rules
     from tests.support.tpu import tiny_moe_config
 
-    cfg = tiny_moe_config()
-    cfg.mesh.data, cfg.mesh.fsdp = 1, 2  # ZeRO-3 weights in the learner's layout: the layouts differ
+    # ZeRO-3 weights in the learner's layout: the layouts differ
+    cfg = tiny_moe_config({"mesh.data": 1, "mesh.fsdp": 2})
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices("v5p:2x2x1"))
-    rules = parse_rules(cfg.sharding.rules.to_dict())
+    rules = parse_rules(cfg.sharding.rules)
     texts = {}
     for layout in ("learner", "tensor"):
         layout_rules, programs = tpu_sampler_programs(mesh, rules, layout)

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.config import base_config
 from posttrain.core.batch import put_batch
 from posttrain.data.packing import build_row
 from posttrain.models.reward import RewardModel, last_token_index
@@ -23,6 +22,7 @@ from posttrain.parallel.zigzag import (
 from posttrain.stages import lm
 from posttrain.stages.common import PREFERENCE_AXES
 from posttrain.stages.reward_model import reward_model_loss
+from tests.support.configs import model, run_cfg
 
 
 def test_the_layout_and_the_ring_take_their_shard_count_from_the_length_rule(tmp_path):
@@ -35,11 +35,13 @@ def test_the_layout_and_the_ring_take_their_shard_count_from_the_length_rule(tmp
         assert sequence_shards(mesh, rules) == want
         with use_sharding(mesh, rules):
             assert sequence_axes() == want
-    cfg = base_config()
-    cfg.workdir = str(tmp_path)
-    cfg.mesh.data, cfg.mesh.sequence, cfg.mesh.tensor = 2, 2, 2
-    cfg.sharding.rules.length = "sequence,tensor"
-    cfg.train.seq_len = 36  # divisible by 2 × 2, not by 2 × 4
+    cfg = run_cfg(
+        {
+            **{"mesh.data": 2, "mesh.sequence": 2, "mesh.tensor": 2, "sharding.rules.length": "sequence,tensor"},
+            "train.seq_len": 36,  # divisible by 2 × 2, not by 2 × 4
+        },
+        workdir=str(tmp_path),
+    )
     with pytest.raises(ValueError, match=r"seq_len=36.*mesh.sequence=2, mesh.tensor=2.*4 shards"):
         lm.run(cfg)
 
@@ -69,17 +71,8 @@ def test_reward_model_loss_on_zigzagged_sequence_shards_equals_one_shard():
     as the train loop lays them out, equal the unsharded loss in natural order. The head once read
     index count(real) − 1, which after the zig-zag is another token of every row shorter than
     the whole length."""
-    m = base_config().model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        64,
-        32,
-        1,
-        2,
-        1,
-        16,
-        64,
-    )
-    m.attention, m.attention_block = "blockwise", 4
+    shape = dict(vocab_size=64, embed_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
+    m = model(**shape, attention="blockwise", attention_block=4)
     graphdef, state = nnx.split(RewardModel(m, rngs=nnx.Rngs(0)))
     batch = preference_batch(4, 16, np.random.default_rng(0))
     moe = m.moe

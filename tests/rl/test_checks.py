@@ -4,7 +4,7 @@ switch inert (or changes it into something its name does not say), one case each
 import pytest
 
 from posttrain.config import base_config
-from posttrain.rl.checks import check_rl_config
+from tests.support.configs import checked
 
 RM = dict(reward_model="runs/rm", verifier_weight=0.0)
 
@@ -71,8 +71,8 @@ def test_a_switch_that_another_key_makes_inert_is_refused(refused, accepted, mat
     cfg.model.vocab_size = 256
     cfg.rl.update(refused)
     with pytest.raises(ValueError, match=match):
-        check_rl_config(cfg)
+        checked(cfg, "rlvr")
     cfg = base_config()
     cfg.model.vocab_size = 256
     cfg.rl.update(accepted)
-    check_rl_config(cfg)
+    checked(cfg, "rlvr")

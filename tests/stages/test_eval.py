@@ -24,6 +24,7 @@ from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.rollout.worker import RolloutWorker, evaluate
 from posttrain.rl.tasks import suites as suite_lib
 from posttrain.stages import eval as evaluation
+from tests.support.configs import typed
 
 PROMPTS = [f"What is {a} plus {b}?" for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 2), (4, 4), (6, 1)]]
 
@@ -76,6 +77,7 @@ def run_dir(tmp_path_factory):
 
 def direct(cfg, name, step=2):
     """The checkpoint evaluated by hand: the rollout worker's `evaluate`, and a hand loop for pass@k."""
+    cfg = typed(cfg)
     tok = load_tokenizer(cfg.data.tokenizer)
     suites = suite_lib.make_suites(cfg, tok)
     mesh, rules = mesh_and_rules(cfg)
@@ -110,7 +112,7 @@ def records(workdir, suite):
 def test_eval_equals_direct_computation_on_a_fixed_checkpoint(run_dir, tmp_path):
     root = run_dir
     cfg = config(tmp_path, root, f"arithmetic,mine={root / 'mine.jsonl'}")
-    result = evaluation.run(cfg)
+    result = evaluation.run(typed(cfg))
     for name in ("arithmetic", "mine"):
         want = direct(cfg, name)
         (rec,) = records(tmp_path, name)
@@ -131,14 +133,14 @@ def test_eval_equals_direct_computation_on_a_fixed_checkpoint(run_dir, tmp_path)
 def test_every_checkpoint_is_evaluated_and_compared_with_the_previous(run_dir, tmp_path):
     root = run_dir
     cfg = config(tmp_path, root, f"mine={root / 'mine.jsonl'}", steps="all", pass_k="2")
-    result = evaluation.run(cfg)
+    result = evaluation.run(typed(cfg))
     recs = records(tmp_path, "mine")
     assert [r["step"] for r in recs] == [1, 2] and recs[0]["version"] == recs[1]["version"]
     assert "pass@2" in recs[0] and "pass@4" not in recs[0]
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["eval/mine/accuracy"] == recs[1]["accuracy"]
     assert result.eval["regression_drop"] == pytest.approx(recs[0]["accuracy"] - recs[1]["accuracy"])
-    first = evaluation.run(config(tmp_path / "one", root, f"mine={root / 'mine.jsonl'}", steps="1"))
+    first = evaluation.run(typed(config(tmp_path / "one", root, f"mine={root / 'mine.jsonl'}", steps="1")))
     assert records(tmp_path / "one", "mine")[0]["step"] == 1 and first.eval["mine/accuracy"] == recs[0]["accuracy"]
 
 
@@ -197,22 +199,22 @@ def test_suite_version_changes_when_a_record_changes(tmp_path):
 def test_eval_key_errors(run_dir, tmp_path):
     root = run_dir
     with pytest.raises(ValueError, match="eval.suites: unknown suite 'nope'"):
-        evaluation.run(config(tmp_path, root, "nope"))
+        evaluation.run(typed(config(tmp_path, root, "nope")))
     with pytest.raises(ValueError, match=r"eval.pass_k='8'.*1..eval.samples=4"):
-        evaluation.run(config(tmp_path, root, "arithmetic", pass_k="8"))
+        evaluation.run(typed(config(tmp_path, root, "arithmetic", pass_k="8")))
     with pytest.raises(ValueError, match=r"eval.steps='3'.*has \[1, 2\]"):
-        evaluation.run(config(tmp_path, root, "arithmetic", steps="3"))
+        evaluation.run(typed(config(tmp_path, root, "arithmetic", steps="3")))
     with pytest.raises(ValueError, match="eval.steps='all' cannot take effect"):
         evaluation.checkpoint_steps(config(tmp_path, "hf:/nowhere", "arithmetic", steps="all"), "hf:/nowhere")
     with pytest.raises(ValueError, match="eval.checkpoint is empty"):
-        evaluation.run(config(tmp_path, "", "arithmetic"))
+        evaluation.run(typed(config(tmp_path, "", "arithmetic")))
     with pytest.raises(ValueError, match=r"config.eval.gate=.*does not report \['arithmetic/acuracy'\]"):
-        evaluation.run(config(tmp_path, root, "arithmetic", gate="arithmetic/acuracy>0.5"))
+        evaluation.run(typed(config(tmp_path, root, "arithmetic", gate="arithmetic/acuracy>0.5")))
     with pytest.raises(ValueError, match="eval.size=4 cannot take effect"):
-        evaluation.run(config(tmp_path, root, f"mine={root / 'mine.jsonl'}", size=4))
+        evaluation.run(typed(config(tmp_path, root, f"mine={root / 'mine.jsonl'}", size=4)))
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
-        evaluation.run(config(tmp_path, root, f"bad={tmp_path / 'bad.jsonl'}"))
+        evaluation.run(typed(config(tmp_path, root, f"bad={tmp_path / 'bad.jsonl'}")))
 
 
 # --- gates ---
@@ -303,12 +305,12 @@ def test_pipeline_eval_stages_compare_with_the_previous_eval(run_dir, tmp_path):
     cfg = config(tmp_path, "", f"mine={run_dir / 'mine.jsonl'}")
     cfg.stage, cfg.init_from, cfg.pipeline.stages = "pipeline", str(run_dir), ("eval", "eval")
     cfg.eval.gate = "regression_drop<=0.0, mine/response_len>0"
-    results = pipeline.run(cfg)
+    results = pipeline.run(typed(cfg))
     assert results["eval"]["regression_drop"] == 0.0
     assert [r["step"] for r in records(tmp_path / "1_eval", "mine")] == [2]
     cfg.eval.gate = "regression_drop<-0.5"
     with pytest.raises(GateFailed, match=r"FAIL  regression_drop = 0 \(needs < -0.5\)"):
-        pipeline.run(cfg)
+        pipeline.run(typed(cfg))
     gates = [json.loads(l) for l in (tmp_path / "gates.jsonl").read_text().splitlines()]  # every gate checked
     assert [(g["stage"], g["passed"]) for g in gates] == [("eval", True)] * 3 + [("eval", False)]
     assert gates[2]["conditions"][0]["note"].startswith("n/a") and gates[3]["conditions"][0]["value"] == 0.0
@@ -377,7 +379,9 @@ def test_multi_turn_suite_reports_episode_metrics_and_gates_on_them(run_dir, tmp
     cfg = config(tmp_path, run_dir, "repo_fix", samples=2, pass_k="1,2", size=4)
     cfg.rl.max_new_tokens, cfg.rl.invalid_tool_call_penalty, cfg.rl.episode_cohorts = 64, 0.1, 2
     cfg.eval.gate = "tool_success_rate>=0.5, repo_fix/turns_per_episode<=3, repo_fix/tool_call_ok_rate>=0.5"
-    want = np.mean([repo_domain.task_fields(t)[3] % 3 == 0 for t in suite_lib.make_suites(cfg, tok)["repo_fix"].tasks])
+    want = np.mean(
+        [repo_domain.task_fields(t)[3] % 3 == 0 for t in suite_lib.make_suites(typed(cfg), tok)["repo_fix"].tasks]
+    )
     assert want == 0.5  # the seed's 4 held-out tasks: 2 multiples of 3
     result = main_run(cfg)
     assert max(calls) == 4 and calls[:2] == [2, 2]  # greedy: 4 episodes in 2 cohorts; sampled: 8 in 2

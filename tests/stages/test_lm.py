@@ -4,6 +4,7 @@ import pytest
 
 from posttrain.config import base_config
 from posttrain.stages import lm
+from tests.support.configs import run_cfg, typed
 
 
 @pytest.mark.parametrize("experts", [0, 4], ids=["dense", "moe"])
@@ -15,7 +16,7 @@ def test_loss_falls_on_arithmetic_text(tmp_path, experts):
     # 60 steps: the cross-entropy halves by ~step 20 (warmup) and ends near 0.39x its start (150 steps: 0.28x)
     cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len, cfg.train.log_every = 60, 16, 32, 25
     cfg.train.progress = False
-    rows = lm.run(cfg)
+    rows = lm.run(typed(cfg))
     first, last = rows[0]["ce"], rows[-1]["ce"]
     assert first > 4.0  # ~log(256) at init
     assert last < 0.5 * first, [r["ce"] for r in rows]
@@ -35,7 +36,7 @@ def test_context_parallel_training_equals_one_shard(tmp_path):
         cfg.model.attention, cfg.model.attention_block = attention, 8
         cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len, cfg.train.log_every = 3, 8, 32, 1
         cfg.train.progress = False
-        return [r["ce"] for r in lm.run(cfg)]
+        return [r["ce"] for r in lm.run(typed(cfg))]
 
     ref = losses(1, "xla")
     assert losses(2, "blockwise") == pytest.approx(ref, rel=1e-4, abs=1e-5)
@@ -47,7 +48,7 @@ def test_context_parallel_needs_divisible_lengths(tmp_path):
     cfg.mesh.data, cfg.mesh.sequence = 2, 4
     cfg.train.seq_len = 36
     with pytest.raises(ValueError, match="train.seq_len=36.*mesh.sequence=4"):
-        lm.run(cfg)
+        lm.run(typed(cfg))
 
 
 def test_train_step_updates_the_router_bias_of_a_sigmoid_router():
@@ -66,10 +67,9 @@ def test_train_step_updates_the_router_bias_of_a_sigmoid_router():
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
 
-    cfg = base_config()
+    cfg = run_cfg({"model.moe.num_experts": 4, "model.moe.router": "sigmoid", "model.moe.bias_update_rate": 0.01})
     m = cfg.model
-    m.moe.num_experts, m.moe.router, m.moe.bias_update_rate = 4, "sigmoid", 0.01
-    mesh, rules = make_mesh(dict(data=1), jax.devices()[:1]), parse_rules(cfg.sharding.rules.to_dict())
+    mesh, rules = make_mesh(dict(data=1), jax.devices()[:1]), parse_rules(cfg.sharding.rules)
     tx = make_optimizer(cfg.optim, 10)
     rng = np.random.default_rng(0)
     batch = {k: jnp.asarray(rng.integers(0, m.vocab_size, (2, 8)), jnp.int32) for k in ("inputs", "targets")}

@@ -36,7 +36,7 @@ from posttrain.stages import rejection_records as records
 from posttrain.stages import rejection_sampling as rejection
 from posttrain.stages import sft as stage_lib
 from posttrain.stages.rejection_records import Candidate, select
-from posttrain.stages.rejection_sampling import check_config
+from tests.support.configs import checked, typed
 
 VERIFIER = '''
 import threading
@@ -327,10 +327,12 @@ def test_pipeline_stage_writes_the_best_distinct_passing_candidates_and_feeds_th
             )
     # the sft stage starts from the policy that sampled (rejection_sampling has no checkpoint); by
     # default it trains on the kept records alone
-    sft_cfg = pipeline.stage_config(cfg, "sft", "w", policy, sft_files="x.jsonl")
+    sft_cfg = pipeline.stage_config(typed(cfg), "sft", "w", policy, sft_files="x.jsonl")
     assert sft_cfg.sft.train_files == "x.jsonl" and sft_cfg.init_from == policy
     cfg.rejection.mix_original = False
-    assert rejection.next_sft_files(pipeline.stage_config(cfg, "rejection_sampling", "w", policy)) == "w/sft.jsonl"
+    assert (
+        rejection.next_sft_files(pipeline.stage_config(typed(cfg), "rejection_sampling", "w", policy)) == "w/sft.jsonl"
+    )
 
 
 def test_stage_alone_other_settings(policy, user_tasks, tmp_path, monkeypatch):
@@ -366,13 +368,13 @@ def test_stage_alone_other_settings(policy, user_tasks, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("prompts", 0, "rejection.prompts=0: expected an integer >= 1"),
-        ("samples_per_prompt", -1, "rejection.samples_per_prompt=-1"),
+        ("prompts", 0, "config.rejection.prompts=0: expected >= 1"),
+        ("samples_per_prompt", -1, "config.rejection.samples_per_prompt=-1: expected >= 1"),
         ("keep_per_prompt", 9, "rejection.keep_per_prompt=9: at most rejection.samples_per_prompt=6"),
-        ("min_score", float("nan"), "rejection.min_score=nan"),
-        ("max_tokens", -2, "rejection.max_tokens=-2"),
+        ("min_score", float("nan"), "config.rejection.min_score=nan: expected a finite number"),
+        ("max_tokens", -2, "config.rejection.max_tokens=-2: expected >= 0"),
         ("max_tokens", 10, "rejection.max_tokens=10 cannot take effect"),
-        ("temperature", -0.5, "rejection.temperature=-0.5"),
+        ("temperature", -0.5, "config.rejection.temperature=-0.5: expected >= 0"),
         ("temperature", 0.0, "rejection.temperature=0 (greedy)"),
         ("output", "out.txt", "rejection.output='out.txt': expected a .jsonl path"),
         ("mix_original", True, "rejection.mix_original=True mixes in sft.train_files"),
@@ -382,7 +384,7 @@ def test_bad_values_fail_at_start_up_naming_the_key(key, value, message, tmp_pat
     cfg = tiny(tmp_path / "bad", "", "")
     cfg.rejection[key] = value
     with pytest.raises(ValueError, match="^" + re.escape(message)):
-        check_config(cfg)
+        checked(cfg)
     with pytest.raises(Exception, match="rejection"):  # main checks before anything compiles
         main.run(cfg)
     cfg.stage, cfg.pipeline.stages = "pipeline", ("sft", "rejection_sampling", "sft")
@@ -396,7 +398,7 @@ def test_tool_episodes_are_refused_at_start_up(tmp_path):
     cfg = tiny(tmp_path / "tool", "", "")
     cfg.rl.env = "tool"
     with pytest.raises(ValueError, match=r"^rl.env='tool': stage rejection_sampling samples one answer"):
-        check_config(cfg)
+        checked(cfg)
     with pytest.raises(UserError, match="rl.env='tool'") as e:  # main names the key before anything compiles
         main.run(cfg)
     assert e.value.key == "rl.env" and not (tmp_path / "tool" / "sft.jsonl").exists()
@@ -406,8 +408,8 @@ def test_mix_original_reads_generated_sft_data(tmp_path):
     """sft.train_files='synthetic:' (the quickstart's) is generated as the sft stage would, then mixed in."""
     cfg = tiny(tmp_path / "mix", "", "", mix_original=True)
     cfg.data.synthetic, cfg.data.synthetic_size, cfg.sft.train_files = "arithmetic", 6, "synthetic:"
-    check_config(cfg)
-    sub = rejection.original_sft_files(cfg, ByteTokenizer())
+    checked(cfg)
+    sub = rejection.original_sft_files(typed(cfg), ByteTokenizer())
     assert sub.sft.train_files.startswith(str(tmp_path / "mix" / "synthetic" / "arithmetic_sft_train_n6"))
     assert (
         cfg.sft.train_files == "synthetic:" and len(list((tmp_path / "mix" / "synthetic").iterdir())) == 1
@@ -441,7 +443,7 @@ def test_pipeline_chain_sft_rejection_sampling_sft_rlvr(tmp_path, monkeypatch):
     cfg = tiny(tmp_path, "", "")
     cfg.stage, cfg.pipeline.stages, cfg.init_from = "pipeline", ("sft", "rejection_sampling", "sft", "rlvr"), "base"
     cfg.sft.train_files = "orig.jsonl"
-    pipeline.run(cfg)
+    pipeline.run(typed(cfg))
     w = str(tmp_path)
     assert seen == [
         ("sft", "base", "orig.jsonl"),
@@ -451,5 +453,5 @@ def test_pipeline_chain_sft_rejection_sampling_sft_rlvr(tmp_path, monkeypatch):
     ]
     seen.clear()
     cfg.rejection.mix_original, cfg.rejection.output = True, "gs://bucket/rs/data.jsonl"
-    pipeline.run(cfg)
+    pipeline.run(typed(cfg))
     assert seen[2] == ("sft", f"{w}/0_sft", "gs://bucket/rs/data.mixed.jsonl")

@@ -15,12 +15,13 @@ from posttrain.rl.envs.base import Trajectory
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.tasks.scheduler import Group
 from posttrain.stages import rlvr as loop
+from tests.support.configs import typed
 from tests.support.rl_runs import TIMING, rows, tiny
 
 
 def test_on_policy_runs_repeat_exactly_and_async_respects_staleness(tmp_path):
-    a = loop.run(tiny(tmp_path / "a"))
-    b = loop.run(tiny(tmp_path / "b"))
+    a = loop.run(typed(tiny(tmp_path / "a")))
+    b = loop.run(typed(tiny(tmp_path / "b")))
     ra, rb = rows(tmp_path / "a"), rows(tmp_path / "b")
     assert len(ra) == len(rb) == 3
     for x, y in zip(ra, rb):
@@ -32,7 +33,7 @@ def test_on_policy_runs_repeat_exactly_and_async_respects_staleness(tmp_path):
 
     overlapped = tiny(tmp_path / "c", max_staleness=1, steps=6)
     overlapped.checkpoint.every = 4
-    loop.run(overlapped)
+    loop.run(typed(overlapped))
     rc = rows(tmp_path / "c")
     assert [r["step"] for r in rc] == list(range(6))
     assert all(r["rl/staleness_max"] <= 1 for r in rc)
@@ -48,12 +49,12 @@ def test_on_policy_runs_repeat_exactly_and_async_respects_staleness(tmp_path):
 
 
 def run_with_deadline(cfg, seconds):
-    """loop.run(cfg) on a thread: (seconds taken, the exception it raised or None); fails on a hang."""
+    """loop.run(typed(cfg)) on a thread: (seconds taken, the exception it raised or None); fails on a hang."""
     out = {}
 
     def target():
         try:
-            loop.run(cfg)
+            loop.run(typed(cfg))
         except BaseException as e:  # noqa: BLE001
             out["error"] = e
 
@@ -109,10 +110,10 @@ def test_resume_continues_exactly(tmp_path):
     version carry on from the one before, so the metrics equal the uninterrupted run's."""
     cfg = tiny(tmp_path, steps=4, kl_coef=0.05)  # the KL reference must come back too
     cfg.checkpoint.every = 2
-    loop.run(cfg)
+    loop.run(typed(cfg))
     before = rows(tmp_path)
     shutil.rmtree(tmp_path / "checkpoints" / "4")
-    loop.run(cfg)  # resumes from step 2
+    loop.run(typed(cfg))  # resumes from step 2
     after = rows(tmp_path)
     assert [r["step"] for r in after] == [0, 1, 2, 3]
     for x, y in zip(before, after):
@@ -124,7 +125,7 @@ def test_dynamic_sampling_without_an_informative_group_skips_the_update(tmp_path
     """The untrained tiny policy never answers right: every group's rewards are equal, dynamic
     sampling keeps none, and each step is skipped and counted (it used to crash), with every
     sampled group recorded once in the scheduler (it used to be twice)."""
-    loop.run(tiny(tmp_path, filter_groups=True, steps=2))
+    loop.run(typed(tiny(tmp_path, filter_groups=True, steps=2)))
     rs = rows(tmp_path)
     assert [r["rl/skipped_updates"] for r in rs] == [1, 2]
     assert [r["rl/kept_groups"] for r in rs] == [0, 0]
@@ -182,7 +183,7 @@ def test_lora_with_a_kl_reference_trains_on_policy(tmp_path):
     # no warmup: the first update's learning rate is not 0, so the adapters move (with warmup, the
     # KL after it was 0 but for float rounding, which the optimised CPU build made 3e-14 at both steps)
     cfg.optim.warmup_steps = 0
-    loop.run(cfg)
+    loop.run(typed(cfg))
     rs = rows(tmp_path)
     assert [r["step"] for r in rs] == [0, 1]
     assert all(np.isfinite(r["rl/kl"]) and np.isfinite(r["loss"]) for r in rs)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from posttrain.config import base_config
+from posttrain.config import OptimConfig
 from posttrain.core.optim import make_optimizer
 from posttrain.core.state import create_train_state
 from posttrain.data.tokenizer import ByteTokenizer
@@ -29,6 +29,7 @@ from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.verifiers import MathTask
 from posttrain.rl.verifiers.math import MathVerifier
 from posttrain.sampling.rules import SamplingParams
+from tests.support.configs import model
 
 TOK = ByteTokenizer()
 
@@ -74,19 +75,10 @@ REWARD = RewardFunction({MathTask: MathVerifier()})
 def tiny_policy():
     """(graphdef, params, rest, mesh, rules) of the tiny dense policy of tests/rl/tasks/test_repo_domain.py, made
     as it makes it (so its episodes' static sampler programs are shared with that test's)."""
-    m = base_config().model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        32,
-        1,
-        2,
-        1,
-        16,
-        64,
-    )
+    m = model(vocab_size=264, embed_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
     mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
     with use_sharding(mesh, rules):
-        tx = make_optimizer(base_config().optim, 10)
+        tx = make_optimizer(OptimConfig(), 10)
         graphdef, state, _ = create_train_state(lambda: Decoder(m, rngs=nnx.Rngs(0)), tx, mesh, rules)
     return graphdef, state.params, state.rest, mesh, rules
 

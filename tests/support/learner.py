@@ -1,34 +1,21 @@
 """The RL learner on a tiny dense model: its sizes, sampling, config and one update."""
 
-from posttrain.config import base_config
 from posttrain.core.optim import lr_schedule
 from posttrain.parallel import use_sharding
 from posttrain.rl.algo.learner import Learner
 from posttrain.sampling.rules import SamplingParams
+from tests.support.configs import model, rl
 
 PROMPTS, G, PROMPT_LEN, NEW = 4, 4, 4, 6
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=NEW, num_samples=G)
 
 
 def model_cfg():
-    m = base_config().model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        64,
-        32,
-        1,
-        2,
-        1,
-        16,
-        64,
-    )
-    return m
+    return model(vocab_size=64, embed_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
 
 
 def rl_cfg(**kw):
-    r = base_config().rl
-    r.prompts_per_step, r.group_size = PROMPTS, G
-    r.update(kw)
-    return r
+    return rl(**{"prompts_per_step": PROMPTS, "group_size": G, **kw})
 
 
 def make_learner(setup, sampling=SAMPLING, context=(1, 512), **kw):

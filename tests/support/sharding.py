@@ -3,16 +3,22 @@
 import jax.numpy as jnp
 import numpy as np
 
-from posttrain.config import base_config
+from posttrain.config import RunConfig
+from tests.support.configs import run_cfg
 
 
-def moe_config():
-    cfg = base_config()
-    m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 64, 16, 2, 4, 2, 8, 32
-    m.moe.num_experts, m.moe.top_k, m.moe.expert_mlp_dim, m.moe.first_dense = 8, 2, 16, 1
-    m.moe.num_shared_experts, m.moe.shared_mlp_dim = 1, 16
-    return cfg
+def moe_config(changes: dict | None = None) -> RunConfig:
+    """The run config of a tiny MoE decoder (a dense first layer, then 8 experts and a shared one),
+    with dotted `changes` ({"optim.lr": 1e-2}) applied last."""
+    shape = dict(vocab_size=64, embed_dim=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=32)
+    moe = dict(num_experts=8, top_k=2, expert_mlp_dim=16, first_dense=1, num_shared_experts=1, shared_mlp_dim=16)
+    return run_cfg(
+        {
+            **{f"model.{k}": v for k, v in shape.items()},
+            **{f"model.moe.{k}": v for k, v in moe.items()},
+            **(changes or {}),
+        }
+    )
 
 
 def batch(cfg, b=8, s=8):

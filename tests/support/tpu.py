@@ -3,7 +3,9 @@ devices), the hand count of its parameter bytes, and the skip mark when libtpu i
 
 import pytest
 
+from posttrain.config import RunConfig
 from posttrain.plan import aot
+from tests.support.configs import typed
 
 needs_libtpu = pytest.mark.skipif(
     not aot.libtpu_available(), reason="libtpu not installed (pip install -e '.[tpu]'): no TPU compiler"
@@ -13,18 +15,23 @@ needs_libtpu = pytest.mark.skipif(
 TOPOLOGY = "v5p:2x2x1"
 
 
-def tiny_moe_config():
+def tiny_moe_config(changes: dict | None = None) -> RunConfig:
+    """configs/sft_tiny.py's MoE on 4 chips, with dotted `changes` ({"mesh.fsdp": 2}) applied last."""
     import runpy
 
-    cfg = runpy.run_path("configs/sft_tiny.py")["get_config"]()
-    cfg.mesh.data, cfg.mesh.expert = 2, 2  # 4 chips: batch over both, experts over 2
-    # TPU memory holds arrays in (8, 128) tiles: trailing dims of 16 or 64 would pad 2-32x, so the
-    # widths are the smallest that tile exactly (memory_analysis reports the padded bytes)
-    m = cfg.model
-    m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim, m.moe.expert_mlp_dim = 128, 8, 8, 128, 128
-    cfg.train.batch_size, cfg.train.seq_len = 8, 32
-    cfg.rl.prompts_per_step, cfg.rl.group_size, cfg.rl.max_new_tokens, cfg.rl.kl_coef = 2, 4, 8, 0.05
-    return cfg
+    cfg = typed(runpy.run_path("configs/sft_tiny.py")["get_config"]())
+    return cfg.replace(
+        {
+            **{"mesh.data": 2, "mesh.expert": 2},  # 4 chips: batch over both, experts over 2
+            # TPU memory holds arrays in (8, 128) tiles: trailing dims of 16 or 64 would pad 2-32x, so the
+            # widths are the smallest that tile exactly (memory_analysis reports the padded bytes)
+            **{"model.embed_dim": 128, "model.num_heads": 8, "model.num_kv_heads": 8, "model.head_dim": 128},
+            "model.moe.expert_mlp_dim": 128,
+            **{"train.batch_size": 8, "train.seq_len": 32},
+            **{"rl.prompts_per_step": 2, "rl.group_size": 4, "rl.max_new_tokens": 8, "rl.kl_coef": 0.05},
+            **(changes or {}),
+        }
+    )
 
 
 def hand_param_bytes(cfg, expert_shards: int) -> int:
@@ -37,13 +44,15 @@ def hand_param_bytes(cfg, expert_shards: int) -> int:
     return 4 * (m.num_layers * per_layer + 2 * m.vocab_size * d + d)
 
 
-def pod_like_tiny_config():
+def pod_like_tiny_config(changes: dict | None = None) -> RunConfig:
     """The tiny MoE laid out as the pod configs are (configs/pod/moe_shapes.py): ZeRO-3 over
     fsdp × expert, experts over expert, bf16, remat full, capacity 1.25; embed 256 wide (the TPU
-    ragged all-to-all pads narrower rows to 256 elements)."""
-    cfg = tiny_moe_config()
-    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert = 1, 2, 2
-    cfg.sharding.rules.embed = "fsdp,expert"
-    m = cfg.model
-    m.embed_dim, m.param_dtype, m.dtype, m.remat, m.moe.capacity_factor = 256, "bfloat16", "bfloat16", "full", 1.25
-    return cfg
+    ragged all-to-all pads narrower rows to 256 elements). Dotted `changes` applied last."""
+    return tiny_moe_config(
+        {
+            **{"mesh.data": 1, "mesh.fsdp": 2, "mesh.expert": 2, "sharding.rules.embed": "fsdp,expert"},
+            **{"model.embed_dim": 256, "model.param_dtype": "bfloat16", "model.dtype": "bfloat16"},
+            **{"model.remat": "full", "model.moe.capacity_factor": 1.25},
+            **(changes or {}),
+        }
+    )

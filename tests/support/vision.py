@@ -7,37 +7,35 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posttrain.config import base_config
+from posttrain.config import RunConfig
 from posttrain.data.images import ImageSpec
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.models.decoder import Decoder
+from tests.support.configs import run_cfg
 
 BYTE = ByteTokenizer()
 SPEC = ImageSpec(image_size=8, patch_size=4, token_id=BYTE.image_id)  # 4 patches of 48 values
 
 
-def vision_config(**vision):
-    cfg = base_config()
-    m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        16,
-        2,
-        4,
-        2,
-        8,
-        32,
+def vision_config(changes=None, **vision) -> RunConfig:
+    """The run config of the tiny vision decoder: model.vision's `vision` keys, then dotted `changes`
+    ({"model.vocab_size": 320}) applied together (checked as one)."""
+    shape = dict(vocab_size=264, embed_dim=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=32)
+    vision = {"encoder": "linear", "image_size": 8, "patch_size": 4, **vision}
+    return run_cfg(
+        {
+            **{f"model.{k}": v for k, v in shape.items()},
+            **{f"model.vision.{k}": v for k, v in vision.items()},
+            **(changes or {}),
+        }
     )
-    m.vision.update({"encoder": "linear", "image_size": 8, "patch_size": 4, **vision})
-    return cfg
 
 
 def abstract_split(encoder: str = "linear", vocab_size: int = 264, **vision):
     """(graphdef, params, rest) of the tiny decoder as shapes (nothing computed)."""
     from posttrain.parallel.sharding import abstract_model
 
-    cfg = vision_config(encoder=encoder, **vision)
-    cfg.model.vocab_size = vocab_size
+    cfg = vision_config({"model.vocab_size": vocab_size}, encoder=encoder, **vision)
     return nnx.split(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))), nnx.Param, ...)
 
 

@@ -176,13 +176,7 @@ def _load_array(
 
 
 def load_params(
-    path: str,
-    abstract_params: nnx.State,
-    cfg: ModelConfig,
-    mesh: Mesh,
-    rules: Rules,
-    *,
-    progress: bool = True,
+    path: str, abstract_params: nnx.State, cfg: ModelConfig, mesh: Mesh, rules: Rules, *, progress: bool = True
 ) -> nnx.State:
     """The weights of HF folder `path` as `abstract_params` (shapes and dtypes of a model built
     from `cfg`), sharded on `mesh` by `rules`, read tensor by tensor."""

@@ -282,7 +282,11 @@ class Learner:
             """Log-probs (and values) of the rollout under the weights before the update, and the
             reference's log-probs when `ref` is given."""
             logp, _, values, _ = learner_outputs(
-                nnx.merge(graphdef, params, rest), batch, sampling, update_bias=False, values=uses_critic(rl_cfg.advantage)
+                nnx.merge(graphdef, params, rest),
+                batch,
+                sampling,
+                update_bias=False,
+                values=uses_critic(rl_cfg.advantage),
             )
             out = {"rollout_logp": logp, **({"old_values": values} if values is not None else {})}
             if ref:

@@ -239,7 +239,14 @@ class RewardComposer:
 
     @classmethod
     def from_config(
-        cls, rl_cfg: RLConfig, mesh: Mesh, rules: Rules, *, pad_id: int, policy: tuple[str, int], step: int | None = None
+        cls,
+        rl_cfg: RLConfig,
+        mesh: Mesh,
+        rules: Rules,
+        *,
+        pad_id: int,
+        policy: tuple[str, int],
+        step: int | None = None,
     ) -> RewardComposer:
         """From the `rl` section; `rl.reward_model` must be a run dir here (a pipeline resolves "@stage").
         policy: the policy's (data.tokenizer, model.vocab_size), which the reward model must share;

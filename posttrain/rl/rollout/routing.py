@@ -16,7 +16,8 @@ of the reference policy); the proximal and current policy replay.
 
 Recorded by the static sampler (`SamplingParams.record_routing`): prefill records the prompt's
 experts, each decode step those of the token it feeds. The continuous, speculative and prefix-cache
-samplers and multi-turn episodes do not record them; the start-up check refuses those combinations.
+samplers and multi-turn episodes do not record them; the run config refuses those combinations
+(`RunConfig._check_routing_replay`).
 """
 
 from __future__ import annotations
@@ -27,39 +28,7 @@ import numpy as np
 
 from posttrain.config import ROUTING_REPLAY
 
-__all__ = ["ROUTING_REPLAY", "check_routing_replay", "trajectory_routing", "batch_routing"]
-
-# (key that stops the sampler recording routing, when it does) for `check_routing_replay`
-UNRECORDED = (
-    ("sampling.continuous_batching", lambda c: c.sampling.continuous_batching),
-    ("sampling.speculative_k", lambda c: c.sampling.speculative_k > 0),
-    ("sampling.prefix_cache", lambda c: c.sampling.prefix_cache > 0),
-    ("rl.env", lambda c: c.rl.env != "single"),
-)
-
-
-def check_routing_replay(cfg, stage_names: Sequence[str]) -> None:
-    """Raise ValueError naming `model.moe.routing_replay` and the key that stops it taking effect:
-    only the rlvr stage's learner replays, and only the static sampler of a single-turn run records
-    the routing. (A dense model is refused by `MoEConfig`.)"""
-    value = cfg.model.moe.routing_replay
-    if value not in ROUTING_REPLAY:
-        raise ValueError(f"model.moe.routing_replay={value!r}: expected one of {ROUTING_REPLAY}")
-    if value == "off":
-        return
-    if "rlvr" not in stage_names:
-        raise ValueError(
-            f"model.moe.routing_replay={value!r} cannot take effect: only the rlvr stage's learner replays "
-            f"the sampler's routing, and this run ({', '.join(stage_names)}) has no rlvr stage"
-        )
-    for key, conflicts in UNRECORDED:
-        if conflicts(cfg):
-            section, leaf = key.split(".")
-            raise ValueError(
-                f"model.moe.routing_replay={value!r} with {key}={cfg[section][leaf]!r}: that sampler does not "
-                "record the experts it chose (only the static sampler of single-turn rollouts does); "
-                f"set {key} back to its default or routing_replay='off'"
-            )
+__all__ = ["ROUTING_REPLAY", "trajectory_routing", "batch_routing"]
 
 
 def trajectory_routing(samples, i: int, traj) -> np.ndarray:

@@ -116,6 +116,8 @@ def label_attacks(cases: Sequence[AnswerCase]) -> tuple[Attack, ...]:
 VERIFIERS.register(
     "label",
     VerifierEntry(
-        LabelTask, LabelVerifier, lambda record: LabelTask(field_text(record, "answer"), field_labels(record, "choices"))
+        LabelTask,
+        LabelVerifier,
+        lambda record: LabelTask(field_text(record, "answer"), field_labels(record, "choices")),
     ),
 )

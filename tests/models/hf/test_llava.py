@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.config import base_config
 from posttrain.data.images import patches_of
 from posttrain.errors import UserError
 from posttrain.models.decoder import Decoder
+from tests.support.configs import model, run_cfg
 
 torch = pytest.importorskip("torch", reason="HF interop tests need the hf extra: pip install torch==2.13.0 -e '.[hf]'")
 transformers = pytest.importorskip("transformers", reason="HF interop tests need the hf extra: pip install -e '.[hf]'")
@@ -120,8 +120,7 @@ def test_llava_logits_match_transformers_on_images_and_round_trip(tmp_path):
             params, rest, _ = load_model_state(f"hf:{src}", lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, DEFAULT_RULES)
         got = forward(cfg, params, rest, tokens, patches, mesh)
         np.testing.assert_allclose(got[..., keep], ref[..., keep], atol=1e-4, rtol=0, err_msg=name)
-    wrong = model_config_from_hf(src)
-    wrong.vision.image_std, wrong.vision.vit_heads = (0.5,) * 3, 1
+    wrong = model_config_from_hf(src).replace({"vision.image_std": (0.5,) * 3, "vision.vit_heads": 1})
     with pytest.raises(ValueError, match=r"model\.vision\.image_std: model has \(0\.5(.|\n)*model\.vision\.vit_heads"):
         load_model_state(f"hf:{src}", lambda: Decoder(wrong, rngs=nnx.Rngs(0)), mesh, DEFAULT_RULES)
     # tokens in any order (zig-zag): the tower regroups each image by position
@@ -171,10 +170,12 @@ def tower(**vision):
     """A ViT tower (`model.vision.encoder = vit`) of a tiny model, its vision keys changed."""
     from posttrain.models.vision import make_vision
 
-    cfg = base_config().model
-    cfg.embed_dim = 32
-    cfg.vision.update(dict(encoder="vit", image_size=SIZE, patch_size=PATCH, image_token_id=IMAGE_ID))
-    cfg.vision.update({**dict(vit_width=16, vit_heads=2, vit_mlp_dim=24, vit_layers=1), **vision})
+    vision = {
+        **dict(encoder="vit", image_size=SIZE, patch_size=PATCH, image_token_id=IMAGE_ID),
+        **dict(vit_width=16, vit_heads=2, vit_mlp_dim=24, vit_layers=1),
+        **vision,
+    }
+    cfg = model({f"vision.{k}": v for k, v in vision.items()}, embed_dim=32)
     return make_vision(cfg, nnx.Rngs(0))
 
 
@@ -215,17 +216,13 @@ def embed_with(model, tokens, patches):
 
 
 def test_vit_config_rules():
-    from posttrain.config_schema import check_values
-
     for change, message in [
         (dict(encoder="vit", vit_width=10, vit_heads=4), r"model\.vision\.vit_heads=4 must divide"),
         (dict(encoder="linear", image_mean=(0.5, 0.5, 0.5)), r"model\.vision\.image_mean.*only encoder='vit'"),
         (dict(encoder="vit", image_std=(1.0, 0.0, 1.0)), r"model\.vision\.image_std.*none zero"),
     ]:
-        cfg = base_config()
-        cfg.model.vision.update(change)
         with pytest.raises(UserError, match=message):
-            check_values(cfg)
+            run_cfg({f"model.vision.{k}": v for k, v in change.items()})
 
 
 def test_sampler_with_the_vit_tower_matches_the_learner():
@@ -234,10 +231,12 @@ def test_sampler_with_the_vit_tower_matches_the_learner():
     from posttrain.sampling.generate import generate
     from posttrain.sampling.rules import SamplingParams
 
-    cfg = base_config().model
-    cfg.update(vocab_size=64, embed_dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=32)
-    cfg.vision.update(encoder="vit", image_size=SIZE, patch_size=PATCH, image_token_id=IMAGE_ID)
-    cfg.vision.update(vit_width=8, vit_heads=2, vit_mlp_dim=16, vit_layers=1)
+    vision = dict(encoder="vit", image_size=SIZE, patch_size=PATCH, image_token_id=IMAGE_ID)
+    vision.update(vit_width=8, vit_heads=2, vit_mlp_dim=16, vit_layers=1)
+    cfg = model(
+        {f"vision.{k}": v for k, v in vision.items()},
+        **dict(vocab_size=64, embed_dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=32),
+    )
     graphdef, params, rest = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
     prompts = [[1, 4, *[IMAGE_ID] * 4, 6, 2, 5], [1, *[IMAGE_ID] * 8, 7, 2, 5]]
     rng = np.random.default_rng(3)

@@ -8,6 +8,7 @@ import pytest
 
 from posttrain.rl.algo.advantages import gae_advantages, terminal_rewards, whiten
 from posttrain.rl.algo.losses import value_loss
+from tests.support.configs import model, rl, run_cfg, typed
 
 
 def _random_batch(seed, b=6, t=11):
@@ -114,12 +115,10 @@ def test_value_loss_rejects_negative_clip():
 def test_value_decoder_is_the_decoder_plus_a_value_per_position():
     from flax import nnx
 
-    from posttrain.config import base_config
     from posttrain.models.decoder import Decoder
     from posttrain.rl.algo.critic import ValueDecoder
 
-    cfg = base_config().model
-    cfg.num_layers, cfg.embed_dim, cfg.mlp_dim = 1, 32, 64
+    cfg = model(num_layers=1, embed_dim=32, mlp_dim=64)
     critic, plain = ValueDecoder(cfg, rngs=nnx.Rngs(0)), Decoder(cfg, rngs=nnx.Rngs(0))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(2, 7)))
     forward = nnx.jit(lambda a, b, t: (a.logits_and_values(t), b(t)[0], a.hidden_states(t)[0]))
@@ -131,24 +130,13 @@ def test_value_decoder_is_the_decoder_plus_a_value_per_position():
 
 
 def test_critic_settings_that_cannot_take_effect_are_refused():
-    from posttrain.config import base_config
-    from posttrain.rl.algo.critic import check_critic
+    # (the critic's rules, RLConfig.check_rules and RunConfig._check_rlvr, apply with rl.advantage='gae')
+    from posttrain.rl.checks import check_rlvr_stage
 
-    cfg = base_config()
-    cfg.rl.critic = "separate"
     with pytest.raises(ValueError, match="rl.critic='separate'.*not implemented"):
-        check_critic(cfg.rl, cfg.lora)
-    cfg.rl.critic, cfg.lora.rank = "shared", 4
+        check_rlvr_stage(run_cfg({"rl.advantage": "gae", "rl.critic": "separate"}, stage="rlvr"))
     with pytest.raises(ValueError, match="lora.rank=4"):
-        check_critic(cfg.rl, cfg.lora)
-
-
-def _rl_cfg(**kw):
-    from posttrain.config import base_config
-
-    r = base_config().rl
-    r.update(kw)
-    return r
+        check_rlvr_stage(run_cfg({"rl.advantage": "gae", "rl.critic": "shared", "lora.rank": 4}, stage="rlvr"))
 
 
 def test_advantage_targets_gae_with_kl_paid_as_reward():
@@ -164,7 +152,7 @@ def test_advantage_targets_gae_with_kl_paid_as_reward():
         "rollout_logp": logp.astype(np.float32),
         "ref_logp": ref.astype(np.float32),
     }
-    r = _rl_cfg(advantage="gae", gamma=0.9, lam=0.8, kl_coef=0.1, kl_in_reward=True, kl_estimator="k1")
+    r = rl(advantage="gae", gamma=0.9, lam=0.8, kl_coef=0.1, kl_in_reward=True, kl_estimator="k1")
     out = advantage_targets(batch, r)
     token_rewards = np.where(mask, -0.1 * (logp - ref), 0.0)
     for i in range(6):
@@ -176,7 +164,7 @@ def test_advantage_targets_gae_with_kl_paid_as_reward():
     np.testing.assert_allclose(
         out["advantages"], np.where(mask, (adv - sel.mean()) / np.sqrt(sel.var() + 1e-8), 0), atol=1e-4
     )
-    without = advantage_targets(batch, _rl_cfg(advantage="gae", gamma=0.9, lam=0.8))  # the switch matters
+    without = advantage_targets(batch, rl(advantage="gae", gamma=0.9, lam=0.8))  # the switch matters
     assert not np.allclose(without["returns"], out["returns"])
 
 
@@ -194,13 +182,13 @@ def test_advantage_targets_group_advantages_with_kl_reward_to_go():
         "ref_logp": ref.astype(np.float32),
     }
     out = advantage_targets(
-        batch, _rl_cfg(advantage="drgrpo", group_size=2, kl_coef=0.2, kl_in_reward=True, kl_estimator="k1")
+        batch, rl(advantage="drgrpo", group_size=2, kl_coef=0.2, kl_in_reward=True, kl_estimator="k1")
     )
     kl = np.where(mask, logp - ref, 0.0)
     to_go = np.cumsum(kl[:, ::-1], axis=1)[:, ::-1]
     expected = (np.array([0.5, -0.5, 0.0, 0.0])[:, None] - 0.2 * to_go) * mask
     np.testing.assert_allclose(out["advantages"], expected, atol=1e-5)
-    plain = advantage_targets(batch, _rl_cfg(advantage="drgrpo", group_size=2))
+    plain = advantage_targets(batch, rl(advantage="drgrpo", group_size=2))
     np.testing.assert_allclose(plain["advantages"], [0.5, -0.5, 0.0, 0.0])
 
 
@@ -219,22 +207,16 @@ def test_advantage_targets_group_advantages_with_kl_reward_to_go():
     ],
 )
 def test_rl_checks_refuse_critic_and_reward_settings_that_cannot_take_effect(kw, match):
-    from posttrain.config import base_config
-    from posttrain.rl.checks import check_rl_config
+    from posttrain.rl.checks import check_rlvr_stage
 
-    cfg = base_config()
-    cfg.rl.update(kw)
     with pytest.raises(ValueError, match=match):
-        check_rl_config(cfg)
+        check_rlvr_stage(run_cfg({f"rl.{k}": v for k, v in kw.items()}, stage="rlvr"))
 
 
 def test_gae_allows_single_sample_groups():
-    from posttrain.config import base_config
-    from posttrain.rl.checks import check_rl_config
+    from posttrain.rl.checks import check_rlvr_stage
 
-    cfg = base_config()
-    cfg.rl.advantage, cfg.rl.group_size = "gae", 1
-    check_rl_config(cfg)
+    check_rlvr_stage(run_cfg({"rl.advantage": "gae", "rl.group_size": 1}, stage="rlvr"))
 
 
 def test_pipeline_resolves_the_reward_model_stage_and_keeps_the_policy_chain(tmp_path, monkeypatch):
@@ -256,10 +238,11 @@ def test_pipeline_resolves_the_reward_model_stage_and_keeps_the_policy_chain(tmp
     cfg = get_config()
     cfg.workdir, cfg.init_from = str(tmp_path), "base"
     cfg.sft.gate = cfg.reward_model.gate = ""
+    cfg = typed(cfg)
     pipeline.run(cfg)
     assert seen["reward_model"][0] == str(tmp_path / "0_sft")
     assert seen["rlvr"] == (str(tmp_path / "0_sft"), str(tmp_path / "1_reward_model"))  # policy from SFT
-    cfg.pipeline.stages = ("sft", "rlvr")
+    cfg = cfg.replace({"pipeline.stages": ("sft", "rlvr")})
     with pytest.raises(ValueError, match=r"rl.reward_model='@reward_model': no stage 'reward_model'"):
         pipeline.run(cfg)
 
@@ -268,14 +251,11 @@ def test_rl_loss_with_gae_adds_the_weighted_value_loss_and_trains_the_head():
     """value_coef weighs the critic's loss in the learner's loss; value_clip changes its gradient."""
     from flax import nnx
 
-    from posttrain.config import base_config
     from posttrain.rl.algo.critic import ValueDecoder
     from posttrain.rl.algo.learner import rl_loss
     from posttrain.sampling.rules import SamplingParams
 
-    cfg = base_config()
-    m = cfg.model
-    m.num_layers, m.embed_dim, m.mlp_dim = 1, 32, 64
+    m = model(num_layers=1, embed_dim=32, mlp_dim=64)
     graphdef, params, rest = nnx.split(ValueDecoder(m, rngs=nnx.Rngs(0)), nnx.Param, ...)
     rng = np.random.default_rng(6)
     tokens = rng.integers(3, 256, size=(4, 8))
@@ -296,9 +276,7 @@ def test_rl_loss_with_gae_adds_the_weighted_value_loss_and_trains_the_head():
     sampling = SamplingParams(temperature=1.0)
 
     def loss_and_head_grad(p, **kw):
-        r = base_config().rl
-        r.advantage, r.is_cap = "gae", 1e6
-        r.update(kw)
+        r = rl(**{"advantage": "gae", "is_cap": 1e6, **kw})
         f = lambda p: rl_loss(
             nnx.merge(graphdef, p, rest), batch, graphdef=graphdef, rl_cfg=r, moe_cfg=m.moe, sampling=sampling
         )

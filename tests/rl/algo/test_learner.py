@@ -26,6 +26,7 @@ from posttrain.rl.tasks.scheduler import Group
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams, policy_logprobs
 from posttrain.stages import rlvr
+from tests.support.configs import run_cfg
 from tests.support.learner import NEW, PROMPT_LEN, PROMPTS, SAMPLING, G, make_learner, model_cfg, rl_cfg, update
 
 
@@ -33,8 +34,7 @@ from tests.support.learner import NEW, PROMPT_LEN, PROMPTS, SAMPLING, G, make_le
 def setup():
     """(mesh, rules, graphdef, initial state, shardings, optim cfg) on one device."""
     mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
-    cfg = base_config()
-    cfg.optim.lr, cfg.optim.warmup_steps = 3e-3, 0
+    cfg = run_cfg({"optim.lr": 3e-3, "optim.warmup_steps": 0})
     with use_sharding(mesh, rules):
         tx = make_optimizer(cfg.optim, 100)
         graphdef, state, shardings = create_train_state(lambda: Decoder(model_cfg(), rngs=nnx.Rngs(0)), tx, mesh, rules)
@@ -175,7 +175,7 @@ def test_every_loss_switch_changes_the_gradient(setup):
             if name in ("temperature", "top_k", "top_p"):
                 sampling = dataclasses.replace(SAMPLING, **{name: value})
             elif name is not None and name != "base":
-                r[name] = value
+                r = dataclasses.replace(r, **{name: value})
             extra = ref if name == "kl_coef" else ()
             loss = lambda p: rl_loss(
                 nnx.merge(graphdef, p, rest),
@@ -243,15 +243,13 @@ def test_a_sequence_sharded_learner_zigzags_its_rows_and_trains_as_one_shard():
     from posttrain.parallel.zigzag import tiles_per_shard
     from posttrain.rl.algo.learner import advantage_targets
 
-    m = model_cfg()
-    m.attention, m.attention_block = "blockwise", 4
+    m = model_cfg().replace(attention="blockwise", attention_block=4)
     kw = dict(updates_per_batch=2, kl_coef=0.1, kl_in_reward=True, kl_estimator="k1")
     ros, out = rollouts(2, new=12), {}
     for shards in (1, 2):
         mesh, rules = make_mesh(dict(data=1, sequence=shards), devices=jax.devices()[:shards]), parse_rules({})
         with use_sharding(mesh, rules):
-            cfg = base_config()
-            cfg.optim.lr, cfg.optim.warmup_steps = 3e-3, 0
+            cfg = run_cfg({"optim.lr": 3e-3, "optim.warmup_steps": 0})
             tx = make_optimizer(cfg.optim, 100)
             graphdef, state, shardings = create_train_state(lambda: Decoder(m, rngs=nnx.Rngs(0)), tx, mesh, rules)
             ref = (jax.tree.map(lambda x: x * 1.1, state.params), state.rest)

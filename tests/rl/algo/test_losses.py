@@ -17,6 +17,7 @@ from posttrain.rl.algo.losses import (
     policy_loss,
 )
 from posttrain.rl.algo.offpolicy import truncated_is_weights
+from tests.support.configs import rl
 
 REWARDS = np.array([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.2, 0.9, 0.4, 0.0], np.float32)  # 3 groups of 4
 MASK = np.array(
@@ -54,8 +55,10 @@ def test_all_equal_group_gets_exactly_zero(method):
 
 
 def test_group_advantages_rejects_bad_input():
-    with pytest.raises(ValueError, match="method="):
+    with pytest.raises(ValueError, match="advantage='ppo': no such advantage estimator"):
         group_advantages(jnp.zeros(4), 2, method="ppo")
+    with pytest.raises(ValueError, match="method='gae': expected one of"):  # a critic's estimator has no group form
+        group_advantages(jnp.zeros(4), 2, method="gae")
     with pytest.raises(ValueError, match="group_size"):
         group_advantages(jnp.zeros(5), 2)
 
@@ -123,7 +126,7 @@ def test_clipped_surrogate_and_clip_fractions():
     mask = np.ones_like(ratio, bool)
     logp = np.log(ratio)
     _, m = policy_loss(
-        jnp.asarray(logp), jnp.zeros_like(logp), jnp.asarray(adv), jnp.asarray(mask), clip_low=lo, clip_high=hi
+        jnp.asarray(logp), jnp.zeros_like(logp), jnp.asarray(adv), jnp.asarray(mask), rl(clip_low=lo, clip_high=hi)
     )
     assert float(m["rl/clip_frac_low"]) == pytest.approx(1 / 10)
     assert float(m["rl/clip_frac_high"]) == pytest.approx(2 / 10)
@@ -165,10 +168,7 @@ def test_on_policy_gradient_is_policy_gradient(aggregation, ratio_level):
             old,
             jnp.asarray(adv),
             jnp.asarray(MASK),
-            clip_low=0.2,
-            clip_high=0.28,
-            ratio_level=ratio_level,
-            aggregation=aggregation,
+            rl(clip_low=0.2, clip_high=0.28, ratio_level=ratio_level, aggregation=aggregation, loss_norm_tokens=1),
         )
         return out
 
@@ -189,10 +189,7 @@ def test_on_policy_gradient_is_policy_gradient(aggregation, ratio_level):
         old,
         jnp.asarray(adv),
         jnp.asarray(MASK),
-        clip_low=0.2,
-        clip_high=0.28,
-        ratio_level=ratio_level,
-        aggregation=aggregation,
+        rl(clip_low=0.2, clip_high=0.28, ratio_level=ratio_level, aggregation=aggregation, loss_norm_tokens=1),
     )
     assert float(metrics["rl/ratio_min"]) == float(metrics["rl/ratio_max"]) == 1.0
 
@@ -212,16 +209,18 @@ def test_policy_loss_with_is_weights_kl_and_entropy():
     lo, hi, cap, beta, alpha = 0.2, 0.3, 1.5, 0.05, 0.01
     loss, m = policy_loss(
         *map(jnp.asarray, (logp, old, adv, MASK)),
-        clip_low=lo,
-        clip_high=hi,
-        aggregation="seq-mean-token-mean",
+        rl(
+            clip_low=lo,
+            clip_high=hi,
+            aggregation="seq-mean-token-mean",
+            kl_coef=beta,
+            kl_estimator="k3",
+            is_cap=cap,
+            entropy_coef=alpha,
+        ),
         ref_logp=jnp.asarray(ref),
-        kl_coef=beta,
-        kl_estimator="k3",
         behav_logp=jnp.asarray(behav),
-        is_cap=cap,
         entropy=jnp.asarray(ent),
-        entropy_coef=alpha,
     )
     r = np.exp(logp.astype(np.float64) - old)
     w_raw = np.exp(old.astype(np.float64) - behav)
@@ -245,9 +244,9 @@ def test_policy_loss_with_is_weights_kl_and_entropy():
 def test_policy_loss_needs_reference_only_with_kl():
     x = jnp.zeros((1, 2))
     mask = jnp.ones((1, 2), bool)
-    loss, m = policy_loss(x, x, jnp.ones(1), mask, clip_low=0.2, clip_high=0.2, kl_coef=0.0)
+    loss, m = policy_loss(x, x, jnp.ones(1), mask, rl(clip_low=0.2, clip_high=0.2, kl_coef=0.0))
     assert "rl/kl" not in m and float(loss) == -1.0
     with pytest.raises(ValueError, match="ref_logp"):
-        policy_loss(x, x, jnp.ones(1), mask, clip_low=0.2, clip_high=0.2, kl_coef=0.1)
-    with pytest.raises(ValueError, match="is_cap"):
-        policy_loss(x, x, jnp.ones(1), mask, clip_low=0.2, clip_high=0.2, behav_logp=x)
+        policy_loss(x, x, jnp.ones(1), mask, rl(clip_low=0.2, clip_high=0.2, kl_coef=0.1))
+    _, paid = policy_loss(x, x, jnp.ones(1), mask, rl(kl_coef=0.1, kl_in_reward=True))  # paid as reward already
+    assert "rl/kl" not in paid

@@ -11,8 +11,8 @@ import pytest
 from posttrain.config import base_config
 from posttrain.rl.algo.advantages import kl_penalized_advantages
 from posttrain.rl.algo.losses import entropy_from_logprobs, kl_estimate, kl_loss_terms, policy_loss
-from posttrain.rl.checks import check_rl_config
 from posttrain.sampling.rules import SamplingParams, support_logprobs
+from tests.support.configs import checked, rl
 from tests.support.sampling import reference_distribution
 
 V, N = 3, 40_000  # vocabulary, samples
@@ -49,26 +49,24 @@ AGG_SCALE = {"seq-mean-token-sum": 1.0, "token-mean": 0.5, "seq-mean-token-mean"
 
 
 def loss_fn(placement, estimator, aggregation):
-    norm = 1.0 if aggregation == "seq-mean-token-sum" else None
+    norm = 1 if aggregation == "seq-mean-token-sum" else 0
 
     def loss(theta, y):
         lp, ref = logps(theta, y[None]), logps(REF, y[None])
-        common = dict(clip_low=0.2, clip_high=0.2, aggregation=aggregation, max_len_norm=norm)
+        common = dict(clip_low=0.2, clip_high=0.2, aggregation=aggregation, loss_norm_tokens=norm)
         if placement == "loss":
             out, _ = policy_loss(
                 lp,
                 jax.lax.stop_gradient(lp),
                 jnp.zeros(1),
                 MASK,
+                rl(kl_coef=1.0, kl_estimator=estimator, **common),
                 ref_logp=ref,
-                kl_coef=1.0,
-                kl_estimator=estimator,
-                **common,
             )
         elif placement == "reward":  # rl.kl_in_reward: −β·kl_t per token, as the reward-to-go
             kl = kl_estimate(jax.lax.stop_gradient(lp), ref, estimator)
             adv = kl_penalized_advantages(jnp.zeros(1), kl, MASK, kl_coef=1.0)
-            out, _ = policy_loss(lp, jax.lax.stop_gradient(lp), adv, MASK, **common)
+            out, _ = policy_loss(lp, jax.lax.stop_gradient(lp), adv, MASK, rl(**common))
         else:  # "per-token": the plain per-token loss term, without the later tokens' terms
             out = kl_estimate(lp, ref, estimator).sum() / 2 / AGG_SCALE[aggregation]
         return out
@@ -130,8 +128,8 @@ def test_refused_or_replaced_kl_gradients_are_biased(ys, placement, estimator):
 @pytest.mark.parametrize(
     "rl, match",
     [
-        (dict(kl_coef=0.1, kl_estimator="k1"), "rl.kl_estimator='k1' cannot take effect as set: .*expectation 0"),
-        (dict(kl_coef=0.1, kl_in_reward=True), "rl.kl_in_reward=True cannot take effect as set: .*k1 alone"),
+        (dict(kl_coef=0.1, kl_estimator="k1"), "rl.kl_estimator='k1' cannot take effect: .*expectation 0"),
+        (dict(kl_coef=0.1, kl_in_reward=True), "rl.kl_in_reward=True cannot take effect: .*k1 alone"),
         (dict(kl_coef=0.1, kl_in_reward=True, kl_estimator="k2"), "rl.kl_in_reward=True"),
     ],
 )
@@ -139,7 +137,7 @@ def test_biased_kl_combinations_are_refused_at_start_up(rl, match):
     cfg = base_config()
     cfg.rl.update(rl)
     with pytest.raises(ValueError, match=match):
-        check_rl_config(cfg)
+        checked(cfg, "rlvr")
     for ok in (
         dict(kl_coef=0.1),
         dict(kl_coef=0.1, kl_estimator="k2"),
@@ -147,7 +145,7 @@ def test_biased_kl_combinations_are_refused_at_start_up(rl, match):
     ):
         cfg = base_config()
         cfg.rl.update(ok)
-        check_rl_config(cfg)
+        checked(cfg, "rlvr")
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8), (2.0, 4, 0.6)])

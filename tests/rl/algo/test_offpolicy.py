@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posttrain.config import IS_LEVELS, IS_MASKS, POLICY_LOSSES
+from posttrain.config import IS_LEVELS, IS_MASKS
+from posttrain.config.registry import POLICY_LOSSES
 from posttrain.rl.algo.losses import cispo_surrogate, policy_loss
 from posttrain.rl.algo.offpolicy import offpolicy_correction, truncated_is_weights
+from tests.support.configs import rl
 
 B, T = 6, 7
 LENGTHS = [7, 3, 5, 1, 0, 6]  # ragged responses and a padding row
@@ -86,20 +88,22 @@ def run(logp, old, behav, adv, ref, ent, *, kl=True, **kw):
             f32(old),
             f32(adv),
             jnp.asarray(MASK),
-            clip_low=LO,
-            clip_high=HI,
-            aggregation=kw["aggregation"],
+            rl(
+                clip_low=LO,
+                clip_high=HI,
+                aggregation=kw["aggregation"],
+                kl_coef=BETA if kl else 0.0,
+                is_cap=CAP,
+                is_level=level,
+                is_mask=mask_mode,
+                is_mask_low=lo,
+                is_mask_high=hi,
+                loss_type=kw["loss_type"],
+                entropy_coef=ALPHA if kl else 0.0,
+            ),
             ref_logp=f32(ref),
-            kl_coef=BETA if kl else 0.0,
             behav_logp=f32(behav),
-            is_cap=CAP,
-            is_level=level,
-            is_mask=mask_mode,
-            is_mask_low=lo,
-            is_mask_high=hi,
-            loss_type=kw["loss_type"],
             entropy=f32(ent),
-            entropy_coef=ALPHA if kl else 0.0,
         )
 
     (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(f32(logp))
@@ -109,7 +113,7 @@ def run(logp, old, behav, adv, ref, ent, *, kl=True, **kw):
 CASES = [
     (level, mask, loss, agg)
     for (level, mask), loss, agg in itertools.product(
-        itertools.product(IS_LEVELS, IS_MASKS), POLICY_LOSSES, ("token-mean", "seq-mean-token-mean")
+        itertools.product(IS_LEVELS, IS_MASKS), POLICY_LOSSES.names(), ("token-mean", "seq-mean-token-mean")
     )
     if (loss, agg) != ("cispo", "seq-mean-token-mean") or mask == "off"  # one aggregation suffices per mask
 ]
@@ -145,7 +149,7 @@ def test_every_choice_changes_the_gradient():
     x = inputs()
     base = dict(level="token", mask_mode="off", loss_type="ppo", aggregation="token-mean")
     g0 = np.asarray(run(*x, kl=False, **base)[1])
-    for key, values in (("level", IS_LEVELS), ("mask_mode", IS_MASKS), ("loss_type", POLICY_LOSSES)):
+    for key, values in (("level", IS_LEVELS), ("mask_mode", IS_MASKS), ("loss_type", POLICY_LOSSES.names())):
         for value in values[1:]:
             g = np.asarray(run(*x, kl=False, **{**base, key: value})[1])
             assert np.abs(g - g0).max() > 1e-4, (key, value)
@@ -201,9 +205,9 @@ def test_bad_values_are_refused_naming_the_key():
     with pytest.raises(ValueError, match="is_mask_low=1.0"):
         offpolicy_correction(x, x, mask, cap=2.0, mask_mode="token", low=1.0, high=2.0)
     with pytest.raises(ValueError, match="loss_type='grpo'"):
-        policy_loss(x, x, jnp.ones(1), mask, clip_low=0.2, clip_high=0.2, loss_type="grpo")
+        policy_loss(x, x, jnp.ones(1), mask, rl(clip_low=0.2, clip_high=0.2, loss_type="grpo"))
     with pytest.raises(ValueError, match="is_mask='token' needs behav_logp"):
-        policy_loss(x, x, jnp.ones(1), mask, clip_low=0.2, clip_high=0.2, is_mask="token")
+        policy_loss(x, x, jnp.ones(1), mask, rl(clip_low=0.2, clip_high=0.2, is_mask="token"))
 
 
 @pytest.mark.parametrize(
@@ -212,17 +216,17 @@ def test_bad_values_are_refused_naming_the_key():
         ("is_mask_low", 1.0, r"config\.rl\.is_mask_low=1\.0: expected >= 0 and < 1"),
         ("is_mask_high", 1.0, r"config\.rl\.is_mask_high=1\.0: expected > 1"),
         ("is_mask", "both", r"config\.rl\.is_mask='both': expected one of 'off', 'token'"),
-        ("loss_type", "grpo", r"config\.rl\.loss_type='grpo': expected one of 'ppo', 'cispo'"),
+        ("loss_type", "grpo", r"config\.rl\.loss_type='grpo': no such policy loss; registered: cispo, ppo"),
     ],
 )
 def test_config_values_out_of_range_name_the_key(key, value, match):
-    from posttrain.config import RunConfig, base_config
+    from posttrain.config import run_config
     from posttrain.errors import UserError
+    from posttrain.rl.checks import check_rlvr_stage
+    from tests.support.configs import run_cfg
 
-    cfg = base_config()
-    cfg.rl[key] = value
     with pytest.raises(UserError, match=match):
-        RunConfig.from_config(cfg)
+        check_rlvr_stage(run_config(run_cfg({f"rl.{key}": value}, stage="rlvr")))
 
 
 def test_a_min_or_max_over_no_tokens_is_the_reductions_identity_and_never_logged_as_infinite():
@@ -236,24 +240,16 @@ def test_a_min_or_max_over_no_tokens_is_the_reductions_identity_and_never_logged
         x,
         jnp.ones(1),
         mask,
-        clip_low=0.2,
-        clip_high=0.2,
+        rl(clip_low=0.2, clip_high=0.2, is_cap=2.0, is_mask="token", is_mask_high=2.0),
         behav_logp=x - 5,
-        is_cap=2.0,
-        is_mask="token",
-        is_mask_high=2.0,
     )
     _, m_full = policy_loss(
         x,
         x,
         jnp.ones(1),
         mask,
-        clip_low=0.2,
-        clip_high=0.2,
+        rl(clip_low=0.2, clip_high=0.2, is_cap=2.0, is_mask="token", is_mask_high=2.0),
         behav_logp=x,
-        is_cap=2.0,
-        is_mask="token",
-        is_mask_high=2.0,
     )
     assert float(m_empty["rl/is_masked_frac"]) == 1 and float(m_empty["rl/ratio_min"]) == np.inf
     row = combine_metrics([m_empty, m_full])

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.config import base_config
 from posttrain.core.checkpoint import Checkpointer
 from posttrain.core.init import checkpoint_dir
 from posttrain.data.packing import build_row
@@ -26,28 +25,36 @@ from posttrain.rl.algo.reward_model import (
     reward_model_meta,
 )
 from posttrain.stages import reward_model as reward_model_stage
+from tests.support.configs import run_cfg, typed
 
 
 def tiny_reward_model_config(workdir, data_dir):
-    cfg = base_config()
-    cfg.stage, cfg.workdir = "reward_model", str(workdir)
-    m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        32,
-        1,
-        2,
-        1,
-        16,
-        64,
+    return run_cfg(
+        {
+            "model.vocab_size": 264,
+            "model.embed_dim": 32,
+            "model.num_layers": 1,
+            "model.num_heads": 2,
+            "model.num_kv_heads": 1,
+            "model.head_dim": 16,
+            "model.mlp_dim": 64,
+            "model.moe.num_experts": 2,
+            "model.moe.expert_mlp_dim": 32,
+            "mesh.data": 2,
+            "mesh.expert": 2,
+            "mesh.tensor": 2,
+            "data.synthetic": "arithmetic",
+            "data.synthetic_size": 64,
+            "reward_model.train_files": "synthetic:",
+            "train.steps": 1,
+            "train.batch_size": 8,
+            "train.seq_len": 64,
+            "train.progress": False,
+            "checkpoint.every": 1,
+        },
+        stage="reward_model",
+        workdir=str(workdir),
     )
-    m.moe.num_experts, m.moe.expert_mlp_dim = 2, 32
-    cfg.mesh.data, cfg.mesh.expert, cfg.mesh.tensor = 2, 2, 2
-    cfg.data.synthetic, cfg.data.synthetic_size = "arithmetic", 64
-    cfg.reward_model.train_files = "synthetic:"
-    cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len, cfg.train.progress = 1, 8, 64, False
-    cfg.checkpoint.every = 1
-    return cfg
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +67,7 @@ def rm_run(tmp_path_factory):
 
 def test_scorer_equals_the_reward_models_own_forward(rm_run):
     cfg = rm_run
-    mesh, rules = make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules.to_dict())
+    mesh, rules = make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules)
     scorer = RewardModelScorer.load(cfg.workdir, mesh, rules, pad_id=0)
     rng = np.random.default_rng(0)
     rows = [rng.integers(1, 263, size=n).tolist() for n in (5, 40, 17, 64, 1, 23)]  # 6 rows → bucket of 8
@@ -117,7 +124,7 @@ def newer_reward_model(path: str, step: int) -> None:
     """Add checkpoint `step` to the reward_model run at `path`: its weights with the value head
     doubled (other scores), as if the reward model had trained on."""
     cfg = tiny_reward_model_config(path, path)
-    mesh, rules = make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules.to_dict())
+    mesh, rules = make_mesh(cfg.mesh.to_dict()), parse_rules(cfg.sharding.rules)
     scorer = RewardModelScorer.load(path, mesh, rules, pad_id=0)
     _, meta = reward_model_meta(path)
     params = jax.tree.map(lambda x: x, scorer.params)
@@ -153,6 +160,7 @@ def test_rlvr_with_the_learned_reward_and_a_critic_resumes_exactly(rm_run, tmp_p
         truncated_reward="none",  # the random policy never finishes: keep the learned reward in play
     )
     cfg.checkpoint.every = 2
+    cfg = typed(cfg)
     loop.run(cfg)
     before = rows(tmp_path / "rl")
     first = before[0]  # the first batch's normalised RM scores have mean 0
@@ -206,7 +214,7 @@ def test_the_reward_model_must_read_the_policys_tokens(rm_run, tmp_path):
         assert f"{rm[0]!r} (model.vocab_size={rm[1]})" in str(e.value)
         assert f"{policy[0]!r} (model.vocab_size={policy[1]})" in str(e.value)
     # at start-up, before any weights are read
-    mesh, rules = make_mesh(rm_run.mesh.to_dict()), parse_rules(rm_run.sharding.rules.to_dict())
+    mesh, rules = make_mesh(rm_run.mesh.to_dict()), parse_rules(rm_run.sharding.rules)
     rl_cfg = SimpleNamespace(
         reward_model=rm_run.workdir,
         reward_model_normalize=True,
@@ -228,7 +236,7 @@ def test_unfinished_responses_get_the_truncated_reward_learned_or_verified():
     """rl.truncated_reward: "min" pays an unfinished sample the batch's lowest reward (it outranks
     no finished one, though the reward model liked it), a number pays that, "none" leaves the
     sources' scores; without a reward model the verifier's reward alike. Bad values name the key."""
-    from posttrain.config import RunConfig, base_config
+    from posttrain.config import base_config
 
     class FakeScorer:
         step = 3
@@ -252,10 +260,10 @@ def test_unfinished_responses_get_the_truncated_reward_learned_or_verified():
     np.testing.assert_allclose(got, [1.0, 0.0, 0.0])  # a shaping bonus does not lift it above a finished answer
     assert RewardComposer(cfg("min"), FakeScorer()).step == 3 and RewardComposer(cfg("min"), None).step is None
     for bad in ("lowest", "nan", "inf", ""):
-        run_cfg = base_config()
-        run_cfg.rl.truncated_reward = bad
+        config = base_config()
+        config.rl.truncated_reward = bad
         with pytest.raises(UserError, match=rf"config.rl.truncated_reward={bad!r}: expected 'min'") as e:
-            RunConfig.from_config(run_cfg)
+            typed(config)
         assert e.value.key == "rl.truncated_reward"
 
 

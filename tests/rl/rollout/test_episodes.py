@@ -13,16 +13,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.config import base_config
-from posttrain.config_schema import check_values
 from posttrain.errors import UserError
 from posttrain.parallel import use_sharding
 from posttrain.rl.algo.learner import learner_logprobs, rl_batch
-from posttrain.rl.checks import check_episode_cohorts, check_rl_config
+from posttrain.rl.checks import check_episode_cohorts, check_rlvr_stage
 from posttrain.rl.rollout.episodes import rollout_episodes, turn_key
 from posttrain.rl.rollout.worker import RolloutWorker
 from posttrain.sampling.continuous import SlotConfig
 from posttrain.sampling.prefix_cache import PrefixCache
+from tests.support.configs import run_cfg
 from tests.support.episodes import SAMPLING, TOK, assert_same_rollouts, episodes, runs
 
 
@@ -145,21 +144,20 @@ def test_two_processes_step_only_their_share_and_sample_the_same_contexts(policy
 
 
 def test_episode_cohorts_key_is_checked_at_start_up():
-    cfg = base_config()
-    cfg.rl.episode_cohorts = 0
     with pytest.raises(UserError, match=r"config.rl.episode_cohorts=0: expected >= 1"):
-        check_values(cfg)
-    cfg.rl.episode_cohorts = 2
+        run_cfg({"rl.episode_cohorts": 0})
+    cfg = run_cfg({"rl.episode_cohorts": 2}, stage="rlvr")
     with pytest.raises(ValueError, match=r"rl.episode_cohorts=2 cannot take effect: only multi-turn"):
-        check_rl_config(cfg)  # rl.env = "single"
-    cfg.rl.env, cfg.rl.domains = "tool", "repo_fix"
-    check_rl_config(cfg)
+        check_episode_cohorts(cfg)  # rl.env = "single"
+    cfg = cfg.replace({"rl.env": "tool", "rl.domains": "repo_fix"})
+    check_rlvr_stage(cfg)
+    check_episode_cohorts(cfg)
     with pytest.raises(ValueError, match=r"rl.episode_cohorts=2 cannot take effect: .* this run \(sft\) has none"):
-        check_episode_cohorts(cfg, ("sft",))
+        check_episode_cohorts(cfg.replace(stage="sft"))
     with pytest.raises(ValueError, match=r"rl.episode_cohorts=2 cannot take effect"):
-        check_episode_cohorts(cfg, ("eval",))  # eval.suites = "arithmetic": single-turn
-    cfg.eval.suites = "repo_fix"
-    check_episode_cohorts(cfg, ("eval",))
-    check_episode_cohorts(cfg, ("sft", "rlvr"))
+        check_episode_cohorts(cfg.replace(stage="eval"))  # eval.suites = "arithmetic": single-turn
+    cfg = cfg.replace({"eval.suites": "repo_fix"})
+    check_episode_cohorts(cfg.replace(stage="eval"))
+    check_episode_cohorts(cfg.replace({"stage": "pipeline", "pipeline.stages": ("sft", "rlvr")}))
     with pytest.raises(ValueError, match=r"rl.episode_cohorts=0: expected >= 1"):
         rollout_episodes(RolloutWorker(None, {}, SAMPLING, 0, None), None, None, [], jax.random.key(0), cohorts=0)

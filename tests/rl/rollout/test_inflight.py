@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from posttrain.config import base_config
+from posttrain.config import RLConfig
 from posttrain.errors import UserError
 from posttrain.parallel import use_sharding
 from posttrain.rl.algo.learner import rl_batch
@@ -21,6 +21,7 @@ from posttrain.rl.tasks.scheduler import Group
 from posttrain.sampling.generate import generate
 from posttrain.sampling.inflight import generate_inflight, record_versions
 from posttrain.sampling.rules import SamplingParams
+from tests.support.configs import run_cfg
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=12, num_samples=2, stop_ids=(2,))  # ByteTokenizer eos
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
@@ -80,11 +81,7 @@ def test_inflight_sampler_switches_weights_mid_sequence(tiny_rl_policy):
 
 
 def inflight_cfg(**overrides):
-    cfg = base_config()
-    cfg.stage = "rlvr"
-    cfg.rl.inflight_update_every, cfg.rl.max_staleness = 4, 1
-    cfg.update_from_flattened_dict(overrides)
-    return cfg
+    return run_cfg({"rl.inflight_update_every": 4, "rl.max_staleness": 1, **overrides}, stage="rlvr")
 
 
 @pytest.mark.parametrize(
@@ -96,7 +93,7 @@ def inflight_cfg(**overrides):
         ({"sampling.prefix_cache": 64}, "prefix_cache"),
         ({"rl.env": "tool"}, "multi-turn"),
         ({"rl.env": "screen"}, "multi-turn"),
-        ({"model.moe.routing_replay": "sampler"}, "routing_replay"),
+        ({"model.moe.routing_replay": "sampler", "model.moe.num_experts": 4}, "routing_replay"),  # (MoE: replayable)
     ],
 )
 def test_inflight_updates_are_refused_where_they_cannot_act(overrides, words):
@@ -244,7 +241,7 @@ def test_rlvr_inflight_token_versions_stay_within_the_staleness_bound(tmp_path, 
     monkeypatch.syspath_prepend(str(ROOT))
     monkeypatch.chdir(tmp_path)
     cfg = config("rlvr_tiny_async", tmp_path / "run")
-    no_eval = {"rl.eval_every": 0, **{f"rl.{k}": base_config().rl[k] for k in ("eval_size", "eval_samples")}}
+    no_eval = {"rl.eval_every": 0, **{f"rl.{k}": getattr(RLConfig(), k) for k in ("eval_size", "eval_samples")}}
     cfg.update_from_flattened_dict({"train.steps": 2, "rl.inflight_update_every": 2, **no_eval})
     run(cfg)
     rows = logged(tmp_path / "run")

@@ -7,19 +7,17 @@ import jax
 import numpy as np
 import pytest
 
-from posttrain.config import base_config
-from posttrain.config_schema import check_values
+from posttrain.config import RLConfig, RunConfig
 from posttrain.errors import UserError
 from posttrain.rl.rollout import placement
+from tests.support.configs import run_cfg
 from tests.test_golden import GOLDEN, config, logged
 
 
 def split_cfg(n, **mesh):
-    cfg = base_config()
-    cfg.stage = "rlvr"
-    cfg.rl.placement, cfg.rl.sampler_devices = "split", n
-    cfg.mesh.update(mesh)
-    return cfg
+    return run_cfg(
+        {"rl.placement": "split", "rl.sampler_devices": n, **{f"mesh.{k}": v for k, v in mesh.items()}}, stage="rlvr"
+    )
 
 
 @pytest.mark.parametrize(
@@ -31,16 +29,15 @@ def split_cfg(n, **mesh):
     ],
 )
 def test_the_config_refuses_placements_that_cannot_work(placement_, n, key, words):
-    cfg = base_config()
-    cfg.rl.placement, cfg.rl.sampler_devices = placement_, n
+    cfg = run_cfg({"rl.placement": placement_, "rl.sampler_devices": n}, stage="rlvr")
     with pytest.raises(UserError, match=words) as e:
-        check_values(cfg)
+        cfg.check_stages()  # the rl section's rules: a run that reaches the rlvr stage
     assert e.value.key == key
 
 
 def test_split_divides_the_devices_into_a_learner_and_a_sampler_mesh():
     devices = jax.devices()
-    assert placement.place_devices(base_config()).sampler is None  # colocated: one mesh, every device
+    assert placement.place_devices(RunConfig()).sampler is None  # colocated: one mesh, every device
     learner, _, sampler = placement.place_devices(split_cfg(4, data=-1, tensor=2))
     assert list(learner.devices.flat) == devices[:4] and list(sampler.devices.flat) == devices[4:]
     assert dict(learner.shape) == dict(data=2, fsdp=1, expert=1, tensor=2, sequence=1)
@@ -90,7 +87,7 @@ def test_split_on_policy_trains_as_colocated(tmp_path, monkeypatch):
     own mesh draws the same tokens with the published copy, and the learner trains on them as on
     every device. (Without the held-out evaluations, which only cost time here: the slow test
     below compares the first one.)"""
-    no_eval = {"rl.eval_every": 0, **{f"rl.{k}": base_config().rl[k] for k in ("eval_size", "eval_samples")}}
+    no_eval = {"rl.eval_every": 0, **{f"rl.{k}": getattr(RLConfig(), k) for k in ("eval_size", "eval_samples")}}
     rows = golden_split_run("rlvr_tiny_sync", tmp_path, monkeypatch, 4, **no_eval)
     expected = [r for r in json.loads(GOLDEN.read_text())["rlvr_tiny_sync"] if not any("eval/" in k for k in r)]
     assert [sorted(r) for r in rows] == [sorted(r) for r in expected]

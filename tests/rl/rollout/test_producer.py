@@ -13,14 +13,15 @@ import jax
 import numpy as np
 import pytest
 
-from posttrain.config import base_config
-from posttrain.rl.checks import INERT_UNLESS, check_rl_config
+from posttrain.config import RunConfig
+from posttrain.rl.checks import check_episode_cohorts, check_rlvr_stage
 from posttrain.rl.envs import Task
 from posttrain.rl.rollout.worker import RolloutBatch, RolloutWorker, collect_batch
 from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.tasks.scheduler import Group, TaskScheduler
 from posttrain.rl.verifiers import MathTask
 from posttrain.stages import rlvr as loop
+from tests.support.configs import run_cfg
 from tests.support.producer import LP, TRAJ, FakeWorker, VerifierCrashed, producer, scheduler
 
 
@@ -146,7 +147,7 @@ def test_dynamic_sampling_records_each_group_once_and_an_empty_batch_skips_the_u
     )
     assert kept.task_metrics["tasks/a/groups"] == 2
 
-    c = SimpleNamespace(cfg=base_config())
+    c = SimpleNamespace(cfg=RunConfig())
     rl = loop.RLState(train=None, step=3)
     rl, metrics = loop.learn_step(c, rl, [])
     assert rl.skipped_updates == 1 and metrics == {"rl/skipped_updates": 1}
@@ -187,58 +188,66 @@ def test_rewards_with_an_error_are_counted_as_verifier_errors_and_behaviour_logp
     np.testing.assert_allclose(batch.behav[1][1], [0.0, -0.6, -0.7])
 
 
-@pytest.mark.parametrize("key", sorted(INERT_UNLESS))
+# Each rl.* key that declares when it takes effect (its field's `inert_unless`, and the two keys the
+# stage's start-up checks judge: verifier_timeout_s, episode_cohorts), with a value other than its
+# default that the defaults (and rl.eval_every = 0) leave without effect.
+INERT_VALUES = {
+    "clip_low": 0.1,
+    "clip_high": 0.5,
+    "ratio_level": "sequence",
+    "kl_estimator": "k1",
+    "max_resample_rounds": 5,
+    "eval_samples": 8,
+    "eval_size": 16,
+    "arithmetic_size": 10,
+    "instruction": "Answer with a number.",
+    "critic": "separate",
+    "gamma": 0.9,
+    "lam": 0.5,
+    "value_coef": 1.0,
+    "value_clip": 0.1,
+    "kl_in_reward": True,
+    "reward_model_weight": 2.0,
+    "reward_model_normalize": False,
+    "eval_files": "held_out.jsonl",
+    "verifier_timeout_s": 5.0,
+    "rollouts_fraction": 0.5,
+    "max_turns": 3,
+    "tool_timeout_s": 2.0,
+    "invalid_tool_call_penalty": 0.1,
+    "redundant_tool_call_penalty": 0.1,
+    "episode_cohorts": 2,
+    "loss_type": "cispo",
+    "is_mask_low": 0.1,
+    "is_mask_high": 5.0,
+}
+
+
+def check_rlvr_start(cfg):
+    """The rl.* checks of an rlvr run's start: the stage's own, and the cohorts' (`stages.checks`)."""
+    check_rlvr_stage(cfg)
+    check_episode_cohorts(cfg)
+
+
+@pytest.mark.parametrize("key", sorted(INERT_VALUES))
 def test_an_rl_key_that_cannot_take_effect_is_an_error(key):
-    cfg = base_config()
-    cfg.rl.eval_every = 0
-    values = {
-        "clip_low": 0.1,
-        "clip_high": 0.5,
-        "ratio_level": "sequence",
-        "kl_estimator": "k1",
-        "max_resample_rounds": 5,
-        "eval_samples": 8,
-        "eval_size": 16,
-        "arithmetic_size": 10,
-        "instruction": "Answer with a number.",
-        "critic": "separate",
-        "gamma": 0.9,
-        "lam": 0.5,
-        "value_coef": 1.0,
-        "value_clip": 0.1,
-        "kl_in_reward": True,
-        "reward_model_weight": 2.0,
-        "reward_model_normalize": False,
-        "eval_files": "held_out.jsonl",
-        "verifier_timeout_s": 5.0,
-        "rollouts_fraction": 0.5,
-        "max_turns": 3,
-        "tool_timeout_s": 2.0,
-        "invalid_tool_call_penalty": 0.1,
-        "redundant_tool_call_penalty": 0.1,
-        "episode_cohorts": 2,
-        "loss_type": "cispo",
-        "is_mask_low": 0.1,
-        "is_mask_high": 5.0,
-    }
-    check_rl_config(cfg)
-    cfg.rl[key] = values[key]
+    cfg = run_cfg({"rl.eval_every": 0}, stage="rlvr")
+    check_rlvr_start(cfg)
+    cfg = cfg.replace({f"rl.{key}": INERT_VALUES[key]})
     if key in ("arithmetic_size", "instruction"):
-        cfg.rl.domains = "gsm8k"
+        cfg = cfg.replace({"rl.domains": "gsm8k"})
     with pytest.raises(ValueError, match=f"rl.{key}="):
-        check_rl_config(cfg)
+        check_rlvr_start(cfg)
 
 
 def test_rl_config_errors_name_the_key():
-    cfg = base_config()
-    cfg.rl.prompts_per_step, cfg.rl.group_size, cfg.rl.minibatches = 3, 4, 5
+    cfg = run_cfg({"rl.prompts_per_step": 3, "rl.group_size": 4, "rl.minibatches": 5}, stage="rlvr")
     with pytest.raises(ValueError, match="rl.minibatches=5 must divide .* 12"):
-        check_rl_config(cfg)
-    cfg.rl.minibatches, cfg.rl.temperature = 4, 0.0
+        check_rlvr_start(cfg)
+    cfg = cfg.replace({"rl.minibatches": 4, "rl.temperature": 0.0})
     with pytest.raises(ValueError, match="rl.temperature=0.0"):
-        check_rl_config(cfg)
-    cfg.rl.temperature, cfg.rl.updates_per_batch = 1.0, 2
-    check_rl_config(cfg)
-    cfg.rl.updates_per_batch = 0
+        check_rlvr_start(cfg)
+    cfg = cfg.replace({"rl.temperature": 1.0, "rl.updates_per_batch": 2})
+    check_rlvr_start(cfg)
     with pytest.raises(ValueError, match="rl.updates_per_batch=0"):
-        check_rl_config(cfg)
+        cfg.replace({"rl.updates_per_batch": 0})

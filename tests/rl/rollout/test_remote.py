@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from posttrain.config import base_config
-from posttrain.config_schema import check_values
+from posttrain.config import RLConfig
 from posttrain.errors import UserError
 from posttrain.rl.envs.base import Task, Trajectory
 from posttrain.rl.reward import Reward
@@ -25,6 +24,7 @@ from posttrain.rl.rollout import transfer, workqueue
 from posttrain.rl.rollout.workqueue import WorkQueue
 from posttrain.rl.tasks.scheduler import Group
 from tests.support import paths
+from tests.support.configs import run_cfg
 from tests.test_golden import GOLDEN, RUNS, SMALL, logged
 
 ROOT = str(paths.ROOT)
@@ -35,10 +35,9 @@ ROOT = str(paths.ROOT)
     [("disaggregated", "none", "set rl.role='learner'"), ("colocated", "sampler", "only used with rl.placement")],
 )
 def test_the_config_refuses_a_role_without_disaggregated_and_the_reverse(placement, role, words):
-    cfg = base_config()
-    cfg.rl.placement, cfg.rl.role = placement, role
+    cfg = run_cfg({"rl.placement": placement, "rl.role": role}, stage="rlvr")
     with pytest.raises(UserError, match=words) as e:
-        check_values(cfg)
+        cfg.check_stages()  # the rl section's rules: a run that reaches the rlvr stage
     assert e.value.key == "rl.role"
 
 
@@ -48,9 +47,7 @@ def test_the_config_refuses_a_role_without_disaggregated_and_the_reverse(placeme
 def test_what_disaggregated_cannot_do_yet_is_refused_naming_the_key(key, value):
     from posttrain.rl.rollout.remote import check_disaggregated
 
-    cfg = base_config()
-    cfg.rl.placement, cfg.rl.role = "disaggregated", "learner"
-    cfg.update_from_flattened_dict({key: value})
+    cfg = run_cfg({"rl.placement": "disaggregated", "rl.role": "learner", key: value}, stage="rlvr")
     with pytest.raises(UserError, match="disaggregated") as e:
         check_disaggregated(cfg)
     assert e.value.key == key
@@ -60,8 +57,7 @@ def test_a_group_of_more_than_one_process_is_refused(monkeypatch):
     """Each group is one process for now (a multi-host slice would need the pulls agreed across it)."""
     from posttrain.rl.rollout import remote
 
-    cfg = base_config()
-    cfg.rl.placement, cfg.rl.role = "disaggregated", "sampler"
+    cfg = run_cfg({"rl.placement": "disaggregated", "rl.role": "sampler"}, stage="rlvr")
     monkeypatch.setattr(remote.jax, "process_count", lambda: 2)
     with pytest.raises(UserError, match=r"one process per group for now \(2\)") as e:
         remote.check_disaggregated(cfg)
@@ -74,8 +70,7 @@ def test_a_sampler_role_that_reaches_the_learner_is_refused():
 
     from posttrain.rl.rollout.remote import RemoteProducer
 
-    cfg = base_config()
-    cfg.rl.placement, cfg.rl.role = "disaggregated", "sampler"
+    cfg = run_cfg({"rl.placement": "disaggregated", "rl.role": "sampler"}, stage="rlvr")
     with pytest.raises(UserError, match="reached the learner") as e:
         RemoteProducer.for_learner(SimpleNamespace(cfg=cfg), 0, ((), ()))
     assert e.value.key == "rl.role"
@@ -202,7 +197,7 @@ def test_a_learner_and_a_sampler_process_group_train_rlvr_tiny(tmp_path):
     """The sampler starts first (it waits for the address file); the learner trains 5 steps with
     its rollouts, as the colocated run does, and finishes; the sampler then exits 0. (Without the
     held-out evaluations, which only cost time here: the slow test below has them.)"""
-    no_eval = {"rl.eval_every": 0, **{f"rl.{k}": base_config().rl[k] for k in ("eval_size", "eval_samples")}}
+    no_eval = {"rl.eval_every": 0, **{f"rl.{k}": getattr(RLConfig(), k) for k in ("eval_size", "eval_samples")}}
     sampler = spawn(tmp_path / "run", "sampler", tmp_path / "sampler.log", **no_eval)
     learner = spawn(tmp_path / "run", "learner", tmp_path / "learner.log", **no_eval)
     wait(learner, tmp_path / "learner.log")
@@ -339,7 +334,7 @@ def test_a_restarted_learner_resumes_and_the_sampler_reconnects(tmp_path):
 def test_overlapped_disaggregated_never_trains_past_the_staleness_bound(tmp_path):
     """rl.max_staleness = 1 with two samplers: every batch the learner takes at step s was sampled
     by a version v with s − 1 <= v <= s, and the run completes with both samplers exiting 0."""
-    no_eval = {"rl.eval_every": 0, **{f"rl.{k}": base_config().rl[k] for k in ("eval_size", "eval_samples")}}
+    no_eval = {"rl.eval_every": 0, **{f"rl.{k}": getattr(RLConfig(), k) for k in ("eval_size", "eval_samples")}}
     run, overlapped = tmp_path / "run", {"rl.max_staleness": 1, **no_eval}
     samplers = [spawn(run, "sampler", tmp_path / f"s{i}.log", **overlapped) for i in (0, 1)]
     learner = spawn(run, "learner", tmp_path / "learner.log", **overlapped)
@@ -356,7 +351,7 @@ def test_a_sampler_group_with_inflight_updates_stays_within_the_staleness_bound(
     """rl.max_staleness = 1 with in-flight updates every 2 decode steps (rl.inflight_update_every):
     the sampler group pulls newer weights between decode steps, its tokens' versions travel with
     the batch, and no token the learner trains on lags it by more than the bound."""
-    no_eval = {"rl.eval_every": 0, **{f"rl.{k}": base_config().rl[k] for k in ("eval_size", "eval_samples")}}
+    no_eval = {"rl.eval_every": 0, **{f"rl.{k}": getattr(RLConfig(), k) for k in ("eval_size", "eval_samples")}}
     run, overlapped = tmp_path / "run", {"rl.max_staleness": 1, "rl.inflight_update_every": 2, **no_eval}
     sampler = spawn(run, "sampler", tmp_path / "sampler.log", **overlapped)
     learner = spawn(run, "learner", tmp_path / "learner.log", **overlapped)

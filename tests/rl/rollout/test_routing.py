@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.config import base_config
-from posttrain.config_schema import check_config
+from posttrain.config import run_config
 from posttrain.core.optim import make_optimizer
 from posttrain.core.state import create_train_state
 from posttrain.errors import UserError
@@ -27,9 +26,11 @@ from posttrain.parallel.mesh import ACCELERATOR_PATHS_ENV, accelerator_paths_for
 from posttrain.rl.algo.learner import batch_rows, compute_advantages, learner_logprobs, rl_batch
 from posttrain.rl.envs.base import Trajectory
 from posttrain.rl.rollout.buffer import Rollout
-from posttrain.rl.rollout.routing import check_routing_replay, trajectory_routing
+from posttrain.rl.rollout.routing import trajectory_routing
 from posttrain.rl.tasks.scheduler import Group
 from posttrain.sampling import SamplingParams, generate
+from posttrain.stages.checks import check_run
+from tests.support.configs import model, run_cfg, typed
 from tests.support.learner import make_learner, update
 
 E, K = 8, 2
@@ -39,19 +40,30 @@ SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=NEW, num_samples=G, re
 
 
 def moe_cfg(router="softmax", norm=True):
-    m = base_config().model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        64,
-        32,
-        3,
-        2,
-        1,
-        16,
-        64,
+    return model(
+        {
+            "moe.num_experts": E,
+            "moe.top_k": K,
+            "moe.expert_mlp_dim": 32,
+            "moe.first_dense": 1,
+            "moe.router": router,
+            "moe.norm_topk_prob": norm,
+            "moe.routed_scaling": 1.0 if norm else 2.5,
+        },
+        vocab_size=64,
+        embed_dim=32,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        mlp_dim=64,
     )
-    m.moe.num_experts, m.moe.top_k, m.moe.expert_mlp_dim, m.moe.first_dense = E, K, 32, 1
-    m.moe.router, m.moe.norm_topk_prob, m.moe.routed_scaling = router, norm, 1.0 if norm else 2.5
-    return m
+
+
+def check_config(cfg):
+    """A run's start-up checks of its config: its sections and the rules of the stages it reaches
+    (`run_config`), then each stage's own (`stages.checks.check_run`)."""
+    check_run(run_config(cfg))
 
 
 def reference_moe(x, params, experts, router, norm, scaling):
@@ -122,8 +134,7 @@ def test_the_expert_parallel_layer_replays_as_the_single_device_one():
 def setup():
     """The tiny MoE policy's train state on one device, as tests/rl/algo/test_learner.py's `setup`."""
     mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
-    cfg = base_config()
-    cfg.optim.lr, cfg.optim.warmup_steps = 3e-3, 0
+    cfg = run_cfg({"optim.lr": 3e-3, "optim.warmup_steps": 0})
     with use_sharding(mesh, rules):
         tx = make_optimizer(cfg.optim, 100)
         graphdef, state, shardings = create_train_state(lambda: Decoder(moe_cfg(), rngs=nnx.Rngs(0)), tx, mesh, rules)
@@ -214,20 +225,15 @@ def test_a_learner_update_on_replayed_routing_is_finite(setup, quantised):
 
 def test_routing_replay_is_refused_where_it_cannot_take_effect():
     def cfg_with(stage="rlvr", experts=4, **keys):
-        cfg = base_config()
-        cfg.stage = stage
-        cfg.model.moe.num_experts, cfg.model.moe.routing_replay = experts, "sampler"
-        for key, value in keys.items():
-            section, leaf = key.split("__")
-            cfg[section][leaf] = value
-        return cfg
+        changes = {"model.moe.num_experts": experts, "model.moe.routing_replay": "sampler"}
+        return run_cfg({**changes, **{key.replace("__", "."): value for key, value in keys.items()}}, stage=stage)
 
     check_config(cfg_with())
-    refusals = [
-        (cfg_with(experts=0), "routing_replay='sampler' needs a Mixture-of-Experts model"),
-        (cfg_with(stage="sft"), "only the rlvr stage's learner replays"),
+    refusals = [  # (a refused config is refused as it is built: its sections check themselves)
+        (dict(experts=0), "routing_replay='sampler' needs a Mixture-of-Experts model"),
+        (dict(stage="sft"), "only the rlvr stage's learner replays"),
         *(
-            (cfg_with(**{key: value}), f"routing_replay='sampler' with {key.replace('__', '.')}=")
+            ({key: value}, f"routing_replay='sampler' with {key.replace('__', '.')}=")
             for key, value in (
                 ("sampling__continuous_batching", True),
                 ("sampling__speculative_k", 2),
@@ -236,15 +242,13 @@ def test_routing_replay_is_refused_where_it_cannot_take_effect():
             )
         ),
     ]
-    for cfg, message in refusals:
+    for keys, message in refusals:
         with pytest.raises(UserError, match=message) as e:
-            check_config(cfg)
+            check_config(cfg_with(**keys))
         assert e.value.key == "model.moe.routing_replay", message
-    check_routing_replay(cfg_with(rl__placement="disaggregated", rl__role="learner"), ("rlvr",))  # carried (workqueue)
-    bad = cfg_with()
-    bad.model.moe.routing_replay = "learner"
+    check_config(cfg_with(rl__placement="disaggregated", rl__role="learner"))  # carried (workqueue)
     with pytest.raises(UserError, match="routing_replay"):
-        check_config(bad)
+        check_config(cfg_with().replace({"model.moe.routing_replay": "learner"}))
 
 
 def test_samplers_that_do_not_record_routing_refuse_to(setup):
@@ -271,7 +275,7 @@ def test_rlvr_with_routing_replay_end_to_end(tmp_path):
         cfg.model.moe.num_experts, cfg.model.moe.top_k = 4, 2
         cfg.model.moe.routing_replay, cfg.sampling.quantize = replay, quantize
         check_config(cfg)
-        loop.run(cfg)
+        loop.run(typed(cfg))
         return rows(tmp_path / name)
 
     off, replay = run("off"), run("replay", "sampler")

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.config import base_config
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.rl.algo.learner import learner_logprobs, rl_batch
@@ -28,6 +27,7 @@ from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.worker import RolloutWorker
 from posttrain.rl.tasks.registry import make_domains, make_reward_fn
 from posttrain.sampling.rules import SamplingParams
+from tests.support.configs import run_cfg
 from tests.support.paths import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -38,21 +38,18 @@ TOK = load_tokenizer("byte")
 
 def vision_rl_config(tmp_path, **rl):
     """A tiny vision model (16x16 images of 8x8 patches: 4 placeholder tokens each) and RL keys."""
-    cfg = base_config()
-    m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        16,
-        2,
-        4,
-        2,
-        8,
-        32,
+    model = dict(vocab_size=264, embed_dim=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=32)
+    vision = {"encoder": "linear", "image_size": 16, "patch_size": 8}
+    return run_cfg(
+        {
+            **{f"model.{k}": v for k, v in model.items()},
+            **{f"model.vision.{k}": v for k, v in vision.items()},
+            "data.tokenizer": "byte",
+            **{f"rl.{k}": v for k, v in {"max_new_tokens": 6, "group_size": 2, "temperature": 1.0, **rl}.items()},
+        },
+        workdir=str(tmp_path / "run"),
+        stage="rlvr",
     )
-    m.vision.update({"encoder": "linear", "image_size": 16, "patch_size": 8})
-    cfg.data.tokenizer, cfg.workdir, cfg.stage = "byte", str(tmp_path / "run"), "rlvr"
-    cfg.rl.update({"max_new_tokens": 6, "group_size": 2, "temperature": 1.0, **rl})
-    return cfg
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +132,7 @@ def test_screen_episode_rollouts_learner_logprobs_equal_the_samplers(tmp_path):
 def test_what_images_cannot_go_with_is_refused_by_name(tmp_path, key, value, match):
     from posttrain.rl.checks import check_rlvr_stage
 
-    cfg = vision_rl_config(tmp_path, domains="screen", env="screen", max_staleness=1)
-    section, name = key.split(".")
-    cfg[section][name] = value
+    cfg = vision_rl_config(tmp_path, domains="screen", env="screen", max_staleness=1).replace({key: value})
     with pytest.raises(ValueError, match=re.escape(match)):
         check_rlvr_stage(cfg)
 
@@ -153,8 +148,7 @@ def test_continuous_batching_and_the_prefix_cache_take_images(tmp_path, visual_f
 
     for key, value in (("continuous_batching", True), ("prefix_cache", 4096)):
         cfg = vision_rl_config(tmp_path, domains="screen", env="screen", max_staleness=1)
-        cfg.sampling[key] = value
-        check_rlvr_stage(cfg)
+        check_rlvr_stage(cfg.replace({f"sampling.{key}": value}))
     cfg = visual_task_config(tmp_path, visual_files)
     static, _, _ = _rollout_batch(cfg, 2)
     batch, model, sampling = _rollout_batch(cfg, 2, continuous=SlotConfig(2, 1))
@@ -171,16 +165,16 @@ def test_continuous_batching_and_the_prefix_cache_take_images(tmp_path, visual_f
 def test_screen_env_keys(tmp_path):
     """rl.env=screen takes the multi-turn keys (max_turns, cohorts, the invalid-turn penalty), not
     the sandbox's; the screen domain needs it."""
-    from posttrain.rl.checks import check_rl_config
+    from posttrain.rl.checks import check_rlvr_stage
     from posttrain.rl.tasks.registry import make_env_factory
 
     cfg = vision_rl_config(tmp_path, env="screen", domains="screen", max_turns=3, invalid_tool_call_penalty=0.2)
-    check_rl_config(cfg)
+    check_rlvr_stage(cfg)
     env = make_env_factory(cfg.rl, TOK, make_reward_fn(cfg.rl))()
     assert env.max_turns == 3 and env.max_turn_tokens == 6
-    cfg.rl.tool_timeout_s = 3.0
+    cfg = cfg.replace({"rl.tool_timeout_s": 3.0})
     with pytest.raises(ValueError, match=r"rl\.tool_timeout_s=3\.0 cannot take effect"):
-        check_rl_config(cfg)
+        check_rlvr_stage(cfg)
     cfg = vision_rl_config(tmp_path, domains="screen")
     with pytest.raises(ValueError, match=r"needs rl\.env='screen'"):
         make_domains(cfg, TOK, make_reward_fn(cfg.rl))
@@ -226,8 +220,8 @@ def test_screen_rlvr_runs_end_to_end(tmp_path):
     from posttrain import main
 
     cfg = vision_rl_config(tmp_path, env="screen", domains="screen", max_turns=2, max_new_tokens=8, eval_size=4)
-    cfg.rl.update({"steps": 2, "prompts_per_step": 2, "group_size": 2, "eval_every": 2, "eval_samples": 2})
-    cfg.train.log_every, cfg.train.seq_len = 1, 128
+    rl = {"steps": 2, "prompts_per_step": 2, "group_size": 2, "eval_every": 2, "eval_samples": 2}
+    cfg = cfg.replace({**{f"rl.{k}": v for k, v in rl.items()}, "train.log_every": 1, "train.seq_len": 128})
     main.run(cfg)
     rows = _rows(tmp_path / "run" / "metrics.jsonl")
     gaps = [r["rl/behav_gap_max"] for r in rows if "rl/behav_gap_max" in r]

@@ -11,16 +11,17 @@ import time
 
 import pytest
 
-from posttrain.config import base_config
+from posttrain.config import RLConfig
 from posttrain.data.sources import DataError
 from posttrain.data.tokenizer import ByteTokenizer
-from posttrain.rl.checks import check_rl_config
+from posttrain.rl.checks import check_rlvr_stage
 from posttrain.rl.envs.base import Task
 from posttrain.rl.tasks.registry import make_domains, make_reward_fn
 from posttrain.rl.verifiers.code import CodeTask
 from posttrain.rl.verifiers.math import MathTask
 from posttrain.rl.verifiers.user import UserTask, UserVerifier
 from posttrain.stages import rlvr as loop
+from tests.support.configs import rl, run_cfg, typed
 from tests.support.rl_runs import rows, tiny
 
 VERIFIER_MODULE = '''
@@ -95,11 +96,11 @@ def test_user_task_file_with_user_verifier_trains_end_to_end(tmp_path, user_modu
         rollouts_every=2,
         rollouts_fraction=0.5,
     )
-    cfg.data.on_error, cfg.rl.arithmetic_size = "skip", base_config().rl.arithmetic_size
+    cfg.data.on_error, cfg.rl.arithmetic_size = "skip", RLConfig().arithmetic_size
     cfg.rl.curriculum.retire_above, cfg.rl.curriculum.retire_after = 0.0, 4  # every task retires after one group
     cfg.model.moe.num_experts, cfg.mesh.data, cfg.mesh.expert, cfg.mesh.tensor = 0, -1, 1, 1  # dense: compiles faster
     t0 = time.perf_counter()
-    loop.run(cfg)
+    loop.run(typed(cfg))
     all_rows = rows(tmp_path / "run")
     rs = [r for r in all_rows if "event" not in r]
     calls = sys.modules[user_module].calls
@@ -172,9 +173,7 @@ def test_user_verifier_contract_raising_hanging_and_bad_values_are_errors(user_m
 
 
 def test_records_of_each_kind_domains_and_bad_records(tmp_path, user_module):
-    cfg = base_config()
-    r = cfg.rl
-    r.train_files = write_jsonl(
+    train_files = write_jsonl(
         tmp_path / "t.jsonl",
         [
             {"prompt": "What is 2+2?", "answer": 4, "domain": "math", "id": "m1", "difficulty": 1},
@@ -187,7 +186,7 @@ def test_records_of_each_kind_domains_and_bad_records(tmp_path, user_module):
             {"prompt": "Shout.", "verifier": "shout"},
         ],
     )
-    r.verifiers, r.eval_every = f"{user_module}:shout", 0
+    cfg = run_cfg({"rl.train_files": train_files, "rl.verifiers": f"{user_module}:shout", "rl.eval_every": 0})
     domains, held_out = make_domains(cfg, ByteTokenizer(), make_reward_fn(cfg.rl))
     assert sorted(domains) == ["code", "math", "user"] and held_out == []
     (math,) = domains["math"].tasks
@@ -203,16 +202,17 @@ def test_records_of_each_kind_domains_and_bad_records(tmp_path, user_module):
         ({"prompt": "x", "answer": [3]}, "bad.jsonl:1: field 'answer': expected a string or a number"),
         ({"prompt": "x", "answer": 3, "domain": {"a": 1}}, "bad.jsonl:1: field 'domain'"),
     ]:
-        r.train_files = write_jsonl(tmp_path / "bad.jsonl", [bad])
+        cfg = cfg.replace({"rl.train_files": write_jsonl(tmp_path / "bad.jsonl", [bad])})
         with pytest.raises(DataError, match=message):
             make_domains(cfg, ByteTokenizer(), None)
-    r.train_files = write_jsonl(
+    dup = write_jsonl(
         tmp_path / "dup.jsonl", [{"prompt": "a", "answer": 1, "id": "x"}, {"prompt": "b", "answer": 2, "id": "x"}]
     )
+    cfg = cfg.replace({"rl.train_files": dup})
     with pytest.raises(DataError, match="dup.jsonl:2: task id 'x' of domain 'user' is also at .*dup.jsonl:1"):
         make_domains(cfg, ByteTokenizer(), None)
-    r.train_files = write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "a", "answer": 1}])
-    r.verifiers = f"{user_module}:score"  # named but used by no record
+    ok = write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "a", "answer": 1}])
+    cfg = cfg.replace({"rl.train_files": ok, "rl.verifiers": f"{user_module}:score"})  # named but used by no record
     with pytest.raises(ValueError, match=r"rl.verifiers: \['score'\] verify no record"):
         make_domains(cfg, ByteTokenizer(), None)
 
@@ -221,9 +221,7 @@ def test_eval_files_equivalent_to_training_prompts_are_dropped_and_counted(tmp_p
     """Held out by meaning (issue 25 item 4): an evaluation record whose prompt is a training prompt
     in another spelling (case, spaces, unicode, commuted operands) is dropped and counted, whatever
     data.on_error says; the rest stay, in order."""
-    cfg = base_config()
-    r = cfg.rl
-    r.train_files = write_jsonl(
+    train_files = write_jsonl(
         tmp_path / "train.jsonl", [{"prompt": f"What is {i}+1?", "answer": i + 1} for i in range(4)]
     )
     evals = [
@@ -233,41 +231,35 @@ def test_eval_files_equivalent_to_training_prompts_are_dropped_and_counted(tmp_p
         {"prompt": "What is 9+1?", "answer": 10},
         {"prompt": "What is 1-2?", "answer": -1},  # 2-1 is not 1-2
     ]
-    r.eval_files = write_jsonl(tmp_path / "eval.jsonl", evals)
+    cfg = run_cfg({"rl.train_files": train_files, "rl.eval_files": write_jsonl(tmp_path / "eval.jsonl", evals)})
     with caplog.at_level("WARNING"):
         domains, held_out = make_domains(cfg, ByteTokenizer(), None)
     assert [t.prompt[0]["content"] for _, t in held_out] == ["What is 9+1?", "What is 1-2?"]
     assert [d for d, _ in held_out] == ["user", "user"] and len(domains["user"].tasks) == 4
     assert "dropped 3 held-out tasks" in caplog.text and "eval.jsonl:1 (= " in caplog.text
     assert "train.jsonl:3" in caplog.text
-    r.eval_files = write_jsonl(tmp_path / "eval2.jsonl", evals[:3])
+    cfg = cfg.replace({"rl.eval_files": write_jsonl(tmp_path / "eval2.jsonl", evals[:3])})
     with pytest.raises(ValueError, match=r"eval2.jsonl': no usable task record \(3 were training prompts"):
         make_domains(cfg, ByteTokenizer(), None)
-    r.eval_files = ""
+    cfg = cfg.replace({"rl.eval_files": ""})
     with pytest.raises(ValueError, match="no held-out tasks: set rl.eval_files"):
         make_domains(cfg, ByteTokenizer(), None)
 
 
 def test_new_keys_that_cannot_take_effect_are_errors(tmp_path):
-    cfg = base_config()
-    cfg.rl.verifier_timeout_s = 5.0
+    def rlvr(changes):
+        check_rlvr_stage(run_cfg(changes, stage="rlvr"))
+
     with pytest.raises(ValueError, match="rl.verifier_timeout_s=5.0 cannot take effect"):
-        check_rl_config(cfg)
-    cfg = base_config()
-    cfg.rl.eval_files, cfg.rl.eval_every = "x.jsonl", 0
+        rlvr({"rl.verifier_timeout_s": 5.0})
     with pytest.raises(ValueError, match="rl.eval_files='x.jsonl' cannot take effect"):
-        check_rl_config(cfg)
-    cfg = base_config()
-    cfg.rl.rollouts_fraction = 0.5
+        rlvr({"rl.eval_files": "x.jsonl", "rl.eval_every": 0})
     with pytest.raises(ValueError, match="rl.rollouts_fraction=0.5 cannot take effect"):
-        check_rl_config(cfg)
-    cfg.rl.rollouts_every, cfg.rl.rollouts_fraction = 1, 1.5
-    with pytest.raises(ValueError, match="rollouts_fraction <= 1"):
-        check_rl_config(cfg)
-    cfg = base_config()
-    cfg.rl.verifiers = "no_such_module_here:score"
+        rlvr({"rl.rollouts_fraction": 0.5})
+    with pytest.raises(ValueError, match=r"rl.rollouts_fraction=1.5: expected > 0 and <= 1"):
+        rlvr({"rl.rollouts_every": 1, "rl.rollouts_fraction": 1.5})
     with pytest.raises(ValueError, match="cannot import 'no_such_module_here'"):
-        make_reward_fn(cfg.rl)
+        make_reward_fn(rl(verifiers="no_such_module_here:score"))
 
 
 def test_rollout_log_samples_by_seed_and_step_and_writes_strict_json(tmp_path):
@@ -308,9 +300,7 @@ def test_rollout_log_samples_by_seed_and_step_and_writes_strict_json(tmp_path):
 def test_record_kinds_are_scored_by_their_verifiers(tmp_path, user_module):
     """A math record by the math verifier, a code record in the sandbox (CodeVerifier), a user record by
     the user's function with its named parts."""
-    cfg = base_config()
-    r = cfg.rl
-    r.train_files = write_jsonl(
+    train_files = write_jsonl(
         tmp_path / "t.jsonl",
         [
             {"prompt": "What is 2+2?", "answer": 4},
@@ -323,7 +313,7 @@ def test_record_kinds_are_scored_by_their_verifiers(tmp_path, user_module):
             {"prompt": "Shout.", "verifier": "score", "keyword": "a"},
         ],
     )
-    r.verifiers, r.eval_every = f"{user_module}:score", 0
+    cfg = run_cfg({"rl.train_files": train_files, "rl.verifiers": f"{user_module}:score", "rl.eval_every": 0})
     reward_fn = make_reward_fn(cfg.rl)
     domains, _ = make_domains(cfg, ByteTokenizer(), reward_fn)
     math, user = domains["user"].tasks

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.config import base_config
+from posttrain.config import OptimConfig, base_config
 from posttrain.core.optim import make_optimizer
 from posttrain.core.state import create_train_state
 from posttrain.models.decoder import Decoder
@@ -33,6 +33,8 @@ from posttrain.sampling.rules import SamplingParams
 from posttrain.sandbox import Limits, Sandbox, Status
 from posttrain.sandbox.session import Session, _parse_report
 from posttrain.stages import rlvr as loop
+from posttrain.stages import rlvr_parts
+from tests.support.configs import model, typed
 from tests.support.episodes import TOK, CountingEnv, runs
 from tests.support.paths import ROOT
 
@@ -163,19 +165,10 @@ def test_repo_fix_held_out_tasks_are_disjoint_from_training_by_construction():
 
 
 def test_episode_rollout_masks_model_tokens_and_its_behaviour_logprobs_equal_the_learners():
-    m = base_config().model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        32,
-        1,
-        2,
-        1,
-        16,
-        64,
-    )
+    m = model(vocab_size=264, embed_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
     mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
     with use_sharding(mesh, rules):
-        tx = make_optimizer(base_config().optim, 10)
+        tx = make_optimizer(OptimConfig(), 10)
         graphdef, state, _ = create_train_state(lambda: Decoder(m, rngs=nnx.Rngs(0)), tx, mesh, rules)
         sampling = SamplingParams(
             temperature=0.7, top_k=12, top_p=0.9, max_new_tokens=6, stop_ids=(TOK.eos_id,), num_samples=4
@@ -235,13 +228,13 @@ def tool_cfg(workdir, **rl):
     r.prompts_per_step, r.group_size, r.max_new_tokens, r.eval_every, r.eval_size, r.eval_samples = 2, 2, 16, 2, 2, 2
     r.invalid_tool_call_penalty, r.verifier_workers = 0.1, 2
     r.update(rl)
-    return cfg
+    return typed(cfg)
 
 
 def test_loop_trains_on_the_repo_fix_domain_end_to_end(tmp_path, monkeypatch):
     cohorts = []  # rl.episode_cohorts reaches the episodes of training and of the held-out eval
     monkeypatch.setattr(
-        loop, "rollout_episodes", lambda *a, **kw: cohorts.append(kw["cohorts"]) or rollout_episodes(*a, **kw)
+        rlvr_parts, "rollout_episodes", lambda *a, **kw: cohorts.append(kw["cohorts"]) or rollout_episodes(*a, **kw)
     )
     result = loop.run(tool_cfg(tmp_path, episode_cohorts=2))
     assert cohorts and set(cohorts) == {2}

@@ -9,18 +9,23 @@ import json
 
 import pytest
 
-from posttrain.config import base_config
-from posttrain.rl.checks import check_rl_config
+from posttrain.rl.checks import check_rlvr_stage
 from posttrain.rl.envs.base import Task
 from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.tasks.registry import curriculum_options
 from posttrain.rl.tasks.scheduler import TaskScheduler
+from tests.support.configs import run_cfg
+
+
+def rlvr_cfg(**curriculum):
+    """The rlvr run config with `rl.curriculum` keys changed (raises as the stage's start would)."""
+    cfg = run_cfg({f"rl.curriculum.{k}": v for k, v in curriculum.items()}, stage="rlvr")
+    check_rlvr_stage(cfg)
+    return cfg
 
 
 def scheduler(n=4, **curriculum):
-    cfg = base_config()
-    cfg.rl.curriculum.update(curriculum)
-    check_rl_config(cfg)
+    cfg = rlvr_cfg(**curriculum)
     tasks = [Task(f"t{i}", ({"role": "user", "content": str(i)},), None) for i in range(n)]
     return TaskScheduler({"a": Domain("a", tasks, lambda: None)}, seed=3, **curriculum_options(cfg.rl.curriculum))
 
@@ -93,13 +98,11 @@ def test_curriculum_keys_that_cannot_take_effect_or_are_wrong_raise():
         ("window", 4, "without rl.curriculum.band_weights or retirement"),
         ("retire_after", 4, "only retirement uses it"),
         ("band_weights", "medium:1,solved:2", "unknown \\['solved'\\]"),
-        ("band_weights", "medium:x", "'medium:x' is not band\\[:weight\\]"),
-        ("easy_above", 1.5, "easy_above \\(1.5\\) <= 1"),
+        ("band_weights", "medium:x", "band_weights='medium:x': 'medium:x' is not name\\[:weight\\]"),
+        ("easy_above", 1.5, "rl.curriculum.easy_above=1.5: expected >= 0 and <= 1"),  # its bound, before the rules
     ]:
-        cfg = base_config()
-        cfg.rl.curriculum[key] = value
         with pytest.raises(ValueError, match=message):
-            check_rl_config(cfg)
+            rlvr_cfg(**{key: value})
 
 
 def test_pass_threshold_decides_what_passes():

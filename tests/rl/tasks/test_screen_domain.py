@@ -4,10 +4,10 @@ data set smaller than asked is evaluated whole with a warning of its size (pure 
 
 import pytest
 
-from posttrain.config import base_config
 from posttrain.rl.tasks import screen_domain
 from posttrain.rl.tasks.registry import DOMAINS
 from posttrain.rl.tasks.screen_domain import KINDS, held_out_counts, max_held_out, screen_key, screen_tasks
+from tests.support.configs import run_cfg
 
 
 def test_enumerated_meanings_are_what_the_generator_draws():
@@ -36,20 +36,19 @@ def test_more_held_out_screens_than_exist_are_refused_not_repeated():
 
 
 def test_rl_eval_size_beyond_the_held_out_screens_names_the_key():
-    cfg = base_config()
-    cfg.rl.env, cfg.rl.domains = "screen", "screen"
+    cfg = run_cfg({"rl.env": "screen", "rl.domains": "screen"})
     assert cfg.rl.eval_size == 128 and cfg.rl.eval_every > 0  # the defaults ask for more than exist
     with pytest.raises(ValueError, match=rf"rl.eval_size=128: .*only {max_held_out()} distinct held-out.*18 type"):
         DOMAINS["screen"](cfg, lambda: None)
-    cfg.rl.eval_size = max_held_out()
+    cfg = cfg.replace({"rl.eval_size": max_held_out()})
     _, held_out = DOMAINS["screen"](cfg, lambda: None)
     assert len({screen_key(t.target) for t in held_out}) == max_held_out()
-    cfg.rl.eval_size, cfg.rl.eval_every = 128, 0  # nothing evaluates: none drawn, nothing refused
+    cfg = cfg.replace({"rl.eval_size": 128, "rl.eval_every": 0})  # nothing evaluates: none drawn, nothing refused
     domain, held_out = DOMAINS["screen"](cfg, lambda: None)
     assert held_out == [] and domain.tasks
 
 
-def test_a_domain_with_fewer_held_out_tasks_than_asked_says_so(monkeypatch, caplog):
+def test_a_domain_with_fewer_held_out_tasks_than_asked_says_so(caplog):
     """A data set smaller than rl.eval_size (humaneval has 164 problems) is evaluated on what it
     has, with a warning naming the real count."""
     from posttrain.data.tokenizer import ByteTokenizer
@@ -58,12 +57,12 @@ def test_a_domain_with_fewer_held_out_tasks_than_asked_says_so(monkeypatch, capl
     from posttrain.rl.tasks.registry import make_domains, make_reward_fn
 
     tasks = [Task(f"t{i}", ({"role": "user", "content": f"{i}+1?"},), None) for i in range(3)]
-    monkeypatch.setitem(
-        DOMAINS, "tiny_set", lambda cfg, env: (Domain("tiny_set", tasks, env), tasks[: cfg.rl.eval_size])
-    )
-    cfg = base_config()
-    cfg.rl.domains = "tiny_set"
-    with caplog.at_level("WARNING"):
-        _, held_out = make_domains(cfg, ByteTokenizer(), make_reward_fn(cfg.rl))
+    DOMAINS.register("tiny_set", lambda cfg, env: (Domain("tiny_set", tasks, env), tasks[: cfg.rl.eval_size]))
+    try:
+        cfg = run_cfg({"rl.domains": "tiny_set"})
+        with caplog.at_level("WARNING"):
+            _, held_out = make_domains(cfg, ByteTokenizer(), make_reward_fn(cfg.rl))
+    finally:
+        DOMAINS.unregister("tiny_set")
     assert len(held_out) == 3
     assert "rl.eval_size=128: domain tiny_set has only 3 held-out tasks" in caplog.text

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from posttrain.config import base_config
 from posttrain.data.sources import DataError
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.rl.envs.images import episode_patches
 from posttrain.rl.tasks.suites import make_suites
 from posttrain.rl.verifiers.label import LabelTask
 from posttrain.rl.verifiers.math import MathTask
+from tests.support.configs import run_cfg
 
 BYTE = ByteTokenizer()
 
@@ -36,10 +36,16 @@ def image_suite(tmp_path) -> str:
 
 
 def config(tmp_path, suite: str, encoder: str):
-    cfg = base_config()
-    cfg.workdir, cfg.eval.suites = str(tmp_path / "run"), f"img={suite}"
-    cfg.model.vision.update({"encoder": encoder, "image_size": 8, "patch_size": 4})
-    return cfg
+    return run_cfg(
+        {
+            "eval.suites": f"img={suite}",
+            "model.vocab_size": 264,  # the byte tokenizer's image placeholder (263) is a token of the model
+            "model.vision.encoder": encoder,
+            "model.vision.image_size": 8,
+            "model.vision.patch_size": 4,
+        },
+        workdir=str(tmp_path / "run"),
+    )
 
 
 def test_image_suite_shows_its_images_to_a_vision_model(tmp_path):
