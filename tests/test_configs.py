@@ -167,7 +167,7 @@ def test_notebook_config_passes_the_start_up_checks(tmp_path, monkeypatch):
         c for c in json.loads((ROOT / "notebooks/quickstart.ipynb").read_text())["cells"] if c["cell_type"] == "code"
     ]
     (params,) = [c for c in cells if "parameters" in c["metadata"].get("tags", [])]
-    (config,) = [c for c in cells if "base_config()" in "".join(c["source"])]
+    (config,) = [c for c in cells if "RunConfig(" in "".join(c["source"])]
     scope: dict = {}
     for cell in (params, config):
         exec("".join(cell["source"]), scope)

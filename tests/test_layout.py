@@ -2,11 +2,13 @@
 lists match the code, and a tests/ that mirrors the package. Import layering is `lint-imports`
 (pyproject.toml), run by .ci/run."""
 
+import ast
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 400
+MAX_FUNCTION_LINES = 80  # a declarative table (a dict, a list of cases) may be longer: none is a function
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 
@@ -17,6 +19,16 @@ def modules() -> list[Path]:
 def test_no_module_is_over_400_lines():
     long = {str(p): n for p in modules() if (n := len((ROOT / p).read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them): {long}"
+
+
+def test_no_function_is_over_80_lines():
+    long = {}
+    for p in modules():
+        for node in ast.walk(ast.parse((ROOT / p).read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                    long[f"{p}:{node.lineno} {node.name}"] = n
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them): {long}"
 
 
 def test_the_architecture_page_names_every_module_and_only_real_ones():

@@ -165,8 +165,8 @@ def test_dynamic_rope_samples_as_the_learner_past_the_original_context():
     position (as transformers does): the KV-cached sampler, whose prefill and decode steps are
     calls of different lengths, draws the learner's log-probs past `original_max_position_embeddings`
     (was a 0.086 gap), and a row's logits do not depend on the longest row of its batch."""
-    cfg = model_config("dense")
-    cfg.rope_scaling.update(type="dynamic", factor=4.0, original_max_position_embeddings=6)
+    dynamic = dict(type="dynamic", factor=4.0, original_max_position_embeddings=6)
+    cfg = model_config("dense", {f"rope_scaling.{k}": v for k, v in dynamic.items()})
     graphdef, params, rest = nnx.split(Decoder(cfg, rngs=nnx.Rngs(1)), nnx.Param, ...)
     samples = generate(graphdef, params, rest, PROMPTS, SamplingParams(max_new_tokens=10), jax.random.key(3))
     forward = full_forward(graphdef)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posttrain.config import base_config
+from posttrain.config import RunConfig
 from posttrain.core.optim import make_optimizer
 from posttrain.core.state import create_train_state
 from posttrain.core.step import lm_loss, make_train_step
@@ -45,15 +45,11 @@ def matmul_peak(n: int = 1024, dtype=jnp.float32) -> float:
     return 2 * n**3 / sec
 
 
-def bench_configs():
+def bench_configs() -> dict[str, RunConfig]:
     """A small dense config and an 8-expert top-2 MoE with the same activated parameters."""
-    dense = base_config()
-    m = dense.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim = 512, 256, 4, 8, 4, 32
-    m.mlp_dim = 1024
-    moe = base_config()
-    moe.model.update(m.to_dict())
-    moe.model.moe.num_experts, moe.model.moe.top_k, moe.model.moe.expert_mlp_dim = 8, 2, 512
+    shape = dict(vocab_size=512, embed_dim=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32, mlp_dim=1024)
+    dense = RunConfig().replace({f"model.{k}": v for k, v in shape.items()})
+    moe = dense.replace({"model.moe.num_experts": 8, "model.moe.top_k": 2, "model.moe.expert_mlp_dim": 512})
     return {"dense": dense, "moe-8x2": moe}
 
 
@@ -127,8 +123,7 @@ def bench_sft_packing(batch: int, seq: int, iters: int) -> list[dict]:
     from posttrain.data.synthetic import ensure_arithmetic_file
     from posttrain.data.tokenizer import ByteTokenizer
 
-    cfg = bench_configs()["dense"]
-    cfg.model.vocab_size = 512
+    cfg = bench_configs()["dense"].replace({"model.vocab_size": 512})
     path = os.path.join(tempfile.mkdtemp(), "sft.jsonl")
     ensure_arithmetic_file(path, "sft", 4000, seed=0)
     step, state = _train_step(cfg, batch, seq)
@@ -178,8 +173,7 @@ def bench_checkpoint(iters: int = 3) -> list[dict]:
     from posttrain.core.checkpoint import Checkpointer
     from posttrain.core.harness import CHECKPOINT_ITEMS
 
-    cfg = bench_configs()["dense"]
-    cfg.model.num_layers, cfg.model.embed_dim, cfg.model.mlp_dim = 8, 512, 2048
+    cfg = bench_configs()["dense"].replace({"model.num_layers": 8, "model.embed_dim": 512, "model.mlp_dim": 2048})
     _, state = _train_step(cfg, 1, 8)
     trees = {k: getattr(state, k) for k in CHECKPOINT_ITEMS}
     mbytes = sum(x.nbytes for x in jax.tree.leaves(trees)) / 2**20
@@ -205,27 +199,20 @@ def bench_checkpoint(iters: int = 3) -> list[dict]:
     return rows
 
 
-def tiny_rlvr_config(workdir: str, steps: int):
+def tiny_rlvr_config(workdir: str, steps: int, changes: dict | None = None) -> RunConfig:
     """The RL benches' run: rlvr with a tiny MoE policy (width 64, 2 layers, 4 experts) on one
     device, `steps` steps logged every step, no checkpoints and no held-out evals; each bench sets
-    its own batch shape and the switch it measures."""
-    cfg = base_config()
-    cfg.stage, cfg.workdir = "rlvr", workdir
-    m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        64,
-        2,
-        4,
-        2,
-        16,
-        128,
+    its own batch shape and the switch it measures (dotted `changes`, applied last)."""
+    shape = dict(vocab_size=264, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128)
+    return RunConfig(stage="rlvr", workdir=workdir).replace(
+        {
+            **{f"model.{k}": v for k, v in shape.items()},
+            **{"model.moe.num_experts": 4, "model.moe.expert_mlp_dim": 64, "mesh.data": 1},
+            **{"train.steps": steps, "train.log_every": 1, "train.progress": False, "checkpoint.every": 0},
+            "rl.eval_every": 0,
+            **(changes or {}),
+        }
     )
-    m.moe.num_experts, m.moe.expert_mlp_dim = 4, 64
-    cfg.mesh.data = 1
-    cfg.train.steps, cfg.train.log_every, cfg.train.progress, cfg.checkpoint.every = steps, 1, False, 0
-    cfg.rl.eval_every = 0
-    return cfg
 
 
 def bench_rl(steps: int = 12, delay: float = 0.05, workers: int = 16) -> list[dict]:
@@ -238,10 +225,9 @@ def bench_rl(steps: int = 12, delay: float = 0.05, workers: int = 16) -> list[di
 
     rows = []
     for staleness in (0, 1):
-        cfg = tiny_rlvr_config(tempfile.mkdtemp(), steps)
-        r = cfg.rl
-        r.prompts_per_step, r.group_size, r.max_new_tokens = 4, 8, 32
-        r.max_staleness, r.verifier_delay, r.verifier_workers = staleness, delay, workers
+        shape = {"rl.prompts_per_step": 4, "rl.group_size": 8, "rl.max_new_tokens": 32}
+        verify = {"rl.max_staleness": staleness, "rl.verifier_delay": delay, "rl.verifier_workers": workers}
+        cfg = tiny_rlvr_config(tempfile.mkdtemp(), steps, {**shape, **verify})
         with jax.default_device(jax.devices()[0]):
             loop.run(cfg)
         m = [r for r in read_metrics(cfg.workdir) if "rl/update_s" in r][2:]  # skip compilation
@@ -269,9 +255,8 @@ def bench_rl_updates(steps: int = 8, epochs: tuple[int, ...] = (1, 2, 4)) -> lis
 
     rows = []
     for n in epochs:
-        cfg = tiny_rlvr_config(tempfile.mkdtemp(), steps)
-        r = cfg.rl
-        r.prompts_per_step, r.group_size, r.max_new_tokens, r.updates_per_batch = 4, 8, 32, n
+        shape = {"rl.prompts_per_step": 4, "rl.group_size": 8, "rl.max_new_tokens": 32}
+        cfg = tiny_rlvr_config(tempfile.mkdtemp(), steps, {**shape, "rl.updates_per_batch": n})
         with jax.default_device(jax.devices()[0]):
             loop.run(cfg)
         m = [r for r in read_metrics(cfg.workdir) if "rl/update_s" in r][2:]  # skip compilation
@@ -296,10 +281,9 @@ def bench_rl_quant(steps: int = 3) -> list[dict]:
 
     rows = []
     for quantize, speculative_k in (("none", 0), ("int8", 0), ("int4", 0), ("int8", 2)):
-        cfg = tiny_rlvr_config(tempfile.mkdtemp(), steps)
-        r = cfg.rl
-        r.prompts_per_step, r.group_size, r.max_new_tokens, r.arithmetic_size = 4, 8, 16, 50
-        cfg.sampling.quantize, cfg.sampling.speculative_k = quantize, speculative_k
+        shape = {"rl.prompts_per_step": 4, "rl.group_size": 8, "rl.max_new_tokens": 16, "rl.arithmetic_size": 50}
+        sampler = {"sampling.quantize": quantize, "sampling.speculative_k": speculative_k}
+        cfg = tiny_rlvr_config(tempfile.mkdtemp(), steps, {**shape, **sampler})
         with jax.default_device(jax.devices()[0]):
             loop.run(cfg)
         m = [r for r in read_metrics(cfg.workdir) if "rl/update_s" in r]

@@ -87,12 +87,13 @@ def context_parallel_line(r: dict) -> str | None:
 
 def main(argv: list[str]) -> None:
     del argv
+    from posttrain.config import run_config
     from posttrain.plan import aot
     from posttrain.plan.compile_plan import plan
 
     if not aot.libtpu_available():
         raise SystemExit("error: libtpu is not installed; pip install -e '.[tpu]'")
-    cfg = cli._CONFIG.value
+    cfg = run_config(cli._CONFIG.value)
     reports = plan(
         cfg,
         _TOPOLOGY.value,
@@ -100,7 +101,7 @@ def main(argv: list[str]) -> None:
         _PROMPT_LEN.value,
         log=lambda s: print(s, file=sys.stderr, flush=True),
     )
-    print(f"## {cli._CONFIG.value.model.num_layers}-layer model on {_TOPOLOGY.value}, mesh {reports[0]['mesh']}")
+    print(f"## {cfg.model.num_layers}-layer model on {_TOPOLOGY.value}, mesh {reports[0]['mesh']}")
     print(table(reports))
     for r in reports:
         if r["program"] == "restore":

@@ -76,9 +76,8 @@ def measure_child(hf_dir: str) -> dict:
     with SafetensorsFolder(hf_dir) as folder:
         sizes = [folder.nbytes(name) for name in folder.weight_map]
         files = len(set(folder.weight_map.values()))
-    cfg = model_config_from_hf(hf_dir)
     hf = read_hf_config(hf_dir)
-    cfg.param_dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    cfg = model_config_from_hf(hf_dir).replace(param_dtype=hf.get("dtype") or hf.get("torch_dtype") or "float32")
     mesh = make_mesh({"data": 1}, jax.devices("cpu")[:1])
     make = lambda: Decoder(cfg, rngs=nnx.Rngs(0))
     before, t0 = _rss_bytes(), time.perf_counter()

@@ -35,6 +35,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.agent_rl_tiny import get_config  # noqa: E402
+from posttrain.config import run_config  # noqa: E402
 from posttrain.core.init import load_model_state  # noqa: E402
 from posttrain.core.state import init_model_state  # noqa: E402
 from posttrain.data.tokenizer import load_tokenizer  # noqa: E402
@@ -43,7 +44,7 @@ from posttrain.parallel import make_mesh, parse_rules, use_sharding  # noqa: E40
 from posttrain.rl.rollout.episodes import rollout_episodes  # noqa: E402
 from posttrain.rl.rollout.worker import RolloutWorker  # noqa: E402
 from posttrain.rl.tasks.registry import make_domains, make_reward_fn  # noqa: E402
-from posttrain.stages import rlvr as loop  # noqa: E402
+from posttrain.stages.rlvr_parts import rollout_sampling  # noqa: E402
 
 
 class WaitingEnv:
@@ -78,7 +79,7 @@ def episodes_bench(
 ) -> list[dict]:
     """Rows for BENCHMARKS.md: per cohort count the median episode-batch numbers, and the
     per-round speed-up of each C > 1 over C = 1."""
-    cfg = get_config()
+    cfg = run_config(get_config())
     tok = load_tokenizer(cfg.data.tokenizer)
     domains, _ = make_domains(cfg, tok, make_reward_fn(cfg.rl))
     domain = domains["repo_fix"]
@@ -92,7 +93,7 @@ def episodes_bench(
             load_model_state(init_from, make, mesh, rules)[:2] if init_from else init_model_state(make, mesh, rules)
         )
     graphdef = nnx.split(make(), nnx.Param, ...)[0]
-    sampling = loop.rollout_sampling(cfg, tok.stop_ids)
+    sampling = rollout_sampling(cfg, tok.stop_ids)
     n = episodes // group_size
     batches = [[("repo_fix", t) for t in domain.tasks[r * n : (r + 1) * n]] for r in range(rounds)]
     info: dict[int, list[dict]] = {c: [] for c in cohorts}

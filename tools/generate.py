@@ -22,6 +22,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from posttrain import storage
+from posttrain.config import run_config
 from posttrain.core import lineage
 from posttrain.core.checkpoint import Checkpointer, abstract_with_shardings
 from posttrain.core.state import abstract_model, init_model_state, shardings_for
@@ -72,7 +73,7 @@ def load_model(cfg, mesh, rules):
 def main(argv: list[str]) -> None:
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    cfg = _CONFIG.value
+    cfg = run_config(_CONFIG.value)
     tok = load_tokenizer(FLAGS.tokenizer)
     sampling = SamplingParams(
         temperature=FLAGS.temperature,

@@ -40,16 +40,15 @@ from posttrain.rl.rollout.worker import RolloutWorker
 from posttrain.rl.tasks.registry import make_domains, make_reward_fn
 from posttrain.sampling.continuous import SlotConfig
 from posttrain.stages import rlvr as loop
+from posttrain.stages.rlvr_parts import rollout_sampling
 
 
 def bench_config(workdir: str, steps: int):
     """The bench's RLVR config (`bench.tiny_rlvr_config`): 8 prompts × 8 samples per step, up to 64
     new tokens."""
-    cfg = tiny_rlvr_config(workdir, steps)
-    r = cfg.rl
-    r.prompts_per_step, r.group_size, r.max_new_tokens, r.arithmetic_size = 8, 8, 64, 200
-    cfg.optim.lr = 1e-7  # the length distribution stays what the weights set
-    return cfg
+    shape = {"rl.prompts_per_step": 8, "rl.group_size": 8, "rl.max_new_tokens": 64, "rl.arithmetic_size": 200}
+    # optim.lr: the length distribution stays what the weights set
+    return tiny_rlvr_config(workdir, steps, {**shape, "optim.lr": 1e-7})
 
 
 def skewed_policy(cfg, p_stop: float):
@@ -77,7 +76,7 @@ def rollout_rounds(cfg, params, rest, slot_configs: dict, rounds: int) -> list[d
     tok = load_tokenizer(cfg.data.tokenizer)
     domains, _ = make_domains(cfg, tok, make_reward_fn(cfg.rl))
     ((name, domain),) = domains.items()
-    sampling = loop.rollout_sampling(cfg, tok.stop_ids)
+    sampling = rollout_sampling(cfg, tok.stop_ids)
     graphdef = nnx.split(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))), nnx.Param, ...)[0]
     mesh, rules = mesh_and_rules(cfg)
     n, times, tokens = cfg.rl.prompts_per_step, {}, {}
@@ -121,10 +120,10 @@ def rollout_rounds(cfg, params, rest, slot_configs: dict, rounds: int) -> list[d
 
 def loop_steps(cfg, init_from: str, slots: SlotConfig | None) -> list[float]:
     """Wall seconds per RLVR step (rollout + update) of a run from `init_from`."""
-    cfg.workdir, cfg.init_from = tempfile.mkdtemp(), init_from
-    cfg.sampling.continuous_batching = slots is not None
+    changes = {"workdir": tempfile.mkdtemp(), "init_from": init_from, "sampling.continuous_batching": slots is not None}
     if slots is not None:
-        cfg.sampling.num_slots, cfg.sampling.refill_batch = slots.num_slots, slots.refill_batch
+        changes.update({"sampling.num_slots": slots.num_slots, "sampling.refill_batch": slots.refill_batch})
+    cfg = cfg.replace(changes)
     with jax.default_device(jax.devices()[0]):
         loop.run(cfg)
     return [r["rl/wait_s"] + r["rl/update_s"] for r in read_metrics(cfg.workdir) if "rl/update_s" in r]
@@ -145,9 +144,9 @@ def rl_continuous_bench(
     ckpt = Checkpointer(f"{init_from}/checkpoints", every=1, keep=1, async_save=False)
     ckpt.save(1, {"params": params, "rest": rest})
     ckpt.close()
-    static = np.array(loop_steps(cfg.copy_and_resolve_references(), init_from, None)[2:])
+    static = np.array(loop_steps(cfg, init_from, None)[2:])
     for label, slots in labelled.items():
-        steps = np.array(loop_steps(cfg.copy_and_resolve_references(), init_from, slots)[2:])
+        steps = np.array(loop_steps(cfg, init_from, slots)[2:])
         ratios = static / steps
         rows.append(
             {

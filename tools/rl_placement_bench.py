@@ -41,9 +41,9 @@ def overrides(args, workdir: Path) -> dict:
     """The run's --config.* keys (every placement alike): no evaluations (their sizes back to the
     defaults, which the config requires without rl.eval_every)."""
     sys.path.insert(0, str(ROOT))
-    from posttrain.config import base_config
+    from posttrain.config import RLConfig
 
-    defaults = base_config().rl
+    defaults = RLConfig()
     return {
         "rl.eval_size": defaults.eval_size,
         "rl.eval_samples": defaults.eval_samples,

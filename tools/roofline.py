@@ -34,6 +34,7 @@ _HBM_GB = flags.DEFINE_float("hbm_gb", 0.0, "HBM bytes per chip (GB), a floor")
 
 def main(argv: list[str]) -> None:
     del argv
+    from posttrain.config import run_config
     from posttrain.plan import aot, cost_model
     from posttrain.plan.roofline import roofline
 
@@ -42,7 +43,9 @@ def main(argv: list[str]) -> None:
     chips = 1
     for d in name.split(":")[1].split("x"):
         chips *= int(d)
-    model, executed = (x / chips for x in cost_model.train_flops(cli._CONFIG.value, _ROWS.value, _LENGTH.value))
+    model, executed = (
+        x / chips for x in cost_model.train_flops(run_config(cli._CONFIG.value), _ROWS.value, _LENGTH.value)
+    )
     coll = dict.fromkeys(aot.COLLECTIVES, 0.0)
     for item in filter(None, _COLLECTIVES.value.split(",")):
         kind, gb = item.split("=")

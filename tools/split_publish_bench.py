@@ -36,6 +36,7 @@ def main() -> None:
     import jax
     from flax import nnx
 
+    from posttrain.config import run_config
     from posttrain.core.state import init_model_state
     from posttrain.models.decoder import Decoder
     from posttrain.rl.rollout.placement import place_devices, sampler_weights
@@ -46,11 +47,12 @@ def main() -> None:
         cfg = runpy.run_path(str(ROOT / "configs" / "rlvr_tiny.py"))["get_config"]()
         cfg.model.update(model)
         cfg.rl.placement, cfg.rl.sampler_devices = "split", args.sampler_devices
+        cfg = run_config(cfg)
         learner, rules, sampler = place_devices(cfg)
         params, rest = init_model_state(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)), learner, rules)
         model_mb = sum(x.nbytes for x in jax.tree.leaves((params, rest))) / 2**20
         for layout in ("learner", "tensor"):
-            cfg.sampling.layout = layout
+            cfg = cfg.replace({"sampling.layout": layout})
             dispatch, ready, landed = [], [], 0
             for i in range(args.repeats + 1):  # the first: shardings and transfers set up, not timed
                 t0 = time.perf_counter()

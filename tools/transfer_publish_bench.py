@@ -39,6 +39,7 @@ def main() -> None:
     import jax
     from flax import nnx
 
+    from posttrain.config import run_config
     from posttrain.core.state import init_model_state
     from posttrain.models.decoder import Decoder
     from posttrain.parallel import mesh_and_rules
@@ -51,6 +52,7 @@ def main() -> None:
     for name, model in (("rlvr_tiny", {}), ("wide", dict(embed_dim=512, num_layers=4, mlp_dim=2048, head_dim=64))):
         cfg = runpy.run_path(str(ROOT / "configs" / "rlvr_tiny.py"))["get_config"]()
         cfg.model.update(model)
+        cfg = run_config(cfg)
         mesh, rules = mesh_and_rules(cfg)
         make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))  # noqa: E731
         weights = init_model_state(make, mesh, rules)

@@ -25,29 +25,26 @@ from posttrain.config.model import (
 )
 from posttrain.config.rl import (
     AGGREGATIONS,
-    ALERT_MODES,
     CRITICS,
     IS_LEVELS,
     IS_MASKS,
     PLACEMENTS,
-    QUANT_MODES,
     RATIO_LEVELS,
     ROLES,
-    SAMPLING_LAYOUTS,
-    AlertsConfig,
     CurriculumConfig,
-    RejectionConfig,
     RLConfig,
-    SamplingConfig,
 )
 from posttrain.config.run import DEFAULT_RULES, DistributedConfig, MeshConfig, RunConfig, ShardingConfig
+from posttrain.config.sampling import QUANT_MODES, SAMPLING_LAYOUTS, RejectionConfig, SamplingConfig
 from posttrain.config.train import (
+    ALERT_MODES,
     DPO_LOSSES,
     MOMENT_DTYPES,
     ON_ERROR,
     OPTIMIZER_ONLY,
     OPTIMIZERS,
     SYNTHETIC_DATA,
+    AlertsConfig,
     CheckpointConfig,
     DataConfig,
     DPOConfig,

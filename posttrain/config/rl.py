@@ -1,12 +1,13 @@
-"""The RL sections: `rl` (with `rl.curriculum`), `sampling`, `rejection` and `alerts`: their defaults,
-the values their keys take, and the rules by which a value that cannot take effect is refused."""
+"""The RL sections: `rl` (with `rl.curriculum`): their defaults, the values their keys take, and the
+rules by which a value that cannot take effect is refused."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+from posttrain.config.curriculum import CurriculumConfig
 from posttrain.config.fields import Section, bounded, choice, flag, free, nested, options, parsed, registered, section
-from posttrain.config.syntax import finite, parse_truncated_reward, parse_weights
+from posttrain.config.syntax import parse_truncated_reward, parse_weights
 from posttrain.config.train import gate_field
 from posttrain.errors import UserError
 
@@ -16,9 +17,6 @@ RATIO_LEVELS = ("token", "sequence")  # rl.algo.losses
 IS_LEVELS = ("token", "sequence")  # rl.algo.offpolicy: truncated IS per token or per sequence
 IS_MASKS = ("off", "token", "sequence", "geometric")  # rl.algo.offpolicy: masked IS
 CRITICS = ("shared",)  # rl.algo.critic: a value head on the policy's decoder
-QUANT_MODES = ("none", "int8", "int4")  # models.quant
-SAMPLING_LAYOUTS = ("learner", "tensor")  # sampling.layout
-ALERT_MODES = ("off", "warn", "stop")  # core.alerts.MODES
 PLACEMENTS = ("colocated", "split", "disaggregated")  # rl.rollout.placement
 ROLES = ("none", "learner", "sampler")  # rl.rollout.remote: a disaggregated run's process groups
 
@@ -65,58 +63,6 @@ _SHAPES_VERIFIER = (
     "it shapes the verifier reward, which rl.verifier_weight=0 drops",
 )
 _KL_IN_LOSS = "losses.policy_loss: as a loss term"
-
-
-@section
-class CurriculumConfig(Section):
-    """`rl.curriculum`: the task scheduler's pass-rate bands and retirement (rl/tasks/scheduler.py)."""
-
-    KEY = "rl.curriculum"
-    STAGE = "rlvr"
-    # e.g. "new:1,hard:0.5,medium:4,easy:0.2": draw a band by weight, then a task in it
-    band_weights: str = parsed("", parse_weights)
-    hard_below: float = bounded(0.2, ge=0, le=1)  # pass rate < this: band "hard"
-    easy_above: float = bounded(0.8, ge=0, le=1)  # pass rate > this: band "easy" (else "medium")
-    min_attempts: int = bounded(1, ge=1)  # samples before a task leaves band "new"
-    window: int = bounded(0, ge=0)  # pass rate over a task's last n samples (0: all of them)
-    retire_above: float = bounded(-1.0, le=1)  # >= 0: retire (never draw again) tasks whose pass rate is >= this
-    retire_below: float = bounded(-1.0, le=1)  # >= 0: retire tasks whose pass rate is < this (too hard)
-    retire_after: int = bounded(16, ge=1)  # samples of a task before it may retire
-    pass_threshold: float = bounded(0.5, ge=0, le=1)  # a sample passes when its reward >= this
-
-    def check_rules(self) -> None:
-        """Bands in order; no key set that the rest leaves without effect."""
-        if not self.hard_below <= self.easy_above:
-            raise UserError(
-                f"rl.curriculum: expected 0 <= hard_below ({self.hard_below}) <= easy_above ({self.easy_above}) "
-                f"<= 1 and pass_threshold ({self.pass_threshold}) in [0, 1]",
-                key="rl.curriculum.hard_below",
-            )
-        weighted = bool(self.band_weights.strip())
-        retiring = self.retire_above >= 0 or self.retire_below >= 0
-        defaults = CurriculumConfig.__dataclass_fields__
-        active = {
-            "hard_below": weighted,
-            "easy_above": weighted,
-            "min_attempts": weighted or retiring,
-            "window": weighted or retiring,
-            "retire_after": retiring,
-        }
-        for key, takes_effect in active.items():
-            if getattr(self, key) != defaults[key].default and not takes_effect:
-                why = (
-                    "only retirement uses it: set rl.curriculum.retire_above or retire_below >= 0"
-                    if key == "retire_after"
-                    else "it places tasks in bands, and bands steer nothing without rl.curriculum.band_weights"
-                    + (
-                        ""
-                        if key in ("hard_below", "easy_above")
-                        else " or retirement (retire_above / retire_below >= 0)"
-                    )
-                )
-                raise UserError(
-                    f"rl.curriculum.{key}={getattr(self, key)!r} cannot take effect: {why}", key=f"rl.curriculum.{key}"
-                )
 
 
 @section
@@ -429,117 +375,3 @@ def check_placement(placement: str, sampler_devices: int, role: str = "none") ->
             f"(rl.placement={placement!r}: the sampler shares the learner's devices); set it to 0",
             key="rl.sampler_devices",
         )
-
-
-_CONTINUOUS = (lambda s: s.continuous_batching, "it cannot take effect without sampling.continuous_batching")
-
-
-@section
-class SamplingConfig(Section):
-    """`sampling`: the rlvr stage's sampler (rollouts and held-out evals); `max_context` bounds every
-    sampler call of a run. Which stages read which keys: `RunConfig.check_rules`."""
-
-    KEY = "sampling"
-    # none | int8 (w8a16) | int4 (w4a16): weights quantised from the learner's at each publish
-    quantize: str = choice("none", QUANT_MODES)
-    # learner (serve the learner's ZeRO-3 arrays) | tensor (a decode-layout copy made at each publish)
-    layout: str = choice("learner", SAMPLING_LAYOUTS)
-    # > 0: speculative decoding, k tokens drafted per round (same distribution, policy log-probs)
-    speculative_k: int = bounded(0, ge=0)
-    # the draft: the policy's first n layers + its final norm and head
-    draft_layers: int = bounded(
-        1, ge=1, inert_unless=(lambda s: s.speculative_k > 0, "no draft without sampling.speculative_k > 0")
-    )
-    prefix_cache: int = bounded(0, ge=0)  # > 0: keep prompt-prefix KV across sampler calls, bound in tokens
-    continuous_batching: bool = flag(False)  # rollouts through continuously refilled decode slots
-    num_slots: int = bounded(16, ge=1, inert_unless=_CONTINUOUS)  # decode slots (at most one call's samples)
-    refill_batch: int = bounded(4, ge=1, inert_unless=_CONTINUOUS)  # free slots refilled this many at a time
-    # longest prompt + new tokens any sampler call (rollouts, evals, long-context evals, tools) may need;
-    # 0: the context the model was trained and configured for (core/lineage.py `configured_context`);
-    # N: up to N tokens, explicitly (e.g. to measure past the trained length)
-    max_context: int = bounded(0, ge=0)
-
-    def check_rules(self) -> None:
-        """Speculative decoding, the prefix cache and continuous batching exclude each other; the
-        refill fits the slots."""
-        if self.prefix_cache and self.speculative_k:
-            raise UserError(
-                f"sampling.prefix_cache={self.prefix_cache}: not supported with sampling.speculative_k="
-                f"{self.speculative_k} (set one of them to 0)",
-                key="sampling.prefix_cache",
-            )
-        if self.prefix_cache and self.continuous_batching:
-            raise UserError(
-                f"sampling.prefix_cache={self.prefix_cache}: not supported with sampling.continuous_batching "
-                "(the continuous engine prefills every prompt whole); turn one of them off",
-                key="sampling.prefix_cache",
-            )
-        if self.continuous_batching and self.speculative_k:
-            raise UserError(
-                f"sampling.continuous_batching with sampling.speculative_k={self.speculative_k}: speculative "
-                "decoding runs in static batches only; turn one of them off",
-                key="sampling.continuous_batching",
-            )
-        if not 1 <= self.refill_batch <= self.num_slots:
-            raise UserError(
-                f"sampling.refill_batch={self.refill_batch}: expected 1..sampling.num_slots ({self.num_slots})",
-                key="sampling.refill_batch",
-            )
-
-
-@section
-class RejectionConfig(Section):
-    """`rejection`: the rejection_sampling stage (verified samples of the policy → SFT data). Prompts
-    are RL training tasks (rl.domains, rl.train_files); sampling uses rl.max_new_tokens, top_k, top_p."""
-
-    KEY = "rejection"
-    STAGE = "rejection_sampling"
-    prompts: int = bounded(256, ge=1)  # distinct training prompts, split over the domains by their weights
-    samples_per_prompt: int = bounded(8, ge=1)  # N candidates sampled per prompt
-    keep_per_prompt: int = bounded(1, ge=1)  # at most this many kept per prompt: the best by score, then shortest
-    min_score: float = parsed(1.0, finite)  # a candidate passes when its reward >= this (and it has a verdict)
-    max_tokens: int = bounded(0, ge=0)  # length filter: drop passing responses longer than this; 0: off
-    temperature: float = bounded(1.0, ge=0)
-    output: str = free("", "the SFT JSONL written (local or gs://); '' = {workdir}/sft.jsonl")
-    # also write {output}.mixed.jsonl (sft.train_files, then the kept records); the next sft stage of a
-    # pipeline trains on it instead of the kept records alone
-    mix_original: bool = flag(False)
-    gate: str = gate_field()  # e.g. "rejection/yield>=0.2" (stages/rejection_sampling.py lists the metrics)
-
-    def check_rules(self) -> None:
-        """A prompt keeps at most its candidates; greedy candidates are one; records go to JSONL."""
-        if self.keep_per_prompt > self.samples_per_prompt:
-            raise UserError(
-                f"rejection.keep_per_prompt={self.keep_per_prompt}: at most rejection.samples_per_prompt="
-                f"{self.samples_per_prompt} candidates exist per prompt",
-                key="rejection.keep_per_prompt",
-            )
-        if self.temperature == 0 and self.samples_per_prompt > 1:
-            raise UserError(
-                f"rejection.temperature=0 (greedy) makes all rejection.samples_per_prompt="
-                f"{self.samples_per_prompt} samples of a prompt the same: use samples_per_prompt=1 or a "
-                "temperature > 0",
-                key="rejection.temperature",
-            )
-        if self.output and not self.output.endswith(".jsonl"):
-            raise UserError(
-                f"rejection.output={self.output!r}: expected a .jsonl path (local or gs://), or '' for "
-                "{workdir}/sft.jsonl",
-                key="rejection.output",
-            )
-
-
-@section
-class AlertsConfig(Section):
-    """`alerts`: run health rules (posttrain/core/alerts.py); 0 = rule off."""
-
-    KEY = "alerts"
-    on: str = choice("warn", ALERT_MODES)  # off | warn (log, event row, progress bar) | stop (raise AlertStop)
-    reward_drift: float = bounded(6.0, ge=0)  # |batch mean reward − running mean| / running std above this
-    entropy_collapse: float = bounded(0.01, ge=0)  # rl/entropy (nats/token) below this
-    kl_blowup: float = bounded(1.0, ge=0)  # rl/kl above this
-    response_len_explosion: float = bounded(3.0, ge=0)  # mean response length above this × its running mean
-    clip_saturation: float = bounded(0.5, ge=0)  # rl/clip_frac_low + rl/clip_frac_high above this
-    nonfinite: bool = flag(True)  # any NaN/inf metric
-    verifier_error_rate: float = bounded(0.1, ge=0)  # rl/verifier_errors / rl/responses above this
-    throughput_stall: float = bounded(0.2, ge=0)  # tokens/s below this × its running mean

@@ -8,8 +8,10 @@ from collections.abc import Mapping
 from posttrain.config import stages as stage_table
 from posttrain.config.fields import Section, bounded, default, free, nested, own_fields, parsed, section
 from posttrain.config.model import ModelConfig
-from posttrain.config.rl import AlertsConfig, RejectionConfig, RLConfig, SamplingConfig
+from posttrain.config.rl import RLConfig
+from posttrain.config.sampling import RejectionConfig, SamplingConfig
 from posttrain.config.train import (
+    AlertsConfig,
     CheckpointConfig,
     DataConfig,
     DPOConfig,

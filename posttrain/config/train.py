@@ -15,6 +15,7 @@ OPTIMIZER_ONLY = {"adamw": ("b1", "b2", "eps", "moment_dtype"), "adafactor": ("f
 ON_ERROR = ("raise", "skip")  # data.sources
 SYNTHETIC_DATA = ("", "arithmetic", "long_context")  # stages.data_files
 DPO_LOSSES = ("sigmoid", "ipo")  # stages.losses
+ALERT_MODES = ("off", "warn", "stop")  # core.alerts.MODES
 LORA_TARGETS = (
     *("q", "k", "v", "o", "gate", "up", "down", "w_gate", "w_up", "w_down"),  # the decoder's projections
     *("proj", "patch", "wq", "wk", "wv", "wo", "fc1", "fc2", "proj1", "proj2"),  # the image encoders' (models.lora)
@@ -208,3 +209,19 @@ class PipelineConfig(Section):
 
     KEY = "pipeline"
     stages: tuple[str, ...] = free(("sft", "dpo"), "stage names, checked against the stage table by RunConfig")
+
+
+@section
+class AlertsConfig(Section):
+    """`alerts`: run health rules (posttrain/core/alerts.py); 0 = rule off."""
+
+    KEY = "alerts"
+    on: str = choice("warn", ALERT_MODES)  # off | warn (log, event row, progress bar) | stop (raise AlertStop)
+    reward_drift: float = bounded(6.0, ge=0)  # |batch mean reward − running mean| / running std above this
+    entropy_collapse: float = bounded(0.01, ge=0)  # rl/entropy (nats/token) below this
+    kl_blowup: float = bounded(1.0, ge=0)  # rl/kl above this
+    response_len_explosion: float = bounded(3.0, ge=0)  # mean response length above this × its running mean
+    clip_saturation: float = bounded(0.5, ge=0)  # rl/clip_frac_low + rl/clip_frac_high above this
+    nonfinite: bool = flag(True)  # any NaN/inf metric
+    verifier_error_rate: float = bounded(0.1, ge=0)  # rl/verifier_errors / rl/responses above this
+    throughput_stall: float = bounded(0.2, ge=0)  # tokens/s below this × its running mean

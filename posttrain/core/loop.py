@@ -10,6 +10,7 @@ shares with the RL loop (checkpoints, resume, metrics, progress, alerts, interru
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections import deque
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from posttrain.config import RunConfig
 from posttrain.core import lineage
 from posttrain.core.alerts import AlertMonitor
 from posttrain.core.batch import put_batch
@@ -74,37 +76,55 @@ def longest_context(longest: jax.Array, batch: dict) -> jax.Array:
     return longest
 
 
-def train(cfg, stage: TrainSpec) -> Result:
-    """Run `cfg.train.steps` updates of `stage`, resuming from `{workdir}/checkpoints` if present."""
-    mesh, rules = mesh_and_rules(cfg)
-    steps = cfg.train.steps
-    schedule = lr_schedule(cfg.optim, steps)
-    tx = make_optimizer(cfg.optim, steps)
-    run = Harness.open(
-        stage.name,
-        cfg.workdir,
-        steps,
-        cfg.checkpoint,
-        progress=cfg.train.progress,
-        alerts=AlertMonitor.from_config(cfg.alerts),
-        agree_every=cfg.train.log_every,
-    )
-    data = ScheduledBatches(
-        parse_seq_len_schedule(cfg.train.seq_len_schedule, cfg.train.seq_len, steps),
-        stage.batches,
-        stage.batches_for,
-        stage.name,
-    )
-    # > 1: rows in zig-zag order where that balances the attention tiles, over the ring's shards
+def context_shards(lengths, mesh, rules) -> int:
+    """The shards the `length` sharding rule splits rows over (> 1: rows in zig-zag order where that
+    balances the attention tiles); every length of the schedule must split into 2 × that many."""
     axes, shards = sequence_shards(mesh, rules)
-    for length in parse_seq_len_schedule(cfg.train.seq_len_schedule, cfg.train.seq_len, steps).lengths:
+    for length in lengths:
         if shards > 1 and length % (2 * shards):
             where = ", ".join(f"mesh.{a}={mesh.shape[a]}" for a in axes)
             raise ValueError(
                 f"train.seq_len={length} (or a train.seq_len_schedule stage): context parallelism over "
                 f"{where} (the `length` sharding rule: {shards} shards) needs lengths divisible by 2 × {shards}"
             )
-    rows, evals = [], {}
+    return shards
+
+
+@dataclasses.dataclass
+class Loop:
+    """What the steps of `train` share: the config, the stage, the harness, the data, the jitted step."""
+
+    cfg: RunConfig
+    stage: TrainSpec
+    run: Harness
+    data: ScheduledBatches
+    step_fn: Callable
+    graphdef: nnx.GraphDef
+    shards: int
+    source: dict
+    counts: DataCounts = None
+    rows: list = dataclasses.field(default_factory=list)
+    evals: dict = dataclasses.field(default_factory=dict)
+
+
+def train(cfg: RunConfig, stage: TrainSpec) -> Result:
+    """Run `cfg.train.steps` updates of `stage`, resuming from `{workdir}/checkpoints` if present."""
+    mesh, rules = mesh_and_rules(cfg)
+    steps = cfg.train.steps
+    tx = make_optimizer(cfg.optim, steps)
+    alerts = AlertMonitor.from_config(cfg.alerts)
+    run = Harness.open(
+        stage.name,
+        cfg.workdir,
+        steps,
+        cfg.checkpoint,
+        progress=cfg.train.progress,
+        alerts=alerts,
+        agree_every=cfg.train.log_every,
+    )
+    schedule = parse_seq_len_schedule(cfg.train.seq_len_schedule, cfg.train.seq_len, steps)
+    data = ScheduledBatches(schedule, stage.batches, stage.batches_for, stage.name)
+    shards = context_shards(schedule.lengths, mesh, rules)
     with run.running(mesh, rules):
         graphdef, state, shardings = create_train_state(stage.make_model, tx, mesh, rules, cfg.lora, cfg.seed)
         state, _, data_state = starting_state(
@@ -114,66 +134,85 @@ def train(cfg, stage: TrainSpec) -> Result:
         if start:
             states = data_state["processes"] if "processes" in data_state else [data_state]
             data.set_state(state_for_process(states, jax.process_index(), jax.process_count()) if states[0] else {})
-        source = start_lineage(run.ckpt, start, cfg.init_from)
-        trained = jnp.asarray(source.get("trained_context") or 0, jnp.int32)
         step_fn = jax.jit(
-            make_train_step(graphdef, tx, stage.loss_fn, schedule, cfg.lora),
+            make_train_step(graphdef, tx, stage.loss_fn, lr_schedule(cfg.optim, steps), cfg.lora),
             out_shardings=(shardings, None),
             donate_argnums=0,
         )
-        bar = run.bar(start)
-        t0, last = time.perf_counter(), start - 1
-        counts = DataCounts(stage.name)
-        in_flight = deque(maxlen=MAX_STEPS_AHEAD + 1)
-        for step in bar:
-            batch = put_batch(balanced_batch(data.at(step), shards, cfg.model.attention_block)[0], stage.batch_axes)
-            trained = longest_context(trained, batch)
-            state, metrics = step_fn(state, batch, *stage.extra)
-            dispatched(in_flight, metrics)
-            if step == start:
-                compiled(bar, stage.name)
-            if step % cfg.train.log_every == 0 or step == steps - 1:
-                metrics = jax.device_get(metrics)
-                now = time.perf_counter()
-                if "tokens" in metrics:  # first interval includes compilation
-                    metrics["tokens_per_s"] = float(metrics["tokens"]) * (step - last) / max(now - t0, 1e-9)
-                metrics.update(counts.read(step, data.batches))  # data/skipped, data/truncated
-                if data.staged:
-                    metrics.update({"seq_len": data.length, "data/deferred": getattr(data.batches, "deferred", 0)})
-                rows.append(run.write(step, metrics))
-                check_nonfinite(metrics, cfg.train.max_nonfinite_steps, step, run.ckpt)
-                bar.set_postfix(
-                    loss=f"{rows[-1]['loss']:.4f}",
-                    **({"tok/s": f"{metrics['tokens_per_s']:.0f}"} if "tokens_per_s" in metrics else {}),
-                )
-                run.alert(step, rows[-1], bar)
-                t0, last = now, step
-            done = step + 1
-            if stage.eval_fn is not None and (
-                done == steps or cfg.train.eval_every and done % cfg.train.eval_every == 0
-            ):
-                evals = run_eval(stage, graphdef, state, cfg.lora)
-                rows.append(run.write(done, evals))  # at the number of updates it measures, as RL's
-                logging.info("%s step %d: %s", stage.name, done, summary(evals))
-                if stage.sample_fn is not None:  # every process: sampling runs on the global mesh
-                    stage.sample_fn(nnx.merge(graphdef, model_params(state, cfg.lora), state.rest), step)
-            run.end_step(
-                done,
-                lambda: run.ckpt.save(
-                    done,
-                    {k: getattr(state, k) for k in CHECKPOINT_ITEMS},
-                    data={"processes": allgather_json(data.get_state())},
-                    meta={
-                        "seed": cfg.seed,
-                        "stage": stage.name,
-                        "config": cfg.to_dict(),
-                        "optim": cfg.optim.name,
-                        lineage.KEY: lineage.merge(source, int(trained), data.length),
-                    },
-                ),
-            )
-        if stage.eval_fn is not None and not evals:  # resumed after the last step: gates still need it
-            evals = run_eval(stage, graphdef, state, cfg.lora)
-            logging.info("%s step %d: %s", stage.name, int(state.step), summary(evals))
+        loop = Loop(cfg, stage, run, data, step_fn, graphdef, shards, start_lineage(run.ckpt, start, cfg.init_from))
+        state = run_steps(loop, state, start)
+        if stage.eval_fn is not None and not loop.evals:  # resumed after the last step: gates still need it
+            loop.evals = run_eval(stage, graphdef, state, cfg.lora)
+            logging.info("%s step %d: %s", stage.name, int(state.step), summary(loop.evals))
     logging.info("%s: finished %d steps in %s", stage.name, steps, cfg.workdir)
-    return Result(graphdef, state, rows, evals, getattr(step_fn, "_cache_size", lambda: 0)())
+    return Result(graphdef, state, loop.rows, loop.evals, getattr(step_fn, "_cache_size", lambda: 0)())
+
+
+def run_steps(loop: Loop, state: TrainState, start: int) -> TrainState:
+    """Steps `start` … `train.steps − 1`: a batch, the update, its row every `train.log_every`, the
+    evaluation every `train.eval_every` and at the end, a checkpoint when due."""
+    cfg, stage, run = loop.cfg, loop.stage, loop.run
+    trained = jnp.asarray(loop.source.get("trained_context") or 0, jnp.int32)
+    bar = run.bar(start)
+    timer = [time.perf_counter(), start - 1]  # (time, step) of the last row
+    loop.counts = DataCounts(stage.name)
+    in_flight = deque(maxlen=MAX_STEPS_AHEAD + 1)
+    for step in bar:
+        batch = loop.data.at(step)
+        batch = put_batch(balanced_batch(batch, loop.shards, cfg.model.attention_block)[0], stage.batch_axes)
+        trained = longest_context(trained, batch)
+        state, metrics = loop.step_fn(state, batch, *stage.extra)
+        dispatched(in_flight, metrics)
+        if step == start:
+            compiled(bar, stage.name)
+        if step % cfg.train.log_every == 0 or step == run.steps - 1:
+            log_row(loop, bar, step, metrics, timer)
+        done = step + 1
+        if stage.eval_fn is not None and (
+            done == run.steps or cfg.train.eval_every and done % cfg.train.eval_every == 0
+        ):
+            loop.evals = run_eval(stage, loop.graphdef, state, cfg.lora)
+            loop.rows.append(run.write(done, loop.evals))  # at the number of updates it measures, as RL's
+            logging.info("%s step %d: %s", stage.name, done, summary(loop.evals))
+            if stage.sample_fn is not None:  # every process: sampling runs on the global mesh
+                stage.sample_fn(nnx.merge(loop.graphdef, model_params(state, cfg.lora), state.rest), step)
+        run.end_step(done, functools.partial(save, loop, done, state, trained))  # (read when a save is due)
+    return state
+
+
+def log_row(loop: Loop, bar, step: int, metrics: dict, timer: list) -> None:
+    """Write step `step`'s row: its metrics, tokens/s since the last row, the data counts; the
+    non-finite guard, the progress bar and the alerts read it."""
+    cfg, run, data = loop.cfg, loop.run, loop.data
+    metrics = jax.device_get(metrics)
+    now = time.perf_counter()
+    if "tokens" in metrics:  # first interval includes compilation
+        metrics["tokens_per_s"] = float(metrics["tokens"]) * (step - timer[1]) / max(now - timer[0], 1e-9)
+    metrics.update(loop.counts.read(step, data.batches))  # data/skipped, data/truncated
+    if data.staged:
+        metrics.update({"seq_len": data.length, "data/deferred": getattr(data.batches, "deferred", 0)})
+    loop.rows.append(run.write(step, metrics))
+    check_nonfinite(metrics, cfg.train.max_nonfinite_steps, step, run.ckpt)
+    bar.set_postfix(
+        loss=f"{loop.rows[-1]['loss']:.4f}",
+        **({"tok/s": f"{metrics['tokens_per_s']:.0f}"} if "tokens_per_s" in metrics else {}),
+    )
+    run.alert(step, loop.rows[-1], bar)
+    timer[:] = now, step
+
+
+def save(loop: Loop, done: int, state: TrainState, trained: jax.Array) -> None:
+    """Checkpoint after `done` steps: the state, every process's data position, the run's lineage."""
+    cfg, data = loop.cfg, loop.data
+    loop.run.ckpt.save(
+        done,
+        {k: getattr(state, k) for k in CHECKPOINT_ITEMS},
+        data={"processes": allgather_json(data.get_state())},
+        meta={
+            "seed": cfg.seed,
+            "stage": loop.stage.name,
+            "config": cfg.to_dict(),
+            "optim": cfg.optim.name,
+            lineage.KEY: lineage.merge(loop.source, int(trained), data.length),
+        },
+    )

@@ -21,6 +21,7 @@ rows at different steps: train for a step count.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -93,20 +94,6 @@ def sft_batches(
     )
     rows = batch_size // config["process_count"]
 
-    def fit(example: dict) -> tuple[dict | None, str | None, bool]:
-        n = len(example["tokens"])
-        cut = n > final and truncate
-        if n > final and not truncate:
-            return None, f"too long: {n} tokens > seq_len={final} (truncate=True would cut it)", False
-        if cut:
-            try:
-                example = fit_length(example, final, truncate=True, images=images)
-            except ValueError:
-                return None, f"too long: {n} tokens > seq_len={final}, and truncating would cut an image", False
-        if len(example["tokens"]) > seq_len:
-            return None, None, cut  # deferred to a later, longer stage
-        return example, None, cut
-
     row = lambda examples: build_row(examples, seq_len, pad_id=tok.pad_id, images=images)
     empty = row([])
 
@@ -117,12 +104,32 @@ def sft_batches(
     return batch_iterator(
         paths,
         lambda r, path: sft_example(r, tok, fields=fields, images=images, path=path),
-        fit,
+        functools.partial(fit_example, seq_len=seq_len, final=final, truncate=truncate, images=images),
         batcher,
         on_error=on_error,
         read_threads=read_threads,
         config=config,
     )
+
+
+def fit_example(
+    example: dict, *, seq_len: int, final: int, truncate: bool, images: ImageSpec | None
+) -> tuple[dict | None, str | None, bool]:
+    """(the example as trained now, or None; why it is a bad record, or None; whether it was cut):
+    over `final` tokens it is bad unless `truncate` cuts it (never through an image); over
+    `seq_len` (an early stage of a staged context) it waits for a later, longer stage."""
+    n = len(example["tokens"])
+    cut = n > final and truncate
+    if n > final and not truncate:
+        return None, f"too long: {n} tokens > seq_len={final} (truncate=True would cut it)", False
+    if cut:
+        try:
+            example = fit_length(example, final, truncate=True, images=images)
+        except ValueError:
+            return None, f"too long: {n} tokens > seq_len={final}, and truncating would cut an image", False
+    if len(example["tokens"]) > seq_len:
+        return None, None, cut  # deferred to a later, longer stage
+    return example, None, cut
 
 
 def preference_row(example: dict | None, max_len: int, pad_id: int = 0) -> dict[str, np.ndarray]:

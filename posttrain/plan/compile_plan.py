@@ -174,9 +174,9 @@ def sampler_program(cfg, mesh: Mesh, rules, prompt_len: int) -> Program:
         ("continuous_batching", False),
         ("prefix_cache", 0),
     ):
-        if s[key] != static:
+        if getattr(s, key) != static:
             raise ValueError(
-                f"sampling.{key}={s[key]!r}: the compile plan's sampler is the static bf16 "
+                f"sampling.{key}={getattr(s, key)!r}: the compile plan's sampler is the static bf16 "
                 f"`generate_program`; set sampling.{key}={static!r} to plan it"
             )
     rules = sampler_rules(rules, cfg.sampling.layout)

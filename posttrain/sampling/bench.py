@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posttrain.config import base_config
+from posttrain.config import ModelConfig
 from posttrain.models.decoder import Decoder
 from posttrain.models.quant import QArray, quantize_params
 from posttrain.parallel import make_mesh, parse_rules, use_sharding
@@ -29,17 +29,16 @@ from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams, sample_token
 
 
-def qwen3_tiny_configs() -> dict:
+def qwen3_tiny_configs() -> dict[str, ModelConfig]:
     """Tiny Qwen3-style model configs: 4 layers, width 256, 8 heads of 32, 4 KV heads, QK-norm,
     MLP 512, vocab 512; dense and 8 experts top-2 (expert MLP 512)."""
-    out = {}
-    for name, experts in (("dense", 0), ("moe-8x2", 8)):
-        cfg = base_config().model
-        cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads = 512, 256, 4, 8, 4
-        cfg.head_dim, cfg.mlp_dim, cfg.qk_norm = 32, 512, True
-        cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_mlp_dim = experts, 2, 512
-        out[name] = cfg
-    return out
+    shape = dict(vocab_size=512, embed_dim=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32, mlp_dim=512)
+    return {
+        name: ModelConfig(**shape, qk_norm=True).replace(
+            {"moe.num_experts": experts, "moe.top_k": 2, "moe.expert_mlp_dim": 512}
+        )
+        for name, experts in (("dense", 0), ("moe-8x2", 8))
+    }
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "prompt_len"))

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -35,6 +36,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from posttrain import storage
+from posttrain.config import RunConfig
 from posttrain.core import lineage
 from posttrain.core.checkpoint import Checkpointer
 from posttrain.core.harness import Result
@@ -204,7 +206,25 @@ def gate_view(results: dict[str, dict], versions: dict[str, str]) -> dict:
     return out
 
 
-def run(cfg, baseline: dict | None = None) -> Result:
+@dataclasses.dataclass
+class Evaluation:
+    """What each checkpoint's evaluation shares: the suites and their versions, the workers (one-
+    answer and multi-turn), the pass@k values, the long-context eval, the metrics writer."""
+
+    cfg: RunConfig
+    path: str
+    suites: dict
+    versions: dict
+    ks: list[int]
+    worker: RolloutWorker
+    episode_worker: RolloutWorker
+    graphdef: nnx.GraphDef
+    long_context: Callable | None
+    writer: MetricsWriter
+    bar: tqdm
+
+
+def run(cfg: RunConfig, baseline: dict | None = None) -> Result:
     """Evaluate the selected checkpoints of `eval.checkpoint` (or `init_from`) on `eval.suites`.
 
     `Result.eval` holds the last checkpoint's gate metrics, with `regression_drop` against the
@@ -222,17 +242,50 @@ def run(cfg, baseline: dict | None = None) -> Result:
     ks, tok = pass_ks(cfg), load_tokenizer(cfg.data.tokenizer)
     suites = make_suites(cfg, tok)
     check_gate_metrics(cfg, suites, ks)
-    versions = {n: suite_version(d.tasks) for n, d in suites.items()}
     steps = checkpoint_steps(cfg, path)
-    # None unless eval.long_context.lengths
     # sampling.max_context: the checkpoint's trained and configured context unless the key is set
     limit = lineage.max_context(cfg, lineage.of_init(path))
-    long_context = make_long_context_eval(cfg.eval.long_context, cfg.workdir, tok, limit)
     mesh, rules = mesh_and_rules(cfg)
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     graphdef = nnx.split(abstract_model(make), nnx.Param, ...)[0]
+    previous, metrics = baseline, {}
+    bar = tqdm(total=len(steps) * len(suites), desc="eval", disable=not cfg.train.progress or jax.process_index() != 0)
+    # Curves too: one row per checkpoint in metrics.jsonl, appended (earlier rows, e.g. of training, are kept).
+    writer = MetricsWriter(cfg.workdir, enabled=jax.process_index() == 0, resume_step=2**62)
+    with concurrent.futures.ThreadPoolExecutor(cfg.rl.verifier_workers) as pool, use_sharding(mesh, rules):
+        worker = RolloutWorker(graphdef, suites, eval_sampling(cfg, tok, limit), tok.pad_id, pool)
+        episodes = partial(rollout_episodes, cohorts=cfg.rl.episode_cohorts)
+        versions = {n: suite_version(d.tasks) for n, d in suites.items()}
+        long_context = make_long_context_eval(cfg.eval.long_context, cfg.workdir, tok, limit)  # None: no lengths
+        e = Evaluation(
+            cfg,
+            path,
+            suites,
+            versions,
+            ks,
+            worker,
+            dataclasses.replace(worker, episodes=episodes),
+            graphdef,
+            long_context,
+            writer,
+            bar,
+        )
+        for step in steps:
+            params, rest, _ = load_model_state(path, make, mesh, rules, step=None if path.startswith("hf:") else step)
+            metrics = evaluate_checkpoint(e, params, rest, step)
+            if previous is not None and (drop := regression_drop(metrics, previous)) is not None:
+                metrics["regression_drop"] = drop
+            previous = metrics
+    bar.close()
+    writer.close()
+    return Result(graphdef, None, [], metrics)
+
+
+def eval_sampling(cfg: RunConfig, tok, limit: int) -> SamplingParams:
+    """How the suites are sampled: the `rl` section's temperature, top-k / top-p and new tokens,
+    `eval.samples` per problem, within `limit` tokens of context."""
     r = cfg.rl
-    sampling = SamplingParams(
+    return SamplingParams(
         temperature=r.temperature,
         top_k=r.top_k,
         top_p=r.top_p,
@@ -241,60 +294,33 @@ def run(cfg, baseline: dict | None = None) -> Result:
         num_samples=cfg.eval.samples,
         max_context=limit,
     )
-    previous, metrics = baseline, {}
-    bar = tqdm(total=len(steps) * len(suites), desc="eval", disable=not cfg.train.progress or jax.process_index() != 0)
-    # Curves too: one row per checkpoint in metrics.jsonl, appended (earlier rows, e.g. of training, are kept).
-    writer = MetricsWriter(cfg.workdir, enabled=jax.process_index() == 0, resume_step=2**62)
-    with concurrent.futures.ThreadPoolExecutor(r.verifier_workers) as pool, use_sharding(mesh, rules):
-        worker = RolloutWorker(graphdef, suites, sampling, tok.pad_id, pool)
-        multi = multi_turn_suites(cfg.eval.suites)
-        episode_worker = dataclasses.replace(worker, episodes=partial(rollout_episodes, cohorts=r.episode_cohorts))
-        for step in steps:
-            params, rest, _ = load_model_state(path, make, mesh, rules, step=None if path.startswith("hf:") else step)
-            results = {}
-            for name, suite in suites.items():
-                results[name] = evaluate_suite(
-                    episode_worker if name in multi else worker,
-                    params,
-                    rest,
-                    name,
-                    list(suite.tasks),
-                    jax.random.key(cfg.seed),
-                    cfg.eval.samples,
-                    ks,
-                    episodes=name in multi,
-                )
-                write_record(
-                    cfg.workdir,
-                    {
-                        "suite": name,
-                        "version": versions[name],
-                        "checkpoint": path,
-                        "step": step,
-                        "problems": len(suite.tasks),
-                        "samples": cfg.eval.samples,
-                        **results[name],
-                        "time": time.time(),
-                    },
-                )
-                logging.info(
-                    "eval %s step %d %s: %s", path, step, name, {k: round(v, 4) for k, v in results[name].items()}
-                )
-                bar.update(1)
-            metrics = gate_view(results, versions)
-            if long_context is not None:
-                metrics.update(long_context(nnx.merge(graphdef, params, rest), step))
-            writer.write(
-                step,
-                {
-                    f"eval/{k}": v
-                    for k, v in metrics.items()
-                    if ("/" in k or k.startswith("long_ctx")) and not k.endswith("/version")
-                },
-            )
-            if previous is not None and (drop := regression_drop(metrics, previous)) is not None:
-                metrics["regression_drop"] = drop
-            previous = metrics
-    bar.close()
-    writer.close()
-    return Result(graphdef, None, [], metrics)
+
+
+def evaluate_checkpoint(e: Evaluation, params, rest, step: int) -> dict:
+    """Every suite on one checkpoint's weights: each suite's record and log line, then the gate
+    metrics (and the long-context grid) as that checkpoint's metrics row."""
+    cfg, multi = e.cfg, multi_turn_suites(e.cfg.eval.suites)
+    results = {}
+    for name, suite in e.suites.items():
+        results[name] = evaluate_suite(
+            e.episode_worker if name in multi else e.worker,
+            params,
+            rest,
+            name,
+            list(suite.tasks),
+            jax.random.key(cfg.seed),
+            cfg.eval.samples,
+            e.ks,
+            episodes=name in multi,
+        )
+        record = {"suite": name, "version": e.versions[name], "checkpoint": e.path, "step": step}
+        record |= {"problems": len(suite.tasks), "samples": cfg.eval.samples, **results[name], "time": time.time()}
+        write_record(cfg.workdir, record)
+        logging.info("eval %s step %d %s: %s", e.path, step, name, {k: round(v, 4) for k, v in results[name].items()})
+        e.bar.update(1)
+    metrics = gate_view(results, e.versions)
+    if e.long_context is not None:
+        metrics.update(e.long_context(nnx.merge(e.graphdef, params, rest), step))
+    curves = {k: v for k, v in metrics.items() if ("/" in k or k.startswith("long_ctx")) and not k.endswith("/version")}
+    e.writer.write(step, {f"eval/{k}": v for k, v in curves.items()})
+    return metrics

@@ -21,8 +21,8 @@ from posttrain.core.step import lm_loss, make_train_step
 from posttrain.errors import UserError
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
-from tests.support.configs import typed
 from tests.support.sharding import batch, moe_config
+from tests.support.typed_configs import typed
 
 MESH = dict(data=1, fsdp=2, expert=2, tensor=2)
 

@@ -11,7 +11,7 @@ import jax
 from posttrain.config import base_config
 from posttrain.core.step import MAX_STEPS_AHEAD, dispatched
 from posttrain.stages import lm
-from tests.support.configs import typed
+from tests.support.typed_configs import typed
 
 
 class Result:

@@ -19,8 +19,8 @@ from posttrain.core.state import create_train_state
 from posttrain.core.step import Diverged, check_nonfinite, lm_loss, make_train_step
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
-from tests.support.configs import run_cfg
 from tests.support.paths import ROOT
+from tests.support.typed_configs import run_cfg
 
 
 def strict_loads(line: str):

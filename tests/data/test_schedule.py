@@ -12,7 +12,7 @@ import pytest
 from posttrain.data.pipeline import sft_batches
 from posttrain.data.schedule import ScheduledBatches, parse_seq_len_schedule
 from posttrain.data.tokenizer import load_tokenizer
-from tests.support.configs import run_cfg
+from tests.support.typed_configs import run_cfg
 
 
 def test_parse_schedule():

@@ -26,8 +26,8 @@ from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.rl.tasks.domains import gsm8k_tasks, humaneval_tasks, shared_data_dir
 from posttrain.rl.tasks.registry import make_domains
 from posttrain.stages.data_files import resolve_data_files
-from tests.support.configs import typed
 from tests.support.paths import ROOT
+from tests.support.typed_configs import typed
 
 PROBLEM = re.compile(r"What is (\d+[+-]\d+)\?")
 

@@ -16,6 +16,7 @@ from fsspec.spec import AbstractFileSystem
 from posttrain.errors import UserError
 from posttrain.main import run_cli
 from tests.support.paths import ROOT
+from tests.support.typed_configs import typed
 
 
 def sft_config(tmp_path, **overrides):
@@ -172,7 +173,7 @@ def test_synthetic_data_goes_to_the_workdir_only(tmp_path, monkeypatch, caplog):
             "sft.eval_files": "synthetic:",
         },
     )
-    resolve_data_files(cfg, "sft", "sft")
+    cfg = resolve_data_files(typed(cfg), "sft", "sft")
     made = sorted((tmp_path / "W" / "synthetic").iterdir())
     assert [str(p) for p in made] == sorted([cfg.sft.train_files, cfg.sft.eval_files])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["W"]  # nothing anywhere else
@@ -180,7 +181,7 @@ def test_synthetic_data_goes_to_the_workdir_only(tmp_path, monkeypatch, caplog):
     cfg2 = sft_config(
         tmp_path, **{"data.synthetic": "arithmetic", "data.synthetic_size": 60, "sft.train_files": "synthetic:"}
     )
-    resolve_data_files(cfg2, "sft", "sft")  # another size: another file, never a stale one
+    cfg2 = resolve_data_files(typed(cfg2), "sft", "sft")  # another size: another file, never a stale one
     assert (
         cfg2.sft.train_files != cfg.sft.train_files and len(Path(cfg2.sft.train_files).read_text().splitlines()) == 60
     )
@@ -190,7 +191,7 @@ def test_synthetic_data_goes_to_the_workdir_only(tmp_path, monkeypatch, caplog):
         tmp_path, **{"data.synthetic": "arithmetic", "sft.train_files": str(own), "sft.eval_files": "synthetic:"}
     )
     with caplog.at_level(logging.WARNING):
-        resolve_data_files(cfg4, "sft", "sft")
+        cfg4 = resolve_data_files(typed(cfg4), "sft", "sft")
     assert cfg4.sft.train_files == str(own) and "sft.eval_files='synthetic:' evaluates on" in caplog.text
     cfg3 = sft_config(tmp_path, **{"sft.train_files": "synthetic:"})  # data.synthetic empty
     with pytest.raises(
@@ -198,5 +199,5 @@ def test_synthetic_data_goes_to_the_workdir_only(tmp_path, monkeypatch, caplog):
         match=r"config.sft.train_files='synthetic:' asks for generated data but "
         "data.synthetic is empty",
     ) as e:
-        resolve_data_files(cfg3, "sft", "sft")
+        resolve_data_files(typed(cfg3), "sft", "sft")
     assert e.value.key == "sft.train_files"

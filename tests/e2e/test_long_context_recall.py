@@ -8,8 +8,10 @@ import runpy
 
 import pytest
 
-from posttrain.config_schema import check_config
+from posttrain.config import run_config
+from posttrain.stages.checks import check_run
 from tests.support.paths import ROOT
+from tests.support.typed_configs import typed
 
 CONFIG = runpy.run_path(str(ROOT / "configs/long_context_recall.py"))
 
@@ -31,9 +33,9 @@ def test_long_context_recall_smoke(tmp_path, monkeypatch):
     assert len(first) >= 4 and first[1]["content"][:3] == key and first[1]["content"][3:].isdigit()  # "QZX4821"
     for scaling in CONFIG["SCALINGS"]:
         ext = CONFIG["get_config"](f"extend:{scaling}")
-        check_config(ext)
+        check_run(run_config(ext))
         assert ext.model.rope_scaling.type == ("" if scaling == "none" else scaling)
-        assert run_max_context(ext) == 1024 and ext.init_from == cfg.workdir != ext.workdir  # trained at 256
+        assert run_max_context(typed(ext)) == 1024 and ext.init_from == cfg.workdir != ext.workdir  # trained at 256
         assert ext.data.synthetic_min_length == 256 and ext.model.to_dict() | {"rope_scaling": 0} == (
             cfg.model.to_dict() | {"rope_scaling": 0}
         )  # the extension trains from the trained length up, on the checkpoint's shapes
@@ -56,7 +58,7 @@ def test_synthetic_min_length_sets_the_shortest_generated_context(tmp_path):
     shortest = {}
     for lo in (0, 200):
         cfg.data.synthetic_min_length = lo
-        path = _long_context_file(cfg, str(tmp_path), "train", tok, write=True)
+        path = _long_context_file(typed(cfg), str(tmp_path), "train", tok, write=True)
         assert ("_min" in os.path.basename(path)) == bool(lo)
         with open(path) as f:
             shortest[lo] = min(len(json.loads(line)["messages"][0]["content"]) for line in f)
@@ -73,4 +75,4 @@ def test_long_context_data_with_no_kinds_is_refused_by_name(tmp_path):
     cfg = base_config()
     cfg.eval.long_context.kinds = " , "
     with pytest.raises(ValueError, match="eval.long_context.kinds=' , ' names none"):
-        _long_context_file(cfg, str(tmp_path), "train", load_tokenizer("byte"), write=True)
+        _long_context_file(typed(cfg), str(tmp_path), "train", load_tokenizer("byte"), write=True)

@@ -13,6 +13,7 @@ import numpy as np
 from posttrain.config import base_config
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.stages import rlvr as loop
+from tests.support.typed_configs import typed
 from tests.support.paths import ROOT
 from tests.support.rl_runs import TIMING, rows, tiny
 
@@ -64,7 +65,7 @@ def test_long_context_rlvr_on_a_sequence_sharded_mesh_trains_as_one_shard(tmp_pa
         cfg.rl.max_staleness, cfg.rl.entropy_coef = 1, 0.01
         if sequence == 2:
             cfg.sampling.continuous_batching, cfg.sampling.num_slots, cfg.sampling.refill_batch = True, 4, 2
-        loop.run(cfg)
+        loop.run(typed(cfg))
         runs[sequence] = rows(tmp_path / f"seq{sequence}")
     assert len(runs[1]) == len(runs[2]) == 2
     # How many batches wait in the queue when a step logs is scheduling, not learning: with

@@ -16,6 +16,7 @@ from posttrain.errors import UserError
 from posttrain.eval.gates import GateFailed, check_gate
 from posttrain.eval.long_context_eval import evaluate, summarize
 from tests.support.paths import ROOT
+from tests.support.typed_configs import typed
 
 
 def tiny_config(tmp_path):
@@ -57,13 +58,14 @@ def test_long_context_tiny_end_to_end(tmp_path):
         from long_context_eval import load_model
     finally:
         sys.path.pop(0)
+    cfg = typed(cfg)
     model, step, _ = load_model(cfg, 2)
     # trained at 192 tokens so far: the tool's limit refuses the 256-token cells unless told
     limit = lineage.max_context(cfg, lineage.of_run(cfg.workdir, step=step))
     assert 0 < limit <= 192  # the longest sequence trained (packed rows may hold fewer tokens)
     with pytest.raises(UserError, match=r"sampling\.max_context: eval\.long_context\.lengths='192,256' needs 256"):
         evaluate(model, load_tokenizer("byte"), cfg.eval.long_context, step=step, max_context=limit)
-    cfg.sampling.max_context = 256  # told to (the tool's --max_context)
+    cfg = cfg.replace({"sampling.max_context": 256})  # told to (the tool's --max_context)
     limit = lineage.max_context(cfg, lineage.of_run(cfg.workdir, step=step))
     before = summarize(evaluate(model, load_tokenizer("byte"), cfg.eval.long_context, step=step, max_context=limit))
     assert step == 2 and set(before) == {k.removeprefix("eval/") for k in result.eval}

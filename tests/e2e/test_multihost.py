@@ -4,6 +4,7 @@ Each run starts fresh Pythons (`tests/support/multihost_worker.py`) that compile
 runs are few and tiny (a dense 2-layer model, 4 steps) and shared through module-scoped fixtures.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -15,7 +16,6 @@ import time
 import numpy as np
 import pytest
 
-from posttrain.config import base_config
 from posttrain.data.pipeline import sft_batches
 from posttrain.data.reshard import state_for_process
 from posttrain.data.synthetic import ensure_arithmetic_file
@@ -23,6 +23,7 @@ from posttrain.data.tokenizer import load_tokenizer
 from posttrain.errors import UserError
 from posttrain.parallel.distributed import distributed_settings
 from tests.support import paths
+from tests.support.typed_configs import typed
 
 ROOT = str(paths.ROOT)
 WORKER = os.path.join(ROOT, "tests", "support", "multihost_worker.py")
@@ -332,32 +333,26 @@ def test_data_state_reshards_to_another_process_count(tmp_path):
 
 
 def test_distributed_settings_from_config_and_environment():
-    cfg = base_config()
-    assert distributed_settings(cfg, {}) is None
-    with cfg.unlocked():
-        cfg.distributed.coordinator, cfg.distributed.num_processes, cfg.distributed.process_id = "h:1234", 4, 3
-        cfg.distributed.heartbeat_timeout_s = 7
-    s = distributed_settings(cfg, {})
+    from posttrain.config import DistributedConfig
+
+    assert distributed_settings(DistributedConfig(), {}) is None
+    d = DistributedConfig(coordinator="h:1234", num_processes=4, process_id=3, heartbeat_timeout_s=7)
+    s = distributed_settings(d, {})
     assert (s.coordinator, s.num_processes, s.process_id, s.heartbeat_timeout_s) == ("h:1234", 4, 3, 7)
-    with cfg.unlocked():
-        cfg.distributed.process_id = 4
     with pytest.raises(UserError, match="process_id=4 and num_processes=4"):
-        distributed_settings(cfg, {})
+        distributed_settings(dataclasses.replace(d, process_id=4), {})
     env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:8476", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
-    s = distributed_settings(base_config(), env)
+    s = distributed_settings(None, env)
     assert (s.coordinator, s.num_processes, s.process_id) == ("10.0.0.1:8476", 2, 1)
     with pytest.raises(UserError, match="JAX_PROCESS_ID"):
-        distributed_settings(base_config(), {**env, "JAX_PROCESS_ID": "x"})
-    assert distributed_settings(base_config(), {"JAX_COORDINATOR_ADDRESS": "h:1"}).num_processes is None
-    tpu = distributed_settings(base_config(), {"TPU_WORKER_HOSTNAMES": "a,b"})
+        distributed_settings(None, {**env, "JAX_PROCESS_ID": "x"})
+    assert distributed_settings(None, {"JAX_COORDINATOR_ADDRESS": "h:1"}).num_processes is None
+    tpu = distributed_settings(None, {"TPU_WORKER_HOSTNAMES": "a,b"})
     assert tpu.coordinator is None and tpu.num_processes is None  # jax detects the pod
-    assert distributed_settings(base_config(), {"TPU_WORKER_HOSTNAMES": "a"}) is None
-    cfg = base_config()
-    with cfg.unlocked():
-        cfg.distributed.num_processes = 2
+    assert distributed_settings(None, {"TPU_WORKER_HOSTNAMES": "a"}) is None
     for env in ({}, {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}):
         with pytest.raises(UserError, match="need distributed.coordinator"):
-            distributed_settings(cfg, env)
+            distributed_settings(DistributedConfig(num_processes=2), env)
 
 
 RL_CONFIG = os.path.join(ROOT, "configs", "rlvr_tiny.py")
@@ -497,10 +492,10 @@ def test_rl_across_processes_refuses_what_it_cannot_split(monkeypatch):
     from posttrain.rl.rollout import hosts
 
     cfg = runpy_config(RL_CONFIG)
-    hosts.check_multihost_rl(cfg)  # one process: anything goes
+    hosts.check_multihost_rl(typed(cfg))  # one process: anything goes
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(jax, "process_index", lambda: 1)
-    hosts.check_multihost_rl(cfg)
+    hosts.check_multihost_rl(typed(cfg))
     for key, value in (
         ("filter_groups", True),
         ("max_staleness", 1),
@@ -512,9 +507,13 @@ def test_rl_across_processes_refuses_what_it_cannot_split(monkeypatch):
         bad = cfg.copy_and_resolve_references()
         bad.rl[key] = value
         with pytest.raises(UserError, match=f"rl.{key}"):
-            hosts.check_multihost_rl(bad)
-    # a pipeline is refused before its first stage trains (the config schema's start-up checks)
-    from posttrain.config_schema import check_config
+            hosts.check_multihost_rl(typed(bad))
+    # a pipeline is refused before its first stage trains (the start-up checks)
+    from posttrain.config import run_config
+    from posttrain.stages.checks import check_run
+
+    def check_config(cfg):
+        check_run(run_config(cfg))
 
     pipe = runpy_config(os.path.join(ROOT, "configs", "quickstart.py"))  # (sft, rlvr, eval)
     pipe.rl.rollouts_every, pipe.rl.rollouts_fraction = 0, 1.0

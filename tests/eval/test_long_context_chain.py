@@ -178,8 +178,10 @@ def test_hops_config_trains_then_runs_rl_on_long_prompts_split_over_the_sequence
     """configs/long_context_hops.py: SFT (`:warm`) on kvchain + kv up to 544 tokens from the kv model
     extended to 1024 (its shapes and RoPE scaling), then `:rl` from that run's step-300 checkpoint on
     512-token kvchain task files with `mesh.sequence = 2` and continuous batching."""
-    from posttrain.config_schema import check_config
+    from posttrain.config import run_config
+    from posttrain.stages.checks import check_run
     from posttrain.stages.common import run_max_context
+    from tests.support.typed_configs import typed
 
     monkeypatch.chdir(tmp_path)
     sft, rl = HOPS["get_config"]("warm"), HOPS["get_config"]("rl")
@@ -189,13 +191,13 @@ def test_hops_config_trains_then_runs_rl_on_long_prompts_split_over_the_sequence
     assert sft.stage == "sft" and sft.eval.long_context.kinds == "kvchain,kv" and sft.eval.long_context.hops == 2
     tasks_tool.main(["--out", HOPS["TASKS"], "--kinds", "kvchain", "--lengths", "512", "--train", "2", "--eval", "2"])
     for cfg in (sft, rl):
-        check_config(cfg)
+        check_run(run_config(cfg))
     assert rl.stage == "rlvr" and rl.init_from == HOPS["WARM_300"] != rl.workdir and rl.mesh.sequence == 2
     assert sft.checkpoint.every == 300 < sft.train.steps  # the step-300 checkpoint RL starts from is kept
     assert rl.sampling.continuous_batching and rl.model.to_dict() == sft.model.to_dict()
     prompt = json.loads(open(f"{HOPS['TASKS']}/eval.jsonl").readline())["prompt"]
     need = len(ByteTokenizer().encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)[0])
-    assert need + rl.rl.max_new_tokens <= run_max_context(sft)  # RL prompts within the SFT context
+    assert need + rl.rl.max_new_tokens <= run_max_context(typed(sft))  # RL prompts within the SFT context
     longest = Trajectory("t", [1] * (need + rl.rl.max_new_tokens), [False] * need + [True] * rl.rl.max_new_tokens, need)
     rows = rl_batch(
         [Rollout(Group("d", None, [0.0], [longest]), 0, [np.zeros(len(longest.tokens))])],

@@ -22,6 +22,7 @@ from posttrain.eval.long_context import (
     recall_keys,
 )
 from posttrain.eval.long_context_train import dense_recall_facts, training_records
+from tests.support.typed_configs import typed
 
 FACT = re.compile(r"The code of (\w+) is (?:(-?\d+)|the code of (\w+) (plus|minus) (\d+))\.")
 
@@ -262,7 +263,7 @@ def test_stages_that_cannot_generate_refuse_the_eval():
     cfg.eval.long_context.lengths = "256"
     for run in (reward_model.run, lm.run):
         with pytest.raises(ValueError, match=r"eval\.long_context\.lengths"):
-            run(cfg)
+            run(typed(cfg))
 
 
 def test_wilson_interval_and_effective_context():

@@ -8,7 +8,7 @@ from flax import nnx
 
 from posttrain.models.attention import apply_rope, attention_mask
 from posttrain.models.decoder import Decoder, layer_kinds, scan_segments
-from tests.support.configs import model
+from tests.support.typed_configs import model
 
 
 def tiny_cfg(changes=None, **kw):

@@ -14,7 +14,7 @@ from posttrain.core.step import lm_loss, make_train_step
 from posttrain.models import lora
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
-from tests.support.configs import run_cfg
+from tests.support.typed_configs import run_cfg
 
 
 def config(changes=None):

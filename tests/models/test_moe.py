@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 
 from posttrain.models.moe import MoE, RouterBias
 from posttrain.parallel import DEFAULT_RULES, logical_spec, make_mesh, shardings_for, use_sharding
-from tests.support.configs import model
+from tests.support.typed_configs import model
 
 D, F, E, K, B, S = 16, 32, 8, 2, 8, 8
 

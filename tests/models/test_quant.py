@@ -14,7 +14,7 @@ from posttrain.models.decoder import Decoder
 from posttrain.models.logprobs import token_logprobs
 from posttrain.models.quant import QArray, quantize_params, quantize_weight, weight_einsum
 from posttrain.sampling import SamplingParams, generate
-from tests.support.configs import model, run_cfg
+from tests.support.typed_configs import model, run_cfg
 
 # Measured on this fixed model (seed 0, 8 prompts × 12 greedy tokens), then loosened a little:
 # |quantised sampler log-prob − float32 learner log-prob| on the sampler's own tokens, and the

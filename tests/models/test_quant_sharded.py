@@ -11,12 +11,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import posttrain.models.quant as quant
-from posttrain.config import base_config, model_config
 from posttrain.models.decoder import Decoder
 from posttrain.models.moe import MoE
 from posttrain.models.quant import QArray, quantize_params, quantize_weight, quantized_spec, split_single_groups
 from posttrain.parallel import DEFAULT_RULES, logical_spec, make_mesh, shardings_for, use_sharding
 from posttrain.sampling import SamplingParams, generate
+from tests.support.typed_configs import model
 
 D, F, E, B, S = 16, 32, 8, 8, 8
 GROUP = 8  # int4 groups of 8 (not 128): several scale groups along the sharded dims
@@ -28,9 +28,8 @@ LAYER = jax.jit(
 
 
 def moe_layer():
-    cfg = model_config()
-    cfg.embed_dim = D
-    cfg.moe.update(dict(num_experts=E, top_k=2, expert_mlp_dim=F, shared_mlp_dim=F, num_shared_experts=1))
+    moe = dict(num_experts=E, top_k=2, expert_mlp_dim=F, shared_mlp_dim=F, num_shared_experts=1)
+    cfg = model({f"moe.{k}": v for k, v in moe.items()}, embed_dim=D)
     return nnx.split(MoE(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
 
 
@@ -90,19 +89,9 @@ def test_sharded_quantised_experts_match_one_device(monkeypatch, mode, group, si
 
 
 def sampler_config():
-    cfg = base_config().model
-    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = (
-        64,
-        16,
-        2,
-        4,
-        2,
-        8,
-        32,
-    )
-    cfg.qk_norm, cfg.tie_embeddings = True, False
-    cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_mlp_dim, cfg.moe.first_dense = 8, 2, 16, 1
-    return cfg
+    shape = dict(vocab_size=64, embed_dim=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=32)
+    moe = dict(num_experts=8, top_k=2, expert_mlp_dim=16, first_dense=1)
+    return model({f"moe.{k}": v for k, v in moe.items()}, **shape, qk_norm=True, tie_embeddings=False)
 
 
 @pytest.mark.slow  # two sampler compiles per mode on 8 devices (~2 min loaded)

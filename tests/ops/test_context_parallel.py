@@ -20,7 +20,7 @@ from posttrain.ops.context_parallel import choose, gathered_kv_bytes
 from posttrain.ops.fused import splash_attention
 from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding
 from posttrain.parallel.zigzag import unzigzag, zigzag_batch
-from tests.support.configs import model
+from tests.support.typed_configs import model
 
 
 def model_config(**kw):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posttrain.config import base_config
+from posttrain.config import RunConfig
 from posttrain.models.attention import AttentionKernel
 from posttrain.ops import context_parallel as cp
 from posttrain.parallel import DEFAULT_RULES, Disagreement, agree, make_mesh, use_sharding
@@ -98,8 +98,7 @@ def test_auto_in_a_traced_model_follows_remat_and_is_recorded(monkeypatch):
     recorded (what `compile_plan` reports) with its numbers."""
     monkeypatch.setattr(cp, "reported_memory_bytes", lambda device: 3 * 2**19)  # budget 96 KiB
     cp._agreed_memory.cache_clear()
-    cfg = base_config().model
-    cfg.update(num_layers=2, attention="blockwise", attention_block=64, context_parallel="auto")
+    cfg = RunConfig().model.replace(num_layers=2, attention="blockwise", attention_block=64, context_parallel="auto")
     # gathered K/V + float32 grads of one layer: 2·256·2·8·(4+4) bytes = 64 KiB
     q, kv = jax.ShapeDtypeStruct((1, 256, 4, 8), jnp.float32), jax.ShapeDtypeStruct((1, 256, 2, 8), jnp.float32)
     pos = jax.ShapeDtypeStruct((1, 256), jnp.int32)
@@ -107,9 +106,8 @@ def test_auto_in_a_traced_model_follows_remat_and_is_recorded(monkeypatch):
     try:
         with use_sharding(make_mesh(dict(data=2, sequence=4)), DEFAULT_RULES):
             for remat in ("full", "none"):
-                cfg.remat = remat
                 with cp.recorded() as seen:
-                    jax.eval_shape(AttentionKernel.from_config(cfg), q, kv, kv, pos, pos)
+                    jax.eval_shape(AttentionKernel.from_config(cfg.replace(remat=remat)), q, kv, kv, pos, pos)
                 choices[remat] = seen
     finally:
         cp._agreed_memory.cache_clear()
@@ -166,11 +164,8 @@ def test_checkpoints_to_read_are_those_every_process_lists(tmp_path, monkeypatch
         "allgather_json",
         lambda v: [v, [x for x in v if x != 6] if isinstance(v, list) else min(v, 4)],
     )
-    cfg = base_config()
-    cfg.eval.steps = "latest"
-    assert checkpoint_steps(cfg, str(tmp_path)) == [4]
-    cfg.eval.steps = "all"
-    assert checkpoint_steps(cfg, str(tmp_path)) == [2, 4]
+    assert checkpoint_steps(RunConfig().replace({"eval.steps": "latest"}), str(tmp_path)) == [4]
+    assert checkpoint_steps(RunConfig().replace({"eval.steps": "all"}), str(tmp_path)) == [2, 4]
     reader = Checkpointer(str(tmp_path / "checkpoints"), every=0, keep=1, create=False)
     target = {"params": {"w": jax.ShapeDtypeStruct((2,), jnp.float32)}}
     step, trees, _, _ = reader.restore_newest(target)

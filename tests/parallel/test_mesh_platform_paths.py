@@ -21,7 +21,7 @@ from posttrain.parallel.mesh import ACCELERATOR_PATHS_ENV
 from posttrain.parallel.sharding import abstract_model
 from posttrain.plan import aot
 from posttrain.sampling import engine, kv_cache
-from tests.support import configs
+from tests.support import typed_configs as configs
 
 needs_libtpu = pytest.mark.skipif(
     not aot.libtpu_available(), reason="libtpu not installed (pip install -e '.[tpu]'): no TPU compiler"

@@ -22,7 +22,7 @@ from posttrain.parallel.zigzag import (
 from posttrain.stages import lm
 from posttrain.stages.common import PREFERENCE_AXES
 from posttrain.stages.reward_model import reward_model_loss
-from tests.support.configs import model, run_cfg
+from tests.support.typed_configs import model, run_cfg
 
 
 def test_the_layout_and_the_ring_take_their_shard_count_from_the_length_rule(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 
 from posttrain.plan import aot
 from tests.support.tpu import TOPOLOGY, hand_param_bytes, needs_libtpu, pod_like_tiny_config, tiny_moe_config
+from tests.support.typed_configs import typed
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +19,7 @@ def compiled():
 
     cfg = tiny_moe_config()
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
-    rules = parse_rules(cfg.sharding.rules.to_dict())
+    rules = parse_rules(cfg.sharding.rules)
     with use_sharding(mesh, rules):
         programs = cp.build_programs(cfg, mesh, rules, ("sft", "rl_learner", "sampler"), prompt_len=8)
     out = {}
@@ -100,7 +101,7 @@ def test_v5e_compiles_the_expert_parallel_step_with_the_padded_all_to_all():
 
     cfg = tiny_moe_config()
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices("v5e:2x2"))
-    rules = parse_rules(cfg.sharding.rules.to_dict())
+    rules = parse_rules(cfg.sharding.rules)
     assert mesh_device_kind(mesh) == "TPU v5 lite"
     with use_sharding(mesh, rules):
         (program,) = cp.build_programs(cfg, mesh, rules, ("sft",), prompt_len=8)
@@ -131,7 +132,7 @@ def test_analytic_cost_model_matches_the_compiled_program():
 
     cfg = pod_like_tiny_config()
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
-    rules = parse_rules(cfg.sharding.rules.to_dict())
+    rules = parse_rules(cfg.sharding.rules)
     # bf16 as a pod run computes it (conftest asks 'highest', which Mosaic rejects for bf16 operands)
     with use_sharding(mesh, rules), jax.default_matmul_precision("default"):
         (program,) = cp.build_programs(cfg, mesh, rules, ("sft",), prompt_len=8)
@@ -161,7 +162,7 @@ def test_analytic_cost_model_matches_the_cpu_compiled_program():
 
     cfg = pod_like_tiny_config()
     mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
-    rules = parse_rules(cfg.sharding.rules.to_dict())
+    rules = parse_rules(cfg.sharding.rules)
     with use_sharding(mesh, rules):
         (program,) = cp.build_programs(cfg, mesh, rules, ("sft",), prompt_len=8)
         got, _ = aot.collective_bytes(cp.compile_program(program, mesh, rules)[0].as_text())
@@ -171,7 +172,7 @@ def test_analytic_cost_model_matches_the_cpu_compiled_program():
         got["reduce-scatter"] + got["all-reduce"], rel=0.1
     )
     assert 0.6 * want["all-gather"] <= got["all-gather"] <= want["all-gather"]
-    cfg.mesh.tensor, cfg.mesh.fsdp = 2, 1
+    cfg = cfg.replace({"mesh.tensor": 2, "mesh.fsdp": 1})
     with pytest.raises(ValueError, match="tensor"):
         cost_model.program_cost(
             cfg, make_mesh(cfg.mesh.to_dict(), jax.devices()[:4]), rules, "sft", 8, aot.CHIPS["v5p"]
@@ -190,7 +191,7 @@ def test_analytic_flops_are_the_programs_model_flops():
 
     cfg = pod_like_tiny_config()
     mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
-    rules = parse_rules(cfg.sharding.rules.to_dict())
+    rules = parse_rules(cfg.sharding.rules)
     names = ("sft", "dpo", "rl_learner")
     with use_sharding(mesh, rules):
         programs = cp.build_programs(cfg, mesh, rules, names, prompt_len=8)
@@ -199,7 +200,7 @@ def test_analytic_flops_are_the_programs_model_flops():
         assert cost[p.name]["model_flops_per_device"] == pytest.approx(p.model_flops / mesh.size, rel=1e-9), p.name
         assert cost[p.name]["executed_flops_per_device"] == pytest.approx(p.executed_flops / mesh.size, rel=1e-9)
     assert cost["rl_learner"]["collectives"]["all-gather"] > 0
-    cfg.lora.rank, cfg.lora.targets = 4, ("q", "k", "v", "o")
+    cfg = cfg.replace({"lora.rank": 4, "lora.targets": ("q", "k", "v", "o")})
     lora = cost_model.program_cost(cfg, mesh, rules, "sft", 8, aot.CHIPS["v5p"])
     assert lora["model_flops_per_device"] == pytest.approx(cost["sft"]["model_flops_per_device"] * 4 / 6)
     # remat full recomputes the forward: executed above model, and LoRA's below full fine-tuning's
@@ -337,7 +338,7 @@ def test_pod_shapes_have_the_published_sizes(model, billions):
     from posttrain.core.state import abstract_model
     from posttrain.models.decoder import Decoder
 
-    cfg = runpy.run_path("configs/pod/moe_shapes.py")["get_config"](f"{model}:sft_full")
+    cfg = typed(runpy.run_path("configs/pod/moe_shapes.py")["get_config"](f"{model}:sft_full"))
     params = nnx.state(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
     assert sum(x.size for x in jax.tree.leaves(params)) / 1e9 == pytest.approx(billions, abs=0.1)
     with pytest.raises(ValueError, match="MODEL:MODE"):
@@ -352,14 +353,16 @@ def test_long_context_attention_compiles_for_tpu(attention, sequence):
     from posttrain.parallel import make_mesh, parse_rules, use_sharding
     from posttrain.plan import compile_plan as cp
 
-    cfg = tiny_moe_config()
-    cfg.model.moe.num_experts = 0
-    cfg.model.attention, cfg.model.context_parallel = attention, "ring"
-    cfg.model.attention_block = 128
-    cfg.mesh.data, cfg.mesh.expert, cfg.mesh.sequence = 4 // sequence, 1, sequence
-    cfg.train.seq_len = 256
+    cfg = tiny_moe_config(
+        {
+            **{"model.moe.num_experts": 0, "model.attention": attention, "model.context_parallel": "ring"},
+            "model.attention_block": 128,
+            **{"mesh.data": 4 // sequence, "mesh.expert": 1, "mesh.sequence": sequence},
+            "train.seq_len": 256,
+        }
+    )
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
-    rules = parse_rules(cfg.sharding.rules.to_dict())
+    rules = parse_rules(cfg.sharding.rules)
     with use_sharding(mesh, rules):
         (program,) = cp.build_programs(cfg, mesh, rules, ("sft",), prompt_len=8)
         hlo = cp.compile_program(program, mesh, rules)[0].as_text()
@@ -383,10 +386,9 @@ def test_scanned_decode_over_a_sequence_axis_compiles_for_tpu():
     from posttrain.plan import compile_plan as cp
     from posttrain.sampling import engine
 
-    cfg = tiny_moe_config()
-    cfg.mesh.data, cfg.mesh.expert, cfg.mesh.sequence = 1, 2, 2
+    cfg = tiny_moe_config({"mesh.data": 1, "mesh.expert": 2, "mesh.sequence": 2})
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
-    rules = parse_rules(cfg.sharding.rules.to_dict())
+    rules = parse_rules(cfg.sharding.rules)
     with use_sharding(mesh, rules):
         assert engine.decode_layers(abstract_model(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)))) is None
         (program,) = cp.build_programs(cfg, mesh, rules, ("sampler",), prompt_len=8)
@@ -408,11 +410,9 @@ def test_decode_layout_moves_no_weights_per_token_on_tpu():
 
     step, params, devices = {}, {}, aot.tpu_devices(TOPOLOGY)  # one device set: meshes over new device objects clash
     for layout in ("learner", "tensor"):
-        cfg = tiny_moe_config()
-        cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert = 1, 2, 2
-        cfg.sampling.layout = layout
+        cfg = tiny_moe_config({"mesh.data": 1, "mesh.fsdp": 2, "mesh.expert": 2, "sampling.layout": layout})
         mesh = make_mesh(cfg.mesh.to_dict(), devices)
-        rules = parse_rules(cfg.sharding.rules.to_dict())
+        rules = parse_rules(cfg.sharding.rules)
         with use_sharding(mesh, rules):
             (program,) = cp.build_programs(cfg, mesh, rules, ("sampler",), prompt_len=8)
         report = cp.program_report(program, cp.compile_program(program, mesh, rules)[0], aot.CHIPS["v5p"], mesh.size)
@@ -463,10 +463,10 @@ def test_analytic_sampler_cost_refuses_the_decode_layout():
 
     cfg = pod_like_tiny_config()
     mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
-    rules = parse_rules(cfg.sharding.rules.to_dict())
+    rules = parse_rules(cfg.sharding.rules)
     learner = cost_model.program_cost(cfg, mesh, rules, "sampler", 8, aot.CHIPS["v5p"])
     assert learner["collectives"]["all-gather"] > 0
-    cfg.sampling.layout = "tensor"
+    cfg = cfg.replace({"sampling.layout": "tensor"})
     with pytest.raises(ValueError, match="sampling.layout='tensor'.*not modelled"):
         cost_model.program_cost(cfg, mesh, rules, "sampler", 8, aot.CHIPS["v5p"])
     assert (
@@ -522,11 +522,10 @@ def test_compile_plan_sampler_refuses_the_samplers_it_does_not_compile(key, valu
     from posttrain.parallel import make_mesh, parse_rules
     from posttrain.plan import compile_plan as cp
 
-    cfg = tiny_moe_config()
+    cfg = tiny_moe_config({f"sampling.{key}": value})
     mesh = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4])
-    cfg.sampling[key] = value
     with pytest.raises(ValueError, match=f"sampling.{key}={value!r}"):
-        cp.build_programs(cfg, mesh, parse_rules(cfg.sharding.rules.to_dict()), ("sampler",), prompt_len=8)
+        cp.build_programs(cfg, mesh, parse_rules(cfg.sharding.rules), ("sampler",), prompt_len=8)
 
 
 @needs_libtpu
@@ -540,10 +539,9 @@ def test_adafactor_state_is_factored_and_restores_into_its_shards():
     from posttrain.parallel import make_mesh, parse_rules
     from posttrain.plan import compile_plan as cp
 
-    cfg = tiny_moe_config()
-    cfg.optim.name = "adafactor"
+    cfg = tiny_moe_config({"optim.name": "adafactor"})
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
-    target, restore_args = cp.restore_plan(cfg, mesh, parse_rules(cfg.sharding.rules.to_dict()))
+    target, restore_args = cp.restore_plan(cfg, mesh, parse_rules(cfg.sharding.rules))
     report = cp.restore_report(target, restore_args, mesh, aot.CHIPS["v5p"])
     assert report["fits"] and not report["problems"]
     assert 0 < report["parts"]["opt_state"] < 0.1 * report["parts"]["params"]
@@ -562,11 +560,14 @@ def test_compile_plan_shows_the_context_parallel_choice_a_real_run_makes(monkeyp
     from posttrain.parallel import use_sharding
     from posttrain.plan import compile_plan as cp
 
-    cfg = tiny_moe_config()
-    cfg.model.moe.num_experts = 0
-    cfg.model.attention, cfg.model.context_parallel, cfg.model.attention_block = "blockwise", "auto", 128
-    cfg.mesh.data, cfg.mesh.expert, cfg.mesh.sequence = 2, 1, 2
-    cfg.train.seq_len = 256
+    cfg = tiny_moe_config(
+        {
+            **{"model.moe.num_experts": 0, "model.attention": "blockwise", "model.context_parallel": "auto"},
+            "model.attention_block": 128,
+            **{"mesh.data": 2, "mesh.expert": 1, "mesh.sequence": 2},
+            "train.seq_len": 256,
+        }
+    )
 
     def lower_only(program, mesh, rules):  # the choice is made while tracing: no need to compile
         with use_sharding(mesh, rules):

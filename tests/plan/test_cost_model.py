@@ -12,12 +12,15 @@ from posttrain.models.flops import activated_matmul_params
 from posttrain.plan import aot, cost_model
 from posttrain.plan.roofline import roofline
 from tests.support.paths import ROOT
+from tests.support.typed_configs import typed
 
 needs_libtpu = pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu not installed: no TPU topology")
 
 
-def shapes(spec: str):
-    return runpy.run_path(str(ROOT / "configs" / "pod" / "moe_shapes.py"))["get_config"](spec)
+def shapes(spec: str, changes: dict | None = None):
+    """The typed run config of configs/pod/moe_shapes.py's `spec`, dotted `changes` applied."""
+    cfg = typed(runpy.run_path(str(ROOT / "configs" / "pod" / "moe_shapes.py"))["get_config"](spec))
+    return cfg.replace(changes or {})
 
 
 def test_a_ring_hop_is_timed_at_one_link():
@@ -48,10 +51,11 @@ def test_executed_flops_count_the_remat_recompute(remat):
     cfg = shapes("qwen3_30b_a3b:sft_full")
     m, rows = cfg.model, 4
     n, head, experts = activated_matmul_params(m), m.embed_dim * m.vocab_size, 3 * 2048 * 768 * 8 * 48
-    m.remat = "none"
+    cfg = cfg.replace({"model.remat": "none"})
     model_none, none = cost_model.train_flops(cfg, rows, 4096)
     short_none = cost_model.train_flops(cfg, rows, 16)[1] / (rows * 16)
-    m.remat = remat
+    cfg = cfg.replace({"model.remat": remat})
+    m = cfg.model
     model, executed = cost_model.train_flops(cfg, rows, 4096)
     short = cost_model.train_flops(cfg, rows, 16)[1] / (rows * 16)
     attention = cost_model.attention_forward(m, 4096)  # recomputed by both
@@ -70,8 +74,7 @@ def test_a_million_token_step_counts_the_flash_backward_recompute():
     executed count 1.5× the model's, ≥ 46 s at peak (it was quoted at 33.5 s); with the compiled
     collectives (all-reduce 47.7 GB, collective-permute 1358 GB, one link per hop) it stays
     compute-bound."""
-    cfg = shapes("llama3_8b:sft_full")
-    cfg.model.attention, cfg.model.remat = "blockwise", "full"
+    cfg = shapes("llama3_8b:sft_full", {"model.attention": "blockwise", "model.remat": "full"})
     model, executed = (x / 64 for x in cost_model.train_flops(cfg, 1, 1 << 20))
     assert model == pytest.approx(14.2e15, rel=0.01)
     assert executed > 1.49 * model
@@ -89,8 +92,8 @@ def cpu_mesh_config(spec_path: str):
 
     from posttrain.parallel import make_mesh, parse_rules
 
-    cfg = runpy.run_path(str(ROOT / spec_path))["get_config"]()
-    return cfg, make_mesh(cfg.mesh.to_dict(), jax.devices()), parse_rules(cfg.sharding.rules.to_dict())
+    cfg = typed(runpy.run_path(str(ROOT / spec_path))["get_config"]())
+    return cfg, make_mesh(cfg.mesh.to_dict(), jax.devices()), parse_rules(cfg.sharding.rules)
 
 
 def test_decode_is_bound_by_bytes_not_compute():
@@ -114,9 +117,9 @@ def test_lora_keeps_the_expert_bytes():
     from tests.support.tpu import pod_like_tiny_config
 
     cfg = pod_like_tiny_config()
-    mesh, rules = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4]), parse_rules(cfg.sharding.rules.to_dict())
+    mesh, rules = make_mesh(cfg.mesh.to_dict(), jax.devices()[:4]), parse_rules(cfg.sharding.rules)
     full = cost_model.weight_bytes(cfg, mesh, rules)
-    cfg.lora.rank, cfg.lora.targets = 4, ("q", "w_gate")
+    cfg = cfg.replace({"lora.rank": 4, "lora.targets": ("q", "w_gate")})
     lora = cost_model.weight_bytes(cfg, mesh, rules)
     assert lora.experts == full.experts > 1000 and lora.gathered == full.gathered
 
@@ -139,8 +142,8 @@ def test_every_grid_row_is_under_its_remat_ceiling():
         chip = aot.CHIPS[aot.parse_topology(topology)[0]]
         for model in ("qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3", "kimi_k2"):
             for mode in ("sft_full", "sft_lora", "rl"):
-                cfg = pod_plan.configure(model, mode, len(devices), 1)
-                mesh, rules = make_mesh(cfg.mesh.to_dict(), devices), parse_rules(cfg.sharding.rules.to_dict())
+                cfg = typed(pod_plan.configure(model, mode, len(devices), 1))
+                mesh, rules = make_mesh(cfg.mesh.to_dict(), devices), parse_rules(cfg.sharding.rules)
                 for program in ("rl_learner", "sampler") if mode == "rl" else ("sft",):
                     r = cost_model.program_cost(cfg, mesh, rules, program, 1024, chip)
                     where = (topology, model, mode, program)
@@ -166,10 +169,9 @@ def test_executed_flops_match_the_compilers_count_out_of_sample():
     from posttrain.plan import compile_plan as cp
     from tests.support.tpu import TOPOLOGY, pod_like_tiny_config
 
-    cfg = pod_like_tiny_config()
-    cfg.model.num_layers = 1
+    cfg = pod_like_tiny_config({"model.num_layers": 1})
     mesh = make_mesh(cfg.mesh.to_dict(), aot.tpu_devices(TOPOLOGY))
-    rules = parse_rules(cfg.sharding.rules.to_dict())
+    rules = parse_rules(cfg.sharding.rules)
     with use_sharding(mesh, rules), jax.default_matmul_precision("default"):
         (program,) = cp.build_programs(cfg, mesh, rules, ("sft",), prompt_len=8)
         compiled, _ = cp.compile_program(program, mesh, rules)

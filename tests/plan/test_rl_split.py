@@ -12,12 +12,12 @@ import pytest
 
 from posttrain.plan import aot, rl_split
 from tests.support.paths import ROOT
+from tests.support.typed_configs import typed
 
 
 def qwen(prompts=256, samples=16, response=4096):
     cfg = runpy.run_path(str(ROOT / "configs" / "pod" / "moe_shapes.py"))["get_config"]("qwen3_30b_a3b:rl")
-    cfg.rl.prompts_per_step, cfg.rl.group_size, cfg.rl.max_new_tokens = prompts, samples, response
-    return cfg
+    return typed(cfg).replace({"rl.prompts_per_step": prompts, "rl.group_size": samples, "rl.max_new_tokens": response})
 
 
 def test_the_recommendation_is_the_fastest_runnable_split_and_the_best_balanced():

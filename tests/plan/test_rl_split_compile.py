@@ -23,6 +23,13 @@ def pod_plan():
     return module
 
 
+def tiny_configure(*args, **kwargs):
+    """pod_plan's `configure` for the tiny config: the ConfigDict the tool edits (its command-line edge)."""
+    from posttrain.config.command_line import to_config_dict
+
+    return to_config_dict(tiny_moe_config())
+
+
 def tiny_splits():
     cfg = tiny_moe_config()  # expert = 2: model-parallel group 2, sampler chips 2, 4, 6
     return cfg, rl_split.plan_split(cfg, "v5p", 8, group=2, prompt_len=8)
@@ -39,7 +46,7 @@ def test_the_learner_pads_its_minibatch_rows_as_the_plan_charges_them():
     cfg = tiny_moe_config()  # 2 prompts × 4 samples = 8 rows
     assert rl_split_compile.learner_config(cfg, 4).rl.prompts_per_step == 2  # 8 rows on 4 chips
     assert rl_split_compile.learner_config(cfg, 6).rl.prompts_per_step == 3  # lcm(6, 4) = 12 rows
-    cfg.rl.prompts_per_step, cfg.rl.minibatches = 8, 4  # 8 rows per minibatch, × 4 minibatches
+    cfg = cfg.replace({"rl.prompts_per_step": 8, "rl.minibatches": 4})  # 8 rows per minibatch, × 4 minibatches
     c = rl_split_compile.learner_config(cfg, 6)
     assert c.rl.minibatches == 4 and c.rl.prompts_per_step * 4 // 4 == 12
 
@@ -82,7 +89,7 @@ def test_pod_plan_compiles_the_chosen_split_and_reports_an_unfit_program(compile
 
     tool = pod_plan()
     cfg, result = compiled
-    monkeypatch.setattr(tool, "configure", lambda *a, **k: tiny_moe_config())
+    monkeypatch.setattr(tool, "configure", tiny_configure)
     calls, compile_split = [], rl_split_compile.compile_split
     monkeypatch.setattr(rl_split_compile, "compile_split", lambda *a, **k: calls.append(a[2].sampler_chips) or result)
     argv = "pod_plan --rl-split --compile --models tiny --topologies v5p:2x2x2 --prompts 2 --samples 4"
@@ -115,7 +122,7 @@ def test_pod_plan_refuses_sampler_chips_without_compile_and_a_split_it_does_not_
     with pytest.raises(SystemExit):
         tool.main()
     assert "only with --rl-split --compile" in capsys.readouterr().err
-    monkeypatch.setattr(tool, "configure", lambda *a, **k: tiny_moe_config())
+    monkeypatch.setattr(tool, "configure", tiny_configure)
     argv = "pod_plan --rl-split --compile --models tiny --topologies v5p:2x2x2 --prompts 2 --samples 4 --group 2"
     monkeypatch.setattr(sys, "argv", (argv + " --sampler-chips 3").split())
     with pytest.raises(SystemExit, match=r"--sampler-chips 3: expected one of \[2, 4, 6\]"):
@@ -126,7 +133,7 @@ def test_pod_plan_minibatches_set_the_learners_minibatch_or_are_refused(monkeypa
     """--minibatches is rl.minibatches: the learner compiles (and is charged for) that many smaller
     minibatches per step; one that does not divide prompts × samples is refused."""
     tool = pod_plan()
-    monkeypatch.setattr(tool, "configure", lambda *a, **k: tiny_moe_config())
+    monkeypatch.setattr(tool, "configure", tiny_configure)
     seen, plan = [], rl_split.plan_split
     monkeypatch.setattr(rl_split, "plan_split", lambda cfg, *a: seen.append(cfg.rl.minibatches) or plan(cfg, *a))
     argv = "pod_plan --rl-split --models tiny --topologies v5p:2x2x2 --prompts 2 --samples 4 --group 2 --minibatches"

@@ -4,7 +4,7 @@ switch inert (or changes it into something its name does not say), one case each
 import pytest
 
 from posttrain.config import base_config
-from tests.support.configs import checked
+from tests.support.typed_configs import checked
 
 RM = dict(reward_model="runs/rm", verifier_weight=0.0)
 

@@ -76,6 +76,7 @@ def test_verifier_errors_are_counted_and_alerted_in_a_run_whose_eval_rows_sit_at
     from posttrain.rl.reward import RewardFunction, compose
     from posttrain.stages import rlvr as loop
     from tests.support.rl_runs import rows, tiny
+    from tests.support.typed_configs import typed
 
     verify = RewardFunction.verify
 
@@ -91,7 +92,7 @@ def test_verifier_errors_are_counted_and_alerted_in_a_run_whose_eval_rows_sit_at
 
     monkeypatch.setattr(RewardFunction, "verify", flaky)
     monkeypatch.setattr(chat, "compose", flaky_truncated)
-    loop.run(tiny(tmp_path, steps=1, eval_every=1, eval_size=2, eval_samples=2))
+    loop.run(typed(tiny(tmp_path, steps=1, eval_every=1, eval_size=2, eval_samples=2)))
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows(tmp_path) if "rl/responses" in r]
     errors = [r["rl/verifier_errors"] for r in train]
@@ -110,10 +111,11 @@ def test_a_batch_without_a_single_verdict_skips_its_update(tmp_path, monkeypatch
     from posttrain.rl.reward import RewardFunction
     from posttrain.stages import rlvr as loop
     from tests.support.rl_runs import rows, tiny
+    from tests.support.typed_configs import typed
 
     monkeypatch.setattr(RewardFunction, "verify", lambda self, task, response, **kw: Reward(0.0, {}, error="down"))
     monkeypatch.setattr(chat, "compose", lambda *a, **kw: Reward(0.0, {}, error="down"))  # truncated responses
-    loop.run(tiny(tmp_path, steps=1))
+    loop.run(typed(tiny(tmp_path, steps=1)))
     (row,) = [r for r in rows(tmp_path) if "event" not in r]  # and the verifier_error_rate alert
     assert row["rl/skipped_updates"] == 1 and row["rl/verifier_errors"] == row["rl/responses"] == 8
     assert "loss" not in row and row["tasks/arithmetic/samples"] == 0

@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.config import base_config
+from posttrain.config import run_config
 from posttrain.parallel import use_sharding
 from posttrain.rl.algo.learner import learner_logprobs, rl_batch
-from posttrain.rl.checks import check_sampling_config
 from posttrain.rl.envs.base import Task
 from posttrain.rl.envs.chat import SingleTurnEnv
 from posttrain.rl.rollout.episodes import rollout_episodes
@@ -29,6 +28,7 @@ from posttrain.sampling.rules import SamplingParams
 from posttrain.stages import rlvr as loop
 from tests.support.episodes import REWARD, TOK, CountingEnv, assert_same_rollouts, tasks
 from tests.support.rl_runs import rows, tiny
+from tests.support.typed_configs import run_cfg, typed
 
 SLOTS = SlotConfig(num_slots=4, refill_batch=2)
 # Every byte below 48 ends a response: most stop within a few tokens, a few run to the limit.
@@ -96,14 +96,20 @@ def test_rl_loop_trains_with_continuous_batching(tmp_path, monkeypatch):
     monkeypatch.setattr(
         "posttrain.rl.rollout.worker.generate_continuous", lambda *a, **kw: calls.append(1) or real(*a, **kw)
     )
-    cfg = tiny(tmp_path, steps=2)
-    cfg.sampling.continuous_batching, cfg.sampling.num_slots, cfg.sampling.refill_batch = True, 4, 2
+    changes = {"sampling.continuous_batching": True, "sampling.num_slots": 4, "sampling.refill_batch": 2}
+    cfg = typed(tiny(tmp_path, steps=2)).replace(changes)
     loop.run(cfg)
     out = rows(tmp_path)
     assert [r["step"] for r in out] == [0, 1] and all(np.isfinite(r["loss"]) for r in out)
     assert len(calls) == 2
     assert out[0]["rl/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)  # sampler and learner agree
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["rl/responses"] == 8
+
+
+def sampling_run(keys: dict, stages: tuple[str, ...]):
+    """The run config of the one stage in `stages` with sampling `keys`, checked as a run starts."""
+    (stage,) = stages
+    return run_config(run_cfg({f"sampling.{k}": v for k, v in keys.items()}, stage=stage))
 
 
 @pytest.mark.parametrize(
@@ -119,21 +125,22 @@ def test_rl_loop_trains_with_continuous_batching(tmp_path, monkeypatch):
             ("rlvr",),
             "sampling.refill_batch=4: expected 1..sampling.num_slots",
         ),
-        (dict(num_slots=8), ("rlvr",), "sampling.num_slots=8 cannot take effect without sampling.continuous_batching"),
+        (
+            dict(num_slots=8),
+            ("rlvr",),
+            "sampling.num_slots=8 cannot take effect.* without sampling.continuous_batching",
+        ),
         (dict(refill_batch=2), ("rlvr",), "sampling.refill_batch=2 cannot take effect"),
         (dict(continuous_batching=True), ("sft",), "sampling.continuous_batching=True: .* no rlvr stage"),
         (dict(quantize="int8"), ("rejection_sampling",), "rejection_sampling stage takes only continuous_batching"),
     ],
 )
 def test_continuous_batching_keys_take_effect_or_raise(keys, stages, match):
-    cfg = base_config()
-    cfg.sampling.update(keys)
     with pytest.raises(ValueError, match=match):
-        check_sampling_config(cfg, stages)
+        sampling_run(keys, stages)
 
 
 def test_continuous_batching_keys_pass_for_rl_and_rejection_sampling():
-    cfg = base_config()
-    cfg.sampling.update(dict(continuous_batching=True, num_slots=8, refill_batch=8))
-    check_sampling_config(cfg, ("rlvr",))
-    check_sampling_config(cfg, ("rejection_sampling",))
+    keys = dict(continuous_batching=True, num_slots=8, refill_batch=8)
+    sampling_run(keys, ("rlvr",))
+    sampling_run(keys, ("rejection_sampling",))

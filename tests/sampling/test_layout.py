@@ -11,13 +11,14 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from posttrain.config import base_config
+from posttrain.config import run_config
 from posttrain.core.state import abstract_model, init_model_state
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import DEFAULT_RULES, decode_rules, logical_spec, make_mesh, shardings_for, use_sharding
 from posttrain.sampling import ContinuousBatcher, SamplingParams, generate
 from posttrain.sampling.layout import check_layout, publish_weights, sampler_rules
 from tests.support.sampling import PROMPTS, model_config
+from tests.support.typed_configs import run_cfg, typed
 
 
 def bare_components(cfg, mesh):
@@ -60,16 +61,11 @@ def test_decode_rules_move_zero3_axes_to_tensor_parallelism():
 
 
 def test_sampling_layout_key_is_checked():
-    from posttrain.rl.checks import check_sampling_config
-
-    cfg = base_config()
-    cfg.sampling.layout = "zero3"
     with pytest.raises(ValueError, match="sampling.layout='zero3'"):
-        check_sampling_config(cfg, ("rlvr",))
-    cfg.sampling.layout = "tensor"
-    check_sampling_config(cfg, ("rlvr",))
+        run_cfg({"sampling.layout": "zero3"}, stage="rlvr")
+    cfg = run_config(run_cfg({"sampling.layout": "tensor"}, stage="rlvr"))
     with pytest.raises(ValueError, match="sampling.layout='tensor'.*no rlvr stage"):  # nothing else samples with it
-        check_sampling_config(cfg, ("sft",))
+        run_config(cfg.replace(stage="sft"))
 
 
 def test_published_params_have_the_decode_shardings(model, mesh):
@@ -94,11 +90,9 @@ def test_loop_publishes_the_decode_layout(model, mesh):
     from posttrain.stages.rlvr import RLState
 
     _, learner, _, rest = model
-    cfg = base_config()
     state = types.SimpleNamespace(params=learner, frozen=None, rest=rest)
     for layout in ("learner", "tensor"):
-        cfg.sampling.layout = layout
-        c = bare_components(cfg, mesh)
+        c = bare_components(run_cfg({"sampling.layout": layout}), mesh)
         params, _ = c.weights(RLState(state, 0))
         spec = params["embed"][...].sharding.spec
         assert spec == (P("tensor", "fsdp") if layout == "learner" else P(TP)), layout
@@ -110,8 +104,7 @@ def test_publish_program_reshards_into_the_decode_layout(model, mesh):
     from posttrain.plan import compile_plan as cp
 
     _, learner, published, _ = model
-    cfg = base_config()
-    cfg.model, cfg.sampling.layout = model_config("moe"), "tensor"
+    cfg = run_cfg({"sampling.layout": "tensor"}, model=model_config("moe"))
     (program,) = cp.build_programs(cfg, mesh, RULES, ("publish",), prompt_len=8)
     compiled, _ = cp.compile_program(program, mesh, RULES)
     got = [s.spec for s in jax.tree.leaves(compiled.output_shardings)]
@@ -199,9 +192,8 @@ def test_rl_run_in_the_decode_layout_equals_the_learner_layout(tmp_path):
 
     runs = {}
     for layout in ("learner", "tensor"):
-        cfg = tiny(tmp_path / layout)
-        cfg.mesh.data, cfg.mesh.fsdp, cfg.train.steps = 1, 2, 2
-        cfg.sampling.layout = layout
+        changes = {"mesh.data": 1, "mesh.fsdp": 2, "train.steps": 2, "sampling.layout": layout}
+        cfg = typed(tiny(tmp_path / layout)).replace(changes)
         loop.run(cfg)
         runs[layout] = rows(tmp_path / layout)
     assert len(runs["tensor"]) == 2
@@ -258,10 +250,9 @@ def test_int8_weights_in_the_decode_layout_sample_as_in_the_learner_layout(mesh)
     make = lambda: Decoder(model_config("dense"), rngs=nnx.Rngs(3))
     learner, rest = init_model_state(make, mesh, RULES)
     graphdef, state = nnx.graphdef(abstract_model(make)), types.SimpleNamespace(params=learner, frozen=None, rest=rest)
-    cfg, outs = base_config(), {}
-    cfg.sampling.quantize = "int8"
+    outs = {}
     for layout in ("learner", "tensor"):
-        cfg.sampling.layout = layout
+        cfg = run_cfg({"sampling.quantize": "int8", "sampling.layout": layout})
         params, _ = bare_components(cfg, mesh).weights(RLState(state, 0))
         assert params["embed"][...].sharding.spec == (P("tensor", "fsdp") if layout == "learner" else P(TP))
         with use_sharding(mesh, sampler_rules(RULES, layout)):

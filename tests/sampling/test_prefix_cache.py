@@ -12,11 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.config import base_config
-from posttrain.config_schema import check_values
 from posttrain.errors import UserError
 from posttrain.models.decoder import Decoder
-from posttrain.rl.checks import check_sampling_config
 from posttrain.rl.envs.base import Step, Task
 from posttrain.rl.envs.chat import continuation
 from posttrain.rl.reward import RewardFunction
@@ -27,8 +24,9 @@ from posttrain.rl.verifiers import MathTask
 from posttrain.rl.verifiers.math import MathVerifier
 from posttrain.sampling import SamplingParams, generate
 from posttrain.sampling.prefix_cache import PrefixCache
-from posttrain.stages.rlvr import rollout_prefix_cache
+from posttrain.stages.rlvr_parts import rollout_prefix_cache
 from tests.support.episodes import TOK, CountingEnv
+from tests.support.typed_configs import model, run_cfg
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, stop_ids=())
 SAMPLED = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=8, num_samples=2, stop_ids=())
@@ -41,16 +39,7 @@ FRESH = RNG.integers(1, 64, 10).tolist()
 
 @pytest.fixture(scope="module")
 def policy():
-    cfg = base_config().model
-    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = (
-        64,
-        16,
-        2,
-        4,
-        2,
-        8,
-        32,
-    )
+    cfg = model(vocab_size=64, embed_dim=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=32)
     return nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
 
 
@@ -172,35 +161,21 @@ def test_a_hash_collision_is_a_miss(monkeypatch):
 
 
 def test_sampling_prefix_cache_key_reaches_episodes_and_bad_values_raise():
-    cfg = base_config()
-    cfg.stage = "rlvr"
+    cfg = run_cfg(stage="rlvr")
     assert rollout_prefix_cache(cfg) is None
-    cfg.sampling.prefix_cache = -1
     with pytest.raises(UserError, match="sampling.prefix_cache=-1"):
-        check_values(cfg)
-    cfg.sampling.prefix_cache, cfg.sampling.speculative_k = 512, 2
+        cfg.replace({"sampling.prefix_cache": -1})
     with pytest.raises(ValueError, match="sampling.prefix_cache=512"):
-        check_sampling_config(cfg, ("rlvr",))
-    cfg.sampling.speculative_k, cfg.sampling.continuous_batching = 0, True
+        cfg.replace({"sampling.prefix_cache": 512, "sampling.speculative_k": 2}).check_stages()
     with pytest.raises(ValueError, match="sampling.prefix_cache=512: not supported with sampling.continuous_batching"):
-        check_sampling_config(cfg, ("rlvr",))
-    cfg.sampling.continuous_batching = False
-    check_sampling_config(cfg, ("rlvr",))
+        cfg.replace({"sampling.prefix_cache": 512, "sampling.continuous_batching": True}).check_stages()
+    cfg = cfg.replace({"sampling.prefix_cache": 512}).check_stages()
     with pytest.raises(ValueError, match="sampling.prefix_cache"):
-        check_sampling_config(cfg, ("sft",))
+        cfg.replace(stage="sft").check_stages()
     cache = rollout_prefix_cache(cfg)
     assert cache.max_tokens == 512
 
-    m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        32,
-        1,
-        2,
-        1,
-        16,
-        64,
-    )
+    m = model(vocab_size=264, embed_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
     graphdef, params, rest = nnx.split(Decoder(m, rngs=nnx.Rngs(0)), nnx.Param, ...)
     sampling = SamplingParams(temperature=0.7, top_k=12, max_new_tokens=6, stop_ids=(TOK.eos_id,), num_samples=2)
     reward_fn = RewardFunction({MathTask: MathVerifier()})

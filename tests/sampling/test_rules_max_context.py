@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from posttrain.config import base_config
+from posttrain.config import RunConfig
 from posttrain.core import lineage
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.errors import UserError
@@ -14,6 +14,7 @@ from posttrain.eval import long_context_eval
 from posttrain.sampling.continuous import ContinuousBatcher, generate_continuous
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams
+from tests.support.typed_configs import run_cfg
 
 PAST = r"sampling\.max_context=64: a request needs 70 positions \(prompt of 60 tokens \+ max_new_tokens 10\)"
 
@@ -38,7 +39,7 @@ def test_sampler_refuses_past_max_context_before_compiling():
 
 
 def test_configured_context_is_what_was_trained_and_configured():
-    cfg = base_config()
+    cfg = RunConfig()
     empty = lineage.empty()
     assert lineage.configured_context(cfg.model, empty) == 0  # nothing known: unchecked
     assert lineage.configured_context(cfg.model, {"trained_context": 256}) == 256
@@ -50,10 +51,11 @@ def test_configured_context_is_what_was_trained_and_configured():
     assert lineage.merge(short, 30, 64) == short  # only ever raised
     hf = {"hf_config": {"max_position_embeddings": 4096}, "trained_context": 512}
     assert lineage.configured_context(cfg.model, hf) == 4096  # the source model's context stays usable
-    cfg.model.rope_scaling.update(type="yarn", factor=4.0, original_max_position_embeddings=256)
+    yarn = dict(type="yarn", factor=4.0, original_max_position_embeddings=256)
+    cfg = cfg.replace({f"model.rope_scaling.{k}": v for k, v in yarn.items()})
     assert lineage.configured_context(cfg.model, {"trained_context": 256}) == 1024  # extended by the scaling
     assert lineage.max_context(cfg, {"trained_context": 256}) == 1024
-    cfg.sampling.max_context = 8192  # explicit: allowed past it
+    cfg = cfg.replace({"sampling.max_context": 8192})  # explicit: allowed past it
     assert lineage.max_context(cfg, {"trained_context": 256}) == 8192
     lineage.check_need(8192, 8192, "x")
     with pytest.raises(UserError, match=r"eval.long_context.lengths='1024' needs 1024 positions.*\(256: "):
@@ -61,17 +63,16 @@ def test_configured_context_is_what_was_trained_and_configured():
 
 
 def test_long_context_grid_past_the_trained_context_is_refused_at_start_up(tmp_path):
-    lc = base_config().eval.long_context
-    lc.update(lengths="256,1024", kinds="needle", depths="0", samples=1)
+    grid = dict(lengths="256,1024", kinds="needle", depths="0", samples=1)
+    lc = run_cfg({f"eval.long_context.{k}": v for k, v in grid.items()}).eval.long_context
     tok = load_tokenizer("byte")
-    trained_256 = lineage.max_context(base_config(), {"trained_context": 256})
+    trained_256 = lineage.max_context(RunConfig(), {"trained_context": 256})
     with pytest.raises(UserError, match=r"sampling\.max_context.*1024 positions.*\(256: ") as e:
         long_context_eval.make_long_context_eval(lc, str(tmp_path), tok, trained_256)
     assert e.value.key == "sampling.max_context"
     with pytest.raises(UserError, match=r"sampling\.max_context"):
         long_context_eval.evaluate(object(), tok, lc, max_context=trained_256)
-    cfg = base_config()
-    cfg.sampling.max_context = 1024  # told to: the grid is built
+    cfg = run_cfg({"sampling.max_context": 1024})  # told to: the grid is built
     assert long_context_eval.make_long_context_eval(lc, str(tmp_path), tok, lineage.max_context(cfg, {})) is not None
     # and a run that trains at 1024 (train.seq_len) evaluates at 1024 without the key
     assert long_context_eval.make_long_context_eval(lc, str(tmp_path), tok, 1024) is not None
@@ -82,22 +83,24 @@ def test_sft_sample_log_refuses_prompts_past_train_seq_len(tmp_path):
 
     path = tmp_path / "eval.jsonl"
     path.write_text(json.dumps({"prompt": "x" * 100, "response": "y"}) + "\n")
-    cfg = base_config()
-    cfg.train.seq_len, cfg.sft.sample_tokens = 64, 16
+    cfg = run_cfg({"train.seq_len": 64, "sft.sample_tokens": 16})
     with pytest.raises(UserError, match=r"sampling\.max_context: sft\.sample_tokens.*needs 1\d\d positions.*\(64: "):
         make_sampler_log(cfg, load_tokenizer("byte"), str(path))
-    cfg.sampling.max_context = 256
+    cfg = cfg.replace({"sampling.max_context": 256})
     assert callable(make_sampler_log(cfg, load_tokenizer("byte"), str(path)))
 
 
-def test_the_key_is_every_sampling_stages_and_refused_where_nothing_samples():
-    from posttrain.rl.checks import check_sampling_config
+def checked(max_context: int, stages: tuple[str, ...]) -> RunConfig:
+    """The run of `stages` (one stage, or a pipeline of them) with `sampling.max_context`, checked as
+    a run starts."""
+    pipeline = {"pipeline.stages": stages} if len(stages) > 1 else {}
+    stage = "pipeline" if pipeline else stages[0]
+    return run_cfg({"sampling.max_context": max_context, **pipeline}, stage=stage).check_stages()
 
-    cfg = base_config()
-    cfg.sampling.max_context = 2048
+
+def test_the_key_is_every_sampling_stages_and_refused_where_nothing_samples():
     for stages in (("sft",), ("eval",), ("rejection_sampling",), ("sft", "dpo"), ("rlvr",)):
-        check_sampling_config(cfg, stages)
+        checked(2048, stages)
     with pytest.raises(ValueError, match=r"sampling\.max_context=2048: no stage of this run \(lm\) samples"):
-        check_sampling_config(cfg, ("lm",))
-    cfg.sampling.max_context = 0
-    check_sampling_config(cfg, ("lm",))
+        checked(2048, ("lm",))
+    checked(0, ("lm",))

@@ -12,30 +12,19 @@ import pytest
 from flax import nnx
 from scipy import stats
 
-from posttrain.config import base_config
 from posttrain.models.decoder import Decoder
 from posttrain.models.logprobs import token_logprobs
 from posttrain.parallel.mesh import ACCELERATOR_PATHS_ENV
 from posttrain.sampling import SamplingParams, generate, speculative
+from tests.support.typed_configs import model, run_cfg
 
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 3, 9, 1, 5], [2], [3, 3, 8, 1, 12]]
 
 
 def model_config(kind, vocab=64):
-    cfg = base_config().model
-    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = (
-        vocab,
-        16,
-        3,
-        4,
-        2,
-        8,
-        32,
-    )
-    cfg.qk_norm = True
-    if kind == "moe":
-        cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_mlp_dim, cfg.moe.first_dense = 8, 2, 16, 1
-    return cfg
+    shape = dict(vocab_size=vocab, embed_dim=16, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=32)
+    moe = dict(num_experts=8, top_k=2, expert_mlp_dim=16, first_dense=1) if kind == "moe" else {}
+    return model({f"moe.{k}": v for k, v in moe.items()}, **shape, qk_norm=True)
 
 
 @functools.cache
@@ -135,19 +124,15 @@ def test_a_wrong_acceptance_rule_fails_the_same_check(tiny_policy, monkeypatch):
 
 
 def test_sampling_speculative_keys_reach_the_rollouts_or_raise():
-    from posttrain.rl.checks import check_sampling_config
-    from posttrain.stages.rlvr import rollout_sampling
+    from posttrain.stages.rlvr_parts import rollout_sampling
 
-    cfg = base_config()
+    cfg = run_cfg(stage="rlvr")
     assert rollout_sampling(cfg, (1,)).speculative_k == 0
-    cfg.sampling.speculative_k, cfg.sampling.draft_layers = 4, 2
-    check_sampling_config(cfg, ("rlvr",))
+    cfg = cfg.replace({"sampling.speculative_k": 4, "sampling.draft_layers": 2}).check_stages()
     assert (rollout_sampling(cfg, (1,)).speculative_k, rollout_sampling(cfg, (1,)).draft_layers) == (4, 2)
-    cfg.sampling.draft_layers = cfg.model.num_layers + 1
     with pytest.raises(ValueError, match="sampling.draft_layers"):
-        check_sampling_config(cfg, ("rlvr",))
-    cfg.sampling.speculative_k, cfg.sampling.draft_layers = 0, 2
+        cfg.replace({"sampling.draft_layers": cfg.model.num_layers + 1}).check_stages()
     with pytest.raises(ValueError, match="no draft without sampling.speculative_k"):
-        check_sampling_config(cfg, ("rlvr",))
+        cfg.replace({"sampling.speculative_k": 0, "sampling.draft_layers": 2}).check_stages()
     with pytest.raises(ValueError, match="speculative_k"):
         SamplingParams(speculative_k=-1)

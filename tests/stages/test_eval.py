@@ -24,7 +24,7 @@ from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.rollout.worker import RolloutWorker, evaluate
 from posttrain.rl.tasks import suites as suite_lib
 from posttrain.stages import eval as evaluation
-from tests.support.configs import typed
+from tests.support.typed_configs import typed
 
 PROMPTS = [f"What is {a} plus {b}?" for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 2), (4, 4), (6, 1)]]
 

@@ -4,7 +4,7 @@ import pytest
 
 from posttrain.config import base_config
 from posttrain.stages import lm
-from tests.support.configs import run_cfg, typed
+from tests.support.typed_configs import run_cfg, typed
 
 
 @pytest.mark.parametrize("experts", [0, 4], ids=["dense", "moe"])

@@ -36,7 +36,7 @@ from posttrain.stages import rejection_records as records
 from posttrain.stages import rejection_sampling as rejection
 from posttrain.stages import sft as stage_lib
 from posttrain.stages.rejection_records import Candidate, select
-from tests.support.configs import checked, typed
+from tests.support.typed_configs import checked, typed
 
 VERIFIER = '''
 import threading

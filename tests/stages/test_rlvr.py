@@ -15,8 +15,8 @@ from posttrain.rl.envs.base import Trajectory
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.tasks.scheduler import Group
 from posttrain.stages import rlvr as loop
-from tests.support.configs import typed
 from tests.support.rl_runs import TIMING, rows, tiny
+from tests.support.typed_configs import typed
 
 
 def test_on_policy_runs_repeat_exactly_and_async_respects_staleness(tmp_path):

@@ -29,7 +29,7 @@ from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.verifiers import MathTask
 from posttrain.rl.verifiers.math import MathVerifier
 from posttrain.sampling.rules import SamplingParams
-from tests.support.configs import model
+from tests.support.typed_configs import model
 
 TOK = ByteTokenizer()
 

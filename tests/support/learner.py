@@ -4,7 +4,7 @@ from posttrain.core.optim import lr_schedule
 from posttrain.parallel import use_sharding
 from posttrain.rl.algo.learner import Learner
 from posttrain.sampling.rules import SamplingParams
-from tests.support.configs import model, rl
+from tests.support.typed_configs import model, rl
 
 PROMPTS, G, PROMPT_LEN, NEW = 4, 4, 4, 6
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=NEW, num_samples=G)

@@ -9,6 +9,9 @@ TIMING = ("rl/wait_s", "rl/update_s", "rl/gen_s", "rl/verify_s", "rl/device_idle
 
 
 def tiny(workdir, **rl):
+    """The run's ConfigDict (as a config file gives it, `rl` keys changed), for a test to change
+    further: `posttrain.main.run` takes it; a stage's own `run` takes `typed(cfg)`
+    (tests/support/typed_configs.py)."""
     cfg = base_config()
     cfg.stage, cfg.workdir = "rlvr", str(workdir)
     m = cfg.model

@@ -3,27 +3,19 @@ computed the plain way."""
 
 import numpy as np
 
-from posttrain.config import base_config
+from posttrain.config import ModelConfig
+from tests.support.typed_configs import model
 
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 3, 9, 1, 5], [2], [3, 3, 8, 1, 12]]
 
 
-def model_config(kind):
-    cfg = base_config().model
-    cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim = (
-        64,
-        16,
-        2,
-        4,
-        2,
-        8,
-        32,
-    )
-    cfg.qk_norm = True
-    if kind == "moe":
-        cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_mlp_dim, cfg.moe.first_dense = 8, 2, 16, 1
-        cfg.moe.num_shared_experts, cfg.moe.shared_mlp_dim = 1, 16
-    return cfg
+def model_config(kind, changes: dict | None = None, **fields) -> ModelConfig:
+    """The tiny dense (`kind` "dense") or MoE ("moe") decoder's config, then `fields` and dotted
+    `changes` ({"moe.dispatch": "ragged"})."""
+    shape = dict(vocab_size=64, embed_dim=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=32)
+    moe = dict(num_experts=8, top_k=2, expert_mlp_dim=16, first_dense=1, num_shared_experts=1, shared_mlp_dim=16)
+    moe = {f"moe.{k}": v for k, v in moe.items()} if kind == "moe" else {}
+    return model({**moe, **(changes or {})}, **{**shape, "qk_norm": True, **fields})
 
 
 def reference_distribution(logits, temperature, top_k, top_p):

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain.config import RunConfig
-from tests.support.configs import run_cfg
+from tests.support.typed_configs import run_cfg
 
 
 def moe_config(changes: dict | None = None) -> RunConfig:

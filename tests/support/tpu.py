@@ -5,7 +5,7 @@ import pytest
 
 from posttrain.config import RunConfig
 from posttrain.plan import aot
-from tests.support.configs import typed
+from tests.support.typed_configs import typed
 
 needs_libtpu = pytest.mark.skipif(
     not aot.libtpu_available(), reason="libtpu not installed (pip install -e '.[tpu]'): no TPU compiler"

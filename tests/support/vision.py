@@ -11,7 +11,7 @@ from posttrain.config import RunConfig
 from posttrain.data.images import ImageSpec
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.models.decoder import Decoder
-from tests.support.configs import run_cfg
+from tests.support.typed_configs import run_cfg
 
 BYTE = ByteTokenizer()
 SPEC = ImageSpec(image_size=8, patch_size=4, token_id=BYTE.image_id)  # 4 patches of 48 values

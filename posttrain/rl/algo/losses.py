@@ -223,23 +223,33 @@ def policy_loss(
             **_masked_stats("rl/adv", adv, mask),
         }
     )
-    norm = loss_norm(rl)
-    pg_loss = aggregate(per_token, mask, rl.aggregation, norm)
-    loss = pg_loss
+    pg_loss = aggregate(per_token, mask, rl.aggregation, loss_norm(rl))
     metrics["rl/pg_loss"] = pg_loss
+    loss = pg_loss
+    for term in regularizers(logp, old_logp, w, mask, rl, kl_coef, ref_logp, entropy, positions, metrics):
+        loss = loss + term  # (in this order: the sum's rounding is part of the logged loss)
+    metrics["rl/loss"] = loss
+    return loss, metrics
+
+
+def regularizers(
+    logp, old_logp, w, mask, rl: RLConfig, kl_coef: float, ref_logp, entropy, positions, metrics: dict
+) -> list[jax.Array]:
+    """The terms β·KL and −α·entropy of `policy_loss` (those that apply), reduced as the surrogate
+    is; adds the `rl/kl` and `rl/entropy` metrics to `metrics`."""
+    norm, terms = loss_norm(rl), []
     if ref_logp is not None:
         kl = kl_estimate(logp, ref_logp, rl.kl_estimator)
         metrics["rl/kl"] = _masked_mean(jax.lax.stop_gradient(kl), mask)
         if kl_coef:
             rho = w * jnp.exp(jnp.where(mask, logp.astype(jnp.float32) - jax.lax.stop_gradient(old_logp), 0.0))
-            terms = kl_loss_terms(logp, ref_logp, rho, mask, rl.kl_estimator, positions)
-            loss = loss + kl_coef * aggregate(terms, mask, rl.aggregation, norm)
+            per_token = kl_loss_terms(logp, ref_logp, rho, mask, rl.kl_estimator, positions)
+            terms.append(kl_coef * aggregate(per_token, mask, rl.aggregation, norm))
     if entropy is not None:
         metrics["rl/entropy"] = _masked_mean(entropy, mask)
         if rl.entropy_coef:
-            loss = loss - rl.entropy_coef * aggregate(entropy, mask, rl.aggregation, norm)
-    metrics["rl/loss"] = loss
-    return loss, metrics
+            terms.append(-(rl.entropy_coef * aggregate(entropy, mask, rl.aggregation, norm)))
+    return terms
 
 
 def value_loss(

@@ -60,7 +60,7 @@ def check_multihost_rl(cfg) -> None:
     for key, bad in refused.items():
         if bad:
             raise UserError(
-                f"{key}={r[key.split('.')[1]]!r} is not supported with {n} processes (see posttrain/rl/"
+                f"{key}={getattr(r, key.split('.')[1])!r} is not supported with {n} processes (see posttrain/rl/"
                 "hosts.py); run it in one process or change the key",
                 key=key,
             )

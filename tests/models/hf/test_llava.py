@@ -14,7 +14,7 @@ from flax import nnx
 from posttrain.data.images import patches_of
 from posttrain.errors import UserError
 from posttrain.models.decoder import Decoder
-from tests.support.configs import model, run_cfg
+from tests.support.typed_configs import model, run_cfg
 
 torch = pytest.importorskip("torch", reason="HF interop tests need the hf extra: pip install torch==2.13.0 -e '.[hf]'")
 transformers = pytest.importorskip("transformers", reason="HF interop tests need the hf extra: pip install -e '.[hf]'")

@@ -8,7 +8,7 @@ import pytest
 
 from posttrain.rl.algo.advantages import gae_advantages, terminal_rewards, whiten
 from posttrain.rl.algo.losses import value_loss
-from tests.support.configs import model, rl, run_cfg, typed
+from tests.support.typed_configs import model, rl, run_cfg, typed
 
 
 def _random_batch(seed, b=6, t=11):

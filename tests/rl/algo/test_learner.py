@@ -26,8 +26,8 @@ from posttrain.rl.tasks.scheduler import Group
 from posttrain.sampling.generate import generate
 from posttrain.sampling.rules import SamplingParams, policy_logprobs
 from posttrain.stages import rlvr
-from tests.support.configs import run_cfg
 from tests.support.learner import NEW, PROMPT_LEN, PROMPTS, SAMPLING, G, make_learner, model_cfg, rl_cfg, update
+from tests.support.typed_configs import run_cfg
 
 
 @pytest.fixture(scope="module")

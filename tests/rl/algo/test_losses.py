@@ -17,7 +17,7 @@ from posttrain.rl.algo.losses import (
     policy_loss,
 )
 from posttrain.rl.algo.offpolicy import truncated_is_weights
-from tests.support.configs import rl
+from tests.support.typed_configs import rl
 
 REWARDS = np.array([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.2, 0.9, 0.4, 0.0], np.float32)  # 3 groups of 4
 MASK = np.array(

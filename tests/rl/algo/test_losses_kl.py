@@ -12,8 +12,8 @@ from posttrain.config import base_config
 from posttrain.rl.algo.advantages import kl_penalized_advantages
 from posttrain.rl.algo.losses import entropy_from_logprobs, kl_estimate, kl_loss_terms, policy_loss
 from posttrain.sampling.rules import SamplingParams, support_logprobs
-from tests.support.configs import checked, rl
 from tests.support.sampling import reference_distribution
+from tests.support.typed_configs import checked, rl
 
 V, N = 3, 40_000  # vocabulary, samples
 _rng = np.random.default_rng(0)

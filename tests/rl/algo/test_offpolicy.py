@@ -13,7 +13,7 @@ from posttrain.config import IS_LEVELS, IS_MASKS
 from posttrain.config.registry import POLICY_LOSSES
 from posttrain.rl.algo.losses import cispo_surrogate, policy_loss
 from posttrain.rl.algo.offpolicy import offpolicy_correction, truncated_is_weights
-from tests.support.configs import rl
+from tests.support.typed_configs import rl
 
 B, T = 6, 7
 LENGTHS = [7, 3, 5, 1, 0, 6]  # ragged responses and a padding row
@@ -223,7 +223,7 @@ def test_config_values_out_of_range_name_the_key(key, value, match):
     from posttrain.config import run_config
     from posttrain.errors import UserError
     from posttrain.rl.checks import check_rlvr_stage
-    from tests.support.configs import run_cfg
+    from tests.support.typed_configs import run_cfg
 
     with pytest.raises(UserError, match=match):
         check_rlvr_stage(run_config(run_cfg({f"rl.{key}": value}, stage="rlvr")))

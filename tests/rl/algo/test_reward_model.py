@@ -25,7 +25,7 @@ from posttrain.rl.algo.reward_model import (
     reward_model_meta,
 )
 from posttrain.stages import reward_model as reward_model_stage
-from tests.support.configs import run_cfg, typed
+from tests.support.typed_configs import run_cfg, typed
 
 
 def tiny_reward_model_config(workdir, data_dir):

@@ -21,8 +21,8 @@ from posttrain.rl.rollout.episodes import rollout_episodes, turn_key
 from posttrain.rl.rollout.worker import RolloutWorker
 from posttrain.sampling.continuous import SlotConfig
 from posttrain.sampling.prefix_cache import PrefixCache
-from tests.support.configs import run_cfg
 from tests.support.episodes import SAMPLING, TOK, assert_same_rollouts, episodes, runs
+from tests.support.typed_configs import run_cfg
 
 
 @pytest.fixture(scope="module")

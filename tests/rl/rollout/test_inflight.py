@@ -21,7 +21,7 @@ from posttrain.rl.tasks.scheduler import Group
 from posttrain.sampling.generate import generate
 from posttrain.sampling.inflight import generate_inflight, record_versions
 from posttrain.sampling.rules import SamplingParams
-from tests.support.configs import run_cfg
+from tests.support.typed_configs import run_cfg
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=12, num_samples=2, stop_ids=(2,))  # ByteTokenizer eos
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]

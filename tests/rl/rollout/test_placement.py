@@ -10,7 +10,7 @@ import pytest
 from posttrain.config import RLConfig, RunConfig
 from posttrain.errors import UserError
 from posttrain.rl.rollout import placement
-from tests.support.configs import run_cfg
+from tests.support.typed_configs import run_cfg
 from tests.test_golden import GOLDEN, config, logged
 
 

@@ -21,8 +21,8 @@ from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.tasks.scheduler import Group, TaskScheduler
 from posttrain.rl.verifiers import MathTask
 from posttrain.stages import rlvr as loop
-from tests.support.configs import run_cfg
 from tests.support.producer import LP, TRAJ, FakeWorker, VerifierCrashed, producer, scheduler
+from tests.support.typed_configs import run_cfg
 
 
 def test_a_verifier_exception_reaches_the_learner_with_its_traceback():

@@ -24,7 +24,7 @@ from posttrain.rl.rollout import transfer, workqueue
 from posttrain.rl.rollout.workqueue import WorkQueue
 from posttrain.rl.tasks.scheduler import Group
 from tests.support import paths
-from tests.support.configs import run_cfg
+from tests.support.typed_configs import run_cfg
 from tests.test_golden import GOLDEN, RUNS, SMALL, logged
 
 ROOT = str(paths.ROOT)

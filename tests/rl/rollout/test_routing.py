@@ -30,8 +30,8 @@ from posttrain.rl.rollout.routing import trajectory_routing
 from posttrain.rl.tasks.scheduler import Group
 from posttrain.sampling import SamplingParams, generate
 from posttrain.stages.checks import check_run
-from tests.support.configs import model, run_cfg, typed
 from tests.support.learner import make_learner, update
+from tests.support.typed_configs import model, run_cfg, typed
 
 E, K = 8, 2
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 3, 9, 1, 5], [2, 60], [3, 3, 8, 1, 12], [9, 9, 41, 17]]

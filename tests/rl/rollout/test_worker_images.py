@@ -27,8 +27,8 @@ from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.worker import RolloutWorker
 from posttrain.rl.tasks.registry import make_domains, make_reward_fn
 from posttrain.sampling.rules import SamplingParams
-from tests.support.configs import run_cfg
 from tests.support.paths import ROOT
+from tests.support.typed_configs import run_cfg
 
 sys.path.insert(0, str(ROOT / "tools"))
 from visual_tasks import write_visual_tasks  # noqa: E402

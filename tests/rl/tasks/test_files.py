@@ -21,8 +21,8 @@ from posttrain.rl.verifiers.code import CodeTask
 from posttrain.rl.verifiers.math import MathTask
 from posttrain.rl.verifiers.user import UserTask, UserVerifier
 from posttrain.stages import rlvr as loop
-from tests.support.configs import rl, run_cfg, typed
 from tests.support.rl_runs import rows, tiny
+from tests.support.typed_configs import rl, run_cfg, typed
 
 VERIFIER_MODULE = '''
 import threading, time, zlib

@@ -34,9 +34,9 @@ from posttrain.sandbox import Limits, Sandbox, Status
 from posttrain.sandbox.session import Session, _parse_report
 from posttrain.stages import rlvr as loop
 from posttrain.stages import rlvr_parts
-from tests.support.configs import model, typed
 from tests.support.episodes import TOK, CountingEnv, runs
 from tests.support.paths import ROOT
+from tests.support.typed_configs import model, typed
 
 LIMITS = Limits(
     cpu_s=2,

@@ -14,7 +14,7 @@ from posttrain.rl.envs.base import Task
 from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.tasks.registry import curriculum_options
 from posttrain.rl.tasks.scheduler import TaskScheduler
-from tests.support.configs import run_cfg
+from tests.support.typed_configs import run_cfg
 
 
 def rlvr_cfg(**curriculum):

@@ -7,7 +7,7 @@ import pytest
 from posttrain.rl.tasks import screen_domain
 from posttrain.rl.tasks.registry import DOMAINS
 from posttrain.rl.tasks.screen_domain import KINDS, held_out_counts, max_held_out, screen_key, screen_tasks
-from tests.support.configs import run_cfg
+from tests.support.typed_configs import run_cfg
 
 
 def test_enumerated_meanings_are_what_the_generator_draws():

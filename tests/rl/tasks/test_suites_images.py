@@ -14,7 +14,7 @@ from posttrain.rl.envs.images import episode_patches
 from posttrain.rl.tasks.suites import make_suites
 from posttrain.rl.verifiers.label import LabelTask
 from posttrain.rl.verifiers.math import MathTask
-from tests.support.configs import run_cfg
+from tests.support.typed_configs import run_cfg
 
 BYTE = ByteTokenizer()
 
