@@ -20,8 +20,9 @@ def last_token_index(positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
     return jnp.argmax(jnp.where(candidate, positions, -1), axis=1)
 
 
-class RewardModel(Decoder):
-    """The decoder with a scalar value head read at each row's last real token."""
+class HeadedDecoder(Decoder):
+    """The decoder with a scalar head over its hidden states (`value_head` [D]): a reward model's,
+    a critic's."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         super().__init__(cfg, rngs=rngs)
@@ -32,6 +33,10 @@ class RewardModel(Decoder):
             ("embed",),
             dtype_of(cfg.param_dtype),
         )
+
+
+class RewardModel(HeadedDecoder):
+    """The decoder with a scalar value head read at each row's last real token."""
 
     def reward(self, tokens, positions, segment_ids) -> tuple[jax.Array, dict]:
         """[B, S] rows (segment id 0 = padding), in any token order → rewards [B] (float32), MoE

@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain import storage
+from posttrain.config import RLConfig
 from posttrain.core import lineage
 from posttrain.core.batch import put_batch
 from posttrain.data.examples import sft_messages, with_images
@@ -97,6 +98,20 @@ def data_kw(cfg) -> dict:
     d = cfg.data
     fields = dict(kv.split("=", 1) for kv in d.fields.split(",") if kv) if d.fields else None
     return dict(on_error=d.on_error, fields=fields)
+
+
+def rl_sampling(r: RLConfig, stop_ids, num_samples: int, **extra) -> SamplingParams:
+    """Sampling as the `rl` section sets it (temperature, top-k / top-p, new tokens), `num_samples`
+    per prompt, stopping at `stop_ids`; `extra`: the other SamplingParams fields."""
+    return SamplingParams(
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        stop_ids=tuple(stop_ids),
+        num_samples=num_samples,
+        **extra,
+    )
 
 
 def stage_tokenizer(cfg) -> Tokenizer:

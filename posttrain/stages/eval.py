@@ -54,6 +54,7 @@ from posttrain.rl.rollout.hosts import all_rewards, combine_info
 from posttrain.rl.rollout.worker import SUMMED_INFO, RolloutWorker, all_solved
 from posttrain.rl.tasks.suites import HEADLINE, make_suites, multi_turn_suites, parse_suites, suite_version
 from posttrain.sampling.rules import SamplingParams
+from posttrain.stages.common import rl_sampling
 
 
 def pass_ks(cfg) -> list[int]:
@@ -284,16 +285,7 @@ def run(cfg: RunConfig, baseline: dict | None = None) -> Result:
 def eval_sampling(cfg: RunConfig, tok, limit: int) -> SamplingParams:
     """How the suites are sampled: the `rl` section's temperature, top-k / top-p and new tokens,
     `eval.samples` per problem, within `limit` tokens of context."""
-    r = cfg.rl
-    return SamplingParams(
-        temperature=r.temperature,
-        top_k=r.top_k,
-        top_p=r.top_p,
-        max_new_tokens=r.max_new_tokens,
-        stop_ids=tuple(tok.stop_ids),
-        num_samples=cfg.eval.samples,
-        max_context=limit,
-    )
+    return rl_sampling(cfg.rl, tok.stop_ids, cfg.eval.samples, max_context=limit)
 
 
 def evaluate_checkpoint(e: Evaluation, params, rest, step: int) -> dict:

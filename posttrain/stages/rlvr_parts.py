@@ -37,6 +37,7 @@ from posttrain.sampling.continuous import SlotConfig
 from posttrain.sampling.layout import sampler_rules
 from posttrain.sampling.prefix_cache import PrefixCache
 from posttrain.sampling.rules import SamplingParams
+from posttrain.stages.common import rl_sampling
 
 
 @dataclasses.dataclass
@@ -83,14 +84,10 @@ class Components:
 def rollout_sampling(cfg, stop_ids) -> SamplingParams:
     """The rollouts' sampling params: rl.temperature/top_k/top_p/max_new_tokens/group_size, the
     sampler's sampling.speculative_k / draft_layers, and whether it records routing (replay)."""
-    r = cfg.rl
-    return SamplingParams(
-        temperature=r.temperature,
-        top_k=r.top_k,
-        top_p=r.top_p,
-        max_new_tokens=r.max_new_tokens,
-        stop_ids=tuple(stop_ids),
-        num_samples=r.group_size,
+    return rl_sampling(
+        cfg.rl,
+        stop_ids,
+        cfg.rl.group_size,
         speculative_k=cfg.sampling.speculative_k,
         draft_layers=cfg.sampling.draft_layers,
         record_routing=cfg.model.moe.routing_replay == "sampler",

@@ -13,9 +13,9 @@ import numpy as np
 from posttrain.config import base_config
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.stages import rlvr as loop
-from tests.support.typed_configs import typed
 from tests.support.paths import ROOT
 from tests.support.rl_runs import TIMING, rows, tiny
+from tests.support.typed_configs import typed
 
 _spec = importlib.util.spec_from_file_location("long_context_tasks", ROOT / "tools" / "long_context_tasks.py")
 tasks_tool = importlib.util.module_from_spec(_spec)

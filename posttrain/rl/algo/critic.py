@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from posttrain.models.decoder import Decoder
-from posttrain.models.layers import dtype_of, param
+from posttrain.models.reward import HeadedDecoder
 
 
 def scalar_head(hidden: jax.Array, head: jax.Array) -> jax.Array:
@@ -21,19 +19,9 @@ def scalar_head(hidden: jax.Array, head: jax.Array) -> jax.Array:
     return hidden.astype(jnp.float32) @ head.astype(jnp.float32)
 
 
-class ValueDecoder(Decoder):
+class ValueDecoder(HeadedDecoder):
     """The decoder with a value head (a shared actor-critic): `V(s_t)` at every position t is the
     value of the state after reading tokens[:t + 1], i.e. before the policy emits targets[t]."""
-
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        super().__init__(cfg, rngs=rngs)
-        self.value_head = param(
-            rngs,
-            jax.nn.initializers.normal(cfg.embed_dim**-0.5),
-            (cfg.embed_dim,),
-            ("embed",),
-            dtype_of(cfg.param_dtype),
-        )
 
     def logits_and_values(
         self, tokens, positions=None, segment_ids=None, *, update_bias: bool = False, routing=None, patches=None
