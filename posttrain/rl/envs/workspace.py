@@ -39,22 +39,14 @@ from typing import Any
 from posttrain.data.tokenizer import Tokenizer
 from posttrain.rl.envs.base import Step, Task
 from posttrain.rl.envs.state_harness import plain
-from posttrain.rl.envs.tool import ToolCall, ToolCallEnv
+from posttrain.rl.envs.tool import TOOL_LIMITS, ToolCall, ToolCallEnv
 from posttrain.rl.reward import RewardFunction
 from posttrain.rl.verifiers.base import Verdict
 from posttrain.sandbox import Job, Limits, Sandbox, Status
 from posttrain.sandbox.isolation import sandbox_python
 from posttrain.sandbox.session import SESSION_TOOLS, Session, Snapshot
 
-WORKSPACE_LIMITS = Limits(
-    cpu_s=2,
-    wall_s=5.0,
-    memory_bytes=512 << 20,
-    processes=16,
-    file_bytes=1 << 20,
-    output_bytes=16 << 10,
-    disk_bytes=1 << 20,
-)
+WORKSPACE_LIMITS = dataclasses.replace(TOOL_LIMITS, file_bytes=1 << 20, disk_bytes=1 << 20)  # a repository's files
 WORKSPACE_SYSTEM_PROMPT = (
     "Run shell commands in the repository with one call per turn:\n<tool>sh\nls\n</tool>\n"
     "Reply without a call when you are done."

@@ -151,29 +151,10 @@ class RolloutWorker:
                 return generate_inflight(
                     self.graphdef, latest, prompts, sampling, key, every=self.inflight_every, pad_id=self.pad_id
                 )
+            args = (self.graphdef, params, rest, prompts, sampling, key)
             if self.continuous is None:
-                return generate(
-                    self.graphdef,
-                    params,
-                    rest,
-                    prompts,
-                    sampling,
-                    key,
-                    pad_id=self.pad_id,
-                    prefix_cache=self.prefix_cache,
-                    patches=patches,
-                )
-            return generate_continuous(
-                self.graphdef,
-                params,
-                rest,
-                prompts,
-                sampling,
-                key,
-                slots=self.continuous,
-                pad_id=self.pad_id,
-                patches=patches,
-            )
+                return generate(*args, pad_id=self.pad_id, prefix_cache=self.prefix_cache, patches=patches)
+            return generate_continuous(*args, slots=self.continuous, pad_id=self.pad_id, patches=patches)
 
     def generate(
         self,
