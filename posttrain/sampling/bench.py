@@ -107,6 +107,99 @@ def skewed_limits(num: int, short: tuple[int, int], long: int, long_fraction: fl
     return limits.tolist()
 
 
+def _decode_rows(
+    kind, graphdef, params, rest, prompts, sampling, key, *, batch, iters
+) -> tuple[list[dict], float, float]:
+    """Decode rows of one model kind: KV cache vs recomputation, and the feed-forward blocks alone;
+    with the cached decode's and the feed-forward blocks' best seconds."""
+    max_new, prompt_len = sampling.max_new_tokens, prompts.shape[1]
+    buffer = np.pad(prompts[:batch], ((0, 0), (0, max_new)))
+    naive = recompute_program.lower(
+        graphdef, params, rest, buffer, key, sampling=sampling, prompt_len=prompt_len
+    ).compile()
+    x = jax.random.normal(key, (batch, 1, qwen3_tiny_configs()[kind].embed_dim))
+    t = _best_seconds(
+        {
+            "cache": lambda: generate(graphdef, params, rest, prompts[:batch], sampling, key),
+            "ffn": lambda: jax.block_until_ready(feed_forward_program(graphdef, params, rest, x, steps=max_new)),
+        },
+        iters,
+    )
+    t0 = time.perf_counter()  # once: it is slow, and already compiled
+    jax.block_until_ready(naive(params, rest, buffer, key))
+    t_naive = time.perf_counter() - t0
+    new_tokens = batch * max_new
+    rows = [
+        {"name": f"decode {kind} kv-cache", "new tokens/s": new_tokens / t["cache"], "ms": t["cache"] * 1e3},
+        {"name": f"decode {kind} recompute", "new tokens/s": new_tokens / t_naive, "ms": t_naive * 1e3},
+        {"name": f"decode {kind} cache speed-up", "x": t_naive / t["cache"]},
+        {
+            "name": f"decode {kind} feed-forward blocks alone",
+            "ms": t["ffn"] * 1e3,
+            "share of decode": t["ffn"] / t["cache"],
+        },
+    ]
+    return rows, t["cache"], t["ffn"]
+
+
+def _group_rows(kind, graphdef, params, rest, heads, sampling, key, *, group, iters) -> list[dict]:
+    """G samples of each prompt with one shared prefill vs G prefills of the repeated prompt."""
+    rows = []
+    for new in (1, sampling.max_new_tokens):
+        grouped = dataclasses.replace(sampling, max_new_tokens=new, num_samples=group)
+        single = dataclasses.replace(grouped, num_samples=1)
+        t = _best_seconds(
+            {
+                "shared": lambda: generate(graphdef, params, rest, heads, grouped, key),
+                "each": lambda: generate(graphdef, params, rest, np.repeat(heads, group, 0), single, key),
+            },
+            iters,
+        )
+        rows.append(
+            {
+                "name": f"group G={group} {kind} {new} new",
+                "shared prefill ms": t["shared"] * 1e3,
+                "prefill per sample ms": t["each"] * 1e3,
+                "x": t["each"] / t["shared"],
+            }
+        )
+    return rows
+
+
+def _skewed_rows(kind, graphdef, params, rest, prompts, sampling, key, *, batch, iters) -> list[dict]:
+    """Static vs continuous batching of `prompts` under skewed new-token limits, in useful tokens/s."""
+    requests = len(prompts)
+    limits = skewed_limits(requests, (2, 12), sampling.max_new_tokens, 1 / 8)
+
+    def static():
+        for i in range(0, requests, batch):
+            generate(
+                graphdef, params, rest, prompts[i : i + batch], sampling, key, max_new_tokens=limits[i : i + batch]
+            )
+
+    fns = {"static": static}
+    for chunk in (4, 8):  # requests prefilled together on a refill
+        batcher = ContinuousBatcher(graphdef, sampling, num_slots=batch, prefill_batch=chunk)
+
+        def continuous(batcher=batcher):
+            for p, limit in zip(prompts, limits):
+                batcher.submit(p, limit)
+            return batcher.run(params, rest, key)
+
+        fns[f"continuous, refill by {chunk}"] = continuous
+    t = _best_seconds(fns, iters)
+    useful = sum(limits)
+    return [
+        {
+            "name": f"skewed {kind} {name}",
+            "useful tokens/s": useful / t[name],
+            "ms": t[name] * 1e3,
+            "x vs static": t["static"] / t[name],
+        }
+        for name in fns
+    ]
+
+
 def sampler_bench(
     *,
     batch: int = 16,
@@ -126,96 +219,14 @@ def sampler_bench(
         prompts = rng.integers(3, 512, (requests, prompt_len)).astype(np.int32)
         sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new)
         key = jax.random.key(0)
+        model = (graphdef, params, rest)
         with use_sharding(mesh, rules):
-
-            def cached():
-                return generate(graphdef, params, rest, prompts[:batch], sampling, key)
-
-            buffer = np.pad(prompts[:batch], ((0, 0), (0, max_new)))
-            naive = recompute_program.lower(
-                graphdef, params, rest, buffer, key, sampling=sampling, prompt_len=prompt_len
-            ).compile()
-            x = jax.random.normal(key, (batch, 1, qwen3_tiny_configs()[kind].embed_dim))
-            t = _best_seconds(
-                {
-                    "cache": cached,
-                    "ffn": lambda: jax.block_until_ready(
-                        feed_forward_program(graphdef, params, rest, x, steps=max_new)
-                    ),
-                },
-                iters,
+            decode, decode_s[kind], ffn_s[kind] = _decode_rows(
+                kind, *model, prompts, sampling, key, batch=batch, iters=iters
             )
-            t_cache, decode_s[kind], ffn_s[kind] = t["cache"], t["cache"], t["ffn"]
-            t0 = time.perf_counter()  # once: it is slow, and already compiled
-            jax.block_until_ready(naive(params, rest, buffer, key))
-            t_naive = time.perf_counter() - t0
-            new_tokens = batch * max_new
-            rows += [
-                {"name": f"decode {kind} kv-cache", "new tokens/s": new_tokens / t_cache, "ms": t_cache * 1e3},
-                {"name": f"decode {kind} recompute", "new tokens/s": new_tokens / t_naive, "ms": t_naive * 1e3},
-                {"name": f"decode {kind} cache speed-up", "x": t_naive / t_cache},
-                {
-                    "name": f"decode {kind} feed-forward blocks alone",
-                    "ms": ffn_s[kind] * 1e3,
-                    "share of decode": ffn_s[kind] / t_cache,
-                },
-            ]
-
-            for new in (1, max_new):
-                grouped = dataclasses.replace(sampling, max_new_tokens=new, num_samples=group)
-                single = dataclasses.replace(grouped, num_samples=1)
-                heads = prompts[: batch // group]
-                t = _best_seconds(
-                    {
-                        "shared": lambda: generate(graphdef, params, rest, heads, grouped, key),
-                        "each": lambda: generate(graphdef, params, rest, np.repeat(heads, group, 0), single, key),
-                    },
-                    iters,
-                )
-                rows.append(
-                    {
-                        "name": f"group G={group} {kind} {new} new",
-                        "shared prefill ms": t["shared"] * 1e3,
-                        "prefill per sample ms": t["each"] * 1e3,
-                        "x": t["each"] / t["shared"],
-                    }
-                )
-
-            limits = skewed_limits(requests, (2, 12), max_new, 1 / 8)
-            useful = sum(limits)
-
-            def static():
-                for i in range(0, requests, batch):
-                    generate(
-                        graphdef,
-                        params,
-                        rest,
-                        prompts[i : i + batch],
-                        sampling,
-                        key,
-                        max_new_tokens=limits[i : i + batch],
-                    )
-
-            fns = {"static": static}
-            for chunk in (4, 8):  # requests prefilled together on a refill
-                batcher = ContinuousBatcher(graphdef, sampling, num_slots=batch, prefill_batch=chunk)
-
-                def continuous(batcher=batcher):
-                    for p, limit in zip(prompts, limits):
-                        batcher.submit(p, limit)
-                    return batcher.run(params, rest, key)
-
-                fns[f"continuous, refill by {chunk}"] = continuous
-            t = _best_seconds(fns, iters)
-            rows += [
-                {
-                    "name": f"skewed {kind} {name}",
-                    "useful tokens/s": useful / t[name],
-                    "ms": t[name] * 1e3,
-                    "x vs static": t["static"] / t[name],
-                }
-                for name in fns
-            ]
+            heads = prompts[: batch // group]
+            rows += decode + _group_rows(kind, *model, heads, sampling, key, group=group, iters=iters)
+            rows += _skewed_rows(kind, *model, prompts, sampling, key, batch=batch, iters=iters)
     if {"dense", "moe-8x2"} <= set(kinds):
         dense, moe = decode_s["dense"], decode_s["moe-8x2"]
         rows.append(

@@ -235,6 +235,18 @@ def host_outputs(out):
     return multihost_utils.process_allgather(out, tiled=True)
 
 
+def _check_request(sampling: SamplingParams, patches, prefix_cache) -> None:
+    """Refuse the combinations the sampler paths do not serve (images or routing records with
+    speculative decoding or the prefix cache)."""
+    if patches is not None and sampling.speculative_k:
+        raise ValueError("generate(patches=...): images are sampled without speculative decoding (speculative_k > 0)")
+    if sampling.record_routing and (prefix_cache is not None or sampling.speculative_k):
+        raise ValueError(
+            "SamplingParams.record_routing: the static sampler records routing, not the prefix cache "
+            "or speculative decoding (model.moe.routing_replay=sampler needs both off)"
+        )
+
+
 def generate(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -263,13 +275,7 @@ def generate(
     rows = prompt_rows(prompts, prompt_mask)
     n, g = len(rows), sampling.num_samples
     patches = image_rows(patches)
-    if patches is not None and sampling.speculative_k:
-        raise ValueError("generate(patches=...): images are sampled without speculative decoding (speculative_k > 0)")
-    if sampling.record_routing and (prefix_cache is not None or sampling.speculative_k):
-        raise ValueError(
-            "SamplingParams.record_routing: the static sampler records routing, not the prefix cache "
-            "or speculative decoding (model.moe.routing_replay=sampler needs both off)"
-        )
+    _check_request(sampling, patches, prefix_cache)
     tokens, lengths = pad_prompts(rows, bucket(n), bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)
     limits = new_token_limits(max_new_tokens, len(tokens), n, sampling)
     sampling.check_context([len(r) for r in rows], limits[:n])

@@ -129,6 +129,7 @@ def speculative_program(
     first = jax.vmap(sample_token, in_axes=(0, 0, None))(first_keys, logits, sampling)[0].astype(jnp.int32)
     round_key = jax.random.fold_in(key, 2**31 - 1)  # apart from the sample ids
     out = engine.Outputs.empty(b * g, sampling.max_new_tokens, pad_id)
+    first_logprobs = sampling_logprobs(logits, sampling)[:, None]
     out, step, finished = emit(
         out,
         rows,
@@ -138,7 +139,7 @@ def speculative_program(
         first[:, None],
         jnp.ones_like(rows),
         logits[:, None],
-        sampling_logprobs(logits, sampling)[:, None],
+        first_logprobs,
         sampling.stop_ids,
     )
 
@@ -161,16 +162,8 @@ def speculative_program(
         live = ~done
         out, step, finished = emit(out, rows, step, limit, live, emitted, a + 1, p_logits, p, sampling.stop_ids)
         stats = stats + jnp.stack([jnp.sum(live), k * jnp.sum(live), jnp.sum(jnp.where(live, a, 0))])
-        return (
-            cache,
-            jnp.where(live, t, last),
-            jnp.where(live, length + a + 1, length),
-            step,
-            done | finished,
-            out,
-            stats,
-            r + 1,
-        )
+        length = jnp.where(live, length + a + 1, length)
+        return cache, jnp.where(live, t, last), length, step, done | finished, out, stats, r + 1
 
     carry = (
         cache,
