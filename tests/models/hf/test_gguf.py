@@ -1,0 +1,419 @@
+"""GGUF import against transformers' own GGUF loading: tiny random Llama models written as GGUF files
+by the `gguf` library (float and quantised tensors, llama.cpp's q/k row permutation, a byte-level BPE
+vocabulary and a chat template in the metadata), converted to an HF folder and loaded into posttrain
+(1 device and an 8-device mesh): equal weights, logits within 1e-4, identical 64-token greedy
+continuations, the same chat ids; the exported folder generates in transformers what posttrain does.
+The real SmolLM2-135M-Instruct Q4_1 file is the slow test at the end."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch", reason="GGUF tests need the hf extra: pip install torch==2.13.0 -e '.[hf]'")
+transformers = pytest.importorskip("transformers", reason="GGUF tests need the hf extra: pip install -e '.[hf]'")
+gguf = pytest.importorskip("gguf", reason="GGUF tests need the hf extra: pip install -e '.[hf]'")
+pytest.importorskip("accelerate", reason="transformers loads GGUF files with accelerate: pip install -e '.[hf]'")
+
+from safetensors.numpy import load_file  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
+
+from posttrain.core.state import abstract_model  # noqa: E402
+from posttrain.data.gguf_tokenizer import build_tokenizer  # noqa: E402
+from posttrain.data.tokenizer import HFTokenizer  # noqa: E402
+from posttrain.models.decoder import Decoder  # noqa: E402
+from posttrain.models.hf import load_model_state, model_config_from_hf  # noqa: E402
+from posttrain.models.hf.gguf import gguf_to_hf, hf_config_from_gguf, hf_tensor_name, unpermute_rope_rows  # noqa: E402
+from posttrain.parallel import DEFAULT_RULES, make_mesh, use_sharding  # noqa: E402
+from posttrain.sampling import SamplingParams, generate  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. What is 23 + 45? It is 68.",
+    "Tom has 3 apples and buys 5 more: now he has 8 apples.\n\nA train leaves at 10:30 and arrives at 12:15.",
+    "héllo wörld — naïve café, 東京 and emoji 🙂; def f(x):\n    return x * 2  # tabs\tand  spaces",
+]
+TEXTS = [
+    "What is 23 + 45?",
+    "Tom has 3 apples and 5 more.",
+    "  leading spaces and trailing  ",
+    "héllo 東京 🙂\n\n\tdone",
+    "1234567890 12:30 3.14159",
+    "<|im_start|>user\nhi<|im_end|>",
+    "",
+    "unknownwordzzq xylophone",
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 23 + 45?"}],
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Tom has 3 apples and 5 more."}],
+    [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello! 12 apples."},
+        {"role": "user", "content": "héllo 東京 🙂"},
+    ],
+]
+# Per case: how each tensor is stored (embeddings, 2-d weights, norms) and whether lm_head is its own.
+CASES = {
+    "f32-tied": dict(embed=Q.F32, matrix=Q.F32, tied=True),
+    "f16-bf16-untied": dict(embed=Q.BF16, matrix=Q.F16, output=Q.BF16, tied=False),
+    "q8_0-tied": dict(embed=Q.Q8_0, matrix=Q.Q8_0, tied=True),
+    "q4_0-q5-untied": dict(embed=Q.Q8_0, matrix=Q.Q4_0, ffn=Q.Q5_1, attn_v=Q.Q5_0, output=Q.Q4_0, tied=False),
+    "q4_1-tied": dict(embed=Q.Q8_0, matrix=Q.Q4_1, tied=True),  # as SmolLM2-135M-Instruct.Q4_1.gguf
+}
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+NEW_TOKENS = 64
+
+
+def train_vocab(pre: str) -> tuple[list[str], list[str]]:
+    """A small byte-level BPE vocabulary (tokens by id, 'left right' merges) trained on CORPUS, the
+    specials first; 'smollm' isolates digits as SmolLM2's tokenizer does, 'gpt2' does not."""
+    tok = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    digits = [pre_tokenizers.Digits(individual_digits=True)] if pre == "smollm" else []
+    tok.pre_tokenizer = pre_tokenizers.Sequence([*digits, byte_level])
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, initial_alphabet=alphabet)
+    trainer.show_progress = False
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    spec = json.loads(tok.to_str())["model"]
+    vocab = spec["vocab"]
+    return sorted(vocab, key=vocab.get), [" ".join(m) for m in spec["merges"]]
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py `permute` of q/k rows (the inverse of the import's)."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf_name: str) -> str:
+    """The llama.cpp name of a Hugging Face Llama tensor."""
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    top["lm_head.weight"] = "output.weight"
+    if hf_name in top:
+        return top[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    block = {
+        "input_layernorm.weight": "attn_norm",
+        "self_attn.q_proj.weight": "attn_q",
+        "self_attn.k_proj.weight": "attn_k",
+        "self_attn.v_proj.weight": "attn_v",
+        "self_attn.o_proj.weight": "attn_output",
+        "post_attention_layernorm.weight": "ffn_norm",
+        "mlp.gate_proj.weight": "ffn_gate",
+        "mlp.up_proj.weight": "ffn_up",
+        "mlp.down_proj.weight": "ffn_down",
+    }
+    return f"blk.{layer}.{block[rest]}.weight"
+
+
+def storage_type(name: str, plan: dict) -> Q:
+    """How tensor `name` (GGUF) is stored under `plan` (a CASES entry)."""
+    if name.endswith("norm.weight"):
+        return Q.F32
+    if name == "token_embd.weight":
+        return plan["embed"]
+    if name == "output.weight":
+        return plan["output"]
+    if ".ffn_" in name and "ffn" in plan:
+        return plan["ffn"]
+    if ".attn_v." in name and "attn_v" in plan:
+        return plan["attn_v"]
+    return plan["matrix"]
+
+
+def write_gguf(path: str, plan: dict, *, seed: int = 0, pre: str = "smollm", extra: dict | None = None) -> None:
+    """A tiny random Llama (norms randomised too) written as llama.cpp writes one: q/k rows permuted,
+    tensors stored as `plan` says, vocabulary, merges, specials and chat template in the metadata."""
+    tokens, merges = train_vocab(pre)
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokens),
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        rope_theta=10_000.0,
+        tie_word_embeddings=plan["tied"],
+        **TINY,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("tiny")
+    w.add_context_length(256)
+    w.add_embedding_length(TINY["hidden_size"])
+    w.add_feed_forward_length(TINY["intermediate_size"])
+    w.add_block_count(TINY["num_hidden_layers"])
+    w.add_head_count(TINY["num_attention_heads"])
+    w.add_head_count_kv(TINY["num_key_value_heads"])
+    w.add_rope_dimension_count(TINY["hidden_size"] // TINY["num_attention_heads"])
+    w.add_rope_freq_base(10_000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+    for key, value in (extra or {}).items():
+        w.add_string(key, value) if isinstance(value, str) else w.add_uint32(key, value)
+    with torch.no_grad():
+        for hf_name, p in model.state_dict().items():
+            if hf_name == "lm_head.weight" and plan["tied"]:
+                continue
+            value = p.numpy()
+            if "norm" in hf_name:
+                value = value + np.random.default_rng(len(hf_name)).normal(0, 0.3, value.shape).astype(np.float32)
+            if "q_proj" in hf_name:
+                value = llama_cpp_permute(value, TINY["num_attention_heads"])
+            elif "k_proj" in hf_name:
+                value = llama_cpp_permute(value, TINY["num_key_value_heads"])
+            name = gguf_name(hf_name)
+            kind = storage_type(name, plan)
+            if kind == Q.F64:  # a type the import refuses
+                w.add_tensor(name, value.astype(np.float64))
+            else:
+                w.add_tensor(name, gguf.quants.quantize(value, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def transformers_from_gguf(path: str):
+    """(model, tokenizer) as transformers loads a GGUF file, weights dequantised to float32."""
+    folder, name = os.path.split(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return model, transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def prompt_ids(tok: HFTokenizer, n: int = 16) -> list[list[int]]:
+    """`n` chat prompts of mixed lengths (1 to 4 user turns)."""
+    out = []
+    for i in range(n):
+        turns = [{"role": "user", "content": CORPUS[(i + j) % len(CORPUS)][: 7 + 11 * i]} for j in range(1 + i % 4)]
+        out.append(tok.encode_chat(turns, add_generation_prompt=True)[0])
+    return out
+
+
+def padded(rows: list[list[int]], pad_id: int) -> np.ndarray:
+    """Right-padded [len(rows), longest] ids: causal attention keeps each row's logits its own."""
+    out = np.full((len(rows), max(map(len, rows))), pad_id, np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def reference_logits(model, rows: list[list[int]]) -> list[np.ndarray]:
+    """transformers' logits of each prompt, [len, vocab], each run alone."""
+    with torch.no_grad():
+        return [model(torch.as_tensor([r])).logits[0].numpy() for r in rows]
+
+
+def reference_greedy(model, rows: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """transformers' greedy continuations of exactly `new_tokens` tokens (no stop ids), the prompts
+    left-padded into one batch."""
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    saved, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None  # else it stops there
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    finally:
+        model.generation_config.eos_token_id = saved
+    assert out.shape == (len(rows), width + new_tokens)
+    return out[:, width:].tolist()
+
+
+class Posttrain:
+    """A converted folder loaded into posttrain on `mesh`, with its compiled forward and sampler."""
+
+    def __init__(self, folder: str, mesh):
+        self.cfg, self.mesh = model_config_from_hf(folder), mesh
+        make = lambda: Decoder(self.cfg, rngs=nnx.Rngs(0))
+        self.graphdef = nnx.graphdef(abstract_model(make))
+        with use_sharding(mesh, DEFAULT_RULES):
+            self.params, self.rest = load_model_state(folder, make, mesh, DEFAULT_RULES, progress=False)
+
+    def logits(self, rows: list[list[int]], pad_id: int) -> list[np.ndarray]:
+        """Each prompt's logits from one padded batch."""
+        graphdef = self.graphdef
+        fn = jax.jit(lambda p, r, t: nnx.merge(graphdef, p, r)(t)[0])
+        with use_sharding(self.mesh, DEFAULT_RULES):
+            out = np.asarray(fn(self.params, self.rest, padded(rows, pad_id)))
+        return [out[i, : len(r)] for i, r in enumerate(rows)]
+
+    def greedy(self, rows: list[list[int]], pad_id: int, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+        """Greedy continuations of exactly `new_tokens` tokens (no stop ids), all prompts in one batch."""
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, stop_ids=())
+        with use_sharding(self.mesh, DEFAULT_RULES):
+            samples = generate(self.graphdef, self.params, self.rest, rows, sampling, jax.random.key(0), pad_id=pad_id)
+        return [samples.completion(i) for i in range(len(rows))]
+
+
+def max_logit_gap(ours: list[np.ndarray], ref: list[np.ndarray]) -> float:
+    return max(float(np.abs(a - b).max()) for a, b in zip(ours, ref))
+
+
+@pytest.fixture(scope="module")
+def meshes():
+    return {
+        "1 device": make_mesh(dict(data=1), jax.devices()[:1]),
+        "data=2,expert=2,tensor=2": make_mesh(dict(data=2, expert=2, tensor=2)),
+    }
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def converted(request, tmp_path_factory):
+    """(case, GGUF path, converted folder, transformers model, our tokenizer) of one CASES entry."""
+    root = tmp_path_factory.mktemp(request.param)
+    path, folder = str(root / "tiny.gguf"), str(root / "hf")
+    write_gguf(path, CASES[request.param])
+    gguf_to_hf(path, folder, progress=False)
+    model, _ = transformers_from_gguf(path)
+    return request.param, path, folder, model, HFTokenizer.from_dir(folder)
+
+
+def test_weights_equal_transformers_dequantisation(converted):
+    case, _, folder, model, _ = converted
+    ours = load_file(os.path.join(folder, "model.safetensors"))
+    ref = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert ours.keys() == ref.keys() - ({"lm_head.weight"} if CASES[case]["tied"] else set())
+    for name, value in ours.items():
+        np.testing.assert_array_equal(value, ref[name], err_msg=name)
+
+
+def test_logits_match_transformers_on_one_and_eight_devices(converted, meshes):
+    _, _, folder, model, tok = converted
+    rows = prompt_ids(tok)
+    assert len(rows) == 16 and len({len(r) for r in rows}) >= 8
+    ref = reference_logits(model, rows)
+    for name, mesh in meshes.items():
+        gap = max_logit_gap(Posttrain(folder, mesh).logits(rows, tok.pad_id), ref)
+        assert gap < 1e-4, f"{name}: max |Δlogit| {gap}"
+
+
+@pytest.fixture(scope="module")
+def q4_1(tmp_path_factory):
+    """The SmolLM2-like case (Q4_1 weights, Q8_0 tied embeddings): paths, transformers' model and
+    greedy continuations of 16 prompts."""
+    root = tmp_path_factory.mktemp("q4_1")
+    path, folder = str(root / "tiny.gguf"), str(root / "hf")
+    write_gguf(path, CASES["q4_1-tied"], seed=1)
+    gguf_to_hf(path, folder, progress=False)
+    model, hf_tok = transformers_from_gguf(path)
+    tok = HFTokenizer.from_dir(folder)
+    rows = prompt_ids(tok)
+    return dict(folder=folder, tok=tok, rows=rows, greedy=reference_greedy(model, rows))
+
+
+def test_greedy_continuations_match_transformers(q4_1, meshes):
+    for name, mesh in meshes.items():
+        ours = Posttrain(q4_1["folder"], mesh).greedy(q4_1["rows"], q4_1["tok"].pad_id)
+        assert all(len(c) == NEW_TOKENS for c in ours)
+        assert ours == q4_1["greedy"], name
+
+
+def test_exported_folder_generates_in_transformers_what_posttrain_generates(q4_1, meshes):
+    exported = transformers.AutoModelForCausalLM.from_pretrained(q4_1["folder"], dtype=torch.float32).eval()
+    ours = Posttrain(q4_1["folder"], meshes["1 device"]).greedy(q4_1["rows"], q4_1["tok"].pad_id)
+    assert reference_greedy(exported, q4_1["rows"]) == ours
+
+
+@pytest.mark.parametrize("pre", ["smollm", "gpt2"])
+def test_tokenizer_and_chat_template_match_transformers(pre, tmp_path):
+    path, folder = str(tmp_path / "tiny.gguf"), str(tmp_path / "hf")
+    write_gguf(path, CASES["f32-tied"], pre=pre)
+    gguf_to_hf(path, folder, progress=False)
+    ours = HFTokenizer.from_dir(folder)
+    _, ref = transformers_from_gguf(path)
+    exported = transformers.AutoTokenizer.from_pretrained(folder)
+    for text in TEXTS:
+        want = ref.encode(text, add_special_tokens=False)
+        assert ours.encode(text) == want == exported.encode(text, add_special_tokens=False), text
+        assert ours.decode(want) == ref.decode(want, skip_special_tokens=True), text
+    for messages in CONVERSATIONS:
+        for generation_prompt in (False, True):
+            want = ref.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+            want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+            assert ours.encode_chat(messages, add_generation_prompt=generation_prompt)[0] == want, messages
+    assert (ours.bos_id, ours.eos_id, ours.pad_id, ours.stop_ids) == (1, 2, 2, (2,))
+    assert (ref.bos_token_id, ref.eos_token_id, ref.pad_token_id) == (1, 2, 2)
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
+    np.testing.assert_array_equal(unpermute_rope_rows(llama_cpp_permute(w, 8), 8), w)
+
+
+META = {
+    "general.architecture": "llama",
+    "llama.attention.head_count": 4,
+    "llama.embedding_length": 64,
+    "llama.feed_forward_length": 96,
+    "llama.block_count": 2,
+    "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    "llama.context_length": 256,
+}
+SHAPES = {"token_embd.weight": (300, 64)}
+
+
+@pytest.mark.parametrize(
+    "change, shapes, error",
+    [
+        ({"general.architecture": "gemma2"}, {}, "general.architecture='gemma2' is not supported"),
+        ({"llama.rope.dimension_count": 8}, {}, "llama.rope.dimension_count=8"),
+        ({"llama.rope.scaling.type": "yarn"}, {}, "llama.rope.scaling.type='yarn'"),
+        ({"llama.expert_count": 8}, {}, "llama.expert_count=8"),
+        ({"llama.attention.head_count_kv": [1, 2]}, {}, "llama.attention.head_count_kv=[1, 2]"),
+        ({}, {"rope_freqs.weight": (8,)}, "'rope_freqs.weight'"),
+        ({"llama.block_count": None}, {}, "missing metadata key llama.'block_count'"),
+    ],
+)
+def test_unsupported_metadata_is_an_error_naming_it(change, shapes, error):
+    meta = {k: v for k, v in {**META, **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=error.replace("[", r"\[").replace("(", r"\(")):
+        hf_config_from_gguf(meta, {**SHAPES, **shapes}, "tiny.gguf")
+
+
+def test_supported_metadata_maps_to_the_config_json_transformers_reads():
+    hf = hf_config_from_gguf({**META, "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}, SHAPES)
+    assert hf["vocab_size"] == 300 and hf["head_dim"] == 16 and hf["num_key_value_heads"] == 4
+    assert hf["tie_word_embeddings"]
+    assert hf["rope_parameters"] == {"rope_theta": 1e4, "rope_type": "linear", "factor": 2.0}
+
+
+@pytest.mark.parametrize(
+    "plan, pre, error",
+    [
+        (dict(CASES["f32-tied"], embed=Q.F64), "smollm", "'token_embd.weight' has type F64, which is not supported"),
+        (CASES["f32-tied"], "mystery", "tokenizer.ggml.pre='mystery' is not supported"),
+    ],
+)
+def test_unsupported_file_is_an_error_naming_it(plan, pre, error, tmp_path):
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, plan, pre=pre)
+    with pytest.raises(ValueError, match=error):
+        gguf_to_hf(path, str(tmp_path / "hf"), progress=False)
+    assert not os.path.exists(tmp_path / "hf" / "config.json")
+
+
+def test_unknown_tensor_and_tokenizer_model_are_errors_naming_them():
+    with pytest.raises(ValueError, match="tensor 'blk.0.attn_qkv.weight' has no place in a llama model"):
+        hf_tensor_name("blk.0.attn_qkv.weight", "tiny.gguf")
+    with pytest.raises(ValueError, match="tokenizer.ggml.model='llama' is not supported"):
+        build_tokenizer({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]}, "tiny.gguf")
