@@ -118,24 +118,57 @@ def gguf_name(hf_name: str) -> str:
 
 
 def storage_type(name: str, plan: dict) -> Q:
-    """How tensor `name` (GGUF) is stored under `plan` (a CASES entry)."""
+    """How tensor `name` (GGUF) is stored under `plan` (a CASES entry: keys embed, output, matrix,
+    and optionally ffn or a block tensor's own name such as attn_v)."""
     if name.endswith("norm.weight"):
         return Q.F32
     if name == "token_embd.weight":
         return plan["embed"]
     if name == "output.weight":
         return plan["output"]
-    if ".ffn_" in name and "ffn" in plan:
-        return plan["ffn"]
-    if ".attn_v." in name and "attn_v" in plan:
-        return plan["attn_v"]
-    return plan["matrix"]
+    short = name.split(".")[2]
+    if short in plan:
+        return plan[short]
+    return plan["ffn"] if short.startswith("ffn_") and "ffn" in plan else plan["matrix"]
 
 
-def write_gguf(path: str, plan: dict, *, seed: int = 0, pre: str = "smollm", extra: dict | None = None) -> None:
+# K-quant blocks (ggml's block_q*_K): the byte offset of the float16 super-block scale d (and of
+# dmin, where quants are unsigned), d for a weight std near 0.06 with random quants, and dmin / d,
+# the mean quant, which centres the weights on 0 (else every product shares one sign and grows).
+K_BLOCKS = {
+    Q.Q2_K: ((80, 82), 2.5e-3, 1.5),
+    Q.Q3_K: ((108,), 1.4e-3, 0.0),
+    Q.Q4_K: ((0, 2), 1.5e-4, 7.5),
+    Q.Q5_K: ((0, 2), 7e-5, 15.5),
+    Q.Q6_K: ((208,), 4.4e-5, 0.0),
+}
+
+
+def k_quant_blocks(shape: tuple[int, int], kind: Q, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant data for a [rows, cols] tensor (gguf can read but not write K-quants): random
+    quants and sub-block scales, small float16 super-block scales."""
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    data = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
+    offsets, d, mean_quant = K_BLOCKS[kind]
+    for offset, value in zip(offsets, (d, d * mean_quant)):
+        data[..., offset : offset + 2] = np.array([value], np.float16).view(np.uint8)
+    return data.reshape(shape[0], -1)
+
+
+def stored(value: np.ndarray, kind: Q, rng: np.random.Generator) -> tuple[np.ndarray, Q | None]:
+    """(data, raw type) that GGUFWriter.add_tensor takes for `value` stored as `kind`."""
+    if kind == Q.F64:  # a type the import refuses
+        return value.astype(np.float64), None
+    if kind in K_BLOCKS:
+        return k_quant_blocks(value.shape, kind, rng), kind
+    return gguf.quants.quantize(value, kind), kind
+
+
+def write_gguf(path: str, plan: dict, *, seed: int = 0, pre: str = "smollm", dims: dict = TINY) -> None:
     """A tiny random Llama (norms randomised too) written as llama.cpp writes one: q/k rows permuted,
     tensors stored as `plan` says, vocabulary, merges, specials and chat template in the metadata."""
     tokens, merges = train_vocab(pre)
+    rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=len(tokens),
@@ -143,18 +176,18 @@ def write_gguf(path: str, plan: dict, *, seed: int = 0, pre: str = "smollm", ext
         initializer_range=0.2,
         rope_theta=10_000.0,
         tie_word_embeddings=plan["tied"],
-        **TINY,
+        **dims,
     )
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     w = gguf.GGUFWriter(path, "llama")
     w.add_name("tiny")
     w.add_context_length(256)
-    w.add_embedding_length(TINY["hidden_size"])
-    w.add_feed_forward_length(TINY["intermediate_size"])
-    w.add_block_count(TINY["num_hidden_layers"])
-    w.add_head_count(TINY["num_attention_heads"])
-    w.add_head_count_kv(TINY["num_key_value_heads"])
-    w.add_rope_dimension_count(TINY["hidden_size"] // TINY["num_attention_heads"])
+    w.add_embedding_length(dims["hidden_size"])
+    w.add_feed_forward_length(dims["intermediate_size"])
+    w.add_block_count(dims["num_hidden_layers"])
+    w.add_head_count(dims["num_attention_heads"])
+    w.add_head_count_kv(dims["num_key_value_heads"])
+    w.add_rope_dimension_count(dims["hidden_size"] // dims["num_attention_heads"])
     w.add_rope_freq_base(10_000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(len(tokens))
@@ -169,8 +202,6 @@ def write_gguf(path: str, plan: dict, *, seed: int = 0, pre: str = "smollm", ext
     w.add_unk_token_id(0)
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML)
-    for key, value in (extra or {}).items():
-        w.add_string(key, value) if isinstance(value, str) else w.add_uint32(key, value)
     with torch.no_grad():
         for hf_name, p in model.state_dict().items():
             if hf_name == "lm_head.weight" and plan["tied"]:
@@ -179,15 +210,12 @@ def write_gguf(path: str, plan: dict, *, seed: int = 0, pre: str = "smollm", ext
             if "norm" in hf_name:
                 value = value + np.random.default_rng(len(hf_name)).normal(0, 0.3, value.shape).astype(np.float32)
             if "q_proj" in hf_name:
-                value = llama_cpp_permute(value, TINY["num_attention_heads"])
+                value = llama_cpp_permute(value, dims["num_attention_heads"])
             elif "k_proj" in hf_name:
-                value = llama_cpp_permute(value, TINY["num_key_value_heads"])
+                value = llama_cpp_permute(value, dims["num_key_value_heads"])
             name = gguf_name(hf_name)
-            kind = storage_type(name, plan)
-            if kind == Q.F64:  # a type the import refuses
-                w.add_tensor(name, value.astype(np.float64))
-            else:
-                w.add_tensor(name, gguf.quants.quantize(value, kind), raw_dtype=kind)
+            data, raw = stored(value, storage_type(name, plan), rng)
+            w.add_tensor(name, data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -217,6 +245,21 @@ def converted(request, tmp_path_factory):
     gguf_to_hf(path, folder, progress=False)
     model, _ = transformers_from_gguf(path)
     return request.param, path, folder, model, HFTokenizer.from_dir(folder)
+
+
+def test_k_quants_equal_transformers(tmp_path):
+    """K-quant blocks (random: gguf cannot write them) dequantise to transformers' weights (the model
+    that computes with them is the one the other cases test); their 256-value blocks need rows of 256."""
+    plan = dict(embed=Q.Q6_K, matrix=Q.Q4_K, attn_k=Q.Q5_K, attn_v=Q.Q3_K, attn_output=Q.Q2_K, tied=True)
+    dims = dict(TINY, hidden_size=256, intermediate_size=256, num_hidden_layers=1)
+    path, folder = str(tmp_path / "k.gguf"), str(tmp_path / "hf")
+    write_gguf(path, plan, dims=dims)
+    gguf_to_hf(path, folder, progress=False)
+    model, _ = transformers_from_gguf(path)
+    ours, ref = load_file(os.path.join(folder, "model.safetensors")), model.state_dict()
+    assert ours.keys() == ref.keys() - {"lm_head.weight"}
+    for name, value in ours.items():
+        np.testing.assert_array_equal(value, ref[name].numpy(), err_msg=name)
 
 
 def test_weights_equal_transformers_dequantisation(converted):
