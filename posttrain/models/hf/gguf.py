@@ -113,7 +113,7 @@ def hf_config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]], where: s
     hf = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
-        "vocab_size": get("vocab_size", shapes["token_embd.weight"][0]),
+        "vocab_size": get("vocab_size", shapes.get("token_embd.weight", (None,))[0]),
         "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length"),
         "num_hidden_layers": get("block_count"),

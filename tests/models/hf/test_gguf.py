@@ -164,7 +164,9 @@ def stored(value: np.ndarray, kind: Q, rng: np.random.Generator) -> tuple[np.nda
     return gguf.quants.quantize(value, kind), kind
 
 
-def write_gguf(path: str, plan: dict, *, seed: int = 0, pre: str = "smollm", dims: dict = TINY) -> None:
+def write_gguf(
+    path: str, plan: dict, *, seed: int = 0, pre: str = "smollm", dims: dict = TINY, add_bos: bool = False
+) -> None:
     """A tiny random Llama (norms randomised too) written as llama.cpp writes one: q/k rows permuted,
     tensors stored as `plan` says, vocabulary, merges, specials and chat template in the metadata."""
     tokens, merges = train_vocab(pre)
@@ -200,7 +202,7 @@ def write_gguf(path: str, plan: dict, *, seed: int = 0, pre: str = "smollm", dim
     w.add_eos_token_id(2)
     w.add_pad_token_id(2)
     w.add_unk_token_id(0)
-    w.add_add_bos_token(False)
+    w.add_add_bos_token(add_bos)
     w.add_chat_template(CHATML)
     with torch.no_grad():
         for hf_name, p in model.state_dict().items():
@@ -320,10 +322,10 @@ def test_converter_command_writes_the_folder_and_names_a_bad_file(q4_1, tmp_path
     assert "missing.gguf: no such GGUF file" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("pre", ["smollm", "gpt2"])
-def test_tokenizer_and_chat_template_match_transformers(pre, tmp_path):
+@pytest.mark.parametrize("pre, add_bos", [("smollm", False), ("gpt2", True)])
+def test_tokenizer_and_chat_template_match_transformers(pre, add_bos, tmp_path):
     path, folder = str(tmp_path / "tiny.gguf"), str(tmp_path / "hf")
-    write_gguf(path, CASES["f32-tied"], pre=pre)
+    write_gguf(path, CASES["f32-tied"], pre=pre, add_bos=add_bos)
     gguf_to_hf(path, folder, progress=False)
     ours = HFTokenizer.from_dir(folder)
     _, ref = transformers_from_gguf(path)
@@ -331,6 +333,7 @@ def test_tokenizer_and_chat_template_match_transformers(pre, tmp_path):
     for text in TEXTS:
         want = ref.encode(text, add_special_tokens=False)
         assert ours.encode(text) == want == exported.encode(text, add_special_tokens=False), text
+        assert exported.encode(text) == ref.encode(text) == [1] * add_bos + want, text  # bos where the file says
         assert ours.decode(want) == ref.decode(want, skip_special_tokens=True), text
     for messages in CONVERSATIONS:
         for generation_prompt in (False, True):
