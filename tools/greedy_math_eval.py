@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain.core.state import abstract_model
-from posttrain.data.synthetic import arithmetic_problem
+from posttrain.data.synthetic import arithmetic_problem, arithmetic_problems, arithmetic_split
 from posttrain.data.tokenizer import HFTokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.models.hf import load_model_state, model_config_from_hf
@@ -53,6 +53,9 @@ SUBTRACTION = [
 def word_problems(n: int, max_value: int = 99, seed: int = 0) -> list[tuple[str, str]]:
     """(question, answer) for `n` distinct held-out arithmetic problems (operands up to `max_value`)
     told in words."""
+    available = sum(arithmetic_split(q) == "test" for q in arithmetic_problems(max_value))
+    if n > available:
+        raise ValueError(f"--word_problems={n}: the held-out split has {available} problems up to {max_value}")
     rng, out, seen = np.random.default_rng(seed), [], set()
     while len(out) < n:
         expr, answer = arithmetic_problem(rng, max_value, split="test")
