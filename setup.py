@@ -36,9 +36,11 @@ setup(
         # ruff within one minor version, since its formatter's style changes between them.
         "test": ["pytest>=8.0", "pytest-xdist>=3.5", "chex>=0.1.88", "gcp-storage-emulator>=2026.7.19", "nbclient>=0.10", "nbformat>=5.9",
                  "ipykernel>=6.29", "ruff>=0.17.6,<0.18", "import-linter>=2.1"],
-        # Hugging Face interop: safetensors to read and write folders; torch + transformers for the
-        # tests (install the CPU build first: `pip install torch==2.13.0`).
-        "hf": ["safetensors>=0.4.3", "transformers>=5.0", "torch>=2.4"],
+        # Hugging Face interop: safetensors to read and write folders; gguf to import GGUF files
+        # (models/hf/gguf.py; tested with 0.17.1 and 0.19.0); torch + transformers for the tests (install
+        # the CPU build first: `pip install torch==2.13.0`), with accelerate, which transformers needs to
+        # load a GGUF file (the reference of tests/models/hf/test_gguf.py).
+        "hf": ["safetensors>=0.4.3", "gguf>=0.17.1", "transformers>=5.0", "torch>=2.4", "accelerate>=1.1.0"],
         # The TPU compiler: runs on TPU VMs, and compiles for TPU slices on any host
         # (tools/compile_plan.py, tests/plan/test_compile_plan.py). jax's own `tpu` extra pins libtpu to
         # the version that matches the jax it installs.

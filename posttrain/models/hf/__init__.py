@@ -6,7 +6,8 @@
     cfg.init_from = "hf:/models/qwen3"                           # stages start from its weights
     cfg.data.tokenizer = "/models/qwen3"                         # tokenizer + chat template
 
-`tools/convert_hf.py` converts between such folders and posttrain (orbax) checkpoints.
+`tools/convert_hf.py` converts between such folders and posttrain (orbax) checkpoints;
+`tools/gguf_to_hf.py` (`models.hf.gguf`) writes a llama GGUF file as such a folder.
 """
 
 from posttrain.models.hf import llava  # noqa: F401 (registers the LLaVA vision family)
