@@ -259,12 +259,17 @@ def _simplest(node: tuple) -> tuple:
 
 
 def _bases(node: tuple) -> set[str]:
-    """The non-numeric factors of a product (a power counts by its base): `\\pi^2` and `\\pi` share
-    `\\pi`, so their quotient has a factor left to cancel."""
-    if node[0] == "neg":
+    """The factors of a product other than numbers, a power counting by its base's factors:
+    `\\pi^2` and `\\pi`, `(2\\pi)^2` and `2\\pi`, `(x+1)^2` and `x+1` share one, so their quotient has a
+    factor left to cancel."""
+    kind = node[0]
+    if kind == "neg":
         return _bases(node[1])
-    factors = node[1] if node[0] == "prod" else [node]
-    return {repr(f[1] if f[0] == "pow" else f) for f in factors if f[0] not in ("num", "sum")}
+    if kind == "prod":
+        return set().union(*(_bases(f) for f in node[1]))
+    if kind == "pow":
+        return _bases(node[1])
+    return set() if kind == "num" else {repr(node)}
 
 
 def _perfect_power(node: tuple, n: int) -> bool:

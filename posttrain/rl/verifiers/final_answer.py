@@ -4,7 +4,7 @@ After dropping the reasoning (`strip_think`: `<think>...</think>` blocks, an unc
 end, and everything before a closing tag that has no opening one, as DeepSeek-R1's template
 writes) and GSM8K's calculator annotations (`<<48/2=24>>`, arithmetic only), the markers of a
 final answer are `\\boxed{...}` / `\\fbox{...}` (`boxed`), a `####` that does not open a markdown
-heading (`hash`; `#### Step 1: ...` is a heading) and "the answer is", "final answer:",
+heading (`hash`; `#### Step 1: ...`, a word after it, is a heading) and "the answer is", "final answer:",
 "answer =", or a "Final Answer" heading followed by its line (`answer_is`). Each marker's claim
 runs to the end of its sentence (a box's claim is its content; the rest of its sentence is its
 `tail`). The committed answer is the last marker's; every marker must agree with it (the caller
@@ -31,7 +31,7 @@ _BARE_BOX = re.compile(r"[^\s$]{0,100}")
 _CALCULATOR = re.compile(r"<<[0-9+\-*/().,=%^ ]{1,200}>>")  # GSM8K's calculator annotations: <<48/2=24>>
 # Every pattern run over the whole response starts with a literal (a fast scan) and cannot backtrack
 # across it; the text is lower-cased once for the answer phrases.
-_HASH = re.compile(r"####(?<!#####)(?!#)(?![ \t]*(?:\*\*|__)?[ \t]*[^\W\d_])")  # not a markdown heading
+_HASH = re.compile(r"####(?<!#####)(?!#)(?![ \t]*(?:\*\*|__)?[ \t]*[^\W\d_]{2})")  # a word: a markdown heading
 _PHRASE = re.compile(
     r"answer(?:[ \t]{1,3}to[ \t]{1,3}(?:the|this)[ \t]{1,3}(?:question|problem))?(?:[ \t]{0,3}(?:\*\*|__))?"
     r"[ \t]{0,3}(?:(?:is|would[ \t]{1,3}be|will[ \t]{1,3}be|should[ \t]{1,3}be)\b|[:=])"
@@ -72,6 +72,7 @@ class Extraction:
 
     claims: list[Claim]
     refusal: str | None = None
+    text: str = ""  # the response as read (reasoning dropped, normalized): claim offsets index it
 
 
 def strip_think(response: str) -> str:
@@ -219,15 +220,16 @@ def _box_claim(text: str, span: tuple[int, int, int, int], limit: int, previous:
     return Claim("boxed", content.strip(), tokens, after[:cut], start, stop, offset, lead)
 
 
-def find_claims(response: str, *, last_number_fallback: bool = True) -> Extraction:
-    """Every final-answer claim of a response, in order (module docstring)."""
+def find_claims(response: str, *, last_number_fallback: bool = True, any_text: bool = False) -> Extraction:
+    """Every final-answer claim of a response, in order (module docstring). `any_text`: an answer
+    phrase counts whatever it states (a label), not only a number or math."""
     text = _CALCULATOR.sub("", normalize(strip_think(response)))
     boxes = box_spans(text)
     if isinstance(boxes, str):
-        return Extraction([], boxes)
+        return Extraction([], boxes, text)
     markers = text_markers(text, boxes)
     if isinstance(markers, str):
-        return Extraction([], markers)
+        return Extraction([], markers, text)
     starts = sorted([(s[0], s[0], "boxed", s) for s in boxes] + [(m[0], m[1], m[2], None) for m in markers])
     claims = []
     for n, (start, claim_start, source, span) in enumerate(starts):
@@ -237,16 +239,15 @@ def find_claims(response: str, *, last_number_fallback: bool = True) -> Extracti
             claims.append(_box_claim(text, span, min(limit, span[3] + MAX_CLAUSE), previous))
             continue
         claim = _claim(text, source, start, claim_start, min(limit, claim_start + MAX_CLAUSE))
-        if _states_something(claim):
+        if claim.tokens if any_text else _states_something(claim):
             claims.append(claim)
     if len(claims) > MAX_MARKERS:
-        return Extraction([], f"more than {MAX_MARKERS} final answers")
+        return Extraction([], f"more than {MAX_MARKERS} final answers", text)
     if claims:
-        why = epilogue_refusal(text[claims[-1].end :])
-        return Extraction(claims, why)
+        return Extraction(claims, epilogue_refusal(text[claims[-1].end :]), text)
     if last_number_fallback and (claim := last_sentence_claim(text)) is not None:
-        return Extraction([claim])
-    return Extraction([])
+        return Extraction([claim], None, text)
+    return Extraction([], None, text)
 
 
 def _states_something(claim: Claim) -> bool:

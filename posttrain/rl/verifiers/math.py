@@ -59,7 +59,9 @@ from posttrain.rl.verifiers.symbolic import SymbolicChecker, SymbolicCheckError
 
 __all__ = ["SOURCES", "Extracted", "MathTask", "MathVerifier", "answers_equal", "extract_answer", "strip_think"]
 _SYMBOLIC_MAX_CHARS = 256
-_NAME = re.compile(r"^\s*(?:[A-Za-z]|\\[A-Za-z]+)(?:_\{?\w+\}?)?(?:\([^()=]*\))?\s*$")
+_GREEK = "|".join("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta lambda mu nu xi rho sigma".split())
+_GREEK += "|tau|phi|varphi|chi|psi|omega"
+_NAME = re.compile(rf"^\s*(?:[A-Za-z]|\\(?:{_GREEK}))(?:_\{{?\w+\}}?)?(?:\([^()=]*\))?\s*$")  # x, \theta, a_1, f(x)
 _SAME_TEXT_JUNK = re.compile(r"\s|\$|\\left|\\right|\\[,;!]|\\displaystyle|\.$")
 logger = logging.getLogger(__name__)
 
@@ -205,7 +207,7 @@ def _without_name(text: str, ref: str) -> tuple[str, str | None]:
     if len(sides) != 2 or not _NAME.match(name):
         return text, "an equation, not a value"
     letter = name.strip()
-    if len(letter) == 1 and re.search(rf"(?<![A-Za-z\\]){letter}(?![A-Za-z])", value):
+    if "(" not in letter and re.search(rf"(?<![A-Za-z\\]){re.escape(letter)}(?![A-Za-z])", value):
         return text, "an equation in its own unknown, not a value"
     return value.strip(), None
 
