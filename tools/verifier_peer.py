@@ -57,12 +57,12 @@ def table(name: str, graded: dict, markdown: bool) -> tuple[list[str], dict[str,
     lines = [f"| {name}: {what} | rows | posttrain | math-verify |", "|---|---:|---:|---:|"]
     totals = collections.Counter()
     for family, graded_rows in graded.items():
+        shown = family.replace("*", "\\*") if markdown else family
         ours = sum(s == want for _, s, _ in graded_rows)
         peer = sum(s == want for _, _, s in graded_rows)
         totals.update(rows=len(graded_rows), ours=ours, peer=peer)
-        lines.append(
-            f"| {family} | {len(graded_rows)} | {_cell(ours, len(graded_rows))} | {_cell(peer, len(graded_rows))} |"
-        )
+        count = len(graded_rows)
+        lines.append(f"| {shown} | {count} | {_cell(ours, count)} | {_cell(peer, count)} |")
     n = totals["rows"]
     lines.append(f"| **all** | {n} | **{_cell(totals['ours'], n)}** | **{_cell(totals['peer'], n)}** |")
     if not markdown:
