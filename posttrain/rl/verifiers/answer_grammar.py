@@ -9,65 +9,36 @@ their ASCII or LaTeX form (U+2212 and the en dash are minus signs, `×` is `\\ti
 (`3/4`, `\\frac{3}{4}`, `\\frac34`), a mixed number (`2\\frac{1}{2}`, `1 1/2`) or scientific notation
 (`1.5\\times10^{3}`, `2.4e3`: mantissa in [1, 10)). Units (`units_end`) are a closed list of unit
 words and symbols (`km/h`, `m^2`, `^\\circ`, `%`); a percent is a unit: `50\\%` is the number 50.
-Whatever is left must not change the claim: `CHANGERS` (negations, hedges, alternatives,
-corrections) anywhere in it; right after the value (`REMAINDER_CHANGERS`) a magnitude (`thousand`,
-`k`), a bound (`at most`, `and up`) or another value joined by a list, range or operator; right
-before it (`LEAD_CHANGERS`) a bound or estimate (`at least`, `more than`, `about`, `between`).
+Whatever is left must not change the claim (`remainder_refusal`, `lead_refusal`, `changer`):
+`CHANGERS` (negations, hedges, alternatives, corrections) anywhere in it; after the value a
+magnitude (`MAGNITUDES`: `thousand`, `k`) or `at least` / `at most`, and right after it an
+operator, a bound (`REMAINDER_CHANGERS`, `and up`) or another value joined by a list, range or
+alternative; right before it (`LEAD_CHANGERS`) a bound or estimate (`more than`, `about`,
+`between`, `~`). These are closed lists of words, by what they do to a claim.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from fractions import Fraction
+
+from posttrain.rl.verifiers.answer_words import (
+    AND_BOUNDS,
+    CHANGERS,
+    JOINERS,
+    LEAD_CHANGERS,
+    MAGNITUDES,
+    OPERATORS,
+    REMAINDER_CHANGERS,
+    UNIT_PREFIXES,
+    UNIT_WORDS,
+)
 
 MAX_EXPONENT = 400  # powers of ten beyond this are no answer (and slow to build)
 _FRACS = frozenset({"\\frac", "\\dfrac", "\\tfrac", "\\cfrac"})
 _TIMES = frozenset({"\\times", "\\cdot", "*", "x"})
-OPERATORS = frozenset(
-    {"+", "-", "*", "/", "^", "=", "!", "<", ">", "\\times", "\\cdot", "\\div", "\\pm", "\\mp", "\\leq", "\\geq"}
-    | {"\\le", "\\ge", "\\lt", "\\gt", "\\neq", "\\approx", "\\sim", "\\sqrt", "_", "\\ne"}
-)
-JOINERS = frozenset({",", "and", "or", "to", "through", "thru", "until", "till", "-", "&", "/", "nor", "vs"})
-LINKS = frozenset(
-    {"=", ":", "is", "are", "was", "were", "be", "equals", "equal", "makes", "make", "gives", "give", "get", "gets"}
-    | {"got", "yields", "totals", "totaling", "totalling", "\\Rightarrow", "\\to", "\\implies", "→", "\\rightarrow"}
-)
-CONNECTIVES = frozenset(
-    {"because", "since", "as", "given", "from", "using", "via", "by", "which", "where", "so", "thus", "hence"}
-    | {"therefore", "that", "after", "when", "for", "with", "in", "on", "per", "each", "every", "(", ";", "—"}
-)
-_NEGATIONS = {"not", "no", "never", "none", "nor", "neither", "cannot", "incorrect", "wrong", "false", "nope"}
-_HEDGES = {"maybe", "perhaps", "probably", "possibly", "possible", "likely", "unlikely", "guess", "unsure"}
-_HEDGES |= {"uncertain", "might", "approximately", "approx", "roughly", "estimate", "estimated", "ish"}
-_ALTERNATIVES = {"or", "either", "alternatively", "otherwise"}
-_CORRECTIONS = {"wait", "actually", "correction", "instead", "rather", "oops", "sorry", "mistake", "hmm", "unless"}
-CHANGERS = frozenset(_NEGATIONS | _HEDGES | _ALTERNATIVES | _CORRECTIONS | {"?", "\\pm", "\\mp", "\\approx"})
-MAGNITUDES = frozenset(
-    {"hundred", "hundreds", "thousand", "thousands", "million", "millions", "billion", "billions", "trillion"}
-    | {"trillions", "dozen", "dozens", "k", "bn", "mn", "mil", "grand", "lakh", "crore"}
-)
-REMAINDER_CHANGERS = frozenset({"plus", "max", "maximum", "minimum", "tops", "upward", "upwards"})
-_AND_BOUNDS = frozenset({"up", "above", "over", "more", "higher", "beyond", "greater", "upward", "upwards", "below"})
-LEAD_CHANGERS = frozenset(
-    {"least", "most", "more", "less", "fewer", "greater", "larger", "smaller", "higher", "lower", "over", "under"}
-    | {"above", "below", "up", "upwards", "exceeds", "exceeding", "beyond", "between", "from", "range", "ranging"}
-    | {"about", "around", "nearly", "almost", "some", "close", "near", "maximum", "minimum", "max", "min", "than"}
-    | {"~", "<", ">", "\\leq", "\\geq", "\\le", "\\ge", "\\lt", "\\gt", "\\sim", "\\approx", "\\neq", "\\ne"}
-)
-_UNIT_WORDS = {
-    *"mm cm m km in inch inches ft foot feet yd yds yard yards mi mile miles meter meters metre metres".split(),
-    *"centimeter centimeters centimetre centimetres millimeter millimeters kilometer kilometers kilometre".split(),
-    *"kilometres mg g kg gram grams kilogram kilograms lb lbs pound pounds oz ounce ounces ton tons".split(),
-    *"tonne tonnes ml l liter liters litre litres gal gallon gallons qt quart quarts pt pint pints cup".split(),
-    *"cups tbsp tsp tablespoon tablespoons teaspoon teaspoons cc s sec secs second seconds min mins minute".split(),
-    *"minutes h hr hrs hour hours day days week weeks wk wks month months mo year years yr yrs decade".split(),
-    *"decades mph kph kmh fps rpm bpm dollar dollars cent cents usd euro euros penny pennies degree".split(),
-    *"degrees deg radian radians rad unit units cal kcal calorie calories w kw kwh watt watts v volt".split(),
-    *"volts j joule joules n pa hz gb mb kb tb".split(),
-}
-UNIT_WORDS = frozenset(_UNIT_WORDS)
-_UNIT_PREFIXES = frozenset({"sq", "square", "cubic", "cu"})
 _DROP_CMDS = frozenset(
     {"\\displaystyle", "\\textstyle", "\\left", "\\right", "\\big", "\\Big", "\\bigl", "\\bigr", "\\Bigl"}
     | {"\\Bigr", "\\quad", "\\qquad", "\\limits", "\\hfill", "\\mathord"}
@@ -248,15 +219,9 @@ def _fraction(n: int | None, d: int | None, strict: bool) -> Fraction | str:
         return "a division left to perform" if strict else "not a fraction"
     if d == 0:
         return "a division by zero"
-    if strict and (d < 2 or _gcd(n, d) != 1):
+    if strict and (d < 2 or math.gcd(n, d) != 1):
         return "a fraction not in lowest terms" if d > 1 else "a division left to perform"
     return Fraction(n, d)
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return abs(a)
 
 
 def value_at(tokens: list[Token], i: int, *, strict: bool = True) -> Value | None:
@@ -373,7 +338,7 @@ def units_end(tokens: list[Token], k: int) -> int:
             k += 2
         elif w == "^" and _peek(tokens, k + 1) == "{" and word(_at(tokens, k + 2)) == "\\circ":
             k += 3 + (_peek(tokens, k + 3) == "}")
-        elif t.kind == "word" and (w in UNIT_WORDS or w in _UNIT_PREFIXES) and w not in MAGNITUDES:
+        elif t.kind == "word" and (w in UNIT_WORDS or w in UNIT_PREFIXES) and w not in MAGNITUDES:
             k = _power_end(tokens, k + 1)
         elif w in ("/", "per") and word(_at(tokens, k + 1)) in UNIT_WORDS and k > 0:
             k = _power_end(tokens, k + 2)
@@ -425,7 +390,7 @@ def remainder_refusal(tokens: list[Token], k: int, end: int, tail_end: int | Non
         w = word(tokens[i])
         if w in REMAINDER_CHANGERS:
             return f"{tokens[i].text!r} after the value changes it"
-        if w == "and" and word(_at(tokens, i + 1)) in _AND_BOUNDS:
+        if w == "and" and word(_at(tokens, i + 1)) in AND_BOUNDS:
             return f"'and {tokens[i + 1].text}' after the value: a bound"
         if w in JOINERS and i + 1 < end and is_value_start(tokens, i + 1):
             return f"another value after {tokens[i].text!r}: a list, range or alternative"

@@ -17,10 +17,6 @@ import re
 from fractions import Fraction
 
 from posttrain.rl.verifiers.answer_grammar import (
-    CONNECTIVES,
-    JOINERS,
-    LINKS,
-    OPERATORS,
     Token,
     box_lead_refusal,
     changer,
@@ -32,6 +28,7 @@ from posttrain.rl.verifiers.answer_grammar import (
     value_at,
     word,
 )
+from posttrain.rl.verifiers.answer_words import CONNECTIVES, JOINERS, LINKS, OPERATORS
 from posttrain.rl.verifiers.final_answer import Claim
 
 _MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)

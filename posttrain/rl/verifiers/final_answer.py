@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from posttrain.rl.verifiers.answer_grammar import CHANGERS, Token, normalize, tokenize, word
+from posttrain.rl.verifiers.answer_grammar import Token, normalize, tokenize, word
+from posttrain.rl.verifiers.answer_words import CHANGERS
 
 SOURCES = ("boxed", "hash", "answer_is", "last_number")
 MAX_MARKERS = 32
@@ -230,7 +231,7 @@ def find_claims(response: str, *, last_number_fallback: bool = True, any_text: b
     markers = text_markers(text, boxes)
     if isinstance(markers, str):
         return Extraction([], markers, text)
-    starts = sorted([(s[0], s[0], "boxed", s) for s in boxes] + [(m[0], m[1], m[2], None) for m in markers])
+    starts = sorted([(s[0], s[0], "boxed", s) for s in boxes] + [(*m, None) for m in markers], key=lambda s: s[:2])
     claims = []
     for n, (start, claim_start, source, span) in enumerate(starts):
         limit = starts[n + 1][0] if n + 1 < len(starts) else len(text)

@@ -20,7 +20,8 @@ import re
 from collections.abc import Sequence
 
 from posttrain.rl.verifiers.answer_attacks import ANSWER_ATTACKS, AnswerCase, Attack
-from posttrain.rl.verifiers.answer_grammar import CHANGERS, box_lead_refusal, changer
+from posttrain.rl.verifiers.answer_grammar import box_lead_refusal, changer
+from posttrain.rl.verifiers.answer_words import CHANGERS
 from posttrain.rl.verifiers.base import Verdict
 from posttrain.rl.verifiers.final_answer import Claim, find_claims
 

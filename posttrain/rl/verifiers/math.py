@@ -51,14 +51,16 @@ from fractions import Fraction
 from typing import Any
 
 from posttrain.rl.verifiers.answer_form import free_operation, is_constant, parse
-from posttrain.rl.verifiers.answer_grammar import CONNECTIVES, normalize, tokenize, word
+from posttrain.rl.verifiers.answer_grammar import normalize, tokenize, word
 from posttrain.rl.verifiers.answer_reading import Reading, read_math, read_number, read_strict
+from posttrain.rl.verifiers.answer_words import CONNECTIVES
 from posttrain.rl.verifiers.base import Verdict
 from posttrain.rl.verifiers.final_answer import SOURCES, Claim, box_spans, find_claims, strip_think
 from posttrain.rl.verifiers.symbolic import SymbolicChecker, SymbolicCheckError
 
 __all__ = ["SOURCES", "Extracted", "MathTask", "MathVerifier", "answers_equal", "extract_answer", "strip_think"]
 _SYMBOLIC_MAX_CHARS = 256
+MAX_SYMBOLIC_CLAIMS = 8  # different answers a response may state (all equal) when each needs sympy
 _GREEK = "|".join("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta lambda mu nu xi rho sigma".split())
 _GREEK += "|tau|phi|varphi|chi|psi|omega"
 _NAME = re.compile(rf"^\s*(?:[A-Za-z]|\\(?:{_GREEK}))(?:_\{{?\w+\}}?)?(?:\([^()=]*\))?\s*$")  # x, \theta, a_1, f(x)
@@ -298,7 +300,10 @@ class MathVerifier:
             return Verdict(0.0, format_ok, f"{head} refused: {found.refusal}")
         try:
             numeric = parse_number(task.answer) is not None
-            for claim in _distinct(found.claims[::-1]):
+            claims = _distinct(found.claims[::-1])
+            if not numeric and len(claims) > MAX_SYMBOLIC_CLAIMS:  # each is a symbolic check
+                return Verdict(0.0, format_ok, f"{head} refused: {len(claims)} different answers")
+            for claim in claims:
                 ok, why = _judge(claim, task.answer, numeric, self.symbolic, self._checker)
                 if not ok:
                     other = "" if claim is last else f" (another marker, {claim.source}: {_shown(claim)!r})"

@@ -38,11 +38,14 @@ def _common_factor(expr) -> bool:
 
     if not isinstance(expr, sympy.Expr) or not expr.free_symbols:
         return False
-    num, den = sympy.fraction(expr)
-    if den == 1:
+    try:
+        num, den = sympy.fraction(expr)
+        if den == 1:
+            return False
+        common = sympy.gcd(num, den)
+        return bool(common.free_symbols) or bool(common.is_number and abs(common) not in (0, 1))
+    except Exception:  # no polynomial gcd (a function, a radical): nothing this check can say
         return False
-    common = sympy.gcd(num, den)
-    return bool(common.free_symbols) or (common.is_number and abs(common) not in (0, 1))
 
 
 def main() -> None:
