@@ -1,12 +1,8 @@
-"""The grammar of a final answer: tokens, the value of a number as written, and the words that
-change a claim.
+"""The grammar of a final answer: the value of a number as written, and the words that change a
+claim, over tokens (`answer_tokens`).
 
-A claim is read from tokens (`tokenize`): numbers (ASCII digits, thousands separators, decimals,
-e-notation), words, LaTeX commands and symbols; the wrappers that carry no meaning (`$`, `**`,
-`\\boxed{}`, `\\mathbf{}`, `\\text{}`, `\\left`, spacing) are dropped and unicode signs are mapped to
-their ASCII or LaTeX form (U+2212 and the en dash are minus signs, `×` is `\\times`, `½` is
-`\\frac{1}{2}`). A value (`value_at`) is one sign at most, then an integer or decimal, a fraction
-(`3/4`, `\\frac{3}{4}`, `\\frac34`), a mixed number (`2\\frac{1}{2}`, `1 1/2`) or scientific notation
+A value (`value_at`) is one sign at most, then an integer or decimal, a fraction (`3/4`,
+`\\frac{3}{4}`, `\\frac34`), a mixed number (`2\\frac{1}{2}`, `1 1/2`) or scientific notation
 (`1.5\\times10^{3}`, `2.4e3`: mantissa in [1, 10)). Units (`units_end`) are a closed list of unit
 words and symbols (`km/h`, `m^2`, `^\\circ`, `%`); a percent is a unit: `50\\%` is the number 50.
 Whatever is left must not change the claim (`remainder_refusal`, `lead_refusal`, `changer`):
@@ -14,16 +10,16 @@ Whatever is left must not change the claim (`remainder_refusal`, `lead_refusal`,
 magnitude (`MAGNITUDES`: `thousand`, `k`) or `at least` / `at most`, and right after it an
 operator, a bound (`REMAINDER_CHANGERS`, `and up`) or another value joined by a list, range or
 alternative; right before it (`LEAD_CHANGERS`) a bound or estimate (`more than`, `about`,
-`between`, `~`). These are closed lists of words, by what they do to a claim.
+`between`, `~`). These are closed lists of words (`answer_words`), by what they do to a claim.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from fractions import Fraction
 
+from posttrain.rl.verifiers.answer_tokens import Token, word
 from posttrain.rl.verifiers.answer_words import (
     AND_BOUNDS,
     CHANGERS,
@@ -39,113 +35,6 @@ from posttrain.rl.verifiers.answer_words import (
 MAX_EXPONENT = 400  # powers of ten beyond this are no answer (and slow to build)
 _FRACS = frozenset({"\\frac", "\\dfrac", "\\tfrac", "\\cfrac"})
 _TIMES = frozenset({"\\times", "\\cdot", "*", "x"})
-_DROP_CMDS = frozenset(
-    {"\\displaystyle", "\\textstyle", "\\left", "\\right", "\\big", "\\Big", "\\bigl", "\\bigr", "\\Bigl"}
-    | {"\\Bigr", "\\quad", "\\qquad", "\\limits", "\\hfill", "\\mathord"}
-)
-_DROP_ESC = frozenset({"\\,", "\\;", "\\:", "\\!", "\\ ", "\\(", "\\)", "\\[", "\\]", "\\\n", "\\\t", "\\$"})
-_DROP_SYMS = frozenset({"$", "$$", "**", "__", "`", "€", "£", "¥", "\u200b"})
-WRAPPERS = frozenset(
-    {"\\boxed", "\\fbox", "\\mathbf", "\\textbf", "\\text", "\\textrm", "\\mathrm", "\\mbox", "\\mathit"}
-    | {"\\textit", "\\emph", "\\mathsf", "\\textsf", "\\bm", "\\boldsymbol", "\\underline", "\\textnormal"}
-)
-_VULGAR = {"½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4), "⅕": (1, 5), "⅖": (2, 5), "⅗": (3, 5)}
-_VULGAR |= {"⅘": (4, 5), "⅙": (1, 6), "⅚": (5, 6), "⅛": (1, 8), "⅜": (3, 8), "⅝": (5, 8), "⅞": (7, 8)}
-_REPLACE = {
-    **dict.fromkeys("\u2212\u2013\u2012\ufe63\uff0d\u2010\u2011", "-"),
-    "×": " \\times ",
-    "·": " \\cdot ",
-    "÷": " \\div ",
-    "≈": " \\approx ",
-    "≤": " \\leq ",
-    "≥": " \\geq ",
-    "±": " \\pm ",
-    "∓": " \\mp ",
-    "²": "^2",
-    "³": "^3",
-    "’": "'",
-    **{k: f"\\frac{{{a}}}{{{b}}}" for k, (a, b) in _VULGAR.items()},
-}
-_TOKEN = re.compile(
-    r"(?P<num>[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+)(?:[eE](?P<exp>[-+]?[0-9]+))?"
-    r"|(?P<udigit>\d)"
-    r"|(?P<cmd>\\[A-Za-z]+)"
-    r"|(?P<esc>\\.)"
-    r"|(?P<word>[^\W\d_]+(?:'[^\W\d_]+)*)"
-    r"|(?P<ws>\s+)"
-    r"|(?P<sym>\*\*|__|\$\$|\S)",
-    re.DOTALL,
-)
-_THIN_THOUSANDS = re.compile(r"(?<=[0-9])(?:\\,|\\ |\{,\}|\\!)(?=[0-9]{3}(?![0-9]))")
-
-
-@dataclasses.dataclass(frozen=True)
-class Token:
-    """One token: kind (num, udigit, cmd, esc, word, sym), its text, its offset in the text it was
-    read from, whether whitespace (and a line break) came before it; `exp` for e-notation."""
-
-    kind: str
-    text: str
-    start: int
-    space: bool = False
-    newline: bool = False
-    exp: str | None = None
-
-
-def normalize(text: str) -> str:
-    """Unicode signs and symbols to their ASCII / LaTeX form, thin-space thousands to commas.
-    Offsets change only where a symbol became a command (never inside the ASCII text)."""
-    for symbol, replacement in _REPLACE.items():  # str.replace per symbol: str.translate is slow on many
-        if symbol in text:
-            text = text.replace(symbol, replacement)
-    return _THIN_THOUSANDS.sub(",", text)
-
-
-def tokenize(text: str, *, offset: int = 0) -> list[Token]:
-    """Tokens of `text` (already normalized), wrappers and spacing dropped. Linear in the length."""
-    raw, space, newline = [], False, False
-    for m in _TOKEN.finditer(text):
-        kind = m.lastgroup if m.lastgroup != "exp" else "num"
-        if kind == "ws":
-            space, newline = True, newline or "\n" in m.group()
-            continue
-        body = m.group("num") if kind == "num" else m.group()
-        raw.append(Token(kind, body, m.start() + offset, space, newline, m.group("exp") if kind == "num" else None))
-        space = newline = False
-    return _unwrap(raw)
-
-
-def _unwrap(tokens: list[Token]) -> list[Token]:
-    """Drop the tokens that carry no meaning: math delimiters, bold, spacing, `\\left`, and
-    wrapper commands with the braces of their argument (`\\mathbf{85}` -> `85`)."""
-    out, braces = [], []  # braces: for each open "{", whether it is a wrapper's (dropped)
-    wrapper_next = False
-    for t in tokens:
-        if t.kind == "cmd" and t.text in WRAPPERS:
-            wrapper_next = True
-            continue
-        if t.text == "{" and t.kind == "sym":
-            braces.append(wrapper_next)
-            wrapper_next = False
-            if braces[-1]:
-                continue
-        else:
-            wrapper_next = False
-            if t.text == "}" and t.kind == "sym" and braces and braces.pop():
-                continue
-        if (t.kind == "cmd" and t.text in _DROP_CMDS) or (t.kind == "esc" and t.text in _DROP_ESC):
-            continue
-        if t.kind == "sym" and t.text in _DROP_SYMS:
-            continue
-        if t.kind == "esc" and t.text == "\\%":
-            t = dataclasses.replace(t, kind="sym", text="%")
-        out.append(t)
-    return out
-
-
-def word(t: Token | None) -> str:
-    """The token's text, lower-cased for words (how the word lists compare)."""
-    return "" if t is None else t.text.lower() if t.kind == "word" else t.text
 
 
 def is_value_start(tokens: list[Token], i: int) -> bool:
@@ -418,14 +307,27 @@ def box_lead_refusal(tokens: list[Token]) -> str | None:
 
 
 def lead_refusal(tokens: list[Token]) -> str | None:
-    """Why the words right before a value (tokens) change the claim: a bound, an estimate, a range
-    ("at least", "about", "between"), an operation, or another value. None when they do not."""
+    """Why the words right before a value (tokens) change the claim: a bound, an estimate or a range
+    in words anywhere in them ("at least", "about", "between"), a comparison or an operation right
+    before the value (`>`, `\\approx`, `+`: a `>` between names, `OUP>ROT 8049`, is no comparison),
+    or another value. None when they do not."""
     for i, t in enumerate(tokens):
-        w = word(t)
-        if w in LEAD_CHANGERS:
+        if t.kind == "word" and word(t) in LEAD_CHANGERS:
             return f"{t.text!r} before the value: a bound or an estimate, not a value"
-        if t.text in OPERATORS and t.text not in ("=",) and not (t.text in "-+" and i == len(tokens) - 1):
-            return f"{t.text!r} before the value: an operation left"
         if is_value_start(tokens, i):
             return "another value before the answer"
+    last = tokens[-1] if tokens else None
+    if last is not None and last.kind != "word" and last.text in LEAD_CHANGERS:
+        return f"{last.text!r} before the value: a comparison, not a value"
+    if last is not None and last.text in OPERATORS and last.text != "=":
+        return f"{last.text!r} before the value: an operation left"
     return None
+
+
+def sign_is_operator(tokens: list[Token], i: int) -> bool:
+    """Whether the `+` / `-` at tokens[i] joins two terms (`37 - 48`, `x + 85`, `(a) - 5`) rather
+    than signs a number (`is -85`, `= -3`)."""
+    if tokens[i].text not in ("+", "-") or i == 0:
+        return False
+    before = tokens[i - 1]
+    return before.kind == "num" or before.text in (")", "}", "]") or (before.kind == "word" and len(before.text) == 1)

@@ -17,17 +17,16 @@ import re
 from fractions import Fraction
 
 from posttrain.rl.verifiers.answer_grammar import (
-    Token,
     box_lead_refusal,
     changer,
     is_value_start,
     lead_refusal,
     remainder_refusal,
-    tokenize,
+    sign_is_operator,
     units_end,
     value_at,
-    word,
 )
+from posttrain.rl.verifiers.answer_tokens import Token, tokenize, word
 from posttrain.rl.verifiers.answer_words import CONNECTIVES, JOINERS, LINKS, OPERATORS
 from posttrain.rl.verifiers.final_answer import Claim
 
@@ -128,6 +127,8 @@ def _read_first(tokens: list[Token]) -> Reading:
     i = next((j for j in range(len(tokens)) if depths[j] == 0 and is_value_start(tokens, j)), None)
     if i is None:
         return _refused(f"no number in {_text(tokens)[:60]!r}")
+    if sign_is_operator(tokens, i):
+        return _refused(f"{tokens[i - 1].text} {tokens[i].text} ...: an operation left")
     if why := lead_refusal(tokens[:i]):
         return _refused(why)
     value = value_at(tokens, i)
@@ -154,8 +155,7 @@ def read_last(tokens: list[Token]) -> Reading:
     """The last value of a sentence (a response with no answer marker), or why it is no answer."""
     depths, values, i = _depths(tokens), [], 0
     while i < len(tokens):
-        signed_operand = tokens[i].text in "-+" and i > 0 and tokens[i - 1].kind == "num"
-        if depths[i] == 0 and not signed_operand and is_value_start(tokens, i):
+        if depths[i] == 0 and not sign_is_operator(tokens, i) and is_value_start(tokens, i):
             value = value_at(tokens, i)
             if value is not None:
                 values.append(value)
@@ -212,9 +212,8 @@ def read_math(claim: Claim) -> Reading:
     if span is None:
         return _prose_math(claim.tokens)
     body = next(g for g in span.groups() if g is not None)
-    offset = claim.tokens[0].start if claim.tokens else 0
-    lead = [t for t in claim.tokens if t.start - offset < span.start()]
-    rest = [t for t in claim.tokens if t.start - offset >= span.end()]
+    lead = [t for t in claim.tokens if t.start - claim.offset < span.start()]
+    rest = [t for t in claim.tokens if t.start - claim.offset >= span.end()]
     why = lead_refusal(lead) or _tail_refusal(rest) or _changed(lead)
     if why:
         return _refused(why, body)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from posttrain.rl.verifiers.answer_grammar import Token, normalize, tokenize, word
+from posttrain.rl.verifiers.answer_tokens import Token, normalize, tokenize, word
 from posttrain.rl.verifiers.answer_words import CHANGERS
 
 SOURCES = ("boxed", "hash", "answer_is", "last_number")

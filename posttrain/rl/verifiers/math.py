@@ -51,8 +51,8 @@ from fractions import Fraction
 from typing import Any
 
 from posttrain.rl.verifiers.answer_form import free_operation, is_constant, parse
-from posttrain.rl.verifiers.answer_grammar import normalize, tokenize, word
 from posttrain.rl.verifiers.answer_reading import Reading, read_math, read_number, read_strict
+from posttrain.rl.verifiers.answer_tokens import normalize, tokenize, word
 from posttrain.rl.verifiers.answer_words import CONNECTIVES
 from posttrain.rl.verifiers.base import Verdict
 from posttrain.rl.verifiers.final_answer import SOURCES, Claim, box_spans, find_claims, strip_think
