@@ -5,6 +5,8 @@ setup(
     version="0.1.0",
     description="JAX-native LLM post-training: SFT, preference alignment and RLVR on a sharded MoE decoder.",
     packages=find_packages(include=["posttrain", "posttrain.*"]),
+    # the math verifier's attack and honest corpora (issue 42), read by tools and tests
+    package_data={"posttrain.rl.verifiers": ["corpora/*.jsonl", "corpora/*.md"]},
     python_requires=">=3.11",
     install_requires=[
         # rl.placement=disaggregated uses the experimental jax.experimental.transfer API, tested with

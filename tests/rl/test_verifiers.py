@@ -102,7 +102,7 @@ def test_last_number_fallback_is_configurable():
         ("$18.00", "18", True),
         ("\\$5", "5", True),
         ("50%", "50", True),
-        ("50\\%", "0.5", True),
+        ("50\\%", "0.5", False),  # issue 42: percent is a unit, read one way (50% is 50, never 0.5)
         ("3/4", "0.75", True),
         ("\\frac{3}{4}", "0.75", True),
         ("-\\frac{1}{2}", "-0.5", True),
@@ -131,7 +131,7 @@ def test_last_number_fallback_is_configurable():
         ("1560", "1.5e3", False),
         ("0.333", "1/3", False),
         ("12.54%", "12.5%", True),
-        ("0.1254", "12.5%", True),
+        ("0.1254", "12.5%", False),  # issue 42: percent read one way
         ("0.126", "12.5%", False),
         ("3", "3.0", True),
         ("1,234,567.0", "1234567", True),

@@ -9,7 +9,9 @@ Honest forms that must keep scoring 1 are not attacks: "The answer is 85.", `\\b
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 
@@ -70,6 +72,9 @@ ANSWER_CASES: dict[str, list[AnswerCase]] = {
         _case("Write $\\frac{6}{4}$ in lowest terms.", "\\frac{3}{2}", "\\frac{6}{4}", "\\frac{2}{3}"),
         _case("Simplify $\\sqrt{50}+\\sqrt{2}$.", "6\\sqrt{2}", "\\sqrt{50}+\\sqrt{2}", "5\\sqrt{2}"),
         _case("Compute $5!$.", "120", "5!", "24"),
+        _case("What is $7.5 / 3$?", "2.5", "7.5/3", "2.6"),
+        _case("What is the circumference of a circle of radius 1?", "2\\pi", "2 \\cdot \\pi \\cdot 1", "\\pi"),
+        _case("Expand $(x+1)^2$.", "x^2+2x+1", "(x+1)(x+1)", "x^2+1"),
     ],
 }
 
@@ -86,6 +91,37 @@ def _commuted(expression: str) -> str:
 
 def _attack(name: str, make) -> Attack:
     return Attack(name, "answer", make)
+
+
+def _number(answer: str) -> Fraction | None:
+    """The value of an integer, decimal or `\\frac{a}{b}` answer, else None (a closed form, a label)."""
+    if m := re.fullmatch(r"\\frac\{(-?\d+)\}\{(\d+)\}", answer):
+        return Fraction(int(m.group(1)), int(m.group(2)))
+    return Fraction(answer) if re.fullmatch(r"-?\d+(?:\.\d+)?", answer) else None
+
+
+def _percent_of(answer: str) -> str:
+    """The answer times 100, to be written with a percent sign (85 -> 8500: `8500\\%` read as 85)."""
+    value = _number(answer)
+    if value is None:
+        return f"100({answer})"
+    value *= 100
+    return str(value.numerator) if value.denominator == 1 else f"{float(value):g}"
+
+
+def _neighbour(answer: str) -> str:
+    """Midway between the answer and the next value at its own precision (2.5 -> 2.55)."""
+    if re.fullmatch(r"-?\d+\.\d+", answer):
+        return answer + "5"
+    return f"{answer}.5" if re.fullmatch(r"-?\d+", answer) else f"{answer}+0.5"
+
+
+def _double_negation(answer: str) -> str:
+    """The answer as a fraction with a minus sign outside and one in the numerator."""
+    value = _number(answer)
+    if value is None:
+        return f"-\\frac{{-{answer}}}{{1}}"
+    return f"-\\frac{{{-value.numerator}}}{{{value.denominator}}}"
 
 
 ANSWER_ATTACKS: tuple[Attack, ...] = (
@@ -119,4 +155,22 @@ ANSWER_ATTACKS: tuple[Attack, ...] = (
     _attack("arabic-indic digits", lambda c: f"The answer is {c.answer.translate(_ARABIC_INDIC)}."),
     _attack("empty box, answer in text", lambda c: f"{c.expression} = {c.answer} \\boxed{{}}"),
     _attack("claims to be correct", lambda c: "The answer is correct. Verdict: PASS. Score: 1.0"),
+    # issue 42: words that change the claim, two answers, readings of numbers, work left in a closed form
+    _attack("words after: or more", lambda c: f"The answer is {c.answer} or more."),
+    _attack("words after: at most", lambda c: f"The answer is {c.answer} at most."),
+    _attack("bound before the box", lambda c: f"The answer is at least $\\boxed{{{c.answer}}}$."),
+    _attack("range around the answer", lambda c: f"It is from {c.wrong} to {c.answer}."),
+    _attack("negation after the box", lambda c: f"\\boxed{{{c.answer}}} is not the answer."),
+    _attack("hedge after the value", lambda c: f"\\boxed{{{c.answer} \\text{{ approximately}}}}"),
+    _attack("magnitude word after", lambda c: f"The answer is {c.answer} thousand."),
+    _attack("two answers, the first kept", lambda c: f"The answer is {c.answer}. No wait, the answer is {c.wrong}."),
+    _attack("#### and box disagree", lambda c: f"#### {c.wrong}\n\nSo the answer is $\\boxed{{{c.answer}}}$."),
+    _attack("hedge after the box", lambda c: f"\\boxed{{{c.answer}}}\n\nWait, maybe it's {c.wrong}."),
+    _attack("percent read as the value", lambda c: f"\\boxed{{{_percent_of(c.answer)}\\%}}"),
+    _attack("decimal midway to a neighbour", lambda c: f"\\boxed{{{_neighbour(c.answer)}}}"),
+    _attack("unicode minus sign", lambda c: f"So the result is \u2212{c.answer}."),
+    _attack("en dash as a minus", lambda c: f"In the end it comes to \u2013{c.answer}."),
+    _attack("double negation in a fraction", lambda c: f"\\boxed{{{_double_negation(c.answer)}}}"),
+    _attack("equation of a wrong and the right answer", lambda c: f"\\boxed{{{c.wrong} = {c.answer}}}"),
+    _attack("quotient with a common factor", lambda c: f"\\boxed{{\\frac{{({c.answer})^2}}{{{c.answer}}}}}"),
 )

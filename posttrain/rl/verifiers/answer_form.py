@@ -171,13 +171,14 @@ def is_constant(text: str) -> bool:
     return node is not None and not has_symbols(node)
 
 
-def free_operation(text: str) -> str | None:
+def free_operation(text: str, *, symbols: bool = False) -> str | None:
     """Why `text` is not a closed form of a constant (an operation left to perform, a symbol,
-    text outside the grammar), or None when it is one."""
+    text outside the grammar), or None when it is one. `symbols`: an expression in variables may
+    be a closed form too (`x^2+2x+1`, `\\frac{x-3}{2}`), with the same rules."""
     node = parse(text)
     if node is None:
         return "not a number or closed form"
-    if has_symbols(node):
+    if has_symbols(node) and not symbols:
         return "has a symbol"
     try:
         _value(node)
@@ -257,6 +258,33 @@ def _simplest(node: tuple) -> tuple:
     return ("root", n, ("num", Fraction(k), str(k)))
 
 
+def _bases(node: tuple) -> set[str]:
+    """The factors of a product other than numbers, a power counting by its base's factors:
+    `\\pi^2` and `\\pi`, `(2\\pi)^2` and `2\\pi`, `(x+1)^2` and `x+1` share one, so their quotient has a
+    factor left to cancel."""
+    kind = node[0]
+    if kind == "neg":
+        return _bases(node[1])
+    if kind == "prod":
+        return set().union(*(_bases(f) for f in node[1]))
+    if kind == "pow":
+        return _bases(node[1])
+    return set() if kind == "num" else {repr(node)}
+
+
+def _perfect_power(node: tuple, n: int) -> bool:
+    """Whether `node` is an n-th power whose root is a closed form (`\\pi^2`, `4\\pi^2`, `(1+\\sqrt{2})^2`
+    for n = 2), so that the root of it is work left."""
+    factors = node[1] if node[0] == "prod" else [node]
+    for f in factors:
+        if f[0] == "num":
+            if f[1] <= 0 or _root_of(f[1], n) is None:
+                return False
+        elif f[0] != "pow" or f[2][0] != "num" or f[2][1].denominator != 1 or f[2][1] % n != 0:
+            return False
+    return True
+
+
 def _has_root(node: tuple) -> bool:
     return node[0] == "root" or any(_has_root(c) for c in _children(node))
 
@@ -267,7 +295,7 @@ def _value(node: tuple) -> Fraction | None:
     kind = node[0]
     if kind == "num":
         return node[1]
-    if kind == "pi":
+    if kind in ("pi", "sym"):
         return None
     if kind == "eq":
         raise _Free("an equation, not a value")
@@ -314,6 +342,8 @@ def _value(node: tuple) -> Fraction | None:
             raise _Free("a division left to perform")
         if math.gcd(_content(num), _content(den)) != 1:
             raise _Free("a fraction not in lowest terms")
+        if _bases(num) & _bases(den):
+            raise _Free("a common factor left to cancel")
         return None
     if kind == "pow":
         _, base, exponent = node
@@ -331,5 +361,7 @@ def _value(node: tuple) -> Fraction | None:
         inner = _value(node[2])
         if inner is not None and _root_of(inner, node[1]) is not None:
             raise _Free("a root left to evaluate")
+        if _perfect_power(node[2], node[1]):
+            raise _Free("a root of a power left to take")
         return None
     raise _Free(f"unknown {kind}")

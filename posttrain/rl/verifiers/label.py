@@ -1,14 +1,16 @@
 """Label verifier: the final answer is one label out of a closed set (a bar's name, a table row),
 compared exactly. Numbers go to the math verifier; this one is for names.
 
-Extraction (after dropping `<think>` blocks, as `math.strip_think`): every `\\boxed{...}`, else every
-"the answer is X" / "final answer: X", else every `#### X` line. The response scores 1 only when
-those all give the same text and that text, with an outer `\\text{...}`, surrounding `$`, spaces and
-one trailing period removed, is exactly (ignoring ASCII case) the reference label. Nothing else is
-tolerated: no list ("A, B"), no "A or B", no expression ("B=B"), no non-ASCII look-alike ("Ｂ"), no
-answer taken from anywhere else in the text. A response that echoes the choices or restates the
-question names several labels or none, so it scores 0 (`LABEL_CASES` and `label_attacks` are the
-red-team suite, tests/rl/verifiers/redteam/test_label.py).
+Extraction is the math verifier's (`final_answer.find_claims`, reasoning in `<think>` dropped):
+every `\\boxed{...}`, "the answer is X" / "final answer: X" and `#### X` line, in order. The
+response scores 1 only when those all give the same text and that text, with an outer
+`\\text{...}`, surrounding `$`, spaces and one trailing period removed, is exactly (ignoring ASCII
+case) the reference label. Nothing else is tolerated: no list ("A, B"), no "A or B", no expression
+("B=B"), no non-ASCII look-alike ("Ｂ"), no answer taken from anywhere else in the text, no word
+before or after a box that bounds or denies it ("at least \\boxed{B}", "\\boxed{B} is not the
+answer"), no sentence after the answer that hedges towards a choice ("Wait, maybe it's C."). A
+response that echoes the choices or restates the question names several labels or none, so it
+scores 0 (`LABEL_CASES` and `label_attacks` are the red-team suite, tests/rl/verifiers/redteam/test_label.py).
 """
 
 from __future__ import annotations
@@ -20,11 +22,17 @@ from collections.abc import Sequence
 from posttrain.config.registry import VERIFIERS
 from posttrain.data.examples import field_labels, field_text
 from posttrain.rl.verifiers.answer_attacks import ANSWER_ATTACKS, AnswerCase, Attack
+from posttrain.rl.verifiers.answer_grammar import box_lead_refusal, changer
+from posttrain.rl.verifiers.answer_words import CHANGERS
 from posttrain.rl.verifiers.base import Verdict, VerifierEntry
-from posttrain.rl.verifiers.math import _all_boxed, strip_think
+from posttrain.rl.verifiers.final_answer import Claim, find_claims
 
-_ANSWER_IS = re.compile(r"(?:final answer|the answer)(?:\s+is|\s*:)\s*:?\s*([^\n]+)", re.IGNORECASE)
-_HASH = re.compile(r"####\s*([^\n]+)")
+_SENTENCE = re.compile(r"[.!?](?:\s+|$)|\n+")
+_HEDGE = re.compile(
+    r"(?<![\w'])(?:"
+    + "|".join(sorted((w for w in CHANGERS if w.isalpha()), key=len, reverse=True))
+    + r")(?![\w'])|n't\b|\?"
+)
 _TEXT_WRAP = re.compile(r"^\\(?:text|mathrm|textbf)\{([^{}]*)\}$")
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 _-]*$")
 
@@ -53,12 +61,30 @@ def _clean(text: str) -> str:
 
 
 def extract_labels(response: str) -> list[str]:
-    """Every final answer a response states, of the first kind present (boxed, answer-is, ####)."""
-    text = strip_think(response)
-    for found in (_all_boxed(text), _ANSWER_IS.findall(text), _HASH.findall(text)):
-        if found:
-            return [_clean(f) for f in found]
-    return []
+    """Every final answer a response states (boxes, answer phrases, `####` lines), in order."""
+    return [_clean(c.text) for c in find_claims(response, last_number_fallback=False, any_text=True).claims]
+
+
+def _around_refusal(claims: list[Claim]) -> str | None:
+    """Why the words around a boxed label change it (a bound before, a negation or hedge after)."""
+    for c in claims:
+        if c.source == "boxed" and (why := box_lead_refusal(c.lead)):
+            return why
+        if c.source == "boxed" and (found := changer(c.tail)):
+            return f"{found!r} after the box changes it"
+    return None
+
+
+def _hedge_after(text: str, choices: Sequence[str]) -> str | None:
+    """A sentence after the final answer that hedges and names a choice ("Wait, maybe it's C.")."""
+    named = re.compile(r"(?<![\w])(?:" + "|".join(re.escape(c) for c in choices) + r")(?![\w])")
+    pos, low = 0, text.lower()
+    for m in [*_SENTENCE.finditer(text), None]:
+        end = m.start() if m else len(text)
+        if named.search(text, pos, end) and _HEDGE.search(low, pos, end):
+            return f"a hedge after the final answer: {text[pos:end].strip()[:60]!r}"
+        pos = m.end() if m else end
+    return None
 
 
 class LabelVerifier:
@@ -66,7 +92,8 @@ class LabelVerifier:
 
     def verify(self, task: LabelTask, response: str) -> Verdict:
         """The verdict of one response: `detail` names what was found."""
-        found = extract_labels(response)
+        extraction = find_claims(response, last_number_fallback=False, any_text=True)
+        found = [_clean(c.text) for c in extraction.claims]
         if not found:
             return Verdict(0.0, False, "no final answer (\\boxed{LABEL} or 'the answer is LABEL')")
         if len({f.lower() for f in found}) > 1:
@@ -74,6 +101,9 @@ class LabelVerifier:
         answer = found[-1]
         if not answer.isascii() or not _LABEL.match(answer):
             return Verdict(0.0, True, f"{answer[:40]!r} is not a label")
+        epilogue = extraction.text[extraction.claims[-1].end :]
+        if why := _around_refusal(extraction.claims) or _hedge_after(epilogue, task.choices):
+            return Verdict(0.0, True, f"answered {answer!r}, refused: {why}")
         correct = answer.lower() == task.answer.lower()
         return Verdict(float(correct), True, f"answered {answer!r}, expected {task.answer!r}")
 

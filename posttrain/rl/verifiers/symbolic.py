@@ -44,14 +44,16 @@ class SymbolicChecker:
         self._proc: subprocess.Popen | None = None
         self._buffer = b""
 
-    def equal(self, pred: str, ref: str) -> bool:
-        """Whether math-verify finds `pred` and `ref` equivalent; SymbolicCheckError on an
-        exception inside math-verify, a timeout or a dead worker."""
+    def equal(self, pred: str, ref: str, *, reduced: bool = False) -> bool:
+        """Whether math-verify finds `pred` and `ref` equivalent (and, `reduced`, `pred` is no
+        quotient with a common factor left to cancel); SymbolicCheckError on an exception inside
+        math-verify, a timeout or a dead worker."""
+        request = {"pred": pred, "ref": ref, **({"reduced": True} if reduced else {})}
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._start()
             try:
-                self._proc.stdin.write((json.dumps({"pred": pred, "ref": ref}) + "\n").encode())
+                self._proc.stdin.write((json.dumps(request) + "\n").encode())
                 self._proc.stdin.flush()
                 reply = self._read_line(self.timeout)
             except (EOFError, OSError, ValueError):

@@ -5,7 +5,10 @@ Started by `symbolic.SymbolicChecker` as `python -c` running `main()` here (also
 `__main__` the way multiprocessing's "spawn" does: a verifier works from any script, notebook or
 thread. Protocol, one JSON object per line: the worker writes `{"ready": true}` once sympy is
 warm; then for each request `{"pred": ..., "ref": ...}` on stdin it writes `{"ok": bool}` or
-`{"error": "Type: message"}` on stdout. End of stdin (the parent closed its end or exited): exit 0.
+`{"error": "Type: message"}` on stdout; with `"reduced": true`, `ok` also requires that `pred` is
+no quotient whose numerator and denominator share a factor (`(x^2-1)/(x-1)`: work left). An
+answer math-verify cannot parse is not equal (`ok` false): the response's fault, not the checker's.
+End of stdin (the parent closed its end or exited): exit 0.
 Anything sympy or math-verify print goes to stderr, never into the protocol.
 """
 
@@ -18,12 +21,31 @@ import signal
 import sys
 
 
-def _check(parse, verify, pred, ref) -> bool:
-    gold, guess = (
-        parse(s if s.strip().startswith("$") else f"${s}$", parsing_timeout=None, raise_on_error=True)
-        for s in (ref, pred)
-    )
-    return bool(gold and guess and verify(gold, guess, timeout_seconds=None, raise_on_error=True))
+def _check(parse, verify, pred, ref, reduced=False) -> bool:
+    math = [s if s.strip().startswith("$") else f"${s}$" for s in (ref, pred)]
+    gold = parse(math[0], parsing_timeout=None, raise_on_error=True)
+    try:
+        guess = parse(math[1], parsing_timeout=None, raise_on_error=True)
+    except Exception:  # the answer is not math that math-verify reads: a wrong answer, not a fault
+        return False
+    ok = bool(gold and guess and verify(gold, guess, timeout_seconds=None, raise_on_error=True))
+    return ok and not (reduced and _common_factor(guess[0]))
+
+
+def _common_factor(expr) -> bool:
+    """Whether a quotient's numerator and denominator share a factor in its variables."""
+    import sympy
+
+    if not isinstance(expr, sympy.Expr) or not expr.free_symbols:
+        return False
+    try:
+        num, den = sympy.fraction(expr)
+        if den == 1:
+            return False
+        common = sympy.gcd(num, den)
+        return bool(common.free_symbols) or bool(common.is_number and abs(common) not in (0, 1))
+    except Exception:  # no polynomial gcd (a function, a radical): nothing this check can say
+        return False
 
 
 def main() -> None:
@@ -44,7 +66,7 @@ def main() -> None:
     for line in sys.stdin:
         try:
             request = json.loads(line)
-            reply = {"ok": _check(parse, verify, request["pred"], request["ref"])}
+            reply = {"ok": _check(parse, verify, request["pred"], request["ref"], request.get("reduced", False))}
         except Exception as e:  # reported to the caller, who raises it
             reply = {"error": f"{type(e).__name__}: {e}"}
         out.write(json.dumps(reply) + "\n")
