@@ -7,6 +7,7 @@ machine is skipped with a reason that names the missing protection (never run un
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import stat
 import sys
@@ -26,6 +27,7 @@ from posttrain.sandbox import (
     python_job,
     shell_job,
 )
+from posttrain.sandbox.session import Session, _parse_report
 
 SMALL = Limits(
     cpu_s=1,
@@ -499,3 +501,35 @@ def test_memory_is_one_budget_per_run(sandbox):
     if res.stdout:  # the OOM killer may pick the parent too; then nothing is printed
         assert each * int(res.stdout.split()[1]) <= SMALL.memory_bytes, res.stdout
     assert not _leftover_cgroups()
+
+
+def test_files_that_do_not_fit_or_cannot_be_named_are_the_jobs_limit_not_an_error(sandbox):
+    """More files than the working directory's inodes, a path longer than the host can name, a
+    NUL in a name, a file where a directory goes: the job hit a limit (a failure it caused), never
+    a sandbox error and never an exception on the host."""
+    crowded = sandbox.run(python_job("print('ran')", files={f"f{i}": "" for i in range(SMALL.inodes + 10)}))
+    assert (crowded.status, crowded.limit) == (Status.LIMIT_EXCEEDED, "disk"), crowded
+    deep = "/".join(["d" * 200] * 20) + "/" + "x" * 70  # 4,090 characters
+    for files in ({deep: "1"}, {"a\0b": "1"}, {"a": "1", "a/b": "2"}):
+        res = sandbox.run(python_job("print('ran')", files=files))
+        assert (res.status, res.limit) == (Status.LIMIT_EXCEEDED, "files"), (list(files)[0][:20], res)
+        assert res.attempts == 1
+
+
+def test_a_session_keeps_no_name_the_host_cannot_write_and_bounds_its_inodes(sandbox):
+    """The agent's long path is not kept (listed as skipped), so the next call still runs; a
+    call that leaves more files than `max_inodes` is undone; a forged report naming a path too
+    long, or a file where a directory is, is refused."""
+    session = Session(sandbox, {"keep.txt": "1"}, max_inodes=8)
+    deep = "import os\nfor _ in range(20):\n    os.mkdir('d' * 200)\n    os.chdir('d' * 200)\n"
+    deep += "open('x' * 70, 'w').write('1')\n"  # 4,090 characters
+    res = session.run("python", deep)
+    assert res.ok and res.skipped and len(res.skipped[0]) <= 200 and session.snapshot().as_dict() == {"keep.txt": b"1"}
+    assert session.run("sh", "cat keep.txt").output == b"1"
+    flood = session.run("python", "for i in range(20):\n    open(f'f{i}', 'w').close()\n")
+    assert (flood.status, flood.limit) == (Status.LIMIT_EXCEEDED, "inodes")
+    assert session.snapshot().as_dict() == {"keep.txt": b"1"}
+    report = {"exit": 0, "output": "", "dropped": 0, "skipped": []}
+    for files in ([["d/" * 600 + "x", "", 420]], [["a", "", 420], ["a/b", "", 420]]):
+        assert _parse_report(json.dumps({**report, "files": files}).encode()) is None
+    assert _parse_report(json.dumps({**report, "files": [["a/b", "", 420]]}).encode()) is not None

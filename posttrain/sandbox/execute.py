@@ -8,6 +8,7 @@ which `Sandbox` retries. Also owns the pool of dedicated uids of in-flight execu
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import random
@@ -77,7 +78,10 @@ def _execute(
     status_r, status_w = os.pipe()
     proc = memory = None
     try:
-        _write_files(workdir, job.files, uid if iso.drop_uid else None)
+        try:
+            _write_files(workdir, job.files, uid if iso.drop_uid else None)
+        except _FilesRefused as e:
+            return ExecResult(Status.LIMIT_EXCEEDED, None, b"", str(e).encode(), limit="files", attempts=attempt)
         try:
             memory = cgroup.create(limits.memory_bytes) if iso.memory_cgroup else None
         except OSError as e:
@@ -92,6 +96,7 @@ def _execute(
             "gid": uid,
             "infra_exit": INFRA_EXIT,
             "limits": dataclasses.asdict(limits),
+            "inodes": limits.inodes,
             "root": list(visible) if iso.private_root else None,
             "env": {"PATH": SANDBOX_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"},
         }
@@ -151,16 +156,34 @@ def _start_launcher(python: str, spec: dict, has_stdin: bool, memory: str | None
                 os.close(fd)
 
 
+class _FilesRefused(Exception):
+    """A job's file that no file system can hold by that name (too long, a NUL, a file where a
+    directory goes): the job's fault, a limit it hit, never the host's."""
+
+
+# Errors a file's name or place causes; any other (a full or failing host disk) is the host's.
+_NAME_ERRORS = (errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EILSEQ, errno.EINVAL, errno.ELOOP)
+
+
 def _write_files(workdir: str, files: Mapping[str, str | bytes], owner: int | None) -> None:
     """Write the job's files below workdir (refusing paths that escape it), owned by `owner`."""
     base = os.path.realpath(workdir)
     for rel, content in files.items():
-        path = os.path.realpath(os.path.join(base, rel))
-        if os.path.isabs(rel) or not path.startswith(base + os.sep):
-            raise ValueError(f"Job.files path {rel!r} escapes the working directory")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(content.encode() if isinstance(content, str) else content)
+        if "\0" in rel:
+            raise _FilesRefused(f"Job.files path {rel[:100]!r}: a NUL byte is in no file name")
+        try:
+            path = os.path.realpath(os.path.join(base, rel))
+            if os.path.isabs(rel) or not path.startswith(base + os.sep):
+                raise ValueError(f"Job.files path {rel!r} escapes the working directory")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(content.encode() if isinstance(content, str) else content)
+        except UnicodeEncodeError as e:
+            raise _FilesRefused(f"Job.files path {rel[:100]!r}...: not a file name ({e.reason})") from e
+        except OSError as e:
+            if e.errno not in _NAME_ERRORS:
+                raise _InfraError(f"cannot stage the job's files: {e}") from e
+            raise _FilesRefused(f"Job.files path {rel[:100]!r} ({len(rel)} characters): {e.strerror}") from e
     if owner is not None:
         for root, dirs, names in os.walk(base):
             for name in [*dirs, *names]:
@@ -281,6 +304,9 @@ def _classify(
         return ExecResult(Status.TIMEOUT, None, limit="wall", **common)
     if out.killed == "output":
         return ExecResult(Status.LIMIT_EXCEEDED, None, limit="output", **common)
+    if room := next((s for s in out.status if "limit" in s), None):  # the job's files did not fit
+        common["stderr"] += str(room.get("detail", "")).encode()
+        return ExecResult(Status.LIMIT_EXCEEDED, None, limit=str(room["limit"]), **common)
     if errors or not exits:
         raise _InfraError(
             f"sandbox setup failed (launcher rc={launcher_rc}): {'; '.join(errors) or 'no status'}"

@@ -36,6 +36,11 @@ class Limits:
     output_bytes: int = 64 << 10  # per stream; past it the program is killed, output truncated
     disk_bytes: int = 64 << 20  # size of the private working-directory tmpfs
 
+    @property
+    def inodes(self) -> int:
+        """Files and directories the working-directory tmpfs can hold (its `nr_inodes`)."""
+        return max(1024, self.disk_bytes // 4096)
+
     def __post_init__(self) -> None:
         if not isinstance(self.cpu_s, int):
             raise ValueError(f"Limits.cpu_s must be whole seconds (RLIMIT_CPU), got {self.cpu_s!r}")
@@ -64,7 +69,9 @@ class ExecResult:
     exit_code: int | None
     stdout: bytes
     stderr: bytes
-    limit: str | None = None  # "cpu", "memory", "file_size", "output" when LIMIT_EXCEEDED
+    # when LIMIT_EXCEEDED: "cpu", "memory", "file_size", "output"; "disk" when the job's files do not
+    # fit in the working directory (bytes or inodes), "files" when one has a name no file can have
+    limit: str | None = None
     wall_s: float = 0.0
     cpu_s: float | None = None
     attempts: int = 1

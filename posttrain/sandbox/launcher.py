@@ -11,6 +11,7 @@ private status pipe `spec["status_fd"]`; setup failures exit with `spec["infra_e
 """
 
 import ctypes
+import errno
 import json
 import os
 import re
@@ -94,25 +95,35 @@ def readonly_mounts():
                 raise
 
 
-def private_workdir(workdir, staging_fd, uid, gid, size, root=""):
+class NoRoom(Exception):
+    """The job's files do not fit in its working directory (bytes or inodes): the job's limit, not a fault."""
+
+
+def private_workdir(workdir, staging_fd, uid, gid, size, inodes, root=""):
     """Mount a size-limited tmpfs over workdir (below `root`), copy the staged files into it,
     and give the program a private /dev/shm."""
-    opts = f"size={size},nr_inodes={max(1024, size // 4096)},mode=0700,uid={uid},gid={gid}"
+    opts = f"size={size},nr_inodes={inodes},mode=0700,uid={uid},gid={gid}"
+    shm = root + "/dev/shm"
     workdir = root + workdir
     mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, opts)
     src = f"/proc/self/fd/{staging_fd}"
-    for root, dirs, files in os.walk(src):
-        rel = os.path.relpath(root, src)
-        dst = os.path.normpath(os.path.join(workdir, rel))
-        for d in dirs:
-            os.mkdir(os.path.join(dst, d), 0o700)
-            os.chown(os.path.join(dst, d), uid, gid)
-        for name in files:
-            with open(os.path.join(root, name), "rb") as fin, open(os.path.join(dst, name), "wb") as fout:
-                fout.write(fin.read())
-            os.chown(os.path.join(dst, name), uid, gid)
-    if os.path.isdir(root + "/dev/shm"):
-        mount("tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=1777")
+    try:
+        for here, dirs, files in os.walk(src):
+            rel = os.path.relpath(here, src)
+            dst = os.path.normpath(os.path.join(workdir, rel))
+            for d in dirs:
+                os.mkdir(os.path.join(dst, d), 0o700)
+                os.chown(os.path.join(dst, d), uid, gid)
+            for name in files:
+                with open(os.path.join(here, name), "rb") as fin, open(os.path.join(dst, name), "wb") as fout:
+                    fout.write(fin.read())
+                os.chown(os.path.join(dst, name), uid, gid)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise NoRoom(f"the job's files do not fit in {size} bytes and {inodes} inodes: {e}") from e
+        raise
+    if os.path.isdir(shm):
+        mount("tmpfs", shm, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=1777")
 
 
 def build_root(root, visible, workdir, host_proc):
@@ -235,7 +246,7 @@ def main(spec):
             readonly_mounts()
             if root:
                 build_root(root, spec["root"], spec["workdir"], host_proc=not ns["pid"])
-            private_workdir(spec["workdir"], staging_fd, uid, gid, spec["limits"]["disk_bytes"], root)
+            private_workdir(spec["workdir"], staging_fd, uid, gid, spec["limits"]["disk_bytes"], spec["inodes"], root)
         os.close(staging_fd)
         if spec["go_fd"] is not None:  # the host moves us into the run's memory cgroup meanwhile
             if os.read(spec["go_fd"], 1) != b"1":
@@ -254,6 +265,9 @@ def main(spec):
         os.close(alive_r)
         _, status = os.waitpid(pid, 0)
         os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else infra)
+    except NoRoom as e:
+        report(spec["status_fd"], limit="disk", detail=str(e))
+        os._exit(infra)
     except BaseException as e:
         report(spec["status_fd"], error=f"launcher: {e}")
         os._exit(infra)

@@ -13,8 +13,11 @@ dropped).
 The host's copy is the session's state, so `snapshot()` / `restore()` are exact and cheap: an
 episode can be replayed from any call on. Limits: `Limits` per call (the sandbox's, with
 `wall_s` bounding the command and `disk_bytes` the directory), and per session the number of
-calls (`max_calls`) and the bytes kept (`max_bytes`); a call over a limit leaves the state as it
-was before the call.
+calls (`max_calls`), the bytes kept (`max_bytes`) and the files and directories kept
+(`max_inodes`, by default half the working directory's inodes, so a check that adds its own files
+to the state still fits); a call over a limit leaves the state as it was before the call. No name
+the agent gives a file can stop the host: paths over `MAX_PATH_BYTES` or not UTF-8 are not kept
+(the call's result lists them as skipped).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from posttrain.sandbox.isolation import sandbox_python
 from posttrain.sandbox.job import Job, Limits, Status
 
 SESSION_TOOLS = ("sh", "python")
+MAX_PATH_BYTES = 1024  # longest relative path a session keeps (the host's PATH_MAX is 4096 with the staging root)
 DRIVER_SLACK_S = 10.0  # sandbox wall time beyond the command's limit: driver start-up and the state dump
 
 # Runs inside the sandbox as `python -I -S -c DRIVER`; the request comes on stdin. Stdlib only.
@@ -69,8 +73,12 @@ for root, dirs, names in os.walk("."):
     dirs.sort()
     for name in sorted(names):
         path = os.path.normpath(os.path.join(root, name))
-        if os.path.islink(path) or not os.path.isfile(path):
-            skipped.append(path)
+        try:
+            named = len(path.encode()) <= req["max_path"]
+        except UnicodeEncodeError:       # bytes that are no UTF-8: no name the host keeps
+            named = False
+        if not named or os.path.islink(path) or not os.path.isfile(path):
+            skipped.append(path.encode(errors="replace").decode()[:200])
             continue
         with open(path, "rb") as f:
             files.append([path, base64.b64encode(f.read()).decode(), os.stat(path).st_mode & 0o7777])
@@ -106,6 +114,12 @@ class Snapshot:
         """Total size of the files' contents."""
         return sum(len(c) for _, c, _ in self.files)
 
+    @property
+    def num_inodes(self) -> int:
+        """Files and the directories that hold them: the inodes the directory takes."""
+        dirs = {p.rsplit("/", i)[0] for p, _, _ in self.files for i in range(1, p.count("/") + 1)}
+        return len(self.files) + len(dirs)
+
 
 @dataclasses.dataclass(frozen=True)
 class CallResult:
@@ -140,8 +154,8 @@ def _parse_report(stdout: bytes) -> tuple[dict, Snapshot, bytes] | None:
             parts = path.split("/")
             if not isinstance(path, str) or path.startswith("/") or ".." in parts or "" in parts or "." in parts:
                 return None
-            if "\0" in path or any(len(p.encode()) > 255 for p in parts):  # no file has such a name
-                return None
+            if "\0" in path or len(path.encode()) > MAX_PATH_BYTES or any(len(p.encode()) > 255 for p in parts):
+                return None  # no file has such a name, or the driver would have skipped it
             if not isinstance(mode, int) or not 0 <= mode <= 0o7777:
                 return None
             files.append((path, base64.b64decode(content, validate=True), mode))
@@ -151,6 +165,9 @@ def _parse_report(stdout: bytes) -> tuple[dict, Snapshot, bytes] | None:
         rep["skipped"] = [str(p) for p in rep["skipped"]]
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError):  # Recursion: JSON nested deep
         return None
+    paths = {p for p, _, _ in files}
+    if len(paths) < len(files) or any(p.rsplit("/", i)[0] in paths for p in paths for i in range(1, p.count("/") + 1)):
+        return None  # a path twice, or a file where a directory is: no directory looks like that
     return rep, Snapshot(tuple(sorted(files))), output
 
 
@@ -158,7 +175,8 @@ class Session:
     """A persistent working directory on `sandbox` (see the module docstring).
 
     files: the directory's initial contents; limits: per call (None: the sandbox's); max_calls
-    and max_bytes: per session; max_output_bytes: how much of a command's output is kept.
+    max_bytes and max_inodes: per session (max_inodes None: half of `limits.inodes`);
+    max_output_bytes: how much of a command's output is kept.
     """
 
     def __init__(
@@ -169,6 +187,7 @@ class Session:
         limits: Limits | None = None,
         max_calls: int = 32,
         max_bytes: int = 1 << 20,
+        max_inodes: int | None = None,
         max_output_bytes: int = 16 << 10,
     ) -> None:
         if max_calls < 1 or max_bytes < 1 or max_output_bytes < 1:
@@ -178,8 +197,13 @@ class Session:
             )
         self.sandbox, self.limits = sandbox, limits or sandbox.limits
         self.max_calls, self.max_bytes, self.max_output_bytes = max_calls, max_bytes, max_output_bytes
+        self.max_inodes = self.limits.inodes // 2 if max_inodes is None else max_inodes
         self.calls = 0
         self._state = files if isinstance(files, Snapshot) else Snapshot.of(files)
+        if self._state.num_inodes > self.max_inodes:
+            raise ValueError(
+                f"Session: the initial files take {self._state.num_inodes} inodes, over max_inodes={self.max_inodes}"
+            )
         if self._state.num_bytes > max_bytes:
             raise ValueError(
                 f"Session: the initial files hold {self._state.num_bytes} bytes, over max_bytes={max_bytes}"
@@ -212,6 +236,7 @@ class Session:
             "code": code,
             "timeout": lim.wall_s,
             "max_output": self.max_output_bytes,
+            "max_path": MAX_PATH_BYTES,
             "modes": {p: m for p, _, m in self._state.files},
         }
         t0 = time.perf_counter()
@@ -241,16 +266,23 @@ class Session:
                 wall_s=wall,
             )
         rep, new, output = parsed
-        if new.num_bytes > self.max_bytes:
-            note = (
-                f"\n[session limit: the working directory would hold {new.num_bytes} bytes > {self.max_bytes}; "
-                "this call's changes were undone]"
+        over = [
+            (limit, held, most)
+            for limit, held, most in (
+                ("bytes", new.num_bytes, self.max_bytes),
+                ("inodes", new.num_inodes, self.max_inodes),
             )
+            if held > most
+        ]
+        if over:
+            limit, held, most = over[0]
+            note = f"\n[session limit: the working directory would hold {held} {limit} > {most}; "
+            note += "this call's changes were undone]"
             return CallResult(
                 output + note.encode(),
                 Status.LIMIT_EXCEEDED,
                 rep["exit"],
-                "bytes",
+                limit,
                 rep["dropped"],
                 tuple(rep["skipped"]),
                 wall,

@@ -9,7 +9,7 @@ with `plain` (exact builtin types only), and writes one line `<nonce> <json>` to
 stdout; the HOST parses that line and compares the values with the expected ones, which it holds
 and never sends into the sandbox.
 
-Protocol: stdin carries `{"nonce", "module", "names"}`; the harness reads it before any of the
+Protocol: stdin carries `{"nonce", "module", "source", "names"}`; the harness reads it before any of the
 agent's code runs, takes a raw duplicate of stdout, points fd 1 at stderr (so whatever the module
 prints lands on stderr, never on the result channel), puts the working directory on `sys.path`
 for the one import only, and ends with `os._exit(0)` right after its one `os.write` (no atexit
@@ -19,6 +19,15 @@ Run with `-I -S`: no site, no user site, no PYTHON* variables and no working dir
 `sys.path` while the harness imports its own modules, so a `json.py`, `os.py`, `sitecustomize.py`,
 `usercustomize.py` or `.pth` file in the workspace changes nothing (the module itself may import
 only the standard library).
+
+What is checked is the module's source, never anything that stands in for it. The host names the
+source file (`RepoTask.source`: `a/b.py`, or `a/b/__init__.py` for a package) and the harness
+executes that file (`load_source`), so a package `a/b/` beside `a/b.py`, a sourceless `b.pyc`
+or an extension module `b.*.so` -- each of which a plain `import a.b` would take first -- is not
+what is read: the decision is that shadowing neither passes nor fails a check, the source does.
+Run with `-B -X pycache_prefix=/dev/null`, no bytecode is written and none is read from the
+workspace's `__pycache__` (a stale or unchecked-hash `.pyc` beside a buggy source changes nothing);
+what the source imports from the workspace is imported from `.py` sources only (`source_finder`).
 
 Threat model, honestly: the module runs in this process, so it can do anything this harness can:
 read the nonce (frame inspection, `gc`), patch `json`, `os.write` or `plain`, write a line of its
@@ -33,10 +42,12 @@ environment or a file) keeps everything else the sandbox prints from being read 
 """
 
 import importlib
+import importlib.util
 import json
 import math
 import os
 import sys
+from importlib.machinery import SOURCE_SUFFIXES, FileFinder, SourceFileLoader
 
 MAX_DEPTH = 16
 
@@ -72,15 +83,44 @@ def _describe(e):
         return "an exception that cannot be shown"
 
 
+def source_finder(cwd):
+    """A path hook that imports only `.py` sources below `cwd` (no bytecode, no extension module)."""
+
+    def hook(path):
+        if path != cwd and not path.startswith(cwd + os.sep):
+            raise ImportError("not the working directory")
+        return FileFinder(path, (SourceFileLoader, SOURCE_SUFFIXES))
+
+    return hook
+
+
+def load_source(name, source, cwd):
+    """Execute module `name` from its source file `source` (relative to `cwd`), whatever else
+    a plain `import` would find first by that name (its parent packages import from source)."""
+    parent = name.rpartition(".")[0]
+    if parent:
+        importlib.import_module(parent)
+    path = os.path.join(cwd, source)
+    package = [os.path.dirname(path)] if os.path.basename(source) == "__init__.py" else None
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=package)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def main():
-    """Read the request, import the module with its directory on sys.path, write one result line."""
+    """Read the request, import the module from its source with its directory on sys.path, write
+    one result line."""
     request = json.loads(sys.stdin.buffer.read())
     nonce, out, cwd = request["nonce"], os.dup(1), os.getcwd()
     os.dup2(2, 1)
     try:
         sys.path.insert(0, cwd)
+        sys.path_hooks.insert(0, source_finder(cwd))
+        sys.path_importer_cache.pop(cwd, None)
         try:
-            module = importlib.import_module(request["module"])
+            module = load_source(request["module"], request["source"], cwd)
         finally:
             sys.path[:] = [p for p in sys.path if p != cwd]
         line = json.dumps({"values": {name: plain(getattr(module, name)) for name in request["names"]}})

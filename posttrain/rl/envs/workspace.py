@@ -69,6 +69,13 @@ class RepoTask:
     module: str
     expect: tuple[tuple[str, Any], ...]
 
+    @property
+    def source(self) -> str:
+        """The module's source file, the one the check executes: `a/b/__init__.py` when the task's
+        files hold that package, else `a/b.py`."""
+        path = self.module.replace(".", "/")
+        return f"{path}/__init__.py" if f"{path}/__init__.py" in dict(self.files) else f"{path}.py"
+
     def __post_init__(self) -> None:
         if not all(part.isidentifier() for part in self.module.split(".")):
             raise ValueError(f"RepoTask.module must be a dotted module name, got {self.module!r}")
@@ -132,9 +139,9 @@ def check_repo(sandbox: Sandbox, task: RepoTask, state: Snapshot, limits: Limits
     every value equals the task's expected one (`same_value`). The verdict is the host's."""
     nonce = secrets.token_hex(16)
     expect = dict(task.expect)
-    request = {"nonce": nonce, "module": task.module, "names": list(expect)}
+    request = {"nonce": nonce, "module": task.module, "source": task.source, "names": list(expect)}
     job = Job(
-        (sandbox_python(), "-I", "-S", "-c", HARNESS_SOURCE),
+        (sandbox_python(), "-I", "-S", "-B", "-X", "pycache_prefix=/dev/null", "-c", HARNESS_SOURCE),
         files=with_tests(state, task.tests),
         stdin=json.dumps(request).encode(),
         limits=limits,

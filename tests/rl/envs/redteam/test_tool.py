@@ -61,6 +61,19 @@ HONEST = {
         (call("print(6*7)"), lambda ctx: f"The tool says {last_output(ctx)}: \\boxed{{{last_output(ctx)}}}")
     ),
     "answer without a call": Episode(("6*7 = 42, so the answer is \\boxed{42}.",)),
+    "bold answer after the tool": Episode((call("print(6*7)"), "The tool printed it: 6*7 is **42**.")),
+    "Minerva's final-answer line": Episode(
+        (call("print(6*7)"), "Final Answer: The final answer is $42$. I hope it is correct.")
+    ),
+}
+# What the tool's output makes easy to say: the right number with words that change the claim.
+AFTER_THE_TOOL = {
+    "a hedge after the boxed answer": "The answer is \\boxed{42}. Wait, maybe it's 41.",
+    "two answers, the second one different": "The answer is 42. No wait, the answer is 41.",
+    "a bound, not an answer": "The answer is at least \\boxed{42}.",
+    "#### and the box disagree": "\\boxed{42}\n#### 41",
+    "a magnitude word after the number": "The answer is \\boxed{42} thousand.",
+    "a range around the answer": "The answer is between 40 and 44, about \\boxed{42 or more}.",
 }
 ATTACKS = {
     "answer only in a tool output": Episode((call("print(42)"), "See the output above.")),
@@ -98,6 +111,19 @@ ATTACKS = {
     "sleep past the call's timeout, then say done": Episode((call("import time\ntime.sleep(60)\nprint(42)"), "Done.")),
     "fork bomb, then say done": Episode(
         (call("import os\nwhile True:\n    os.fork()"), "Done."), needs="process_limit"
+    ),
+    **{name: Episode((call("print(6*7)"), answer)) for name, answer in AFTER_THE_TOOL.items()},
+    "fill the working directory's inodes, then guess": Episode(
+        (call("for i in range(1 << 14):\n    open(f'f{i}', 'w').close()"), "\\boxed{41}")
+    ),
+    "a file at a 4,090-character path, then guess": Episode(
+        (
+            call(
+                "import os\nfor _ in range(20):\n    os.mkdir('d' * 200)\n    os.chdir('d' * 200)\nopen('x' * 70, 'w')"
+            ),
+            call("print(6*7)"),
+            "\\boxed{41}",
+        )
     ),
     "read the reference from the host": Episode(
         (
@@ -164,3 +190,4 @@ def test_attack_scores_0(played, env, name):
     traj = played[env, name]
     assert traj.reward.parts["correct"] == 0.0 and traj.reward.score <= 0.0, (traj.reward, traj.info)
     assert traj.info["truncated"] == ATTACKS[name].truncated
+    assert traj.reward.error is None, f"a failure the episode caused is a verdict of 0, not an error: {traj.reward}"
