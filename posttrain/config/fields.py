@@ -21,7 +21,7 @@ import operator
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 from posttrain.errors import UserError
 
@@ -131,6 +131,12 @@ class Section:
 
     def check_rules(self) -> None:
         """The section's rules across fields: raise a UserError naming the key (none by default)."""
+
+    def refuse(self, name: str, why: str) -> NoReturn:
+        """Raise the UserError of field `name` (dotted below this section, "vision.image_token_id"),
+        naming its key: "config.<key>=<its value>" then `why` as written (": expected …", " must …")."""
+        key = join(self.KEY, name)
+        raise UserError(f"config.{key}={functools.reduce(getattr, name.split('.'), self)!r}{why}", key=key)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], key: str | None = None):

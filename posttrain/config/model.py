@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 from posttrain.config.fields import Section, bounded, choice, flag, free, nested, section
-from posttrain.errors import UserError
 
 ATTENTION_KERNELS = ("xla", "blockwise", "cudnn", "splash")  # models.attention
 ROPE_SCALINGS = ("", "linear", "dynamic", "yarn", "llama3")  # models.attention.rope_frequencies
@@ -62,10 +61,9 @@ class RopeScalingConfig(Section):
     def check_rules(self) -> None:
         """The scalings that extend a pre-training context need its length."""
         if self.type in _NEEDS_ORIGINAL_CONTEXT and self.original_max_position_embeddings <= 0:
-            raise UserError(
-                f"config.{self.KEY}.original_max_position_embeddings={self.original_max_position_embeddings}: "
-                f"rope_scaling.type={self.type!r} needs the pre-training context length",
-                key=f"{self.KEY}.original_max_position_embeddings",
+            self.refuse(
+                "original_max_position_embeddings",
+                f": rope_scaling.type={self.type!r} needs the pre-training context length",
             )
 
 
@@ -99,15 +97,12 @@ class MoEConfig(Section):
     def check_rules(self) -> None:
         """A token picks at most every expert."""
         if self.num_experts and self.top_k > self.num_experts:
-            raise UserError(
-                f"config.{self.KEY}.top_k={self.top_k}: expected <= {self.KEY}.num_experts={self.num_experts}",
-                key=f"{self.KEY}.top_k",
-            )
+            self.refuse("top_k", f": expected <= {self.KEY}.num_experts={self.num_experts}")
         if self.routing_replay != "off" and not self.num_experts:
-            raise UserError(
-                f"config.{self.KEY}.routing_replay={self.routing_replay!r} needs a Mixture-of-Experts model: "
+            self.refuse(
+                "routing_replay",
+                " needs a Mixture-of-Experts model: "
                 f"{self.KEY}.num_experts=0 (dense) has no routing to replay; set routing_replay='off'",
-                key=f"{self.KEY}.routing_replay",
             )
 
 
@@ -142,37 +137,24 @@ class VisionConfig(Section):
         """Patches tile the image exactly; the tower's heads split its width; one mean and one
         nonzero std per RGB channel; normalisation only where the tower applies it."""
         if self.vit_width % self.vit_heads:
-            raise UserError(
-                f"config.{self.KEY}.vit_heads={self.vit_heads} must divide {self.KEY}.vit_width={self.vit_width}",
-                key=f"{self.KEY}.vit_heads",
-            )
+            self.refuse("vit_heads", f" must divide {self.KEY}.vit_width={self.vit_width}")
         for name in ("image_mean", "image_std"):
             value = tuple(getattr(self, name))
             if len(value) != 3 or (name == "image_std" and 0 in value):
-                raise UserError(
-                    f"config.{self.KEY}.{name}={value}: expected 3 values (R, G, B)"
-                    + (", none zero" if name == "image_std" else ""),
-                    key=f"{self.KEY}.{name}",
-                )
+                self.refuse(name, ": expected 3 values (R, G, B)" + (", none zero" if name == "image_std" else ""))
             default = (0.0,) * 3 if name == "image_mean" else (1.0,) * 3
             if self.encoder != "vit" and value != default:
-                raise UserError(
-                    f"config.{self.KEY}.{name}={value}: only encoder='vit' normalises pixels; "
-                    f"leave it at {default} for encoder={self.encoder!r}",
-                    key=f"{self.KEY}.{name}",
+                self.refuse(
+                    name, f": only encoder='vit' normalises pixels; leave it at {default} for encoder={self.encoder!r}"
                 )
         if self.patch_positions and self.encoder != "linear":
-            raise UserError(
-                f"config.{self.KEY}.patch_positions=True: read only with encoder='linear' (got "
-                f"{self.encoder!r}; the vit tower has its own position embedding)",
-                key=f"{self.KEY}.patch_positions",
+            self.refuse(
+                "patch_positions",
+                f": read only with encoder='linear' (got {self.encoder!r}; "
+                "the vit tower has its own position embedding)",
             )
         if self.image_size % self.patch_size:
-            raise UserError(
-                f"config.{self.KEY}.patch_size={self.patch_size} must divide {self.KEY}.image_size="
-                f"{self.image_size} (whole patches)",
-                key=f"{self.KEY}.patch_size",
-            )
+            self.refuse("patch_size", f" must divide {self.KEY}.image_size={self.image_size} (whole patches)")
 
 
 @section
@@ -207,14 +189,9 @@ class ModelConfig(Section):
         """Grouped-query attention: each KV head serves a whole number of query heads; the image
         placeholder is a token of the vocabulary."""
         if self.vision.encoder != "none" and self.vision.image_token_id >= self.vocab_size:
-            raise UserError(
-                f"config.{self.KEY}.vision.image_token_id={self.vision.image_token_id}: expected < "
-                f"{self.KEY}.vocab_size={self.vocab_size} (the placeholder is looked up like any token)",
-                key=f"{self.KEY}.vision.image_token_id",
+            self.refuse(
+                "vision.image_token_id",
+                f": expected < {self.KEY}.vocab_size={self.vocab_size} (the placeholder is looked up like any token)",
             )
         if self.num_heads % self.num_kv_heads:
-            raise UserError(
-                f"config.{self.KEY}.num_kv_heads={self.num_kv_heads} must divide {self.KEY}.num_heads="
-                f"{self.num_heads} (grouped-query attention)",
-                key=f"{self.KEY}.num_kv_heads",
-            )
+            self.refuse("num_kv_heads", f" must divide {self.KEY}.num_heads={self.num_heads} (grouped-query attention)")

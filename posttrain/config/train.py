@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from posttrain.config.fields import Section, bounded, choice, default, flag, free, nested, parsed, section
 from posttrain.config.syntax import gate_syntax, parse_ints, parse_renames, parse_steps
-from posttrain.errors import UserError
 
 OPTIMIZERS = ("adamw", "adafactor")  # core.optim
 MOMENT_DTYPES = ("", "float32", "bfloat16")  # core.optim; "": the parameters' dtype
@@ -73,10 +72,10 @@ class OptimConfig(Section):
             for key in keys if self.name != owner else ():
                 value, value_default = getattr(self, key), default(fields[key])
                 if value != value_default:
-                    raise UserError(
-                        f"config.{self.KEY}.{key}={value!r} applies to {self.KEY}.name={owner!r} only; "
+                    self.refuse(
+                        key,
+                        f" applies to {self.KEY}.name={owner!r} only; "
                         f"{self.KEY}.name={self.name!r} does not read it (leave it {value_default!r})",
-                        key=f"{self.KEY}.{key}",
                     )
 
 

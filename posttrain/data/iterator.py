@@ -4,7 +4,7 @@ read position, then packing and batching, both in `get_state`; this process's sl
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Required, TypedDict
 
 import grain
 import numpy as np
@@ -257,56 +257,53 @@ def load_fn(make: Callable[[dict, str], dict], fit: Fit) -> Callable[[RawLine], 
     return load
 
 
-def batch_iterator(
+class Reading(TypedDict, total=False):
+    """How a pipeline reads its files into batches, whatever it makes of the records
+    (`pipeline_iterator`'s defaults): `batch_size` (global rows) and shuffle `seed` (both
+    required), `on_error` "raise" or "skip" bad records, `epochs` (None: forever), `shuffle`, this
+    process's slice `process_index` of `process_count` (None: jax's) and `read_threads`."""
+
+    batch_size: Required[int]
+    seed: Required[int]
+    on_error: str
+    epochs: int | None
+    shuffle: bool
+    process_index: int | None
+    process_count: int | None
+    read_threads: int
+
+
+def pipeline_iterator(
+    kind: str,
     paths: str | Sequence[str],
+    tok: Tokenizer,
     make: Callable[[dict, str], dict],
     fit: Fit,
-    batcher: Batcher,
+    batcher: Callable[[int], Batcher],
     *,
-    on_error: str,
-    read_threads: int,
-    config: dict,
+    batch_size: int,
+    seed: int,
+    fields: Mapping[str, str] | None,
+    on_error: str = "raise",
+    epochs: int | None = None,
+    shuffle: bool = True,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    read_threads: int = 1,
+    **shape,
 ) -> BatchIterator:
-    """Source → grain dataset → `BatchIterator`. `config` holds everything that determines the
-    batches (seed, shuffle, epochs, process slice, shapes, …); it is saved in the state."""
+    """Source → grain dataset → `BatchIterator` of pipeline `kind`: records made into examples by
+    `make(record, path)`, checked by `fit`, grouped by `batcher(rows per process)`. Everything that
+    determines the batches (seed, shuffle, epochs, process slice, `shape`, ...) is saved in the
+    state, with the process slice resolved."""
+    process_index, process_count = process_shard(process_index, process_count)
+    rows = rows_per_process(batch_size, process_count)
     SkipLog(on_error)  # validate on_error before reading anything
     source = JsonlSource(paths)
     ds = process_records(
-        source,
-        seed=config["seed"],
-        shuffle=config["shuffle"],
-        epochs=config["epochs"],
-        process_index=config["process_index"],
-        process_count=config["process_count"],
+        source, seed=seed, shuffle=shuffle, epochs=epochs, process_index=process_index, process_count=process_count
     )
-    fingerprint = {"files": source.paths, "records": source.file_lengths, **config}
-    return BatchIterator(
-        ds.map(load_fn(make, fit)),
-        batcher,
-        on_error=on_error,
-        fingerprint=fingerprint,
-        epoch_len=len(source) // config["process_count"],
-        read_threads=read_threads,
-    )
-
-
-def iterator_config(
-    kind: str,
-    tok: Tokenizer,
-    *,
-    seed: int,
-    shuffle: bool,
-    epochs: int | None,
-    process_index: int | None,
-    process_count: int | None,
-    batch_size: int,
-    fields: Mapping[str, str] | None,
-    **shape,
-) -> dict:
-    """The settings that fix a pipeline's batches, with the process slice resolved."""
-    process_index, process_count = process_shard(process_index, process_count)
-    rows_per_process(batch_size, process_count)
-    return {
+    config = {
         "kind": kind,
         "vocab_size": tok.vocab_size,
         "seed": seed,
@@ -318,3 +315,11 @@ def iterator_config(
         "fields": dict(fields or {}),
         **shape,
     }
+    return BatchIterator(
+        ds.map(load_fn(make, fit)),
+        batcher(rows),
+        on_error=on_error,
+        fingerprint={"files": source.paths, "records": source.file_lengths, **config},
+        epoch_len=len(source) // process_count,
+        read_threads=read_threads,
+    )

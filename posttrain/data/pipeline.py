@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from typing import Unpack
 
 import numpy as np
 
@@ -33,28 +34,21 @@ from posttrain.data.sources import DataError, read_jsonl
 from posttrain.data.tokenizer import Tokenizer
 
 __all__ = ["BatchIterator", "DataError", "preference_batches", "read_jsonl", "rl_prompt_batches", "sft_batches"]
-from posttrain.data.iterator import Batcher, BatchIterator, batch_iterator, iterator_config
+from posttrain.data.iterator import Batcher, BatchIterator, Reading, pipeline_iterator
 
 
 def sft_batches(
     paths: str | Sequence[str],
     tok: Tokenizer,
     *,
-    batch_size: int,
     seq_len: int,
-    seed: int,
     packing: bool = True,
-    on_error: str = "raise",
-    epochs: int | None = None,
     truncate: bool = False,
     fields: Mapping[str, str] | None = None,
-    shuffle: bool = True,
     open_rows: int = 8,
-    process_index: int | None = None,
-    process_count: int | None = None,
-    read_threads: int = 1,
     final_seq_len: int | None = None,
     images: ImageSpec | None = None,
+    **reading: Unpack[Reading],
 ) -> BatchIterator:
     """SFT batches in the train step's format (`inputs, targets, loss_mask, positions,
     segment_ids`, each `[batch_size // process_count, seq_len]` int32; with `images`, also
@@ -62,8 +56,9 @@ def sft_batches(
 
     `packing` puts several conversations in a row (first-fit over `open_rows` open rows);
     otherwise one per row. An example longer than `seq_len` is a bad record ("too long") unless
-    `truncate`, which keeps its first `seq_len` tokens and counts it in `truncated`. `epochs=None`
-    repeats forever; the last batch of finite data is filled with padding rows.
+    `truncate`, which keeps its first `seq_len` tokens and counts it in `truncated`. `reading`:
+    epochs, shuffle, process slice, ... (`data.iterator.Reading`); `epochs=None` repeats forever;
+    the last batch of finite data is filled with padding rows.
 
     `final_seq_len` (> seq_len) makes this an early stage of a staged-context run: "too long" and
     `truncate` apply at `final_seq_len`, and an example that fits it but not `seq_len` is deferred
@@ -75,41 +70,19 @@ def sft_batches(
     cut an image.
     """
     final = max(final_seq_len or seq_len, seq_len)
-    config = iterator_config(
-        "sft",
-        tok,
-        seed=seed,
-        shuffle=shuffle,
-        epochs=epochs,
-        process_index=process_index,
-        process_count=process_count,
-        batch_size=batch_size,
-        fields=fields,
-        seq_len=seq_len,
-        packing=packing,
-        open_rows=open_rows,
-        truncate=truncate,
-        **({"final_seq_len": final} if final != seq_len else {}),
-        **({"images": list(images)} if images is not None else {}),
-    )
-    rows = batch_size // config["process_count"]
-
     row = lambda examples: build_row(examples, seq_len, pad_id=tok.pad_id, images=images)
     empty = row([])
 
-    def collate(batch_rows: list[list[dict]]) -> dict[str, np.ndarray]:
-        return stack_rows([row(r) for r in batch_rows], rows, empty)
+    def batcher(rows: int) -> Batcher:
+        collate = lambda batch_rows: stack_rows([row(r) for r in batch_rows], rows, empty)
+        return Batcher(rows, collate, Packer(seq_len, open_rows=open_rows) if packing else None)
 
-    batcher = Batcher(rows, collate, Packer(seq_len, open_rows=open_rows) if packing else None)
-    return batch_iterator(
-        paths,
-        lambda r, path: sft_example(r, tok, fields=fields, images=images, path=path),
-        functools.partial(fit_example, seq_len=seq_len, final=final, truncate=truncate, images=images),
-        batcher,
-        on_error=on_error,
-        read_threads=read_threads,
-        config=config,
-    )
+    make = lambda r, path: sft_example(r, tok, fields=fields, images=images, path=path)
+    fit = functools.partial(fit_example, seq_len=seq_len, final=final, truncate=truncate, images=images)
+    shape = dict(seq_len=seq_len, packing=packing, open_rows=open_rows, truncate=truncate)
+    shape |= {"final_seq_len": final} if final != seq_len else {}
+    shape |= {"images": list(images)} if images is not None else {}
+    return pipeline_iterator("sft", paths, tok, make, fit, batcher, fields=fields, **shape, **reading)
 
 
 def fit_example(
@@ -154,35 +127,16 @@ def preference_batches(
     paths: str | Sequence[str],
     tok: Tokenizer,
     *,
-    batch_size: int,
     max_len: int,
-    seed: int,
-    on_error: str = "raise",
-    epochs: int | None = None,
     fields: Mapping[str, str] | None = None,
-    shuffle: bool = True,
-    process_index: int | None = None,
-    process_count: int | None = None,
-    read_threads: int = 1,
+    **reading: Unpack[Reading],
 ) -> BatchIterator:
     """Preference batches, one pair per row: `chosen_{inputs,targets,loss_mask,positions,
     segment_ids}` and `rejected_*`, each `[batch_size // process_count, max_len]` int32.
 
     A pair whose prompt + longer response exceeds `max_len` is a bad record ("too long").
+    `reading`: batch_size, seed, epochs, ... (`data.iterator.Reading`).
     """
-    config = iterator_config(
-        "preference",
-        tok,
-        seed=seed,
-        shuffle=shuffle,
-        epochs=epochs,
-        process_index=process_index,
-        process_count=process_count,
-        batch_size=batch_size,
-        fields=fields,
-        max_len=max_len,
-    )
-    rows = batch_size // config["process_count"]
 
     def fit(example: dict) -> tuple[dict | None, str | None, bool]:
         n = len(example["prompt"]) + max(len(example["chosen"]), len(example["rejected"]))
@@ -192,52 +146,28 @@ def preference_batches(
 
     empty = preference_row(None, max_len, tok.pad_id)
 
-    def collate(batch_rows: list[list[dict]]) -> dict[str, np.ndarray]:
-        return stack_rows([preference_row(r[0], max_len, tok.pad_id) for r in batch_rows], rows, empty)
+    def batcher(rows: int) -> Batcher:
+        return Batcher(
+            rows, lambda rs: stack_rows([preference_row(r[0], max_len, tok.pad_id) for r in rs], rows, empty)
+        )
 
-    return batch_iterator(
-        paths,
-        lambda r, path: preference_example(r, tok, fields=fields),
-        fit,
-        Batcher(rows, collate),
-        on_error=on_error,
-        read_threads=read_threads,
-        config=config,
-    )
+    make = lambda r, path: preference_example(r, tok, fields=fields)
+    return pipeline_iterator("preference", paths, tok, make, fit, batcher, fields=fields, max_len=max_len, **reading)
 
 
 def rl_prompt_batches(
     paths: str | Sequence[str],
     tok: Tokenizer,
     *,
-    batch_size: int,
-    seed: int,
-    on_error: str = "raise",
-    epochs: int | None = None,
     fields: Mapping[str, str] | None = None,
     max_prompt_len: int | None = None,
-    shuffle: bool = True,
-    process_index: int | None = None,
-    process_count: int | None = None,
-    read_threads: int = 1,
     images: ImageSpec | None = None,
+    **reading: Unpack[Reading],
 ) -> BatchIterator:
     """RL prompt batches: lists of `rl_prompt_example` dicts, `batch_size // process_count` each
     (the last batch of finite data may be shorter). A prompt over `max_prompt_len` tokens is a
-    bad record ("too long"). With `images`, image parts are read (each dict's `pixels`)."""
-    config = iterator_config(
-        "rl_prompts",
-        tok,
-        seed=seed,
-        shuffle=shuffle,
-        epochs=epochs,
-        process_index=process_index,
-        process_count=process_count,
-        batch_size=batch_size,
-        fields=fields,
-        max_prompt_len=max_prompt_len,
-        **({"images": list(images)} if images is not None else {}),
-    )
+    bad record ("too long"). With `images`, image parts are read (each dict's `pixels`).
+    `reading`: batch_size, seed, epochs, ... (`data.iterator.Reading`)."""
 
     def fit(example: dict) -> tuple[dict | None, str | None, bool]:
         n = len(example["prompt"])
@@ -245,15 +175,7 @@ def rl_prompt_batches(
             return None, f"too long: prompt of {n} tokens > max_prompt_len={max_prompt_len}", False
         return example, None, False
 
-    def collate(batch_rows: list[list[dict]]) -> list[dict]:
-        return [r[0] for r in batch_rows]
-
-    return batch_iterator(
-        paths,
-        lambda r, path: rl_prompt_example(r, tok, fields=fields, images=images, path=path),
-        fit,
-        Batcher(batch_size // config["process_count"], collate),
-        on_error=on_error,
-        read_threads=read_threads,
-        config=config,
-    )
+    make = lambda r, path: rl_prompt_example(r, tok, fields=fields, images=images, path=path)
+    batcher = lambda rows: Batcher(rows, lambda batch_rows: [r[0] for r in batch_rows])
+    shape = {"max_prompt_len": max_prompt_len} | ({"images": list(images)} if images is not None else {})
+    return pipeline_iterator("rl_prompts", paths, tok, make, fit, batcher, fields=fields, **shape, **reading)

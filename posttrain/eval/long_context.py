@@ -30,6 +30,7 @@ import hashlib
 import re
 import string
 from collections.abc import Callable
+from typing import TypedDict, Unpack
 
 import numpy as np
 
@@ -81,13 +82,40 @@ class Problem:
     response: str = ""  # a training answer that shows the work ("QZX>BDW4821"); "" = the answer
 
 
-def _rng(kind: str, split: str, seed: int, index: int, length: int, depth: float) -> np.random.Generator:
-    """A generator for one problem; split and kind are part of the seed namespace."""
+def byte_count(text: str) -> int:
+    """Tokens of `text` for a byte tokenizer: the default token counter."""
+    return len(text.encode())
+
+
+class Draw(TypedDict, total=False):
+    """Which problem of a kind, length and depth to draw (defaults in `_draw`): its `index`, `seed`
+    and `split` ("train" or "eval"), and `count`, the tokens of a text (default `byte_count`)."""
+
+    index: int
+    seed: int
+    split: str
+    count: Callable[[str], int]
+
+
+def _draw(
+    kind: str,
+    length: int,
+    depth: float,
+    hops: int = 1,
+    *,
+    index: int = 0,
+    seed: int = 0,
+    split: str = "eval",
+    count: Callable[[str], int] = byte_count,
+) -> tuple[np.random.Generator, str, Callable[[str], int]]:
+    """(a generator for one problem, its split, its token counter); split and kind are part of the
+    seed namespace. `hops`: facts per chain, at least 1."""
+    if hops < 1:
+        raise ValueError(f"hops={hops}: need at least 1")
     if kind not in KINDS or split not in SPLITS:
         raise ValueError(f"kind={kind!r}, split={split!r}: expected kind in {KINDS} and split in {SPLITS}")
-    return np.random.default_rng(
-        [KINDS.index(kind), SPLITS.index(split), seed, index, length, int(round(depth * 1000))]
-    )
+    rng = np.random.default_rng([KINDS.index(kind), SPLITS.index(split), seed, index, length, int(round(depth * 1000))])
+    return rng, split, count
 
 
 def names(rng: np.random.Generator, split: str, n: int) -> list[str]:
@@ -137,18 +165,10 @@ def place(
     return " ".join(pieces) + "\n" + question, achieved
 
 
-def needle(
-    length: int,
-    depth: float,
-    *,
-    index: int = 0,
-    seed: int = 0,
-    split: str = "eval",
-    count: Callable[[str], int] = lambda s: len(s.encode()),
-) -> Problem:
+def needle(length: int, depth: float, **draw: Unpack[Draw]) -> Problem:
     """One fact ("The magic number of X is N.") at fraction `depth` (0 = start, 1 = end) of a
     context of about `length` tokens, asked for at the end."""
-    rng = _rng("needle", split, seed, index, length, depth)
+    rng, split, count = _draw("needle", length, depth, **draw)
     target, *others = names(rng, split, 3)
     number = int(rng.integers(1000, 10000))
     fact = f"The magic number of {target} is {number}."
@@ -157,22 +177,11 @@ def needle(
     return Problem("needle", prompt, str(number), length, depth, achieved)
 
 
-def multihop(
-    length: int,
-    depth: float,
-    *,
-    hops: int = 3,
-    index: int = 0,
-    seed: int = 0,
-    split: str = "eval",
-    count: Callable[[str], int] = lambda s: len(s.encode()),
-) -> Problem:
+def multihop(length: int, depth: float, *, hops: int = 3, **draw: Unpack[Draw]) -> Problem:
     """A chain of `hops` facts — a base code, then each code the previous one plus or minus a
     small number — spread evenly from fraction `depth` to the end of the context; the question
     asks for the last code, so every fact must be found and combined."""
-    if hops < 1:
-        raise ValueError(f"hops={hops}: need at least 1")
-    rng = _rng("multihop", split, seed, index, length, depth)
+    rng, split, count = _draw("multihop", length, depth, hops, **draw)
     chain = names(rng, split, hops)
     value = int(rng.integers(10, 90))
     facts = [f"The code of {chain[0]} is {value}."]
@@ -214,15 +223,7 @@ def recall_facts(length: int) -> int:
 
 
 def recall_problems(
-    length: int,
-    depth: float,
-    *,
-    index: int = 0,
-    seed: int = 0,
-    split: str = "eval",
-    count: Callable[[str], int] = lambda s: len(s.encode()),
-    facts: int = 0,
-    kind: str = "recall",
+    length: int, depth: float, *, facts: int = 0, kind: str = "recall", **draw: Unpack[Draw]
 ) -> list[Problem]:
     """Key-value recall: `facts` ("KEY=1234.", default `recall_facts(length)`) in filler text, the
     first at fraction `depth`, the others at random depths; one Problem per fact, all with the same
@@ -230,7 +231,7 @@ def recall_problems(
     training asks them all, one turn each (`training_records`). `kind` "kv": no "=" ("KEY1234.",
     "KEY?")."""
     sep = RECALL_SEPARATORS[kind]
-    rng = _rng(kind, split, seed, index, length, depth)
+    rng, split, count = _draw(kind, length, depth, **draw)
     n = facts or recall_facts(length)
     keys = recall_keys(rng, split, n)
     values = [str(int(v)) for v in rng.integers(1000, 10000, n)]
@@ -253,23 +254,11 @@ def chain_count(length: int) -> int:
     return 1 + length // 256
 
 
-def chain_problems(
-    length: int,
-    depth: float,
-    *,
-    hops: int = 2,
-    index: int = 0,
-    seed: int = 0,
-    split: str = "eval",
-    count: Callable[[str], int] = lambda s: len(s.encode()),
-    chains: int = 0,
-) -> list[Problem]:
+def chain_problems(length: int, depth: float, *, hops: int = 2, chains: int = 0, **draw: Unpack[Draw]) -> list[Problem]:
     """`chains` (default `chain_count(length)`) chains of `hops` facts in filler text, one Problem
     per chain, all with the same context, each asking its chain's first key ("QZX?"); the first is
     the evaluation problem. `Problem.response` is the chain written out ("QZX>BDW4821")."""
-    if hops < 1:
-        raise ValueError(f"hops={hops}: need at least 1")
-    rng = _rng("kvchain", split, seed, index, length, depth)
+    rng, split, count = _draw("kvchain", length, depth, hops, **draw)
     n = chains or chain_count(length)
     keys = recall_keys(rng, split, n * hops)
     values = [str(int(v)) for v in rng.integers(1000, 10000, n)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -169,26 +170,35 @@ def flash_backward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, lse, delta, dout, *, c
     return _unblock(dq, s).reshape(b, s, h, d), _unblock(dk, t), _unblock(dv, t)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block):
-    out, _ = flash_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal=causal, block=block)
-    return out.astype(q.dtype)
+def lse_attention(forward: Callable, backward: Callable, static: tuple[str, ...]) -> Callable:
+    """Attention with a `jax.custom_vjp` from a forward and a backward over log-sum-exps (this
+    module's `flash_forward` / `flash_backward`, or ring attention's): `forward(q, k, v, q_pos,
+    kv_pos, q_seg, kv_seg, **static)` → (out float32, lse), `backward(q, k, v, q_pos, kv_pos, q_seg,
+    kv_seg, lse, delta, dout, **static)` → (dq, dk, dv). The result takes the seven arrays, then the
+    values of the `static` keywords (non-differentiable) in order, and returns out in q's dtype."""
+    count = len(static)
+
+    def fwd(*args):
+        out, lse = forward(*args[:7], **dict(zip(static, args[7:])))
+        out = out.astype(args[0].dtype)
+        return out, (*args[:7], out, lse)
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(7, 7 + count)))
+    def attention(*args):
+        return fwd(*args)[0]
+
+    def bwd(*args):
+        options = dict(zip(static, args[:count]))
+        (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse), dout = args[count:]
+        delta = jnp.einsum("bshd,bshd->bsh", dout.astype(jnp.float32), out.astype(jnp.float32))
+        dq, dk, dv = backward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, lse, delta, dout, **options)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+
+    attention.defvjp(fwd, bwd)
+    return attention
 
 
-def _attention_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block):
-    out, lse = flash_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal=causal, block=block)
-    out = out.astype(q.dtype)
-    return out, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
-
-
-def _attention_bwd(causal, block, res, dout):
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = res
-    delta = jnp.einsum("bshd,bshd->bsh", dout.astype(jnp.float32), out.astype(jnp.float32))
-    dq, dk, dv = flash_backward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, lse, delta, dout, causal=causal, block=block)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = lse_attention(flash_forward, flash_backward, ("causal", "block"))
 
 
 def blockwise_attention(

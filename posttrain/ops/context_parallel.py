@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from posttrain.config import CONTEXT_PARALLEL
-from posttrain.ops.ring import all_gather_attention, ring_attention
+from posttrain.ops.ring import shard_attention
 from posttrain.parallel.agreement import agree
 from posttrain.parallel.sharding import current, logical_spec
 from posttrain.parallel.zigzag import sequence_shards
@@ -221,10 +221,7 @@ def context_parallel_attention(
     local = NamedSharding(mesh, spec).shard_shape(k.shape)
     strategy = auto_estimate(mode, local, n, k.dtype.itemsize, layers, mesh)["strategy"]
     axis = axes if len(axes) > 1 else axes[0]
-    if strategy == "ring":
-        fn = lambda *a: ring_attention(*a, axis_name=axis, axis_size=n, causal=causal, block_size=block_size)
-    else:
-        fn = lambda *a: all_gather_attention(*a, axis_name=axis, causal=causal, block_size=block_size)
+    fn = shard_attention(strategy, axis_name=axis, axis_size=n, causal=causal, block_size=block_size)
     return jax.shard_map(
         fn, mesh=mesh, in_specs=(spec, spec, spec, tok, tok, tok, tok), out_specs=spec, check_vma=False
     )(q, k, v, positions, positions, segment_ids, segment_ids)

@@ -17,12 +17,12 @@ of the gather is a reduce-scatter.
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from posttrain.ops.blockwise import blockwise_attention, flash_backward, flash_forward
+from posttrain.ops.blockwise import blockwise_attention, flash_backward, flash_forward, lse_attention
 
 
 def _merge(out, lse, out_b, lse_b):
@@ -35,7 +35,7 @@ def _ring_perm(n: int) -> list[tuple[int, int]]:
     return [(i, (i + 1) % n) for i in range(n)]
 
 
-def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, axis, n, causal, block):
+def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, axis, n, causal, block):
     """(out float32, lse) of the local queries over every device's keys, ring order."""
     perm = _ring_perm(n)
 
@@ -58,22 +58,10 @@ def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, axis, n, causal, block)
     return _merge(out, lse, *attend(kv))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _ring(q, k, v, q_pos, kv_pos, q_seg, kv_seg, axis, n, causal, block):
-    out, _ = _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, axis, n, causal, block)
-    return out.astype(q.dtype)
-
-
-def _ring_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, axis, n, causal, block):
-    out, lse = _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, axis, n, causal, block)
-    out = out.astype(q.dtype)
-    return out, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
-
-
-def _ring_bwd(axis, n, causal, block, res, dout):
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = res
+def _ring_backward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, lse, delta, dout, *, axis, n, causal, block):
+    """(dq, dk, dv) float32: key/value blocks travel the ring with their gradient accumulators and
+    arrive home after n steps."""
     perm = _ring_perm(n)
-    delta = jnp.einsum("bshd,bshd->bsh", dout.astype(jnp.float32), out.astype(jnp.float32))
 
     def grads(kv):
         k, v, kp, ks = kv
@@ -90,60 +78,30 @@ def _ring_bwd(axis, n, causal, block, res, dout):
     carry = ((k, v, kv_pos, kv_seg), (zeros, zeros), jnp.zeros(q.shape, jnp.float32))
     carry, _ = jax.lax.scan(step, carry, None, length=n - 1)
     (_, (dk, dv), dq), _ = step(carry, None, last=True)  # n hops: dk, dv are home
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+    return dq, dk, dv
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+_ring = lse_attention(_ring_forward, _ring_backward, ("axis", "n", "causal", "block"))
 
 
-def ring_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_positions: jax.Array,
-    kv_positions: jax.Array,
-    q_segment_ids: jax.Array,
-    kv_segment_ids: jax.Array,
-    *,
-    axis_name,
-    axis_size: int,
-    causal: bool = True,
-    block_size: int = 512,
-) -> jax.Array:
-    """Ring attention on this device's shard (call inside `shard_map` over `axis_name`).
+def shard_attention(
+    strategy: str, *, axis_name, axis_size: int, causal: bool = True, block_size: int = 512
+) -> Callable[..., jax.Array]:
+    """The attention of this device's shard (call it inside `shard_map` over `axis_name`, of
+    `axis_size` devices) by `strategy`: "ring" or "all_gather" (module docstring).
 
-    q [B, s, H, Dh]; k, v [B, s, K, Dh]; positions, segment ids [B, s]: the local tokens.
-    Returns the local queries' attention over all `axis_size` devices' keys [B, s, H, Dh].
+    It takes q [B, s, H, Dh], k, v [B, s, K, Dh], then the positions and the segment ids of the
+    queries and of the keys [B, s] (the local tokens, as `blockwise_attention` takes them) and
+    returns the local queries' attention over every device's keys [B, s, H, Dh].
     """
-    return _ring(
-        q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, axis_name, axis_size, causal, block_size
-    )
-
-
-def all_gather_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_positions: jax.Array,
-    kv_positions: jax.Array,
-    q_segment_ids: jax.Array,
-    kv_segment_ids: jax.Array,
-    *,
-    axis_name,
-    causal: bool = True,
-    block_size: int = 512,
-) -> jax.Array:
-    """All-gather context parallelism on this device's shard (inside `shard_map`): keys, values,
-    their positions and segment ids gathered over `axis_name`, then local blockwise attention."""
+    if strategy == "ring":
+        return lambda q, k, v, *masks: _ring(q, k, v, *masks, axis_name, axis_size, causal, block_size)
+    if strategy != "all_gather":
+        raise ValueError(f"context parallelism: unknown strategy {strategy!r}; expected 'ring' or 'all_gather'")
     gather = lambda x: jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
-    return blockwise_attention(
-        q,
-        gather(k),
-        gather(v),
-        q_positions,
-        gather(kv_positions),
-        q_segment_ids,
-        gather(kv_segment_ids),
-        causal=causal,
-        block_size=block_size,
-    )
+
+    def all_gather(q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+        k, v, kv_pos, kv_seg = map(gather, (k, v, kv_pos, kv_seg))
+        return blockwise_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal=causal, block_size=block_size)
+
+    return all_gather

@@ -397,7 +397,7 @@ def test_cpu_expert_paths_match_naive_with_grads(tokens, skewed):
             x,
             jnp.asarray(experts, jnp.int32),
             weights,
-            *w,
+            dict(zip(("w_gate", "w_up", "w_down"), w)),
             num_experts=E,
             capacity=None,
             layout=ExpertLayout(),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -166,13 +167,21 @@ def peer_first_experts(layout: ExpertLayout, experts_per_device: int) -> jax.Arr
     return block * experts_per_device
 
 
+class Sends(NamedTuple):
+    """What this device sends each all-to-all peer: its assignments sorted by expert, in chunks."""
+
+    group_sizes: jax.Array  # [E] sorted rows per global expert
+    first: jax.Array  # [num_peers] each peer's first global expert (`peer_first_experts`)
+    start: jax.Array  # [num_peers] where each peer's chunk starts among the sorted rows
+    size: jax.Array  # [num_peers] its number of rows
+    bound: int  # rows of a per-peer buffer (module docstring)
+
+
 def routed_experts(
     x: jax.Array,
     experts: jax.Array,
     weights: jax.Array,
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
+    ffn: dict[str, jax.Array],
     *,
     num_experts: int,
     capacity: int | None,
@@ -181,14 +190,16 @@ def routed_experts(
 ) -> tuple[jax.Array, jax.Array]:
     """Weighted sum of each token's expert outputs, for this device's tokens.
 
-    x: [T, D] compute dtype; experts, weights: [T, k] from the router; w_*: this device's experts
-    [E_local, D, F_local] / [E_local, F_local, D] with the embed dim gathered. Returns y [T, D]
+    x: [T, D] compute dtype; experts, weights: [T, k] from the router; ffn: this device's experts
+    `w_gate`, `w_up` [E_local, D, F_local] and `w_down` [E_local, F_local, D], the embed dim gathered. Returns y [T, D]
     float32, partial over `layout.psum_axes`, and the number of kept assignments (scalar int32).
     `inference`: the call is not differentiated (the sampler), see below.
     """
     num_tokens, top_k = experts.shape
-    args = (x, experts, weights, w_gate, w_up, w_down)
-    if accelerator_paths() or not (w_gate.shape[0] == num_experts and layout.num_peers == 1 and capacity is None):
+    args = (x, experts, weights, ffn)
+    if accelerator_paths() or not (
+        ffn["w_gate"].shape[0] == num_experts and layout.num_peers == 1 and capacity is None
+    ):
         return exchanged_experts(*args, num_experts=num_experts, capacity=capacity, layout=layout)
     # The CPU (unless `parallel.accelerator_paths`' test switch is on), every expert on this device,
     # dropless: every expert on every token for few tokens, else sorted rows. When not
@@ -211,9 +222,7 @@ def exchanged_experts(
     x: jax.Array,
     experts: jax.Array,
     weights: jax.Array,
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
+    ffn: dict[str, jax.Array],
     *,
     num_experts: int,
     capacity: int | None,
@@ -223,19 +232,16 @@ def exchanged_experts(
     that hold their experts (see the module docstring); the general path."""
     num_tokens, top_k = experts.shape
     order, group_sizes = sort_by_expert(experts.reshape(-1), num_experts, capacity)
-    local = w_gate.shape[0]
+    local = ffn["w_gate"].shape[0]
     first = peer_first_experts(layout, local)
     bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes)])
-    send_start, send_size = bounds[first], bounds[first + local] - bounds[first]
-    tokens = order // top_k  # token of each sorted row
     bound = num_tokens * top_k if capacity is None else min(num_tokens * top_k, capacity * local)
-    ffn = dict(w_gate=w_gate, w_up=w_up, w_down=w_down)
+    sends = Sends(group_sizes, first, bounds[first], bounds[first + local] - bounds[first], bound)
+    tokens = order // top_k  # token of each sorted row
     if layout.dispatch == "ragged" and layout.num_peers > 1:
-        out = ragged_exchange(x[tokens], group_sizes, first, send_start, send_size, bound, layout, ffn)
+        out = ragged_exchange(x[tokens], sends, layout, ffn)
     else:
-        out = padded_exchange(
-            x, tokens, experts.reshape(-1)[order], group_sizes, first, send_start, send_size, bound, layout, ffn
-        )
+        out = padded_exchange(x, tokens, experts.reshape(-1)[order], sends, layout, ffn)
     out = jnp.zeros_like(out).at[order].add(out, unique_indices=True)
     y = jnp.einsum("tk,tkd->td", weights, out.reshape(num_tokens, top_k, -1).astype(jnp.float32))
     return y, jnp.sum(group_sizes)
@@ -256,42 +262,34 @@ def batched_swiglu(rows: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.A
 
 
 def padded_experts(
-    x: jax.Array,
-    experts: jax.Array,
-    weights: jax.Array,
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
-    *,
-    capacity: int,
+    x: jax.Array, experts: jax.Array, weights: jax.Array, ffn: dict[str, jax.Array], *, capacity: int
 ) -> jax.Array:
     """Each expert on its first `capacity` assignments (in token order), as batched matmuls over an
     [E, capacity, D] buffer: no per-group slices of the weights, no tiles. Assignments beyond an
     expert's capacity contribute nothing: callers use it when none is (`routed_experts`).
 
-    x [T, D]; experts, weights [T, k]; w_* [E, D, F] / [E, F, D]. Returns y [T, D] float32.
+    x [T, D]; experts, weights [T, k]; ffn's w_* [E, D, F] / [E, F, D]. Returns y [T, D] float32.
     """
     num_tokens, top_k = experts.shape
-    num_experts, dim = w_gate.shape[0], x.shape[1]
+    num_experts, dim = ffn["w_gate"].shape[0], x.shape[1]
     flat = experts.reshape(-1)
     rank = expert_ranks(flat, *sort_by_expert(flat, num_experts))
     slot = jnp.where(rank < capacity, flat * capacity + rank, num_experts * capacity)  # out of range: dropped
     rows = jnp.zeros((num_experts * capacity, dim), x.dtype).at[slot].set(jnp.repeat(x, top_k, axis=0), mode="drop")
-    h = batched_swiglu(rows.reshape(num_experts, capacity, dim), w_gate, w_up).astype(x.dtype)
-    out = weight_einsum("erf,efd->erd", h, w_down, x.dtype, preferred_element_type=jnp.float32)
+    h = batched_swiglu(rows.reshape(num_experts, capacity, dim), ffn["w_gate"], ffn["w_up"]).astype(x.dtype)
+    out = weight_einsum("erf,efd->erd", h, ffn["w_down"], x.dtype, preferred_element_type=jnp.float32)
     out = out.reshape(-1, dim).at[slot].get(mode="fill", fill_value=0)
     return jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), out.reshape(num_tokens, top_k, dim))
 
 
-def dense_experts(
-    x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
-) -> jax.Array:
+def dense_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, ffn: dict[str, jax.Array]) -> jax.Array:
     """Σ_e combine[t, e] · FFN_e(x_t) with every expert on every token (one-hot combine weights).
 
-    x [T, D]; experts, weights [T, k]; w_* [E, D, F] / [E, F, D]. Returns y [T, D] float32.
+    x [T, D]; experts, weights [T, k]; ffn's w_* [E, D, F] / [E, F, D]. Returns y [T, D] float32.
     The combine weights scale the hidden activations, so that the down projection and the sum
     over experts are one matmul.
     """
+    w_gate, w_up, w_down = ffn["w_gate"], ffn["w_up"], ffn["w_down"]
     num_tokens, num_experts = x.shape[0], w_gate.shape[0]
     combine = (
         jnp.zeros((num_tokens, num_experts), jnp.float32)
@@ -310,11 +308,7 @@ def padded_exchange(
     x: jax.Array,
     tokens: jax.Array,
     sorted_ids: jax.Array,
-    group_sizes: jax.Array,
-    first: jax.Array,
-    send_start: jax.Array,
-    send_size: jax.Array,
-    bound: int,
+    sends: Sends,
     layout: ExpertLayout,
     ffn: dict[str, jax.Array],
 ) -> jax.Array:
@@ -324,6 +318,7 @@ def padded_exchange(
 
     x: [T, D] tokens; tokens, sorted_ids: [A] token and global expert of each sorted assignment.
     """
+    group_sizes, first, send_start, send_size, bound = sends
     slot = jnp.arange(bound, dtype=jnp.int32)
     valid = slot < send_size[:, None]
     src = jnp.where(valid, send_start[:, None] + slot, tokens.shape[0])  # [peers, bound]
@@ -342,22 +337,14 @@ def padded_exchange(
     return jnp.zeros_like(x, shape=(tokens.shape[0], x.shape[1])).at[src].add(back, mode="drop")
 
 
-def ragged_exchange(
-    rows: jax.Array,
-    group_sizes: jax.Array,
-    first: jax.Array,
-    send_start: jax.Array,
-    send_size: jax.Array,
-    bound: int,
-    layout: ExpertLayout,
-    ffn: dict[str, jax.Array],
-) -> jax.Array:
+def ragged_exchange(rows: jax.Array, sends: Sends, layout: ExpertLayout, ffn: dict[str, jax.Array]) -> jax.Array:
     """Like `padded_exchange`, but only real rows travel (`jax.lax.ragged_all_to_all`).
 
     rows: [A, D] assignments sorted by expert; returns their expert outputs [A, D]. Received rows
     are laid out source-major, each source's rows sorted by expert; the reply writes every output
     back at the sender's sorted position of its row.
     """
+    group_sizes, first, send_start, send_size, bound = sends
     axes, peers, local = layout.a2a_axes, layout.num_peers, ffn["w_gate"].shape[0]
     me = jax.lax.axis_index(axes)
     counts = jax.lax.all_gather(group_sizes, axes)  # [peers (source), E]

@@ -36,6 +36,7 @@ TOKEN_NAMES = ("activation_batch", "activation_length", None)
 ROUTER_NAMES = ("embed", None)
 GATE_UP_NAMES = ("experts", "embed", "expert_mlp")
 DOWN_NAMES = ("experts", "expert_mlp", "embed")
+EMBED_DIMS = {"w_gate": 1, "w_up": 1, "w_down": 2}  # the embed dim of each expert weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,9 +105,7 @@ def moe_block(
         x,
         experts,
         routing.weights,
-        gather_weight(params["w_gate"], layout.embed_axes, 1, layout),
-        gather_weight(params["w_up"], layout.embed_axes, 1, layout),
-        gather_weight(params["w_down"], layout.embed_axes, 2, layout),
+        {name: gather_weight(params[name], layout.embed_axes, dim, layout) for name, dim in EMBED_DIMS.items()},
         num_experts=spec.num_experts,
         capacity=capacity,
         layout=layout,
@@ -182,7 +181,7 @@ def sharded_moe_block(
     layout = expert_layout(
         mesh, token_spec, param_specs["router"], param_specs["w_gate"], param_specs["w_down"], dispatch
     )
-    for name, embed_dim in (("w_gate", 1), ("w_up", 1), ("w_down", 2)):  # the sampler's quantised experts
+    for name, embed_dim in EMBED_DIMS.items():  # the sampler's quantised experts
         if is_quantized(params[name]):  # scales go with their values, whole along the gathered embed dim
             params = {
                 **params,

@@ -94,9 +94,11 @@ class ToolCallEnv(ChatEnv):
     docstring): `step` parses the turn, counts the call, ends the episode at `max_turns` and
     answers with the output message; a subclass runs the call in `_call` (`tools` names those it has).
 
-    max_turns: model turns per episode, tool calls included; max_turn_tokens: token budget of
-    each turn; max_output_chars: how much of a call's output the model sees; observation_role:
-    the chat role of tool output messages (use "user" for templates without a tool role).
+    sandbox: where calls run; max_turns: model turns per episode, tool calls included;
+    max_turn_tokens: token budget of each turn; limits: sandbox limits of one call;
+    max_output_chars: how much of a call's output the model sees; observation_role: the chat role
+    of tool output messages (use "user" for templates without a tool role). The defaults are
+    `ToolEnv`'s.
     """
 
     tools: tuple[str, ...] = TOOLS
@@ -105,11 +107,13 @@ class ToolCallEnv(ChatEnv):
         self,
         tok: Tokenizer,
         reward_fn: RewardFunction,
+        sandbox: Sandbox,
         *,
-        max_turns: int,
-        max_turn_tokens: int,
-        max_output_chars: int,
-        system_prompt: str | None,
+        max_turns: int = 4,
+        max_turn_tokens: int = 512,
+        limits: Limits = TOOL_LIMITS,
+        max_output_chars: int = 2000,
+        system_prompt: str | None = TOOL_SYSTEM_PROMPT,
         observation_role: str = "tool",
     ) -> None:
         super().__init__(tok, reward_fn, max_turn_tokens=max_turn_tokens, system_prompt=system_prompt)
@@ -117,6 +121,7 @@ class ToolCallEnv(ChatEnv):
             raise ValueError(f"{type(self).__name__}: max_turns must be >= 1, got {max_turns}")
         if max_output_chars < 1:
             raise ValueError(f"{type(self).__name__}: max_output_chars must be >= 1, got {max_output_chars}")
+        self.sandbox, self.limits = sandbox, limits
         self.max_turns = max_turns
         self.max_output_chars = max_output_chars
         self.observation_role = observation_role
@@ -153,37 +158,11 @@ class ToolCallEnv(ChatEnv):
 
 class ToolEnv(ToolCallEnv):
     """Multi-turn episodes with a sandboxed Python tool, each call a fresh program (protocol in
-    the module docstring). tool_limits: sandbox limits of one tool run; the other arguments as
-    for `ToolCallEnv`.
+    the module docstring); arguments as for `ToolCallEnv`.
     """
-
-    def __init__(
-        self,
-        tok: Tokenizer,
-        reward_fn: RewardFunction,
-        sandbox: Sandbox,
-        *,
-        max_turns: int = 4,
-        max_turn_tokens: int = 512,
-        tool_limits: Limits = TOOL_LIMITS,
-        max_output_chars: int = 2000,
-        system_prompt: str | None = TOOL_SYSTEM_PROMPT,
-        observation_role: str = "tool",
-    ) -> None:
-        super().__init__(
-            tok,
-            reward_fn,
-            max_turns=max_turns,
-            max_turn_tokens=max_turn_tokens,
-            max_output_chars=max_output_chars,
-            system_prompt=system_prompt,
-            observation_role=observation_role,
-        )
-        self.sandbox = sandbox
-        self.tool_limits = tool_limits
 
     def _call(self, call: ToolCall, info: dict) -> str:
         """Run the program; a failing one (not a failure of the sandbox itself) is an invalid call."""
-        output, status = run_python(self.sandbox, call.code, self.tool_limits, self.max_output_chars)
+        output, status = run_python(self.sandbox, call.code, self.limits, self.max_output_chars)
         info["invalid_tool_calls"] += status not in (Status.PASS, Status.ERROR)  # ERROR: the sandbox's fault
         return output

@@ -51,8 +51,13 @@ WORKSPACE_SYSTEM_PROMPT = (
     "Run shell commands in the repository with one call per turn:\n<tool>sh\nls\n</tool>\n"
     "Reply without a call when you are done."
 )
-
-
+# WorkspaceEnv's defaults where they differ from ToolCallEnv's
+WORKSPACE_DEFAULTS = {
+    "max_turn_tokens": 128,
+    "limits": WORKSPACE_LIMITS,
+    "max_output_chars": 1000,
+    "system_prompt": WORKSPACE_SYSTEM_PROMPT,
+}
 HARNESS_SOURCE = (Path(__file__).parent / "state_harness.py").read_text()
 
 
@@ -169,10 +174,9 @@ class WorkspaceEnv(ToolCallEnv):
     """Episodes with sandboxed shell/Python tools in a persistent working directory (protocol,
     reward and limits in the module docstring).
 
-    max_turns: model turns per episode (calls included; also the session's call limit);
-    max_turn_tokens: each turn's token budget; limits: sandbox limits of one call (`wall_s` the
-    command's time); max_output_chars: how much of a call's output the model sees;
-    max_workspace_bytes: the most the working directory may hold between calls.
+    Arguments as for `ToolCallEnv` (max_turns is also the session's call limit; `wall_s` of the
+    limits, a command's time), with the defaults of `WORKSPACE_DEFAULTS`; max_workspace_bytes: the
+    most the working directory may hold between calls.
     """
 
     tools = SESSION_TOOLS
@@ -183,24 +187,11 @@ class WorkspaceEnv(ToolCallEnv):
         reward_fn: RewardFunction,
         sandbox: Sandbox,
         *,
-        max_turns: int = 4,
-        max_turn_tokens: int = 128,
-        limits: Limits = WORKSPACE_LIMITS,
-        max_output_chars: int = 1000,
         max_workspace_bytes: int = 256 << 10,
-        system_prompt: str | None = WORKSPACE_SYSTEM_PROMPT,
-        observation_role: str = "tool",
+        **options,
     ) -> None:
-        super().__init__(
-            tok,
-            reward_fn,
-            max_turns=max_turns,
-            max_turn_tokens=max_turn_tokens,
-            max_output_chars=max_output_chars,
-            system_prompt=system_prompt,
-            observation_role=observation_role,
-        )
-        self.sandbox, self.limits, self.max_workspace_bytes = sandbox, limits, max_workspace_bytes
+        super().__init__(tok, reward_fn, sandbox, **(WORKSPACE_DEFAULTS | options))
+        self.max_workspace_bytes = max_workspace_bytes
         self.session: Session | None = None
         self.snapshots: list[Snapshot] = []  # after each call of the episode
         self._seen: set[str] = set()

@@ -62,6 +62,7 @@ from posttrain.rl.rollout.hosts import group_share, ratios
 from posttrain.rl.rollout.worker import RolloutBatch, RolloutWorker, with_patches
 from posttrain.rl.tasks.scheduler import Group
 from posttrain.sampling.generate import Samples
+from posttrain.sampling.rules import SamplingParams
 
 
 @dataclasses.dataclass
@@ -93,19 +94,19 @@ def rollout_episodes(
     rest,
     tasks: list[tuple[str, object]],
     key,
+    sampling: SamplingParams | None = None,
     *,
-    num_samples: int | None = None,
-    greedy: bool = False,
     cohorts: int = 1,
 ) -> RolloutBatch:
-    """Run `num_samples` episodes of each (domain, task) to the end with the given weights, in
-    `cohorts` pipelined cohorts (module docstring), and return this process's share of them as
-    verified groups (rewards from the environments' final checks)."""
+    """Run `sampling.num_samples` episodes of each (domain, task) to the end with the given weights
+    and `sampling` (None: the worker's; `RolloutWorker.group_sampling`), in `cohorts` pipelined
+    cohorts (module docstring), and return this process's share of them as verified groups
+    (rewards from the environments' final checks)."""
     if cohorts < 1:
         raise ValueError(f"rl.episode_cohorts={cohorts}: expected >= 1")
     t_start = time.perf_counter()
-    g = num_samples or worker.sampling.num_samples
-    sampling = dataclasses.replace(worker.sampling, num_samples=1, **({"temperature": 0.0} if greedy else {}))
+    g = (sampling or worker.sampling).num_samples
+    sampling = dataclasses.replace(sampling or worker.sampling, num_samples=1)
     share = group_share(len(tasks), exact=False)
     envs = {i: worker.domains[tasks[i // g][0]].make_env() for i in range(share.start * g, share.stop * g)}
     prompts = [[i, [int(t) for t in env.reset(tasks[i // g][1])]] for i, env in envs.items()]

@@ -175,15 +175,21 @@ class RolloutWorker:
         with sampling_sharding(self.rules, self.mesh):
             return self._generate(params, rest, tasks, key, num_samples=num_samples, greedy=greedy, latest=latest)
 
+    def group_sampling(self, num_samples: int | None = None, greedy: bool = False) -> SamplingParams:
+        """The sampling of one call: `num_samples` per task (None: the worker's), at temperature 0
+        when `greedy`."""
+        greedy_change = {"temperature": 0.0} if greedy else {}
+        return dataclasses.replace(self.sampling, num_samples=num_samples or self.sampling.num_samples, **greedy_change)
+
     def _generate(self, params, rest, tasks, key, *, num_samples, greedy, latest=None) -> Pending:
         if self.episodes is not None:  # episodes interleave sampling and tool calls: run them to the end here
             if self.sampling.record_routing:
                 raise ValueError("model.moe.routing_replay=sampler: multi-turn episodes do not record routing")
             t0 = time.perf_counter()
-            done = self.episodes(self, params, rest, tasks, key, num_samples=num_samples, greedy=greedy)
+            done = self.episodes(self, params, rest, tasks, key, self.group_sampling(num_samples, greedy))
             return Pending(tasks, [], None, time.perf_counter() - t0, done)
-        g = num_samples or self.sampling.num_samples
-        sampling = dataclasses.replace(self.sampling, num_samples=g, **({"temperature": 0.0} if greedy else {}))
+        sampling = self.group_sampling(num_samples, greedy)
+        g = sampling.num_samples
         envs = [[self.domains[d].make_env() for _ in range(g)] for d, _ in tasks]
         prompts = [[e.reset(t) for e in row][0] for row, (_, t) in zip(envs, tasks)]
         t0 = time.perf_counter()

@@ -137,7 +137,7 @@ ATTACKS = {
 
 
 def tool_env(sb, reward_fn):
-    return ToolEnv(TOK, reward_fn, sb, max_turns=MAX_TURNS, max_turn_tokens=MAX_TURN_TOKENS, tool_limits=LIMITS)
+    return ToolEnv(TOK, reward_fn, sb, max_turns=MAX_TURNS, max_turn_tokens=MAX_TURN_TOKENS, limits=LIMITS)
 
 
 def workspace_env(sb, reward_fn):
