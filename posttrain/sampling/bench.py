@@ -41,6 +41,35 @@ def qwen3_tiny_configs() -> dict[str, ModelConfig]:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class TinyRun:
+    """What the sampler benchmarks share: `batch` prompts of `prompt_len` random tokens, up to
+    `max_new` new tokens at temperature 1, on each tiny config of `kinds` (`qwen3_tiny_configs`,
+    random weights), one device."""
+
+    batch: int = 16
+    prompt_len: int = 32
+    max_new: int = 64
+    kinds: tuple[str, ...] = ("dense", "moe-8x2")
+
+    def sampling(self) -> SamplingParams:
+        """Temperature 1, `max_new` new tokens."""
+        return SamplingParams(temperature=1.0, max_new_tokens=self.max_new)
+
+    def prompts(self, rng: np.random.Generator, rows: int | None = None) -> np.ndarray:
+        """`rows` (default: `batch`) prompts of random token ids, int32 [rows, prompt_len]."""
+        return rng.integers(3, 512, (self.batch if rows is None else rows, self.prompt_len)).astype(np.int32)
+
+    def models(self):
+        """Each kind and its tiny model split (graphdef, params, rest), yielded under the sharding
+        of one device."""
+        mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
+        for kind in self.kinds:
+            model = nnx.split(Decoder(qwen3_tiny_configs()[kind], rngs=nnx.Rngs(0)), nnx.Param, ...)
+            with use_sharding(mesh, rules):
+                yield kind, model
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "prompt_len"))
 def recompute_program(
     graphdef: nnx.GraphDef,
@@ -200,34 +229,19 @@ def _skewed_rows(kind, graphdef, params, rest, prompts, sampling, key, *, batch,
     ]
 
 
-def sampler_bench(
-    *,
-    batch: int = 16,
-    prompt_len: int = 32,
-    max_new: int = 64,
-    group: int = 8,
-    requests: int = 64,
-    iters: int = 3,
-    kinds: tuple[str, ...] = ("dense", "moe-8x2"),
-) -> list[dict]:
+def sampler_bench(run: TinyRun = TinyRun(), *, group: int = 8, requests: int = 64, iters: int = 3) -> list[dict]:
     """Rows of sampler timings on one device for the tiny Qwen3-style configs (see module doc)."""
-    mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
-    rng = np.random.default_rng(0)
+    rng, sampling, key = np.random.default_rng(0), run.sampling(), jax.random.key(0)
     rows, decode_s, ffn_s = [], {}, {}
-    for kind in kinds:
-        graphdef, params, rest = nnx.split(Decoder(qwen3_tiny_configs()[kind], rngs=nnx.Rngs(0)), nnx.Param, ...)
-        prompts = rng.integers(3, 512, (requests, prompt_len)).astype(np.int32)
-        sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new)
-        key = jax.random.key(0)
-        model = (graphdef, params, rest)
-        with use_sharding(mesh, rules):
-            decode, decode_s[kind], ffn_s[kind] = _decode_rows(
-                kind, *model, prompts, sampling, key, batch=batch, iters=iters
-            )
-            heads = prompts[: batch // group]
-            rows += decode + _group_rows(kind, *model, heads, sampling, key, group=group, iters=iters)
-            rows += _skewed_rows(kind, *model, prompts, sampling, key, batch=batch, iters=iters)
-    if {"dense", "moe-8x2"} <= set(kinds):
+    for kind, model in run.models():
+        prompts = run.prompts(rng, requests)
+        decode, decode_s[kind], ffn_s[kind] = _decode_rows(
+            kind, *model, prompts, sampling, key, batch=run.batch, iters=iters
+        )
+        heads = prompts[: run.batch // group]
+        rows += decode + _group_rows(kind, *model, heads, sampling, key, group=group, iters=iters)
+        rows += _skewed_rows(kind, *model, prompts, sampling, key, batch=run.batch, iters=iters)
+    if {"dense", "moe-8x2"} <= set(run.kinds):
         dense, moe = decode_s["dense"], decode_s["moe-8x2"]
         rows.append(
             {
@@ -240,48 +254,36 @@ def sampler_bench(
     return rows
 
 
-def quant_bench(
-    *,
-    batch: int = 16,
-    prompt_len: int = 32,
-    max_new: int = 64,
-    rounds: int = 5,
-    kinds: tuple[str, ...] = ("dense", "moe-8x2"),
-) -> list[dict]:
-    """New tokens/s of the sampler with float32, int8 (w8a16) and int4 (w4a16) weights, the tiny
-    Qwen3-style configs, temperature 1, one device. Each round times the modes back to back, so a
-    round's ratios see the same machine load; rows give each mode's best and the per-round ratio
-    to float32 (median and range) in wall time and in process CPU time (steadier on a shared
-    machine). "int8 values as bf16" holds the int8 values in bfloat16, so the matmuls read their
-    operand with no conversion: the bound on any w8a16 formulation that avoids the per-step
-    int8 → bf16 copy (see BENCHMARKS.md)."""
-    mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
-    prompts = np.random.default_rng(0).integers(3, 512, (batch, prompt_len)).astype(np.int32)
-    sampling, key, rows = SamplingParams(temperature=1.0, max_new_tokens=max_new), jax.random.key(0), []
-    for kind in kinds:
-        graphdef, params, rest = nnx.split(Decoder(qwen3_tiny_configs()[kind], rngs=nnx.Rngs(0)), nnx.Param, ...)
-        with use_sharding(mesh, rules):
-            quantize = jax.jit(quantize_params, static_argnums=1)
-            weights = {mode: quantize(params, mode) for mode in ("none", "int8", "int4")}
-            weights["int8 values as bf16"] = jax.tree.map(
-                lambda v: dataclasses.replace(v, qvalue=v.qvalue.astype(jnp.bfloat16)) if isinstance(v, QArray) else v,
-                weights["int8"],
-                is_leaf=lambda v: isinstance(v, QArray),
-            )
-            wall, cpu = _interleaved(
-                {
-                    mode: functools.partial(generate, graphdef, w, rest, prompts, sampling, key)
-                    for mode, w in weights.items()
-                },
-                rounds,
-                cpu_too=True,
-            )
+def quant_bench(run: TinyRun = TinyRun(), *, rounds: int = 5) -> list[dict]:
+    """New tokens/s of the sampler with float32, int8 (w8a16) and int4 (w4a16) weights (`TinyRun`).
+    Each round times the modes back to back, so a round's ratios see the same machine load; rows
+    give each mode's best and the per-round ratio to float32 (median and range) in wall time and in
+    process CPU time (steadier on a shared machine). "int8 values as bf16" holds the int8 values in
+    bfloat16, so the matmuls read their operand with no conversion: the bound on any w8a16
+    formulation that avoids the per-step int8 → bf16 copy (see BENCHMARKS.md)."""
+    prompts, sampling, key, rows = run.prompts(np.random.default_rng(0)), run.sampling(), jax.random.key(0), []
+    for kind, (graphdef, params, rest) in run.models():
+        quantize = jax.jit(quantize_params, static_argnums=1)
+        weights = {mode: quantize(params, mode) for mode in ("none", "int8", "int4")}
+        weights["int8 values as bf16"] = jax.tree.map(
+            lambda v: dataclasses.replace(v, qvalue=v.qvalue.astype(jnp.bfloat16)) if isinstance(v, QArray) else v,
+            weights["int8"],
+            is_leaf=lambda v: isinstance(v, QArray),
+        )
+        wall, cpu = _interleaved(
+            {
+                mode: functools.partial(generate, graphdef, w, rest, prompts, sampling, key)
+                for mode, w in weights.items()
+            },
+            rounds,
+            cpu_too=True,
+        )
         for mode in weights:
             ratios, cpu_ratios = (np.array(t["none"]) / np.array(t[mode]) for t in (wall, cpu))
             rows.append(
                 {
                     "name": f"quantised sampler {kind} {mode}",
-                    "new tokens/s": batch * max_new / min(wall[mode]),
+                    "new tokens/s": run.batch * run.max_new / min(wall[mode]),
                     "x vs f32 per round (median)": float(np.median(ratios)),
                     "min": float(ratios.min()),
                     "max": float(ratios.max()),
@@ -310,40 +312,32 @@ def _interleaved(calls: dict, rounds: int, cpu_too: bool = False) -> dict | tupl
 
 
 def speculative_bench(
+    run: TinyRun = TinyRun(),
     *,
-    batch: int = 16,
-    prompt_len: int = 32,
-    max_new: int = 64,
     rounds: int = 5,
     variants: tuple[tuple[int, int], ...] = ((2, 1), (4, 1), (2, 2), (4, 4)),
-    kinds: tuple[str, ...] = ("dense", "moe-8x2"),
 ) -> list[dict]:
     """Speculative decoding (k drafted tokens, draft = the first n of the 4 layers) vs plain
-    decoding, temperature 1, the tiny Qwen3-style configs (random weights), one device: new
-    tokens/s, acceptance rate and the per-round speed-up (median and range). n = 4 drafts with the
-    whole policy: every draft is accepted, so that row is the mechanism's own overhead."""
-    mesh, rules = make_mesh(dict(data=1), devices=jax.devices()[:1]), parse_rules({})
-    prompts = np.random.default_rng(0).integers(3, 512, (batch, prompt_len)).astype(np.int32)
-    plain, key, rows = SamplingParams(temperature=1.0, max_new_tokens=max_new), jax.random.key(0), []
-    for kind in kinds:
-        graphdef, params, rest = nnx.split(Decoder(qwen3_tiny_configs()[kind], rngs=nnx.Rngs(0)), nnx.Param, ...)
+    decoding (`TinyRun`): new tokens/s, acceptance rate and the per-round speed-up (median and
+    range). n = 4 drafts with the whole policy: every draft is accepted, so that row is the
+    mechanism's own overhead."""
+    prompts, plain, key, rows = run.prompts(np.random.default_rng(0)), run.sampling(), jax.random.key(0), []
+    for kind, (graphdef, params, rest) in run.models():
         modes = {
             "plain": plain,
             **{f"k={k} draft={n}": dataclasses.replace(plain, speculative_k=k, draft_layers=n) for k, n in variants},
         }
-        with use_sharding(mesh, rules):
-            calls = {
-                name: functools.partial(generate, graphdef, params, rest, prompts, sp, key)
-                for name, sp in modes.items()
-            }
-            times = _interleaved(calls, rounds)
-            accepted = {name: calls[name]().acceptance_rate for name in modes}
+        calls = {
+            name: functools.partial(generate, graphdef, params, rest, prompts, sp, key) for name, sp in modes.items()
+        }
+        times = _interleaved(calls, rounds)
+        accepted = {name: calls[name]().acceptance_rate for name in modes}
         for name, ts in times.items():
             ratios = np.array(times["plain"]) / np.array(ts)
             rows.append(
                 {
                     "name": f"speculative {kind} {name}",
-                    "new tokens/s": batch * max_new / min(ts),
+                    "new tokens/s": run.batch * run.max_new / min(ts),
                     "acceptance": accepted[name],
                     "x vs plain per round (median)": float(np.median(ratios)),
                     "min": float(ratios.min()),

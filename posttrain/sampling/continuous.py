@@ -30,15 +30,18 @@ from posttrain.sampling import engine
 from posttrain.sampling.continuous_programs import continuous_program, grouped_continuous_program
 from posttrain.sampling.generate import (
     MIN_PROMPT_BUCKET,
+    PaddedPrompts,
     Samples,
     bucket,
     host_outputs,
+    host_samples,
     image_rows,
     new_token_limits,
     pad_patches,
     pad_prompts,
     prompt_rows,
     sharding_key,
+    static_samples,
 )
 from posttrain.sampling.rules import SamplingParams
 
@@ -141,38 +144,22 @@ def generate_continuous(
     `patches`: per prompt, its image patches or None, as `generate` takes them.
     """
     static_only(sampling)
-    rows = prompt_rows(prompts, prompt_mask)
-    n, g = len(rows), sampling.num_samples
-    tokens, lengths = pad_prompts(rows, bucket(n), bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)
-    patches = image_rows(patches)
-    limits = new_token_limits(max_new_tokens, len(tokens), n, sampling)
-    sampling.check_context([len(r) for r in rows], limits[:n])
+    batch = PaddedPrompts.of(
+        prompts, sampling, pad_id, prompt_mask=prompt_mask, max_new_tokens=max_new_tokens, patches=patches
+    )
+    n, g = len(batch.rows), sampling.num_samples
     fitted = slots.fitted(n * g)
-    out = grouped_continuous_program(
+    out = batch.run(
+        grouped_continuous_program,
         graphdef,
         params,
         rest,
-        tokens,
-        lengths,
-        limits,
-        np.int32(n),
         key,
-        None if patches is None else pad_patches(patches, rows, tokens.shape),
-        sampling=sampling,
-        pad_id=pad_id,
+        batch.image_patches(),
         num_slots=fitted.num_slots,
         refill_batch=fitted.refill_batch,
-        rules=sharding_key(),
     )
-    out = jax.tree.map(lambda a: a[: n * g], host_outputs(out))
-    return Samples(
-        tokens=out.tokens,
-        logprobs=out.logprobs,
-        sampling_logprobs=out.sampling_logprobs,
-        lengths=out.lengths,
-        stop_reason=out.stop_reason,
-        prompt_index=np.repeat(np.arange(n), g),
-    )
+    return static_samples(host_outputs(out), n, g)
 
 
 class ContinuousBatcher:
@@ -234,11 +221,4 @@ class ContinuousBatcher:
             [p for *_, p in self._waiting for _ in range(g)],
         )
         self._waiting = []
-        return Samples(
-            tokens=out.tokens,
-            logprobs=out.logprobs,
-            sampling_logprobs=out.sampling_logprobs,
-            lengths=out.lengths,
-            stop_reason=out.stop_reason,
-            prompt_index=rids,
-        )
+        return host_samples(out, rids)

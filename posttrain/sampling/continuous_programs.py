@@ -191,42 +191,23 @@ def continuous_program(
         sampling.max_new_tokens,
         patches,
     )
-    return engine.decode_loop(
-        model,
-        slots,
-        out,
-        sampling,
-        pad_id,
-        layers=layers,
-        refill=refill,
-        pending=lambda nxt: nxt < num_requests,
-        queue=jnp.zeros((), jnp.int32),
-    )
+    return _decode_queue(model, layers, slots, out, sampling, pad_id, refill, num_requests)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id", "num_slots", "refill_batch", "rules"))
+@engine.static_program("num_slots", "refill_batch")
 def grouped_continuous_program(
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    rest: nnx.State,
-    tokens: jax.Array,
-    lengths: jax.Array,
-    limits: jax.Array,
-    num_prompts: jax.Array,
-    key: jax.Array,
-    patches: jax.Array | None = None,
+    model: nnx.Module,
+    prompts: engine.Prompts,
     *,
     sampling: SamplingParams,
     pad_id: int,
     num_slots: int,
     refill_batch: int,
-    rules: tuple | None = None,
 ) -> engine.Outputs:
-    """`generate_program`'s contract (prompts tokens [B, P] and their images patches [B, P,
-    patch_dim] or None, prefilled once; B * G output rows, sample i*G+g from fold_in(key, i*G+g))
-    decoded in `num_slots` continuously refilled slots.
-    `rules`: `generate.sharding_key()`, the rules it is traced under (part of the compile key)."""
-    model = nnx.merge(graphdef, params, rest)
+    """`generate_program`'s contract (arguments: `engine.static_program`; prompts tokens [B, P] and
+    their images patches [B, P, patch_dim] or None, prefilled once; B * G output rows, sample i*G+g
+    from fold_in(key, i*G+g)) decoded in `num_slots` continuously refilled slots."""
+    tokens, lengths, limits, num_prompts, key, patches = prompts
     layers = engine.decode_layers(model)
     logits, kv = engine.prefill(model, tokens, lengths, layers, patches=patches)
     g, max_new = sampling.num_samples, sampling.max_new_tokens
@@ -234,6 +215,12 @@ def grouped_continuous_program(
     out = engine.Outputs.empty(tokens.shape[0] * g, max_new, pad_id)
     num_requests = num_prompts * g
     refill = group_refill(logits, kv, lengths, limits, g, num_requests, refill_batch, key, max_new)
+    return _decode_queue(model, layers, slots, out, sampling, pad_id, refill, num_requests)
+
+
+def _decode_queue(model, layers, slots, out, sampling, pad_id, refill, num_requests: jax.Array) -> engine.Outputs:
+    """`engine.decode_loop` of slots refilled by `refill` from a queue of `num_requests` requests,
+    its state the next request's index."""
     return engine.decode_loop(
         model,
         slots,

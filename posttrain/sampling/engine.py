@@ -9,6 +9,8 @@ continuous batching (slots refilled from a queue).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import flax
 import jax
 import jax.numpy as jnp
@@ -61,6 +63,40 @@ class Outputs:
             jnp.zeros((rows,), jnp.int32),
             jnp.zeros((rows,), jnp.int32),
         )
+
+
+class Prompts(NamedTuple):
+    """A static batch inside a sampler program: tokens [B, P], lengths and new-token limits [B] (rows
+    >= num_prompts are padding), the RNG key, and the prompts' images patches [B, P, patch_dim] or None."""
+
+    tokens: jax.Array
+    lengths: jax.Array
+    limits: jax.Array
+    num_prompts: jax.Array
+    key: jax.Array
+    patches: jax.Array | None = None
+
+
+def static_program(*static_argnames: str):
+    """Jit `body(model, prompts, *, sampling, pad_id, **static)` as a sampler program of a static
+    batch: program(graphdef, params, rest, tokens, lengths, limits, num_prompts, key, patches=None,
+    *, sampling, pad_id, rules=None, **static), the model merge(graphdef, params, rest) and the
+    arrays `Prompts`. Static (the compile key): graphdef, sampling, pad_id, the body's own
+    `static_argnames` and `rules`, `generate.sharding_key()`: the rules it is traced under, which the
+    body never reads."""
+
+    def jit(body):
+        def program(
+            graphdef, params, rest, tokens, lengths, limits, num_prompts, key, patches=None, *, rules=None, **static
+        ):
+            del rules
+            prompts = Prompts(tokens, lengths, limits, num_prompts, key, patches)
+            return body(nnx.merge(graphdef, params, rest), prompts, **static)
+
+        program.__name__, program.__qualname__, program.__doc__ = body.__name__, body.__qualname__, body.__doc__
+        return jax.jit(program, static_argnames=("graphdef", "sampling", "pad_id", "rules", *static_argnames))
+
+    return jit
 
 
 def token_keys(key: jax.Array, sample_ids: jax.Array, max_new: int) -> jax.Array:

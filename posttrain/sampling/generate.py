@@ -8,7 +8,6 @@ reuses the compiled program. The model is the learner's own `(graphdef, params, 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -144,65 +143,42 @@ def new_token_limits(
 
 
 def static_slots(
-    model: nnx.Module,
-    layers: list | None,
-    tokens: jax.Array,
-    lengths: jax.Array,
-    limits: jax.Array,
-    num_prompts: jax.Array,
-    key: jax.Array,
-    sampling: SamplingParams,
-    patches: jax.Array | None = None,
+    model: nnx.Module, layers: list | None, prompts: engine.Prompts, sampling: SamplingParams
 ) -> tuple[engine.Slots, list]:
-    """The prompts tokens [B, P] prefilled once, each prompt's cache row repeated for its G samples:
-    (B * G slots, sample i*G+g in slot and output row i*G+g with RNG id i*G+g; rows >= num_prompts
-    done), and [the prompt's experts] with `sampling.record_routing` (else [None] or []). patches
-    [B, P, patch_dim]: the prompts' images, or None."""
-    g, b = sampling.num_samples, tokens.shape[0]
+    """The prompts tokens [B, P] (and their images, if any) prefilled once, each prompt's cache row
+    repeated for its G samples: (B * G slots, sample i*G+g in slot and output row i*G+g with RNG id
+    i*G+g; rows >= num_prompts done), and [the prompt's experts] with `sampling.record_routing`
+    (else [None] or [])."""
+    g, (b, p) = sampling.num_samples, prompts.tokens.shape
     logits, kv, *prompt_experts = engine.prefill(
-        model, tokens, lengths, layers, routing=sampling.record_routing, patches=patches
+        model, prompts.tokens, prompts.lengths, layers, routing=sampling.record_routing, patches=prompts.patches
     )
-    cache = kv_cache.repeat_rows(kv_cache.allocate(kv, tokens.shape[1] + sampling.max_new_tokens), g)
+    cache = kv_cache.repeat_rows(kv_cache.allocate(kv, p + sampling.max_new_tokens), g)
     ids = jnp.arange(b * g, dtype=jnp.int32)
     slots = engine.Slots(
         cache=cache,
         logits=jnp.repeat(logits, g, axis=0),
-        prompt_len=jnp.repeat(lengths, g),
+        prompt_len=jnp.repeat(prompts.lengths, g),
         step=jnp.zeros((b * g,), jnp.int32),
-        limit=jnp.repeat(limits, g),
-        done=ids >= num_prompts * g,
-        keys=engine.token_keys(key, ids, sampling.max_new_tokens),
+        limit=jnp.repeat(prompts.limits, g),
+        done=ids >= prompts.num_prompts * g,
+        keys=engine.token_keys(prompts.key, ids, sampling.max_new_tokens),
         row=ids,
     )
     return slots, prompt_experts
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id", "rules"))
+@engine.static_program()
 def generate_program(
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    rest: nnx.State,
-    tokens: jax.Array,
-    lengths: jax.Array,
-    limits: jax.Array,
-    num_prompts: jax.Array,
-    key: jax.Array,
-    patches: jax.Array | None = None,
-    *,
-    sampling: SamplingParams,
-    pad_id: int,
-    rules: tuple | None = None,
+    model: nnx.Module, prompts: engine.Prompts, *, sampling: SamplingParams, pad_id: int
 ) -> engine.Outputs:
-    """The compiled sampler: tokens [B, P], lengths and new-token limits [B] (rows >= num_prompts
-    are padding) → Outputs of B * num_samples rows, sample i*G+g being prompt i's g-th (its RNG
-    id too). patches [B, P, patch_dim]: the prompts' images (prefilled; none are generated).
-    `rules`: `sharding_key()`, the rules it is traced under (part of the compile key)."""
-    model = nnx.merge(graphdef, params, rest)
-    g, b = sampling.num_samples, tokens.shape[0]
+    """The compiled sampler (arguments: `engine.static_program`): prompts tokens [B, P], lengths and
+    new-token limits [B] (rows >= num_prompts are padding) → Outputs of B * num_samples rows, sample
+    i*G+g being prompt i's g-th (its RNG id too). patches [B, P, patch_dim]: the prompts' images
+    (prefilled; none are generated)."""
+    g, b = sampling.num_samples, prompts.tokens.shape[0]
     layers = engine.decode_layers(model)
-    slots, prompt_experts = static_slots(
-        model, layers, tokens, lengths, limits, num_prompts, key, sampling, patches=patches
-    )
+    slots, prompt_experts = static_slots(model, layers, prompts, sampling)
     out = engine.Outputs.empty(b * g, sampling.max_new_tokens, pad_id)
     if sampling.record_routing:  # the prompt's experts, shared by its samples; the generated ones in the loop
         if prompt_experts[0] is None:
@@ -233,6 +209,65 @@ def host_outputs(out):
     from jax.experimental import multihost_utils
 
     return multihost_utils.process_allgather(out, tiled=True)
+
+
+@dataclasses.dataclass
+class PaddedPrompts:
+    """A call's prompts padded for a static-batch program (`engine.static_program`): `rows`, their
+    token ids (`prompt_rows`); tokens [B, P] and lengths [B] (`pad_prompts`, B and P bucketed);
+    new-token `limits` [B]; `patches`, per prompt its images or None (`image_rows`); and the call's
+    sampling params and pad id."""
+
+    rows: list[np.ndarray]
+    tokens: np.ndarray
+    lengths: np.ndarray
+    limits: np.ndarray
+    patches: list[np.ndarray | None] | None
+    sampling: SamplingParams
+    pad_id: int
+
+    @classmethod
+    def of(
+        cls,
+        prompts: Sequence[Sequence[int]] | np.ndarray,
+        sampling: SamplingParams,
+        pad_id: int,
+        *,
+        prompt_mask: np.ndarray | None = None,
+        max_new_tokens: Sequence[int] | None = None,
+        patches: Sequence[np.ndarray | None] | None = None,
+    ) -> PaddedPrompts:
+        """`generate`'s prompts, per-prompt new-token limits and images, checked and padded."""
+        rows = prompt_rows(prompts, prompt_mask)
+        n = len(rows)
+        tokens, lengths = pad_prompts(rows, bucket(n), bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)
+        limits = new_token_limits(max_new_tokens, len(tokens), n, sampling)
+        sampling.check_context([len(r) for r in rows], limits[:n])
+        return cls(rows, tokens, lengths, limits, image_rows(patches), sampling, pad_id)
+
+    def image_patches(self) -> np.ndarray | None:
+        """The prompts' images padded like their tokens (`pad_patches`), or None without any."""
+        return None if self.patches is None else pad_patches(self.patches, self.rows, self.tokens.shape)
+
+    def run(self, program, graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, key: jax.Array, *args, **static):
+        """`program` (an `engine.static_program`) on these prompts, traced under the rules in force
+        (`sharding_key`); `args`: what follows the key (the images), `static`: the program's own."""
+        num_prompts = np.int32(len(self.rows))
+        return program(
+            graphdef,
+            params,
+            rest,
+            self.tokens,
+            self.lengths,
+            self.limits,
+            num_prompts,
+            key,
+            *args,
+            sampling=self.sampling,
+            pad_id=self.pad_id,
+            rules=sharding_key(),
+            **static,
+        )
 
 
 def _check_request(sampling: SamplingParams, patches, prefix_cache) -> None:
@@ -272,72 +307,49 @@ def generate(
     the placeholders; `data.packing.place_patches`) or None (text only); the prefix cache keys
     cached prefixes by these images too. Speculative decoding takes none (its draft has no images).
     """
-    rows = prompt_rows(prompts, prompt_mask)
-    n, g = len(rows), sampling.num_samples
-    patches = image_rows(patches)
-    _check_request(sampling, patches, prefix_cache)
-    tokens, lengths = pad_prompts(rows, bucket(n), bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)
-    limits = new_token_limits(max_new_tokens, len(tokens), n, sampling)
-    sampling.check_context([len(r) for r in rows], limits[:n])
+    _check_request(sampling, image_rows(patches), prefix_cache)
+    batch = PaddedPrompts.of(
+        prompts, sampling, pad_id, prompt_mask=prompt_mask, max_new_tokens=max_new_tokens, patches=patches
+    )
     stats = None
     if prefix_cache is not None:
         out = prefix_cache.sample(
             graphdef,
             params,
             rest,
-            rows,
-            len(tokens),
-            tokens.shape[1],
-            limits,
+            batch.rows,
+            *batch.tokens.shape,
+            batch.limits,
             key,
             sampling=sampling,
             pad_id=pad_id,
-            patches=patches,
+            patches=batch.patches,
         )
     elif sampling.speculative_k:
-        out, stats = speculative_program(
-            graphdef,
-            params,
-            rest,
-            tokens,
-            lengths,
-            limits,
-            np.int32(n),
-            key,
-            sampling=sampling,
-            pad_id=pad_id,
-            rules=sharding_key(),
-        )
+        out, stats = batch.run(speculative_program, graphdef, params, rest, key)
         stats = dict(zip(("rounds", "drafted", "accepted"), np.asarray(stats).tolist()))
     else:
-        out = generate_program(
-            graphdef,
-            params,
-            rest,
-            tokens,
-            lengths,
-            limits,
-            np.int32(n),
-            key,
-            None if patches is None else pad_patches(patches, rows, tokens.shape),
-            sampling=sampling,
-            pad_id=pad_id,
-            rules=sharding_key(),
-        )
-    return static_samples(host_outputs(out), n, g, speculative=stats)
+        out = batch.run(generate_program, graphdef, params, rest, key, batch.image_patches())
+    return static_samples(host_outputs(out), len(batch.rows), sampling.num_samples, speculative=stats)
 
 
 def static_samples(out: engine.Outputs, n: int, g: int, **extra) -> Samples:
     """The host outputs of a static batch → Samples of its n real prompts × g samples (padding rows
     dropped); `extra` fields (speculative stats, token versions) as given."""
-    cut = lambda a: None if a is None else a[: n * g]  # noqa: E731
+    return host_samples(out, np.repeat(np.arange(n), g), **extra)
+
+
+def host_samples(out: engine.Outputs, prompt_index: np.ndarray, **extra) -> Samples:
+    """Host outputs → Samples of their first len(prompt_index) rows (the rest: padding), row i
+    sampled for prompt (or request) prompt_index[i]; `extra` fields as given."""
+    cut = lambda a: None if a is None else a[: len(prompt_index)]  # noqa: E731
     return Samples(
         tokens=cut(out.tokens),
         logprobs=cut(out.logprobs),
         sampling_logprobs=cut(out.sampling_logprobs),
         lengths=cut(out.lengths),
         stop_reason=cut(out.stop_reason),
-        prompt_index=np.repeat(np.arange(n), g),
+        prompt_index=prompt_index,
         routing=cut(out.routing),
         prompt_routing=cut(out.prompt_routing),
         **extra,

@@ -24,29 +24,17 @@ import numpy as np
 from flax import nnx
 
 from posttrain.sampling import engine
-from posttrain.sampling.generate import (
-    MIN_PROMPT_BUCKET,
-    Samples,
-    bucket,
-    host_outputs,
-    new_token_limits,
-    pad_prompts,
-    prompt_rows,
-    sharding_key,
-    static_samples,
-    static_slots,
-)
+from posttrain.sampling.generate import PaddedPrompts, Samples, host_outputs, sharding_key, static_samples, static_slots
 from posttrain.sampling.rules import SamplingParams
 
 # () -> (version, params, rest): the newest published weights, called before the prefill and each chunk
 Latest = Callable[[], tuple]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id", "rules"))
-def start_program(graphdef, params, rest, tokens, lengths, limits, num_prompts, key, *, sampling, pad_id, rules=None):
+@engine.static_program()
+def start_program(model: nnx.Module, prompts: engine.Prompts, *, sampling: SamplingParams, pad_id: int):
     """The prompts prefilled into `generate_program`'s slots, and empty outputs: (slots, outputs)."""
-    model = nnx.merge(graphdef, params, rest)
-    slots, _ = static_slots(model, engine.decode_layers(model), tokens, lengths, limits, num_prompts, key, sampling)
+    slots, _ = static_slots(model, engine.decode_layers(model), prompts, sampling)
     return slots, engine.Outputs.empty(slots.row.shape[0], sampling.max_new_tokens, pad_id)
 
 
@@ -94,17 +82,14 @@ def generate_inflight(
         raise ValueError(f"generate_inflight: every={every}, expected >= 1 decode steps between weight checks")
     if sampling.speculative_k or sampling.record_routing:
         raise ValueError("in-flight weight updates: not with speculative decoding or recorded routing")
-    rows = prompt_rows(prompts)
-    n, g = len(rows), sampling.num_samples
-    tokens, lengths = pad_prompts(rows, bucket(n), bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)
-    limits = new_token_limits(max_new_tokens, len(tokens), n, sampling)
-    sampling.check_context([len(r) for r in rows], limits[:n])
+    batch = PaddedPrompts.of(prompts, sampling, pad_id, max_new_tokens=max_new_tokens)
+    n, g = len(batch.rows), sampling.num_samples
     static = dict(sampling=sampling, pad_id=pad_id, rules=sharding_key())
     version, params, rest = latest()
-    slots, out = start_program(graphdef, params, rest, tokens, lengths, limits, np.int32(n), key, **static)
-    versions = np.full((len(tokens) * g, sampling.max_new_tokens), -1, np.int32)
-    logits_version = np.full((len(tokens) * g,), version, np.int32)  # the prefill's
-    before = np.zeros((len(tokens) * g,), np.int32)
+    slots, out = batch.run(start_program, graphdef, params, rest, key)
+    versions = np.full((len(batch.tokens) * g, sampling.max_new_tokens), -1, np.int32)
+    logits_version = np.full((len(batch.tokens) * g,), version, np.int32)  # the prefill's
+    before = np.zeros((len(batch.tokens) * g,), np.int32)
     while True:
         version, params, rest = latest()
         out, slots = chunk_program(graphdef, params, rest, slots, out, np.int32(every), **static)

@@ -22,8 +22,6 @@ sliced copy of the weights).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -98,24 +96,15 @@ def emit(
     return out, new_step, finished
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "pad_id", "rules"))
+@engine.static_program()
 def speculative_program(
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    rest: nnx.State,
-    tokens: jax.Array,
-    lengths: jax.Array,
-    limits: jax.Array,
-    num_prompts: jax.Array,
-    key: jax.Array,
-    *,
-    sampling: SamplingParams,
-    pad_id: int,
-    rules: tuple | None = None,
+    model: nnx.Module, prompts: engine.Prompts, *, sampling: SamplingParams, pad_id: int
 ) -> tuple[engine.Outputs, jax.Array]:
     """`generate_program` by speculative rounds (see the module doc): → (Outputs, [rounds, drafted,
-    accepted] summed over rows). `rules`: the compile key of the rules in force (`generate.sharding_key`)."""
-    model = nnx.merge(graphdef, params, rest)
+    accepted] summed over rows). Text only: its draft takes no images."""
+    if prompts.patches is not None:
+        raise ValueError("speculative_program: images are sampled without speculative decoding")
+    tokens, lengths, limits, num_prompts, key, _ = prompts
     g, b, k, n = sampling.num_samples, tokens.shape[0], sampling.speculative_k, sampling.draft_layers
     layers, depth = engine.decode_layers(model), engine.depth(model)
     if not 1 <= n <= depth:
