@@ -51,16 +51,8 @@ def _splash_kernel(groups: int, length: int, block: int, interpret: bool):
 
     mask = splash.MultiHeadMask([splash.CausalMask((length, length)) for _ in range(groups)])
     b = min(block, length)
-    sizes = splash.BlockSizes(
-        block_q=b,
-        block_kv=b,
-        block_kv_compute=b,
-        block_q_dkv=b,
-        block_kv_dkv=b,
-        block_kv_dkv_compute=b,
-        block_q_dq=b,
-        block_kv_dq=b,
-    )
+    # every block of the forward and the two backward kernels (the compute blocks default to the kv ones)
+    sizes = splash.BlockSizes(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, block_q_dq=b, block_kv_dq=b)
     return splash.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 

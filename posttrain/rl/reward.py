@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from posttrain.rl.verifiers.base import Verdict, Verifier
 from posttrain.rl.verifiers.code import CodeTask, CodeVerifier
@@ -80,6 +80,15 @@ def overlong_penalty(num_tokens: int, max_tokens: int, buffer: int) -> float:
     return 0.0 if num_tokens <= start else (start - num_tokens) / buffer
 
 
+class Usage(TypedDict, total=False):
+    """What a response spent, for the shaping terms of `compose` (its defaults where left out)."""
+
+    num_tokens: int | None
+    tool_calls: int
+    invalid_tool_calls: int
+    redundant_tool_calls: int
+
+
 def compose(
     verdict: Verdict,
     config: RewardConfig,
@@ -132,26 +141,9 @@ class RewardFunction:
                 f"no verifier for task type {type(task).__name__}; known: {[t.__name__ for t in self.verifiers]}"
             ) from None
 
-    def verify(
-        self,
-        task: Any,
-        response: str,
-        *,
-        num_tokens: int | None = None,
-        tool_calls: int = 0,
-        invalid_tool_calls: int = 0,
-        redundant_tool_calls: int = 0,
-    ) -> Reward:
-        """Reward of one response."""
-        verdict = self._verifier(task).verify(task, response)
-        return compose(
-            verdict,
-            self.config,
-            num_tokens=num_tokens,
-            tool_calls=tool_calls,
-            invalid_tool_calls=invalid_tool_calls,
-            redundant_tool_calls=redundant_tool_calls,
-        )
+    def verify(self, task: Any, response: str, **usage: Unpack[Usage]) -> Reward:
+        """Reward of one response; `usage` as for `compose`."""
+        return compose(self._verifier(task).verify(task, response), self.config, **usage)
 
     def verify_many(
         self,

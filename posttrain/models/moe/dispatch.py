@@ -200,7 +200,7 @@ def routed_experts(
     if accelerator_paths() or not (
         ffn["w_gate"].shape[0] == num_experts and layout.num_peers == 1 and capacity is None
     ):
-        return exchanged_experts(*args, num_experts=num_experts, capacity=capacity, layout=layout)
+        return exchanged_experts(*args, capacity=capacity, layout=layout)
     # The CPU (unless `parallel.accelerator_paths`' test switch is on), every expert on this device,
     # dropless: every expert on every token for few tokens, else sorted rows. When not
     # differentiated, padded batched matmuls first, whenever no expert is over a generous capacity
@@ -209,7 +209,7 @@ def routed_experts(
     if num_tokens * num_experts <= DENSE_EXPERTS_MAX_TOKEN_EXPERTS:
         fallback = lambda: dense_experts(*args)
     else:
-        fallback = lambda: exchanged_experts(*args, num_experts=num_experts, capacity=None, layout=layout)[0]
+        fallback = lambda: exchanged_experts(*args, capacity=None, layout=layout)[0]
     kept = jnp.int32(num_tokens * top_k)
     if not inference:
         return fallback(), kept
@@ -224,15 +224,15 @@ def exchanged_experts(
     weights: jax.Array,
     ffn: dict[str, jax.Array],
     *,
-    num_experts: int,
     capacity: int | None,
     layout: ExpertLayout,
 ) -> tuple[jax.Array, jax.Array]:
     """`routed_experts` by sorting the assignments by expert and exchanging them with the peers
-    that hold their experts (see the module docstring); the general path."""
+    that hold their experts (see the module docstring); the general path. The number of experts is
+    this device's (`ffn`) times the devices the experts dim is split over."""
     num_tokens, top_k = experts.shape
-    order, group_sizes = sort_by_expert(experts.reshape(-1), num_experts, capacity)
     local = ffn["w_gate"].shape[0]
+    order, group_sizes = sort_by_expert(experts.reshape(-1), local * math.prod(layout.expert_sizes), capacity)
     first = peer_first_experts(layout, local)
     bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes)])
     bound = num_tokens * top_k if capacity is None else min(num_tokens * top_k, capacity * local)

@@ -31,7 +31,7 @@ import hashlib
 import logging
 import os
 import posixpath
-from collections.abc import Collection
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import fsspec
@@ -153,18 +153,27 @@ def normalise_prompt(task: Task) -> str:
     return canonical_text("\n".join(content_text(m["content"], digest=True) for m in task.prompt))
 
 
-def read_task_files(paths: str, verifiers: Collection[str], skips: SkipLog) -> dict[str, list[tuple[str, Task]]]:
-    """Tasks of the comma-separated files / globs `paths`, by domain, each with its `path:line`;
-    bad records and duplicate ids within a domain go to `skips`."""
-    out: dict[str, list[tuple[str, Task]]] = {}
-    seen: dict[tuple[str, str], str] = {}
-    for rec in read_jsonl([p.strip() for p in paths.split(",") if p.strip()], skips=skips):
+def jsonl_tasks(
+    paths: str | Sequence[str], verifiers: Collection[str], skips: SkipLog
+) -> Iterator[tuple[str, int, str, Task]]:
+    """(`path:line`, line, domain, Task) of each record of the JSONL files / globs `paths` that is a
+    task (`record_task`, image paths resolved against the record's folder); bad records go to `skips`."""
+    for rec in read_jsonl(paths, skips=skips):
         where = f"{rec.path}:{rec.line}"
         try:
             domain, task = record_task(rec.data, where, verifiers, base=posixpath.dirname(rec.path))
         except (RecordError, ValueError) as e:
             skips.bad(where, str(e))
             continue
+        yield where, rec.line, domain, task
+
+
+def read_task_files(paths: str, verifiers: Collection[str], skips: SkipLog) -> dict[str, list[tuple[str, Task]]]:
+    """Tasks of the comma-separated files / globs `paths`, by domain, each with its `path:line`;
+    bad records and duplicate ids within a domain go to `skips`."""
+    out: dict[str, list[tuple[str, Task]]] = {}
+    seen: dict[tuple[str, str], str] = {}
+    for where, _, domain, task in jsonl_tasks([p.strip() for p in paths.split(",") if p.strip()], verifiers, skips):
         if (domain, task.id) in seen:
             skips.bad(where, f"task id {task.id!r} of domain {domain!r} is also at {seen[domain, task.id]}")
             continue

@@ -14,15 +14,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import posixpath
 from collections.abc import Callable
 
-from posttrain.data.examples import RecordError
 from posttrain.data.images import ImageSpec
-from posttrain.data.sources import SkipLog, read_jsonl
+from posttrain.data.sources import SkipLog
 from posttrain.rl.envs.base import Task
 from posttrain.rl.tasks.domains import Domain
-from posttrain.rl.tasks.files import record_task
+from posttrain.rl.tasks.files import jsonl_tasks
 from posttrain.rl.tasks.registry import make_domains, make_env_factory, make_reward_fn, user_verifiers
 
 BUILTIN = ("arithmetic", "gsm8k", "humaneval", "repo_fix")
@@ -86,19 +84,13 @@ def user_tasks(
     names there are; `images`: whether the model sees images — else an image prompt is refused,
     naming its file:line and `model.vision.encoder` (`vision`)."""
     skips, tasks = SkipLog(on_error), []
-    for rec in read_jsonl(path, skips=skips):
-        where = f"{rec.path}:{rec.line}"
-        try:
-            _, task = record_task(rec.data, where, verifiers, base=posixpath.dirname(rec.path))
-        except (RecordError, ValueError) as e:
-            skips.bad(where, str(e))
-            continue
+    for where, line, _, task in jsonl_tasks(path, verifiers, skips):
         if not images and _has_image(task):
             raise ValueError(
                 f"eval.suites: {name}={path}: {where} has an image prompt, but model.vision.encoder={vision!r} "
                 "(a text-only model cannot see it): evaluate a vision model or drop the image"
             )
-        tasks.append(dataclasses.replace(task, id=f"{name}:{rec.line}"))
+        tasks.append(dataclasses.replace(task, id=f"{name}:{line}"))
     return tasks
 
 
