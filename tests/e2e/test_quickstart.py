@@ -11,7 +11,7 @@ import runpy
 
 import pytest
 
-from posttrain.stages import pipeline
+from posttrain.main import run
 from tests.support.paths import ROOT
 
 
@@ -20,7 +20,7 @@ def test_quickstart_rl_raises_heldout_accuracy(tmp_path):
     cfg = runpy.run_path(str(ROOT / "configs/quickstart.py"))["get_config"]()
     cfg.workdir = str(tmp_path / "run")
     cfg.train.progress = False
-    pipeline.run(cfg)
+    run(cfg)
     evals = [
         json.loads(l) for l in (tmp_path / "run/1_rlvr/metrics.jsonl").read_text().splitlines() if "eval/accuracy" in l
     ]

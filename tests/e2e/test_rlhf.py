@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from configs.rlhf_tiny import get_config
-from posttrain.stages import pipeline
+from posttrain.main import run
 
 
 def tiny_rlhf(workdir, data_dir, **rl):
@@ -41,7 +41,7 @@ def rl_rows(workdir, key="rl/rm_score_mean"):
 @pytest.mark.slow
 def test_rlhf_pipeline_raises_the_learned_reward_and_resumes(tmp_path):
     cfg = tiny_rlhf(tmp_path / "run", tmp_path)
-    results = pipeline.run(cfg)
+    results = run(cfg)
     assert set(results) == {"sft", "reward_model", "rlvr"}
     rows = rl_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(20))
@@ -57,7 +57,7 @@ def test_rlhf_pipeline_raises_the_learned_reward_and_resumes(tmp_path):
     # Resume: lose the last checkpoint of the rlvr stage; the rerun (sft and reward model are
     # complete) continues from step 15 with the critic's head and the RM statistics restored.
     shutil.rmtree(tmp_path / "run" / "2_rlvr" / "checkpoints" / "20")
-    pipeline.run(cfg)
+    run(cfg)
     again = rl_rows(tmp_path / "run")
     assert [r["step"] for r in again] == list(range(20))
     for x, y in zip(rows[15:], again[15:]):
