@@ -17,7 +17,7 @@ def get_config(path: str = ""):
     cfg = base_config()
     cfg.stage = "sft"
     if path:
-        cfg.model.update(model_config_from_hf(path))
+        cfg.model.update(model_config_from_hf(path).to_dict())
         cfg.init_from = f"hf:{path}"
         cfg.data.tokenizer = path
     return cfg

@@ -281,8 +281,16 @@ def entry(program=None) -> None:
     for i, arg in enumerate(sys.argv):
         if arg.startswith("--config=") or arg == "--config":
             path = arg.split("=", 1)[1] if "=" in arg else sys.argv[i + 1]
-            check_overrides(sys.argv[1:], runpy.run_path(path.split(":", 1)[0])["get_config"]())
+            check_overrides(sys.argv[1:], config_from_file(path))
     app.run(program or main)
+
+
+def config_from_file(spec: str):
+    """The config `--config=PATH[:ARG]` names, as ml_collections builds it: PATH's `get_config(ARG)`,
+    or `get_config()` when there is no ARG."""
+    path, has_arg, arg = spec.partition(":")
+    get_config = runpy.run_path(path)["get_config"]
+    return get_config(arg) if has_arg else get_config()
 
 
 if __name__ == "__main__":

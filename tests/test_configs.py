@@ -31,7 +31,9 @@ def pod_specs() -> list[str]:
     return [f"pod/moe_shapes.py:{m}:{mode}" for m in pod["MODELS"] for mode in pod["MODES"]]
 
 
-CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.py")) + pod_specs()
+# configs whose get_config reads a model folder it is given: test_config_of_a_hugging_face_folder_...
+FOLDER_CONFIGS = ["hf.py", "smollm2_grpo.py"]
+CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.py") if p.name not in FOLDER_CONFIGS[1:]) + pod_specs()
 
 
 def load(spec: str):
@@ -65,6 +67,27 @@ def test_config_passes_its_start_up_checks(spec, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load(spec)
     make_documented_files(cfg, runpy.run_path(str(ROOT / "configs" / spec.partition(":")[0])).get("__doc__") or "")
+    check_config(cfg)
+
+
+@pytest.mark.parametrize("config", FOLDER_CONFIGS)
+def test_config_of_a_hugging_face_folder_passes_its_start_up_checks(config, tmp_path, monkeypatch):
+    """The configs that take a model folder (`--config configs/hf.py:FOLDER`) build from a tiny
+    Llama folder: its model section from config.json, its weights and tokenizer named by path."""
+    import json
+
+    from tests.support.hf import CHATML, make_hf_folder
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    folder = make_hf_folder(str(tmp_path), {"chat_template": CHATML, "eos_token": "<|im_end|>"})
+    llama = dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=16,
+        intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    cfg = load(f"{config}:{folder}")
+    assert (cfg.model.embed_dim, cfg.model.num_layers, cfg.init_from) == (16, 2, f"hf:{folder}")
     check_config(cfg)
 
 

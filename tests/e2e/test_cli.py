@@ -45,6 +45,27 @@ def test_cli_rejects_typo_before_compiling():
     assert "unknown config key 'config.optim.lrr'" in out.stderr + out.stdout
 
 
+def test_cli_checks_overrides_against_the_config_its_argument_builds(tmp_path):
+    """`--config=FILE:ARG` is checked against `get_config(ARG)`, as ml_collections builds it: a config
+    file whose get_config needs its argument (configs/hf.py:FOLDER) is not called without it."""
+    config = tmp_path / "needs_arg.py"
+    config.write_text(
+        "from posttrain.config import base_config\n"
+        "def get_config(folder):\n"
+        "    assert folder == 'models/x', folder\n"
+        "    return base_config()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "posttrain.main", f"--config={config}:models/x", "--config.optim.lrr=1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert out.returncode != 0
+    assert "unknown config key 'config.optim.lrr'" in out.stderr + out.stdout, out.stderr[-2000:]
+
+
 def test_cli_trains_and_writes_metrics(sft_cli_run):
     """A run through the real entry point (the session's tiny SFT run, tests/support/cli_runs.py):
     metrics.jsonl has every step's row with the loss, MoE and optimizer keys; TensorBoard events appear."""
