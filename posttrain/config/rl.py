@@ -270,7 +270,7 @@ class RLConfig(Section):
     )
     reward_model_normalize: bool = flag(True, inert_unless=[_RM, _RM_ALONE_SCALE])  # RM scores by running mean/std
     # an unfinished response's training reward (no end of turn: cut by max_new_tokens or max_turns),
-    # learned or verified: "min" (the batch's lowest), "none" (as scored) or a number
+    # learned or verified: "min" (the lowest judged reward of the batch), "none" (as scored) or a number
     truncated_reward: str = parsed("min", parse_truncated_reward)
     # pay rl.kl_coef · KL per token as reward instead of a loss term
     kl_in_reward: bool = flag(

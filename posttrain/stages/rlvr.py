@@ -79,7 +79,8 @@ def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLS
     versions = enforce_token_staleness(batch, rl.step, r.max_staleness) if "versions" in batch else {}
     rows = [t.tokens for ro in rollouts for t in ro.group.trajectories]
     unfinished = [t.info.get("truncated") is not None for ro in rollouts for t in ro.group.trajectories]
-    batch["rewards"][:num_real], reward_metrics = c.rewards(rows, batch["rewards"][:num_real], unfinished)
+    judged = [v is not None for ro in rollouts for v in ro.group.verdicts]  # rl.truncated_reward=min: their floor
+    batch["rewards"][:num_real], reward_metrics = c.rewards(rows, batch["rewards"][:num_real], unfinished, judged)
     with c.clock.busy():
         batch = c.learner.prepare(rl.train, batch, c.ref)
         batch.update(advantage_targets(batch, r))
