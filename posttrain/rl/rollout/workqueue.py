@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import time
 
 import numpy as np
@@ -46,13 +47,12 @@ def check_local(workdir: str) -> None:
         )
 
 
-def write_json(path: str, obj, mode: int | None = None) -> None:
+def write_json(path: str, obj, mode: int = 0o666) -> None:
     """Write `obj` as JSON to `path` atomically (a temporary file in the same folder, renamed);
-    `mode`: its permissions (0o600: readable by this user only), else the umask's."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        if mode is not None:
-            os.chmod(tmp, mode)
+    `mode`: its permissions under the umask (0o600: readable by this user only), from the file's
+    creation on (never briefly wider)."""
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    with os.fdopen(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, mode), "w") as f:
         json.dump(obj, f, default=_plain)
     os.replace(tmp, path)
 
