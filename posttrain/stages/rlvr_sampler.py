@@ -143,11 +143,12 @@ def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
                 key = batch_key(base_key, lease["batch"], r.max_staleness)
                 batch = worker.rollout(params, rest, tasks, key, latest=latest)
                 version = min((ro.version for ro in batch.rollouts(version)), default=version)  # the oldest token's
-                encoded = encode_batch(
-                    batch.groups, batch.behav, batch.info, version, name, lease["run"], batch.routing, batch.versions
-                )
-                queue.deliver(lease["batch"], encoded)
-                delivered += 1
+                parts = (batch.groups, batch.behav, batch.info, version, name, lease["run"], batch.routing)
+                encoded = encode_batch(*parts, batch.versions, lease=lease["lease"])
+                if queue.deliver(lease["batch"], encoded):
+                    delivered += 1
+                else:  # re-issued meanwhile (this sampler was taken for dead) or the learner restarted
+                    logging.warning("rl sampler %s: batch %d's lease is no longer ours; dropped", name, lease["batch"])
     finally:
         beat.stop()
         pool.shutdown(wait=False, cancel_futures=True)
