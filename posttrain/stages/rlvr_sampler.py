@@ -6,7 +6,10 @@ Same config and workdir as the learner's command (either may start first: the sa
 `<workdir>/rl/learner.json`). Loop: lease the oldest issued batch (`rl/rollout/workqueue.py`; none
 while `rl.max_staleness + 1` finished batches wait for the learner), pull the newest weights when the
 learner has published newer ones (at least the batch's `min_version`, `rl/rollout/transfer.py`),
-sample it with the key the in-process loop would use (`batch_key`), verify, deliver. A thread
+sample it with the key the in-process loop would use (`batch_key`), verify, deliver. A lease lost
+meanwhile (re-issued, or forgotten by a learner that restarted from an older checkpoint, whose
+versions go backwards) drops its batch, whether waiting for weights or in flight (`LeaseLost`); the
+next lease re-syncs to the restarted learner's weights. A thread
 beats the heartbeat, so the learner re-issues this sampler's leases only once it has stopped. Exits
 (status 0) when the learner writes `rl/finished.json`. It holds no workdir lock (the learner does)
 and writes nothing but the queue's files.
@@ -21,6 +24,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -33,7 +37,7 @@ from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.algo.critic import ValueDecoder
 from posttrain.rl.checks import check_rlvr_stage
 from posttrain.rl.rollout.episodes import rollout_episodes
-from posttrain.rl.rollout.transfer import WeightClient, weight_shardings
+from posttrain.rl.rollout.transfer import LeaseLost, WeightClient, weight_shardings
 from posttrain.rl.rollout.worker import RolloutWorker
 from posttrain.rl.rollout.workqueue import WorkQueue, encode_batch
 from posttrain.rl.tasks.registry import make_domains, make_reward_fn
@@ -58,14 +62,18 @@ def batch_key(base_key, batch: int, max_staleness: int):
     return jax.random.split(key)[1] if max_staleness == 0 else key
 
 
-def inflight_weights(client: WeightClient, got: tuple):
+def inflight_weights(client: WeightClient, got: tuple, alive: Callable[[], bool] = lambda: True):
     """`latest` of in-flight updates on a sampler group (`rl.inflight_update_every`): between decode
     steps, the newest weights the learner has published (pulled when newer than the held ones,
-    `got` = ((params, rest), version) at first), the held ones once it has finished."""
+    `got` = ((params, rest), version) at first), the held ones once it has finished. LeaseLost
+    (the batch abandoned) once `alive()` says the lease is gone: a restarted learner forgot it and
+    its versions went backwards; the sampler then re-syncs with the next lease."""
     held = [got]
 
     def latest() -> tuple:
-        newer = client.newest(held[0][1])
+        if not alive():
+            raise LeaseLost(f"in flight at version {held[0][1]}: the lease is no longer this sampler's")
+        newer = client.newest(held[0][1], alive)
         if newer is not None:
             held[0] = newer
         (params, rest), version = held[0]
@@ -94,6 +102,31 @@ class Heartbeat:
     def stop(self) -> None:
         """Stop beating."""
         self._stop.set()
+
+
+def sample_lease(worker, client, queue, lease: dict, name: str, tasks_by_id: dict, base_key, r) -> bool | None:
+    """Pull the weights `lease` needs, sample and verify its batch, deliver it: True when
+    delivered, False when the lease was lost first (re-issued, or the learner restarted: the batch
+    is dropped and the next lease re-syncs), None when the learner finished meanwhile."""
+    alive = lambda: queue.lease_token(lease["batch"]) == lease["lease"]  # noqa: E731
+    try:
+        got = client.newest(lease["min_version"], alive)
+        if got is None:
+            return None
+        (params, rest), version = got
+        tasks = [(d, tasks_by_id[(d, i)]) for d, i in lease["tasks"]]
+        latest = inflight_weights(client, got, alive) if r.inflight_update_every else None
+        batch = worker.rollout(params, rest, tasks, batch_key(base_key, lease["batch"], r.max_staleness), latest=latest)
+    except LeaseLost as e:
+        logging.warning("rl sampler %s: batch %d dropped: %s", name, lease["batch"], e)
+        return False
+    version = min((ro.version for ro in batch.rollouts(version)), default=version)  # the oldest token's
+    parts = (batch.groups, batch.behav, batch.info, version, name, lease["run"], batch.routing)
+    if queue.deliver(lease["batch"], encode_batch(*parts, batch.versions, lease=lease["lease"])):
+        return True
+    why = "its lease is no longer ours (re-issued, or the learner restarted)"
+    logging.warning("rl sampler %s: batch %d dropped: %s", name, lease["batch"], why)
+    return False
 
 
 def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
@@ -134,21 +167,10 @@ def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
                 if lease is None:
                     time.sleep(poll_s)
                     continue
-                got = client.newest(lease["min_version"])
-                if got is None:  # the learner finished while this sampler waited for weights
+                done = sample_lease(worker, client, queue, lease, name, tasks_by_id, base_key, r)
+                if done is None:  # the learner finished while this sampler waited for weights
                     break
-                (params, rest), version = got
-                tasks = [(d, tasks_by_id[(d, i)]) for d, i in lease["tasks"]]
-                latest = inflight_weights(client, got) if r.inflight_update_every else None
-                key = batch_key(base_key, lease["batch"], r.max_staleness)
-                batch = worker.rollout(params, rest, tasks, key, latest=latest)
-                version = min((ro.version for ro in batch.rollouts(version)), default=version)  # the oldest token's
-                parts = (batch.groups, batch.behav, batch.info, version, name, lease["run"], batch.routing)
-                encoded = encode_batch(*parts, batch.versions, lease=lease["lease"])
-                if queue.deliver(lease["batch"], encoded):
-                    delivered += 1
-                else:  # re-issued meanwhile (this sampler was taken for dead) or the learner restarted
-                    logging.warning("rl sampler %s: batch %d's lease is no longer ours; dropped", name, lease["batch"])
+                delivered += done
     finally:
         beat.stop()
         pool.shutdown(wait=False, cancel_futures=True)

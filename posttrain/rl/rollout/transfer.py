@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -141,6 +143,11 @@ class WeightServer:
             self._thread.join(5)
 
 
+class LeaseLost(Exception):
+    """The batch a sampler works on is no longer its own (re-issued, or the learner restarted and
+    forgot it): waiting for or sampling with weights for it is pointless."""
+
+
 class WeightClient:
     """A sampler's side: finds the learner through learner.json and pulls newer versions."""
 
@@ -149,13 +156,17 @@ class WeightClient:
         self.server = start_server(bind_host())
         self.token = self.conn = self.weights = None
         self.version = -1
-        self.pulled_bytes = 0
+        self.pulled_bytes = self.restarts = 0
 
-    def newest(self, min_version: int) -> tuple | None:
+    def newest(self, min_version: int, alive: Callable[[], bool] | None = None) -> tuple | None:
         """((params, rest), version) of the newest published version, pulled when newer than the
         one held, waiting until it is at least `min_version` (a sampler started before the learner
-        waits for learner.json); None once the learner has finished."""
+        waits for learner.json); None once the learner has finished. `alive`: whether the lease
+        this is for is still the sampler's; LeaseLost once it is not (a restarted learner, resumed
+        from an older checkpoint, may never reach `min_version`: its leases are new ones)."""
         while True:
+            if alive is not None and not alive():
+                raise LeaseLost(f"waiting for version {min_version}: the lease is no longer this sampler's")
             info = read_json(self.queue.path("learner.json"))
             if info is not None and info["token"] != self.token:
                 self._connect(info)
@@ -173,6 +184,11 @@ class WeightClient:
                 f"this sampler's mesh {dict(self.mesh.shape)} differs from the learner's {info['mesh']}: "
                 "under rl.placement='disaggregated' a sampler group runs the learner's mesh.* for now",
                 key="rl.placement",
+            )
+        if self.token is not None:  # another learner (restarted: its versions may go backwards)
+            self.restarts += 1
+            logging.warning(
+                "rl sampler %s: the learner restarted at version %d; re-syncing", self.sampler, info["version"]
             )
         self.conn, self.token, self.version = self.server.connect(info["address"]), info["token"], -1
 

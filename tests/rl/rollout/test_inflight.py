@@ -283,7 +283,7 @@ def test_a_sampler_group_switches_to_weights_the_learner_published_in_flight():
         def __init__(self):
             self.published, self.finished, self.asked = 3, False, []
 
-        def newest(self, min_version):
+        def newest(self, min_version, alive=None):
             self.asked.append(min_version)
             return None if self.finished else ((f"p{self.published}", "rest"), self.published)
 
