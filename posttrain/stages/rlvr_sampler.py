@@ -159,7 +159,7 @@ def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
     base_key, delivered = jax.random.key(cfg.seed), 0
     beat = Heartbeat(queue, name, r.lease_timeout_s / 4).start()
     logging.info("rl sampler %s: waiting for the learner in %s", name, queue.root)
-    client = WeightClient(queue, name, specs, mesh)
+    client = WeightClient(queue, name, specs, mesh, reconnect_s=r.reconnect_timeout_s)
     try:
         with use_sharding(mesh, rules):
             while not queue.finished():

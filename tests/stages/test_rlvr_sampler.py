@@ -6,12 +6,15 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from posttrain.errors import UserError
 from posttrain.rl.envs.base import Task
 from posttrain.rl.rollout import transfer
 from posttrain.rl.rollout.workqueue import WorkQueue
 from posttrain.stages.rlvr_sampler import inflight_weights
+from tests.support.typed_configs import run_cfg
 
 TASKS = [("arithmetic", Task("t1", ({"role": "user", "content": "1+1"},), "2"))]
 
@@ -69,3 +72,104 @@ def test_an_inflight_sampler_drops_its_batch_and_resyncs_when_the_learner_restar
     assert again["batch"] == 7 and version == 7 and client.restarts == 1
     np.testing.assert_array_equal(params["w"], np.full(16, 7.0))
     second.close()
+
+
+class FakeTransfer:
+    """`transfer.start_server` for every process of a test: servers by address; a pull from a
+    server that `dies` raises what a killed learner's does."""
+
+    CLOSED = "INTERNAL: SocketServer: Connection closed"
+
+    def __init__(self):
+        self.servers, self.pulls = {}, []
+
+    def start_server(self, host):
+        server = FakeServer(self, f"{host}:{len(self.servers) + 1}")
+        self.servers[server.addr] = server
+        return server
+
+
+class FakeServer:
+    def __init__(self, net: FakeTransfer, addr: str):
+        self.net, self.addr, self.offers, self.dies = net, addr, {}, None
+
+    def address(self):
+        return self.addr
+
+    def await_pull(self, uuid, arrays):
+        self.offers[uuid] = arrays
+
+    def connect(self, addr):
+        return FakeConn(self.net.servers[addr])
+
+
+class FakeConn:
+    def __init__(self, server: FakeServer):
+        self.server = server
+
+    def pull(self, uuid, specs):
+        self.server.net.pulls.append(self.server.addr)
+        if self.server.dies is not None:
+            self.server.dies()
+            raise jax.errors.JaxRuntimeError(FakeTransfer.CLOSED)
+        return self.server.offers.pop(uuid)
+
+
+def test_a_sampler_outlives_a_learner_killed_mid_pull_and_pulls_from_its_restart(tmp_path, monkeypatch):
+    """The learner is SIGKILLed while the sampler pulls version 6 (the pull raises `Connection
+    closed`); a restarted learner publishes version 4: the sampler tries again, re-reads
+    learner.json, connects to the new learner and pulls its weights instead of exiting."""
+    net = FakeTransfer()
+    monkeypatch.setattr(transfer, "start_server", net.start_server)
+    queue, mesh = WorkQueue(str(tmp_path)), jax.make_mesh((8,), ("data",))
+    weights, specs = weights_and_specs(mesh, 5.0)
+    first = transfer.WeightServer(queue, mesh, {}, "learner", host="learner")
+    first.publish(5, weights)
+    client = transfer.WeightClient(queue, "s", specs, mesh, poll_s=0.01)
+    assert client.newest(5)[1] == 5
+    first.publish(6, weights)
+    restarted = []
+
+    def killed():  # the learner dies mid-pull and is started again (from its step-4 checkpoint)
+        first.server.dies, restarted[:] = None, [transfer.WeightServer(queue, mesh, {}, "learner", host="learner")]
+        first.close()
+        restarted[0].publish(4, weights_and_specs(mesh, 4.0)[0])
+
+    first.server.dies = killed
+    (params, _), version = in_thread(lambda: client.newest(0))["value"]
+    assert version == 4 and client.restarts == 1 and net.pulls == ["learner:1", "learner:1", "learner:3"]
+    np.testing.assert_array_equal(params["w"], np.full(16, 4.0))
+    restarted[0].close()
+
+
+def test_a_sampler_gives_up_after_rl_reconnect_timeout_s_of_failed_pulls(tmp_path, monkeypatch):
+    """A learner whose pulls keep failing: the sampler tries again with backoff, and after
+    reconnect_s seconds of failures (`rl.reconnect_timeout_s`, a fake clock here) raises
+    LearnerUnreachable naming the key and the last error; a longer timeout keeps it trying."""
+    net, now = FakeTransfer(), [0.0]
+    monkeypatch.setattr(transfer, "start_server", net.start_server)
+    queue, mesh = WorkQueue(str(tmp_path)), jax.make_mesh((8,), ("data",))
+    weights, specs = weights_and_specs(mesh, 5.0)
+    learner = transfer.WeightServer(queue, mesh, {}, "learner", host="learner")
+    learner.publish(5, weights)
+    learner.server.dies = lambda: None  # every pull fails
+    fake = {"clock": lambda: now[0], "sleep": lambda s: now.__setitem__(0, now[0] + s)}
+    # waits 0.01, 0.02, … doubling, up to 5 s: 1.27 s after 8 tries, 30.11 s after 15
+    for reconnect_s, tries in ((1.0, 8), (30.0, 15)):
+        client = transfer.WeightClient(queue, "s", specs, mesh, poll_s=0.01, reconnect_s=reconnect_s, **fake)
+        net.pulls.clear()
+        with pytest.raises(transfer.LearnerUnreachable, match=rf"rl.reconnect_timeout_s={reconnect_s:g}\).*closed"):
+            client.newest(5)
+        assert len(net.pulls) == tries
+    learner.close()
+
+
+@pytest.mark.parametrize("key", ["rl.reconnect_timeout_s"])
+def test_the_samplers_time_limits_are_checked_and_read_under_disaggregated_only(key):
+    """A limit is positive; a value other than the default is refused where no sampler reads it."""
+    with pytest.raises(UserError) as e:
+        run_cfg({key: 0.0})
+    assert e.value.key == key
+    run_cfg({key: 5.0, "rl.placement": "disaggregated", "rl.role": "sampler"}, stage="rlvr").check_stages()
+    with pytest.raises(UserError, match=rf"config\.{key}=5\.0 cannot take effect: only rl.placement='disaggregated'"):
+        run_cfg({key: 5.0}, stage="rlvr").check_stages()
