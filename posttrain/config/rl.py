@@ -296,6 +296,9 @@ class RLConfig(Section):
     lease_timeout_s: float = bounded(60.0, gt=0)  # disaggregated: a sampler silent this long loses its leases
     # disaggregated: a sampler gives up (LearnerUnreachable) after its pulls failed this long in a row
     reconnect_timeout_s: float = bounded(600.0, gt=0, inert_unless=_DISAGGREGATED)
+    # disaggregated: a sampler whose work on a lease (generation, verification) has not moved for this
+    # long stops beating, so its lease lapses (rl/rollout/liveness.py); above one generation's time
+    progress_deadline_s: float = bounded(600.0, gt=0, inert_unless=_DISAGGREGATED)
     steps: int = bounded(0, ge=0)  # rollout batches, replacing train.steps when non-zero
     lr: float = bounded(0.0, ge=0)  # replacing optim.lr when non-zero
     gate: str = gate_field()  # as for the other stages

@@ -164,7 +164,7 @@ def test_a_sampler_gives_up_after_rl_reconnect_timeout_s_of_failed_pulls(tmp_pat
     learner.close()
 
 
-@pytest.mark.parametrize("key", ["rl.reconnect_timeout_s"])
+@pytest.mark.parametrize("key", ["rl.reconnect_timeout_s", "rl.progress_deadline_s"])
 def test_the_samplers_time_limits_are_checked_and_read_under_disaggregated_only(key):
     """A limit is positive; a value other than the default is refused where no sampler reads it."""
     with pytest.raises(UserError) as e:
