@@ -363,5 +363,5 @@ def test_a_sampler_group_with_inflight_updates_stays_within_the_staleness_bound(
     wait(sampler, tmp_path / "sampler.log", timeout=60)
     rows = logged(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
-    assert all(r["rl/version_lag_max"] <= 1 and r["rl/tokens_stale_dropped"] == 0 for r in rows)
+    assert all(r["rl/version_lag_max"] <= 1 and "rl/tokens_stale_dropped" not in r for r in rows)
     assert all(0 <= r["rl/staleness_max"] <= 1 and r["rl/buffer_dropped_stale"] == 0 for r in rows)
