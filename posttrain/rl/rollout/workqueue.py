@@ -127,8 +127,9 @@ class WorkQueue:
         return None if lease is None else read_json(self.path("done", f"{batch}.{lease}.json"))
 
     def pending(self) -> list[int]:
-        """The batches whose result the learner will read: delivered under the current lease."""
-        return sorted({p for p, lease in _results(self.path("done")) if lease == self.lease_token(p)})
+        """The batches whose result the learner will read: issued, and delivered under the current lease."""
+        issued = set(_batches(self.path("tasks")))
+        return sorted({p for p, lease in _results(self.path("done")) if p in issued and lease == self.lease_token(p)})
 
     def sweep(self) -> int:
         """Remove the results no current lease names (late, re-issued, of an earlier learner)."""

@@ -61,3 +61,18 @@ def test_a_result_that_slips_past_the_check_is_never_read_and_is_swept(tmp_path)
     assert queue.sweep() == 1 and os.listdir(queue.path("done")) == []
     assert queue.deliver(0, result(second, 1)) and queue.result(0)["version"] == 1 and queue.pending() == [0]
     assert queue.reissue_dead(timeout_s=0.0, now=1e12) == []  # finished: not re-issued
+
+
+def test_a_lease_that_outlives_the_restart_does_not_block_the_queue(tmp_path):
+    """A sampler's exclusive create of batch 10's lease lands just after a restarted learner's reset
+    (the race): its delivery is accepted, but batch 10 is not issued (the learner is at 7), so it is
+    not a result the learner will read and does not hold the one slot (max_staleness = 0)."""
+    queue = WorkQueue(str(tmp_path))
+    queue.issue(10, TASKS, min_version=10, run="first")
+    late = queue.lease("s", bound=1)
+    lease_file = open(queue.path("leases", "10.json")).read()
+    queue.reset()
+    open(queue.path("leases", "10.json"), "w").write(lease_file)  # created after the reset's sweep
+    queue.issue(7, TASKS, min_version=7, run="second")
+    assert queue.deliver(10, result(late, 10))
+    assert queue.pending() == [] and (queue.lease("s", bound=1) or {}).get("batch") == 7
