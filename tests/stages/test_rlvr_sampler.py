@@ -2,6 +2,7 @@
 or dies: its leases, its weights and its heartbeat."""
 
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from posttrain.config import RLConfig
 from posttrain.errors import UserError
 from posttrain.rl.envs.base import Task
 from posttrain.rl.rollout import transfer
@@ -173,3 +175,29 @@ def test_the_samplers_time_limits_are_checked_and_read_under_disaggregated_only(
     run_cfg({key: 5.0, "rl.placement": "disaggregated", "rl.role": "sampler"}, stage="rlvr").check_stages()
     with pytest.raises(UserError, match=rf"config\.{key}=5\.0 cannot take effect: only rl.placement='disaggregated'"):
         run_cfg({key: 5.0}, stage="rlvr").check_stages()
+
+
+@pytest.mark.slow
+def test_a_sampler_outlives_a_sigkilled_learner_and_finishes_with_its_restart(tmp_path):
+    """rl.max_staleness = 1 with in-flight updates: the learner is SIGKILLed after step 2 (no
+    checkpoint: its restart begins again at step 0, so the versions go backwards). The sampler
+    neither exits with the learner's dead connection nor waits for a version the restart will not
+    reach: it re-syncs to the restarted learner, which completes the run, and exits 0."""
+    from tests.rl.rollout.test_remote import spawn, wait
+
+    no_eval = {"rl.eval_every": 0, **{f"rl.{k}": getattr(RLConfig(), k) for k in ("eval_size", "eval_samples")}}
+    run, flags = tmp_path / "run", {"rl.max_staleness": 1, "rl.inflight_update_every": 2, **no_eval}
+    sampler = spawn(run, "sampler", tmp_path / "sampler.log", **flags)
+    first = spawn(run, "learner", tmp_path / "first.log", **flags)
+    deadline = time.time() + 240
+    while not (run / "metrics.jsonl").exists() or '"step": 2' not in (run / "metrics.jsonl").read_text():
+        assert time.time() < deadline and first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        time.sleep(0.1)
+    first.kill()
+    first.wait()
+    time.sleep(1.0)  # the sampler meets the dead learner (a pull, an in-flight check or a lease)
+    assert sampler.poll() is None, (tmp_path / "sampler.log").read_text()[-3000:]
+    second = spawn(run, "learner", tmp_path / "second.log", **flags)
+    wait(second, tmp_path / "second.log")
+    wait(sampler, tmp_path / "sampler.log", timeout=60)
+    assert "the learner restarted" in (tmp_path / "sampler.log").read_text()
