@@ -49,6 +49,7 @@ _MULTI_TURN = (lambda r: r.env != "single", "only multi-turn episodes (rl.env='t
 _TOOL = (lambda r: r.env == "tool", "only multi-turn episodes (rl.env='tool') make tool calls")
 _KL = (lambda r: r.kl_coef > 0, "no KL term without rl.kl_coef > 0")
 _RM = (lambda r: bool(r.reward_model), "no learned reward without rl.reward_model")
+_DISAGGREGATED = (lambda r: r.placement == "disaggregated", "only rl.placement='disaggregated' samplers read it")
 _MASK = (lambda r: r.is_mask != "off", "no masked importance sampling without rl.is_mask")
 _GRPO_SCALE = (
     "and a positive scale on the whole reward cancels in grpo's group normalisation (r − mean) / std: "
@@ -270,7 +271,7 @@ class RLConfig(Section):
     )
     reward_model_normalize: bool = flag(True, inert_unless=[_RM, _RM_ALONE_SCALE])  # RM scores by running mean/std
     # an unfinished response's training reward (no end of turn: cut by max_new_tokens or max_turns),
-    # learned or verified: "min" (the batch's lowest), "none" (as scored) or a number
+    # learned or verified: "min" (the lowest judged reward of the batch), "none" (as scored) or a number
     truncated_reward: str = parsed("min", parse_truncated_reward)
     # pay rl.kl_coef · KL per token as reward instead of a loss term
     kl_in_reward: bool = flag(
@@ -293,6 +294,11 @@ class RLConfig(Section):
     sampler_devices: int = bounded(0, ge=0)
     role: str = choice("none", ROLES)
     lease_timeout_s: float = bounded(60.0, gt=0)  # disaggregated: a sampler silent this long loses its leases
+    # disaggregated: a sampler gives up (LearnerUnreachable) after its pulls failed this long in a row
+    reconnect_timeout_s: float = bounded(600.0, gt=0, inert_unless=_DISAGGREGATED)
+    # disaggregated: a sampler whose work on a lease (generation, verification) has not moved for this
+    # long stops beating, so its lease lapses (rl/rollout/liveness.py); above one generation's time
+    progress_deadline_s: float = bounded(600.0, gt=0, inert_unless=_DISAGGREGATED)
     steps: int = bounded(0, ge=0)  # rollout batches, replacing train.steps when non-zero
     lr: float = bounded(0.0, ge=0)  # replacing optim.lr when non-zero
     gate: str = gate_field()  # as for the other stages

@@ -104,7 +104,7 @@ def parse_truncated_reward(value: str) -> str | float:
         number = math.nan
     if not math.isfinite(number):
         raise ValueError(
-            "expected 'min' (the lowest reward of the batch), 'none' (as the reward sources score it) or a "
+            "expected 'min' (the lowest judged reward of the batch), 'none' (as the reward sources score it) or a "
             "finite number such as '-1'"
         )
     return number

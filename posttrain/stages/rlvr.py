@@ -36,7 +36,7 @@ from posttrain.rl.algo.learner import advantage_targets, batch_rows, compute_adv
 from posttrain.rl.checks import check_rlvr_stage
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.rollout.hosts import all_values, sampled_reward_stats
-from posttrain.rl.rollout.inflight import enforce_token_staleness
+from posttrain.rl.rollout.inflight import token_version_metrics
 from posttrain.rl.rollout.placement import place_devices
 from posttrain.rl.rollout.producer import AsyncProducer
 from posttrain.rl.rollout.worker import RolloutBatch, RolloutWorker, collect_batch, evaluate
@@ -76,10 +76,11 @@ def learn_step(c: Components, rl: RLState, rollouts: list[Rollout]) -> tuple[RLS
     batch = rl_batch(
         rollouts, pad_id=c.pad_id, num_rows=n_rows, longest=longest, sequence_shards=shards, seq_bucket=r.seq_bucket
     )
-    versions = enforce_token_staleness(batch, rl.step, r.max_staleness) if "versions" in batch else {}
+    versions = token_version_metrics(batch, rl.step, r.max_staleness) if "versions" in batch else {}
     rows = [t.tokens for ro in rollouts for t in ro.group.trajectories]
     unfinished = [t.info.get("truncated") is not None for ro in rollouts for t in ro.group.trajectories]
-    batch["rewards"][:num_real], reward_metrics = c.rewards(rows, batch["rewards"][:num_real], unfinished)
+    judged = [v is not None for ro in rollouts for v in ro.group.verdicts]  # rl.truncated_reward=min: their floor
+    batch["rewards"][:num_real], reward_metrics = c.rewards(rows, batch["rewards"][:num_real], unfinished, judged)
     with c.clock.busy():
         batch = c.learner.prepare(rl.train, batch, c.ref)
         batch.update(advantage_targets(batch, r))

@@ -6,26 +6,31 @@ Same config and workdir as the learner's command (either may start first: the sa
 `<workdir>/rl/learner.json`). Loop: lease the oldest issued batch (`rl/rollout/workqueue.py`; none
 while `rl.max_staleness + 1` finished batches wait for the learner), pull the newest weights when the
 learner has published newer ones (at least the batch's `min_version`, `rl/rollout/transfer.py`),
-sample it with the key the in-process loop would use (`batch_key`), verify, deliver. A thread
-beats the heartbeat, so the learner re-issues this sampler's leases only once it has stopped. Exits
-(status 0) when the learner writes `rl/finished.json`. It holds no workdir lock (the learner does)
-and writes nothing but the queue's files.
+sample it with the key the in-process loop would use (`batch_key`), verify, deliver. A lease lost
+meanwhile (re-issued, or forgotten by a learner that restarted from an older checkpoint, whose
+versions go backwards) drops its batch, whether waiting for weights or in flight (`LeaseLost`); the
+next lease re-syncs to the restarted learner's weights. A thread beats the heartbeat while the work
+on a lease progresses (`rl/rollout/liveness.py`), so the learner re-issues this sampler's leases
+once it has stopped or hung. Exits (status 0) when the learner writes `rl/finished.json`. It holds
+no workdir lock (the learner does) and writes nothing but the queue's files.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import secrets
 import socket
-import threading
 import time
+from collections.abc import Callable
 from functools import partial
 
 import jax
 from flax import nnx
 
+from posttrain.config import RLConfig
 from posttrain.core.state import abstract_model
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.models.decoder import Decoder
@@ -33,7 +38,8 @@ from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.algo.critic import ValueDecoder
 from posttrain.rl.checks import check_rlvr_stage
 from posttrain.rl.rollout.episodes import rollout_episodes
-from posttrain.rl.rollout.transfer import WeightClient, weight_shardings
+from posttrain.rl.rollout.liveness import Heartbeat, Progress
+from posttrain.rl.rollout.transfer import LeaseLost, WeightClient, weight_shardings
 from posttrain.rl.rollout.worker import RolloutWorker
 from posttrain.rl.rollout.workqueue import WorkQueue, encode_batch
 from posttrain.rl.tasks.registry import make_domains, make_reward_fn
@@ -58,14 +64,22 @@ def batch_key(base_key, batch: int, max_staleness: int):
     return jax.random.split(key)[1] if max_staleness == 0 else key
 
 
-def inflight_weights(client: WeightClient, got: tuple):
+def inflight_weights(
+    client: WeightClient, got: tuple, alive: Callable[[], bool] = lambda: True, moved: Callable[[], None] = lambda: None
+):
     """`latest` of in-flight updates on a sampler group (`rl.inflight_update_every`): between decode
     steps, the newest weights the learner has published (pulled when newer than the held ones,
-    `got` = ((params, rest), version) at first), the held ones once it has finished."""
+    `got` = ((params, rest), version) at first), the held ones once it has finished. LeaseLost
+    (the batch abandoned) once `alive()` says the lease is gone: a restarted learner forgot it and
+    its versions went backwards; the sampler then re-syncs with the next lease. `moved()` is called
+    at each check (decode steps went by: the sampler's progress)."""
     held = [got]
 
     def latest() -> tuple:
-        newer = client.newest(held[0][1])
+        moved()
+        if not alive():
+            raise LeaseLost(f"in flight at version {held[0][1]}: the lease is no longer this sampler's")
+        newer = client.newest(held[0][1], alive)
         if newer is not None:
             held[0] = newer
         (params, rest), version = held[0]
@@ -74,26 +88,47 @@ def inflight_weights(client: WeightClient, got: tuple):
     return latest
 
 
-class Heartbeat:
-    """A thread that records every `every_s` seconds that this sampler is alive."""
+@dataclasses.dataclass(frozen=True)
+class SamplerLoop:
+    """What a sampler group's loop works with: its queue, weight client, worker (which bumps
+    `progress`), the tasks by id, the base key and the `rl` section."""
 
-    def __init__(self, queue: WorkQueue, name: str, every_s: float) -> None:
-        self.queue, self.name, self.every_s, self._stop = queue, name, every_s, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeat")
+    queue: WorkQueue
+    client: WeightClient
+    worker: RolloutWorker
+    progress: Progress
+    tasks_by_id: dict
+    base_key: jax.Array
+    rl: RLConfig
+    name: str
 
-    def start(self) -> Heartbeat:
-        """Beat once now, then on the thread."""
-        self.queue.heartbeat(self.name)
-        self._thread.start()
-        return self
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.queue.heartbeat(self.name)
-
-    def stop(self) -> None:
-        """Stop beating."""
-        self._stop.set()
+def sample_lease(loop: SamplerLoop, lease: dict) -> bool | None:
+    """Pull the weights `lease` needs, sample and verify its batch, deliver it: True when
+    delivered, False when the lease was lost first (re-issued, or the learner restarted: the batch
+    is dropped and the next lease re-syncs), None when the learner finished meanwhile."""
+    queue, client, r, name = loop.queue, loop.client, loop.rl, loop.name
+    alive = lambda: queue.lease_token(lease["batch"]) == lease["lease"]  # noqa: E731
+    try:
+        got = client.newest(lease["min_version"], alive)
+        if got is None:
+            return None
+        (params, rest), version = got
+        tasks = [(d, loop.tasks_by_id[(d, i)]) for d, i in lease["tasks"]]
+        latest = inflight_weights(client, got, alive, loop.progress.bump) if r.inflight_update_every else None
+        key = batch_key(loop.base_key, lease["batch"], r.max_staleness)
+        with loop.progress.working():  # a hung generation or verifier stops the heartbeat
+            batch = loop.worker.rollout(params, rest, tasks, key, latest=latest)
+    except LeaseLost as e:
+        logging.warning("rl sampler %s: batch %d dropped: %s", name, lease["batch"], e)
+        return False
+    version = min((ro.version for ro in batch.rollouts(version)), default=version)  # the oldest token's
+    parts = (batch.groups, batch.behav, batch.info, version, name, lease["run"], batch.routing)
+    if queue.deliver(lease["batch"], encode_batch(*parts, batch.versions, lease=lease["lease"])):
+        return True
+    why = "its lease is no longer ours (re-issued, or the learner restarted)"
+    logging.warning("rl sampler %s: batch %d dropped: %s", name, lease["batch"], why)
+    return False
 
 
 def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
@@ -122,11 +157,13 @@ def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
         continuous=SlotConfig.of(cfg.sampling),
         rules=sampler_rules(rules, cfg.sampling.layout),
         inflight_every=r.inflight_update_every,
+        progress=(progress := Progress()).bump,
     )
-    base_key, delivered = jax.random.key(cfg.seed), 0
-    beat = Heartbeat(queue, name, r.lease_timeout_s / 4).start()
+    delivered = 0
+    beat = Heartbeat(queue, name, r.lease_timeout_s / 4, progress, r.progress_deadline_s).start()
     logging.info("rl sampler %s: waiting for the learner in %s", name, queue.root)
-    client = WeightClient(queue, name, specs, mesh)
+    client = WeightClient(queue, name, specs, mesh, reconnect_s=r.reconnect_timeout_s)
+    loop = SamplerLoop(queue, client, worker, progress, tasks_by_id, jax.random.key(cfg.seed), r, name)
     try:
         with use_sharding(mesh, rules):
             while not queue.finished():
@@ -134,20 +171,10 @@ def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
                 if lease is None:
                     time.sleep(poll_s)
                     continue
-                got = client.newest(lease["min_version"])
-                if got is None:  # the learner finished while this sampler waited for weights
+                done = sample_lease(loop, lease)
+                if done is None:  # the learner finished while this sampler waited for weights
                     break
-                (params, rest), version = got
-                tasks = [(d, tasks_by_id[(d, i)]) for d, i in lease["tasks"]]
-                latest = inflight_weights(client, got) if r.inflight_update_every else None
-                key = batch_key(base_key, lease["batch"], r.max_staleness)
-                batch = worker.rollout(params, rest, tasks, key, latest=latest)
-                version = min((ro.version for ro in batch.rollouts(version)), default=version)  # the oldest token's
-                encoded = encode_batch(
-                    batch.groups, batch.behav, batch.info, version, name, lease["run"], batch.routing, batch.versions
-                )
-                queue.deliver(lease["batch"], encoded)
-                delivered += 1
+                delivered += done
     finally:
         beat.stop()
         pool.shutdown(wait=False, cancel_futures=True)

@@ -76,8 +76,9 @@ def kl_loss_terms(
     estimator: str,
     positions: jax.Array | None = None,
 ) -> jax.Array:
-    """Per-token loss terms whose gradient (summed over a sequence) is an unbiased estimate of
-    ∇KL(π ‖ π_ref) over whole sequences: [B, T] → [B, T].
+    """Per-token loss terms whose gradient (summed over a sequence) estimates ∇KL(π ‖ π_ref) over
+    whole sequences: [B, T] → [B, T]. Unbiased on-policy only (π = π_sample, every ρ_t = 1); off-policy
+    the per-token weights ρ_t leave it biased (below).
 
     The math. For y ~ π (autoregressive), KL(π ‖ π_ref) = E_y[Σ_t k1_t], k1_t = log π(y_t) − log π_ref(y_t),
     and by the score function (the k1 inside is itself differentiable, but E[Σ_t ∇log π_t] = 0)
@@ -88,14 +89,16 @@ def kl_loss_terms(
     - k2: ∇k2_t = k1_t ∇log π_t: the s = t term;
     - k3: ∇k3_t = (1 − π_ref/π) ∇log π_t, whose mean Σ_y (π − π_ref) ∇log π = −Σ_y π_ref ∇log π is the
       gradient of KL(π_ref ‖ π) per token, not of KL(π ‖ π_ref). With an importance weight ρ_t =
-      π(y_t) / π_sample(y_t) (value 1 on-policy), ∇(ρ_t k3_t) = ρ_t k1_t ∇log π_t: the s = t term again,
-      also corrected off-policy.
+      π(y_t) / π_sample(y_t) (value 1 on-policy), ∇(ρ_t k3_t) = ρ_t k1_t ∇log π_t: the s = t term again.
     Neither sees the s > t terms: how a token changes the KL of the tokens after it. They are added
     as ρ_t · sg(Σ_{s > t} k1_s) with no value (ρ − sg(ρ)). So the term is
         k2: sg(ρ_t)·k2_t + (ρ_t − sg(ρ_t))·F_t,   k3: ρ_t·k3_t + (ρ_t − sg(ρ_t))·F_t,   F_t = sg(Σ_{s>t} k1_s),
     whose value is the (importance-weighted) KL estimate and whose gradient is ρ_t Σ_{s≥t} k1_s ∇log π_t.
     `weight` is ρ_t (differentiable in logp; the caller's ratio π/π_old times the truncated IS
     weight π_old/π_behav); the future terms use per-token weights only, as the surrogate does.
+    Exact on-policy only: off-policy, token t's term is weighted by its own ρ_t, but the prefix y_<t
+    and the suffix y_>t (in F_t) were drawn from π_sample, which an unbiased estimate would correct by
+    the ratio of whole prefixes and suffixes (Π_s ρ_s) — per-token ratios trade that bias for variance.
     Summed over a sequence and averaged over sequences (seq-mean-token-sum) the gradient is
     ∇KL / loss_norm_tokens; token-mean and seq-mean-token-mean divide by a count of tokens
     (for fixed-length responses a constant; with varying lengths they weight sequences as the

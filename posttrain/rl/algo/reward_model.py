@@ -13,8 +13,9 @@ rewards.
 
 Unfinished responses (`rl.truncated_reward`): a sample whose episode ended without an end of
 turn (cut by `rl.max_new_tokens`, or out of `rl.max_turns`) gets, as its training reward, "min"
-(the default) the lowest training reward of its batch (every sample of every process, finished or
-not, as the sources scored them): an unfinished response never outranks a finished one, whether
+(the default) the lowest training reward of the judged samples of its batch (every sample of every
+process with a verdict, finished or not, as the sources scored them; a verifier error's shaped score
+is no judgement and sets no floor): an unfinished response never outranks a finished one, whether
 the reward is learned or verified; a number: that reward; "none": what the sources give it.
 """
 
@@ -266,10 +267,14 @@ class RewardComposer:
         return cls(rl_cfg, RewardModelScorer.load(path, mesh, rules, pad_id=pad_id, step=found))
 
     def __call__(
-        self, rows: Sequence[Sequence[int]], verifier: np.ndarray, truncated: Sequence[bool] | None = None
+        self,
+        rows: Sequence[Sequence[int]],
+        verifier: np.ndarray,
+        truncated: Sequence[bool] | None = None,
+        judged: Sequence[bool] | None = None,
     ) -> tuple[np.ndarray, dict]:
-        """Token rows (prompt + response), their verifier rewards and whether each is unfinished →
-        (training rewards, metrics)."""
+        """Token rows (prompt + response), their verifier rewards, whether each is unfinished and
+        whether each has a verdict (None: all) → (training rewards, metrics)."""
         verifier = np.asarray(verifier, np.float32)
         metrics: dict = {}
         if self.scorer is None:
@@ -290,15 +295,21 @@ class RewardComposer:
                 "rl/rm_running_mean": self.stats.mean,
                 "rl/rm_running_std": self.stats.std,
             }
-        return self._unfinished(rewards, truncated), metrics
+        return self._unfinished(rewards, truncated, judged), metrics
 
-    def _unfinished(self, rewards: np.ndarray, truncated: Sequence[bool] | None) -> np.ndarray:
-        """`rewards` with the unfinished samples' set to rl.truncated_reward."""
+    def _unfinished(
+        self, rewards: np.ndarray, truncated: Sequence[bool] | None, judged: Sequence[bool] | None
+    ) -> np.ndarray:
+        """`rewards` with the unfinished samples' set to rl.truncated_reward ("min": the lowest of
+        the judged samples', every process's; of all when none has a verdict)."""
         if self.truncated == "none" or truncated is None or not len(rewards):
             return rewards
         mask = np.asarray(truncated, bool)
-        if len(mask) != len(rewards):
-            raise ValueError(f"{len(mask)} truncated flags for {len(rewards)} rewards")
-        # "min" reads every process's rows (a collective: taken whether or not this process has unfinished ones)
-        value = float(all_values(rewards).min()) if self.truncated == "min" else self.truncated
+        judged = np.ones(len(rewards), bool) if judged is None else np.asarray(judged, bool)
+        if not len(mask) == len(judged) == len(rewards):
+            raise ValueError(f"{len(mask)} truncated and {len(judged)} judged flags for {len(rewards)} rewards")
+        value = self.truncated
+        if self.truncated == "min":  # every process's rows (a collective, whether or not this one has unfinished ones)
+            floor = all_values(rewards[judged])
+            value = float(floor.min()) if floor.size else float(all_values(rewards).min())
         return np.where(mask, np.float32(value), rewards).astype(np.float32)

@@ -5,9 +5,15 @@ With `rl.max_staleness >= 1` and `rl.inflight_update_every = N` the sampler (the
 producer's, or a disaggregated sampler group's, `stages/rlvr_sampler.py`) looks for a newer
 published policy every N decode steps and decodes on with it (PipelineRL: sequences in flight keep
 their KV cache). Each generated token carries the policy version that drew it beside
-its behaviour log-prob; a rollout's `version` is its oldest token's (the buffer's per-sequence
-bound, `RolloutBuffer`), and the learner drops from the loss any token whose version lags the
-learner's by more than `rl.max_staleness` (`enforce_token_staleness`: the per-token bound).
+its behaviour log-prob; a rollout's `version` is its oldest token's, so the staleness bound
+(`rl.max_staleness`: `RolloutBuffer`, `RemoteProducer.take`) is per sequence: a sequence with one
+token past the bound is dropped whole, and every token the learner receives is within it.
+
+There is no per-token bound (PipelineRL's keeping a long sequence's recent tokens and masking only
+the older ones): with the sequence bound upstream it could never act, and keeping the recent
+tokens of a sequence whose prefix is past the bound changes what is trained on (advantages of
+partly masked samples, sequence-level ratios and aggregation) — a design of its own, not a mask.
+`token_version_metrics` reports the lags and refuses a batch that breaks the invariant.
 """
 
 from __future__ import annotations
@@ -61,19 +67,21 @@ def oldest(versions: list[np.ndarray], default: int) -> int:
     return min((int(v.min()) for v in versions if v.size and v.min() >= 0), default=default)
 
 
-def enforce_token_staleness(batch: dict, version: int, max_staleness: int) -> dict:
-    """Drop from `batch["loss_mask"]` (in place) every token whose `batch["versions"]` lags the
-    learner's `version` by more than `max_staleness`; metrics over the generated tokens:
-    `rl/version_lag_max` and `_mean`, `rl/tokens_stale_dropped` (this batch) and
-    `rl/mixed_version_frac` (the fraction of sequences whose tokens carry more than one version)."""
+def token_version_metrics(batch: dict, version: int, max_staleness: int) -> dict:
+    """Metrics of the token versions of the generated tokens (`batch["loss_mask"]`) at the learner's
+    `version`: `rl/version_lag_max` and `_mean`, and `rl/mixed_version_frac` (the fraction of
+    sequences whose tokens carry more than one version). A token lagging by more than
+    `max_staleness` is a broken per-sequence bound upstream (module docstring): ValueError."""
     mask = batch["loss_mask"].astype(bool)
     lag = np.where(mask, version - batch["versions"], 0)
-    stale = mask & (lag > max_staleness)
-    batch["loss_mask"][stale] = 0
+    if (lag > max_staleness).any():
+        raise ValueError(
+            f"a token of version {version - int(lag.max())} reached the learner at version {version}: past "
+            f"rl.max_staleness={max_staleness}, which bounds whole sequences by their oldest token before this"
+        )
     rows = [v[m] for v, m in zip(batch["versions"], mask) if m.any()]
     return {
         "rl/version_lag_max": float(lag.max(initial=0)),
         "rl/version_lag_mean": float(lag[mask].mean()) if mask.any() else 0.0,
-        "rl/tokens_stale_dropped": float(stale.sum()),
         "rl/mixed_version_frac": float(np.mean([v.min() != v.max() for v in rows])) if rows else 0.0,
     }

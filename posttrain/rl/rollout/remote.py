@@ -2,7 +2,7 @@
 
     learner (this process group)                       sampler groups (stages/rlvr_sampler.py)
     TaskScheduler ─ issue batch p ─▶ rl/tasks/p.json ─ lease ─▶ pull newest weights, sample, verify
-    take(p) ◀─ rl/done/p.json (groups, version, behaviour log-probs) ◀───────────────── deliver
+    take(p) ◀─ rl/done/p.<lease>.json (groups, version, behaviour log-probs) ◀───────────────── deliver
     publish(v) ─ transfer server (rl/rollout/transfer.py) ──────────────────────▶ pulled between batches
 
 `RemoteProducer` has `AsyncProducer`'s interface (`publish`, `take`, `close`, `buffer.stats()`), so
@@ -171,6 +171,8 @@ class RemoteProducer:
                     "rl learner: batch %d of version %d (run %s) dropped; re-issued", step, *payload_id(payload)
                 )
                 self.queue.reissue(step)
+            if swept := self.queue.sweep():
+                logging.info("rl learner: %d results no current lease names swept", swept)
             again = self.queue.reissue_dead(self.lease_timeout_s)
             if again:
                 logging.warning("rl learner: batches %s re-issued (their sampler stopped)", again)

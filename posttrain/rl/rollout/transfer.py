@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -141,31 +143,85 @@ class WeightServer:
             self._thread.join(5)
 
 
-class WeightClient:
-    """A sampler's side: finds the learner through learner.json and pulls newer versions."""
+class LeaseLost(Exception):
+    """The batch a sampler works on is no longer its own (re-issued, or the learner restarted and
+    forgot it): waiting for or sampling with weights for it is pointless."""
 
-    def __init__(self, queue: WorkQueue, sampler: str, specs: tuple, mesh, *, poll_s: float = 0.05) -> None:
+
+class LearnerUnreachable(RuntimeError):
+    """Pulls from the learner failed for longer than `rl.reconnect_timeout_s`."""
+
+
+BACKOFF_MAX_S = 5.0  # the longest wait between two tries of a failed pull
+
+
+class WeightClient:
+    """A sampler's side: finds the learner through learner.json and pulls newer versions. A pull
+    that fails (the learner died mid-pull: `JaxRuntimeError: … Connection closed`) is tried again
+    with backoff after re-reading learner.json (a restarted learner is connected to), for up to
+    `reconnect_s` seconds of failures in a row; then LearnerUnreachable."""
+
+    def __init__(
+        self,
+        queue: WorkQueue,
+        sampler: str,
+        specs: tuple,
+        mesh,
+        *,
+        poll_s: float = 0.05,
+        reconnect_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.queue, self.sampler, self.specs, self.mesh, self.poll_s = queue, sampler, specs, mesh, poll_s
+        self.reconnect_s, self.clock, self.sleep = reconnect_s, clock, sleep  # (clock and backoff waits)
         self.server = start_server(bind_host())
         self.token = self.conn = self.weights = None
         self.version = -1
-        self.pulled_bytes = 0
+        self.pulled_bytes = self.restarts = 0
 
-    def newest(self, min_version: int) -> tuple | None:
+    def newest(self, min_version: int, alive: Callable[[], bool] | None = None) -> tuple | None:
         """((params, rest), version) of the newest published version, pulled when newer than the
         one held, waiting until it is at least `min_version` (a sampler started before the learner
-        waits for learner.json); None once the learner has finished."""
+        waits for learner.json); None once the learner has finished. `alive`: whether the lease
+        this is for is still the sampler's; LeaseLost once it is not (a restarted learner, resumed
+        from an older checkpoint, may never reach `min_version`: its leases are new ones)."""
+        failing = None  # (since, tries) while pulls fail
         while True:
+            if alive is not None and not alive():
+                raise LeaseLost(f"waiting for version {min_version}: the lease is no longer this sampler's")
             info = read_json(self.queue.path("learner.json"))
-            if info is not None and info["token"] != self.token:
-                self._connect(info)
-            if info is not None and info["version"] > self.version and not self._pull():
-                return None
+            try:
+                if info is not None and (info["token"] != self.token or self.conn is None):
+                    self._connect(info)
+                if info is not None and info["version"] > self.version and not self._pull():
+                    return None
+            except jax.errors.JaxRuntimeError as e:
+                failing = self._failed(e, info, failing)
+                continue
+            failing = None
             if self.version >= min_version:
                 return self.weights, self.version
             if self.queue.finished():
                 return None
             time.sleep(self.poll_s)
+
+    def _failed(self, error: Exception, info: dict, failing: tuple | None) -> tuple[float, int]:
+        """A connection or pull failed: wait (doubling from poll_s up to BACKOFF_MAX_S) and drop the
+        connection, so the next try re-reads learner.json and reconnects; (since, tries), or
+        LearnerUnreachable once failures have lasted `reconnect_s`."""
+        now = self.clock()
+        since, tries = failing or (now, 0)
+        if now - since >= self.reconnect_s:
+            raise LearnerUnreachable(
+                f"rl sampler {self.sampler}: no pull from the learner at {info['address']} succeeded for "
+                f"{now - since:.0f} s (rl.reconnect_timeout_s={self.reconnect_s:g}); last error: {error}"
+            ) from error
+        wait = min(self.poll_s * 2**tries, BACKOFF_MAX_S)
+        logging.warning("rl sampler %s: pull failed (%s); trying again in %.2f s", self.sampler, error, wait)
+        self.sleep(wait)
+        self.conn = None
+        return since, tries + 1
 
     def _connect(self, info: dict) -> None:
         if info["mesh"] != dict(self.mesh.shape):
@@ -174,7 +230,14 @@ class WeightClient:
                 "under rl.placement='disaggregated' a sampler group runs the learner's mesh.* for now",
                 key="rl.placement",
             )
-        self.conn, self.token, self.version = self.server.connect(info["address"]), info["token"], -1
+        if self.token not in (None, info["token"]):  # another learner (restarted: versions may go backwards)
+            self.restarts += 1
+            logging.warning(
+                "rl sampler %s: the learner restarted at version %d; re-syncing", self.sampler, info["version"]
+            )
+        self.conn = self.server.connect(info["address"])
+        if info["token"] != self.token:
+            self.token, self.version = info["token"], -1
 
     def _pull(self) -> bool:
         """Ask for the newest weights and pull them; False when the learner finished meanwhile

@@ -135,6 +135,7 @@ class RolloutWorker:
     continuous: SlotConfig | None = None  # continuous batching (sampling.continuous_batching); None: static
     mesh: Any = None  # the sampler's own mesh (rl.placement = split, rollout.placement); None: the current one
     inflight_every: int = 0  # rl.inflight_update_every: decode steps between weight checks (with `latest`)
+    progress: Callable[[], None] = lambda: None  # called as work moves: a batch generated, a response verified
 
     def sample(
         self, params, rest, prompts: list, sampling: SamplingParams, key, latest: Latest | None = None, patches=None
@@ -146,15 +147,18 @@ class RolloutWorker:
         patches = image_rows(patches)
         if patches is not None and latest is not None and self.inflight_every:
             raise ValueError("rl.inflight_update_every: prompts with images are sampled without in-flight updates")
+        args = (self.graphdef, params, rest, prompts, sampling, key)
         with (self.clock or BusyClock()).busy():
             if latest is not None and self.inflight_every:
-                return generate_inflight(
+                samples = generate_inflight(
                     self.graphdef, latest, prompts, sampling, key, every=self.inflight_every, pad_id=self.pad_id
                 )
-            args = (self.graphdef, params, rest, prompts, sampling, key)
-            if self.continuous is None:
-                return generate(*args, pad_id=self.pad_id, prefix_cache=self.prefix_cache, patches=patches)
-            return generate_continuous(*args, slots=self.continuous, pad_id=self.pad_id, patches=patches)
+            elif self.continuous is None:
+                samples = generate(*args, pad_id=self.pad_id, prefix_cache=self.prefix_cache, patches=patches)
+            else:
+                samples = generate_continuous(*args, slots=self.continuous, pad_id=self.pad_id, patches=patches)
+        self.progress()  # tokens generated (multi-turn episodes: at every turn's call)
+        return samples
 
     def generate(
         self,
@@ -209,7 +213,9 @@ class RolloutWorker:
         def verify(i):
             if self.verifier_delay:
                 time.sleep(self.verifier_delay)
-            return flat[i].step(samples.completion(i)).reward
+            reward = flat[i].step(samples.completion(i)).reward
+            self.progress()
+            return reward
 
         t0 = time.perf_counter()
         rewards = list(self.pool.map(verify, range(len(flat))))

@@ -6,15 +6,22 @@ so a reader never sees half a file:
     tasks/<p>.json     batch p's tasks, issued by the learner (it owns the TaskScheduler, so the
                        task sequence is the seed's, however many samplers run): [[domain, task id]…]
                        and `min_version`, the oldest policy version that may sample it
-    leases/<p>.json    which sampler took batch p (created exclusively: one sampler per batch)
+    leases/<p>.json    which sampler took batch p, under a fresh random lease token (created whole
+                       and exclusively, a hard link: one sampler per batch)
     samplers/<id>.json a sampler's heartbeat; a lease whose sampler has not beaten for
                        `rl.lease_timeout_s` (and no result) is re-issued: its lease file is removed
-    done/<p>.json      batch p's verified groups, the policy version that sampled them and the
-                       behaviour log-probs (`encode_batch`), read by the learner in order of issue
+    done/<p>.<lease>.json  batch p's verified groups, the policy version that sampled them and the
+                       behaviour log-probs (`encode_batch`), delivered under lease token <lease>,
+                       read by the learner in order of issue
     finished.json      the learner is done: samplers exit 0
 
-Back-pressure: a sampler takes no lease while `bound` finished batches wait unconsumed. Local
-workdirs only (leases need an exclusive create; `check_local` refuses gs://).
+A result belongs to a lease: a sampler delivers only while its lease is batch p's current one (a
+batch re-issued, consumed or forgotten by a restarted learner has another lease or none, and the
+late result is refused), and the learner reads only the result named by the current lease, so a
+stale file that slipped past the check (a re-issue between check and rename) is never read; it
+is swept. Back-pressure: a sampler takes no lease while `bound` results the learner will read
+(`pending`) wait unconsumed. Local workdirs only (leases need an exclusive create; `check_local`
+refuses gs://).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import time
 
 import numpy as np
@@ -46,13 +54,12 @@ def check_local(workdir: str) -> None:
         )
 
 
-def write_json(path: str, obj, mode: int | None = None) -> None:
+def write_json(path: str, obj, mode: int = 0o666) -> None:
     """Write `obj` as JSON to `path` atomically (a temporary file in the same folder, renamed);
-    `mode`: its permissions (0o600: readable by this user only), else the umask's."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        if mode is not None:
-            os.chmod(tmp, mode)
+    `mode`: its permissions under the umask (0o600: readable by this user only), from the file's
+    creation on (never briefly wider)."""
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    with os.fdopen(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, mode), "w") as f:
         json.dump(obj, f, default=_plain)
     os.replace(tmp, path)
 
@@ -72,6 +79,12 @@ def _plain(o):
 
 def _batches(folder: str) -> list[int]:
     return sorted(int(n[:-5]) for n in os.listdir(folder) if n.endswith(".json") and n[:-5].isdigit())
+
+
+def _results(folder: str) -> list[tuple[int, str]]:
+    """(batch, lease token) of every delivered result file `<p>.<lease>.json` in `folder`."""
+    names = (n.split(".") for n in os.listdir(folder))
+    return sorted((int(n[0]), n[1]) for n in names if len(n) == 3 and n[0].isdigit() and n[2] == "json")
 
 
 class WorkQueue:
@@ -104,28 +117,53 @@ class WorkQueue:
         task = {"batch": batch, "min_version": min_version, "run": run, "tasks": [[d, t.id] for d, t in tasks]}
         write_json(self.path("tasks", f"{batch}.json"), task)
 
+    def lease_token(self, batch: int) -> str | None:
+        """The token of batch `batch`'s current lease, None when no sampler holds it."""
+        return (read_json(self.path("leases", f"{batch}.json")) or {}).get("lease")
+
     def result(self, batch: int) -> dict | None:
-        """Batch `batch`'s finished file, or None while it is not there."""
-        return read_json(self.path("done", f"{batch}.json"))
+        """Batch `batch`'s result under its current lease, or None while there is none."""
+        lease = self.lease_token(batch)
+        return None if lease is None else read_json(self.path("done", f"{batch}.{lease}.json"))
+
+    def pending(self) -> list[int]:
+        """The batches whose result the learner will read: issued, and delivered under the current lease."""
+        issued = set(_batches(self.path("tasks")))
+        return sorted({p for p, lease in _results(self.path("done")) if p in issued and lease == self.lease_token(p)})
+
+    def sweep(self) -> int:
+        """Remove the results no current lease names (late, re-issued, of an earlier learner)."""
+        stale = [(p, lease) for p, lease in _results(self.path("done")) if lease != self.lease_token(p)]
+        for p, lease in stale:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path("done", f"{p}.{lease}.json"))
+        return len(stale)
+
+    def _drop_results(self, batch: int) -> None:
+        for p, lease in _results(self.path("done")):
+            if p == batch:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.path("done", f"{p}.{lease}.json"))
 
     def consume(self, batch: int) -> None:
-        """Remove batch `batch`'s task, lease and result (it has been taken or dropped)."""
-        for d in ("tasks", "leases", "done"):
+        """Remove batch `batch`'s task, lease and results (it has been taken or dropped)."""
+        for d in ("tasks", "leases"):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path(d, f"{batch}.json"))
+        self._drop_results(batch)
 
     def reissue(self, batch: int) -> None:
-        """Make batch `batch` leasable again (its result, if any, dropped)."""
-        for d in ("leases", "done"):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path(d, f"{batch}.json"))
+        """Make batch `batch` leasable again (its results, if any, dropped)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path("leases", f"{batch}.json"))
+        self._drop_results(batch)
 
     def reissue_dead(self, timeout_s: float, now: float | None = None) -> list[int]:
         """Re-issue every unfinished batch leased by a sampler with no heartbeat for `timeout_s`."""
-        now, again = time.time() if now is None else now, []
+        now, again, finished = time.time() if now is None else now, [], set(self.pending())
         for p in _batches(self.path("leases")):
             lease = read_json(self.path("leases", f"{p}.json"))
-            if lease is None or os.path.exists(self.path("done", f"{p}.json")):
+            if lease is None or p in finished:
                 continue
             beat = read_json(self.path("samplers", f"{lease['sampler']}.json")) or {"t": lease["t"]}
             if now - beat["t"] > timeout_s:
@@ -148,39 +186,68 @@ class WorkQueue:
         write_json(self.path("samplers", f"{sampler}.json"), {"t": time.time(), "pid": os.getpid()})
 
     def lease(self, sampler: str, bound: int) -> dict | None:
-        """The oldest issued batch no sampler holds, now leased to `sampler`; None when there is
-        none, or when `bound` finished batches already wait for the learner (back-pressure)."""
-        if len(_batches(self.path("done"))) >= bound:
+        """The oldest issued batch no sampler holds, now leased to `sampler` (its task with the
+        lease token, `lease`, that its result must carry); None when there is none, or when
+        `bound` results the learner will read already wait (back-pressure)."""
+        if len(self.pending()) >= bound:
             return None
         for p in _batches(self.path("tasks")):
-            try:
-                fd = os.open(self.path("leases", f"{p}.json"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
+            token = secrets.token_hex(8)
+            if not self._claim(p, {"sampler": sampler, "t": time.time(), "lease": token}):
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump({"sampler": sampler, "t": time.time()}, f)
             task = read_json(self.path("tasks", f"{p}.json"))
-            if task is not None:  # (None: consumed meanwhile by a learner that restarted)
-                return task
+            if task is not None:
+                return {**task, "lease": token}
+            with contextlib.suppress(FileNotFoundError):  # consumed meanwhile (a learner that restarted)
+                os.remove(self.path("leases", f"{p}.json"))
         return None
 
-    def deliver(self, batch: int, payload: dict) -> None:
-        """Hand batch `batch`'s result (`encode_batch`) to the learner."""
-        write_json(self.path("done", f"{batch}.json"), payload)
+    def _claim(self, batch: int, lease: dict) -> bool:
+        """Create batch `batch`'s lease file whole and exclusively (a hard link of a written file)."""
+        tmp = self.path("leases", f".{batch}.{lease['lease']}.tmp")
+        write_json(tmp, lease)
+        try:
+            os.link(tmp, self.path("leases", f"{batch}.json"))
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.remove(tmp)
+
+    def deliver(self, batch: int, payload: dict) -> bool:
+        """Hand batch `batch`'s result (`encode_batch`, carrying its lease token) to the learner;
+        False (nothing delivered) when that lease is no longer the batch's current one."""
+        lease = payload.get("lease")
+        tmp = self.path("done", f".{batch}.{lease}.{secrets.token_hex(4)}.tmp")
+        write_json(tmp, payload)
+        if lease is None or self.lease_token(batch) != lease:
+            os.remove(tmp)
+            return False
+        os.replace(tmp, self.path("done", f"{batch}.{lease}.json"))
+        return True
 
 
 def encode_batch(
-    groups: list[Group], behav: list, info: dict, version: int, sampler: str, run: str = "", routing=None, versions=None
+    groups: list[Group],
+    behav: list,
+    info: dict,
+    version: int,
+    sampler: str,
+    run: str = "",
+    routing=None,
+    versions=None,
+    lease: str | None = None,
 ) -> dict:
     """A verified batch as JSON: its groups (task ids, rewards, trajectories), the behaviour
     log-probs (float32 values, exact through JSON), the experts the sampler chose per token when it
     records them (`routing[j][g]`, `rl.rollout.routing`), the policy version that sampled it (its
     oldest token's), each token's version with in-flight updates (`versions[j][g]`,
-    `rl.rollout.inflight`) and the learner run (`issue`) it was leased from."""
+    `rl.rollout.inflight`), the learner run (`issue`) it was leased from and the lease's token."""
     payload = {
         "version": version,
         "sampler": sampler,
         "run": run,
+        "lease": lease,
         "info": info,
         "groups": [
             {

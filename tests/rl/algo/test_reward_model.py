@@ -288,3 +288,17 @@ def test_reward_composer_weights_and_normalisation_switch():
     normalised, _ = composer(rows, verifier)
     np.testing.assert_allclose(normalised, 0.5 * verifier + 2.0 * (raw - raw.mean()) / (raw.std() + 1e-6), rtol=1e-5)
     assert not np.allclose(plain, normalised)
+
+
+def test_the_truncated_reward_min_is_the_lowest_judged_reward():
+    """rl.truncated_reward=min: a verifier error's shaped score (−1 here) is no judgement, so it does
+    not lower what an unfinished answer is paid: the floor is the judged samples' minimum (0)."""
+    cfg = SimpleNamespace(
+        reward_model_normalize=False, verifier_weight=1.0, reward_model_weight=1.0, truncated_reward="min"
+    )
+    verifier = np.asarray([1.0, 0.0, -1.0, 0.5], np.float32)  # sample 2: the verifier failed
+    unfinished, judged = [False, False, False, True], [True, True, False, True]
+    got, _ = RewardComposer(cfg, None)([[1]] * 4, verifier, unfinished, judged)
+    np.testing.assert_allclose(got, [1.0, 0.0, -1.0, 0.0])
+    got, _ = RewardComposer(cfg, None)([[1]] * 4, verifier, unfinished, [False] * 4)  # no verdict at all
+    np.testing.assert_allclose(got, [1.0, 0.0, -1.0, -1.0])

@@ -14,8 +14,8 @@ from posttrain.errors import UserError
 from posttrain.parallel import use_sharding
 from posttrain.rl.algo.learner import rl_batch
 from posttrain.rl.envs.base import Task, Trajectory
-from posttrain.rl.rollout.buffer import Rollout
-from posttrain.rl.rollout.inflight import check_inflight, enforce_token_staleness, token_versions
+from posttrain.rl.rollout.buffer import Rollout, RolloutBuffer
+from posttrain.rl.rollout.inflight import check_inflight, token_version_metrics, token_versions
 from posttrain.rl.rollout.worker import RolloutBatch, RolloutWorker
 from posttrain.rl.tasks.scheduler import Group
 from posttrain.sampling.generate import generate
@@ -105,20 +105,30 @@ def test_inflight_updates_are_refused_where_they_cannot_act(overrides, words):
     assert e.value.key == "rl.inflight_update_every"
 
 
-def test_the_learner_drops_tokens_past_the_staleness_bound():
-    """Learner at version 5, bound 2: tokens of versions 2 (lag 3) leave the loss; a row whose tokens
-    carry two versions counts as mixed; padding and prompt positions are not looked at."""
-    versions = np.array([[-1, 3, 3, 4, 5], [-1, 2, 2, 3, 3], [-1, 5, 5, 5, -1], [-1, -1, -1, -1, -1]])
+def test_the_staleness_bound_is_per_sequence_and_the_learner_checks_it():
+    """A rollout's version is its oldest token's: the buffer drops a long sequence whose first tokens
+    lag past the bound whole, though its last tokens are fresh (no per-token bound keeps them). The
+    learner (version 5, bound 2) logs the lags of what reaches it (a row whose tokens carry two
+    versions counts as mixed; padding and prompt positions are not looked at), and refuses a token
+    past the bound (before: masked silently, `rl/tokens_stale_dropped`, which could never act)."""
+    group = Group("d", Task("t", (), "a"), [1.0], [Trajectory("t", [1, 2, 3], [False, True, True], 1)], [1.0])
+    versions = [[np.asarray([2, 2, 5], np.int32)]]  # drawn by versions 2 then (in flight) 5
+    (rollout,) = RolloutBatch([group], [[np.zeros(3, np.float32)]], {}, versions=versions).rollouts(2)
+    buffer = RolloutBuffer(capacity_groups=4, max_staleness=2)
+    buffer.put(rollout)
+    with pytest.raises(TimeoutError):
+        buffer.get(1, current_version=5, timeout=0.0)
+    assert rollout.version == 2 and buffer.stats()["rl/buffer_dropped_stale"] == 1
+    versions = np.array([[-1, 3, 3, 4, 5], [-1, 4, 4, 3, 3], [-1, 5, 5, 5, -1], [-1, -1, -1, -1, -1]])
     mask = np.array([[0, 1, 1, 1, 1], [0, 1, 1, 1, 1], [0, 1, 1, 1, 0], [0, 0, 0, 0, 0]], np.int32)
-    batch = {"versions": versions, "loss_mask": mask.copy()}
-    metrics = enforce_token_staleness(batch, 5, 2)
-    assert batch["loss_mask"].tolist() == [[0, 1, 1, 1, 1], [0, 0, 0, 1, 1], [0, 1, 1, 1, 0], [0] * 5]
-    assert metrics == {
-        "rl/version_lag_max": 3.0,
-        "rl/version_lag_mean": pytest.approx(np.mean([2, 2, 1, 0, 3, 3, 2, 2, 0, 0, 0])),
-        "rl/tokens_stale_dropped": 2.0,
+    assert token_version_metrics({"versions": versions, "loss_mask": mask}, 5, 2) == {
+        "rl/version_lag_max": 2.0,
+        "rl/version_lag_mean": pytest.approx(np.mean([2, 2, 1, 0, 1, 1, 2, 2, 0, 0, 0])),
         "rl/mixed_version_frac": pytest.approx(2 / 3),
     }
+    versions[1, 1] = 2
+    with pytest.raises(ValueError, match="version 2 reached the learner at version 5: past rl.max_staleness=2"):
+        token_version_metrics({"versions": versions, "loss_mask": mask}, 5, 2)
 
 
 def test_rollouts_carry_token_versions_into_the_learner_batch():
@@ -254,7 +264,7 @@ def test_rlvr_inflight_token_versions_stay_within_the_staleness_bound(tmp_path, 
             assert all(0 <= step - v <= 1 for g in generated for v in g.tolist())
             mixed.setdefault(step, []).extend(len(set(g.tolist())) > 1 for g in generated)
     assert any(mixed[1])
-    assert all(r["rl/version_lag_max"] <= 1 and r["rl/tokens_stale_dropped"] == 0 for r in rows)
+    assert all(r["rl/version_lag_max"] <= 1 and "rl/tokens_stale_dropped" not in r for r in rows)
     assert rows[1]["rl/mixed_version_frac"] == pytest.approx(np.mean(mixed[1]))
 
 
@@ -283,7 +293,7 @@ def test_a_sampler_group_switches_to_weights_the_learner_published_in_flight():
         def __init__(self):
             self.published, self.finished, self.asked = 3, False, []
 
-        def newest(self, min_version):
+        def newest(self, min_version, alive=None):
             self.asked.append(min_version)
             return None if self.finished else ((f"p{self.published}", "rest"), self.published)
 
