@@ -47,5 +47,8 @@ setup(
         # (tools/compile_plan.py, tests/plan/test_compile_plan.py). jax's own `tpu` extra pins libtpu to
         # the version that matches the jax it installs.
         "tpu": ["jax[tpu]"],
+        # reasoning-gym's procedural datasets as RL domains (rl.domains=rg:<dataset>; rl/tasks/rg_domain.py),
+        # their scorers behind posttrain's guard (rl/verifiers/rg.py); tested with 0.1.25
+        "rg": ["reasoning-gym>=0.1.25"],
     },
 )

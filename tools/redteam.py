@@ -2,6 +2,7 @@
 
     python tools/redteam.py                                   # every built-in domain; --markdown for the table
     python tools/redteam.py --verifier mypkg.scores:score --kind answer [--tasks cases.jsonl]
+    python tools/redteam.py --rg [basic_arithmetic,chain_sum,...]   # reasoning-gym's scorers, raw and guarded
 
 A user verifier is the `rl.verifiers` function `score(prompt, response, record)`. Without --tasks it
 is tried on the built-in cases as records: answer kind `{"prompt", "answer"}`, program kind
@@ -9,7 +10,11 @@ is tried on the built-in cases as records: answer kind `{"prompt", "answer"}`, p
 answer kind with `prompt`, `answer`, `expression` (a computation of the answer taken from the
 question: the restatement) and `wrong` (a wrong answer); program kind with `prompt`, `entry_point`
 and `solution` (an honest completion); other fields are passed to the verifier as they are.
-Exit status 1 when an attack scored above 0 or an honest solution below 1.
+With --rg, the answer attacks and honest answer forms run on items of reasoning-gym datasets (default:
+those posttrain serves and those it refuses), scored by each dataset's raw scorer and through posttrain's
+guard (`posttrain/rl/verifiers/rg_redteam.py`); the table (always printed) is BENCHMARKS.md's.
+Exit status 1 when an attack scored above 0 or an honest solution below 1 (with --rg: through the
+guard, on a dataset posttrain serves).
 """
 
 from __future__ import annotations
@@ -50,6 +55,20 @@ def user_cases(kind: str, path: str | None) -> list:
     ]
 
 
+def reasoning_gym(datasets: list[str]) -> int:
+    """The raw-vs-guarded table of reasoning-gym's scorers; 1 when the guard lets an attack pay or
+    refuses an honest form on a served dataset."""
+    from posttrain.rl.verifiers.rg import SUPPORTED
+    from posttrain.rl.verifiers.rg_redteam import holes, markdown, red_team, summary
+
+    rows = red_team(datasets or None)
+    print(summary(rows) + "\n\n" + markdown(rows))
+    served = {name: found for name, found in holes(rows).items() if name in SUPPORTED}
+    for name, found in served.items():
+        print(f"== rg:{name}: the guard lets through {found}")
+    return 1 if served else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verifier", help="a user verifier 'package.module:function' (default: the built-in domains)")
@@ -57,8 +76,11 @@ def main() -> int:
     p.add_argument("--tasks", help="JSONL of your own cases for --verifier (see above)")
     p.add_argument("--domains", default=",".join(BUILTIN), help=f"built-in domains to run (of {BUILTIN})")
     p.add_argument("--markdown", action="store_true", help="print the attacks x domains table")
+    p.add_argument("--rg", nargs="?", const="", help="reasoning-gym datasets, comma-separated (default: all measured)")
     p.add_argument("--wall-s", type=float, default=3.0, help="sandbox wall-clock limit for program attacks")
     args = p.parse_args()
+    if args.rg is not None:
+        return reasoning_gym([n for n in args.rg.split(",") if n])
     if args.verifier:
         if not args.kind:
             p.error("--verifier needs --kind answer|program")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from posttrain.config.fields import Section, bounded, parsed, section
-from posttrain.config.syntax import parse_weights
+from posttrain.config.syntax import parse_ints, parse_weights
 from posttrain.errors import UserError
 
 
@@ -23,6 +23,10 @@ class CurriculumConfig(Section):
     retire_below: float = bounded(-1.0, le=1)  # >= 0: retire tasks whose pass rate is < this (too hard)
     retire_after: int = bounded(16, ge=1)  # samples of a task before it may retire
     pass_threshold: float = bounded(0.5, ge=0, le=1)  # a sample passes when its reward >= this
+    # reasoning-gym domains (rl.domains=rg:<dataset>): their tasks are drawn at these levels of the
+    # dataset's curriculum ("0,1,2", an equal share each, labelled level<n>: per-level metrics, and the
+    # bands above steer draws towards the levels the policy half solves); "": the generator's defaults
+    rg_levels: str = parsed("", parse_ints)
 
     def check_rules(self) -> None:
         """Bands in order; no key set that the rest leaves without effect."""
@@ -31,6 +35,12 @@ class CurriculumConfig(Section):
                 f"rl.curriculum: expected 0 <= hard_below ({self.hard_below}) <= easy_above ({self.easy_above}) "
                 f"<= 1 and pass_threshold ({self.pass_threshold}) in [0, 1]",
                 key="rl.curriculum.hard_below",
+            )
+        levels = parse_ints(self.rg_levels)
+        if any(level < 0 for level in levels) or len(set(levels)) != len(levels):
+            raise UserError(
+                f"rl.curriculum.rg_levels={self.rg_levels!r}: expected distinct levels >= 0",
+                key="rl.curriculum.rg_levels",
             )
         weighted = bool(self.band_weights.strip())
         retiring = self.retire_above >= 0 or self.retire_below >= 0

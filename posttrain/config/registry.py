@@ -28,6 +28,7 @@ class Registry:
     def __init__(self, key: str, what: str):
         self.key, self.what = key, what
         self._entries: dict[str, Any] = {}
+        self._families: dict[str, Any] = {}
         REGISTRIES[key] = self
 
     def register(self, name: str, entry: Any = None, *, options: type | None = None) -> Any:
@@ -46,24 +47,35 @@ class Registry:
 
         return add if entry is None else add(entry)
 
+    def register_family(self, prefix: str, resolve: Any) -> None:
+        """Entries named "<prefix>:<member>" (`rl.domains=rg:chain_sum`), made on demand: `resolve(member)`
+        returns the entry or raises a UserError naming the valid members."""
+        if prefix in self._families or prefix in self._entries:
+            raise ValueError(f"{self.what} family {prefix!r} is already registered")
+        self._families[prefix] = resolve
+
     def unregister(self, name: str) -> None:
         """Remove `name` (and its options): tests that register entries of their own clean up."""
         self._entries.pop(name, None)
         OPTIONS.pop(name, None)
 
     def __getitem__(self, name: str) -> Any:
+        prefix, colon, member = name.partition(":")
+        if colon and prefix in self._families:
+            return self._families[prefix](member)
         if name not in self._entries:
             raise UserError(
-                f"config.{self.key}={name!r}: no such {self.what}; registered: {', '.join(sorted(self._entries))}",
-                key=self.key,
+                f"config.{self.key}={name!r}: no such {self.what}; registered: {', '.join(sorted(self))}", key=self.key
             )
         return self._entries[name]
 
     def __contains__(self, name: str) -> bool:
-        return name in self._entries
+        """Whether `name` is an entry or names a registered family ("rg:..."; its member is checked when resolved)."""
+        prefix, colon, _ = name.partition(":")
+        return name in self._entries or bool(colon and prefix in self._families)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
+        return iter([*self._entries, *(f"{p}:<name>" for p in self._families)])
 
     def names(self) -> tuple[str, ...]:
         """The registered names, in registration order."""

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from posttrain.config.curriculum import CurriculumConfig
 from posttrain.config.fields import Section, bounded, choice, flag, free, nested, options, parsed, registered, section
-from posttrain.config.syntax import parse_truncated_reward, parse_weights
+from posttrain.config.syntax import parse_settings, parse_truncated_reward, parse_weights
 from posttrain.config.train import gate_field
 from posttrain.errors import UserError
 
@@ -44,6 +44,10 @@ _RATIO_ONE = (
 _STEPS = (lambda r: ppo_steps(r) > 1, _RATIO_ONE)
 _EVAL = (lambda r: r.eval_every > 0, "no evaluation without rl.eval_every > 0")
 _ARITHMETIC = lambda r: "arithmetic" in domain_weights(r)  # noqa: E731
+_RG = (
+    lambda r: any(name.startswith("rg:") for name in domain_weights(r)),
+    "rl.domains names no reasoning-gym domain (rg:<dataset>)",
+)
 _GAE = (lambda r: r.advantage == "gae", "only the critic (rl.advantage='gae') uses it")
 _MULTI_TURN = (lambda r: r.env != "single", "only multi-turn episodes (rl.env='tool' or 'screen') take it")
 _TOOL = (lambda r: r.env == "tool", "only multi-turn episodes (rl.env='tool') make tool calls")
@@ -76,9 +80,13 @@ class RLConfig(Section):
 
     KEY = "rl"
     STAGE = "rlvr"
-    # task mixture "name[:weight],...": arithmetic, gsm8k, humaneval, the domains of train_files;
-    # "": arithmetic, or with train_files their domains alone (names checked against rl.tasks' registry)
+    # task mixture "name[:weight],...": arithmetic, gsm8k, humaneval, rg:<dataset> (reasoning-gym), the
+    # domains of train_files; "": arithmetic, or with train_files their domains alone (names checked
+    # against rl.tasks' registry)
     domains: str = parsed("", parse_weights)
+    # reasoning-gym generator settings "<dataset>.<setting>=<value>; ...", checked against the dataset's
+    # config dataclass when the run starts (rl/tasks/rg_domain.py)
+    rg_settings: str = parsed("", parse_settings, inert_unless=_RG)
     train_files: str = free("", TASK_FILES_WHY)  # the user's tasks: JSONL files / globs, comma-separated
     eval_files: str = free("", TASK_FILES_WHY, inert_unless=_EVAL)  # held-out user tasks
     # user verifiers "[name=]package.module:function,..." (rl/verifiers/user.py)
@@ -115,8 +123,13 @@ class RLConfig(Section):
             "only the arithmetic domain's prompts take rl.instruction, and rl.domains has no arithmetic",
         ),
     )
-    # generated training problems (train split; held-out ones come from the test split)
-    arithmetic_size: int = bounded(2000, ge=1, inert_unless=(_ARITHMETIC, "rl.domains has no arithmetic"))
+    # generated training problems of arithmetic and of each rg: domain (train split; held-out ones
+    # come from the test split)
+    arithmetic_size: int = bounded(
+        2000,
+        ge=1,
+        inert_unless=(lambda r: _ARITHMETIC(r) or _RG[0](r), "rl.domains has no arithmetic and no rg: domain"),
+    )
     eval_size: int = bounded(128, ge=1, inert_unless=_EVAL)  # held-out problems per domain
     eval_every: int = bounded(10, ge=0)  # evaluate every n updates (and at start and end); 0: never
     eval_samples: int = bounded(4, ge=1, inert_unless=_EVAL)  # samples per held-out problem (mean accuracy, pass@k)
@@ -348,6 +361,11 @@ class RLConfig(Section):
                 f"rl.filter_groups with rl.reward_model={self.reward_model!r}: dynamic sampling filters on "
                 "verifier rewards before the learned reward is scored; set rl.filter_groups=False",
                 key="rl.filter_groups",
+            )
+        if self.curriculum.rg_levels and not _RG[0](self):
+            raise UserError(
+                f"rl.curriculum.rg_levels={self.curriculum.rg_levels!r} cannot take effect: {_RG[1]}",
+                key="rl.curriculum.rg_levels",
             )
         check_placement(self.placement, self.sampler_devices, self.role)
 

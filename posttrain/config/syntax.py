@@ -4,6 +4,7 @@ functions. Each raises ValueError saying what is wrong (the field adds its key).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 import operator
@@ -56,17 +57,43 @@ def gate_syntax(spec: str) -> None:
             raise ValueError("empty condition (a stray comma?)")
 
 
+FAMILIES = ("rg",)  # domain families named "<family>:<member>" (rl.domains=rg:chain_sum:2)
+
+
 def parse_weights(spec: str) -> dict[str, float]:
-    """ "arithmetic:2,gsm8k" → {"arithmetic": 2.0, "gsm8k": 1.0} ("" → {})."""
+    """ "arithmetic:2,gsm8k" → {"arithmetic": 2.0, "gsm8k": 1.0} ("" → {}); a family member keeps
+    its prefix: "rg:chain_sum:2" → {"rg:chain_sum": 2.0}."""
     out = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, weight = part.partition(":")
+        if name.strip() in FAMILIES:
+            member, _, weight = weight.partition(":")
+            name = f"{name.strip()}:{member.strip()}"
         try:
             out[name.strip()] = float(weight) if weight else 1.0
         except ValueError:
             raise ValueError(f"{part!r} is not name[:weight]") from None
-        if not name.strip() or not math.isfinite(out[name.strip()]) or out[name.strip()] < 0:
+        if not name.strip() or name.endswith(":") or not math.isfinite(out[name.strip()]) or out[name.strip()] < 0:
             raise ValueError(f"{part!r}: expected name[:weight] with a finite weight >= 0")
+    return out
+
+
+def parse_settings(spec: str) -> dict[str, dict[str, object]]:
+    """ "chain_sum.max_terms=4; basic_arithmetic.operators=('+', '-')" → {"chain_sum": {"max_terms": 4},
+    ...}: `;`-separated `<dataset>.<setting>=<Python literal>` (a bare word is a string)."""
+    out: dict[str, dict[str, object]] = {}
+    for part in filter(None, (p.strip() for p in str(spec).split(";"))):
+        key, eq, value = part.partition("=")
+        dataset, dot, setting = key.strip().partition(".")
+        if not eq or not dot or not dataset or not setting.isidentifier():
+            raise ValueError(f"{part!r} is not <dataset>.<setting>=<value>, e.g. 'chain_sum.max_terms=4'")
+        try:
+            parsed = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            parsed = value.strip()
+        if setting in out.setdefault(dataset, {}):
+            raise ValueError(f"{dataset}.{setting} is set twice")
+        out[dataset][setting] = parsed
     return out
 
 

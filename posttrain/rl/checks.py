@@ -44,12 +44,14 @@ def check_rlvr_stage(cfg: RunConfig) -> None:
     from posttrain.rl.rollout.inflight import check_inflight
     from posttrain.rl.rollout.remote import check_disaggregated
     from posttrain.rl.tasks.registry import USER_VERIFIERS, curriculum_options
+    from posttrain.rl.tasks.rg_domain import check_rg
 
     register_builtins()
     r = cfg.rl
     check_registered(r)  # an unknown name first: the stage's rules judge the keys by the names given
     cfg.check_stages()
     curriculum_options(r.curriculum)  # band names
+    check_rg(cfg)  # reasoning-gym domains: the package, datasets, settings, curriculum levels
     if r.verifier_timeout_s != 30.0 and not (r.verifiers or USER_VERIFIERS.names()):
         raise UserError(
             f"rl.verifier_timeout_s={r.verifier_timeout_s!r} cannot take effect: only user verifiers (rl.verifiers) "

@@ -140,3 +140,33 @@ def test_gsm8k_and_humaneval_eval_sets_are_disjoint_from_training(tmp_path, monk
     he_train = {t.id for t in domains["humaneval"].tasks}
     assert not he_eval & he_train and len(he_eval | he_train) == 164 and len(he_eval) == 40
     assert he_eval == {t.id for t in humaneval_tasks(split="test")}
+
+
+def test_reasoning_gym_eval_sets_are_disjoint_from_training_by_meaning(tmp_path, caplog):
+    """rg:<dataset> domains (issue 44 item 4): train and held-out draw from disjoint seed ranges, and
+    a training task that means a held-out one ('4 + 3' is '3 + 4'; the same animals in another
+    order) is left out. Small problem spaces (curriculum level 0) make such draws common."""
+    pytest.importorskip("reasoning_gym")
+    from posttrain.rl.tasks.rg_domain import meaning
+
+    a = {"question": "", "answer": "7", "metadata": {"expression": "4 + 3"}}
+    b = {"question": "", "answer": "7", "metadata": {"expression": "3+4"}}
+    assert (
+        meaning("chain_sum", a)
+        == meaning("chain_sum", b)
+        != meaning("chain_sum", {**b, "metadata": {"expression": "4-3"}})
+    )
+    legs = [{"metadata": {"animals": dict(pairs)}} for pairs in ([("cow", 2), ("duck", 1)], [("duck", 1), ("cow", 2)])]
+    assert meaning("leg_counting", legs[0]) == meaning("leg_counting", legs[1])
+    names = ("chain_sum", "leg_counting", "count_bits", "gcd")
+    cfg = quickstart_config(tmp_path).replace(
+        {"rl.domains": ",".join(f"rg:{n}" for n in names), "rl.arithmetic_size": 300, "rl.eval_size": 40}
+    )
+    cfg = cfg.replace({"rl.curriculum.rg_levels": "0"})
+    domains, held_out = make_domains(cfg, ByteTokenizer(), None)
+    for name in names:
+        evals = [meaning(name, t.target.entry) for d, t in held_out if d == f"rg:{name}"]
+        train = {meaning(name, t.target.entry) for t in domains[f"rg:{name}"].tasks}
+        assert len(evals) == len(set(evals)) > 0, name  # distinct by meaning
+        assert train and not train & set(evals), name
+    assert re.search(r"rg:chain_sum train: left out \d+ tasks that mean a held-out task", caplog.text)

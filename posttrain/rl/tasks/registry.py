@@ -4,7 +4,8 @@ reward sources, each from a registry (`posttrain.config.registry`).
 - `DOMAINS`: name → builder of a (training domain, held-out tasks) pair, `builder(cfg, make_env)`,
   both disjoint by construction. The built-ins (`arithmetic`, `gsm8k`, `humaneval`, the agent domain
   `repo_fix`, which needs `rl.env = "tool"`, and the screenshot agent's `screen`, which needs
-  `rl.env = "screen"`) register here; `@DOMAINS.register(name)` adds more. The user's own files
+  `rl.env = "screen"`) register here, reasoning-gym's datasets as the family `rg:<dataset>`
+  (`rg_domain.py`); `@DOMAINS.register(name)` adds more. The user's own files
   (`rl.train_files`, `rl.eval_files`, see `files.py`) add one domain per `domain` field of their records.
 - `ENVIRONMENTS` (`rl.env`): name → factory of one episode's environment.
 - `VERIFIERS`: the built-in `math`, `code` (sandboxed) and `label` verifiers register in their own
@@ -37,6 +38,7 @@ from posttrain.rl.reward import RewardConfig, RewardFunction
 from posttrain.rl.tasks import domains as domain_lib
 from posttrain.rl.tasks import files as task_files
 from posttrain.rl.tasks import repo_domain, screen_domain
+from posttrain.rl.tasks import rg_domain as _rg_domain  # noqa: F401  (registers the rg:<dataset> family)
 from posttrain.rl.tasks.scheduler import BANDS
 from posttrain.rl.verifiers.user import ScoreFn, UserTask, UserVerifier, load_callable
 from posttrain.sandbox import Sandbox
