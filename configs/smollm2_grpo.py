@@ -12,6 +12,8 @@ Full fine-tuning by default; `--config.lora.rank=16` trains adapters on q, k, v,
 `LORA_LR`.
 """
 
+import os
+
 from configs.hf import get_config as hf_config
 from posttrain.rl.tasks.domains import MATH_INSTRUCTION
 
@@ -19,7 +21,9 @@ FULL_LR, LORA_LR = 2e-6, 1e-4
 
 
 def get_config(path: str = "models/smollm2"):
-    cfg = hf_config(path)
+    # without the folder the config still builds (for listing and tests); the run names what is missing
+    cfg = hf_config(path if os.path.isdir(path) else "")
+    cfg.init_from, cfg.data.tokenizer = f"hf:{path}", path
     cfg.stage = "rlvr"
     cfg.workdir = "runs/smollm2_grpo"
     cfg.rl.domains = "arithmetic"

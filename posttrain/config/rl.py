@@ -123,8 +123,7 @@ class RLConfig(Section):
             "only the arithmetic domain's prompts take rl.instruction, and rl.domains has no arithmetic",
         ),
     )
-    # generated training problems of arithmetic and of each rg: domain (train split; held-out ones
-    # come from the test split)
+    # generated training problems of arithmetic and of each rg: domain (held-out ones: the test split)
     arithmetic_size: int = bounded(
         2000,
         ge=1,

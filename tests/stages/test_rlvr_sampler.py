@@ -183,7 +183,7 @@ def test_a_sampler_outlives_a_sigkilled_learner_and_finishes_with_its_restart(tm
     checkpoint: its restart begins again at step 0, so the versions go backwards). The sampler
     neither exits with the learner's dead connection nor waits for a version the restart will not
     reach: it re-syncs to the restarted learner, which completes the run, and exits 0."""
-    from tests.rl.rollout.test_remote import spawn, wait
+    from tests.support.rl_processes import spawn, wait
 
     no_eval = {"rl.eval_every": 0, **{f"rl.{k}": getattr(RLConfig(), k) for k in ("eval_size", "eval_samples")}}
     run, flags = tmp_path / "run", {"rl.max_staleness": 1, "rl.inflight_update_every": 2, **no_eval}

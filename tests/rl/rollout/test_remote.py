@@ -5,8 +5,6 @@ a learner and a sampler process group training `rlvr_tiny` on loopback."""
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,8 +22,9 @@ from posttrain.rl.rollout import transfer, workqueue
 from posttrain.rl.rollout.workqueue import WorkQueue
 from posttrain.rl.tasks.scheduler import Group
 from tests.support import paths
+from tests.support.rl_processes import spawn, wait
 from tests.support.typed_configs import run_cfg
-from tests.test_golden import GOLDEN, RUNS, SMALL, logged
+from tests.test_golden import GOLDEN, logged
 
 ROOT = str(paths.ROOT)
 
@@ -151,38 +150,6 @@ def test_a_batch_survives_the_json_round_trip_exactly():
     routing = workqueue.decode_batch(payload, {("d", "t1"): task})[2]
     assert routing[0][0].dtype == np.uint8
     np.testing.assert_array_equal(routing[0][0], experts[0])
-
-
-def command(workdir, role, **overrides):
-    """`python -m posttrain.main` on rlvr_tiny (the golden test's small run) in `role`."""
-    flat = {**SMALL, **RUNS["rlvr_tiny_sync"][1], "workdir": str(workdir), "rl.placement": "disaggregated"}
-    flat.update({"rl.role": role, **overrides})
-    return [sys.executable, "-m", "posttrain.main", "--config", os.path.join(ROOT, "configs", "rlvr_tiny.py")] + [
-        f"--config.{k}={v}" for k, v in flat.items()
-    ]
-
-
-def spawn(workdir, role, log, **overrides):
-    env = {
-        **os.environ,
-        "PYTHONPATH": ROOT,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-        "JAX_DEFAULT_MATMUL_PRECISION": "highest",  # as tests/conftest.py: the golden rows' numerics
-        transfer.HOST_ENV: "127.0.0.1",
-    }
-    return subprocess.Popen(
-        command(workdir, role, **overrides), cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT
-    )
-
-
-def wait(proc, log, timeout=300):
-    try:
-        code = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError(open(log).read()[-3000:]) from None
-    assert code == 0, open(log).read()[-3000:]
 
 
 def golden_rows(rows, evals: bool) -> None:
