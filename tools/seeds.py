@@ -12,9 +12,12 @@ a run: the model's initialisation (`nnx.Rngs(seed)` in every stage), the trainin
 the RL tasks, sampling and the held-out draw of the built-in RL domains; generated data files, task
 files written by tools and `eval.long_context.seed` do not follow it. A config that starts from a
 checkpoint (`init_from`) gives every seed that one initialisation: the table's head says so.
+`{seed}` in an override is the seed: `-- --config.init_from=runs/seeds/long_context_recall/seed{seed}`
+chains recipes, each seed from its own run of the one before.
 
 `--parallel` runs at a time (default: the usable cores // `--threads`, each run pinned to its own
-cores; without either flag one run on every core). A line per finished seed. Resuming: a seed
+cores; without either flag one run on every core, as a JAX CPU run uses them all; on an
+accelerator keep one: each run takes the device). A line per finished seed. Resuming: a seed
 whose run finished (ROOT/seedS.json, exit status 0, the same arguments) is not rerun; one that
 failed or was killed reruns the same command in the same workdir, which resumes from its newest
 checkpoint (posttrain.main). Each run's output goes to ROOT/seedS.log.
@@ -118,7 +121,8 @@ def plan(args: argparse.Namespace) -> list[SeedRun]:
     for s in seed_list(args.seeds):
         workdir = root / f"seed{s}"
         argv = ["-m", "posttrain.main", f"--config={args.config}", f"--config.seed={s}", f"--config.workdir={workdir}"]
-        runs.append(SeedRun(s, workdir, argv + args.overrides, root / f"seed{s}.json", root / f"seed{s}.log"))
+        mine = [o.replace("{seed}", str(s)) for o in args.overrides]
+        runs.append(SeedRun(s, workdir, argv + mine, root / f"seed{s}.json", root / f"seed{s}.log"))
     return runs
 
 
@@ -132,6 +136,11 @@ def initialisation_note(spec: str, overrides: list[str]) -> str:
     for o in overrides:
         if o.startswith("--config.init_from="):
             init_from = o.split("=", 1)[1]
+    if "{seed}" in init_from:
+        return (
+            f"each seed starts from its own earlier run (init_from={init_from}): that run's initialisation; "
+            "config.seed also changes the data order, RL tasks and sampling"
+        )
     if init_from:
         return (
             f"every seed starts from one checkpoint (init_from={init_from}): one initialisation; "
@@ -343,7 +352,13 @@ def markdown(table: dict) -> str:
         lines.append(f"| {s['seed']} | " + " | ".join(cells) + " |")
     finished = sum(s["status"] == "finished" for s in table["seeds"])
     summary = [table["summary"][m] for m in specs]
-    cells = [f"**{number(x['mean'])}** ({number(x['min'])}–{number(x['max'])})" if x else "—" for x in summary]
+    cells = [
+        f"**{number(x['mean'])}** ({number(x['min'])}–{number(x['max'])}"
+        + (f"; {x['n']} seeds)" if x["n"] < finished else ")")
+        if x
+        else "—"
+        for x in summary
+    ]
     lines.append(
         "| **mean (range)** | " + " | ".join(cells) + f" | {finished} of {len(table['seeds'])} seeds finished |"
     )

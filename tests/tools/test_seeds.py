@@ -203,3 +203,11 @@ def test_cores_are_split_between_runs_and_init_from_is_one_initialisation(monkey
     assert note.startswith("every seed starts from one checkpoint (init_from=runs/long_context_recall)")
     assert "one initialisation" in seeds.initialisation_note(CONFIG, ["--config.init_from=runs/x"])
     assert seeds.config_name("configs/long_context_recall.py:extend:llama3") == "long_context_recall_extend_llama3"
+
+
+def test_seed_in_an_override_chains_each_seed_to_its_own_earlier_run(tmp_path):
+    seeds = tool()
+    override = f"--config.init_from={tmp_path}/base/seed{{seed}}"
+    runs = seeds.plan(seeds.parse_args([CONFIG, "--seeds", "1,2", "--workdir_root", str(tmp_path), "--", override]))
+    assert [r.argv[-1] for r in runs] == [f"--config.init_from={tmp_path}/base/seed{s}" for s in (1, 2)]
+    assert seeds.initialisation_note(CONFIG, [override]).startswith("each seed starts from its own earlier run")
