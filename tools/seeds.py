@@ -341,27 +341,25 @@ def number(v: float | None) -> str:
 
 def markdown(table: dict) -> str:
     """The Markdown table under its command line and note."""
-    specs = table["metrics"]
+    specs, row = table["metrics"], lambda cells: "| " + " | ".join(map(str, cells)) + " |"
     lines = [f"    {table['command']}", "", f"Seeds: {table['note']}.", ""]
-    lines += ["| seed | " + " | ".join(f"`{m}`" for m in specs) + " | run |", "|---" * (len(specs) + 2) + "|"]
+    lines += [row(["seed", *(f"`{m}`" for m in specs), "run"]), row(["---"] * (len(specs) + 2))]
     for s in table["seeds"]:
         if s["status"] == "failed":
-            cells = ["failed"] * len(specs) + [f"failed: exit status {s['exit_status']}, log {s['log']}"]
+            run = f"failed: exit status {s['exit_status']}, log {s['log']}"
+            lines.append(row([s["seed"], *["failed"] * len(specs), run]))
         else:
-            cells = [number(s["values"].get(m)) for m in specs] + [f"{s['seconds'] or 0:.0f} s, {s['workdir']}"]
-        lines.append(f"| {s['seed']} | " + " | ".join(cells) + " |")
+            values = [number(s["values"].get(m)) for m in specs]
+            lines.append(row([s["seed"], *values, f"{s['seconds'] or 0:.0f} s, {s['workdir']}"]))
     finished = sum(s["status"] == "finished" for s in table["seeds"])
-    summary = [table["summary"][m] for m in specs]
     cells = [
         f"**{number(x['mean'])}** ({number(x['min'])}–{number(x['max'])}"
         + (f"; {x['n']} seeds)" if x["n"] < finished else ")")
         if x
         else "—"
-        for x in summary
+        for x in (table["summary"][m] for m in specs)
     ]
-    lines.append(
-        "| **mean (range)** | " + " | ".join(cells) + f" | {finished} of {len(table['seeds'])} seeds finished |"
-    )
+    lines.append(row(["**mean (range)**", *cells, f"{finished} of {len(table['seeds'])} seeds finished"]))
     if "threshold" in table:
         t = table["threshold"]
         lines += ["", f"{len(t['passing'])} of {t['seeds']} seeds pass `{t['condition']}` (seeds {t['passing']})."]

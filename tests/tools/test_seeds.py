@@ -100,7 +100,7 @@ def test_the_markdown_starts_with_the_command_and_ends_with_mean_range_and_passi
     md = (root / "table.md").read_text().splitlines()
     assert md[0] == "    " + shlex.join(["python", "tools/seeds.py", *argv]) == "    " + table["command"]
     assert md[2].startswith("Seeds: config.seed changes the initialisation")
-    assert md[4:6] == ["| seed | `eval/loss` | run |", "|---|---|---|"]
+    assert md[4:6] == ["| seed | `eval/loss` | run |", "| --- | --- | --- |"]
     v = [s["values"]["eval/loss"] for s in table["seeds"][:2]]
     assert md[6].startswith(f"| 0 | {v[0]:.4g} | ") and md[7].startswith(f"| 1 | {v[1]:.4g} | ")
     mean = f"| **mean (range)** | **{np.mean(v):.4g}** ({min(v):.4g}–{max(v):.4g}) | 2 of 3 seeds finished |"
