@@ -73,7 +73,9 @@ class SeedRun:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line: options before `--`, posttrain.main overrides after it."""
     ours, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    p = argparse.ArgumentParser(prog="tools/seeds.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="tools/seeds.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("config", help="config file (configs/X.py, or configs/X.py:ARG)")
     p.add_argument("--seeds", default="0,1,2", help="initialisation seeds, e.g. 0,1,2 (default)")
     p.add_argument("--parallel", type=int, default=0, help="runs at a time (default: cores // --threads)")
