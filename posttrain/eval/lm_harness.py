@@ -18,6 +18,9 @@ generation (`do_sample`) and chat templates are refused: this backend evaluates 
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -178,9 +181,10 @@ class PosttrainLM(TemplateLM):
         return order.get_original(out)
 
 
+@functools.cache
 def task_manager(include_defaults: bool = False):
     """lm-eval's TaskManager over posttrain's offline tasks (`TASKS_DIR`); `include_defaults`: also
-    lm-eval's own (a scan of several thousand task files: seconds)."""
+    lm-eval's own (a scan of several thousand task files: seconds). One per process."""
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=TASKS_DIR, include_defaults=include_defaults)
@@ -190,6 +194,34 @@ def simple_evaluate(**kwargs) -> dict:
     """`lm_eval.simple_evaluate` with posttrain's tasks found (a `task_manager` given wins)."""
     kwargs.setdefault("task_manager", task_manager(include_defaults=True))
     return lm_eval.simple_evaluate(**kwargs)
+
+
+def find_tasks(tasks: list[str]):
+    """The TaskManager that knows every task of `tasks`: posttrain's own when it does (fast), else
+    one with lm-eval's tasks too; an unknown name is an error naming posttrain's tasks."""
+    manager = task_manager()
+    if all(t in manager.all_subtasks for t in tasks):
+        return manager
+    manager = task_manager(include_defaults=True)
+    unknown = [t for t in tasks if t not in manager.all_subtasks]
+    if unknown:
+        raise ValueError(
+            f"unknown lm-eval task(s) {unknown}: posttrain's offline tasks are {', '.join(task_manager().all_subtasks)}"
+            " (lm-eval's own: `python -m posttrain.eval.lm_eval_cli ls tasks`)"
+        )
+    return manager
+
+
+def task_metric_names(task: str, manager) -> list[str]:
+    """The metrics `suite_metrics` reports for `task`, from its configuration (no data read):
+    each metric under each filter (`metric@filter`), the sample count, the wall time."""
+    from lm_eval.api.registry import DEFAULT_METRIC_REGISTRY
+
+    cfg = manager.task_index[task].cfg or {}
+    metrics = [str(m["metric"]) for m in cfg.get("metric_list") or []]
+    metrics = metrics or DEFAULT_METRIC_REGISTRY[cfg.get("output_type") or "generate_until"]
+    filters = [f["name"] for f in cfg.get("filter_list") or []] or ["none"]
+    return [m if f == "none" else f"{m}@{f}" for m in metrics for f in filters] + ["sample_len", "seconds"]
 
 
 def suite_metrics(results: dict, task: str) -> dict[str, float]:
@@ -204,13 +236,17 @@ def suite_metrics(results: dict, task: str) -> dict[str, float]:
     return out
 
 
-def evaluate_tasks(model: LoadedModel, tasks: list[str], *, limit: int, batch_size: int, manager) -> dict:
-    """Run lm-eval `tasks` on an already loaded model: {task: its `suite_metrics` + seconds}."""
-    lm, out = PosttrainLM(model=model, batch_size=batch_size), {}
+def evaluate_tasks(model: LoadedModel, tasks: list[str], *, limit: int, batch_size: int) -> dict:
+    """Run lm-eval `tasks` on an already loaded model: {task: (its `suite_metrics` and seconds,
+    a version: a hash of the task's configuration as lm-eval ran it and the limit)}."""
+    lm, manager, out = PosttrainLM(model=model, batch_size=batch_size), find_tasks(tasks), {}
     for task in tasks:
         start = time.perf_counter()
         results = lm_eval.simple_evaluate(
             model=lm, tasks=[task], limit=limit, task_manager=manager, bootstrap_iters=0, log_samples=False
         )
-        out[task] = {**suite_metrics(results, task), "seconds": time.perf_counter() - start}
+        named = lambda o: getattr(o, "__qualname__", type(o).__name__)  # functions by name, not address
+        config = json.dumps([results["configs"][task], limit], sort_keys=True, default=named)
+        version = hashlib.sha256(config.encode()).hexdigest()[:16]
+        out[task] = ({**suite_metrics(results, task), "seconds": time.perf_counter() - start}, version)
     return out
