@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import os
 from collections.abc import Sequence
 
@@ -76,9 +77,10 @@ def resolve_spec(spec: str) -> tuple[str, str | None]:
         return f"hf:{folder}", folder
     if spec.startswith("hf:"):
         return spec, spec.removeprefix("hf:")
-    if os.path.isfile(os.path.join(spec, "config.json")) and not os.path.isdir(os.path.join(spec, "checkpoints")):
-        with open(os.path.join(spec, "config.json")) as f:
-            if "architectures" in f.read():
+    config = os.path.join(spec, "config.json")
+    if os.path.isfile(config) and not os.path.isdir(os.path.join(spec, "checkpoints")):
+        with open(config) as f:
+            if "architectures" in json.load(f):  # an HF config.json (a run's names its stage)
                 return f"hf:{spec}", spec
     return spec, None
 

@@ -4,6 +4,7 @@ greedy generations cut at the same stop strings, equal task metrics; and the one
 without lm-eval."""
 
 import importlib
+import os
 import sys
 
 import numpy as np
@@ -117,3 +118,19 @@ def test_missing_lm_eval_is_one_line(monkeypatch):
     with pytest.raises(ImportError) as e:
         importlib.import_module("posttrain.eval.lm_harness")
     assert "pip install 'posttrain[eval]'" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_gguf_checkpoint_is_converted_once(tmp_path, monkeypatch):
+    from posttrain.eval.lm_model import resolve_spec
+    from tests.models.hf.test_gguf import CASES, write_gguf  # the tiny llama.cpp-style file builder
+
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
+    write_gguf(str(tmp_path / "tiny.gguf"), CASES["q4_1-tied"], seed=1)
+    path, folder = resolve_spec(f"gguf:{tmp_path / 'tiny.gguf'}")
+    assert path == f"hf:{folder}" and folder.startswith(str(tmp_path / "cache" / "gguf" / "tiny-"))
+    written = os.path.getmtime(os.path.join(folder, "config.json"))
+    assert resolve_spec(f"gguf:{tmp_path / 'tiny.gguf'}") == (path, folder)
+    assert os.path.getmtime(os.path.join(folder, "config.json")) == written  # not converted again
+    assert resolve_spec(folder) == (f"hf:{folder}", folder)  # a plain HF folder is read as one
+    with pytest.raises(FileNotFoundError, match="gguf:.*no such GGUF file"):
+        resolve_spec(f"gguf:{tmp_path / 'none.gguf'}")
