@@ -47,8 +47,8 @@ def run_backend(lm, tasks: dict[str, int], args) -> tuple[list[float], dict]:
 
 def responses(results: dict, task: str) -> list:
     """Every request's raw response of `task`, in document order."""
-    samples = sorted(results[task]["samples"][task], key=lambda s: s["doc_id"])
-    return [r[0] for s in samples for r in s["resps"]]
+    samples = {s["doc_id"]: s for s in results[task]["samples"][task]}  # one per doc (lm-eval repeats it per filter)
+    return [r[0] for _, s in sorted(samples.items()) for r in s["resps"]]
 
 
 def compare(ours: dict, theirs: dict) -> dict:

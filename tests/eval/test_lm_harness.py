@@ -48,6 +48,7 @@ def backends(tmp_path_factory):
     transformers.LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(root)
     posttrain = PosttrainLM(checkpoint=f"hf:{root}", batch_size=4)
     hf = HFLM(pretrained=root, batch_size=4, device="cpu", dtype="float32")
+    posttrain.folder = root
     return posttrain, hf
 
 
@@ -101,6 +102,26 @@ def test_task_metrics_equal(backends):
         assert suite_metrics(ours, task) == suite_metrics(theirs, task)
     assert set(suite_metrics(ours, tasks[0])) == {"acc", "acc_norm", "sample_len"}
     assert set(suite_metrics(ours, tasks[1])) == {"exact_match@first-number", "sample_len"}
+
+
+def test_found_by_name_from_python_and_the_command_line(backends, monkeypatch):
+    import lm_eval
+    import lm_eval.__main__
+
+    from posttrain.eval import lm_eval_cli
+    from posttrain.eval.lm_harness import TASKS_DIR, suite_metrics, task_manager
+
+    task, args = "posttrain_arithmetic_choice", f"checkpoint=hf:{backends[0].folder},batch_size=4"
+    kw = dict(tasks=[task], limit=4, task_manager=task_manager(), bootstrap_iters=0, log_samples=False)
+    by_name = lm_eval.simple_evaluate(model="posttrain", model_args=args, **kw)
+    assert suite_metrics(by_name, task) == suite_metrics(lm_eval.simple_evaluate(model=backends[1], **kw), task)
+    seen = []
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the wrapper sets lm-eval's argv: restored after
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: seen.append(list(sys.argv)))
+    assert lm_eval_cli.main(["--model", "posttrain", "--model_args", args, "--tasks", task]) == 0
+    assert seen[-1][1:] == ["--model", "posttrain", "--model_args", args, "--tasks", task, "--include_path", TASKS_DIR]
+    lm_eval_cli.main(["--tasks", task, "--include_path=/mine"])
+    assert seen[-1][1:] == ["--tasks", task, "--include_path=/mine"]
 
 
 def test_bad_model_args(backends):
