@@ -37,6 +37,7 @@ except ImportError as e:  # one line, naming the extra that installs it
     ) from e
 from tqdm import tqdm
 
+from posttrain.core.compile_cache import enable_compilation_cache
 from posttrain.eval.lm_model import LoadedModel, greedy_until, load_checkpoint, score_rows
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ class PosttrainLM(TemplateLM):
             raise ValueError("posttrain lm-eval model: batch_size=auto is not supported; give an integer")
         self.batch_size_per_call = _int(batch_size, "batch_size")
         self._max_gen_toks = _int(max_gen_toks, "max_gen_toks")
-        if model is None:
+        if model is None:  # on its own (not in a run, which has its cache set): JAX's persistent cache
+            enable_compilation_cache("auto")
             step = None if step is None else _int(step, "step")
             model = load_checkpoint(checkpoint, max_length=_int(max_length, "max_length"), step=step)
         elif max_length:
