@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import sys
 
+from posttrain.platform import platform_line, quiet_platform
+
 
 def main(argv: list[str] | None = None) -> int:
-    """Run lm-eval's CLI on `argv` (default: this process's arguments)."""
+    """Run lm-eval's CLI on `argv` (default: this process's arguments), on the platform
+    `posttrain.platform.quiet_platform` leaves JAX (named in the first line on stderr)."""
+    quiet_platform()
     try:
         from posttrain.eval import lm_harness
     except ImportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    print(platform_line(), file=sys.stderr)
     args = list(sys.argv[1:] if argv is None else argv)
     if args and not any(a == "--include_path" or a.startswith("--include_path=") for a in args):
         args += ["--include_path", lm_harness.TASKS_DIR]

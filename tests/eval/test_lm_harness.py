@@ -142,16 +142,26 @@ def test_missing_lm_eval_is_one_line(monkeypatch):
 
 
 def test_gguf_checkpoint_is_converted_once(tmp_path, monkeypatch):
+    """`gguf:FILE` becomes an HF folder in the cache, written once per file (the conversion itself:
+    tests/models/hf/test_gguf.py)."""
     from posttrain.eval.lm_model import resolve_spec
-    from tests.models.hf.test_gguf import CASES, write_gguf  # the tiny llama.cpp-style file builder
+    from posttrain.models.hf import gguf
 
+    calls = []
+
+    def convert(path, out, progress=True):
+        calls.append(path)
+        os.makedirs(out)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            f.write('{"architectures": ["LlamaForCausalLM"]}')
+
+    monkeypatch.setattr(gguf, "gguf_to_hf", convert)
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
-    write_gguf(str(tmp_path / "tiny.gguf"), CASES["q4_1-tied"], seed=1)
+    (tmp_path / "tiny.gguf").write_bytes(b"GGUF")
     path, folder = resolve_spec(f"gguf:{tmp_path / 'tiny.gguf'}")
     assert path == f"hf:{folder}" and folder.startswith(str(tmp_path / "cache" / "gguf" / "tiny-"))
-    written = os.path.getmtime(os.path.join(folder, "config.json"))
-    assert resolve_spec(f"gguf:{tmp_path / 'tiny.gguf'}") == (path, folder)
-    assert os.path.getmtime(os.path.join(folder, "config.json")) == written  # not converted again
+    assert resolve_spec(f"gguf:{tmp_path / 'tiny.gguf'}") == (path, folder) and len(calls) == 1
     assert resolve_spec(folder) == (f"hf:{folder}", folder)  # a plain HF folder is read as one
+    assert resolve_spec(str(tmp_path)) == (str(tmp_path), None)  # anything else: a run's workdir
     with pytest.raises(FileNotFoundError, match="gguf:.*no such GGUF file"):
         resolve_spec(f"gguf:{tmp_path / 'none.gguf'}")
