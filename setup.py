@@ -6,7 +6,7 @@ setup(
     description="JAX-native LLM post-training: SFT, preference alignment and RLVR on a sharded MoE decoder.",
     packages=find_packages(include=["posttrain", "posttrain.*"]),
     # the math verifier's attack and honest corpora (issue 42), read by tools and tests
-    package_data={"posttrain.rl.verifiers": ["corpora/*.jsonl", "corpora/*.md"]},
+    package_data={"posttrain.rl.verifiers": ["corpora/*.jsonl", "corpora/*.md"], "posttrain.eval.lm_tasks": ["*.yaml"]},
     python_requires=">=3.11",
     install_requires=[
         # rl.placement=disaggregated uses the experimental jax.experimental.transfer API, tested with
@@ -50,5 +50,10 @@ setup(
         # reasoning-gym's procedural datasets as RL domains (rl.domains=rg:<dataset>; rl/tasks/rg_domain.py),
         # their scorers behind posttrain's guard (rl/verifiers/rg.py); tested with 0.1.25
         "rg": ["reasoning-gym>=0.1.25"],
+        # lm-eval: posttrain as an lm-eval model (`--model posttrain`, posttrain/eval/lm_harness.py) and
+        # lm-eval tasks as eval suites (`eval.suites=lm_eval:<task>`); tested with 0.4.13, whose model
+        # registry and TaskManager(include_defaults=) it uses; datasets builds the offline tasks' data.
+        "eval": ["lm-eval>=0.4.13", "datasets>=2.16"],
     },
+    entry_points={"console_scripts": ["posttrain-lm-eval=posttrain.eval.lm_eval_cli:main"]},
 )

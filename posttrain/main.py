@@ -34,6 +34,7 @@ from posttrain.config import RunConfig
 from posttrain.config import stages as stage_table
 from posttrain.config.command_line import apply_command_line_precedence, base_config, command_line_keys, run_config
 from posttrain.errors import UserError
+from posttrain.platform import platform_line, quiet_platform
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file with get_config().", lock_config=True)
 _VERBOSE = flags.DEFINE_bool(
@@ -68,6 +69,8 @@ def run(config: RunConfig | ml_collections.ConfigDict) -> object:
     from posttrain.parallel import maybe_initialize_distributed
 
     maybe_initialize_distributed(cfg.distributed)
+    if jax.process_index() == 0:
+        print(platform_line(), file=sys.stderr)
     if cfg.stage == "rlvr" and cfg.rl.role == "sampler":  # the learner's workdir: the learner locks it
         from posttrain.stages.rlvr_sampler import run_sampler
 
@@ -233,6 +236,8 @@ ENVIRONMENT = {
     "default: shared/data beside the repository",
     "POSTTRAIN_COMPILATION_CACHE": "JAX's persistent compilation cache folder for compilation_cache=auto "
     "(default ~/.cache/posttrain/jax; off: none)",
+    "JAX_PLATFORMS": "JAX's platforms (e.g. tpu, cuda, cpu); unset on a machine with neither a TPU nor a GPU: "
+    "cpu, so an installed libtpu stays quiet (the run's first line names the platform)",
     "POSTTRAIN_ACCELERATOR_PATHS": "1: a test switch, the CPU takes the GPU/TPU code paths that can run on it "
     "(stacked KV cache, ragged_dot experts; parallel.accelerator_paths); default 0",
 }
@@ -274,7 +279,9 @@ def usage() -> str:
 def entry(program=None) -> None:
     """Validate overrides against the config file first, so a typo fails with a useful message;
     then run `program(argv)` (default: `main`) under absl, `--config` parsed. `--help` starts with
-    `usage()`."""
+    `usage()`. Without a TPU or GPU and with `JAX_PLATFORMS` unset, JAX is told to use the CPU
+    (`quiet_platform`) before anything imports it."""
+    quiet_platform()
     if any(a in ("--help", "-h", "-?") for a in sys.argv[1:]):
         print(usage() + "\nFlags:\n" + flags.FLAGS.module_help(sys.modules[__name__]))
         sys.exit(0)

@@ -11,7 +11,7 @@ import operator
 import re
 
 OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
-_CONDITION = re.compile(r"^\s*([\w/@.\-]+)\s*(<=|>=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+_CONDITION = re.compile(r"^\s*([\w/@.:\-]+)\s*(<=|>=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -185,6 +185,10 @@ class LongContextConfig(Section):
     seed: int = bounded(0, ge=0)  # problems come from the eval name space, disjoint from training's
 
 
+LM_EVAL = "lm_eval:"  # an eval.suites entry naming an lm-eval task (lm_eval:posttrain_gsm8k)
+_LM_EVAL = (lambda e: LM_EVAL in e.suites, "only lm-eval suites (eval.suites=lm_eval:<task>) take it")
+
+
 @section
 class EvalConfig(Section):
     """`eval`: the eval stage (checkpoints, suites, pass@k) and the long-context evals."""
@@ -194,9 +198,10 @@ class EvalConfig(Section):
     # a run dir / checkpoints dir; "" = init_from (in a pipeline: the previous stage)
     checkpoint: str = free("", "a run or checkpoint folder, opened when the stage starts")
     steps: str = parsed("latest", parse_steps)  # latest | all | "100,200": which checkpoints of that run
-    # arithmetic, gsm8k, humaneval and/or name=path.jsonl (rl.eval_files records)
+    # arithmetic, gsm8k, humaneval, name=path.jsonl (rl.eval_files records) and/or lm_eval:<task>
     suites: str = free("arithmetic", "suite names and files, checked at start-up (rl.tasks.suites.parse_suites)")
-    size: int = bounded(128, ge=1)  # problems per built-in suite
+    size: int = bounded(128, ge=1)  # problems per built-in suite; documents per lm-eval task (its limit)
+    lm_eval_batch_size: int = bounded(16, ge=1, inert_unless=_LM_EVAL)  # lm-eval requests per forward or sampler call
     samples: int = bounded(4, ge=1)  # samples per problem (mean sampled accuracy, pass@k)
     pass_k: str = parsed("1,4", parse_ints)  # pass@k reported for each k (each <= samples)
     gate: str = gate_field()

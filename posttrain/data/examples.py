@@ -11,7 +11,7 @@ go through the tokenizer's chat format, so every stage trains and samples the sa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -85,16 +85,18 @@ def check_messages(value: Any, field: str, *, parts: bool = False) -> list[dict]
 
 
 def with_images(
-    messages: list[dict], field: str, images: ImageSpec | None, path: str | None, why: str = NO_VISION
+    messages: list[dict], field: str | Sequence[str], images: ImageSpec | None, path: str | None, why: str = NO_VISION
 ) -> tuple[list[dict], np.ndarray | None]:
     """Messages whose part-list contents are resolved for the tokenizer (image parts decoded and
     counted in patches), and the images' uint8 pixels [k, size, size, 3] in order (None when
     `images` is None: a text-only model, or a record kind without images (`why`), where an image
-    part is an error)."""
+    part is an error). `field`: the record field all messages come from, or each message's place
+    (`sft_locations`), which errors name."""
+    places = [f"{field!r}[{i}]" for i in range(len(messages))] if isinstance(field, str) else list(field)
     out, pixels = [], []
-    for i, m in enumerate(messages):
+    for m, place in zip(messages, places):
         try:
-            content, found = image_parts(m["content"], f"field {field!r}[{i}].content", images, path, why)
+            content, found = image_parts(m["content"], f"field {place}.content", images, path, why)
         except ValueError as e:
             raise RecordError(str(e)) from None
         out.append({**m, "content": content})
@@ -136,6 +138,18 @@ def sft_messages(record: dict, fields: Fields = None) -> tuple[list[dict], str]:
     return prompt + as_messages(get_field(record, "response", fields), response, "assistant", parts=True), response
 
 
+def sft_locations(record: dict, count: int, fields: Fields = None) -> list[str]:
+    """Where each of the `count` messages `sft_messages` made of `record` comes from, for errors:
+    `'messages'[i]`, or `'prompt'[i]` for the prompt's and `'response'[j]` for the response's."""
+    key = field_key("messages", fields)
+    if key in record:
+        return [f"{key!r}[{i}]" for i in range(count)]
+    prompt = get_field(record, "prompt", fields)
+    n = len(prompt) if isinstance(prompt, list) else 1
+    p, r = field_key("prompt", fields), field_key("response", fields)
+    return [f"{p!r}[{i}]" for i in range(n)] + [f"{r!r}[{j}]" for j in range(count - n)]
+
+
 def sft_example(
     record: dict, tok: Tokenizer, *, fields: Fields = None, images: ImageSpec | None = None, path: str | None = None
 ) -> dict:
@@ -148,7 +162,7 @@ def sft_example(
     an error.
     """
     messages, field = sft_messages(record, fields)
-    messages, pixels = with_images(messages, field, images, path)
+    messages, pixels = with_images(messages, sft_locations(record, len(messages), fields), images, path)
     ids, trainable = _encode_chat(tok, messages, field)
     if not any(trainable):
         raise RecordError(f"field {field!r}: no assistant turn to train on")

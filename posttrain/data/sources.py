@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import fsspec
@@ -20,6 +22,11 @@ from posttrain.config import ON_ERROR
 from posttrain.errors import UserError
 
 log = logging.getLogger(__name__)
+
+
+def shared_data_dir() -> str:
+    """The shared data folder (GSM8K, HumanEval): $POSTTRAIN_DATA, else `shared/data` beside the repo."""
+    return os.environ.get("POSTTRAIN_DATA", str(Path(__file__).resolve().parents[2] / ".." / "shared" / "data"))
 
 
 class DataError(ValueError):

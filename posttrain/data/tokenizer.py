@@ -30,7 +30,9 @@ class Tokenizer(Protocol):
     bos_id: int | None
     stop_ids: tuple[int, ...]  # tokens that end generation (eos and any end-of-turn ids)
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]: ...
+
+    def token_text(self, i: int) -> str | None: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -60,9 +62,16 @@ class ByteTokenizer:
     pad_id, bos_id, eos_id = 0, 1, 2
     stop_ids = (2,)
 
-    def encode(self, text: str) -> list[int]:
-        """Text → byte ids (no specials)."""
-        return (np.frombuffer(text.encode(), np.uint8).astype(np.int64) + self.OFFSET).tolist()
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Text → byte ids (no specials; with them: `<bos>` first, as a chat starts)."""
+        ids = (np.frombuffer(text.encode(), np.uint8).astype(np.int64) + self.OFFSET).tolist()
+        return [self.bos_id, *ids] if add_special_tokens else ids
+
+    def token_text(self, i: int) -> str | None:
+        """The text of id `i`: a special token's name, a byte's character (None: no such id)."""
+        if 0 <= i < self.OFFSET:
+            return self.SPECIALS[i]
+        return bytes([i - self.OFFSET]).decode(errors="replace") if self.OFFSET <= i < self.image_id else None
 
     def decode(self, ids: Sequence[int]) -> str:
         """Ids → text; special tokens are dropped, invalid UTF-8 becomes U+FFFD."""
@@ -204,13 +213,18 @@ class HFTokenizer:
             name=path,
         )
 
-    def encode(self, text: str) -> list[int]:
-        """Text → ids, without added special tokens."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Text → ids, without added special tokens (with them: what the tokenizer's post-processor
+        adds, e.g. a BOS, as transformers' `encode` does by default; lm-eval scores that way)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """Ids → text, special tokens dropped."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_text(self, i: int) -> str | None:
+        """The vocabulary entry of id `i` (a special token's text, e.g. "<s>"; None: no such id)."""
+        return self._tok.id_to_token(int(i))
 
     def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
         """A conversation through the chat template → (ids, trainable).

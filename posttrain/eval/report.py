@@ -75,6 +75,8 @@ EVAL_COLUMNS = (
     "version",
 )
 
+RECORD_KEYS = ("checkpoint", "time", "harness")  # an eval record's keys that are not metrics
+
 
 @dataclasses.dataclass
 class Stage:
@@ -231,6 +233,9 @@ def eval_section(stages: list[Stage]) -> str:
             if fnmatch.fnmatchcase(c, pat)
         ]
         cols = list(dict.fromkeys(cols))
+        # an lm-eval suite's record holds that task's own metrics (`eval.lm_harness.suite_metrics`)
+        lm = {k for r in recs if r.get("harness") == "lm-eval" for k in r if k not in (*cols, *RECORD_KEYS)}
+        cols += sorted(lm)
         parts.append(table(cols, [[r.get(c) for c in cols] for r in recs]))
     for s in (s for s in stages if not s.evals):  # an eval stage's rows repeat its records
         rows = [r for r in s.rows if "event" not in r and any(k.startswith("eval/") for k in r)]

@@ -15,7 +15,7 @@ from posttrain import storage
 from posttrain.config import RLConfig
 from posttrain.core import lineage
 from posttrain.core.batch import put_batch
-from posttrain.data.examples import sft_messages, with_images
+from posttrain.data.examples import sft_locations, sft_messages, with_images
 from posttrain.data.images import ImageSpec
 from posttrain.data.packing import place_patches
 from posttrain.data.pipeline import preference_batches, read_jsonl
@@ -166,9 +166,10 @@ def sample_prompts(
     patches [len(ids), patch_dim] aligned with the ids, or None without `images`)."""
     out = []
     for rec in itertools.islice(read_jsonl(files), n):
-        messages, field = sft_messages(rec.data, fields)
+        messages, _ = sft_messages(rec.data, fields)
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
-        shown, pixels = with_images(messages[:last], field, images, rec.path)
+        places = sft_locations(rec.data, len(messages), fields)[:last]
+        shown, pixels = with_images(messages[:last], places, images, rec.path)
         ids, _ = tok.encode_chat(shown, add_generation_prompt=True)
         patches = None
         if images is not None:

@@ -13,6 +13,11 @@ suite (`repo_fix`) runs whole episodes as `rl.env='tool'` does (`rl.max_turns` t
 solved when its final check passes, penalties aside (`tool_success_rate`, greedy;
 `tool_success_rate_sampled`), and it also reports `turns_per_episode`, `calls_per_turn` and
 `tool_call_ok_rate` of the greedy episodes.
+lm-eval tasks are suites too (`lm_eval:<task>`, e.g. `lm_eval:posttrain_gsm8k`: posttrain's offline
+tasks or any lm-eval knows), run by lm-eval on this checkpoint's weights through `eval/lm_harness.py`
+(`eval.size` documents, `eval.lm_eval_batch_size` requests per call); each reports lm-eval's metrics
+as `<suite>/<metric>[@<filter>]` (the gate's metric names are checked against the task's configuration
+at start-up), `sample_len` and `seconds`.
 Sampling uses the `rl.*` settings (temperature, top_k, top_p, max_new_tokens) and the seed, so
 checkpoints are compared on the same draws. Every result is appended to
 `{workdir}/eval/<suite>.jsonl` with the checkpoint path and step and the suite version (a hash of
@@ -44,6 +49,7 @@ from posttrain.core.init import checkpoint_dir, load_model_state
 from posttrain.core.metrics import MetricsWriter
 from posttrain.core.state import abstract_model
 from posttrain.data.tokenizer import load_tokenizer
+from posttrain.eval.lm_model import DEFAULT_MAX_LENGTH, LoadedModel
 from posttrain.eval.long_context_eval import make_long_context_eval, parse_grid
 from posttrain.eval.passk import mean_pass_at_k
 from posttrain.models.decoder import Decoder
@@ -52,7 +58,15 @@ from posttrain.rl.envs.base import Task
 from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.hosts import all_rewards, combine_info
 from posttrain.rl.rollout.worker import SUMMED_INFO, RolloutWorker, all_solved
-from posttrain.rl.tasks.suites import HEADLINE, make_suites, multi_turn_suites, parse_suites, suite_version
+from posttrain.rl.tasks.suites import (
+    HEADLINE,
+    LM_EVAL,
+    lm_eval_suites,
+    make_suites,
+    multi_turn_suites,
+    parse_suites,
+    suite_version,
+)
 from posttrain.sampling.rules import SamplingParams
 from posttrain.stages.common import rl_sampling
 
@@ -136,13 +150,36 @@ def check_eval_config(cfg) -> None:
     check_gate_metrics(cfg, [n for n, _ in parse_suites(cfg.eval.suites)], pass_ks(cfg))
 
 
+def lm_harness(cfg):
+    """`posttrain.eval.lm_harness`, or a ValueError naming eval.suites and the extra to install."""
+    try:
+        from posttrain.eval import lm_harness
+    except ImportError as e:
+        raise ValueError(f"eval.suites={cfg.eval.suites!r}: {e}") from None
+    return lm_harness
+
+
+def lm_eval_metrics(cfg) -> set[str]:
+    """`<suite>/<metric>` of every lm-eval suite (`lm_eval:<task>`), from the tasks' configurations
+    (no data read); an unknown task is an error naming eval.suites."""
+    names = lm_eval_suites(cfg.eval.suites)
+    if not names:
+        return set()
+    harness = lm_harness(cfg)
+    try:
+        manager = harness.find_tasks([n.removeprefix(LM_EVAL) for n in names])
+    except ValueError as e:
+        raise ValueError(f"eval.suites={cfg.eval.suites!r}: {e}") from None
+    return {f"{n}/{m}" for n in names for m in harness.task_metric_names(n.removeprefix(LM_EVAL), manager)}
+
+
 def check_gate_metrics(cfg, suites, ks: list[int]) -> None:
     """Every metric `eval.gate` names is one this evaluation reports (suites: their names)."""
     from posttrain.eval.gates import REGRESSION_DROP, parse_gate
 
-    known = {REGRESSION_DROP, *(HEADLINE[n] for n in suites if n in HEADLINE)}
+    known = {REGRESSION_DROP, *(HEADLINE[n] for n in suites if n in HEADLINE), *lm_eval_metrics(cfg)}
     multi = multi_turn_suites(cfg.eval.suites)
-    for n in suites:
+    for n in (n for n in suites if not n.startswith(LM_EVAL)):
         known |= {
             f"{n}/{m}" for m in (*SUITE_METRICS, *(f"pass@{k}" for k in ks), *(EPISODE_METRICS if n in multi else ()))
         }
@@ -221,6 +258,7 @@ class Evaluation:
     episode_worker: RolloutWorker
     graphdef: nnx.GraphDef
     long_context: Callable | None
+    lm_eval: Callable | None  # (params, rest) -> {suite: (metrics, version)} of the lm-eval suites
     writer: MetricsWriter
     bar: tqdm
 
@@ -242,7 +280,7 @@ def run(cfg: RunConfig, baseline: dict | None = None) -> Result:
         )
     ks, tok = pass_ks(cfg), load_tokenizer(cfg.data.tokenizer)
     suites = make_suites(cfg, tok)
-    check_gate_metrics(cfg, suites, ks)
+    check_gate_metrics(cfg, [n for n, _ in parse_suites(cfg.eval.suites)], ks)
     steps = checkpoint_steps(cfg, path)
     # sampling.max_context: the checkpoint's trained and configured context unless the key is set
     limit = lineage.max_context(cfg, lineage.of_init(path))
@@ -250,7 +288,8 @@ def run(cfg: RunConfig, baseline: dict | None = None) -> Result:
     make = lambda: Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed))
     graphdef = nnx.split(abstract_model(make), nnx.Param, ...)[0]
     previous, metrics = baseline, {}
-    bar = tqdm(total=len(steps) * len(suites), desc="eval", disable=not cfg.train.progress or jax.process_index() != 0)
+    total = len(steps) * (len(suites) + len(lm_eval_suites(cfg.eval.suites)))
+    bar = tqdm(total=total, desc="eval", disable=not cfg.train.progress or jax.process_index() != 0)
     # Curves too: one row per checkpoint in metrics.jsonl, appended (earlier rows, e.g. of training, are kept).
     writer = MetricsWriter(cfg.workdir, enabled=jax.process_index() == 0, resume_step=2**62)
     with concurrent.futures.ThreadPoolExecutor(cfg.rl.verifier_workers) as pool, use_sharding(mesh, rules):
@@ -268,6 +307,7 @@ def run(cfg: RunConfig, baseline: dict | None = None) -> Result:
             dataclasses.replace(worker, episodes=episodes),
             graphdef,
             long_context,
+            make_lm_eval(cfg, graphdef, tok, limit, mesh, rules),
             writer,
             bar,
         )
@@ -280,6 +320,23 @@ def run(cfg: RunConfig, baseline: dict | None = None) -> Result:
     bar.close()
     writer.close()
     return Result(graphdef, None, [], metrics)
+
+
+def make_lm_eval(cfg: RunConfig, graphdef: nnx.GraphDef, tok, limit: int, mesh, rules) -> Callable | None:
+    """The lm-eval suites on one checkpoint's weights (None without any): `eval.size` documents
+    per task, `eval.lm_eval_batch_size` requests per call, rows within `limit` tokens (else 2048)."""
+    names = lm_eval_suites(cfg.eval.suites)
+    if not names:
+        return None
+    harness = lm_harness(cfg)
+
+    def run_tasks(params, rest) -> dict:
+        model = LoadedModel(graphdef, params, rest, tok, limit or DEFAULT_MAX_LENGTH, mesh, rules)
+        tasks = [n.removeprefix(LM_EVAL) for n in names]
+        out = harness.evaluate_tasks(model, tasks, limit=cfg.eval.size, batch_size=cfg.eval.lm_eval_batch_size)
+        return {LM_EVAL + t: v for t, v in out.items()}
+
+    return run_tasks
 
 
 def eval_sampling(cfg: RunConfig, tok, limit: int) -> SamplingParams:
@@ -309,6 +366,12 @@ def evaluate_checkpoint(e: Evaluation, params, rest, step: int) -> dict:
         record |= {"problems": len(suite.tasks), "samples": cfg.eval.samples, **results[name], "time": time.time()}
         write_record(cfg.workdir, record)
         logging.info("eval %s step %d %s: %s", e.path, step, name, {k: round(v, 4) for k, v in results[name].items()})
+        e.bar.update(1)
+    for name, (result, version) in (e.lm_eval(params, rest) if e.lm_eval else {}).items():
+        results[name], e.versions[name] = result, version
+        record = {"suite": name, "version": version, "checkpoint": e.path, "step": step, "harness": "lm-eval"}
+        write_record(cfg.workdir, {**record, "problems": int(result["sample_len"]), **result, "time": time.time()})
+        logging.info("eval %s step %d %s: %s", e.path, step, name, {k: round(v, 4) for k, v in result.items()})
         e.bar.update(1)
     metrics = gate_view(results, e.versions)
     if e.long_context is not None:

@@ -23,14 +23,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import os
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 
 import fsspec
 
 from posttrain.data.examples import RecordError, field_key, get_field
-from posttrain.data.sources import SkipLog, read_jsonl
+from posttrain.data.sources import SkipLog, read_jsonl, shared_data_dir
 from posttrain.data.synthetic import SPLITS, arithmetic_records
 from posttrain.rl.envs.base import Env, Task
 from posttrain.rl.verifiers.code import CodeTask
@@ -61,11 +59,6 @@ class Domain:
             if t.id in seen:
                 raise ValueError(f"domain {self.name!r} has two tasks with id {t.id!r}")
             seen.add(t.id)
-
-
-def shared_data_dir() -> str:
-    """The shared data folder: $POSTTRAIN_DATA, else `shared/data` beside the repo."""
-    return os.environ.get("POSTTRAIN_DATA", str(Path(__file__).resolve().parents[2] / ".." / "shared" / "data"))
 
 
 def _tasks(path: str, make: Callable[[dict, int], Task], *, limit: int | None, on_error: str) -> list[Task]:

@@ -1,6 +1,7 @@
 """Evaluation suites: the held-out tasks of the built-in domains and the user's task files, named by
 `eval.suites` ("arithmetic, gsm8k, mine=/data/x.jsonl"), each a `Domain` (its tasks and the
-environment that scores them). Stage `eval` (`posttrain/stages/eval.py`) runs them.
+environment that scores them). Stage `eval` (`posttrain/stages/eval.py`) runs them, and the
+lm-eval tasks the spec names as `lm_eval:<task>` (`lm_eval_suites`) through `eval/lm_harness.py`.
 
 A user suite's records are `rl.eval_files` records (`rl/tasks/files.py`): `{"prompt", "answer"}`
 (math) and the code, label and user-verifier forms; a prompt is a string or messages whose contents
@@ -14,8 +15,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from collections.abc import Callable
 
+from posttrain.config.train import LM_EVAL
 from posttrain.data.images import ImageSpec
 from posttrain.data.sources import SkipLog
 from posttrain.rl.envs.base import Task
@@ -24,6 +27,7 @@ from posttrain.rl.tasks.files import jsonl_tasks
 from posttrain.rl.tasks.registry import make_domains, make_env_factory, make_reward_fn, user_verifiers
 
 BUILTIN = ("arithmetic", "gsm8k", "humaneval", "repo_fix")
+_TASK_NAME = re.compile(r"[\w.\-]+")  # an lm-eval task name after `lm_eval:`
 MULTI_TURN = ("repo_fix",)  # built-in suites of multi-turn tool episodes (rl.env = "tool")
 # A suite's greedy accuracy also under a headline name, for gates ("unit_test_pass>=0.6").
 HEADLINE = {
@@ -52,10 +56,15 @@ def parse_suites(spec: str) -> list[tuple[str, str]]:
     out = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, path = (s.strip() for s in part.partition("="))
+        if name.startswith(LM_EVAL) and not path:
+            if not _TASK_NAME.fullmatch(name.removeprefix(LM_EVAL)):
+                raise ValueError(f"eval.suites: bad lm-eval task in {part!r}: expected lm_eval:<task name>")
+            out.append((name, ""))
+            continue
         if not path and name not in BUILTIN and name not in EXTRA_SUITES:
             raise ValueError(
                 f"eval.suites: unknown suite {name!r}; built-in: {', '.join(BUILTIN + tuple(EXTRA_SUITES))}"
-                ', or name=path.jsonl for a file of {"prompt", "answer"} records'
+                ', name=path.jsonl for a file of {"prompt", "answer"} records, or lm_eval:<task> for an lm-eval task'
             )
         if not name or "/" in name:
             raise ValueError(
@@ -67,6 +76,11 @@ def parse_suites(spec: str) -> list[tuple[str, str]]:
     if len({n for n, _ in out}) != len(out):
         raise ValueError(f"eval.suites={spec!r}: a suite name appears twice")
     return out
+
+
+def lm_eval_suites(spec: str) -> list[str]:
+    """The suites of `eval.suites` spec that are lm-eval tasks (`lm_eval:<task>`), as named there."""
+    return [n for n, p in parse_suites(spec) if not p and n.startswith(LM_EVAL)]
 
 
 def _has_image(task: Task) -> bool:
@@ -109,15 +123,16 @@ def _builtin_suites(cfg, tok, names: list[str], env: str) -> dict[str, Domain]:
 
 
 def make_suites(cfg, tok) -> dict[str, Domain]:
-    """The suites of `eval.suites`: name -> Domain (its tasks and environment). Built-in
+    """The suites of `eval.suites` but lm-eval tasks (stage `eval` runs those through
+    `eval.lm_harness`): name -> Domain (its tasks and environment). Built-in
     single-turn suites get one-answer environments and multi-turn ones (`MULTI_TURN`) tool
     episodes, whatever `rl.env` says (it is the RL stage's switch)."""
     named = parse_suites(cfg.eval.suites)
     builtin = [n for n, p in named if not p and n in BUILTIN]
-    if not builtin and cfg.eval.size != 128:
+    if not builtin and not lm_eval_suites(cfg.eval.suites) and cfg.eval.size != 128:
         raise ValueError(
             f"eval.size={cfg.eval.size} cannot take effect: it sizes the built-in suites "
-            f"({', '.join(BUILTIN)}) and eval.suites={cfg.eval.suites!r} has none"
+            f"({', '.join(BUILTIN)}) and lm-eval tasks, and eval.suites={cfg.eval.suites!r} has none"
         )
     multi = multi_turn_suites(cfg.eval.suites)
     suites = {
@@ -137,4 +152,4 @@ def make_suites(cfg, tok) -> dict[str, Domain]:
             suites[n] = Domain(n, tasks, env)
         elif n in EXTRA_SUITES:
             suites[n] = EXTRA_SUITES[n](cfg, tok, reward_fn)
-    return {n: suites[n] for n, _ in named}
+    return {n: suites[n] for n, _ in named if n in suites}
