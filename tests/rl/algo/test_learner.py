@@ -312,7 +312,7 @@ def test_the_rl_stage_pads_its_learner_rows_to_rl_seq_bucket():
             cfg=cfg,
             pad_id=0,
             learner=SimpleNamespace(shards=1, prepare=prepare),
-            rewards=lambda rows, rewards, unfinished: (rewards, {}),
+            rewards=lambda rows, rewards, unfinished, judged: (rewards, {}),
             clock=SimpleNamespace(busy=contextlib.nullcontext),
             ref=None,
         )
