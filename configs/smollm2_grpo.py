@@ -8,16 +8,16 @@ The task: "What is 17-9?" with operands 0..30, followed by "Give the final answe
 and judged by the math verifier. The model starts at 17% greedy held-out accuracy (48 problems;
 BENCHMARKS.md): it often reads "28-16" as a sum. The held-out problems are the arithmetic test
 split (136 problems up to 30, disjoint by meaning from the 856 training ones: `arithmetic_split`).
-Full fine-tuning by default; `--config.lora.rank=16` trains adapters on q, k, v, o instead, at
-`LORA_LR`.
+Full fine-tuning by default; `--config.lora.rank=16 --config.rl.lr=1e-4` trains adapters on q, k,
+v, o instead (not measured yet). An update of 64 samples takes about 70 s on two CPU cores; TRL's
+GRPOTrainer takes the same on this job (tools/bench_trl.py, BENCHMARKS.md). How much the model
+learns is not measured yet.
 """
 
 import os
 
 from configs.hf import get_config as hf_config
 from posttrain.rl.tasks.domains import MATH_INSTRUCTION
-
-FULL_LR, LORA_LR = 2e-6, 1e-4
 
 
 def get_config(path: str = "models/smollm2"):
@@ -31,9 +31,9 @@ def get_config(path: str = "models/smollm2"):
     cfg.rl.instruction = MATH_INSTRUCTION
     cfg.rl.prompts_per_step, cfg.rl.group_size, cfg.rl.max_new_tokens = 8, 8, 32
     cfg.rl.seq_bucket = 32  # ~50 prompt tokens + 32: rows of 96, not the power of two 128
-    cfg.model.remat = "full"  # 64 rows of 96 x 49,152 logits: without remat the update passes 20 GiB
+    cfg.model.remat = "full"  # without it 64 rows x 128 positions x 49,152 logits passed 22 GiB here
     cfg.rl.eval_every, cfg.rl.eval_size, cfg.rl.eval_samples = 10, 128, 1
-    cfg.rl.steps, cfg.rl.lr = 40, FULL_LR
+    cfg.rl.steps, cfg.rl.lr = 40, 2e-6
     cfg.rl.gate = "eval/accuracy>0.0"
     cfg.optim.warmup_steps = 2
     cfg.checkpoint.every = 10
