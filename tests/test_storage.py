@@ -14,6 +14,7 @@ pytest.importorskip("gcp_storage_emulator", reason="pip install -e '.[test]' (gc
 
 from posttrain import storage  # noqa: E402
 from tests.support.gcs_emulator import gcs_emulator  # noqa: E402
+from tests.support.typed_configs import TINY_DENSE
 
 BUCKET = "posttrain-test"
 
@@ -77,15 +78,7 @@ def tiny_config(stage: str, workdir: str):
     cfg = base_config()
     cfg.stage, cfg.workdir = stage, workdir
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        32,
-        1,
-        2,
-        1,
-        16,
-        64,
-    )
+    m.update(TINY_DENSE)
     cfg.train.batch_size, cfg.train.seq_len, cfg.train.log_every, cfg.train.progress = 8, 64, 1, False
     cfg.checkpoint.every, cfg.optim.warmup_steps = 2, 0
     cfg.compilation_cache = "off"

@@ -11,6 +11,7 @@ from posttrain.config import base_config
 from posttrain.core.alerts import RULES, AlertMonitor, AlertStop
 from posttrain.core.metrics import read_metrics
 from posttrain.errors import UserError
+from tests.support.typed_configs import TINY_DENSE
 
 
 def normal_stream(n=40, seed=0):
@@ -152,15 +153,7 @@ def sft_config(workdir, **alerts):
     cfg = base_config()
     cfg.stage, cfg.workdir = "sft", str(workdir)
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        32,
-        1,
-        2,
-        1,
-        16,
-        64,
-    )
+    m.update(TINY_DENSE)
     cfg.data.synthetic, cfg.data.synthetic_size = "arithmetic", 64
     cfg.sft.train_files = "synthetic:"
     cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len, cfg.train.log_every = 4, 8, 64, 1
@@ -190,15 +183,7 @@ def test_rlvr_run_stops_on_an_alert_naming_the_rule(tmp_path):
     cfg = base_config()
     cfg.stage, cfg.workdir = "rlvr", str(tmp_path)
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        32,
-        1,
-        2,
-        1,
-        16,
-        64,
-    )
+    m.update(TINY_DENSE)
     cfg.train.steps, cfg.train.log_every, cfg.train.progress = 3, 1, False
     cfg.checkpoint.every = 0
     r = cfg.rl

@@ -24,7 +24,7 @@ from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.rollout.worker import RolloutWorker, evaluate
 from posttrain.rl.tasks import suites as suite_lib
 from posttrain.stages import eval as evaluation
-from tests.support.typed_configs import typed
+from tests.support.typed_configs import TINY_DENSE, typed
 
 PROMPTS = [f"What is {a} plus {b}?" for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 2), (4, 4), (6, 1)]]
 
@@ -33,15 +33,7 @@ def config(tmp, run_dir, suites, **eval_kw):
     cfg = base_config()
     cfg.stage, cfg.workdir = "eval", str(tmp)
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        32,
-        1,
-        2,
-        1,
-        16,
-        64,
-    )
+    m.update(TINY_DENSE)
     cfg.train.progress = False
     cfg.rl.max_new_tokens, cfg.rl.verifier_workers = 16, 2
     cfg.eval.checkpoint, cfg.eval.suites, cfg.eval.samples, cfg.eval.pass_k = str(run_dir), suites, 4, "1,2,4"

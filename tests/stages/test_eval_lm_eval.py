@@ -20,6 +20,7 @@ from posttrain.main import run as main_run  # noqa: E402
 from posttrain.models.decoder import Decoder  # noqa: E402
 from posttrain.parallel import mesh_and_rules, use_sharding  # noqa: E402
 from posttrain.rl.tasks.suites import parse_suites  # noqa: E402
+from tests.support.typed_configs import TINY_DENSE
 
 CHOICE, GEN = "lm_eval:posttrain_arithmetic_choice", "lm_eval:posttrain_arithmetic"
 
@@ -28,15 +29,7 @@ def config(workdir, checkpoint, suites: str, gate: str = ""):
     cfg = base_config()
     cfg.stage, cfg.workdir = "eval", str(workdir)
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        32,
-        1,
-        2,
-        1,
-        16,
-        64,
-    )
+    m.update(TINY_DENSE)
     cfg.train.progress = False
     cfg.eval.checkpoint, cfg.eval.suites, cfg.eval.size, cfg.eval.gate = str(checkpoint), suites, 4, gate
     cfg.eval.lm_eval_batch_size = 4

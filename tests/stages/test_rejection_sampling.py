@@ -36,7 +36,7 @@ from posttrain.stages import rejection_records as records
 from posttrain.stages import rejection_sampling as rejection
 from posttrain.stages import sft as stage_lib
 from posttrain.stages.rejection_records import Candidate, select
-from tests.support.typed_configs import checked, typed
+from tests.support.typed_configs import TINY_DENSE, checked, typed
 
 VERIFIER = '''
 import threading
@@ -58,15 +58,7 @@ def tiny(workdir, train_files, verifier, **rejection_kw):
     cfg = base_config()
     cfg.stage, cfg.workdir = "rejection_sampling", str(workdir)
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        32,
-        1,
-        2,
-        1,
-        16,
-        64,
-    )
+    m.update(TINY_DENSE)
     cfg.train.progress, cfg.train.steps, cfg.train.log_every, cfg.checkpoint.every = False, 2, 1, 0
     r = cfg.rl
     r.train_files, r.verifiers = train_files, verifier  # no rl.eval_files: none needed (rl.eval_every is 10)
@@ -84,15 +76,7 @@ def policy(tmp_path_factory):
     root = tmp_path_factory.mktemp("policy")
     cfg = base_config()
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        32,
-        1,
-        2,
-        1,
-        16,
-        64,
-    )
+    m.update(TINY_DENSE)
     d, tok = m.embed_dim, ByteTokenizer()
     u = np.random.default_rng(0).standard_normal(d)
     u /= np.linalg.norm(u)

@@ -4,6 +4,7 @@ shared by the files that train through the RL stage."""
 import json
 
 from posttrain.config import base_config
+from tests.support.typed_configs import TINY_DENSE
 
 TIMING = ("rl/wait_s", "rl/update_s", "rl/gen_s", "rl/verify_s", "rl/device_idle_frac", "tokens_per_s")
 
@@ -15,15 +16,7 @@ def tiny(workdir, **rl):
     cfg = base_config()
     cfg.stage, cfg.workdir = "rlvr", str(workdir)
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        32,
-        1,
-        2,
-        1,
-        16,
-        64,
-    )
+    m.update(TINY_DENSE)
     m.moe.num_experts, m.moe.expert_mlp_dim = 2, 32
     cfg.mesh.data = 2
     cfg.mesh.expert = 2

@@ -13,6 +13,9 @@ from typing import Any
 
 from posttrain.config import ModelConfig, RLConfig, RunConfig, SamplingConfig
 
+# the one-layer dense model the small stage runs share (`cfg.model.update(TINY_DENSE)`)
+TINY_DENSE = dict(vocab_size=264, embed_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
+
 
 def typed(config) -> RunConfig:
     """The RunConfig of ConfigDict `config` (a config file's, changed by a test), checked as a

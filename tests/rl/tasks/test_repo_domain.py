@@ -36,7 +36,7 @@ from posttrain.stages import rlvr as loop
 from posttrain.stages import rlvr_parts
 from tests.support.episodes import TOK, CountingEnv, runs
 from tests.support.paths import ROOT
-from tests.support.typed_configs import model, typed
+from tests.support.typed_configs import TINY_DENSE, model, typed
 
 LIMITS = Limits(
     cpu_s=2,
@@ -210,15 +210,7 @@ def tool_cfg(workdir, **rl):
     cfg = base_config()
     cfg.stage, cfg.workdir = "rlvr", str(workdir)
     m = cfg.model
-    m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = (
-        264,
-        32,
-        1,
-        2,
-        1,
-        16,
-        64,
-    )
+    m.update(TINY_DENSE)
     m.moe.num_experts, m.moe.expert_mlp_dim = 2, 32
     cfg.mesh.data, cfg.mesh.expert, cfg.mesh.tensor = 2, 2, 2
     cfg.train.steps, cfg.train.log_every, cfg.train.progress = 2, 1, False
