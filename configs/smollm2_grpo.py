@@ -9,7 +9,7 @@ and judged by the math verifier. The model starts at 17% greedy held-out accurac
 BENCHMARKS.md): it often reads "28-16" as a sum. The held-out problems are the arithmetic test
 split (136 problems up to 30, disjoint by meaning from the 856 training ones: `arithmetic_split`).
 Full fine-tuning by default; `--config.lora.rank=16 --config.rl.lr=1e-4` trains adapters on q, k,
-v, o instead (not measured yet). An update of 64 samples takes about 70 s on two CPU cores; TRL's
+v, o instead (not measured yet). An update of 32 samples takes 34 s on two CPU cores (64: about twice); TRL's
 GRPOTrainer takes the same on this job (tools/bench_trl.py, BENCHMARKS.md). How much the model
 learns is not measured yet.
 """
