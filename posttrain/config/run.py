@@ -201,7 +201,18 @@ class RunConfig(Section):
         if "rejection_sampling" in self.stages:
             self._check_rejection()
         self._check_sampling()
+        self._check_eval_first()
         return self
+
+    def _check_eval_first(self) -> None:
+        evaluated = [s for s in self.stages if stage_table.BY_NAME[s].records and self.section(s).eval_files]
+        if self.train.eval_first and not evaluated:
+            raise UserError(
+                f"train.eval_first=True: no stage of this run ({', '.join(self.stages)}) evaluates in the "
+                "training loop; give an sft, reward_model or dpo stage its <section>.eval_files (rlvr "
+                "evaluates at step 0 already with rl.eval_every > 0)",
+                key="train.eval_first",
+            )
 
     def _check_pipeline(self) -> None:
         if self.stage != "pipeline":

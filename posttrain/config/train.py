@@ -37,6 +37,7 @@ class TrainConfig(Section):
     seq_len: int = bounded(64, ge=1)
     log_every: int = bounded(10, ge=1)
     eval_every: int = bounded(0, ge=0)
+    eval_first: bool = flag(False)  # also evaluate before the first update (step 0): the "before" of a recipe
     progress: bool = flag(True)
     # staged context: "256:20,1024" = 256 tokens for 20 steps, then train.seq_len
     seq_len_schedule: str = free(

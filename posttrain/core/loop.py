@@ -157,6 +157,8 @@ def run_steps(loop: Loop, state: TrainState, start: int) -> TrainState:
     timer = [time.perf_counter(), start - 1]  # (time, step) of the last row
     loop.counts = DataCounts(stage.name)
     in_flight = deque(maxlen=MAX_STEPS_AHEAD + 1)
+    if start == 0 and cfg.train.eval_first and stage.eval_fn is not None:
+        evaluate(loop, state, 0)
     for step in bar:
         batch = loop.data.at(step)
         batch = put_batch(balanced_batch(batch, loop.shards, cfg.model.attention_block)[0], stage.batch_axes)
@@ -171,13 +173,19 @@ def run_steps(loop: Loop, state: TrainState, start: int) -> TrainState:
         if stage.eval_fn is not None and (
             done == run.steps or cfg.train.eval_every and done % cfg.train.eval_every == 0
         ):
-            loop.evals = run_eval(stage, loop.graphdef, state, cfg.lora)
-            loop.rows.append(run.write(done, loop.evals))  # at the number of updates it measures, as RL's
-            logging.info("%s step %d: %s", stage.name, done, summary(loop.evals))
-            if stage.sample_fn is not None:  # every process: sampling runs on the global mesh
-                stage.sample_fn(nnx.merge(loop.graphdef, model_params(state, cfg.lora), state.rest), step)
+            evaluate(loop, state, done)
         run.end_step(done, functools.partial(save, loop, done, state, trained))  # (read when a save is due)
     return state
+
+
+def evaluate(loop: Loop, state: TrainState, done: int) -> None:
+    """The stage's evaluation after `done` updates: its row (at the number of updates it measures,
+    as RL's) and, where the stage samples, greedy samples of a few eval prompts (`step`: the same)."""
+    loop.evals = run_eval(loop.stage, loop.graphdef, state, loop.cfg.lora)
+    loop.rows.append(loop.run.write(done, loop.evals))
+    logging.info("%s step %d: %s", loop.stage.name, done, summary(loop.evals))
+    if loop.stage.sample_fn is not None:  # every process: sampling runs on the global mesh
+        loop.stage.sample_fn(nnx.merge(loop.graphdef, model_params(state, loop.cfg.lora), state.rest), done)
 
 
 def log_row(loop: Loop, bar, step: int, metrics: dict, timer: list) -> None:
