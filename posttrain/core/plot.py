@@ -27,6 +27,7 @@ PREFERRED = (
     "eval/mean_accuracy",
     "eval/pass@4",
     "eval/reward_accuracy",
+    "eval/policy_accuracy",
     "dpo/margin",
     "rm/accuracy",
     "rl/entropy",

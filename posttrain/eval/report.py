@@ -42,6 +42,7 @@ PANELS = (
             "eval/*/mean_accuracy",
             "eval/*/pass@*",
             "eval/reward_accuracy",
+            "eval/policy_accuracy",
             "rm/accuracy",
         ),
     ),

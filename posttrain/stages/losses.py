@@ -43,6 +43,8 @@ def dpo_loss(
     metrics = {
         "dpo/loss": losses.mean(),
         "dpo/reward_accuracy": (chosen_reward > rejected_reward).astype(jnp.float32).mean(),
+        # the policy's own ranking (no reference): does it give the chosen response the higher log-prob?
+        "dpo/policy_accuracy": (policy_chosen > policy_rejected).astype(jnp.float32).mean(),
         "dpo/chosen_reward": chosen_reward.mean(),
         "dpo/rejected_reward": rejected_reward.mean(),
         "dpo/margin": (chosen_reward - rejected_reward).mean(),

@@ -35,6 +35,8 @@ def test_dpo_sigmoid_matches_hand_computation():
     expected = np.mean([math.log1p(math.exp(-beta * x)) for x in h])
     assert float(loss) == pytest.approx(expected, rel=1e-6)
     assert float(m["dpo/reward_accuracy"]) == 0.5
+    ranked = dpo_loss(pc, jnp.asarray([-4.0, -6.0]), rc, jnp.asarray([-5.0, -7.0]), beta=beta)[1]
+    assert (float(ranked["dpo/policy_accuracy"]), float(ranked["dpo/reward_accuracy"])) == (1.0, 0.0)
     assert float(m["dpo/margin"]) == pytest.approx(beta * h.mean(), rel=1e-6)
     assert float(m["dpo/chosen_reward"]) == pytest.approx(beta * np.mean([0.5, 0.0]), rel=1e-6)
 

