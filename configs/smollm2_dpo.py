@@ -24,4 +24,5 @@ def get_config(path: str = "models/smollm2"):
     cfg.dpo.beta = 0.1
     cfg.dpo.gate = "eval/policy_accuracy>0.6"
     cfg.dpo.steps, cfg.dpo.lr = 30, 5e-6
+    cfg.train.eval_every = 15  # an evaluation (128 pairs, policy and reference) costs about 10 updates
     return cfg
