@@ -24,5 +24,6 @@ def get_config(path: str = "models/smollm2"):
     cfg.dpo.beta = 0.1
     cfg.dpo.gate = "eval/policy_accuracy>0.6"
     cfg.dpo.steps, cfg.dpo.lr = 30, 5e-6
-    cfg.train.eval_every = 15  # an evaluation (128 pairs, policy and reference) costs about 10 updates
+    cfg.data.synthetic_size = 256  # 256 training pairs (30 updates of 8 use 240), 64 held-out ones
+    cfg.train.eval_every = 15  # an evaluation (policy and reference on every pair) costs about 5 updates
     return cfg

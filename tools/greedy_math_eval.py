@@ -3,7 +3,7 @@ posttrain's sampler and math verifier, with the folder's chat template; and its 
 
     python tools/gguf_to_hf.py SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smollm2
     python tools/greedy_math_eval.py /tmp/smollm2 [--word_problems 20 --gsm8k 20 --max_new_tokens 256] \
-        [--data ../shared/data] [--samples samples.jsonl]
+        [--data ../shared/data] [--samples samples.jsonl] [--untimed]
 
 Word problems: addition and subtraction of two numbers up to `--max_value`, drawn from the held-out
 ("test") split of `data.synthetic` and told in one of a few everyday sentences. GSM8K: the first
@@ -93,15 +93,19 @@ def greedy(model, rows: list[list[int]], new_tokens: int, stop_ids=()) -> tuple[
     return [samples.completion(i) for i in range(len(rows))], time.perf_counter() - start
 
 
-def evaluate(model, problems: list[tuple[str, str]], new_tokens: int, instruction: str) -> tuple[dict, list[dict]]:
+def evaluate(
+    model, problems: list[tuple[str, str]], new_tokens: int, instruction: str, timed: bool = True
+) -> tuple[dict, list[dict]]:
     """Accuracy and boxed-format rate of greedy answers to `problems` (each followed by
-    `instruction`), and one record per answer."""
+    `instruction`), and one record per answer. `timed`: run the batch twice, timing the second
+    (else once: its seconds include compilation)."""
     tok = model[3]
     rows = [
         tok.encode_chat([{"role": "user", "content": q + instruction}], add_generation_prompt=True)[0]
         for q, _ in problems
     ]
-    greedy(model, rows, new_tokens, tok.stop_ids)  # compile
+    if timed:
+        greedy(model, rows, new_tokens, tok.stop_ids)  # compile
     completions, seconds = greedy(model, rows, new_tokens, tok.stop_ids)
     verifier = MathVerifier()
     records = []
@@ -143,16 +147,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max_new_tokens", type=int, default=256)
     p.add_argument("--data", default=shared_data_dir(), help="the shared data folder (gsm8k/test.jsonl)")
     p.add_argument("--samples", default="", help="write every question, answer and response here (JSONL)")
+    p.add_argument("--untimed", action="store_true", help="run each set once (half the time; no decode timings)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     model = load(args.model)
-    result, samples = {"model": args.model, "decode_ms_per_token (batch 1)": decode_latency(model)}, []
+    result, samples = {"model": args.model}, []
+    if not args.untimed:
+        result["decode_ms_per_token (batch 1)"] = decode_latency(model)
     sets = {"word_problems": word_problems(args.word_problems, args.max_value)}
     if args.gsm8k:
         sets["gsm8k"] = gsm8k_problems(args.gsm8k, args.data)
     instruction = MATH_INSTRUCTION if args.instruction == "boxed" else ""
     result.update(instruction=instruction, max_value=args.max_value)
     for name, problems in sets.items():
-        result[name], records = evaluate(model, problems, args.max_new_tokens, instruction)
+        result[name], records = evaluate(model, problems, args.max_new_tokens, instruction, timed=not args.untimed)
         samples += [dict(set=name, **r) for r in records]
     print(json.dumps(result, indent=2))
     if args.samples:
