@@ -161,7 +161,7 @@ def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
     )
     delivered = 0
     beat = Heartbeat(queue, name, r.lease_timeout_s / 4, progress, r.progress_deadline_s).start()
-    logging.info("rl sampler %s: waiting for the learner in %s", name, queue.root)
+    logging.info("rl sampler %s: waiting for the learner in %s", name, queue.path())
     client = WeightClient(queue, name, specs, mesh, reconnect_s=r.reconnect_timeout_s)
     loop = SamplerLoop(queue, client, worker, progress, tasks_by_id, jax.random.key(cfg.seed), r, name)
     try:

@@ -10,11 +10,12 @@ Environment set while it runs:
   storage-control API for the bucket's layout, which the emulator does not serve (each call waits
   out a 60 s timeout); the plain `GCSFileSystem` is registered for gs:// in this process too.
 
-One gap of the emulator is filled here (`python tests/support/gcs_emulator.py start ...` runs it with the
-fix): its media downloads lack the `x-goog-generation` header real GCS sends, so tensorstore reads
-generation 0 and its next conditional write (orbax's OCDBT manifest) fails with "Malformed
-StorageGeneration". The emulator ignores `ifGenerationMatch` preconditions, so what concurrent
-writers would do is not tested here.
+Two gaps of the emulator are filled here (`python tests/support/gcs_emulator.py start ...` runs it with
+the fixes): its media downloads lack the `x-goog-generation` header real GCS sends, so tensorstore
+reads generation 0 and its next conditional write (orbax's OCDBT manifest) fails with "Malformed
+StorageGeneration"; and its uploads ignore the create-only precondition `ifGenerationMatch=0`, which
+real GCS answers with 412 when the object exists (the RL work queue's leases rely on it). Other
+generation preconditions are still ignored.
 """
 
 from __future__ import annotations
@@ -110,9 +111,28 @@ def gcs_emulator(bucket: str, log_path: str) -> Iterator[str]:
 
 
 def _serve(argv: list[str]) -> None:
-    """The emulator's command line, with the generation headers on media downloads."""
+    """The emulator's command line, with the generation headers on media downloads and create-only
+    uploads (`ifGenerationMatch=0`: 412 when the object exists, atomically)."""
+    import threading
+    from http import HTTPStatus
+
     from gcp_storage_emulator.handlers import objects
 
+    plain_insert, creating = objects.insert, threading.Lock()
+
+    def insert(request, response, storage, *args, **kwargs):
+        if request.query.get("ifGenerationMatch") != ["0"]:
+            return plain_insert(request, response, storage, *args, **kwargs)
+        name = request.query["name"][0] if "name" in request.query else request.data["meta"].get("name")
+        with creating:
+            try:
+                storage.get_file_obj(request.params["bucket_name"], name)
+            except Exception:  # not there: create it
+                return plain_insert(request, response, storage, *args, **kwargs)
+            response.status = HTTPStatus.PRECONDITION_FAILED
+            response.json({"error": {"code": 412, "message": f"{name}: ifGenerationMatch=0 and it exists"}})
+
+    objects.insert = insert
     plain = objects.download
 
     def download(request, response, storage, *args, **kwargs):

@@ -138,7 +138,7 @@ class RemoteProducer:
         producer.publish(start, weights)
         if start >= cfg.train.steps:  # nothing left to sample
             queue.finish()
-        logging.info("rl learner: transfer server at %s; samplers find it in %s", server.server.address(), queue.root)
+        logging.info("rl learner: transfer server at %s; samplers find it in %s", server.server.address(), queue.path())
         return producer
 
     def publish(self, version: int, weights) -> None:

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from posttrain.errors import UserError
 from posttrain.parallel import shardings_for
-from posttrain.rl.rollout.workqueue import WorkQueue, read_json, write_json
+from posttrain.rl.rollout.workqueue import WorkQueue
 from posttrain.sampling.layout import sampler_rules
 
 HOST_ENV = "POSTTRAIN_RL_HOST"  # the address the learner's transfer server binds (default: this host's)
@@ -106,7 +106,7 @@ class WeightServer:
         with self._lock:
             self._current = (version, copy)
         info = {"address": self.server.address(), "token": self.token, "version": version, "pid": os.getpid()}
-        write_json(self.queue.path("learner.json"), {**info, "mesh": dict(self.mesh.shape)}, mode=0o600)
+        self.queue.write({**info, "mesh": dict(self.mesh.shape)}, "learner.json", mode=0o600)
         if not self._thread.is_alive():
             self._thread.start()
 
@@ -116,18 +116,18 @@ class WeightServer:
     def serve_pending(self) -> int:
         """Offer the newest weights to every sampler with an unanswered want; how many were offered."""
         offered = 0
-        for name in sorted(os.listdir(self.queue.path("pulls"))):
+        for name in sorted(self.queue.names("pulls")):
             if not name.endswith(".want.json"):
                 continue
             sampler = name[: -len(".want.json")]
-            want = read_json(self.queue.path("pulls", name))
+            want = self.queue.read("pulls", name)
             if want is None or self._served.get(sampler) == want["nonce"]:
                 continue
             with self._lock:
                 version, arrays = self._current
             self.server.await_pull(offer_uuid(self.token, sampler, want["nonce"], version), jax.tree.leaves(arrays))
             self._served[sampler] = want["nonce"]
-            write_json(self.queue.path("pulls", f"{sampler}.offer.json"), {"nonce": want["nonce"], "version": version})
+            self.queue.write({"nonce": want["nonce"], "version": version}, "pulls", f"{sampler}.offer.json")
             offered += 1
         self.offers += offered
         return offered
@@ -190,7 +190,7 @@ class WeightClient:
         while True:
             if alive is not None and not alive():
                 raise LeaseLost(f"waiting for version {min_version}: the lease is no longer this sampler's")
-            info = read_json(self.queue.path("learner.json"))
+            info = self.queue.read("learner.json")
             try:
                 if info is not None and (info["token"] != self.token or self.conn is None):
                     self._connect(info)
@@ -243,13 +243,11 @@ class WeightClient:
         """Ask for the newest weights and pull them; False when the learner finished meanwhile
         (True, nothing pulled, when another learner replaced it: the caller reconnects)."""
         nonce = secrets.token_hex(8)
-        write_json(self.queue.path("pulls", f"{self.sampler}.want.json"), {"nonce": nonce})
-        while (offer := read_json(self.queue.path("pulls", f"{self.sampler}.offer.json"))) is None or offer[
-            "nonce"
-        ] != nonce:
+        self.queue.write({"nonce": nonce}, "pulls", f"{self.sampler}.want.json")
+        while (offer := self.queue.read("pulls", f"{self.sampler}.offer.json")) is None or offer["nonce"] != nonce:
             if self.queue.finished():
                 return False
-            if (read_json(self.queue.path("learner.json")) or {}).get("token") != self.token:
+            if (self.queue.read("learner.json") or {}).get("token") != self.token:
                 return True
             time.sleep(self.poll_s)
         leaves, tree = jax.tree.flatten(self.specs)

@@ -20,8 +20,13 @@ batch re-issued, consumed or forgotten by a restarted learner has another lease 
 late result is refused), and the learner reads only the result named by the current lease, so a
 stale file that slipped past the check (a re-issue between check and rename) is never read; it
 is swept. Back-pressure: a sampler takes no lease while `bound` results the learner will read
-(`pending`) wait unconsumed. Local workdirs only (leases need an exclusive create; `check_local`
-refuses gs://).
+(`pending`) wait unconsumed.
+
+The files live in a local folder (`LocalFiles`: writes renamed into place, exclusive creation by a
+hard link) or under an fsspec URL (`ObjectFiles`, e.g. gs://: an object is written whole, and
+exclusive creation is a create-only write, GCS's `ifGenerationMatch=0` precondition), so learner
+and samplers need no shared disk. A disaggregated run still refuses a gs:// workdir (`check_local`)
+until the run end to end is tested there; the queue itself is tested on both.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import os
 import secrets
 import time
 
+import fsspec
 import numpy as np
 
 from posttrain import storage
@@ -45,11 +51,12 @@ DIRS = ("tasks", "leases", "samplers", "done", "pulls")
 
 
 def check_local(workdir: str) -> None:
-    """Refuse a remote workdir: the queue's leases need an exclusive create and atomic renames."""
-    if storage.is_url(workdir) and not workdir.startswith("file://"):
+    """Refuse a remote workdir for a disaggregated run: the queue works on gs:// (`ObjectFiles`),
+    the run end to end is not yet tested there."""
+    if storage.is_url(workdir):
         raise UserError(
             f"workdir={workdir!r}: rl.placement='disaggregated' needs a local (or shared-filesystem) workdir "
-            "for now: its task leases use exclusive file creation, which gs:// does not offer",
+            "for now: its work queue runs on gs://, but a learner and samplers on gs:// are not tested yet",
             key="workdir",
         )
 
@@ -77,95 +84,191 @@ def _plain(o):
     return o.item() if hasattr(o, "item") else str(o)
 
 
-def _batches(folder: str) -> list[int]:
-    return sorted(int(n[:-5]) for n in os.listdir(folder) if n.endswith(".json") and n[:-5].isdigit())
+class LocalFiles:
+    """The queue's files in a local (or shared) folder: JSON written to a temporary file and renamed
+    into place, exclusive creation by a hard link of a written file."""
+
+    def __init__(self, root: str) -> None:
+        self.root = storage.local(root)
+        for d in DIRS:
+            os.makedirs(os.path.join(self.root, d), exist_ok=True)
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    def names(self, folder: str) -> list[str]:
+        return os.listdir(self.path(folder))
+
+    def read(self, path: str):
+        return read_json(path)
+
+    def write(self, path: str, obj, mode: int = 0o666) -> None:
+        write_json(path, obj, mode)
+
+    def create(self, path: str, obj) -> bool:
+        tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.{secrets.token_hex(4)}.tmp"
+        write_json(tmp, obj)
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.remove(tmp)
+
+    def remove(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
 
 
-def _results(folder: str) -> list[tuple[int, str]]:
-    """(batch, lease token) of every delivered result file `<p>.<lease>.json` in `folder`."""
-    names = (n.split(".") for n in os.listdir(folder))
-    return sorted((int(n[0]), n[1]) for n in names if len(n) == 3 and n[0].isdigit() and n[2] == "json")
+class ObjectFiles:
+    """The queue's files under an fsspec URL (gs://bucket/run/rl): an object is written whole, so
+    readers never see half of one; exclusive creation is a create-only write (`mode="create"`:
+    GCS's `ifGenerationMatch=0` precondition, refused with FileExistsError when the object exists).
+    Object stores have no permissions per object: the bucket's access decides who reads learner.json."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root.rstrip("/")
+        # no listing cache: every poll must see the other processes' writes
+        self.fs, _ = fsspec.core.url_to_fs(self.root, use_listings_cache=False, skip_instance_cache=True)
+
+    def path(self, *parts: str) -> str:
+        return storage.join(self.root, *parts)
+
+    def names(self, folder: str) -> list[str]:
+        try:
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path(folder), detail=False, refresh=True)]
+        except FileNotFoundError:
+            return []
+
+    def read(self, path: str):
+        try:
+            return json.loads(self.fs.cat_file(path))
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def write(self, path: str, obj, mode: int = 0o666) -> None:
+        self.fs.pipe_file(path, json.dumps(obj, default=_plain).encode())
+
+    def create(self, path: str, obj) -> bool:
+        try:
+            self.fs.pipe_file(path, json.dumps(obj, default=_plain).encode(), mode="create")
+            return True
+        except FileExistsError:
+            return False
+
+    def remove(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(path)
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path)
+
+
+def queue_files(root: str) -> LocalFiles | ObjectFiles:
+    """The backend for the queue's root folder: `ObjectFiles` for a URL (gs://), else `LocalFiles`."""
+    return ObjectFiles(root) if storage.is_url(root) else LocalFiles(root)
+
+
+def _batches(names: list[str]) -> list[int]:
+    return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
+
+
+def _results(names: list[str]) -> list[tuple[int, str]]:
+    """(batch, lease token) of every delivered result file `<p>.<lease>.json` among `names`."""
+    parts = (n.split(".") for n in names)
+    return sorted((int(n[0]), n[1]) for n in parts if len(n) == 3 and n[0].isdigit() and n[2] == "json")
 
 
 class WorkQueue:
     """The queue's files under `<workdir>/rl` (module docstring); learner and sampler methods."""
 
     def __init__(self, workdir: str) -> None:
-        check_local(workdir)
-        self.root = os.path.join(storage.local(workdir), "rl")
-        for d in DIRS:
-            os.makedirs(self.path(d), exist_ok=True)
+        self.files = queue_files(storage.join(workdir, "rl"))
 
     def path(self, *parts: str) -> str:
-        """A path under `<workdir>/rl`."""
-        return os.path.join(self.root, *parts)
+        """A path (or URL) under `<workdir>/rl`."""
+        return self.files.path(*parts)
+
+    def read(self, *parts: str):
+        """The JSON of `<workdir>/rl/<parts>`, or None when there is none (yet, or any more)."""
+        return self.files.read(self.path(*parts))
+
+    def write(self, obj, *parts: str, mode: int = 0o666) -> None:
+        """Write `obj` as `<workdir>/rl/<parts>`, whole (`mode`: a local file's permissions from creation)."""
+        self.files.write(self.path(*parts), obj, mode)
+
+    def names(self, folder: str) -> list[str]:
+        """The file names in `<workdir>/rl/<folder>`."""
+        return self.files.names(folder)
+
+    def remove(self, *parts: str) -> None:
+        """Remove `<workdir>/rl/<parts>` if it is there."""
+        self.files.remove(self.path(*parts))
 
     # --- learner ------------------------------------------------------------------------------
 
     def reset(self) -> None:
         """Forget an earlier learner's queue (a restarted learner re-issues from its checkpoint)."""
         for d in DIRS:
-            for name in os.listdir(self.path(d)):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(self.path(d, name))
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.path("finished.json"))
+            for name in self.names(d):
+                self.remove(d, name)
+        self.remove("finished.json")
 
     def issue(self, batch: int, tasks: list[tuple[str, object]], min_version: int, run: str = "") -> None:
         """Offer batch `batch` (its (domain, task) pairs) to the samplers; `run` names the learner's
         incarnation (a result carries it back: one sampled for an earlier learner is refused)."""
         task = {"batch": batch, "min_version": min_version, "run": run, "tasks": [[d, t.id] for d, t in tasks]}
-        write_json(self.path("tasks", f"{batch}.json"), task)
+        self.write(task, "tasks", f"{batch}.json")
 
     def lease_token(self, batch: int) -> str | None:
         """The token of batch `batch`'s current lease, None when no sampler holds it."""
-        return (read_json(self.path("leases", f"{batch}.json")) or {}).get("lease")
+        return (self.read("leases", f"{batch}.json") or {}).get("lease")
 
     def result(self, batch: int) -> dict | None:
         """Batch `batch`'s result under its current lease, or None while there is none."""
         lease = self.lease_token(batch)
-        return None if lease is None else read_json(self.path("done", f"{batch}.{lease}.json"))
+        return None if lease is None else self.read("done", f"{batch}.{lease}.json")
 
     def pending(self) -> list[int]:
         """The batches whose result the learner will read: issued, and delivered under the current lease."""
-        issued = set(_batches(self.path("tasks")))
-        return sorted({p for p, lease in _results(self.path("done")) if p in issued and lease == self.lease_token(p)})
+        issued = set(_batches(self.names("tasks")))
+        return sorted({p for p, lease in _results(self.names("done")) if p in issued and lease == self.lease_token(p)})
 
     def sweep(self) -> int:
         """Remove the results no current lease names (late, re-issued, of an earlier learner)."""
-        stale = [(p, lease) for p, lease in _results(self.path("done")) if lease != self.lease_token(p)]
+        stale = [(p, lease) for p, lease in _results(self.names("done")) if lease != self.lease_token(p)]
         for p, lease in stale:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path("done", f"{p}.{lease}.json"))
+            self.remove("done", f"{p}.{lease}.json")
         return len(stale)
 
     def _drop_results(self, batch: int) -> None:
-        for p, lease in _results(self.path("done")):
+        for p, lease in _results(self.names("done")):
             if p == batch:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(self.path("done", f"{p}.{lease}.json"))
+                self.remove("done", f"{p}.{lease}.json")
 
     def consume(self, batch: int) -> None:
         """Remove batch `batch`'s task, lease and results (it has been taken or dropped)."""
         for d in ("tasks", "leases"):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path(d, f"{batch}.json"))
+            self.remove(d, f"{batch}.json")
         self._drop_results(batch)
 
     def reissue(self, batch: int) -> None:
         """Make batch `batch` leasable again (its results, if any, dropped)."""
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.path("leases", f"{batch}.json"))
+        self.remove("leases", f"{batch}.json")
         self._drop_results(batch)
 
     def reissue_dead(self, timeout_s: float, now: float | None = None) -> list[int]:
         """Re-issue every unfinished batch leased by a sampler with no heartbeat for `timeout_s`."""
         now, again, finished = time.time() if now is None else now, [], set(self.pending())
-        for p in _batches(self.path("leases")):
-            lease = read_json(self.path("leases", f"{p}.json"))
+        for p in _batches(self.names("leases")):
+            lease = self.read("leases", f"{p}.json")
             if lease is None or p in finished:
                 continue
-            beat = read_json(self.path("samplers", f"{lease['sampler']}.json")) or {"t": lease["t"]}
+            beat = self.read("samplers", f"{lease['sampler']}.json") or {"t": lease["t"]}
             if now - beat["t"] > timeout_s:
                 self.reissue(p)
                 again.append(p)
@@ -173,17 +276,17 @@ class WorkQueue:
 
     def finish(self, ok: bool = True) -> None:
         """Tell the samplers the learner is done (they exit 0)."""
-        write_json(self.path("finished.json"), {"ok": ok, "t": time.time()})
+        self.write({"ok": ok, "t": time.time()}, "finished.json")
 
     # --- sampler ------------------------------------------------------------------------------
 
     def finished(self) -> bool:
         """Whether the learner has finished."""
-        return os.path.exists(self.path("finished.json"))
+        return self.files.exists(self.path("finished.json"))
 
     def heartbeat(self, sampler: str) -> None:
         """Record that `sampler` is alive (its leases stay its own)."""
-        write_json(self.path("samplers", f"{sampler}.json"), {"t": time.time(), "pid": os.getpid()})
+        self.write({"t": time.time(), "pid": os.getpid()}, "samplers", f"{sampler}.json")
 
     def lease(self, sampler: str, bound: int) -> dict | None:
         """The oldest issued batch no sampler holds, now leased to `sampler` (its task with the
@@ -191,39 +294,24 @@ class WorkQueue:
         `bound` results the learner will read already wait (back-pressure)."""
         if len(self.pending()) >= bound:
             return None
-        for p in _batches(self.path("tasks")):
+        for p in _batches(self.names("tasks")):
             token = secrets.token_hex(8)
-            if not self._claim(p, {"sampler": sampler, "t": time.time(), "lease": token}):
+            lease = {"sampler": sampler, "t": time.time(), "lease": token}
+            if not self.files.create(self.path("leases", f"{p}.json"), lease):  # whole and exclusive
                 continue
-            task = read_json(self.path("tasks", f"{p}.json"))
+            task = self.read("tasks", f"{p}.json")
             if task is not None:
                 return {**task, "lease": token}
-            with contextlib.suppress(FileNotFoundError):  # consumed meanwhile (a learner that restarted)
-                os.remove(self.path("leases", f"{p}.json"))
+            self.remove("leases", f"{p}.json")  # consumed meanwhile (a learner that restarted)
         return None
-
-    def _claim(self, batch: int, lease: dict) -> bool:
-        """Create batch `batch`'s lease file whole and exclusively (a hard link of a written file)."""
-        tmp = self.path("leases", f".{batch}.{lease['lease']}.tmp")
-        write_json(tmp, lease)
-        try:
-            os.link(tmp, self.path("leases", f"{batch}.json"))
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            os.remove(tmp)
 
     def deliver(self, batch: int, payload: dict) -> bool:
         """Hand batch `batch`'s result (`encode_batch`, carrying its lease token) to the learner;
         False (nothing delivered) when that lease is no longer the batch's current one."""
         lease = payload.get("lease")
-        tmp = self.path("done", f".{batch}.{lease}.{secrets.token_hex(4)}.tmp")
-        write_json(tmp, payload)
         if lease is None or self.lease_token(batch) != lease:
-            os.remove(tmp)
             return False
-        os.replace(tmp, self.path("done", f"{batch}.{lease}.json"))
+        self.write(payload, "done", f"{batch}.{lease}.json")
         return True
 
 

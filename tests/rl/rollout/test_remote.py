@@ -76,8 +76,11 @@ def test_a_sampler_role_that_reaches_the_learner_is_refused():
 
 
 def test_a_remote_workdir_is_refused(tmp_path):
+    from posttrain.rl.rollout.remote import check_disaggregated
+
+    cfg = run_cfg({"rl.placement": "disaggregated", "workdir": "gs://bucket/run"}, stage="rlvr")
     with pytest.raises(UserError, match="local") as e:
-        WorkQueue("gs://bucket/run")
+        check_disaggregated(cfg)
     assert e.value.key == "workdir"
 
 

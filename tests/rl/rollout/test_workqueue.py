@@ -1,13 +1,34 @@
 """The workdir queue's results belong to a lease (rl/rollout/workqueue.py): late deliveries of a
 batch that was re-issued, consumed or forgotten by a restarted learner are refused, never count
-against back-pressure, and never reach the learner."""
+against back-pressure, and never reach the learner. Each test runs on a local folder and on gs://
+(the GCS emulator of tests/support/gcs_emulator.py, create-only writes honoured)."""
 
-import os
+import concurrent.futures
+
+import pytest
 
 from posttrain.rl.envs.base import Task
-from posttrain.rl.rollout.workqueue import WorkQueue
+from posttrain.rl.rollout.workqueue import LocalFiles, ObjectFiles, WorkQueue
 
 TASKS = [("arithmetic", Task("t1", ({"role": "user", "content": "1+1"},), "2"))]
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    """The emulator's gs:// root for this module."""
+    pytest.importorskip("gcp_storage_emulator", reason="pip install -e '.[test]' (gcp-storage-emulator)")
+    from tests.support.gcs_emulator import gcs_emulator
+
+    with gcs_emulator("posttrain-queue", str(tmp_path_factory.mktemp("gcs") / "emulator.log")):
+        yield "gs://posttrain-queue"
+
+
+@pytest.fixture(params=["local", "gs"])
+def workdir(request, tmp_path):
+    """A fresh workdir: a local folder, or a fresh prefix in the emulator's bucket."""
+    if request.param == "local":
+        return str(tmp_path)
+    return f"{request.getfixturevalue('gcs')}/{tmp_path.name}"
 
 
 def result(lease: dict, version: int) -> dict:
@@ -15,10 +36,10 @@ def result(lease: dict, version: int) -> dict:
     return {"version": version, "run": lease["run"], "groups": [], "lease": lease.get("lease")}
 
 
-def test_late_results_for_an_earlier_learner_do_not_fill_the_queue(tmp_path):
+def test_late_results_for_an_earlier_learner_do_not_fill_the_queue(workdir):
     """The learner issues 10, 11 (max_staleness = 1: two slots), a sampler leases both; the learner
     crashes and resumes at 7; the late deliveries of 10 and 11 are refused and 7 is still leasable."""
-    queue = WorkQueue(str(tmp_path))
+    queue = WorkQueue(workdir)
     for p in (10, 11):
         queue.issue(p, TASKS, min_version=p - 1, run="first")
     late = [queue.lease("s", bound=2) for _ in range(2)]
@@ -30,10 +51,10 @@ def test_late_results_for_an_earlier_learner_do_not_fill_the_queue(tmp_path):
     assert delivered == [False, False] and queue.pending() == [] and queue.result(10) is None
 
 
-def test_a_stalled_samplers_late_result_of_a_consumed_batch_is_refused(tmp_path):
+def test_a_stalled_samplers_late_result_of_a_consumed_batch_is_refused(workdir):
     """max_staleness = 0 (one slot): a stalled sampler's batch 0 is re-issued, sampled again and
     consumed; the stalled sampler then delivers it: refused, and batch 1 is leasable."""
-    queue = WorkQueue(str(tmp_path))
+    queue = WorkQueue(workdir)
     queue.issue(0, TASKS, min_version=0, run="r")
     stalled = queue.lease("a", bound=1)
     queue.reissue(0)  # (reissue_dead: a's heartbeat stopped)
@@ -47,32 +68,43 @@ def test_a_stalled_samplers_late_result_of_a_consumed_batch_is_refused(tmp_path)
     assert late is False and again["lease"] != stalled["lease"]
 
 
-def test_a_result_that_slips_past_the_check_is_never_read_and_is_swept(tmp_path):
+def test_a_result_that_slips_past_the_check_is_never_read_and_is_swept(workdir):
     """A re-issue between a sampler's check and its rename leaves a result no lease names: the
     learner reads the current lease's result only, back-pressure ignores the other, `sweep` removes it."""
-    queue = WorkQueue(str(tmp_path))
+    queue = WorkQueue(workdir)
     queue.issue(0, TASKS, min_version=0, run="r")
     first = queue.lease("a", bound=1)
     assert queue.deliver(0, result(first, 0))
-    os.remove(queue.path("leases", "0.json"))  # re-issued after the check: the lease only
+    queue.remove("leases", "0.json")  # re-issued after the check: the lease only
     assert queue.result(0) is None and queue.pending() == []
     second = queue.lease("b", bound=1)
     assert second["batch"] == 0 and queue.result(0) is None
-    assert queue.sweep() == 1 and os.listdir(queue.path("done")) == []
+    assert queue.sweep() == 1 and queue.names("done") == []
     assert queue.deliver(0, result(second, 1)) and queue.result(0)["version"] == 1 and queue.pending() == [0]
     assert queue.reissue_dead(timeout_s=0.0, now=1e12) == []  # finished: not re-issued
 
 
-def test_a_lease_that_outlives_the_restart_does_not_block_the_queue(tmp_path):
+def test_a_lease_that_outlives_the_restart_does_not_block_the_queue(workdir):
     """A sampler's exclusive create of batch 10's lease lands just after a restarted learner's reset
     (the race): its delivery is accepted, but batch 10 is not issued (the learner is at 7), so it is
     not a result the learner will read and does not hold the one slot (max_staleness = 0)."""
-    queue = WorkQueue(str(tmp_path))
+    queue = WorkQueue(workdir)
     queue.issue(10, TASKS, min_version=10, run="first")
     late = queue.lease("s", bound=1)
-    lease_file = open(queue.path("leases", "10.json")).read()
+    lease_file = queue.read("leases", "10.json")
     queue.reset()
-    open(queue.path("leases", "10.json"), "w").write(lease_file)  # created after the reset's sweep
+    queue.write(lease_file, "leases", "10.json")  # created after the reset's sweep
     queue.issue(7, TASKS, min_version=7, run="second")
     assert queue.deliver(10, result(late, 10))
     assert queue.pending() == [] and (queue.lease("s", bound=1) or {}).get("batch") == 7
+
+
+def test_one_batch_leased_by_eight_samplers_at_once_goes_to_one(workdir):
+    """The lease is an exclusive create (a hard link locally, a create-only write on gs://)."""
+    queue = WorkQueue(workdir)
+    assert isinstance(queue.files, LocalFiles if "://" not in workdir else ObjectFiles)
+    queue.issue(0, TASKS, min_version=0, run="r")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        leases = list(pool.map(lambda i: queue.lease(f"s{i}", bound=1), range(8)))
+    won = [lease for lease in leases if lease is not None]
+    assert len(won) == 1 and queue.lease_token(0) == won[0]["lease"]
