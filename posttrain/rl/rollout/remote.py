@@ -34,7 +34,7 @@ from posttrain.errors import UserError
 from posttrain.rl.rollout.buffer import Rollout
 from posttrain.rl.rollout.transfer import WeightServer, transfer_module
 from posttrain.rl.rollout.worker import RolloutBatch
-from posttrain.rl.rollout.workqueue import WorkQueue, check_local, decode_batch, decode_versions
+from posttrain.rl.rollout.workqueue import WorkQueue, decode_batch, decode_versions
 from posttrain.rl.tasks.scheduler import TaskScheduler
 
 __all__ = ["ROLES", "RemoteProducer", "check_disaggregated"]
@@ -44,7 +44,6 @@ def check_disaggregated(cfg) -> None:
     """What `disaggregated` cannot do yet, refused before anything compiles (naming the key)."""
     r = cfg.rl
     transfer_module()
-    check_local(cfg.workdir)
     refusals = [
         (jax.process_count() > 1, "rl.placement", f"runs one process per group for now ({jax.process_count()})"),
         (r.filter_groups, "rl.filter_groups", "dynamic sampling re-draws from the learner's scheduler"),

@@ -24,7 +24,7 @@ from posttrain.rl.tasks.scheduler import Group
 from tests.support import paths
 from tests.support.rl_processes import spawn, wait
 from tests.support.typed_configs import run_cfg
-from tests.test_golden import GOLDEN, logged
+from tests.test_golden import GOLDEN, TIMING_SUFFIXES, logged
 
 ROOT = str(paths.ROOT)
 
@@ -40,9 +40,7 @@ def test_the_config_refuses_a_role_without_disaggregated_and_the_reverse(placeme
     assert e.value.key == "rl.role"
 
 
-@pytest.mark.parametrize(
-    "key, value", [("rl.filter_groups", True), ("sampling.quantize", "int8"), ("workdir", "gs://bucket/run")]
-)
+@pytest.mark.parametrize("key, value", [("rl.filter_groups", True), ("sampling.quantize", "int8")])
 def test_what_disaggregated_cannot_do_yet_is_refused_naming_the_key(key, value):
     from posttrain.rl.rollout.remote import check_disaggregated
 
@@ -73,15 +71,6 @@ def test_a_sampler_role_that_reaches_the_learner_is_refused():
     with pytest.raises(UserError, match="reached the learner") as e:
         RemoteProducer.for_learner(SimpleNamespace(cfg=cfg), 0, ((), ()))
     assert e.value.key == "rl.role"
-
-
-def test_a_remote_workdir_is_refused(tmp_path):
-    from posttrain.rl.rollout.remote import check_disaggregated
-
-    cfg = run_cfg({"rl.placement": "disaggregated", "workdir": "gs://bucket/run"}, stage="rlvr")
-    with pytest.raises(UserError, match="local") as e:
-        check_disaggregated(cfg)
-    assert e.value.key == "workdir"
 
 
 def test_weights_round_trip_only_under_the_token(tmp_path, monkeypatch):
@@ -177,6 +166,24 @@ def test_a_learner_and_a_sampler_process_group_train_rlvr_tiny(tmp_path):
     rows = logged(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and (tmp_path / "run" / "rl" / "finished.json").exists()
     assert all(r["rl/staleness_max"] == 0 and r["rl/buffer_dropped_stale"] == r["rl/reissued"] == 0 for r in rows)
+    golden_rows(rows, evals=False)
+    assert "5 batches delivered" in (tmp_path / "sampler.log").read_text()
+
+
+def test_learner_and_sampler_share_no_disk_only_a_gs_workdir(gcs, tmp_path):
+    """The run above with its workdir on gs:// (the GCS emulator): the queue, learner.json, the
+    checkpoints and metrics.jsonl live in the bucket, so learner and sampler hosts need no shared
+    disk; the same golden rows."""
+    from posttrain.core.metrics import read_metrics
+
+    no_eval = {"rl.eval_every": 0, **{f"rl.{k}": getattr(RLConfig(), k) for k in ("eval_size", "eval_samples")}}
+    run = f"{gcs}/{tmp_path.name}"
+    sampler = spawn(run, "sampler", tmp_path / "sampler.log", **no_eval)
+    learner = spawn(run, "learner", tmp_path / "learner.log", **no_eval)
+    wait(learner, tmp_path / "learner.log")
+    wait(sampler, tmp_path / "sampler.log", timeout=60)
+    rows = [{k: v for k, v in r.items() if not k.endswith(TIMING_SUFFIXES)} for r in read_metrics(run)]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and WorkQueue(run).finished()
     golden_rows(rows, evals=False)
     assert "5 batches delivered" in (tmp_path / "sampler.log").read_text()
 

@@ -1,7 +1,7 @@
 """The workdir queue's results belong to a lease (rl/rollout/workqueue.py): late deliveries of a
 batch that was re-issued, consumed or forgotten by a restarted learner are refused, never count
 against back-pressure, and never reach the learner. Each test runs on a local folder and on gs://
-(the GCS emulator of tests/support/gcs_emulator.py, create-only writes honoured)."""
+(the GCS emulator, conftest.py: create-only writes honoured)."""
 
 import concurrent.futures
 
@@ -11,16 +11,6 @@ from posttrain.rl.envs.base import Task
 from posttrain.rl.rollout.workqueue import LocalFiles, ObjectFiles, WorkQueue
 
 TASKS = [("arithmetic", Task("t1", ({"role": "user", "content": "1+1"},), "2"))]
-
-
-@pytest.fixture(scope="module")
-def gcs(tmp_path_factory):
-    """The emulator's gs:// root for this module."""
-    pytest.importorskip("gcp_storage_emulator", reason="pip install -e '.[test]' (gcp-storage-emulator)")
-    from tests.support.gcs_emulator import gcs_emulator
-
-    with gcs_emulator("posttrain-queue", str(tmp_path_factory.mktemp("gcs") / "emulator.log")):
-        yield "gs://posttrain-queue"
 
 
 @pytest.fixture(params=["local", "gs"])
