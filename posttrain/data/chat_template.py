@@ -71,6 +71,18 @@ def render(
         raise ValueError(f"chat template: {e}") from None
 
 
+def continue_final(rendered: str, messages: list[dict]) -> str:
+    """`rendered` cut right after the last message's content, so that a model continues that message
+    (transformers' `continue_final_message`: the template's end-of-turn after it dropped)."""
+    final = messages[-1]["content"] if messages else ""
+    if not isinstance(final, str) or not final.strip() or final.strip() not in rendered:
+        raise ValueError("chat template: continue_final_message needs the last message's text in the rendered chat")
+    at = rendered.rindex(final.strip())
+    if rendered[at : at + len(final.lstrip())] == final:  # the template kept the message's spacing
+        return rendered[: at + len(final.lstrip())]
+    return rendered[: at + len(final.strip())]
+
+
 def render_with_spans(
     template: jinja2.Template, messages: list[dict], *, add_generation_prompt: bool, special_tokens: dict[str, str]
 ) -> tuple[str, list[tuple[int, int]]]:

@@ -168,6 +168,7 @@ class HFTokenizer:
                 name,
             )
             source = chat_template.PLAIN_TEMPLATE
+        self.chat_template_source = source
         self._template = chat_template.compile_template(source)
 
     def _special_id(self, key: str, fallbacks: Sequence[str]) -> int:
@@ -225,6 +226,16 @@ class HFTokenizer:
     def token_text(self, i: int) -> str | None:
         """The vocabulary entry of id `i` (a special token's text, e.g. "<s>"; None: no such id)."""
         return self._tok.id_to_token(int(i))
+
+    def render_chat(
+        self, messages: list[dict], *, add_generation_prompt: bool = False, continue_final_message: bool = False
+    ) -> str:
+        """A text-only conversation as the chat template renders it (transformers' `apply_chat_template(
+        tokenize=False)`); `continue_final_message`: cut after the last message's content."""
+        text = chat_template.render(
+            self._template, messages, add_generation_prompt=add_generation_prompt, special_tokens=self._specials
+        )
+        return chat_template.continue_final(text, messages) if continue_final_message else text
 
     def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
         """A conversation through the chat template → (ids, trainable).

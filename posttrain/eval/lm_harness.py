@@ -12,8 +12,10 @@ Requests are served as lm-eval's `hf` backend serves them, on posttrain's sharde
 KV-cache sampler: the same tokenization (the tokenizer's special tokens added, a BOS-prefixed
 string left alone), longest requests first in batches of `batch_size`, contexts truncated from the
 left to `max_length`, rolling windows for perplexity, greedy generation that stops at the
-tokenizer's stop ids, `max_gen_toks` or the first `until` string (the text is cut there). Sampled
-generation (`do_sample`) and chat templates are refused: this backend evaluates greedily.
+tokenizer's stop ids, `max_gen_toks` or the first `until` string (the text is cut there), and
+`--apply_chat_template` renders prompts with the checkpoint's chat template as the hf backend does
+(a template that refuses a system message is tried again without it). Sampled generation
+(`do_sample`) is refused: this backend evaluates greedily.
 """
 
 from __future__ import annotations
@@ -103,6 +105,31 @@ class PosttrainLM(TemplateLM):
     def max_gen_toks(self) -> int:
         """New tokens when a task names none."""
         return self._max_gen_toks
+
+    @property
+    def tokenizer_name(self) -> str:
+        """The tokenizer's folder, for lm-eval's request cache (as the hf backend names it)."""
+        return self.tok.name.replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The checkpoint's chat template (None when lm-eval applies none); templates by name
+        other than "default" are not kept."""
+        if chat_template is False or chat_template is None:
+            return None
+        if isinstance(chat_template, str) and chat_template != "default":
+            raise ValueError(f"posttrain lm-eval model: chat template {chat_template!r}: only the default one is kept")
+        return self.tok.chat_template_source
+
+    def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
+        """The few-shot chat as the prompt text; without `add_generation_prompt` the last
+        (assistant) message is continued. A template that raises on the system message is rendered
+        without it, as the hf backend does."""
+        kw = dict(add_generation_prompt=add_generation_prompt, continue_final_message=not add_generation_prompt)
+        try:
+            return self.tok.render_chat(chat_history, **kw)
+        except ValueError:
+            log.warning("chat template failed; rendering the chat again without its system messages")
+            return self.tok.render_chat([m for m in chat_history if m["role"] != "system"], **kw)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None):
         """Token ids of `string`, with the tokenizer's special tokens unless it starts with the

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from posttrain.eval.lm_model import greedy_until  # noqa: E402
-from tests.support.hf import make_hf_folder  # noqa: E402
+from tests.support.hf import CHATML, make_hf_folder  # noqa: E402
 
 CONTEXTS = ["What is 2+2?", "Be brief.", "And 3+3 is", "It is 4, na", "Be"]
 
@@ -30,7 +30,8 @@ def backends(tmp_path_factory):
     from posttrain.eval.lm_harness import PosttrainLM
 
     root = str(tmp_path_factory.mktemp("tiny_llama"))
-    make_hf_folder(root, {"eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"})
+    config = {"eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML}
+    make_hf_folder(root, config)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=320,
@@ -102,6 +103,39 @@ def test_task_metrics_equal(backends):
         assert suite_metrics(ours, task) == suite_metrics(theirs, task)
     assert set(suite_metrics(ours, tasks[0])) == {"acc", "acc_norm", "sample_len"}
     assert set(suite_metrics(ours, tasks[1])) == {"exact_match@first-number", "sample_len"}
+
+
+CHATS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "And 3+3 is"}],
+    [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4"}],
+]
+
+
+def test_chat_template_parity(backends, monkeypatch):
+    """lm-eval's --apply_chat_template: the same prompt text as the hf backend (a generation prompt,
+    or the last assistant message continued), the same template, the same task metrics."""
+    import lm_eval
+
+    from posttrain.data.chat_template import compile_template
+    from posttrain.eval.lm_harness import suite_metrics, task_manager
+
+    posttrain, hf = backends
+    for chat in CHATS:
+        assert posttrain.apply_chat_template(chat) == hf.apply_chat_template(chat)
+    continued = posttrain.apply_chat_template(CHATS[2], add_generation_prompt=False)
+    assert continued == hf.apply_chat_template(CHATS[2], add_generation_prompt=False) and continued.endswith("It is 4")
+    assert posttrain.chat_template(True) == hf.chat_template(True) == CHATML and posttrain.chat_template(False) is None
+    kw = dict(tasks=["posttrain_arithmetic"], limit=4, task_manager=task_manager(), bootstrap_iters=0)
+    kw.update(apply_chat_template=True, log_samples=True)
+    ours, theirs = (lm_eval.simple_evaluate(model=m, **kw) for m in backends)
+    assert suite_metrics(ours, "posttrain_arithmetic") == suite_metrics(theirs, "posttrain_arithmetic")
+    prompt = ours["samples"]["posttrain_arithmetic"][0]["arguments"]
+    assert str(prompt).count("<|im_start|>") >= 2, prompt  # user turn and the generation prompt
+    # a template that refuses system messages renders the chat without them
+    no_system = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}" + CHATML
+    monkeypatch.setattr(posttrain.tok, "_template", compile_template(no_system))
+    assert posttrain.apply_chat_template(CHATS[1]) == hf.apply_chat_template(CHATS[1][1:])
 
 
 def test_found_by_name_from_python_and_the_command_line(backends, monkeypatch):
