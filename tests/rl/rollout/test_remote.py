@@ -154,36 +154,25 @@ def golden_rows(rows, evals: bool) -> None:
             np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6, err_msg=f"step {want['step']} {key}")
 
 
-def test_a_learner_and_a_sampler_process_group_train_rlvr_tiny(tmp_path):
+@pytest.mark.parametrize("where", [pytest.param("local", marks=pytest.mark.slow), "gs"])
+def test_a_learner_and_a_sampler_process_group_train_rlvr_tiny(where, tmp_path, request):
     """The sampler starts first (it waits for the address file); the learner trains 5 steps with
-    its rollouts, as the colocated run does, and finishes; the sampler then exits 0. (Without the
-    held-out evaluations, which only cost time here: the slow test below has them.)"""
-    no_eval = {"rl.eval_every": 0, **{f"rl.{k}": getattr(RLConfig(), k) for k in ("eval_size", "eval_samples")}}
-    sampler = spawn(tmp_path / "run", "sampler", tmp_path / "sampler.log", **no_eval)
-    learner = spawn(tmp_path / "run", "learner", tmp_path / "learner.log", **no_eval)
-    wait(learner, tmp_path / "learner.log")
-    wait(sampler, tmp_path / "sampler.log", timeout=60)
-    rows = logged(tmp_path / "run")
-    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and (tmp_path / "run" / "rl" / "finished.json").exists()
-    assert all(r["rl/staleness_max"] == 0 and r["rl/buffer_dropped_stale"] == r["rl/reissued"] == 0 for r in rows)
-    golden_rows(rows, evals=False)
-    assert "5 batches delivered" in (tmp_path / "sampler.log").read_text()
-
-
-def test_learner_and_sampler_share_no_disk_only_a_gs_workdir(gcs, tmp_path):
-    """The run above with its workdir on gs:// (the GCS emulator): the queue, learner.json, the
-    checkpoints and metrics.jsonl live in the bucket, so learner and sampler hosts need no shared
-    disk; the same golden rows."""
+    its rollouts, as the colocated run does, and finishes; the sampler then exits 0. On gs:// (the
+    GCS emulator) the queue, learner.json, checkpoints and metrics live in the bucket, so learner and
+    sampler hosts need no shared disk; the local run (slow: the queue's local files are tested on
+    their own, tests/rl/rollout/test_workqueue.py) shares a folder. (Without the held-out
+    evaluations, which only cost time here: the slow test below has them.)"""
     from posttrain.core.metrics import read_metrics
 
     no_eval = {"rl.eval_every": 0, **{f"rl.{k}": getattr(RLConfig(), k) for k in ("eval_size", "eval_samples")}}
-    run = f"{gcs}/{tmp_path.name}"
+    run = str(tmp_path / "run") if where == "local" else f"{request.getfixturevalue('gcs')}/{tmp_path.name}"
     sampler = spawn(run, "sampler", tmp_path / "sampler.log", **no_eval)
     learner = spawn(run, "learner", tmp_path / "learner.log", **no_eval)
     wait(learner, tmp_path / "learner.log")
     wait(sampler, tmp_path / "sampler.log", timeout=60)
     rows = [{k: v for k, v in r.items() if not k.endswith(TIMING_SUFFIXES)} for r in read_metrics(run)]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and WorkQueue(run).finished()
+    assert all(r["rl/staleness_max"] == 0 and r["rl/buffer_dropped_stale"] == r["rl/reissued"] == 0 for r in rows)
     golden_rows(rows, evals=False)
     assert "5 batches delivered" in (tmp_path / "sampler.log").read_text()
 
