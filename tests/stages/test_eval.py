@@ -209,6 +209,25 @@ def test_eval_key_errors(run_dir, tmp_path):
         evaluation.run(typed(config(tmp_path, root, f"bad={tmp_path / 'bad.jsonl'}")))
 
 
+def test_a_reasoning_gym_suite_is_the_held_out_split_rl_draws(run_dir, tmp_path):
+    """eval.suites=rg:<dataset>: the held-out tasks an rlvr run of the seed draws for the dataset
+    (same ids), scored and gated like a built-in suite; an unknown dataset is refused by name."""
+    pytest.importorskip("reasoning_gym")
+    from posttrain.rl.tasks.registry import make_domains, make_reward_fn
+
+    cfg = config(tmp_path, run_dir, "rg:chain_sum", size=4, gate="rg:chain_sum/accuracy>=0")
+    cfg.rl.rg_settings = "chain_sum.max_terms=2"
+    result = evaluation.run(typed(cfg))
+    (rec,) = records(tmp_path, "rg:chain_sum")
+    assert rec["problems"] == 4 and result.eval["rg:chain_sum/accuracy"] == rec["accuracy"]
+    rl = typed(cfg).replace({"rl.domains": "rg:chain_sum", "rl.eval_size": 4})
+    _, held_out = make_domains(rl, load_tokenizer(rl.data.tokenizer), make_reward_fn(rl.rl))
+    suite = suite_lib.make_suites(typed(cfg), load_tokenizer(rl.data.tokenizer))["rg:chain_sum"]
+    assert [t.id for t in suite.tasks] == [t.id for _, t in held_out]
+    with pytest.raises(ValueError, match="rg:no_such_dataset"):
+        suite_lib.parse_suites("rg:no_such_dataset")
+
+
 # --- gates ---
 
 GATE = "unit_test_pass>=0.6, tool_success_rate>=0.5, long_ctx_multihop>=0.3"

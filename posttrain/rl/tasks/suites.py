@@ -1,5 +1,5 @@
 """Evaluation suites: the held-out tasks of the built-in domains and the user's task files, named by
-`eval.suites` ("arithmetic, gsm8k, mine=/data/x.jsonl"), each a `Domain` (its tasks and the
+`eval.suites` ("arithmetic, gsm8k, rg:chain_sum, mine=/data/x.jsonl"), each a `Domain` (its tasks and the
 environment that scores them). Stage `eval` (`posttrain/stages/eval.py`) runs them, and the
 lm-eval tasks the spec names as `lm_eval:<task>` (`lm_eval_suites`) through `eval/lm_harness.py`.
 
@@ -7,7 +7,9 @@ A user suite's records are `rl.eval_files` records (`rl/tasks/files.py`): `{"pro
 (math) and the code, label and user-verifier forms; a prompt is a string or messages whose contents
 may hold image parts (paths relative to the suite file's folder), shown to a vision model
 (`model.vision`) as its placeholder tokens and patches. An image prompt for a text-only model is
-refused, naming its file:line.
+refused, naming its file:line. A reasoning-gym dataset (`rg:<dataset>`) is evaluated on the
+held-out tasks an rlvr run of the same seed draws for it (`rl.rg_settings` and
+`rl.curriculum.rg_levels` apply; disjoint by meaning from that run's training tasks).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from posttrain.data.sources import SkipLog
 from posttrain.rl.envs.base import Task
 from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.tasks.files import jsonl_tasks
-from posttrain.rl.tasks.registry import make_domains, make_env_factory, make_reward_fn, user_verifiers
+from posttrain.rl.tasks.registry import DOMAINS, make_domains, make_env_factory, make_reward_fn, user_verifiers
 
 BUILTIN = ("arithmetic", "gsm8k", "humaneval", "repo_fix")
 _TASK_NAME = re.compile(r"[\w.\-]+")  # an lm-eval task name after `lm_eval:`
@@ -61,10 +63,15 @@ def parse_suites(spec: str) -> list[tuple[str, str]]:
                 raise ValueError(f"eval.suites: bad lm-eval task in {part!r}: expected lm_eval:<task name>")
             out.append((name, ""))
             continue
+        if not path and _family_member(name):
+            DOMAINS[name]  # noqa: B018  (a member that does not exist is refused, naming the valid ones)
+            out.append((name, ""))
+            continue
         if not path and name not in BUILTIN and name not in EXTRA_SUITES:
             raise ValueError(
                 f"eval.suites: unknown suite {name!r}; built-in: {', '.join(BUILTIN + tuple(EXTRA_SUITES))}"
-                ', name=path.jsonl for a file of {"prompt", "answer"} records, or lm_eval:<task> for an lm-eval task'
+                ', name=path.jsonl for a file of {"prompt", "answer"} records, lm_eval:<task> for an lm-eval '
+                "task, or rg:<dataset> for a reasoning-gym dataset's held-out tasks"
             )
         if not name or "/" in name:
             raise ValueError(
@@ -76,6 +83,11 @@ def parse_suites(spec: str) -> list[tuple[str, str]]:
     if len({n for n, _ in out}) != len(out):
         raise ValueError(f"eval.suites={spec!r}: a suite name appears twice")
     return out
+
+
+def _family_member(name: str) -> bool:
+    """A task domain family's member (`rg:<dataset>`): evaluated on its held-out tasks as RL draws them."""
+    return ":" in name and not name.startswith(LM_EVAL) and name in DOMAINS
 
 
 def lm_eval_suites(spec: str) -> list[str]:
@@ -128,7 +140,7 @@ def make_suites(cfg, tok) -> dict[str, Domain]:
     single-turn suites get one-answer environments and multi-turn ones (`MULTI_TURN`) tool
     episodes, whatever `rl.env` says (it is the RL stage's switch)."""
     named = parse_suites(cfg.eval.suites)
-    builtin = [n for n, p in named if not p and n in BUILTIN]
+    builtin = [n for n, p in named if not p and (n in BUILTIN or _family_member(n))]
     if not builtin and not lm_eval_suites(cfg.eval.suites) and cfg.eval.size != 128:
         raise ValueError(
             f"eval.size={cfg.eval.size} cannot take effect: it sizes the built-in suites "
