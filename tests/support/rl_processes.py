@@ -23,6 +23,11 @@ def command(workdir, role, **overrides):
 
 def spawn(workdir, role, log, **overrides):
     """Start `command(workdir, role, **overrides)` with its output in `log`, 8 CPU devices."""
+    return start(command(workdir, role, **overrides), log)
+
+
+def start(argv: list[str], log):
+    """Start `argv` in the repository with its output in `log`: 8 CPU devices, loopback transfers."""
     env = {
         **os.environ,
         "PYTHONPATH": ROOT,
@@ -31,9 +36,7 @@ def spawn(workdir, role, log, **overrides):
         "JAX_DEFAULT_MATMUL_PRECISION": "highest",  # as tests/conftest.py: the golden rows' numerics
         transfer.HOST_ENV: "127.0.0.1",
     }
-    return subprocess.Popen(
-        command(workdir, role, **overrides), cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT
-    )
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
 def wait(proc, log, timeout=300):
