@@ -5,13 +5,13 @@
     python -m posttrain.main --config configs/smollm2_grpo.py:models/smollm2 [--config.lora.rank=16]
 
 The task: "What is 17-9?" with operands 0..30, followed by "Give the final answer as \\boxed{ANSWER}."
-and judged by the math verifier. The model starts at 17% greedy held-out accuracy (48 problems;
-BENCHMARKS.md): it often reads "28-16" as a sum. The held-out problems are the arithmetic test
-split (136 problems up to 30, disjoint by meaning from the 856 training ones: `arithmetic_split`).
-Full fine-tuning by default; `--config.lora.rank=16 --config.rl.lr=1e-4` trains adapters on q, k,
-v, o instead (not measured yet). An update of 32 samples takes 34 s on two CPU cores (64: about twice); TRL's
-GRPOTrainer takes the same on this job (tools/bench_trl.py, BENCHMARKS.md). How much the model
-learns is not measured yet.
+and judged by the math verifier. The held-out problems are the arithmetic test split (136 problems
+up to 30, disjoint by meaning from the 856 training ones: `arithmetic_split`). Measured over 4 seeds
+(BENCHMARKS.md): greedy held-out accuracy 19% before, 34-54% after the 20 updates (mean +22 points,
+every seed >= +15.6, a wide spread); an update of 32 samples takes 35 s on two CPU cores (15 min a
+run). Full fine-tuning by default; `--config.lora.rank=16 --config.rl.lr=1e-4` trains adapters on
+q, k, v, o instead (not measured yet). TRL's GRPOTrainer takes the same time per update on this job
+(tools/bench_trl.py, BENCHMARKS.md).
 """
 
 import os
