@@ -106,6 +106,13 @@ class DataConfig(Section):
     synthetic_size: int = bounded(2000, ge=1)  # records per generated train file (eval files get a quarter)
     synthetic_max_value: int = bounded(99, ge=1)  # operands 0..max (RL arithmetic tasks use the same range)
     synthetic_error_rate: float = bounded(0.0, ge=0, le=1)  # SFT: fraction of worked answers that are off by one
+    # arithmetic preference pairs: the rejected response keeps the working and states another answer
+    # ("answer": a consistency preference) or works the sum out wrong ("working": an arithmetic one)
+    synthetic_rejected: str = choice(
+        "answer",
+        ("answer", "working"),
+        inert_unless=(lambda d: d.synthetic == "arithmetic", "data.synthetic is not 'arithmetic'"),
+    )
     # long_context: shortest generated prompt (0: 64 for recall alone, else 160)
     synthetic_min_length: int = bounded(0, ge=0)
     # long_context: up to this many recall facts per 64 tokens (0: 1 + len/64)

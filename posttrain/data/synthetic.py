@@ -155,17 +155,21 @@ def arithmetic_records(
     error_rate: float = 0.0,
     split: str = "train",
     distinct: bool = False,
+    rejected: str = "answer",
 ) -> list[dict]:
     """Generated arithmetic records over operands 0..max_value: kind 'sft' ({"prompt", "response"}
     with a worked answer; with `error_rate` > 0 that fraction of answers comes from a sloppy
     teacher who overshoots by one — the setting where RL with a verifier beats imitation),
     'preference' ({"prompt", "chosen", "rejected"}: the rejected response works the sum out right
-    but then states a different final answer, a consistency preference a small model can learn)
+    but then states a different final answer, a consistency preference a small model can learn;
+    with `rejected="working"` it works the sum out to that wrong answer, an arithmetic preference)
     or 'rl' ({"prompt", "answer"}). Problems come from `split` ("train" for anything trained on,
     "test" for held-out evaluation; see `arithmetic_split`); with `distinct`, no problem twice in
     any form (not both '37+48' and '48+37')."""
     if kind not in ("sft", "preference", "rl"):
         raise ValueError(f"synthetic kind {kind!r}: expected sft, preference or rl")
+    if rejected not in ("answer", "working"):
+        raise ValueError(f"rejected={rejected!r}: expected 'answer' or 'working'")
     _check_split(split)
     if distinct and n > (available := arithmetic_problem_count(max_value, split)):
         raise ValueError(
@@ -190,7 +194,7 @@ def arithmetic_records(
                 {
                     "prompt": prompt,
                     "chosen": f"{q}{a}. The answer is {a}.",
-                    "rejected": f"{q}{a}. The answer is {wrong}.",
+                    "rejected": f"{q}{a if rejected == 'answer' else wrong}. The answer is {wrong}.",
                 }
             )
         else:

@@ -121,6 +121,8 @@ def _generate(cfg, key: str, kind: str, split: str, tok, write: bool) -> str:
         )
         if kind == "sft":
             kw["error_rate"] = d.synthetic_error_rate
+        if kind == "preference" and d.synthetic_rejected != "answer":  # (the default keeps earlier file names)
+            kw["rejected"] = d.synthetic_rejected
         params = "_".join(f"{k}{v}" for k, v in kw.items())
         path = f"{folder}/arithmetic_{kind}_{split}_n{n}_{params}.jsonl"
         if write:

@@ -170,3 +170,21 @@ def test_reasoning_gym_eval_sets_are_disjoint_from_training_by_meaning(tmp_path,
         assert len(evals) == len(set(evals)) > 0, name  # distinct by meaning
         assert train and not train & set(evals), name
     assert re.search(r"rg:chain_sum train: left out \d+ tasks that mean a held-out task", caplog.text)
+
+
+@pytest.mark.parametrize("rejected", ["answer", "working"])
+def test_preference_pairs_reject_a_stated_answer_or_a_wrong_working(rejected, tmp_path):
+    """data.synthetic_rejected: the rejected response keeps the right working and states another
+    answer ("answer", a consistency preference), or works the sum out to that wrong answer
+    ("working", an arithmetic one); the chosen response is right either way."""
+    cfg = quickstart_config(tmp_path).replace({"data.synthetic_rejected": rejected})
+    path = Path(resolve_data_files(cfg, "dpo", "preference").dpo.train_files)
+    pairs = [json.loads(line) for line in path.read_text().splitlines()]
+    worked = re.compile(r"(\d+)([+-])(\d+)=(-?\d+)\. The answer is (-?\d+)\.")
+    for pair in pairs:
+        a, op, b, work, answer = worked.fullmatch(pair["rejected"]).groups()
+        right = int(a) + int(b) if op == "+" else int(a) - int(b)
+        assert int(answer) != right and pair["chosen"] == f"{a}{op}{b}={right}. The answer is {right}."
+        assert int(work) == (right if rejected == "answer" else int(answer))
+    with pytest.raises(ValueError, match="data.synthetic_rejected='working' cannot take effect"):
+        cfg.replace({"data.synthetic": "", "data.synthetic_rejected": "working"})
