@@ -12,7 +12,7 @@ train split, held-out pairs from the test split (disjoint by meaning). The refer
 pretrained model itself. The measure is the policy's own held-out preference accuracy
 (`eval/policy_accuracy`: the chosen response has the higher log-likelihood; `eval/reward_accuracy`,
 DPO's implicit reward against the reference, is 0 at step 0 by construction) before (step 0) and
-after; BENCHMARKS.md has it over 3 seeds.
+after: 51.8% -> 76.8% (73.2-82.1%) over 3 seeds, 7-15 min a seed (BENCHMARKS.md).
 """
 
 from configs.smollm2_sft import get_config as sft_config

@@ -6,8 +6,8 @@
 Data: `data.synthetic = "arithmetic"` with operands 0..30 (configs/smollm2_grpo.py's range), in the
 model's chat template: "What is 17-9?" answered "17-9=8. The answer is 8." Training records come
 from the arithmetic train split, the held-out loss from the test split (disjoint by meaning:
-`arithmetic_split`). The measure is the held-out loss before (step 0) and after; BENCHMARKS.md has
-it over 3 seeds.
+`arithmetic_split`). The measure is the held-out loss before (step 0) and after: 1.528 -> 0.076
+(0.066-0.084) over 3 seeds, 3.5 min a seed (BENCHMARKS.md).
 """
 
 import os
