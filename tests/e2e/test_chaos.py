@@ -65,29 +65,33 @@ def test_kills_of_samplers_and_the_learner_lose_no_batch_and_change_no_weight(tm
     colocated(reference, tmp_path / "colocated.log")
     rng, logs = random.Random(45), iter(range(100))
     log = lambda role: tmp_path / f"{role}{next(logs)}.log"  # noqa: E731
+    # the schedule by training step, so that the kills happen however fast this machine runs:
+    # four sampler kills and one of the learner after a checkpoint (every 2 steps)
+    plan = sorted([(s, f"sampler{rng.randrange(2)}") for s in rng.sample(range(1, STEPS - 2), 4)])
+    plan = sorted([*plan, (rng.randrange(6, 12), "learner")])
     learner = spawn(run, "learner", log("learner"), **RUN)
     samplers = [spawn(run, "sampler", log("sampler"), **RUN) for _ in range(2)]
     kills, recovered, start, deadline = [], [], time.time(), time.time() + 1500
     while learner.poll() is None:
         assert time.time() < deadline, "the chaos run did not finish"
-        time.sleep(rng.uniform(4, 12))
+        time.sleep(0.2)
         step = steps_logged(run)
-        if step >= STEPS - 2 or learner.poll() is not None:
+        if not plan or step < plan[0][0]:
             continue
-        if not any(who == "learner" for who, _ in kills) and step >= 8:  # past a checkpoint
+        _, who = plan.pop(0)
+        if who == "learner":
             learner.kill()
             learner.wait()
             learner = spawn(run, "learner", log("learner"), **RUN)
-            kills.append(("learner", step))
-        elif len(kills) < 6:
-            i = rng.randrange(2)
+        else:
+            i = int(who[-1])
             samplers[i].kill()
             samplers[i].wait()
             samplers[i] = spawn(run, "sampler", log("sampler"), **RUN)
-            kills.append((f"sampler{i}", step))
-        before, t0 = step, time.time()
-        while steps_logged(run) <= before and learner.poll() is None and time.time() < deadline:
-            time.sleep(0.5)
+        kills.append((who, step))
+        t0 = time.time()
+        while steps_logged(run) <= step and learner.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
         recovered.append(time.time() - t0)
     assert learner.wait() == 0, f"learner exit {learner.returncode}"
     for s in samplers:
