@@ -202,7 +202,17 @@ class RunConfig(Section):
             self._check_rejection()
         self._check_sampling()
         self._check_eval_first()
+        self._check_synthetic_rejected()
         return self
+
+    def _check_synthetic_rejected(self) -> None:
+        pairs = [s for s in self.stages if stage_table.BY_NAME[s].records == "preference"]
+        if self.data.synthetic_rejected != "answer" and not pairs:
+            raise UserError(
+                f"config.data.synthetic_rejected={self.data.synthetic_rejected!r} cannot take effect: no stage of "
+                f"this run ({', '.join(self.stages)}) trains on preference pairs (reward_model, dpo)",
+                key="data.synthetic_rejected",
+            )
 
     def _check_eval_first(self) -> None:
         evaluated = [s for s in self.stages if stage_table.BY_NAME[s].records and self.section(s).eval_files]

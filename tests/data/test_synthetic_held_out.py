@@ -188,3 +188,6 @@ def test_preference_pairs_reject_a_stated_answer_or_a_wrong_working(rejected, tm
         assert int(work) == (right if rejected == "answer" else int(answer))
     with pytest.raises(ValueError, match="data.synthetic_rejected='working' cannot take effect"):
         cfg.replace({"data.synthetic": "", "data.synthetic_rejected": "working"})
+    if rejected == "working":  # a run without a preference stage does not read it
+        with pytest.raises(ValueError, match="cannot take effect: no stage of this run \\(sft\\)"):
+            cfg.replace({"stage": "sft"}).check_stages()
