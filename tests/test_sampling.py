@@ -99,7 +99,7 @@ def test_accelerator_layer_path_equals_cpu_path(sharded, mesh, monkeypatch):
     episodes on both paths: tests/sampling/test_speculative.py, tests/parallel/test_mesh_platform_paths.py."""
     from posttrain.parallel import decode_rules
     from posttrain.parallel.mesh import ACCELERATOR_PATHS_ENV
-    from posttrain.sampling.continuous import SlotConfig, generate_continuous
+    from posttrain.sampling.generate import SlotConfig
     from posttrain.sampling.layout import publish_weights
 
     kind, graphdef, params, rest = sharded
@@ -115,7 +115,7 @@ def test_accelerator_layer_path_equals_cpu_path(sharded, mesh, monkeypatch):
             for p in PROMPTS:
                 batcher.submit(p)
             outs.append(batcher.run(params, rest, key))
-            outs.append(generate_continuous(graphdef, params, rest, PROMPTS, sampling, key, slots=SlotConfig(2, 1)))
+            outs.append(generate(graphdef, params, rest, PROMPTS, sampling, key, slots=SlotConfig(2, 1)))
             published = publish_weights(params, mesh, DEFAULT_RULES, "tensor")
             with use_sharding(mesh, decode_rules(DEFAULT_RULES)):
                 outs.append(generate(graphdef, published, rest, PROMPTS, sampling, key))

@@ -3,7 +3,7 @@ continuous batching, on the learner's own sharded weights."""
 
 from posttrain.sampling.continuous import ContinuousBatcher
 from posttrain.sampling.engine import STOP_REASONS
-from posttrain.sampling.generate import Samples, generate
+from posttrain.sampling.generate import Samples, SlotConfig, generate
 from posttrain.sampling.rules import SamplingParams, policy_logprobs, sample_token, sampling_logprobs
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "ContinuousBatcher",
     "SamplingParams",
     "Samples",
+    "SlotConfig",
     "generate",
     "policy_logprobs",
     "sample_token",

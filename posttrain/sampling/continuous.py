@@ -6,11 +6,11 @@ Every request samples from its own RNG stream fold_in(key, sample id), so its co
 depend on which slot it ran in or when: with the same key it equals static `generate`'s (up to
 float rounding of the different batch shapes).
 
-`generate_continuous` has `generate`'s contract (the RL rollouts call either, `sampling.
-continuous_batching`): it prefills the prompts once, as `generate` does, and a free slot takes a
-copy of its next sample's prompt cache row (`group_refill`). `ContinuousBatcher` queues requests
-across calls and prefills each when a slot frees up (`slot_refill`), so a long queue never holds
-every prompt's cache at once.
+`generate(..., slots=SlotConfig(...))` runs a call's prompts this way (the RL rollouts, with
+`sampling.continuous_batching`): it prefills the prompts once, as a static batch does, and a free
+slot takes a copy of its next sample's prompt cache row (`group_refill`). `ContinuousBatcher`
+queues requests across calls and prefills each when a slot frees up (`slot_refill`), so a
+long queue never holds every prompt's cache at once.
 
 Images: a prompt may come with its image patches (`generate`'s `patches`), prefilled with its
 tokens, wherever its prefill runs (once per prompt, or when its request takes a slot); decode steps
@@ -19,7 +19,6 @@ need none (generated tokens are text). A call with no images runs the text-only 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -27,12 +26,13 @@ import numpy as np
 from flax import nnx
 
 from posttrain.sampling import engine
-from posttrain.sampling.continuous_programs import continuous_program, grouped_continuous_program
+from posttrain.sampling.continuous_programs import continuous_program
 from posttrain.sampling.generate import (
     MIN_PROMPT_BUCKET,
-    PaddedPrompts,
     Samples,
+    SlotConfig,
     bucket,
+    check_request,
     host_outputs,
     host_samples,
     image_rows,
@@ -41,41 +41,8 @@ from posttrain.sampling.generate import (
     pad_prompts,
     prompt_rows,
     sharding_key,
-    static_samples,
 )
 from posttrain.sampling.rules import SamplingParams
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotConfig:
-    """Continuous batching's shape: `num_slots` decode slots (rows of the KV cache), free slots
-    refilled `refill_batch` samples at a time (`ContinuousBatcher`: requests prefilled together)."""
-
-    num_slots: int = 16
-    refill_batch: int = 4
-
-    def __post_init__(self):
-        if not 1 <= self.refill_batch <= self.num_slots:
-            raise ValueError(f"refill_batch={self.refill_batch}: expected 1..num_slots ({self.num_slots})")
-
-    def fitted(self, num_requests: int) -> SlotConfig:
-        """No more slots than the (bucketed) requests of one call can fill: a call with fewer
-        samples than slots runs them all at once, like a static batch."""
-        slots = min(self.num_slots, bucket(num_requests))
-        return SlotConfig(slots, min(self.refill_batch, slots))
-
-    @classmethod
-    def of(cls, sampling) -> SlotConfig | None:
-        """`sampling.continuous_batching`'s slots (from the `sampling` section), or None: static batches."""
-        return cls(sampling.num_slots, sampling.refill_batch) if sampling.continuous_batching else None
-
-
-def static_only(sampling: SamplingParams) -> None:
-    """Refuse what only the static sampler (`generate`) does: speculative decoding, recording routing."""
-    if sampling.speculative_k:
-        raise ValueError("continuous batching: speculative decoding (speculative_k > 0) runs in `generate` only")
-    if sampling.record_routing:
-        raise ValueError("continuous batching: routing is recorded by the static sampler (`generate`) only")
 
 
 def run_requests(
@@ -94,7 +61,7 @@ def run_requests(
     """Run requests (prompt `rows`, new-token `limits` and RNG `sample_ids`, one each, in order)
     through `continuous_program`; host outputs of exactly len(rows) rows. `patches`: per request,
     its prompt's image patches or None."""
-    static_only(sampling)
+    check_request(sampling, slots=slots)
     n, c = len(rows), slots.refill_batch
     tokens, lengths = pad_prompts(rows, bucket(n) + c, bucket(max(map(len, rows)), MIN_PROMPT_BUCKET), pad_id)
     patches = image_rows(patches)
@@ -120,48 +87,6 @@ def run_requests(
     return jax.tree.map(lambda a: a[:n], host_outputs(out))
 
 
-def generate_continuous(
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    rest: nnx.State,
-    prompts: Sequence[Sequence[int]] | np.ndarray,
-    sampling: SamplingParams,
-    key: jax.Array,
-    *,
-    slots: SlotConfig = SlotConfig(),
-    pad_id: int = 0,
-    prompt_mask: np.ndarray | None = None,
-    max_new_tokens: Sequence[int] | None = None,
-    patches: Sequence[np.ndarray | None] | None = None,
-) -> Samples:
-    """`generate` through continuously refilled slots: the same contract and the same samples.
-
-    The prompts are prefilled once, as in `generate`; their `num_samples` samples each are the
-    queue. Sample i*G+g is prompt i's g-th and draws from fold_in(key, i*G+g), so with the same
-    key every sample's tokens are the same and its log-probs equal to float rounding, whatever
-    slot ran it. A few long samples then hold a few slots while the rest of the queue flows
-    through the others, instead of holding every row of a static batch until they end.
-    `patches`: per prompt, its image patches or None, as `generate` takes them.
-    """
-    static_only(sampling)
-    batch = PaddedPrompts.of(
-        prompts, sampling, pad_id, prompt_mask=prompt_mask, max_new_tokens=max_new_tokens, patches=patches
-    )
-    n, g = len(batch.rows), sampling.num_samples
-    fitted = slots.fitted(n * g)
-    out = batch.run(
-        grouped_continuous_program,
-        graphdef,
-        params,
-        rest,
-        key,
-        batch.image_patches(),
-        num_slots=fitted.num_slots,
-        refill_batch=fitted.refill_batch,
-    )
-    return static_samples(host_outputs(out), n, g)
-
-
 class ContinuousBatcher:
     """Queue prompts with `submit`, then `run` them through `num_slots` continuously refilled slots.
 
@@ -179,9 +104,8 @@ class ContinuousBatcher:
         prefill_batch: int = 4,
         pad_id: int = 0,
     ):
-        if sampling.speculative_k:
-            raise ValueError("ContinuousBatcher: speculative decoding (speculative_k > 0) runs in `generate` only")
         self.slots = SlotConfig(num_slots, prefill_batch)
+        check_request(sampling, slots=self.slots)
         self.graphdef, self.sampling, self.pad_id = graphdef, sampling, pad_id
         self._next_id = 0
         self._waiting: list[tuple[int, np.ndarray, int, np.ndarray | None]] = []

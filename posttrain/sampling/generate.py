@@ -2,7 +2,8 @@
 decode in one `lax.while_loop` that stops when every sample is done.
 
 Prompt lengths and batch sizes are bucketed to powers of two, so a new batch of similar shape
-reuses the compiled program. The model is the learner's own `(graphdef, params, rest)`.
+reuses the compiled program. The model is the learner's own `(graphdef, params, rest)`. With
+`slots` (`SlotConfig`) the same call decodes through continuously refilled slots (`continuous`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from flax import nnx
 from posttrain.parallel.mesh import accelerator_paths_forced
 from posttrain.parallel.sharding import current, rules_key
 from posttrain.sampling import engine, kv_cache
+from posttrain.sampling.continuous_programs import grouped_continuous_program
 from posttrain.sampling.rules import SamplingParams
 from posttrain.sampling.speculative import speculative_program
 
@@ -270,9 +272,40 @@ class PaddedPrompts:
         )
 
 
-def _check_request(sampling: SamplingParams, patches, prefix_cache) -> None:
-    """Refuse the combinations the sampler paths do not serve (images or routing records with
-    speculative decoding or the prefix cache)."""
+@dataclasses.dataclass(frozen=True)
+class SlotConfig:
+    """Continuous batching's shape: `num_slots` decode slots (rows of the KV cache), free slots
+    refilled `refill_batch` samples at a time (`ContinuousBatcher`: requests prefilled together)."""
+
+    num_slots: int = 16
+    refill_batch: int = 4
+
+    def __post_init__(self):
+        if not 1 <= self.refill_batch <= self.num_slots:
+            raise ValueError(f"refill_batch={self.refill_batch}: expected 1..num_slots ({self.num_slots})")
+
+    def fitted(self, num_requests: int) -> SlotConfig:
+        """No more slots than the (bucketed) requests of one call can fill: a call with fewer
+        samples than slots runs them all at once, like a static batch."""
+        slots = min(self.num_slots, bucket(num_requests))
+        return SlotConfig(slots, min(self.refill_batch, slots))
+
+    @classmethod
+    def of(cls, sampling) -> SlotConfig | None:
+        """`sampling.continuous_batching`'s slots (from the `sampling` section), or None: static batches."""
+        return cls(sampling.num_slots, sampling.refill_batch) if sampling.continuous_batching else None
+
+
+def check_request(sampling: SamplingParams, patches=None, prefix_cache=None, slots: SlotConfig | None = None) -> None:
+    """Refuse the combinations the sampler paths do not serve: images or routing records with
+    speculative decoding or the prefix cache; continuous batching (`slots`) with any of those."""
+    if slots is not None:
+        if sampling.speculative_k:
+            raise ValueError("continuous batching: speculative decoding (speculative_k > 0) runs in `generate` only")
+        if sampling.record_routing:
+            raise ValueError("continuous batching: routing is recorded by the static sampler (`generate`) only")
+        if prefix_cache is not None:
+            raise ValueError("continuous batching: the prefix cache serves static batches (`generate`) only")
     if patches is not None and sampling.speculative_k:
         raise ValueError("generate(patches=...): images are sampled without speculative decoding (speculative_k > 0)")
     if sampling.record_routing and (prefix_cache is not None or sampling.speculative_k):
@@ -295,6 +328,7 @@ def generate(
     max_new_tokens: Sequence[int] | None = None,
     prefix_cache=None,
     patches: Sequence[np.ndarray | None] | None = None,
+    slots: SlotConfig | None = None,
 ) -> Samples:
     """Sample `sampling.num_samples` completions for each prompt with the learner's weights.
 
@@ -306,8 +340,10 @@ def generate(
     `patches`: per prompt, its image patches aligned with its tokens ([len, patch_dim], zeros off
     the placeholders; `data.packing.place_patches`) or None (text only); the prefix cache keys
     cached prefixes by these images too. Speculative decoding takes none (its draft has no images).
+    `slots`: continuous batching (`sampling.continuous_batching`): the samples are a queue flowing through
+    that many refilled slots, the same tokens (log-probs to float rounding) whatever slot ran one.
     """
-    _check_request(sampling, image_rows(patches), prefix_cache)
+    check_request(sampling, image_rows(patches), prefix_cache, slots)
     batch = PaddedPrompts.of(
         prompts, sampling, pad_id, prompt_mask=prompt_mask, max_new_tokens=max_new_tokens, patches=patches
     )
@@ -325,6 +361,10 @@ def generate(
             pad_id=pad_id,
             patches=batch.patches,
         )
+    elif slots is not None:
+        fitted = slots.fitted(len(batch.rows) * sampling.num_samples)
+        static = {"num_slots": fitted.num_slots, "refill_batch": fitted.refill_batch}
+        out = batch.run(grouped_continuous_program, graphdef, params, rest, key, batch.image_patches(), **static)
     elif sampling.speculative_k:
         out, stats = batch.run(speculative_program, graphdef, params, rest, key)
         stats = dict(zip(("rounds", "drafted", "accepted"), np.asarray(stats).tolist()))

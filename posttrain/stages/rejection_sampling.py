@@ -68,7 +68,7 @@ from posttrain.rl.rollout.worker import RolloutWorker
 from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.tasks.files import normalise_prompt
 from posttrain.rl.tasks.registry import domain_weights, make_domains, make_reward_fn
-from posttrain.sampling.continuous import SlotConfig
+from posttrain.sampling.generate import SlotConfig
 from posttrain.sampling.rules import SamplingParams
 from posttrain.stages.data_files import resolve_data_files
 from posttrain.stages.rejection_records import (

@@ -33,7 +33,7 @@ from posttrain.rl.rollout.remote import RemoteProducer
 from posttrain.rl.rollout.worker import BusyClock, RolloutWorker
 from posttrain.rl.tasks.registry import curriculum_options, domain_weights, make_domains, make_reward_fn
 from posttrain.rl.tasks.scheduler import TaskScheduler
-from posttrain.sampling.continuous import SlotConfig
+from posttrain.sampling.generate import SlotConfig
 from posttrain.sampling.layout import sampler_rules
 from posttrain.sampling.prefix_cache import PrefixCache
 from posttrain.sampling.rules import SamplingParams

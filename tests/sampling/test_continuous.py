@@ -18,12 +18,12 @@ from posttrain.parallel import use_sharding
 from posttrain.rl.algo.learner import learner_logprobs, rl_batch
 from posttrain.rl.envs.base import Task
 from posttrain.rl.envs.chat import SingleTurnEnv
+from posttrain.rl.rollout import worker as rollout_worker
 from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.worker import RolloutWorker
 from posttrain.rl.tasks.domains import Domain
 from posttrain.rl.verifiers import MathTask
-from posttrain.sampling import continuous
-from posttrain.sampling.continuous import SlotConfig
+from posttrain.sampling.generate import SlotConfig
 from posttrain.sampling.rules import SamplingParams
 from posttrain.stages import rlvr as loop
 from tests.support.episodes import REWARD, TOK, CountingEnv, assert_same_rollouts, tasks
@@ -56,10 +56,8 @@ def test_continuous_rollouts_equal_static_ones_group_by_group(policy, monkeypatc
     key = jax.random.key(7)
     static = rollout(policy, domain, SKEWED, None, key)
     calls = []
-    monkeypatch.setattr(
-        "posttrain.rl.rollout.worker.generate_continuous",
-        lambda *a, **kw: calls.append(kw["slots"]) or continuous.generate_continuous(*a, **kw),
-    )
+    real = rollout_worker.generate
+    monkeypatch.setattr(rollout_worker, "generate", lambda *a, **kw: calls.append(kw["slots"]) or real(*a, **kw))
     cont = rollout(policy, domain, SKEWED, SLOTS, key)
     assert calls == [SLOTS]  # the switch routes the rollouts through the slots
     lengths = np.array([t.num_generated for g in static.groups for t in g.trajectories])
@@ -92,16 +90,14 @@ def test_continuous_episodes_equal_static_ones_and_align_with_the_learner(policy
 
 def test_rl_loop_trains_with_continuous_batching(tmp_path, monkeypatch):
     calls = []
-    real = continuous.generate_continuous
-    monkeypatch.setattr(
-        "posttrain.rl.rollout.worker.generate_continuous", lambda *a, **kw: calls.append(1) or real(*a, **kw)
-    )
+    real = rollout_worker.generate
+    monkeypatch.setattr(rollout_worker, "generate", lambda *a, **kw: calls.append(kw["slots"]) or real(*a, **kw))
     changes = {"sampling.continuous_batching": True, "sampling.num_slots": 4, "sampling.refill_batch": 2}
     cfg = typed(tiny(tmp_path, steps=2)).replace(changes)
     loop.run(cfg)
     out = rows(tmp_path)
     assert [r["step"] for r in out] == [0, 1] and all(np.isfinite(r["loss"]) for r in out)
-    assert len(calls) == 2
+    assert len(calls) == 2 and all(slots == SlotConfig(4, 2) for slots in calls)
     assert out[0]["rl/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)  # sampler and learner agree
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["rl/responses"] == 8
 

@@ -213,14 +213,14 @@ def test_rollout_worker_in_the_decode_layout_continuous_and_prefix_cache(model, 
     from posttrain.parallel import rules_key
     from posttrain.parallel.mesh import accelerator_paths_forced
     from posttrain.rl.rollout.worker import RolloutWorker
-    from posttrain.sampling.continuous import SlotConfig
+    from posttrain.sampling.generate import SlotConfig
     from posttrain.sampling.layout import sampling_sharding
     from posttrain.sampling.prefix_cache import PrefixCache
 
     graphdef, _, published, rest = model
     _, learner_layout, _, _ = samples
     traced = []
-    for module, name in (("continuous", "grouped_continuous_program"), ("prefix_cache", "cached_program")):
+    for module, name in (("generate", "grouped_continuous_program"), ("prefix_cache", "cached_program")):
         mod = importlib.import_module(f"posttrain.sampling.{module}")
         program = getattr(mod, name)
         monkeypatch.setattr(

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from posttrain.sampling import ContinuousBatcher, SamplingParams, generate
-from posttrain.sampling.continuous import SlotConfig, generate_continuous
+from posttrain.sampling.generate import SlotConfig
 from posttrain.sampling.prefix_cache import Images, PrefixCache, block_keys, whole_images
 from tests.support.vision import BYTE, SPEC, split_model
 
@@ -88,9 +88,7 @@ def test_continuous_batching_with_images_equals_static_and_the_learner():
     blind = generate(graphdef, params, rest, PROMPTS, SAMPLING, key, patches=blind)
     assert not np.allclose(static.logprobs[:2], blind.logprobs[:2])  # the images matter
     assert len(set(static.lengths.tolist())) > 1
-    grouped = generate_continuous(
-        graphdef, params, rest, PROMPTS, SAMPLING, key, slots=SlotConfig(2, 1), patches=PATCHES
-    )
+    grouped = generate(graphdef, params, rest, PROMPTS, SAMPLING, key, slots=SlotConfig(2, 1), patches=PATCHES)
     same(grouped, static)
     batcher = ContinuousBatcher(graphdef, SAMPLING, num_slots=2, prefill_batch=1)
     ids = [batcher.submit(p, patches=x) for p, x in zip(PROMPTS, PATCHES)]
@@ -173,9 +171,7 @@ def test_placeholder_ranks_through_continuous_batching_and_the_prefix_cache(visi
         params["vision"]["pos"][...] = jax.random.normal(jax.random.key(5), params["vision"]["pos"].shape)
     key = jax.random.key(5)
     static = generate(graphdef, params, rest, PROMPTS, SAMPLING, key, patches=PATCHES)
-    grouped = generate_continuous(
-        graphdef, params, rest, PROMPTS, SAMPLING, key, slots=SlotConfig(2, 1), patches=PATCHES
-    )
+    grouped = generate(graphdef, params, rest, PROMPTS, SAMPLING, key, slots=SlotConfig(2, 1), patches=PATCHES)
     same(grouped, static)
     cache = PrefixCache(4096, block=8)
     same(generate(graphdef, params, rest, PROMPTS, SAMPLING, key, patches=PATCHES, prefix_cache=cache), static)

@@ -11,8 +11,8 @@ from posttrain.core import lineage
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.errors import UserError
 from posttrain.eval import long_context_eval
-from posttrain.sampling.continuous import ContinuousBatcher, generate_continuous
-from posttrain.sampling.generate import generate
+from posttrain.sampling.continuous import ContinuousBatcher
+from posttrain.sampling.generate import SlotConfig, generate
 from posttrain.sampling.rules import SamplingParams
 from tests.support.typed_configs import run_cfg
 
@@ -24,7 +24,7 @@ def test_sampler_refuses_past_max_context_before_compiling():
     prompts = [[5] * 20, [5] * 60]
     for call in (
         lambda: generate(None, None, None, prompts, sampling, None),
-        lambda: generate_continuous(None, None, None, prompts, sampling, None),
+        lambda: generate(None, None, None, prompts, sampling, None, slots=SlotConfig()),
         lambda: ContinuousBatcher(None, sampling).submit(prompts[1]),
     ):
         with pytest.raises(UserError, match=PAST) as e:

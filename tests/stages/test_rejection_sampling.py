@@ -343,8 +343,8 @@ def test_stage_alone_other_settings(policy, user_tasks, tmp_path, monkeypatch):
     cfg.sampling.continuous_batching, cfg.sampling.num_slots = True, 8
     from posttrain.rl.rollout import worker as rollout
 
-    slots, real = [], rollout.generate_continuous
-    monkeypatch.setattr(rollout, "generate_continuous", lambda *a, **kw: slots.append(kw["slots"]) or real(*a, **kw))
+    slots, real = [], rollout.generate
+    monkeypatch.setattr(rollout, "generate", lambda *a, **kw: slots.append(kw["slots"]) or real(*a, **kw))
     main.run(cfg)
     assert [r["response"] for r in read()] == [""] * 4 and slots and slots[0].num_slots == 8
 

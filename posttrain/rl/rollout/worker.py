@@ -1,9 +1,9 @@
 """Rollouts: generate groups on the device with the learner's weights, verify them on a thread pool.
 
 `RolloutWorker.generate` runs the sampler (device work); `RolloutWorker.verify` scores the
-responses (host work) and returns a `RolloutBatch`. The sampler is static `generate` or, with
-`sampling.continuous_batching` (`RolloutWorker.continuous`), `generate_continuous`: the same
-samples for the same key, a few long responses no longer holding every row of the batch.
+responses (host work) and returns a `RolloutBatch`. The sampler is `generate`: static batches or,
+with `sampling.continuous_batching` (`RolloutWorker.continuous`), continuously refilled slots: the
+same samples for the same key, a few long responses no longer holding every row of the batch.
 `collect_batch` is one synchronous batch with dynamic sampling; the overlapped path runs the same
 two phases on `producer.AsyncProducer`'s threads.
 """
@@ -39,8 +39,7 @@ from posttrain.rl.rollout.hosts import (
 from posttrain.rl.rollout.inflight import oldest, token_versions
 from posttrain.rl.rollout.routing import trajectory_routing
 from posttrain.rl.tasks.scheduler import Group, TaskScheduler
-from posttrain.sampling.continuous import SlotConfig, generate_continuous
-from posttrain.sampling.generate import Samples, generate, image_rows
+from posttrain.sampling.generate import Samples, SlotConfig, generate, image_rows
 from posttrain.sampling.inflight import Latest, generate_inflight
 from posttrain.sampling.layout import sampling_sharding
 from posttrain.sampling.rules import SamplingParams
@@ -153,10 +152,9 @@ class RolloutWorker:
                 samples = generate_inflight(
                     self.graphdef, latest, prompts, sampling, key, every=self.inflight_every, pad_id=self.pad_id
                 )
-            elif self.continuous is None:
-                samples = generate(*args, pad_id=self.pad_id, prefix_cache=self.prefix_cache, patches=patches)
             else:
-                samples = generate_continuous(*args, slots=self.continuous, pad_id=self.pad_id, patches=patches)
+                cache, slots = self.prefix_cache, self.continuous
+                samples = generate(*args, pad_id=self.pad_id, prefix_cache=cache, patches=patches, slots=slots)
         self.progress()  # tokens generated (multi-turn episodes: at every turn's call)
         return samples
 

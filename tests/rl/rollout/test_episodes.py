@@ -19,7 +19,7 @@ from posttrain.rl.algo.learner import learner_logprobs, rl_batch
 from posttrain.rl.checks import check_episode_cohorts, check_rlvr_stage
 from posttrain.rl.rollout.episodes import rollout_episodes, turn_key
 from posttrain.rl.rollout.worker import RolloutWorker
-from posttrain.sampling.continuous import SlotConfig
+from posttrain.sampling.generate import SlotConfig
 from posttrain.sampling.prefix_cache import PrefixCache
 from tests.support.episodes import SAMPLING, TOK, assert_same_rollouts, episodes, runs
 from tests.support.typed_configs import run_cfg

@@ -252,13 +252,13 @@ def test_routing_replay_is_refused_where_it_cannot_take_effect():
 
 
 def test_samplers_that_do_not_record_routing_refuse_to(setup):
-    from posttrain.sampling.continuous import SlotConfig, generate_continuous
+    from posttrain.sampling.generate import SlotConfig
 
     graphdef, params, rest = setup[2], setup[3].params, setup[3].rest
     with pytest.raises(ValueError, match="record_routing"):
         generate(graphdef, params, rest, PROMPTS, dataclasses.replace(SAMPLING, speculative_k=2), jax.random.key(0))
     with pytest.raises(ValueError, match="routing is recorded by the static sampler"):
-        generate_continuous(graphdef, params, rest, PROMPTS, SAMPLING, jax.random.key(0), slots=SlotConfig(4, 2))
+        generate(graphdef, params, rest, PROMPTS, SAMPLING, jax.random.key(0), slots=SlotConfig(4, 2))
 
 
 @pytest.mark.slow  # three tiny rlvr runs, ~2 min on a loaded 2-core machine

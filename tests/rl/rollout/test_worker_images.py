@@ -143,7 +143,7 @@ def test_continuous_batching_and_the_prefix_cache_take_images(tmp_path, visual_f
     screenshot episodes served from the prefix cache keep the learner's log-probs equal to the
     sampler's (each turn's context starts with the earlier turns' screens)."""
     from posttrain.rl.checks import check_rlvr_stage
-    from posttrain.sampling.continuous import SlotConfig
+    from posttrain.sampling.generate import SlotConfig
     from posttrain.sampling.prefix_cache import PrefixCache
 
     for key, value in (("continuous_batching", True), ("prefix_cache", 4096)):
