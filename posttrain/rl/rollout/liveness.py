@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 
+from posttrain.rl.rollout.ticker import Ticker
 from posttrain.rl.rollout.workqueue import WorkQueue
 
 
@@ -50,14 +50,14 @@ class Heartbeat:
     `progress` has stalled for more than `deadline_s` (then its leases lapse and are re-issued)."""
 
     def __init__(self, queue: WorkQueue, name: str, every_s: float, progress: Progress, deadline_s: float) -> None:
-        self.queue, self.name, self.every_s, self.progress, self.deadline_s = queue, name, every_s, progress, deadline_s
-        self._stop, self._warned = threading.Event(), False
-        self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeat")
+        self.queue, self.name, self.progress, self.deadline_s = queue, name, progress, deadline_s
+        self._warned = False
+        self._ticker = Ticker(self.tick, every_s, "heartbeat")
 
     def start(self) -> Heartbeat:
         """Beat once now, then on the thread."""
         self.queue.heartbeat(self.name)
-        self._thread.start()
+        self._ticker.start()
         return self
 
     def tick(self) -> bool:
@@ -74,10 +74,6 @@ class Heartbeat:
         self.queue.heartbeat(self.name)
         return True
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.tick()
-
     def stop(self) -> None:
         """Stop beating."""
-        self._stop.set()
+        self._ticker.stop()

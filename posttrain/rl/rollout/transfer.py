@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from posttrain.errors import UserError
 from posttrain.parallel import shardings_for
+from posttrain.rl.rollout.ticker import Ticker
 from posttrain.rl.rollout.workqueue import WorkQueue
 from posttrain.sampling.layout import sampler_rules
 
@@ -87,13 +88,12 @@ class WeightServer:
     """The learner's side: `publish` keeps a fresh copy of each version; a thread serves pulls."""
 
     def __init__(self, queue: WorkQueue, mesh, rules, layout: str, *, host: str | None = None, poll_s=0.02):
-        self.queue, self.mesh, self.rules, self.layout, self.poll_s = queue, mesh, rules, layout, poll_s
+        self.queue, self.mesh, self.rules, self.layout = queue, mesh, rules, layout
         self.server = start_server(host or bind_host())
         self.token = secrets.token_hex(16)
         self.offers = 0
         self._lock, self._current, self._served, self._copy = threading.Lock(), None, {}, None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="weights")
+        self._ticker = Ticker(self.serve_pending, poll_s, "weights")
 
     def publish(self, version: int, weights: tuple) -> None:
         """Offer `weights` ((params, rest)) as `version`: copied into fresh buffers (the learner's
@@ -107,8 +107,7 @@ class WeightServer:
             self._current = (version, copy)
         info = {"address": self.server.address(), "token": self.token, "version": version, "pid": os.getpid()}
         self.queue.write({**info, "mesh": dict(self.mesh.shape)}, "learner.json", mode=0o600)
-        if not self._thread.is_alive():
-            self._thread.start()
+        self._ticker.start()
 
     def _layout(self) -> tuple:
         return self.mesh, self.rules, self.layout
@@ -132,15 +131,9 @@ class WeightServer:
         self.offers += offered
         return offered
 
-    def _serve(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            self.serve_pending()
-
     def close(self) -> None:
         """Stop serving (offers already made stay pullable while the process lives)."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5)
+        self._ticker.stop(join_s=5)
 
 
 class LeaseLost(Exception):
