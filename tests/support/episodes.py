@@ -21,7 +21,7 @@ from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.models.decoder import Decoder
 from posttrain.parallel import make_mesh, parse_rules, use_sharding
 from posttrain.rl.envs.base import Step, Task
-from posttrain.rl.envs.chat import ChatEnv, continuation
+from posttrain.rl.envs.chat import ChatEnv
 from posttrain.rl.reward import RewardFunction
 from posttrain.rl.rollout.episodes import rollout_episodes
 from posttrain.rl.rollout.worker import RolloutWorker
@@ -62,9 +62,7 @@ class CountingEnv(ChatEnv):
         if self.trajectory().turns >= self.max_turns or action[0] % 2 == 0:
             return self._finish(text)
         message = {"role": "tool", "content": f"<output>\nturn {self.trajectory().turns}\n</output>"}
-        obs = continuation(self.tok, self._messages, [message])
-        self._messages.append(message)
-        self.trajectory().extend(obs, generated=False)
+        obs = self._observe(message)
         self.observations.append(obs)
         return Step(obs, None, False, {})
 

@@ -112,6 +112,15 @@ class ChatEnv:
         """`continuation` of the episode's messages by `new` (image parts as the tokenizer takes them)."""
         return continuation(self.tok, self._for_tokenizer(self._messages), self._for_tokenizer(new))
 
+    def _observe(self, message: dict) -> list[int]:
+        """Answer the model's turn with `message` (a tool output, the next screen): its tokens
+        (`_continuation`) join the trajectory as not generated and it joins the conversation;
+        returns those tokens, the observation of the step."""
+        observation = self._continuation([message])
+        self._messages.append(message)
+        self._traj.extend(observation, generated=False)
+        return observation
+
     @property
     def images(self) -> list[str]:
         """The image paths of the episode's messages, in the order they appear (and their tokens do)."""

@@ -173,7 +173,4 @@ class ScreenEnv(ChatEnv):
             "role": "user",
             "content": [{"type": "image", "image": self._screen()}, {"type": "text", "text": NEXT}],
         }
-        observation = self._continuation([message])
-        self._messages.append(message)
-        self._traj.extend(observation, generated=False)
-        return Step(observation, None, False, dict(info))
+        return Step(self._observe(message), None, False, dict(info))

@@ -24,7 +24,7 @@ import re
 
 from posttrain.data.tokenizer import Tokenizer
 from posttrain.rl.envs.base import Step
-from posttrain.rl.envs.chat import ChatEnv, continuation
+from posttrain.rl.envs.chat import ChatEnv
 from posttrain.rl.reward import RewardFunction
 from posttrain.sandbox import Limits, Sandbox, Status, python_job
 
@@ -146,10 +146,7 @@ class ToolCallEnv(ChatEnv):
         if output and not output.endswith("\n"):
             output += "\n"
         message = {"role": self.observation_role, "content": f"<output>\n{output}</output>"}
-        observation = continuation(self.tok, self._messages, [message])
-        self._messages.append(message)
-        self.trajectory().extend(observation, generated=False)
-        return Step(observation, None, False, dict(info))
+        return Step(self._observe(message), None, False, dict(info))
 
     def _call(self, call: ToolCall, info: dict) -> str:
         """Run one well-formed call, count what it did in `info`; returns what the model sees."""
