@@ -1,5 +1,5 @@
-"""posttrain as an lm-eval model: `--model posttrain --model_args checkpoint=SPEC[,batch_size=16,
-max_length=0,max_gen_toks=256,step=N]`, SPEC a run's workdir, `hf:FOLDER` or `gguf:FILE`
+"""posttrain as an lm-eval model: `--model posttrain --model_args checkpoint=SPEC[,max_length=0,
+max_gen_toks=256,step=N] --batch_size 16`, SPEC a run's workdir, `hf:FOLDER` or `gguf:FILE`
 (`eval/lm_model.py`). Importing this module registers the model with lm-eval's registry;
 lm-eval 0.4.13 has no plugin entry points for models, so its own `lm_eval` command cannot find it:
 run `python -m posttrain.eval.lm_eval_cli` (lm-eval's command line, this model registered and
