@@ -102,9 +102,10 @@ def seed_list(text: str) -> list[int]:
 
 
 def config_name(spec: str) -> str:
-    """configs/long_context_recall.py:extend:llama3 → long_context_recall_extend_llama3."""
+    """configs/long_context_recall.py:extend:llama3 → long_context_recall_extend_llama3; a folder
+    argument stays one folder name (configs/smollm2_rg.py:models/smollm2 → smollm2_rg_models_smollm2)."""
     path, _, arg = spec.partition(":")
-    return "_".join([Path(path).stem, *[a for a in arg.split(":") if a]])
+    return "_".join([Path(path).stem, *[re.sub(r"[^\w.-]+", "_", a) for a in arg.split(":") if a]])
 
 
 def plan(args: argparse.Namespace) -> list[SeedRun]:

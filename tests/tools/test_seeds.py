@@ -203,6 +203,7 @@ def test_cores_are_split_between_runs_and_init_from_is_one_initialisation(monkey
     assert note.startswith("every seed starts from one checkpoint (init_from=runs/long_context_recall)")
     assert "one initialisation" in seeds.initialisation_note(CONFIG, ["--config.init_from=runs/x"])
     assert seeds.config_name("configs/long_context_recall.py:extend:llama3") == "long_context_recall_extend_llama3"
+    assert seeds.config_name("configs/smollm2_rg.py:models/smollm2") == "smollm2_rg_models_smollm2"
 
 
 def test_seed_in_an_override_chains_each_seed_to_its_own_earlier_run(tmp_path):
