@@ -27,6 +27,8 @@ def test_held_out_is_the_runs_test_split_and_disjoint_from_training():
     keys = {meaning("chain_sum", t.target.entry) for t in test}
     train = rg_tasks("chain_sum", "train", 100, run_seed=3, levels=[0], held_out=frozenset(keys))
     assert train and not keys & {meaning("chain_sum", t.target.entry) for t in train}
+    both = rg.held_out(**{**METADATA, "dataset": "chain_sum,basic_arithmetic"})["test"]
+    assert both["id"][:12] == docs["id"] and len(both) == 24 and both["id"][12].startswith("rg:basic_arithmetic/test")
     with pytest.raises(ValueError, match="dataset"):
         rg.held_out()
 

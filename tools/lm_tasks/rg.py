@@ -6,8 +6,9 @@ exactly the problems its run held out:
         --include_path tools/lm_tasks --tasks posttrain_rg --apply_chat_template \\
         --metadata '{"dataset": "chain_sum", "seed": 1, "size": 64, "levels": "0"}'
 
-`dataset`, `seed` (the run's `config.seed`), `size` (`rl.eval_size`), `levels`
-(`rl.curriculum.rg_levels`) and `settings` (the dataset's part of `rl.rg_settings`, a dict) select
+`dataset` (or several, "chain_sum,basic_arithmetic": the run's held-out tasks of each, whose mean
+is the run's `eval/accuracy`), `seed` (the run's `config.seed`), `size` (`rl.eval_size`), `levels`
+(`rl.curriculum.rg_levels`) and `settings` (`rl.rg_settings` as {dataset: {setting: value}}) select
 the split as `rg_tasks` draws it for that run; the prompt is the user turn RL samples from (the
 question and the math instruction). Lives in tools/, not the package: it joins the RL task layer
 (`posttrain.rl`) to lm-eval (`posttrain.eval`), which the package keeps apart.
@@ -24,12 +25,19 @@ from posttrain.rl.verifiers.rg import RGTask, RGVerifier
 
 
 def held_out(dataset: str = "", seed: int = 0, size: int = 64, levels: str = "", settings: dict | None = None, **_):
-    """The run's held-out tasks of rg:`dataset` as split `test` (fields question, answer, task)."""
+    """The run's held-out tasks of rg:`dataset` ("a,b": of each, `size` per dataset, as `rl.eval_size`)
+    as split `test` (fields id, question, answer, task); `settings`: {dataset: {setting: value}}."""
     import datasets
 
     if not dataset:
         raise ValueError("posttrain_rg needs --metadata '{\"dataset\": NAME, ...}' (an rg dataset posttrain serves)")
-    tasks = rg_tasks(dataset, "test", size, run_seed=seed, settings=settings or {}, levels=parse_ints(levels) or None)
+    tasks = [
+        task
+        for name in dataset.split(",")
+        for task in rg_tasks(
+            name, "test", size, run_seed=seed, settings=(settings or {}).get(name), levels=parse_ints(levels) or None
+        )
+    ]
     rows = [
         {
             "id": t.id,
