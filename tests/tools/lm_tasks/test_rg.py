@@ -12,7 +12,7 @@ pytest.importorskip("reasoning_gym")
 
 from posttrain.rl.tasks.rg_domain import meaning, rg_tasks  # noqa: E402
 
-TASKS = str(Path(__file__).parents[2] / "tools" / "lm_tasks")
+TASKS = str(Path(__file__).parents[3] / "tools" / "lm_tasks")
 sys.path.insert(0, TASKS)
 import rg  # noqa: E402
 
