@@ -246,9 +246,11 @@ class WorkQueue:
         self._drop_results(batch)
 
     def reissue(self, batch: int) -> None:
-        """Make batch `batch` leasable again (its results, if any, dropped)."""
-        self.remove("leases", f"{batch}.json")
+        """Make batch `batch` leasable again (its results, if any, dropped). The results go first:
+        once the lease is gone a sampler may lease the batch again and deliver, and that result
+        stays (one delivered under the old lease in between is swept)."""
         self._drop_results(batch)
+        self.remove("leases", f"{batch}.json")
 
     def reissue_dead(self, timeout_s: float, now: float | None = None) -> list[int]:
         """Re-issue every unfinished batch leased by a sampler with no heartbeat for `timeout_s`."""

@@ -225,7 +225,7 @@ def deliver(queue, batch, version, tasks, run=None):
 
 def wait_reissued(queue, batch):
     deadline = time.time() + 10
-    while queue.result(batch) is not None:  # until the learner has dropped it
+    while queue.lease_token(batch) is not None:  # until the learner has dropped it and freed its lease
         assert time.time() < deadline
         time.sleep(0.01)
 

@@ -58,6 +58,27 @@ def test_a_stalled_samplers_late_result_of_a_consumed_batch_is_refused(workdir):
     assert late is False and again["lease"] != stalled["lease"]
 
 
+def test_a_result_delivered_as_soon_as_the_batch_is_reissued_is_kept(workdir):
+    """A fast sampler leases and delivers batch 0 the moment its old lease is released by
+    `reissue`: its result is the current lease's and must survive the re-issue (the learner
+    waited for a result the re-issue itself had deleted)."""
+    queue = WorkQueue(workdir)
+    queue.issue(0, TASKS, min_version=0, run="r")
+    first = queue.lease("a", bound=1)
+    assert queue.deliver(0, result(first, 0))
+    remove, fresh = queue.remove, {}
+
+    def remove_then_a_sampler_delivers(*parts):
+        remove(*parts)
+        if parts == ("leases", "0.json") and not fresh:
+            fresh.update(queue.lease("b", bound=1))
+            assert queue.deliver(0, result(fresh, 1))
+
+    queue.remove = remove_then_a_sampler_delivers
+    queue.reissue(0)
+    assert fresh["lease"] != first["lease"] and queue.result(0)["version"] == 1 and queue.pending() == [0]
+
+
 def test_a_result_that_slips_past_the_check_is_never_read_and_is_swept(workdir):
     """A re-issue between a sampler's check and its rename leaves a result no lease names: the
     learner reads the current lease's result only, back-pressure ignores the other, `sweep` removes it."""
