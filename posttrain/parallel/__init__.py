@@ -3,6 +3,7 @@
 from posttrain.parallel.agreement import Disagreement, agree
 from posttrain.parallel.distributed import (
     allgather_json,
+    broadcast_json,
     is_primary,
     local_rows,
     maybe_initialize_distributed,
@@ -38,6 +39,7 @@ __all__ = [
     "accelerator_paths",
     "agree",
     "allgather_json",
+    "broadcast_json",
     "constrain",
     "current",
     "decode_rules",

@@ -21,6 +21,7 @@ last checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -153,6 +154,49 @@ def allgather_json(value) -> list:
     padded[: data.size] = data
     rows = np.asarray(multihost_utils.process_allgather(padded))
     return [json.loads(rows[i, :n].tobytes()) for i, n in enumerate(sizes)]
+
+
+_broadcasts = itertools.count()
+KV_CHUNK = 1 << 20  # bytes per key-value entry (well under the coordination service's message limit)
+KV_WAIT_MS = 60_000  # one blocking read; a read that times out is tried again (the lead may poll for long)
+
+
+def broadcast_json(value):
+    """Process 0's JSON-serialisable `value` on every process (the others' `value` is not read).
+
+    It travels through the coordination service's key-value store, not a device collective: a
+    process waiting here leaves its devices free (a learner process must keep serving its shards
+    of the weights while it waits for its lead, who waits for the samplers those shards go to).
+    Every process calls it at the same point; one process: `value` itself."""
+    if jax.process_count() == 1:
+        return value
+    from jax._src import distributed
+
+    client, key = distributed.global_state.client, f"posttrain/broadcast/{next(_broadcasts)}"
+    if jax.process_index() == 0:
+        data = json.dumps(value).encode()
+        chunks = [data[i : i + KV_CHUNK] for i in range(0, len(data), KV_CHUNK)] or [b""]
+        for n, chunk in enumerate(chunks):
+            client.key_value_set_bytes(f"{key}/{n}", chunk)
+        client.key_value_set(f"{key}/chunks", str(len(chunks)))
+    else:
+        chunks = int(_blocking_get(client, f"{key}/chunks"))
+        value = json.loads(
+            b"".join(client.blocking_key_value_get_bytes(f"{key}/{n}", KV_WAIT_MS) for n in range(chunks))
+        )
+    client.wait_at_barrier(key, 10 * KV_WAIT_MS)  # every process has read it: the lead frees it
+    if jax.process_index() == 0:
+        client.key_value_delete(f"{key}/")
+    return value
+
+
+def _blocking_get(client, key: str) -> str:
+    while True:
+        try:
+            return client.blocking_key_value_get(key, KV_WAIT_MS)
+        except jax.errors.JaxRuntimeError as e:
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
 
 
 def local_rows(x: jax.Array) -> np.ndarray:

@@ -13,6 +13,10 @@ next lease re-syncs to the restarted learner's weights. A thread beats the heart
 on a lease progresses (`rl/rollout/liveness.py`), so the learner re-issues this sampler's leases
 once it has stopped or hung. Exits (status 0) when the learner writes `rl/finished.json`. It holds
 no workdir lock (the learner does) and writes nothing but the queue's files.
+
+A group may be several processes (`config.distributed`, as any multi-process run; as many as the
+learner's): one JAX program over their devices whose lead process alone talks to the queue, the
+others following its every decision (`rl/rollout/group.py`); each verifies its share of the groups.
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ from posttrain.parallel import mesh_and_rules, use_sharding
 from posttrain.rl.algo.critic import ValueDecoder
 from posttrain.rl.checks import check_rlvr_stage
 from posttrain.rl.rollout.episodes import rollout_episodes
+from posttrain.rl.rollout.group import from_lead, gather_payload, is_lead
+from posttrain.rl.rollout.hosts import combine_info
 from posttrain.rl.rollout.liveness import Heartbeat, Progress
 from posttrain.rl.rollout.transfer import LeaseLost, WeightClient, weight_shardings
-from posttrain.rl.rollout.worker import RolloutWorker
+from posttrain.rl.rollout.worker import SUMMED_INFO, RolloutWorker
 from posttrain.rl.rollout.workqueue import WorkQueue, encode_batch
 from posttrain.rl.tasks.registry import make_domains, make_reward_fn
 from posttrain.sampling.continuous import SlotConfig
@@ -77,7 +83,7 @@ def inflight_weights(
 
     def latest() -> tuple:
         moved()
-        if not alive():
+        if not from_lead(alive):
             raise LeaseLost(f"in flight at version {held[0][1]}: the lease is no longer this sampler's")
         newer = client.newest(held[0][1], alive)
         if newer is not None:
@@ -123,8 +129,10 @@ def sample_lease(loop: SamplerLoop, lease: dict) -> bool | None:
         logging.warning("rl sampler %s: batch %d dropped: %s", name, lease["batch"], e)
         return False
     version = min((ro.version for ro in batch.rollouts(version)), default=version)  # the oldest token's
-    parts = (batch.groups, batch.behav, batch.info, version, name, lease["run"], batch.routing)
-    if queue.deliver(lease["batch"], encode_batch(*parts, batch.versions, lease=lease["lease"])):
+    info = combine_info(batch.info, SUMMED_INFO)  # every process's share
+    parts = (batch.groups, batch.behav, info, version, name, lease["run"], batch.routing)
+    payload = gather_payload(encode_batch(*parts, batch.versions, lease=lease["lease"]))
+    if from_lead(lambda: queue.deliver(lease["batch"], payload)):
         return True
     why = "its lease is no longer ours (re-issued, or the learner restarted)"
     logging.warning("rl sampler %s: batch %d dropped: %s", name, lease["batch"], why)
@@ -137,7 +145,7 @@ def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
     check_rlvr_stage(cfg)  # also what disaggregated cannot do yet
     r = cfg.rl
     queue = WorkQueue(cfg.workdir)
-    name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+    name = from_lead(lambda: f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}")
     tok = load_tokenizer(cfg.data.tokenizer)
     domains, _ = make_domains(cfg, tok, make_reward_fn(r))
     tasks_by_id = {(d, t.id): t for d, dom in domains.items() for t in dom.tasks}
@@ -159,15 +167,17 @@ def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
         inflight_every=r.inflight_update_every,
         progress=(progress := Progress()).bump,
     )
-    delivered = 0
-    beat = Heartbeat(queue, name, r.lease_timeout_s / 4, progress, r.progress_deadline_s).start()
+    delivered, bound = 0, r.max_staleness + 1
+    beat = Heartbeat(queue, name, r.lease_timeout_s / 4, progress, r.progress_deadline_s)
+    if is_lead():
+        beat.start()
     logging.info("rl sampler %s: waiting for the learner in %s", name, queue.path())
     client = WeightClient(queue, name, specs, mesh, reconnect_s=r.reconnect_timeout_s)
     loop = SamplerLoop(queue, client, worker, progress, tasks_by_id, jax.random.key(cfg.seed), r, name)
     try:
         with use_sharding(mesh, rules):
-            while not queue.finished():
-                lease = queue.lease(name, bound=r.max_staleness + 1)
+            next_lease = lambda: "finished" if queue.finished() else queue.lease(name, bound)  # noqa: E731
+            while (lease := from_lead(next_lease)) != "finished":
                 if lease is None:
                     time.sleep(poll_s)
                     continue
@@ -178,5 +188,9 @@ def run_sampler(cfg, *, poll_s: float = 0.05) -> dict:
     finally:
         beat.stop()
         pool.shutdown(wait=False, cancel_futures=True)
-    logging.info("rl sampler %s: the learner finished; %d batches delivered", name, delivered)
-    return {"batches": delivered, "pulled_bytes": client.pulled_bytes}
+    rate = client.pulled_bytes / client.pull_s / 2**20 if client.pull_s else 0.0
+    logging.info(
+        "rl sampler %s: the learner finished; %d batches delivered; pulled %.1f MiB in %.2f s (%.1f MiB/s)",
+        *(name, delivered, client.pulled_bytes / 2**20, client.pull_s, rate),
+    )
+    return {"batches": delivered, "pulled_bytes": client.pulled_bytes, "pull_s": client.pull_s}

@@ -8,6 +8,7 @@ prints the figures BENCHMARKS quotes (kills, seconds to the next trained step af
 
 import json
 import random
+import re
 import sys
 import time
 
@@ -96,7 +97,14 @@ def test_kills_of_samplers_and_the_learner_lose_no_batch_and_change_no_weight(tm
     assert learner.wait() == 0, f"learner exit {learner.returncode}"
     for s in samplers:
         assert s.wait(60) == 0
+    pulls = [
+        tuple(map(float, m.groups()))
+        for path in tmp_path.glob("sampler*.log")
+        for m in re.finditer(r"pulled ([\d.]+) MiB in ([\d.]+) s", path.read_text())
+    ]  # (the samplers that lived to the end)
+    mib, pull_s = sum(m for m, _ in pulls), sum(t for _, t in pulls)
     figures = dict(kills=kills, seconds=round(time.time() - start), recover_s=[round(r, 1) for r in recovered])
+    figures.update(pulled_mib=round(mib, 2), pull_s=round(pull_s, 2), mib_per_s=round(mib / pull_s, 1) if pull_s else 0)
     print(json.dumps(figures), file=sys.stderr)
     assert len(kills) >= 4 and any(who == "learner" for who, _ in kills), figures
     assert rollouts(run) == rollouts(reference)  # every update: the same tasks and responses, once each

@@ -15,7 +15,8 @@ are the same.
 
 Not supported with several processes (refused at start, naming the key): dynamic sampling
 (`rl.filter_groups`: kept groups would be spread unevenly over processes), the overlapped producer
-(`rl.max_staleness > 0`), a learned reward model (`rl.reward_model`) and PPO with a critic
+(`rl.max_staleness > 0`, except where sampler groups sample: `rl.placement = disaggregated`), a
+learned reward model (`rl.reward_model`) and PPO with a critic
 (`rl.advantage = "gae"`: its whitening is a batch-wide statistic), and trajectory dumps
 (`rl.rollouts_every`: process 0 would write only its own groups). Multi-turn episodes
 (`rl.env = "tool"`, and stage eval's `repo_fix`) run across processes: each process steps its
@@ -52,7 +53,7 @@ def check_multihost_rl(cfg) -> None:
         return
     refused = {
         "rl.filter_groups": bool(r.filter_groups),
-        "rl.max_staleness": r.max_staleness > 0,
+        "rl.max_staleness": r.max_staleness > 0 and r.placement != "disaggregated",  # (no producer thread there)
         "rl.reward_model": bool(r.reward_model),
         "rl.advantage": r.advantage == "gae",
         "rl.rollouts_every": r.rollouts_every > 0,

@@ -43,7 +43,10 @@ def check_inflight(cfg) -> None:
         (s.prefix_cache > 0, "sampling.prefix_cache keeps prompt KV of one version"),
         (r.env != "single", f"rl.env={r.env!r} runs multi-turn episodes, sampled turn by turn"),
         (cfg.model.moe.routing_replay != "off", "model.moe.routing_replay records routing in one device loop"),
-        (jax.process_count() > 1, "several processes would have to agree on each switch"),
+        (  # a sampler group of several processes agrees on each switch (rl/rollout/group.py)
+            jax.process_count() > 1 and r.placement != "disaggregated",
+            "several processes would have to agree on each switch",
+        ),
     ]
     for refused, why in refusals:
         if refused:

@@ -18,6 +18,10 @@ re-issued; a lease whose sampler stopped beating for `rl.lease_timeout_s` is re-
 samplers exit 0. A learner stopped earlier leaves them waiting: a restarted learner resumes from
 its checkpoint (scheduler included: the same task sequence) under a new token and run id, and the
 samplers reconnect.
+
+The learner may be several processes (as a colocated run, `rl/rollout/hosts.py`): every process
+runs the scheduler and the loop, the lead process alone talks to the queue and hands each taken
+batch to the others (`rl/rollout/group.py`), and each trains on its share of the batch's groups.
 """
 
 from __future__ import annotations
@@ -26,12 +30,12 @@ import logging
 import secrets
 import time
 
-import jax
 import numpy as np
 
 from posttrain.config import ROLES
 from posttrain.errors import UserError
 from posttrain.rl.rollout.buffer import Rollout
+from posttrain.rl.rollout.group import from_lead, is_lead, local_share
 from posttrain.rl.rollout.transfer import WeightServer, transfer_module
 from posttrain.rl.rollout.worker import RolloutBatch
 from posttrain.rl.rollout.workqueue import WorkQueue, decode_batch, decode_versions
@@ -45,7 +49,6 @@ def check_disaggregated(cfg) -> None:
     r = cfg.rl
     transfer_module()
     refusals = [
-        (jax.process_count() > 1, "rl.placement", f"runs one process per group for now ({jax.process_count()})"),
         (r.filter_groups, "rl.filter_groups", "dynamic sampling re-draws from the learner's scheduler"),
         (cfg.sampling.quantize != "none", "sampling.quantize", "the sampler pulls the learner's unquantised layout"),
     ]
@@ -102,7 +105,8 @@ class RemoteProducer:
             poll_s,
         )
         self.tasks_by_id = {(name, t.id): t for name, d in domains.items() for t in d.tasks}
-        self.version, self.issued, self.draws, self.run = start, start, {}, secrets.token_hex(8)
+        self.version, self.issued, self.draws = start, start, {}
+        self.run = from_lead(lambda: secrets.token_hex(8))  # this learner's incarnation (one for its processes)
         self.steps = steps  # after taking batch steps − 1 the samplers are told to exit
         self.buffer = _Stats()
 
@@ -118,7 +122,8 @@ class RemoteProducer:
                 key="rl.role",
             )
         queue = WorkQueue(cfg.workdir)
-        queue.reset()
+        if is_lead():
+            queue.reset()
         mesh, rules = c.learner_sharding[:2]
         server = WeightServer(queue, mesh, rules, cfg.sampling.layout)
         domains = c.worker.domains
@@ -135,7 +140,7 @@ class RemoteProducer:
             steps=cfg.train.steps,
         )
         producer.publish(start, weights)
-        if start >= cfg.train.steps:  # nothing left to sample
+        if start >= cfg.train.steps and is_lead():  # nothing left to sample
             queue.finish()
         logging.info("rl learner: transfer server at %s; samplers find it in %s", server.server.address(), queue.path())
         return producer
@@ -152,19 +157,44 @@ class RemoteProducer:
         while self.issued <= last:
             p = self.issued
             tasks = self.scheduler.next_batch(self.num_groups)
-            self.queue.issue(p, tasks, min_version=max(0, p - self.max_staleness), run=self.run)
+            if is_lead():
+                self.queue.issue(p, tasks, min_version=max(0, p - self.max_staleness), run=self.run)
             self.draws[p] = self.scheduler.batches_drawn
             self.issued += 1
 
     def take(self, step: int) -> tuple[list[Rollout], RolloutBatch]:
         """Batch `step`'s rollouts and metadata, waiting for a sampler to deliver it; records its
-        groups in the scheduler (in order of issue)."""
+        groups in the scheduler (in order of issue). Several processes: this process's share."""
         self._issue_upto(step)
+        got = from_lead(lambda: self._await(step))
+        payload, self.buffer.dropped, self.buffer.reissued = got["payload"], got["dropped"], got["reissued"]
+        if is_lead():
+            self.queue.consume(step)
+            if step + 1 == self.steps:  # the last batch: the samplers may go
+                self.queue.finish()
+        groups, behav, routing = decode_batch(payload, self.tasks_by_id)
+        for g in groups:
+            self.scheduler.record(g.domain, g.task.id, g.verdicts)
+        info = {**payload["info"], "kept_groups": len(groups)}
+        state = {**self.scheduler.get_state(), "batches": self.draws.pop(step)}
+        versions = decode_versions(payload)
+        every = RolloutBatch(groups, behav, info, state, self.scheduler.metrics(), routing, versions).rollouts(
+            payload["version"]  # in-flight updates: each group's oldest token's version
+        )
+        self.buffer.handed_out += len(groups)
+        self.buffer.staleness = [step - ro.version for ro in every]
+        groups, behav, routing, versions = local_share(groups, behav, routing, versions)
+        batch = RolloutBatch(groups, behav, info, state, self.scheduler.metrics(), routing, versions)
+        return batch.rollouts(payload["version"]), batch
+
+    def _await(self, step: int) -> dict:
+        """Batch `step`'s result from the queue (the lead process), dropping and re-issuing stale
+        ones and the leases of stopped samplers meanwhile; with the counters of both."""
         while True:
             payload = self.queue.result(step)
             if payload is not None:
                 if payload["run"] == self.run and 0 <= step - payload["version"] <= self.max_staleness:
-                    break
+                    return {"payload": payload, "dropped": self.buffer.dropped, "reissued": self.buffer.reissued}
                 self.buffer.dropped += len(payload["groups"])  # too stale, or sampled for an earlier learner
                 logging.warning(
                     "rl learner: batch %d of version %d (run %s) dropped; re-issued", step, *payload_id(payload)
@@ -177,19 +207,6 @@ class RemoteProducer:
                 logging.warning("rl learner: batches %s re-issued (their sampler stopped)", again)
                 self.buffer.reissued += len(again)
             time.sleep(self.poll_s)
-        self.queue.consume(step)
-        if step + 1 == self.steps:  # the last batch: the samplers may go
-            self.queue.finish()
-        groups, behav, routing = decode_batch(payload, self.tasks_by_id)
-        for g in groups:
-            self.scheduler.record(g.domain, g.task.id, g.verdicts)
-        info = {**payload["info"], "kept_groups": len(groups)}
-        state = {**self.scheduler.get_state(), "batches": self.draws.pop(step)}
-        batch = RolloutBatch(groups, behav, info, state, self.scheduler.metrics(), routing, decode_versions(payload))
-        rollouts = batch.rollouts(payload["version"])  # in-flight updates: each group's oldest token's version
-        self.buffer.handed_out += len(groups)
-        self.buffer.staleness = [step - ro.version for ro in rollouts]
-        return rollouts, batch
 
     def close(self) -> None:
         """Stop serving weights. The samplers were told to exit when the last batch was taken; a

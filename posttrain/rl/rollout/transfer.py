@@ -14,9 +14,13 @@ readable by the learner's user only (mode 0600): samplers run as that user on a 
 which is the trust boundary, as for checkpoints.
 
 A pull needs the same shard layout on both sides, so a sampler group runs the learner's mesh shape
-(`WeightClient` checks it) with the weights in the sampler's layout (`weight_shardings`). An offer
-whose sampler died before pulling keeps one copy of that version alive in the learner (bounded by
-the number of dead samplers).
+over as many processes (`WeightClient` checks both) with the weights in the sampler's layout
+(`weight_shardings`). With several processes (`rl/rollout/group.py`) every learner process serves
+its own shards: learner.json lists each process's address, the lead process of each side makes and
+answers the wants, the other learner processes serve each offer the lead made (they keep the last
+two versions: the lead may offer one they have just replaced), and process i of a sampler group
+pulls from learner process i. An offer whose sampler died before pulling keeps one copy of that
+version alive in the learner (bounded by the number of dead samplers).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ import jax
 import jax.numpy as jnp
 
 from posttrain.errors import UserError
-from posttrain.parallel import shardings_for
+from posttrain.parallel import agree, allgather_json, broadcast_json, shardings_for
+from posttrain.rl.rollout.group import from_lead, is_lead
 from posttrain.rl.rollout.ticker import Ticker
 from posttrain.rl.rollout.workqueue import WorkQueue
 from posttrain.sampling.layout import sampler_rules
@@ -90,30 +95,40 @@ class WeightServer:
     def __init__(self, queue: WorkQueue, mesh, rules, layout: str, *, host: str | None = None, poll_s=0.02):
         self.queue, self.mesh, self.rules, self.layout = queue, mesh, rules, layout
         self.server = start_server(host or bind_host())
-        self.token = secrets.token_hex(16)
-        self.offers = 0
-        self._lock, self._current, self._served, self._copy = threading.Lock(), None, {}, None
+        self.token = broadcast_json(secrets.token_hex(16))  # every learner process names offers alike
+        self.addresses = allgather_json(self.server.address())  # sampler process i pulls from process i
+        self.learner = hashlib.sha256(self.token.encode()).hexdigest()[:16]  # names this learner, not its token
+        self.offers, self.keep = 0, 1 if jax.process_count() == 1 else 2
+        self._lock, self._copies, self._served, self._copy = threading.Lock(), {}, {}, None
         self._ticker = Ticker(self.serve_pending, poll_s, "weights")
 
     def publish(self, version: int, weights: tuple) -> None:
         """Offer `weights` ((params, rest)) as `version`: copied into fresh buffers (the learner's
-        are donated to its next update), then announced in learner.json."""
+        are donated to its next update), then announced in learner.json (by the lead process)."""
         if self._copy is None:
             self._copy = jax.jit(
                 lambda t: jax.tree.map(jnp.copy, t), out_shardings=weight_shardings(weights, *self._layout())
             )
         copy = self._copy(weights)
         with self._lock:
-            self._current = (version, copy)
-        info = {"address": self.server.address(), "token": self.token, "version": version, "pid": os.getpid()}
-        self.queue.write({**info, "mesh": dict(self.mesh.shape)}, "learner.json", mode=0o600)
+            self._copies = {**{v: c for v, c in self._copies.items() if v < version}, version: copy}
+            self._copies = dict(sorted(self._copies.items())[-self.keep :])
+        if is_lead():
+            info = {"address": self.addresses[0], "addresses": self.addresses, "token": self.token, "version": version}
+            self.queue.write({**info, "pid": os.getpid(), "mesh": dict(self.mesh.shape)}, "learner.json", mode=0o600)
         self._ticker.start()
 
     def _layout(self) -> tuple:
         return self.mesh, self.rules, self.layout
 
     def serve_pending(self) -> int:
-        """Offer the newest weights to every sampler with an unanswered want; how many were offered."""
+        """Offer the newest weights to every sampler with an unanswered want (the lead process), or
+        serve this process's shards under each offer the lead made (the others); how many."""
+        offered = self._offer_wanted() if is_lead() else self._serve_offered()
+        self.offers += offered
+        return offered
+
+    def _offer_wanted(self) -> int:
         offered = 0
         for name in sorted(self.queue.names("pulls")):
             if not name.endswith(".want.json"):
@@ -123,13 +138,35 @@ class WeightServer:
             if want is None or self._served.get(sampler) == want["nonce"]:
                 continue
             with self._lock:
-                version, arrays = self._current
+                version, arrays = max(self._copies.items())
             self.server.await_pull(offer_uuid(self.token, sampler, want["nonce"], version), jax.tree.leaves(arrays))
             self._served[sampler] = want["nonce"]
-            self.queue.write({"nonce": want["nonce"], "version": version}, "pulls", f"{sampler}.offer.json")
+            offer = {"nonce": want["nonce"], "version": version, "learner": self.learner}
+            self.queue.write(offer, "pulls", f"{sampler}.offer.json")
             offered += 1
-        self.offers += offered
         return offered
+
+    def _serve_offered(self) -> int:
+        served = 0
+        for name in sorted(self.queue.names("pulls")):
+            if not name.endswith(".offer.json"):
+                continue
+            sampler = name[: -len(".offer.json")]
+            offer = self.queue.read("pulls", name)
+            if offer is None or offer.get("learner") != self.learner or self._served.get(sampler) == offer["nonce"]:
+                continue
+            with self._lock:
+                arrays, newest = self._copies.get(offer["version"]), max(self._copies)
+            if arrays is None and offer["version"] > newest:
+                continue  # the lead published it first: so will this process, shortly
+            if arrays is None:
+                logging.error("rl learner: version %d offered to %s is no longer held here", offer["version"], sampler)
+            else:
+                uuid = offer_uuid(self.token, sampler, offer["nonce"], offer["version"])
+                self.server.await_pull(uuid, jax.tree.leaves(arrays))
+                served += 1
+            self._served[sampler] = offer["nonce"]
+        return served
 
     def close(self) -> None:
         """Stop serving (offers already made stay pullable while the process lives)."""
@@ -149,10 +186,11 @@ BACKOFF_MAX_S = 5.0  # the longest wait between two tries of a failed pull
 
 
 class WeightClient:
-    """A sampler's side: finds the learner through learner.json and pulls newer versions. A pull
-    that fails (the learner died mid-pull: `JaxRuntimeError: … Connection closed`) is tried again
-    with backoff after re-reading learner.json (a restarted learner is connected to), for up to
-    `reconnect_s` seconds of failures in a row; then LearnerUnreachable."""
+    """A sampler group's side: finds the learner through learner.json and pulls newer versions. A
+    pull that fails (the learner died mid-pull: `JaxRuntimeError: … Connection closed`) is tried
+    again with backoff after re-reading learner.json (a restarted learner is connected to), for up to
+    `reconnect_s` seconds of failures in a row; then LearnerUnreachable. With several processes the
+    lead decides each step from the queue (`_plan`) and every process acts on it (`rl/rollout/group.py`)."""
 
     def __init__(
         self,
@@ -172,40 +210,63 @@ class WeightClient:
         self.token = self.conn = self.weights = None
         self.version = -1
         self.pulled_bytes = self.restarts = 0
+        self.pull_s = 0.0
 
     def newest(self, min_version: int, alive: Callable[[], bool] | None = None) -> tuple | None:
         """((params, rest), version) of the newest published version, pulled when newer than the
         one held, waiting until it is at least `min_version` (a sampler started before the learner
-        waits for learner.json); None once the learner has finished. `alive`: whether the lease
-        this is for is still the sampler's; LeaseLost once it is not (a restarted learner, resumed
-        from an older checkpoint, may never reach `min_version`: its leases are new ones)."""
+        waits for learner.json); None once the learner has finished. `alive` (read on the lead
+        process): whether the lease this is for is still the sampler's; LeaseLost once it is not (a
+        restarted learner, resumed from an older checkpoint, may never reach `min_version`: its
+        leases are new ones)."""
         failing = None  # (since, tries) while pulls fail
         while True:
-            if alive is not None and not alive():
+            plan = from_lead(lambda: self._plan(min_version, alive))
+            if plan["kind"] == "lost":
                 raise LeaseLost(f"waiting for version {min_version}: the lease is no longer this sampler's")
-            info = self.queue.read("learner.json")
+            if plan["kind"] == "finished":
+                return None
+            if plan["kind"] == "ready":
+                return self.weights, self.version
+            info, error = plan.get("info"), None
             try:
                 if info is not None and (info["token"] != self.token or self.conn is None):
                     self._connect(info)
-                if info is not None and info["version"] > self.version and not self._pull():
-                    return None
+                if plan["kind"] == "pull":
+                    self._pull(plan["offer"])
             except jax.errors.JaxRuntimeError as e:
-                failing = self._failed(e, info, failing)
+                error = e
+            if not agree(error is None, name="a weight pull's success", reduce="all"):
+                failing = self._failed(error, info, failing)
                 continue
             failing = None
-            if self.version >= min_version:
-                return self.weights, self.version
-            if self.queue.finished():
-                return None
-            time.sleep(self.poll_s)
+            if plan["kind"] == "wait":
+                time.sleep(self.poll_s)
 
-    def _failed(self, error: Exception, info: dict, failing: tuple | None) -> tuple[float, int]:
-        """A connection or pull failed: wait (doubling from poll_s up to BACKOFF_MAX_S) and drop the
-        connection, so the next try re-reads learner.json and reconnects; (since, tries), or
-        LearnerUnreachable once failures have lasted `reconnect_s`."""
+    def _plan(self, min_version: int, alive: Callable[[], bool] | None) -> dict:
+        """The lead's next step from the queue: lost (the lease), finished (the learner), pull (an
+        offer of newer weights, after asking for it), ready (held weights are new enough), wait."""
+        if alive is not None and not alive():
+            return {"kind": "lost"}
+        info = self.queue.read("learner.json")
+        if info is not None and (info["token"] != self.token or info["version"] > self.version):
+            offer = self._ask(info)
+            if offer is not None:
+                return {"kind": "pull", "info": info, "offer": offer}
+            return {"kind": "finished"} if self.queue.finished() else {"kind": "again"}  # (replaced: read it again)
+        if self.version >= min_version:
+            return {"kind": "ready"}
+        return {"kind": "finished"} if self.queue.finished() else {"kind": "wait", "info": info}
+
+    def _failed(self, error: Exception | None, info: dict, failing: tuple | None) -> tuple[float, int]:
+        """A connection or pull failed (on some process): wait (doubling from poll_s up to
+        BACKOFF_MAX_S) and drop the connection, so the next try re-reads learner.json and
+        reconnects; (since, tries), or LearnerUnreachable once failures have lasted `reconnect_s`
+        (by the lead's clock)."""
         now = self.clock()
         since, tries = failing or (now, 0)
-        if now - since >= self.reconnect_s:
+        error = error or RuntimeError("another process of this sampler group failed to pull")
+        if from_lead(lambda: now - since >= self.reconnect_s):
             raise LearnerUnreachable(
                 f"rl sampler {self.sampler}: no pull from the learner at {info['address']} succeeded for "
                 f"{now - since:.0f} s (rl.reconnect_timeout_s={self.reconnect_s:g}); last error: {error}"
@@ -223,29 +284,40 @@ class WeightClient:
                 "under rl.placement='disaggregated' a sampler group runs the learner's mesh.* for now",
                 key="rl.placement",
             )
+        addresses = info.get("addresses", [info["address"]])
+        if len(addresses) != jax.process_count():
+            raise UserError(
+                f"this sampler group runs {jax.process_count()} process(es), the learner {len(addresses)}: under "
+                "rl.placement='disaggregated' each sampler process pulls its shards from the learner process of "
+                "its index, so a group runs as many processes as the learner",
+                key="rl.placement",
+            )
         if self.token not in (None, info["token"]):  # another learner (restarted: versions may go backwards)
             self.restarts += 1
             logging.warning(
                 "rl sampler %s: the learner restarted at version %d; re-syncing", self.sampler, info["version"]
             )
-        self.conn = self.server.connect(info["address"])
+        self.conn = self.server.connect(addresses[jax.process_index()])
         if info["token"] != self.token:
             self.token, self.version = info["token"], -1
 
-    def _pull(self) -> bool:
-        """Ask for the newest weights and pull them; False when the learner finished meanwhile
-        (True, nothing pulled, when another learner replaced it: the caller reconnects)."""
+    def _ask(self, info: dict) -> dict | None:
+        """Ask the learner of `info` for its newest weights (the lead process): its offer, or None
+        when the learner finished or another learner replaced it meanwhile."""
         nonce = secrets.token_hex(8)
         self.queue.write({"nonce": nonce}, "pulls", f"{self.sampler}.want.json")
         while (offer := self.queue.read("pulls", f"{self.sampler}.offer.json")) is None or offer["nonce"] != nonce:
-            if self.queue.finished():
-                return False
-            if (self.queue.read("learner.json") or {}).get("token") != self.token:
-                return True
+            if self.queue.finished() or (self.queue.read("learner.json") or {}).get("token") != info["token"]:
+                return None
             time.sleep(self.poll_s)
+        return offer
+
+    def _pull(self, offer: dict) -> None:
+        """Pull this process's shards of the weights `offer` names (every process of the group)."""
         leaves, tree = jax.tree.flatten(self.specs)
-        flat = self.conn.pull(offer_uuid(self.token, self.sampler, nonce, offer["version"]), leaves)
+        t0 = time.perf_counter()
+        flat = self.conn.pull(offer_uuid(self.token, self.sampler, offer["nonce"], offer["version"]), leaves)
         self.weights = jax.block_until_ready(jax.tree.unflatten(tree, flat))
         self.version = offer["version"]
         self.pulled_bytes += sum(x.size * x.dtype.itemsize for x in leaves)
-        return True
+        self.pull_s += time.perf_counter() - t0

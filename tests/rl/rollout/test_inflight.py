@@ -105,6 +105,18 @@ def test_inflight_updates_are_refused_where_they_cannot_act(overrides, words):
     assert e.value.key == "rl.inflight_update_every"
 
 
+def test_several_processes_switch_in_flight_only_as_a_sampler_group(monkeypatch):
+    """A disaggregated sampler group of several processes agrees on each switch (its lead decides,
+    rl/rollout/group.py); several processes of one colocated program are refused."""
+    from posttrain.rl.rollout import inflight
+
+    monkeypatch.setattr(inflight.jax, "process_count", lambda: 2)
+    check_inflight(inflight_cfg(**{"rl.placement": "disaggregated", "rl.role": "sampler"}))
+    with pytest.raises(UserError, match="agree on each switch") as e:
+        check_inflight(inflight_cfg())
+    assert e.value.key == "rl.inflight_update_every"
+
+
 def test_the_staleness_bound_is_per_sequence_and_the_learner_checks_it():
     """A rollout's version is its oldest token's: the buffer drops a long sequence whose first tokens
     lag past the bound whole, though its last tokens are fresh (no per-token bound keeps them). The
