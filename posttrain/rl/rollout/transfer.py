@@ -128,15 +128,18 @@ class WeightServer:
         self.offers += offered
         return offered
 
+    def _unanswered(self, kind: str):
+        """(sampler, record) of each `pulls/<sampler>.<kind>.json` whose nonce this process has not
+        served yet."""
+        suffix = f".{kind}.json"
+        for name in sorted(self.queue.names("pulls")):
+            record = self.queue.read("pulls", name) if name.endswith(suffix) else None
+            if record is not None and self._served.get(name[: -len(suffix)]) != record["nonce"]:
+                yield name[: -len(suffix)], record
+
     def _offer_wanted(self) -> int:
         offered = 0
-        for name in sorted(self.queue.names("pulls")):
-            if not name.endswith(".want.json"):
-                continue
-            sampler = name[: -len(".want.json")]
-            want = self.queue.read("pulls", name)
-            if want is None or self._served.get(sampler) == want["nonce"]:
-                continue
+        for sampler, want in self._unanswered("want"):
             with self._lock:
                 version, arrays = max(self._copies.items())
             self.server.await_pull(offer_uuid(self.token, sampler, want["nonce"], version), jax.tree.leaves(arrays))
@@ -148,13 +151,9 @@ class WeightServer:
 
     def _serve_offered(self) -> int:
         served = 0
-        for name in sorted(self.queue.names("pulls")):
-            if not name.endswith(".offer.json"):
-                continue
-            sampler = name[: -len(".offer.json")]
-            offer = self.queue.read("pulls", name)
-            if offer is None or offer.get("learner") != self.learner or self._served.get(sampler) == offer["nonce"]:
-                continue
+        for sampler, offer in self._unanswered("offer"):
+            if offer.get("learner") != self.learner:
+                continue  # an earlier learner's
             with self._lock:
                 arrays, newest = self._copies.get(offer["version"]), max(self._copies)
             if arrays is None and offer["version"] > newest:
