@@ -31,6 +31,11 @@ length, 50 per depth):
   of 512-1000 tokens (`--config.data.synthetic_min_length=512`): 0.96 / 0.97 / 0.93, effective
   context 1024.
 
+These figures are one initialisation (seed 0). From seed 1 the same 1600-step command gives kv 0.19
+at 256 on 8 devices (issue 46), and in 2400-step runs on one device the match forms late: 0.45 at
+step 1600, 0.69 at 2400; BENCHMARKS, "kv recall from another initialisation", has the levers
+measured so far. The recipe does not yet form in every initialisation.
+
 Why lr 1e-3: at 5e-3 (the earlier rounds, BENCHMARKS "... earlier rounds at lr 5e-3") the key
 match formed in 1 of 4 runs by step 1600; at 1e-3 it forms by step ~1000. Why `kv` and not
 `recall` ("QZX=4821."): with "=" between key and value, the first digit follows the same "=" in

@@ -26,6 +26,7 @@ batch to the others (`rl/rollout/group.py`), and each trains on its share of the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -177,15 +178,12 @@ class RemoteProducer:
             self.scheduler.record(g.domain, g.task.id, g.verdicts)
         info = {**payload["info"], "kept_groups": len(groups)}
         state = {**self.scheduler.get_state(), "batches": self.draws.pop(step)}
-        versions = decode_versions(payload)
-        every = RolloutBatch(groups, behav, info, state, self.scheduler.metrics(), routing, versions).rollouts(
-            payload["version"]  # in-flight updates: each group's oldest token's version
-        )
-        self.buffer.handed_out += len(groups)
-        self.buffer.staleness = [step - ro.version for ro in every]
-        groups, behav, routing, versions = local_share(groups, behav, routing, versions)
-        batch = RolloutBatch(groups, behav, info, state, self.scheduler.metrics(), routing, versions)
-        return batch.rollouts(payload["version"]), batch
+        batch = RolloutBatch(groups, behav, info, state, self.scheduler.metrics(), routing, decode_versions(payload))
+        self.buffer.handed_out += len(groups)  # (in-flight updates: each group's version is its oldest token's)
+        self.buffer.staleness = [step - ro.version for ro in batch.rollouts(payload["version"])]
+        fields = ("groups", "behav", "routing", "versions")
+        mine = dataclasses.replace(batch, **dict(zip(fields, local_share(*(getattr(batch, f) for f in fields)))))
+        return mine.rollouts(payload["version"]), mine
 
     def _await(self, step: int) -> dict:
         """Batch `step`'s result from the queue (the lead process), dropping and re-issuing stale
