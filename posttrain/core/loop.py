@@ -141,9 +141,6 @@ def train(cfg: RunConfig, stage: TrainSpec) -> Result:
         )
         loop = Loop(cfg, stage, run, data, step_fn, graphdef, shards, start_lineage(run.ckpt, start, cfg.init_from))
         state = run_steps(loop, state, start)
-        if stage.eval_fn is not None and not loop.evals:  # resumed after the last step: gates still need it
-            loop.evals = run_eval(stage, graphdef, state, cfg.lora)
-            logging.info("%s step %d: %s", stage.name, int(state.step), summary(loop.evals))
     logging.info("%s: finished %d steps in %s", stage.name, steps, cfg.workdir)
     return Result(graphdef, state, loop.rows, loop.evals, getattr(step_fn, "_cache_size", lambda: 0)())
 
@@ -157,8 +154,10 @@ def run_steps(loop: Loop, state: TrainState, start: int) -> TrainState:
     timer = [time.perf_counter(), start - 1]  # (time, step) of the last row
     loop.counts = DataCounts(stage.name)
     in_flight = deque(maxlen=MAX_STEPS_AHEAD + 1)
-    if start == 0 and cfg.train.eval_first and stage.eval_fn is not None:
-        evaluate(loop, state, 0)
+    if stage.eval_fn is not None and (evaluation_due(cfg, start, run.steps) if start else cfg.train.eval_first):
+        # resumed from the checkpoint saved right after an evaluation: its row went with the rows
+        # past that checkpoint (MetricsWriter), so it is run again (the same weights, the same row)
+        evaluate(loop, state, start)
     for step in bar:
         batch = loop.data.at(step)
         batch = put_batch(balanced_batch(batch, loop.shards, cfg.model.attention_block)[0], stage.batch_axes)
@@ -170,12 +169,15 @@ def run_steps(loop: Loop, state: TrainState, start: int) -> TrainState:
         if step % cfg.train.log_every == 0 or step == run.steps - 1:
             log_row(loop, bar, step, metrics, timer)
         done = step + 1
-        if stage.eval_fn is not None and (
-            done == run.steps or cfg.train.eval_every and done % cfg.train.eval_every == 0
-        ):
+        if stage.eval_fn is not None and evaluation_due(cfg, done, run.steps):
             evaluate(loop, state, done)
         run.end_step(done, functools.partial(save, loop, done, state, trained))  # (read when a save is due)
     return state
+
+
+def evaluation_due(cfg: RunConfig, done: int, steps: int) -> bool:
+    """Whether the stage evaluates after `done` updates: every `train.eval_every` and at the end."""
+    return done == steps or bool(cfg.train.eval_every) and done % cfg.train.eval_every == 0
 
 
 def evaluate(loop: Loop, state: TrainState, done: int) -> None:

@@ -203,7 +203,10 @@ def make_sampler_log(cfg, tok: Tokenizer, files: str, n: int = 3):
         temperature=0.0, max_new_tokens=cfg.sft.sample_tokens, stop_ids=tuple(tok.stop_ids), max_context=limit
     )
 
+    fresh = True  # the first write drops the lines at or past its step: a resumed run writes them again
+
     def sample_fn(model: nnx.Module, step: int) -> None:
+        nonlocal fresh
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         out = generate(
             graphdef,
@@ -221,6 +224,11 @@ def make_sampler_log(cfg, tok: Tokenizer, files: str, n: int = 3):
             lines.append(json.dumps({"step": step, "prompt": text, "completion": completion}) + "\n")
             logging.info("sample %d: %r → %r", i, text[-80:], completion[:160])
         if is_primary():
-            storage.append_text(storage.join(cfg.workdir, "samples.jsonl"), "".join(lines))
+            path = storage.join(cfg.workdir, "samples.jsonl")
+            if fresh and storage.exists(path):
+                earlier = storage.read_text(path).splitlines(keepends=True)
+                storage.write_text(path, "".join(line for line in earlier if json.loads(line)["step"] < step))
+            fresh = False
+            storage.append_text(path, "".join(lines))
 
     return sample_fn

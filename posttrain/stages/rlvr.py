@@ -165,8 +165,12 @@ def run(cfg: RunConfig) -> Result:
 def train_loop(c: Components, rl: RLState, run: Harness) -> tuple[RLState, list[dict]]:
     """Steps `rl.step` … `run.steps − 1`: rollout, learn, publish, log, evaluate, checkpoint."""
     cfg, r, rows, steps = c.cfg, c.cfg.rl, [], run.steps
-    if r.eval_every and rl.step == 0:
-        rl = run_eval(c, rl, run.writer, 0)
+
+    def evaluation_due(done: int) -> bool:
+        return bool(r.eval_every) and (done % r.eval_every == 0 or done == steps)
+
+    if evaluation_due(rl.step):  # the starting weights; or resumed from the checkpoint saved right after
+        rl = run_eval(c, rl, run.writer, rl.step)  # an evaluation, whose row went with the rows past it
     bar = run.bar(rl.step)
     wall0, busy0 = time.perf_counter(), c.clock.total
     first = rl.step
@@ -204,7 +208,7 @@ def train_loop(c: Components, rl: RLState, run: Harness) -> tuple[RLState, list[
             if "rl/reward_mean" in metrics:
                 bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
             run.alert(step, rows[-1], bar)
-        if r.eval_every and (rl.step % r.eval_every == 0 or rl.step == steps):
+        if evaluation_due(rl.step):
             rl = run_eval(c, rl, run.writer, rl.step)  # at the number of updates it measures, as its checkpoint
         run.end_step(rl.step, partial(save, c, run.ckpt, rl))
     return rl, rows

@@ -38,3 +38,33 @@ def test_eval_first_without_an_evaluating_stage_is_refused_naming_the_key(tmp_pa
     cfg.sft.eval_files = ""
     with pytest.raises(UserError, match="train.eval_first=True: no stage of this run \\(sft\\) evaluates"):
         run_config(cfg).check_stages()
+
+
+def test_a_resume_from_the_checkpoint_of_an_evaluation_logs_that_evaluation_again(tmp_path):
+    """The evaluation after `done` updates is logged before the checkpoint at `done` and a resume
+    drops the rows at or past its checkpoint's step: a run resumed from the step of an evaluation
+    (or after its last step) logs that evaluation again, so metrics.jsonl and samples.jsonl read as
+    the uninterrupted run's (the evaluation at step 3 was missing from the resumed run)."""
+    import json
+    import shutil
+
+    from posttrain.main import run
+
+    def logged(workdir):
+        rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+        samples = [json.loads(line) for line in (workdir / "samples.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows], samples
+
+    def config(workdir):
+        cfg = sft_config(workdir, eval_every=3)
+        cfg.checkpoint.update(every=3, async_save=False)
+        return cfg
+
+    full = run(config(tmp_path))
+    assert [r["step"] for r in full.rows if "eval/loss" in r] == [3, 6]
+    uninterrupted = logged(tmp_path)
+    shutil.rmtree(tmp_path / "checkpoints" / "6")  # killed after step 3's checkpoint
+    resumed = run(config(tmp_path))
+    assert logged(tmp_path) == uninterrupted and resumed.eval == full.eval
+    again = run(config(tmp_path))  # resumed after the last step: the final evaluation again
+    assert logged(tmp_path) == uninterrupted and again.eval == full.eval

@@ -107,17 +107,28 @@ def test_rl_batch_aligns_targets_masks_and_behaviour_logprobs():
 
 def test_resume_continues_exactly(tmp_path):
     """Lose the last checkpoint, run again: the step, scheduler position, RNG stream and policy
-    version carry on from the one before, so the metrics equal the uninterrupted run's."""
-    cfg = tiny(tmp_path, steps=4, kl_coef=0.05)  # the KL reference must come back too
+    version carry on from the one before, so the metrics equal the uninterrupted run's; the held-out
+    evaluation logged just before the checkpoint resumed from is logged again (it was missing)."""
+    cfg = tiny(tmp_path, steps=4, kl_coef=0.05, eval_every=2, eval_size=4)  # the KL reference must come back too
     cfg.checkpoint.every = 2
     loop.run(typed(cfg))
     before = rows(tmp_path)
     shutil.rmtree(tmp_path / "checkpoints" / "4")
-    loop.run(typed(cfg))  # resumes from step 2
+    resumed = loop.run(typed(cfg))  # resumes from step 2
     after = rows(tmp_path)
-    assert [r["step"] for r in after] == [0, 1, 2, 3]
+    assert [(r["step"], "eval/accuracy" in r) for r in after] == [
+        (0, True),
+        (0, False),
+        (1, False),
+        (2, True),
+        (2, False),
+        (3, False),
+        (4, True),
+    ]  # evaluations at the number of updates they measure, each before its checkpoint
+    assert [r["step"] for r in before] == [r["step"] for r in after] and resumed.eval.keys() >= {"eval/accuracy"}
     for x, y in zip(before, after):
-        for k in ("loss", "rl/reward_mean", "rl/adv_max", "rl/entropy", "rl/kl", "tasks/arithmetic/samples"):
+        assert x.keys() == y.keys()
+        for k in x.keys() - set(TIMING):
             np.testing.assert_allclose(y[k], x[k], rtol=1e-5, err_msg=f"step {x['step']} {k}")
 
 
