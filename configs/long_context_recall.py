@@ -22,7 +22,7 @@ distractors and questions per context than evaluated).
 
 Measured over initialisations (issue 46; BENCHMARKS.md, "kv recall from another initialisation";
 150 held-out problems at 256, greedy; one core a run, ~45 min for 3200 steps when the core is free):
-- kv at 256 after 3200 steps, seeds 0 / 1 / 2: 0.95 / 0.94 / 0.87 (all three >= 0.85), by
+- kv at 256 after 3200 steps, seeds 0 / 1 / 2: 0.95 / 0.94 / 0.89 (all three >= 0.85), by
   `python tools/seeds.py configs/long_context_recall.py --seeds 0,1,2 --parallel 2`. At 1600 steps
   0.93 / 0.87 / 0.65: seed 2 forms later. The recipe that came before (width 64, MLP 256, 1600 steps,
   cosine decay to 0.1 × lr) gave 0.89 from seed 0 and 0.19 from seed 1 (0.45 at step 1600 and 0.69 at
