@@ -43,6 +43,13 @@ class Result:
 CHECKPOINT_ITEMS = ("params", "rest", "opt_state")  # the step is the checkpoint's own number
 
 
+def evaluation_due(done: int, steps: int, every: int) -> bool:
+    """Whether a loop evaluates after `done` of `steps` updates: every `every` (0: never) and at the
+    end. A loop also evaluates on resuming from a step where this holds: the evaluation was logged
+    before that step's checkpoint and its row went with the rows past it (MetricsWriter)."""
+    return done == steps or bool(every) and done % every == 0
+
+
 def restore_target(state_shapes: TrainState, shardings: TrainState) -> dict[str, Any]:
     """What a resume asks orbax for: the `CHECKPOINT_ITEMS` of the train state as
     ShapeDtypeStructs carrying the train step's shardings, so each array is read straight into

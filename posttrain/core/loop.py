@@ -25,7 +25,7 @@ from posttrain.config import RunConfig
 from posttrain.core import lineage
 from posttrain.core.alerts import AlertMonitor
 from posttrain.core.batch import put_batch
-from posttrain.core.harness import CHECKPOINT_ITEMS, Harness, Result, start_lineage, starting_state
+from posttrain.core.harness import CHECKPOINT_ITEMS, Harness, Result, evaluation_due, start_lineage, starting_state
 from posttrain.core.metrics import DataCounts, compiled, summary
 from posttrain.core.optim import lr_schedule, make_optimizer
 from posttrain.core.state import TrainState, create_train_state, model_params
@@ -154,10 +154,9 @@ def run_steps(loop: Loop, state: TrainState, start: int) -> TrainState:
     timer = [time.perf_counter(), start - 1]  # (time, step) of the last row
     loop.counts = DataCounts(stage.name)
     in_flight = deque(maxlen=MAX_STEPS_AHEAD + 1)
-    if stage.eval_fn is not None and (evaluation_due(cfg, start, run.steps) if start else cfg.train.eval_first):
-        # resumed from the checkpoint saved right after an evaluation: its row went with the rows
-        # past that checkpoint (MetricsWriter), so it is run again (the same weights, the same row)
-        evaluate(loop, state, start)
+    every = cfg.train.eval_every
+    if stage.eval_fn is not None and (evaluation_due(start, run.steps, every) if start else cfg.train.eval_first):
+        evaluate(loop, state, start)  # the starting weights, or again on resuming (evaluation_due)
     for step in bar:
         batch = loop.data.at(step)
         batch = put_batch(balanced_batch(batch, loop.shards, cfg.model.attention_block)[0], stage.batch_axes)
@@ -169,15 +168,10 @@ def run_steps(loop: Loop, state: TrainState, start: int) -> TrainState:
         if step % cfg.train.log_every == 0 or step == run.steps - 1:
             log_row(loop, bar, step, metrics, timer)
         done = step + 1
-        if stage.eval_fn is not None and evaluation_due(cfg, done, run.steps):
+        if stage.eval_fn is not None and evaluation_due(done, run.steps, every):
             evaluate(loop, state, done)
         run.end_step(done, functools.partial(save, loop, done, state, trained))  # (read when a save is due)
     return state
-
-
-def evaluation_due(cfg: RunConfig, done: int, steps: int) -> bool:
-    """Whether the stage evaluates after `done` updates: every `train.eval_every` and at the end."""
-    return done == steps or bool(cfg.train.eval_every) and done % cfg.train.eval_every == 0
 
 
 def evaluate(loop: Loop, state: TrainState, done: int) -> None:

@@ -76,8 +76,7 @@ class MetricsWriter:
         """Drop the rows at or past `step` from metrics.jsonl (if it has any)."""
         text = self._log.text()
         if text:
-            kept = [r for r in parse_metrics(text) if r["step"] < step]
-            self._log.rewrite("".join(dumps(r) + "\n" for r in kept))
+            self._log.rewrite(lines_before(text, step))
 
     def write(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Record `metrics` at `step`; vectors go to JSONL whole and to TensorBoard per element."""
@@ -164,6 +163,12 @@ class DataCounts:
                 self.truncated,
             )
         return counts
+
+
+def lines_before(text: str, step: int) -> str:
+    """The JSON lines of `text` whose "step" is below `step`: what a run resumed at `step` keeps of a
+    file it writes by step (metrics.jsonl, samples.jsonl)."""
+    return "".join(line + "\n" for line in text.splitlines() if line.strip() and json.loads(line)["step"] < step)
 
 
 def parse_metrics(text: str) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from posttrain import storage
 from posttrain.config import RLConfig
 from posttrain.core import lineage
 from posttrain.core.batch import put_batch
+from posttrain.core.metrics import lines_before
 from posttrain.data.examples import sft_locations, sft_messages, with_images
 from posttrain.data.images import ImageSpec
 from posttrain.data.packing import place_patches
@@ -226,8 +227,7 @@ def make_sampler_log(cfg, tok: Tokenizer, files: str, n: int = 3):
         if is_primary():
             path = storage.join(cfg.workdir, "samples.jsonl")
             if fresh and storage.exists(path):
-                earlier = storage.read_text(path).splitlines(keepends=True)
-                storage.write_text(path, "".join(line for line in earlier if json.loads(line)["step"] < step))
+                storage.write_text(path, lines_before(storage.read_text(path), step))
             fresh = False
             storage.append_text(path, "".join(lines))
 

@@ -29,7 +29,7 @@ from posttrain.config import RunConfig
 from posttrain.core import lineage
 from posttrain.core.alerts import AlertMonitor
 from posttrain.core.checkpoint import Checkpointer
-from posttrain.core.harness import CHECKPOINT_ITEMS, Harness, Result
+from posttrain.core.harness import CHECKPOINT_ITEMS, Harness, Result, evaluation_due
 from posttrain.core.metrics import compiled
 from posttrain.core.step import check_nonfinite
 from posttrain.rl.algo.learner import advantage_targets, batch_rows, compute_advantages, rl_batch
@@ -165,12 +165,8 @@ def run(cfg: RunConfig) -> Result:
 def train_loop(c: Components, rl: RLState, run: Harness) -> tuple[RLState, list[dict]]:
     """Steps `rl.step` … `run.steps − 1`: rollout, learn, publish, log, evaluate, checkpoint."""
     cfg, r, rows, steps = c.cfg, c.cfg.rl, [], run.steps
-
-    def evaluation_due(done: int) -> bool:
-        return bool(r.eval_every) and (done % r.eval_every == 0 or done == steps)
-
-    if evaluation_due(rl.step):  # the starting weights; or resumed from the checkpoint saved right after
-        rl = run_eval(c, rl, run.writer, rl.step)  # an evaluation, whose row went with the rows past it
+    if r.eval_every and evaluation_due(rl.step, steps, r.eval_every):  # the starting weights, or again on resuming
+        rl = run_eval(c, rl, run.writer, rl.step)
     bar = run.bar(rl.step)
     wall0, busy0 = time.perf_counter(), c.clock.total
     first = rl.step
@@ -208,7 +204,7 @@ def train_loop(c: Components, rl: RLState, run: Harness) -> tuple[RLState, list[
             if "rl/reward_mean" in metrics:
                 bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
             run.alert(step, rows[-1], bar)
-        if evaluation_due(rl.step):
+        if r.eval_every and evaluation_due(rl.step, steps, r.eval_every):
             rl = run_eval(c, rl, run.writer, rl.step)  # at the number of updates it measures, as its checkpoint
         run.end_step(rl.step, partial(save, c, run.ckpt, rl))
     return rl, rows
