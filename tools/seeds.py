@@ -17,10 +17,11 @@ chains recipes, each seed from its own run of the one before.
 
 `--parallel` runs at a time (default: the usable cores // `--threads`, each run pinned to its own
 cores; without either flag one run on every core, as a JAX CPU run uses them all; on an
-accelerator keep one: each run takes the device). A line per finished seed. Resuming: a seed
-whose run finished (ROOT/seedS.json, exit status 0, the same arguments) is not rerun; one that
-failed or was killed reruns the same command in the same workdir, which resumes from its newest
-checkpoint (posttrain.main). Each run's output goes to ROOT/seedS.log.
+accelerator keep one: each run takes the device). The cores are the ones this process may use, so
+two commands at once share them unless each is given its own (`taskset -c 1 python tools/seeds.py ...`).
+A line per finished seed. Resuming: a seed whose run finished (ROOT/seedS.json, exit status 0, the
+same arguments) is not rerun; one that failed or was killed reruns the same command in the same
+workdir, which resumes from its newest checkpoint (posttrain.main). Each run's output goes to ROOT/seedS.log.
 
 Metrics: `[STAGE:]KEY[@first]`: KEY's value in the last (`@first`: first) row that logged it, in
 STAGE's metrics.jsonl (`rlvr` or `1_rlvr` in a pipeline; default: the last stage that logged KEY).

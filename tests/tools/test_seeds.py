@@ -199,6 +199,9 @@ def test_cores_are_split_between_runs_and_init_from_is_one_initialisation(monkey
     assert seeds.core_slots(0, 0) == (1, [None])
     assert seeds.core_slots(2, 0) == (2, [{0, 1}, {2, 3}])
     assert seeds.core_slots(0, 1) == (4, [{0}, {1}, {2}, {3}])
+    # the slots come from this process's cores: `taskset -c 2,3 python tools/seeds.py` keeps off 0 and 1
+    monkeypatch.setattr(seeds.os, "sched_getaffinity", lambda pid: {2, 3})
+    assert seeds.core_slots(0, 1) == (2, [{2}, {3}])
     note = seeds.initialisation_note(str(ROOT / "configs" / "long_context_recall.py:extend:llama3"), [])
     assert note.startswith("every seed starts from one checkpoint (init_from=runs/long_context_recall)")
     assert "one initialisation" in seeds.initialisation_note(CONFIG, ["--config.init_from=runs/x"])
