@@ -1,10 +1,15 @@
-"""configs/long_context_recall.py, smoke only (the measured runs take minutes each): the 256-token
-run trains a few steps on its generated recall conversations, and every `:extend:<scaling>`
-variant passes the start-up checks from that checkpoint, with the RoPE scaling it names."""
+"""configs/long_context_recall.py: the 256-token run trains a few steps on its generated recall
+conversations, and every `:extend:<scaling>` variant passes the start-up checks from that
+checkpoint, with the RoPE scaling it names. Slow (issue 46): the kv and needle matches form from an
+initialisation the benchmarks did not use (seed 3; BENCHMARKS ran 0, 1, 2), at reduced length:
+`python -m pytest --runslow -m slow tests/e2e/test_long_context_recall.py` (~20 + ~12 min on a free
+core)."""
 
 import json
 import os
 import runpy
+import subprocess
+import sys
 
 import pytest
 
@@ -76,3 +81,42 @@ def test_long_context_data_with_no_kinds_is_refused_by_name(tmp_path):
     cfg.eval.long_context.kinds = " , "
     with pytest.raises(ValueError, match="eval.long_context.kinds=' , ' names none"):
         _long_context_file(typed(cfg), str(tmp_path), "train", load_tokenizer("byte"), write=True)
+
+
+def _train_one_seed(tmp_path, seed: int, *overrides: str) -> list[dict]:
+    """The recipe as a user runs it (`python -m posttrain.main`, as tools/seeds.py does): one device
+    and the optimised build, not this session's 8 simulated devices at -O0. Returns metrics.jsonl."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    workdir = tmp_path / f"seed{seed}"
+    command = [sys.executable, "-m", "posttrain.main", "--config", str(ROOT / "configs/long_context_recall.py")]
+    command += [f"--config.seed={seed}", f"--config.workdir={workdir}", "--config.train.progress=false", *overrides]
+    subprocess.run(command, check=True, env=env, cwd=ROOT)
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _curve(rows: list[dict], key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in rows if key in r}
+
+
+@pytest.mark.slow
+def test_kv_match_forms_from_another_initialisation(tmp_path):
+    """kv recall at 256, 1200 of the recipe's 3200 steps, seed 3. The benchmark's seeds 0 / 1 / 2 stood
+    at kv 0.83 / 0.69 / 0.41 and loss 0.013 / 0.057 / 0.155 at step 1200, from 0.01-0.02 and ~0.7-0.77
+    at step 400 (the loss floor before the match: the value's digits are random)."""
+    rows = _train_one_seed(tmp_path, 3, "--config.train.steps=1200")
+    kv, loss = _curve(rows, "eval/long_ctx_kv"), _curve(rows, "loss")
+    assert sorted(kv) == [400, 800, 1200], kv
+    assert kv[1200] >= 0.3 and kv[1200] - kv[400] >= 0.25, kv
+    assert loss[max(loss)] < 0.3, loss  # the last update's row (step 1199: a loss row's step counts from 0)
+
+
+@pytest.mark.slow
+def test_needle_match_forms_from_another_initialisation(tmp_path):
+    """needle at 256, 800 of the benchmark's 1200 steps, seed 3. The benchmark's seeds 0 / 1 / 2 stood
+    at needle 0.99 / 0.87 / 0.94 and loss 0.001 / 0.054 / 0.016 at step 800, from 0.77 / 0.27 / 0.20 and
+    0.21-0.62 at step 400 (BENCHMARKS, "needle over initialisations")."""
+    rows = _train_one_seed(tmp_path, 3, "--config.eval.long_context.kinds=needle", "--config.train.steps=800")
+    needle, loss = _curve(rows, "eval/long_ctx_needle"), _curve(rows, "loss")
+    assert sorted(needle) == [400, 800], needle
+    assert needle[800] >= 0.6, needle
+    assert loss[max(loss)] < 0.2, loss

@@ -20,6 +20,7 @@ def test_quickstart_rl_raises_heldout_accuracy(tmp_path):
     cfg = runpy.run_path(str(ROOT / "configs/quickstart.py"))["get_config"]()
     cfg.workdir = str(tmp_path / "run")
     cfg.train.progress = False
+    cfg.seed = 3  # an initialisation the benchmark's table (seeds 0, 1, 2) did not use
     run(cfg)
     evals = [
         json.loads(l) for l in (tmp_path / "run/1_rlvr/metrics.jsonl").read_text().splitlines() if "eval/accuracy" in l
