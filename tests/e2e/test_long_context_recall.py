@@ -114,7 +114,7 @@ def test_kv_match_forms_from_another_initialisation(tmp_path):
 def test_needle_match_forms_from_another_initialisation(tmp_path):
     """needle at 256, 800 of the benchmark's 1200 steps, seed 3. The benchmark's seeds 0 / 1 / 2 stood
     at needle 0.99 / 0.87 / 0.94 and loss 0.001 / 0.054 / 0.016 at step 800, from 0.77 / 0.27 / 0.20 and
-    0.21-0.62 at step 400 (BENCHMARKS, "needle over initialisations")."""
+    0.21-0.62 at step 400 (BENCHMARKS, "Needle at 256 and at 1024 over initialisations")."""
     rows = _train_one_seed(tmp_path, 3, "--config.eval.long_context.kinds=needle", "--config.train.steps=800")
     needle, loss = _curve(rows, "eval/long_ctx_needle"), _curve(rows, "loss")
     assert sorted(needle) == [400, 800], needle
