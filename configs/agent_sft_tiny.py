@@ -3,9 +3,10 @@ sandbox-checked repo_fix episodes (tool-call format, tool outputs masked out of 
 
 A quarter of the demonstrations fix the module with `sed` (the value cut out of the test by the
 shell), the rest copy the value by hand (`echo 'SIZE = 37' > config.py`), which this tiny model does
-not learn to do (it writes the right constant with a guessed number; BENCHMARKS.md, one
-initialisation): the SFT policy mostly copies and mostly fails, and RL (configs/agent_rl_tiny.py)
-has to find out which of its two habits solves held-out tasks.
+not learn to do (it writes the right constant with a guessed number; its eval loss stays at the
+no-copy floor in each of three initialisations, BENCHMARKS.md): the SFT policy mostly copies and
+mostly fails, and RL (configs/agent_rl_tiny.py) has to find out which of its two habits solves
+held-out tasks.
 
     python tools/agent_demos.py --out runs/data/repo_fix_sft/demos.jsonl --n 3000 --seed 1 --extract_frac 0.25
     python tools/agent_demos.py --out runs/data/repo_fix_sft_eval.jsonl --n 100 --seed 2 --extract_frac 0.25
