@@ -6,19 +6,11 @@ the optimised build). Slow: `python -m pytest --runslow -m slow tests/e2e/test_a
 (~20 min on two free cores)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from tests.support.cli_runs import run_as_user
 from tests.support.paths import ROOT
-
-
-def _run(command: list[str], cwd) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT)  # the agent configs import configs.sft_tiny; the run is in tmp_path
-    subprocess.run([sys.executable, *command], check=True, env=env, cwd=cwd)
 
 
 def _rows(path) -> list[dict]:
@@ -33,15 +25,15 @@ def test_agent_learns_the_habit_that_solves_tasks_from_another_initialisation(tm
     after 10 updates, sampled 21.1 / 36.7 / 22.7% -> 57.8 / 82.8 / 48.4%, SFT eval loss 0.038-0.043
     (BENCHMARKS, "The repo_fix agent over initialisations")."""
     demos = [str(ROOT / "tools/agent_demos.py"), "--extract_frac", "0.25"]
-    _run([*demos, "--out", "runs/data/repo_fix_sft/demos.jsonl", "--n", "3000", "--seed", "1"], tmp_path)
-    _run([*demos, "--out", "runs/data/repo_fix_sft_eval.jsonl", "--n", "100", "--seed", "2"], tmp_path)
+    run_as_user([*demos, "--out", "runs/data/repo_fix_sft/demos.jsonl", "--n", "3000", "--seed", "1"], tmp_path)
+    run_as_user([*demos, "--out", "runs/data/repo_fix_sft_eval.jsonl", "--n", "100", "--seed", "2"], tmp_path)
     seed = ["--config.seed=3", "--config.train.progress=false"]  # after --config: absl reads it first
     sft = ["--config", str(ROOT / "configs/agent_sft_tiny.py"), "--config.workdir=sft"]
-    _run(["-m", "posttrain.main", *sft, *seed], tmp_path)
+    run_as_user(["-m", "posttrain.main", *sft, *seed], tmp_path)
     sft_loss = [r["eval/loss"] for r in _rows(tmp_path / "sft" / "metrics.jsonl") if "eval/loss" in r]
     assert sft_loss and sft_loss[-1] < 0.06, sft_loss
     rl = ["--config", str(ROOT / "configs/agent_rl_tiny.py"), "--config.workdir=rl", "--config.init_from=sft"]
-    _run(["-m", "posttrain.main", *rl, *seed, "--config.rl.steps=10"], tmp_path)
+    run_as_user(["-m", "posttrain.main", *rl, *seed, "--config.rl.steps=10"], tmp_path)
     evals = {r["step"]: r for r in _rows(tmp_path / "rl" / "metrics.jsonl") if "eval/tool_success_rate" in r}
     assert sorted(evals) == [0, 10], evals
     assert evals[10]["eval/tool_success_rate"] >= 0.8, evals

@@ -8,13 +8,12 @@ core)."""
 import json
 import os
 import runpy
-import subprocess
-import sys
 
 import pytest
 
 from posttrain.config import run_config
 from posttrain.stages.checks import check_run
+from tests.support.cli_runs import run_as_user
 from tests.support.paths import ROOT
 from tests.support.typed_configs import typed
 
@@ -86,11 +85,10 @@ def test_long_context_data_with_no_kinds_is_refused_by_name(tmp_path):
 def _train_one_seed(tmp_path, seed: int, *overrides: str) -> list[dict]:
     """The recipe as a user runs it (`python -m posttrain.main`, as tools/seeds.py does): one device
     and the optimised build, not this session's 8 simulated devices at -O0. Returns metrics.jsonl."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     workdir = tmp_path / f"seed{seed}"
-    command = [sys.executable, "-m", "posttrain.main", "--config", str(ROOT / "configs/long_context_recall.py")]
+    command = ["-m", "posttrain.main", "--config", str(ROOT / "configs/long_context_recall.py")]
     command += [f"--config.seed={seed}", f"--config.workdir={workdir}", "--config.train.progress=false", *overrides]
-    subprocess.run(command, check=True, env=env, cwd=ROOT)
+    run_as_user(command)
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -2,6 +2,7 @@
 each costs a fresh Python and its compiles, so one run serves every test that only reads it
 (the session fixture `sft_cli_run` in conftest.py)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +37,11 @@ def run_sft(workdir: Path) -> Path:
     out = subprocess.run(sft_command(workdir), capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return workdir
+
+
+def run_as_user(args: list[str], cwd: Path = ROOT) -> None:
+    """`python ARGS` in `cwd` as a user runs a recipe: one device (this session's XLA_FLAGS dropped)
+    and the optimised build; configs/ importable from any folder. Raises if it exits non-zero."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT)
+    subprocess.run([sys.executable, *args], check=True, env=env, cwd=cwd)
