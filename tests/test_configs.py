@@ -33,7 +33,11 @@ def pod_specs() -> list[str]:
 
 # configs whose get_config reads a model folder it is given: test_config_of_a_hugging_face_folder_...
 FOLDER_CONFIGS = ["hf.py", "smollm2_dpo.py", "smollm2_grpo.py", "smollm2_sft.py"]
-CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.py") if p.name not in FOLDER_CONFIGS[1:]) + pod_specs()
+# modes that change stages or data files (screen_tiny's first stage reads its own demonstrations)
+MODES = ["screen_tiny.py:marked"]
+CONFIGS = (
+    sorted(p.name for p in (ROOT / "configs").glob("*.py") if p.name not in FOLDER_CONFIGS[1:]) + MODES + pod_specs()
+)
 
 
 def load(spec: str):

@@ -248,7 +248,7 @@ def test_screen_tiny_pipeline_smoke(tmp_path):
         str(demos / "screen_sft_train.jsonl"),
         str(demos / "screen_sft_eval.jsonl"),
     )
-    cfg.workdir = str(tmp_path / "run")
+    cfg.workdir, cfg.init_from = str(tmp_path / "run"), ""  # from scratch, not the `:marked` stage
     cfg.sft.steps, cfg.train.batch_size, cfg.train.eval_every, cfg.train.log_every = 2, 4, 2, 1
     cfg.model.num_layers, cfg.model.embed_dim, cfg.model.mlp_dim = 1, 32, 64
     cfg.rl.steps, cfg.rl.eval_every, cfg.rl.eval_size, cfg.rl.eval_samples = 2, 2, 3, 2
