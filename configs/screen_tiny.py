@@ -36,9 +36,9 @@ initialisations"; each seed's recipe from its own `:marked` run): the policy rea
 of 3, clicking the marked item on 19/19 held-out screens after SFT (18-19/19 after RL) and on
 5-8/19 with blank screens (the fixed-guess level); greedy held-out success 39.9% after SFT
 (33.9-46.4%), 56.5% after 30 GRPO updates (50.0-62.5%), +16.7 points (+16.1 to +17.9); 60 updates
-end at 58.3%, flat from update 20 in every seed. Without
-`:marked` reading formed in 1 seed of 3 (1600 SFT steps did not form it in seed 0 either), and RL's gain was larger
-(23.2% -> 63.1%, +39.9), all of it the early OK unlearned on `select` and `type` ("Screenshot agent").
+end at 58.3%, flat from update 20 in every seed. Without `:marked` reading formed in 1 seed of 3
+(1600 SFT steps did not form it in seed 0 either), and RL's gain was larger (23.2% -> 63.1%, +39.9),
+all of it the early OK unlearned on `select` and `type` ("Screenshot agent").
 """
 
 from configs.vision_tiny import get_config as vision_config
@@ -62,7 +62,7 @@ def get_config(arg: str = ""):
     cfg.model.vision.patch_positions = True
     # reading first: the mixed demonstrations alone formed it in 1 seed of 3 in 800 steps (seed 0 not
     # in 1600: held-out loss 0.081); 600 steps on `marked` alone formed it in 3 of 3, and the mixed SFT
-    # from there kept it (issue 46, BENCHMARKS.md "Screenshot agent")
+    # from there kept it (issue 46, BENCHMARKS.md "The screenshot agent over initialisations")
     cfg.init_from = "runs/screen_tiny_marked"
     cfg.sft.train_files = f"{DEMOS}/screen_sft_train.jsonl"
     cfg.sft.eval_files = f"{DEMOS}/screen_sft_eval.jsonl"

@@ -5,11 +5,26 @@ the recipe from it, then the blank-screen control. Slow: `python -m pytest --run
 tests/e2e/test_screen_tiny.py` (~15 min on a free core)."""
 
 import json
+import runpy
 
 import pytest
 
 from tests.support.cli_runs import run_as_user
 from tests.support.paths import ROOT
+
+
+def test_the_marked_mode_is_the_first_stage_of_the_recipe(monkeypatch):
+    """`:marked` trains from scratch on its own demonstrations (SFT only) into the folder the
+    recipe starts from; the model is the recipe's; an unknown mode is refused by name."""
+    monkeypatch.syspath_prepend(str(ROOT))  # configs import configs.vision_tiny
+    get_config = runpy.run_path(str(ROOT / "configs/screen_tiny.py"))["get_config"]
+    recipe, marked = get_config(), get_config("marked")
+    assert marked.stage == "sft" and marked.init_from == "" and marked.workdir == recipe.init_from
+    assert recipe.stage == "pipeline" and recipe.pipeline.stages == ("sft", "rlvr")
+    assert "marked_demos" in marked.sft.train_files and "marked" not in recipe.sft.train_files
+    assert marked.model.to_dict() == recipe.model.to_dict()
+    with pytest.raises(ValueError, match="screen_tiny.py:more: expected one of"):
+        get_config("more")
 
 
 def _evaluations(workdir) -> dict[int, dict]:
