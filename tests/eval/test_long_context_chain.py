@@ -175,25 +175,27 @@ RECALL = runpy.run_path(str(ROOT / "configs" / "long_context_recall.py"))
 
 
 def test_hops_config_trains_then_runs_rl_on_long_prompts_split_over_the_sequence(tmp_path, monkeypatch):
-    """configs/long_context_hops.py: SFT (`:warm`) on kvchain + kv up to 544 tokens from the kv model
-    extended to 1024 (its shapes and RoPE scaling), then `:rl` from that run's step-300 checkpoint on
-    512-token kvchain task files with `mesh.sequence = 2` and continuous batching."""
+    """configs/long_context_hops.py: SFT (`:warm`, a constant lr after warm-up) on kvchain + kv up to 544
+    tokens from the kv model extended to 1024 (its shapes and RoPE scaling), `:anneal` from its end
+    (the lr decayed), then `:rl` from the anneal's end on 512-token kvchain task files with
+    `mesh.sequence = 2` and continuous batching."""
     from posttrain.config import run_config
     from posttrain.stages.checks import check_run
     from posttrain.stages.common import run_max_context
     from tests.support.typed_configs import typed
 
     monkeypatch.chdir(tmp_path)
-    sft, rl = HOPS["get_config"]("warm"), HOPS["get_config"]("rl")
+    sft, anneal, rl = (HOPS["get_config"](mode) for mode in ("warm", "anneal", "rl"))
     extended = RECALL["get_config"]("extend:llama3")
     assert sft.init_from == extended.workdir and HOPS["get_config"]("more").init_from == HOPS["get_config"]().workdir
     assert sft.model.to_dict() == extended.model.to_dict()  # the checkpoint's shapes and RoPE scaling
     assert sft.stage == "sft" and sft.eval.long_context.kinds == "kvchain,kv" and sft.eval.long_context.hops == 2
     tasks_tool.main(["--out", HOPS["TASKS"], "--kinds", "kvchain", "--lengths", "512", "--train", "2", "--eval", "2"])
-    for cfg in (sft, rl):
+    for cfg in (sft, anneal, rl):
         check_run(run_config(cfg))
-    assert rl.stage == "rlvr" and rl.init_from == HOPS["WARM_300"] != rl.workdir and rl.mesh.sequence == 2
-    assert sft.checkpoint.every == 300 < sft.train.steps  # the step-300 checkpoint RL starts from is kept
+    assert anneal.init_from == sft.workdir != anneal.workdir and anneal.model.to_dict() == sft.model.to_dict()
+    assert sft.optim.min_lr_ratio == 1.0 > anneal.optim.min_lr_ratio and anneal.train.steps < sft.train.steps
+    assert rl.stage == "rlvr" and rl.init_from == anneal.workdir != rl.workdir and rl.mesh.sequence == 2
     assert rl.sampling.continuous_batching and rl.model.to_dict() == sft.model.to_dict()
     prompt = json.loads(open(f"{HOPS['TASKS']}/eval.jsonl").readline())["prompt"]
     need = len(ByteTokenizer().encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)[0])
