@@ -115,8 +115,9 @@ def test_kv_match_forms_extends_to_1024_and_reads_two_hops_from_another_initiali
     `:anneal` at 150 of its 300, held-out kvchain at 512 (51 problems; chance 1/3: a document holds 3
     chains, so 3 values). The benchmark's seeds 0 / 1 / 2 stood at 1.00 / 0.84 / 0.55 at step 600 of
     `:warm`, 1.00 / 0.90 / 0.78 after `:anneal` (BENCHMARKS, "Two hops with a constant learning rate
-    and an anneal, over initialisations"). This test's run: 0.45 / 0.80 at steps
-    300 / 600, then 0.88 after the anneal's 150 steps."""
+    and an anneal, over initialisations"). These two stages run by hand, with this test's commands, from
+    the extension of this test's previous run: 0.45 / 0.80 at steps 300 / 600, then 0.88 after the
+    anneal's 150 steps (the whole test with them not yet run)."""
     rows = _train_one_seed(tmp_path, 3, "--config.train.steps=1200")
     kv, loss = _curve(rows, "eval/long_ctx_kv"), _curve(rows, "loss")
     assert sorted(kv) == [400, 800, 1200], kv

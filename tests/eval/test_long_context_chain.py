@@ -196,6 +196,7 @@ def test_hops_config_trains_then_runs_rl_on_long_prompts_split_over_the_sequence
     assert anneal.init_from == sft.workdir != anneal.workdir and anneal.model.to_dict() == sft.model.to_dict()
     assert sft.optim.min_lr_ratio == 1.0 > anneal.optim.min_lr_ratio and anneal.train.steps < sft.train.steps
     assert rl.stage == "rlvr" and rl.init_from == anneal.workdir != rl.workdir and rl.mesh.sequence == 2
+    assert rl.optim.min_lr_ratio == 0.1  # RL's schedule as measured (cosine over rl.steps), not :warm's constant lr
     assert rl.sampling.continuous_batching and rl.model.to_dict() == sft.model.to_dict()
     prompt = json.loads(open(f"{HOPS['TASKS']}/eval.jsonl").readline())["prompt"]
     need = len(ByteTokenizer().encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)[0])
