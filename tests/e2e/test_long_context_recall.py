@@ -4,7 +4,7 @@ checkpoint, with the RoPE scaling it names. Slow (issue 46): the kv and needle m
 carry to 1024 tokens, from an initialisation the benchmarks did not use (seed 3; BENCHMARKS ran 0,
 1, 2), at reduced length: `python -m pytest --runslow -m slow tests/e2e/test_long_context_recall.py`
 (each at 256, then its checkpoint extended to 1024: kv ~23 min on a free core, needle ~25 min; kv's
-extension then trains two hops, ~16 min more)."""
+extension then trains two hops and runs RL on them, ~16 + 12 min more)."""
 
 import json
 import os
@@ -84,15 +84,16 @@ def test_long_context_data_with_no_kinds_is_refused_by_name(tmp_path):
 
 
 def _train_one_seed(
-    tmp_path, seed: int, *overrides: str, variant: str = "", config: str = "long_context_recall.py"
+    tmp_path, seed: int, *overrides: str, variant: str = "", config: str = "long_context_recall.py", devices: int = 1
 ) -> list[dict]:
     """configs/`config`'s recipe (`variant`: e.g. ":extend:llama3") as a user runs it (`python -m
-    posttrain.main`, as tools/seeds.py does): one device and the optimised build, not this session's 8
-    simulated devices at -O0, in tmp_path/seed{seed}{variant with "_" for ":"}. Returns metrics.jsonl."""
+    posttrain.main`, as tools/seeds.py does): `devices` devices (one unless the recipe splits its
+    sequence) and the optimised build, not this session's 8 simulated devices at -O0, in
+    tmp_path/seed{seed}{variant with "_" for ":"}. Returns metrics.jsonl."""
     workdir = tmp_path / f"seed{seed}{variant.replace(':', '_')}"
     command = ["-m", "posttrain.main", "--config", str(ROOT / "configs" / config) + variant]
     command += [f"--config.seed={seed}", f"--config.workdir={workdir}", "--config.train.progress=false", *overrides]
-    run_as_user(command)
+    run_as_user(command, devices=devices)
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -101,7 +102,7 @@ def _curve(rows: list[dict], key: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_kv_match_forms_extends_to_1024_and_reads_two_hops_from_another_initialisation(tmp_path):
+def test_kv_match_forms_extends_to_1024_then_two_hops_and_rl_from_another_initialisation(tmp_path):
     """kv recall at 256, 1200 of the recipe's 3200 steps, seed 3; then that checkpoint extended to 1024
     tokens (the config's `:extend:llama3`, its 200 steps). The benchmark's seeds 0 / 1 / 2 stood at kv
     0.83 / 0.69 / 0.41 and loss 0.013 / 0.057 / 0.155 at step 1200, from 0.01-0.02 and ~0.7-0.77 at
@@ -117,7 +118,15 @@ def test_kv_match_forms_extends_to_1024_and_reads_two_hops_from_another_initiali
     `:warm`, 1.00 / 0.90 / 0.78 after `:anneal` (BENCHMARKS, "Two hops with a constant learning rate
     and an anneal, over initialisations"). These two stages run by hand, with this test's commands, from
     the extension of this test's previous run: 0.45 / 0.80 at steps 300 / 600, then 0.88 after the
-    anneal's 150 steps (the whole test with them not yet run)."""
+    anneal's 150 steps (the whole test with them not yet run).
+
+    Then long-context RL (`:rl`, 50 of its 100 updates, on 2 simulated devices as the recipe splits
+    the sequence) from the anneal: greedy held-out accuracy on 128 problems must not fall, and the
+    training reward must rise. The benchmark's seeds 0 / 1 / 2 went 0.984 / 0.875 / 0.578 → 0.992 /
+    0.922 / 0.602 at update 50, their training reward 0.99 / 0.85 / 0.50 → 1.00 / 0.96 / 0.81 (first /
+    last 10 of 100 updates; BENCHMARKS, "Long-context RL from the anneal, over initialisations"). Its
+    RL run by hand from this test's previous anneal: 0.805 / 0.859 / 0.867 at updates 0 / 25 / 50,
+    the training reward 0.66 → 0.77."""
     rows = _train_one_seed(tmp_path, 3, "--config.train.steps=1200")
     kv, loss = _curve(rows, "eval/long_ctx_kv"), _curve(rows, "loss")
     assert sorted(kv) == [400, 800, 1200], kv
@@ -135,6 +144,18 @@ def test_kv_match_forms_extends_to_1024_and_reads_two_hops_from_another_initiali
     rows = _train_one_seed(tmp_path, 3, warm, "--config.train.steps=150", variant=":anneal", config=hops)
     chain = _curve(rows, "eval/long_ctx_kvchain/len512")
     assert sorted(chain) == [150] and chain[150] >= 0.7, chain
+    tasks = tmp_path / "tasks"  # the recipe's task files (its docstring's command)
+    run_as_user(
+        [str(ROOT / "tools/long_context_tasks.py"), "--out", str(tasks), "--lengths", "512"]
+        + ["--kinds", "kvchain", "--hops", "2", "--train", "512", "--eval", "128"]
+    )
+    rl = [f"--config.init_from={tmp_path / 'seed3_anneal'}", "--config.rl.steps=50"]
+    rl += [f"--config.rl.train_files={tasks / 'train.jsonl'}", f"--config.rl.eval_files={tasks / 'eval.jsonl'}"]
+    rows = _train_one_seed(tmp_path, 3, *rl, variant=":rl", config=hops, devices=2)
+    held_out, reward = _curve(rows, "eval/accuracy"), [r["rl/reward_mean"] for r in rows if "rl/reward_mean" in r]
+    assert sorted(held_out) == [0, 25, 50] and held_out[50] >= held_out[0], held_out
+    first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
+    assert len(reward) == 50 and (last >= first + 0.03 or min(first, last) >= 0.95), reward
 
 
 @pytest.mark.slow

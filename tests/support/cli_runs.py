@@ -39,9 +39,12 @@ def run_sft(workdir: Path) -> Path:
     return workdir
 
 
-def run_as_user(args: list[str], cwd: Path = ROOT) -> None:
-    """`python ARGS` in `cwd` as a user runs a recipe: one device (this session's XLA_FLAGS dropped)
-    and the optimised build; configs/ importable from any folder. Raises if it exits non-zero."""
+def run_as_user(args: list[str], cwd: Path = ROOT, devices: int = 1) -> None:
+    """`python ARGS` in `cwd` as a user runs a recipe: one device (this session's XLA_FLAGS dropped),
+    or `devices` simulated CPU devices as a recipe that splits its sequence asks, and the optimised
+    build; configs/ importable from any folder. Raises if it exits non-zero."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["PYTHONPATH"] = str(ROOT)
     subprocess.run([sys.executable, *args], check=True, env=env, cwd=cwd)
