@@ -311,6 +311,26 @@ def test_get_state_set_state_resumes_exactly(make):
         other.set_state(state)
 
 
+def test_resuming_reads_a_data_file_named_from_another_directory_as_the_same_file(tmp_path, monkeypatch):
+    """A run started with a relative workdir (`runs/x`) and resumed with it written absolutely, or
+    from another directory, reads the same file: resuming is not refused. Another file still is."""
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in sft_records()))
+    monkeypatch.chdir(tmp_path)
+    it = sft_batches("data.jsonl", BYTE, batch_size=3, seq_len=96, seed=7)
+    next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    expected = next(it)
+    monkeypatch.chdir(tmp_path.parent)
+    fresh = sft_batches(str(path), BYTE, batch_size=3, seq_len=96, seed=7)
+    fresh.set_state(state)
+    assert all(np.array_equal(expected[k], value) for k, value in next(fresh).items())
+    other = tmp_path / "other.jsonl"
+    other.write_text(path.read_text())
+    with pytest.raises(ValueError, match="saved with files="):
+        sft_batches(str(other), BYTE, batch_size=3, seq_len=96, seed=7).set_state(state)
+
+
 def test_preference_batches_mask_only_the_response():
     path = write_jsonl([{"prompt": "2+2=", "chosen": "4", "rejected": "22"}])
     batch = next(preference_batches(path, BYTE, batch_size=2, max_len=16, seed=0, epochs=1))

@@ -3,6 +3,7 @@ read position, then packing and batching, both in `get_state`; this process's sl
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Required, TypedDict
 
@@ -167,7 +168,7 @@ class BatchIterator:
             raise ValueError(f"data iterator state version {state.get('version')!r}, expected {STATE_VERSION}")
         saved = state["fingerprint"]
         for key in sorted(set(saved) | set(self._fingerprint)):
-            if saved.get(key) != self._fingerprint.get(key):
+            if _comparable(key, saved.get(key)) != _comparable(key, self._fingerprint.get(key)):
                 raise ValueError(
                     f"data iterator state was saved with {key}={saved.get(key)!r} but this "
                     f"iterator has {self._fingerprint.get(key)!r}: the batches would differ"
@@ -196,6 +197,15 @@ class BatchIterator:
         self._consumed = previous._consumed
         self._skips.skipped = previous.skipped
         self.truncated, self.deferred = previous.truncated, previous.deferred
+
+
+def _comparable(key: str, value: Any) -> Any:
+    """A fingerprint entry as it is saved and compared: local data files by their absolute path (the
+    same file named from another working directory, or by a workdir written absolutely; a state
+    saved with relative paths resolves them from this directory), URLs as written."""
+    if key != "files" or not value:
+        return value
+    return [path if "://" in path else os.path.abspath(path) for path in value]
 
 
 def process_shard(process_index: int | None, process_count: int | None) -> tuple[int, int]:
@@ -319,7 +329,7 @@ def pipeline_iterator(
         ds.map(load_fn(make, fit)),
         batcher(rows),
         on_error=on_error,
-        fingerprint={"files": source.paths, "records": source.file_lengths, **config},
+        fingerprint={"files": _comparable("files", source.paths), "records": source.file_lengths, **config},
         epoch_len=len(source) // process_count,
         read_threads=read_threads,
     )
