@@ -4,7 +4,7 @@ checkpoint, with the RoPE scaling it names. Slow (issue 46): the kv and needle m
 carry to 1024 tokens, from an initialisation the benchmarks did not use (seed 3; BENCHMARKS ran 0,
 1, 2), at reduced length: `python -m pytest --runslow -m slow tests/e2e/test_long_context_recall.py`
 (each at 256, then its checkpoint extended to 1024: kv ~23 min on a free core, needle ~25 min; kv's
-extension then trains two hops and runs RL on them, ~16 + 12 min more)."""
+extension then trains two hops and runs RL on them, ~35 + 12 min more)."""
 
 import json
 import os
@@ -109,24 +109,35 @@ def test_kv_match_forms_extends_to_1024_then_two_hops_and_rl_from_another_initia
     step 400 (the loss floor before the match: the value's digits are random); extended from their
     3200-step runs (0.95 / 0.94 / 0.89 at 256), kv at 1024 was 0.99 / 0.90 / 0.73 (BENCHMARKS, "kv
     extended to 1024, two hops and long-context RL over initialisations"). Without the match a model
-    scores ~0 (a 4-digit value). This test's run: 0.007 / 0.39 / 0.82 at steps 400 / 800 / 1200, then
-    0.61 at 1024 (0.91 at 256, 0.83 at 512).
+    scores ~0 (a 4-digit value). This test's first run: 0.007 / 0.39 / 0.82 at steps 400 / 800 / 1200,
+    then 0.61 at 1024 (0.91 at 256, 0.83 at 512).
 
-    Then two hops (configs/long_context_hops.py) from that extension: `:warm` at 600 of its 1200 steps,
-    `:anneal` at 150 of its 300, held-out kvchain at 512 (51 problems; chance 1/3: a document holds 3
-    chains, so 3 values). The benchmark's seeds 0 / 1 / 2 stood at 1.00 / 0.84 / 0.55 at step 600 of
-    `:warm`, 1.00 / 0.90 / 0.78 after `:anneal` (BENCHMARKS, "Two hops with a constant learning rate
-    and an anneal, over initialisations"). These two stages run by hand, with this test's commands, from
-    the extension of this test's previous run: 0.45 / 0.80 at steps 300 / 600, then 0.88 after the
-    anneal's 150 steps (the whole test with them not yet run).
+    Then two hops (configs/long_context_hops.py) from that extension, at the recipe's sizes: `:warm`
+    (1200 steps at a constant lr) and `:anneal` (300), held-out kvchain at 512 (51 problems; chance
+    1/3: a document holds 3 chains, so 3 values). The second hop must form during `:warm` (≥ 0.5 at
+    one of its four evaluations) and read ≥ 0.7 after the anneal. The benchmark's seeds 0 / 1 / 2:
+    best of `:warm` 1.00 / 0.84 / 0.55, after `:anneal` 1.00 / 0.90 / 0.78 (BENCHMARKS, "Two hops with
+    a constant learning rate and an anneal, over initialisations").
+
+    This test ran these stages at reduced sizes before (`:warm` 600 steps, ≥ 0.5 at step 600;
+    `:anneal` 150, ≥ 0.7), and its whole run (2026-12-05, pinned to one core, 2459 s) FAILED there: its
+    kv run came out different from its first (0.013 / 0.36 / 0.73 at steps 400 / 800 / 1200, 0.63 at
+    1024), and `:warm` read 0.41 / 0.37 at steps 300 / 600; the reduced anneal from there, by hand,
+    0.69. The reduced sizes were not the recipe: from the same extension, with the commands above
+    run by hand, `:warm` read 0.41 / 0.37 / 0.67 / 0.73 at steps 300-1200 and `:anneal` 0.88 / 0.92 at
+    150 / 300. A fixed step of `:warm` is not what the recipe claims either: its accuracy wanders
+    there (the benchmark's seed 2: 0.55 / 0.49 / 0.33 at steps 600-1200, then 0.78 after the anneal).
+    The second hop's accuracy after the anneal spreads over 0.47-1.00 across the chains measured
+    (BENCHMARKS, "Long-context RL from the anneal, and the second hop's spread, over
+    initialisations"): this test fails in a chain like that one at 0.47.
 
     Then long-context RL (`:rl`, 50 of its 100 updates, on 2 simulated devices as the recipe splits
     the sequence) from the anneal: greedy held-out accuracy on 128 problems must not fall, and the
     training reward must rise. The benchmark's seeds 0 / 1 / 2 went 0.984 / 0.875 / 0.578 → 0.992 /
     0.922 / 0.602 at update 50, their training reward 0.99 / 0.85 / 0.50 → 1.00 / 0.96 / 0.81 (first /
-    last 10 of 100 updates; BENCHMARKS, "Long-context RL from the anneal, over initialisations"). Its
-    RL run by hand from this test's previous anneal: 0.805 / 0.859 / 0.867 at updates 0 / 25 / 50,
-    the training reward 0.66 → 0.77."""
+    last 10 of 100 updates; BENCHMARKS, the section above). Its RL run by hand from the anneal of this
+    test's first run: 0.805 / 0.859 / 0.867 at updates 0 / 25 / 50, the training reward 0.66 → 0.77;
+    in the whole test's run it was not reached."""
     rows = _train_one_seed(tmp_path, 3, "--config.train.steps=1200")
     kv, loss = _curve(rows, "eval/long_ctx_kv"), _curve(rows, "loss")
     assert sorted(kv) == [400, 800, 1200], kv
@@ -137,13 +148,13 @@ def test_kv_match_forms_extends_to_1024_then_two_hops_and_rl_from_another_initia
     assert sorted(at_1024) == [200], at_1024
     assert at_1024[200] >= 0.3, at_1024
     extension, hops = f"--config.init_from={tmp_path / 'seed3_extend_llama3'}", "long_context_hops.py"
-    rows = _train_one_seed(tmp_path, 3, extension, "--config.train.steps=600", variant=":warm", config=hops)
+    rows = _train_one_seed(tmp_path, 3, extension, variant=":warm", config=hops)
     chain = _curve(rows, "eval/long_ctx_kvchain/len512")
-    assert sorted(chain) == [300, 600] and chain[600] >= 0.5, chain
+    assert sorted(chain) == [300, 600, 900, 1200] and max(chain.values()) >= 0.5, chain
     warm = f"--config.init_from={tmp_path / 'seed3_warm'}"
-    rows = _train_one_seed(tmp_path, 3, warm, "--config.train.steps=150", variant=":anneal", config=hops)
+    rows = _train_one_seed(tmp_path, 3, warm, variant=":anneal", config=hops)
     chain = _curve(rows, "eval/long_ctx_kvchain/len512")
-    assert sorted(chain) == [150] and chain[150] >= 0.7, chain
+    assert sorted(chain) == [150, 300] and chain[300] >= 0.7, chain
     tasks = tmp_path / "tasks"  # the recipe's task files (its docstring's command)
     run_as_user(
         [str(ROOT / "tools/long_context_tasks.py"), "--out", str(tasks), "--lengths", "512"]
