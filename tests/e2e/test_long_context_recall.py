@@ -112,39 +112,27 @@ def test_kv_match_forms_extends_to_1024_then_two_hops_and_rl_from_another_initia
     scores ~0 (a 4-digit value). This test's first run: 0.007 / 0.39 / 0.82 at steps 400 / 800 / 1200,
     then 0.61 at 1024 (0.91 at 256, 0.83 at 512).
 
-    Then two hops (configs/long_context_hops.py) from that extension, at the recipe's sizes: `:warm`
-    (1200 steps at a constant lr) and `:anneal` (300), held-out kvchain at 512 (51 problems; chance
-    1/3: a document holds 3 chains, so 3 values). The second hop must form during `:warm` (≥ 0.5 at
-    one of its four evaluations) and read ≥ 0.7 after the anneal. The benchmark's seeds 0 / 1 / 2:
-    best of `:warm` 1.00 / 0.84 / 0.55, after `:anneal` 1.00 / 0.90 / 0.78 (BENCHMARKS, "Two hops with
-    a constant learning rate and an anneal, over initialisations").
-
-    This test ran these stages at reduced sizes before (`:warm` 600 steps, ≥ 0.5 at step 600;
-    `:anneal` 150, ≥ 0.7), and its whole run (2026-12-05, pinned to one core, 2459 s) FAILED there: its
-    kv run came out different from its first (0.013 / 0.36 / 0.73 at steps 400 / 800 / 1200, 0.63 at
-    1024), and `:warm` read 0.41 / 0.37 at steps 300 / 600; the reduced anneal from there, by hand,
-    0.69. The reduced sizes were not the recipe: from the same extension, with the commands above
-    run by hand, `:warm` read 0.41 / 0.37 / 0.67 / 0.73 at steps 300-1200 and `:anneal` 0.88 / 0.92 at
-    150 / 300. A fixed step of `:warm` is not what the recipe claims either: its accuracy wanders
-    there (the benchmark's seed 2: 0.55 / 0.49 / 0.33 at steps 600-1200, then 0.78 after the anneal).
-    The second hop's accuracy after the anneal spreads over 0.47-1.00 across the chains measured
-    (BENCHMARKS, "Long-context RL from the anneal, and the second hop's spread, over
-    initialisations"): this test fails in a chain like that one at 0.47.
+    Then two hops (configs/long_context_hops.py) from that extension: `:warm` at half the recipe's
+    2400 steps (1200, a constant lr) and `:anneal` (its 300), held-out kvchain at 512 (51 problems;
+    chance 1/3: a document holds 3 chains, so 3 values). The second hop must form during `:warm`
+    (≥ 0.5 at one of its four evaluations, not at a fixed step: at a constant lr accuracy wanders
+    there) and read ≥ 0.7 after the anneal. The benchmark's seeds 0 / 1 / 2 after 1200 steps of
+    `:warm` and the anneal: 1.00 / 0.90 / 0.78; over five chains 0.47-1.00, which the recipe's 2400
+    steps lift (BENCHMARKS, "Two hops: a 2400-step `:warm` ...").
 
     Then long-context RL (`:rl`, its 100 updates, on 2 simulated devices as the recipe splits the
     sequence) from the anneal: greedy held-out accuracy on 128 problems must not fall, and the
-    training reward must rise (the last 10 updates against the first 10). The benchmark's seeds
-    0 / 1 / 2 went 0.984 / 0.875 / 0.578 → 0.992 / 0.922 / 0.602 at update 50 (0.992 / 0.930 / 0.617
-    at 100), their training reward 0.99 / 0.85 / 0.50 → 1.00 / 0.96 / 0.81 (first /
-    last 10 of 100 updates; BENCHMARKS, the section above). Its RL run by hand from the anneal of this
-    test's first run (0.88 on kvchain, reduced sizes): 0.805 / 0.859 / 0.867 at updates 0 / 25 / 50,
-    the training reward 0.66 → 0.77. From the anneal of its failed run at the recipe's sizes (0.92):
-    0.875 / 0.898 / 0.898, the training reward 0.82 → 0.83, short of the +0.03 asserted (the reward
-    of 5-update blocks 0.82 / 0.82 / 0.84 / 0.89 / 0.87 / 0.89 / 0.90 / 0.85 / 0.88 / 0.79): on that
-    chain the test's former 50 updates (a cosine over 50) fail here. With the recipe's 100 (a cosine
-    over 100), on the same chain, by hand: 0.875 / 0.914 / 0.898 at updates 0 / 25 / 50, the reward
-    in 10-update blocks 0.82 / 0.85 / 0.88 / 0.87 / 0.94 (that run's last 50 updates were not seen).
-    In the whole test's run RL was not reached."""
+    training reward must rise (the last 10 updates against the first 10, by ≥ 0.03, or both ≥ 0.95).
+    The benchmark's seeds 0 / 1 / 2 went 0.984 / 0.875 / 0.578 → 0.992 / 0.930 / 0.617, their
+    training reward 0.99 / 0.85 / 0.50 → 1.00 / 0.96 / 0.81.
+
+    Its run (2026-12-05, pinned to one core, 5350 s): kv 0.013 / 0.36 / 0.73 at steps 400 / 800 /
+    1200, 0.63 at 1024; `:warm` 0.41 / 0.37 / 0.67 / 0.73 at steps 300-1200; `:anneal` 0.88 / 0.92 at
+    150 / 300; `:rl` greedy 0.875 / 0.914 / 0.898 / 0.898 / 0.898 at updates 0-100, training reward
+    0.82 → 0.92. The same chain by hand, RL killed at update 81 and resumed, gave the same figures.
+    An earlier run of this test, with `:warm` at 600 steps and `:anneal` at 150, failed on this chain
+    (0.37 at `:warm` step 600; 0.69 after that anneal, by hand); RL at the test's former 50 updates
+    (a cosine over 50), by hand on this chain: training reward 0.82 → 0.83, short of the +0.03."""
     rows = _train_one_seed(tmp_path, 3, "--config.train.steps=1200")
     kv, loss = _curve(rows, "eval/long_ctx_kv"), _curve(rows, "loss")
     assert sorted(kv) == [400, 800, 1200], kv
@@ -155,7 +143,7 @@ def test_kv_match_forms_extends_to_1024_then_two_hops_and_rl_from_another_initia
     assert sorted(at_1024) == [200], at_1024
     assert at_1024[200] >= 0.3, at_1024
     extension, hops = f"--config.init_from={tmp_path / 'seed3_extend_llama3'}", "long_context_hops.py"
-    rows = _train_one_seed(tmp_path, 3, extension, variant=":warm", config=hops)
+    rows = _train_one_seed(tmp_path, 3, extension, "--config.train.steps=1200", variant=":warm", config=hops)
     chain = _curve(rows, "eval/long_ctx_kvchain/len512")
     assert sorted(chain) == [300, 600, 900, 1200] and max(chain.values()) >= 0.5, chain
     warm = f"--config.init_from={tmp_path / 'seed3_warm'}"
