@@ -49,7 +49,7 @@ so 3 values, per 512-token document):
   past the ~3-4 point standard error in seed 1 only); the spread is the anneal's, and RL keeps it.
   On 128 of its training problems seed 2 went 0.656 → 0.820 (+16.4): where SFT left the hop weak,
   RL mostly learns the training problems' answers (seed 1: +4.7 there, +5.5 held out).
-  From the 2400-step recipe's anneals (seeds 1 / 2): 0.977 → 0.984, 0.906 → 0.898, while seed 2's
+  From the 2400-step recipe's anneals: 0.984 → 0.984, 0.977 → 0.984, 0.906 → 0.898, while seed 2's
   128 training problems went 0.906 → 0.984: from a strong start RL on 512 problems learns them,
   not the hop (BENCHMARKS.md, "Two hops: a 2400-step `:warm` ...").
   9-14 s per update on one core (median; `rl.seq_bucket = 64`).
