@@ -44,9 +44,9 @@ so 3 values, per 512-token document):
 - The schedule before that (600 steps, cosine to 0.1 × lr): 1.00 / 1.00, 0.31 / 0.59, 0.43 / 0.53
   at step 300 / 600: two hops formed in 1 of 3 initialisations.
 - `:rl` from each seed's `:anneal` of the 1200-step recipe (BENCHMARKS.md, "Long-context RL from the
-  anneal, ..."): greedy held-out (128 problems) before → after
-  100 updates 0.984 → 0.992, 0.875 → 0.930, 0.578 → 0.617 (+0.8 / +5.5 / +3.9 points: up in 3 of 3,
-  past the ~3-4 point standard error in seed 1 only); the spread is the anneal's, and RL keeps it.
+  anneal, ..."): greedy held-out (128 problems) before → after 100 updates 0.984 → 0.992, 0.875 →
+  0.930, 0.578 → 0.617 (+0.8 / +5.5 / +3.9 points: up in 3 of 3, past the ~3-4 point standard
+  error in seed 1 only); the spread is the anneal's, and RL keeps it.
   On 128 of its training problems seed 2 went 0.656 → 0.820 (+16.4): where SFT left the hop weak,
   RL mostly learns the training problems' answers (seed 1: +4.7 there, +5.5 held out).
   From the 2400-step recipe's anneals: 0.984 → 0.984, 0.977 → 0.984, 0.906 → 0.898, while seed 2's
